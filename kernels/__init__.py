@@ -1,0 +1,1 @@
+"""Numba CPU kernels (shipped as zero_offload.kernels): pure functions over arrays."""

@@ -1,0 +1,1 @@
+"""zero-offload: ZeRO-Offload for PyTorch."""

@@ -1,0 +1,1 @@
+"""Pools and the tiered memory manager."""
