@@ -1,0 +1,80 @@
+"""Accelerators: one small interface, a CUDA implementation and a host implementation.
+
+``get_accelerator()`` picks CUDA when ``torch.cuda.is_available()``, else the host
+accelerator; ``ZERO_OFFLOAD_ACCELERATOR=host|cuda`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from ..config import AcceleratorConfig
+from .base import Accelerator, DeviceBuffer, DeviceLedger, Event, Stream
+from .cuda import CudaAccelerator
+from .host import HostAccelerator
+
+__all__ = [
+    "ACCELERATOR_ENV",
+    "Accelerator",
+    "CudaAccelerator",
+    "DeviceBuffer",
+    "DeviceLedger",
+    "Event",
+    "HostAccelerator",
+    "Stream",
+    "choose_accelerator",
+    "get_accelerator",
+    "set_accelerator",
+]
+
+#: Environment variable forcing the accelerator: "host" or "cuda".
+ACCELERATOR_ENV = "ZERO_OFFLOAD_ACCELERATOR"
+
+_default: Accelerator | None = None
+_default_lock = threading.Lock()
+
+
+def choose_accelerator() -> tuple[str, str]:
+    """Which accelerator ``get_accelerator()`` builds, and why, as ``(name, reason)``."""
+    forced = os.environ.get(ACCELERATOR_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("host", "cuda"):
+            raise ValueError(
+                f"{ACCELERATOR_ENV}={os.environ[ACCELERATOR_ENV]!r} is not an accelerator; "
+                "use 'host' or 'cuda', or unset it to choose automatically"
+            )
+        if forced == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{ACCELERATOR_ENV}=cuda but torch {torch.__version__} sees no CUDA GPU "
+                f"(CUDA build: {torch.version.cuda is not None}). Install a CUDA build of torch "
+                f"on a GPU machine, or set {ACCELERATOR_ENV}=host."
+            )
+        return forced, f"forced by {ACCELERATOR_ENV}={forced}"
+    if torch.cuda.is_available():
+        return "cuda", "torch.cuda.is_available() is True"
+    return "host", "no CUDA GPU visible to torch"
+
+
+def get_accelerator(config: AcceleratorConfig | None = None) -> Accelerator:
+    """The process-wide accelerator, built on first use (or anew when ``config`` is given).
+
+    Passing ``config`` replaces the process-wide accelerator with one built from it.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or config is not None:
+            name, _ = choose_accelerator()
+            _default = CudaAccelerator(config) if name == "cuda" else HostAccelerator(config)
+        return _default
+
+
+def set_accelerator(accelerator: Accelerator | None) -> None:
+    """Replace the process-wide accelerator (``None`` rebuilds it on next use)."""
+    global _default
+    if accelerator is not None and not isinstance(accelerator, Accelerator):
+        raise TypeError(f"accelerator must be an Accelerator or None, got {type(accelerator)}")
+    with _default_lock:
+        _default = accelerator

@@ -1,0 +1,222 @@
+"""The accelerator interface: streams, events, device and host memory, one copy primitive.
+
+Code above this package never asks which accelerator it has. Two implementations exist:
+``CudaAccelerator`` (real CUDA streams, events and pinned memory) and ``HostAccelerator``
+(a machine without a GPU made to behave like one; see ``host.py``).
+
+Note [stream semantics]
+~~~~~~~~~~~~~~~~~~~~~~~
+Work submitted to one stream runs in submission order. ``record_event()`` returns an event
+that completes when everything submitted to that stream before it has finished.
+``wait_event(e)`` makes work submitted to this stream *afterwards* wait until ``e`` has
+completed; it does not block the caller (except on the host accelerator's caller stream,
+whose work runs inline, so waiting there must block). ``synchronize()`` blocks the caller
+until the stream is idle. On CUDA, ``submit(fn)`` runs ``fn`` on the calling thread with the
+stream current, so the kernels and copies it launches are queued on that stream; on the host
+accelerator a worker thread runs ``fn`` later. Either way ``fn`` must only touch buffers
+that are kept alive and unaliased until an event recorded after it completes.
+
+Note [stream errors are sticky]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An exception raised by work on a stream is never swallowed. It is re-raised to the caller,
+as the ``__cause__`` of a ``StreamError`` (so the original traceback is printed whole), at
+the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
+``Accelerator.synchronize``, or the next ``submit``/``record_event`` on the failed stream.
+A failed stream refuses all further work with the same error; events recorded on it and
+streams that wait on those events fail too.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import format_bytes
+from ..errors import DeviceBudgetExceeded
+
+__all__ = ["Accelerator", "DeviceBuffer", "DeviceLedger", "Event", "Stream"]
+
+
+class Event(ABC):
+    """A point in a stream's work; see Note [stream semantics]."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when the work before the event has finished (or failed). Never blocks."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until the event completes; raise ``StreamError`` if its stream failed."""
+
+
+class Stream(ABC):
+    """An ordered queue of work; see Note [stream semantics]."""
+
+    name: str
+
+    @abstractmethod
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` (no arguments) to run after everything submitted before it."""
+
+    @abstractmethod
+    def record_event(self) -> Event:
+        """An event that completes when all work submitted so far has finished."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all submitted work has finished; raise its error if it failed."""
+
+
+@dataclass
+class DeviceBuffer:
+    """A block of library-owned device memory counted against the device budget.
+
+    ``tensor`` is a flat ``uint8`` tensor of exactly ``nbytes`` on the accelerator's device.
+    Call ``release()`` once when done; it returns the bytes to the budget. The tensor must not
+    be used afterwards.
+    """
+
+    tensor: torch.Tensor  # (nbytes,) uint8, on the accelerator's device
+    nbytes: int
+    what: str
+    _ledger: DeviceLedger = field(repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        """Return this buffer's bytes to the device budget."""
+        if self.released:
+            raise RuntimeError(f"device buffer for {self.what!r} released twice (bug)")
+        self.released = True
+        self._ledger.release(self.nbytes)
+        self.tensor = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
+
+
+class DeviceLedger:
+    """Counts library-owned device bytes against the budget.
+
+    Stats, all in bytes: ``budget`` (the limit), ``in_use`` (reserved now), ``peak`` (largest
+    ``in_use`` seen since construction or ``reset_peak()``). ``_lock`` guards all three, since
+    copy-stream workers release memory too.
+    """
+
+    def __init__(self, budget: int, budget_source: str) -> None:
+        self.budget = budget
+        self.budget_source = budget_source
+        self.in_use = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int, *, what: str) -> None:
+        """Count ``nbytes`` as used, or raise ``DeviceBudgetExceeded`` and count nothing."""
+        with self._lock:
+            if self.in_use + nbytes > self.budget:
+                raise DeviceBudgetExceeded(
+                    f"cannot place {what!r} ({format_bytes(nbytes)}, {nbytes} bytes) on the device: "
+                    f"the device budget is {format_bytes(self.budget)} ({self.budget_source}) and "
+                    f"{format_bytes(self.in_use)} is already in use by zero-offload, leaving "
+                    f"{format_bytes(self.budget - self.in_use)}. Raise the budget "
+                    f"(AcceleratorConfig(device_budget=...) or ZERO_OFFLOAD_DEVICE_BUDGET), or "
+                    f"offload more (smaller buckets, higher offload_fraction)."
+                )
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+
+    def release(self, nbytes: int) -> None:
+        """Return ``nbytes`` to the budget."""
+        with self._lock:
+            if nbytes > self.in_use:
+                raise RuntimeError(
+                    f"device ledger released {nbytes} bytes with only {self.in_use} in use (bug)"
+                )
+            self.in_use -= nbytes
+
+    def reset_peak(self) -> None:
+        """Start peak tracking afresh from the current use."""
+        with self._lock:
+            self.peak = self.in_use
+
+    def stats(self) -> dict[str, int]:
+        """Snapshot of ``budget``, ``in_use`` and ``peak``, in bytes."""
+        with self._lock:
+            return {"budget": self.budget, "in_use": self.in_use, "peak": self.peak}
+
+
+class Accelerator(ABC):
+    """What the library needs from a device; see the module docstring."""
+
+    #: "cuda" or "host".
+    name: str
+    #: Where "device" tensors live (``cuda:N``, or ``cpu`` for the host accelerator).
+    device: torch.device
+    #: Counts library-owned device memory against the budget.
+    ledger: DeviceLedger
+
+    @property
+    @abstractmethod
+    def pinned_memory_available(self) -> bool:
+        """Whether ``allocate_host(..., pinned=True)`` returns page-locked memory."""
+
+    @abstractmethod
+    def new_stream(self, name: str) -> Stream:
+        """A new stream; create each once and say why it exists (STYLE.md)."""
+
+    @abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream that the caller's compute (forward, backward) runs on."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until every stream of this accelerator is idle; raise the first error."""
+
+    @abstractmethod
+    def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        """A flat ``uint8`` CPU tensor of exactly ``nbytes`` (pinned when asked and available).
+
+        Hidden cost: pinning is slow (page-locking every page) and on CUDA it may synchronise
+        the device; call it at construction time, never in a step.
+        """
+
+    @abstractmethod
+    def _device_empty(self, nbytes: int) -> torch.Tensor:
+        """Raw ``(nbytes,) uint8`` device tensor; budget accounting is the caller's."""
+
+    @abstractmethod
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the hardware allows).
+
+        This is the only primitive that moves bytes between tiers; the memory manager is its
+        only caller in the library (see Note [one choke point for copies] in the manager).
+        """
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``zero-offload info``: device name, memory, budget, link."""
+
+    def allocate_device(self, nbytes: int, *, what: str) -> DeviceBuffer:
+        """Library-owned device memory, counted against the budget.
+
+        Raises ``DeviceBudgetExceeded`` (a ``MemoryError``) naming ``what``, the size, the
+        budget and the bytes in use, before anything is allocated.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r} for {what!r}")
+        self.ledger.reserve(nbytes, what=what)
+        try:
+            tensor = self._device_empty(nbytes)
+        except BaseException:
+            self.ledger.release(nbytes)
+            raise
+        return DeviceBuffer(tensor=tensor, nbytes=nbytes, what=what, _ledger=self.ledger)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Library-owned device bytes: ``budget``, ``in_use``, ``peak``."""
+        return self.ledger.stats()
