@@ -1,0 +1,1 @@
+"""zero-offload test suite."""

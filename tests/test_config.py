@@ -1,0 +1,81 @@
+"""AcceleratorConfig and byte parsing: each field's validation names field, value, range."""
+
+from __future__ import annotations
+
+import pytest
+
+from zero_offload.config import DEVICE_BUDGET_ENV, AcceleratorConfig, format_bytes, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5 KiB", 1536),
+        ("1e6", 10**6),
+        ("4g", 4 * 2**30),
+        ("100", 100),
+        (123, 123),
+    ],
+)
+def test_parse_bytes_accepts_units(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eight", "8 parsecs", "", "GiB", "-5"])
+def test_parse_bytes_rejects_garbage_naming_the_value(text: str) -> None:
+    with pytest.raises(ValueError, match="budget_x"):
+        parse_bytes(text, name="budget_x")
+
+
+def test_parse_bytes_rejects_wrong_types() -> None:
+    with pytest.raises(TypeError, match="n"):
+        parse_bytes(1.5, name="n")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        parse_bytes(True)
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_bytes(-1)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(12) == "12 B"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("device_budget", 0, "device_budget must be > 0"),
+        ("device_budget", "lots", "device_budget='lots' is not a byte count"),
+        ("device_budget", -3, "device_budget must be >= 0"),
+        ("link_bandwidth", 0.0, "link_bandwidth must be a finite number > 0"),
+        ("link_bandwidth", float("inf"), "link_bandwidth must be a finite number > 0"),
+        ("link_bandwidth", "fast", "link_bandwidth must be a number"),
+        ("link_latency", -1e-3, "link_latency must be a finite number >= 0"),
+        ("link_latency", float("nan"), "link_latency must be a finite number >= 0"),
+    ],
+)
+def test_accelerator_config_validates_each_field(field: str, value: object, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        AcceleratorConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_budget_string_is_parsed_and_config_is_frozen() -> None:
+    cfg = AcceleratorConfig(device_budget="2MiB")
+    assert cfg.device_budget == 2 * 2**20
+    with pytest.raises(AttributeError):
+        cfg.device_budget = 5  # type: ignore[misc]
+
+
+def test_budget_resolution_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEVICE_BUDGET_ENV, "3MiB")
+    assert AcceleratorConfig(device_budget=1000).resolved_device_budget(7, "d") == (1000, "config")
+    budget, source = AcceleratorConfig().resolved_device_budget(7, "d")
+    assert budget == 3 * 2**20 and DEVICE_BUDGET_ENV in source
+    monkeypatch.delenv(DEVICE_BUDGET_ENV)
+    assert AcceleratorConfig().resolved_device_budget(7, "d") == (7, "d")
+    monkeypatch.setenv(DEVICE_BUDGET_ENV, "nonsense")
+    with pytest.raises(ValueError, match=DEVICE_BUDGET_ENV):
+        AcceleratorConfig().resolved_device_budget(7, "d")
