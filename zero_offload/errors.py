@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DeviceBudgetExceeded", "StreamError"]
+__all__ = ["DeviceBudgetExceeded", "PoolExhausted", "StreamError"]
 
 
 class DeviceBudgetExceeded(MemoryError):
@@ -13,4 +13,14 @@ class StreamError(RuntimeError):
     """Work queued on a stream failed; the original exception is the ``__cause__``.
 
     See Note [stream errors are sticky] in ``zero_offload.accelerator.base``.
+    """
+
+
+class PoolExhausted(MemoryError):
+    """A ``BlockPool`` cannot serve a request, or cannot be created.
+
+    Raised when an allocation does not fit even after waiting for pending copies and
+    defragmenting, and when a host pool would not fit in the host RAM available now. The
+    message names the request, the capacity, the bytes free, the largest free block and the
+    setting to change.
     """
