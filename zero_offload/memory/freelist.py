@@ -150,9 +150,9 @@ class FreeList:
         the padding, the best fit for ``size + align - base_align`` always can. Returns the
         aligned offset (the padding and the tail go back to the list) or ``None``.
         """
-        found = self._fit(size, align)
+        found = self._fit(size, size, align)
         if found is None and align > base_align:
-            found = self._fit(size + align - base_align, align)
+            found = self._fit(size + align - base_align, size, align)
         if found is None:
             return None
         start, length, aligned = found
@@ -164,8 +164,9 @@ class FreeList:
             self._add(aligned + size, end - aligned - size)
         return aligned
 
-    def _fit(self, size: int, align: int) -> tuple[int, int, int] | None:
-        key = self._by_size.ceiling(size << OFFSET_BITS)
+    def _fit(self, search: int, size: int, align: int) -> tuple[int, int, int] | None:
+        # The best-fit range of at least ``search`` bytes, if ``size`` fits in it aligned.
+        key = self._by_size.ceiling(search << OFFSET_BITS)
         if key is None:
             return None
         start, length = key & _OFFSET_MASK, key >> OFFSET_BITS

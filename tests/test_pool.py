@@ -1,0 +1,299 @@
+"""BlockPool: best fit, event-safe reuse, views, host RAM check, exhaustion, bad input.
+
+Defragmentation and the randomized model check live in test_pool_defrag.py. See the Notes in
+zero_offload/memory/pool.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import namedtuple
+
+import pytest
+import torch
+
+from zero_offload.accelerator import Accelerator, HostAccelerator
+from zero_offload.config import AcceleratorConfig
+from zero_offload.errors import DeviceBudgetExceeded, PoolExhausted
+from zero_offload.memory import pool as pool_module
+from zero_offload.memory.pool import Block, BlockPool, BlockState
+
+from .conftest import make_accelerator
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@pytest.fixture
+def acc() -> HostAccelerator:
+    return HostAccelerator()
+
+
+def make_pool(acc: Accelerator, capacity: int, **kwargs: object) -> BlockPool:
+    return BlockPool.host(acc, capacity, name="test", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_alloc_rounds_aligns_and_best_fits(accel_kind: str, where: str) -> None:
+    acc = make_accelerator(accel_kind)
+    build = BlockPool.host if where == "host" else BlockPool.device
+    pool = build(acc, 64 * KiB, name="p", alignment=512)
+    blocks = [pool.alloc(n, owner=f"b{i}") for i, n in enumerate([100, 3000, 512, 5000])]
+    assert [b.size for b in blocks] == [512, 3072, 512, 5120]  # rounded up to 512
+    assert [b.offset for b in blocks] == [0, 512, 3584, 4096]  # packed in address order
+    # Free a 3 KiB hole and a 5 KiB hole; a 2 KiB request takes the smaller (best fit).
+    blocks[1].free()
+    blocks[3].free()
+    small = pool.alloc(2000)
+    assert small.offset == 512
+    big = pool.alloc(4 * KiB, align=4096)
+    assert big.offset % 4096 == 0
+    assert pool.stats()["bytes_in_use"] == 512 + 2048 + 512 + 4096
+    for block in (blocks[0], blocks[2], small, big):
+        block.free()
+    assert pool.stats()["free_blocks"] == 1  # everything coalesced back into one range
+    pool.close()
+
+
+def test_aligned_request_uses_a_range_that_fits_only_with_padding(acc: HostAccelerator) -> None:
+    """Free ranges [1280, 2048) and [2304, 4096): 512 bytes at align 1024 fit only at 3072."""
+    pool = make_pool(acc, 32 * KiB, alignment=256)
+    pool.alloc(1025)
+    pool.alloc(1, align=4096)
+    pool.alloc(1, align=1024)
+    assert pool.alloc(257, align=1024).offset == 3072
+
+
+def test_views_alias_the_pool_and_respect_size(acc: HostAccelerator) -> None:
+    pool = make_pool(acc, 8 * KiB)
+    block = pool.alloc(1000)
+    block.on_move(lambda b: None)
+    floats = block.view(torch.float32, (10, 25))
+    floats.fill_(2.5)
+    assert torch.all(block.view(torch.float32)[:250] == 2.5)
+    assert block.view(torch.uint8).numel() == 1000  # the requested bytes, not the rounding
+    with pytest.raises(ValueError, match="needs 1024 bytes"):
+        block.view(torch.float32, (256,))
+
+
+def test_device_pool_counts_against_the_budget() -> None:
+    acc = HostAccelerator(AcceleratorConfig(device_budget=1 * MiB))
+    pool = BlockPool.device(acc, 768 * KiB, name="dev")
+    assert acc.memory_stats()["in_use"] == 768 * KiB  # exactly the capacity, no rounding
+    with pytest.raises(DeviceBudgetExceeded):
+        BlockPool.device(acc, 512 * KiB, name="too-big")
+    pool.close()
+    assert acc.memory_stats()["in_use"] == 0
+
+
+# -------------------------------------------------------- Note [block reuse waits on events]
+
+
+def test_block_freed_during_slow_copy_is_not_reused_until_the_copy_is_done() -> None:
+    """The copy into A lands ~0.1 s after A is freed; the next owner's data must survive."""
+    nbytes = 1 * MiB
+    acc = HostAccelerator(AcceleratorConfig(link_bandwidth=10e6))  # 1 MiB takes ~0.1 s
+    stream = acc.new_stream("h2d")  # the copy stream whose late write we race against
+    pool = make_pool(acc, 2 * nbytes)
+    first = pool.alloc(nbytes, owner="first")
+    pool.alloc(nbytes, owner="other")  # the pool is now full: only first's bytes can come back
+    source = torch.full((nbytes,), 7, dtype=torch.uint8)
+    acc.copy_(first.view(torch.uint8), source, stream=stream)
+    first.record_event(stream.record_event())
+
+    start = time.perf_counter()
+    first.free()
+    assert time.perf_counter() - start < 0.02  # freeing never blocks
+    assert first.state is BlockState.IN_FLIGHT
+    assert pool.stats()["bytes_in_flight"] == nbytes
+
+    second = pool.alloc(nbytes, owner="second")  # must wait for the copy (last resort)
+    assert second.offset == first.offset
+    assert first.state is BlockState.FREE
+    second.view(torch.uint8).fill_(9)
+    acc.synchronize()
+    assert torch.all(second.view(torch.uint8) == 9)  # the late copy did not clobber it
+    assert pool.stats()["event_waits"] == 1
+
+
+def test_in_flight_block_is_skipped_when_other_space_fits() -> None:
+    acc = HostAccelerator(AcceleratorConfig(link_bandwidth=10e6))
+    stream = acc.new_stream("h2d")
+    pool = make_pool(acc, 3 * MiB)
+    first = pool.alloc(1 * MiB)
+    acc.copy_(first.view(torch.uint8), torch.ones(MiB, dtype=torch.uint8), stream=stream)
+    first.record_event(stream.record_event())
+    first.free()
+    second = pool.alloc(1 * MiB)
+    assert second.offset != first.offset  # no overlap with the pending copy, and no wait
+    assert pool.stats()["event_waits"] == 0
+    stream.synchronize()
+    second.free()  # the next alloc/free notices the copy is done and reclaims the bytes
+    assert first.state is BlockState.FREE
+    assert pool.stats()["bytes_in_flight"] == 0
+    assert pool.stats()["free_blocks"] == 1
+
+
+def test_threads_free_while_others_allocate(acc: HostAccelerator) -> None:
+    """Copy-stream workers free blocks while the main thread allocates: counts stay exact."""
+    pool = make_pool(acc, 4 * MiB, alignment=256)
+    streams = [acc.new_stream(f"worker{i}") for i in range(3)]
+    for step in range(600):
+        block = pool.alloc(256 + (step * 97) % 8000, owner=f"s{step}")
+        block.view(torch.uint8).fill_(step % 256)
+        streams[step % 3].submit(block.free)
+    acc.synchronize()
+    stats = pool.stats()
+    assert (stats["allocations"], stats["frees"], stats["live_blocks"]) == (600, 600, 0)
+    assert stats["bytes_free"] == stats["largest_free_block"] == 4 * MiB
+
+
+# ------------------------------------------------------------------- host RAM check
+
+
+def test_host_pool_larger_than_available_ram_is_refused_before_allocating(
+    acc: HostAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(pool_module.psutil, "virtual_memory", lambda: Memory(16 * 2**30, 2 * 2**30))
+
+    def must_not_allocate(nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        raise AssertionError("allocated before checking host RAM")
+
+    monkeypatch.setattr(acc, "allocate_host", must_not_allocate)
+    # Margin: max(5% of 16 GiB, 1 GiB) = 1 GiB, so 2 GiB available leaves 1 GiB.
+    with pytest.raises(PoolExhausted) as info:
+        BlockPool.host(acc, 3 * 2**29, name="grads", sized_by="OffloadConfig.host_pool_bytes")
+    message = str(info.value)
+    for expected in ("'grads'", "1.50 GiB", "2.00 GiB of host RAM is available", "margin"):
+        assert expected in message
+    assert "Lower OffloadConfig.host_pool_bytes" in message
+
+
+def test_host_pool_larger_than_total_ram_is_refused(acc: HostAccelerator) -> None:
+    total = pool_module.psutil.virtual_memory().total
+    with pytest.raises(PoolExhausted, match="refusing to allocate host pool 'huge'"):
+        BlockPool.host(acc, total + 2**30, name="huge")
+
+
+# ---------------------------------------------------------------------- exhaustion
+
+
+def test_exhaustion_message_names_request_capacity_free_and_setting(acc: HostAccelerator) -> None:
+    pool = BlockPool.host(acc, 4 * KiB, name="acts", sized_by="ActivationConfig.pool_bytes")
+    blocks = [pool.alloc(512, owner=f"b{i}") for i in range(8)]
+    for block in blocks[::2]:
+        block.free()
+    for block in blocks[1::2]:
+        block.view(torch.uint8)  # a view without a callback pins each survivor in place
+    with pytest.raises(PoolExhausted) as info:
+        pool.alloc(1024, owner="layer3")
+    message = str(info.value)
+    for expected in (
+        "pool 'acts'",
+        "(1024 bytes",
+        "owner 'layer3'",
+        "(4096 bytes)",
+        "2048 bytes free in 4 ranges",
+        "largest free block after defragmentation 512 bytes",
+        "2048 of them pinned in place",
+        "Raise ActivationConfig.pool_bytes (now 4096 bytes)",
+    ):
+        assert expected in message
+    assert isinstance(info.value, MemoryError)
+    assert pool.stats()["defragmentations"] == 1  # it tried before giving up
+
+
+def test_request_larger_than_free_bytes_does_not_defragment(acc: HostAccelerator) -> None:
+    pool = make_pool(acc, 4 * KiB)
+    pool.alloc(3 * KiB)
+    with pytest.raises(PoolExhausted, match="defragmentation cannot help"):
+        pool.alloc(2 * KiB)
+    assert pool.stats()["defragmentations"] == 0
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "error", "match"),
+    [
+        (0, ValueError, "nbytes must be > 0, got 0"),
+        (-5, ValueError, "got -5"),
+        (1.5, TypeError, "float 1.5"),
+        ("10", TypeError, "str '10'"),
+        (True, TypeError, "bool True"),
+    ],
+)
+def test_bad_nbytes(acc: HostAccelerator, nbytes: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        make_pool(acc, 4 * KiB).alloc(nbytes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("alignment", "error"), [(3, ValueError), (0, ValueError), (2.0, TypeError)]
+)
+def test_bad_alignment(acc: HostAccelerator, alignment: object, error: type) -> None:
+    with pytest.raises(error, match=f"alignment must be .*{alignment}"):
+        make_pool(acc, 4 * KiB, alignment=alignment)
+    with pytest.raises(error, match=f"align must be .*{alignment}"):
+        make_pool(acc, 4 * KiB).alloc(16, align=alignment)  # type: ignore[arg-type]
+
+
+def test_double_free_foreign_block_and_use_after_free(acc: HostAccelerator) -> None:
+    pool, other = make_pool(acc, 4 * KiB), BlockPool.host(acc, 4 * KiB, name="other")
+    block = pool.alloc(100, owner="x")
+    with pytest.raises(ValueError, match="belongs to pool 'test', not to pool 'other'"):
+        other.free(block)
+    with pytest.raises(TypeError, match="takes a Block, got Tensor"):
+        pool.free(torch.empty(3))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="1 blocks are still in use"):
+        pool.close()
+    block.free()
+    with pytest.raises(ValueError, match=r"double free of Block\(pool='test', offset=0"):
+        pool.free(block)
+    with pytest.raises(ValueError, match="it was freed"):
+        block.view(torch.uint8)
+    with pytest.raises(ValueError, match="record the copy's event before freeing"):
+        block.record_event(acc.current_stream().record_event())
+    with pytest.raises(TypeError, match="callable"):
+        pool.alloc(8).on_move("not a function")  # type: ignore[arg-type]
+
+
+def test_live_blocks_and_peak(acc: HostAccelerator) -> None:
+    pool = make_pool(acc, 8 * KiB)
+    a, b = pool.alloc(1024, owner="a"), pool.alloc(2048, owner="b")
+    assert [blk.owner for blk in pool.live_blocks()] == ["a", "b"]
+    assert all(isinstance(blk, Block) for blk in pool.live_blocks())
+    a.free()
+    assert pool.stats()["peak_bytes_in_use"] == 3072
+    pool.reset_peak()
+    assert pool.stats()["peak_bytes_in_use"] == 2048
+    b.free()
+
+
+def test_concurrent_alloc_from_many_threads(acc: HostAccelerator) -> None:
+    pool = make_pool(acc, 2 * MiB)
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        try:
+            mine = []
+            for i in range(300):
+                mine.append(pool.alloc(512 + (seed * 131 + i * 17) % 4096))
+                if len(mine) > 20:
+                    mine.pop(0).free()
+            for block in mine:
+                block.free()
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert pool.stats()["bytes_in_use"] == 0
+    assert pool.stats()["free_blocks"] == 1
