@@ -1,1 +1,24 @@
-"""zero-offload: ZeRO-Offload for PyTorch."""
+"""zero-offload: ZeRO-Offload for PyTorch. The public names, re-exported."""
+
+from .accelerator import Accelerator, CudaAccelerator, HostAccelerator, get_accelerator
+from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
+from .errors import DeviceBudgetExceeded, PoolExhausted, StreamError
+from .memory.manager import TieredMemoryManager
+from .optim import OffloadAdamW
+
+__all__ = [
+    "Accelerator",
+    "AcceleratorConfig",
+    "CudaAccelerator",
+    "DeviceBudgetExceeded",
+    "HostAccelerator",
+    "LossScalerConfig",
+    "OffloadAdamW",
+    "OffloadConfig",
+    "PoolExhausted",
+    "StreamError",
+    "TieredMemoryManager",
+    "get_accelerator",
+]
+
+__version__ = "0.1.0"

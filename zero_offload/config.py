@@ -15,6 +15,8 @@ from dataclasses import dataclass
 __all__ = [
     "DEVICE_BUDGET_ENV",
     "AcceleratorConfig",
+    "LossScalerConfig",
+    "OffloadConfig",
     "format_bytes",
     "parse_bytes",
 ]
@@ -136,3 +138,130 @@ class AcceleratorConfig:
                 raise ValueError(f"{DEVICE_BUDGET_ENV} must be > 0 bytes, got {env!r}")
             return budget, f"environment {DEVICE_BUDGET_ENV}"
         return default, default_reason
+
+
+def _check_int(name: str, value: int, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossScalerConfig:
+    """Dynamic loss scaling for fp16 models (ignored for bf16 and fp32).
+
+    Attributes:
+        initial_scale: the first loss scale. Default 2**16. Must be > 0.
+        growth_factor: the scale is multiplied by this after ``growth_interval`` steps
+            without overflow. Default 2.0. Must be > 1.
+        backoff_factor: the scale is multiplied by this when an overflow lowers it.
+            Default 0.5. Must be in (0, 1).
+        growth_interval: overflow-free steps before the scale grows. Default 2000. >= 1.
+        min_scale: the scale never drops below this. Default 1.0. Must be > 0.
+        hysteresis: consecutive overflowing steps tolerated before the scale drops (every
+            overflowing step is skipped regardless). Default 2. Must be >= 1.
+    """
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    hysteresis: int = 2
+
+    def __post_init__(self) -> None:
+        _check_positive_finite("LossScalerConfig.initial_scale", self.initial_scale)
+        _check_positive_finite("LossScalerConfig.min_scale", self.min_scale)
+        _check_positive_finite("LossScalerConfig.growth_factor", self.growth_factor)
+        if self.growth_factor <= 1:
+            raise ValueError(
+                f"LossScalerConfig.growth_factor must be > 1, got {self.growth_factor!r}"
+            )
+        _check_positive_finite("LossScalerConfig.backoff_factor", self.backoff_factor)
+        if self.backoff_factor >= 1:
+            raise ValueError(
+                f"LossScalerConfig.backoff_factor must be in (0, 1), got {self.backoff_factor!r}"
+            )
+        _check_int("LossScalerConfig.growth_interval", self.growth_interval, low=1)
+        _check_int("LossScalerConfig.hysteresis", self.hysteresis, low=1)
+        if self.min_scale > self.initial_scale:
+            raise ValueError(
+                f"LossScalerConfig.min_scale ({self.min_scale}) must be <= initial_scale "
+                f"({self.initial_scale})"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How ``OffloadAdamW`` places and streams optimizer state.
+
+    Attributes:
+        bucket_bytes: gradient bytes (in the training dtype) per bucket; gradients leave
+            the device a bucket at a time. Default 32 MiB. Must be >= 1 KiB.
+        tile_elements: elements the CPU optimizer updates before issuing that tile's copy to
+            the device, so the copy of one tile overlaps the compute of the next.
+            Default 2**21. Must be >= 1024.
+        offload_fraction: share of the parameters (by element count) whose fp32 master
+            weights and Adam moments live on the host and are updated by the CPU; the rest
+            stay on the device and are updated there by torch's fused AdamW. A float in
+            [0, 1] or ``"auto"``: the largest on-device share that fits the device budget
+            with ``auto_headroom`` to spare. Default 1.0 (everything offloaded).
+        auto_headroom: share of the device budget that ``offload_fraction="auto"`` leaves
+            free for activations and the caching allocator. Default 0.25. In [0, 1).
+        max_grad_norm: clip the global gradient norm to this (``None``: no clipping). > 0.
+        overlap_step: delayed parameter update (ZeRO-Offload's DPU): step ``k``'s CPU update
+            runs while step ``k+1``'s forward and backward run, so each forward sees weights
+            one update behind. Default False.
+        skip_nonfinite: skip (and count) a step whose gradients hold inf or NaN instead of
+            letting them poison the weights as torch would. Always on for fp16 (the loss
+            scaler's job). Default False.
+        moments_dtype: ``"float32"`` or ``"bfloat16"`` for the host Adam moments
+            (bf16 saves 4 bytes per parameter of host memory and traffic, math stays fp32).
+            Default ``"float32"``.
+        loss_scaler: dynamic loss scaling for fp16 models.
+    """
+
+    bucket_bytes: int | str = 32 * 2**20
+    tile_elements: int = 2**21
+    offload_fraction: float | str = 1.0
+    auto_headroom: float = 0.25
+    max_grad_norm: float | None = None
+    overlap_step: bool = False
+    skip_nonfinite: bool = False
+    moments_dtype: str = "float32"
+    loss_scaler: LossScalerConfig = LossScalerConfig()
+
+    def __post_init__(self) -> None:
+        nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
+        if nbytes < 1024:
+            raise ValueError(f"OffloadConfig.bucket_bytes must be >= 1 KiB, got {nbytes} bytes")
+        object.__setattr__(self, "bucket_bytes", nbytes)
+        _check_int("OffloadConfig.tile_elements", self.tile_elements, low=1024)
+        fraction = self.offload_fraction
+        if fraction != "auto":
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                raise ValueError(
+                    f"OffloadConfig.offload_fraction must be a number in [0, 1] or 'auto', "
+                    f"got {fraction!r}"
+                )
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(
+                    f"OffloadConfig.offload_fraction must be in [0, 1] or 'auto', got {fraction!r}"
+                )
+        if not (isinstance(self.auto_headroom, (int, float)) and 0 <= self.auto_headroom < 1):
+            raise ValueError(
+                f"OffloadConfig.auto_headroom must be in [0, 1), got {self.auto_headroom!r}"
+            )
+        if self.max_grad_norm is not None:
+            _check_positive_finite("OffloadConfig.max_grad_norm", self.max_grad_norm)
+        for name in ("overlap_step", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"OffloadConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.moments_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"OffloadConfig.moments_dtype must be 'float32' or 'bfloat16', "
+                f"got {self.moments_dtype!r}"
+            )
+        if not isinstance(self.loss_scaler, LossScalerConfig):
+            raise TypeError(
+                f"OffloadConfig.loss_scaler must be a LossScalerConfig, got {self.loss_scaler!r}"
+            )

@@ -53,6 +53,13 @@ class Event(ABC):
     def synchronize(self) -> None:
         """Block until the event completes; raise ``StreamError`` if its stream failed."""
 
+    @abstractmethod
+    def completed_at(self) -> float | None:
+        """When the event completed, on the ``time.perf_counter()`` clock; None if pending.
+
+        The profiler places copies on a timeline with this. Never blocks.
+        """
+
 
 class Stream(ABC):
     """An ordered queue of work; see Note [stream semantics]."""

@@ -8,6 +8,7 @@ immediately, and asynchronous CUDA errors surface at the next synchronisation, a
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,12 +23,24 @@ from .base import Accelerator, DeviceLedger, Event, Stream
 __all__ = ["CudaAccelerator"]
 
 
-class CudaEvent(Event):
-    """A ``torch.cuda.Event`` recorded on a stream."""
+class _Clock:
+    """Maps CUDA event times onto ``time.perf_counter()``: a reference event and its time."""
 
-    def __init__(self, event: torch.cuda.Event, stream_name: str) -> None:
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(torch.cuda.current_stream(device))
+        self.event.synchronize()  # one sync at construction, so the two clocks agree
+        self.time = time.perf_counter()
+
+
+class CudaEvent(Event):
+    """A timing ``torch.cuda.Event`` recorded on a stream."""
+
+    def __init__(self, event: torch.cuda.Event, stream_name: str, clock: _Clock) -> None:
         self.event = event
         self.stream_name = stream_name
+        self._clock = clock
 
     def query(self) -> bool:
         return bool(self.event.query())
@@ -35,13 +48,19 @@ class CudaEvent(Event):
     def synchronize(self) -> None:
         self.event.synchronize()
 
+    def completed_at(self) -> float | None:
+        if not self.event.query():
+            return None
+        return self._clock.time + self._clock.event.elapsed_time(self.event) / 1e3
+
 
 class CudaStream(Stream):
     """A ``torch.cuda.Stream`` with a name, wrapping errors raised while issuing work."""
 
-    def __init__(self, stream: torch.cuda.Stream, name: str) -> None:
+    def __init__(self, stream: torch.cuda.Stream, name: str, clock: _Clock) -> None:
         self.stream = stream
         self.name = name
+        self._clock = clock
         self._error: StreamError | None = None
 
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -59,9 +78,9 @@ class CudaStream(Stream):
     def record_event(self) -> CudaEvent:
         if self._error is not None:
             raise self._error
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self.stream)
-        return CudaEvent(event, self.name)
+        return CudaEvent(event, self.name, self._clock)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
@@ -103,22 +122,23 @@ class CudaAccelerator(Accelerator):
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget, source = self.config.resolved_device_budget(total, "default: total GPU memory")
         self.ledger = DeviceLedger(budget, source)
+        self._clock = _Clock(self.device)
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
-        self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute")
+        self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self._clock)
 
     @property
     def pinned_memory_available(self) -> bool:
         return True
 
     def new_stream(self, name: str) -> CudaStream:
-        stream = CudaStream(torch.cuda.Stream(self.device), name)
+        stream = CudaStream(torch.cuda.Stream(self.device), name, self._clock)
         self._streams.add(stream)
         return stream
 
     def current_stream(self) -> CudaStream:
         current = torch.cuda.current_stream(self.device)
         if current != self._compute.stream:
-            self._compute = CudaStream(current, "compute")
+            self._compute = CudaStream(current, "compute", self._clock)
         return self._compute
 
     def synchronize(self) -> None:
@@ -147,7 +167,18 @@ class CudaAccelerator(Accelerator):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
-        stream.submit(lambda: dst.copy_(src, non_blocking=True))
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
+
+        def run() -> None:
+            dst.copy_(src, non_blocking=True)
+            # The caching allocator must not hand these bytes to other work on another
+            # stream until this copy has finished.
+            for tensor in (dst, src):
+                if tensor.is_cuda:
+                    tensor.record_stream(stream.stream)
+
+        stream.submit(run)
 
     def describe(self) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(self.device)

@@ -37,12 +37,17 @@ class HostEvent(Event):
         self.stream_name = stream_name
         self._done = threading.Event()
         self._error: StreamError | None = None
+        self._completed_at: float | None = None
         if done:
-            self._done.set()
+            self._complete()
 
     def _complete(self, error: StreamError | None = None) -> None:
         self._error = error
+        self._completed_at = time.perf_counter()
         self._done.set()
+
+    def completed_at(self) -> float | None:
+        return self._completed_at if self._done.is_set() else None
 
     def query(self) -> bool:
         return self._done.is_set()

@@ -1,1 +1,5 @@
 """Offloading optimizers."""
+
+from .offload_adamw import OffloadAdamW
+
+__all__ = ["OffloadAdamW"]

@@ -1,0 +1,196 @@
+"""TieredMemoryManager: owns the tiers' pools and streams, and every copy between tiers.
+
+Note [one choke point for copies]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every byte the library moves between device and host goes through ``TieredMemoryManager.copy``
+(which alone calls ``Accelerator.copy_``). There each copy is counted (``counters``), given a
+``CopyRecord`` with start and end events (handed to listeners such as the profiler), ordered
+after the events it depends on, and its end event is recorded on the pool blocks it touches
+so they are not reused while it is pending (Note [block reuse waits on events] in
+``pool.py``). Nothing else in the library copies across tiers, so the profiler's counts are
+complete by construction; a test counts them independently.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..accelerator import Accelerator, Event, Stream, get_accelerator
+from ..accelerator.host import HostStream
+from .block import Block
+from .pool import BlockPool
+from .traffic import Category, CopyRecord, Direction, RecordListener, TrafficCounters
+
+__all__ = ["Tier", "TieredMemoryManager"]
+
+
+class Tier(enum.Enum):
+    """Where a pool's bytes live."""
+
+    #: Accelerator memory, counted against the device budget.
+    DEVICE = "device"
+    #: Host memory, pinned when the accelerator supports it.
+    HOST = "host"
+
+
+class TieredMemoryManager:
+    """The tiers (device, pinned host), their pools, the copy streams, and all copies.
+
+    Streams, each created once:
+        ``d2h``: device-to-host copies (gradients out, activations out), so they overlap
+            the backward/forward that produces them.
+        ``h2d``: host-to-device copies (updated weights, prefetched activations), so they
+            overlap the CPU optimizer and the backward that consumes them.
+        ``host_worker``: a CPU thread for host-side work that must follow a copy (e.g.
+            accumulating a copied gradient bucket in fp32) without blocking the caller.
+    """
+
+    def __init__(self, accelerator: Accelerator | None = None) -> None:
+        self.accelerator = accelerator if accelerator is not None else get_accelerator()
+        acc = self.accelerator
+        self.d2h = acc.new_stream("d2h")
+        self.h2d = acc.new_stream("h2d")
+        self.host_worker = HostStream("host_worker")
+        self.pools: list[BlockPool] = []
+        self.counters = TrafficCounters()
+        #: Seconds the caller's compute waited in ``wait_for`` (exposed transfer time),
+        #: by category; guarded by ``_lock``.
+        self.exposed_seconds: dict[Category, float] = {}
+        self._listeners: list[RecordListener] = []
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    # -- pools -------------------------------------------------------------------------
+
+    def create_pool(
+        self, tier: Tier, capacity: int, *, name: str, alignment: int = 512
+    ) -> BlockPool:
+        """A new pool of exactly ``capacity`` bytes in ``tier``, allocated now, once.
+
+        Hidden cost: a host pool is pinned here (slow, and may synchronise the device).
+        """
+        if not isinstance(tier, Tier):
+            raise TypeError(f"tier must be a Tier, got {tier!r}")
+        acc = self.accelerator
+        if tier is Tier.DEVICE:
+            pool = BlockPool.device(acc, capacity, name=name, alignment=alignment)
+        else:
+            pool = BlockPool.host(acc, capacity, name=name, alignment=alignment)
+        self.pools.append(pool)
+        return pool
+
+    def pool_stats(self) -> dict[str, dict[str, Any]]:
+        """Each pool's ``stats()`` by pool name."""
+        return {pool.name: pool.stats() for pool in self.pools}
+
+    def device_bytes_in_use(self) -> int:
+        """Library-owned device bytes now (the accelerator's ledger)."""
+        return self.accelerator.memory_stats()["in_use"]
+
+    # -- copies ------------------------------------------------------------------------
+
+    def subscribe(self, listener: RecordListener) -> Callable[[], None]:
+        """Call ``listener(record)`` for every copy issued from now on; returns an unsubscribe."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        direction: Direction,
+        category: Category,
+        after: Iterable[Event] = (),
+        blocks: Sequence[Block] = (),
+        stream: Stream | None = None,
+        label: str = "",
+    ) -> Event:
+        """Queue ``dst.copy_(src)`` across tiers; returns the event that marks its end.
+
+        ``after``: events the copy must wait for (e.g. the compute stream's "gradients
+        ready"). ``blocks``: pool blocks whose bytes the copy reads or writes; the end event
+        is recorded on each. ``stream``: defaults to ``d2h`` or ``h2d`` by direction.
+        See Note [one choke point for copies].
+        """
+        if not isinstance(direction, Direction) or not isinstance(category, Category):
+            raise TypeError(
+                f"direction and category must be Direction and Category members, "
+                f"got {direction!r} and {category!r}"
+            )
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"copy of {label or category.value}: dst shape {tuple(dst.shape)} differs from "
+                f"src shape {tuple(src.shape)}"
+            )
+        if stream is None:
+            stream = self.d2h if direction is Direction.D2H else self.h2d
+        for event in after:
+            stream.wait_event(event)
+        nbytes = src.numel() * src.element_size()
+        issued_at = time.perf_counter()
+        start = stream.record_event()
+        self.accelerator.copy_(dst, src, stream=stream)
+        end = stream.record_event()
+        for block in blocks:
+            block.record_event(end)
+        self.counters.add(direction, category, nbytes)
+        with self._lock:
+            listeners = list(self._listeners)
+        if listeners:
+            record = CopyRecord(
+                seq=next(self._seq),
+                direction=direction,
+                category=category,
+                nbytes=nbytes,
+                stream=stream.name,
+                issued_at=issued_at,
+                start=start,
+                end=end,
+                label=label,
+            )
+            for listener in listeners:
+                listener(record)
+        return end
+
+    def compute_ready(self) -> Event:
+        """An event on the compute stream marking the work issued so far (e.g. a gradient)."""
+        return self.accelerator.current_stream().record_event()
+
+    def wait_for(self, events: Iterable[Event], *, category: Category) -> None:
+        """Make compute wait for ``events``; the time the caller blocked counts as exposed.
+
+        Synchronisation point: on the host accelerator compute is the caller's thread, so
+        this blocks; on CUDA the GPU waits and the caller does not.
+        """
+        compute = self.accelerator.current_stream()
+        began = time.perf_counter()
+        for event in events:
+            compute.wait_event(event)
+        waited = time.perf_counter() - began
+        with self._lock:
+            self.exposed_seconds[category] = self.exposed_seconds.get(category, 0.0) + waited
+
+    def synchronize(self) -> None:
+        """Wait for every copy and every host-side task; raise the first error."""
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+        self.host_worker.synchronize()
+
+    def close(self) -> None:
+        """Stop the host worker thread after its queued work (streams end with the manager)."""
+        self.host_worker.close()

@@ -1,0 +1,92 @@
+"""What moved between tiers: one record per copy, and always-on counters.
+
+The memory manager writes these (see Note [one choke point for copies] in ``manager.py``);
+the profiler only reads them, so its counts are complete by construction.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..accelerator import Event
+
+__all__ = ["Category", "CopyRecord", "Direction", "TrafficCounters"]
+
+
+class Direction(enum.Enum):
+    """Which way a copy crosses the device/host boundary."""
+
+    D2H = "device_to_host"
+    H2D = "host_to_device"
+
+
+class Category(enum.Enum):
+    """What a copy carries; the profiler groups its report by this."""
+
+    GRADIENTS = "gradients"
+    WEIGHTS = "weights"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+
+
+@dataclass(frozen=True)
+class CopyRecord:
+    """One copy issued through the memory manager.
+
+    ``start`` completes when the copy begins on its stream (everything queued before it is
+    done) and ``end`` when it has finished; their ``completed_at()`` give the timeline.
+    """
+
+    seq: int  # issue order, from 0, per manager
+    direction: Direction
+    category: Category
+    nbytes: int
+    stream: str  # the stream's name
+    issued_at: float  # time.perf_counter() when the copy was queued
+    start: Event
+    end: Event
+    label: str  # free-form: which bucket, which layer
+
+
+RecordListener = Callable[[CopyRecord], None]
+
+
+class TrafficCounters:
+    """Copies and bytes per (direction, category) since construction.
+
+    ``_lock`` guards ``_counts`` (copies are issued from the caller's thread and from
+    stream workers).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[Direction, Category], list[int]] = {}
+
+    def add(self, direction: Direction, category: Category, nbytes: int) -> None:
+        """Count one copy of ``nbytes``."""
+        with self._lock:
+            entry = self._counts.setdefault((direction, category), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{"<direction>/<category>": {"copies": n, "bytes": b}}`` for every pair seen."""
+        with self._lock:
+            return {
+                f"{direction.value}/{category.value}": {"copies": count, "bytes": nbytes}
+                for (direction, category), (count, nbytes) in sorted(
+                    self._counts.items(), key=lambda item: (item[0][0].value, item[0][1].value)
+                )
+            }
+
+    def bytes(self, direction: Direction, category: Category | None = None) -> int:
+        """Bytes moved in ``direction`` (of ``category``, or of all categories)."""
+        with self._lock:
+            return sum(
+                nbytes
+                for (d, c), (_, nbytes) in self._counts.items()
+                if d is direction and (category is None or c is category)
+            )

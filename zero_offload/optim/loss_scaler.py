@@ -1,0 +1,83 @@
+"""Loss scaling: a static scale of 1 for bf16/fp32, dynamic scaling for fp16.
+
+The scaler only decides; the optimizer detects overflow (in its fused statistics pass over
+the host gradients) and folds ``1 / scale`` into the CPU Adam gradient multiplier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import LossScalerConfig
+
+__all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler"]
+
+
+class LossScaler:
+    """The interface: ``scale`` to multiply the loss by, ``update(overflow)`` after a step."""
+
+    scale: float = 1.0
+
+    def update(self, overflow: bool) -> None:
+        """Record whether the step just taken overflowed (and so was skipped)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state, for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output."""
+
+
+class NoLossScaler(LossScaler):
+    """bf16 and fp32: no scaling needed."""
+
+
+class DynamicLossScaler(LossScaler):
+    """fp16: grow the scale after a run of clean steps, back off after overflows.
+
+    Every overflowing step is skipped by the optimizer. The scale drops only when
+    ``hysteresis`` overflows have happened since the last drop or growth (so one stray inf
+    does not halve the scale), and never below ``min_scale``. After ``growth_interval``
+    consecutive clean steps the scale grows by ``growth_factor`` and the hysteresis resets.
+    """
+
+    def __init__(self, config: LossScalerConfig) -> None:
+        self.config = config
+        self.scale = float(config.initial_scale)
+        self.clean_steps = 0  # consecutive steps without overflow
+        self.hysteresis_left = config.hysteresis
+        self.overflows = 0  # total overflowing (skipped) steps
+
+    def update(self, overflow: bool) -> None:
+        cfg = self.config
+        if overflow:
+            self.overflows += 1
+            self.clean_steps = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
+                self.hysteresis_left = cfg.hysteresis
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= cfg.growth_interval:
+            self.scale *= cfg.growth_factor
+            self.clean_steps = 0
+            self.hysteresis_left = cfg.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+            "overflows": self.overflows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"scale", "clean_steps", "hysteresis_left", "overflows"} - set(state)
+        if missing:
+            raise ValueError(f"loss scaler state is missing {sorted(missing)}")
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.overflows = int(state["overflows"])

@@ -1,0 +1,164 @@
+"""OffloadAdamW's ``state_dict`` and ``load_state_dict``: torch's layout, checked first.
+
+The layout is torch's (``state`` keyed by the parameter's position across groups,
+``param_groups`` with ``params`` as positions), with each parameter's fp32 ``master``
+weights added, and the loss scaler and skip count under ``zero_offload``. A
+``torch.optim.AdamW`` state dict loads too: missing master weights come from the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .flat_bucket import FlatBucket
+
+if TYPE_CHECKING:
+    from .offload_adamw import OffloadAdamW
+
+__all__ = ["load_optimizer_state", "optimizer_state"]
+
+_FORMAT_VERSION = 1
+
+
+def _slots(opt: OffloadAdamW) -> dict[int, tuple[FlatBucket, int]]:
+    return {
+        slot.index: (bucket, i)
+        for bucket in opt.buckets
+        for i, slot in enumerate(bucket.layout.slots)
+    }
+
+
+def optimizer_state(opt: OffloadAdamW) -> dict[str, Any]:
+    """The state dict; tensors are CPU copies, shaped like their parameters."""
+    groups, position = [], 0
+    for group in opt.param_groups:
+        entry = {key: value for key, value in group.items() if key != "params"}
+        entry["params"] = list(range(position, position + len(group["params"])))
+        position += len(group["params"])
+        groups.append(entry)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, (bucket, i) in sorted(_slots(opt).items()):
+        if bucket.steps[i] == 0:
+            continue  # never stepped: torch has no entry either
+        entry = {
+            name: view.detach().to("cpu", copy=True) for name, view in bucket.state_views(i).items()
+        }
+        entry["step"] = torch.tensor(float(bucket.steps[i]))
+        state[index] = entry
+    return {
+        "state": state,
+        "param_groups": groups,
+        "zero_offload": {
+            "version": _FORMAT_VERSION,
+            "loss_scaler": opt.scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
+        },
+    }
+
+
+def _check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name!r} must be a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"{where}: {name!r} has shape {tuple(value.shape)} but the parameter has {shape}"
+        )
+    if not value.is_floating_point():
+        raise TypeError(f"{where}: {name!r} has dtype {value.dtype}; a floating dtype is needed")
+    return value
+
+
+def _check_step(where: str, value: Any) -> int:
+    step = value.item() if isinstance(value, torch.Tensor) else value
+    if (
+        isinstance(step, bool)
+        or not isinstance(step, (int, float))
+        or step < 1
+        or step != int(step)
+    ):
+        raise ValueError(f"{where}: 'step' must be a whole number >= 1, got {value!r}")
+    return int(step)
+
+
+def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
+    """Check everything, then copy; see ``OffloadAdamW.load_state_dict``."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"state_dict has {len(saved_groups)} param groups but this optimizer has "
+            f"{len(opt.param_groups)}"
+        )
+    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {g}: state_dict has {len(saved['params'])} parameters but this "
+                f"optimizer has {len(group['params'])}"
+            )
+    positions = [p for saved in saved_groups for p in saved["params"]]
+    to_local = {saved_id: local for local, saved_id in enumerate(positions)}
+    slots = _slots(opt)
+    amsgrad = {
+        index: bool(opt.param_groups[bucket.layout.group]["amsgrad"])
+        for index, (bucket, _) in slots.items()
+    }
+    staged: dict[int, dict[str, Any]] = {}
+    for saved_id, entry in state_dict["state"].items():
+        if saved_id not in to_local:
+            raise ValueError(f"state_dict has state for unknown parameter id {saved_id!r}")
+        index = to_local[saved_id]
+        where = f"state of parameter {index}"
+        if index not in slots:
+            raise ValueError(f"{where}: this optimizer does not train that parameter")
+        bucket, i = slots[index]
+        shape = bucket.layout.slots[i].shape
+        needed = {"exp_avg", "exp_avg_sq", "step"} | (
+            {"max_exp_avg_sq"} if amsgrad[index] else set()
+        )
+        missing = needed - set(entry)
+        if missing:
+            raise ValueError(f"{where}: missing {sorted(missing)}")
+        checked = {
+            name: _check_tensor(where, name, entry[name], shape)
+            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+            if name in entry and (name != "max_exp_avg_sq" or amsgrad[index])
+        }
+        checked["step"] = _check_step(where, entry["step"])
+        staged[index] = checked
+    extra = state_dict.get("zero_offload", {})
+    if extra and extra.get("version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
+        )
+
+    # Everything is checked: from here on nothing raises on the caller's data.
+    for index, (bucket, i) in slots.items():
+        views = bucket.state_views(i)
+        slot = bucket.layout.slots[i]
+        entry = staged.get(index)
+        if entry is None:
+            for name, view in views.items():
+                if name != "master":
+                    view.zero_()
+            views["master"].copy_(bucket.weights_dev[slot.offset : slot.end].view(slot.shape))
+            bucket.steps[i] = 0
+            continue
+        for name, view in views.items():
+            if name in entry:
+                view.copy_(entry[name])
+            elif name == "master":
+                view.copy_(bucket.weights_dev[slot.offset : slot.end].view(slot.shape))
+        bucket.steps[i] = entry["step"]
+    for bucket in opt.buckets:
+        bucket.remember_weights()
+    for saved, group in zip(saved_groups, opt.param_groups, strict=True):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = value
+    if "loss_scaler" in extra:
+        opt.scaler.load_state_dict(extra["loss_scaler"])
+    opt.skipped_steps = int(extra.get("skipped_steps", opt.skipped_steps))
+    opt._stats_cache = None

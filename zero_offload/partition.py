@@ -1,0 +1,127 @@
+"""Flat buckets and who owns which slice: pure arithmetic, no tensors.
+
+Parameters are packed, group by group and in reverse registration order (which approximates
+the order backward produces their gradients), into buckets of at most ``bucket_numel``
+elements (a parameter larger than that gets a bucket of its own). Each bucket's flat length
+is padded up to a multiple of ``world_size * align_numel`` so that every rank owns an equal,
+aligned, contiguous shard.
+
+Note [padding stays at the end]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A bucket's parameters occupy ``[0, numel)`` of its flat buffer; padding is
+``[numel, padded_numel)`` only. Padding elements start at zero, receive zero gradients and
+therefore stay zero through Adam (zero gradient, zero weight, zero moments stay zero), and
+no parameter view ever covers them, so padding never reaches the user's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BucketLayout", "ParamSlot", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its bucket's flat buffer (elements, not bytes)."""
+
+    index: int  # position of the parameter in the optimizer's flat parameter list
+    shape: tuple[int, ...]
+    offset: int  # first element in the bucket
+    numel: int
+
+    @property
+    def end(self) -> int:
+        """One past the last element."""
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: its parameters' slots, its padded length, and the shards of each rank."""
+
+    index: int  # position in the optimizer's bucket list
+    group: int  # param group the bucket's parameters belong to
+    slots: tuple[ParamSlot, ...]
+    numel: int  # elements of real parameters, [0, numel)
+    padded_numel: int  # multiple of world_size * align_numel; padding is [numel, padded_numel)
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank owns."""
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of the flat buffer that ``rank`` owns."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def slots_in(self, start: int, stop: int) -> list[tuple[ParamSlot, int, int]]:
+        """The parameter pieces inside ``[start, stop)``: ``(slot, lo, hi)`` in bucket elements."""
+        pieces = []
+        for slot in self.slots:
+            lo, hi = max(slot.offset, start), min(slot.end, stop)
+            if lo < hi:
+                pieces.append((slot, lo, hi))
+        return pieces
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_buckets(
+    groups: Sequence[Sequence[tuple[int, tuple[int, ...]]]],
+    *,
+    bucket_numel: int,
+    world_size: int = 1,
+    align_numel: int = 128,
+) -> list[BucketLayout]:
+    """Pack parameters into buckets.
+
+    ``groups[g]`` lists ``(index, shape)`` of group ``g``'s parameters in registration order.
+    Returns the buckets in the order backward is expected to fill them: groups last to first,
+    and within a group parameters last to first. See Note [padding stays at the end].
+    """
+    for name, value in (
+        ("bucket_numel", bucket_numel),
+        ("world_size", world_size),
+        ("align_numel", align_numel),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    buckets: list[BucketLayout] = []
+    multiple = world_size * align_numel
+
+    def close(group: int, slots: list[ParamSlot], numel: int) -> None:
+        if slots:
+            buckets.append(
+                BucketLayout(
+                    index=len(buckets),
+                    group=group,
+                    slots=tuple(slots),
+                    numel=numel,
+                    padded_numel=_round_up(numel, multiple),
+                    world_size=world_size,
+                )
+            )
+
+    for group in reversed(range(len(groups))):
+        slots: list[ParamSlot] = []
+        numel = 0
+        for index, shape in reversed(groups[group]):
+            size = 1
+            for dim in shape:
+                size *= dim
+            if size == 0:
+                continue
+            if slots and numel + size > bucket_numel:
+                close(group, slots, numel)
+                slots, numel = [], 0
+            slots.append(ParamSlot(index=index, shape=tuple(shape), offset=numel, numel=size))
+            numel += size
+        close(group, slots, numel)
+    return buckets
