@@ -27,6 +27,7 @@ from ..errors import PoolExhausted
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.traffic import Category
 from ..partition import plan_buckets
+from ..tracing import phase
 from .checks import check_hyper, check_params
 from .flat_bucket import AdamHyper, BucketPools, FlatBucket, OffloadedBucket, ResidentBucket
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
@@ -303,10 +304,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Synchronisation point: the CPU must see every gradient copied so far.
         self.manager.host_worker.synchronize()
         sumsq, nonfinite = 0.0, False
-        for bucket in self.buckets:
-            part, bad = bucket.grad_sumsq()
-            sumsq += part
-            nonfinite = nonfinite or bad
+        with phase("grad_stats", track="cpu_optimizer"):
+            for bucket in self.buckets:
+                part, bad = bucket.grad_sumsq()
+                sumsq += part
+                nonfinite = nonfinite or bad
         self._stats_cache = (self._generation, sumsq, nonfinite)
         return sumsq, nonfinite
 
@@ -359,10 +361,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._launch_delayed_update(grad_scale)
             return loss
         events = []
-        for bucket in self.buckets:
-            bucket.update(self._hyper(bucket), grad_scale)
-            events.extend(bucket.publish())
-        self.manager.wait_for(events, category=Category.WEIGHTS)
+        with phase("cpu_adam", track="cpu_optimizer"):
+            for bucket in self.buckets:
+                bucket.update(self._hyper(bucket), grad_scale)
+                events.extend(bucket.publish())
+        with phase("wait_weights"):
+            self.manager.wait_for(events, category=Category.WEIGHTS)
         for bucket in self.buckets:
             bucket.remember_weights()
         return loss
@@ -395,8 +399,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         hypers = [(bucket, self._hyper(bucket)) for bucket in self.buckets]
 
         def update() -> None:
-            for bucket, hyper in hypers:
-                bucket.update(hyper, grad_scale)
+            with phase("cpu_adam", track="cpu_optimizer"):
+                for bucket, hyper in hypers:
+                    bucket.update(hyper, grad_scale, publish=False)
 
         self.manager.host_worker.submit(update)
         self._update_pending = True
