@@ -1,0 +1,167 @@
+"""Argument checking and zero-copy array views for the kernels.
+
+Every public kernel validates all of its arguments here *before* any data is written, so a
+call that raises leaves every array unchanged, and a user mistake never reaches numba's
+typing machinery (whose tracebacks do not name the argument).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numba
+import numpy as np
+import torch
+
+# Element kinds. numba has no 16-bit float on the CPU, so bf16 and fp16 are uint16 bits.
+FP32 = 0
+BF16 = 1
+FP16 = 2
+KIND_NAMES = {FP32: "float32", BF16: "bfloat16", FP16: "float16"}
+
+_TORCH_KINDS = {torch.float32: FP32, torch.bfloat16: BF16, torch.float16: FP16}
+_NUMPY_KINDS = {np.dtype(np.float32): FP32, np.dtype(np.uint16): BF16, np.dtype(np.float16): FP16}
+
+# Below this many elements per thread, the cost of waking a thread exceeds its share of work.
+MIN_ELEMENTS_PER_THREAD = 1 << 15
+
+T = TypeVar("T")
+
+
+def _allowed(kinds: Sequence[int]) -> str:
+    return " or ".join(KIND_NAMES[k] for k in kinds)
+
+
+def as_kernel_array(
+    x: object, name: str, kinds: Sequence[int], *, writable: bool = False
+) -> tuple[np.ndarray, int]:
+    """Return a zero-copy 1-D numpy view of ``x`` that a kernel can take, and its kind.
+
+    fp32 becomes a float32 view; bf16 and fp16 become uint16 views of their bits. A numpy
+    float16 array is fp16; a numpy uint16 array is read as bf16 bit patterns.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on device {x.device}; the CPU kernels need a CPU tensor "
+                f"(the host copy, e.g. {name}.cpu() or a pinned host buffer)"
+            )
+        if x.layout != torch.strided or x.dim() != 1 or not x.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous 1-D tensor, got shape {tuple(x.shape)} with "
+                f"strides {x.stride() if x.layout == torch.strided else x.layout}; "
+                f"pass {name}.contiguous().view(-1)"
+            )
+        kind = _TORCH_KINDS.get(x.dtype)
+        if kind not in kinds:
+            raise TypeError(f"{name} has dtype {x.dtype}; expected {_allowed(kinds)}")
+        t = x.detach()
+        arr = t.numpy() if kind == FP32 else t.view(torch.int16).numpy().view(np.uint16)
+        return arr, kind
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1 or not x.flags.c_contiguous:
+            raise ValueError(
+                f"{name} must be a contiguous 1-D array, got shape {x.shape} with strides "
+                f"{x.strides}; pass np.ascontiguousarray({name}).reshape(-1)"
+            )
+        kind = _NUMPY_KINDS.get(x.dtype)
+        if kind not in kinds:
+            raise TypeError(
+                f"{name} has numpy dtype {x.dtype}; expected {_allowed(kinds)} "
+                "(numpy float32, float16, or uint16 holding bf16 bit patterns)"
+            )
+        if writable and not x.flags.writeable:
+            raise ValueError(f"{name} is a read-only numpy array; the kernel writes into it")
+        return (x.view(np.uint16) if kind == FP16 else x), kind
+    raise TypeError(f"{name} must be a CPU torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
+
+
+def check_same_length(n: int, arrays: dict[str, np.ndarray], reference: str) -> None:
+    """Raise unless every array in ``arrays`` has ``n`` elements (the length of ``reference``)."""
+    for name, arr in arrays.items():
+        if arr.shape[0] != n:
+            raise ValueError(
+                f"{name} has {arr.shape[0]} elements but {reference} has {n}; "
+                "every array of one call must have the same length"
+            )
+
+
+def check_range(start: object, stop: object, n: int) -> tuple[int, int]:
+    """Validate the tile ``[start, stop)`` of an array of ``n`` elements; ``stop=None`` means n."""
+    try:
+        start_i = operator.index(start)
+        stop_i = n if stop is None else operator.index(stop)
+    except TypeError:
+        raise TypeError(
+            f"start and stop must be integers (stop may be None), got start={start!r}, "
+            f"stop={stop!r}"
+        ) from None
+    if not 0 <= start_i <= stop_i <= n:
+        raise ValueError(
+            f"start={start_i}, stop={stop_i} is not a tile of an array of {n} elements; "
+            f"need 0 <= start <= stop <= {n}"
+        )
+    return start_i, stop_i
+
+
+def check_float(
+    name: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    hi_open: bool = False,
+) -> float:
+    """Return ``value`` as a finite Python float within ``[lo, hi]`` (``[lo, hi)`` if hi_open)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number (a Python float), got {type(value).__name__} "
+            f"{value!r}; for a tensor pass {name}.item()"
+        )
+    v = float(value)
+    bad = not math.isfinite(v) or (lo is not None and v < lo)
+    bad = bad or (hi is not None and (v >= hi if hi_open else v > hi))
+    if bad:
+        upper = "" if hi is None else (f" and < {hi}" if hi_open else f" and <= {hi}")
+        lower = "finite" if lo is None else f">= {lo}"
+        raise ValueError(f"{name}={value!r} is out of range; it must be {lower}{upper}")
+    return v
+
+
+def resolve_threads(num_threads: object) -> int:
+    """Threads to use: ``num_threads`` if given, else torch's count, capped by numba's pool."""
+    pool = numba.config.NUMBA_NUM_THREADS
+    if num_threads is None:
+        return max(1, min(torch.get_num_threads(), pool))
+    try:
+        n = operator.index(num_threads)
+    except TypeError:
+        raise TypeError(
+            f"num_threads must be an integer or None, got {type(num_threads).__name__}"
+        ) from None
+    if not 1 <= n <= pool:
+        raise ValueError(
+            f"num_threads={n} is out of range; numba's pool has {pool} threads, so pass "
+            f"1..{pool} (or None to follow torch.get_num_threads())"
+        )
+    return n
+
+
+def chunking(span: int, threads: int) -> int:
+    """Number of contiguous chunks (one per thread) to split ``span`` elements into."""
+    return max(1, min(threads, span // MIN_ELEMENTS_PER_THREAD))
+
+
+def run_with_threads(num_threads: object, fn: Callable[[int], T]) -> T:
+    """Call ``fn(n)`` with numba's thread count set to ``n`` for this calling thread only."""
+    n = resolve_threads(num_threads)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        return fn(n)
+    finally:
+        numba.set_num_threads(previous)

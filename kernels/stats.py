@@ -1,0 +1,55 @@
+"""One-pass gradient statistics: the sum of squares (for the global norm) and overflow flag."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking, run_with_threads
+from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
+
+# Note [non-finite flag from the float64 sum]
+# Each square of an fp32 value is exact in float64 (24-bit mantissa squared fits in 53
+# bits) and at most 1.2e77, so a float64 sum of finite gradients cannot overflow for any
+# array that fits in memory. The sum is therefore non-finite exactly when some gradient is
+# NaN or +-inf: the flag costs no extra compare in the loop. 'reassoc' lets LLVM keep
+# several partial sums per thread (vectorised); it does not license assuming finiteness,
+# see Note [why no nnan/ninf fastmath] in convert.py.
+
+
+@njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
+def _sumsq_kernel(grad, grad_kind, start, stop, nchunks):
+    partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum per chunk
+    span = stop - start
+    for c in prange(nchunks):
+        lo = start + span * c // nchunks
+        hi = start + span * (c + 1) // nchunks
+        acc = 0.0
+        for i in range(lo, hi):
+            g = np.float64(load_f32(grad, i, grad_kind))
+            acc += g * g
+        partial[c] = acc
+    return partial
+
+
+def grad_stats(
+    grad, *, start: int = 0, stop: int | None = None, num_threads: int | None = None
+) -> tuple[float, bool]:
+    """Return ``(sum of squares, any non-finite)`` over ``grad[start:stop]`` in one pass.
+
+    ``grad`` is a 1-D contiguous CPU fp32/bf16/fp16 tensor, or a numpy float32/float16
+    array or uint16 array of bf16 bits. The sum is accumulated in float64 (per thread, then
+    added in float64), so ``math.sqrt`` of the sums of all tiles is the global L2 norm to
+    float64 accuracy. The flag is True iff some element is NaN or +-inf; the sum is then
+    NaN or inf too.
+    """
+    grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
+    start, stop = check_range(start, stop, grad_a.shape[0])
+    partial = run_with_threads(
+        num_threads,
+        lambda n: _sumsq_kernel(grad_a, kind, start, stop, chunking(stop - start, n)),
+    )
+    total = float(partial.sum())
+    return total, not math.isfinite(total)
