@@ -142,7 +142,7 @@ class FreeList:
             end += after
         self._add(offset, end - offset)
 
-    def take(self, size: int, *, align: int, base_align: int) -> int | None:
+    def take(self, size: int, align: int, base_align: int) -> int | None:
         """Remove a best-fit range for ``size`` bytes at an ``align``-aligned offset.
 
         Every free offset is a multiple of ``base_align``, so at most ``align - base_align``
@@ -170,7 +170,7 @@ class FreeList:
         if key is None:
             return None
         start, length = key & _OFFSET_MASK, key >> OFFSET_BITS
-        aligned = -(-start // align) * align
+        aligned = start if start % align == 0 else start - start % align + align
         if aligned + size > start + length:
             return None
         return start, length, aligned

@@ -314,17 +314,23 @@ class BlockPool:
         When nothing fits, in order: wait for pending copies of freed blocks, defragment (if
         the free bytes would hold the request), then raise ``PoolExhausted``.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if type(nbytes) is not int:  # bool and float are refused too
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes} (owner {owner!r})")
-        block_align = self.alignment if align is None else _check_align(align, "align")
-        block_align = max(block_align, self.alignment)
-        size = -(-nbytes // self.alignment) * self.alignment
-        request = (nbytes, size, block_align, owner)
+        base = self.alignment
+        block_align = base if align is None else max(_check_align(align, "align"), base)
+        size = -(-nbytes // base) * base
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            block = self._try_alloc_locked(nbytes, size, block_align, owner)
+        return block if block is not None else self._alloc_slow(nbytes, size, block_align, owner)
+
+    def _alloc_slow(self, nbytes: int, size: int, align: int, owner: str) -> Block:
+        request = (nbytes, size, align, owner)
         while True:
             with self._lock:
-                self._check_open()
                 block = self._try_alloc_locked(*request)
                 if block is not None:
                     return block
@@ -339,11 +345,11 @@ class BlockPool:
             if block is not None:
                 return block
         with self._lock:
-            raise PoolExhausted(self._exhausted_message(nbytes, size, block_align, owner))
+            raise PoolExhausted(self._exhausted_message(nbytes, size, align, owner))
 
     def free(self, block: Block) -> None:
         """Give ``block`` back; never blocks. See Note [block reuse waits on events]."""
-        if not isinstance(block, Block):
+        if type(block) is not Block:
             raise TypeError(f"free() takes a Block, got {type(block).__name__} {block!r}")
         if block.pool is not self:
             raise ValueError(
@@ -357,11 +363,14 @@ class BlockPool:
                     f"{block.state.name}); each block is freed exactly once"
                 )
             self._live.remove(block)
-            self._counters.bytes_in_use -= block.size
-            self._counters.bytes_requested -= block.nbytes
-            self._counters.frees += 1
-            block._callbacks.clear()
-            block._events = _still_pending(block._events)
+            counters = self._counters
+            counters.bytes_in_use -= block.size
+            counters.bytes_requested -= block.nbytes
+            counters.frees += 1
+            if block._callbacks:
+                block._callbacks.clear()
+            if block._events:
+                block._events = _still_pending(block._events)
             if block._events:
                 block.state = BlockState.IN_FLIGHT
                 self._in_flight.append(block)
@@ -391,7 +400,8 @@ class BlockPool:
 
     def _defragment(self, request: tuple[int, int, int, str] | None) -> tuple[int, Block | None]:
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise self._closed_error()
             pending = _pending_events(chain(self._live, self._in_flight))
         self._wait(pending)
         with self._lock:
@@ -483,14 +493,13 @@ class BlockPool:
 
     # ----------------------------------------------------------------- internals
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"pool {self.name!r} is closed; build a new one")
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"pool {self.name!r} is closed; build a new one")
 
     def _try_alloc_locked(self, nbytes: int, size: int, align: int, owner: str) -> Block | None:
         if self._in_flight:
             self._reclaim_locked()
-        offset = self._free.take(size, align=align, base_align=self.alignment)
+        offset = self._free.take(size, align, self.alignment)
         if offset is None:
             return None
         block = Block(self, offset, size, nbytes, align, owner)
