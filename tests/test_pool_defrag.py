@@ -2,7 +2,7 @@
 randomized model check of alloc/free/record/defragment sequences.
 
 See Note [views pin unregistered blocks] and Note [overlap-safe moves] in
-zero_offload/memory/pool.py.
+zero_offload/memory/pool.py and moves.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from zero_offload.accelerator import Event, HostAccelerator
 from zero_offload.errors import PoolExhausted
-from zero_offload.memory.pool import Block, BlockPool, BlockState, move_within
+from zero_offload.memory.moves import move_within
+from zero_offload.memory.pool import Block, BlockPool, BlockState
 
 KiB = 1024
 

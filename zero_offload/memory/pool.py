@@ -32,16 +32,6 @@ place for the rest of its life: defragmentation never moves it (even if a callba
 registered later, as the earlier view may still be held) and compacts the other blocks
 around it. A block nobody took a view of has no pointers to fix and moves freely. So no
 pointer is ever silently invalidated.
-
-Note [overlap-safe moves]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-Compaction slides every movable block toward lower addresses, in address order, so a
-block's destination can overlap only its own source. ``tensor.copy_`` refuses partially
-overlapping operands, so an overlapping move goes in chunks from low to high addresses:
-with chunks no longer than the distance moved, each chunk's destination holds only bytes
-already copied. When the distance is short (< ``DIRECT_CHUNK_MIN``) such chunks would be
-tiny, so the move bounces through a staging buffer of at most ``STAGING_BYTES`` instead
-(read a chunk out, write it back lower; the bytes it overwrites were read before).
 """
 
 from __future__ import annotations
@@ -60,26 +50,22 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
 from .block import Block, BlockState, MoveCallback
 from .freelist import OFFSET_BITS, FreeList
+from .moves import DIRECT_CHUNK_MIN, STAGING_BYTES, move_within
 
 __all__ = [
-    "DIRECT_CHUNK_MIN",
     "HOST_RAM_MARGIN_FRACTION",
     "HOST_RAM_MARGIN_MIN",
-    "STAGING_BYTES",
     "Block",
     "BlockPool",
     "BlockState",
     "check_host_ram",
+    "move_within",
 ]
 
 #: Host RAM left free when sizing a host pool: the larger of this fraction of total RAM...
 HOST_RAM_MARGIN_FRACTION = 0.05
 #: ...and this many bytes, for the interpreter, torch, the data loader and the page cache.
 HOST_RAM_MARGIN_MIN = 1 << 30
-#: Overlapping moves shorter than this (bytes) bounce through staging, see Note [overlap-safe moves].
-DIRECT_CHUNK_MIN = 1 << 20
-#: Largest staging buffer a defragmentation allocates, bytes.
-STAGING_BYTES = 4 << 20
 
 # Staging for overlapping moves: (tensor, release) or None when none can be had.
 Scratch = Callable[[int], "tuple[torch.Tensor, Callable[[], None]] | None"]
@@ -136,7 +122,7 @@ class BlockPool:
           ranges touch.
         - reuse: see Note [block reuse waits on events].
         - compaction: ``defragment()`` slides movable blocks toward the start; see Note
-          [views pin unregistered blocks] and Note [overlap-safe moves]. It runs
+          [views pin unregistered blocks] and Note [overlap-safe moves] in moves.py. It runs
           automatically when a request fits the free bytes but not the largest free range.
 
     Lock: ``_lock`` (a plain ``threading.Lock``) guards the free list, the live and in-flight
@@ -255,7 +241,8 @@ class BlockPool:
             try:
                 staging = accelerator.allocate_device(nbytes, what=f"{name!r} defrag staging")
             except DeviceBudgetExceeded:
-                return None  # fall back to short direct chunks, see Note [overlap-safe moves]
+                # Fall back to short direct chunks, see Note [overlap-safe moves] in moves.py.
+                return None
             return staging.tensor, staging.release
 
         return cls(
@@ -390,10 +377,11 @@ class BlockPool:
         copies of IN_FLIGHT blocks, and copies still touching live blocks), since a block
         with a copy in progress cannot move. Then, under the lock, slides each movable
         block (see Note [views pin unregistered blocks]) down to the lowest aligned offset
-        after its predecessor, with overlap-safe copies (Note [overlap-safe moves]) issued on
-        the current stream, which is then synchronised (a device sync on CUDA). Finally calls
-        each moved block's ``on_move`` callbacks, without the lock. With nothing pinned in
-        place, all free bytes end as one range at the end of the pool. Data is unchanged.
+        after its predecessor, with overlap-safe copies (Note [overlap-safe moves] in
+        moves.py) issued on the current stream, which is then synchronised (a device sync on
+        CUDA). Finally calls each moved block's ``on_move`` callbacks, without the lock. With
+        nothing pinned in place, all free bytes end as one range at the end of the pool.
+        Data is unchanged.
         """
         moved, _ = self._defragment(None)
         return moved
@@ -432,15 +420,18 @@ class BlockPool:
             else:
                 cursor = block.end
         self._counters.defragmentations += 1
-        moved_bytes = self._move_locked(plan)
-        self._free.clear()
-        cursor = 0
-        for block in occupied:
-            if block.offset > cursor:
-                self._free.insert(cursor, block.offset - cursor)
-            cursor = block.end
-        if cursor < self.usable:
-            self._free.insert(cursor, self.usable - cursor)
+        try:
+            moved_bytes = self._move_locked(plan)
+        finally:
+            # Rebuilt even if a copy failed midway: each block's offset is where its bytes are.
+            self._free.clear()
+            cursor = 0
+            for block in occupied:
+                if block.offset > cursor:
+                    self._free.insert(cursor, block.offset - cursor)
+                cursor = block.end
+            if cursor < self.usable:
+                self._free.insert(cursor, self.usable - cursor)
         return [block for block, _ in plan], moved_bytes
 
     def _move_locked(self, plan: list[tuple[Block, int]]) -> int:
@@ -603,34 +594,6 @@ class BlockPool:
             f"{self.capacity} bytes) for pool {self.name!r}, free blocks sooner, or register "
             f"on_move callbacks before taking views so blocks can be compacted."
         )
-
-
-def move_within(
-    buffer: torch.Tensor, dst: int, src: int, nbytes: int, *, staging: torch.Tensor | None
-) -> None:
-    """Copy ``buffer[src:src+nbytes]`` to ``buffer[dst:dst+nbytes]`` for ``dst <= src``.
-
-    Overlap-safe; see Note [overlap-safe moves]. ``staging`` (flat uint8, same device) is
-    used for short overlapping moves when given.
-    """
-    distance = src - dst
-    if distance < 0:
-        raise ValueError(f"move_within moves toward lower offsets only, got {src} -> {dst}")
-    if distance == 0 or nbytes == 0:
-        return
-    if distance >= nbytes:
-        buffer[dst : dst + nbytes].copy_(buffer[src : src + nbytes])
-        return
-    if staging is None or distance >= DIRECT_CHUNK_MIN:
-        for start in range(0, nbytes, distance):
-            n = min(distance, nbytes - start)
-            buffer[dst + start : dst + start + n].copy_(buffer[src + start : src + start + n])
-        return
-    chunk = staging.numel()
-    for start in range(0, nbytes, chunk):
-        n = min(chunk, nbytes - start)
-        staging[:n].copy_(buffer[src + start : src + start + n])
-        buffer[dst + start : dst + start + n].copy_(staging[:n])
 
 
 def _check_align(value: int, name: str) -> int:
