@@ -103,7 +103,7 @@ def f32_to_fp16(x):
     rem = mant & ((np.int64(1) << shift) - 1)
     half = np.int64(1) << (shift - 1)
     sub = q + ((rem > half) | ((rem == half) & (q & 1)))
-    special = np.int64(0x7C00) if a == 0x7F800000 else 0x7E00 | ((a >> 13) & 0x3FF)
+    special = np.int64(0x7C00) if a <= 0x7F800000 else 0x7E00 | ((a >> 13) & 0x3FF)
     if a >= 0x47800000:
         res = special
     elif a >= 0x38800000:

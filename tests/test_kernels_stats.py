@@ -1,0 +1,50 @@
+"""grad_stats: float64-accurate sum of squares and the non-finite flag in one pass."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from zero_offload.kernels import grad_stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [0, 1, 7, 100_003])
+def test_sum_of_squares_matches_float64(dtype, n) -> None:
+    g = (torch.randn(n) * 3).to(dtype)
+    total, nonfinite = grad_stats(g)
+    expected = float((g.double() ** 2).sum())
+    assert not nonfinite
+    assert math.isclose(total, expected, rel_tol=1e-12, abs_tol=1e-300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_is_flagged(dtype, bad) -> None:
+    g = torch.randn(70_001).to(dtype)
+    g[54_321] = bad
+    _, nonfinite = grad_stats(g)
+    assert nonfinite
+    assert not grad_stats(g, stop=54_321)[1]
+
+
+def test_large_finite_values_do_not_overflow() -> None:
+    g = torch.full((1000,), 3.0e38)
+    total, nonfinite = grad_stats(g)
+    assert not nonfinite and math.isclose(total, 1000 * 3.0e38**2, rel_tol=1e-6)
+
+
+def test_tiles_sum_to_whole() -> None:
+    g = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    whole, _ = grad_stats(g)
+    parts = sum(
+        grad_stats(g, start=a, stop=b)[0] for a, b in [(0, 5), (5, 150_000), (150_000, 300_000)]
+    )
+    assert math.isclose(whole, parts, rel_tol=1e-13)
+
+
+def test_bad_range_names_argument() -> None:
+    with pytest.raises(ValueError, match="start=5, stop=3"):
+        grad_stats(torch.ones(4), start=5, stop=3)
+    with pytest.raises(TypeError, match="grad has dtype torch.int64"):
+        grad_stats(torch.ones(4, dtype=torch.int64))
