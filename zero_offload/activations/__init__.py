@@ -1,0 +1,24 @@
+"""Activation offload: checkpoint inputs and saved tensors in host memory, with prefetch.
+
+``checkpoint(fn, *args)`` is ``torch.utils.checkpoint`` (non-reentrant) whose kept inputs
+go to the host; ``with offload_activations():`` sends any big saved tensor there. Both use
+an ``ActivationOffloader`` (pools, copies, prefetch), shareable with ``OffloadAdamW``.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import checkpoint
+from .config import ActivationOffloadConfig
+from .offloader import ActivationOffloader, default_offloader
+from .record import ActivationState
+from .saved_tensors import offload_activations, offload_hooks
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "ActivationOffloader",
+    "ActivationState",
+    "checkpoint",
+    "default_offloader",
+    "offload_activations",
+    "offload_hooks",
+]

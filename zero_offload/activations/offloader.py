@@ -1,0 +1,487 @@
+"""ActivationOffloader: pools, copies out and back, and the prefetch queue for activations.
+
+Note [activation lifecycle]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A saved tensor chosen for offload (``policy.is_offloadable``) becomes an
+``OffloadedActivation`` record; autograd keeps only a ``SavedActivation`` handle to it.
+
+- pack (forward): a host pool block is taken (never pinned on the fly: the pool was pinned
+  once, at construction) and the copy out is queued on the manager's ``d2h`` stream after
+  the compute that produced the tensor. The device tensor stays referenced in ``_outgoing``
+  until that copy's end event completes; then it is dropped and its memory returns to the
+  allocator. Completion is polled at every pack and unpack; when more than
+  ``max_offloads_in_flight`` copies are pending, compute waits for the oldest.
+- unpack (backward): the record's group (one checkpoint call, or one saved tensor) is loaded
+  into device pool blocks on the ``h2d`` stream, each copy after that record's copy out; then
+  the ``prefetch_depth`` nearest groups saved before it are loaded too, so the next
+  recomputation finds its inputs on the device. Compute waits only for the record's own
+  copy back (the wait is counted as exposed time by the manager).
+- autograd dropping the handle (after the backward that used it, or with the graph) frees
+  the host block; the pool reuses it only after its pending copies end (Note [block reuse
+  waits on events] in ``memory/pool.py``).
+
+Note [device blocks live as long as their storage]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A reloaded activation is a tensor over its own ``UntypedStorage``, a slice of the device
+pool's buffer covering one block. Autograd and checkpoint recomputation may keep views and
+detached aliases of it, all sharing that storage; so the block is freed by a finalizer on
+the storage, which runs exactly when the last of them is gone. Before freeing, the block
+records an event on the compute stream (on CUDA, kernels using the tensor may still be
+queued), so the pool hands the bytes to the next reload only after that work. The views the
+pool hands out pin these blocks in place: nobody could re-point autograd's tensors.
+
+Note [reuse order]
+~~~~~~~~~~~~~~~~~~
+Every iteration allocates and frees device blocks in the same order (reverse forward order,
+``prefetch_depth + 1`` groups live at a time), and best-fit placement is deterministic, so
+the device pool's layout repeats from one iteration to the next and does not fragment.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..accelerator import Accelerator, Event
+from ..config import format_bytes
+from ..errors import PoolExhausted
+from ..memory.block import Block
+from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.pool import BlockPool
+from ..memory.traffic import Category, Direction
+from ..tracing import phase
+from .config import ActivationOffloadConfig
+from .record import ActivationState, OffloadedActivation, SavedActivation
+
+__all__ = ["ActivationOffloader", "default_offloader"]
+
+
+class _Outgoing(NamedTuple):
+    record: OffloadedActivation
+    source: torch.Tensor  # the device tensor autograd saved, held until `event` completes
+    event: Event  # end of the copy to the host
+
+
+@dataclass
+class _Stats:
+    """Counters of one offloader; guarded by its lock. Units in the names."""
+
+    offloaded_tensors: int = 0  # saved tensors copied out
+    offloaded_bytes: int = 0  # their bytes
+    reloads: int = 0  # copies back issued (prefetch or demand)
+    prefetch_hits: int = 0  # unpacks whose copy back had been issued ahead of time
+    demand_loads: int = 0  # unpacks that had to issue their own copy back
+    prefetch_skipped: int = 0  # prefetches dropped because the device pool was full
+    forward_waits: int = 0  # packs that waited for an older copy out (max_offloads_in_flight)
+    device_bytes: int = 0  # activation bytes on the device held by the offloader, now
+    device_bytes_peak: int = 0  # largest device_bytes since construction or reset_peak()
+
+
+class ActivationOffloader:
+    """Moves saved activations to a host pool and back; shared by ``checkpoint`` and
+    ``offload_activations``.
+
+    Pass ``manager=`` to share a ``TieredMemoryManager`` (and its copy streams and traffic
+    counters) with an ``OffloadAdamW`` (``opt.manager``); otherwise one is built for
+    ``accelerator`` (default ``get_accelerator()``). The host and device pools are
+    allocated here, once, at the sizes in ``config``. See Note [activation lifecycle].
+
+    Device activation bytes (``stats()["device_bytes"]``, ``["device_bytes_peak"]``) count
+    what the offloader holds on the device: saved tensors whose copy out is pending, and
+    reloaded activations still alive. Tensors it keeps referenced are the only ones it can
+    release; a saved tensor the caller also holds stays allocated regardless.
+    """
+
+    def __init__(
+        self,
+        *,
+        manager: TieredMemoryManager | None = None,
+        config: ActivationOffloadConfig | None = None,
+        accelerator: Accelerator | None = None,
+    ) -> None:
+        config = ActivationOffloadConfig() if config is None else config
+        if not isinstance(config, ActivationOffloadConfig):
+            raise TypeError(
+                f"config must be an ActivationOffloadConfig, got {type(config).__name__}"
+            )
+        if manager is None:
+            manager = TieredMemoryManager(accelerator)
+        elif not isinstance(manager, TieredMemoryManager):
+            raise TypeError(f"manager must be a TieredMemoryManager, got {type(manager).__name__}")
+        elif accelerator is not None and accelerator is not manager.accelerator:
+            raise ValueError(
+                "accelerator= differs from manager.accelerator; pass one of them (the "
+                "manager's accelerator is used when sharing a manager)"
+            )
+        self.config = config
+        self.manager = manager
+        self.accelerator = manager.accelerator
+        self.device = self.accelerator.device
+        self.host_pool: BlockPool = manager.create_pool(
+            Tier.HOST, config.host_pool_bytes, name="activations.host"
+        )
+        try:
+            self.device_pool: BlockPool = manager.create_pool(
+                Tier.DEVICE, config.device_pool_bytes, name="activations.device"
+            )
+        except BaseException:
+            self.host_pool.close()
+            raise
+        self._lock = threading.Lock()  # guards everything below and every record's fields
+        self._group_ids = itertools.count()
+        # Prefetch queue: group id -> its records not yet unpacked, in pack order.
+        self._groups: dict[int, list[OffloadedActivation]] = {}
+        self._outgoing: deque[_Outgoing] = deque()  # pending copies out, in issue order
+        self._stats = _Stats()
+
+    def __repr__(self) -> str:
+        return f"ActivationOffloader(device={self.device}, config={self.config})"
+
+    # -- public ------------------------------------------------------------------------
+
+    def new_group(self) -> int:
+        """A fresh prefetch group id (one per checkpoint call); ids grow in forward order."""
+        return next(self._group_ids)
+
+    def pack(self, tensor: torch.Tensor, *, group: int) -> SavedActivation:
+        """Start copying ``tensor`` to the host; the handle stands in for it in autograd.
+
+        The caller has decided ``tensor`` should be offloaded (``policy.is_offloadable``).
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        self._check_fits(tensor, nbytes)
+        # The copy runs on another thread (host accelerator), outside this grad mode.
+        tensor = tensor.detach()
+        with phase("act_offload", track="copy"):
+            self._reap()
+            self._bound_outgoing()
+            host_block = self._alloc_host(nbytes, group)
+            host_view = host_block.view(tensor.dtype, tuple(tensor.shape))
+            end = self.manager.copy(
+                host_view,
+                tensor,
+                direction=Direction.D2H,
+                category=Category.ACTIVATIONS,
+                after=[self.manager.compute_ready()],
+                blocks=[host_block],
+                label=f"activation group {group} out",
+            )
+            record = OffloadedActivation(
+                group=group,
+                dtype=tensor.dtype,
+                shape=tuple(tensor.shape),
+                nbytes=nbytes,
+                host_block=host_block,
+                host_view=host_view,
+                out_event=end,
+            )
+            with self._lock:
+                self._outgoing.append(_Outgoing(record, tensor, end))
+                self._groups.setdefault(group, []).append(record)
+                self._add_device_bytes_locked(nbytes)
+                self._stats.offloaded_tensors += 1
+                self._stats.offloaded_bytes += nbytes
+        handle = SavedActivation(record)
+        weakref.finalize(handle, self._drop, record)
+        return handle
+
+    def unpack(self, handle: SavedActivation) -> torch.Tensor:
+        """The activation back on the device; prefetches the next groups backward needs."""
+        record = handle.record
+        with phase("act_prefetch", track="copy"):
+            self._reap()
+            with self._lock:
+                hit = record.state is ActivationState.MOVING_IN
+                members = self._groups.get(record.group, [])
+                # The whole group is needed now: a checkpoint unpacks all its inputs at once.
+                members = list(members) if record in members else [record]
+                if hit:
+                    self._stats.prefetch_hits += 1
+                else:
+                    self._stats.demand_loads += 1
+            if not hit:
+                for member in members:
+                    self._load(member, demand=True)
+            self._prefetch_before(record.group)
+        in_event = record.in_event
+        if in_event is None:
+            raise RuntimeError(f"{record!r} has no copy back after loading it (bug)")
+        self.manager.wait_for([in_event], category=Category.ACTIVATIONS)
+        return self._take(record)
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters (see ``_Stats``), pool occupancy and exposed wait, bytes and seconds."""
+        with self._lock:
+            stats: dict[str, int | float] = dict(asdict(self._stats))
+            stats["pending_offloads"] = len(self._outgoing)
+        device = self.device_pool.stats()
+        host = self.host_pool.stats()
+        stats["device_pool_peak_bytes"] = device["peak_bytes_in_use"]
+        stats["device_pool_fragmentation"] = device["fragmentation"]
+        stats["host_pool_bytes_in_use"] = host["bytes_in_use"]
+        stats["host_pool_peak_bytes"] = host["peak_bytes_in_use"]
+        stats["exposed_seconds"] = self.manager.exposed_seconds.get(Category.ACTIVATIONS, 0.0)
+        return stats
+
+    def reset_peak(self) -> None:
+        """Start ``device_bytes_peak`` and the pools' peaks afresh from current use."""
+        with self._lock:
+            self._stats.device_bytes_peak = self._stats.device_bytes
+        self.device_pool.reset_peak()
+        self.host_pool.reset_peak()
+
+    def synchronize(self) -> None:
+        """Wait for every pending copy out and release the device tensors they held.
+
+        Synchronisation point: blocks the caller until the ``d2h`` stream is idle.
+        """
+        self.manager.d2h.synchronize()
+        self._reap()
+
+    def close(self) -> None:
+        """Give both pools back; every activation must have been dropped by autograd."""
+        self.synchronize()
+        self.manager.h2d.synchronize()
+        gc.collect()  # hidden cost: collects graphs kept alive only by reference cycles
+        self.device_pool.close()
+        self.host_pool.close()
+
+    # -- copies out --------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Drop the device tensors whose copy out has completed (never blocks)."""
+        released = []
+        with self._lock:
+            while self._outgoing and self._outgoing[0].event.query():
+                released.append(self._release_oldest_locked())
+        del released  # the device memory returns to the allocator here, outside the lock
+
+    def _bound_outgoing(self) -> None:
+        limit = self.config.max_offloads_in_flight
+        while True:
+            with self._lock:
+                if len(self._outgoing) <= limit:
+                    return
+                oldest = self._outgoing[0]
+                self._stats.forward_waits += 1
+            # Synchronisation point: compute waits for the oldest copy out, bounding the device
+            # memory held by outgoing activations (on CUDA the GPU waits, not the caller;
+            # dropping the tensor then is safe, its memory is reused only by later compute).
+            self.manager.wait_for([oldest.event], category=Category.ACTIVATIONS)
+            self._release_through(oldest.record)
+
+    def _release_through(self, record: OffloadedActivation) -> None:
+        """Drop the outgoing tensors up to ``record``'s, after compute waited for its copy.
+
+        The ``d2h`` stream runs copies in issue order, so the earlier ones are done too.
+        """
+        released = []
+        with self._lock:
+            if not any(item.record is record for item in self._outgoing):
+                return
+            while self._outgoing:
+                item = self._release_oldest_locked()
+                released.append(item)
+                if item is record:
+                    break
+        del released
+
+    def _release_oldest_locked(self) -> OffloadedActivation:
+        item = self._outgoing.popleft()
+        self._stats.device_bytes -= item.record.nbytes
+        if item.record.state is ActivationState.MOVING_OUT:
+            item.record.state = ActivationState.ON_HOST
+        return item.record
+
+    # -- copies back -------------------------------------------------------------------
+
+    def _load(self, record: OffloadedActivation, *, demand: bool) -> bool:
+        """Issue ``record``'s copy back; False when a prefetch found the device pool full."""
+        with self._lock:
+            state = record.state
+        if state is ActivationState.MOVING_OUT:
+            # Synchronisation point (only for the last activations of a forward): release
+            # the outgoing device tensor before taking a device block for the same bytes,
+            # so both are never counted at once. The copy back must follow it anyway.
+            self.manager.wait_for([record.out_event], category=Category.ACTIVATIONS)
+            self._release_through(record)
+        elif state is not ActivationState.ON_HOST:
+            return True  # MOVING_IN already; FREED cannot be unpacked
+        block = self._alloc_device(record, demand=demand)
+        if block is None:
+            return False
+        device_tensor = _tensor_over_block(
+            block,
+            record.dtype,
+            record.shape,
+            functools.partial(self._free_device_block, block, record.nbytes),
+        )
+        end = self.manager.copy(
+            device_tensor,
+            record.host_view,
+            direction=Direction.H2D,
+            category=Category.ACTIVATIONS,
+            after=[record.out_event],
+            blocks=[block, record.host_block],
+            label=f"activation group {record.group} in",
+        )
+        with self._lock:
+            record.device_tensor = device_tensor
+            record.in_event = end
+            record.state = ActivationState.MOVING_IN
+            self._stats.reloads += 1
+        return True
+
+    def _prefetch_before(self, group: int) -> None:
+        depth = self.config.prefetch_depth
+        if depth == 0:
+            return
+        with self._lock:
+            targets: list[OffloadedActivation] = []
+            found = 0
+            for gid in reversed(self._groups):
+                if gid >= group:
+                    continue
+                targets.extend(self._groups[gid])
+                found += 1
+                if found == depth:
+                    break
+        for record in targets:
+            if not self._load(record, demand=False):
+                return
+
+    def _take(self, record: OffloadedActivation) -> torch.Tensor:
+        """Hand the reloaded tensor to autograd; the record goes back to ON_HOST."""
+        with self._lock:
+            tensor = record.device_tensor
+            if record.state is not ActivationState.MOVING_IN or tensor is None:
+                raise RuntimeError(f"unpacking {record!r}, which was not reloaded (bug)")
+            record.device_tensor = None
+            record.in_event = None
+            record.state = ActivationState.ON_HOST
+            self._forget_locked(record)
+        return tensor
+
+    # -- blocks ------------------------------------------------------------------------
+
+    def _alloc_host(self, nbytes: int, group: int) -> Block:
+        owner = f"activation group {group}"
+        try:
+            return self.host_pool.alloc(nbytes, owner=owner)
+        except PoolExhausted:
+            # Hidden cost, only when the pool is full: graphs in reference cycles hold their
+            # activations until the garbage collector runs.
+            gc.collect()
+        try:
+            return self.host_pool.alloc(nbytes, owner=owner)
+        except PoolExhausted as exc:
+            held = self.host_pool.stats()
+            raise PoolExhausted(
+                f"the host pool for offloaded activations is full: cannot hold another "
+                f"{format_bytes(nbytes)} ({nbytes} bytes) with {held['bytes_in_use']} bytes held "
+                f"by {held['live_blocks']} activations not yet used by backward. Raise "
+                f"ActivationOffloadConfig.host_pool_bytes (now {self.config.host_pool_bytes}) to "
+                f"the offloaded bytes of one forward pass (of all forwards before a backward, "
+                f"when accumulating gradients), or raise min_bytes to offload less."
+            ) from exc
+
+    def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
+        try:
+            block = self.device_pool.alloc(record.nbytes, owner=f"activation group {record.group}")
+        except PoolExhausted as exc:
+            if not demand:
+                with self._lock:
+                    self._stats.prefetch_skipped += 1
+                return None
+            held = self.device_pool.stats()
+            raise PoolExhausted(
+                f"the device pool for reloaded activations is full: cannot reload "
+                f"{record!r} with {held['bytes_in_use']} bytes held by {held['live_blocks']} "
+                f"reloaded activations still alive. Raise "
+                f"ActivationOffloadConfig.device_pool_bytes (now {self.config.device_pool_bytes}) "
+                f"to hold prefetch_depth + 1 = {self.config.prefetch_depth + 1} layers' saved "
+                f"activations, or lower prefetch_depth."
+            ) from exc
+        with self._lock:
+            self._add_device_bytes_locked(record.nbytes)
+        return block
+
+    def _free_device_block(self, block: Block, nbytes: int) -> None:
+        # See Note [device blocks live as long as their storage]; runs on whichever thread
+        # dropped the storage's last reference.
+        block.record_event(self.manager.compute_ready())
+        block.free()
+        with self._lock:
+            self._stats.device_bytes -= nbytes
+
+    def _drop(self, record: OffloadedActivation) -> None:
+        """Autograd dropped ``record``'s handle: free its blocks (finalizer; any thread)."""
+        with self._lock:
+            self._forget_locked(record)
+            record.state = ActivationState.FREED
+            device_tensor, record.device_tensor = record.device_tensor, None
+        record.host_block.free()  # reused only after its copies end (pool Note)
+        del device_tensor  # a prefetched, never used block returns via its storage finalizer
+
+    def _check_fits(self, tensor: torch.Tensor, nbytes: int) -> None:
+        for field, pool in (
+            ("host_pool_bytes", self.host_pool),
+            ("device_pool_bytes", self.device_pool),
+        ):
+            if nbytes > pool.usable:
+                raise PoolExhausted(
+                    f"a saved activation of shape {tuple(tensor.shape)} ({tensor.dtype}, "
+                    f"{format_bytes(nbytes)}, {nbytes} bytes) cannot fit the activation pool "
+                    f"{pool.name!r} of {pool.usable} usable bytes. Raise "
+                    f"ActivationOffloadConfig.{field} to at least {nbytes} bytes (more to hold "
+                    f"several), or raise min_bytes above {nbytes} to keep such tensors on the device."
+                )
+
+    def _forget_locked(self, record: OffloadedActivation) -> None:
+        members = self._groups.get(record.group)
+        if members is not None and record in members:
+            members.remove(record)
+            if not members:
+                del self._groups[record.group]
+
+    def _add_device_bytes_locked(self, nbytes: int) -> None:
+        self._stats.device_bytes += nbytes
+        self._stats.device_bytes_peak = max(self._stats.device_bytes_peak, self._stats.device_bytes)
+
+
+def _tensor_over_block(
+    block: Block, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[], None]
+) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` over its own storage slice of ``block``.
+
+    ``on_free()`` runs when that storage dies; see Note [device blocks live as long as
+    their storage].
+    """
+    flat = block.view(torch.uint8)  # pins the block in place; see the Note
+    start = flat.storage_offset()
+    storage = flat.untyped_storage()[start : start + block.nbytes]
+    tensor = flat.new_empty(0, dtype=dtype).set_(storage, 0, shape)
+    weakref.finalize(storage, on_free)
+    return tensor
+
+
+_default: ActivationOffloader | None = None
+_default_lock = threading.Lock()  # guards _default
+
+
+def default_offloader() -> ActivationOffloader:
+    """The process-wide offloader, built on first use from ``get_accelerator()``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ActivationOffloader()
+        return _default

@@ -1,0 +1,92 @@
+"""One offloaded activation: its lifecycle state and the blocks that hold its bytes.
+
+See Note [activation lifecycle] in ``offloader.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ..accelerator import Event
+from ..memory.block import Block
+
+__all__ = ["ActivationState", "OffloadedActivation", "SavedActivation"]
+
+
+class ActivationState(enum.Enum):
+    """Where an offloaded activation's bytes are, and what that means for memory.
+
+    Transitions (checked in ``ActivationOffloader``): ``MOVING_OUT -> ON_HOST`` when the
+    copy out completes (or compute waited for it); ``ON_HOST -> MOVING_IN`` when a reload is
+    issued; ``MOVING_IN -> ON_HOST`` when backward takes the reloaded tensor (the device block
+    then belongs to that tensor's storage); any state ``-> FREED`` when autograd drops it.
+    """
+
+    #: The copy to the host block is pending; the device tensor that autograd saved is still
+    #: held (and counted as device activation bytes) until the copy's event completes.
+    MOVING_OUT = "moving_out"
+    #: The host block holds the bytes; the activation uses no device memory.
+    ON_HOST = "on_host"
+    #: A device block is being filled from the host block (a prefetch or a demand load); the
+    #: device block is counted as device activation bytes, the host block is kept for re-reads.
+    MOVING_IN = "moving_in"
+    #: Autograd dropped the activation: the host block is freed (reused once its copies end).
+    FREED = "freed"
+
+
+class OffloadedActivation:
+    """The bookkeeping of one offloaded activation; every field guarded by the offloader's lock."""
+
+    __slots__ = (
+        "device_tensor",
+        "dtype",
+        "group",
+        "host_block",
+        "host_view",
+        "in_event",
+        "nbytes",
+        "out_event",
+        "shape",
+        "state",
+    )
+
+    def __init__(
+        self,
+        *,
+        group: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        nbytes: int,
+        host_block: Block,
+        host_view: torch.Tensor,
+        out_event: Event,
+    ) -> None:
+        self.group = group  # prefetch unit: one checkpoint call, or one saved tensor
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = nbytes  # numel * itemsize, as saved
+        self.host_block = host_block  # host pool block, freed when autograd drops the activation
+        self.host_view = host_view  # (shape,) dtype, contiguous, over host_block
+        self.out_event = out_event  # end of the copy to the host
+        self.state = ActivationState.MOVING_OUT
+        # (shape,) dtype, contiguous, on the device, over a device pool block; set while
+        # MOVING_IN. See Note [device blocks live as long as their storage] in offloader.py.
+        self.device_tensor: torch.Tensor | None = None
+        self.in_event: Event | None = None  # end of the copy back, while MOVING_IN
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadedActivation(group={self.group}, shape={self.shape}, dtype={self.dtype}, "
+            f"nbytes={self.nbytes}, state={self.state.name})"
+        )
+
+
+class SavedActivation:
+    """What autograd stores in place of an offloaded tensor; its death frees the host block."""
+
+    __slots__ = ("__weakref__", "record")
+
+    def __init__(self, record: OffloadedActivation) -> None:
+        self.record = record
