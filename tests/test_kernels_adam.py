@@ -63,7 +63,9 @@ def test_fp32_parity_small_sizes(grad_dtype, adamw, maximize, amsgrad, wd, scale
         grads = _grads(n, grad_dtype, seed=n + 1)
         expected = _torch_reference(p0, grads, **flags)
         got = _ours(p0, grads, **flags)
-        for name, e, g in zip(["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"], expected, got):
+        for name, e, g in zip(
+            ["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"], expected, got, strict=False
+        ):
             if e is not None:
                 torch.testing.assert_close(
                     g, e, **FP32_TOL, msg=lambda s, n=n, k=name: f"{k} n={n}: {s}"
@@ -80,7 +82,7 @@ def test_fp32_parity_large(grad_dtype, adamw, maximize, amsgrad, wd, scale) -> N
     grads = _grads(n, grad_dtype, seed=4)
     expected = _torch_reference(p0, grads, **flags)
     got = _ours(p0, grads, **flags)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=False):
         if e is not None:
             torch.testing.assert_close(g, e, **FP32_TOL)
 
@@ -126,7 +128,7 @@ def test_non_finite_gradient_propagates_like_torch() -> None:
         flags = dict(adamw=True, maximize=False, amsgrad=amsgrad, wd=0.1, scale=1.0)
         expected = _torch_reference(p0, grads, **flags)
         got = _ours(p0, grads, **flags)
-        for e, g in zip(expected, got):
+        for e, g in zip(expected, got, strict=False):
             if e is None:
                 continue
             assert torch.equal(torch.isnan(g), torch.isnan(e))
@@ -145,10 +147,10 @@ def test_tiles_equal_one_call_bitwise(grad_dtype) -> None:
     tiled = [t.clone() for t in whole]
     adam_step(whole[0], g, whole[1], whole[2], out=whole[3], **kw)
     bounds = [0, 1, 999, 65536, 65537, 150_000, n]
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         adam_step(tiled[0], g, tiled[1], tiled[2], out=tiled[3], start=lo, stop=hi,
                   num_threads=1 + lo % 2, **kw)  # fmt: skip
-    for a, b in zip(whole, tiled):
+    for a, b in zip(whole, tiled, strict=False):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
@@ -162,24 +164,24 @@ KW = dict(step=1, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        (lambda a, k: a.__setitem__(0, torch.ones(16)[::2]), ValueError, "param must be a contiguous"),
-        (lambda a, k: a.__setitem__(1, torch.ones(8, dtype=torch.float64)), TypeError, "grad has dtype torch.float64"),
-        (lambda a, k: a.__setitem__(2, torch.ones(8, dtype=torch.bfloat16)), TypeError, "exp_avg is bfloat16"),
-        (lambda a, k: a.__setitem__(3, torch.ones(9)), ValueError, "exp_avg_sq has 9 elements"),
-        (lambda a, k: a.__setitem__(1, torch.ones(2, 4)), ValueError, "grad must be a contiguous 1-D"),
-        (lambda a, k: a.__setitem__(1, [1.0] * 8), TypeError, "grad must be a CPU torch.Tensor"),
-        (lambda a, k: a.__setitem__(0, torch.ones(8, device="meta")), ValueError, "param is on device meta"),
-        (lambda a, k: k.update(out=torch.ones(8)), TypeError, "out has dtype torch.float32"),
-        (lambda a, k: k.update(max_exp_avg_sq=torch.ones(8, dtype=torch.bfloat16)), TypeError, "max_exp_avg_sq is bfloat16"),
-        (lambda a, k: k.update(start=3, stop=2), ValueError, "start=3, stop=2"),
-        (lambda a, k: k.update(stop=9), ValueError, "stop=9"),
-        (lambda a, k: k.update(step=0), ValueError, "step=0"),
-        (lambda a, k: k.update(lr=-1.0), ValueError, "lr=-1.0"),
-        (lambda a, k: k.update(beta2=1.0), ValueError, "beta2=1.0"),
-        (lambda a, k: k.update(eps=float("nan")), ValueError, "eps=nan"),
-        (lambda a, k: k.update(weight_decay="0.1"), TypeError, "weight_decay must be a real"),
-        (lambda a, k: k.update(grad_scale=float("inf")), ValueError, "grad_scale=inf"),
-        (lambda a, k: k.update(num_threads=10_000), ValueError, "num_threads=10000"),
+        (lambda a, k: a.__setitem__(0, torch.ones(16)[::2]), ValueError, r"param must be a contiguous"),
+        (lambda a, k: a.__setitem__(1, torch.ones(8, dtype=torch.float64)), TypeError, r"grad has dtype torch.float64"),
+        (lambda a, k: a.__setitem__(2, torch.ones(8, dtype=torch.bfloat16)), TypeError, r"exp_avg is bfloat16"),
+        (lambda a, k: a.__setitem__(3, torch.ones(9)), ValueError, r"exp_avg_sq has 9 elements"),
+        (lambda a, k: a.__setitem__(1, torch.ones(2, 4)), ValueError, r"grad must be a contiguous 1-D"),
+        (lambda a, k: a.__setitem__(1, [1.0] * 8), TypeError, r"grad must be a CPU torch.Tensor"),
+        (lambda a, k: a.__setitem__(0, torch.ones(8, device="meta")), ValueError, r"param is on device meta"),
+        (lambda a, k: k.update(out=torch.ones(8)), TypeError, r"out has dtype torch.float32"),
+        (lambda a, k: k.update(max_exp_avg_sq=torch.ones(8, dtype=torch.bfloat16)), TypeError, r"max_exp_avg_sq is bfloat16"),
+        (lambda a, k: k.update(start=3, stop=2), ValueError, r"start=3, stop=2"),
+        (lambda a, k: k.update(stop=9), ValueError, r"stop=9"),
+        (lambda a, k: k.update(step=0), ValueError, r"step=0"),
+        (lambda a, k: k.update(lr=-1.0), ValueError, r"lr=-1.0"),
+        (lambda a, k: k.update(beta2=1.0), ValueError, r"beta2=1.0"),
+        (lambda a, k: k.update(eps=float("nan")), ValueError, r"eps=nan"),
+        (lambda a, k: k.update(weight_decay="0.1"), TypeError, r"weight_decay must be a real"),
+        (lambda a, k: k.update(grad_scale=float("inf")), ValueError, r"grad_scale=inf"),
+        (lambda a, k: k.update(num_threads=10_000), ValueError, r"num_threads=10000"),
     ],
 )  # fmt: skip
 def test_bad_input_raises_and_changes_nothing(change, error, match) -> None:
@@ -189,7 +191,7 @@ def test_bad_input_raises_and_changes_nothing(change, error, match) -> None:
               for a in args]  # fmt: skip
     with pytest.raises(error, match=match):
         adam_step(*args, **kw)
-    for a, b in zip(args, before):
+    for a, b in zip(args, before, strict=False):
         if b is not None:
             assert torch.equal(a, b)
 
@@ -202,5 +204,5 @@ def test_numpy_inputs_and_read_only_output() -> None:
     assert np.all(p < 1) and np.all(m != 0)
     ro = np.ones(8, np.float32)
     ro.flags.writeable = False
-    with pytest.raises(ValueError, match="param is a read-only"):
+    with pytest.raises(ValueError, match=r"param is a read-only"):
         adam_step(ro, g, m, v, **KW)

@@ -74,5 +74,5 @@ def test_numpy_arrays_uint16_means_bf16() -> None:
 
 
 def test_bad_out_dtype_names_argument() -> None:
-    with pytest.raises(TypeError, match="out has dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"out has dtype torch.float32"):
         cast_fp32(torch.zeros(4), torch.zeros(4))

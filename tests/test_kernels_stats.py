@@ -44,7 +44,7 @@ def test_tiles_sum_to_whole() -> None:
 
 
 def test_bad_range_names_argument() -> None:
-    with pytest.raises(ValueError, match="start=5, stop=3"):
+    with pytest.raises(ValueError, match=r"start=5, stop=3"):
         grad_stats(torch.ones(4), start=5, stop=3)
-    with pytest.raises(TypeError, match="grad has dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"grad has dtype torch.int64"):
         grad_stats(torch.ones(4, dtype=torch.int64))

@@ -1,0 +1,53 @@
+"""Small helpers shared by the benchmark scripts: timing and result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict:
+    """Median seconds per call of each function, timed in interleaved rounds.
+
+    Each round calls every function once, so slow drift in the machine (frequency, a
+    neighbour's load) hits all of them alike instead of whichever ran last.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def machine() -> dict[str, object]:
+    """The CPU model and core count, for the record."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {"cpu": model, "logical_cpus": os.cpu_count()}
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``payload`` to benchmarks/results/<name>.json and return the path."""
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    return path

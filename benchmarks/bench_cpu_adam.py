@@ -1,0 +1,168 @@
+"""CPU Adam throughput: our numba kernels vs torch, against a measured bandwidth roofline.
+
+    python benchmarks/bench_cpu_adam.py [--quick | --large] [--rounds N]
+
+Prints one table per size (params/s, ratio to the roofline and to torch's fused AdamW) and
+writes benchmarks/results/bench_cpu_adam.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine, time_rounds, write_json
+from zero_offload.kernels import adam_step, warmup
+
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+# bytes moved per parameter by each access pattern
+BYTES = {"fp32": 28, "mixed": 28, "bf16_moments": 20}
+
+
+@njit(parallel=True)
+def _roofline(p, g, m, v, out, nchunks):
+    """Same streams as the Adam pass (read p,g,m,v; write p,m,v[,out]), trivial arithmetic."""
+    n = p.shape[0]
+    for c in prange(nchunks):
+        lo, hi = n * c // nchunks, n * (c + 1) // nchunks
+        p_t, g_t, m_t, v_t = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+        o_t = out[lo:hi]
+        for i in range(hi - lo):
+            x = g_t[i]
+            p_t[i] = p_t[i] + 1
+            m_t[i] = m_t[i] + x
+            v_t[i] = v_t[i] + x
+            if o_t.shape[0] > 0:
+                o_t[i] = x
+    return 0
+
+
+def _deepspeed_adam():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # not installed, or its extension does not build here
+        return None
+    return DeepSpeedCPUAdam
+
+
+def bench_size(n: int, rounds: int) -> dict[str, float]:
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)  # (n,) fp32 master weights, ours
+    g = torch.randn(n, generator=gen) * 1e-2  # (n,) fp32 gradient
+    m, v = torch.zeros(n), torch.zeros(n)  # (n,) fp32 moments
+    g_bf16 = g.bfloat16()  # (n,) bf16 gradient as a mixed-precision backward leaves it
+    out_bf16 = torch.empty(n, dtype=torch.bfloat16)  # (n,) bf16 training weights
+    m_bf16 = torch.zeros(n, dtype=torch.bfloat16)
+    v_bf16 = torch.zeros(n, dtype=torch.bfloat16)
+    p_u16 = g_bf16.view(torch.int16).numpy().view(np.uint16)  # roofline's 16-bit streams
+    out_u16 = out_bf16.view(torch.int16).numpy().view(np.uint16)
+    arrays = [t.numpy() for t in (p, g, m, v)]
+    no_out = np.empty(0, np.uint16)
+    step = {"n": 0}
+
+    def ours(grad, exp_avg, exp_avg_sq, out=None):
+        def run():
+            step["n"] += 1
+            adam_step(p, grad, exp_avg, exp_avg_sq, step=step["n"], out=out, **HYPER)
+
+        return run
+
+    tp = torch.nn.Parameter(torch.randn(n, generator=gen))  # torch's own weights
+    tp.grad = g.clone()
+    kw = {"lr": HYPER["lr"], "betas": (HYPER["beta1"], HYPER["beta2"]), "eps": HYPER["eps"],
+          "weight_decay": HYPER["weight_decay"]}  # fmt: skip
+    foreach = torch.optim.AdamW([tp], foreach=True, **kw)
+    fused = torch.optim.AdamW([tp], fused=True, **kw)
+    fused_mixed = torch.optim.AdamW([tp], fused=True, **kw)
+    tp_out = torch.empty(n, dtype=torch.bfloat16)
+
+    def torch_mixed():
+        tp.grad.copy_(g_bf16)  # bf16 -> fp32 gradient
+        fused_mixed.step()
+        tp_out.copy_(tp)  # fp32 -> bf16 weights for the next forward
+
+    fns = {
+        "roofline fp32 (28 B/param)": lambda: _roofline(*arrays, no_out, threads),
+        "roofline mixed (bf16 g in, bf16 w out)": lambda: _roofline(
+            arrays[0], p_u16, arrays[2], arrays[3], out_u16, threads
+        ),
+        "ours fp32": ours(g, m, v),
+        "ours bf16 grad in + bf16 weights out": ours(g_bf16, m, v, out_bf16),
+        "ours bf16 moments": ours(g, m_bf16, v_bf16),
+        "torch AdamW foreach": foreach.step,
+        "torch AdamW fused": fused.step,
+        "torch mixed (cast g, fused, cast w)": torch_mixed,
+    }
+    ds = _deepspeed_adam()
+    if ds is None:
+        print("DeepSpeedCPUAdam: skipped (deepspeed not importable)")
+    else:
+        fns["DeepSpeedCPUAdam"] = ds([tp], **kw).step
+    with torch.no_grad():
+        return {name: n / t for name, t in time_rounds(fns, rounds=rounds).items()}
+
+
+def _table(n: int, rates: dict[str, float]) -> str:
+    roof_fp32 = rates["roofline fp32 (28 B/param)"]
+    roof_mixed = rates["roofline mixed (bf16 g in, bf16 w out)"]
+    fused = rates["torch AdamW fused"]
+    lines = [f"\n### {n / 2**20:g}M parameters", "",
+             "| variant | Mparams/s | x roofline | x torch fused |", "|---|---:|---:|---:|"]  # fmt: skip
+    for name, r in rates.items():
+        roof = roof_mixed if ("bf16 grad" in name or "mixed" in name) else roof_fp32
+        lines.append(f"| {name} | {r / 1e6:.0f} | {r / roof:.2f} | {r / fused:.2f} |")
+    return "\n".join(lines)
+
+
+def _targets(rates: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """(measured ratio, target) for each goal of issue 3."""
+    return {
+        "fp32 / roofline": (rates["ours fp32"] / rates["roofline fp32 (28 B/param)"], 0.9),
+        "fp32 / torch fused": (rates["ours fp32"] / rates["torch AdamW fused"], 1.0),
+        "bf16 in+out / torch mixed": (
+            rates["ours bf16 grad in + bf16 weights out"]
+            / rates["torch mixed (cast g, fused, cast w)"],
+            1.4,
+        ),
+        "bf16 moments / ours fp32": (rates["ours bf16 moments"] / rates["ours fp32"], 1.3),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the tables, write the JSON; return what was written."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1M and 16M, 5 rounds")
+    ap.add_argument("--large", action="store_true", help="also 256M parameters")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5/9)")
+    args = ap.parse_args(argv)
+    sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
+    if args.large:
+        sizes.append(256 << 20)
+    rounds = args.rounds or (5 if args.quick else 9)
+    info = {**machine(), "torch_threads": torch.get_num_threads(), "rounds": rounds}
+    compile_times = warmup()
+    print(f"machine: {info}; kernel warm-up {compile_times['total']:.2f} s")
+    results = {}
+    for n in sizes:
+        rates = bench_size(n, rounds)
+        targets = _targets(rates)
+        print(_table(n, rates))
+        for name, (ratio, goal) in targets.items():
+            print(
+                f"  target {name}: {ratio:.2f} (goal >= {goal}) {'met' if ratio >= goal else 'MISSED'}"
+            )
+        results[str(n)] = {"params_per_s": rates, "targets": targets}
+    payload = {"machine": info, "warmup_s": compile_times, "sizes": results}
+    print(f"\nwrote {write_json('bench_cpu_adam', payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
