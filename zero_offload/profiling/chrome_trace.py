@@ -1,0 +1,131 @@
+"""Chrome trace export: one track per stream, events named ``zero_offload::<phase>``.
+
+The file is the Trace Event Format's JSON object form (``{"traceEvents": [...]}``) that
+Perfetto and chrome://tracing open. Times are microseconds since the profile started.
+Copies appear on the track of the stream that ran them (``d2h``, ``h2d``, ...), from their
+start event to their end event; ``tracing.phase`` spans on their own track (``compute``,
+``cpu_optimizer``, ``comm``); ``prof.step()`` marks as instant events on ``compute``; and
+library-owned memory as counter tracks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..memory.traffic import Direction
+from .recorder import ProfileData
+
+__all__ = ["STANDARD_TRACKS", "chrome_trace_events", "write_chrome_trace"]
+
+#: Tracks every trace has, in display order; others (more streams, more managers) follow.
+STANDARD_TRACKS = ("compute", "d2h", "h2d", "host_worker", "cpu_optimizer", "comm")
+_PID = 1
+
+
+def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
+    """The trace's events: metadata, copies, phases, step marks, memory counters."""
+    origin = data.started_at
+    tids: dict[str, int] = {name: index + 1 for index, name in enumerate(STANDARD_TRACKS)}
+
+    def tid(track: str) -> int:
+        return tids.setdefault(track, len(tids) + 1)
+
+    def micros(at: float) -> float:
+        return round((at - origin) * 1e6, 3)
+
+    events: list[dict[str, Any]] = []
+    for manager_index, record in data.copies:
+        began, ended = record.start.completed_at(), record.end.completed_at()
+        if began is None or ended is None:
+            continue
+        track = record.stream if manager_index == 0 else f"{record.stream} ({manager_index})"
+        direction = "d2h" if record.direction is Direction.D2H else "h2d"
+        events.append(
+            {
+                "name": f"zero_offload::{record.category.value}_{direction}",
+                "cat": "copy",
+                "ph": "X",
+                "pid": _PID,
+                "tid": tid(track),
+                "ts": micros(began),
+                "dur": round(max(0.0, ended - began) * 1e6, 3),
+                "args": {
+                    "bytes": record.nbytes,
+                    "label": record.label,
+                    "seq": record.seq,
+                    "queued_us": micros(record.issued_at),
+                },
+            }
+        )
+    for span in data.phases:
+        events.append(
+            {
+                "name": f"zero_offload::{span.name}",
+                "cat": "phase",
+                "ph": "X",
+                "pid": _PID,
+                "tid": tid(span.track),
+                "ts": micros(span.start),
+                "dur": round((span.end - span.start) * 1e6, 3),
+            }
+        )
+    for number, at in enumerate(data.step_marks, start=1):
+        events.append(
+            {
+                "name": "zero_offload::step",
+                "cat": "step",
+                "ph": "i",
+                "s": "p",
+                "pid": _PID,
+                "tid": tids["compute"],
+                "ts": micros(at),
+                "args": {"step": number},
+            }
+        )
+    for sample in data.memory:
+        events.append(
+            {
+                "name": "zero_offload::device_bytes",
+                "ph": "C",
+                "pid": _PID,
+                "ts": micros(sample.at),
+                "args": {"library": sample.device},
+            }
+        )
+        if sample.host_pools is not None:
+            events.append(
+                {
+                    "name": "zero_offload::host_pool_bytes",
+                    "ph": "C",
+                    "pid": _PID,
+                    "ts": micros(sample.at),
+                    "args": {"in_use": sample.host_pools},
+                }
+            )
+    metadata: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": "zero-offload"}}
+    ]
+    for track, number in tids.items():
+        metadata.append(
+            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": number, "args": {"name": track}}
+        )
+        metadata.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": _PID,
+                "tid": number,
+                "args": {"sort_index": number},
+            }
+        )
+    return metadata + sorted(events, key=lambda event: event["ts"])
+
+
+def write_chrome_trace(data: ProfileData, path: Path) -> Path:
+    """Write the trace JSON to ``path`` (parent folders created); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trace = {"traceEvents": chrome_trace_events(data), "displayTimeUnit": "ms"}
+    path.write_text(json.dumps(trace))
+    return path

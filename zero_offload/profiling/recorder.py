@@ -1,0 +1,288 @@
+"""TrafficProfiler: listens to the memory managers and the tracing phases while it records.
+
+It keeps no bookkeeping of its own beyond what it hears: the managers' ``CopyRecord``s
+(Note [one choke point for copies]), the ``tracing.phase`` spans, samples of the device
+ledger and the pools, and the managers' ``exposed_seconds`` and pool stats at start and stop.
+Everything it reports is derived from those in ``summary.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from ..accelerator import Accelerator
+from ..memory.manager import TieredMemoryManager
+from ..memory.traffic import Category, CopyRecord
+from ..tracing import add_phase_listener
+from .link import LinkBandwidth, measure_link
+
+__all__ = ["MemorySample", "PhaseSpan", "ProfileData", "ProfilerState", "TrafficProfiler"]
+
+
+class ProfilerState(enum.Enum):
+    """Where a profiler is in its life; what it holds in each."""
+
+    #: Built; no listener attached, nothing recorded.
+    READY = "ready"
+    #: Listeners attached to the managers and the phases; records grow with every copy.
+    RECORDING = "recording"
+    #: Listeners removed and pending copies waited for: the timeline is complete.
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    """One ``tracing.phase`` that ended while recording (times on ``perf_counter``)."""
+
+    name: str
+    track: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Memory at one instant, in bytes.
+
+    ``device``: library-owned device bytes (the accelerators' ledgers). ``device_pools`` and
+    ``host_pools``: bytes of blocks in use in the device and host pools (``None`` in samples
+    taken at a copy, where only the ledger is read). ``device_torch``: all memory torch has
+    allocated on the CUDA device, activations included (``None`` without CUDA).
+    """
+
+    at: float
+    device: int
+    device_pools: int | None
+    host_pools: int | None
+    device_torch: int | None
+
+
+@dataclass
+class ProfileData:
+    """Everything recorded; ``summary.summarize`` turns it into the report."""
+
+    managers: list[TieredMemoryManager]
+    link: LinkBandwidth
+    started_at: float = 0.0
+    stopped_at: float | None = None
+    copies: list[tuple[int, CopyRecord]] = field(default_factory=list)  # (manager index, record)
+    phases: list[PhaseSpan] = field(default_factory=list)
+    memory: list[MemorySample] = field(default_factory=list)
+    step_marks: list[float] = field(default_factory=list)  # perf_counter at each prof.step()
+    rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
+    exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
+    exposed_end: list[dict[Category, float]] | None = None
+    pools_start: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats()
+    pools_end: dict[str, dict[str, Any]] | None = None
+    device_budget: int = 0  # bytes, summed over the accelerators
+
+
+def resolve_managers(targets: Iterable[Any]) -> list[TieredMemoryManager]:
+    """The distinct managers behind ``targets`` (managers, or objects with ``.manager``)."""
+    managers: list[TieredMemoryManager] = []
+    for target in targets:
+        manager = target if isinstance(target, TieredMemoryManager) else None
+        if manager is None:
+            manager = getattr(target, "manager", None)
+        if not isinstance(manager, TieredMemoryManager):
+            raise TypeError(
+                f"profile() takes TieredMemoryManager objects or objects with a .manager "
+                f"(OffloadAdamW, ActivationOffloader), got {type(target).__name__}"
+            )
+        if all(manager is not known for known in managers):
+            managers.append(manager)
+    if not managers:
+        raise ValueError("profile() needs at least one optimizer, offloader or memory manager")
+    return managers
+
+
+class TrafficProfiler:
+    """Records copies, phases and memory of one or more memory managers; see ``profile()``.
+
+    Listeners run on the caller's thread (phases, copies issued there) and on stream worker
+    threads; they only append to lists (atomic under the GIL), take the device ledgers'
+    locks, and on phase ends the pools' locks. ``_lock`` guards ``state``.
+    """
+
+    def __init__(
+        self,
+        targets: Iterable[Any],
+        *,
+        link_bandwidth: float | None = None,
+        sample_rss: bool = True,
+    ) -> None:
+        if link_bandwidth is not None and not (
+            isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0
+        ):
+            raise ValueError(
+                f"link_bandwidth must be bytes per second > 0 or None (measure it), "
+                f"got {link_bandwidth!r}"
+            )
+        managers = resolve_managers(targets)
+        self._accelerators: list[Accelerator] = []
+        for manager in managers:
+            if all(manager.accelerator is not acc for acc in self._accelerators):
+                self._accelerators.append(manager.accelerator)
+        self._link_given = link_bandwidth
+        self._sample_rss = sample_rss
+        self._process = psutil.Process()
+        self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
+        self.data = ProfileData(
+            managers=managers, link=LinkBandwidth(None, None, 0, "not started")
+        )
+        self.state = ProfilerState.READY
+        self._detach: list[Any] = []  # unsubscribe / remove callables while recording
+        self._lock = threading.Lock()
+
+    # -- life cycle --------------------------------------------------------------------
+
+    def start(self) -> TrafficProfiler:
+        """Measure the link (first time per accelerator), take baselines, start listening."""
+        with self._lock:
+            if self.state is not ProfilerState.READY:
+                raise RuntimeError(f"a profiler starts once; this one is {self.state.value}")
+            self.state = ProfilerState.RECORDING
+        data = self.data
+        first = data.managers[0]
+        if self._link_given is not None:
+            given = float(self._link_given)
+            data.link = LinkBandwidth(given, given, 0, "given")
+        else:
+            data.link = measure_link(first.accelerator, d2h=first.d2h, h2d=first.h2d)
+        data.device_budget = sum(acc.memory_stats()["budget"] for acc in self._accelerators)
+        data.exposed_start = [self._exposed(m) for m in data.managers]
+        data.pools_start = self._pool_stats()
+        for index, manager in enumerate(data.managers):
+            self._detach.append(manager.subscribe(self._copy_listener(index)))
+        self._detach.append(add_phase_listener(self._on_phase))
+        data.started_at = time.perf_counter()
+        self._sample(pools=True, rss=True)
+        return self
+
+    def stop(self) -> None:
+        """Wait for pending copies, stop listening, take the final snapshots. Idempotent."""
+        with self._lock:
+            if self.state is not ProfilerState.RECORDING:
+                return
+            self.state = ProfilerState.STOPPED
+        data = self.data
+        # Synchronisation point: copies still in flight have no end time yet; the report
+        # and the trace need every one of them finished.
+        for manager in data.managers:
+            manager.synchronize()
+        for detach in self._detach:
+            detach()
+        self._detach.clear()
+        self._sample(pools=True, rss=True)
+        data.stopped_at = time.perf_counter()
+        data.exposed_end = [self._exposed(m) for m in data.managers]
+        data.pools_end = self._pool_stats()
+
+    def __enter__(self) -> TrafficProfiler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def step(self) -> None:
+        """Mark the end of one training step (for per-step averages and the trace)."""
+        if self.state is not ProfilerState.RECORDING:
+            raise RuntimeError(f"prof.step() is for a recording profiler; this one is {self.state.value}")
+        self.data.step_marks.append(time.perf_counter())
+        self._sample(pools=True, rss=self._sample_rss)
+
+    # -- listeners ---------------------------------------------------------------------
+
+    def _copy_listener(self, index: int) -> Any:
+        copies = self.data.copies
+
+        def on_copy(record: CopyRecord) -> None:
+            copies.append((index, record))
+            self._sample(pools=False, rss=False)
+
+        return on_copy
+
+    def _on_phase(self, name: str, track: str, start: float, end: float) -> None:
+        self.data.phases.append(PhaseSpan(name, track, start, end))
+        self._sample(pools=True, rss=False)
+
+    def _sample(self, *, pools: bool, rss: bool) -> None:
+        device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
+        device_pools = host_pools = None
+        if pools:
+            device_pools = host_pools = 0
+            for manager in self.data.managers:
+                for pool in manager.pools:
+                    in_use = int(pool.stats()["bytes_in_use"])
+                    if pool.kind == "device":
+                        device_pools += in_use
+                    else:
+                        host_pools += in_use
+        device_torch = (
+            sum(torch.cuda.memory_allocated(d) for d in self._cuda_devices)
+            if self._cuda_devices
+            else None
+        )
+        self.data.memory.append(
+            MemorySample(time.perf_counter(), device, device_pools, host_pools, device_torch)
+        )
+        if rss:
+            self.data.rss_peak = max(self.data.rss_peak, self._process.memory_info().rss)
+
+    def _exposed(self, manager: TieredMemoryManager) -> dict[Category, float]:
+        # dict() of a dict copies it under the GIL in one step: no torn read.
+        return dict(manager.exposed_seconds)
+
+    def _pool_stats(self) -> dict[str, dict[str, Any]]:
+        stats: dict[str, dict[str, Any]] = {}
+        for index, manager in enumerate(self.data.managers):
+            for pool in manager.pools:
+                key = pool.name if index == 0 else f"{pool.name} (manager {index})"
+                stats[key] = dict(pool.stats(), kind=pool.kind)
+        return stats
+
+    # -- outputs -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON-friendly data (see ``summary.summarize``)."""
+        from .summary import summarize
+
+        return summarize(self.data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """``to_dict()`` as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def report(self) -> str:
+        """The traffic report as a text table (what ``str(prof)`` prints)."""
+        from .report import format_report
+
+        return format_report(self.to_dict())
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def export_chrome_trace(self, path: str | Path) -> Path:
+        """Write a Chrome trace (Perfetto, chrome://tracing) to ``path``; returns the path."""
+        from .chrome_trace import write_chrome_trace
+
+        return write_chrome_trace(self.data, Path(path))
+
+    def plot(self, path: str | Path) -> Path:
+        """Write a PNG: transfers per stream over time, and memory over time (needs matplotlib)."""
+        from .plot import plot_profile
+
+        return plot_profile(self.data, Path(path))

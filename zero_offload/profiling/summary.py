@@ -1,0 +1,222 @@
+"""Turn a profiler's records into the report's numbers: pure functions over ``ProfileData``.
+
+Units: bytes, seconds, and GB/s in decimal gigabytes (1e9 bytes) per second.
+
+Note [exposed versus hidden time]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A copy's *time* is from its start event to its end event on its stream (it includes the
+simulated link on the host accelerator). Its *exposed* time is what compute actually spent
+waiting for it: the growth of ``TieredMemoryManager.exposed_seconds`` while recording, which
+the manager counts per category in ``wait_for``. *Hidden* is the rest: ``time - exposed``,
+never below zero. Exposed time is kept per category, not per direction, so a category with
+copies both ways (activations) shows it on its busier row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..memory.traffic import Category, CopyRecord, Direction
+from .recorder import PhaseSpan, ProfileData
+
+__all__ = ["COLLECTIVE_PHASES", "TRANSFER_ROWS", "summarize"]
+
+#: The report's copy rows, in order: (row name, direction, category).
+TRANSFER_ROWS: tuple[tuple[str, Direction, Category], ...] = (
+    ("gradients D2H", Direction.D2H, Category.GRADIENTS),
+    ("weights H2D", Direction.H2D, Category.WEIGHTS),
+    ("activations out", Direction.D2H, Category.ACTIVATIONS),
+    ("activations in", Direction.H2D, Category.ACTIVATIONS),
+    ("optimizer state D2H", Direction.D2H, Category.OPTIMIZER_STATE),
+    ("optimizer state H2D", Direction.H2D, Category.OPTIMIZER_STATE),
+    ("gradients H2D", Direction.H2D, Category.GRADIENTS),
+    ("weights D2H", Direction.D2H, Category.WEIGHTS),
+)
+#: Rows that appear even with no copies (the ones every user of the library cares about).
+_ALWAYS_SHOWN = ("gradients D2H", "weights H2D", "activations out", "activations in")
+#: Phase names that are collectives (timed by ``tracing.phase`` on the comm track).
+COLLECTIVE_PHASES = (("reduce-scatter", "reduce_scatter"), ("all-gather", "all_gather"))
+
+
+def _duration(record: CopyRecord) -> float | None:
+    began, ended = record.start.completed_at(), record.end.completed_at()
+    if began is None or ended is None:
+        return None
+    return max(0.0, ended - began)
+
+
+def _exposed_by_category(data: ProfileData) -> dict[Category, float]:
+    end = data.exposed_end or [dict(m.exposed_seconds) for m in data.managers]
+    totals: dict[Category, float] = {}
+    for before, after in zip(data.exposed_start, end, strict=True):
+        for category, seconds in after.items():
+            totals[category] = totals.get(category, 0.0) + seconds - before.get(category, 0.0)
+    return totals
+
+
+def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
+    link = {Direction.H2D: data.link.h2d, Direction.D2H: data.link.d2h}
+    rows: dict[tuple[Direction, Category], dict[str, Any]] = {}
+    for name, direction, category in TRANSFER_ROWS:
+        rows[(direction, category)] = {
+            "name": name,
+            "direction": direction.value,
+            "category": category.value,
+            "count": 0,
+            "bytes": 0,
+            "seconds": 0.0,
+            "pending": 0,
+        }
+    for _, record in data.copies:
+        row = rows[(record.direction, record.category)]
+        row["count"] += 1
+        row["bytes"] += record.nbytes
+        seconds = _duration(record)
+        if seconds is None:
+            row["pending"] += 1
+        else:
+            row["seconds"] += seconds
+    exposed = _exposed_by_category(data)
+    for category, seconds in exposed.items():
+        busiest = max(
+            (row for (_, c), row in rows.items() if c is category),
+            key=lambda row: row["seconds"],
+        )
+        busiest["exposed_seconds"] = busiest.get("exposed_seconds", 0.0) + seconds
+    shown = []
+    for (direction, _), row in rows.items():
+        if row["count"] == 0 and row["name"] not in _ALWAYS_SHOWN:
+            continue
+        row.setdefault("exposed_seconds", 0.0)
+        row["hidden_seconds"] = max(0.0, row["seconds"] - row["exposed_seconds"])
+        rate = row["bytes"] / row["seconds"] if row["seconds"] > 0 else None
+        row["gb_per_s"] = None if rate is None else rate / 1e9
+        bandwidth = link[direction]
+        row["link_share"] = None if rate is None or not bandwidth else rate / bandwidth
+        shown.append(row)
+    return shown
+
+
+def _collective_rows(phases: Sequence[PhaseSpan]) -> list[dict[str, Any]]:
+    rows = []
+    for label, phase_name in COLLECTIVE_PHASES:
+        spans = [p for p in phases if p.name == phase_name]
+        rows.append(
+            {
+                "name": label,
+                "count": len(spans),
+                "seconds": sum(p.end - p.start for p in spans),
+            }
+        )
+    return rows
+
+
+def _pool_rows(data: ProfileData) -> list[dict[str, Any]]:
+    end = data.pools_end if data.pools_end is not None else {}
+    rows = []
+    for name, stats in end.items():
+        start = data.pools_start.get(name, {})
+
+        def delta(key: str, stats: dict[str, Any] = stats, start: dict[str, Any] = start) -> int:
+            return int(stats[key]) - int(start.get(key, 0))
+
+        rows.append(
+            {
+                "name": name,
+                "kind": stats["kind"],
+                "capacity_bytes": int(stats["capacity_bytes"]),
+                "bytes_in_use": int(stats["bytes_in_use"]),
+                "peak_bytes_in_use": int(stats["peak_bytes_in_use"]),
+                "fragmentation": float(stats["fragmentation"]),
+                "defragmentations": delta("defragmentations"),
+                "bytes_moved": delta("bytes_moved"),
+                "event_waits": delta("event_waits"),
+            }
+        )
+    return rows
+
+
+def _phase_rows(phases: Sequence[PhaseSpan]) -> list[dict[str, Any]]:
+    grouped: dict[tuple[str, str], list[float]] = {}
+    for span in phases:
+        grouped.setdefault((span.name, span.track), []).append(span.end - span.start)
+    return [
+        {
+            "name": name,
+            "track": track,
+            "count": len(times),
+            "seconds": sum(times),
+            "max_seconds": max(times),
+        }
+        for (name, track), times in sorted(grouped.items(), key=lambda kv: -sum(kv[1]))
+    ]
+
+
+def _peak(values: Sequence[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def summarize(data: ProfileData) -> dict[str, Any]:
+    """The report's numbers as JSON-friendly data; see the module docstring for units."""
+    stopped = data.stopped_at if data.stopped_at is not None else time.perf_counter()
+    duration = max(0.0, stopped - data.started_at)
+    if data.step_marks:
+        steps, step_source = len(data.step_marks), "prof.step() calls"
+    else:
+        steps = sum(1 for p in data.phases if p.name == "cpu_adam")
+        step_source = "optimizer steps (cpu_adam phases)"
+    transfers = _transfer_rows(data)
+    pools = _pool_rows(data)
+    defrag = {
+        "name": "defragmentation",
+        "count": sum(p["defragmentations"] for p in pools),
+        "bytes": sum(p["bytes_moved"] for p in pools),
+    }
+    total_bytes = sum(row["bytes"] for row in transfers)
+    total_seconds = sum(row["seconds"] for row in transfers)
+    total_exposed = sum(row["exposed_seconds"] for row in transfers)
+    per_step = None
+    if steps:
+        per_step = {
+            "seconds": duration / steps,
+            "bytes": total_bytes / steps,
+            "copy_seconds": total_seconds / steps,
+            "exposed_seconds": total_exposed / steps,
+        }
+    host_pools = [p for p in pools if p["kind"] != "device"]
+    return {
+        "duration_seconds": duration,
+        "steps": steps,
+        "step_source": step_source,
+        "link": {
+            "h2d_bytes_per_s": data.link.h2d,
+            "d2h_bytes_per_s": data.link.d2h,
+            "probe_bytes": data.link.probe_bytes,
+            "source": data.link.source,
+        },
+        "transfers": transfers,
+        "collectives": _collective_rows(data.phases),
+        "defragmentation": defrag,
+        "totals": {
+            "copies": sum(row["count"] for row in transfers),
+            "bytes": total_bytes,
+            "seconds": total_seconds,
+            "exposed_seconds": total_exposed,
+            "hidden_seconds": max(0.0, total_seconds - total_exposed),
+        },
+        "per_step": per_step,
+        "phases": _phase_rows(data.phases),
+        "memory": {
+            "device_budget": data.device_budget,
+            "device_peak_bytes": _peak([m.device for m in data.memory]),
+            "device_pools_peak_bytes": _peak([m.device_pools for m in data.memory]),
+            "device_torch_peak_bytes": _peak([m.device_torch for m in data.memory]),
+            "host_pools_peak_bytes": _peak([m.host_pools for m in data.memory]),
+            "host_reserved_bytes": sum(p["capacity_bytes"] for p in host_pools),
+            "process_rss_peak_bytes": data.rss_peak or None,
+        },
+        "pools": pools,
+    }
