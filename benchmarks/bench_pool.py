@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "live_blocks": 10_000,
         "pairs": 5_000 if args.quick else 50_000,
         "workload_ops": 10_000 if args.quick else 100_000,
-        "defrag_capacity_bytes": (128 if args.quick else 1024) * MiB,
+        "defrag_capacity_bytes": (128 if args.quick else 512) * MiB,
         "reps": 3 if args.quick else 5,
     }
     acc = HostAccelerator()

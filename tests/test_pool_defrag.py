@@ -17,7 +17,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from zero_offload.accelerator import Event, HostAccelerator
 from zero_offload.errors import PoolExhausted
-from zero_offload.memory.moves import move_within
+from zero_offload.memory.moves import move_chunked, move_within
 from zero_offload.memory.pool import Block, BlockPool, BlockState
 
 KiB = 1024
@@ -156,7 +156,10 @@ def test_move_within_matches_memmove(nbytes: int, distance: int, staging: int | 
     expected = buffer.clone()
     expected[:nbytes] = buffer[distance:].clone()
     scratch = None if staging is None else torch.empty(staging, dtype=torch.uint8)
-    move_within(buffer, 0, distance, nbytes, staging=scratch)
+    chunked = buffer.clone()
+    move_chunked(chunked, 0, distance, nbytes, staging=scratch)  # the path device pools take
+    assert torch.equal(chunked, expected)
+    move_within(buffer, 0, distance, nbytes, staging=None)  # a memmove on the CPU
     assert torch.equal(buffer, expected)
 
 

@@ -50,7 +50,7 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
 from .block import Block, BlockState, MoveCallback
 from .freelist import OFFSET_BITS, FreeList
-from .moves import DIRECT_CHUNK_MIN, STAGING_BYTES, move_within
+from .moves import move_within, staging_bytes
 
 __all__ = [
     "HOST_RAM_MARGIN_FRACTION",
@@ -202,10 +202,6 @@ class BlockPool:
         if not pin:
             buffer.zero_()  # hidden cost: faults in every page, once, at construction
 
-        def scratch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-            # Hidden cost: a pageable allocation of at most STAGING_BYTES per compaction.
-            return torch.empty(nbytes, dtype=torch.uint8), _noop
-
         return cls(
             accelerator,
             buffer,
@@ -214,7 +210,7 @@ class BlockPool:
             alignment=alignment,
             sized_by=sized_by,
             auto_defragment=auto_defragment,
-            scratch=scratch,
+            scratch=_no_scratch,  # CPU moves are memmoves, see Note [overlap-safe moves]
             release=_noop,
         )
 
@@ -437,8 +433,8 @@ class BlockPool:
     def _move_locked(self, plan: list[tuple[Block, int]]) -> int:
         if not plan:
             return 0
-        staged = [b.nbytes for b, dest in plan if b.offset - dest < min(b.nbytes, DIRECT_CHUNK_MIN)]
-        scratch = self._scratch(min(max(staged), STAGING_BYTES)) if staged else None
+        need = staging_bytes(self._buffer, [(dest, b.offset, b.nbytes) for b, dest in plan])
+        scratch = self._scratch(need) if need else None
         staging, release = scratch if scratch is not None else (None, _noop)
         try:
             for block, dest in plan:
@@ -627,4 +623,8 @@ def _pending_events(blocks: Iterable[Block]) -> list[Event]:
 
 
 def _noop() -> None:
+    return None
+
+
+def _no_scratch(nbytes: int) -> None:
     return None
