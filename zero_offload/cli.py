@@ -1,16 +1,87 @@
-"""The ``zero-offload`` command.
+"""The ``zero-offload`` command: ``info``, ``demo``, ``estimate``, ``bench``.
 
-Errors from the command print one line and exit non-zero; ``--debug`` shows the traceback.
+Errors (bad flag values, a budget too small, a missing benchmark) print one line and exit
+with status 2; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
-__all__ = ["main"]
+from .config import parse_bytes
+
+__all__ = ["BENCHMARKS", "main"]
+
+#: ``zero-offload bench`` names and the scripts under the repository's ``benchmarks/``.
+BENCHMARKS = {
+    "kernels": "bench_cpu_adam.py",
+    "pools": "bench_pool.py",
+    "step": "bench_offload_step.py",
+    "activations": "bench_activations.py",
+    "profiler": "bench_profiler.py",
+}
+_BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (subcommand parsers inherit the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _byte_count(text: str) -> int:
+    try:
+        value = parse_bytes(text, name="size")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return value
+
+
+def _param_count(text: str) -> int:
+    scales = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+    cleaned = text.strip().lower()
+    scale = scales.get(cleaned[-1:], 1)
+    try:
+        value = float(cleaned[:-1] if scale != 1 else cleaned) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a parameter count: {text!r}; use e.g. 1500000000, 1.5e9, 350M or 7B"
+        ) from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 parameter, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+# -- commands ----------------------------------------------------------------------------
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -21,8 +92,150 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.train import DemoConfig, run_demo
+
+    config = DemoConfig(
+        steps=args.steps,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        offload_fraction=args.offload_fraction,
+        activation_offload=args.activation_offload,
+        device_budget=args.device_budget,
+        bucket_bytes=args.bucket_bytes,
+        link_bandwidth=args.link_bandwidth,
+        out=Path(args.out),
+        seed=args.seed,
+    )
+    run_demo(config, echo=lambda line: print(line, flush=True))
+    return 0
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .estimate import ModelShape, estimate
+
+    if args.params is not None and args.layers is not None:
+        raise ValueError("give either --params or a model shape (--layers, --hidden, ...), not both")
+    if args.params is not None:
+        model: Any = args.params
+    elif args.layers is not None and args.hidden is not None:
+        heads = args.heads if args.heads is not None else max(1, args.hidden // 64)
+        model = ModelShape(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=heads,
+            vocab=args.vocab,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+        )
+    else:
+        raise ValueError(
+            "nothing to estimate: give --params N (e.g. 7B) or a model shape with --layers "
+            "and --hidden (plus --heads, --vocab, --seq-len, --micro-batch)"
+        )
+    result = estimate(
+        model,
+        world_size=args.world_size,
+        ranks_per_node=args.ranks_per_node,
+        dtype=args.dtype,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        bucket_bytes=args.bucket_bytes,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+def _load_benchmark(name: str) -> Callable[[list[str]], Any]:
+    path = _BENCH_DIR / BENCHMARKS[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"benchmark {name!r} is not available: {path} does not exist (benchmarks ship "
+            "with the source repository, not the installed package; run from a checkout)"
+        )
+    spec = importlib.util.spec_from_file_location(f"_zero_offload_bench_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import benchmark {name!r} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # benchmarks import their shared helpers
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module.main
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    missing = []
+    for name in names:
+        if args.which == "all" and not (_BENCH_DIR / BENCHMARKS[name]).is_file():
+            missing.append(BENCHMARKS[name])
+            continue
+        print(f"== zero-offload bench {name} ({BENCHMARKS[name]} --quick) ==", flush=True)
+        _load_benchmark(name)(["--quick"])
+    if missing:
+        print(f"not run (file missing under {_BENCH_DIR}): {', '.join(missing)}")
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------
+
+
+def _add_demo(commands: Any) -> None:
+    demo = commands.add_parser("demo", help="train a small GPT with offload, profiled")
+    demo.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps")
+    demo.add_argument("--layers", type=_positive_int, default=3)
+    demo.add_argument("--hidden", type=_positive_int, default=128)
+    demo.add_argument("--heads", type=_positive_int, default=4)
+    demo.add_argument("--batch", type=_positive_int, default=16, help="sequences per step")
+    demo.add_argument("--seq-len", type=_positive_int, default=64, help="characters per sequence")
+    demo.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    demo.add_argument("--offload-fraction", type=_fraction, default=1.0)
+    demo.add_argument(
+        "--activation-offload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="checkpoint each block with its input kept on the host",
+    )
+    demo.add_argument("--device-budget", type=_byte_count, default=None, help="e.g. 8MiB")
+    demo.add_argument("--bucket-bytes", type=_byte_count, default=256 * 1024)
+    demo.add_argument(
+        "--link-bandwidth",
+        type=_byte_count,
+        default=None,
+        help="host accelerator only: simulate a link of this many bytes/s (e.g. 12GB)",
+    )
+    demo.add_argument("--out", default="zero-offload-demo", help="folder for trace, plot, JSON")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_cmd_demo)
+
+
+def _add_estimate(commands: Any) -> None:
+    est = commands.add_parser("estimate", help="memory per tier for each configuration")
+    est.add_argument("--params", type=_param_count, default=None, help="e.g. 1.5e9, 350M, 7B")
+    est.add_argument("--layers", type=_positive_int, default=None)
+    est.add_argument("--hidden", type=_positive_int, default=None)
+    est.add_argument("--heads", type=_positive_int, default=None, help="default hidden/64")
+    est.add_argument("--vocab", type=_positive_int, default=50257)
+    est.add_argument("--seq-len", type=_positive_int, default=1024)
+    est.add_argument("--micro-batch", type=_positive_int, default=1)
+    est.add_argument("--world-size", type=_positive_int, default=1)
+    est.add_argument("--ranks-per-node", type=_positive_int, default=None)
+    est.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    est.add_argument("--device-memory", type=_byte_count, default=None, help="per rank, e.g. 80GiB")
+    est.add_argument("--host-memory", type=_byte_count, default=None, help="per node")
+    est.add_argument("--bucket-bytes", type=_byte_count, default=32 * 2**20)
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.set_defaults(run=_cmd_estimate)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zero-offload",
         description="ZeRO-Offload for PyTorch: train models larger than GPU memory.",
     )
@@ -31,20 +244,29 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="what this machine offers the library")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(run=_cmd_info)
+    _add_demo(commands)
+    _add_estimate(commands)
+    bench = commands.add_parser("bench", help="run the benchmarks' --quick mode")
+    bench.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zero-offload`` console script; returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed on one line
+        return exc.code if isinstance(exc.code, int) else 2
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
-    except (ValueError, TypeError, MemoryError, RuntimeError, OSError) as exc:
+    except (ValueError, TypeError, MemoryError, RuntimeError, OSError, ImportError) as exc:
         if args.debug:
             raise
-        print(f"zero-offload {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"zero-offload {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
