@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import chain
 
 import psutil
@@ -59,7 +59,6 @@ __all__ = [
     "BlockPool",
     "BlockState",
     "check_host_ram",
-    "move_within",
 ]
 
 #: Host RAM left free when sizing a host pool: the larger of this fraction of total RAM...
@@ -455,7 +454,7 @@ class BlockPool:
         with self._lock:
             free = self._free.free_bytes
             largest = self._free.largest()
-            stats: dict[str, int | float] = dict(asdict(self._counters))
+            stats: dict[str, int | float] = dict(vars(self._counters))
             stats.update(
                 capacity_bytes=self.capacity,
                 usable_bytes=self.usable,
