@@ -1,0 +1,119 @@
+"""Small models and training loops shared by the optimizer tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, a few pre-norm transformer blocks, and a tied-free output head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                dim,
+                nhead=4,
+                dim_feedforward=2 * dim,
+                dropout=dropout,
+                batch_first=True,
+                norm_first=True,
+                # No attention biases: the key bias's gradient is exactly zero in exact
+                # arithmetic, so its float noise (~1e-9) would be amplified by Adam into
+                # lr-sized, rounding-dependent updates and no two implementations could agree.
+                bias=False,
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def batches(n: int, *, vocab: int = 64, batch: int = 4, seq: int = 8, seed: int = 0):
+    """``n`` deterministic (tokens, targets) pairs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+        out.append((tokens, (tokens * 7 + 3) % vocab))  # learnable: the loss can fall
+    return out
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def make_pair(
+    dtype: torch.dtype = torch.float32, seed: int = 0, **model_kwargs: object
+) -> tuple[nn.Module, nn.Module]:
+    """Two identical models: one for zero-offload, one for the torch reference."""
+    torch.manual_seed(seed)
+    model = TinyTransformer(**model_kwargs).to(dtype)  # type: ignore[arg-type]
+    return model, copy.deepcopy(model)
+
+
+def host_accelerator(**config: object) -> HostAccelerator:
+    config.setdefault("device_budget", "256MiB")
+    return HostAccelerator(AcceleratorConfig(**config))  # type: ignore[arg-type]
+
+
+def offload_opt(
+    model: nn.Module,
+    *,
+    accelerator: HostAccelerator | None = None,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    **config: object,
+) -> OffloadAdamW:
+    """OffloadAdamW with small buckets and tiles, so every test crosses several of each."""
+    config.setdefault("bucket_bytes", 8192)
+    config.setdefault("tile_elements", 1024)
+    return OffloadAdamW(
+        model.parameters(),
+        lr=lr,
+        betas=(0.9, 0.95),
+        weight_decay=weight_decay,
+        config=OffloadConfig(**config),  # type: ignore[arg-type]
+        accelerator=accelerator or host_accelerator(),
+    )
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    micro_steps: int = 1,
+) -> list[float]:
+    """Plain training loop; returns the losses."""
+    losses = []
+    for i in range(0, len(data), micro_steps):
+        for tokens, targets in data[i : i + micro_steps]:
+            loss = lm_loss(model, tokens, targets)
+            (backward or (lambda value: value.backward()))(loss)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(
+        (x.detach().float() - y.detach().float()).abs().max().item()
+        for x, y in zip(a.parameters(), b.parameters(), strict=True)
+    )
