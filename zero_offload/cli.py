@@ -119,7 +119,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import ModelShape, estimate
 
     if args.params is not None and args.layers is not None:
-        raise ValueError("give either --params or a model shape (--layers, --hidden, ...), not both")
+        raise ValueError(
+            "give either --params or a model shape (--layers, --hidden, ...), not both"
+        )
     if args.params is not None:
         model: Any = args.params
     elif args.layers is not None and args.hidden is not None:

@@ -40,7 +40,7 @@ from .config import format_bytes
 from .optim.placement import plan_placement
 from .partition import plan_buckets
 
-__all__ = ["ConfigEstimate", "MemoryEstimate", "ModelShape", "estimate"]
+__all__ = ["ConfigEstimate", "MemoryEstimate", "ModelShape", "estimate", "offload_adamw_bytes"]
 
 #: Pool alignment of ``OffloadAdamW``'s buffers, bytes (its ``_POOL_ALIGNMENT``).
 POOL_ALIGNMENT = 512
@@ -156,13 +156,19 @@ class MemoryEstimate:
                 _size(row.device_total),
                 _size(row.host),
                 {True: "yes", False: "no", None: "?"}[row.fits],
-                "-" if row.largest_fitting_params is None else _count(row.largest_fitting_params),
+                _largest_text(row.largest_fitting_params),
             ]
             for row in self.rows
         ]
         header = ["configuration", "model states", "buffers", "activations", "device total"]
         header += ["host", "fits", "largest that fits"]
         return head + "\n\n" + format_table(header, rows)
+
+
+def _largest_text(params: int | None) -> str:
+    if params is None:
+        return "-"
+    return _count(params) if params else "none"
 
 
 def _size(nbytes: int | None) -> str:
@@ -176,10 +182,11 @@ def _count(params: int) -> str:
     return str(params)
 
 
-def _offload_bytes(
-    shapes: Sequence[tuple[int, ...]], *, itemsize: int, bucket_bytes: int, world_size: int
+def offload_adamw_bytes(
+    shapes: Sequence[tuple[int, ...]], *, itemsize: int, bucket_bytes: int, world_size: int = 1
 ) -> tuple[int, int, int]:
-    """``(device weights, device gradient buffers, host per rank)`` of ``OffloadAdamW``."""
+    """``(device weights, device gradient buffers, host per rank)`` of a fully offloaded
+    ``OffloadAdamW`` over parameters of ``shapes``: its exact pool sizes, in bytes."""
     layouts = plan_buckets(
         [[(i, shape) for i, shape in enumerate(shapes)]],
         bucket_numel=max(1, bucket_bytes // itemsize),
@@ -203,7 +210,7 @@ def _offload_bytes(
 def _offload_bytes_of_count(
     params: int, *, itemsize: int, bucket_bytes: int, world_size: int
 ) -> tuple[int, int, int]:
-    """``_offload_bytes`` of ``params`` elements in full buckets plus one partial bucket.
+    """``offload_adamw_bytes`` of ``params`` elements in full buckets plus one partial bucket.
 
     Full buckets are identical, so one is planned and multiplied: exact, and O(1) in
     ``params`` (the search for the largest model calls this dozens of times).
@@ -213,10 +220,14 @@ def _offload_bytes_of_count(
     weights = grad_buffers = host = 0
     for count, numel in ((full, bucket_numel), (1, rest)):
         if count and numel:
-            w, g, h = _offload_bytes(
+            w, g, h = offload_adamw_bytes(
                 [(numel,)], itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
             )
-            weights, grad_buffers, host = weights + count * w, max(grad_buffers, g), host + count * h
+            weights, grad_buffers, host = (
+                weights + count * w,
+                max(grad_buffers, g),
+                host + count * h,
+            )
     return weights, grad_buffers, host
 
 
@@ -261,7 +272,7 @@ class _Accountant:
                 p, itemsize=s, bucket_bytes=self.bucket_bytes, world_size=n
             )
         else:
-            weights, grad_buffers, host = _offload_bytes(
+            weights, grad_buffers, host = offload_adamw_bytes(
                 shapes, itemsize=s, bucket_bytes=self.bucket_bytes, world_size=n
             )
         host_node = host * self.ranks_per_node
@@ -285,7 +296,9 @@ class _Accountant:
         ]
 
 
-def _fits(device: int, host: int, device_memory: int | None, host_memory: int | None) -> bool | None:
+def _fits(
+    device: int, host: int, device_memory: int | None, host_memory: int | None
+) -> bool | None:
     if device_memory is not None and device > device_memory:
         return False
     if host_memory is not None and host > host_memory:
@@ -379,7 +392,9 @@ def estimate(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
     if not isinstance(ranks_per_node, int) or not 1 <= ranks_per_node <= world_size:
-        raise ValueError(f"ranks_per_node must be in [1, world_size={world_size}], got {ranks_per_node!r}")
+        raise ValueError(
+            f"ranks_per_node must be in [1, world_size={world_size}], got {ranks_per_node!r}"
+        )
     params, shapes, shape, chosen = _model_inputs(model, dtype)
     device_memory, device_source, host_memory, host_source = _machine_memory(
         device_memory, host_memory

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..accelerator import Accelerator, CudaAccelerator, HostAccelerator, choose_accelerator
 from ..config import AcceleratorConfig, OffloadConfig, format_bytes
+from ..estimate import offload_adamw_bytes
 from ..optim import OffloadAdamW
 from ..profiling import profile
 from .corpus import CharCorpus
@@ -177,14 +178,17 @@ class _ActivationOffload:
 
 
 def _default_budget(model: nn.Module, config: DemoConfig, itemsize: int) -> int:
-    """Room for OffloadAdamW's device pools and the activation pool, with 25% to spare."""
+    """OffloadAdamW's device pools (exact) and the activation pool, with 25% to spare."""
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    weights, grad_buffers, _ = offload_adamw_bytes(
+        shapes, itemsize=itemsize, bucket_bytes=config.bucket_bytes
+    )
     numel = sum(p.numel() for p in model.parameters())
-    weights = numel * itemsize + 64 * _KIB
-    resident_state = (1.0 - config.offload_fraction) * numel * 16
-    grad_buffers = 2 * max(config.bucket_bytes, max(p.numel() for p in model.parameters()) * itemsize)
+    resident_state = int((1.0 - config.offload_fraction) * numel * 16)  # fp32 master, m, v, grad
     _, activations = _activation_pool_bytes(config, itemsize)
-    need = weights + resident_state + grad_buffers + (activations if config.activation_offload else 0)
-    return int(need * 1.25) + 2 * 2**20  # + the profiler's link probe
+    need = weights + grad_buffers + resident_state
+    need += activations if config.activation_offload else 0
+    return max(int(need * 1.25), need + 256 * _KIB)
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> DemoResult:

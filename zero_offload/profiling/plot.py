@@ -49,7 +49,7 @@ def plot_profile(data: ProfileData, path: Path) -> Path:
     FigureCanvasAgg(figure)
     timeline, memory = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     tracks = _spans(data)
-    for row, (track, spans) in enumerate(tracks.items()):
+    for row, spans in enumerate(tracks.values()):
         timeline.broken_barh(spans, (row - 0.4, 0.8), color=f"C{row % 10}")
     timeline.set_yticks(range(len(tracks)), list(tracks))
     timeline.invert_yaxis()

@@ -137,9 +137,7 @@ class TrafficProfiler:
         self._sample_rss = sample_rss
         self._process = psutil.Process()
         self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
-        self.data = ProfileData(
-            managers=managers, link=LinkBandwidth(None, None, 0, "not started")
-        )
+        self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
         self.state = ProfilerState.READY
         self._detach: list[Any] = []  # unsubscribe / remove callables while recording
         self._lock = threading.Lock()
@@ -197,7 +195,9 @@ class TrafficProfiler:
     def step(self) -> None:
         """Mark the end of one training step (for per-step averages and the trace)."""
         if self.state is not ProfilerState.RECORDING:
-            raise RuntimeError(f"prof.step() is for a recording profiler; this one is {self.state.value}")
+            raise RuntimeError(
+                f"prof.step() is for a recording profiler; this one is {self.state.value}"
+            )
         self.data.step_marks.append(time.perf_counter())
         self._sample(pools=True, rss=self._sample_rss)
 
