@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.optim.adamw import adamw as torch_adamw
 
 from ..accelerator import Event
 from ..kernels import adam_step, grad_stats
@@ -223,14 +224,24 @@ class FlatBucket(ABC):
         """Sum of squares of the accumulated gradient and whether any is non-finite."""
 
     @abstractmethod
-    def update(self, hyper: AdamHyper, grad_scale: float, *, publish: bool = True) -> None:
-        """One AdamW step for every parameter that has a gradient. With ``publish``, each
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool = True,
+    ) -> None:
+        """One AdamW step over ``runs`` (from ``plan_update``). With ``publish``, each
         updated tile's copy to ``weights_dev`` is issued as soon as the tile is done (so it
         overlaps the next tile); otherwise ``publish()`` issues them later."""
 
-    def runs(self) -> list[tuple[int, int, int]]:
-        """The ``(start, stop, step)`` ranges the next update will touch (after the step +1)."""
-        return list(_runs(self.layout, self.steps + 1, self.arrived))
+    def plan_update(self) -> list[tuple[int, int, int]]:
+        """Count a step for every parameter with a gradient, and return the ``(start, stop,
+        step)`` ranges that ``update`` must touch. Runs on the caller's thread, so a delayed
+        update works from this snapshot while ``zero_grad`` and the next backward go on."""
+        self.steps[self.arrived] += 1
+        return list(_runs(self.layout, self.steps, self.arrived))
 
     @abstractmethod
     def state_views(self, slot_index: int) -> dict[str, torch.Tensor]:
@@ -341,8 +352,15 @@ class OffloadedBucket(FlatBucket):
             return 0.0, False
         return grad_stats(self.grad_acc, stop=self.layout.numel)
 
-    def update(self, hyper: AdamHyper, grad_scale: float, *, publish: bool = True) -> None:
-        for start, stop, step in self.runs():
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool = True,
+    ) -> None:
+        for start, stop, step in runs:
             for lo in range(start, stop, self.tile_elements):
                 hi = min(lo + self.tile_elements, stop)
                 adam_step(
@@ -367,7 +385,6 @@ class OffloadedBucket(FlatBucket):
                     self._issued.append(self._copy_tile(lo, hi))
                 else:
                     self._unpublished.append((lo, hi))
-        self.steps[self.arrived] += 1
 
     def _copy_tile(self, lo: int, hi: int) -> Event:
         source = self.master if self.weights_staging is None else self.weights_staging
@@ -462,8 +479,15 @@ class ResidentBucket(FlatBucket):
     def publish(self) -> list[Event]:
         return []  # update() writes weights_dev in place: nothing crosses a tier
 
-    def update(self, hyper: AdamHyper, grad_scale: float, *, publish: bool = True) -> None:
-        for start, stop, step in self.runs():
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool = True,
+    ) -> None:
+        for start, stop, step in runs:
             grad = self.grad_acc[start:stop]
             if grad_scale != 1.0:
                 grad.mul_(grad_scale)
@@ -471,7 +495,7 @@ class ResidentBucket(FlatBucket):
             state_step = torch.tensor(
                 float(step - 1), dtype=torch.float32, device=self.master.device
             )
-            torch.optim.adamw.adamw(
+            torch_adamw(
                 [self.master[start:stop]],
                 [grad],
                 [self.exp_avg[start:stop]],
@@ -488,7 +512,6 @@ class ResidentBucket(FlatBucket):
                 maximize=hyper.maximize,
             )
             self.weights_dev[start:stop].copy_(self.master[start:stop])
-        self.steps[self.arrived] += 1
 
     def state_views(self, slot_index: int) -> dict[str, torch.Tensor]:
         slot = self.layout.slots[slot_index]

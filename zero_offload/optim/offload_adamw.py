@@ -363,7 +363,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         events = []
         with phase("cpu_adam", track="cpu_optimizer"):
             for bucket in self.buckets:
-                bucket.update(self._hyper(bucket), grad_scale)
+                bucket.update(self._hyper(bucket), grad_scale, bucket.plan_update())
                 events.extend(bucket.publish())
         with phase("wait_weights"):
             self.manager.wait_for(events, category=Category.WEIGHTS)
@@ -396,12 +396,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     # same host worker behind update g_k, so it never overwrites gradients in use.
 
     def _launch_delayed_update(self, grad_scale: float) -> None:
-        hypers = [(bucket, self._hyper(bucket)) for bucket in self.buckets]
+        plans = [(bucket, self._hyper(bucket), bucket.plan_update()) for bucket in self.buckets]
 
         def update() -> None:
             with phase("cpu_adam", track="cpu_optimizer"):
-                for bucket, hyper in hypers:
-                    bucket.update(hyper, grad_scale, publish=False)
+                for bucket, hyper, runs in plans:
+                    bucket.update(hyper, grad_scale, runs, publish=False)
 
         self.manager.host_worker.submit(update)
         self._update_pending = True

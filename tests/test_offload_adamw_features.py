@@ -1,0 +1,226 @@
+"""fp16 loss scaling, offload_fraction, overlap_step, checkpoints, non-finite gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
+
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    offload_opt,
+    train,
+)
+
+FP32_ATOL = 1e-5
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale_then_recovers() -> None:
+    model, _ = make_pair(torch.float16)
+    scaler = LossScalerConfig(initial_scale=2.0**10, growth_interval=2, hysteresis=1)
+    opt = offload_opt(model, loss_scaler=scaler)
+    assert opt.loss_scale == 2.0**10
+    tokens, targets = batches(1)[0]
+    opt.backward(lm_loss(model, tokens, targets))
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 0
+    before = [p.detach().clone() for p in model.parameters()]
+    # An overflow: one gradient is inf (as fp16 backward produces when the scale is too big).
+    opt.backward(lm_loss(model, tokens, targets))
+    next(model.parameters()).grad = torch.full_like(next(model.parameters()), float("inf"))
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1
+    assert opt.loss_scale == 2.0**9
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # Two clean steps grow the scale back.
+    for _ in range(2):
+        opt.backward(lm_loss(model, tokens, targets))
+        opt.step()
+        opt.zero_grad()
+    assert opt.loss_scale == 2.0**10
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_hysteresis_tolerates_one_overflow() -> None:
+    model, _ = make_pair(torch.float16)
+    opt = offload_opt(model, loss_scaler=LossScalerConfig(initial_scale=256.0, hysteresis=2))
+    first = next(model.parameters())
+    for expected in (256.0, 128.0):
+        first.grad = torch.full_like(first, float("nan"))
+        opt.step()
+        opt.zero_grad()
+        assert opt.loss_scale == expected
+    assert opt.skipped_steps == 2
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_nonfinite_gradient_in_fp32_poisons_like_torch_unless_skipped(skip: bool) -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model, skip_nonfinite=skip)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for m, o in ((model, opt), (ref, ropt)):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        m.head.bias.grad[3] = float("nan")
+        m.head.weight.grad[0, 0] = float("inf")
+        if skip and o is opt:
+            before = [p.detach().clone() for p in m.parameters()]
+        o.step()
+        o.zero_grad()
+    if skip:
+        assert opt.skipped_steps == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        return
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_offload_fraction_gives_the_same_training(fraction: float) -> None:
+    model, ref = make_pair()
+    full = offload_opt(ref, offload_fraction=1.0)
+    part = offload_opt(model, offload_fraction=fraction)
+    resident = sum(b.layout.numel for b in part.buckets if type(b).__name__ == "ResidentBucket")
+    total = sum(b.layout.numel for b in part.buckets)
+    assert resident >= (1 - fraction) * total
+    if fraction > 0:
+        assert resident < total
+    data = batches(10)
+    train(model, part, data)
+    train(ref, full, data)
+    assert max_diff(model, ref) < FP32_ATOL
+
+
+def test_auto_offload_fraction_keeps_what_fits() -> None:
+    model, _ = make_pair()
+    numel = sum(p.numel() for p in model.parameters())
+    roomy = offload_opt(model, offload_fraction="auto", accelerator=host_accelerator())
+    assert all(type(b).__name__ == "ResidentBucket" for b in roomy.buckets)
+    roomy.close()
+    # A budget for the weights, the gradient buffers and about a third of the state.
+    model, _ = make_pair()
+    tight = offload_opt(
+        model,
+        offload_fraction="auto",
+        auto_headroom=0.0,
+        accelerator=host_accelerator(device_budget=4 * numel + 64 * 1024 + 6 * numel),
+    )
+    kinds = {type(b).__name__ for b in tight.buckets}
+    assert kinds == {"ResidentBucket", "OffloadedBucket"}
+
+
+def test_overlap_step_matches_a_hand_written_delayed_update() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model, overlap_step=True)
+    # Reference (Note [delayed parameter update]): the weights the forward sees lag the
+    # fp32 master by one update; the gradient of step k updates the master at step k and
+    # reaches the forward's weights at step k+1.
+    master = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(master.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    pending = None
+    for tokens, targets in batches(8):
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(ref, tokens, targets).backward()
+        if pending is not None:
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), pending, strict=True):
+                    p.copy_(q)
+        for p, q in zip(master.parameters(), ref.parameters(), strict=True):
+            p.grad, q.grad = q.grad, None
+        ropt.step()
+        ropt.zero_grad()
+        pending = [p.detach().clone() for p in master.parameters()]
+        assert max_diff(model, ref) < FP32_ATOL
+    opt.flush_pending_update()
+    assert max_diff(model, master) < FP32_ATOL
+
+
+def test_state_dict_save_20_load_continue_40_is_bitwise() -> None:
+    data = batches(40)
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    train(model, opt, data)
+
+    first, _ = make_pair()
+    opt1 = offload_opt(first)
+    train(first, opt1, data[:20])
+    model_state = copy.deepcopy(first.state_dict())
+    opt_state = copy.deepcopy(opt1.state_dict())
+    assert set(opt_state["state"][0]) >= {"step", "exp_avg", "exp_avg_sq", "master"}
+
+    resumed, _ = make_pair(seed=7)  # different initial weights: everything must come from disk
+    resumed.load_state_dict(model_state)
+    opt2 = offload_opt(resumed)
+    opt2.load_state_dict(opt_state)
+    train(resumed, opt2, data[20:])
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_model_loaded_after_the_optimizer_refreshes_the_master() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    other, _ = make_pair(seed=5)
+    model.load_state_dict(other.state_dict())  # written behind the optimizer's back
+    ref.load_state_dict(other.state_dict())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    data = batches(3)
+    train(model, opt, data)
+    train(ref, ropt, data)
+    assert max_diff(model, ref) < FP32_ATOL
+
+
+def test_torch_adamw_state_dict_loads() -> None:
+    model, ref = make_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    data = batches(6)
+    train(ref, ropt, data[:3])
+    model.load_state_dict(ref.state_dict())
+    opt = offload_opt(model)
+    opt.load_state_dict(ropt.state_dict())
+    train(ref, ropt, data[3:])
+    train(model, opt, data[3:])
+    assert max_diff(model, ref) < FP32_ATOL
+
+
+def test_add_param_group_after_construction() -> None:
+    model, ref = make_pair()
+    for m in (model, ref):
+        m.head.requires_grad_(False)
+    body = [p for p in model.parameters() if p.requires_grad]
+    opt = OffloadAdamW(
+        body,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        config=OffloadConfig(bucket_bytes=8192, tile_elements=1024),
+        accelerator=host_accelerator(),
+    )
+    ropt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+    )
+    data = batches(6)
+    train(model, opt, data[:3])
+    train(ref, ropt, data[:3])
+    for m, o in ((model, opt), (ref, ropt)):
+        m.head.requires_grad_(True)
+        o.add_param_group({"params": list(m.head.parameters()), "lr": 2e-3})
+    train(model, opt, data[3:])
+    train(ref, ropt, data[3:])
+    assert len(opt.param_groups) == 2
+    assert max_diff(model, ref) < FP32_ATOL
