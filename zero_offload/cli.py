@@ -190,7 +190,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_demo(commands: Any) -> None:
     demo = commands.add_parser("demo", help="train a small GPT with offload, profiled")
-    demo.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps")
+    demo.add_argument("--steps", type=_positive_int, default=100, help="optimizer steps")
     demo.add_argument("--layers", type=_positive_int, default=3)
     demo.add_argument("--hidden", type=_positive_int, default=128)
     demo.add_argument("--heads", type=_positive_int, default=4)

@@ -37,7 +37,7 @@ class DemoConfig:
     """Settings of the demo run (the command's flags).
 
     Attributes:
-        steps: optimizer steps. >= 1. Default 60.
+        steps: optimizer steps. >= 1. Default 100.
         layers, hidden, heads: model shape (``hidden`` a multiple of ``heads``).
         batch: sequences per step. seq_len: characters per sequence.
         lr: peak learning rate (linear warm-up over the first 10% of steps, cosine decay
@@ -52,7 +52,7 @@ class DemoConfig:
         out: folder for the trace, plot and JSON. seed: model init and batch order.
     """
 
-    steps: int = 60
+    steps: int = 100
     layers: int = 3
     hidden: int = 128
     heads: int = 4
