@@ -189,31 +189,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_demo(commands: Any) -> None:
+    from .demo.train import DemoConfig as D  # the flags' defaults are the config's
+
     demo = commands.add_parser("demo", help="train a small GPT with offload, profiled")
-    demo.add_argument("--steps", type=_positive_int, default=100, help="optimizer steps")
-    demo.add_argument("--layers", type=_positive_int, default=3)
-    demo.add_argument("--hidden", type=_positive_int, default=128)
-    demo.add_argument("--heads", type=_positive_int, default=4)
-    demo.add_argument("--batch", type=_positive_int, default=16, help="sequences per step")
-    demo.add_argument("--seq-len", type=_positive_int, default=64, help="characters per sequence")
-    demo.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    demo.add_argument("--offload-fraction", type=_fraction, default=1.0)
+    demo.add_argument("--steps", type=_positive_int, default=D.steps, help="optimizer steps")
+    demo.add_argument("--layers", type=_positive_int, default=D.layers)
+    demo.add_argument("--hidden", type=_positive_int, default=D.hidden)
+    demo.add_argument("--heads", type=_positive_int, default=D.heads)
+    demo.add_argument("--batch", type=_positive_int, default=D.batch, help="sequences per step")
+    demo.add_argument("--seq-len", type=_positive_int, default=D.seq_len, help="characters each")
+    demo.add_argument("--lr", type=float, default=D.lr, help="peak learning rate")
+    demo.add_argument("--offload-fraction", type=_fraction, default=D.offload_fraction)
     demo.add_argument(
         "--activation-offload",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=D.activation_offload,
         help="checkpoint each block with its input kept on the host",
     )
     demo.add_argument("--device-budget", type=_byte_count, default=None, help="e.g. 8MiB")
-    demo.add_argument("--bucket-bytes", type=_byte_count, default=256 * 1024)
+    demo.add_argument("--bucket-bytes", type=_byte_count, default=D.bucket_bytes)
     demo.add_argument(
         "--link-bandwidth",
         type=_byte_count,
         default=None,
         help="host accelerator only: simulate a link of this many bytes/s (e.g. 12GB)",
     )
-    demo.add_argument("--out", default="zero-offload-demo", help="folder for trace, plot, JSON")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default=str(D.out), help="folder for trace, plot, JSON")
+    demo.add_argument("--seed", type=int, default=D.seed)
     demo.set_defaults(run=_cmd_demo)
 
 

@@ -142,7 +142,8 @@ class _ActivationOffload:
     """Wires ``zero_offload.activations.checkpoint`` into the model, when that package exists."""
 
     def __init__(self, optimizer: OffloadAdamW, config: DemoConfig, itemsize: int) -> None:
-        self.offloader: Any = None
+        self.offloader: Any = None  # an ActivationOffloader when on
+        self._checkpoint: Callable[..., Any] | None = None  # activations.checkpoint when on
         self.status = "off (--no-activation-offload)"
         self.device_pool_bytes = 0
         if not config.activation_offload:
@@ -167,9 +168,9 @@ class _ActivationOffload:
         )
 
     def runner(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor] | None:
-        if self.offloader is None:
-            return None
         offloader, checkpoint = self.offloader, self._checkpoint
+        if offloader is None or checkpoint is None:
+            return None
         return lambda block, x: checkpoint(block, x, offloader=offloader)
 
     def close(self) -> None:
@@ -210,7 +211,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> Demo
     model.to(acc.device)
     no_offload = _model_state_bytes(model)
     echo(
-        f"zero-offload demo: TinyGPT {config.layers} layers x {config.hidden} hidden "
+        f"zero-offload demo: TinyGPT, {config.layers} x {config.hidden} hidden "
         f"({model.parameter_count():,} parameters, fp32) on {acc.name} ({acc.device}), "
         f"corpus {len(corpus.text):,} characters, {corpus.vocab_size} symbols"
     )
@@ -284,10 +285,25 @@ def _train(
         f"\nloss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%}) in "
         f"{config.steps} steps, {result.seconds:.1f} s\n"
     )
+    echo(f'sample after training: "{_sample(model, corpus, device)}"\n')
     echo(prof.report())
     result.profile = prof.to_dict()
     result.files = _write_outputs(prof, config.out, echo)
     return result
+
+
+@torch.no_grad()
+def _sample(model: TinyGPT, corpus: CharCorpus, device: torch.device, length: int = 60) -> str:
+    """Greedy continuation of "The " (the blocks run plainly: nothing to save for backward)."""
+    runner, model.runner = model.runner, lambda block, x: block(x)
+    try:
+        ids = torch.tensor([[corpus.alphabet.index(c) for c in "The "]], device=device)
+        for _ in range(length):
+            logits = model(ids[:, -model.config.seq_len :])
+            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    finally:
+        model.runner = runner
+    return corpus.decode(ids.cpu()).replace("\n", " / ")
 
 
 def _write_outputs(prof: Any, out: Path, echo: Callable[[str], None]) -> dict[str, Path]:
