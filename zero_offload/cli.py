@@ -7,6 +7,7 @@ with status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -95,22 +96,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo.train import DemoConfig, run_demo
 
-    config = DemoConfig(
-        steps=args.steps,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        offload_fraction=args.offload_fraction,
-        activation_offload=args.activation_offload,
-        device_budget=args.device_budget,
-        bucket_bytes=args.bucket_bytes,
-        link_bandwidth=args.link_bandwidth,
-        out=Path(args.out),
-        seed=args.seed,
-    )
+    names = {field.name for field in dataclasses.fields(DemoConfig)} - {"out"}
+    flags = {name: value for name, value in vars(args).items() if name in names}
+    config = DemoConfig(**flags, out=Path(args.out))
     run_demo(config, echo=lambda line: print(line, flush=True))
     return 0
 
