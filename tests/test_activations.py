@@ -44,7 +44,11 @@ class Stack(nn.Module):
         self.head = nn.Linear(dim, 50)
 
     def forward(
-        self, tokens: torch.Tensor, *, mode: str = "plain", offloader: ActivationOffloader | None = None
+        self,
+        tokens: torch.Tensor,
+        *,
+        mode: str = "plain",
+        offloader: ActivationOffloader | None = None,
     ) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
@@ -87,7 +91,7 @@ def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> 
         assert torch.equal(a, e), f"gradient {i} differs by {(a - e).abs().max().item()}"
 
 
-@pytest.mark.parametrize("prefetch_depth", [0, 1, 3])
+@pytest.mark.parametrize("prefetch_depth", [0, 2])
 @pytest.mark.parametrize("entry", ["checkpoint", "saved_tensors"])
 def test_gradients_bitwise_equal_without_offload(
     accel_kind: str, entry: str, prefetch_depth: int
@@ -98,7 +102,8 @@ def test_gradients_bitwise_equal_without_offload(
     tokens = tokens_for(acc)
     offloader = make_offloader(acc, prefetch_depth=prefetch_depth)
     expected = grads_of(model, tokens)
-    assert_bitwise(grads_of(model, tokens, mode="torch"), expected)
+    if entry == "checkpoint" and prefetch_depth == 0:  # torch's own checkpoint agrees too
+        assert_bitwise(grads_of(model, tokens, mode="torch"), expected)
     forward = {"mode": "checkpoint"} if entry == "checkpoint" else {"saved_tensors": True}
     for _ in range(2):  # a second iteration reuses the pools
         assert_bitwise(grads_of(model, tokens, offloader=offloader, **forward), expected)
@@ -189,30 +194,38 @@ def test_prefetch_hides_slow_link() -> None:
     """d=1 overlaps each copy back with the previous layer's recomputation and backward."""
     layers, tokens, dim = 6, 512, 256
     nbytes = tokens * dim * 4  # 512 KiB per layer input
-    link_seconds = 0.02
+    link_seconds = 0.02  # per copy
     torch.manual_seed(0)
     blocks = nn.ModuleList(
         nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         for _ in range(layers)
     )
     x0 = torch.randn(tokens, dim)
-
-    def backward_seconds(depth: int) -> float:
-        acc = make_accelerator("host", link_bandwidth=nbytes / link_seconds)
-        offloader = make_offloader(acc, prefetch_depth=depth, min_bytes=1 << 16)
-        best = float("inf")
-        for _ in range(2):
+    offloaders = {
+        depth: make_offloader(
+            make_accelerator("host", link_bandwidth=nbytes / link_seconds),
+            prefetch_depth=depth,
+            min_bytes=1 << 16,
+        )
+        for depth in (0, 1)
+    }
+    wall = {0: float("inf"), 1: float("inf")}
+    exposed = {0: float("inf"), 1: float("inf")}
+    for _ in range(3):  # interleaved rounds, best of each: a busy machine slows both alike
+        for depth, offloader in offloaders.items():
             x = x0 * 1.0
             for block in blocks:
                 x = checkpoint(block, x, offloader=offloader)
             offloader.synchronize()  # every copy out done: time the copies back only
+            waited = offloader.stats()["exposed_seconds"]
             start = time.perf_counter()
             x.sum().backward()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    slow, fast = backward_seconds(0), backward_seconds(1)
-    assert slow - fast >= 0.2 * layers * link_seconds, (slow, fast)
+            wall[depth] = min(wall[depth], time.perf_counter() - start)
+            exposed[depth] = min(exposed[depth], offloader.stats()["exposed_seconds"] - waited)
+    link = layers * link_seconds  # all copies back, end to end
+    assert exposed[0] >= 0.9 * link  # without prefetch every copy back is waited for
+    assert exposed[1] <= 0.5 * link, exposed  # with it, little more than the first one
+    assert wall[0] - wall[1] >= 0.2 * link, wall
 
 
 def test_offload_adamw_shared_manager_with_accumulation() -> None:
@@ -230,7 +243,7 @@ def test_offload_adamw_shared_manager_with_accumulation() -> None:
         manager=opt.manager, config=ActivationOffloadConfig(min_bytes=0, host_pool_bytes=8 << 20)
     )
     for step in range(2):
-        for micro in range(3):  # gradient accumulation: three forward/backward pairs
+        for micro in range(2):  # gradient accumulation: two forward/backward pairs
             tokens = tokens_for(acc, seed=10 * step + micro)
             for net, mode in ((reference, "plain"), (model, "checkpoint")):
                 torch.manual_seed(micro)
@@ -242,7 +255,7 @@ def test_offload_adamw_shared_manager_with_accumulation() -> None:
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
     counters = opt.manager.counters
-    assert counters.bytes(Direction.D2H, Category.ACTIVATIONS) == 6 * LAYERS * LAYER_BYTES
+    assert counters.bytes(Direction.D2H, Category.ACTIVATIONS) == 4 * LAYERS * LAYER_BYTES
     assert counters.bytes(Direction.D2H, Category.GRADIENTS) > 0  # one manager, both kinds
 
 
