@@ -199,3 +199,17 @@ def test_bad_link_bandwidth_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match="link_bandwidth"):
         profile(setup[1], link_bandwidth=-1.0)
+
+
+def test_an_error_in_the_body_propagates_and_stops_the_profiler(
+    setup: tuple[nn.Module, OffloadAdamW, HostAccelerator],
+) -> None:
+    model, opt, _ = setup
+    with pytest.raises(KeyError, match="from the body"), profile(opt, link_bandwidth=1e9) as prof:
+        _train(model, opt, 1)
+        raise KeyError("from the body")
+    assert prof.state is ProfilerState.STOPPED
+    prof.stop()  # idempotent
+    assert prof.to_dict()["steps"] == 1
+    with pytest.raises(RuntimeError, match="recording"):
+        prof.step()

@@ -167,20 +167,24 @@ class TrafficProfiler:
         self._sample(pools=True, rss=True)
         return self
 
-    def stop(self) -> None:
-        """Wait for pending copies, stop listening, take the final snapshots. Idempotent."""
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop listening, wait for pending copies, take the final snapshots. Idempotent.
+
+        ``wait=False`` skips the wait (copies still in flight then show as pending).
+        """
         with self._lock:
             if self.state is not ProfilerState.RECORDING:
                 return
             self.state = ProfilerState.STOPPED
         data = self.data
-        # Synchronisation point: copies still in flight have no end time yet; the report
-        # and the trace need every one of them finished.
-        for manager in data.managers:
-            manager.synchronize()
         for detach in self._detach:
             detach()
         self._detach.clear()
+        if wait:
+            # Synchronisation point: copies still in flight have no end time yet; the
+            # report and the trace need every one of them finished.
+            for manager in data.managers:
+                manager.synchronize()
         self._sample(pools=True, rss=True)
         data.stopped_at = time.perf_counter()
         data.exposed_end = [self._exposed(m) for m in data.managers]
@@ -189,8 +193,9 @@ class TrafficProfiler:
     def __enter__(self) -> TrafficProfiler:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        # After an error in the body, a failed stream must not hide that error behind its own.
+        self.stop(wait=exc_type is None)
 
     def step(self) -> None:
         """Mark the end of one training step (for per-step averages and the trace)."""
