@@ -104,8 +104,9 @@ class DemoResult:
 def _check_single_rank() -> None:
     world = os.environ.get("WORLD_SIZE", "1")
     if world.strip() not in ("", "1"):
+        rank = os.environ.get("RANK", "?")
         raise RuntimeError(
-            f"the demo runs on one rank for now (WORLD_SIZE={world}, e.g. from torchrun): "
+            f"rank {rank}: the demo runs on one rank for now (WORLD_SIZE={world}, from torchrun): "
             "OffloadAdamW does not partition across ranks yet; run `zero-offload demo` "
             "without torchrun (or with --nproc_per_node=1)"
         )
