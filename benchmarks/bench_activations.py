@@ -20,7 +20,8 @@ layers: none = S; torch checkpoint = L*I + S/L (inputs kept, one layer recompute
 save_on_cpu = measured: each tensor it brings back counts while alive (it comes back as its
 backward node runs); ours checkpoint = the offloader's measured peak + S/L;
 ours saved-tensor = the offloader's measured peak + the bytes below ``min_bytes`` kept.
-On CUDA the same columns come from ``torch.cuda.max_memory_allocated``.
+The script runs the host accelerator only; a CUDA column (from
+``torch.cuda.max_memory_allocated``) is not written yet.
 
 Usage: ``python benchmarks/bench_activations.py [--quick]``; prints a markdown table and
 writes ``benchmarks/results/bench_activations.json``.
