@@ -162,7 +162,13 @@ class MemoryEstimate:
         ]
         header = ["configuration", "model states", "buffers", "activations", "device total"]
         header += ["host", "fits", "largest that fits"]
-        return head + "\n\n" + format_table(header, rows)
+        note = (
+            "\n\nmodel states: weights, gradients and Adam state on the device (ZeRO paper, "
+            "2 + 2 + 12 bytes per parameter in mixed precision); buffers: OffloadAdamW's "
+            "gradient buffers; host: OffloadAdamW's pools per node.\nlargest that fits: the "
+            "most parameters each configuration holds with the same activations."
+        )
+        return head + "\n\n" + format_table(header, rows) + note
 
 
 def _largest_text(params: int | None) -> str:
