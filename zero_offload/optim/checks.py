@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_hyper", "check_params", "describe_param"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "check_hyper",
+    "check_new_params",
+    "check_params",
+    "describe_param",
+]
 
 #: Training dtypes the CPU kernels read and write.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -25,8 +31,8 @@ def _number(where: str, name: str, value: Any, *, low: float, high: float | None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
     if value < low or (high is not None and value >= high):
-        allowed = f"[{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{where}: {name} must be in {allowed}, got {value!r}")
+        allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
 
 
 def check_hyper(group: dict[str, Any], *, where: str) -> None:
@@ -42,6 +48,28 @@ def check_hyper(group: dict[str, Any], *, where: str) -> None:
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
+
+
+def check_new_params(params: Sequence[Any], param_groups: Sequence[dict[str, Any]]) -> None:
+    """Refuse non-tensors, non-leaves and parameters already in a group, by position."""
+    first = sum(len(group["params"]) for group in param_groups)
+    seen = {id(p) for group in param_groups for p in group["params"]}
+    for offset, param in enumerate(params):
+        index = first + offset
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"parameter {index} must be a torch.Tensor, got {type(param).__name__}")
+        what = describe_param(index, param)
+        if not param.is_leaf:
+            raise ValueError(
+                f"{what} is not a leaf tensor (it was computed from others); pass the "
+                "model's parameters (model.parameters()), not tensors derived from them"
+            )
+        if id(param) in seen:
+            raise ValueError(
+                f"{what} appears in more than one parameter group (or twice in one); "
+                "list each parameter once"
+            )
+        seen.add(id(param))
 
 
 def check_params(
@@ -71,11 +99,6 @@ def check_params(
                 )
             if param.layout is not torch.strided:
                 raise ValueError(f"{what} is {param.layout}; only dense (strided) parameters work")
-            if param.requires_grad and not param.is_leaf:
-                raise ValueError(
-                    f"{what} is not a leaf tensor (it was computed from others); pass the "
-                    "model's parameters (model.parameters()), not tensors derived from them"
-                )
             if param.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(
                     f"{what}: dtype {param.dtype} is not supported; cast the model to one of "

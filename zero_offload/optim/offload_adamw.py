@@ -28,7 +28,7 @@ from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.traffic import Category
 from ..partition import plan_buckets
 from ..tracing import phase
-from .checks import check_hyper, check_params
+from .checks import check_hyper, check_new_params, check_params
 from .flat_bucket import AdamHyper, BucketPools, FlatBucket, OffloadedBucket, ResidentBucket
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .placement import plan_placement
@@ -134,10 +134,20 @@ class OffloadAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does); after construction it gets buckets of its own."""
         group = dict(param_group)
+        params = group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set) or params is None:
+            raise TypeError(
+                "param group 'params' must be a tensor or an ordered iterable of tensors "
+                f"(not a set), got {type(params).__name__}"
+            )
+        group["params"] = params = list(params)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         check_hyper(group, where=f"param group {len(self.param_groups)}")
-        super().add_param_group(param_group)
+        check_new_params(params, self.param_groups)
+        super().add_param_group(group)
         if not self._constructing:
             try:
                 self._build([len(self.param_groups) - 1])
