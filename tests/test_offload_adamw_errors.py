@@ -21,7 +21,7 @@ def _opt(params, **kwargs) -> OffloadAdamW:
 def test_complex_and_integer_parameters_are_refused() -> None:
     with pytest.raises(TypeError, match=r"parameter 1 \(shape \(3,\), torch.complex64\)"):
         _opt([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
-    with pytest.raises(TypeError, match="parameter 0 .*int64"):
+    with pytest.raises(TypeError, match=r"parameter 0 .*int64"):
         _opt([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
     with pytest.raises(TypeError, match="float64 is not supported"):
         _opt([nn.Parameter(torch.zeros(2, dtype=torch.float64))])
@@ -34,9 +34,9 @@ def test_parameter_on_another_device_is_refused() -> None:
 
 def test_non_leaf_and_mixed_dtypes_are_refused() -> None:
     leaf = nn.Parameter(torch.ones(3))
-    with pytest.raises(ValueError, match="parameter 0 .* not a leaf"):
+    with pytest.raises(ValueError, match=r"parameter 0 .* not a leaf"):
         _opt([leaf * 2])
-    with pytest.raises(TypeError, match="parameter 1 .* one training dtype"):
+    with pytest.raises(TypeError, match=r"parameter 1 .* one training dtype"):
         _opt([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))])
 
 
