@@ -1,6 +1,12 @@
 """zero-offload: ZeRO-Offload for PyTorch. The public names, re-exported."""
 
 from .accelerator import Accelerator, CudaAccelerator, HostAccelerator, get_accelerator
+from .activations import (
+    ActivationOffloadConfig,
+    ActivationOffloader,
+    checkpoint,
+    offload_activations,
+)
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
 from .errors import DeviceBudgetExceeded, PoolExhausted, StreamError
 from .memory.manager import TieredMemoryManager
@@ -9,6 +15,8 @@ from .optim import OffloadAdamW
 __all__ = [
     "Accelerator",
     "AcceleratorConfig",
+    "ActivationOffloadConfig",
+    "ActivationOffloader",
     "CudaAccelerator",
     "DeviceBudgetExceeded",
     "HostAccelerator",
@@ -18,7 +26,9 @@ __all__ = [
     "PoolExhausted",
     "StreamError",
     "TieredMemoryManager",
+    "checkpoint",
     "get_accelerator",
+    "offload_activations",
 ]
 
 __version__ = "0.1.0"
