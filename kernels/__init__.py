@@ -5,9 +5,10 @@ array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, kee
 and validates all arguments before writing anything.
 """
 
+from .accumulate import accumulate_grad
 from .adam import adam_step
 from .convert import cast_fp32
 from .stats import grad_stats
 from .warmup import warmup
 
-__all__ = ["adam_step", "cast_fp32", "grad_stats", "warmup"]
+__all__ = ["accumulate_grad", "adam_step", "cast_fp32", "grad_stats", "warmup"]

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from .accumulate import accumulate_grad
 from .adam import adam_step
 from .convert import cast_fp32
 from .stats import grad_stats
@@ -51,6 +52,9 @@ def warmup() -> dict[str, float]:
         t0 = time.perf_counter()
         grad_stats(np.zeros(n, grad_dtype), num_threads=1)
         times[f"grad_stats[grad={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        accumulate_grad(np.zeros(n, np.float32), np.zeros(n, grad_dtype), overwrite=True)
+        times[f"accumulate_grad[src={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cast_fp32(np.zeros(n, np.float32), np.zeros(n, np.uint16), num_threads=1)
     times["cast_fp32"] = time.perf_counter() - t0

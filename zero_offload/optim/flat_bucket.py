@@ -39,7 +39,7 @@ import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from ..accelerator import Event
-from ..kernels import adam_step, grad_stats
+from ..kernels import accumulate_grad, adam_step
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -282,6 +282,7 @@ class OffloadedBucket(FlatBucket):
         super().__init__(layout, params, manager=manager, pools=pools)
         self.tile_elements = tile_elements
         self.fresh = True  # the next flush overwrites grad_acc; touched on the host worker
+        self._stats = (0.0, False)  # (sum of squares, non-finite) of grad_acc; host worker
         self._issued: list[Event] = []  # end events of weight copies issued by the last update
         self._unpublished: list[tuple[int, int]] = []  # updated tiles not yet copied
         n = layout.padded_numel
@@ -334,11 +335,12 @@ class OffloadedBucket(FlatBucket):
 
     def _accumulate_on_host(self) -> None:
         # Runs on the host worker, after the D2H copy; see Note [a bucket's gradient lifecycle].
-        if self.fresh:
-            self.grad_acc.copy_(self.grad_staging)
-            self.fresh = False
-        else:
-            self.grad_acc.add_(self.grad_staging)
+        # The same pass yields the statistics of the accumulated gradient, so step() needs
+        # no pass of its own for the norm and the overflow flag.
+        self._stats = accumulate_grad(
+            self.grad_acc, self.grad_staging, overwrite=self.fresh, stop=self.layout.numel
+        )
+        self.fresh = False
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -348,9 +350,8 @@ class OffloadedBucket(FlatBucket):
         self.fresh = True
 
     def grad_sumsq(self) -> tuple[float, bool]:
-        if not self.arrived.any():
-            return 0.0, False
-        return grad_stats(self.grad_acc, stop=self.layout.numel)
+        # Computed by the last accumulation (the caller synchronised the host worker).
+        return self._stats if self.arrived.any() else (0.0, False)
 
     def update(
         self,

@@ -312,7 +312,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._stats_cache is not None and self._stats_cache[0] == self._generation:
             return self._stats_cache[1], self._stats_cache[2]
         # Synchronisation point: the CPU must see every gradient copied so far.
-        self.manager.host_worker.synchronize()
+        with phase("wait_grads"):
+            self.manager.host_worker.synchronize()
         sumsq, nonfinite = 0.0, False
         with phase("grad_stats", track="cpu_optimizer"):
             for bucket in self.buckets:

@@ -1,0 +1,70 @@
+"""Gradient accumulation fused with its statistics: one pass over the host gradient buffer.
+
+The optimizer's host worker runs this as each gradient bucket arrives from the device, so
+the sum of squares and the overflow flag of the accumulated gradient are known by the time
+``step()`` runs, and the step needs no separate statistics pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking, run_with_threads
+from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
+
+
+@njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
+def _accumulate_kernel(acc, src, src_kind, overwrite, start, stop, nchunks):
+    partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum of squares per chunk
+    span = stop - start
+    for c in prange(nchunks):
+        lo = start + span * c // nchunks
+        hi = start + span * (c + 1) // nchunks
+        total = 0.0
+        for i in range(lo, hi):
+            g = load_f32(src, i, src_kind)
+            if not overwrite:
+                g = acc[i] + g  # one fp32 add, exactly torch's acc.add_(src.float())
+            acc[i] = g
+            d = np.float64(g)
+            total += d * d
+        partial[c] = total
+    return partial
+
+
+def accumulate_grad(
+    acc,
+    src,
+    *,
+    overwrite: bool,
+    start: int = 0,
+    stop: int | None = None,
+    num_threads: int | None = None,
+) -> tuple[float, bool]:
+    """``acc[start:stop] = src`` (``overwrite``) or ``+= src``, in fp32; returns the statistics.
+
+    ``acc`` is a 1-D contiguous fp32 CPU tensor or numpy array; ``src`` is fp32, bf16 or
+    fp16 of the same length (numpy uint16 means bf16 bits). Returns ``(sum of squares, any
+    non-finite)`` of the *updated* ``acc[start:stop]``, accumulated in float64 as in
+    ``grad_stats`` (see Note [non-finite flag from the float64 sum] in stats.py).
+    """
+    acc_a, _ = as_kernel_array(acc, "acc", (FP32,), writable=True)
+    src_a, kind = as_kernel_array(src, "src", (FP32, BF16, FP16))
+    if src_a.shape[0] != acc_a.shape[0]:
+        raise ValueError(
+            f"src has {src_a.shape[0]} elements but acc has {acc_a.shape[0]}; pass equal lengths"
+        )
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    start, stop = check_range(start, stop, acc_a.shape[0])
+    partial = run_with_threads(
+        num_threads,
+        lambda n: _accumulate_kernel(
+            acc_a, src_a, kind, overwrite, start, stop, chunking(stop - start, n)
+        ),
+    )
+    total = float(partial.sum())
+    return total, not math.isfinite(total)
