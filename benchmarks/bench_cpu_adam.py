@@ -18,6 +18,7 @@ from numba import njit, prange
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, time_rounds, write_json
+
 from zero_offload.kernels import adam_step, warmup
 
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}

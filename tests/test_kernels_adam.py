@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
 from zero_offload.kernels import adam_step
 
 STEPS = 10

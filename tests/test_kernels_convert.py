@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from zero_offload.kernels import cast_fp32
 
 SPECIAL = [

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from zero_offload.kernels import grad_stats
 
 
