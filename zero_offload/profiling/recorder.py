@@ -56,7 +56,7 @@ class MemorySample:
 
     ``device``: library-owned device bytes (the accelerators' ledgers). ``device_pools`` and
     ``host_pools``: bytes of blocks in use in the device and host pools (``None`` in samples
-    taken at a copy, where only the ledger is read). ``device_torch``: all memory torch has
+    taken at a copy or a phase, where only the ledger is read). ``device_torch``: all memory torch has
     allocated on the CUDA device, activations included (``None`` without CUDA).
     """
 
@@ -110,8 +110,9 @@ class TrafficProfiler:
     """Records copies, phases and memory of one or more memory managers; see ``profile()``.
 
     Listeners run on the caller's thread (phases, copies issued there) and on stream worker
-    threads; they only append to lists (atomic under the GIL), take the device ledgers'
-    locks, and on phase ends the pools' locks. ``_lock`` guards ``state``.
+    threads; they only append to lists (atomic under the GIL) and take the device ledgers'
+    locks. The pools (their locks contend with the copy streams) are read only at start,
+    ``step()`` and stop. ``_lock`` guards ``state``.
     """
 
     def __init__(
@@ -219,7 +220,7 @@ class TrafficProfiler:
 
     def _on_phase(self, name: str, track: str, start: float, end: float) -> None:
         self.data.phases.append(PhaseSpan(name, track, start, end))
-        self._sample(pools=True, rss=False)
+        self._sample(pools=False, rss=False)
 
     def _sample(self, *, pools: bool, rss: bool) -> None:
         device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
