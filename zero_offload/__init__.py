@@ -9,8 +9,10 @@ from .activations import (
 )
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
 from .errors import DeviceBudgetExceeded, PoolExhausted, StreamError
+from .estimate import MemoryEstimate, ModelShape, estimate
 from .memory.manager import TieredMemoryManager
 from .optim import OffloadAdamW
+from .profiling import TrafficProfiler, profile
 
 __all__ = [
     "Accelerator",
@@ -21,14 +23,19 @@ __all__ = [
     "DeviceBudgetExceeded",
     "HostAccelerator",
     "LossScalerConfig",
+    "MemoryEstimate",
+    "ModelShape",
     "OffloadAdamW",
     "OffloadConfig",
     "PoolExhausted",
     "StreamError",
     "TieredMemoryManager",
+    "TrafficProfiler",
     "checkpoint",
+    "estimate",
     "get_accelerator",
     "offload_activations",
+    "profile",
 ]
 
 __version__ = "0.1.0"

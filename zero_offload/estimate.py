@@ -36,16 +36,14 @@ from typing import Any
 import psutil
 import torch
 
-from .config import format_bytes
-from .optim.placement import plan_placement
+from .config import OffloadConfig, format_bytes
+from .optim.placement import POOL_ALIGNMENT, plan_placement
 from .partition import plan_buckets
 
 __all__ = ["ConfigEstimate", "MemoryEstimate", "ModelShape", "estimate", "offload_adamw_bytes"]
 
-#: Pool alignment of ``OffloadAdamW``'s buffers, bytes (its ``_POOL_ALIGNMENT``).
-POOL_ALIGNMENT = 512
 #: Default bucket size of ``OffloadConfig.bucket_bytes``.
-DEFAULT_BUCKET_BYTES = 32 * 2**20
+DEFAULT_BUCKET_BYTES = int(OffloadConfig().bucket_bytes)
 #: Activation checkpoints held on the device by activation offload (prefetch depth 1 + 1).
 OFFLOAD_CHECKPOINTS_ON_DEVICE = 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

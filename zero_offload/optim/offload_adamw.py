@@ -31,12 +31,10 @@ from ..tracing import phase
 from .checks import check_hyper, check_new_params, check_params
 from .flat_bucket import AdamHyper, BucketPools, FlatBucket, OffloadedBucket, ResidentBucket
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
-from .placement import plan_placement
+from .placement import POOL_ALIGNMENT, plan_placement
 from .state_io import load_optimizer_state, optimizer_state
 
 __all__ = ["OffloadAdamW"]
-
-_POOL_ALIGNMENT = 512
 
 
 class _Segment:
@@ -182,7 +180,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         layouts = plan_buckets(
             [members for _, members in families],
             bucket_numel=max(1, self.config.bucket_bytes // itemsize),
-            align_numel=_POOL_ALIGNMENT // 2,
+            align_numel=POOL_ALIGNMENT // 2,
         )
         amsgrad = any(self.param_groups[g]["amsgrad"] for g, _ in families)
         moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
@@ -195,15 +193,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             offload_fraction=self.config.offload_fraction,
             device_free=stats["budget"] - stats["in_use"],
             auto_headroom=self.config.auto_headroom,
-            alignment=_POOL_ALIGNMENT,
+            alignment=POOL_ALIGNMENT,
         )
         name = f"offload_adamw.{len(self._segments)}"
         device_pool = self.manager.create_pool(
-            Tier.DEVICE, max(placement.device_total, _POOL_ALIGNMENT), name=f"{name}.device"
+            Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
         )
         try:
             host_pool = self.manager.create_pool(
-                Tier.HOST, max(placement.host_state, _POOL_ALIGNMENT), name=f"{name}.host"
+                Tier.HOST, max(placement.host_state, POOL_ALIGNMENT), name=f"{name}.host"
             )
         except BaseException:
             device_pool.close()

@@ -22,7 +22,11 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
 from ..partition import BucketLayout
 
-__all__ = ["GRAD_BUFFERS", "Placement", "plan_placement"]
+__all__ = ["GRAD_BUFFERS", "POOL_ALIGNMENT", "Placement", "plan_placement"]
+
+#: Alignment of every block in OffloadAdamW's pools, bytes; buckets are padded to multiples
+#: of it too (Note [padding stays at the end] in partition.py).
+POOL_ALIGNMENT = 512
 
 #: Device gradient buffers for offloaded buckets: one filling while the previous one's
 #: copy to the host is in flight.
