@@ -1,0 +1,133 @@
+"""The CUDA check: one script, a few minutes on one GPU, one table at the end.
+
+    python benchmarks/gpu_check.py [--skip-tests] [--skip-benchmarks]
+
+1. the test suite's CUDA cases (``pytest -m cuda``);
+2. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
+   ``CudaAccelerator.allocate_host``, timed with CUDA events);
+3. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
+   memory (``torch.cuda.max_memory_allocated``) with ``OffloadAdamW`` against the same loop
+   with torch's fused AdamW keeping fp32 master weights and moments on the GPU;
+4. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
+
+Without a GPU it says so in one line and exits 0. It runs unchanged on any CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def _bandwidth(nbytes: int = 256 * 2**20, rounds: int = 5) -> dict[str, float]:
+    from zero_offload import CudaAccelerator
+
+    acc = CudaAccelerator()
+    host = acc.allocate_host(nbytes, pinned=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+    out = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        times = []
+        for _ in range(rounds + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def _offload_vs_resident(rounds: int = 5) -> dict[str, float]:
+    from bench_offload_step import SIZES, _TorchMixed
+
+    from zero_offload import OffloadAdamW
+    from zero_offload.demo.model import TinyGPT
+
+    config = SIZES["100M"]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=gen).cuda()
+    result = {}
+    for name in ("offload", "resident"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        model = TinyGPT(config).cuda().bfloat16()
+        opt = OffloadAdamW(model.parameters(), lr=1e-4) if name == "offload" else _TorchMixed(model)
+        times = []
+        for _ in range(rounds + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids, ids).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        result[f"{name}_step_s"] = statistics.median(times[1:])
+        result[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated()
+        if name == "offload":
+            opt.close()
+        del model, opt
+    result["step_ratio"] = result["offload_step_s"] / result["resident_step_s"]
+    result["memory_ratio"] = result["resident_peak_bytes"] / result["offload_peak_bytes"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-benchmarks", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA GPU visible to torch {torch.__version__}; nothing to check")
+        return 0
+    rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name())]
+    status = 0
+    if not args.skip_tests:
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", os.path.join(HERE, "..", "tests")],
+            check=False,
+        )
+        rows.append(
+            ("CUDA tests (pytest -m cuda)", "passed" if tests.returncode == 0 else "FAILED")
+        )
+        status = tests.returncode
+    bw = _bandwidth()
+    rows += [("pinned H2D GB/s", f"{bw['h2d']:.1f}"), ("pinned D2H GB/s", f"{bw['d2h']:.1f}")]
+    both = _offload_vs_resident()
+    rows += [
+        ("step time offload / resident (100M, bf16)", f"{both['step_ratio']:.2f}"),
+        ("peak device memory resident / offload", f"{both['memory_ratio']:.2f}x"),
+        (
+            "offload step ms / resident step ms",
+            f"{both['offload_step_s'] * 1e3:.0f} / {both['resident_step_s'] * 1e3:.0f}",
+        ),
+    ]
+    if not args.skip_benchmarks:
+        import bench_cpu_adam
+        import bench_offload_step
+
+        adam = bench_cpu_adam.main(["--quick"])
+        step = bench_offload_step.main(["--quick"])
+        rows.append(("CPU Adam benchmark", f"{len(adam)} result groups (tables above)"))
+        rows.append(("step / bare kernel (20M, CUDA)", f"{step['step_over_kernel']:.2f}"))
+        rows.append(("device cut vs mixed (20M, CUDA)", f"{step['device_cut_vs_mixed']:.1f}x"))
+    width = max(len(name) for name, _ in rows)
+    print("\n| check | result |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name.ljust(width)} | {value} |")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
