@@ -218,6 +218,10 @@ class OffloadConfig:
             (bf16 saves 4 bytes per parameter of host memory and traffic, math stays fp32).
             Default ``"float32"``.
         loss_scaler: dynamic loss scaling for fp16 models.
+        collective_timeout: seconds a collective across ranks (reduce-scatter, all-gather,
+            the norm all-reduce) may wait before the rank raises ``CollectiveError`` naming
+            the collective, instead of hanging when another rank failed or never arrived.
+            Default 600.0. Must be > 0. Unused with one rank.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -229,6 +233,7 @@ class OffloadConfig:
     skip_nonfinite: bool = False
     moments_dtype: str = "float32"
     loss_scaler: LossScalerConfig = LossScalerConfig()
+    collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -253,6 +258,7 @@ class OffloadConfig:
             )
         if self.max_grad_norm is not None:
             _check_positive_finite("OffloadConfig.max_grad_norm", self.max_grad_norm)
+        _check_positive_finite("OffloadConfig.collective_timeout", self.collective_timeout)
         for name in ("overlap_step", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DeviceBudgetExceeded", "PoolExhausted", "StreamError"]
+__all__ = ["CollectiveError", "DeviceBudgetExceeded", "PoolExhausted", "StreamError"]
 
 
 class DeviceBudgetExceeded(MemoryError):
@@ -23,4 +23,12 @@ class PoolExhausted(MemoryError):
     defragmenting, and when a host pool would not fit in the host RAM available now. The
     message names the request, the capacity, the bytes free, the largest free block and the
     setting to change.
+    """
+
+
+class CollectiveError(RuntimeError):
+    """A collective across ranks failed or passed its deadline.
+
+    The message names this rank, the collective and the bucket; see Note [collective
+    deadlines] in ``zero_offload.collectives``.
     """

@@ -12,6 +12,16 @@ A bucket's parameters occupy ``[0, numel)`` of its flat buffer; padding is
 ``[numel, padded_numel)`` only. Padding elements start at zero, receive zero gradients and
 therefore stay zero through Adam (zero gradient, zero weight, zero moments stay zero), and
 no parameter view ever covers them, so padding never reaches the user's tensors.
+
+Note [who owns which shard]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``world_size`` ranks, rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)`` of
+every bucket (``shard_range``): the fp32 master weights, moments and gradient accumulator
+of those elements live only on rank ``r`` (in its host pool), and only rank ``r`` runs Adam
+on them. Shards tile the padded bucket exactly once, in rank order, so the padding (at the
+end, Note [padding stays at the end]) falls in the last ranks' shards, and a parameter may
+straddle two or more shards; each rank then holds a contiguous piece of it
+(``owned_piece``). Every rank keeps the whole bucket's training-dtype weights on its device.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BucketLayout", "ParamSlot", "plan_buckets"]
+__all__ = ["BucketLayout", "ParamSlot", "clip_runs", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,18 @@ class BucketLayout:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def real_in(self, start: int, stop: int) -> int:
+        """Elements of real parameters (not padding) in ``[start, stop)``."""
+        return max(0, min(stop, self.numel) - start)
+
+    def owned_piece(self, slot: ParamSlot, start: int, stop: int) -> tuple[int, int]:
+        """The piece ``[lo, hi)`` of ``slot``'s flattened parameter inside ``[start, stop)``
+        of the bucket (``lo == hi`` when none); see Note [who owns which shard]."""
+        lo, hi = max(slot.offset, start), min(slot.end, stop)
+        if lo >= hi:
+            return 0, 0
+        return lo - slot.offset, hi - slot.offset
+
     def slots_in(self, start: int, stop: int) -> list[tuple[ParamSlot, int, int]]:
         """The parameter pieces inside ``[start, stop)``: ``(slot, lo, hi)`` in bucket elements."""
         pieces = []
@@ -67,6 +89,19 @@ class BucketLayout:
             if lo < hi:
                 pieces.append((slot, lo, hi))
         return pieces
+
+
+def clip_runs(
+    runs: Sequence[tuple[int, int, int]], start: int, stop: int
+) -> list[tuple[int, int, int]]:
+    """``(lo, hi, step)`` bucket ranges cut to ``[start, stop)`` and shifted to start there
+    (shard-local element numbers); empty pieces are dropped."""
+    pieces = []
+    for lo, hi, step in runs:
+        lo, hi = max(lo, start), min(hi, stop)
+        if lo < hi:
+            pieces.append((lo - start, hi - start, step))
+    return pieces
 
 
 def _round_up(value: int, multiple: int) -> int:

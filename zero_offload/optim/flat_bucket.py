@@ -25,6 +25,14 @@ into the fp32 accumulator (or overwrites it, for the first flush after ``zero_gr
 bucket can be flushed several times in one backward; the accumulator sums the pieces. So
 device gradient memory is about two buckets, and accumulation over several backward passes
 is exact fp32 addition on the host.
+
+With several ranks (``Sharding``), a flush first averages ``grad_dev`` over the ranks with
+a reduce-scatter on the ``comm`` stream (after the compute stream's "gradients ready"
+event, so it overlaps the rest of backward), and only this rank's shard of ``grad_dev``
+is then copied to the host (Note [who owns which shard] in ``partition.py``): every host
+field of an offloaded bucket covers the shard, ``shard_numel`` elements. After the CPU
+update each rank copies its updated shard into its slice of ``weights_dev`` and the
+optimizer all-gathers the bucket, one collective filling every parameter of it.
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from ..accelerator import Event
+from ..accelerator import Event, Stream
+from ..collectives import Comm, reduce_scatter_avg
 from ..kernels import accumulate_grad, adam_step
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout
+from ..partition import BucketLayout, clip_runs
+from ..tracing import phase
 
 __all__ = [
     "AdamHyper",
@@ -53,6 +63,7 @@ __all__ = [
     "FlatBucket",
     "OffloadedBucket",
     "ResidentBucket",
+    "Sharding",
 ]
 
 
@@ -87,6 +98,14 @@ class BucketPools:
     host: BlockPool  # an offloaded bucket's fp32 state and staging
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How buckets are partitioned across ranks (absent with one rank)."""
+
+    comm: Comm
+    stream: Stream  # "comm": reduce-scatters run here, off the compute and copy streams
+
+
 def _runs(
     layout: BucketLayout, steps: np.ndarray, arrived: np.ndarray
 ) -> Iterator[tuple[int, int, int]]:
@@ -115,6 +134,8 @@ class FlatBucket(ABC):
         steps: (n_slots,) int64, host; each parameter's Adam step count.
         arrived: (n_slots,) bool, host; which parameters got a gradient since zero_grad.
         pending: parameters yet to report in the current backward.
+        shard: ``(start, stop)`` of the flat elements this rank owns (the whole padded
+            bucket with one rank); see Note [who owns which shard] in ``partition.py``.
     """
 
     def __init__(
@@ -124,8 +145,11 @@ class FlatBucket(ABC):
         *,
         manager: TieredMemoryManager,
         pools: BucketPools,
+        sharding: Sharding | None = None,
     ) -> None:
         self.layout = layout
+        self.sharding = sharding
+        self.shard = layout.shard_range(sharding.comm.rank if sharding is not None else 0)
         self.params = list(params)
         self.manager = manager
         self.pools = pools
@@ -208,7 +232,7 @@ class FlatBucket(ABC):
     def check_external_writes(self) -> None:
         """Refresh the master weights if the parameters were written since the last step."""
         if self.weights_dev._version != self._weights_version:
-            self.master.copy_(self.weights_dev)
+            self.master.copy_(self.weights_dev[self.shard[0] : self.shard[1]])
             self._weights_version = self.weights_dev._version
 
     def remember_weights(self) -> None:
@@ -243,10 +267,18 @@ class FlatBucket(ABC):
         self.steps[self.arrived] += 1
         return list(_runs(self.layout, self.steps, self.arrived))
 
-    @abstractmethod
-    def state_views(self, slot_index: int) -> dict[str, torch.Tensor]:
-        """Views of one parameter's optimizer state: master, exp_avg, exp_avg_sq (and
-        max_exp_avg_sq with amsgrad), shaped like the parameter."""
+    def state_views(self, slot_index: int) -> tuple[int, int, dict[str, torch.Tensor]]:
+        """The piece ``[lo, hi)`` of one flattened parameter that this rank owns (all of it
+        with one rank; ``lo == hi`` for none) and flat views of its optimizer state there:
+        master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
+        slot = self.layout.slots[slot_index]
+        start, stop = self.shard
+        lo, hi = self.layout.owned_piece(slot, start, stop)
+        first = slot.offset + lo - start  # the piece's first element in the state buffers
+        names = ["master", "exp_avg", "exp_avg_sq"]
+        if self.max_exp_avg_sq is not None:
+            names.append("max_exp_avg_sq")
+        return lo, hi, {name: getattr(self, name)[first : first + hi - lo] for name in names}
 
     def close(self) -> None:
         """Return every block to its pool."""
@@ -259,7 +291,8 @@ class FlatBucket(ABC):
 class OffloadedBucket(FlatBucket):
     """State on the host, updated by the CPU kernel; see the module docstring.
 
-    Host fields (all ``(padded_numel,)``, host pool, pinned where available):
+    Host fields (all ``(shard_numel,)``, the elements of ``shard``; host pool, pinned where
+    available):
         master: fp32 master weights.
         exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
         grad_acc: fp32 gradient accumulator.
@@ -278,14 +311,15 @@ class OffloadedBucket(FlatBucket):
         moments_dtype: torch.dtype,
         amsgrad: bool,
         tile_elements: int,
+        sharding: Sharding | None = None,
     ) -> None:
-        super().__init__(layout, params, manager=manager, pools=pools)
+        super().__init__(layout, params, manager=manager, pools=pools, sharding=sharding)
         self.tile_elements = tile_elements
         self.fresh = True  # the next flush overwrites grad_acc; touched on the host worker
         self._stats = (0.0, False)  # (sum of squares, non-finite) of grad_acc; host worker
         self._issued: list[Event] = []  # end events of weight copies issued by the last update
         self._unpublished: list[tuple[int, int]] = []  # updated tiles not yet copied
-        n = layout.padded_numel
+        n = layout.shard_numel
         fields: list[tuple[str, torch.dtype]] = [
             ("master", torch.float32),
             ("exp_avg", moments_dtype),
@@ -309,7 +343,8 @@ class OffloadedBucket(FlatBucket):
             setattr(self, name, tensor)
         self.max_exp_avg_sq: torch.Tensor | None = getattr(self, "max_exp_avg_sq", None)
         self.weights_staging: torch.Tensor | None = getattr(self, "weights_staging", None)
-        self.master.copy_(self.weights_dev)  # fp32 master from the model's initial weights
+        # fp32 master from the model's initial weights
+        self.master.copy_(self.weights_dev[self.shard[0] : self.shard[1]])
 
     def flush(self) -> None:
         manager = self.manager
@@ -317,12 +352,16 @@ class OffloadedBucket(FlatBucket):
         if block is None:
             raise RuntimeError(f"bucket {self.layout.index} flushed with no device gradient (bug)")
         staging_block = self._host_blocks["grad_staging"]
+        after = [manager.compute_ready()]
+        if self.sharding is not None:
+            after = [self._reduce_scatter(after[0])]
+        start, stop = self.shard
         done = manager.copy(
             self.grad_staging,
-            self.grad_dev,
+            self.grad_dev[start:stop],
             direction=Direction.D2H,
             category=Category.GRADIENTS,
-            after=[manager.compute_ready()],
+            after=after,
             blocks=[block, staging_block],
             label=f"bucket{self.layout.index}",
         )
@@ -333,12 +372,31 @@ class OffloadedBucket(FlatBucket):
         manager.host_worker.wait_event(done)
         manager.host_worker.submit(self._accumulate_on_host)
 
+    def _reduce_scatter(self, ready: Event) -> Event:
+        """Queue the average of ``grad_dev`` over the ranks on the comm stream (after
+        ``ready``); returns the event after which this rank's shard of it holds the mean."""
+        sharding = self.sharding
+        if sharding is None:
+            raise RuntimeError(f"bucket {self.layout.index}: reduce-scatter with one rank (bug)")
+        grad, what = self.grad_dev, f"bucket {self.layout.index} ({self.layout.padded_numel} el)"
+
+        def run() -> None:
+            with phase("reduce_scatter", track="comm"):
+                reduce_scatter_avg(grad, comm=sharding.comm, what=what)
+
+        sharding.stream.wait_event(ready)
+        sharding.stream.submit(run)
+        return sharding.stream.record_event()
+
     def _accumulate_on_host(self) -> None:
         # Runs on the host worker, after the D2H copy; see Note [a bucket's gradient lifecycle].
         # The same pass yields the statistics of the accumulated gradient, so step() needs
         # no pass of its own for the norm and the overflow flag.
         self._stats = accumulate_grad(
-            self.grad_acc, self.grad_staging, overwrite=self.fresh, stop=self.layout.numel
+            self.grad_acc,
+            self.grad_staging,
+            overwrite=self.fresh,
+            stop=self.layout.real_in(*self.shard),
         )
         self.fresh = False
 
@@ -361,7 +419,7 @@ class OffloadedBucket(FlatBucket):
         *,
         publish: bool = True,
     ) -> None:
-        for start, stop, step in runs:
+        for start, stop, step in clip_runs(runs, *self.shard):
             for lo in range(start, stop, self.tile_elements):
                 hi = min(lo + self.tile_elements, stop)
                 adam_step(
@@ -389,8 +447,9 @@ class OffloadedBucket(FlatBucket):
 
     def _copy_tile(self, lo: int, hi: int) -> Event:
         source = self.master if self.weights_staging is None else self.weights_staging
+        offset = self.shard[0]
         return self.manager.copy(
-            self.weights_dev[lo:hi],
+            self.weights_dev[offset + lo : offset + hi],
             source[lo:hi],
             direction=Direction.H2D,
             category=Category.WEIGHTS,
@@ -402,15 +461,6 @@ class OffloadedBucket(FlatBucket):
         events = self._issued + [self._copy_tile(lo, hi) for lo, hi in self._unpublished]
         self._issued, self._unpublished = [], []
         return events
-
-    def state_views(self, slot_index: int) -> dict[str, torch.Tensor]:
-        slot = self.layout.slots[slot_index]
-        names = ["master", "exp_avg", "exp_avg_sq"]
-        if self.max_exp_avg_sq is not None:
-            names.append("max_exp_avg_sq")
-        return {
-            name: getattr(self, name)[slot.offset : slot.end].view(slot.shape) for name in names
-        }
 
     def close(self) -> None:
         super().close()
@@ -513,15 +563,6 @@ class ResidentBucket(FlatBucket):
                 maximize=hyper.maximize,
             )
             self.weights_dev[start:stop].copy_(self.master[start:stop])
-
-    def state_views(self, slot_index: int) -> dict[str, torch.Tensor]:
-        slot = self.layout.slots[slot_index]
-        names = ["master", "exp_avg", "exp_avg_sq"]
-        if self.max_exp_avg_sq is not None:
-            names.append("max_exp_avg_sq")
-        return {
-            name: getattr(self, name)[slot.offset : slot.end].view(slot.shape) for name in names
-        }
 
     def close(self) -> None:
         super().close()

@@ -10,6 +10,13 @@ What differs from ``torch.optim.AdamW``, visibly:
   ``torch.nn.utils.clip_grad_norm_``) and ``opt.backward(loss)`` for fp16 models.
 - Parameters become views into flat per-bucket device buffers (``param.data`` is replaced
   once, at construction; modules keep working unchanged).
+
+Several ranks (torch.distributed initialised, or ``process_group=`` given): ZeRO stage 2
+with offload. Each rank owns a contiguous 1/N shard of every bucket's fp32 master weights,
+moments and gradient accumulator (Note [who owns which shard] in ``partition.py``);
+gradients are reduce-scattered (averaged) as buckets complete, the norm and overflow flag
+are all-reduced, each rank runs CPU Adam on its shard, and the updated shards are
+all-gathered into every rank's parameters. One rank is the same code with no collectives.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..accelerator import Accelerator, get_accelerator
+from ..accelerator import Accelerator, Event, get_accelerator
+from ..collectives import Pending, all_gather_flat, all_reduce_stats, make_comm, wait_all
 from ..config import OffloadConfig
 from ..errors import PoolExhausted
 from ..memory.manager import Tier, TieredMemoryManager
@@ -29,7 +37,14 @@ from ..memory.traffic import Category
 from ..partition import plan_buckets
 from ..tracing import phase
 from .checks import check_hyper, check_new_params, check_params
-from .flat_bucket import AdamHyper, BucketPools, FlatBucket, OffloadedBucket, ResidentBucket
+from .flat_bucket import (
+    AdamHyper,
+    BucketPools,
+    FlatBucket,
+    OffloadedBucket,
+    ResidentBucket,
+    Sharding,
+)
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .placement import POOL_ALIGNMENT, plan_placement
 from .state_io import load_optimizer_state, optimizer_state
@@ -56,6 +71,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     tiling, ``offload_fraction``, clipping, ``overlap_step`` and loss scaling;
     ``accelerator`` defaults to ``get_accelerator()``. ``capturable``, ``differentiable``,
     ``foreach=False`` and ``fused=False`` have no meaning here and are refused.
+    ``process_group``: the ranks to partition over (default: torch.distributed's default
+    group when it is initialised, else none); every rank must construct the optimizer
+    over the same parameters in the same order. See the module docstring.
     """
 
     def __init__(
@@ -74,6 +92,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         config: OffloadConfig | None = None,
         accelerator: Accelerator | None = None,
+        process_group: Any = None,
     ) -> None:
         for name, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:
@@ -107,7 +126,22 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
+        #: Partitioning across ranks; None with one rank (Note [who owns which shard]).
+        self.comm = make_comm(process_group, timeout=config.collective_timeout)
+        if self.comm is not None and config.offload_fraction != 1.0:
+            raise ValueError(
+                f"{self.comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
+                f"ranks (device-resident optimizer state is not partitioned yet), got "
+                f"{config.offload_fraction!r}"
+            )
         self.manager = TieredMemoryManager(self.accelerator)
+        # The comm stream exists with several ranks only: reduce-scatters run on it so that
+        # they overlap backward and stay off the copy streams.
+        self._sharding = (
+            Sharding(self.comm, self.accelerator.new_stream("comm"))
+            if self.comm is not None
+            else None
+        )
         self._segments: list[_Segment] = []
         self._constructing = True
         self._hooks: list[Any] = []
@@ -180,6 +214,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         layouts = plan_buckets(
             [members for _, members in families],
             bucket_numel=max(1, self.config.bucket_bytes // itemsize),
+            world_size=self.comm.world_size if self.comm is not None else 1,
             align_numel=POOL_ALIGNMENT // 2,
         )
         amsgrad = any(self.param_groups[g]["amsgrad"] for g, _ in families)
@@ -227,6 +262,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     moments_dtype=moments_dtype,
                     amsgrad=amsgrad,
                     tile_elements=self.config.tile_elements,
+                    sharding=self._sharding,
                 )
             buckets.append(bucket)
         self._segments.append(_Segment(buckets, pools))
@@ -318,6 +354,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                 part, bad = bucket.grad_sumsq()
                 sumsq += part
                 nonfinite = nonfinite or bad
+        if self.comm is not None:
+            # Every rank must clip by the same coefficient and skip the same steps.
+            sumsq, nonfinite = all_reduce_stats(
+                sumsq, nonfinite, comm=self.comm, device=self.accelerator.device
+            )
         self._stats_cache = (self._generation, sumsq, nonfinite)
         return sumsq, nonfinite
 
@@ -369,16 +410,40 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.config.overlap_step:
             self._launch_delayed_update(grad_scale)
             return loss
-        events = []
+        events: list[Event] = []
+        gathers: list[Pending] = []
         with phase("cpu_adam", track="cpu_optimizer"):
             for bucket in self.buckets:
                 bucket.update(self._hyper(bucket), grad_scale, bucket.plan_update())
-                events.extend(bucket.publish())
+                if self.comm is None:
+                    events.extend(bucket.publish())
+                else:  # this bucket's all-gather overlaps the next bucket's CPU Adam
+                    gathers.append(self._gather(bucket, bucket.publish()))
+        self._land_weights(events, gathers)
+        return loss
+
+    def _gather(self, bucket: FlatBucket, events: list[Event]) -> Pending:
+        """Issue the all-gather of ``bucket``'s updated shards once this rank's shard has
+        reached ``weights_dev`` (``events``)."""
+        comm = self.comm
+        if comm is None:
+            raise RuntimeError("all-gather with one rank (bug)")
+        # Synchronisation point (host accelerator): the collective reads weights_dev now.
+        self.manager.wait_for(events, category=Category.WEIGHTS)
+        with phase("all_gather", track="comm"):
+            return all_gather_flat(
+                bucket.weights_dev, comm=comm, what=f"bucket {bucket.layout.index} weights"
+            )
+
+    def _land_weights(self, events: list[Event], gathers: list[Pending]) -> None:
+        """Make compute wait for the weight copies and all-gathers; record the versions."""
         with phase("wait_weights"):
             self.manager.wait_for(events, category=Category.WEIGHTS)
+        if gathers and self.comm is not None:
+            with phase("all_gather", track="comm"):
+                wait_all(gathers, self.comm)
         for bucket in self.buckets:
             bucket.remember_weights()
-        return loss
 
     def _hyper(self, bucket: FlatBucket) -> AdamHyper:
         group = self.param_groups[bucket.layout.group]
@@ -418,14 +483,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _publish_pending(self) -> None:
         # Synchronisation point: the delayed update must be finished before its weights go.
         self.manager.host_worker.synchronize()
-        events = []
+        events: list[Event] = []
+        gathers: list[Pending] = []
         for bucket in self.buckets:
-            events.extend(bucket.publish())
-        self.manager.wait_for(events, category=Category.WEIGHTS)
+            published = bucket.publish()
+            events.extend(published)
+            if self.comm is not None:
+                gathers.append(self._gather(bucket, published))
         for event in events:
             self.manager.host_worker.wait_event(event)
-        for bucket in self.buckets:
-            bucket.remember_weights()
+        self._land_weights(events, gathers)
         self._update_pending = False
 
     def flush_pending_update(self) -> None:

@@ -4,6 +4,18 @@ The layout is torch's (``state`` keyed by the parameter's position across groups
 ``param_groups`` with ``params`` as positions), with each parameter's fp32 ``master``
 weights added, and the loss scaler and skip count under ``zero_offload``. A
 ``torch.optim.AdamW`` state dict loads too: missing master weights come from the parameters.
+
+Note [sharded state dicts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+With several ranks, ``state_dict()`` on each rank holds only the state that rank owns
+(Note [who owns which shard] in ``partition.py``): per parameter, the flat piece
+``[lo, hi)`` of the flattened parameter in this rank's shards, under the same names, and
+``zero_offload["shard"]`` = ``{"rank", "world_size", "pieces": {index: (lo, hi)},
+"shapes": {index: shape}}`` to place it. Such a dict loads back only on the same rank of
+the same world size. ``zero_offload.checkpoint_io`` merges the ranks' dicts into the
+one-rank layout (``consolidated_state_dict``), and any world size loads that layout: each
+rank copies its own pieces out of the full tensors, which is how a checkpoint saved with N
+ranks resumes with M.
 """
 
 from __future__ import annotations
@@ -39,23 +51,34 @@ def optimizer_state(opt: OffloadAdamW) -> dict[str, Any]:
         position += len(group["params"])
         groups.append(entry)
     state: dict[int, dict[str, torch.Tensor]] = {}
+    pieces: dict[int, tuple[int, int]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
     for index, (bucket, i) in sorted(_slots(opt).items()):
         if bucket.steps[i] == 0:
             continue  # never stepped: torch has no entry either
+        lo, hi, views = bucket.state_views(i)
+        shape = bucket.layout.slots[i].shape
+        whole = opt.comm is None
         entry = {
-            name: view.detach().to("cpu", copy=True) for name, view in bucket.state_views(i).items()
+            name: (view.view(shape) if whole else view).detach().to("cpu", copy=True)
+            for name, view in views.items()
         }
         entry["step"] = torch.tensor(float(bucket.steps[i]))
         state[index] = entry
-    return {
-        "state": state,
-        "param_groups": groups,
-        "zero_offload": {
-            "version": _FORMAT_VERSION,
-            "loss_scaler": opt.scaler.state_dict(),
-            "skipped_steps": opt.skipped_steps,
-        },
+        pieces[index], shapes[index] = (lo, hi), shape
+    extra: dict[str, Any] = {
+        "version": _FORMAT_VERSION,
+        "loss_scaler": opt.scaler.state_dict(),
+        "skipped_steps": opt.skipped_steps,
     }
+    if opt.comm is not None:  # Note [sharded state dicts]
+        extra["shard"] = {
+            "rank": opt.comm.rank,
+            "world_size": opt.comm.world_size,
+            "pieces": pieces,
+            "shapes": shapes,
+        }
+    return {"state": state, "param_groups": groups, "zero_offload": extra}
 
 
 def _check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,6 +121,20 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
                 f"param group {g}: state_dict has {len(saved['params'])} parameters but this "
                 f"optimizer has {len(group['params'])}"
             )
+    extra = state_dict.get("zero_offload", {})
+    if extra and extra.get("version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
+        )
+    shard = extra.get("shard")
+    here = (opt.comm.rank, opt.comm.world_size) if opt.comm is not None else (0, 1)
+    if shard is not None and (shard["rank"], shard["world_size"]) != here:
+        raise ValueError(
+            f"rank {here[0]}/{here[1]}: this state_dict is the shard of rank "
+            f"{shard['rank']} of {shard['world_size']} ranks; load a consolidated one "
+            "instead (zero_offload.checkpoint_io.save_consolidated / load_consolidated, "
+            "Note [sharded state dicts])"
+        )
     positions = [p for saved in saved_groups for p in saved["params"]]
     to_local = {saved_id: local for local, saved_id in enumerate(positions)}
     slots = _slots(opt)
@@ -121,36 +158,40 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
         missing = needed - set(entry)
         if missing:
             raise ValueError(f"{where}: missing {sorted(missing)}")
+        lo, hi, _ = bucket.state_views(i)
+        if shard is not None and tuple(shard["pieces"].get(saved_id, (lo, hi))) != (lo, hi):
+            raise ValueError(
+                f"{where}: the shard holds elements {tuple(shard['pieces'][saved_id])} but "
+                f"this rank owns {(lo, hi)} (different bucket_bytes?); load a consolidated "
+                "state_dict instead"
+            )
         checked = {
-            name: _check_tensor(where, name, entry[name], shape)
+            name: _check_tensor(where, name, entry[name], shape if shard is None else (hi - lo,))
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
             if name in entry and (name != "max_exp_avg_sq" or amsgrad[index])
         }
+        if shard is None:  # a whole-parameter layout: keep this rank's piece of it
+            checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
         checked["step"] = _check_step(where, entry["step"])
         staged[index] = checked
-    extra = state_dict.get("zero_offload", {})
-    if extra and extra.get("version") != _FORMAT_VERSION:
-        raise ValueError(
-            f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
-        )
-
     # Everything is checked: from here on nothing raises on the caller's data.
     for index, (bucket, i) in slots.items():
-        views = bucket.state_views(i)
-        slot = bucket.layout.slots[i]
+        lo, hi, views = bucket.state_views(i)
+        offset = bucket.layout.slots[i].offset
+        weights = bucket.weights_dev[offset + lo : offset + hi]
         entry = staged.get(index)
         if entry is None:
             for name, view in views.items():
                 if name != "master":
                     view.zero_()
-            views["master"].copy_(bucket.weights_dev[slot.offset : slot.end].view(slot.shape))
+            views["master"].copy_(weights)
             bucket.steps[i] = 0
             continue
         for name, view in views.items():
             if name in entry:
                 view.copy_(entry[name])
             elif name == "master":
-                view.copy_(bucket.weights_dev[slot.offset : slot.end].view(slot.shape))
+                view.copy_(weights)
         bucket.steps[i] = entry["step"]
     for bucket in opt.buckets:
         bucket.remember_weights()

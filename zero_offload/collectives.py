@@ -1,0 +1,212 @@
+"""Stateless collectives over torch.distributed, with deadlines and byte counts.
+
+OffloadAdamW's multi-rank path uses four operations, each a plain function over flat
+buckets (see Note [who owns which shard] in ``optim/flat_bucket.py``):
+
+- ``reduce_scatter_avg``: average a bucket's gradients over the ranks, in place, so that
+  each rank's own shard of the flat buffer holds the mean. ``dist.reduce_scatter_tensor``
+  where the backend has it (NCCL; gloo in recent torch); otherwise the fallback is
+  ``dist.all_reduce`` of the whole bucket (same result, twice the wire volume), taken
+  when the backend raises that the operation is unsupported.
+- ``all_gather_flat``: every rank's updated shard into every rank's flat weights, in
+  place (``dist.all_gather_into_tensor``); asynchronous, waited with ``wait_all``.
+- ``all_reduce_stats``: the sum of squares of the gradients and the overflow flag, summed
+  over the ranks, so every rank clips by the same coefficient and skips the same steps.
+
+Note [collective deadlines]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A rank that fails or never arrives must not hang the others forever. Every collective is
+issued with ``async_op=True`` and its handle is waited with our own deadline
+(``OffloadConfig.collective_timeout``): on CPU tensors (gloo) ``work.wait(timeout=...)``
+blocks at most that long; a timeout or a backend error (a peer's socket closed) raises
+``CollectiveError`` naming this rank, the collective and the bucket. On CUDA tensors
+(NCCL) ``work.wait()`` only makes the current stream wait and returns at once; the
+deadline there is the process group's own timeout, which callers should set to the same
+value (``dist.init_process_group(timeout=...)``, as the demo does).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError
+
+__all__ = [
+    "Comm",
+    "CommCounters",
+    "Pending",
+    "all_gather_flat",
+    "all_reduce_stats",
+    "make_comm",
+    "reduce_scatter_avg",
+    "wait_all",
+    "wait_work",
+]
+
+
+class CommCounters:
+    """Collective calls and bytes per operation since construction.
+
+    Bytes count the full flat buffer of each call (``padded_numel * itemsize``), the
+    ZeRO paper's unit: a reduce-scatter plus an all-gather of a buffer of ``P`` bytes is
+    ``2P``, the volume of one data-parallel all-reduce. ``_lock`` guards ``_counts``
+    (collectives are issued from the caller's thread and from the comm stream).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, list[int]] = {}
+
+    def add(self, op: str, nbytes: int) -> None:
+        """Count one call of ``op`` over ``nbytes``."""
+        with self._lock:
+            entry = self._counts.setdefault(op, [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{op: {"calls": n, "bytes": b}}`` for every operation seen."""
+        with self._lock:
+            return {op: {"calls": c, "bytes": b} for op, (c, b) in sorted(self._counts.items())}
+
+    def bytes(self, op: str | None = None) -> int:
+        """Bytes of ``op`` (or of all operations)."""
+        with self._lock:
+            return sum(b for name, (_, b) in self._counts.items() if op is None or name == op)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Who this rank is in which group, and how long a collective may take."""
+
+    group: Any  # a torch.distributed ProcessGroup, or None for the default group
+    rank: int  # this process's rank in ``group``
+    world_size: int  # ranks in ``group``, >= 2 (one rank needs no Comm)
+    timeout: float  # seconds, see Note [collective deadlines]
+    counters: CommCounters = field(default_factory=CommCounters, compare=False)
+
+    def where(self) -> str:
+        """``"rank 1/3"``, the prefix of every multi-rank error."""
+        return f"rank {self.rank}/{self.world_size}"
+
+
+def make_comm(process_group: Any, *, timeout: float) -> Comm | None:
+    """The ``Comm`` for ``process_group`` (or the default group when torch.distributed is
+    initialised); ``None`` when there is one rank only, so that case runs the
+    single-process path unchanged."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    world_size = dist.get_world_size(process_group)
+    if world_size == 1:
+        return None
+    return Comm(
+        group=process_group,
+        rank=dist.get_rank(process_group),
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An issued asynchronous collective and what to call it in errors."""
+
+    work: Any  # torch.distributed Work
+    what: str
+    on_cuda: bool
+
+
+def wait_work(pending: Pending, comm: Comm) -> None:
+    """Wait for one collective with the deadline; see Note [collective deadlines]."""
+    if pending.on_cuda:
+        pending.work.wait()  # stream-ordered: the current stream waits, the caller does not
+        return
+    try:
+        finished = pending.work.wait(timeout=timedelta(seconds=comm.timeout))
+    except Exception as exc:
+        raise CollectiveError(
+            f"{comm.where()}: {pending.what} failed or did not complete within "
+            f"{comm.timeout:g} s (OffloadConfig.collective_timeout): {exc}. Another rank "
+            "probably failed or never reached this collective; see its log"
+        ) from exc
+    if finished is False:
+        raise CollectiveError(
+            f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
+            "(OffloadConfig.collective_timeout); another rank probably failed or never "
+            "reached this collective; see its log"
+        )
+
+
+def wait_all(pendings: list[Pending], comm: Comm) -> None:
+    """Wait for each of ``pendings`` in order (each with the full deadline)."""
+    for pending in pendings:
+        wait_work(pending, comm)
+
+
+def _shard(flat: torch.Tensor, comm: Comm) -> torch.Tensor:
+    n = flat.numel() // comm.world_size
+    return flat[comm.rank * n : (comm.rank + 1) * n]
+
+
+def _unsupported(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "not supported" in text or "unsupported" in text or "not implemented" in text
+
+
+def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Tensor:
+    """Average ``flat`` over the ranks into this rank's shard of it, in place; returns the
+    shard (``flat.numel() // world_size`` elements; the rest of ``flat`` is garbage).
+
+    ``flat.numel()`` must be a multiple of the world size (buckets are padded so).
+    Blocks until done (with the deadline) on CPU tensors; stream-ordered on CUDA.
+    The sum is divided by the world size afterwards (gloo has no AVG reduction).
+    """
+    if flat.numel() % comm.world_size:
+        raise RuntimeError(
+            f"{comm.where()}: {what} has {flat.numel()} elements, not a multiple of the "
+            f"world size {comm.world_size} (bug: buckets are padded so)"
+        )
+    shard = _shard(flat, comm)
+    name = f"reduce_scatter of {what}"
+    try:
+        # In place: the output is this rank's chunk of the input, which NCCL and gloo allow.
+        work = dist.reduce_scatter_tensor(shard, flat, group=comm.group, async_op=True)
+    except (RuntimeError, NotImplementedError) as exc:
+        if not _unsupported(exc):
+            raise
+        work = dist.all_reduce(flat, group=comm.group, async_op=True)
+        name = f"all_reduce (reduce_scatter fallback) of {what}"
+    comm.counters.add("reduce_scatter", flat.numel() * flat.element_size())
+    wait_work(Pending(work, name, flat.is_cuda), comm)
+    shard.div_(comm.world_size)
+    return shard
+
+
+def all_gather_flat(flat: torch.Tensor, *, comm: Comm, what: str) -> Pending:
+    """Issue the all-gather of every rank's shard of ``flat`` into ``flat``, in place;
+    the caller waits for the returned handle (``wait_all``) before reading ``flat``."""
+    shard = _shard(flat, comm)
+    work = dist.all_gather_into_tensor(flat, shard, group=comm.group, async_op=True)
+    comm.counters.add("all_gather", flat.numel() * flat.element_size())
+    return Pending(work, f"all_gather of {what}", flat.is_cuda)
+
+
+def all_reduce_stats(
+    sumsq: float, nonfinite: bool, *, comm: Comm, device: torch.device
+) -> tuple[float, bool]:
+    """Sum ``sumsq`` and OR ``nonfinite`` over the ranks (one float64 all-reduce).
+
+    Synchronisation point: the result is read on the host (``.tolist()``).
+    """
+    stats = torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64, device=device)
+    work = dist.all_reduce(stats, group=comm.group, async_op=True)
+    comm.counters.add("all_reduce", stats.numel() * stats.element_size())
+    wait_work(Pending(work, "all_reduce of the gradient norm and overflow flag", stats.is_cuda), comm)
+    total, flags = stats.tolist()
+    return total, flags > 0 or total != total  # a NaN sum of squares is an overflow too
