@@ -8,7 +8,7 @@ from .activations import (
     offload_activations,
 )
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
-from .errors import DeviceBudgetExceeded, PoolExhausted, StreamError
+from .errors import CollectiveError, DeviceBudgetExceeded, PoolExhausted, StreamError
 from .estimate import MemoryEstimate, ModelShape, estimate
 from .memory.manager import TieredMemoryManager
 from .optim import OffloadAdamW
@@ -19,6 +19,7 @@ __all__ = [
     "AcceleratorConfig",
     "ActivationOffloadConfig",
     "ActivationOffloader",
+    "CollectiveError",
     "CudaAccelerator",
     "DeviceBudgetExceeded",
     "HostAccelerator",

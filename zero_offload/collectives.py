@@ -17,9 +17,10 @@ Note [collective deadlines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A rank that fails or never arrives must not hang the others forever. Every collective is
 issued with ``async_op=True`` and its handle is waited with our own deadline
-(``OffloadConfig.collective_timeout``): on CPU tensors (gloo) ``work.wait(timeout=...)``
-blocks at most that long; a timeout or a backend error (a peer's socket closed) raises
-``CollectiveError`` naming this rank, the collective and the bucket. On CUDA tensors
+(``OffloadConfig.collective_timeout``): on CPU tensors (gloo) the caller waits at most that
+long for a helper thread that calls ``work.wait()`` (gloo's ``work.wait(timeout=...)``
+alone keeps waiting while the absent peer's process is alive); a timeout or a backend error (a peer's
+socket closed) raises ``CollectiveError`` naming this rank, the collective and the bucket. On CUDA tensors
 (NCCL) ``work.wait()`` only makes the current stream wait and returns at once; the
 deadline there is the process group's own timeout, which callers should set to the same
 value (``dist.init_process_group(timeout=...)``, as the demo does).
@@ -28,14 +29,15 @@ value (``dist.init_process_group(timeout=...)``, as the demo does).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError
+from .errors import CollectiveError, StreamError
 
 __all__ = [
     "Comm",
@@ -45,6 +47,7 @@ __all__ = [
     "all_reduce_stats",
     "make_comm",
     "reduce_scatter_avg",
+    "surface_collective_errors",
     "wait_all",
     "wait_work",
 ]
@@ -127,26 +130,60 @@ def wait_work(pending: Pending, comm: Comm) -> None:
     if pending.on_cuda:
         pending.work.wait()  # stream-ordered: the current stream waits, the caller does not
         return
-    try:
-        finished = pending.work.wait(timeout=timedelta(seconds=comm.timeout))
-    except Exception as exc:
-        raise CollectiveError(
-            f"{comm.where()}: {pending.what} failed or did not complete within "
-            f"{comm.timeout:g} s (OffloadConfig.collective_timeout): {exc}. Another rank "
-            "probably failed or never reached this collective; see its log"
-        ) from exc
-    if finished is False:
+    # gloo's own work.wait(timeout=...) does not return while a peer is alive but absent,
+    # its works have no future, and some (reduce_scatter) only progress inside wait(), so
+    # is_completed() cannot be polled: a helper thread waits, the caller keeps the deadline.
+    # Hidden cost: one short-lived thread per collective (tens of microseconds).
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            pending.work.wait()
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+        done.set()
+
+    threading.Thread(target=waiter, name="zero_offload:collective_wait", daemon=True).start()
+    if not done.wait(comm.timeout):
         raise CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
-            "(OffloadConfig.collective_timeout); another rank probably failed or never "
-            "reached this collective; see its log"
+            "(OffloadConfig.collective_timeout): another rank probably failed or never "
+            "reached this collective; see its log. The process group is unusable now"
         )
+    if failure:
+        raise CollectiveError(
+            f"{comm.where()}: {pending.what} failed: {failure[0]}. Another rank probably "
+            "failed; see its log"
+        ) from failure[0]
+
+
+@contextmanager
+def surface_collective_errors() -> Iterator[None]:
+    """Re-raise a ``CollectiveError`` that reached the caller wrapped in ``StreamError``s
+    (a collective that failed on the comm stream fails every stream waiting on it, Note
+    [stream errors are sticky]) as itself, so the caller sees the rank and collective."""
+    try:
+        yield
+    except StreamError as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, CollectiveError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from exc
 
 
 def wait_all(pendings: list[Pending], comm: Comm) -> None:
     """Wait for each of ``pendings`` in order (each with the full deadline)."""
     for pending in pendings:
         wait_work(pending, comm)
+
+
+# torch 2.13 renamed the tensor forms (reduce_scatter_tensor -> reduce_scatter_single,
+# all_gather_into_tensor -> all_gather_single); older releases have the old names only.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _shard(flat: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -176,7 +213,7 @@ def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Te
     name = f"reduce_scatter of {what}"
     try:
         # In place: the output is this rank's chunk of the input, which NCCL and gloo allow.
-        work = dist.reduce_scatter_tensor(shard, flat, group=comm.group, async_op=True)
+        work = _reduce_scatter(shard, flat, group=comm.group, async_op=True)
     except (RuntimeError, NotImplementedError) as exc:
         if not _unsupported(exc):
             raise
@@ -192,7 +229,7 @@ def all_gather_flat(flat: torch.Tensor, *, comm: Comm, what: str) -> Pending:
     """Issue the all-gather of every rank's shard of ``flat`` into ``flat``, in place;
     the caller waits for the returned handle (``wait_all``) before reading ``flat``."""
     shard = _shard(flat, comm)
-    work = dist.all_gather_into_tensor(flat, shard, group=comm.group, async_op=True)
+    work = _all_gather(flat, shard, group=comm.group, async_op=True)
     comm.counters.add("all_gather", flat.numel() * flat.element_size())
     return Pending(work, f"all_gather of {what}", flat.is_cuda)
 
@@ -207,6 +244,8 @@ def all_reduce_stats(
     stats = torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64, device=device)
     work = dist.all_reduce(stats, group=comm.group, async_op=True)
     comm.counters.add("all_reduce", stats.numel() * stats.element_size())
-    wait_work(Pending(work, "all_reduce of the gradient norm and overflow flag", stats.is_cuda), comm)
+    wait_work(
+        Pending(work, "all_reduce of the gradient norm and overflow flag", stats.is_cuda), comm
+    )
     total, flags = stats.tolist()
     return total, flags > 0 or total != total  # a NaN sum of squares is an overflow too

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, Event, get_accelerator
-from ..collectives import Pending, all_gather_flat, all_reduce_stats, make_comm, wait_all
+from ..collectives import (
+    Pending,
+    all_gather_flat,
+    all_reduce_stats,
+    make_comm,
+    surface_collective_errors,
+    wait_all,
+)
 from ..config import OffloadConfig
 from ..errors import PoolExhausted
 from ..memory.manager import Tier, TieredMemoryManager
@@ -306,7 +313,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._backward_pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         param.grad = None  # released now: the device keeps about two buckets of gradients
-        self._receive(bucket, slot_index, grad)
+        with surface_collective_errors():
+            self._receive(bucket, slot_index, grad)
 
     def _receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
         try:
@@ -324,8 +332,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._backward_pending = False
-        for bucket in self.buckets:
-            bucket.end_backward()
+        with surface_collective_errors():
+            for bucket in self.buckets:
+                bucket.end_backward()
 
     def _collect_stray_grads(self) -> None:
         """Gradients set by hand (not by autograd) are taken in at step time."""
@@ -346,7 +355,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._stats_cache is not None and self._stats_cache[0] == self._generation:
             return self._stats_cache[1], self._stats_cache[2]
         # Synchronisation point: the CPU must see every gradient copied so far.
-        with phase("wait_grads"):
+        with phase("wait_grads"), surface_collective_errors():
             self.manager.host_worker.synchronize()
         sumsq, nonfinite = 0.0, False
         with phase("grad_stats", track="cpu_optimizer"):

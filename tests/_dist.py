@@ -1,0 +1,208 @@
+"""Spawned gloo ranks on the host accelerator: the scenarios the multi-rank tests run.
+
+``run_ranks(world, scenario, out_dir, **kwargs)`` starts ``world`` processes (spawn, a free
+port on 127.0.0.1), each joins a gloo group, runs ``SCENARIOS[scenario](rank, world,
+out_dir, **kwargs)`` and saves what it returns to ``out_dir/<scenario>.rank<r>.pt``;
+``run_ranks`` returns those results in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zero_offload import CollectiveError
+from zero_offload.checkpoint_io import load_consolidated, save_consolidated
+
+from ._models import batches, lm_loss, make_pair, offload_opt
+
+#: Global batch of every multi-rank test: 6 sequences, so 2 and 3 ranks get equal shares.
+GLOBAL_BATCH = 6
+
+
+def shard_batch(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s equal, contiguous share of the global batch."""
+    per = tokens.shape[0] // world
+    return tokens[rank * per : (rank + 1) * per]
+
+
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return batches(steps, batch=GLOBAL_BATCH)
+
+
+def train_steps(model, opt, pairs, rank: int, world: int, *, clip: float | None = None):
+    """Each rank trains on its share of each global batch; returns the grad norms seen."""
+    norms = []
+    for tokens, targets in pairs:
+        loss = lm_loss(model, shard_batch(tokens, rank, world), shard_batch(targets, rank, world))
+        opt.backward(loss)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+    return norms
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def scenario_train(rank: int, world: int, out: Path, *, steps: int, clip: float | None) -> dict:
+    model, _ = make_pair()
+    opt = offload_opt(model, max_grad_norm=clip)
+    pairs = data(steps)
+    comm0 = opt.comm.counters.snapshot()
+    d2h0 = opt.manager.counters.snapshot()
+    norms = train_steps(model, opt, pairs[:1], rank, world)  # one step, measured alone
+    traffic = {
+        "comm_before": comm0,
+        "comm_after": opt.comm.counters.snapshot(),
+        "d2h_before": d2h0,
+        "d2h_after": opt.manager.counters.snapshot(),
+        "padded": [b.layout.padded_numel for b in opt.buckets],
+        "shard": [b.layout.shard_numel for b in opt.buckets],
+        "owned_real": [b.layout.real_in(*b.shard) for b in opt.buckets],
+    }
+    norms += train_steps(model, opt, pairs[1:], rank, world)
+    result = {"weights": _weights(model), "norms": norms, "traffic": traffic}
+    opt.close()
+    return result
+
+
+def scenario_overflow(rank: int, world: int, out: Path, *, steps: int, bad_step: int) -> dict:
+    """fp16: rank 1 alone produces an inf in one gradient element at ``bad_step``."""
+    model, _ = make_pair(torch.float16)
+    opt = offload_opt(model)
+    state = {"step": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and state["step"] == bad_step:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    model.head.bias.register_hook(poison)
+    scales = []
+    for state["step"], (tokens, targets) in enumerate(data(steps)):
+        loss = lm_loss(model, shard_batch(tokens, rank, world), shard_batch(targets, rank, world))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    result = {"weights": _weights(model), "skipped": opt.skipped_steps, "scales": scales}
+    opt.close()
+    return result
+
+
+def scenario_save(rank: int, world: int, out: Path, *, steps: int) -> dict:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    train_steps(model, opt, data(steps), rank, world)
+    save_consolidated(opt, out / "opt.pt")
+    if rank == 0:
+        torch.save(model.state_dict(), out / "model.pt")
+    shard = opt.state_dict()
+    opt.close()
+    return {"shard_keys": sorted(shard["state"])}
+
+
+def resume(rank: int, world: int, out: Path, *, first: int, steps: int) -> list[torch.Tensor]:
+    """Load model.pt and opt.pt from ``out`` and train steps ``first..steps-1``."""
+    model, _ = make_pair(seed=1)  # different init: everything must come from the files
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    opt = offload_opt(model)
+    load_consolidated(opt, out / "opt.pt")
+    train_steps(model, opt, data(steps)[first:], rank, world)
+    opt.close()
+    return _weights(model)
+
+
+def scenario_resume(rank: int, world: int, out: Path, *, first: int, steps: int) -> dict:
+    return {"weights": resume(rank, world, out, first=first, steps=steps)}
+
+
+def scenario_failure(rank: int, world: int, out: Path, *, fail_step: int, timeout: float) -> dict:
+    """Rank 1 raises at ``fail_step`` and then stays alive without reaching a collective."""
+    model, _ = make_pair()
+    opt = offload_opt(model, collective_timeout=timeout)
+    for step, (tokens, targets) in enumerate(data(fail_step + 2)):
+        # Line the ranks up first (under pytest on two cores they may start seconds apart,
+        # more than the short timeout), so the clock measures the failure alone.
+        dist.barrier()
+        began = time.perf_counter()
+        try:
+            if rank == 1 and step == fail_step:
+                raise RuntimeError("rank 1 fails on purpose")
+            loss = lm_loss(
+                model, shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
+            )
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        except CollectiveError as exc:
+            return {
+                "error": str(exc),
+                "type": "CollectiveError",
+                "seconds": _since(began),
+                "step": step,
+            }
+        except RuntimeError as exc:
+            if rank == 1:
+                time.sleep(timeout + 2)  # alive but absent: the others must not wait for us
+                return {"error": str(exc), "type": type(exc).__name__, "seconds": 0.0}
+            return {"error": str(exc), "type": type(exc).__name__, "seconds": _since(began)}
+    return {"error": None}
+
+
+def _since(began: float) -> float:
+    return time.perf_counter() - began
+
+
+SCENARIOS: dict[str, Callable[..., dict]] = {
+    "train": scenario_train,
+    "overflow": scenario_overflow,
+    "save": scenario_save,
+    "resume": scenario_resume,
+    "failure": scenario_failure,
+}
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+    torch.set_num_threads(1)  # several ranks share two cores
+    os.environ.setdefault("ZERO_OFFLOAD_DEVICE_BUDGET", "256MiB")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    result = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
+    torch.save(result, Path(out) / f"{scenario}.rank{rank}.pt")
+    if scenario == "failure":
+        # A collective that timed out leaves a thread blocked in the backend; the normal
+        # interpreter shutdown would abort on it, so leave at once (as a launcher would).
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world: int, scenario: str, out: Path, **kwargs: Any) -> list[dict]:
+    """Run ``scenario`` on ``world`` spawned gloo ranks; their results in rank order."""
+    mp.spawn(_entry, args=(world, free_port(), scenario, str(out), kwargs), nprocs=world)
+    return [torch.load(out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,109 @@
+"""OffloadAdamW over several gloo ranks (spawned processes on the host accelerator).
+
+Tolerance: ``FP32_ATOL`` (1e-5), as in test_offload_adamw_parity.py. Each rank averages
+the loss over its share of the global batch and the reduce-scatter averages those means
+over the ranks; with equal shares that is the mean over the full batch in exact
+arithmetic, but summed in a different order (per rank, then across ranks), so each
+gradient differs from the one-process gradient by a few ulp. Adam divides by
+sqrt(v) + eps, so such relative noise stays relative in the update: over 20 steps of
+lr 1e-3 on O(1) weights the drift stays well below 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._dist import data, resume, run_ranks
+from ._models import lm_loss, make_pair, offload_opt, train
+
+FP32_ATOL = 1e-5
+STEPS = 20
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def _reference(steps: int, *, clip: float | None = None) -> tuple[list, list]:
+    """Weights after ``steps`` full-batch steps: one-process OffloadAdamW, torch AdamW."""
+    model, ref = make_pair()
+    opt = offload_opt(model, max_grad_norm=clip)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    train(model, opt, data(steps))
+    for tokens, targets in data(steps):
+        lm_loss(ref, tokens, targets).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ropt.step()
+        ropt.zero_grad()
+    opt.close()
+    return [p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]
+
+
+@pytest.mark.parametrize(("world", "clip"), [(2, None), (3, 0.5)])
+def test_ranks_match_one_process_and_torch(world: int, clip: float | None, tmp_path: Path) -> None:
+    """3 ranks give uneven pieces (parameters straddle shards) and exercise clipping."""
+    results = run_ranks(world, "train", tmp_path, steps=STEPS, clip=clip)
+    ours, torch_ref = _reference(STEPS, clip=clip)
+    for rank, result in enumerate(results):
+        assert _max_diff(result["weights"], ours) < FP32_ATOL, rank
+        assert _max_diff(result["weights"], torch_ref) < FP32_ATOL, rank
+        # every rank saw the same global norm, so every rank clipped by the same factor
+        assert result["norms"] == results[0]["norms"]
+    if clip is not None:
+        assert max(results[0]["norms"]) > clip  # clipping was active
+
+
+def test_traffic_per_step_is_the_zero_formula(tmp_path: Path) -> None:
+    world, itemsize = 2, 4  # fp32 training dtype
+    result = run_ranks(world, "train", tmp_path, steps=2, clip=None)[0]
+    traffic = result["traffic"]
+    padded = sum(traffic["padded"])  # elements of every bucket, padding included
+    assert sum(traffic["shard"]) * world == padded
+
+    def moved(key: str, op: str) -> int:
+        after, before = traffic[f"{key}_after"], traffic[f"{key}_before"]
+        return after.get(op, {}).get("bytes", 0) - before.get(op, {}).get("bytes", 0)
+
+    # One backward and one step: each bucket reduce-scattered once and all-gathered once,
+    # in the training dtype: 2 x the model's bytes, what one data-parallel all-reduce moves.
+    assert moved("comm", "reduce_scatter") == padded * itemsize
+    assert moved("comm", "all_gather") == padded * itemsize
+    # ... plus one all-reduce of two float64s (the norm and the overflow flag).
+    assert moved("comm", "all_reduce") == 2 * 8
+    # Only this rank's 1/N of the gradients leaves the device.
+    assert moved("d2h", "device_to_host/gradients") == padded * itemsize // world
+    # The updated shard goes back to the device, padding left out (it never changes).
+    assert moved("d2h", "host_to_device/weights") == sum(traffic["owned_real"]) * itemsize
+
+
+def test_one_ranks_overflow_makes_every_rank_skip(tmp_path: Path) -> None:
+    results = run_ranks(2, "overflow", tmp_path, steps=4, bad_step=2)
+    for result in results:
+        assert result["skipped"] == 1
+        assert result["scales"] == results[0]["scales"]
+        assert _max_diff(result["weights"], results[0]["weights"]) == 0.0
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path: Path) -> None:
+    half = STEPS // 2
+    saved = run_ranks(2, "save", tmp_path, steps=half)
+    assert saved[0]["shard_keys"] and saved[1]["shard_keys"]
+    ours, _ = _reference(STEPS)
+    one = resume(0, 1, tmp_path, first=half, steps=STEPS)  # no process group: one rank
+    assert _max_diff(one, ours) < FP32_ATOL
+    for result in run_ranks(3, "resume", tmp_path, first=half, steps=STEPS):
+        assert _max_diff(result["weights"], ours) < FP32_ATOL
+
+
+def test_a_failed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 3.0
+    results = run_ranks(2, "failure", tmp_path, fail_step=2, timeout=timeout)
+    assert results[1]["error"] == "rank 1 fails on purpose"
+    survivor = results[0]
+    assert survivor["type"] == "CollectiveError", survivor
+    assert "rank 0/2" in survivor["error"] and "reduce_scatter" in survivor["error"]
+    assert survivor["seconds"] < timeout + 5.0

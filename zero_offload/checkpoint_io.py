@@ -1,0 +1,89 @@
+"""Consolidated optimizer checkpoints: save with N ranks, load with any M (M = 1 included).
+
+``OffloadAdamW.state_dict()`` on each of several ranks holds that rank's shard only
+(Note [sharded state dicts] in ``optim/state_io.py``). These helpers gather the shards to
+one rank in the one-rank layout (torch's, shaped like the parameters) and load it back on
+any world size::
+
+    save_consolidated(opt, "opt.pt")      # every rank calls it; rank 0 writes the file
+    load_consolidated(opt, "opt.pt")      # every rank calls it; each keeps its own pieces
+
+Model weights are every rank's whole parameters: save them from rank 0 as usual
+(``model.state_dict()``) and load them on every rank before ``load_consolidated``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .optim import OffloadAdamW
+
+__all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save_consolidated"]
+
+
+def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one-rank state dict from every rank's ``state_dict()`` (in any order)."""
+    if not shards:
+        raise ValueError("merge_shards needs the state dicts of every rank, got none")
+    infos = [shard.get("zero_offload", {}).get("shard") for shard in shards]
+    if any(info is None for info in infos):
+        raise ValueError("merge_shards takes sharded state dicts (from several ranks) only")
+    world_size = infos[0]["world_size"]
+    ranks = sorted(info["rank"] for info in infos)
+    if ranks != list(range(world_size)):
+        raise ValueError(
+            f"merge_shards needs one state dict per rank 0..{world_size - 1}, got {ranks}"
+        )
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for shard, info in zip(shards, infos, strict=True):
+        for index, entry in shard["state"].items():
+            shape = tuple(info["shapes"][index])
+            lo, hi = info["pieces"][index]
+            merged = state.setdefault(index, {"step": entry["step"]})
+            for name, piece in entry.items():
+                if name == "step":
+                    continue
+                if name not in merged:
+                    merged[name] = torch.zeros(shape, dtype=piece.dtype)
+                merged[name].view(-1)[lo:hi] = piece
+    extra = {key: value for key, value in shards[0]["zero_offload"].items() if key != "shard"}
+    return {"state": state, "param_groups": shards[0]["param_groups"], "zero_offload": extra}
+
+
+def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any] | None:
+    """The one-rank layout of ``opt``'s state on rank ``dst`` (``None`` on the others).
+
+    A collective with several ranks: every rank must call it. With one rank it is
+    ``opt.state_dict()``. Hidden cost: rank ``dst`` holds the whole optimizer state (16
+    bytes per parameter with fp32 moments) in its memory at once.
+    """
+    local = opt.state_dict()
+    comm = opt.comm
+    if comm is None:
+        return local
+    gathered: list[Any] | None = [None] * comm.world_size if comm.rank == dst else None
+    dist.gather_object(local, gathered, dst=dst, group=comm.group)
+    if gathered is None:
+        return None
+    return merge_shards(gathered)
+
+
+def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: int = 0) -> None:
+    """Write the consolidated state dict to ``path`` from rank ``dst``; every rank calls it
+    and returns once the file is written (a barrier, so a following load sees it)."""
+    state = consolidated_state_dict(opt, dst=dst)
+    if state is not None:
+        torch.save(state, path)
+    if opt.comm is not None:
+        dist.barrier(group=opt.comm.group)
+
+
+def load_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+    """Load a consolidated (or one-rank, or ``torch.optim.AdamW``) checkpoint on any world
+    size; every rank reads ``path`` and keeps the pieces it owns."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    opt.load_state_dict(state)
