@@ -55,12 +55,24 @@ def test_debug_shows_the_exception(tmp_path: Path) -> None:
         cli.main(argv)
 
 
-def test_multi_rank_launch_is_refused_clearly(
+def test_multi_rank_launch_without_torchrun_env_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     assert cli.main(["demo", *TINY, "--out", str(tmp_path)]) == 2
-    _one_line_error(capsys, "WORLD_SIZE=2", "one rank")
+    _one_line_error(capsys, "WORLD_SIZE=2", "MASTER_ADDR", "torchrun")
+
+
+def test_multi_rank_batch_must_split_evenly(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = {"WORLD_SIZE": "3", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["demo", *TINY, "--out", str(tmp_path)]) == 2  # --batch 2, 3 ranks
+    _one_line_error(capsys, "rank 1", "--batch 2", "3 ranks")
 
 
 def test_missing_benchmark_is_one_line(

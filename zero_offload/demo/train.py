@@ -4,6 +4,11 @@ The device budget is set below what the model needs without offload, so the run 
 offload doing its job: the budget, the need with and without offload, a progress line per
 step (loss, tokens/s, exposed transfer time), then the loss drop, the traffic report, and
 the files written (Chrome trace, JSON summary, and a plot when matplotlib is installed).
+
+Under ``torchrun --nproc_per_node=N`` it joins the process group from torchrun's
+environment (gloo on the host accelerator, NCCL on CUDA), gives each rank an equal share
+of every global batch, partitions the optimizer state over the ranks (ZeRO stage 2 with
+offload), and prints and writes files from rank 0 only.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..accelerator import Accelerator, CudaAccelerator, HostAccelerator, choose_accelerator
@@ -101,15 +108,48 @@ class DemoResult:
         return sum(self.losses[:k]) / k, sum(self.losses[-k:]) / k
 
 
-def _check_single_rank() -> None:
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.strip() not in ("", "1"):
-        rank = os.environ.get("RANK", "?")
-        raise RuntimeError(
-            f"rank {rank}: the demo runs on one rank for now (WORLD_SIZE={world}, from torchrun): "
-            "OffloadAdamW does not partition across ranks yet; run `zero-offload demo` "
-            "without torchrun (or with --nproc_per_node=1)"
+#: torchrun's environment variables that a multi-rank demo needs.
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """This process's place in the run: one rank unless launched by torchrun."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def _ranks_from_env(batch: int) -> _Ranks:
+    """Read torchrun's environment; refuse an incomplete one or an unsplittable batch."""
+    world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if world == "1":
+        return _Ranks()
+    missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]
+    rank = os.environ.get("RANK", "?")
+    if missing or not world.isdigit():
+        raise ValueError(
+            f"rank {rank}: WORLD_SIZE={world} but {', '.join(missing) or 'WORLD_SIZE'} is "
+            "not set: launch the multi-rank demo with torchrun "
+            "(torchrun --nproc_per_node=2 -m zero_offload demo ...)"
         )
+    ranks = _Ranks(int(rank), int(world), int(os.environ["LOCAL_RANK"]))
+    if batch % ranks.world_size:
+        raise ValueError(
+            f"rank {ranks.rank}: --batch {batch} must be a multiple of the {ranks.world_size} "
+            "ranks (each rank trains on an equal share of every global batch)"
+        )
+    return ranks
+
+
+def _join_process_group(ranks: _Ranks, accelerator_name: str) -> None:
+    """gloo on the host accelerator, NCCL on CUDA; the group's timeout is the optimizer's
+    collective deadline (Note [collective deadlines] in ``collectives.py``)."""
+    backend = "nccl" if accelerator_name == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group(backend, timeout=timedelta(seconds=OffloadConfig().collective_timeout))
 
 
 def _accelerator(budget: int, link_bandwidth: float | None) -> Accelerator:
@@ -194,8 +234,26 @@ def _default_budget(model: nn.Module, config: DemoConfig, itemsize: int) -> int:
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> DemoResult:
-    """Train, print progress and the report, write the files; returns what was measured."""
-    _check_single_rank()
+    """Train, print progress and the report, write the files; returns what was measured.
+
+    Under torchrun: every rank trains, rank 0 alone prints and writes the files."""
+    ranks = _ranks_from_env(config.batch)
+    if ranks.world_size > 1:
+        _join_process_group(ranks, choose_accelerator()[0])
+        if ranks.rank != 0:
+            echo = _silent
+    try:
+        return _run(config, ranks, echo)
+    finally:
+        if ranks.world_size > 1:
+            dist.destroy_process_group()
+
+
+def _silent(line: str) -> None:
+    """The echo of ranks other than 0."""
+
+
+def _run(config: DemoConfig, ranks: _Ranks, echo: Callable[[str], None]) -> DemoResult:
     torch.manual_seed(config.seed)
     corpus = CharCorpus.build(seed=config.seed)
     shape = GPTConfig(
@@ -215,6 +273,11 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> Demo
         f"zero-offload demo: TinyGPT, {config.layers} x {config.hidden} hidden "
         f"({model.parameter_count():,} parameters, fp32) on {acc.name} ({acc.device}), "
         f"corpus {len(corpus.text):,} characters, {corpus.vocab_size} symbols"
+        + (
+            f", {ranks.world_size} ranks ({config.batch // ranks.world_size} sequences each)"
+            if ranks.world_size > 1
+            else ""
+        )
     )
     optimizer = OffloadAdamW(
         model.parameters(),
@@ -238,7 +301,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> Demo
     echo(f"activation offload: {activations.status}")
     result = DemoResult(activation_offload=activations.status)
     try:
-        result = _train(model, optimizer, corpus, config, echo, result)
+        result = _train(model, optimizer, corpus, config, ranks, echo, result)
     finally:
         activations.close()
         optimizer.close()
@@ -250,6 +313,7 @@ def _train(
     optimizer: OffloadAdamW,
     corpus: CharCorpus,
     config: DemoConfig,
+    ranks: _Ranks,
     echo: Callable[[str], None],
     result: DemoResult,
 ) -> DemoResult:
@@ -264,12 +328,15 @@ def _train(
             exposed_before = sum(manager.exposed_seconds.values())
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, config)
+            # Every rank draws the same global batch (same seed) and trains on its share.
             inputs, targets = corpus.batch(generator, batch=config.batch, seq_len=config.seq_len)
-            loss = model(inputs.to(device), targets.to(device))
+            share = config.batch // ranks.world_size
+            rows = slice(ranks.rank * share, (ranks.rank + 1) * share)
+            loss = model(inputs[rows].to(device), targets[rows].to(device))
             optimizer.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            value = float(loss.item())  # synchronisation point: the progress line needs it
+            value = _global_mean(loss, ranks)  # synchronisation point: the progress line
             prof.step()
             if not math.isfinite(value):
                 raise RuntimeError(f"loss became {value} at step {step + 1}; lower --lr")
@@ -286,11 +353,21 @@ def _train(
         f"\nloss {first:.3f} -> {last:.3f} ({(last - first) / first:+.0%}) in "
         f"{config.steps} steps, {result.seconds:.1f} s\n"
     )
-    echo(f'sample after training: "{_sample(model, corpus, device)}"\n')
-    echo(prof.report())
     result.profile = prof.to_dict()
-    result.files = _write_outputs(prof, config.out, echo)
+    if ranks.rank == 0:
+        echo(f'sample after training: "{_sample(model, corpus, device)}"\n')
+        echo(prof.report())
+        result.files = _write_outputs(prof, config.out, echo)
     return result
+
+
+def _global_mean(loss: torch.Tensor, ranks: _Ranks) -> float:
+    """The loss over the whole global batch (the mean of the ranks' equal shares)."""
+    value = loss.detach().float().reshape(1).clone()
+    if ranks.world_size > 1:
+        dist.all_reduce(value)
+        value /= ranks.world_size
+    return float(value.item())
 
 
 @torch.no_grad()
