@@ -72,6 +72,7 @@ def scenario_train(rank: int, world: int, out: Path, *, steps: int, clip: float 
         "padded": [b.layout.padded_numel for b in opt.buckets],
         "shard": [b.layout.shard_numel for b in opt.buckets],
         "owned_real": [b.layout.real_in(*b.shard) for b in opt.buckets],
+        "host_pool": sum(p.capacity for p in opt.manager.pools if p.name.endswith(".host")),
     }
     norms += train_steps(model, opt, pairs[1:], rank, world)
     result = {"weights": _weights(model), "norms": norms, "traffic": traffic}

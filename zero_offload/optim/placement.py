@@ -8,9 +8,10 @@ Byte counts per bucket of ``n = padded_numel`` elements, ``s`` = training dtype 
   (plus ``a(4n)`` with amsgrad);
 - device, offloaded buckets together: ``GRAD_BUFFERS`` gradient buffers of the largest
   offloaded bucket, ``a(n_max*s)`` each (Note [a bucket's gradient lifecycle]);
-- host, offloaded bucket: master and grad accumulator ``2*a(4n)``, moments
-  ``2*a(n*m)`` (``m`` = 4 or 2 for bf16 moments; one more with amsgrad), gradient staging
-  ``a(n*s)``, and weight staging ``a(n*s)`` unless the training dtype is fp32.
+- host, offloaded bucket, with ``k = n / world_size`` (this rank's shard, Note [who owns
+  which shard] in partition.py): master and grad accumulator ``2*a(4k)``, moments
+  ``2*a(k*m)`` (``m`` = 4 or 2 for bf16 moments; one more with amsgrad), gradient staging
+  ``a(k*s)``, and weight staging ``a(k*s)`` unless the training dtype is fp32.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _resident_bytes(bucket: BucketLayout, *, amsgrad: bool, alignment: int) -> i
 def _host_bytes(
     bucket: BucketLayout, *, itemsize: int, moment_size: int, amsgrad: bool, alignment: int
 ) -> int:
-    n = bucket.padded_numel
+    n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
     total = 2 * _aligned(4 * n, alignment)
     total += (3 if amsgrad else 2) * _aligned(moment_size * n, alignment)
     total += _aligned(itemsize * n, alignment)
