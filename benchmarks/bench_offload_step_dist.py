@@ -19,6 +19,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, write_json
@@ -76,9 +76,7 @@ def _rank_main(rank: int, world: int, port: int, size: str, steps: int, out: str
         if step:
             times.append(time.perf_counter() - began)
     after = _bytes(opt)
-    host_pool = sum(
-        pool.capacity for pool in opt.manager.pools if pool.name.endswith(".host")
-    )
+    host_pool = sum(pool.capacity for pool in opt.manager.pools if pool.name.endswith(".host"))
     result = {
         "world_size": world,
         "params": sum(p.numel() for p in model.parameters()),
@@ -107,6 +105,24 @@ def _bytes(opt: OffloadAdamW) -> dict[str, int]:
     }
 
 
+def _spawn(world: int, size: str, steps: int, out: str) -> None:
+    """Run ``world`` ranks of this script as processes (so ``zero-offload bench``, which
+    imports the script under a private name, can start them too) and wait for them."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, os.path.abspath(__file__), "--steps", str(steps)),
+                *("--rank", str(rank), str(world), port, size, out),
+            ]
+        )
+        for rank in range(world)
+    ]
+    codes = [proc.wait() for proc in procs]
+    if any(codes):
+        raise RuntimeError(f"world size {world}: ranks exited with codes {codes}")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -121,13 +137,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2M parameters, 5 steps")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
+    parser.add_argument("--rank", nargs=5, help=argparse.SUPPRESS)  # a spawned rank's args
     args = parser.parse_args(argv)
     size = "2M" if args.quick else "8M"
     steps = args.steps or (5 if args.quick else 10)
+    if args.rank:
+        rank, world, port, out = int(args.rank[0]), int(args.rank[1]), args.rank[2], args.rank[4]
+        _rank_main(rank, world, int(port), args.rank[3], steps, out)
+        return {}
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for world in (1, 2):
-            mp.spawn(_rank_main, args=(world, _free_port(), size, steps, out), nprocs=world)
+            _spawn(world, size, steps, out)
             rows.append(torch.load(Path(out) / f"world{world}.pt", weights_only=False))
     base = rows[0]
     print(f"\nOffloadAdamW, {size} GPT (bf16), global batch {GLOBAL_BATCH}, gloo on this host\n")

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "kernels": "bench_cpu_adam.py",
     "pools": "bench_pool.py",
     "step": "bench_offload_step.py",
+    "step-dist": "bench_offload_step_dist.py",
     "activations": "bench_activations.py",
     "profiler": "bench_profiler.py",
 }
