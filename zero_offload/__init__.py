@@ -7,6 +7,7 @@ from .activations import (
     checkpoint,
     offload_activations,
 )
+from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
 from .errors import CollectiveError, DeviceBudgetExceeded, PoolExhausted, StreamError
 from .estimate import MemoryEstimate, ModelShape, estimate
@@ -33,10 +34,13 @@ __all__ = [
     "TieredMemoryManager",
     "TrafficProfiler",
     "checkpoint",
+    "consolidated_state_dict",
     "estimate",
     "get_accelerator",
+    "load_consolidated",
     "offload_activations",
     "profile",
+    "save_consolidated",
 ]
 
 __version__ = "0.1.0"
