@@ -216,3 +216,16 @@ def test_forcing_cuda_without_a_gpu_is_a_clear_error(monkeypatch: pytest.MonkeyP
         choose_accelerator()
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         CudaAccelerator()
+
+
+def test_closed_stream_refuses_work_instead_of_hanging() -> None:
+    acc = HostAccelerator()
+    stream = acc.new_stream("worker")
+    ran: list[int] = []
+    stream.submit(lambda: ran.append(1))
+    stream.close()
+    assert ran == [1]  # close finished the queued work first
+    stream.close()  # idempotent
+    for call in (lambda: stream.submit(lambda: None), stream.record_event, stream.synchronize):
+        with pytest.raises(RuntimeError, match="'worker' is closed"):
+            call()

@@ -101,11 +101,17 @@ class HostStream(Stream):
     def __init__(self, name: str) -> None:
         self.name = name
         self._worker = _Worker(name)
+        self._closed = False
         weakref.finalize(self, self._worker.tasks.put, _STOP)
 
     def _check(self) -> None:
         if self._worker.error is not None:
             raise self._worker.error
+        if self._closed:
+            raise RuntimeError(
+                f"stream {self.name!r} is closed: its worker thread has stopped, so it "
+                "cannot run or wait for more work (its owner was closed)"
+            )
 
     def submit(self, fn: Callable[[], Any]) -> None:
         self._check()
@@ -124,9 +130,23 @@ class HostStream(Stream):
         self.record_event().synchronize()
         self._check()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has stopped this stream's worker."""
+        return self._closed
+
     def close(self) -> None:
-        """Stop the worker after the work already queued."""
-        self._worker.tasks.put(_STOP)
+        """Finish the work already queued, then stop the worker; later calls are no-ops.
+
+        Synchronisation point: waits for the queued work, and raises its error if it failed.
+        """
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            self._worker.tasks.put(_STOP)
 
 
 class CallerStream(Stream):
@@ -179,7 +199,8 @@ class HostAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         for stream in list(self._streams):
-            stream.synchronize()
+            if not stream.closed:
+                stream.synchronize()
 
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         # Ordinary pageable memory: there is no device to pin for.
