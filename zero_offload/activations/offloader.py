@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import queue
 import threading
 import weakref
 from collections import deque
@@ -137,6 +138,8 @@ class ActivationOffloader:
             self.host_pool.close()
             raise
         self._lock = threading.Lock()  # guards everything below and every record's fields
+        # Note [finalizers only enqueue]: work handed over by finalizers, run by _reap.
+        self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._group_ids = itertools.count()
         # Prefetch queue: group id -> its records not yet unpacked, in pack order.
         self._groups: dict[int, list[OffloadedActivation]] = {}
@@ -191,7 +194,7 @@ class ActivationOffloader:
                 self._stats.offloaded_tensors += 1
                 self._stats.offloaded_bytes += nbytes
         handle = SavedActivation(record)
-        weakref.finalize(handle, self._drop, record)
+        weakref.finalize(handle, self._deferred.put, functools.partial(self._drop, record))
         return handle
 
     def unpack(self, handle: SavedActivation) -> torch.Tensor:
@@ -220,6 +223,7 @@ class ActivationOffloader:
 
     def stats(self) -> dict[str, int | float]:
         """Counters (see ``_Stats``), pool occupancy and exposed wait, bytes and seconds."""
+        self._run_deferred()
         with self._lock:
             stats: dict[str, int | float] = dict(asdict(self._stats))
             stats["pending_offloads"] = len(self._outgoing)
@@ -252,13 +256,32 @@ class ActivationOffloader:
         self.synchronize()
         self.manager.h2d.synchronize()
         gc.collect()  # hidden cost: collects graphs kept alive only by reference cycles
+        self._run_deferred()
         self.device_pool.close()
         self.host_pool.close()
 
     # -- copies out --------------------------------------------------------------------
 
+    # Note [finalizers only enqueue]
+    # Finalizers (a saved handle dropped by autograd, a reloaded tensor's storage dying) run
+    # wherever the last reference goes away: on any thread, and even in the middle of code
+    # that holds this offloader's lock or a pool's lock, when the garbage collector runs
+    # there. Taking those (non-reentrant) locks from a finalizer could deadlock, so
+    # finalizers only put a callable on ``_deferred`` (a lock-free queue); ``_reap`` runs
+    # them at the start of every pack, unpack, stats and synchronize, with no lock held.
+
+    def _run_deferred(self) -> None:
+        while True:
+            try:
+                work = self._deferred.get_nowait()
+            except queue.Empty:
+                return
+            work()
+
     def _reap(self) -> None:
-        """Drop the device tensors whose copy out has completed (never blocks)."""
+        """Run deferred frees, and drop the device tensors whose copy out has completed
+        (never blocks)."""
+        self._run_deferred()
         released = []
         with self._lock:
             while self._outgoing and self._outgoing[0].event.query():
@@ -323,7 +346,9 @@ class ActivationOffloader:
             block,
             record.dtype,
             record.shape,
-            functools.partial(self._free_device_block, block, record.nbytes),
+            functools.partial(
+                self._deferred.put, functools.partial(self._free_device_block, block, record.nbytes)
+            ),
         )
         end = self.manager.copy(
             device_tensor,
@@ -395,8 +420,13 @@ class ActivationOffloader:
             ) from exc
 
     def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
+        owner = f"activation group {record.group}"
         try:
-            block = self.device_pool.alloc(record.nbytes, owner=f"activation group {record.group}")
+            try:
+                block = self.device_pool.alloc(record.nbytes, owner=owner)
+            except PoolExhausted:
+                self._run_deferred()  # frees handed over by finalizers since the last reap
+                block = self.device_pool.alloc(record.nbytes, owner=owner)
         except PoolExhausted as exc:
             if not demand:
                 with self._lock:
