@@ -43,10 +43,22 @@ def _reference(steps: int, *, clip: float | None = None) -> tuple[list, list]:
     return [p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]
 
 
-@pytest.mark.parametrize(("world", "clip"), [(2, None), (3, 0.5)])
-def test_ranks_match_one_process_and_torch(world: int, clip: float | None, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Two ranks train STEPS steps (shared by the parity and the traffic tests)."""
+    return run_ranks(2, "train", tmp_path_factory.mktemp("two"), steps=STEPS, clip=None)
+
+
+def test_two_ranks_match_one_process_and_torch(two_ranks: list[dict]) -> None:
+    _check_parity(two_ranks, clip=None)
+
+
+def test_three_ranks_with_clipping_match_one_process_and_torch(tmp_path: Path) -> None:
     """3 ranks give uneven pieces (parameters straddle shards) and exercise clipping."""
-    results = run_ranks(world, "train", tmp_path, steps=STEPS, clip=clip)
+    _check_parity(run_ranks(3, "train", tmp_path, steps=STEPS, clip=0.5), clip=0.5)
+
+
+def _check_parity(results: list[dict], *, clip: float | None) -> None:
     ours, torch_ref = _reference(STEPS, clip=clip)
     for rank, result in enumerate(results):
         assert _max_diff(result["weights"], ours) < FP32_ATOL, rank
@@ -57,10 +69,9 @@ def test_ranks_match_one_process_and_torch(world: int, clip: float | None, tmp_p
         assert max(results[0]["norms"]) > clip  # clipping was active
 
 
-def test_traffic_per_step_is_the_zero_formula(tmp_path: Path) -> None:
+def test_traffic_per_step_is_the_zero_formula(two_ranks: list[dict]) -> None:
     world, itemsize = 2, 4  # fp32 training dtype
-    result = run_ranks(world, "train", tmp_path, steps=2, clip=None)[0]
-    traffic = result["traffic"]
+    traffic = two_ranks[0]["traffic"]  # rank 0's first step
     padded = sum(traffic["padded"])  # elements of every bucket, padding included
     assert sum(traffic["shard"]) * world == padded
 
