@@ -207,8 +207,8 @@ def offload_adamw_bytes(
         auto_headroom=0.0,
         alignment=POOL_ALIGNMENT,
     )
-    host = -(-placement.host_state // world_size)
-    return placement.device_weights, placement.device_grad_buffers, host
+    # plan_placement sizes the host pool for this rank's shards already.
+    return placement.device_weights, placement.device_grad_buffers, placement.host_state
 
 
 def _offload_bytes_of_count(
