@@ -86,6 +86,18 @@ class TieredMemoryManager:
         self.pools.append(pool)
         return pool
 
+    def discard_pool(self, pool: BlockPool) -> None:
+        """Free every block still live in ``pool``, close it and forget it.
+
+        For undoing a construction that failed half-way; owners normally free their blocks
+        and call ``pool.close()`` themselves.
+        """
+        for block in pool.live_blocks():
+            block.free()
+        pool.close()
+        if pool in self.pools:
+            self.pools.remove(pool)
+
     def pool_stats(self) -> dict[str, dict[str, Any]]:
         """Each pool's ``stats()`` by pool name."""
         return {pool.name: pool.stats() for pool in self.pools}

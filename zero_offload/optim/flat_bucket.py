@@ -26,6 +26,14 @@ bucket can be flushed several times in one backward; the accumulator sums the pi
 device gradient memory is about two buckets, and accumulation over several backward passes
 is exact fp32 addition on the host.
 
+Note [staging is reused only once consumed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each bucket has one host staging buffer. A flush's copy into it must not start before the
+host worker has added the previous flush of the same bucket into the accumulator, or that
+gradient would be overwritten unread (a lagging worker, an early flush, or micro-batches
+while ``overlap_step``'s update occupies the worker). Each flush records an event on the
+host worker after its accumulation, and the next flush of that bucket waits for it.
+
 With several ranks (``Sharding``), a flush first averages ``grad_dev`` over the ranks with
 a reduce-scatter on the ``comm`` stream (after the compute stream's "gradients ready"
 event, so it overlaps the rest of backward), and only this rank's shard of ``grad_dev``
@@ -38,6 +46,7 @@ optimizer all-gathers the bucket, one collective filling every parameter of it.
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -170,7 +179,9 @@ class FlatBucket(ABC):
             for slot, param in zip(layout.slots, self.params, strict=True):
                 flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
         self._bind_params(self._weights_block)
-        self._weights_version = -1  # see Note [weights written outside the optimizer]
+        # Each parameter's version when the optimizer last wrote or read it; None: unknown.
+        # See Note [weights written outside the optimizer].
+        self._param_versions: tuple[int, ...] | None = None
 
     def _bind_params(self, block: Block) -> None:
         """(Re-)point every parameter at its slot of ``weights_dev`` (also after a move)."""
@@ -222,22 +233,32 @@ class FlatBucket(ABC):
     # -- step ----------------------------------------------------------------------------
 
     # Note [weights written outside the optimizer]
-    # ``weights_dev`` is the model's parameters. Whenever something else writes them in place
-    # (``model.load_state_dict``, an EMA swap, user code under no_grad), their version
-    # counter moves; ``check_external_writes`` sees it at the next step and refreshes the
-    # fp32 master from the weights, so the step starts from what the model holds instead of
-    # silently overwriting it. ``remember_weights`` records the version after the
-    # optimizer's own writes.
+    # The parameters are views of ``weights_dev``. When something else writes them in place
+    # (``model.load_state_dict``, an EMA swap, user code under no_grad), the *parameter's*
+    # version counter moves; ``check_external_writes`` sees it at the next step and refreshes
+    # the fp32 master from the weights, so the step starts from what the model holds instead
+    # of silently overwriting it. The optimizer's own writes (weight copies, all-gathers)
+    # go through ``weights_dev``, whose counter is the pool buffer's and is shared with every
+    # other block of the pool (gradient buffers included), so it cannot be used: each
+    # parameter keeps a counter of its own, and writes through ``weights_dev`` never move it.
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(param._version for param in self.params)
 
     def check_external_writes(self) -> None:
         """Refresh the master weights if the parameters were written since the last step."""
-        if self.weights_dev._version != self._weights_version:
-            self.master.copy_(self.weights_dev[self.shard[0] : self.shard[1]])
-            self._weights_version = self.weights_dev._version
+        versions = self._versions()
+        if versions != self._param_versions:
+            self.refresh_master()
+            self._param_versions = versions
 
     def remember_weights(self) -> None:
-        """Record the weights' version once the optimizer's own copies have landed."""
-        self._weights_version = self.weights_dev._version
+        """Record the parameters' versions after the optimizer's own writes."""
+        self._param_versions = self._versions()
+
+    @abstractmethod
+    def refresh_master(self) -> None:
+        """Set this rank's fp32 master weights from the model's weights (``weights_dev``)."""
 
     @abstractmethod
     def publish(self) -> list[Event]:
@@ -343,8 +364,23 @@ class OffloadedBucket(FlatBucket):
             setattr(self, name, tensor)
         self.max_exp_avg_sq: torch.Tensor | None = getattr(self, "max_exp_avg_sq", None)
         self.weights_staging: torch.Tensor | None = getattr(self, "weights_staging", None)
-        # fp32 master from the model's initial weights
-        self.master.copy_(self.weights_dev[self.shard[0] : self.shard[1]])
+        self._staging_consumed: Event | None = None  # host worker done with grad_staging
+        self.refresh_master()  # fp32 master from the model's initial weights
+
+    def refresh_master(self) -> None:
+        start, stop = self.shard
+        done = self.manager.copy(
+            self.master,
+            self.weights_dev[start:stop],
+            direction=Direction.D2H,
+            category=Category.OPTIMIZER_STATE,  # the fp32 master is optimizer state
+            after=[self.manager.compute_ready()],
+            blocks=[self._weights_block, self._host_blocks["master"]],
+            label=f"bucket{self.layout.index} master refresh",
+        )
+        # Synchronisation point: the next update reads the master (rare: construction,
+        # loading a state dict, or weights written outside the optimizer).
+        done.synchronize()
 
     def flush(self) -> None:
         manager = self.manager
@@ -352,6 +388,13 @@ class OffloadedBucket(FlatBucket):
         if block is None:
             raise RuntimeError(f"bucket {self.layout.index} flushed with no device gradient (bug)")
         staging_block = self._host_blocks["grad_staging"]
+        if self._staging_consumed is not None and not self._staging_consumed.query():
+            # Note [staging is reused only once consumed]: the host worker has not yet added
+            # the previous flush of this bucket (earlier micro-batch, or an early flush) into
+            # grad_acc. Synchronisation point: the caller waits for it, since a CUDA stream
+            # cannot wait on host-thread work; it is rare (the worker is usually far ahead).
+            with phase("wait_staging"):
+                self._staging_consumed.synchronize()
         after = [manager.compute_ready()]
         if self.sharding is not None:
             after = [self._reduce_scatter(after[0])]
@@ -371,6 +414,7 @@ class OffloadedBucket(FlatBucket):
         self.device_grad = DeviceGrad.NONE
         manager.host_worker.wait_event(done)
         manager.host_worker.submit(self._accumulate_on_host)
+        self._staging_consumed = manager.host_worker.record_event()
 
     def _reduce_scatter(self, ready: Event) -> Event:
         """Queue the average of ``grad_dev`` over the ranks on the comm stream (after
@@ -499,8 +543,14 @@ class ResidentBucket(FlatBucket):
             tensor.zero_()
             setattr(self, name, tensor)
         self.max_exp_avg_sq: torch.Tensor | None = getattr(self, "max_exp_avg_sq", None)
-        self.master.copy_(self.weights_dev)
         self.fresh = True
+        # torch's fused AdamW takes the step count as a tensor on the parameters' device;
+        # one per bucket, refilled in place (no host-to-device copy per step).
+        self._state_step = torch.zeros((), dtype=torch.float32, device=self.master.device)
+        self.refresh_master()
+
+    def refresh_master(self) -> None:
+        self.master.copy_(self.weights_dev)  # both on the device: no tier crossed
 
     def _open_grad(self) -> None:
         # Gradients accumulate straight into the resident fp32 accumulator.
@@ -523,9 +573,11 @@ class ResidentBucket(FlatBucket):
         if not self.arrived.any():
             return 0.0, False
         grad = self.grad_acc[: self.layout.numel]
-        # Synchronisation point: .item() waits for the device to finish the reduction.
-        sumsq = float(torch.sum(grad.double() * grad.double()).item())
-        return sumsq, not bool(torch.isfinite(grad).all().item())
+        # Synchronisation point: .item() waits for the device to finish the reduction. In
+        # float64 the squares of finite fp32 values cannot overflow, so the norm is
+        # non-finite exactly when some gradient is.
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64).item())
+        return norm * norm, not math.isfinite(norm)
 
     def publish(self) -> list[Event]:
         return []  # update() writes weights_dev in place: nothing crosses a tier
@@ -541,11 +593,12 @@ class ResidentBucket(FlatBucket):
         for start, stop, step in runs:
             grad = self.grad_acc[start:stop]
             if grad_scale != 1.0:
-                grad.mul_(grad_scale)
+                # A scaled copy: grad_acc must stay as accumulated (a second step() on the
+                # same gradients, like torch, must see them unscaled). Hidden cost: a
+                # temporary of the run's size on the device.
+                grad = grad * grad_scale
             # torch's fused kernel counts the step itself: it adds 1 before using it.
-            state_step = torch.tensor(
-                float(step - 1), dtype=torch.float32, device=self.master.device
-            )
+            state_step = self._state_step.fill_(float(step - 1))
             torch_adamw(
                 [self.master[start:stop]],
                 [grad],

@@ -25,8 +25,11 @@ class LossScaler:
         """The scaler's state, for checkpoints."""
         return {}
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``load_state_dict(state)`` would fail; change nothing."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``'s output."""
+        """Restore ``state_dict()``'s output (an empty dict keeps the current state)."""
 
 
 class NoLossScaler(LossScaler):
@@ -73,10 +76,24 @@ class DynamicLossScaler(LossScaler):
             "overflows": self.overflows,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return  # a bf16/fp32 checkpoint has no scaler state: keep the current one
         missing = {"scale", "clean_steps", "hysteresis_left", "overflows"} - set(state)
         if missing:
             raise ValueError(f"loss scaler state is missing {sorted(missing)}")
+        scale = state["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"loss scaler state: 'scale' must be a number > 0, got {scale!r}")
+        for key in ("clean_steps", "hysteresis_left", "overflows"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"loss scaler state: {key!r} must be an int >= 0, got {value!r}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        if not state:
+            return
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])

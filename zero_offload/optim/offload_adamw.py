@@ -41,19 +41,20 @@ from ..config import OffloadConfig
 from ..errors import PoolExhausted
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.traffic import Category
-from ..partition import plan_buckets
+from ..partition import BucketLayout, plan_buckets
 from ..tracing import phase
 from .checks import check_hyper, check_new_params, check_params
 from .flat_bucket import (
     AdamHyper,
     BucketPools,
+    DeviceGrad,
     FlatBucket,
     OffloadedBucket,
     ResidentBucket,
     Sharding,
 )
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
-from .placement import POOL_ALIGNMENT, plan_placement
+from .placement import POOL_ALIGNMENT, Placement, plan_placement
 from .state_io import load_optimizer_state, optimizer_state
 
 __all__ = ["OffloadAdamW"]
@@ -157,6 +158,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._generation = 0  # bumps whenever host gradients change
         self._update_pending = False  # overlap_step: an update runs on the host worker
         self._clip_once: float | None = None  # set by clip_grad_norm_ for the next step
+        self._closed = False  # close() gave the pools back
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         super().__init__(params, defaults)
@@ -246,9 +248,42 @@ class OffloadAdamW(torch.optim.Optimizer):
                 Tier.HOST, max(placement.host_state, POOL_ALIGNMENT), name=f"{name}.host"
             )
         except BaseException:
-            device_pool.close()
+            self.manager.discard_pool(device_pool)
             raise
         pools = BucketPools(device=device_pool, host=host_pool)
+        # Buckets re-point their parameters into the device pool; keep the originals until
+        # every bucket is built, so a failure can put the model back as it was. (No extra
+        # peak: the pool already holds a full copy of the weights while they are alive.)
+        originals = [(params[i], params[i].data) for _, members in families for i, _ in members]
+        try:
+            buckets = self._build_buckets(layouts, families, placement, pools, amsgrad)
+        except BaseException:
+            for param, data in originals:
+                param.data = data
+            self.manager.discard_pool(device_pool)
+            self.manager.discard_pool(host_pool)
+            raise
+        del originals
+        self._segments.append(_Segment(buckets, pools))
+        for bucket in buckets:
+            for slot_index, param in enumerate(bucket.params):
+                self._hooks.append(
+                    param.register_post_accumulate_grad_hook(
+                        lambda p, b=bucket, i=slot_index: self._on_grad(b, i, p)
+                    )
+                )
+
+    def _build_buckets(
+        self,
+        layouts: list[BucketLayout],
+        families: list[tuple[int, list[tuple[int, tuple[int, ...]]]]],
+        placement: Placement,
+        pools: BucketPools,
+        amsgrad: bool,
+    ) -> list[FlatBucket]:
+        """One bucket per layout, resident or offloaded as ``placement`` says."""
+        params = self._all_params()
+        moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
         base = len(self.buckets)
         buckets: list[FlatBucket] = []
         for local in layouts:
@@ -272,14 +307,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     sharding=self._sharding,
                 )
             buckets.append(bucket)
-        self._segments.append(_Segment(buckets, pools))
-        for bucket in buckets:
-            for slot_index, param in enumerate(bucket.params):
-                self._hooks.append(
-                    param.register_post_accumulate_grad_hook(
-                        lambda p, b=bucket, i=slot_index: self._on_grad(b, i, p)
-                    )
-                )
+        return buckets
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -323,7 +351,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # More buckets are half-filled than the gradient buffers hold (backward order
             # differs from registration order): hand the others on early and retry.
             for other in self.buckets:
-                if other is not bucket and other.device_grad.value == "filling":
+                if other is not bucket and other.device_grad is DeviceGrad.FILLING:
                     other.flush()
             complete = bucket.receive_grad(slot_index, grad)
         self._generation += 1
@@ -378,6 +406,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         The norm comes from the fused statistics pass over the host gradients and the
         clipping is folded into the CPU Adam gradient multiplier: no extra pass.
         """
+        self._check_open("clip_grad_norm_")
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
         if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
@@ -390,6 +419,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamW step over every parameter that received a gradient since zero_grad."""
+        self._check_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -521,6 +551,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
         per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies."""
+        self._check_open("state_dict")
         self.flush_pending_update()
         self.manager.synchronize()
         return optimizer_state(self)
@@ -529,12 +560,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
         master weights are taken from the parameters). Everything is checked before anything
         changes: a mismatch raises and leaves the optimizer as it was."""
+        self._check_open("load_state_dict")
         self.flush_pending_update()
         self.manager.synchronize()
         load_optimizer_state(self, state_dict)
 
     def close(self) -> None:
-        """Remove the hooks and give every pool back (device pools: to the budget)."""
+        """Remove the hooks and give every pool back (device pools: to the budget).
+
+        The model keeps working (its parameters keep their memory); the optimizer refuses
+        further steps. Calling ``close`` again does nothing.
+        """
+        if self._closed:
+            return
         self.flush_pending_update()
         self.manager.synchronize()
         for handle in self._hooks:
@@ -547,3 +585,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             segment.pools.host.close()
         self._segments.clear()
         self.manager.close()
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"OffloadAdamW.{what}() after close(): its pools and streams are gone; "
+                "build a new optimizer (load_state_dict from a state_dict saved before close)"
+            )

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checks import check_hyper
 from .flat_bucket import FlatBucket
 
 if TYPE_CHECKING:
@@ -174,32 +175,35 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
             checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
         checked["step"] = _check_step(where, entry["step"])
         staged[index] = checked
+    scaler_state = extra.get("loss_scaler") or {}
+    opt.scaler.check_state(scaler_state)
+    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
+        check_hyper(merged, where=f"state_dict param group {g}")
+
     # Everything is checked: from here on nothing raises on the caller's data.
+    for bucket in opt.buckets:
+        # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
+        # never stepped) come from the model's weights.
+        bucket.refresh_master()
+        bucket.remember_weights()
     for index, (bucket, i) in slots.items():
-        lo, hi, views = bucket.state_views(i)
-        offset = bucket.layout.slots[i].offset
-        weights = bucket.weights_dev[offset + lo : offset + hi]
+        _, _, views = bucket.state_views(i)
         entry = staged.get(index)
         if entry is None:
             for name, view in views.items():
                 if name != "master":
                     view.zero_()
-            views["master"].copy_(weights)
             bucket.steps[i] = 0
             continue
         for name, view in views.items():
             if name in entry:
                 view.copy_(entry[name])
-            elif name == "master":
-                view.copy_(weights)
         bucket.steps[i] = entry["step"]
-    for bucket in opt.buckets:
-        bucket.remember_weights()
     for saved, group in zip(saved_groups, opt.param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":
                 group[key] = value
-    if "loss_scaler" in extra:
-        opt.scaler.load_state_dict(extra["loss_scaler"])
+    opt.scaler.load_state_dict(scaler_state)
     opt.skipped_steps = int(extra.get("skipped_steps", opt.skipped_steps))
     opt._stats_cache = None
