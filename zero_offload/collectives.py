@@ -149,7 +149,9 @@ def wait_work(pending: Pending, comm: Comm) -> None:
         raise CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
             "(OffloadConfig.collective_timeout): another rank probably failed or never "
-            "reached this collective; see its log. The process group is unusable now"
+            "reached this collective; see its log. Every rank must produce gradients for the "
+            "same parameters in each backward (as with DDP without find_unused_parameters), "
+            "or the ranks' collectives stop matching. The process group is unusable now"
         )
     if failure:
         raise CollectiveError(
