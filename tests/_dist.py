@@ -20,10 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zero_offload import CollectiveError
-from zero_offload.checkpoint_io import load_consolidated, save_consolidated
+from zero_offload import CollectiveError, OffloadAdamW
+from zero_offload.checkpoint_io import (
+    consolidated_state_dict,
+    load_consolidated,
+    save_consolidated,
+)
+from zero_offload.collectives import make_comm, reduce_scatter_avg
 
-from ._models import batches, lm_loss, make_pair, offload_opt
+from ._models import batches, host_accelerator, lm_loss, make_pair, offload_opt
 
 #: Global batch of every multi-rank test: 6 sequences, so 2 and 3 ranks get equal shares.
 GLOBAL_BATCH = 6
@@ -165,6 +170,25 @@ def scenario_failure(rank: int, world: int, out: Path, *, fail_step: int, timeou
     return {"error": None}
 
 
+def scenario_collectives(rank: int, world: int, out: Path) -> dict:
+    """fp16 averaging near the fp16 limit, and a consolidated checkpoint of an optimizer
+    built on a process group that leaves global rank 0 out."""
+    comm = make_comm(None, timeout=30.0)
+    flat = torch.full((4 * world,), 40000.0, dtype=torch.float16)  # sum overflows, mean not
+    mean = reduce_scatter_avg(flat, comm=comm, what="fp16 test buffer").tolist()
+    group = dist.new_group(list(range(1, world)))  # every rank must call new_group
+    gathered = None
+    if rank >= 1:
+        layer = torch.nn.Linear(4, 4)
+        opt = OffloadAdamW(layer.parameters(), process_group=group, accelerator=host_accelerator())
+        layer(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        state = consolidated_state_dict(opt)  # dst=0 is group rank 0, global rank 1
+        gathered = None if state is None else sorted(state["state"])
+        opt.close()
+    return {"mean": mean, "gathered": gathered}
+
+
 def _since(began: float) -> float:
     return time.perf_counter() - began
 
@@ -175,6 +199,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
     "save": scenario_save,
     "resume": scenario_resume,
     "failure": scenario_failure,
+    "collectives": scenario_collectives,
 }
 
 

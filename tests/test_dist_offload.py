@@ -122,3 +122,12 @@ def test_a_failed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> No
     assert survivor["type"] == "CollectiveError", survivor
     assert "rank 0/2" in survivor["error"] and "reduce_scatter" in survivor["error"]
     assert survivor["seconds"] < timeout + 5.0
+
+
+def test_fp16_mean_does_not_overflow_and_subgroup_checkpoints_gather(tmp_path: Path) -> None:
+    results = run_ranks(3, "collectives", tmp_path)
+    for result in results:
+        assert result["mean"] == [40000.0] * 4  # 3 x 40000 overflows fp16; the mean does not
+    assert results[0]["gathered"] is None  # not in the group
+    assert results[1]["gathered"] == [0, 1]  # group rank 0 (global 1) gets the whole state
+    assert results[2]["gathered"] is None

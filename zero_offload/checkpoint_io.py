@@ -55,7 +55,8 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any] | None:
-    """The one-rank layout of ``opt``'s state on rank ``dst`` (``None`` on the others).
+    """The one-rank layout of ``opt``'s state on rank ``dst`` of the optimizer's process
+    group (``None`` on the others).
 
     A collective with several ranks: every rank must call it. With one rank it is
     ``opt.state_dict()``. Hidden cost: rank ``dst`` holds the whole optimizer state (16
@@ -66,7 +67,9 @@ def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any
     if comm is None:
         return local
     gathered: list[Any] | None = [None] * comm.world_size if comm.rank == dst else None
-    dist.gather_object(local, gathered, dst=dst, group=comm.group)
+    # gather_object takes a global rank; dst counts within the optimizer's group.
+    global_dst = dst if comm.group is None else dist.get_global_rank(comm.group, dst)
+    dist.gather_object(local, gathered, dst=global_dst, group=comm.group)
     if gathered is None:
         return None
     return merge_shards(gathered)

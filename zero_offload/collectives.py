@@ -204,7 +204,9 @@ def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Te
 
     ``flat.numel()`` must be a multiple of the world size (buckets are padded so).
     Blocks until done (with the deadline) on CPU tensors; stream-ordered on CUDA.
-    The sum is divided by the world size afterwards (gloo has no AVG reduction).
+    Each rank divides by the world size *before* the sum (gloo has no AVG reduction): in
+    fp16 a sum of N finite gradients can overflow where their mean does not, which would
+    make every rank skip steps a single process would take.
     """
     if flat.numel() % comm.world_size:
         raise RuntimeError(
@@ -213,6 +215,7 @@ def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Te
         )
     shard = _shard(flat, comm)
     name = f"reduce_scatter of {what}"
+    flat.div_(comm.world_size)
     try:
         # In place: the output is this rank's chunk of the input, which NCCL and gloo allow.
         work = _reduce_scatter(shard, flat, group=comm.group, async_op=True)
@@ -223,7 +226,6 @@ def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Te
         name = f"all_reduce (reduce_scatter fallback) of {what}"
     comm.counters.add("reduce_scatter", flat.numel() * flat.element_size())
     wait_work(Pending(work, name, flat.is_cuda), comm)
-    shard.div_(comm.world_size)
     return shard
 
 
