@@ -136,6 +136,8 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
             "instead (zero_offload.checkpoint_io.save_consolidated / load_consolidated, "
             "Note [sharded state dicts])"
         )
+    # Multi-rank: say which rank refused, since each checks its own pieces.
+    rank_prefix = f"rank {here[0]}/{here[1]}: " if opt.comm is not None else ""
     positions = [p for saved in saved_groups for p in saved["params"]]
     to_local = {saved_id: local for local, saved_id in enumerate(positions)}
     slots = _slots(opt)
@@ -148,7 +150,7 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
         if saved_id not in to_local:
             raise ValueError(f"state_dict has state for unknown parameter id {saved_id!r}")
         index = to_local[saved_id]
-        where = f"state of parameter {index}"
+        where = f"{rank_prefix}state of parameter {index}"
         if index not in slots:
             raise ValueError(f"{where}: this optimizer does not train that parameter")
         bucket, i = slots[index]
