@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .collectives import Pending, wait_work
 from .optim import OffloadAdamW
 
 __all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save_consolidated"]
@@ -79,10 +80,22 @@ def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: i
     """Write the consolidated state dict to ``path`` from rank ``dst``; every rank calls it
     and returns once the file is written (a barrier, so a following load sees it)."""
     state = consolidated_state_dict(opt, dst=dst)
+    failure: BaseException | None = None
     if state is not None:
-        torch.save(state, path)
-    if opt.comm is not None:
-        dist.barrier(group=opt.comm.group)
+        try:
+            torch.save(state, path)
+        except Exception as exc:  # still reach the barrier, so the other ranks are not stuck
+            failure = exc
+    comm = opt.comm
+    if comm is not None:
+        # With the deadline (Note [collective deadlines]): a rank that never arrives is named.
+        work = dist.barrier(group=comm.group, async_op=True)
+        wait_work(Pending(work, f"barrier after writing {str(path)!r}", False), comm)
+    if failure is not None:
+        where = f"{comm.where()}: " if comm is not None else ""
+        raise OSError(
+            f"{where}could not write the checkpoint to {str(path)!r}: {failure}"
+        ) from failure
 
 
 def load_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
