@@ -169,6 +169,7 @@ class FlatBucket(ABC):
         self.pending = len(layout.slots)
         self.device_grad = DeviceGrad.NONE
         self._grad_block: Block | None = None
+        self._state_blocks: dict[str, Block] = {}  # optimizer state and staging, by field name
         self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
         nbytes = layout.padded_numel * self.itemsize
         self._weights_block = pools.device.alloc(nbytes, owner=f"bucket{layout.index}.weights")
@@ -301,12 +302,28 @@ class FlatBucket(ABC):
             names.append("max_exp_avg_sq")
         return lo, hi, {name: getattr(self, name)[first : first + hi - lo] for name in names}
 
+    def _alloc_state(self, pool: BlockPool, fields: list[tuple[str, torch.dtype]], n: int) -> None:
+        """Allocate each named ``(n,)`` state field from ``pool``, zeroed, as an attribute
+        re-taken after a move; the blocks are in ``_state_blocks`` (freed by ``close``)."""
+        for name, dtype in fields:
+            block = pool.alloc(n * dtype.itemsize, owner=f"bucket{self.layout.index}.{name}")
+            block.on_move(
+                lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
+            )
+            self._state_blocks[name] = block
+            tensor = block.view(dtype, (n,))
+            tensor.zero_()
+            setattr(self, name, tensor)
+
     def close(self) -> None:
         """Return every block to its pool."""
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None
         self._weights_block.free()
+        for block in self._state_blocks.values():
+            block.free()
+        self._state_blocks.clear()
 
 
 class OffloadedBucket(FlatBucket):
@@ -352,16 +369,7 @@ class OffloadedBucket(FlatBucket):
             fields.append(("max_exp_avg_sq", moments_dtype))
         if self.dtype != torch.float32:
             fields.append(("weights_staging", self.dtype))
-        self._host_blocks: dict[str, Block] = {}
-        for name, dtype in fields:
-            block = pools.host.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{name}")
-            block.on_move(
-                lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
-            )
-            self._host_blocks[name] = block
-            tensor = block.view(dtype, (n,))
-            tensor.zero_()
-            setattr(self, name, tensor)
+        self._alloc_state(pools.host, fields, n)
         self.max_exp_avg_sq: torch.Tensor | None = getattr(self, "max_exp_avg_sq", None)
         self.weights_staging: torch.Tensor | None = getattr(self, "weights_staging", None)
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
@@ -375,7 +383,7 @@ class OffloadedBucket(FlatBucket):
             direction=Direction.D2H,
             category=Category.OPTIMIZER_STATE,  # the fp32 master is optimizer state
             after=[self.manager.compute_ready()],
-            blocks=[self._weights_block, self._host_blocks["master"]],
+            blocks=[self._weights_block, self._state_blocks["master"]],
             label=f"bucket{self.layout.index} master refresh",
         )
         # Synchronisation point: the next update reads the master (rare: construction,
@@ -387,7 +395,7 @@ class OffloadedBucket(FlatBucket):
         block = self._grad_block
         if block is None:
             raise RuntimeError(f"bucket {self.layout.index} flushed with no device gradient (bug)")
-        staging_block = self._host_blocks["grad_staging"]
+        staging_block = self._state_blocks["grad_staging"]
         if self._staging_consumed is not None and not self._staging_consumed.query():
             # Note [staging is reused only once consumed]: the host worker has not yet added
             # the previous flush of this bucket (earlier micro-batch, or an early flush) into
@@ -506,12 +514,6 @@ class OffloadedBucket(FlatBucket):
         self._issued, self._unpublished = [], []
         return events
 
-    def close(self) -> None:
-        super().close()
-        for block in self._host_blocks.values():
-            block.free()
-        self._host_blocks.clear()
-
 
 class ResidentBucket(FlatBucket):
     """State on the device, updated there by torch's fused AdamW (no tier crossing).
@@ -534,14 +536,7 @@ class ResidentBucket(FlatBucket):
         names = ["master", "exp_avg", "exp_avg_sq", "grad_acc"]
         if amsgrad:
             names.append("max_exp_avg_sq")
-        self._state_blocks: dict[str, Block] = {}
-        for name in names:
-            block = pools.device.alloc(4 * n, owner=f"bucket{layout.index}.{name}")
-            block.on_move(lambda b, name=name: setattr(self, name, b.view(torch.float32, (n,))))
-            self._state_blocks[name] = block
-            tensor = block.view(torch.float32, (n,))
-            tensor.zero_()
-            setattr(self, name, tensor)
+        self._alloc_state(pools.device, [(name, torch.float32) for name in names], n)
         self.max_exp_avg_sq: torch.Tensor | None = getattr(self, "max_exp_avg_sq", None)
         self.fresh = True
         # torch's fused AdamW takes the step count as a tensor on the parameters' device;
@@ -616,9 +611,3 @@ class ResidentBucket(FlatBucket):
                 maximize=hyper.maximize,
             )
             self.weights_dev[start:stop].copy_(self.master[start:stop])
-
-    def close(self) -> None:
-        super().close()
-        for block in self._state_blocks.values():
-            block.free()
-        self._state_blocks.clear()
