@@ -92,6 +92,11 @@ def offload_opt(
     )
 
 
+def torch_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """The reference: torch's AdamW with ``offload_opt``'s default hyper-parameters."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
 def train(
     model: nn.Module,
     opt: torch.optim.Optimizer,

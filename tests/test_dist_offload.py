@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ._dist import data, resume, run_ranks
-from ._models import lm_loss, make_pair, offload_opt, train
+from ._models import lm_loss, make_pair, offload_opt, torch_adamw, train
 
 FP32_ATOL = 1e-5
 STEPS = 20
@@ -31,7 +31,7 @@ def _reference(steps: int, *, clip: float | None = None) -> tuple[list, list]:
     """Weights after ``steps`` full-batch steps: one-process OffloadAdamW, torch AdamW."""
     model, ref = make_pair()
     opt = offload_opt(model, max_grad_norm=clip)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     train(model, opt, data(steps))
     for tokens, targets in data(steps):
         lm_loss(ref, tokens, targets).backward()

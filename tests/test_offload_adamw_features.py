@@ -16,6 +16,7 @@ from ._models import (
     make_pair,
     max_diff,
     offload_opt,
+    torch_adamw,
     train,
 )
 
@@ -66,7 +67,7 @@ def test_fp16_hysteresis_tolerates_one_overflow() -> None:
 def test_nonfinite_gradient_in_fp32_poisons_like_torch_unless_skipped(skip: bool) -> None:
     model, ref = make_pair()
     opt = offload_opt(model, skip_nonfinite=skip)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     for m, o in ((model, opt), (ref, ropt)):
         for p in m.parameters():
             p.grad = torch.ones_like(p)
@@ -175,7 +176,7 @@ def test_model_loaded_after_the_optimizer_refreshes_the_master() -> None:
     other, _ = make_pair(seed=5)
     model.load_state_dict(other.state_dict())  # written behind the optimizer's back
     ref.load_state_dict(other.state_dict())
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(3)
     train(model, opt, data)
     train(ref, ropt, data)
@@ -184,7 +185,7 @@ def test_model_loaded_after_the_optimizer_refreshes_the_master() -> None:
 
 def test_torch_adamw_state_dict_loads() -> None:
     model, ref = make_pair()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(6)
     train(ref, ropt, data[:3])
     model.load_state_dict(ref.state_dict())

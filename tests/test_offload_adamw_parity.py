@@ -10,7 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, offload_opt, train
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    offload_opt,
+    torch_adamw,
+    train,
+)
 
 FP32_ATOL = 1e-5
 
@@ -19,7 +28,7 @@ def test_fp32_transformer_matches_torch_adamw_over_50_steps() -> None:
     model, ref = make_pair()
     opt = offload_opt(model)
     assert len(opt.buckets) > 3  # small buckets: several of them, and several tiles each
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(50)
     ours = train(model, opt, data)
     theirs = train(ref, ropt, data)
@@ -58,7 +67,7 @@ def test_bf16_loss_curve_tracks_torch_with_fp32_master() -> None:
 def test_gradient_accumulation_is_exact(micro_steps: int) -> None:
     model, ref = make_pair()
     opt = offload_opt(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(6 * micro_steps)
     train(model, opt, data, micro_steps=micro_steps)
     train(ref, ropt, data, micro_steps=micro_steps)
@@ -100,7 +109,7 @@ def test_param_groups_and_lr_scheduler() -> None:
 def test_clipping_matches_torch_clip_grad_norm(how: str) -> None:
     model, ref = make_pair()
     opt = offload_opt(model, **({"max_grad_norm": 0.5} if how == "config" else {}))
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     for tokens, targets in batches(10):
         lm_loss(model, tokens, targets).backward()
         if how == "method":
@@ -141,7 +150,7 @@ def test_parameters_without_grad_are_skipped_like_torch() -> None:
     for m in (model, ref):
         m.norm.weight.requires_grad_(False)
     opt = offload_opt(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(8)
     for i, (tokens, targets) in enumerate(data):
         for m, o in ((model, opt), (ref, ropt)):
@@ -157,7 +166,7 @@ def test_parameters_without_grad_are_skipped_like_torch() -> None:
 def test_gradients_set_by_hand_are_used() -> None:
     model, ref = make_pair()
     opt = offload_opt(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=gen) for p in ref.parameters()]

@@ -11,7 +11,16 @@ from torch import nn
 
 from zero_offload import OffloadAdamW
 
-from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, offload_opt, train
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    offload_opt,
+    torch_adamw,
+    train,
+)
 
 
 def test_bf16_master_keeps_sub_ulp_updates() -> None:
@@ -35,7 +44,7 @@ def test_bf16_master_keeps_sub_ulp_updates() -> None:
 def test_accumulation_survives_a_lagging_host_worker() -> None:
     model, ref = make_pair()
     opt = offload_opt(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ropt = torch_adamw(ref)
     data = batches(4)
     for i in range(0, 4, 2):
         for tokens, targets in data[i : i + 2]:
