@@ -154,16 +154,17 @@ class TieredMemoryManager:
         for event in after:
             stream.wait_event(event)
         nbytes = src.numel() * src.element_size()
+        with self._lock:
+            listeners = list(self._listeners)
         issued_at = time.perf_counter()
-        start = stream.record_event()
+        # The start event only places the copy on a timeline: record it for listeners only.
+        start = stream.record_event() if listeners else None
         self.accelerator.copy_(dst, src, stream=stream)
         end = stream.record_event()
         for block in blocks:
             block.record_event(end)
         self.counters.add(direction, category, nbytes)
-        with self._lock:
-            listeners = list(self._listeners)
-        if listeners:
+        if start is not None:
             record = CopyRecord(
                 seq=next(self._seq),
                 direction=direction,
