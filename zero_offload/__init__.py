@@ -9,7 +9,13 @@ from .activations import (
 )
 from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
-from .errors import CollectiveError, DeviceBudgetExceeded, PoolExhausted, StreamError
+from .errors import (
+    CollectiveError,
+    DeviceBudgetExceeded,
+    PoolExhausted,
+    StreamError,
+    StreamRaceError,
+)
 from .estimate import MemoryEstimate, ModelShape, estimate
 from .memory.manager import TieredMemoryManager
 from .optim import OffloadAdamW
@@ -31,6 +37,7 @@ __all__ = [
     "OffloadConfig",
     "PoolExhausted",
     "StreamError",
+    "StreamRaceError",
     "TieredMemoryManager",
     "TrafficProfiler",
     "checkpoint",

@@ -104,11 +104,16 @@ class AcceleratorConfig:
             memory speed. Must be > 0.
         link_latency: simulated fixed cost of each copy, in seconds. Default 0.0. Must be >= 0
             and only applies when a copy goes over the simulated link.
+        check_races: host accelerator only: raise ``StreamRaceError`` when two streams touch
+            a buffer with no wait ordering them (see ``accelerator/race_checker.py``).
+            Default ``None``: read ``ZERO_OFFLOAD_CHECK_RACES`` ("1" turns it on), else off.
+            On CUDA use PyTorch's own ``TORCH_CUDA_SANITIZER=1`` instead.
     """
 
     device_budget: int | str | None = None
     link_bandwidth: float | None = None
     link_latency: float = 0.0
+    check_races: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device_budget is not None:
@@ -121,6 +126,12 @@ class AcceleratorConfig:
         if self.link_bandwidth is not None:
             _check_positive_finite("AcceleratorConfig.link_bandwidth", self.link_bandwidth)
         _check_positive_finite("AcceleratorConfig.link_latency", self.link_latency, allow_zero=True)
+        if self.check_races is not None and not isinstance(self.check_races, bool):
+            raise TypeError(
+                f"AcceleratorConfig.check_races must be True, False or None (read "
+                f"ZERO_OFFLOAD_CHECK_RACES), got {type(self.check_races).__name__} "
+                f"{self.check_races!r}"
+            )
 
     @property
     def simulates_link(self) -> bool:

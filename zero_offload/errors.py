@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "DeviceBudgetExceeded", "PoolExhausted", "StreamError"]
+__all__ = [
+    "CollectiveError",
+    "DeviceBudgetExceeded",
+    "PoolExhausted",
+    "StreamError",
+    "StreamRaceError",
+]
 
 
 class DeviceBudgetExceeded(MemoryError):
@@ -31,4 +37,14 @@ class CollectiveError(RuntimeError):
 
     The message names this rank, the collective and the bucket; see Note [collective
     deadlines] in ``zero_offload.collectives``.
+    """
+
+
+class StreamRaceError(RuntimeError):
+    """Two streams touch a buffer and nothing orders the accesses (a missing wait).
+
+    Raised by the host accelerator's race checker (``AcceleratorConfig(check_races=True)``
+    or ``ZERO_OFFLOAD_CHECK_RACES=1``); the message names the buffer, both streams and both
+    operations. See Note [race checking with vector clocks] in
+    ``zero_offload.accelerator.race_checker``.
     """

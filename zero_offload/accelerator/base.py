@@ -24,6 +24,16 @@ the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
 ``Accelerator.synchronize``, or the next ``submit``/``record_event`` on the failed stream.
 A failed stream refuses all further work with the same error; events recorded on it and
 streams that wait on those events fail too.
+
+Note [declaring stream accesses]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The host accelerator's race checker (``race_checker.py``) sees every copy made through
+``copy_``. Work it cannot see must be declared where it is issued, with
+``Accelerator.declare_access(tensor, stream=..., write=..., what=...)``: a kernel queued on
+the compute stream that reads weights or writes gradients (``stream=current_stream()``), a
+CPU loop over pinned memory (``stream=None``: the calling thread), a task queued on the host
+worker (``stream=host_worker``). Declaring costs nothing without the checker, and nothing on
+CUDA, where ``TORCH_CUDA_SANITIZER=1`` checks the real kernels instead.
 """
 
 from __future__ import annotations
@@ -38,12 +48,17 @@ import torch
 
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
+from .race_checker import AccessKind, RaceChecker
 
 __all__ = ["Accelerator", "DeviceBuffer", "DeviceLedger", "Event", "Stream"]
 
 
 class Event(ABC):
     """A point in a stream's work; see Note [stream semantics]."""
+
+    #: The recording stream's vector clock when a race checker is on, else None
+    #: (Note [race checking with vector clocks] in race_checker.py).
+    race_stamp: dict[int, int] | None = None
 
     @abstractmethod
     def query(self) -> bool:
@@ -166,6 +181,8 @@ class Accelerator(ABC):
     device: torch.device
     #: Counts library-owned device memory against the budget.
     ledger: DeviceLedger
+    #: The race checker when one is on (host accelerator, ``check_races``), else None.
+    race_checker: RaceChecker | None = None
 
     @property
     @abstractmethod
@@ -197,16 +214,44 @@ class Accelerator(ABC):
         """Raw ``(nbytes,) uint8`` device tensor; budget accounting is the caller's."""
 
     @abstractmethod
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+    def copy_(
+        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+    ) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the hardware allows).
 
         This is the only primitive that moves bytes between tiers; the memory manager is its
         only caller in the library (see Note [one choke point for copies] in the manager).
+        ``label`` names the copy in race reports.
         """
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """Facts for ``zero-offload info``: device name, memory, budget, link."""
+
+    def declare_access(
+        self, tensor: torch.Tensor, *, stream: Stream | None, write: bool, what: str
+    ) -> None:
+        """Tell the race checker that work issued now on ``stream`` touches ``tensor``.
+
+        ``stream=None`` means the calling CPU thread itself. ``write``: whether the work
+        overwrites the bytes. ``what`` names the operation in a ``StreamRaceError``. Raises
+        ``StreamRaceError`` when a conflicting access on another stream is not ordered before
+        this one; does nothing without a checker. See Note [declaring stream accesses].
+        """
+        if self.race_checker is None:
+            return
+        kind = AccessKind.WRITE if write else AccessKind.READ
+        self.race_checker.access(tensor, stream=stream, kind=kind, what=what)
+
+    def _check_copy(
+        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str
+    ) -> None:
+        """Record a copy's two accesses with the race checker, if one is on."""
+        if self.race_checker is None:
+            return
+        name = f"{stream.name} copy {label!r}" if label else f"{stream.name} copy"
+        self.declare_access(src, stream=stream, write=False, what=f"{name} reading its source")
+        self.declare_access(dst, stream=stream, write=True, what=f"{name} writing its destination")
 
     def allocate_device(self, nbytes: int, *, what: str) -> DeviceBuffer:
         """Library-owned device memory, counted against the budget.
@@ -222,6 +267,8 @@ class Accelerator(ABC):
         except BaseException:
             self.ledger.release(nbytes)
             raise
+        if self.race_checker is not None:
+            self.race_checker.track(tensor, f"device buffer {what!r}")
         return DeviceBuffer(tensor=tensor, nbytes=nbytes, what=what, _ledger=self.ledger)
 
     def memory_stats(self) -> dict[str, int]:

@@ -166,7 +166,9 @@ class CudaAccelerator(Accelerator):
     def _device_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+    def copy_(
+        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+    ) -> None:
         if not isinstance(stream, CudaStream):
             raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
 

@@ -1,19 +1,19 @@
 """HostAccelerator: a machine without a GPU, made to behave like one.
 
 "Device" memory is ordinary memory counted against a device budget; each stream is a worker
-thread that runs its queued work in order; an event completes when the work queued before it
-is done; a stream can wait on another stream's event. Copies may go over a simulated link
-(bandwidth, latency) so tests can prove that prefetch hides transfer time.
+thread that runs its queued work in order (``threads.ThreadStream``); an event completes
+when the work queued before it is done; a stream can wait on another stream's event. Copies
+may go over a simulated link (bandwidth, latency) so tests can prove that prefetch hides
+transfer time. With ``check_races`` (or ``ZERO_OFFLOAD_CHECK_RACES=1``) a ``RaceChecker``
+watches every tracked buffer and raises ``StreamRaceError`` on a missing wait.
 
-See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``.
+See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, and Note
+[race checking with vector clocks] in ``race_checker.py``.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,152 +22,53 @@ import psutil
 import torch
 
 from ..config import AcceleratorConfig, format_bytes
-from ..errors import StreamError
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .race_checker import RaceChecker, races_enabled_by_env
+from .threads import ThreadEvent, ThreadStream
 
-__all__ = ["HostAccelerator", "HostEvent", "HostStream"]
+__all__ = ["CallerStream", "HostAccelerator", "HostEvent", "HostStream"]
 
-_STOP = object()
-
-
-class HostEvent(Event):
-    """Completes when a worker reaches it in its queue; carries the stream's error if any."""
-
-    def __init__(self, stream_name: str, *, done: bool = False) -> None:
-        self.stream_name = stream_name
-        self._done = threading.Event()
-        self._error: StreamError | None = None
-        self._completed_at: float | None = None
-        if done:
-            self._complete()
-
-    def _complete(self, error: StreamError | None = None) -> None:
-        self._error = error
-        self._completed_at = time.perf_counter()
-        self._done.set()
-
-    def completed_at(self) -> float | None:
-        return self._completed_at if self._done.is_set() else None
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+#: The host accelerator's events are the thread streams' events.
+HostEvent = ThreadEvent
 
 
-class _Worker:
-    """The thread behind a ``HostStream``; holds no reference to the stream itself.
-
-    ``_lock`` guards ``error`` and the hand-over of events to a failed queue.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.error: StreamError | None = None
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name=f"zero_offload:{name}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.tasks.get()
-            if item is _STOP:
-                return
-            if isinstance(item, HostEvent):
-                item._complete(self.error)
-                continue
-            if self.error is not None:
-                continue  # drained: the stream failed, see Note [stream errors are sticky]
-            try:
-                item()
-            except BaseException as exc:
-                error = StreamError(
-                    f"work on stream {self.name!r} failed with {type(exc).__name__}: {exc}\n"
-                    f"(original traceback below, as the cause)\n"
-                    + "".join(traceback.format_exception(exc))
-                )
-                error.__cause__ = exc
-                with self.lock:
-                    self.error = error
-
-
-class HostStream(Stream):
-    """A worker thread that runs submitted work in order."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._worker = _Worker(name)
-        self._closed = False
-        weakref.finalize(self, self._worker.tasks.put, _STOP)
-
-    def _check(self) -> None:
-        if self._worker.error is not None:
-            raise self._worker.error
-        if self._closed:
-            raise RuntimeError(
-                f"stream {self.name!r} is closed: its worker thread has stopped, so it "
-                "cannot run or wait for more work (its owner was closed)"
-            )
-
-    def submit(self, fn: Callable[[], Any]) -> None:
-        self._check()
-        self._worker.tasks.put(fn)
-
-    def record_event(self) -> HostEvent:
-        self._check()
-        event = HostEvent(self.name)
-        self._worker.tasks.put(event)
-        return event
-
-    def wait_event(self, event: Event) -> None:
-        self.submit(event.synchronize)
-
-    def synchronize(self) -> None:
-        self.record_event().synchronize()
-        self._check()
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` has stopped this stream's worker."""
-        return self._closed
-
-    def close(self) -> None:
-        """Finish the work already queued, then stop the worker; later calls are no-ops.
-
-        Synchronisation point: waits for the queued work, and raises its error if it failed.
-        """
-        if self._closed:
-            return
-        try:
-            self.synchronize()
-        finally:
-            self._closed = True
-            self._worker.tasks.put(_STOP)
+class HostStream(ThreadStream):
+    """A simulated device stream: a worker thread that runs submitted work in order."""
 
 
 class CallerStream(Stream):
-    """The host accelerator's compute stream: the calling thread itself; work runs inline."""
+    """The host accelerator's compute stream: the calling thread itself; work runs inline.
 
-    def __init__(self, name: str = "compute") -> None:
+    For the race checker it is a stream like any other (a GPU's compute stream), distinct
+    from the CPU thread that issues to it: see Note [race checking with vector clocks].
+    """
+
+    def __init__(self, name: str = "compute", *, checker: RaceChecker | None = None) -> None:
         self.name = name
+        self._checker = checker
 
     def submit(self, fn: Callable[[], Any]) -> None:
         fn()
 
-    def record_event(self) -> HostEvent:
-        return HostEvent(self.name, done=True)
+    def record_event(self) -> ThreadEvent:
+        checker = self._checker
+        stamp = checker.stamp(self) if checker is not None else None
+        return ThreadEvent(self.name, done=True, checker=checker, stamp=stamp)
 
     def wait_event(self, event: Event) -> None:
+        if self._checker is not None:
+            self._checker.wait(self, event.race_stamp)
         # Synchronisation point: compute runs on the caller's thread, so waiting for another
-        # stream's event blocks the caller (on CUDA the GPU would wait instead).
-        event.synchronize()
+        # stream's event blocks the caller (on CUDA the GPU would wait instead). The checker
+        # does not count it as the host observing the event, since on a GPU it would not.
+        if isinstance(event, ThreadEvent):
+            event.wait_unobserved()
+        else:
+            event.synchronize()
 
     def synchronize(self) -> None:
-        return None
+        if self._checker is not None:  # the host now knows compute's work is done
+            self._checker.observed(self._checker.stamp(self))
 
 
 class HostAccelerator(Accelerator):
@@ -182,15 +83,18 @@ class HostAccelerator(Accelerator):
             psutil.virtual_memory().total // 2, "default: half of host RAM"
         )
         self.ledger = DeviceLedger(budget, source)
+        check = self.config.check_races
+        enabled = races_enabled_by_env() if check is None else check
+        self.race_checker = RaceChecker() if enabled else None
         self._streams: weakref.WeakSet[HostStream] = weakref.WeakSet()
-        self._compute = CallerStream()
+        self._compute = CallerStream(checker=self.race_checker)
 
     @property
     def pinned_memory_available(self) -> bool:
         return False
 
     def new_stream(self, name: str) -> HostStream:
-        stream = HostStream(name)
+        stream = HostStream(name, checker=self.race_checker)
         self._streams.add(stream)
         return stream
 
@@ -201,10 +105,14 @@ class HostAccelerator(Accelerator):
         for stream in list(self._streams):
             if not stream.closed:
                 stream.synchronize()
+        self._compute.synchronize()
 
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         # Ordinary pageable memory: there is no device to pin for.
-        return torch.empty(nbytes, dtype=torch.uint8)
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if self.race_checker is not None:
+            self.race_checker.track(tensor, f"host buffer of {nbytes} bytes")
+        return tensor
 
     def _device_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -216,7 +124,10 @@ class HostAccelerator(Accelerator):
             seconds += nbytes / self.config.link_bandwidth
         return seconds
 
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+    def copy_(
+        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+    ) -> None:
+        self._check_copy(dst, src, stream=stream, label=label)
         nbytes = src.numel() * src.element_size()
         delay = self.link_seconds(nbytes)
 
@@ -242,4 +153,5 @@ class HostAccelerator(Accelerator):
             "device_budget": self.ledger.budget,
             "device_budget_source": self.ledger.budget_source,
             "simulated_link": link,
+            "race_checker": "on" if self.race_checker is not None else "off",
         }

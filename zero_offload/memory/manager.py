@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
-from ..accelerator.host import HostStream
 from .block import Block
+from .host_worker import HostWorker
 from .pool import BlockPool
 from .traffic import Category, CopyRecord, Direction, RecordListener, TrafficCounters
 
@@ -57,7 +57,7 @@ class TieredMemoryManager:
         acc = self.accelerator
         self.d2h = acc.new_stream("d2h")
         self.h2d = acc.new_stream("h2d")
-        self.host_worker = HostStream("host_worker")
+        self.host_worker = HostWorker(acc)
         self.pools: list[BlockPool] = []
         self.counters = TrafficCounters()
         #: Seconds the caller's compute waited in ``wait_for`` (exposed transfer time),
@@ -159,7 +159,7 @@ class TieredMemoryManager:
         issued_at = time.perf_counter()
         # The start event only places the copy on a timeline: record it for listeners only.
         start = stream.record_event() if listeners else None
-        self.accelerator.copy_(dst, src, stream=stream)
+        self.accelerator.copy_(dst, src, stream=stream, label=label or category.value)
         end = stream.record_event()
         for block in blocks:
             block.record_event(end)

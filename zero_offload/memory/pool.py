@@ -17,10 +17,28 @@ The owner records the copy's event on the block (``block.record_event(event)``).
 never blocks: a block whose events have not all completed becomes IN_FLIGHT and its bytes
 stay off the free list. IN_FLIGHT blocks are reclaimed (their bytes returned to the free
 list) when ``event.query()`` says their copies are done, checked on every later ``alloc``
-and ``free``. Only when an allocation would otherwise fail does ``alloc`` wait for pending
-events (a host synchronisation, the last resort before defragmenting). Events are always
-waited on without the pool's lock held: a copy-stream worker may need the lock to free a
-block before the event we wait on can complete.
+and ``free``.
+
+When an allocation does not fit the free list, it takes IN_FLIGHT bytes without the CPU
+waiting if the caller names the stream that will use the block (``alloc(stream=S)``), the
+way the CUDA caching allocator reuses memory: ``S`` waits on the pending events (a GPU-side
+wait), the new block inherits them (so defragmentation leaves it in place until they
+complete), and the rest of the reused IN_FLIGHT range stays IN_FLIGHT with the same events.
+The bytes go to ``S`` only: nobody else sees them before the events complete. Without a
+stream, or when no single IN_FLIGHT range holds the request, ``alloc`` waits for pending
+events on the host (a synchronisation, the last resort before defragmenting). Events are
+always waited on without the pool's lock held: a copy-stream worker may need the lock to
+free a block before the event we wait on can complete.
+
+Note [a pool outlives its copies]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pinned buffer must not be unpinned and freed while a DMA into or out of it is queued,
+and a device buffer must not return to the budget while a copy still touches it. ``close()``
+waits for pending events; a pool dropped without ``close()`` (an optimizer a Trainer lets go
+of) is finalised by ``_Lifetime.drain``, which holds the buffer, waits for every event ever
+recorded on a block that has not yet completed, and only then releases the buffer. That
+wait runs in a finalizer, i.e. in whichever thread dropped the last reference: a hidden
+host synchronisation, paid only by code that forgot ``close()``.
 
 Note [views pin unregistered blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -38,6 +56,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
@@ -45,7 +64,7 @@ from itertools import chain
 import psutil
 import torch
 
-from ..accelerator import Accelerator, Event
+from ..accelerator import Accelerator, Event, Stream
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
 from .block import Block, BlockState, MoveCallback
@@ -90,6 +109,31 @@ def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:
         )
 
 
+class _Lifetime:
+    """Holds a pool's buffer until its copies are done; see Note [a pool outlives its copies].
+
+    ``events`` is guarded by the pool's lock while the pool lives; ``drain`` runs once, when
+    the pool is closed or collected.
+    """
+
+    def __init__(self, buffer: torch.Tensor, release: Callable[[], None]) -> None:
+        self.buffer: torch.Tensor | None = buffer  # the pool's (capacity,) uint8 buffer
+        self.events: list[Event] = []  # every block event not yet seen complete
+        self._release = release
+
+    def add(self, event: Event) -> None:
+        self.events = [*_still_pending(self.events), event]
+
+    def drain(self) -> None:
+        # Synchronisation point (hidden when run as a finalizer): see the Note.
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+        self.buffer = None
+        release, self._release = self._release, _noop
+        release()
+
+
 @dataclass
 class _Counters:
     """Running stats of a pool; all guarded by the pool's lock. Units in the names' docs."""
@@ -103,6 +147,7 @@ class _Counters:
     defragmentations: int = 0  # compactions run (on demand or automatic)
     bytes_moved: int = 0  # bytes copied by all compactions
     event_waits: int = 0  # events alloc/defragment had to block on (host syncs)
+    stream_reuses: int = 0  # allocations that took IN_FLIGHT bytes with a stream-side wait
 
 
 class BlockPool:
@@ -163,7 +208,8 @@ class BlockPool:
         self.usable = self.capacity - self.capacity % alignment  # bytes
         self._buffer = buffer  # (capacity,) uint8, host (pinned when available) or device
         self._scratch = scratch
-        self._release = release
+        self._lifetime = _Lifetime(buffer, release)
+        self._finalizer = weakref.finalize(self, self._lifetime.drain)
         self._lock = threading.Lock()
         self._free = FreeList()
         self._free.insert(0, self.usable)
@@ -171,6 +217,15 @@ class BlockPool:
         self._in_flight: list[Block] = []  # IN_FLIGHT blocks, oldest first
         self._counters = _Counters()
         self._closed = False
+        checker = accelerator.race_checker
+        if checker is not None:
+            me = weakref.WeakMethod(self._name_range)  # the checker must not keep the pool
+
+            def namer(lo: int, hi: int) -> str:
+                method = me()
+                return method(lo, hi) if method is not None else "a dropped pool"
+
+            checker.track(buffer, f"pool {name!r} ({kind})", namer=namer)
 
     # ----------------------------------------------------------------- construction
 
@@ -273,7 +328,7 @@ class BlockPool:
             self._closed = True
             self._in_flight.clear()
             self._buffer = self._buffer.new_empty(0)
-        self._release()
+        self._finalizer()  # every event is complete now: releases the buffer at once
 
     def __enter__(self) -> BlockPool:
         return self
@@ -289,13 +344,25 @@ class BlockPool:
 
     # ----------------------------------------------------------------- alloc / free
 
-    def alloc(self, nbytes: int, *, align: int | None = None, owner: str = "") -> Block:
+    def alloc(
+        self,
+        nbytes: int,
+        *,
+        align: int | None = None,
+        owner: str = "",
+        stream: Stream | None = None,
+    ) -> Block:
         """A block of at least ``nbytes`` (rounded up to the pool's alignment).
 
         ``align`` (a power of two, bytes) raises the offset's alignment above the pool's.
-        When nothing fits, in order: wait for pending copies of freed blocks, defragment (if
-        the free bytes would hold the request), then raise ``PoolExhausted``.
+        ``stream``: the stream that will use the block first; lets the pool hand out bytes
+        whose copies are still pending, with ``stream`` waiting on them instead of the CPU.
+        When nothing fits, in order: reuse pending bytes on ``stream``, wait for pending
+        copies of freed blocks, defragment (if the free bytes would hold the request), then
+        raise ``PoolExhausted``. See Note [block reuse waits on events].
         """
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be an accelerator Stream or None, got {stream!r}")
         if type(nbytes) is not int:  # bool and float are refused too
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
         if nbytes <= 0:
@@ -307,7 +374,40 @@ class BlockPool:
             if self._closed:
                 raise self._closed_error()
             block = self._try_alloc_locked(nbytes, size, block_align, owner)
-        return block if block is not None else self._alloc_slow(nbytes, size, block_align, owner)
+            if block is None and stream is not None:
+                block = self._reuse_in_flight_locked(nbytes, size, block_align, owner)
+        if block is not None:
+            if stream is not None:
+                # A stream-side wait, no host sync: see Note [block reuse waits on events].
+                for event in block._events:
+                    stream.wait_event(event)
+            return block
+        return self._alloc_slow(nbytes, size, block_align, owner)
+
+    def _reuse_in_flight_locked(
+        self, nbytes: int, size: int, align: int, owner: str
+    ) -> Block | None:
+        fits = [b for b in self._in_flight if b.size >= size and b.offset % align == 0]
+        if not fits:
+            return None
+        old = min(fits, key=lambda b: (b.size, b.offset))  # best fit, as for the free list
+        self._in_flight.remove(old)
+        block = Block(self, old.offset, size, nbytes, align, owner)
+        block._events = list(old._events)  # inherited: Note [block reuse waits on events]
+        if old.size > size:  # the tail stays IN_FLIGHT, behind the same copies
+            tail = Block(self, old.offset + size, old.size - size, 0, self.alignment, old.owner)
+            tail.state = BlockState.IN_FLIGHT
+            tail._events = list(old._events)
+            self._in_flight.append(tail)
+        counters = self._counters
+        counters.bytes_in_flight -= size
+        counters.stream_reuses += 1
+        counters.allocations += 1
+        counters.bytes_in_use += size
+        counters.bytes_requested += nbytes
+        counters.peak_bytes_in_use = max(counters.peak_bytes_in_use, counters.bytes_in_use)
+        self._live.add(block)
+        return block
 
     def _alloc_slow(self, nbytes: int, size: int, align: int, owner: str) -> Block:
         request = (nbytes, size, align, owner)
@@ -352,7 +452,7 @@ class BlockPool:
             if block._callbacks:
                 block._callbacks.clear()
             if block._events:
-                block._events = _still_pending(block._events)
+                block._events = self._settle(block._events)
             if block._events:
                 block.state = BlockState.IN_FLIGHT
                 self._in_flight.append(block)
@@ -501,7 +601,7 @@ class BlockPool:
         # See Note [block reuse waits on events]: O(in-flight blocks), one query per event.
         still_in_flight = []
         for block in self._in_flight:
-            block._events = _still_pending(block._events)
+            block._events = self._settle(block._events)
             if block._events:
                 still_in_flight.append(block)
             else:
@@ -509,6 +609,18 @@ class BlockPool:
                 self._counters.bytes_in_flight -= block.size
                 self._free.insert(block.offset, block.size)
         self._in_flight = still_in_flight
+
+    def _settle(self, events: list[Event]) -> list[Event]:
+        # The events still pending. The bytes of a block whose events are all done may go to
+        # any stream now, so the host counts as having seen them complete: see Note [race
+        # checking with vector clocks] in accelerator/race_checker.py.
+        pending = _still_pending(events)
+        checker = self.accelerator.race_checker
+        if checker is not None and len(pending) < len(events):
+            for event in events:
+                if event not in pending:
+                    checker.observed(event.race_stamp)
+        return pending
 
     def _wait(self, events: list[Event]) -> None:
         # Called without the lock, see Note [block reuse waits on events].
@@ -566,6 +678,19 @@ class BlockPool:
                     f"event before freeing the block"
                 )
             block._events = [*_still_pending(block._events), event]
+            self._lifetime.add(event)
+
+    def _name_range(self, lo: int, hi: int) -> str:
+        # For race reports: the blocks a byte range overlaps. Takes no lock: called by the
+        # race checker, possibly while this pool's lock is held by the reporting thread.
+        owners = sorted(
+            {
+                f"{b.owner or '<no owner>'} ({b.state.name})"
+                for b in list(self._live) + list(self._in_flight)
+                if b.offset < hi and lo < b.end
+            }
+        )
+        return f"block {', '.join(owners)}" if owners else "no live block"
 
     def _exhausted_message(self, nbytes: int, size: int, align: int, owner: str) -> str:
         free = self._free.free_bytes

@@ -1,0 +1,181 @@
+"""The host accelerator's race checker: each test with a deliberate missing wait shows the
+checker naming it; the same code with the wait (or a host synchronisation) passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_offload.accelerator import HostAccelerator
+from zero_offload.accelerator.race_checker import CHECK_RACES_ENV, races_enabled_by_env
+from zero_offload.config import AcceleratorConfig
+from zero_offload.errors import StreamRaceError
+from zero_offload.memory.manager import Tier, TieredMemoryManager
+from zero_offload.memory.traffic import Category, Direction
+
+NBYTES = 4096
+
+
+@pytest.fixture
+def manager() -> TieredMemoryManager:
+    mgr = TieredMemoryManager(HostAccelerator(AcceleratorConfig(check_races=True)))
+    yield mgr
+    mgr.close()
+
+
+def _buffers(manager: TieredMemoryManager) -> tuple[torch.Tensor, torch.Tensor]:
+    """A device block and a host block of NBYTES, as float32 views."""
+    dev = manager.create_pool(Tier.DEVICE, NBYTES, name="dev").alloc(NBYTES, owner="weights")
+    host = manager.create_pool(Tier.HOST, NBYTES, name="host").alloc(NBYTES, owner="staging")
+    return dev.view(torch.float32), host.view(torch.float32)
+
+
+def _h2d(manager: TieredMemoryManager, dst: torch.Tensor, src: torch.Tensor, **kw: object):
+    return manager.copy(
+        dst, src, direction=Direction.H2D, category=Category.WEIGHTS, label="tile", **kw
+    )
+
+
+def _d2h(manager: TieredMemoryManager, dst: torch.Tensor, src: torch.Tensor, **kw: object):
+    return manager.copy(
+        dst, src, direction=Direction.D2H, category=Category.GRADIENTS, label="grad", **kw
+    )
+
+
+def _compute_reads(manager: TieredMemoryManager, tensor: torch.Tensor) -> None:
+    acc = manager.accelerator
+    acc.declare_access(tensor, stream=acc.current_stream(), write=False, what="forward")
+
+
+def test_compute_read_without_waiting_for_the_h2d_copy_is_named(manager):
+    dev, host = _buffers(manager)
+    _h2d(manager, dev, host)
+    with pytest.raises(StreamRaceError) as info:
+        _compute_reads(manager, dev)  # missing: manager.wait_for([end])
+    message = str(info.value)
+    for part in (
+        "pool 'dev'",
+        "block weights",
+        "forward (read, on stream 'compute'",
+        "h2d copy 'tile' writing its destination (write",
+        "on stream 'h2d'",
+        "test_race_checker.py",
+        "wait_event",
+    ):
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("order", ["stream wait", "host sync", "transitive"])
+def test_ordered_compute_read_passes(manager, order):
+    dev, host = _buffers(manager)
+    end = _h2d(manager, dev, host)
+    if order == "stream wait":
+        manager.wait_for([end], category=Category.WEIGHTS)
+    elif order == "host sync":
+        end.synchronize()
+    else:  # h2d -> d2h (waits on it) -> compute (waits on d2h)
+        manager.d2h.wait_event(end)
+        manager.wait_for([manager.d2h.record_event()], category=Category.WEIGHTS)
+    _compute_reads(manager, dev)
+
+
+def test_a_query_that_returns_true_does_not_order(manager):
+    # On the host accelerator the copy is done almost at once; on a GPU it might not be.
+    dev, host = _buffers(manager)
+    end = _h2d(manager, dev, host)
+    manager.h2d.synchronize()
+    assert end.query()
+    _compute_reads(manager, dev)  # ordered by the stream synchronize above
+    end2 = _h2d(manager, dev, host, after=[manager.compute_ready()])
+    while not end2.query():
+        pass
+    with pytest.raises(StreamRaceError):
+        _compute_reads(manager, dev)
+
+
+def test_h2d_overwrite_of_weights_compute_still_reads_is_named(manager):
+    # Write-after-read: the h2d copy must wait for compute (after=[compute_ready()]).
+    dev, host = _buffers(manager)
+    end = _h2d(manager, dev, host)
+    manager.wait_for([end], category=Category.WEIGHTS)
+    _compute_reads(manager, dev)  # e.g. a teacher forward queued after the last flush
+    with pytest.raises(StreamRaceError, match=r"h2d copy 'tile' writing.*forward \(read"):
+        _h2d(manager, dev, host)
+    _h2d(manager, dev, host, after=[manager.compute_ready()])  # the fix
+
+
+def test_reads_on_two_streams_do_not_conflict(manager):
+    dev, host = _buffers(manager)
+    manager.h2d.synchronize()
+    _compute_reads(manager, dev)
+    _d2h(manager, host, dev, after=[manager.compute_ready()])
+    _compute_reads(manager, dev)  # compute and d2h both only read dev
+
+
+def test_host_write_into_staging_while_d2h_still_writes_it_is_named(manager):
+    dev, host = _buffers(manager)
+    acc = manager.accelerator
+    _d2h(manager, host, dev, after=[manager.compute_ready()])
+    with pytest.raises(StreamRaceError, match=r"CPU thread 'MainThread'.*stream 'd2h'"):
+        acc.declare_access(host, stream=None, write=True, what="CPU Adam")
+    manager.d2h.synchronize()
+    acc.declare_access(host, stream=None, write=True, what="CPU Adam")
+
+
+def test_host_worker_task_and_the_next_flush(manager):
+    # The host worker reads staging; the next D2H into staging must wait for that read.
+    dev, host = _buffers(manager)
+    acc, worker = manager.accelerator, manager.host_worker
+    done = _d2h(manager, host, dev, after=[manager.compute_ready()])
+    worker.wait_event(done)
+    acc.declare_access(host, stream=worker, write=False, what="accumulate")
+    worker.submit(lambda: None)
+    consumed = worker.record_event()
+    with pytest.raises(
+        StreamRaceError, match=r"stream 'd2h'.*accumulate \(read of .*stream 'host_worker'"
+    ):
+        _d2h(manager, host, dev, after=[manager.compute_ready()])
+    consumed.synchronize()  # Note [staging is reused only once consumed]
+    _d2h(manager, host, dev, after=[manager.compute_ready()])
+
+
+def test_host_worker_without_wait_event_is_named(manager):
+    dev, host = _buffers(manager)
+    acc, worker = manager.accelerator, manager.host_worker
+    _d2h(manager, host, dev, after=[manager.compute_ready()])
+    with pytest.raises(StreamRaceError, match="stream 'host_worker'"):
+        acc.declare_access(host, stream=worker, write=False, what="accumulate")
+
+
+def test_disjoint_ranges_do_not_conflict(manager):
+    dev, host = _buffers(manager)
+    half = dev.numel() // 2
+    _h2d(manager, dev[:half], host[:half])
+    _compute_reads(manager, dev[half:])
+    with pytest.raises(StreamRaceError):
+        _compute_reads(manager, dev[half - 1 : half + 1])
+
+
+def test_untracked_tensors_are_ignored(manager):
+    acc = manager.accelerator
+    mine = torch.zeros(64)
+    acc.copy_(mine, torch.ones(64), stream=manager.h2d)
+    acc.declare_access(mine, stream=acc.current_stream(), write=True, what="user tensor")
+    assert acc.race_checker is not None and acc.race_checker.accesses_checked == 0
+
+
+def test_off_by_default_and_on_by_env(monkeypatch):
+    monkeypatch.delenv(CHECK_RACES_ENV, raising=False)
+    assert HostAccelerator().race_checker is None
+    monkeypatch.setenv(CHECK_RACES_ENV, "1")
+    assert races_enabled_by_env()
+    assert HostAccelerator().race_checker is not None
+    assert HostAccelerator(AcceleratorConfig(check_races=False)).race_checker is None
+    monkeypatch.setenv(CHECK_RACES_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"ZERO_OFFLOAD_CHECK_RACES='maybe'.*use 1"):
+        HostAccelerator()
+
+
+def test_check_races_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"check_races must be True, False or None.*'yes'"):
+        AcceleratorConfig(check_races="yes")  # type: ignore[arg-type]

@@ -1,0 +1,192 @@
+"""ThreadStream: a CPU thread that runs queued work in order, with events; no device needed.
+
+Two things are built on it: the host accelerator's simulated device streams (``host.py``)
+and the optimizer's CPU worker (``memory/host_worker.py``), which exists on CUDA too. So it
+lives apart from the simulator: the CUDA path imports this module, never ``host.py``.
+
+See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, and Note
+[race checking with vector clocks] in ``race_checker.py`` for the ``checker`` hooks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import StreamError
+from .base import Event, Stream
+from .race_checker import RaceChecker, VectorClock
+
+__all__ = ["ThreadEvent", "ThreadStream"]
+
+_STOP = object()
+
+
+class ThreadEvent(Event):
+    """Completes when a worker reaches it in its queue; carries the stream's error if any.
+
+    With a race checker, ``race_stamp`` is the recording stream's clock, and a CPU thread
+    that waits for the event (``synchronize``) is ordered after it.
+    """
+
+    def __init__(
+        self,
+        stream_name: str,
+        *,
+        done: bool = False,
+        checker: RaceChecker | None = None,
+        stamp: VectorClock | None = None,
+    ) -> None:
+        self.stream_name = stream_name
+        self.race_stamp = stamp
+        self._checker = checker
+        self._done = threading.Event()
+        self._error: StreamError | None = None
+        self._completed_at: float | None = None
+        if done:
+            self._complete()
+
+    def _complete(self, error: StreamError | None = None) -> None:
+        self._error = error
+        self._completed_at = time.perf_counter()
+        self._done.set()
+
+    def completed_at(self) -> float | None:
+        return self._completed_at if self._done.is_set() else None
+
+    def query(self) -> bool:
+        # Not an observation for the race checker: on the host accelerator copies finish far
+        # sooner than on a GPU, so a True here would hide races. Code that hands bytes on
+        # because a query said done says so itself (``RaceChecker.observed``), as the pool
+        # does; see Note [race checking with vector clocks].
+        return self._done.is_set()
+
+    def wait_unobserved(self) -> None:
+        """Block until complete without counting as a host synchronisation.
+
+        For a *stream's* wait that happens to block a thread (the host accelerator's
+        compute stream runs on the caller): on a GPU the caller would not have waited.
+        """
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def synchronize(self) -> None:
+        self.wait_unobserved()
+        if self._checker is not None:
+            self._checker.observed(self.race_stamp)
+
+
+class _Worker:
+    """The thread behind a ``ThreadStream``; holds no reference to the stream itself.
+
+    ``lock`` guards ``error`` and the hand-over of events to a failed queue.
+    """
+
+    def __init__(self, name: str, on_start: Callable[[], None]) -> None:
+        self.name = name
+        self.tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.error: StreamError | None = None
+        self.lock = threading.Lock()
+        self._on_start = on_start
+        self.thread = threading.Thread(target=self._run, name=f"zero_offload:{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self._on_start()
+        self._on_start = _noop  # drop the reference (it may name the stream)
+        while True:
+            item = self.tasks.get()
+            if item is _STOP:
+                return
+            if isinstance(item, ThreadEvent):
+                item._complete(self.error)
+                continue
+            if self.error is not None:
+                continue  # drained: the stream failed, see Note [stream errors are sticky]
+            try:
+                item()
+            except BaseException as exc:
+                error = StreamError(
+                    f"work on stream {self.name!r} failed with {type(exc).__name__}: {exc}\n"
+                    f"(original traceback below, as the cause)\n"
+                    + "".join(traceback.format_exception(exc))
+                )
+                error.__cause__ = exc
+                with self.lock:
+                    self.error = error
+
+
+class ThreadStream(Stream):
+    """A worker thread that runs submitted work in order (``checker``: see the module doc)."""
+
+    def __init__(self, name: str, *, checker: RaceChecker | None = None) -> None:
+        self.name = name
+        self._checker = checker
+        me = weakref.ref(self)
+
+        def on_start() -> None:
+            stream = me()
+            if checker is not None and stream is not None:
+                checker.bind_thread(stream)  # tasks' own waits order this stream
+
+        self._worker = _Worker(name, on_start)
+        self._closed = False
+        weakref.finalize(self, self._worker.tasks.put, _STOP)
+
+    def _check(self) -> None:
+        if self._worker.error is not None:
+            raise self._worker.error
+        if self._closed:
+            raise RuntimeError(
+                f"stream {self.name!r} is closed: its worker thread has stopped, so it "
+                "cannot run or wait for more work (its owner was closed)"
+            )
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._check()
+        self._worker.tasks.put(fn)
+
+    def record_event(self) -> ThreadEvent:
+        self._check()
+        checker = self._checker
+        stamp = checker.stamp(self) if checker is not None else None
+        event = ThreadEvent(self.name, checker=checker, stamp=stamp)
+        self._worker.tasks.put(event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if self._checker is not None:
+            self._checker.wait(self, getattr(event, "race_stamp", None))
+        self.submit(event.synchronize)
+
+    def synchronize(self) -> None:
+        self.record_event().synchronize()
+        self._check()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has stopped this stream's worker."""
+        return self._closed
+
+    def close(self) -> None:
+        """Finish the work already queued, then stop the worker; later calls are no-ops.
+
+        Synchronisation point: waits for the queued work, and raises its error if it failed.
+        """
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            self._worker.tasks.put(_STOP)
+
+
+def _noop() -> None:
+    return None
