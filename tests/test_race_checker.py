@@ -3,13 +3,16 @@ checker naming it; the same code with the wait (or a host synchronisation) passe
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
 from zero_offload.accelerator import HostAccelerator
 from zero_offload.accelerator.race_checker import CHECK_RACES_ENV, races_enabled_by_env
 from zero_offload.config import AcceleratorConfig
-from zero_offload.errors import StreamRaceError
+from zero_offload.errors import StreamError, StreamRaceError
 from zero_offload.memory.manager import Tier, TieredMemoryManager
 from zero_offload.memory.traffic import Category, Direction
 
@@ -20,7 +23,8 @@ NBYTES = 4096
 def manager() -> TieredMemoryManager:
     mgr = TieredMemoryManager(HostAccelerator(AcceleratorConfig(check_races=True)))
     yield mgr
-    mgr.close()
+    with contextlib.suppress(StreamError):  # a test's deliberate race failed the worker
+        mgr.close()
 
 
 def _buffers(manager: TieredMemoryManager) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +132,10 @@ def test_host_worker_task_and_the_next_flush(manager):
     acc, worker = manager.accelerator, manager.host_worker
     done = _d2h(manager, host, dev, after=[manager.compute_ready()])
     worker.wait_event(done)
-    acc.declare_access(host, stream=worker, write=False, what="accumulate")
-    worker.submit(lambda: None)
+    worker.submit(lambda: acc.declare_access(host, stream=None, write=False, what="accumulate"))
     consumed = worker.record_event()
-    with pytest.raises(
-        StreamRaceError, match=r"stream 'd2h'.*accumulate \(read of .*stream 'host_worker'"
-    ):
+    consumed.wait_unobserved()  # the task has run, but the host has not synchronised it
+    with pytest.raises(StreamRaceError, match=r"'d2h'.*accumulate \(read of .*'host_worker'"):
         _d2h(manager, host, dev, after=[manager.compute_ready()])
     consumed.synchronize()  # Note [staging is reused only once consumed]
     _d2h(manager, host, dev, after=[manager.compute_ready()])
@@ -143,8 +145,28 @@ def test_host_worker_without_wait_event_is_named(manager):
     dev, host = _buffers(manager)
     acc, worker = manager.accelerator, manager.host_worker
     _d2h(manager, host, dev, after=[manager.compute_ready()])
-    with pytest.raises(StreamRaceError, match="stream 'host_worker'"):
-        acc.declare_access(host, stream=worker, write=False, what="accumulate")
+    worker.submit(lambda: acc.declare_access(host, stream=None, write=False, what="accumulate"))
+    with pytest.raises(StreamError) as info:  # raised on the worker, surfaced here
+        worker.synchronize()
+    assert isinstance(info.value.__cause__, StreamRaceError)
+    assert "accumulate (read, on stream 'host_worker'" in str(info.value.__cause__)
+
+
+def test_host_worker_tasks_queued_before_a_wait_are_not_ordered_by_it(manager):
+    # Note [when a thread stream's clock moves]: the wait orders only work queued after it.
+    dev, host = _buffers(manager)
+    acc, worker = manager.accelerator, manager.host_worker
+    gate = threading.Event()
+    worker.submit(gate.wait)
+    worker.submit(lambda: acc.declare_access(host, stream=None, write=False, what="early read"))
+    done = _d2h(manager, host, dev, after=[manager.compute_ready()])
+    worker.wait_event(done)
+    worker.submit(lambda: acc.declare_access(host, stream=None, write=False, what="late read"))
+    gate.set()
+    with pytest.raises(StreamError) as info:
+        worker.synchronize()
+    assert "d2h copy 'grad' writing" in str(info.value.__cause__)
+    assert "early read (read" in str(info.value.__cause__)  # the d2h write raced the early read
 
 
 def test_disjoint_ranges_do_not_conflict(manager):

@@ -199,6 +199,11 @@ class RaceChecker:
             lane = self._issue_locked(stream)
             _merge(self._clocks[lane.id], stamp)
 
+    def thread_clock(self) -> VectorClock:
+        """A copy of the calling thread's clock (what it has seen so far)."""
+        with self._lock:
+            return dict(self._clocks[self._lane_locked(None).id])
+
     def observed(self, stamp: VectorClock | None) -> None:
         """The calling thread saw an event with ``stamp`` complete (synchronize, query)."""
         if stamp is None:

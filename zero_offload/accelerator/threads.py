@@ -6,6 +6,19 @@ lives apart from the simulator: the CUDA path imports this module, never ``host.
 
 See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, and Note
 [race checking with vector clocks] in ``race_checker.py`` for the ``checker`` hooks.
+
+Note [when a thread stream's clock moves]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A simulated device stream's work is copies, whose accesses the copy primitive records when
+they are *issued*; so its events are stamped, and its waits merged, at issue time, exactly
+as the CUDA sanitizer treats a GPU stream. A CPU worker (``memory/host_worker.py``) runs
+Python tasks whose accesses are only known while they *run* (they declare them from inside
+the task, with ``stream=None``: the worker's own thread). For such a stream
+(``clock_at_execution = True``) every clock step happens on the worker thread, in the order
+the work runs: a task first merges the clock of the thread that submitted it (as it was at
+submission), a queued ``wait_event`` merges its event's stamp when the worker gets to it, and
+an event is stamped when the worker reaches it. Doing any of these at issue time would order
+work queued *earlier* after things it never waited for, hiding races.
 """
 
 from __future__ import annotations
@@ -41,10 +54,12 @@ class ThreadEvent(Event):
         done: bool = False,
         checker: RaceChecker | None = None,
         stamp: VectorClock | None = None,
+        query_observes: bool = False,
     ) -> None:
         self.stream_name = stream_name
         self.race_stamp = stamp
         self._checker = checker
+        self._query_observes = query_observes
         self._done = threading.Event()
         self._error: StreamError | None = None
         self._completed_at: float | None = None
@@ -52,6 +67,8 @@ class ThreadEvent(Event):
             self._complete()
 
     def _complete(self, error: StreamError | None = None) -> None:
+        if self._checker is not None and self.race_stamp is None:
+            self.race_stamp = self._checker.stamp(None)  # Note [when a thread stream's clock moves]
         self._error = error
         self._completed_at = time.perf_counter()
         self._done.set()
@@ -60,11 +77,14 @@ class ThreadEvent(Event):
         return self._completed_at if self._done.is_set() else None
 
     def query(self) -> bool:
-        # Not an observation for the race checker: on the host accelerator copies finish far
-        # sooner than on a GPU, so a True here would hide races. Code that hands bytes on
-        # because a query said done says so itself (``RaceChecker.observed``), as the pool
-        # does; see Note [race checking with vector clocks].
-        return self._done.is_set()
+        # For a simulated device stream, not an observation for the race checker: its copies
+        # finish far sooner than a GPU's, so a True here would hide races (code that hands
+        # bytes on because a query said done says so itself, as the pool does). A CPU
+        # worker's event that is done is done on every machine (``query_observes``).
+        done = self._done.is_set()
+        if done and self._query_observes and self._checker is not None:
+            self._checker.observed(self.race_stamp)
+        return done
 
     def wait_unobserved(self) -> None:
         """Block until complete without counting as a host synchronisation.
@@ -125,6 +145,10 @@ class _Worker:
 class ThreadStream(Stream):
     """A worker thread that runs submitted work in order (``checker``: see the module doc)."""
 
+    #: Whether the race checker's clock for this stream moves when work runs rather than
+    #: when it is issued: see Note [when a thread stream's clock moves].
+    clock_at_execution = False
+
     def __init__(self, name: str, *, checker: RaceChecker | None = None) -> None:
         self.name = name
         self._checker = checker
@@ -150,19 +174,27 @@ class ThreadStream(Stream):
 
     def submit(self, fn: Callable[[], Any]) -> None:
         self._check()
+        checker = self._checker
+        if checker is not None and self.clock_at_execution:
+            fn = _after_issuer(checker, checker.thread_clock(), fn)
         self._worker.tasks.put(fn)
 
     def record_event(self) -> ThreadEvent:
         self._check()
         checker = self._checker
-        stamp = checker.stamp(self) if checker is not None else None
-        event = ThreadEvent(self.name, checker=checker, stamp=stamp)
+        stamp = None
+        if checker is not None and not self.clock_at_execution:
+            stamp = checker.stamp(self)
+        event = ThreadEvent(  # without a stamp here, the worker stamps it when it gets there
+            self.name, checker=checker, stamp=stamp, query_observes=self.clock_at_execution
+        )
         self._worker.tasks.put(event)
         return event
 
     def wait_event(self, event: Event) -> None:
-        if self._checker is not None:
-            self._checker.wait(self, getattr(event, "race_stamp", None))
+        if self._checker is not None and not self.clock_at_execution:
+            self._checker.wait(self, event.race_stamp)
+        # Run by the worker; with clock_at_execution its synchronize() is the merge.
         self.submit(event.synchronize)
 
     def synchronize(self) -> None:
@@ -186,6 +218,14 @@ class ThreadStream(Stream):
         finally:
             self._closed = True
             self._worker.tasks.put(_STOP)
+
+
+def _after_issuer(checker: RaceChecker, clock: VectorClock, fn: Callable[[], Any]):
+    def run() -> Any:
+        checker.observed(clock)  # ordered after what the submitting thread had seen
+        return fn()
+
+    return run
 
 
 def _noop() -> None:

@@ -6,9 +6,10 @@ so it is built on ``accelerator.threads.ThreadStream``, not on the host accelera
 simulated streams: the CUDA path never imports the simulator.
 
 With the host accelerator's race checker on, the worker is a lane of its own (Note [race
-checking with vector clocks] in ``accelerator/race_checker.py``): a task that reads pinned
-staging must be declared with ``accelerator.declare_access(..., stream=host_worker)`` when
-it is submitted, and the worker's ``wait_event`` orders it after the copy it waits for.
+checking with vector clocks] in ``accelerator/race_checker.py``). A task declares what it
+touches from inside itself, when it runs: ``accelerator.declare_access(tensor, stream=None,
+...)`` (``None`` is the calling thread, here the worker); its clock moves as its work runs,
+see Note [when a thread stream's clock moves] in ``accelerator/threads.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class HostWorker(ThreadStream):
     ``close`` (see ``ThreadStream``). ``wait_event`` blocks the worker, never the caller;
     on CUDA that is a blocking (non-spinning) ``cudaEventSynchronize`` on the worker thread.
     """
+
+    clock_at_execution = True
 
     def __init__(self, accelerator: Accelerator, name: str = "host_worker") -> None:
         super().__init__(name, checker=accelerator.race_checker)
