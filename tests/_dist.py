@@ -75,6 +75,7 @@ def scenario_train(rank: int, world: int, out: Path, *, steps: int, clip: float 
         "d2h_before": d2h0,
         "d2h_after": opt.manager.counters.snapshot(),
         "padded": [b.layout.padded_numel for b in opt.buckets],
+        "slots": [len(b.layout.slots) for b in opt.buckets],
         "shard": [b.layout.shard_numel for b in opt.buckets],
         "owned_real": [b.layout.real_in(*b.shard) for b in opt.buckets],
         "host_pool": sum(p.capacity for p in opt.manager.pools if p.name.endswith(".host")),

@@ -83,8 +83,9 @@ def test_traffic_per_step_is_the_zero_formula(two_ranks: list[dict]) -> None:
     # in the training dtype: 2 x the model's bytes, what one data-parallel all-reduce moves.
     assert moved("comm", "reduce_scatter") == padded * itemsize
     assert moved("comm", "all_gather") == padded * itemsize
-    # ... plus one all-reduce of two float64s (the norm and the overflow flag).
-    assert moved("comm", "all_reduce") == 2 * 8
+    # ... plus one all-reduce of float64s: the norm, the overflow flag, and one "got a
+    # gradient" flag per parameter (Note [ranks in lockstep]).
+    assert moved("comm", "all_reduce") == (2 + sum(traffic["slots"])) * 8
     # Only this rank's 1/N of the gradients leaves the device.
     assert moved("d2h", "device_to_host/gradients") == padded * itemsize // world
     # Host memory per rank: 5 fp32 fields (master, exp_avg, exp_avg_sq, grad_acc, and

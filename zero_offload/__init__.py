@@ -18,7 +18,7 @@ from .errors import (
 )
 from .estimate import MemoryEstimate, ModelShape, estimate
 from .memory.manager import TieredMemoryManager
-from .optim import OffloadAdamW
+from .optim import OffloadAdam, OffloadAdamW, StepFailed
 from .profiling import TrafficProfiler, profile
 
 __all__ = [
@@ -33,9 +33,11 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelShape",
+    "OffloadAdam",
     "OffloadAdamW",
     "OffloadConfig",
     "PoolExhausted",
+    "StepFailed",
     "StreamError",
     "StreamRaceError",
     "TieredMemoryManager",

@@ -238,18 +238,19 @@ def all_gather_flat(flat: torch.Tensor, *, comm: Comm, what: str) -> Pending:
     return Pending(work, f"all_gather of {what}", flat.is_cuda)
 
 
-def all_reduce_stats(
-    sumsq: float, nonfinite: bool, *, comm: Comm, device: torch.device
-) -> tuple[float, bool]:
-    """Sum ``sumsq`` and OR ``nonfinite`` over the ranks (one float64 all-reduce).
+def all_reduce_stats(stats: torch.Tensor, *, comm: Comm, device: torch.device) -> torch.Tensor:
+    """Sum a float64 vector of statistics over the ranks (one all-reduce); returns the sum
+    on the CPU. OffloadAdamW packs the gradients' sum of squares, the overflow flag and
+    the per-parameter arrival flags in it, so every rank clips by the same coefficient,
+    skips the same steps and counts the same parameters as stepped.
 
-    Synchronisation point: the result is read on the host (``.tolist()``).
+    Synchronisation point: the result is read on the host.
     """
-    stats = torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64, device=device)
+    stats = stats.to(device=device, dtype=torch.float64)
     work = dist.all_reduce(stats, group=comm.group, async_op=True)
     comm.counters.add("all_reduce", stats.numel() * stats.element_size())
     wait_work(
-        Pending(work, "all_reduce of the gradient norm and overflow flag", stats.is_cuda), comm
+        Pending(work, "all_reduce of the gradient norm, overflow and arrival flags", stats.is_cuda),
+        comm,
     )
-    total, flags = stats.tolist()
-    return total, flags > 0 or total != total  # a NaN sum of squares is an overflow too
+    return stats.cpu()

@@ -1,5 +1,6 @@
 """Offloading optimizers."""
 
-from .offload_adamw import OffloadAdamW
+from .offload_adamw import OffloadAdam, OffloadAdamW
+from .stepping import StepFailed
 
-__all__ = ["OffloadAdamW"]
+__all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]

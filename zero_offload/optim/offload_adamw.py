@@ -1,63 +1,64 @@
-"""OffloadAdamW: AdamW whose state lives in host memory and is updated by the CPU.
+"""OffloadAdamW (and OffloadAdam): Adam whose state lives in host memory, updated by the CPU.
 
 A drop-in ``torch.optim.Optimizer``: param groups, ``add_param_group``, LR schedulers,
-``state_dict``/``load_state_dict``, ``zero_grad``. See DESIGN.md, "How data flows", and
-Note [a bucket's gradient lifecycle] in ``flat_bucket.py``.
+``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See DESIGN.md, "How
+data flows", and Note [a bucket's gradient lifecycle] in ``grad_lifecycle.py``.
 
 What differs from ``torch.optim.AdamW``, visibly:
 - ``param.grad`` is ``None`` after backward: each gradient leaves the device as soon as it
-  is produced and accumulates in fp32 on the host. Use ``opt.clip_grad_norm_`` (not
-  ``torch.nn.utils.clip_grad_norm_``) and ``opt.backward(loss)`` for fp16 models.
+  is produced and accumulates in fp32 on the host. ``step()`` uses exactly the gradients of
+  the backward passes since the previous ``step()`` or ``zero_grad()``, whatever the loop
+  calls to clear gradients. Clip with ``opt.clip_grad_norm_`` or
+  ``OffloadConfig(max_grad_norm=...)``: ``torch.nn.utils.clip_grad_norm_`` finds no
+  ``.grad`` to clip. fp16 models use ``opt.backward(loss)``.
 - Parameters become views into flat per-bucket device buffers (``param.data`` is replaced
-  once, at construction; modules keep working unchanged).
+  once, at construction; modules keep working unchanged). Replacing ``param.data`` later,
+  or unfreezing a parameter that was frozen at construction, is refused at the next step.
 
 Several ranks (torch.distributed initialised, or ``process_group=`` given): ZeRO stage 2
-with offload. Each rank owns a contiguous 1/N shard of every bucket's fp32 master weights,
-moments and gradient accumulator (Note [who owns which shard] in ``partition.py``);
-gradients are reduce-scattered (averaged) as buckets complete, the norm and overflow flag
-are all-reduced, each rank runs CPU Adam on its shard, and the updated shards are
-all-gathered into every rank's parameters. One rank is the same code with no collectives.
+with offload (``ranks.ShardedRanks``); one rank is the same code with no collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 import math
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ..accelerator import Accelerator, Event, get_accelerator
-from ..collectives import (
-    Pending,
-    all_gather_flat,
-    all_reduce_stats,
-    make_comm,
-    surface_collective_errors,
-    wait_all,
-)
+from ..accelerator import Accelerator, get_accelerator
+from ..collectives import make_comm, surface_collective_errors
 from ..config import OffloadConfig
-from ..errors import PoolExhausted
 from ..memory.manager import Tier, TieredMemoryManager
-from ..memory.traffic import Category
 from ..partition import BucketLayout, plan_buckets
 from ..tracing import phase
-from .checks import check_hyper, check_new_params, check_params
-from .flat_bucket import (
-    AdamHyper,
-    BucketPools,
-    DeviceGrad,
-    FlatBucket,
-    OffloadedBucket,
-    ResidentBucket,
-    Sharding,
-)
+from .backend import AdamHyper, BucketPools, UpdateBackend
+from .backward import BackwardRouter
+from .checks import check_hyper, check_new_params, check_params, describe_param
+from .flat_bucket import FlatBucket, StepPlan
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
+from .offloaded import GradBuffers, OffloadedState
+from .param_views import ParamViews
 from .placement import POOL_ALIGNMENT, Placement, plan_placement
+from .ranks import Ranks, ShardedRanks, SingleRank
+from .resident import ResidentState
 from .state_io import load_optimizer_state, optimizer_state
+from .state_view import OptimizerState
+from .stepping import DelayedUpdate, ImmediateUpdate, StepFailed, UpdateMode
 
-__all__ = ["OffloadAdamW"]
+__all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
+
+_serials = itertools.count(1)
+
+# Which live optimizer trains each parameter: Note [one optimizer per parameter].
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _Segment:
@@ -67,9 +68,66 @@ class _Segment:
     builds another, with pools sized for that group alone.
     """
 
-    def __init__(self, buckets: list[FlatBucket], pools: BucketPools) -> None:
+    def __init__(
+        self, buckets: list[FlatBucket], pools: BucketPools, grad_buffers: GradBuffers
+    ) -> None:
         self.buckets = buckets
         self.pools = pools
+        self.grad_buffers = grad_buffers
+
+    def close(self) -> None:
+        for bucket in self.buckets:
+            bucket.close()
+        self.grad_buffers.close()
+        self.pools.device.close()
+        self.pools.host.close()
+
+
+# Note [lifetimes without close]
+# HF Trainer and notebooks drop optimizers without close(). Nothing that lives on after the
+# optimizer references it: the hooks hold the router weakly, the router, buckets, streams
+# and threads never point back at the optimizer. So the optimizer is freed like any object,
+# and a weakref.finalize releases what it owned (_Resources.release): hooks removed,
+# streams and the host worker stopped, pools returned (device pools: to the budget), and
+# the parameters' ownership dropped. close() runs the same finalizer at once.
+#
+# Note [one optimizer per parameter]
+# A second optimizer over parameters a live one still trains would share their gradients
+# with it (both sets of hooks fire) and silently never train. Construction refuses, naming
+# both; an unreachable owner that the garbage collector has not reached yet is collected
+# first, so building a new optimizer after dropping the old one just works.
+
+
+class _Resources:
+    """What an optimizer owns and must release, without a reference back to it."""
+
+    def __init__(self, manager: TieredMemoryManager, router: BackwardRouter) -> None:
+        self.manager = manager
+        self.router = router
+        self.segments: list[_Segment] = []
+        self.state: OptimizerState | None = None
+        self.extra_streams: list[Any] = []
+
+    def release(self) -> None:
+        self.router.remove_hooks()
+        for segment in self.segments:
+            for bucket in segment.buckets:
+                for param in bucket.params:
+                    _OWNERS.pop(param, None)
+        try:
+            self.manager.synchronize()
+        finally:
+            for segment in self.segments:
+                segment.close()
+            self.segments.clear()
+            self.router.buckets.clear()
+            if self.state is not None:
+                self.state.clear_slots()
+            self.manager.close()
+            for stream in self.extra_streams:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -82,7 +140,15 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``process_group``: the ranks to partition over (default: torch.distributed's default
     group when it is initialised, else none); every rank must construct the optimizer
     over the same parameters in the same order. See the module docstring.
+
+    Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees no gradients
+    (they are on the host) and clips nothing. Use ``opt.clip_grad_norm_(max_norm)``, or
+    ``OffloadConfig(max_grad_norm=...)``, or the integrations (``OffloadTrainer``).
     """
+
+    #: AdamW's decoupled weight decay; ``OffloadAdam`` sets False (torch.optim.Adam's L2).
+    _decoupled = True
+    _default_weight_decay = 1e-2
 
     def __init__(
         self,
@@ -90,7 +156,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float | None = None,
         amsgrad: bool = False,
         *,
         maximize: bool = False,
@@ -102,22 +168,25 @@ class OffloadAdamW(torch.optim.Optimizer):
         accelerator: Accelerator | None = None,
         process_group: Any = None,
     ) -> None:
-        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
+        name = type(self).__name__
+        for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:
                 raise ValueError(
-                    f"OffloadAdamW does not support {name}=True: the update runs on the CPU "
-                    f"outside autograd and CUDA graphs; leave {name}=False"
+                    f"{name} does not support {flag}=True: the update runs on the CPU "
+                    f"outside autograd and CUDA graphs; leave {flag}=False"
                 )
-        for name, value in (("foreach", foreach), ("fused", fused)):
+        for flag, value in (("foreach", foreach), ("fused", fused)):
             if value is not None:
                 raise ValueError(
-                    f"OffloadAdamW ignores torch's {name}= implementation switch (it always "
-                    f"runs its own fused CPU kernel); leave {name}=None, got {value!r}"
+                    f"{name} ignores torch's {flag}= implementation switch (it always "
+                    f"runs its own fused CPU kernel); leave {flag}=None, got {value!r}"
                 )
         if config is None:
             config = OffloadConfig()
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        if weight_decay is None:
+            weight_decay = self._default_weight_decay
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -126,7 +195,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             "amsgrad": amsgrad,
             "maximize": maximize,
         }
-        check_hyper(defaults, where="OffloadAdamW")
+        check_hyper(defaults, where=name)
         if config.overlap_step and config.offload_fraction != 1.0:
             raise ValueError(
                 "OffloadConfig.overlap_step delays the CPU update by one step; it needs all "
@@ -134,43 +203,64 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
-        #: Partitioning across ranks; None with one rank (Note [who owns which shard]).
-        self.comm = make_comm(process_group, timeout=config.collective_timeout)
-        if self.comm is not None and config.offload_fraction != 1.0:
+        comm = make_comm(process_group, timeout=config.collective_timeout)
+        if comm is not None and config.offload_fraction != 1.0:
             raise ValueError(
-                f"{self.comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
+                f"{comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
                 f"ranks (device-resident optimizer state is not partitioned yet), got "
                 f"{config.offload_fraction!r}"
             )
+        self.serial = next(_serials)
         self.manager = TieredMemoryManager(self.accelerator)
-        # The comm stream exists with several ranks only: reduce-scatters run on it so that
-        # they overlap backward and stay off the copy streams.
-        self._sharding = (
-            Sharding(self.comm, self.accelerator.new_stream("comm"))
-            if self.comm is not None
-            else None
+        extra_streams = []
+        if comm is None:
+            self._ranks: Ranks = SingleRank()
+        else:
+            # The comm stream exists with several ranks only: reduce-scatters run on it so
+            # that they overlap backward and stay off the copy streams.
+            stream = self.accelerator.new_stream("comm")
+            extra_streams.append(stream)
+            self._ranks = ShardedRanks(comm, stream, device=self.accelerator.device)
+        self._router = BackwardRouter(self._ranks)
+        self._resources = _Resources(self.manager, self._router)
+        self._resources.extra_streams = extra_streams
+        # See Note [lifetimes without close]: nothing passed here references self.
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self._mode: UpdateMode = (
+            DelayedUpdate(self.manager, self._ranks)
+            if config.overlap_step
+            else ImmediateUpdate(self.manager, self._ranks)
         )
-        self._segments: list[_Segment] = []
         self._constructing = True
-        self._hooks: list[Any] = []
-        self._backward_pending = False  # an end-of-backward callback is queued
-        self._stats_cache: tuple[int, float, bool] | None = None  # (generation, sumsq, nonfinite)
-        self._generation = 0  # bumps whenever host gradients change
-        self._update_pending = False  # overlap_step: an update runs on the host worker
+        self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         self._clip_once: float | None = None  # set by clip_grad_norm_ for the next step
-        self._closed = False  # close() gave the pools back
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        super().__init__(params, defaults)
-        self._constructing = False
-        self._build(list(range(len(self.param_groups))))
+        try:
+            super().__init__(params, defaults)
+            self._constructing = False
+            self._state_view = OptimizerState()
+            self._resources.state = self._state_view
+            self._build(list(range(len(self.param_groups))))
+        except BaseException:
+            self._finalizer()
+            raise
+        self.state = self._state_view  # type: ignore[assignment]
         self.scaler: LossScaler = (
             DynamicLossScaler(config.loss_scaler)
             if self._training_dtype() == torch.float16
             else NoLossScaler()
         )
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}#{self.serial}"
+
     # -- construction ------------------------------------------------------------------
+
+    @property
+    def comm(self) -> Any:
+        """The process group's ``Comm`` (``collectives.Comm``), or ``None`` with one rank."""
+        return self._ranks.comm
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does); after construction it gets buckets of its own."""
@@ -197,13 +287,34 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise
 
     def _training_dtype(self) -> torch.dtype:
-        for segment in self._segments:
-            for bucket in segment.buckets:
-                return bucket.dtype
+        for bucket in self.buckets:
+            return bucket.dtype
         return torch.float32
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def _check_owners(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        """Note [one optimizer per parameter]."""
+        collected = False
+        for index in indices:
+            param = params[index]
+            while True:
+                owner = _OWNERS.get(param)
+                live = owner() if owner is not None else None
+                if live is None or live is self:
+                    break
+                if not collected:  # an unreachable owner not collected yet: collect it
+                    del live
+                    gc.collect()
+                    collected = True
+                    continue
+                raise ValueError(
+                    f"{describe_param(index, param)} is already trained by {live!r}, which "
+                    f"is still alive; {self!r} would share its gradients and never train. "
+                    f"Call close() on {live!r} (or drop every reference to it) first, or "
+                    "add the parameter to that optimizer instead"
+                )
 
     def _build(self, group_indices: list[int]) -> None:
         """Bucket, place and allocate the trainable parameters of ``group_indices``."""
@@ -218,12 +329,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         if not families:
             return
+        self._check_owners(params, [i for _, members in families for i, _ in members])
         dtype = params[families[0][1][0][0]].dtype
         itemsize = dtype.itemsize
         layouts = plan_buckets(
             [members for _, members in families],
             bucket_numel=max(1, self.config.bucket_bytes // itemsize),
-            world_size=self.comm.world_size if self.comm is not None else 1,
+            world_size=self._ranks.world_size,
             align_numel=POOL_ALIGNMENT // 2,
         )
         amsgrad = any(self.param_groups[g]["amsgrad"] for g, _ in families)
@@ -239,7 +351,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             auto_headroom=self.config.auto_headroom,
             alignment=POOL_ALIGNMENT,
         )
-        name = f"offload_adamw.{len(self._segments)}"
+        name = f"offload_adamw{self.serial}.{len(self._resources.segments)}"
         device_pool = self.manager.create_pool(
             Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
         )
@@ -251,27 +363,33 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.manager.discard_pool(device_pool)
             raise
         pools = BucketPools(device=device_pool, host=host_pool)
-        # Buckets re-point their parameters into the device pool; keep the originals until
-        # every bucket is built, so a failure can put the model back as it was. (No extra
-        # peak: the pool already holds a full copy of the weights while they are alive.)
-        originals = [(params[i], params[i].data) for _, members in families for i, _ in members]
+        grad_buffers = GradBuffers(self.manager, name=name)
+        buckets: list[FlatBucket] = []
         try:
-            buckets = self._build_buckets(layouts, families, placement, pools, amsgrad)
+            self._build_buckets(
+                layouts, families, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets
+            )
         except BaseException:
-            for param, data in originals:
-                param.data = data
+            # The parameters take private copies of their weights back before the pools go.
+            for bucket in buckets:
+                bucket.views.unbind()
             self.manager.discard_pool(device_pool)
             self.manager.discard_pool(host_pool)
             raise
-        del originals
-        self._segments.append(_Segment(buckets, pools))
+        segment = _Segment(buckets, pools, grad_buffers)
+        self._resources.segments.append(segment)
+        self._router.add(buckets)
+        self._state_view.add(buckets)
         for bucket in buckets:
-            for slot_index, param in enumerate(bucket.params):
-                self._hooks.append(
-                    param.register_post_accumulate_grad_hook(
-                        lambda p, b=bucket, i=slot_index: self._on_grad(b, i, p)
-                    )
-                )
+            for param in bucket.params:
+                _OWNERS[param] = weakref.ref(self)
+
+    # Note [construction holds one copy]
+    # Each bucket copies its parameters into the device pool and re-points them there
+    # (ParamViews), which releases the original storage bucket by bucket: the peak is one
+    # bucket above the final footprint, never two copies of the model. A failure half-way
+    # gives the parameters built so far private copies again (ParamViews.unbind) before the
+    # pools are discarded, so the model keeps its values.
 
     def _build_buckets(
         self,
@@ -279,40 +397,49 @@ class OffloadAdamW(torch.optim.Optimizer):
         families: list[tuple[int, list[tuple[int, tuple[int, ...]]]]],
         placement: Placement,
         pools: BucketPools,
+        grad_buffers: GradBuffers,
         amsgrad: bool,
-    ) -> list[FlatBucket]:
-        """One bucket per layout, resident or offloaded as ``placement`` says."""
+        moments_dtype: torch.dtype,
+        out: list[FlatBucket],
+    ) -> None:
+        """One bucket per layout, resident or offloaded as ``placement`` says, appended to
+        ``out`` as each is built (so a failure can undo the ones before it)."""
         params = self._all_params()
-        moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
         base = len(self.buckets)
-        buckets: list[FlatBucket] = []
         for local in layouts:
             layout = dataclasses.replace(
                 local, index=base + local.index, group=families[local.group][0]
             )
             members = [params[slot.index] for slot in layout.slots]
-            if local.index in placement.resident:
-                bucket: FlatBucket = ResidentBucket(
-                    layout, members, manager=self.manager, pools=pools, amsgrad=amsgrad
-                )
-            else:
-                bucket = OffloadedBucket(
-                    layout,
-                    members,
-                    manager=self.manager,
-                    pools=pools,
-                    moments_dtype=moments_dtype,
-                    amsgrad=amsgrad,
-                    tile_elements=self.config.tile_elements,
-                    sharding=self._sharding,
-                )
-            buckets.append(bucket)
-        return buckets
+            views = ParamViews(layout, members, pools.device)
+            shard = layout.shard_range(self._ranks.rank)
+            try:
+                backend: UpdateBackend
+                if local.index in placement.resident:
+                    backend = ResidentState(layout, views, pools=pools, amsgrad=amsgrad)
+                else:
+                    backend = OffloadedState(
+                        layout,
+                        views,
+                        manager=self.manager,
+                        pools=pools,
+                        grad_buffers=grad_buffers,
+                        shard=shard,
+                        moments_dtype=moments_dtype,
+                        amsgrad=amsgrad,
+                        tile_elements=self.config.tile_elements,
+                    )
+            except BaseException:
+                views.unbind()
+                views.close()
+                raise
+            views.remember()
+            out.append(FlatBucket(layout, views, backend, shard=shard))
 
     @property
     def buckets(self) -> list[FlatBucket]:
-        """Every bucket, in backward order within each segment."""
-        return [bucket for segment in self._segments for bucket in segment.buckets]
+        """Every bucket, in the fixed order (backward order within each segment)."""
+        return self._router.buckets
 
     # -- backward ----------------------------------------------------------------------
 
@@ -327,77 +454,85 @@ class OffloadAdamW(torch.optim.Optimizer):
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
 
-    def _on_grad(self, bucket: FlatBucket, slot_index: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        if grad.is_sparse:
-            raise ValueError(
-                f"parameter {bucket.layout.slots[slot_index].index} (shape "
-                f"{tuple(param.shape)}) got a sparse gradient; OffloadAdamW needs dense ones "
-                "(e.g. nn.Embedding(sparse=False))"
-            )
-        if not self._backward_pending:
-            self._backward_pending = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        param.grad = None  # released now: the device keeps about two buckets of gradients
-        with surface_collective_errors():
-            self._receive(bucket, slot_index, grad)
-
-    def _receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
-        try:
-            complete = bucket.receive_grad(slot_index, grad)
-        except PoolExhausted:
-            # More buckets are half-filled than the gradient buffers hold (backward order
-            # differs from registration order): hand the others on early and retry.
-            for other in self.buckets:
-                if other is not bucket and other.device_grad is DeviceGrad.FILLING:
-                    other.flush()
-            complete = bucket.receive_grad(slot_index, grad)
-        self._generation += 1
-        if complete:
-            bucket.flush()
-
-    def _end_backward(self) -> None:
-        self._backward_pending = False
-        with surface_collective_errors():
-            for bucket in self.buckets:
-                bucket.end_backward()
+    @property
+    def backwards(self) -> int:
+        """Backward passes completed since construction (each flushed once)."""
+        return self._router.backwards
 
     def _collect_stray_grads(self) -> None:
-        """Gradients set by hand (not by autograd) are taken in at step time."""
-        stray = False
-        for bucket in self.buckets:
-            for slot_index, param in enumerate(bucket.params):
-                if param.grad is not None:
-                    grad, param.grad = param.grad, None
-                    self._receive(bucket, slot_index, grad)
-                    stray = True
-        if stray or self._backward_pending:
-            self._end_backward()
+        """Gradients set by hand (not by autograd) are taken in at step time, and a backward
+        that did not end (it raised, or its callback has not run) is closed."""
+        with surface_collective_errors():
+            for bucket in self.buckets:
+                for slot_index, param in enumerate(bucket.params):
+                    if param.grad is not None:
+                        grad, param.grad = param.grad, None
+                        self._router.receive(bucket, slot_index, grad)
+            self._router.finish()
 
     # -- step --------------------------------------------------------------------------
 
-    def _grad_stats(self) -> tuple[float, bool]:
-        """Global sum of squares of the (scaled) host gradients, and the overflow flag."""
-        if self._stats_cache is not None and self._stats_cache[0] == self._generation:
-            return self._stats_cache[1], self._stats_cache[2]
+    def _check_untouched(self) -> None:
+        """Refuse, before anything changes, what happened behind the optimizer's back:
+        Notes [parameters replaced behind the optimizer] and [a step is all or nothing]."""
+        trained = {id(p) for bucket in self.buckets for p in bucket.params}
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                if id(param) not in trained and param.grad is not None:
+                    raise ValueError(
+                        f"{describe_param(index, param)} in param group {g} has a gradient, "
+                        f"but it was frozen (requires_grad=False) or empty when {self!r} was "
+                        "built, so it has no optimizer state. Build the optimizer after "
+                        "unfreezing, or pass the parameters that will train: nothing was "
+                        "stepped"
+                    )
+                index += 1
+        for bucket in self.buckets:
+            detached = bucket.views.detached()
+            if detached:
+                slot_index, param = detached[0]
+                slot = bucket.layout.slots[slot_index]
+                raise ValueError(
+                    f"{describe_param(slot.index, param)} no longer uses the storage "
+                    f"{self!r} gave it (its .data was replaced after construction: "
+                    "model.half()/.to(dtype), load_state_dict(assign=True), PEFT "
+                    "merge_and_unload, resize_token_embeddings...). The optimizer would "
+                    "update memory the model does not read. Rebuild the optimizer after such "
+                    f"changes (load_state_dict carries the state over): nothing was stepped"
+                )
+        for g, group in enumerate(self.param_groups):
+            check_hyper(group, where=f"param group {g}")
+
+    def _grad_stats(self) -> tuple[float, bool, list[np.ndarray]]:
+        """Global sum of squares of the (scaled) gradients, the overflow flag, and each
+        bucket's per-parameter "got a gradient" flags (OR over the ranks)."""
+        generation = self._router.backwards
         # Synchronisation point: the CPU must see every gradient copied so far.
         with phase("wait_grads"), surface_collective_errors():
             self.manager.host_worker.synchronize()
+        for bucket in self.buckets:
+            bucket.grads.settled()
         sumsq, nonfinite = 0.0, False
         with phase("grad_stats", track="cpu_optimizer"):
             for bucket in self.buckets:
                 part, bad = bucket.grad_sumsq()
                 sumsq += part
                 nonfinite = nonfinite or bad
-        if self.comm is not None:
-            # Every rank must clip by the same coefficient and skip the same steps.
-            sumsq, nonfinite = all_reduce_stats(
-                sumsq, nonfinite, comm=self.comm, device=self.accelerator.device
-            )
-        self._stats_cache = (self._generation, sumsq, nonfinite)
-        return sumsq, nonfinite
+        local = [b.grads.arrived for b in self.buckets]
+        flat = torch.from_numpy(np.concatenate(local)) if local else torch.zeros(0, dtype=bool)
+        if self._stats_cache is not None and self._stats_cache[0] == generation:
+            sumsq, nonfinite, merged = self._stats_cache[1:]
+        else:
+            sumsq, nonfinite, merged_t = self._ranks.all_reduce_stats(sumsq, nonfinite, flat)
+            merged = merged_t.numpy().astype(bool)
+            self._stats_cache = (generation, sumsq, nonfinite, merged)
+        arrived, offset = [], 0
+        for bucket in self.buckets:
+            n = len(bucket.layout.slots)
+            arrived.append(merged[offset : offset + n])
+            offset += n
+        return sumsq, nonfinite, arrived
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -409,27 +544,36 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._check_open("clip_grad_norm_")
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
-        if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
+        if not (
+            isinstance(max_norm, (int, float))
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+            and math.isfinite(max_norm)
+        ):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
         self._collect_stray_grads()
-        sumsq, _ = self._grad_stats()
+        sumsq, _, _ = self._grad_stats()
         self._clip_once = float(max_norm)
         return torch.tensor(math.sqrt(sumsq) / self.scaler.scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One AdamW step over every parameter that received a gradient since zero_grad."""
+        """One Adam step over every parameter that received a gradient since the previous
+        step or ``zero_grad``; see Note [a step is all or nothing] in ``stepping.py``."""
         self._check_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_untouched()
         self._collect_stray_grads()
-        if self._update_pending:
-            self._publish_pending()
+        self._mode.settle(self.buckets)
         for bucket in self.buckets:
-            bucket.check_external_writes()
-        sumsq, overflow = self._grad_stats()
+            if bucket.views.changed():
+                # Note [weights written outside the optimizer] in param_views.py.
+                bucket.backend.reconcile_master()
+                bucket.views.remember()
+        sumsq, overflow, arrived = self._grad_stats()
         scale = self.scaler.scale
         norm = math.sqrt(sumsq) / scale
         self.last_grad_norm = norm
@@ -441,48 +585,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.scaler.update(overflow)
         if skip:
             self.skipped_steps += 1
+            for bucket in self.buckets:
+                bucket.grads.consume()
             return loss
         clip = 1.0
         if max_norm is not None and math.isfinite(norm):
             clip = min(1.0, max_norm / (norm + 1e-6))
-        grad_scale = clip / scale
-        if self.config.overlap_step:
-            self._launch_delayed_update(grad_scale)
-            return loss
-        events: list[Event] = []
-        gathers: list[Pending] = []
-        with phase("cpu_adam", track="cpu_optimizer"):
-            for bucket in self.buckets:
-                bucket.update(self._hyper(bucket), grad_scale, bucket.plan_update())
-                if self.comm is None:
-                    events.extend(bucket.publish())
-                else:  # this bucket's all-gather overlaps the next bucket's CPU Adam
-                    gathers.append(self._gather(bucket, bucket.publish()))
-        self._land_weights(events, gathers)
+        work = [
+            (StepPlan(bucket, flags), self._hyper(bucket))
+            for bucket, flags in zip(self.buckets, arrived, strict=True)
+        ]
+        self._mode.run(work, clip / scale)
         return loss
-
-    def _gather(self, bucket: FlatBucket, events: list[Event]) -> Pending:
-        """Issue the all-gather of ``bucket``'s updated shards once this rank's shard has
-        reached ``weights_dev`` (``events``)."""
-        comm = self.comm
-        if comm is None:
-            raise RuntimeError("all-gather with one rank (bug)")
-        # Synchronisation point (host accelerator): the collective reads weights_dev now.
-        self.manager.wait_for(events, category=Category.WEIGHTS)
-        # Not timed as a phase: issuing is quick; _land_weights times the wait.
-        return all_gather_flat(
-            bucket.weights_dev, comm=comm, what=f"bucket {bucket.layout.index} weights"
-        )
-
-    def _land_weights(self, events: list[Event], gathers: list[Pending]) -> None:
-        """Make compute wait for the weight copies and all-gathers; record the versions."""
-        with phase("wait_weights"):
-            self.manager.wait_for(events, category=Category.WEIGHTS)
-        if gathers and self.comm is not None:
-            with phase("all_gather", track="comm"):
-                wait_all(gathers, self.comm)
-        for bucket in self.buckets:
-            bucket.remember_weights()
 
     def _hyper(self, bucket: FlatBucket) -> AdamHyper:
         group = self.param_groups[bucket.layout.group]
@@ -495,101 +609,79 @@ class OffloadAdamW(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]),
             amsgrad=bool(group["amsgrad"]),
             maximize=bool(group["maximize"]),
+            decoupled=self._decoupled,
         )
-
-    # -- overlap_step (delayed parameter update) ---------------------------------------
-    # Note [delayed parameter update]
-    # step() k computes the statistics and the skip/clip decision on the caller's thread,
-    # then queues the CPU update with gradients g_k on the host worker and returns. The
-    # forward and backward of step k+1 run meanwhile on the weights published by step k,
-    # which hold the updates g_1..g_{k-1}: one step of staleness. step() k+1 first waits
-    # for the update g_k, copies its weights to the device (the next forward waits on those
-    # copies) and only then queues update g_{k+1}, which waits for those copies because it
-    # rewrites the staging they read. Backward k+1's gradient accumulation is queued on the
-    # same host worker behind update g_k, so it never overwrites gradients in use.
-
-    def _launch_delayed_update(self, grad_scale: float) -> None:
-        plans = [(bucket, self._hyper(bucket), bucket.plan_update()) for bucket in self.buckets]
-
-        def update() -> None:
-            with phase("cpu_adam", track="cpu_optimizer"):
-                for bucket, hyper, runs in plans:
-                    bucket.update(hyper, grad_scale, runs, publish=False)
-
-        self.manager.host_worker.submit(update)
-        self._update_pending = True
-
-    def _publish_pending(self) -> None:
-        # Synchronisation point: the delayed update must be finished before its weights go.
-        self.manager.host_worker.synchronize()
-        events: list[Event] = []
-        gathers: list[Pending] = []
-        for bucket in self.buckets:
-            published = bucket.publish()
-            events.extend(published)
-            if self.comm is not None:
-                gathers.append(self._gather(bucket, published))
-        for event in events:
-            self.manager.host_worker.wait_event(event)
-        self._land_weights(events, gathers)
-        self._update_pending = False
 
     def flush_pending_update(self) -> None:
         """With ``overlap_step``: finish the queued update and publish its weights now."""
-        if self._update_pending:
-            self._publish_pending()
+        self._check_open("flush_pending_update")
+        self._mode.settle(self.buckets)
 
     # -- zero_grad, state_dict -------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget all gradients since the last step (device and host)."""
+        """Forget every gradient since the last step, in flight or not (device and host)."""
         super().zero_grad(set_to_none=True)
-        for bucket in self.buckets:
-            bucket.zero_grad()
-        self._generation += 1
+        if self._finalizer.alive:
+            self._router.discard()
+            self._stats_cache = None
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
-        per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies."""
+        per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies.
+
+        Reads the state without changing training: with ``overlap_step`` it waits for the
+        pending update but does not publish it (Note [delayed parameter update])."""
         self._check_open("state_dict")
-        self.flush_pending_update()
-        self.manager.synchronize()
-        return optimizer_state(self)
+        self._mode.drain()
+        return optimizer_state(self, pending_update=self._mode.pending)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
         master weights are taken from the parameters). Everything is checked before anything
         changes: a mismatch raises and leaves the optimizer as it was."""
         self._check_open("load_state_dict")
-        self.flush_pending_update()
-        self.manager.synchronize()
-        load_optimizer_state(self, state_dict)
+        self._mode.drain()
+        pending = load_optimizer_state(self, state_dict)
+        if isinstance(self._mode, DelayedUpdate):
+            if pending:
+                self._mode.resume_pending(self.buckets)
+            else:
+                self._mode.forget_pending()
+        self._stats_cache = None
 
     def close(self) -> None:
-        """Remove the hooks and give every pool back (device pools: to the budget).
+        """Publish a pending update, remove the hooks and give every pool back (device
+        pools: to the budget). Optional: an optimizer that is dropped is released the same
+        way (Note [lifetimes without close]).
 
         The model keeps working (its parameters keep their memory); the optimizer refuses
         further steps. Calling ``close`` again does nothing.
         """
-        if self._closed:
+        if not self._finalizer.alive:
             return
-        self.flush_pending_update()
-        self.manager.synchronize()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for segment in self._segments:
-            for bucket in segment.buckets:
-                bucket.close()
-            segment.pools.device.close()
-            segment.pools.host.close()
-        self._segments.clear()
-        self.manager.close()
-        self._closed = True
+        try:
+            self._mode.settle(self.buckets)
+        finally:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (or construction failed)."""
+        return not self._finalizer.alive
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError(
-                f"OffloadAdamW.{what}() after close(): its pools and streams are gone; "
-                "build a new optimizer (load_state_dict from a state_dict saved before close)"
+                f"{type(self).__name__}.{what}() after close(): its pools and streams are "
+                "gone; build a new optimizer (load_state_dict from a state_dict saved before "
+                "close)"
             )
+
+
+class OffloadAdam(OffloadAdamW):
+    """Adam with coupled L2 weight decay (``torch.optim.Adam``'s semantics, default
+    ``weight_decay=0``), offloaded exactly like ``OffloadAdamW``."""
+
+    _decoupled = False
+    _default_weight_decay = 0.0

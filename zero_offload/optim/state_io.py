@@ -43,8 +43,12 @@ def _slots(opt: OffloadAdamW) -> dict[int, tuple[FlatBucket, int]]:
     }
 
 
-def optimizer_state(opt: OffloadAdamW) -> dict[str, Any]:
-    """The state dict; tensors are CPU copies, shaped like their parameters."""
+def optimizer_state(opt: OffloadAdamW, *, pending_update: bool = False) -> dict[str, Any]:
+    """The state dict; tensors are CPU copies, shaped like their parameters.
+
+    ``pending_update``: an ``overlap_step`` update is computed but its weights are not on
+    the device yet (Note [delayed parameter update] in ``stepping.py``); loading the dict
+    makes the next step publish them from the master."""
     groups, position = [], 0
     for group in opt.param_groups:
         entry = {key: value for key, value in group.items() if key != "params"}
@@ -71,6 +75,7 @@ def optimizer_state(opt: OffloadAdamW) -> dict[str, Any]:
         "version": _FORMAT_VERSION,
         "loss_scaler": opt.scaler.state_dict(),
         "skipped_steps": opt.skipped_steps,
+        "pending_update": bool(pending_update),
     }
     if opt.comm is not None:  # Note [sharded state dicts]
         extra["shard"] = {
@@ -106,8 +111,9 @@ def _check_step(where: str, value: Any) -> int:
     return int(step)
 
 
-def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
-    """Check everything, then copy; see ``OffloadAdamW.load_state_dict``."""
+def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
+    """Check everything, then copy; see ``OffloadAdamW.load_state_dict``. Returns whether
+    the checkpoint was taken with an ``overlap_step`` update pending."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
     saved_groups = state_dict["param_groups"]
@@ -186,9 +192,10 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
     # Everything is checked: from here on nothing raises on the caller's data.
     for bucket in opt.buckets:
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
-        # never stepped) come from the model's weights.
-        bucket.refresh_master()
-        bucket.remember_weights()
+        # never stepped) come from the model's weights (Note [weights written outside the
+        # optimizer] in param_views.py).
+        bucket.backend.reconcile_master()
+        bucket.views.remember()
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)
         entry = staged.get(index)
@@ -208,4 +215,4 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> None:
                 group[key] = value
     opt.scaler.load_state_dict(scaler_state)
     opt.skipped_steps = int(extra.get("skipped_steps", opt.skipped_steps))
-    opt._stats_cache = None
+    return bool(extra.get("pending_update", False))

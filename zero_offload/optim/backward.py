@@ -1,0 +1,245 @@
+"""Hooks and backward state: where gradients go, in what order, and when a backward ends.
+
+One ``BackwardRouter`` per optimizer. Each trainable parameter's post-accumulate-grad hook
+hands its gradient to its bucket (Note [a bucket's gradient lifecycle] in
+``grad_lifecycle.py``). The hooks hold the router weakly and the router holds no reference
+to the optimizer, so an optimizer that is dropped without ``close()`` is collected, and its
+finalizer removes the hooks (Note [lifetimes without close] in ``offload_adamw.py``).
+
+Note [end of backward, once per backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The end of a backward is a callback queued on autograd's graph task the first time one of
+our hooks fires in it (keyed by ``torch._C._current_graph_task_id()``, so a backward that
+raised and never ran its callbacks cannot block the next one). Reentrant activation
+checkpointing (``use_reentrant=True``) runs each segment's backward as a nested graph task:
+its callback fires while the outer task is still executing a node
+(``torch._C._current_autograd_node()`` is that node), so it is not the end; it hooks the
+outer node instead, whose post-hook queues the callback on the outer task. The buckets are
+therefore flushed once per real backward, not once per checkpointed segment, and several
+``backward()`` calls on one graph (``retain_graph=True``) are several backwards.
+
+Note [ranks in lockstep]
+~~~~~~~~~~~~~~~~~~~~~~~~
+With several ranks, buckets are reduce-scattered in one fixed order (bucket index), each
+exactly once per backward, whichever gradients a rank produced: collectives match by order,
+so a rank that left a branch unused must not skip or reorder a bucket. A bucket complete
+early goes early only when every bucket before it has gone; at the end of backward the rest
+go, in order, including buckets that got no gradient on this rank (a zero buffer: they
+contribute zeros). The per-parameter "got a gradient" flags are OR-reduced at the step, so
+uneven gradients give exactly the single-process result on the global batch, like DDP with
+``find_unused_parameters=True``. The cost: a complete bucket may wait, holding its device
+gradient buffer, behind an earlier one that a rank does not complete (those waiting
+buffers come from extra device pools, ``offloaded.GradBuffers``), and its copy to the host
+overlaps less of backward. With one rank order does not matter: a bucket goes as soon as it
+is complete, and any bucket may go early when the device pool needs its buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..collectives import surface_collective_errors
+from ..errors import PoolExhausted
+from .flat_bucket import FlatBucket
+from .grad_lifecycle import GradState
+from .ranks import Ranks
+
+__all__ = ["BackwardRouter"]
+
+
+def _engine() -> Any:
+    return torch.autograd.Variable._execution_engine
+
+
+def _on_grad(
+    ref: weakref.ReferenceType[BackwardRouter],
+    bucket: FlatBucket,
+    slot_index: int,
+    param: torch.Tensor,
+) -> None:
+    router = ref()
+    if router is not None:
+        router.on_grad(bucket, slot_index, param)
+
+
+def _on_task_end(ref: weakref.ReferenceType[BackwardRouter], task: int) -> None:
+    router = ref()
+    if router is None:
+        return
+    with router._lock:
+        router._armed.discard(task)
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        # A nested graph task (reentrant checkpointing): the outer backward goes on.
+        # See Note [end of backward, once per backward].
+        fired = [False]
+
+        def rearm(*_: object) -> None:
+            if fired[0]:  # the hook stays on the node; a retained graph may run it again
+                return
+            fired[0] = True
+            outer = ref()
+            if outer is not None:
+                outer.arm()
+
+        node.register_hook(rearm)
+        return
+    with surface_collective_errors():
+        router.end_backward()
+
+
+class BackwardRouter:
+    """The optimizer's hooks, the end-of-backward callback and the bucket order.
+
+    Fields:
+        buckets: every bucket, in the fixed order (``plan_buckets``' backward order within
+            each segment); extended by ``add_param_group``.
+        backwards: completed backwards so far (for tests and the profiler).
+        _armed: graph task ids with an end callback queued; guarded by ``_lock`` (hooks may
+            run on autograd's device threads).
+        _next: several ranks: the index of the next bucket to go (Note [ranks in lockstep]).
+    """
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.buckets: list[FlatBucket] = []
+        self.backwards = 0
+        self._hooks: list[Any] = []
+        self._armed: set[int] = set()
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def add(self, buckets: list[FlatBucket]) -> None:
+        """Route the gradients of ``buckets``' parameters (appended to the order)."""
+        ref = weakref.ref(self)
+        for bucket in buckets:
+            for slot_index, param in enumerate(bucket.params):
+                hook: Callable[[torch.Tensor], None] = functools.partial(
+                    _on_grad, ref, bucket, slot_index
+                )
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+        self.buckets.extend(buckets)
+
+    def remove_hooks(self) -> None:
+        """Stop receiving gradients (``close`` and the finalizer)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- one gradient ------------------------------------------------------------------
+
+    def on_grad(self, bucket: FlatBucket, slot_index: int, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of one parameter."""
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise ValueError(
+                f"parameter {bucket.layout.slots[slot_index].index} (shape "
+                f"{tuple(param.shape)}) got a sparse gradient; OffloadAdamW needs dense ones "
+                "(e.g. nn.Embedding(sparse=False))"
+            )
+        self.arm()
+        param.grad = None  # released now: the device keeps about two buckets of gradients
+        slot = bucket.layout.slots[slot_index]
+        if param.data_ptr() != bucket.weights_dev[slot.offset :].data_ptr():
+            # Replaced behind the optimizer: step() refuses with the parameter's name
+            # (Note [parameters replaced behind the optimizer]); its gradient has no slot.
+            return
+        with surface_collective_errors():
+            self.receive(bucket, slot_index, grad)
+
+    def receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
+        """Add one gradient to its bucket; flush what is ready."""
+        lockstep = self.ranks.lockstep
+        if lockstep and bucket.grads.state is GradState.COMPLETE:
+            bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
+            return
+        if lockstep and self.buckets.index(bucket) < self._next:
+            raise RuntimeError(
+                f"{self.ranks.where()}bucket {bucket.layout.index} got a gradient after it "
+                "was reduce-scattered in this backward (a parameter's gradient arrived "
+                "twice); every rank must reduce each bucket once per backward"
+            )
+        try:
+            complete = bucket.receive_grad(slot_index, grad)
+        except PoolExhausted:
+            if lockstep:
+                # Buckets wait their turn (Note [ranks in lockstep]): grow instead.
+                complete = bucket.receive_grad(slot_index, grad, grow=True)
+            else:
+                # More buckets are half-filled than the gradient buffers hold (backward
+                # order differs from bucket order): hand the others on early and retry.
+                for other in self.buckets:
+                    if other is not bucket and other.grads.holds_device_buffer:
+                        other.flush(self.ranks)
+                complete = bucket.receive_grad(slot_index, grad)
+        if not complete:
+            return
+        if not lockstep:
+            bucket.flush(self.ranks)
+            return
+        bucket.grads.complete()
+        while self._next < len(self.buckets) and (
+            self.buckets[self._next].grads.state is GradState.COMPLETE
+        ):
+            self.buckets[self._next].flush(self.ranks)
+            self._next += 1
+
+    # -- the end of a backward ---------------------------------------------------------
+
+    def arm(self) -> None:
+        """Queue the end-of-backward callback on the current graph task, once per task."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if task in self._armed:
+                return
+            self._armed.add(task)
+        _engine().queue_callback(functools.partial(_on_task_end, weakref.ref(self), task))
+
+    @property
+    def open(self) -> bool:
+        """Whether a backward's gradients are not all handed on yet (running, or raised)."""
+        return (
+            bool(self._armed)
+            or self._next > 0
+            or any(b.grads.holds_device_buffer for b in self.buckets)
+        )
+
+    def end_backward(self) -> None:
+        """Flush what arrived (several ranks: every remaining bucket, in order) and expect
+        every parameter again in the next backward."""
+        if self.ranks.lockstep:
+            for bucket in self.buckets[self._next :]:
+                bucket.open_empty(grow=True)
+                bucket.flush(self.ranks)
+        else:
+            for bucket in self.buckets:
+                if bucket.grads.holds_device_buffer:
+                    bucket.flush(self.ranks)
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.grads.end_backward()
+        self.backwards += 1
+
+    def finish(self) -> None:
+        """Close a backward that has not ended (step time, or its callback never ran
+        because it raised), so nothing of it is left in flight."""
+        if self.open:
+            self.end_backward()
+        with self._lock:
+            self._armed.clear()
+
+    def discard(self) -> None:
+        """``zero_grad``: forget every gradient of the window, in flight or not."""
+        with self._lock:
+            self._armed.clear()
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.discard()

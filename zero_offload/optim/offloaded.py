@@ -1,0 +1,355 @@
+"""Offloaded bucket state: fp32 master, moments and accumulator in host memory, CPU Adam.
+
+Gradients leave the device a bucket at a time (D2H on the ``d2h`` stream, after a
+reduce-scatter with several ranks), the host worker adds them into the fp32 accumulator,
+the CPU Adam kernel updates the master tile by tile, and each updated tile goes back to
+the device (H2D on the ``h2d`` stream) while the next tile is computed.
+
+With several ranks, every host field covers this rank's shard of the bucket,
+``shard_numel`` elements (Note [who owns which shard] in ``partition.py``); after the
+update each rank copies its updated shard into its slice of ``weights_dev`` and the
+optimizer all-gathers the bucket.
+
+Note [staging is reused only once consumed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each bucket has one host staging buffer for gradients. A flush's copy into it must not
+start before the host worker has added the previous flush of the same bucket into the
+accumulator, or that gradient would be overwritten unread (a lagging worker, an early flush,
+or micro-batches while ``overlap_step``'s update occupies the worker). Each flush records
+an event on the host worker after its accumulation, and the next flush of that bucket
+waits for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..accelerator import Event
+from ..config import format_bytes
+from ..errors import PoolExhausted
+from ..kernels import accumulate_grad, adam_step
+from ..memory.block import Block
+from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.pool import BlockPool
+from ..memory.traffic import Category, Direction
+from ..partition import BucketLayout, clip_runs
+from ..tracing import phase
+from .backend import AdamHyper, BucketPools, UpdateBackend
+from .param_views import ParamViews
+from .ranks import Ranks
+
+__all__ = ["GradBuffers", "OffloadedState"]
+
+
+class GradBuffers:
+    """Device gradient buffers for offloaded buckets: the device pool, plus overflow pools
+    grown on demand when buckets must wait for their turn (several ranks, Note [ranks in
+    lockstep] in ``backward.py``). Overflow pools are kept and reused by later backwards;
+    each is counted against the device budget like any pool."""
+
+    def __init__(self, manager: TieredMemoryManager, *, name: str) -> None:
+        self.manager = manager
+        self.name = name
+        self.overflow: list[BlockPool] = []  # each one largest-bucket buffer, device
+
+    def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
+        """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
+        ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
+        try:
+            return pool.alloc(nbytes, owner=owner)
+        except PoolExhausted:
+            if not grow:
+                raise
+        for extra in self.overflow:
+            try:
+                return extra.alloc(nbytes, owner=owner)
+            except PoolExhausted:
+                continue
+        extra = self.manager.create_pool(
+            Tier.DEVICE, nbytes, name=f"{self.name}.grad_overflow{len(self.overflow)}"
+        )
+        if not self.overflow:
+            warnings.warn(
+                f"zero-offload: a gradient bucket of {format_bytes(nbytes)} had to wait for an "
+                "earlier bucket that is not complete on this rank (an unused parameter, or "
+                "backward order differing from bucket order); its gradients stay on the "
+                "device meanwhile, in an extra device pool (kept for later steps). See "
+                "'Ranks in lockstep' in the README.",
+                stacklevel=2,
+            )
+        self.overflow.append(extra)
+        return extra.alloc(nbytes, owner=owner)
+
+    def close(self) -> None:
+        """Close the overflow pools (their blocks were freed by the buckets)."""
+        for extra in self.overflow:
+            extra.close()
+        self.overflow.clear()
+
+
+class OffloadedState(UpdateBackend):
+    """State on the host, updated by the CPU kernel; see the module docstring.
+
+    Host fields (all ``(shard_numel,)``, the elements of ``shard``; host pool, pinned where
+    available):
+        master: fp32 master weights.
+        exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
+        grad_acc: fp32 gradient accumulator.
+        grad_staging: training dtype, the D2H copy's destination.
+        weights_staging: training dtype (absent for fp32), the kernel's fused copy-out and
+            the H2D copy's source.
+    Device field: grad_dev, (padded_numel,) training dtype, while the bucket is FILLING.
+    """
+
+    resident = False
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        views: ParamViews,
+        *,
+        manager: TieredMemoryManager,
+        pools: BucketPools,
+        grad_buffers: GradBuffers,
+        shard: tuple[int, int],
+        moments_dtype: torch.dtype,
+        amsgrad: bool,
+        tile_elements: int,
+    ) -> None:
+        self.layout = layout
+        self.views = views
+        self.manager = manager
+        self.pools = pools
+        self.grad_buffers = grad_buffers
+        self.shard = shard
+        self.dtype = views.dtype
+        self.tile_elements = tile_elements
+        self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
+        self._grad_block: Block | None = None  # under grad_dev while FILLING
+        self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
+        self._stats = (0.0, False)  # (sum of squares, non-finite) of grad_acc; host worker
+        self._issued: list[Event] = []  # end events of weight copies issued, not yet handed
+        self._unpublished: list[tuple[int, int]] = []  # updated shard tiles not yet copied
+        self._staging_consumed: Event | None = None  # host worker done with grad_staging
+        n = layout.shard_numel
+        fields: list[tuple[str, torch.dtype]] = [
+            ("master", torch.float32),
+            ("exp_avg", moments_dtype),
+            ("exp_avg_sq", moments_dtype),
+            ("grad_acc", torch.float32),
+            ("grad_staging", self.dtype),
+        ]
+        if amsgrad:
+            fields.append(("max_exp_avg_sq", moments_dtype))
+        if self.dtype != torch.float32:
+            fields.append(("weights_staging", self.dtype))
+        self.max_exp_avg_sq: torch.Tensor | None = None
+        self.weights_staging: torch.Tensor | None = None
+        try:
+            for name, dtype in fields:
+                block = pools.host.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{name}")
+                self._blocks[name] = block
+                block.on_move(
+                    lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
+                )
+                tensor = block.view(dtype, (n,))
+                tensor.zero_()
+                setattr(self, name, tensor)
+        except BaseException:
+            self.close()
+            raise
+        self.reconcile_master()  # fp32 master from the model's initial weights
+
+    # -- gradients ---------------------------------------------------------------------
+
+    def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
+        nbytes = self.layout.padded_numel * self.dtype.itemsize
+        block = self.grad_buffers.alloc(
+            self.pools.device, nbytes, owner=f"bucket{self.layout.index}.grad", grow=grow
+        )
+        block.on_move(self._bind_grad)
+        self._grad_block = block
+        self._bind_grad(block)
+        self.grad_dev.zero_()
+
+    def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        self.grad_dev[start:stop].add_(grad)
+
+    def _bind_grad(self, block: Block) -> None:
+        self.grad_dev = block.view(self.dtype, (self.layout.padded_numel,))
+
+    def _release_grad(self) -> Block:
+        block = self._grad_block
+        if block is None:
+            raise RuntimeError(f"bucket {self.layout.index}: no device gradient buffer (bug)")
+        self._grad_block = None
+        self.grad_dev = torch.empty(0, dtype=self.dtype, device=self.grad_dev.device)
+        return block
+
+    def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
+        manager = self.manager
+        grad = self.grad_dev
+        staging_block = self._blocks["grad_staging"]
+        if self._staging_consumed is not None and not self._staging_consumed.query():
+            # Note [staging is reused only once consumed]. Synchronisation point: the caller
+            # waits, since a CUDA stream cannot wait on host-thread work; it is rare (the
+            # worker is usually far ahead).
+            with phase("wait_staging"):
+                self._staging_consumed.synchronize()
+        index = self.layout.index
+        ready = ranks.reduce_scatter(
+            grad,
+            manager.compute_ready(),
+            what=f"bucket {index} ({self.layout.padded_numel} el)",
+        )
+        start, stop = self.shard
+        block = self._release_grad()
+        done = manager.copy(
+            self.grad_staging,
+            grad[start:stop],
+            direction=Direction.D2H,
+            category=Category.GRADIENTS,
+            after=[ready],
+            blocks=[block, staging_block],
+            label=f"bucket{index}",
+        )
+        block.free()  # reuse waits on `done`, Note [block reuse waits on events]
+        worker = manager.host_worker
+        worker.wait_event(done)
+        worker.submit(functools.partial(self._accumulate_on_host, overwrite))
+        self._staging_consumed = worker.record_event()
+
+    def _accumulate_on_host(self, overwrite: bool) -> None:
+        # Runs on the host worker, after the D2H copy; Note [a bucket's gradient lifecycle].
+        # The same pass yields the statistics of the accumulated gradient, so step() needs
+        # no pass of its own for the norm and the overflow flag.
+        self._stats = accumulate_grad(
+            self.grad_acc,
+            self.grad_staging,
+            overwrite=overwrite,
+            stop=self.layout.real_in(*self.shard),
+        )
+
+    def discard_grad(self) -> None:
+        self._release_grad().free()
+
+    def grad_sumsq(self) -> tuple[float, bool]:
+        return self._stats
+
+    # -- update ------------------------------------------------------------------------
+
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool,
+    ) -> None:
+        # The weight copies overwrite weights_dev: they wait for compute issued so far
+        # (a forward or a weight-reading kernel still queued), write-after-read.
+        after = [self.manager.compute_ready()] if publish else []
+        for start, stop, step in clip_runs(runs, *self.shard):
+            for lo in range(start, stop, self.tile_elements):
+                hi = min(lo + self.tile_elements, stop)
+                adam_step(
+                    self.master,
+                    self.grad_acc,
+                    self.exp_avg,
+                    self.exp_avg_sq,
+                    step=step,
+                    lr=hyper.lr,
+                    beta1=hyper.beta1,
+                    beta2=hyper.beta2,
+                    eps=hyper.eps,
+                    weight_decay=hyper.weight_decay,
+                    decoupled_weight_decay=hyper.decoupled,
+                    maximize=hyper.maximize,
+                    grad_scale=grad_scale,
+                    max_exp_avg_sq=self.max_exp_avg_sq if hyper.amsgrad else None,
+                    out=self.weights_staging,
+                    start=lo,
+                    stop=hi,
+                )
+                if publish:
+                    self._issued.append(self._copy_tile(lo, hi, after))
+                else:
+                    self._unpublished.append((lo, hi))
+
+    def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event:
+        source, name = (
+            (self.master, "master")
+            if self.weights_staging is None
+            else (self.weights_staging, "weights_staging")
+        )
+        offset = self.shard[0]
+        return self.manager.copy(
+            self.views.weights_dev[offset + lo : offset + hi],
+            source[lo:hi],
+            direction=Direction.H2D,
+            category=Category.WEIGHTS,
+            after=after,
+            # The end event on both ends: neither the device block nor the pinned source
+            # is reused while the copy is pending.
+            blocks=[self.views.block, self._blocks[name]],
+            label=f"bucket{self.layout.index}[{lo}:{hi}]",
+        )
+
+    def publish(self) -> list[Event]:
+        after = [self.manager.compute_ready()] if self._unpublished else []
+        events = self._issued + [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
+        self._issued, self._unpublished = [], []
+        return events
+
+    def drop_unpublished(self) -> None:
+        self._unpublished = []
+
+    def publish_all_from_master(self) -> None:
+        real = self.layout.real_in(*self.shard)
+        if self.weights_staging is not None:
+            self.weights_staging[:real].copy_(self.master[:real])  # round to nearest even
+        self._unpublished = [
+            (lo, min(lo + self.tile_elements, real)) for lo in range(0, real, self.tile_elements)
+        ]
+
+    def reconcile_master(self) -> None:
+        start, stop = self.shard
+        # Synchronisation point (rare: construction, loading, weights written outside the
+        # optimizer): the weights' bytes must be final and the staging idle.
+        self.manager.synchronize()
+        target = self.master if self.weights_staging is None else self.weights_staging
+        names = ["master" if self.weights_staging is None else "weights_staging"]
+        done = self.manager.copy(
+            target,
+            self.views.weights_dev[start:stop],
+            direction=Direction.D2H,
+            category=Category.OPTIMIZER_STATE,  # reads the weights to re-derive the master
+            after=[self.manager.compute_ready()],
+            blocks=[self.views.block, *(self._blocks[n] for n in names)],
+            label=f"bucket{self.layout.index} master refresh",
+        )
+        done.synchronize()  # Synchronisation point: the comparison below reads it
+        if self.weights_staging is not None:
+            weights = self.weights_staging
+            # Where the weight is still the rounding of the master, the master keeps its
+            # extra bits; elsewhere the weight was written and wins.
+            written = weights != self.master.to(self.dtype)
+            self.master[written] = weights[written].float()
+        self._unpublished = []
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        return out
+
+    def close(self) -> None:
+        if self._grad_block is not None:
+            self._grad_block.free()
+            self._grad_block = None
+        for block in self._blocks.values():
+            block.free()
+        self._blocks.clear()

@@ -1,0 +1,120 @@
+"""A bucket's parameters as views of one flat device buffer, and what changed behind us.
+
+The model's parameters keep working unchanged as views into ``weights_dev`` (one buffer per
+bucket), so the optimizer's weight copies and all-gathers move one contiguous range per
+tile and every parameter sees them at once.
+
+Note [weights written outside the optimizer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Code other than the optimizer may write the weights in place between steps
+(``model.load_state_dict``, an EMA swap, user code under ``no_grad``): the *parameter's*
+version counter moves, ``changed()`` sees it at the next step, and the bucket reconciles
+its fp32 master with the weights (``UpdateBackend.reconcile_master``): elements whose
+weight is no longer the training-dtype rounding of the master take the weight, the others
+keep the master's extra precision. So a step starts from what the model holds, and
+restoring a checkpoint gives the same bits whichever of ``model.load_state_dict`` and
+``opt.load_state_dict`` runs first. The optimizer's own writes (weight copies, all-gathers)
+go through ``weights_dev``, whose counter is the pool buffer's and is shared by every block
+of the pool, so they never move a parameter's own counter.
+
+Note [parameters replaced behind the optimizer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``param.data = ...`` (``model.half()``, ``load_state_dict(assign=True)``, PEFT's
+``merge_and_unload``, ``resize_token_embeddings``) detaches a parameter from its slot: the
+optimizer would go on updating memory nobody reads. ``detached()`` compares each
+parameter's data pointer, shape and dtype with its slot, and the next ``step()`` refuses
+with the parameter's name before anything changes. The version counter alone cannot see it:
+a fresh tensor may have the same version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..memory.block import Block
+from ..memory.pool import BlockPool
+from ..partition import BucketLayout
+
+__all__ = ["ParamViews"]
+
+
+class ParamViews:
+    """The bucket's parameters bound to slots of ``weights_dev``.
+
+    Fields:
+        weights_dev: (padded_numel,) training dtype, device pool; the params are views of it.
+        block: the pool block under ``weights_dev`` (copies record their events on it).
+        versions: each parameter's version when the optimizer last wrote or read it; None
+            means unknown (compare as changed). See Note [weights written outside the
+            optimizer].
+    """
+
+    def __init__(
+        self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], pool: BlockPool
+    ) -> None:
+        self.layout = layout
+        self.params = list(params)
+        self.dtype = self.params[0].dtype
+        nbytes = layout.padded_numel * self.params[0].element_size()
+        self.block: Block = pool.alloc(nbytes, owner=f"bucket{layout.index}.weights")
+        self.block.on_move(self._bind)
+        flat = self.block.view(self.dtype, (layout.padded_numel,))
+        with torch.no_grad():
+            flat.zero_()  # see Note [padding stays at the end] in partition.py
+            for slot, param in zip(layout.slots, self.params, strict=True):
+                flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+        self._bind(self.block)
+        self.versions: tuple[int, ...] | None = None
+
+    def _bind(self, block: Block) -> None:
+        """(Re-)point every parameter at its slot of ``weights_dev`` (also after a move).
+
+        Releases each parameter's previous storage (at construction: the original weights,
+        so the model is never held twice; Note [construction holds one copy] in
+        ``offload_adamw.py``)."""
+        self.weights_dev = block.view(self.dtype, (self.layout.padded_numel,))
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            param.data = self.weights_dev[slot.offset : slot.end].view(slot.shape)
+
+    def unbind(self) -> None:
+        """Give every parameter a private copy of its weights (before the pool goes away
+        on a construction that failed, so the model keeps its values)."""
+        for param in self.params:
+            param.data = param.data.clone()
+
+    def detached(self) -> list[tuple[int, torch.nn.Parameter]]:
+        """``(slot_index, param)`` of parameters no longer bound to their slot; see Note
+        [parameters replaced behind the optimizer]."""
+        out = []
+        for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
+            view = self.weights_dev[slot.offset : slot.end]
+            if (
+                param.dtype != self.dtype
+                or tuple(param.shape) != slot.shape
+                or param.data_ptr() != view.data_ptr()
+            ):
+                out.append((i, param))
+        return out
+
+    def current_versions(self) -> tuple[int, ...]:
+        """Each parameter's version counter now."""
+        return tuple(param._version for param in self.params)
+
+    def changed(self) -> bool:
+        """Whether something wrote a parameter since ``remember()``."""
+        return self.current_versions() != self.versions
+
+    def remember(self) -> None:
+        """Record the versions after the optimizer's own writes or reads."""
+        self.versions = self.current_versions()
+
+    def forget(self) -> None:
+        """Treat the weights as written (reconcile at the next step)."""
+        self.versions = None
+
+    def close(self) -> None:
+        """Return ``weights_dev`` to its pool (the parameters keep pointing at it: only for
+        an optimizer whose model is going away or was unbound)."""
+        self.block.free()

@@ -1,0 +1,152 @@
+"""What the optimizer asks of its ranks: one interface, a no-op for one rank.
+
+``SingleRank`` is the whole optimizer on one process: every collective is the identity and
+buckets may go to the host in any order. ``ShardedRanks`` partitions buckets over a process
+group (ZeRO stage 2 with offload, Note [who owns which shard] in ``partition.py``):
+gradients are reduce-scattered on the comm stream in one fixed order (Note [ranks in
+lockstep] in ``backward.py``), the statistics are all-reduced, and the updated shards are
+all-gathered. Code above asks neither which one it has nor how many ranks there are.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..accelerator import Event, Stream
+from ..collectives import (
+    Comm,
+    Pending,
+    all_gather_flat,
+    all_reduce_stats,
+    reduce_scatter_avg,
+    wait_all,
+)
+from ..tracing import phase
+
+__all__ = ["Ranks", "ShardedRanks", "SingleRank"]
+
+
+class Ranks(ABC):
+    """The ranks one optimizer partitions over."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def comm(self) -> Comm | None:
+        """The process group's ``Comm`` (``None`` with one rank)."""
+        return None
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every bucket goes to the host exactly once per backward, in bucket order,
+        on every rank (so the ranks' collectives match); see Note [ranks in lockstep]."""
+        return False
+
+    def where(self) -> str:
+        """The prefix of a multi-rank error (``"rank 1/3: "``), empty with one rank."""
+        return ""
+
+    @abstractmethod
+    def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
+        """Queue the mean of ``grad`` over the ranks (after ``ready``); the returned event
+        marks when this rank's shard of ``grad`` holds it."""
+
+    @abstractmethod
+    def all_reduce_stats(
+        self, sumsq: float, nonfinite: bool, arrived: torch.Tensor
+    ) -> tuple[float, bool, torch.Tensor]:
+        """Sum ``sumsq``, OR ``nonfinite`` and OR the per-parameter ``arrived`` flags (a
+        bool tensor) over the ranks, so every rank clips, skips and counts steps alike."""
+
+    @abstractmethod
+    def all_gather(self, weights: torch.Tensor, *, what: str) -> Pending | None:
+        """Issue the all-gather of every rank's updated shard of ``weights``."""
+
+    @abstractmethod
+    def wait(self, pending: Sequence[Pending]) -> None:
+        """Wait for issued all-gathers (with the collective deadline)."""
+
+
+class SingleRank(Ranks):
+    """One process: the collectives are the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
+        return ready
+
+    def all_reduce_stats(
+        self, sumsq: float, nonfinite: bool, arrived: torch.Tensor
+    ) -> tuple[float, bool, torch.Tensor]:
+        return sumsq, nonfinite, arrived
+
+    def all_gather(self, weights: torch.Tensor, *, what: str) -> Pending | None:
+        return None
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        return None
+
+
+class ShardedRanks(Ranks):
+    """Several ranks over ``comm``; reduce-scatters run on ``stream`` ("comm"), off the
+    compute and copy streams, so they overlap backward."""
+
+    def __init__(self, comm: Comm, stream: Stream, *, device: torch.device) -> None:
+        self._comm = comm
+        self.stream = stream
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self._device = device
+
+    @property
+    def comm(self) -> Comm:
+        return self._comm
+
+    @property
+    def lockstep(self) -> bool:
+        return True
+
+    def where(self) -> str:
+        return f"{self._comm.where()}: "
+
+    def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
+        comm = self._comm
+
+        def run() -> None:
+            with phase("reduce_scatter", track="comm"):
+                reduce_scatter_avg(grad, comm=comm, what=what)
+
+        self.stream.wait_event(ready)
+        self.stream.submit(run)
+        return self.stream.record_event()
+
+    def all_reduce_stats(
+        self, sumsq: float, nonfinite: bool, arrived: torch.Tensor
+    ) -> tuple[float, bool, torch.Tensor]:
+        # One float64 all-reduce carries the sum of squares, the overflow flag and the
+        # arrival flags (Synchronisation point: read on the host).
+        packed = torch.cat(
+            [
+                torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64),
+                arrived.to(torch.float64),
+            ]
+        )
+        total = all_reduce_stats(packed, comm=self._comm, device=self._device)
+        summed = float(total[0])
+        # A NaN sum of squares is an overflow too.
+        return summed, bool(total[1] > 0) or math.isnan(summed), total[2:] > 0
+
+    def all_gather(self, weights: torch.Tensor, *, what: str) -> Pending | None:
+        return all_gather_flat(weights, comm=self._comm, what=what)
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        live = [p for p in pending if p is not None]
+        if live:
+            with phase("all_gather", track="comm"):
+                wait_all(live, self._comm)
