@@ -1,0 +1,248 @@
+"""OffloadTrainer against the same Trainer run with torch's AdamW (tiny GPT-2, CPU).
+
+Tolerances. fp32: torch's fused and for-loop AdamW differ by 6e-7 in the weights after
+these 12 steps, and OffloadAdamW's CPU kernel by the same; losses agree to 1 ulp of ~3.9
+(2.4e-7) and logged grad norms to 1e-7 relative. We allow 1e-6 / 1e-6 / 3e-6. bf16 autocast:
+the first steps are bitwise equal; from the step where the two fp32 weight copies differ
+by 1 ulp, bf16 rounding of those weights turns the ulp into a 2**-8 relative difference of
+a few activations, so losses differ by up to 5e-5 and grad norms by 3.5e-4 relative.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer
+
+from zero_offload import LossScalerConfig, OffloadAdamW
+from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer
+from zero_offload.integrations.transformers import OffloadTrainer
+
+from ._hf import (
+    TokenDataset,
+    logged,
+    max_weight_diff,
+    offload_config,
+    offload_trainer,
+    run_trainer_ranks,
+    tiny_gpt2,
+    torch_trainer,
+    training_args,
+    weights,
+)
+from ._models import host_accelerator
+
+MAX_GRAD_NORM = 0.5  # the norms of these runs are 1.2 to 1.7: clipping binds every step
+
+
+def _run_pair(tmp_path: Path, **overrides: object) -> tuple[Trainer, Trainer]:
+    ref = torch_trainer(tiny_gpt2(), training_args(tmp_path / "torch", **overrides))
+    ref.train()
+    ours = offload_trainer(tiny_gpt2(), training_args(tmp_path / "offload", **overrides))
+    ours.train()
+    return ref, ours
+
+
+def test_import_zero_offload_does_not_import_the_frameworks() -> None:
+    code = (
+        "import sys, zero_offload, zero_offload.integrations; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"gradient_checkpointing": True},
+        {"max_grad_norm": 0.0},  # no clipping: grad_norm is still logged
+    ],
+    ids=["clip", "grad-checkpointing", "no-clip"],
+)
+def test_parity_with_torch_adamw_trainer(tmp_path: Path, overrides: dict) -> None:
+    ref, ours = _run_pair(tmp_path, **overrides)
+    ref_norms, our_norms = logged(ref, "grad_norm"), logged(ours, "grad_norm")
+    assert len(our_norms) == 12
+    if ref.args.max_grad_norm > 0:
+        assert min(ref_norms) > MAX_GRAD_NORM  # clipping binds in every step
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(our_norms, ref_norms, rtol=1e-6, atol=0)
+    assert logged(ours, "learning_rate") == logged(ref, "learning_rate")
+    assert max_weight_diff(weights(ours.model), weights(ref.model)) < 3e-6
+
+
+def test_parity_bf16(tmp_path: Path) -> None:
+    ref, ours = _run_pair(tmp_path, bf16=True)
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=0, atol=2e-4)
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"), logged(ref, "grad_norm"), rtol=2e-3, atol=0
+    )
+
+
+def test_optimizer_is_built_from_training_arguments(tmp_path: Path) -> None:
+    trainer = offload_trainer(tiny_gpt2(), training_args(tmp_path, adam_epsilon=1e-7))
+    wrapper = trainer.create_optimizer()
+    assert isinstance(wrapper, OffloadAcceleratedOptimizer)
+    opt = trainer.offload_optimizer
+    decay, no_decay = opt.param_groups
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    # Trainer's rule: biases and norms get no decay.
+    assert all("bias" in names[id(p)] or "ln_" in names[id(p)] for p in no_decay["params"])
+    assert not any("bias" in names[id(p)] or "ln_" in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(trainer.model.parameters()))
+    for group in opt.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-7 and group["lr"] == 1e-3
+    assert opt.config.max_grad_norm == MAX_GRAD_NORM
+    assert opt.config.bucket_bytes == 8192  # offload_config is used
+
+
+def count_state_io(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the OffloadAdamW state_dict / load_state_dict calls from now on."""
+    calls: list[str] = []
+    for name in ("state_dict", "load_state_dict"):
+        original = getattr(OffloadAdamW, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(OffloadAdamW, name, counted)
+    return calls
+
+
+def test_prepare_does_not_round_trip_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = offload_trainer(tiny_gpt2(), training_args(tmp_path, max_steps=1))
+    calls = count_state_io(monkeypatch)
+    trainer.train()
+    assert calls == []
+    assert isinstance(trainer.optimizer, OffloadAcceleratedOptimizer)
+    assert trainer.accelerator._optimizers == [trainer.optimizer]  # registered once
+
+
+def test_user_optimizer_trains_like_the_built_one(tmp_path: Path) -> None:
+    built = offload_trainer(tiny_gpt2(), training_args(tmp_path / "a", max_steps=4))
+    built.train()
+    model = tiny_gpt2()
+    decay = set(built.get_decay_parameter_names(model))
+    named = list(model.named_parameters())
+    opt = OffloadAdamW(
+        [
+            {"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        config=offload_config(),
+        accelerator=host_accelerator(),
+    )
+    given = OffloadTrainer(
+        model=model,
+        args=training_args(tmp_path / "b", max_steps=4),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, None),
+    )
+    given.train()
+    assert given.offload_optimizer is opt
+    assert logged(given, "grad_norm") == logged(built, "grad_norm")
+    assert max_weight_diff(weights(given.model), weights(built.model)) == 0.0
+
+
+def test_plain_trainer_with_offload_adamw_names_the_integration(tmp_path: Path) -> None:
+    """Trainer clips with torch.nn.utils.clip_grad_norm_, which finds no param.grad: the
+    optimizer must refuse loudly at the first step and point to OffloadTrainer."""
+    model = tiny_gpt2()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=host_accelerator())
+    trainer = torch_trainer(model, training_args(tmp_path, max_steps=2), optimizers=(opt, None))
+    with pytest.raises((RuntimeError, ValueError), match="OffloadTrainer"):
+        trainer.train()
+
+
+def test_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
+    args = {"save_strategy": "steps", "save_steps": 6, "save_only_model": False}
+    whole = offload_trainer(tiny_gpt2(), training_args(tmp_path / "whole", **args))
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-6"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert "zero_offload" in saved and len(saved["state"]) == len(list(whole.model.parameters()))
+    # A different initialisation: everything must come from the checkpoint.
+    resumed = offload_trainer(tiny_gpt2(seed=1), training_args(tmp_path / "resumed", **args))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(resumed, "loss", after=6) == logged(whole, "loss")[6:]
+    assert logged(resumed, "grad_norm", after=6) == logged(whole, "grad_norm")[6:]
+    assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
+
+
+def test_fp16_model_uses_the_optimizers_loss_scaler(tmp_path: Path) -> None:
+    """Trainer's backward does not scale the loss; for an fp16 model OffloadTrainer does.
+    A missing scale would show as a grad norm 2**10 times too small."""
+    ref = torch_trainer(tiny_gpt2(), training_args(tmp_path / "torch", max_steps=3))
+    ref.train()
+    ours = offload_trainer(
+        tiny_gpt2(dtype=torch.float16),
+        training_args(tmp_path / "fp16", max_steps=3),
+        offload_config=offload_config(loss_scaler=LossScalerConfig(initial_scale=2.0**10)),
+    )
+    ours.train()
+    assert ours.offload_optimizer.loss_scale == 2.0**10
+    assert ours.offload_optimizer.skipped_steps == 0
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"), logged(ref, "grad_norm"), rtol=1e-3, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "error", "match"),
+    [
+        ({"fp16": True}, {}, ValueError, "bf16"),
+        ({"optim": "adafactor"}, {}, ValueError, "adamw_torch"),
+        ({"optim_args": "foo=1"}, {}, ValueError, "offload_config"),
+        ({}, {"offload_config": "big"}, TypeError, "OffloadConfig"),
+        ({}, {"offload_config": offload_config(max_grad_norm=1.0)}, ValueError, "max_grad_norm"),
+        ({}, {"optimizers": (torch.optim.SGD([torch.zeros(1)], lr=0.1), None)}, TypeError, "SGD"),
+        (
+            {},
+            {"optimizer_cls_and_kwargs": (torch.optim.AdamW, {})},
+            ValueError,
+            "optimizer_cls_and_kwargs",
+        ),
+    ],
+    ids=["fp16", "optim", "optim_args", "config-type", "config-clip", "sgd", "cls_and_kwargs"],
+)
+def test_refused_at_construction(
+    tmp_path: Path, overrides: dict, kwargs: dict, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        offload_trainer(tiny_gpt2(), training_args(tmp_path, **overrides), **kwargs)
+
+
+def test_a_transformers_without_the_overridden_methods_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renamed Trainer method would bypass the clipping route without a word."""
+    monkeypatch.delattr(Trainer, "_get_grad_norm")
+    with pytest.raises(RuntimeError, match="_get_grad_norm"):
+        offload_trainer(tiny_gpt2(), training_args(tmp_path))
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
+    """2 gloo ranks: every rank's shard goes into the consolidated optimizer.pt and comes
+    back on resume; no DDP (OffloadAdamW reduce-scatters)."""
+    ranks = run_trainer_ranks(2, tmp_path)
+    for rank in ranks:
+        whole, resumed = rank["whole"], rank["resumed"]
+        assert len(whole["grad_norms"]) == 12
+        assert resumed["grad_norms"] == whole["grad_norms"][6:]
+        assert max_weight_diff(resumed["weights"], whole["weights"]) == 0.0
+    # The ranks agree: same weights, same (all-reduced) norms.
+    assert max_weight_diff(ranks[0]["whole"]["weights"], ranks[1]["whole"]["weights"]) == 0.0
+    assert ranks[0]["whole"]["grad_norms"] == ranks[1]["whole"]["grad_norms"]

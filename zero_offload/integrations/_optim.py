@@ -1,0 +1,64 @@
+"""What both integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm.
+
+Note [frameworks clip through the optimizer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Trainer and accelerate clip with ``torch.nn.utils.clip_grad_norm_(model.parameters())``,
+which reads ``param.grad``. With ``OffloadAdamW`` that is ``None`` after backward (the
+gradients already sit in host memory), so torch's clip would see no gradient, clip nothing
+and report a norm of 0. The integrations route every framework call that clips or reads
+the norm to ``OffloadAdamW.clip_grad_norm_``, which takes the norm from the fused
+statistics pass over the host gradients and folds the clip coefficient into the CPU Adam
+gradient multiplier. The pass is cached until the gradients change, so reading the norm
+before ``step()`` costs the step nothing.
+
+Reading the norm without clipping (Trainer with ``max_grad_norm=0``, accelerate's
+``clip_grad_norm_(..., inf)``) goes through the same method with the optimizer's own
+``OffloadConfig.max_grad_norm`` (so its clipping stays what it was), or with the largest
+finite float when it has none: a clip coefficient of ``min(1, max / norm)`` = 1.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from ..optim import OffloadAdamW
+
+__all__ = ["NO_CLIP", "clip_norm", "find_offload_optimizer", "pre_clip_norm"]
+
+#: A max_norm no gradient norm reaches: ``clip_grad_norm_(NO_CLIP)`` reads the norm only.
+NO_CLIP = sys.float_info.max
+
+
+def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadAdamW:
+    """``optimizer`` itself, or the ``OffloadAdamW`` inside an accelerate wrapper."""
+    inner = optimizer
+    while not isinstance(inner, OffloadAdamW) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer  # AcceleratedOptimizer and its subclasses
+    if not isinstance(inner, OffloadAdamW):
+        raise TypeError(
+            f"{where} needs a zero_offload.OffloadAdamW optimizer, got "
+            f"{type(optimizer).__name__}; build one over the model's parameters"
+        )
+    return inner
+
+
+def pre_clip_norm(opt: OffloadAdamW) -> torch.Tensor:
+    """The total gradient norm the next step will see, leaving its clipping unchanged.
+
+    See Note [frameworks clip through the optimizer].
+    """
+    max_norm = opt.config.max_grad_norm
+    return opt.clip_grad_norm_(NO_CLIP if max_norm is None else max_norm)
+
+
+def clip_norm(opt: OffloadAdamW, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` contract on ``opt``'s gradients: clip the next step to
+    ``max_norm`` and return the pre-clip norm; ``max_norm=inf`` only reads the norm."""
+    if isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0:
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
+        return pre_clip_norm(opt)
+    return opt.clip_grad_norm_(max_norm, norm_type)

@@ -1,0 +1,249 @@
+"""accelerate: an ``Accelerator`` that knows ``OffloadAdamW`` keeps gradients on the host.
+
+Use ``OffloadAccelerator`` where the loop would build an ``Accelerator``; the rest of the
+loop stays as accelerate documents it::
+
+    accelerator = OffloadAccelerator(mixed_precision="bf16")  # or "no"
+    opt = OffloadAdamW(model.parameters(), lr=1e-4)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)                        # scaled for fp16 models
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # clips inside OffloadAdamW
+        opt.step()
+        opt.zero_grad()
+
+What it changes, and why:
+
+- ``prepare`` wraps an ``OffloadAdamW`` in ``OffloadAcceleratedOptimizer``. See Note
+  [no state round trip at prepare].
+- ``clip_grad_norm_`` on the parameters of a prepared ``OffloadAdamW`` clips inside the
+  optimizer and returns the true pre-clip norm (Note [frameworks clip through the
+  optimizer] in ``_optim.py``). Any other parameters go to accelerate's own.
+- ``backward`` multiplies the loss by the optimizer's loss scale (1 unless the model is
+  fp16: ``OffloadAdamW`` has its own dynamic loss scaler).
+- With several processes, a model whose trainable parameters an ``OffloadAdamW`` owns is
+  not wrapped in ``DistributedDataParallel``: the optimizer reduce-scatters the gradients
+  itself, and DDP's all-reduce would come on top (of gradients that are already gone).
+
+``mixed_precision="fp16"`` is refused: torch's ``GradScaler`` unscales ``param.grad``,
+which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
+(``model.half()``) with ``mixed_precision="no"``, whose loss ``backward`` scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+
+from ..optim import OffloadAdamW
+from ._optim import clip_norm
+
+__all__ = ["FP16_AMP_MESSAGE", "OffloadAcceleratedOptimizer", "OffloadAccelerator"]
+
+#: Why accelerate's (and Trainer's) fp16 AMP cannot drive OffloadAdamW, and what to use.
+FP16_AMP_MESSAGE = (
+    "torch's GradScaler unscales and inf-checks param.grad, which OffloadAdamW never leaves "
+    "behind (its gradients go to host memory during backward), so the first step would fail "
+    "with 'No inf checks were recorded'. Use bf16 mixed precision instead, or cast the model "
+    "to fp16 (model.half()) without fp16 AMP: OffloadAdamW then scales the loss with its own "
+    "dynamic loss scaler (OffloadConfig.loss_scaler)"
+)
+
+
+# Note [no state round trip at prepare]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# accelerate's AcceleratedOptimizer.__init__, with device_placement=True (the default of
+# Accelerator.prepare and of Trainer), runs optimizer.load_state_dict(move_to_device(
+# optimizer.state_dict(), accelerator.device)). For OffloadAdamW that copies every master
+# weight and moment out of host memory (16 bytes per parameter), onto the GPU when there is
+# one (the very memory the optimizer exists to save), and back, refreshing every master.
+# The state is already where the optimizer keeps it, so the wrapper is always built with
+# device_placement=False. It is marked prepared, so that Accelerator.prepare (also the one
+# Trainer calls) registers it as it is instead of wrapping it again with placement on.
+# The rejected alternative, asking callers for prepare(..., device_placement=[...]), is
+# one forgotten list away from the round trip.
+
+
+class OffloadAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper around an ``OffloadAdamW``, without the state round
+    trip (Note [no state round trip at prepare]).
+
+    As accelerate's: ``step`` and ``zero_grad`` act only on gradient-sync steps. Adds
+    ``clip_grad_norm_`` (the optimizer's), and ``step_was_skipped`` reports the steps
+    ``OffloadAdamW`` skipped (fp16 overflow, ``skip_nonfinite``), so Trainer and
+    ``Accelerator.optimizer_step_was_skipped`` hold the LR schedule back as with AMP.
+    """
+
+    def __init__(self, optimizer: OffloadAdamW, scaler: Any = None) -> None:
+        if not isinstance(optimizer, OffloadAdamW):
+            raise TypeError(
+                "OffloadAcceleratedOptimizer wraps a zero_offload.OffloadAdamW, got "
+                f"{type(optimizer).__name__}; wrap other optimizers with accelerate's own "
+                "AcceleratedOptimizer"
+            )
+        if scaler is not None:
+            raise ValueError(f"OffloadAdamW cannot run under fp16 AMP: {FP16_AMP_MESSAGE}")
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self._skipped = False  # whether the last step() was skipped by the optimizer
+        self._is_accelerate_prepared = True  # see Note [no state round trip at prepare]
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        """accelerate's step (a no-op on accumulation micro-steps), recording a skip."""
+        before = self.optimizer.skipped_steps
+        super().step(closure)
+        self._skipped = self.optimizer.skipped_steps != before
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether ``OffloadAdamW`` skipped the last step (overflow or non-finite)."""
+        return self._skipped
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``OffloadAdamW.clip_grad_norm_``; ``max_norm=inf`` reads the norm only."""
+        return clip_norm(self.optimizer, max_norm, norm_type)
+
+
+class OffloadAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` for loops that train with ``OffloadAdamW``.
+
+    Takes ``Accelerator``'s arguments; see the module docstring for what differs.
+    ``mixed_precision="fp16"`` raises ``ValueError`` (use ``"bf16"``, or an fp16 model).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("mixed_precision") == "fp16":  # before accelerate's global state is set
+            raise ValueError(f"OffloadAccelerator(mixed_precision='fp16'): {FP16_AMP_MESSAGE}")
+        super().__init__(*args, **kwargs)
+        if self.mixed_precision == "fp16":  # from the environment or accelerate's config
+            raise ValueError(f"OffloadAccelerator(mixed_precision='fp16'): {FP16_AMP_MESSAGE}")
+        #: Optimizers passed to the prepare() call under way, so that prepare_model (which
+        #: accelerate calls before prepare_optimizer) knows who owns the model's parameters.
+        self._offload_in_prepare: list[OffloadAdamW] = []
+
+    def _offload_optimizers(self) -> list[OffloadAdamW]:
+        prepared = [
+            opt.optimizer
+            for opt in self._optimizers
+            if isinstance(opt, OffloadAcceleratedOptimizer)
+        ]
+        return prepared + [opt for opt in self._offload_in_prepare if opt not in prepared]
+
+    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """``Accelerator.prepare``; an ``OffloadAdamW`` comes back as an
+        ``OffloadAcceleratedOptimizer`` (Note [no state round trip at prepare])."""
+        self._offload_in_prepare = [arg for arg in args if isinstance(arg, OffloadAdamW)]
+        try:
+            return super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._offload_in_prepare = []
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> torch.optim.Optimizer:
+        """``Accelerator.prepare_optimizer``; an ``OffloadAdamW`` is wrapped without moving
+        its state, whatever ``device_placement`` says."""
+        if isinstance(optimizer, OffloadAdamW):
+            optimizer = OffloadAcceleratedOptimizer(optimizer, scaler=self.scaler)
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> torch.nn.Module:
+        """``Accelerator.prepare_model``, without the DDP wrapper for a model whose
+        trainable parameters an ``OffloadAdamW`` owns (it reduce-scatters them itself)."""
+        if self.num_processes > 1 and not evaluation_mode and self._owned_by_offload(model):
+            # evaluation_mode applies mixed precision and torch.compile, and skips only the
+            # distributed wrappers.
+            evaluation_mode = True
+        return super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
+    def _owned_by_offload(self, model: torch.nn.Module) -> bool:
+        """True when an ``OffloadAdamW`` owns every trainable parameter of ``model``;
+        ``ValueError`` when it owns only some of them."""
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        owned = {id(p) for opt in self._offload_optimizers() for p in _params(opt)}
+        if not trainable & owned:
+            return False
+        missing = len(trainable - owned)
+        if missing:
+            raise ValueError(
+                f"{missing} of the model's {len(trainable)} trainable parameters belong to no "
+                "OffloadAdamW, and DDP cannot reduce only the rest: build OffloadAdamW over "
+                "all of model.parameters(), or freeze the others (requires_grad_(False))"
+            )
+        return True
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward``, with the loss multiplied by ``OffloadAdamW``'s loss
+        scale (1.0 unless the model is fp16)."""
+        scales = {opt.loss_scale for opt in self._offload_optimizers()}
+        if len(scales) > 1:
+            raise ValueError(
+                f"the prepared OffloadAdamW optimizers have different loss scales "
+                f"{sorted(scales)}; one backward can apply only one: train the fp16 "
+                "parameters with a single OffloadAdamW"
+            )
+        scale = scales.pop() if scales else 1.0
+        super().backward(loss * scale if scale != 1.0 else loss, **kwargs)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """``Accelerator.clip_grad_norm_``; the parameters of a prepared ``OffloadAdamW``
+        are clipped inside it (torch's clip would find no ``param.grad``), and the
+        returned pre-clip norm is theirs. ``max_norm=inf`` reads the norm only."""
+        params = list(parameters)
+        opt = self._owner(params, what="clip_grad_norm_")
+        if opt is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return clip_norm(opt, max_norm, float(norm_type))
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """``Accelerator.clip_grad_value_``; refused for ``OffloadAdamW``'s parameters."""
+        params = list(parameters)
+        if self._owner(params, what="clip_grad_value_") is not None:
+            raise ValueError(
+                f"clip_grad_value_(clip_value={clip_value!r}) on OffloadAdamW's parameters: "
+                "it clips by the global norm only (gradients are on the host, not in "
+                "param.grad); use accelerator.clip_grad_norm_(model.parameters(), max_norm)"
+            )
+        super().clip_grad_value_(params, clip_value)
+
+    def _owner(self, params: list[torch.Tensor], *, what: str) -> OffloadAdamW | None:
+        """The prepared ``OffloadAdamW`` whose trainable parameters are exactly the
+        trainable ones in ``params`` (``None`` if none of them is an ``OffloadAdamW``'s)."""
+        passed = {id(p) for p in params if p.requires_grad}
+        owners = [
+            opt for opt in self._offload_optimizers() if passed & {id(p) for p in _params(opt)}
+        ]
+        if not owners:
+            return None
+        if len(owners) > 1:
+            raise ValueError(
+                f"{what}: the parameters belong to {len(owners)} OffloadAdamW optimizers; "
+                "clip each one's own parameters (or call opt.clip_grad_norm_ on each)"
+            )
+        ours = {id(p) for p in _params(owners[0])}
+        if passed != ours:
+            raise ValueError(
+                f"{what}: got {len(passed)} trainable parameters, of which "
+                f"{len(passed & ours)} are the OffloadAdamW's {len(ours)}; it clips all of its "
+                "parameters together by their global norm: pass exactly its parameters "
+                "(model.parameters()), or call opt.clip_grad_norm_(max_norm)"
+            )
+        return owners[0]
+
+
+def _params(opt: OffloadAdamW) -> list[torch.Tensor]:
+    """The trainable parameters of ``opt`` (frozen ones get no host state)."""
+    return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]

@@ -1,0 +1,278 @@
+"""Hugging Face ``Trainer`` with ``OffloadAdamW``: ``OffloadTrainer``.
+
+A drop-in ``transformers.Trainer`` (so also a base for TRL's trainers)::
+
+    from zero_offload import OffloadConfig
+    from zero_offload.integrations.transformers import OffloadTrainer
+
+    trainer = OffloadTrainer(
+        model=model,
+        args=TrainingArguments(output_dir="out", bf16=True, max_grad_norm=1.0, ...),
+        train_dataset=train_dataset,
+        offload_config=OffloadConfig(bucket_bytes="32MiB"),  # optional
+    )
+    trainer.train()
+
+What it does, in the Trainer methods made for overriding:
+
+- ``create_optimizer`` builds ``OffloadAdamW`` from the ``TrainingArguments`` (learning
+  rate, Adam betas and epsilon, weight decay) with Trainer's own two parameter groups
+  (``get_decay_parameter_names``: no decay for biases and norms), and wraps it for
+  accelerate without the state round trip (Note [no state round trip at prepare] in
+  ``accelerate.py``). An ``OffloadAdamW`` passed as ``optimizers=(opt, scheduler)`` is
+  used as it is.
+- ``_clip_grad_norm`` / ``_get_grad_norm`` clip at ``args.max_grad_norm`` inside the
+  optimizer and return the true pre-clip norm, which Trainer logs as ``grad_norm``
+  (Note [frameworks clip through the optimizer] in ``_optim.py``).
+- ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` write and read
+  ``optimizer.pt`` in the consolidated layout (``zero_offload.checkpoint_io``): with several
+  ranks every rank's shard is in it, and it resumes on any number of ranks.
+- ``compute_loss``: for an fp16 model, the gradient of the loss is multiplied by
+  ``OffloadAdamW``'s loss scale during backward (Trainer's own backward does not scale).
+- With several ranks (``torchrun``) the model is not wrapped in DDP: ``OffloadAdamW``
+  reduce-scatters the gradients itself.
+
+Refused at construction, with a ``ValueError`` saying what to use: ``fp16=True`` (torch's
+GradScaler needs ``param.grad``; use ``bf16=True`` or an fp16 model), an ``optim`` other
+than AdamW, DeepSpeed, FSDP, several GPUs in one process, and a clipping threshold in
+``offload_config`` (clipping is ``TrainingArguments.max_grad_norm``'s job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+from ..accelerator import Accelerator as OffloadDevice
+from ..checkpoint_io import load_consolidated, save_consolidated
+from ..config import OffloadConfig
+from ..optim import OffloadAdamW
+from ._optim import find_offload_optimizer, pre_clip_norm
+from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
+
+__all__ = ["OffloadTrainer"]
+
+#: ``TrainingArguments.optim`` values whose semantics OffloadAdamW reproduces.
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+#: The Trainer methods OffloadTrainer overrides; a transformers without them would bypass
+#: the clipping and checkpoint routes silently, so construction checks they exist.
+_OVERRIDDEN = (
+    "create_optimizer",
+    "get_decay_parameter_names",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "compute_loss",
+)
+
+
+class OffloadTrainer(Trainer):
+    """``transformers.Trainer`` training with ``OffloadAdamW``; see the module docstring.
+
+    Takes ``Trainer``'s arguments, plus keyword-only:
+        offload_config: bucketing, tiling, ``offload_fraction``, loss scaling and the other
+            ``OffloadConfig`` fields for the optimizer it builds (default
+            ``OffloadConfig()``). Its ``max_grad_norm`` must be ``None``: Trainer's
+            ``max_grad_norm`` sets the clipping.
+        offload_device: the zero-offload accelerator for the optimizer (default
+            ``zero_offload.get_accelerator()``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        offload_config: OffloadConfig | None = None,
+        offload_device: OffloadDevice | None = None,
+        **kwargs: Any,
+    ) -> None:
+        missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
+        if missing:
+            raise RuntimeError(
+                f"this transformers version's Trainer has no {missing}, through which "
+                "OffloadTrainer clips, logs grad_norm and checkpoints; install a transformers "
+                "that zero-offload supports (see pyproject.toml, the 'test' extra)"
+            )
+        for name, value, kind in (
+            ("offload_config", offload_config, OffloadConfig),
+            ("offload_device", offload_device, OffloadDevice),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(
+                    f"{name} must be a zero_offload.{kind.__name__} or None, got "
+                    f"{type(value).__name__}"
+                )
+        if offload_config is not None and offload_config.max_grad_norm is not None:
+            raise ValueError(
+                f"offload_config.max_grad_norm={offload_config.max_grad_norm!r}: OffloadTrainer "
+                "clips at TrainingArguments.max_grad_norm; set that instead and leave "
+                "OffloadConfig.max_grad_norm=None"
+            )
+        self.offload_config = offload_config if offload_config is not None else OffloadConfig()
+        self.offload_device = offload_device
+        super().__init__(*args, **kwargs)
+        self._check_setup()
+
+    def _check_setup(self) -> None:
+        """Refuse what would train wrongly, now rather than at the first step."""
+        args = self.args
+        if args.fp16:
+            raise ValueError(
+                f"OffloadTrainer with TrainingArguments(fp16=True): {FP16_AMP_MESSAGE}"
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "OffloadTrainer does not combine with DeepSpeed or FSDP (each partitions the "
+                "optimizer state its own way); remove TrainingArguments.deepspeed / fsdp, or use "
+                "a plain Trainer with them"
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"OffloadTrainer sees {args.n_gpu} GPUs in one process (torch.nn.DataParallel); "
+                "launch one process per GPU with torchrun, or expose one GPU "
+                "(CUDA_VISIBLE_DEVICES)"
+            )
+        if self.optimizer_cls_and_kwargs is not None:
+            raise ValueError(
+                "OffloadTrainer builds OffloadAdamW itself: drop optimizer_cls_and_kwargs and set "
+                "the hyper-parameters in TrainingArguments (learning_rate, adam_beta1/2, "
+                "adam_epsilon, weight_decay) and the offload settings in offload_config"
+            )
+        if self.optimizer is None:
+            if str(getattr(args.optim, "value", args.optim)) not in ADAMW_OPTIMS:
+                raise ValueError(
+                    f"TrainingArguments.optim={str(args.optim)!r}: OffloadTrainer trains with "
+                    f"OffloadAdamW (AdamW semantics); use optim in {ADAMW_OPTIMS}"
+                )
+            if args.optim_args:
+                raise ValueError(
+                    f"TrainingArguments.optim_args={args.optim_args!r} is not read by "
+                    "OffloadTrainer; put offload settings in offload_config=OffloadConfig(...)"
+                )
+            return
+        opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer(optimizers=...)")
+        limit = opt.config.max_grad_norm
+        if limit is not None and limit != args.max_grad_norm:
+            raise ValueError(
+                f"the OffloadAdamW passed in optimizers= clips at OffloadConfig.max_grad_norm="
+                f"{limit!r} but TrainingArguments.max_grad_norm={args.max_grad_norm!r}; set "
+                "one of them (the other to None / the same value)"
+            )
+
+    # -- the optimizer -----------------------------------------------------------------
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """Build ``OffloadAdamW`` from the ``TrainingArguments`` (or take the one passed in
+        ``optimizers=``) and wrap it for accelerate (Note [no state round trip at prepare])."""
+        if self.optimizer is None:
+            self.optimizer = self._build_offload_adamw(self.model if model is None else model)
+        if not isinstance(self.optimizer, OffloadAcceleratedOptimizer):
+            opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer")
+            self.optimizer = OffloadAcceleratedOptimizer(opt, scaler=self.accelerator.scaler)
+        if self.accelerator.num_processes > 1:
+            # Several ranks: OffloadAdamW reduce-scatters the gradients itself. Preparing the
+            # model here in evaluation mode (mixed precision, compile; no DDP) marks it
+            # prepared, so the prepare() that Trainer calls next leaves it unwrapped.
+            self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        return self.optimizer
+
+    def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadAdamW:
+        args = self.args
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # Trainer's own grouping (create_optimizer), so a checkpoint of a Trainer run with
+        # torch's AdamW has the same groups.
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        config = dataclasses.replace(
+            self.offload_config,
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+        )
+        return OffloadAdamW(
+            groups,
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            config=config,
+            accelerator=self.offload_device,
+        )
+
+    @property
+    def offload_optimizer(self) -> OffloadAdamW:
+        """The ``OffloadAdamW`` behind ``self.optimizer`` (after ``create_optimizer``)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "OffloadTrainer.offload_optimizer before the optimizer exists; call "
+                "trainer.create_optimizer() or trainer.train() first"
+            )
+        return find_offload_optimizer(self.optimizer, where="OffloadTrainer")
+
+    # -- clipping and the logged norm ----------------------------------------------------
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        """Clip at ``args.max_grad_norm`` inside the optimizer; the pre-clip norm."""
+        return self.offload_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(
+        self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None
+    ) -> torch.Tensor | float:
+        """The pre-clip norm Trainer logs as ``grad_norm`` (read from the optimizer when
+        ``max_grad_norm`` is 0, so nothing clipped)."""
+        return pre_clip_norm(self.offload_optimizer) if grad_norm is None else grad_norm
+
+    # -- fp16 models: the loss scale ---------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Trainer's loss; for an fp16 model its gradient is scaled by the optimizer's loss
+        scale during backward, as ``OffloadAdamW.backward`` would (the value returned, and
+        logged, stays unscaled)."""
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        loss = result[0] if return_outputs else result
+        if (
+            self.optimizer is not None
+            and isinstance(loss, torch.Tensor)
+            and loss.requires_grad
+            and self.offload_optimizer.loss_scale != 1.0
+        ):
+            opt = self.offload_optimizer
+            # Read at backward time: an overflow in between may have lowered the scale.
+            loss.register_hook(lambda grad: grad * opt.loss_scale)
+        return result
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``optimizer.pt`` in the consolidated layout (every rank takes part; rank 0 writes
+        it) and Trainer's ``scheduler.pt``."""
+        save_consolidated(self.offload_optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Every rank reads ``optimizer.pt`` and keeps its own shard (any world size); as
+        Trainer, a checkpoint saved without them (``save_only_model``) loads neither."""
+        if checkpoint is None:
+            return
+        opt_path = os.path.join(checkpoint, OPTIMIZER_NAME)
+        scheduler_path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not (os.path.isfile(opt_path) and os.path.isfile(scheduler_path)):
+            return
+        load_consolidated(self.offload_optimizer, opt_path)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))
