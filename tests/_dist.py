@@ -190,6 +190,46 @@ def scenario_collectives(rank: int, world: int, out: Path) -> dict:
     return {"mean": mean, "gathered": gathered}
 
 
+def uneven_skip(step: int, rank: int) -> set[str]:
+    """Which blocks rank ``rank`` leaves unused at ``step`` (a router, a conditional branch):
+    ranks disagree at most steps, and at step 2 every rank skips block 1."""
+    if step == 2:
+        return {"block1"}
+    which = (step + rank) % 3
+    return {f"block{which}"} if which < 2 else set()
+
+
+def uneven_loss(model, tokens, targets, *, skip: set[str]) -> torch.Tensor:
+    """TinyTransformer's loss with the blocks in ``skip`` left out."""
+    x = model.embed(tokens)
+    for i, block in enumerate(model.blocks):
+        if f"block{i}" not in skip:
+            x = block(x)
+    logits = model.head(model.norm(x))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def scenario_uneven(rank: int, world: int, out: Path, *, steps: int) -> dict:
+    """Ranks leave different blocks unused; several buckets, some smaller than one
+    parameter (bucket_bytes 8192 < in_proj_weight), whole buckets without a gradient on a
+    rank (Note [ranks in lockstep])."""
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    for step, (tokens, targets) in enumerate(data(steps)):
+        loss = uneven_loss(
+            model,
+            shard_batch(tokens, rank, world),
+            shard_batch(targets, rank, world),
+            skip=uneven_skip(step, rank),
+        )
+        loss.backward()
+        opt.step()
+        model.zero_grad()  # as HF Trainer clears
+    result = {"weights": _weights(model)}
+    opt.close()
+    return result
+
+
 def _since(began: float) -> float:
     return time.perf_counter() - began
 
@@ -201,6 +241,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
     "resume": scenario_resume,
     "failure": scenario_failure,
     "collectives": scenario_collectives,
+    "uneven": scenario_uneven,
 }
 
 

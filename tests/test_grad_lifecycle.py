@@ -1,0 +1,422 @@
+"""The gradient lifecycle as users' loops exercise it (Note [a bucket's gradient lifecycle]).
+
+Every parity check compares against ``torch.optim.AdamW`` on an identical model with the
+same batches. Tolerance: 1e-5 on the weights after a few steps (fp32), the spread between
+torch's own for-loop and fused AdamW on this model; "bitwise" means ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zero_offload import StepFailed
+from zero_offload.memory.traffic import Category, Direction
+from zero_offload.optim.grad_lifecycle import GradState
+
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    offload_opt,
+    torch_adamw,
+)
+
+TOL = 1e-5
+
+
+def _clear(style: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    if style in ("model", "both"):
+        model.zero_grad()
+    if style in ("opt_keep", "both"):
+        opt.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+@pytest.mark.parametrize("style", ["model", "opt_keep", "both", "neither"])
+def test_every_way_of_clearing_gradients_trains_like_torch(style: str, micro: int) -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    ropt = torch_adamw(ref)
+    data = batches(3 * micro)
+    for i in range(0, len(data), micro):
+        for tokens, targets in data[i : i + micro]:
+            lm_loss(model, tokens, targets).backward()
+            lm_loss(ref, tokens, targets).backward()
+        opt.step()
+        _clear(style, model, opt)  # "neither": step() alone consumes the window
+        ropt.step()
+        ropt.zero_grad()
+    assert max_diff(model, ref) < TOL
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an OOM in the middle of backward)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("injected: out of memory in backward")
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *, fail: bool):
+    # TinyTransformer's forward, with the failure between the two blocks: backward has
+    # produced the head's, the norm's and the last block's gradients when it raises.
+    x = model.embed(tokens)
+    x = model.blocks[0](x)
+    if fail:
+        x = _RaiseInBackward.apply(x)
+    x = model.blocks[1](x)
+    logits = model.head(model.norm(x))
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _failing_backward(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        _loss(model, tokens, targets, fail=True).backward()
+
+
+# Three buckets: at the failure the first has gone to the host and the second is half-filled.
+FAIL_BUCKET_BYTES = 32768
+
+
+def test_a_backward_that_raised_is_discarded_by_zero_grad() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model, bucket_bytes=FAIL_BUCKET_BYTES)
+    ropt = torch_adamw(ref)
+    data = batches(4)
+    for step, (tokens, targets) in enumerate(data):
+        if step == 1:  # an OOM-skipping loop: catch, zero_grad, next batch
+            _failing_backward(model, tokens, targets)
+            states = {b.grads.state for b in opt.buckets}
+            # Some buckets went to the host, one is half-filled, the rest untouched.
+            assert GradState.IN_FLIGHT in states or GradState.ACCUMULATED in states
+            assert GradState.FILLING in states
+            opt.zero_grad()
+            assert all(b.grads.state is GradState.EMPTY for b in opt.buckets)
+            continue
+        _loss(model, tokens, targets, fail=False).backward()
+        _loss(ref, tokens, targets, fail=False).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    assert max_diff(model, ref) < TOL
+
+
+def test_a_backward_that_raised_then_another_backward_counts_like_param_grad() -> None:
+    # Without zero_grad, torch keeps the partial gradients in .grad and the next backward
+    # adds to them; so do we, and nothing of the failed backward outlives the next step.
+    model, ref = make_pair()
+    opt = offload_opt(model, bucket_bytes=FAIL_BUCKET_BYTES)
+    ropt = torch_adamw(ref)
+    for step, (tokens, targets) in enumerate(batches(4)):
+        if step == 1:
+            _failing_backward(model, tokens, targets)
+            _failing_backward(ref, tokens, targets)
+        _loss(model, tokens, targets, fail=False).backward()
+        _loss(ref, tokens, targets, fail=False).backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        assert not opt._router.open
+        assert all(b.grads.state is GradState.EMPTY for b in opt.buckets)
+    assert max_diff(model, ref) < TOL
+
+
+class _Checkpointed(nn.Module):
+    """TinyTransformer with each block under activation checkpointing."""
+
+    def __init__(self, base: nn.Module, *, reentrant: bool) -> None:
+        super().__init__()
+        self.base = base
+        self.reentrant = reentrant
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.base.embed(tokens)
+        for block in self.base.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.base.head(self.base.norm(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_flushes_each_bucket_once_per_backward(reentrant: bool) -> None:
+    base, ref = make_pair()
+    model = _Checkpointed(base, reentrant=reentrant)
+    opt = offload_opt(base)
+    ropt = torch_adamw(ref)
+    counters = opt.manager.counters
+    key = f"{Direction.D2H.value}/{Category.GRADIENTS.value}"
+    for tokens, targets in batches(3):
+        before = counters.snapshot().get(key, {}).get("copies", 0)
+        backwards = opt.backwards
+        lm_loss(model, tokens, targets).backward()
+        # Every bucket is complete before the end of backward, so each goes exactly once;
+        # the nested graph tasks of reentrant checkpointing do not end the backward.
+        assert counters.snapshot()[key]["copies"] - before == len(opt.buckets)
+        assert opt.backwards == backwards + 1
+        lm_loss(ref, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    assert max_diff(base, ref) < TOL
+
+
+def test_retain_graph_backwards_are_two_backwards() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    ropt = torch_adamw(ref)
+    for tokens, targets in batches(2):
+        loss = lm_loss(model, tokens, targets)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        rloss = lm_loss(ref, tokens, targets)
+        rloss.backward(retain_graph=True)
+        rloss.backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    assert opt.backwards == 4
+    assert max_diff(model, ref) < TOL
+
+
+def test_overlap_step_lets_weights_loaded_between_steps_win() -> None:
+    model, other = make_pair(seed=0)
+    _, fresh = make_pair(seed=1)
+    opt = offload_opt(model, overlap_step=True)
+    twin = offload_opt(other, overlap_step=True)  # the same run without the load
+    for tokens, targets in batches(3):
+        for m, o in ((model, opt), (other, twin)):
+            lm_loss(m, tokens, targets).backward()
+            o.step()
+            o.zero_grad()
+    loaded = copy.deepcopy(fresh.state_dict())
+    model.load_state_dict(loaded)  # between steps, with update 3 still pending
+    opt.step()  # no gradients: publishes nothing but must not overwrite the load
+    opt.flush_pending_update()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, loaded[name]), name
+    # The master follows the loaded weights; the moments keep update 3 (torch's semantics:
+    # loading the model does not touch the optimizer).
+    twin.step()
+    twin.flush_pending_update()
+    mine, theirs = opt.state_dict()["state"], twin.state_dict()["state"]
+    for index, param in enumerate(model.parameters()):
+        assert torch.equal(mine[index]["master"], param.detach())
+        assert torch.equal(mine[index]["exp_avg"], theirs[index]["exp_avg"])
+
+
+def _params_snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i]
+    )
+
+
+def test_a_parameter_unfrozen_after_construction_is_refused_and_nothing_changes() -> None:
+    model, _ = make_pair()
+    model.head.bias.requires_grad_(False)
+    opt = offload_opt(model)
+    tokens, targets = batches(1)[0]
+    lm_loss(model, tokens, targets).backward()
+    opt.step()
+    opt.zero_grad()
+    model.head.bias.requires_grad_(True)
+    weights, state = _params_snapshot(model), opt.state_dict()
+    lm_loss(model, tokens, targets).backward()
+    with pytest.raises(ValueError, match=r"frozen .* when OffloadAdamW#\d+ was built"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert _same_state(state, opt.state_dict())
+
+
+def test_replaced_param_data_is_refused_and_nothing_changes() -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    tokens, targets = batches(1)[0]
+    lm_loss(model, tokens, targets).backward()
+    opt.step()
+    opt.zero_grad()
+    model.head.weight.data = model.head.weight.data.clone()  # detached from its slot
+    weights, state = _params_snapshot(model), opt.state_dict()
+    lm_loss(model, tokens, targets).backward()
+    with pytest.raises(ValueError, match=r"\.data was replaced after construction"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert _same_state(state, opt.state_dict())
+
+
+def test_optimizer_state_is_live_and_distributed_checkpoint_round_trips() -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    assert len(opt.state) == sum(1 for p in model.parameters() if p.requires_grad)
+    for tokens, targets in batches(2):
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    entry = opt.state[model.head.weight]
+    index = next(i for i, p in enumerate(model.parameters()) if p is model.head.weight)
+    assert int(entry["step"]) == 2
+    assert torch.equal(entry["exp_avg"], saved["state"][index]["exp_avg"])
+    osd = get_optimizer_state_dict(model, opt)  # must not run torch's fake zero-grad step
+    assert _same_state(saved, opt.state_dict())
+    with torch.no_grad():
+        entry["exp_avg"].zero_()  # the entries are views: this writes the optimizer state
+    assert not _same_state(saved, opt.state_dict())
+    set_optimizer_state_dict(model, opt, osd)
+    assert _same_state(saved, opt.state_dict())
+
+
+def test_a_failure_in_the_middle_of_step_says_what_was_stepped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    tokens, targets = batches(1)[0]
+    # A bad hyper-parameter is refused before anything changes.
+    lm_loss(model, tokens, targets).backward()
+    weights, state = _params_snapshot(model), opt.state_dict()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert _same_state(state, opt.state_dict())
+    opt.param_groups[0]["lr"] = 1e-3
+    # A failure after mutation started names what was stepped.
+    victim = opt.buckets[2].backend
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected kernel failure")
+
+    monkeypatch.setattr(victim, "update", broken)
+    with pytest.raises(StepFailed, match=r"bucket 2.*buckets \[0, 1\] were stepped.*reload"):
+        opt.step()
+
+
+def _threads() -> int:
+    import threading
+
+    return threading.active_count()
+
+
+def test_optimizers_dropped_without_close_release_everything() -> None:
+    psutil = pytest.importorskip("psutil")
+    acc = host_accelerator()
+    model, ref = make_pair()
+    gc.collect()
+    threads, in_use = _threads(), acc.memory_stats()["in_use"]
+    rss = psutil.Process().memory_info().rss
+    for _ in range(200):
+        opt = offload_opt(model, accelerator=acc)
+        lm_loss(model, *batches(1)[0]).backward()
+        opt.step()
+        del opt  # like a Trainer or a notebook cell: no close()
+    gc.collect()
+    assert _threads() <= threads + 1
+    assert acc.memory_stats()["in_use"] == in_use
+    assert psutil.Process().memory_info().rss - rss < 200 * 2**20
+    # A new optimizer over the same model trains exactly like torch: the old hooks are gone.
+    ref.load_state_dict(model.state_dict())
+    opt = offload_opt(model, accelerator=acc)
+    ropt = torch_adamw(ref)
+    for tokens, targets in batches(3):
+        lm_loss(model, tokens, targets).backward()
+        lm_loss(ref, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    assert max_diff(model, ref) < TOL
+
+
+def test_a_second_live_optimizer_over_the_same_parameters_is_refused() -> None:
+    model, _ = make_pair()
+    first = offload_opt(model)
+    with pytest.raises(ValueError, match=r"already trained by OffloadAdamW#\d+.*close\(\)"):
+        offload_opt(model)
+    first.close()
+    offload_opt(model).close()  # once the first is gone, it works
+
+
+def _run_overlap(data, *, save_every: int | None, between_micro: bool) -> nn.Module:
+    model, _ = make_pair()
+    opt = offload_opt(model, overlap_step=True)
+    for step in range(0, len(data), 2):
+        for micro, (tokens, targets) in enumerate(data[step : step + 2]):
+            lm_loss(model, tokens, targets).backward()
+            if between_micro and micro == 0:
+                opt.state_dict()
+        opt.step()
+        opt.zero_grad()
+        if save_every and (step // 2) % save_every == 0:
+            opt.state_dict()
+    opt.flush_pending_update()
+    return model
+
+
+def test_overlap_step_checkpointing_never_changes_training() -> None:
+    data = batches(16)
+    plain = _run_overlap(data, save_every=None, between_micro=False)
+    for kwargs in (
+        {"save_every": 2, "between_micro": False},
+        {"save_every": None, "between_micro": True},
+    ):
+        other = _run_overlap(data, **kwargs)
+        assert max_diff(plain, other) == 0.0, kwargs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+def test_bf16_resume_is_bitwise_in_either_load_order(order: str, overlap: bool) -> None:
+    data = batches(8)
+    model, _ = make_pair(torch.bfloat16)
+    start = copy.deepcopy(model.state_dict())
+    opt = offload_opt(model, overlap_step=overlap)
+
+    def run(m: nn.Module, o: torch.optim.Optimizer, part: list) -> None:
+        for tokens, targets in part:
+            lm_loss(m, tokens, targets).backward()
+            o.step()
+            o.zero_grad()
+
+    run(model, opt, data[:4])
+    model_ckpt = copy.deepcopy(model.state_dict())
+    opt_ckpt = copy.deepcopy(opt.state_dict())
+    run(model, opt, data[4:])
+    if overlap:
+        opt.flush_pending_update()
+    resumed, _ = make_pair(torch.bfloat16)
+    resumed.load_state_dict(start)
+    ropt = offload_opt(resumed, overlap_step=overlap)
+    if order == "model_first":
+        resumed.load_state_dict(model_ckpt)
+        ropt.load_state_dict(opt_ckpt)
+    else:
+        ropt.load_state_dict(opt_ckpt)
+        resumed.load_state_dict(model_ckpt)
+    run(resumed, ropt, data[4:])
+    if overlap:
+        ropt.flush_pending_update()
+    assert max_diff(model, resumed) == 0.0
