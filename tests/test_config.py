@@ -79,3 +79,11 @@ def test_budget_resolution_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEVICE_BUDGET_ENV, "nonsense")
     with pytest.raises(ValueError, match=DEVICE_BUDGET_ENV):
         AcceleratorConfig().resolved_device_budget(7, "d")
+
+
+def test_an_infinite_byte_count_is_a_value_error_not_an_overflow(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="not a finite byte count"):
+        parse_bytes("1e400", name="budget")
+    monkeypatch.setenv("ZERO_OFFLOAD_DEVICE_BUDGET", "1e400")
+    with pytest.raises(ValueError, match="ZERO_OFFLOAD_DEVICE_BUDGET='1e400' is not a finite"):
+        AcceleratorConfig().resolved_device_budget(1, "default")

@@ -28,7 +28,8 @@ def test_complex_and_integer_parameters_are_refused() -> None:
 
 
 def test_parameter_on_another_device_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"parameter 0 .* is on meta .*model.to"):
+    # Meta parameters are told to materialise (to_empty); model.to('cpu') would fail on them.
+    with pytest.raises(ValueError, match=r"parameter 0 .* is on the meta device .*to_empty"):
         _opt([nn.Parameter(torch.zeros(2, device="meta"))])
 
 
@@ -160,3 +161,10 @@ def test_config_validation_names_each_field() -> None:
             [nn.Parameter(torch.ones(3))],
             config=OffloadConfig(overlap_step=True, offload_fraction=0.5),
         )
+
+
+def test_meta_parameters_are_told_to_use_to_empty() -> None:
+    with torch.device("meta"):
+        layer = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"meta device .* model\.to_empty\(device="):
+        OffloadAdamW(layer.parameters(), accelerator=host_accelerator())

@@ -67,8 +67,13 @@ def parse_bytes(value: int | str, *, name: str = "value") -> int:
             f"{name}={value!r} is not a byte count; use an integer or a number with a unit "
             f"such as '8GiB', '512MiB', '2GB' (units: {', '.join(sorted(k for k in _UNITS if k))})"
         )
-    number = float(match.group(1))
-    return int(number * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number):
+        raise ValueError(
+            f"{name}={value!r} is not a finite byte count; use an integer or a number with a "
+            "unit such as '8GiB'"
+        )
+    return int(number)
 
 
 def format_bytes(nbytes: float) -> str:

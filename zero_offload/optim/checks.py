@@ -14,6 +14,7 @@ __all__ = [
     "check_new_params",
     "check_params",
     "describe_param",
+    "trainer_clipping_we_cannot_see",
 ]
 
 #: Training dtypes the CPU kernels read and write.
@@ -104,6 +105,12 @@ def check_params(
                     f"{what}: dtype {param.dtype} is not supported; cast the model to one of "
                     f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
                 )
+            if param.device.type == "meta":
+                raise ValueError(
+                    f"{what} is on the meta device (no storage yet): materialise the model "
+                    f"first, e.g. model.to_empty(device={str(device)!r}) and then initialise "
+                    "or load its weights"
+                )
             if param.device.type != device.type or (
                 device.index is not None and param.device.index != device.index
             ):
@@ -125,3 +132,27 @@ def check_params(
         if members:
             families.append((g, members))
     return families
+
+
+def trainer_clipping_we_cannot_see(frame: Any, *, depth: int = 12) -> Any | None:
+    """The Hugging Face ``Trainer`` among the callers of ``frame`` (up to ``depth`` frames)
+    whose ``args.max_grad_norm`` asks for clipping, or None.
+
+    Such a Trainer clips with ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which
+    finds no ``.grad`` on OffloadAdamW's parameters (the gradients are on the host) and so
+    clips nothing and logs a norm of 0. Found by the class's module name: transformers is
+    never imported here.
+    """
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and any(
+            cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
+            for cls in type(owner).__mro__
+        ):
+            args = getattr(owner, "args", None)
+            limit = getattr(args, "max_grad_norm", None)
+            return owner if isinstance(limit, (int, float)) and limit > 0 else None
+        frame = frame.f_back
+    return None

@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -41,7 +42,13 @@ from ..partition import BucketLayout, plan_buckets
 from ..tracing import phase
 from .backend import AdamHyper, BucketPools, UpdateBackend
 from .backward import BackwardRouter
-from .checks import check_hyper, check_new_params, check_params, describe_param
+from .checks import (
+    check_hyper,
+    check_new_params,
+    check_params,
+    describe_param,
+    trainer_clipping_we_cannot_see,
+)
 from .flat_bucket import FlatBucket, StepPlan
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .offloaded import GradBuffers, OffloadedState
@@ -504,6 +511,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             check_hyper(group, where=f"param group {g}")
 
+    def _refuse_invisible_clipping(self) -> None:
+        """A plain HF ``Trainer`` with clipping would silently not clip: refuse loudly."""
+        if self._clip_once is not None or self.config.max_grad_norm is not None:
+            return  # the clipping this step does is ours
+        trainer = trainer_clipping_we_cannot_see(sys._getframe(2))
+        if trainer is not None:
+            raise RuntimeError(
+                f"{type(trainer).__name__}(max_grad_norm={trainer.args.max_grad_norm!r}) "
+                "clips with torch.nn.utils.clip_grad_norm_, which cannot see "
+                f"{type(self).__name__}'s gradients (they live on the host): it would clip "
+                "nothing and log grad_norm 0. Use "
+                "zero_offload.integrations.transformers.OffloadTrainer, which clips inside "
+                "the optimizer; or set TrainingArguments(max_grad_norm=0) and "
+                "OffloadConfig(max_grad_norm=...). Nothing was stepped"
+            )
+
     def _grad_stats(self) -> tuple[float, bool, list[np.ndarray]]:
         """Global sum of squares of the (scaled) gradients, the overflow flag, and each
         bucket's per-parameter "got a gradient" flags (OR over the ranks)."""
@@ -566,6 +589,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_untouched()
+        self._refuse_invisible_clipping()
         self._collect_stray_grads()
         self._mode.settle(self.buckets)
         for bucket in self.buckets:
