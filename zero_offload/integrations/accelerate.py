@@ -157,12 +157,18 @@ class OffloadAccelerator(Accelerator):
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
-        """``Accelerator.prepare_model``, without the DDP wrapper for a model whose
-        trainable parameters an ``OffloadAdamW`` owns (it reduce-scatters them itself)."""
-        if self.num_processes > 1 and not evaluation_mode and self._owned_by_offload(model):
-            # evaluation_mode applies mixed precision and torch.compile, and skips only the
-            # distributed wrappers.
-            evaluation_mode = True
+        """``Accelerator.prepare_model``; a model whose trainable parameters an
+        ``OffloadAdamW`` owns is neither moved nor, with several processes, wrapped in DDP
+        (the optimizer reduce-scatters its gradients itself)."""
+        if self._owned_by_offload(model):
+            # The optimizer was built on the parameters where they are: accelerate's
+            # placement could only copy them away from its storage (on CPU, .to("cpu:0")
+            # copies).
+            device_placement = False
+            if self.num_processes > 1:
+                # evaluation_mode applies mixed precision and torch.compile, and skips only
+                # the distributed wrappers.
+                evaluation_mode = True
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )

@@ -170,16 +170,19 @@ class OffloadTrainer(Trainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Build ``OffloadAdamW`` from the ``TrainingArguments`` (or take the one passed in
         ``optimizers=``) and wrap it for accelerate (Note [no state round trip at prepare])."""
+        if self.accelerator.num_processes > 1:
+            # Several ranks: OffloadAdamW reduce-scatters the gradients itself. Preparing the
+            # model here in evaluation mode (mixed precision, compile; no DDP) marks it
+            # prepared, so the prepare() that Trainer calls next leaves it unwrapped. No
+            # placement: Trainer placed the model at construction, and accelerate's device
+            # ("cpu:0") would make .to() copy every parameter away from the optimizer's
+            # storage.
+            self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
         if self.optimizer is None:
             self.optimizer = self._build_offload_adamw(self.model if model is None else model)
         if not isinstance(self.optimizer, OffloadAcceleratedOptimizer):
             opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer")
             self.optimizer = OffloadAcceleratedOptimizer(opt, scaler=self.accelerator.scaler)
-        if self.accelerator.num_processes > 1:
-            # Several ranks: OffloadAdamW reduce-scatters the gradients itself. Preparing the
-            # model here in evaluation mode (mixed precision, compile; no DDP) marks it
-            # prepared, so the prepare() that Trainer calls next leaves it unwrapped.
-            self.accelerator.prepare_model(self.model, evaluation_mode=True)
         return self.optimizer
 
     def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadAdamW:
