@@ -183,6 +183,34 @@ class Accelerator(ABC):
     ledger: DeviceLedger
     #: The race checker when one is on (host accelerator, ``check_races``), else None.
     race_checker: RaceChecker | None = None
+    #: How many holders want timed events (``hold_timing``); guarded by ``_timing_lock``.
+    _timing_holders = 0
+    _timing_lock = threading.Lock()
+
+    @property
+    def timing(self) -> bool:
+        """Whether events recorded now must carry timing (``completed_at``).
+
+        The host accelerator's events always know their time (it costs nothing there); CUDA
+        events are timed only while this is True (Note [cuda events: blocking, timed only
+        when asked] in cuda.py).
+        """
+        return self._timing_holders > 0
+
+    def hold_timing(self) -> Callable[[], None]:
+        """Make events carry timing until the returned callable is called (calls nest)."""
+        with self._timing_lock:
+            self._timing_holders += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._timing_lock:
+                if not released:
+                    released = True
+                    self._timing_holders -= 1
+
+        return release
 
     @property
     @abstractmethod

@@ -4,63 +4,205 @@ See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``. 
 ``submit(fn)`` runs ``fn`` on the calling thread with the stream current, so its kernels and
 copies are queued on that stream; Python exceptions raised while *issuing* work surface
 immediately, and asynchronous CUDA errors surface at the next synchronisation, as CUDA does.
+
+Note [the default device budget]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The budget is what the library may add on top of what already lives on the GPU. By default
+it is the device's *free* memory when the accelerator is built (``torch.cuda.mem_get_info``:
+the weights, the CUDA context and other processes are already counted out), less a headroom
+of ``max(DEVICE_HEADROOM_FRACTION`` of total memory, ``DEVICE_HEADROOM_MIN)`` for what
+comes later and is not the library's: activations, the caching allocator's fragmentation,
+cuBLAS workspaces, NCCL buffers. Memory the caching allocator holds cached but unused
+(``memory_reserved - memory_allocated``) is free to torch, so it counts as free.
+``AcceleratorConfig.device_budget`` (or ``ZERO_OFFLOAD_DEVICE_BUDGET``) still wins.
+
+Note [cuda events: blocking, timed only when asked]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every event is created with ``blocking=True``: a host ``synchronize()`` on it sleeps in the
+driver instead of spinning a core, which the CPU Adam on the other cores needs. Events carry
+timing only while someone needs times (``Accelerator.timing``, switched on by the memory
+manager while a profiler listens): a timing event costs a timestamp write on the GPU and
+cannot be elided by the driver. A timed event's ``completed_at`` is measured from the
+nearest *anchor*, an event recorded at most ``ANCHOR_SECONDS`` earlier whose host time is
+known, because ``elapsed_time`` returns float32 milliseconds: from a single reference at
+the start of a long run, float32 would lose microseconds after minutes and milliseconds
+after hours. Each anchor's host time is its predecessor's plus a short (float32-exact to
+about a microsecond) elapsed time, summed in float64.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from ..config import AcceleratorConfig
+from ..config import AcceleratorConfig, format_bytes
 from ..errors import StreamError
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .pinned import memlock_limit, page_aligned_buffer
 
-__all__ = ["CudaAccelerator"]
+__all__ = [
+    "ANCHOR_SECONDS",
+    "DEVICE_HEADROOM_FRACTION",
+    "DEVICE_HEADROOM_MIN",
+    "CudaAccelerator",
+    "default_device_budget",
+    "resolve_device_index",
+]
+
+#: Headroom left out of the default budget: this share of the GPU's total memory...
+DEVICE_HEADROOM_FRACTION = 0.05
+#: ...or at least this many bytes. See Note [the default device budget].
+DEVICE_HEADROOM_MIN = 1 << 30
+#: Longest gap (seconds) between a timed event and its anchor, Note [cuda events: ...].
+ANCHOR_SECONDS = 10.0
+
+
+def default_device_budget(free: int, total: int, cached_unused: int = 0) -> tuple[int, str]:
+    """The default budget from ``mem_get_info``'s ``free`` and ``total`` bytes, and why.
+
+    ``cached_unused``: bytes the caching allocator holds but has not handed out. See Note
+    [the default device budget].
+    """
+    headroom = max(int(total * DEVICE_HEADROOM_FRACTION), DEVICE_HEADROOM_MIN)
+    available = free + cached_unused
+    budget = max(available - headroom, 0)
+    return budget, (
+        f"default: {format_bytes(available)} free on the device at construction "
+        f"(torch.cuda.mem_get_info, plus torch's unused cache) less a headroom of "
+        f"{format_bytes(headroom)}"
+    )
+
+
+def resolve_device_index(
+    index: int | None, *, env: Mapping[str, str], device_count: int, current: int
+) -> int:
+    """Which CUDA device this process uses: ``index``, else ``LOCAL_RANK``, else the current.
+
+    ``LOCAL_RANK`` (set by torchrun) wins over the current device only when it names a
+    visible device: with one GPU visible per process (``CUDA_VISIBLE_DEVICES``) the rank's
+    GPU is device 0, the current one.
+    """
+    if index is not None:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < device_count:
+            raise ValueError(
+                f"CUDA device index must be an int in [0, {device_count}), got {index!r}; "
+                f"this process sees {device_count} GPU(s)"
+            )
+        return index
+    local = env.get("LOCAL_RANK", "").strip()
+    if local:
+        if not local.isdigit():
+            raise ValueError(f"LOCAL_RANK={local!r} is not a device index; torchrun sets 0, 1, ...")
+        if int(local) < device_count:
+            return int(local)
+    return current
+
+
+class _TimedEvent(Protocol):
+    def elapsed_time(self, end: Any) -> float: ...
+    def query(self) -> bool: ...
+
+
+class _Anchor:
+    """A timed event whose ``time.perf_counter()`` time is known, or derivable from ``prev``.
+
+    See Note [cuda events: blocking, timed only when asked]. ``recorded`` is the host time
+    at which it was recorded, to decide when a fresher anchor is due.
+    """
+
+    def __init__(
+        self, event: _TimedEvent, *, prev: _Anchor | None, time_: float | None, recorded: float
+    ) -> None:
+        self.event = event
+        self.prev = prev
+        self.recorded = recorded
+        self._time = time_
+
+    def time(self) -> float | None:
+        """Host time of this anchor, None while it (or a predecessor) is pending."""
+        chain = []  # unresolved anchors, newest first
+        anchor: _Anchor | None = self
+        while anchor is not None and anchor._time is None:
+            chain.append(anchor)
+            anchor = anchor.prev
+        if anchor is None:
+            return None
+        for later in reversed(chain):  # oldest first, each from its resolved predecessor
+            prev = later.prev
+            if prev is None or prev._time is None or not later.event.query():
+                return None
+            later._time = prev._time + prev.event.elapsed_time(later.event) / 1e3  # float64
+            later.prev = None  # the chain behind a resolved anchor can go
+        return self._time
+
+    def time_of(self, event: _TimedEvent) -> float | None:
+        """Host time at which ``event`` (recorded after this anchor) completed."""
+        base = self.time()
+        if base is None or not event.query():
+            return None
+        return base + self.event.elapsed_time(event) / 1e3
 
 
 class _Clock:
-    """Maps CUDA event times onto ``time.perf_counter()``: a reference event and its time."""
+    """Maps CUDA event times onto ``time.perf_counter()`` through a chain of anchors.
+
+    ``_lock`` guards ``_latest``.
+    """
 
     def __init__(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
-        self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record(torch.cuda.current_stream(device))
-        self.event.synchronize()  # one sync at construction, so the two clocks agree
-        self.time = time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()  # one sync at construction, so the two clocks agree
+        now = time.perf_counter()
+        self._latest = _Anchor(event, prev=None, time_=now, recorded=now)
+        self._lock = threading.Lock()
+
+    def anchor(self, stream: torch.cuda.Stream) -> _Anchor:
+        """The anchor for an event about to be recorded on ``stream`` (a fresh one if due)."""
+        now = time.perf_counter()
+        with self._lock:
+            if now - self._latest.recorded > ANCHOR_SECONDS:
+                event = torch.cuda.Event(enable_timing=True, blocking=True)
+                event.record(stream)
+                self._latest = _Anchor(event, prev=self._latest, time_=None, recorded=now)
+            return self._latest
 
 
 class CudaEvent(Event):
-    """A timing ``torch.cuda.Event`` recorded on a stream."""
+    """A blocking ``torch.cuda.Event``, timed when recorded with an ``anchor``."""
 
-    def __init__(self, event: torch.cuda.Event, stream_name: str, clock: _Clock) -> None:
+    def __init__(self, event: torch.cuda.Event, stream_name: str, anchor: _Anchor | None) -> None:
         self.event = event
         self.stream_name = stream_name
-        self._clock = clock
+        self._anchor = anchor
 
     def query(self) -> bool:
         return bool(self.event.query())
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        self.event.synchronize()  # blocking event: the thread sleeps, no core spins
 
     def completed_at(self) -> float | None:
-        if not self.event.query():
+        """Host time of completion; None while pending or for an event without timing."""
+        if self._anchor is None:
             return None
-        return self._clock.time + self._clock.event.elapsed_time(self.event) / 1e3
+        return self._anchor.time_of(self.event)
 
 
 class CudaStream(Stream):
     """A ``torch.cuda.Stream`` with a name, wrapping errors raised while issuing work."""
 
-    def __init__(self, stream: torch.cuda.Stream, name: str, clock: _Clock) -> None:
+    def __init__(self, stream: torch.cuda.Stream, name: str, accelerator: CudaAccelerator) -> None:
         self.stream = stream
         self.name = name
-        self._clock = clock
+        self._accelerator = accelerator
         self._error: StreamError | None = None
 
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -78,9 +220,11 @@ class CudaStream(Stream):
     def record_event(self) -> CudaEvent:
         if self._error is not None:
             raise self._error
-        event = torch.cuda.Event(enable_timing=True)
+        timed = self._accelerator.timing
+        anchor = self._accelerator._clock.anchor(self.stream) if timed else None
+        event = torch.cuda.Event(enable_timing=timed, blocking=True)
         event.record(self.stream)
-        return CudaEvent(event, self.name, self._clock)
+        return CudaEvent(event, self.name, anchor)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
@@ -91,6 +235,10 @@ class CudaStream(Stream):
         if self._error is not None:
             raise self._error
         self.stream.synchronize()
+
+
+def _register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
 
 
 def _unregister(ptr: int) -> None:
@@ -117,28 +265,37 @@ class CudaAccelerator(Accelerator):
                 "AcceleratorConfig.link_bandwidth/link_latency simulate a link on the host "
                 "accelerator only; a CUDA GPU has a real one. Leave them unset on CUDA."
             )
-        index = torch.cuda.current_device() if index is None else index
+        index = resolve_device_index(
+            index,
+            env=os.environ,
+            device_count=torch.cuda.device_count(),
+            current=torch.cuda.current_device(),
+        )
         self.device = torch.device("cuda", index)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget, source = self.config.resolved_device_budget(total, "default: total GPU memory")
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        budget, source = self.config.resolved_device_budget(
+            *default_device_budget(free, total, cached)
+        )
         self.ledger = DeviceLedger(budget, source)
         self._clock = _Clock(self.device)
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
-        self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self._clock)
+        self._pool_storages: set[int] = set()  # data_ptr of library-allocated device buffers
+        self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self)
 
     @property
     def pinned_memory_available(self) -> bool:
         return True
 
     def new_stream(self, name: str) -> CudaStream:
-        stream = CudaStream(torch.cuda.Stream(self.device), name, self._clock)
+        stream = CudaStream(torch.cuda.Stream(self.device), name, self)
         self._streams.add(stream)
         return stream
 
     def current_stream(self) -> CudaStream:
         current = torch.cuda.current_stream(self.device)
         if current != self._compute.stream:
-            self._compute = CudaStream(current, "compute", self._clock)
+            self._compute = CudaStream(current, "compute", self)
         return self._compute
 
     def synchronize(self) -> None:
@@ -149,22 +306,17 @@ class CudaAccelerator(Accelerator):
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         if not pinned or nbytes == 0:
             return torch.empty(nbytes, dtype=torch.uint8)
-        # Pin exactly nbytes: register an ordinary allocation with the CUDA runtime instead
-        # of torch's pinned caching allocator, which rounds up to a power of two (up to 2x
-        # host RAM). Hidden cost: page-locking touches every page; done once per pool.
-        array = np.empty(nbytes, dtype=np.uint8)
-        ptr = array.ctypes.data
-        status = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(status) != 0:
-            raise MemoryError(
-                f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}; "
-                "lower the host pool size or the locked-memory limit (ulimit -l)"
-            )
-        weakref.finalize(array, _unregister, ptr)
-        return torch.from_numpy(array)
+        # Hidden cost: faults in and page-locks every page; done once per pool. See Note
+        # [pinned buffers are page-aligned mmaps] in pinned.py for why not np.empty or
+        # torch's pinned allocator.
+        return page_aligned_buffer(nbytes, register=_register, unregister=_unregister)
 
     def _device_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ptr = tensor.untyped_storage().data_ptr()
+        self._pool_storages.add(ptr)
+        weakref.finalize(tensor, self._pool_storages.discard, ptr)
+        return tensor
 
     def copy_(
         self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
@@ -172,22 +324,35 @@ class CudaAccelerator(Accelerator):
         if not isinstance(stream, CudaStream):
             raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
 
+        # Which device tensors the caching allocator must keep from other streams until this
+        # copy is done: only those it owns and may free early (a saved activation autograd
+        # drops after packing). Library buffers (pool blocks, and tensors viewing their
+        # storage, such as reloaded activations) stay allocated until their own events
+        # complete (Note [block reuse waits on events] in memory/pool.py), and record_stream
+        # on a view of them would only delay the whole pool buffer's eventual free.
+        foreign = [
+            t
+            for t in (dst, src)
+            if t.is_cuda and t.untyped_storage().data_ptr() not in self._pool_storages
+        ]
+
         def run() -> None:
             dst.copy_(src, non_blocking=True)
-            # The caching allocator must not hand these bytes to other work on another
-            # stream until this copy has finished.
-            for tensor in (dst, src):
-                if tensor.is_cuda:
-                    tensor.record_stream(stream.stream)
+            for tensor in foreign:
+                tensor.record_stream(stream.stream)
 
         stream.submit(run)
 
     def describe(self) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        limit = memlock_limit()
         return {
             "device": f"{self.device} ({props.name})",
-            "device_memory_total": props.total_memory,
+            "device_memory_total": total,
+            "device_memory_free": free,
             "device_budget": self.ledger.budget,
             "device_budget_source": self.ledger.budget_source,
             "simulated_link": "none (real PCIe/NVLink)",
+            "memlock_limit": "unlimited" if limit is None else limit,
         }

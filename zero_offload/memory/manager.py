@@ -26,7 +26,14 @@ from ..accelerator import Accelerator, Event, Stream, get_accelerator
 from .block import Block
 from .host_worker import HostWorker
 from .pool import BlockPool
-from .traffic import Category, CopyRecord, Direction, RecordListener, TrafficCounters
+from .traffic import (
+    Category,
+    CopyRecord,
+    Direction,
+    RecordListener,
+    StallRecord,
+    TrafficCounters,
+)
 
 __all__ = ["Tier", "TieredMemoryManager"]
 
@@ -60,9 +67,11 @@ class TieredMemoryManager:
         self.host_worker = HostWorker(acc)
         self.pools: list[BlockPool] = []
         self.counters = TrafficCounters()
-        #: Seconds the caller's compute waited in ``wait_for`` (exposed transfer time),
-        #: by category; guarded by ``_lock``.
-        self.exposed_seconds: dict[Category, float] = {}
+        # Seconds compute stood still in ``wait_for`` (exposed transfer time), by category,
+        # from stalls whose events have completed; guarded by ``_lock``. See
+        # Note [exposed time is measured on the compute stream].
+        self._exposed: dict[Category, float] = {}
+        self._stalls: list[StallRecord] = []  # stalls not yet complete; guarded by _lock
         self._listeners: list[RecordListener] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -109,7 +118,9 @@ class TieredMemoryManager:
     # -- copies ------------------------------------------------------------------------
 
     def subscribe(self, listener: RecordListener) -> Callable[[], None]:
-        """Call ``listener(record)`` for every copy issued from now on; returns an unsubscribe."""
+        """Call ``listener(record)`` for every copy and stall from now on; returns an
+        unsubscribe. While subscribed, the accelerator's events carry timing."""
+        release_timing = self.accelerator.hold_timing()
         with self._lock:
             self._listeners.append(listener)
 
@@ -117,6 +128,7 @@ class TieredMemoryManager:
             with self._lock:
                 if listener in self._listeners:
                     self._listeners.remove(listener)
+            release_timing()
 
         return unsubscribe
 
@@ -184,19 +196,65 @@ class TieredMemoryManager:
         """An event on the compute stream marking the work issued so far (e.g. a gradient)."""
         return self.accelerator.current_stream().record_event()
 
+    # Note [exposed time is measured on the compute stream]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Exposed transfer time is how long compute stood still waiting for copies. On CUDA the
+    # host call ``wait_event`` returns at once, so timing it measures nothing; instead
+    # ``wait_for`` records an event on the compute stream before the waits and one after,
+    # and the stall is the gap between their completion times on the device clock (a
+    # ``StallRecord``). On the host accelerator the same two events bracket the blocking
+    # call. Stalls count once both events completed; needing timed events, they are
+    # measured while the accelerator's events are timed (always on the host accelerator;
+    # on CUDA while a profiler listens, Note [cuda events: blocking, timed only when asked]).
+
     def wait_for(self, events: Iterable[Event], *, category: Category) -> None:
-        """Make compute wait for ``events``; the time the caller blocked counts as exposed.
+        """Make compute wait for ``events``; the stall counts as exposed time.
 
         Synchronisation point: on the host accelerator compute is the caller's thread, so
-        this blocks; on CUDA the GPU waits and the caller does not.
+        this blocks; on CUDA the GPU waits and the caller does not. See Note [exposed time
+        is measured on the compute stream].
         """
+        events = list(events)
         compute = self.accelerator.current_stream()
-        began = time.perf_counter()
+        timed = self.accelerator.timing
+        issued_at = time.perf_counter()
+        before = compute.record_event() if timed else None
         for event in events:
             compute.wait_event(event)
-        waited = time.perf_counter() - began
+        if before is None:
+            return
+        stall = StallRecord(
+            seq=next(self._seq),
+            category=category,
+            stream=compute.name,
+            issued_at=issued_at,
+            before=before,
+            after=compute.record_event(),
+            waited_for=len(events),
+        )
         with self._lock:
-            self.exposed_seconds[category] = self.exposed_seconds.get(category, 0.0) + waited
+            self._stalls.append(stall)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(stall)
+
+    @property
+    def exposed_seconds(self) -> dict[Category, float]:
+        """Seconds compute stood still in ``wait_for`` so far, by category (a snapshot).
+
+        Only stalls whose events have completed count; see Note [exposed time is measured
+        on the compute stream]. Never blocks.
+        """
+        with self._lock:
+            pending = []
+            for stall in self._stalls:
+                seconds = stall.seconds()
+                if seconds is None:
+                    pending.append(stall)
+                else:
+                    self._exposed[stall.category] = self._exposed.get(stall.category, 0.0) + seconds
+            self._stalls = pending
+            return dict(self._exposed)
 
     def synchronize(self) -> None:
         """Wait for every copy and every host-side task; raise the first error."""

@@ -1,7 +1,10 @@
-"""What moved between tiers: one record per copy, and always-on counters.
+"""What moved between tiers and who waited for it: one record per copy and per stall, and
+always-on counters.
 
 The memory manager writes these (see Note [one choke point for copies] in ``manager.py``);
-the profiler only reads them, so its counts are complete by construction.
+the profiler only reads them, so its counts are complete by construction. Every timeline
+fact the manager knows is one of the records here, carried by events whose
+``completed_at()`` places it on the ``time.perf_counter()`` clock (the device clock, mapped).
 """
 
 from __future__ import annotations
@@ -13,7 +16,15 @@ from dataclasses import dataclass
 
 from ..accelerator import Event
 
-__all__ = ["Category", "CopyRecord", "Direction", "TrafficCounters"]
+__all__ = [
+    "Category",
+    "CopyRecord",
+    "Direction",
+    "Record",
+    "RecordListener",
+    "StallRecord",
+    "TrafficCounters",
+]
 
 
 class Direction(enum.Enum):
@@ -51,7 +62,34 @@ class CopyRecord:
     label: str  # free-form: which bucket, which layer
 
 
-RecordListener = Callable[[CopyRecord], None]
+@dataclass(frozen=True)
+class StallRecord:
+    """Compute made to wait for copies (``TieredMemoryManager.wait_for``), on its own clock.
+
+    ``before`` is recorded on the compute stream just before the waits and ``after`` just
+    after them, so ``after.completed_at() - before.completed_at()`` is how long the compute
+    stream stood still: on CUDA that is the GPU's stall, not the (instant) host call.
+    """
+
+    seq: int  # issue order, shared with the copies' numbering, per manager
+    category: Category
+    stream: str  # the waiting (compute) stream's name
+    issued_at: float  # time.perf_counter() when the waits were queued
+    before: Event
+    after: Event
+    waited_for: int  # how many events compute waited on
+
+    def seconds(self) -> float | None:
+        """The stall, in seconds; None while either event is pending (or untimed)."""
+        began, ended = self.before.completed_at(), self.after.completed_at()
+        if began is None or ended is None:
+            return None
+        return max(ended - began, 0.0)
+
+
+#: What the manager hands its listeners.
+Record = CopyRecord | StallRecord
+RecordListener = Callable[[Record], None]
 
 
 class TrafficCounters:

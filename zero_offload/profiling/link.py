@@ -73,11 +73,13 @@ def measure_link(acc: Accelerator, *, d2h: Stream, h2d: Stream) -> LinkBandwidth
     if nbytes < MIN_PROBE_BYTES:
         return LinkBandwidth(None, None, 0, "not measured: device budget nearly full")
     device = acc.allocate_device(nbytes, what="profiler link probe")
+    release_timing = acc.hold_timing()  # the probe reads its events' times
     try:
         host = acc.allocate_host(nbytes, pinned=True)
         up = _time_copies(acc, h2d, device.tensor, host)
         down = _time_copies(acc, d2h, host, device.tensor)
     finally:
+        release_timing()
         device.release()
     result = LinkBandwidth(
         h2d=nbytes / up if up != float("inf") else None,

@@ -1,7 +1,8 @@
 """TrafficProfiler: listens to the memory managers and the tracing phases while it records.
 
 It keeps no bookkeeping of its own beyond what it hears: the managers' ``CopyRecord``s
-(Note [one choke point for copies]), the ``tracing.phase`` spans, samples of the device
+(Note [one choke point for copies]) and ``StallRecord``s (Note [exposed time is measured on
+the compute stream]), the ``tracing.phase`` spans, samples of the device
 ledger and the pools, and the managers' ``exposed_seconds`` and pool stats at start and stop.
 Everything it reports is derived from those in ``summary.py``.
 """
@@ -22,7 +23,7 @@ import torch
 
 from ..accelerator import Accelerator
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category, CopyRecord
+from ..memory.traffic import Category, CopyRecord, Record, StallRecord
 from ..tracing import add_phase_listener
 from .link import LinkBandwidth, measure_link
 
@@ -76,6 +77,7 @@ class ProfileData:
     started_at: float = 0.0
     stopped_at: float | None = None
     copies: list[tuple[int, CopyRecord]] = field(default_factory=list)  # (manager index, record)
+    stalls: list[tuple[int, StallRecord]] = field(default_factory=list)  # (manager index, record)
     phases: list[PhaseSpan] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
     step_marks: list[float] = field(default_factory=list)  # perf_counter at each prof.step()
@@ -210,9 +212,12 @@ class TrafficProfiler:
     # -- listeners ---------------------------------------------------------------------
 
     def _copy_listener(self, index: int) -> Any:
-        copies = self.data.copies
+        copies, stalls = self.data.copies, self.data.stalls
 
-        def on_copy(record: CopyRecord) -> None:
+        def on_copy(record: Record) -> None:
+            if isinstance(record, StallRecord):
+                stalls.append((index, record))
+                return
             copies.append((index, record))
             self._sample(pools=False, rss=False)
 
