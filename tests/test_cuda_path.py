@@ -238,3 +238,30 @@ def test_cuda_events_are_timed_only_while_held_and_pinned_memory_is_aligned():
     assert timed.completed_at() is not None
     host = acc.allocate_host(512, pinned=True)
     assert host.data_ptr() % PAGE_SIZE == 0 and host.is_pinned()
+
+
+def test_the_process_accelerator_follows_set_device(monkeypatch: pytest.MonkeyPatch):
+    import zero_offload.accelerator as accelerators
+
+    class FakeCuda:
+        def __init__(self, config: AcceleratorConfig | None = None) -> None:
+            self.config = config
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    current = [0]
+    monkeypatch.setattr(accelerators, "CudaAccelerator", FakeCuda)
+    monkeypatch.setattr(accelerators, "choose_accelerator", lambda: ("cuda", "test"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    accelerators.set_accelerator(None)
+    try:
+        config = AcceleratorConfig(device_budget="1GiB")
+        first = accelerators.get_accelerator(config)  # built before set_device
+        assert first.device.index == 0
+        current[0] = 2  # torch.cuda.set_device(2)
+        second = accelerators.get_accelerator()
+        assert second.device.index == 2 and second.config is config
+        assert accelerators.get_accelerator() is second
+    finally:
+        accelerators.set_accelerator(None)

@@ -13,7 +13,7 @@ import torch
 
 from ..config import AcceleratorConfig
 from .base import Accelerator, DeviceBuffer, DeviceLedger, Event, Stream
-from .cuda import CudaAccelerator
+from .cuda import CudaAccelerator, resolve_device_index
 from .host import HostAccelerator
 
 __all__ = [
@@ -61,14 +61,31 @@ def choose_accelerator() -> tuple[str, str]:
 def get_accelerator(config: AcceleratorConfig | None = None) -> Accelerator:
     """The process-wide accelerator, built on first use (or anew when ``config`` is given).
 
-    Passing ``config`` replaces the process-wide accelerator with one built from it.
+    Passing ``config`` replaces the process-wide accelerator with one built from it. A CUDA
+    accelerator built before ``torch.cuda.set_device(local_rank)`` is rebuilt for the
+    device this rank resolves to now (``resolve_device_index``: ``LOCAL_RANK``, else the
+    current device), so no rank is left on ``cuda:0``.
     """
     global _default
     with _default_lock:
-        if _default is None or config is not None:
+        if _default is None or config is not None or _on_another_device(_default):
+            if config is None and _default is not None:
+                config = getattr(_default, "config", None)  # same settings, new device
             name, _ = choose_accelerator()
             _default = CudaAccelerator(config) if name == "cuda" else HostAccelerator(config)
         return _default
+
+
+def _on_another_device(accelerator: Accelerator) -> bool:
+    if not isinstance(accelerator, CudaAccelerator):
+        return False
+    wanted = resolve_device_index(
+        None,
+        env=os.environ,
+        device_count=torch.cuda.device_count(),
+        current=torch.cuda.current_device(),
+    )
+    return accelerator.device.index != wanted
 
 
 def set_accelerator(accelerator: Accelerator | None) -> None:
