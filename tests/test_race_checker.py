@@ -201,3 +201,33 @@ def test_off_by_default_and_on_by_env(monkeypatch):
 def test_check_races_must_be_a_bool():
     with pytest.raises(TypeError, match=r"check_races must be True, False or None.*'yes'"):
         AcceleratorConfig(check_races="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_weight_copies_wait_for_a_kernel_reading_the_weights_after_step(overlap_step):
+    # Write-after-read on the weights: an EMA update (or a teacher forward) queued on compute
+    # after step() reads the parameters, which are views of the device weight block; the
+    # host-to-device copies of the next update overwrite them and must wait for compute.
+    # Without after=[compute_ready()] on those copies the checker names the pair.
+    from zero_offload import OffloadAdamW, OffloadConfig
+
+    from ._models import TinyTransformer, batches, lm_loss
+
+    acc = HostAccelerator(AcceleratorConfig(check_races=True))
+    compute = acc.current_stream()
+    model = TinyTransformer().to(torch.bfloat16)
+    config = OffloadConfig(bucket_bytes=4096, tile_elements=1024, overlap_step=overlap_step)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=acc, config=config)
+
+    def read_weights(what: str) -> None:
+        for param in model.parameters():
+            acc.declare_access(param.data, stream=compute, write=False, what=what)
+
+    for tokens, targets in batches(4):
+        read_weights("forward")
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        read_weights("EMA after step")
+    opt.close()
+    assert acc.race_checker is not None and acc.race_checker.accesses_checked > 0
