@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from zero_offload import OffloadConfig
+from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.integrations.transformers import OffloadTrainer
 
 from ._dist import free_port
@@ -106,6 +107,20 @@ def logged(trainer: Trainer, key: str, *, after: int = 0) -> list[float]:
         for entry in trainer.state.log_history
         if key in entry and entry.get("step", 0) > after
     ]
+
+
+def count_state_io(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the OffloadAdamW state_dict / load_state_dict calls from now on."""
+    calls: list[str] = []
+    for name in ("state_dict", "load_state_dict"):
+        original = getattr(OffloadAdamW, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(OffloadAdamW, name, counted)
+    return calls
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from zero_offload.integrations.transformers import OffloadTrainer
 
 from ._hf import (
     TokenDataset,
+    count_state_io,
     logged,
     max_weight_diff,
     offload_config,
@@ -101,20 +102,6 @@ def test_optimizer_is_built_from_training_arguments(tmp_path: Path) -> None:
         assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-7 and group["lr"] == 1e-3
     assert opt.config.max_grad_norm == MAX_GRAD_NORM
     assert opt.config.bucket_bytes == 8192  # offload_config is used
-
-
-def count_state_io(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the OffloadAdamW state_dict / load_state_dict calls from now on."""
-    calls: list[str] = []
-    for name in ("state_dict", "load_state_dict"):
-        original = getattr(OffloadAdamW, name)
-
-        def counted(self, *args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(OffloadAdamW, name, counted)
-    return calls
 
 
 def test_prepare_does_not_round_trip_the_state(

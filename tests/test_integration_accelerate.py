@@ -1,0 +1,195 @@
+"""OffloadAccelerator: an accelerate loop with clipping against the same loop with torch's
+AdamW (tiny GPT-2, CPU). Tolerances as in test_integration_transformers.py (fp32: 1e-6
+in the losses and relative in the norms, 3e-6 in the weights)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from zero_offload import OffloadAdamW
+from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer, OffloadAccelerator
+
+from ._dist import free_port
+from ._hf import (
+    TokenDataset,
+    count_state_io,
+    max_weight_diff,
+    offload_config,
+    tiny_gpt2,
+    weights,
+)
+from ._models import host_accelerator
+
+MAX_NORM = 0.5  # the norms here are 1.2 to 1.7: clipping binds
+STEPS = 6  # optimizer steps of 2 micro-batches
+
+
+def offload_adamw(model: torch.nn.Module, **config: object) -> OffloadAdamW:
+    return OffloadAdamW(
+        model.parameters(),
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        config=offload_config(**config),
+        accelerator=host_accelerator(),
+    )
+
+
+def torch_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def loader(batch: int = 2) -> DataLoader:
+    """STEPS x 2 micro-batches of 2 sequences (with several processes: ``batch`` per rank,
+    accelerate deals the sequences out in turn, so the micro-batches stay the same)."""
+    return DataLoader(TokenDataset(n=4 * STEPS), batch_size=batch, shuffle=False)
+
+
+def accelerate_loop(accelerator: Accelerator, model, opt, data) -> dict[str, list[float]]:
+    """accelerate's documented loop: accumulate, backward, clip on sync steps, step."""
+    model, opt, data = accelerator.prepare(model, opt, data)
+    losses, norms = [], []
+    for batch in data:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            losses.append(loss.item())
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "opt": opt}
+
+
+def test_loop_with_clipping_matches_torch() -> None:
+    ref_model, model = tiny_gpt2(), tiny_gpt2()
+    ref = accelerate_loop(
+        Accelerator(gradient_accumulation_steps=2), ref_model, torch_adamw(ref_model), loader()
+    )
+    ours = accelerate_loop(
+        OffloadAccelerator(gradient_accumulation_steps=2), model, offload_adamw(model), loader()
+    )
+    assert len(ours["norms"]) == STEPS and min(ref["norms"]) > MAX_NORM
+    torch.testing.assert_close(ours["losses"], ref["losses"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours["norms"], ref["norms"], rtol=1e-6, atol=0)
+    assert max_weight_diff(weights(model), weights(ref_model)) < 3e-6
+    assert isinstance(ours["opt"], OffloadAcceleratedOptimizer)
+
+
+def test_prepare_costs_no_state_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_gpt2()
+    opt = offload_adamw(model)
+    calls = count_state_io(monkeypatch)
+    Accelerator().prepare(opt)  # accelerate's own: the full round trip
+    assert calls == ["state_dict", "load_state_dict"]
+    calls.clear()
+    accelerator = OffloadAccelerator()
+    _, prepared = accelerator.prepare(model, opt)
+    assert calls == []
+    assert accelerator._optimizers == [prepared] and prepared.optimizer is opt
+
+
+def test_fp16_model_backward_applies_the_loss_scale() -> None:
+    """accelerate's backward does not scale; for an fp16 model OffloadAccelerator does. A
+    missing scale would give a norm 2**16 times too small."""
+    ref_model, model = tiny_gpt2(), tiny_gpt2(dtype=torch.float16)
+    batch = next(iter(loader()))
+    ref_model(**batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf")).item()
+    accelerator = OffloadAccelerator()
+    model, opt = accelerator.prepare(model, offload_adamw(model))
+    assert opt.optimizer.loss_scale == 2.0**16
+    accelerator.backward(model(**batch).loss)
+    norm = accelerator.clip_grad_norm_(model.parameters(), float("inf")).item()
+    assert norm == pytest.approx(expected, rel=1e-3)
+
+
+def test_skipped_step_is_reported() -> None:
+    """A step OffloadAdamW skips (non-finite gradients) is what accelerate's
+    optimizer_step_was_skipped says, as with AMP; Trainer then holds the LR schedule."""
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator()
+    model, opt = accelerator.prepare(model, offload_adamw(model, skip_nonfinite=True))
+    batch = next(iter(loader()))
+    accelerator.backward(model(**batch).loss * float("nan"))
+    opt.step()
+    assert accelerator.optimizer_step_was_skipped
+    opt.zero_grad()
+    accelerator.backward(model(**batch).loss)
+    opt.step()
+    assert not accelerator.optimizer_step_was_skipped
+
+
+def test_clipping_other_parameter_sets_is_refused() -> None:
+    model = tiny_gpt2()
+    other = torch.nn.Linear(2, 2)
+    accelerator = OffloadAccelerator()
+    model, _ = accelerator.prepare(model, offload_adamw(model))
+    accelerator.backward(model(**next(iter(loader()))).loss)
+    some = list(model.parameters())[:3]
+    with pytest.raises(ValueError, match="pass exactly its parameters"):
+        accelerator.clip_grad_norm_(some, 1.0)
+    with pytest.raises(ValueError, match="pass exactly its parameters"):
+        accelerator.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
+    with pytest.raises(ValueError, match="clip_grad_norm_"):
+        accelerator.clip_grad_value_(model.parameters(), 0.1)
+    # Parameters no OffloadAdamW owns go to accelerate's (torch's) clipping as before.
+    other(torch.ones(1, 2)).sum().backward()
+    assert accelerator.clip_grad_norm_(other.parameters(), 1.0).item() > 0
+
+
+def test_fp16_mixed_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="GradScaler"):
+        OffloadAccelerator(mixed_precision="fp16")
+
+
+# -- several processes ---------------------------------------------------------------
+
+
+def _accelerate_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of the loop under the environment accelerate launch / torchrun would set."""
+    torch.set_num_threads(1)  # several ranks share two cores
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    accelerator = OffloadAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_gpt2()
+    result = accelerate_loop(accelerator, model, offload_adamw(model), loader(batch=2 // world))
+    torch.save(
+        {
+            "norms": result["norms"],
+            "weights": weights(model),
+            "ddp": isinstance(accelerator._models[0], torch.nn.parallel.DistributedDataParallel),
+        },
+        Path(out) / f"rank{rank}.pt",
+    )
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
+    """The supported multi-process loop: the same code, no DDP wrapper (OffloadAdamW
+    reduce-scatters), each rank half of every batch; the result is one process's."""
+    mp.spawn(_accelerate_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ref_model = tiny_gpt2()
+    ref = accelerate_loop(
+        Accelerator(gradient_accumulation_steps=2), ref_model, torch_adamw(ref_model), loader()
+    )
+    for rank in ranks:
+        assert not rank["ddp"]
+        torch.testing.assert_close(rank["norms"], ref["norms"], rtol=1e-6, atol=0)
+        assert max_weight_diff(rank["weights"], weights(ref_model)) < 3e-6  # measured 7e-7
+    assert max_weight_diff(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
