@@ -25,7 +25,7 @@ _PID = 1
 
 
 def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
-    """The trace's events: metadata, copies, phases, step marks, memory counters."""
+    """The trace's events: metadata, copies, compute stalls, phases, step marks, memory."""
     origin = data.started_at
     tids: dict[str, int] = {name: index + 1 for index, name in enumerate(STANDARD_TRACKS)}
 
@@ -57,6 +57,23 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
                     "seq": record.seq,
                     "queued_us": micros(record.issued_at),
                 },
+            }
+        )
+    for manager_index, stall in data.stalls:
+        seconds = stall.seconds()
+        if not seconds:
+            continue
+        track = stall.stream if manager_index == 0 else f"{stall.stream} ({manager_index})"
+        events.append(
+            {
+                "name": f"zero_offload::stall_{stall.category.value}",
+                "cat": "stall",
+                "ph": "X",
+                "pid": _PID,
+                "tid": tid(track),
+                "ts": micros(stall.before.completed_at() or origin),
+                "dur": round(seconds * 1e6, 3),
+                "args": {"waited_for": stall.waited_for, "seq": stall.seq},
             }
         )
     for span in data.phases:

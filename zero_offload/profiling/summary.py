@@ -7,7 +7,8 @@ Note [exposed versus hidden time]
 A copy's *time* is from its start event to its end event on its stream (it includes the
 simulated link on the host accelerator). Its *exposed* time is what compute actually spent
 waiting for it: the growth of ``TieredMemoryManager.exposed_seconds`` while recording, which
-the manager counts per category in ``wait_for``. *Hidden* is the rest: ``time - exposed``,
+the manager counts per category in ``wait_for`` as the compute stream's stall on its own clock
+(Note [exposed time is measured on the compute stream]). *Hidden* is the rest: ``time - exposed``,
 never below zero. Exposed time is kept per category, not per direction, so a category with
 copies both ways (activations) shows it on its busier row.
 """
