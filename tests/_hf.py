@@ -134,10 +134,9 @@ def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 # -- several ranks: Trainer under spawned gloo processes --------------------------------
 
 
-def _trainer_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One rank: train 12 steps saving at step 6, then resume a fresh model from that
-    checkpoint to step 12, in the environment torchrun would set (accelerate builds the gloo
-    group from it). Saves both runs' grad norms and weights to ``out/rank<r>.pt``."""
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """Make this spawned process rank ``rank`` of ``world`` as torchrun would (accelerate
+    builds its gloo group from these variables)."""
     torch.set_num_threads(1)  # several ranks share two cores
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -147,6 +146,12 @@ def _trainer_rank(rank: int, world: int, port: int, out: str) -> None:
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
     )
+
+
+def _trainer_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: train 12 steps saving at step 6, then resume a fresh model from that
+    checkpoint to step 12. Saves both runs' grad norms and weights to ``out/rank<r>.pt``."""
+    as_torchrun_rank(rank, world, port)
     result = {}
     for run, seed, resume in (("whole", 0, None), ("resumed", 1, "whole/checkpoint-6")):
         args = training_args(

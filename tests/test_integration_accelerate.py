@@ -4,7 +4,6 @@ in the losses and relative in the norms, 3e-6 in the weights)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer, Of
 from ._dist import free_port
 from ._hf import (
     TokenDataset,
+    as_torchrun_rank,
     count_state_io,
     max_weight_diff,
     offload_config,
@@ -155,15 +155,7 @@ def test_fp16_mixed_precision_is_refused() -> None:
 
 def _accelerate_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of the loop under the environment accelerate launch / torchrun would set."""
-    torch.set_num_threads(1)  # several ranks share two cores
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    as_torchrun_rank(rank, world, port)
     accelerator = OffloadAccelerator(cpu=True, gradient_accumulation_steps=2)
     model = tiny_gpt2()
     result = accelerate_loop(accelerator, model, offload_adamw(model), loader(batch=2 // world))
