@@ -10,6 +10,16 @@ any world size::
 
 Model weights are every rank's whole parameters: save them from rank 0 as usual
 (``model.state_dict()``) and load them on every rank before ``load_consolidated``.
+
+Note [checkpoints are gathered on the CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``gather_object`` pickles each rank's shard into a byte tensor on the group's collective
+device. On an NCCL group that is the GPU: every shard of the optimizer state (16 bytes per
+parameter with fp32 moments) would pass through the destination GPU's memory, the very
+memory offload exists to spare, and could OOM it. So the gather runs over a CPU (gloo)
+group with the same ranks: the optimizer's own group when it has a gloo backend, else a
+gloo twin made once per group with ``use_local_synchronization=True`` (only the group's
+ranks take part in creating it, so a subgroup works too) and kept for later checkpoints.
 """
 
 from __future__ import annotations
@@ -20,10 +30,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import Pending, wait_work
+from .collectives import Comm, Pending, wait_work
 from .optim import OffloadAdamW
 
 __all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save_consolidated"]
+
+# Gloo twins of non-CPU groups, by the group's global ranks: Note [checkpoints are gathered
+# on the CPU]. Kept for the process's life (a checkpoint per N steps reuses its twin).
+_cpu_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def cpu_group(comm: Comm) -> dist.ProcessGroup | None:
+    """A group with ``comm``'s ranks whose collectives run on the CPU (gloo).
+
+    ``None`` means the default group, when that is gloo already. A collective the first time
+    for a non-gloo group: every rank of ``comm`` must call it.
+    """
+    group = comm.group
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    twin = _cpu_groups.get(ranks)
+    if twin is None:
+        twin = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+        _cpu_groups[ranks] = twin
+    return twin
 
 
 def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,9 +100,10 @@ def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any
     if comm is None:
         return local
     gathered: list[Any] | None = [None] * comm.world_size if comm.rank == dst else None
+    group = cpu_group(comm)  # never through the GPU: Note [checkpoints are gathered on the CPU]
     # gather_object takes a global rank; dst counts within the optimizer's group.
-    global_dst = dst if comm.group is None else dist.get_global_rank(comm.group, dst)
-    dist.gather_object(local, gathered, dst=global_dst, group=comm.group)
+    global_dst = dst if group is None else dist.get_global_rank(group, dst)
+    dist.gather_object(local, gathered, dst=global_dst, group=group)
     if gathered is None:
         return None
     return merge_shards(gathered)
