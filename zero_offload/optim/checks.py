@@ -146,6 +146,11 @@ def trainer_clipping_we_cannot_see(frame: Any, *, depth: int = 12) -> Any | None
     for _ in range(depth):
         if frame is None:
             return None
+        if "transformers" not in frame.f_code.co_filename:
+            # Reading f_locals materialises a dict on the frame that keeps its locals alive
+            # (an optimizer the caller has just dropped, say): only transformers' own frames.
+            frame = frame.f_back
+            continue
         owner = frame.f_locals.get("self")
         if owner is not None and any(
             cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
