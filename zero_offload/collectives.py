@@ -29,6 +29,7 @@ value (``dist.init_process_group(timeout=...)``, as the demo does).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -148,16 +149,56 @@ def wait_work(pending: Pending, comm: Comm) -> None:
     if not done.wait(comm.timeout):
         raise CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
-            "(OffloadConfig.collective_timeout): another rank probably failed or never "
-            "reached this collective; see its log. Every rank must produce gradients for the "
-            "same parameters in each backward (as with DDP without find_unused_parameters), "
+            f"(OffloadConfig.collective_timeout). {roll_call(comm, pending.what)} Every rank "
+            "must run every backward and step (each bucket is reduced once per backward), "
             "or the ranks' collectives stop matching. The process group is unusable now"
         )
     if failure:
         raise CollectiveError(
-            f"{comm.where()}: {pending.what} failed: {failure[0]}. Another rank probably "
-            "failed; see its log"
+            f"{comm.where()}: {pending.what} failed: {failure[0]}. {roll_call(comm, pending.what)}"
         ) from failure[0]
+
+
+# Note [naming the absent rank]
+# A collective that times out or loses a peer's socket knows only that *some* rank is
+# missing. On such a failure each rank writes "waiting at <collective>" under its rank into
+# the process group's rendezvous store and gives the others ROLL_CALL_SECONDS to do the
+# same: the ranks that do not answer are the ones that died or never reached the
+# collective, and the error names them. Nothing is written while training goes well. If
+# the store itself is unreachable, it lived in the process of a rank (rank 0 under
+# torchrun's default) or launcher that is gone, and the error says so.
+
+#: How long a failing rank waits for the others to report, seconds.
+ROLL_CALL_SECONDS = 2.0
+
+
+def roll_call(comm: Comm, what: str, *, grace: float = ROLL_CALL_SECONDS) -> str:
+    """A sentence naming the ranks that did not report within ``grace`` seconds; see Note
+    [naming the absent rank]. Never raises."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = list(range(comm.world_size))
+        ids = [r if comm.group is None else dist.get_global_rank(comm.group, r) for r in ranks]
+        prefix = "zero_offload/roll_call/"
+        store.set(f"{prefix}{ids[comm.rank]}", what)
+        deadline = time.monotonic() + grace
+        missing = [r for r in ranks if r != comm.rank]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"{prefix}{ids[r]}"])]
+            if missing:
+                time.sleep(0.05)
+    except Exception as exc:  # the store is gone with the process that hosted it
+        return (
+            f"The rendezvous store is unreachable ({exc}): the process that hosted it "
+            "(rank 0 or the launcher) probably died; see its log."
+        )
+    if not missing:
+        return "Every rank reported waiting at a collective: they disagree on which one."
+    names = ", ".join(str(r) for r in missing)
+    return (
+        f"Rank(s) {names} did not report within {grace:g} s: they died, or failed or hang "
+        "before this collective; see their log."
+    )
 
 
 @contextmanager
