@@ -186,6 +186,25 @@ def test_fp16_model_uses_the_optimizers_loss_scaler(tmp_path: Path) -> None:
     )
 
 
+def test_overflow_skips_hold_the_lr_schedule_back(tmp_path: Path) -> None:
+    """fp16 model, a loss scale too large at first: the overflowing steps are skipped and,
+    as with GradScaler, Trainer does not advance the schedule for them."""
+    ref = torch_trainer(tiny_gpt2(), training_args(tmp_path / "torch", max_steps=5))
+    ref.train()
+    scaler = LossScalerConfig(initial_scale=2.0**20, hysteresis=1)
+    ours = offload_trainer(
+        tiny_gpt2(dtype=torch.float16),
+        training_args(tmp_path / "fp16", max_steps=5),
+        offload_config=offload_config(loss_scaler=scaler),
+    )
+    ours.train()
+    skipped = ours.offload_optimizer.skipped_steps
+    assert 1 <= skipped <= 3  # the scale halves on each overflow until the gradients fit
+    lrs = logged(ref, "learning_rate")
+    # Skipped steps log the rate they did not use; the schedule then resumes where it was.
+    assert logged(ours, "learning_rate") == [lrs[0]] * (skipped + 1) + lrs[1 : 5 - skipped]
+
+
 @pytest.mark.parametrize(
     ("overrides", "kwargs", "error", "match"),
     [
