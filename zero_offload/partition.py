@@ -2,16 +2,29 @@
 
 Parameters are packed, group by group and in reverse registration order (which approximates
 the order backward produces their gradients), into buckets of at most ``bucket_numel``
-elements (a parameter larger than that gets a bucket of its own). Each bucket's flat length
-is padded up to a multiple of ``world_size * align_numel`` so that every rank owns an equal,
-aligned, contiguous shard.
+elements (a parameter larger than that gets a bucket of its own). Each parameter's slot
+starts at a multiple of ``slot_align_numel`` elements (Note [slots are aligned]), and each
+bucket's flat length is padded up to a multiple of ``world_size * align_numel`` so that
+every rank owns an equal, aligned, contiguous shard.
 
 Note [padding stays at the end]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A bucket's parameters occupy ``[0, numel)`` of its flat buffer; padding is
-``[numel, padded_numel)`` only. Padding elements start at zero, receive zero gradients and
-therefore stay zero through Adam (zero gradient, zero weight, zero moments stay zero), and
-no parameter view ever covers them, so padding never reaches the user's tensors.
+A bucket's parameters occupy ``[0, numel)`` of its flat buffer, with only the alignment gaps
+of Note [slots are aligned] between them; the sharding padding is ``[numel, padded_numel)``.
+Gap and padding elements start at zero, receive zero gradients and therefore stay zero
+through Adam (zero gradient, zero weight, zero moments stay zero), and no parameter view
+ever covers them, so they never reach the user's tensors. ``numel`` counts the gaps (it is
+where the last slot ends); ``param_numel`` counts parameter elements only.
+
+Note [slots are aligned]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Every slot's offset is a multiple of ``slot_align_numel`` elements (default
+``SLOT_ALIGN_NUMEL`` = 16: 64 bytes of fp32, a cache line and a full AVX-512 vector). A
+parameter view that starts mid-vector makes every vectorised kernel over it (the CPU Adam's
+numba loops, cuBLASLt's and Inductor's kernels, which want 16-byte-aligned operands) take
+its slow unaligned path; FSDP pads each parameter the same way. The cost is fewer than
+``slot_align_numel`` elements per parameter, which the memory formula counts through
+``padded_numel`` (``optim/placement.py``, and so ``estimate.py``).
 
 Note [who owns which shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,7 +42,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BucketLayout", "ParamSlot", "clip_runs", "plan_buckets"]
+__all__ = ["SLOT_ALIGN_NUMEL", "BucketLayout", "ParamSlot", "clip_runs", "plan_buckets"]
+
+#: Default alignment of each parameter's slot in its bucket, elements; Note [slots are aligned].
+SLOT_ALIGN_NUMEL = 16
 
 
 @dataclass(frozen=True)
@@ -54,9 +70,14 @@ class BucketLayout:
     index: int  # position in the optimizer's bucket list
     group: int  # param group the bucket's parameters belong to
     slots: tuple[ParamSlot, ...]
-    numel: int  # elements of real parameters, [0, numel)
+    numel: int  # where the last slot ends: parameters and their alignment gaps, [0, numel)
     padded_numel: int  # multiple of world_size * align_numel; padding is [numel, padded_numel)
     world_size: int
+
+    @property
+    def param_numel(self) -> int:
+        """Elements of parameters, without alignment gaps or padding."""
+        return sum(slot.numel for slot in self.slots)
 
     @property
     def shard_numel(self) -> int:
@@ -70,7 +91,8 @@ class BucketLayout:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def real_in(self, start: int, stop: int) -> int:
-        """Elements of real parameters (not padding) in ``[start, stop)``."""
+        """Elements of ``[start, stop)`` before the sharding padding: parameters and their
+        (zero) alignment gaps, Note [padding stays at the end]."""
         return max(0, min(stop, self.numel) - start)
 
     def owned_piece(self, slot: ParamSlot, start: int, stop: int) -> tuple[int, int]:
@@ -114,17 +136,21 @@ def plan_buckets(
     bucket_numel: int,
     world_size: int = 1,
     align_numel: int = 128,
+    slot_align_numel: int = SLOT_ALIGN_NUMEL,
 ) -> list[BucketLayout]:
     """Pack parameters into buckets.
 
     ``groups[g]`` lists ``(index, shape)`` of group ``g``'s parameters in registration order.
     Returns the buckets in the order backward is expected to fill them: groups last to first,
-    and within a group parameters last to first. See Note [padding stays at the end].
+    and within a group parameters last to first. See Note [padding stays at the end] and
+    Note [slots are aligned]. A bucket holds at most ``bucket_numel`` elements counting the
+    alignment gaps (or one parameter, if that alone is larger).
     """
     for name, value in (
         ("bucket_numel", bucket_numel),
         ("world_size", world_size),
         ("align_numel", align_numel),
+        ("slot_align_numel", slot_align_numel),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -153,10 +179,11 @@ def plan_buckets(
                 size *= dim
             if size == 0:
                 continue
-            if slots and numel + size > bucket_numel:
+            offset = _round_up(numel, slot_align_numel)  # Note [slots are aligned]
+            if slots and offset + size > bucket_numel:
                 close(group, slots, numel)
-                slots, numel = [], 0
-            slots.append(ParamSlot(index=index, shape=tuple(shape), offset=numel, numel=size))
-            numel += size
+                slots, offset = [], 0
+            slots.append(ParamSlot(index=index, shape=tuple(shape), offset=offset, numel=size))
+            numel = offset + size
         close(group, slots, numel)
     return buckets
