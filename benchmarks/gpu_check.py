@@ -2,13 +2,19 @@
 
     python benchmarks/gpu_check.py [--skip-tests] [--skip-benchmarks]
 
-1. the test suite's CUDA cases (``pytest -m cuda``);
-2. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
+1. the test suite's CUDA cases (``pytest -m cuda``), then again under PyTorch's CUDA
+   sanitizer (``TORCH_CUDA_SANITIZER=1``), which raises on unsynchronised stream accesses;
+2. the default device budget (free memory at construction less the headroom, Note [the
+   default device budget] in ``accelerator/cuda.py``) next to ``mem_get_info``;
+3. pinned memory: the registration rate of ``CudaAccelerator.allocate_host`` (page-aligned
+   mmap, pre-faulted, ``cudaHostRegister``) against torch's pinned allocator
+   (``pin_memory=True``, which rounds sizes up), and the locked-memory limit;
+4. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
    ``CudaAccelerator.allocate_host``, timed with CUDA events);
-3. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
+5. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
    memory (``torch.cuda.max_memory_allocated``) with ``OffloadAdamW`` against the same loop
    with torch's fused AdamW keeping fp32 master weights and moments on the GPU;
-4. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
+6. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
 
 Without a GPU it says so in one line and exits 0. It runs unchanged on any CUDA machine.
 """
@@ -46,6 +52,55 @@ def _bandwidth(nbytes: int = 256 * 2**20, rounds: int = 5) -> dict[str, float]:
             times.append(start.elapsed_time(end) / 1e3)
         out[name] = nbytes / statistics.median(times[1:]) / 1e9
     return out
+
+
+def _budget() -> list[tuple[str, str]]:
+    from zero_offload import CudaAccelerator
+    from zero_offload.config import format_bytes
+
+    acc = CudaAccelerator()
+    free, total = torch.cuda.mem_get_info(acc.device)
+    return [
+        ("device memory free / total", f"{format_bytes(free)} / {format_bytes(total)}"),
+        (
+            "default device budget",
+            f"{format_bytes(acc.ledger.budget)} ({acc.ledger.budget_source})",
+        ),
+    ]
+
+
+def _pinned(nbytes: int = 1 << 30) -> list[tuple[str, str]]:
+    """Registration rate (GB/s) of our pinned buffers and of torch's pinned allocator."""
+    from zero_offload import CudaAccelerator
+    from zero_offload.accelerator.pinned import memlock_limit
+    from zero_offload.config import format_bytes
+
+    acc = CudaAccelerator()
+    rows = []
+    for size in (nbytes, nbytes + 4096):  # an exact power of two, and just above one
+        start = time.perf_counter()
+        ours = acc.allocate_host(size, pinned=True)
+        mmap_s = time.perf_counter() - start
+        held = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+        start = time.perf_counter()
+        theirs = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        torch_s = time.perf_counter() - start
+        # The allocator's bytes for this request: its size rounded up to a power of two.
+        rounded = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) - held
+        rows.append(
+            (
+                f"pinning {format_bytes(size)}: mmap+register / torch GB/s",
+                f"{size / mmap_s / 1e9:.2f} / {size / torch_s / 1e9:.2f} "
+                f"(torch pinned {format_bytes(rounded)} for it)",
+            )
+        )
+        del ours, theirs
+        torch.cuda.synchronize()
+    limit = memlock_limit()
+    rows.append(
+        ("locked-memory limit (ulimit -l)", "unlimited" if limit is None else format_bytes(limit))
+    )
+    return rows
 
 
 def _offload_vs_resident(rounds: int = 5) -> dict[str, float]:
@@ -101,7 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             ("CUDA tests (pytest -m cuda)", "passed" if tests.returncode == 0 else "FAILED")
         )
-        status = tests.returncode
+        sanitized = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", os.path.join(HERE, "..", "tests")],
+            check=False,
+            env={**os.environ, "TORCH_CUDA_SANITIZER": "1"},
+        )
+        rows.append(
+            (
+                "CUDA tests under TORCH_CUDA_SANITIZER=1",
+                "passed" if sanitized.returncode == 0 else "FAILED",
+            )
+        )
+        status = tests.returncode or sanitized.returncode
+    rows += _budget()
+    rows += _pinned()
     bw = _bandwidth()
     rows += [("pinned H2D GB/s", f"{bw['h2d']:.1f}"), ("pinned D2H GB/s", f"{bw['d2h']:.1f}")]
     both = _offload_vs_resident()
