@@ -77,6 +77,15 @@ class UpdateBackend(ABC):
         """Release the open gradient buffer without using it (``zero_grad``)."""
 
     @abstractmethod
+    def window_source(self) -> str:
+        """The name of the field holding the window's gradient now (what a step planned
+        now must read, even if a later flush changes it)."""
+
+    def require_accumulator(self) -> None:
+        """Accumulate every window in fp32, even a lone flush (``overlap_step``)."""
+        return None
+
+    @abstractmethod
     def grad_sumsq(self) -> tuple[float, bool]:
         """Sum of squares of the window's accumulated gradient (this rank's shard) and
         whether any is non-finite; the caller drained the host worker first."""
@@ -89,10 +98,12 @@ class UpdateBackend(ABC):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
+        source: str | None = None,
     ) -> None:
-        """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges). With
-        ``publish`` each updated tile's copy to ``weights_dev`` is issued as soon as the
-        tile is done; otherwise ``publish()`` issues them later."""
+        """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges), reading
+        the gradient from ``source`` (``window_source()`` when the step was planned; now
+        when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
+        as soon as the tile is done; otherwise ``publish()`` issues them later."""
 
     @abstractmethod
     def publish(self) -> list[Event]:

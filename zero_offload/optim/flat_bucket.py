@@ -44,13 +44,15 @@ class StepPlan:
     """What one step will do to one bucket, computed before anything changes.
 
     ``steps``: (n_slots,) int64, the step counts after the step; ``runs``: the
-    ``(start, stop, step)`` ranges to update (``_runs``).
+    ``(start, stop, step)`` ranges to update (``_runs``); ``source``: the field holding the
+    window's gradient at planning time (``UpdateBackend.window_source``).
     """
 
     def __init__(self, bucket: FlatBucket, arrived: np.ndarray) -> None:
         self.bucket = bucket
         self.steps = bucket.steps + arrived.astype(np.int64)
         self.runs = list(_runs(bucket.layout, self.steps, arrived))
+        self.source = bucket.backend.window_source()
 
 
 class FlatBucket:

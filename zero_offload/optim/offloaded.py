@@ -10,6 +10,21 @@ With several ranks, every host field covers this rank's shard of the bucket,
 update each rank copies its updated shard into its slice of ``weights_dev`` and the
 optimizer all-gathers the bucket.
 
+Note [no accumulator for one backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With one flush per window (one micro-batch, no early flush) the CPU Adam kernel reads the
+training-dtype gradient straight from ``grad_staging``: the kernel computes
+``grad.float() * grad_scale``, bit for bit what it computed from an fp32 copy, and the host
+worker's only pass over the gradient is its statistics (``grad_stats``) as the staging
+lands. No fp32 accumulator exists. A second flush in the window (a second micro-batch, or
+an early flush) first folds staging into an fp32 accumulator, taken on first need from a
+lazily created pool (``AccumulatorPool``: pinned once, kept for later steps), and adds each
+later flush there, exactly, in fp32. Lazily rather than by a setting: users never declare
+accumulation, at the cost of one pinned allocation at the first accumulating step.
+``overlap_step`` always accumulates: its delayed update still reads the gradients while
+the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
+update] in ``stepping.py``).
+
 Note [staging is reused only once consumed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each bucket has one host staging buffer for gradients. A flush's copy into it must not
@@ -30,7 +45,7 @@ import torch
 from ..accelerator import Event
 from ..config import format_bytes
 from ..errors import PoolExhausted
-from ..kernels import accumulate_grad, adam_step
+from ..kernels import accumulate_grad, adam_step, grad_stats
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -41,7 +56,7 @@ from .backend import AdamHyper, BucketPools, UpdateBackend
 from .param_views import ParamViews
 from .ranks import Ranks
 
-__all__ = ["GradBuffers", "OffloadedState"]
+__all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
 
 
 class GradBuffers:
@@ -90,6 +105,30 @@ class GradBuffers:
         self.overflow.clear()
 
 
+class AccumulatorPool:
+    """fp32 gradient accumulator memory, created on first need (Note [no accumulator for
+    one backward]); ``capacity`` in bytes."""
+
+    def __init__(self, manager: TieredMemoryManager, capacity: int, *, name: str) -> None:
+        self.manager = manager
+        self.capacity = capacity
+        self.name = name
+        self.pool: BlockPool | None = None  # host, pinned where available; None until needed
+
+    def alloc(self, nbytes: int, *, owner: str) -> Block:
+        """A block of ``nbytes``; the first call creates the pool (hidden cost: a pinned
+        allocation of ``capacity`` bytes)."""
+        if self.pool is None:
+            self.pool = self.manager.create_pool(Tier.HOST, self.capacity, name=self.name)
+        return self.pool.alloc(nbytes, owner=owner)
+
+    def close(self) -> None:
+        """Close the pool (its blocks were freed by the buckets)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
 class OffloadedState(UpdateBackend):
     """State on the host, updated by the CPU kernel; see the module docstring.
 
@@ -97,8 +136,10 @@ class OffloadedState(UpdateBackend):
     available):
         master: fp32 master weights.
         exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
-        grad_acc: fp32 gradient accumulator.
-        grad_staging: training dtype, the D2H copy's destination.
+        grad_staging: training dtype, the D2H copy's destination; Adam reads it directly
+            when the window had one flush (Note [no accumulator for one backward]).
+        grad_acc: fp32 gradient accumulator, from ``accumulators``, only once a window had
+            a second flush (None before).
         weights_staging: training dtype (absent for fp32), the kernel's fused copy-out and
             the H2D copy's source.
     Device field: grad_dev, (padded_numel,) training dtype, while the bucket is FILLING.
@@ -127,10 +168,22 @@ class OffloadedState(UpdateBackend):
         self.shard = shard
         self.dtype = views.dtype
         self.tile_elements = tile_elements
+        # This bucket's accumulator, pinned on first need (Note [no accumulator for one
+        # backward]); one pool per bucket, so a bucket that never accumulates costs nothing.
+        self.accumulators = AccumulatorPool(
+            manager,
+            -(-4 * layout.shard_numel // pools.host.alignment) * pools.host.alignment,
+            name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
+        )
+        self.always_accumulate = False  # overlap_step: see the Note above
         self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
+        self.grad_acc: torch.Tensor | None = None
+        # Which field holds the window's gradient: "grad_staging" or "grad_acc". Set on the
+        # caller's thread at each flush; a step captures it in its plan.
+        self._source = "grad_staging"
         self._grad_block: Block | None = None  # under grad_dev while FILLING
         self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
-        self._stats = (0.0, False)  # (sum of squares, non-finite) of grad_acc; host worker
+        self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
         self._issued: list[Event] = []  # end events of weight copies issued, not yet handed
         self._unpublished: list[tuple[int, int]] = []  # updated shard tiles not yet copied
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
@@ -139,7 +192,6 @@ class OffloadedState(UpdateBackend):
             ("master", torch.float32),
             ("exp_avg", moments_dtype),
             ("exp_avg_sq", moments_dtype),
-            ("grad_acc", torch.float32),
             ("grad_staging", self.dtype),
         ]
         if amsgrad:
@@ -174,6 +226,31 @@ class OffloadedState(UpdateBackend):
         self._grad_block = block
         self._bind_grad(block)
         self.grad_dev.zero_()
+        if not new_window and self._source == "grad_staging":
+            self._fold()
+
+    def _ensure_accumulator(self) -> torch.Tensor:
+        if self.grad_acc is None:
+            n = self.layout.shard_numel
+            block = self.accumulators.alloc(4 * n, owner=f"bucket{self.layout.index}.grad_acc")
+            self._blocks["grad_acc"] = block
+            block.on_move(lambda b: setattr(self, "grad_acc", b.view(torch.float32, (n,))))
+            self.grad_acc = block.view(torch.float32, (n,))
+            self.grad_acc.zero_()  # padding stays zero (Note [padding stays at the end])
+        return self.grad_acc
+
+    def _fold(self) -> None:
+        """The window's gradient moves from staging into the fp32 accumulator (queued on
+        the host worker after the flush that filled staging); the next copy into staging
+        waits for it (Note [staging is reused only once consumed])."""
+        acc = self._ensure_accumulator()
+        real = self.layout.real_in(*self.shard)
+        worker = self.manager.host_worker
+        worker.submit(
+            functools.partial(accumulate_grad, acc, self.grad_staging, overwrite=True, stop=real)
+        )
+        self._staging_consumed = worker.record_event()
+        self._source = "grad_acc"
 
     def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None:
         self.grad_dev[start:stop].add_(grad)
@@ -219,22 +296,32 @@ class OffloadedState(UpdateBackend):
         block.free()  # reuse waits on `done`, Note [block reuse waits on events]
         worker = manager.host_worker
         worker.wait_event(done)
-        worker.submit(functools.partial(self._accumulate_on_host, overwrite))
+        if overwrite and not self.always_accumulate:
+            self._source = "grad_staging"
+            worker.submit(self._stats_on_host)
+        else:
+            self._source = "grad_acc"
+            acc = self._ensure_accumulator()
+            worker.submit(functools.partial(self._accumulate_on_host, acc, overwrite))
         self._staging_consumed = worker.record_event()
 
-    def _accumulate_on_host(self, overwrite: bool) -> None:
-        # Runs on the host worker, after the D2H copy; Note [a bucket's gradient lifecycle].
-        # The same pass yields the statistics of the accumulated gradient, so step() needs
-        # no pass of its own for the norm and the overflow flag.
+    def _stats_on_host(self) -> None:
+        # Host worker, after the D2H copy: the window's only pass over a lone flush; step()
+        # needs no pass of its own (Note [no accumulator for one backward]).
+        self._stats = grad_stats(self.grad_staging, stop=self.layout.real_in(*self.shard))
+
+    def _accumulate_on_host(self, acc: torch.Tensor, overwrite: bool) -> None:
+        # Host worker, after the D2H copy; Note [a bucket's gradient lifecycle]. The same
+        # pass yields the statistics of the accumulated gradient.
         self._stats = accumulate_grad(
-            self.grad_acc,
-            self.grad_staging,
-            overwrite=overwrite,
-            stop=self.layout.real_in(*self.shard),
+            acc, self.grad_staging, overwrite=overwrite, stop=self.layout.real_in(*self.shard)
         )
 
     def discard_grad(self) -> None:
         self._release_grad().free()
+
+    def window_source(self) -> str:
+        return self._source
 
     def grad_sumsq(self) -> tuple[float, bool]:
         return self._stats
@@ -248,7 +335,9 @@ class OffloadedState(UpdateBackend):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
+        source: str | None = None,
     ) -> None:
+        grad = getattr(self, source or self._source)
         # The weight copies overwrite weights_dev: they wait for compute issued so far
         # (a forward or a weight-reading kernel still queued), write-after-read.
         after = [self.manager.compute_ready()] if publish else []
@@ -257,7 +346,7 @@ class OffloadedState(UpdateBackend):
                 hi = min(lo + self.tile_elements, stop)
                 adam_step(
                     self.master,
-                    self.grad_acc,
+                    grad,
                     self.exp_avg,
                     self.exp_avg_sq,
                     step=step,
@@ -346,6 +435,9 @@ class OffloadedState(UpdateBackend):
             out["max_exp_avg_sq"] = self.max_exp_avg_sq
         return out
 
+    def require_accumulator(self) -> None:
+        self.always_accumulate = True
+
     def close(self) -> None:
         if self._grad_block is not None:
             self._grad_block.free()
@@ -353,3 +445,4 @@ class OffloadedState(UpdateBackend):
         for block in self._blocks.values():
             block.free()
         self._blocks.clear()
+        self.accumulators.close()

@@ -69,6 +69,9 @@ class ResidentState(UpdateBackend):
     def discard_grad(self) -> None:
         return None  # the accumulator is zeroed when the next window opens
 
+    def window_source(self) -> str:
+        return "grad_acc"
+
     def grad_sumsq(self) -> tuple[float, bool]:
         grad = self.grad_acc[: self.layout.numel]
         # Synchronisation point: .item() waits for the device to finish the reduction. In
@@ -84,6 +87,7 @@ class ResidentState(UpdateBackend):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
+        source: str | None = None,
     ) -> None:
         weights = self.views.weights_dev
         for start, stop, step in runs:

@@ -102,7 +102,9 @@ class ImmediateUpdate(UpdateMode):
             for plan, hyper in work:
                 bucket = plan.bucket
                 try:
-                    bucket.backend.update(hyper, grad_scale, plan.runs, publish=True)
+                    bucket.backend.update(
+                        hyper, grad_scale, plan.runs, publish=True, source=plan.source
+                    )
                     published = bucket.backend.publish()
                     if self.ranks.world_size == 1:
                         events.extend(published)
@@ -168,12 +170,12 @@ class DelayedUpdate(UpdateMode):
         self._trust_weights = False
 
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
-        plans = [(plan.bucket, hyper, plan.runs) for plan, hyper in work]
+        plans = [(plan.bucket, hyper, plan.runs, plan.source) for plan, hyper in work]
 
         def update() -> None:
             with phase("cpu_adam", track="cpu_optimizer"):
-                for bucket, hyper, runs in plans:
-                    bucket.backend.update(hyper, grad_scale, runs, publish=False)
+                for bucket, hyper, runs, source in plans:
+                    bucket.backend.update(hyper, grad_scale, runs, publish=False, source=source)
 
         self.manager.host_worker.submit(update)
         for plan, _ in work:  # the counts are the snapshot the queued update works from
