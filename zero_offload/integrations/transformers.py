@@ -162,7 +162,8 @@ class OffloadTrainer(Trainer):
             raise ValueError(
                 f"the OffloadAdamW passed in optimizers= clips at OffloadConfig.max_grad_norm="
                 f"{limit!r} but TrainingArguments.max_grad_norm={args.max_grad_norm!r}; set "
-                "one of them (the other to None / the same value)"
+                "TrainingArguments.max_grad_norm to the same value, or build the optimizer "
+                "with OffloadConfig(max_grad_norm=None) and let Trainer's setting clip"
             )
 
     # -- the optimizer -----------------------------------------------------------------
