@@ -5,10 +5,14 @@ array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, kee
 and validates all arguments before writing anything.
 """
 
-from .accumulate import accumulate_grad
-from .adam import adam_step
-from .convert import cast_fp32
-from .stats import grad_stats
-from .warmup import warmup
+from .threading_layer import ensure_threadsafe_layer
+
+ensure_threadsafe_layer()  # before any kernel launches: Note [a thread-safe threading layer]
+
+from .accumulate import accumulate_grad  # noqa: E402
+from .adam import adam_step  # noqa: E402
+from .convert import cast_fp32  # noqa: E402
+from .stats import grad_stats  # noqa: E402
+from .warmup import warmup  # noqa: E402
 
 __all__ = ["accumulate_grad", "adam_step", "cast_fp32", "grad_stats", "warmup"]
