@@ -143,12 +143,17 @@ def test_user_optimizer_trains_like_the_built_one(tmp_path: Path) -> None:
     assert max_weight_diff(weights(given.model), weights(built.model)) == 0.0
 
 
-def test_plain_trainer_with_offload_adamw_names_the_integration(tmp_path: Path) -> None:
-    """Trainer clips with torch.nn.utils.clip_grad_norm_, which finds no param.grad: the
-    optimizer must refuse loudly at the first step and point to OffloadTrainer."""
+@pytest.mark.parametrize("max_grad_norm", [MAX_GRAD_NORM, 0.0], ids=["clip", "no-clip"])
+def test_plain_trainer_with_offload_adamw_names_the_integration(
+    tmp_path: Path, max_grad_norm: float
+) -> None:
+    """Trainer clips, and reads the grad_norm it logs even without clipping, with
+    torch.nn.utils.clip_grad_norm_, which finds no param.grad: it would clip nothing and
+    log 0. The optimizer must refuse loudly at the first step and point to OffloadTrainer."""
     model = tiny_gpt2()
     opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=host_accelerator())
-    trainer = torch_trainer(model, training_args(tmp_path, max_steps=2), optimizers=(opt, None))
+    args = training_args(tmp_path, max_steps=2, max_grad_norm=max_grad_norm)
+    trainer = torch_trainer(model, args, optimizers=(opt, None))
     with pytest.raises((RuntimeError, ValueError), match="OffloadTrainer"):
         trainer.train()
 
