@@ -152,12 +152,8 @@ class RaceChecker:
         self._clocks[lane.id] = {}
         return lane
 
-    def lane_of(self, stream: object | None) -> Lane:
-        """The lane of ``stream`` (any object with a ``name``), or of the calling thread."""
-        with self._lock:
-            return self._lane_locked(stream)
-
     def _lane_locked(self, stream: object | None) -> Lane:
+        # The lane of ``stream`` (any object with a ``name``), or of the calling thread.
         if stream is None:
             lane = getattr(self._thread_lanes, "lane", None)
             if lane is None:
