@@ -69,6 +69,7 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
 from .block import Block, BlockState, MoveCallback
 from .freelist import OFFSET_BITS, FreeList
+from .inflight import InFlight
 from .moves import move_within, staging_bytes
 
 __all__ = [
@@ -112,24 +113,24 @@ def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:
 class _Lifetime:
     """Holds a pool's buffer until its copies are done; see Note [a pool outlives its copies].
 
-    ``events`` is guarded by the pool's lock while the pool lives; ``drain`` runs once, when
-    the pool is closed or collected.
+    ``held`` pairs the buffer with every block event not yet seen complete (Note [a buffer
+    travels with its events] in ``inflight.py``); it is guarded by the pool's lock while the
+    pool lives. ``drain`` runs once, when the pool is closed or collected.
     """
 
     def __init__(self, buffer: torch.Tensor, release: Callable[[], None]) -> None:
-        self.buffer: torch.Tensor | None = buffer  # the pool's (capacity,) uint8 buffer
-        self.events: list[Event] = []  # every block event not yet seen complete
+        self.held: InFlight[torch.Tensor] | None = InFlight(buffer)  # (capacity,) uint8
         self._release = release
 
     def add(self, event: Event) -> None:
-        self.events = [*_still_pending(self.events), event]
+        if self.held is not None:
+            self.held.add(event)
 
     def drain(self) -> None:
         # Synchronisation point (hidden when run as a finalizer): see the Note.
-        for event in self.events:
-            event.synchronize()
-        self.events = []
-        self.buffer = None
+        if self.held is not None:
+            self.held.wait()
+            self.held = None
         release, self._release = self._release, _noop
         release()
 

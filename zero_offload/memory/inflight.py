@@ -1,0 +1,72 @@
+"""InFlight: a buffer and the events of the copies that may still touch it, in one object.
+
+Note [a buffer travels with its events]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A copy queued on a stream reads or writes its buffers until its end event completes. Code
+that keeps the buffer in one field and the event in another can free, reuse or read the
+buffer without the event, and nothing stops it. ``InFlight`` makes the pair one value: the
+buffer is handed out only through a method that orders the caller after the events first
+(``wait()`` on the host, ``use_on(stream)`` on a stream, without blocking the CPU), and
+events are added to it, never kept beside it. ``BlockPool`` keeps its buffer in one until
+its last copy is done (Note [a pool outlives its copies] in ``pool.py``); the optimizer's
+staging buffers and the activation records are the other such pairs.
+
+Not thread-safe by itself: the owner serialises ``add`` and the hand-outs (the pool does it
+under its lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+from ..accelerator import Event, Stream
+
+__all__ = ["InFlight"]
+
+T = TypeVar("T")
+
+
+class InFlight(Generic[T]):
+    """``buffer`` and the events after which no queued copy touches it any more."""
+
+    __slots__ = ("_buffer", "_events")
+
+    def __init__(self, buffer: T, events: Iterable[Event] = ()) -> None:
+        self._buffer = buffer
+        self._events: list[Event] = []
+        for event in events:
+            self.add(event)
+
+    def __repr__(self) -> str:
+        return f"InFlight({type(self._buffer).__name__}, {len(self.pending())} pending)"
+
+    def add(self, event: Event) -> None:
+        """One more copy touches the buffer until ``event``; completed events are dropped."""
+        if not isinstance(event, Event):
+            raise TypeError(f"InFlight.add takes an accelerator Event, got {event!r}")
+        self._events = [*self.pending(), event]
+
+    def pending(self) -> list[Event]:
+        """The events not yet complete (``query``; never blocks)."""
+        return [event for event in self._events if not event.query()]
+
+    def done(self) -> bool:
+        """Whether no copy touches the buffer any more."""
+        return not self.pending()
+
+    def wait(self) -> T:
+        """The buffer, once every event is complete.
+
+        Synchronisation point: blocks the calling thread on the pending events.
+        """
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+        return self._buffer
+
+    def use_on(self, stream: Stream) -> T:
+        """The buffer for work issued on ``stream`` next: the stream waits, the CPU does not."""
+        for event in self.pending():
+            stream.wait_event(event)
+        return self._buffer
