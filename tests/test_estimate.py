@@ -8,8 +8,9 @@ import torch
 from zero_offload.accelerator import HostAccelerator
 from zero_offload.config import AcceleratorConfig, OffloadConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
-from zero_offload.estimate import ModelShape, estimate
+from zero_offload.estimate import ModelShape, estimate, offload_adamw_bytes
 from zero_offload.optim import OffloadAdamW
+from zero_offload.partition import plan_buckets
 
 GiB = 2**30
 
@@ -112,3 +113,23 @@ def test_bad_inputs_name_the_argument(kwargs: dict[str, object], error: type[Exc
 def test_bad_shape_is_refused() -> None:
     with pytest.raises(ValueError, match="heads"):
         ModelShape(layers=1, hidden=10, heads=3, vocab=5, seq_len=4)
+
+
+def test_pool_sizes_count_the_slot_alignment_exactly() -> None:
+    # Odd parameter sizes: each slot is aligned to 16 elements (Note [slots are aligned]),
+    # and the estimator plans the same buckets, gaps included, as the optimizer.
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
+    opt = OffloadAdamW(model.parameters(), accelerator=acc, config=OffloadConfig(bucket_bytes=4096))
+    try:
+        device = sum(p.capacity for p in opt.manager.pools if p.kind == "device")
+        host = sum(p.capacity for p in opt.manager.pools if p.kind != "device")
+    finally:
+        opt.close()
+    weights, grad_buffers, host_bytes = offload_adamw_bytes(shapes, itemsize=4, bucket_bytes=4096)
+    assert (weights + grad_buffers, host_bytes) == (device, host)
+    gapless = 35 + 5 + 15 + 3
+    assert (
+        sum(b.numel for b in plan_buckets([list(enumerate(shapes))], bucket_numel=1024)) > gapless
+    )

@@ -11,7 +11,11 @@ exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
 - ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
   ``optim.placement.plan_placement`` with everything offloaded: device weights plus the
   gradient buffers, host fp32 master, gradient accumulator, moments and staging; the host
-  part is partitioned over ``N`` (each rank updates its own shard).
+  part is partitioned over ``N`` (each rank updates its own shard). Given the parameters'
+  shapes (a ``ModelShape`` or a model), the buckets are planned as the optimizer plans them,
+  each slot aligned to ``SLOT_ALIGN_NUMEL`` elements (Note [slots are aligned] in
+  ``partition.py``: fewer than 16 elements per parameter); from a bare parameter count,
+  buckets are taken as full and gap-free, a lower bound by at most that much per parameter.
 
 Activations (``L`` layers, hidden ``h``, heads ``a``, sequence ``S``, micro-batch ``b``,
 after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
