@@ -99,11 +99,13 @@ class UpdateBackend(ABC):
         *,
         publish: bool,
         source: str | None = None,
+        after: list[Event] | None = None,
     ) -> None:
         """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges), reading
         the gradient from ``source`` (``window_source()`` when the step was planned; now
         when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
-        as soon as the tile is done; otherwise ``publish()`` issues them later."""
+        as soon as the tile is done, after ``after`` (default: the compute issued so far);
+        otherwise ``publish()`` issues them later."""
 
     @abstractmethod
     def publish(self) -> list[Event]:

@@ -49,6 +49,7 @@ from ..errors import PoolExhausted
 from .flat_bucket import FlatBucket
 from .grad_lifecycle import GradState
 from .ranks import Ranks
+from .stepping import EagerStep
 
 __all__ = ["BackwardRouter"]
 
@@ -114,6 +115,9 @@ class BackwardRouter:
         self._armed: set[int] = set()
         self._lock = threading.Lock()
         self._next = 0
+        #: The step announced for the running backward, or None (Note [stepping during
+        #: backward] in stepping.py); set by the optimizer, cleared when that backward ends.
+        self.eager: EagerStep | None = None
 
     def add(self, buckets: list[FlatBucket]) -> None:
         """Route the gradients of ``buckets``' parameters (appended to the order)."""
@@ -184,6 +188,8 @@ class BackwardRouter:
             return
         if not lockstep:
             bucket.flush(self.ranks)
+            if self.eager is not None:
+                self.eager.hand_over(bucket)
             return
         bucket.grads.complete()
         while self._next < len(self.buckets) and (
@@ -223,6 +229,9 @@ class BackwardRouter:
             for bucket in self.buckets:
                 if bucket.grads.holds_device_buffer:
                     bucket.flush(self.ranks)
+            if self.eager is not None:
+                self.eager.end_backward(self.buckets)
+                self.eager = None
         self._next = 0
         for bucket in self.buckets:
             bucket.grads.end_backward()

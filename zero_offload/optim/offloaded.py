@@ -336,11 +336,14 @@ class OffloadedState(UpdateBackend):
         *,
         publish: bool,
         source: str | None = None,
+        after: list[Event] | None = None,
     ) -> None:
         grad = getattr(self, source or self._source)
         # The weight copies overwrite weights_dev: they wait for compute issued so far
-        # (a forward or a weight-reading kernel still queued), write-after-read.
-        after = [self.manager.compute_ready()] if publish else []
+        # (a forward or a weight-reading kernel still queued), write-after-read; a step
+        # run during backward passes the event recorded when the bucket was complete.
+        if after is None:
+            after = [self.manager.compute_ready()] if publish else []
         for start, stop, step in clip_runs(runs, *self.shard):
             for lo in range(start, stop, self.tile_elements):
                 hi = min(lo + self.tile_elements, stop)

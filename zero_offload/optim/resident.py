@@ -88,6 +88,7 @@ class ResidentState(UpdateBackend):
         *,
         publish: bool,
         source: str | None = None,
+        after: list[Event] | None = None,
     ) -> None:
         weights = self.views.weights_dev
         for start, stop, step in runs:

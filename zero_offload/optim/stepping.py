@@ -28,7 +28,7 @@ from .backend import AdamHyper
 from .flat_bucket import FlatBucket, StepPlan
 from .ranks import Ranks
 
-__all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode"]
+__all__ = ["DelayedUpdate", "EagerStep", "ImmediateUpdate", "StepFailed", "UpdateMode"]
 
 
 class StepFailed(RuntimeError):
@@ -213,3 +213,91 @@ class DelayedUpdate(UpdateMode):
         self._land(buckets, events, gathers)
         self._pending = False
         self._trust_weights = False
+
+
+# Note [stepping during backward]
+# When a step is announced (opt.backward(loss, step=True), or opt.announce_step() before a
+# plain backward) and nothing can change the update after backward (no clipping
+# configured, no loss scaler that could skip the step, skip_nonfinite off, one rank, every
+# bucket offloaded, no delayed update), each bucket's CPU Adam runs on the host worker as
+# soon as the bucket's last flush of the backward is queued there, while backward goes on
+# on the device. Its weight copies wait for the compute-stream event recorded when the
+# bucket was complete (every parameter's gradient computed, so backward reads those
+# weights no more), and step() makes compute wait for them, so the next forward sees the
+# new weights. The plan (step counts, runs, the gradient's field) and the hyper-parameters
+# are taken on the caller's thread when the bucket is handed over, so the result is
+# bitwise the ordinary step's; step() then only lands the weights and commits the counts.
+# The cost of a broken promise: the update has happened, so clipping or another backward
+# after an announced one is refused.
+
+
+def _elements(plan: StepPlan) -> int:
+    return sum(stop - start for start, stop, _ in plan.runs)
+
+
+class EagerStep:
+    """One announced step, run bucket by bucket during backward; see Note [stepping during
+    backward]. Holds no reference to the optimizer (Note [lifetimes without close])."""
+
+    def __init__(self, manager: TieredMemoryManager, hypers: dict[int, AdamHyper]) -> None:
+        self.manager = manager
+        self.hypers = hypers  # by param group index, read when the step was announced
+        self.plans: dict[int, StepPlan] = {}  # by bucket index, in hand-over order
+        self._done: dict[int, Event] = {}  # host-worker event after each bucket's update
+        self.backward_ended = False
+        #: Share of the step's elements whose CPU Adam had finished when backward returned.
+        self.share_before_backward_returned: float | None = None
+
+    def hand_over(self, bucket: FlatBucket) -> None:
+        """``bucket``'s gradients of this window are all queued: queue its update."""
+        index = bucket.layout.index
+        if index in self.plans:
+            raise RuntimeError(
+                f"bucket {index} got a gradient after it was stepped during backward "
+                "(opt.backward(..., step=True)): a parameter's gradient arrived twice"
+            )
+        plan = StepPlan(bucket, bucket.grads.arrived.copy())
+        hyper = self.hypers[bucket.layout.group]
+        ready = [self.manager.compute_ready()]
+        backend = bucket.backend
+
+        def update() -> None:
+            with phase("cpu_adam", track="cpu_optimizer"):
+                backend.update(hyper, 1.0, plan.runs, publish=True, source=plan.source, after=ready)
+
+        worker = self.manager.host_worker
+        worker.submit(update)
+        self._done[index] = worker.record_event()
+        self.plans[index] = plan
+
+    def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
+        """Backward ended: hand over the rest, and measure how much was already done."""
+        for bucket in buckets:
+            if bucket.layout.index not in self.plans and bucket.has_gradients:
+                self.hand_over(bucket)
+        total = sum(_elements(p) for p in self.plans.values())
+        done = sum(_elements(p) for i, p in self.plans.items() if self._done[i].query())
+        self.share_before_backward_returned = done / total if total else 1.0
+        self.backward_ended = True
+
+    def land(self, buckets: Sequence[FlatBucket], ranks: Ranks) -> None:
+        """step(): wait for the updates, make compute wait for their weights, commit."""
+        stepped = [i for i, e in self._done.items() if e.query()]
+        try:
+            self.manager.host_worker.synchronize()
+        except BaseException as exc:
+            raise _failed(
+                f"{ranks.where()}the step run during backward failed", stepped, None
+            ) from exc
+        events: list[Event] = []
+        for bucket in buckets:
+            events.extend(bucket.backend.publish())
+        with phase("wait_weights"):
+            self.manager.wait_for(events, category=Category.WEIGHTS)
+        for bucket in buckets:
+            plan = self.plans.get(bucket.layout.index)
+            if plan is not None:
+                bucket.commit(plan)
+            else:
+                bucket.grads.consume()
+            bucket.views.remember()
