@@ -62,9 +62,9 @@ class UpdateBackend(ABC):
         pool (several ranks); nothing changes then."""
 
     @abstractmethod
-    def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        """Add one parameter's flat gradient into elements ``[start, stop)`` of the open
-        buffer (on the compute stream)."""
+    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's flat gradient into its slot of the open buffer (on the
+        compute stream)."""
 
     @abstractmethod
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:

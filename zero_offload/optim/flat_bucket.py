@@ -103,8 +103,7 @@ class FlatBucket:
         if not self.grads.holds_device_buffer:
             self.backend.open_grad(new_window=self.grads.opens_window, grow=grow)
             self.grads.start_filling()
-        slot = self.layout.slots[slot_index]
-        self.backend.add_grad(slot.offset, slot.end, grad.reshape(-1))
+        self.backend.add_grad(slot_index, grad.reshape(-1))
         return self.grads.receive(slot_index)
 
     def open_empty(self, *, grow: bool) -> None:

@@ -60,8 +60,9 @@ class ResidentState(UpdateBackend):
         if new_window:
             self.grad_acc.zero_()
 
-    def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        self.grad_acc[start:stop].add_(grad)
+    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
+        slot = self.layout.slots[slot_index]
+        self.grad_acc[slot.offset : slot.end].add_(grad)
 
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         return None  # the gradients are already in the accumulator, on the device
