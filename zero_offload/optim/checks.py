@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "Family",
     "check_hyper",
     "check_new_params",
     "check_params",
     "describe_param",
+    "split_names",
     "trainer_clipping_we_cannot_see",
 ]
 
@@ -36,19 +38,73 @@ def _number(where: str, name: str, value: Any, *, low: float, high: float | None
         raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
 
 
+def _number_or_scalar_tensor(
+    where: str, name: str, value: Any, *, low: float, high: float | None = None
+) -> None:
+    """Like ``_number``, but a 1-element real tensor is accepted too (torch accepts one for
+    ``lr`` and ``betas``: LR schedulers under ``torch.compile`` step a tensor ``lr`` in
+    place, so that a new value is not a recompile). Its value is read at each step."""
+    if not isinstance(value, torch.Tensor):
+        _number(where, name, value, low=low, high=high)
+        return
+    if value.numel() != 1:
+        raise ValueError(
+            f"{where}: a tensor {name} must have exactly 1 element, got shape "
+            f"{tuple(value.shape)}; pass a Python float or a 1-element tensor"
+        )
+    if value.is_complex() or not value.is_floating_point() or value.requires_grad:
+        raise TypeError(
+            f"{where}: a tensor {name} must be a real floating-point tensor that does not "
+            f"require grad, got {value.dtype} (requires_grad={value.requires_grad})"
+        )
+    _number(where, name, float(value), low=low, high=high)
+
+
 def check_hyper(group: dict[str, Any], *, where: str) -> None:
-    """Validate one group's (or the defaults') AdamW hyper-parameters, as torch does."""
-    _number(where, "lr", group["lr"], low=0.0)
+    """Validate one group's (or the defaults') Adam(W) hyper-parameters, as torch does.
+
+    ``lr`` and ``betas`` may be 1-element tensors (both betas or neither), as torch allows.
+    """
+    _number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
     _number(where, "eps", group["eps"], low=0.0)
     _number(where, "weight_decay", group["weight_decay"], low=0.0)
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    _number(where, "betas[0]", betas[0], low=0.0, high=1.0)
-    _number(where, "betas[1]", betas[1], low=0.0, high=1.0)
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(
+            f"{where}: betas must be both floats or both 1-element tensors (as torch "
+            f"requires), got {betas!r}"
+        )
+    _number_or_scalar_tensor(where, "betas[0]", betas[0], low=0.0, high=1.0)
+    _number_or_scalar_tensor(where, "betas[1]", betas[1], low=0.0, high=1.0)
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
+
+
+def split_names(params: Sequence[Any], *, where: str) -> tuple[list[Any], list[str] | None]:
+    """``(tensors, names)`` of a group's ``params``: ``model.named_parameters()`` gives
+    ``(name, tensor)`` pairs, which torch accepts and keeps as the group's ``param_names``
+    (``names`` is None when no entry is a pair). Names for some entries only are refused,
+    as torch refuses them."""
+    pairs = [isinstance(p, tuple) for p in params]
+    if not any(pairs):
+        return list(params), None
+    if not all(pairs):
+        missing = pairs.index(False)
+        raise ValueError(
+            f"{where}: entry {missing} of 'params' has no name but others are (name, "
+            "parameter) pairs; pass all of them with names (model.named_parameters()) or "
+            "none (model.parameters())"
+        )
+    for i, pair in enumerate(params):
+        if len(pair) != 2 or not isinstance(pair[0], str):
+            raise TypeError(
+                f"{where}: entry {i} of 'params' must be a (name: str, parameter) pair, as "
+                f"model.named_parameters() yields, got {pair!r}"
+            )
+    return [pair[1] for pair in params], [pair[0] for pair in params]
 
 
 def check_new_params(params: Sequence[Any], param_groups: Sequence[dict[str, Any]]) -> None:
@@ -73,24 +129,34 @@ def check_new_params(params: Sequence[Any], param_groups: Sequence[dict[str, Any
         seen.add(id(param))
 
 
+class Family(NamedTuple):
+    """The trainable parameters of one param group that share one training dtype: what
+    one run of buckets is planned from (a bucket never mixes groups or dtypes)."""
+
+    group: int  # index into param_groups
+    dtype: torch.dtype  # the training dtype of every member
+    members: list[tuple[int, tuple[int, ...]]]  # (flat parameter index, shape), in order
+
+
 def check_params(
     param_groups: Sequence[dict[str, Any]],
     group_indices: Sequence[int],
     *,
     first_index: int,
     device: torch.device,
-    dtype: torch.dtype | None,
-) -> list[tuple[int, list[tuple[int, tuple[int, ...]]]]]:
-    """Check the parameters of ``group_indices``; return the trainable ones per group.
+) -> list[Family]:
+    """Check the parameters of ``group_indices``; return the trainable ones per group and
+    training dtype.
 
-    Returns ``[(group_index, [(flat_index, shape), ...]), ...]`` for parameters that require
-    grad and have elements (others are skipped, as torch skips them). ``dtype``: the
-    training dtype already in use, if any; all trainable parameters must share one.
+    Parameters that require grad and have elements are returned (others are skipped, as
+    torch skips them), one ``Family`` per (group, dtype), groups in order and, within a
+    group, dtypes in the order they first appear. Training dtypes may differ (bf16 weights
+    with fp32 norms, fp32 adapters on a bf16 base): each bucket holds one.
     """
     families = []
     index = first_index
     for g in group_indices:
-        members = []
+        by_dtype: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
         for param in param_groups[g]["params"]:
             what = describe_param(index, param)
             if param.is_complex() or not param.is_floating_point():
@@ -119,18 +185,9 @@ def check_params(
                     f"move the model there first (model.to({str(device)!r}))"
                 )
             if param.requires_grad and param.numel() > 0:
-                if dtype is None:
-                    dtype = param.dtype
-                elif param.dtype != dtype:
-                    raise TypeError(
-                        f"{what} has dtype {param.dtype} but other parameters are {dtype}; "
-                        "OffloadAdamW needs one training dtype: cast the model with "
-                        "model.to(dtype), or use one optimizer per dtype"
-                    )
-                members.append((index, tuple(param.shape)))
+                by_dtype.setdefault(param.dtype, []).append((index, tuple(param.shape)))
             index += 1
-        if members:
-            families.append((g, members))
+        families.extend(Family(g, dtype, members) for dtype, members in by_dtype.items())
     return families
 
 

@@ -2,6 +2,18 @@
 
 The scaler only decides; the optimizer detects overflow (in its fused statistics pass over
 the host gradients) and folds ``1 / scale`` into the CPU Adam gradient multiplier.
+
+Note [one loss scale]
+~~~~~~~~~~~~~~~~~~~~~
+An optimizer has one scaler, whatever mix of training dtypes its buckets hold: dynamic as
+soon as any trainable parameter is fp16 (at construction, or when ``add_param_group`` brings
+the first ones), else ``NoLossScaler``. The scale multiplies the whole loss
+(``OffloadAdamW.backward``), so every bucket's gradients, the bf16 and fp32 ones beside the
+fp16 ones, arrive multiplied by it; the step therefore unscales every bucket by the same
+factor (one ``clip / scale`` gradient multiplier), the norm is the global sum of squares
+over all buckets divided by the scale, and an overflow in any bucket skips the whole step
+and backs the scale off. Scalers per dtype would need a loss per dtype, which does not
+exist: one backward produces every bucket's gradients.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ with offload (``ranks.ShardedRanks``); one rank is the same code with no collect
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import math
@@ -38,7 +37,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..collectives import make_comm, surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import Tier, TieredMemoryManager
-from ..partition import BucketLayout, plan_buckets
+from ..partition import BucketLayout
 from ..tracing import phase
 from .backend import AdamHyper, BucketPools, UpdateBackend
 from .backward import BackwardRouter
@@ -47,13 +46,14 @@ from .checks import (
     check_new_params,
     check_params,
     describe_param,
+    split_names,
     trainer_clipping_we_cannot_see,
 )
 from .flat_bucket import FlatBucket, StepPlan
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .offloaded import GradBuffers, OffloadedState
 from .param_views import ParamViews
-from .placement import POOL_ALIGNMENT, Placement, plan_placement
+from .placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .ranks import Ranks, ShardedRanks, SingleRank
 from .resident import ResidentState
 from .state_io import load_optimizer_state, optimizer_state
@@ -151,6 +151,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees no gradients
     (they are on the host) and clips nothing. Use ``opt.clip_grad_norm_(max_norm)``, or
     ``OffloadConfig(max_grad_norm=...)``, or the integrations (``OffloadTrainer``).
+
+    As in torch, ``params`` may be ``model.named_parameters()`` (the names are kept as each
+    group's ``param_names``, state dict included), and ``lr`` and ``betas`` may be 1-element
+    tensors. Trainable parameters may mix training dtypes (fp32, bf16, fp16: bf16 layers with
+    fp32 norms, fp32 adapters on a bf16 base); each bucket holds one dtype. With any fp16
+    parameter one dynamic loss scaler serves them all: ``opt.backward(loss)`` scales the
+    whole loss, and every bucket's gradients are unscaled by the same factor at the step.
     """
 
     #: AdamW's decoupled weight decay; ``OffloadAdam`` sets False (torch.optim.Adam's L2).
@@ -242,6 +249,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         self._clip_once: float | None = None  # set by clip_grad_norm_ for the next step
         self.skipped_steps = 0
+        # Dynamic once any trainable parameter is fp16 (_build); Note [one loss scale] in
+        # loss_scaler.py.
+        self.scaler: LossScaler = NoLossScaler()
         self.last_grad_norm: float | None = None
         try:
             super().__init__(params, defaults)
@@ -253,11 +263,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._finalizer()
             raise
         self.state = self._state_view  # type: ignore[assignment]
-        self.scaler: LossScaler = (
-            DynamicLossScaler(config.loss_scaler)
-            if self._training_dtype() == torch.float16
-            else NoLossScaler()
-        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}#{self.serial}"
@@ -270,9 +275,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._ranks.comm
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (as torch does); after construction it gets buckets of its own."""
+        """Add a group (as torch does); after construction it gets buckets of its own (and
+        the dynamic loss scaler, if it brings the first fp16 parameters)."""
         group = dict(param_group)
         params = group.get("params")
+        where = f"param group {len(self.param_groups)}"
         if isinstance(params, torch.Tensor):
             params = [params]
         elif isinstance(params, set) or params is None:
@@ -280,10 +287,21 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "param group 'params' must be a tensor or an ordered iterable of tensors "
                 f"(not a set), got {type(params).__name__}"
             )
-        group["params"] = params = list(params)
+        params, names = split_names(list(params), where=where)
+        group["params"] = params
+        if names is not None:
+            group["param_names"] = names
+        if self.param_groups and ("param_names" in group) != (
+            "param_names" in self.param_groups[0]
+        ):
+            raise ValueError(
+                f"{where} is {'with' if names is not None else 'without'} parameter names but "
+                "the optimizer's first group is not; pass every group as named_parameters() "
+                "pairs or none of them (as torch requires)"
+            )
         for key, value in self.defaults.items():
             group.setdefault(key, value)
-        check_hyper(group, where=f"param group {len(self.param_groups)}")
+        check_hyper(group, where=where)
         check_new_params(params, self.param_groups)
         super().add_param_group(group)
         if not self._constructing:
@@ -292,11 +310,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             except BaseException:
                 self.param_groups.pop()  # a failed call leaves the optimizer as it was
                 raise
-
-    def _training_dtype(self) -> torch.dtype:
-        for bucket in self.buckets:
-            return bucket.dtype
-        return torch.float32
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -324,7 +337,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
 
     def _build(self, group_indices: list[int]) -> None:
-        """Bucket, place and allocate the trainable parameters of ``group_indices``."""
+        """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets
+        of one training dtype each (``plan_dtype_buckets``), one device and one host pool
+        sized for them all (``plan_placement``, per-bucket itemsize)."""
         params = self._all_params()
         first_index = sum(len(self.param_groups[g]["params"]) for g in range(group_indices[0]))
         families = check_params(
@@ -332,25 +347,23 @@ class OffloadAdamW(torch.optim.Optimizer):
             group_indices,
             first_index=first_index,
             device=self.accelerator.device,
-            dtype=self._training_dtype() if self.buckets else None,
         )
         if not families:
             return
-        self._check_owners(params, [i for _, members in families for i, _ in members])
-        dtype = params[families[0][1][0][0]].dtype
-        itemsize = dtype.itemsize
-        layouts = plan_buckets(
-            [members for _, members in families],
-            bucket_numel=max(1, self.config.bucket_bytes // itemsize),
+        self._check_owners(params, [i for family in families for i, _ in family.members])
+        layouts = plan_dtype_buckets(
+            families,
+            bucket_bytes=self.config.bucket_bytes,
             world_size=self._ranks.world_size,
             align_numel=POOL_ALIGNMENT // 2,
+            first_index=len(self.buckets),
         )
-        amsgrad = any(self.param_groups[g]["amsgrad"] for g, _ in families)
+        amsgrad = any(self.param_groups[family.group]["amsgrad"] for family in families)
         moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
         stats = self.accelerator.memory_stats()
         placement = plan_placement(
             layouts,
-            itemsize=itemsize,
+            itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
             moment_size=moments_dtype.itemsize,
             amsgrad=amsgrad,
             offload_fraction=self.config.offload_fraction,
@@ -374,7 +387,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         buckets: list[FlatBucket] = []
         try:
             self._build_buckets(
-                layouts, families, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets
+                layouts, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
@@ -390,6 +403,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         for bucket in buckets:
             for param in bucket.params:
                 _OWNERS[param] = weakref.ref(self)
+        if isinstance(self.scaler, NoLossScaler) and any(
+            bucket.dtype == torch.float16 for bucket in buckets
+        ):
+            # The first fp16 parameters bring the dynamic scaler: Note [one loss scale].
+            self.scaler = DynamicLossScaler(self.config.loss_scaler)
 
     # Note [construction holds one copy]
     # Each bucket copies its parameters into the device pool and re-points them there
@@ -401,7 +419,6 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _build_buckets(
         self,
         layouts: list[BucketLayout],
-        families: list[tuple[int, list[tuple[int, tuple[int, ...]]]]],
         placement: Placement,
         pools: BucketPools,
         grad_buffers: GradBuffers,
@@ -412,17 +429,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
         ``out`` as each is built (so a failure can undo the ones before it)."""
         params = self._all_params()
-        base = len(self.buckets)
-        for local in layouts:
-            layout = dataclasses.replace(
-                local, index=base + local.index, group=families[local.group][0]
-            )
+        for layout in layouts:
             members = [params[slot.index] for slot in layout.slots]
             views = ParamViews(layout, members, pools.device)
             shard = layout.shard_range(self._ranks.rank)
             try:
                 backend: UpdateBackend
-                if local.index in placement.resident:
+                if layout.index in placement.resident:
                     backend = ResidentState(layout, views, pools=pools, amsgrad=amsgrad)
                 else:
                     backend = OffloadedState(

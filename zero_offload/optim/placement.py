@@ -1,32 +1,44 @@
-"""Which buckets stay on the device, and how many bytes each tier needs: pure arithmetic.
+"""Which parameters share a bucket, which buckets stay on the device, and how many bytes
+each tier needs: pure arithmetic.
 
-Byte counts per bucket of ``n = padded_numel`` elements, ``s`` = training dtype bytes,
-``a(x)`` = ``x`` rounded up to the pool alignment:
+A bucket holds one param group's parameters of one training dtype (``plan_dtype_buckets``):
+bf16 weights with fp32 norms, or fp32 adapters on a bf16 base, give buckets of each dtype
+side by side, each with its own weights, gradient buffer, staging and copy-out.
+
+Byte counts per bucket of ``n = padded_numel`` elements (parameters, their slot alignment
+gaps, Note [slots are aligned] in partition.py, and the sharding padding), ``s`` = that
+bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment:
 
 - device, every bucket: weights ``a(n*s)``;
 - device, resident bucket: fp32 master, exp_avg, exp_avg_sq, grad accumulator ``4*a(4n)``
   (plus ``a(4n)`` with amsgrad);
-- device, offloaded buckets together: ``GRAD_BUFFERS`` gradient buffers of the largest
-  offloaded bucket, ``a(n_max*s)`` each (Note [a bucket's gradient lifecycle]);
+- device, offloaded buckets together: ``GRAD_BUFFERS`` gradient buffers, each of the
+  largest offloaded bucket in bytes, ``max a(n*s)`` over the offloaded buckets of every
+  dtype (Note [a bucket's gradient lifecycle]);
 - host, offloaded bucket, with ``k = n / world_size`` (this rank's shard, Note [who owns
   which shard] in partition.py): master and grad accumulator ``2*a(4k)``, moments
   ``2*a(k*m)`` (``m`` = 4 or 2 for bf16 moments; one more with amsgrad), gradient staging
-  ``a(k*s)``, and weight staging ``a(k*s)`` unless the training dtype is fp32.
+  ``a(k*s)``, and weight staging ``a(k*s)`` unless the bucket's training dtype is fp32.
+
+Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
-from ..partition import BucketLayout
+from ..partition import BucketLayout, plan_buckets
+from .checks import Family
 
-__all__ = ["GRAD_BUFFERS", "POOL_ALIGNMENT", "Placement", "plan_placement"]
+__all__ = ["GRAD_BUFFERS", "POOL_ALIGNMENT", "Placement", "plan_dtype_buckets", "plan_placement"]
 
 #: Alignment of every block in OffloadAdamW's pools, bytes; buckets are padded to multiples
-#: of it too (Note [padding stays at the end] in partition.py).
+#: of it too (Note [padding stays at the end] in partition.py; each parameter's slot is
+#: aligned as well, Note [slots are aligned]).
 POOL_ALIGNMENT = 512
 
 #: Device gradient buffers for offloaded buckets: one filling while the previous one's
@@ -70,10 +82,46 @@ def _host_bytes(
     return total
 
 
+def plan_dtype_buckets(
+    families: Sequence[Family],
+    *,
+    bucket_bytes: int,
+    world_size: int,
+    align_numel: int,
+    first_index: int = 0,
+) -> list[BucketLayout]:
+    """Pack each training dtype's parameters into buckets of that dtype alone.
+
+    Each dtype gets ``partition.plan_buckets`` with ``bucket_bytes // itemsize`` elements
+    per bucket, over its families in group order. The dtypes' buckets are then interleaved
+    in the order backward is expected to fill them (descending highest parameter index:
+    groups last to first, parameters last to first, as ``plan_buckets`` orders one dtype),
+    so an fp32 norm's bucket sits among the bf16 buckets of its layers. Returned layouts
+    are numbered ``first_index, first_index + 1, ...`` in that order and carry their real
+    param group index.
+    """
+    planned: list[BucketLayout] = []
+    for dtype in dict.fromkeys(family.dtype for family in families):
+        same = [family for family in families if family.dtype == dtype]
+        for layout in plan_buckets(
+            [family.members for family in same],
+            bucket_numel=max(1, bucket_bytes // dtype.itemsize),
+            world_size=world_size,
+            align_numel=align_numel,
+        ):
+            planned.append(dataclasses.replace(layout, group=same[layout.group].group))
+    # Stable: within one dtype the highest indices already decrease bucket by bucket.
+    planned.sort(key=lambda layout: -layout.slots[0].index)
+    return [
+        dataclasses.replace(layout, index=first_index + position)
+        for position, layout in enumerate(planned)
+    ]
+
+
 def plan_placement(
     buckets: Sequence[BucketLayout],
     *,
-    itemsize: int,
+    itemsize: int | Sequence[int],
     moment_size: int,
     amsgrad: bool,
     offload_fraction: float | str,
@@ -88,13 +136,26 @@ def plan_placement(
     exposed) on the device until ``1 - offload_fraction`` of the elements are resident.
     ``"auto"`` keeps as many as fit in ``device_free * (1 - auto_headroom)``. Raises
     ``DeviceBudgetExceeded`` when even full offload does not fit ``device_free``.
+
+    ``itemsize``: training dtype bytes, one for every bucket or one per bucket of
+    ``buckets`` (mixed training dtypes, ``plan_dtype_buckets``).
     """
-    total = sum(b.numel for b in buckets) or 1
-    weights = sum(_aligned(b.padded_numel * itemsize, alignment) for b in buckets)
+    if isinstance(itemsize, int):
+        sizes_of = {b.index: itemsize for b in buckets}
+    else:
+        if len(itemsize) != len(buckets):
+            raise ValueError(
+                f"itemsize must be one int or one per bucket ({len(buckets)}), got "
+                f"{len(itemsize)} values"
+            )
+        sizes_of = {b.index: size for b, size in zip(buckets, itemsize, strict=True)}
+    total = sum(b.param_numel for b in buckets) or 1  # parameter elements, no gaps
+    weights = sum(_aligned(b.padded_numel * sizes_of[b.index], alignment) for b in buckets)
 
     def grad_buffers(resident: set[int]) -> int:
-        sizes = [b.padded_numel for b in buckets if b.index not in resident]
-        return GRAD_BUFFERS * _aligned(max(sizes) * itemsize, alignment) if sizes else 0
+        # Each buffer must hold the largest offloaded bucket of any dtype, in bytes.
+        sizes = [b.padded_numel * sizes_of[b.index] for b in buckets if b.index not in resident]
+        return GRAD_BUFFERS * _aligned(max(sizes), alignment) if sizes else 0
 
     resident: set[int] = set()
     state = 0
@@ -113,7 +174,7 @@ def plan_placement(
             if kept >= want - 1e-9 * total:
                 break
             resident.add(bucket.index)
-            kept += bucket.numel
+            kept += bucket.param_numel
             state += _resident_bytes(bucket, amsgrad=amsgrad, alignment=alignment)
     placement = Placement(
         resident=frozenset(resident),
@@ -122,7 +183,11 @@ def plan_placement(
         device_resident_state=state,
         host_state=sum(
             _host_bytes(
-                b, itemsize=itemsize, moment_size=moment_size, amsgrad=amsgrad, alignment=alignment
+                b,
+                itemsize=sizes_of[b.index],
+                moment_size=moment_size,
+                amsgrad=amsgrad,
+                alignment=alignment,
             )
             for b in buckets
             if b.index not in resident
