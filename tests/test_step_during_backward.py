@@ -93,3 +93,58 @@ def test_where_a_step_cannot_run_during_backward_it_runs_in_step(config: dict, r
         if config.get("overlap_step"):
             o.flush_pending_update()
     assert max_diff(model, ref) == 0.0
+
+
+def _speculative_pair(dtype: torch.dtype, **config: object):
+    spec_model, plain_model = make_pair(dtype)
+    spec = offload_opt(spec_model, speculative_step=True, **config)
+    plain = offload_opt(plain_model, **config)
+    return spec_model, spec, plain_model, plain
+
+
+@pytest.mark.parametrize(
+    ("max_grad_norm", "speculation_bytes", "failures"),
+    [
+        (1e6, "1GiB", 0),  # configured, never binding: the speculation stands
+        (1e-3, "1GiB", 3),  # binding every step: restored and stepped again
+        (1e6, 40_000, 0),  # a small backup budget: the buckets beyond it wait for step()
+    ],
+)
+def test_speculative_steps_are_bitwise_the_ordinary_step(
+    max_grad_norm: float, speculation_bytes: int | str, failures: int
+) -> None:
+    spec_model, spec, plain_model, plain = _speculative_pair(
+        torch.bfloat16, max_grad_norm=max_grad_norm, speculation_bytes=speculation_bytes
+    )
+    for tokens, targets in batches(3):
+        spec.backward(_loss(spec_model, tokens, targets), step=True)
+        plain.backward(_loss(plain_model, tokens, targets))
+        for o in (spec, plain):
+            o.step()
+            o.zero_grad()
+        assert spec.last_grad_norm == plain.last_grad_norm
+    assert max_diff(spec_model, plain_model) == 0.0
+    assert spec.speculation_failures == failures
+    assert spec.share_stepped_during_backward is not None
+
+
+def test_a_speculative_step_that_overflows_is_restored_and_skipped() -> None:
+    spec_model, spec, plain_model, plain = _speculative_pair(torch.float16)
+    poisoned = {"on": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("inf")) if poisoned["on"] else grad
+
+    spec_model.embed.weight.register_hook(poison)  # the last gradient: after the others
+    plain_model.embed.weight.register_hook(poison)
+    for step, (tokens, targets) in enumerate(batches(3)):
+        poisoned["on"] = step == 1
+        spec.backward(lm_loss(spec_model, tokens, targets), step=True)
+        plain.backward(lm_loss(plain_model, tokens, targets))
+        for o in (spec, plain):
+            o.step()
+            o.zero_grad()
+    assert spec.skipped_steps == plain.skipped_steps == 1
+    assert spec.speculation_failures == 1
+    assert spec.loss_scale == plain.loss_scale
+    assert max_diff(spec_model, plain_model) == 0.0

@@ -230,6 +230,16 @@ class OffloadConfig:
         skip_nonfinite: skip (and count) a step whose gradients hold inf or NaN instead of
             letting them poison the weights as torch would. Always on for fp16 (the loss
             scaler's job). Default False.
+        speculative_step: with an announced step (``opt.backward(loss, step=True)``), run
+            each bucket's CPU Adam during backward even though clipping or an overflow skip
+            may still change the step: the state it overwrites is backed up first, and if
+            the norm turns out to bind (or the step must be skipped) the buckets are
+            restored and stepped again with the right coefficient; bitwise the ordinary
+            step either way. Default False.
+        speculation_bytes: host bytes the backups of speculatively stepped buckets may use
+            at once (fp32 master and moments: 12 bytes per parameter, 16 with amsgrad);
+            buckets beyond it are stepped in ``step()``. An int or a string such as
+            ``"2GiB"``. Default ``"1GiB"``.
         moments_dtype: ``"float32"`` or ``"bfloat16"`` for the host Adam moments
             (bf16 saves 4 bytes per parameter of host memory and traffic, math stays fp32).
             Default ``"float32"``.
@@ -238,6 +248,16 @@ class OffloadConfig:
             the norm all-reduce) may wait before the rank raises ``CollectiveError`` naming
             the collective, instead of hanging when another rank failed or never arrived.
             Default 600.0. Must be > 0. Unused with one rank.
+        nvme_dir: a directory on a local disk for the optimizer state (fp32 master and
+            moments) that does not fit ``host_budget``; each rank uses ``nvme_dir/rank{r}``
+            (``zero_offload.memory.storage``). Default ``None``: all state in host RAM.
+        host_budget: bytes of host RAM for the offloaded buckets' master and moments (per
+            rank), an int, a string such as ``"48GiB"``, or ``"auto"``: the RAM available at
+            construction less max(10% of total RAM, 2 GiB) and less the gradient staging and
+            I/O buffers. Buckets are placed whole, in bucket order: on the host while they
+            fit, the rest on NVMe. Gradients, staging and the tier's I/O buffers are in host
+            RAM whatever the budget (README, "NVMe tier"). Default ``None``: ``"auto"`` when
+            ``nvme_dir`` is set. Needs ``nvme_dir``.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -247,9 +267,13 @@ class OffloadConfig:
     max_grad_norm: float | None = None
     overlap_step: bool = False
     skip_nonfinite: bool = False
+    speculative_step: bool = False
+    speculation_bytes: int | str = "1GiB"
     moments_dtype: str = "float32"
     loss_scaler: LossScalerConfig = LossScalerConfig()
     collective_timeout: float = 600.0
+    nvme_dir: str | os.PathLike[str] | None = None
+    host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -275,7 +299,12 @@ class OffloadConfig:
         if self.max_grad_norm is not None:
             _check_positive_finite("OffloadConfig.max_grad_norm", self.max_grad_norm)
         _check_positive_finite("OffloadConfig.collective_timeout", self.collective_timeout)
-        for name in ("overlap_step", "skip_nonfinite"):
+        object.__setattr__(
+            self,
+            "speculation_bytes",
+            parse_bytes(self.speculation_bytes, name="OffloadConfig.speculation_bytes"),
+        )
+        for name in ("overlap_step", "skip_nonfinite", "speculative_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.moments_dtype not in ("float32", "bfloat16"):
@@ -287,3 +316,25 @@ class OffloadConfig:
             raise TypeError(
                 f"OffloadConfig.loss_scaler must be a LossScalerConfig, got {self.loss_scaler!r}"
             )
+        if self.nvme_dir is not None:
+            if not isinstance(self.nvme_dir, (str, os.PathLike)) or not os.fspath(self.nvme_dir):
+                raise TypeError(
+                    f"OffloadConfig.nvme_dir must be a directory path (str or os.PathLike), "
+                    f"got {self.nvme_dir!r}"
+                )
+            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+        if self.host_budget is not None:
+            if self.nvme_dir is None:
+                raise ValueError(
+                    f"OffloadConfig.host_budget={self.host_budget!r} needs nvme_dir, the place "
+                    "for the state that does not fit it; set nvme_dir='/path/on/local/nvme' or "
+                    "leave host_budget=None (all state in host RAM)"
+                )
+            if self.host_budget != "auto":
+                object.__setattr__(
+                    self,
+                    "host_budget",
+                    parse_bytes(self.host_budget, name="OffloadConfig.host_budget"),
+                )
+        elif self.nvme_dir is not None:
+            object.__setattr__(self, "host_budget", "auto")

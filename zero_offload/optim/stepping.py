@@ -17,7 +17,9 @@ stepped in part, and that the optimizer must be reloaded from a checkpoint or re
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
 
 from ..accelerator import Event
 from ..collectives import Pending
@@ -230,6 +232,18 @@ class DelayedUpdate(UpdateMode):
 # The cost of a broken promise: the update has happened, so clipping or another backward
 # after an announced one is refused.
 
+# Note [speculative steps]
+# With OffloadConfig(speculative_step=True) an announced step runs during backward even when
+# clipping is configured or an fp16 overflow could skip it (SuperOffload's bet: clipping
+# rarely binds). Each bucket is stepped with the multiplier 1 / loss_scale, i.e. unclipped,
+# after a copy of the state it overwrites (master, moments) was taken, within
+# speculation_bytes; buckets beyond that wait for step(). In step(), once the global norm and
+# the overflow flag are known: if the true multiplier is the one used and nothing is skipped,
+# the speculation stands and only the waiting buckets are stepped. Otherwise every stepped
+# bucket is restored from its copy; a skipped step then republishes the restored weights,
+# and a clipped one steps every bucket again with the true multiplier. Bitwise the ordinary
+# step in both outcomes; opt.speculation_failures counts the rollbacks.
+
 
 def _elements(plan: StepPlan) -> int:
     return sum(stop - start for start, stop, _ in plan.runs)
@@ -237,33 +251,69 @@ def _elements(plan: StepPlan) -> int:
 
 class EagerStep:
     """One announced step, run bucket by bucket during backward; see Note [stepping during
-    backward]. Holds no reference to the optimizer (Note [lifetimes without close])."""
+    backward] and Note [speculative steps]. Holds no reference to the optimizer (Note
+    [lifetimes without close]).
 
-    def __init__(self, manager: TieredMemoryManager, hypers: dict[int, AdamHyper]) -> None:
+    ``grad_scale``: the gradient multiplier the buckets are stepped with during backward
+    (``1 / loss_scale``: no clipping). ``speculation_bytes``: None for an exact step (every
+    bucket is stepped during backward); else the backup budget of a speculative one.
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        hypers: dict[int, AdamHyper],
+        *,
+        grad_scale: float = 1.0,
+        speculation_bytes: int | None = None,
+    ) -> None:
         self.manager = manager
         self.hypers = hypers  # by param group index, read when the step was announced
+        self.grad_scale = grad_scale
+        self.speculation_bytes = speculation_bytes
         self.plans: dict[int, StepPlan] = {}  # by bucket index, in hand-over order
         self._done: dict[int, Event] = {}  # host-worker event after each bucket's update
+        # Speculative: each stepped bucket's state before its update, by bucket index;
+        # written by the host worker, read after it drained.
+        self._backups: dict[int, dict[str, torch.Tensor]] = {}
+        self._backup_bytes = 0
         self.backward_ended = False
         #: Share of the step's elements whose CPU Adam had finished when backward returned.
         self.share_before_backward_returned: float | None = None
+        #: Speculative: whether the step had to be restored and redone (or skipped).
+        self.rolled_back = False
 
     def hand_over(self, bucket: FlatBucket) -> None:
-        """``bucket``'s gradients of this window are all queued: queue its update."""
+        """``bucket``'s gradients of this window are all queued: queue its update (or, over
+        the speculation budget, leave it to ``land``)."""
         index = bucket.layout.index
         if index in self.plans:
             raise RuntimeError(
                 f"bucket {index} got a gradient after it was stepped during backward "
                 "(opt.backward(..., step=True)): a parameter's gradient arrived twice"
             )
+        backend = bucket.backend
+        speculative = self.speculation_bytes is not None
+        if speculative:
+            nbytes = sum(t.numel() * t.element_size() for t in backend.state_tensors().values())
+            if self._backup_bytes + nbytes > self.speculation_bytes:
+                return  # stepped in land(), once the coefficient is known
+            self._backup_bytes += nbytes
         plan = StepPlan(bucket, bucket.grads.arrived.copy())
         hyper = self.hypers[bucket.layout.group]
         ready = [self.manager.compute_ready()]
-        backend = bucket.backend
+        scale = self.grad_scale
 
         def update() -> None:
+            if speculative:
+                # Hidden cost: a copy of the bucket's state, within speculation_bytes.
+                self._backups[index] = {
+                    name: t.clone() for name, t in backend.state_tensors().items()
+                }
             with phase("cpu_adam", track="cpu_optimizer"):
-                backend.update(hyper, 1.0, plan.runs, publish=True, source=plan.source, after=ready)
+                backend.update(
+                    hyper, scale, plan.runs, publish=True, source=plan.source, after=ready
+                )
 
         worker = self.manager.host_worker
         worker.submit(update)
@@ -280,8 +330,15 @@ class EagerStep:
         self.share_before_backward_returned = done / total if total else 1.0
         self.backward_ended = True
 
-    def land(self, buckets: Sequence[FlatBucket], ranks: Ranks) -> None:
-        """step(): wait for the updates, make compute wait for their weights, commit."""
+    def land(
+        self,
+        buckets: Sequence[FlatBucket],
+        ranks: Ranks,
+        decide: Callable[[], tuple[bool, float]],
+    ) -> None:
+        """step(): wait for the updates, check the speculation (``decide`` returns whether
+        the step is skipped and its true gradient multiplier), make compute wait for the
+        weights, commit."""
         stepped = [i for i, e in self._done.items() if e.query()]
         try:
             self.manager.host_worker.synchronize()
@@ -289,15 +346,54 @@ class EagerStep:
             raise _failed(
                 f"{ranks.where()}the step run during backward failed", stepped, None
             ) from exc
+        skip, grad_scale = decide()
         events: list[Event] = []
         for bucket in buckets:
             events.extend(bucket.backend.publish())
-        with phase("wait_weights"):
-            self.manager.wait_for(events, category=Category.WEIGHTS)
-        for bucket in buckets:
-            plan = self.plans.get(bucket.layout.index)
-            if plan is not None:
-                bucket.commit(plan)
-            else:
+        if not skip and grad_scale == self.grad_scale:
+            with phase("wait_weights"):
+                self.manager.wait_for(events, category=Category.WEIGHTS)
+            rest = []
+            for bucket in buckets:
+                plan = self.plans.get(bucket.layout.index)
+                if plan is not None:
+                    bucket.commit(plan)
+                    bucket.views.remember()
+                else:
+                    rest.append((StepPlan(bucket, bucket.grads.arrived), self._hyper(bucket)))
+            ImmediateUpdate(self.manager, ranks).run(rest, grad_scale)
+            return
+        if self.speculation_bytes is None:
+            raise RuntimeError(
+                "an exact step run during backward needed another coefficient (bug: "
+                "Note [stepping during backward] lists what refuses it)"
+            )
+        # Note [speculative steps]: restore, then skip or step again.
+        self.rolled_back = True
+        for event in events:
+            event.synchronize()  # the redo rewrites the staging these copies read
+        for index, backup in self._backups.items():
+            bucket = next(b for b in buckets if b.layout.index == index)
+            for name, tensor in bucket.backend.state_tensors().items():
+                tensor.copy_(backup[name])
+        self._backups.clear()
+        if skip:
+            restored: list[Event] = []
+            for bucket in buckets:
+                if bucket.layout.index in self.plans:
+                    bucket.backend.publish_all_from_master()  # the weights from before
+                    restored.extend(bucket.backend.publish())
                 bucket.grads.consume()
-            bucket.views.remember()
+            with phase("wait_weights"):
+                self.manager.wait_for(restored, category=Category.WEIGHTS)
+            for bucket in buckets:
+                bucket.views.remember()
+            return
+        work = [
+            (self.plans.get(b.layout.index) or StepPlan(b, b.grads.arrived), self._hyper(b))
+            for b in buckets
+        ]
+        ImmediateUpdate(self.manager, ranks).run(work, grad_scale)
+
+    def _hyper(self, bucket: FlatBucket) -> AdamHyper:
+        return self.hypers[bucket.layout.group]
