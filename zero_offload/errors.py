@@ -6,6 +6,8 @@ __all__ = [
     "CollectiveError",
     "DeviceBudgetExceeded",
     "PoolExhausted",
+    "StorageError",
+    "StorageFull",
     "StreamError",
     "StreamRaceError",
 ]
@@ -47,4 +49,20 @@ class StreamRaceError(RuntimeError):
     or ``ZERO_OFFLOAD_CHECK_RACES=1``); the message names the buffer, both streams and both
     operations. See Note [race checking with vector clocks] in
     ``zero_offload.accelerator.race_checker``.
+    """
+
+
+class StorageError(RuntimeError):
+    """A read or write of the NVMe tier failed, or a record's checksum did not match.
+
+    The message names the file, the record and what to do (reload the optimizer from its
+    last checkpoint); see ``zero_offload.memory.storage``.
+    """
+
+
+class StorageFull(OSError):
+    """The NVMe tier's files do not fit the free space of ``nvme_dir`` (``ENOSPC``).
+
+    The message names the bytes needed, the bytes free, the directory and the settings to
+    change.
     """

@@ -3,10 +3,12 @@
 Note [one choke point for copies]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every byte the library moves between device and host goes through ``TieredMemoryManager.copy``
-(which alone calls ``Accelerator.copy_``). There each copy is counted (``counters``), given a
-``CopyRecord`` with start and end events (handed to listeners such as the profiler), ordered
-after the events it depends on, and its end event is recorded on the pool blocks it touches
-so they are not reused while it is pending (Note [block reuse waits on events] in
+(which alone calls ``Accelerator.copy_``), and every byte between host and the NVMe tier
+(``memory/storage.py``) through ``TieredMemoryManager.disk_copy``, which alone queues its
+reads and writes. There each copy is counted (``counters``), given a ``CopyRecord`` with
+start and end events (handed to listeners such as the profiler), ordered after the events it
+depends on, and its end event is recorded on the pool blocks it touches (a disk copy's on its
+I/O buffer) so they are not reused while it is pending (Note [block reuse waits on events] in
 ``pool.py``). Nothing else in the library copies across tiers, so the profiler's counts are
 complete by construction; a test counts them independently.
 """
@@ -26,6 +28,7 @@ from ..accelerator import Accelerator, Event, Stream, get_accelerator
 from .block import Block
 from .host_worker import HostWorker
 from .pool import BlockPool
+from .storage import IOBuffer, StorageFile, StorageTier
 from .traffic import (
     Category,
     CopyRecord,
@@ -66,6 +69,7 @@ class TieredMemoryManager:
         self.h2d = acc.new_stream("h2d")
         self.host_worker = HostWorker(acc)
         self.pools: list[BlockPool] = []
+        self.storage: list[StorageTier] = []  # NVMe tiers opened here, closed with the manager
         self.counters = TrafficCounters()
         # Seconds compute stood still in ``wait_for`` (exposed transfer time), by category,
         # from stalls whose events have completed; guarded by ``_lock``. See
@@ -192,6 +196,66 @@ class TieredMemoryManager:
                 listener(record)
         return end
 
+    def open_storage(
+        self, root: str, *, rank: int, needed_bytes: int, buffer_bytes: int
+    ) -> StorageTier:
+        """An NVMe tier under ``root/rank{rank}`` (``StorageTier``), closed with the manager.
+
+        Hidden cost: its I/O buffers are pinned here; raises ``StorageFull`` when
+        ``needed_bytes`` do not fit the filesystem's free space."""
+        tier = StorageTier(
+            root,
+            rank=rank,
+            accelerator=self.accelerator,
+            needed_bytes=needed_bytes,
+            buffer_bytes=buffer_bytes,
+        )
+        self.storage.append(tier)
+        return tier
+
+    def disk_copy(
+        self,
+        file: StorageFile,
+        slot: int,
+        buffer: IOBuffer,
+        *,
+        direction: Direction,
+        category: Category,
+        label: str = "",
+    ) -> Event:
+        """Queue reading record ``slot`` of ``file`` into ``buffer`` (``NVME_READ``) or
+        writing ``buffer`` there (``NVME_WRITE``); returns the event of its end, which the
+        buffer carries too. Counted and reported like ``copy``; Note [one choke point for
+        copies]."""
+        issued_at = time.perf_counter()
+        if direction is Direction.NVME_READ:
+            end = file.submit_read(slot, buffer)
+        elif direction is Direction.NVME_WRITE:
+            end = file.submit_write(slot, buffer)
+        else:
+            raise ValueError(
+                f"disk_copy of {label or category.value}: direction must be NVME_READ or "
+                f"NVME_WRITE, got {direction!r} (device/host copies go through copy())"
+            )
+        self.counters.add(direction, category, file.record_bytes)
+        with self._lock:
+            listeners = list(self._listeners)
+        if listeners:
+            record = CopyRecord(
+                seq=next(self._seq),
+                direction=direction,
+                category=category,
+                nbytes=file.record_bytes,
+                stream="nvme",
+                issued_at=issued_at,
+                start=end.started if end.started is not None else end,
+                end=end,
+                label=label,
+            )
+            for listener in listeners:
+                listener(record)
+        return end
+
     def compute_ready(self) -> Event:
         """An event on the compute stream marking the work issued so far (e.g. a gradient)."""
         return self.accelerator.current_stream().record_event()
@@ -263,5 +327,11 @@ class TieredMemoryManager:
         self.host_worker.synchronize()
 
     def close(self) -> None:
-        """Stop the host worker thread after its queued work (streams end with the manager)."""
-        self.host_worker.close()
+        """Stop the host worker thread after its queued work (streams end with the manager)
+        and close the NVMe tiers (their files are deleted)."""
+        try:
+            self.host_worker.close()
+        finally:
+            for tier in self.storage:
+                tier.close()
+            self.storage.clear()

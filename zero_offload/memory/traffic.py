@@ -28,10 +28,14 @@ __all__ = [
 
 
 class Direction(enum.Enum):
-    """Which way a copy crosses the device/host boundary."""
+    """Which way a copy crosses a tier boundary (device/host, or host/NVMe)."""
 
     D2H = "device_to_host"
     H2D = "host_to_device"
+    #: NVMe tier to host (``TieredMemoryManager.disk_copy``, ``memory/storage.py``).
+    NVME_READ = "nvme_to_host"
+    #: Host to NVMe tier.
+    NVME_WRITE = "host_to_nvme"
 
 
 class Category(enum.Enum):
