@@ -15,8 +15,8 @@ __all__ = [
     "check_new_params",
     "check_params",
     "describe_param",
+    "plain_trainer_calling",
     "split_names",
-    "trainer_clipping_we_cannot_see",
 ]
 
 #: Training dtypes the CPU kernels read and write.
@@ -191,14 +191,14 @@ def check_params(
     return families
 
 
-def trainer_clipping_we_cannot_see(frame: Any, *, depth: int = 12) -> Any | None:
+def plain_trainer_calling(frame: Any, *, depth: int = 12) -> Any | None:
     """The Hugging Face ``Trainer`` among the callers of ``frame`` (up to ``depth`` frames)
-    whose ``args.max_grad_norm`` asks for clipping, or None.
+    that is not zero-offload's ``OffloadTrainer``, or None.
 
-    Such a Trainer clips with ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which
-    finds no ``.grad`` on OffloadAdamW's parameters (the gradients are on the host) and so
-    clips nothing and logs a norm of 0. Found by the class's module name: transformers is
-    never imported here.
+    Such a Trainer clips (``max_grad_norm > 0``) and computes the ``grad_norm`` it logs
+    (always) with ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which finds no
+    ``.grad`` on OffloadAdamW's parameters (the gradients are on the host): it clips nothing
+    and logs 0. Found by class and module names: transformers is never imported here.
     """
     for _ in range(depth):
         if frame is None:
@@ -209,12 +209,9 @@ def trainer_clipping_we_cannot_see(frame: Any, *, depth: int = 12) -> Any | None
             frame = frame.f_back
             continue
         owner = frame.f_locals.get("self")
-        if owner is not None and any(
-            cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
-            for cls in type(owner).__mro__
-        ):
-            args = getattr(owner, "args", None)
-            limit = getattr(args, "max_grad_norm", None)
-            return owner if isinstance(limit, (int, float)) and limit > 0 else None
+        mro = type(owner).__mro__ if owner is not None else ()
+        if any(c.__name__ == "Trainer" and c.__module__.startswith("transformers.") for c in mro):
+            ours = any(c.__module__.startswith("zero_offload.integrations") for c in mro)
+            return None if ours else owner
         frame = frame.f_back
     return None

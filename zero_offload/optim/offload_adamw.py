@@ -25,6 +25,7 @@ import gc
 import itertools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,8 +47,8 @@ from .checks import (
     check_new_params,
     check_params,
     describe_param,
+    plain_trainer_calling,
     split_names,
-    trainer_clipping_we_cannot_see,
 )
 from .flat_bucket import FlatBucket, StepPlan
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
@@ -58,7 +59,7 @@ from .ranks import Ranks, ShardedRanks, SingleRank
 from .resident import ResidentState
 from .state_io import load_optimizer_state, optimizer_state
 from .state_view import OptimizerState
-from .stepping import DelayedUpdate, ImmediateUpdate, StepFailed, UpdateMode
+from .stepping import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, UpdateMode
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 
@@ -248,6 +249,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._constructing = True
         self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         self._clip_once: float | None = None  # set by clip_grad_norm_ for the next step
+        self._eager: EagerStep | None = None  # an announced step (Note [stepping during backward])
+        self._eager_warned = False
+        self._last_eager_share: float | None = None
+        #: Speculative steps that had to be restored and redone (Note [speculative steps]).
+        self.speculation_failures = 0
         self.skipped_steps = 0
         # Dynamic once any trainable parameter is fp16 (_build); Note [one loss scale] in
         # loss_scaler.py.
@@ -401,6 +407,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._router.add(buckets)
         self._state_view.add(buckets)
         for bucket in buckets:
+            if self.config.overlap_step:  # Note [no accumulator for one backward]
+                bucket.backend.require_accumulator()
             for param in bucket.params:
                 _OWNERS[param] = weakref.ref(self)
         if isinstance(self.scaler, NoLossScaler) and any(
@@ -468,11 +476,82 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The loss scale ``backward`` multiplies by (1.0 unless the model is fp16)."""
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by ``loss_scale`` for fp16 models."""
+    def backward(self, loss: torch.Tensor, *, step: bool = False, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by ``loss_scale`` for fp16 models.
+
+        ``step=True`` announces that ``step()`` follows this backward with no clipping or
+        other backward in between (``announce_step``): where that makes the update exact,
+        it runs during backward."""
+        if step:
+            self.announce_step()
         if self.scaler.scale != 1.0:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
+
+    def _eager_refusal(self) -> str | None:
+        """Why a step cannot run during backward here, or None; Note [stepping during
+        backward] in stepping.py."""
+        if self._ranks.world_size > 1:
+            return "several ranks (the all-gathers and arrival flags are collective)"
+        speculative = self.config.speculative_step  # Note [speculative steps]
+        if self.config.max_grad_norm is not None and not speculative:
+            return (
+                "clipping is configured (the norm is known only after backward; "
+                "OffloadConfig(speculative_step=True) steps anyway and rolls back)"
+            )
+        if (
+            isinstance(self.scaler, DynamicLossScaler) or self.config.skip_nonfinite
+        ) and not speculative:
+            return "an overflow could skip the step (fp16 loss scaling or skip_nonfinite)"
+        if not isinstance(self._mode, ImmediateUpdate):
+            return "overlap_step delays the update instead"
+        if any(bucket.resident for bucket in self.buckets):
+            return "some optimizer state is resident on the device (offload_fraction < 1)"
+        return None
+
+    def announce_step(self) -> bool:
+        """Announce that the next backward is the window's last and ``step()`` follows it
+        with no clipping or another backward in between (for loops that call
+        ``loss.backward()`` themselves). Returns whether the step will run during that
+        backward; where it cannot be exact (see ``_eager_refusal``) it runs in ``step()``
+        as usual. Note [stepping during backward] in stepping.py."""
+        self._check_open("announce_step")
+        if self._eager is not None:
+            raise RuntimeError(
+                "a step is already announced and not taken yet; call step() after the "
+                "announced backward before announcing another"
+            )
+        reason = self._eager_refusal()
+        if reason is not None:
+            if not self._eager_warned:
+                self._eager_warned = True
+                warnings.warn(
+                    f"{self!r}: the announced step runs in step(), not during backward: {reason}",
+                    stacklevel=2,
+                )
+            return False
+        self._check_untouched()  # refuse now what step() would refuse, before any update
+        self._reconcile_written_weights()
+        hypers = {g: self._group_hyper(g) for g in {b.layout.group for b in self.buckets}}
+        speculative = self.config.speculative_step and (
+            self.config.max_grad_norm is not None
+            or isinstance(self.scaler, DynamicLossScaler)
+            or self.config.skip_nonfinite
+        )
+        self._eager = EagerStep(
+            self.manager,
+            hypers,
+            grad_scale=1.0 / self.scaler.scale,
+            speculation_bytes=self.config.speculation_bytes if speculative else None,
+        )
+        self._router.eager = self._eager
+        return True
+
+    @property
+    def share_stepped_during_backward(self) -> float | None:
+        """Of the last announced step's elements, the share whose CPU Adam had finished
+        when its backward returned (None before any announced step)."""
+        return self._last_eager_share
 
     @property
     def backwards(self) -> int:
@@ -525,19 +604,17 @@ class OffloadAdamW(torch.optim.Optimizer):
             check_hyper(group, where=f"param group {g}")
 
     def _refuse_invisible_clipping(self) -> None:
-        """A plain HF ``Trainer`` with clipping would silently not clip: refuse loudly."""
-        if self._clip_once is not None or self.config.max_grad_norm is not None:
-            return  # the clipping this step does is ours
-        trainer = trainer_clipping_we_cannot_see(sys._getframe(2))
+        """A plain HF ``Trainer`` would silently not clip and log grad_norm 0: refuse."""
+        trainer = plain_trainer_calling(sys._getframe(2))
         if trainer is not None:
             raise RuntimeError(
-                f"{type(trainer).__name__}(max_grad_norm={trainer.args.max_grad_norm!r}) "
-                "clips with torch.nn.utils.clip_grad_norm_, which cannot see "
+                f"{type(trainer).__name__} clips (max_grad_norm="
+                f"{getattr(trainer.args, 'max_grad_norm', None)!r}) and computes the "
+                "grad_norm it logs with torch.nn.utils.clip_grad_norm_, which cannot see "
                 f"{type(self).__name__}'s gradients (they live on the host): it would clip "
                 "nothing and log grad_norm 0. Use "
                 "zero_offload.integrations.transformers.OffloadTrainer, which clips inside "
-                "the optimizer; or set TrainingArguments(max_grad_norm=0) and "
-                "OffloadConfig(max_grad_norm=...). Nothing was stepped"
+                "the optimizer and logs the true norm. Nothing was stepped"
             )
 
     def _grad_stats(self) -> tuple[float, bool, list[np.ndarray]]:
@@ -578,6 +655,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         clipping is folded into the CPU Adam gradient multiplier: no extra pass.
         """
         self._check_open("clip_grad_norm_")
+        if self._eager is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after backward(step=True)/announce_step(): the step ran "
+                "during backward, unclipped. Configure clipping up front with "
+                "OffloadConfig(max_grad_norm=...) (the step then runs in step()), or do not "
+                "announce the step"
+            )
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
         if not (
@@ -601,16 +685,58 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._eager is not None:
+            self._land_eager()
+            return loss
         self._check_untouched()
         self._refuse_invisible_clipping()
         self._collect_stray_grads()
         self._mode.settle(self.buckets)
-        for bucket in self.buckets:
-            if bucket.views.changed():
-                # Note [weights written outside the optimizer] in param_views.py.
-                bucket.backend.reconcile_master()
-                bucket.views.remember()
+        self._reconcile_written_weights()
         sumsq, overflow, arrived = self._grad_stats()
+        skip, grad_scale = self._decide(sumsq, overflow)
+        if skip:
+            for bucket in self.buckets:
+                bucket.grads.consume()
+            return loss
+        work = [
+            (StepPlan(bucket, flags), self._hyper(bucket))
+            for bucket, flags in zip(self.buckets, arrived, strict=True)
+        ]
+        self._mode.run(work, grad_scale)
+        return loss
+
+    def _land_eager(self) -> None:
+        """Take the announced step that ran during backward: land its weights, commit."""
+        eager, self._eager = self._eager, None
+        self._router.eager = None
+        if eager is None:
+            return
+        with surface_collective_errors():
+            for bucket in self.buckets:
+                if any(param.grad is not None for param in bucket.params):
+                    raise RuntimeError(
+                        "a gradient was set by hand after an announced backward "
+                        "(backward(step=True)); the step already ran without it"
+                    )
+            if not eager.backward_ended:  # the announced backward raised or never ran
+                self._router.finish()
+                eager.end_backward(self.buckets)
+
+            def decide() -> tuple[bool, float]:
+                sumsq, overflow, _ = self._grad_stats()
+                return self._decide(sumsq, overflow)
+
+            eager.land(self.buckets, self._ranks, decide)
+        if eager.rolled_back:
+            self.speculation_failures += 1
+        self._last_eager_share = eager.share_before_backward_returned
+        self._stats_cache = None
+
+    def _decide(self, sumsq: float, overflow: bool) -> tuple[bool, float]:
+        """From the window's statistics: whether the step is skipped, and the gradient
+        multiplier (loss unscaling and clipping folded into one); updates the loss scaler,
+        ``last_grad_norm`` and ``skipped_steps``."""
         scale = self.scaler.scale
         norm = math.sqrt(sumsq) / scale
         self.last_grad_norm = norm
@@ -622,21 +748,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.scaler.update(overflow)
         if skip:
             self.skipped_steps += 1
-            for bucket in self.buckets:
-                bucket.grads.consume()
-            return loss
         clip = 1.0
         if max_norm is not None and math.isfinite(norm):
             clip = min(1.0, max_norm / (norm + 1e-6))
-        work = [
-            (StepPlan(bucket, flags), self._hyper(bucket))
-            for bucket, flags in zip(self.buckets, arrived, strict=True)
-        ]
-        self._mode.run(work, clip / scale)
-        return loss
+        return skip, clip / scale
+
+    def _reconcile_written_weights(self) -> None:
+        """Note [weights written outside the optimizer] in param_views.py."""
+        for bucket in self.buckets:
+            if bucket.views.changed():
+                bucket.backend.reconcile_master()
+                bucket.views.remember()
 
     def _hyper(self, bucket: FlatBucket) -> AdamHyper:
-        group = self.param_groups[bucket.layout.group]
+        return self._group_hyper(bucket.layout.group)
+
+    def _group_hyper(self, index: int) -> AdamHyper:
+        group = self.param_groups[index]
         beta1, beta2 = group["betas"]
         return AdamHyper(
             lr=float(group["lr"]),
@@ -660,6 +788,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Forget every gradient since the last step, in flight or not (device and host)."""
         super().zero_grad(set_to_none=True)
         if self._finalizer.alive:
+            if self._eager is not None and self._eager.backward_ended:
+                self._land_eager()  # the announced step already ran: take it
             self._router.discard()
             self._stats_cache = None
 
@@ -670,6 +800,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         Reads the state without changing training: with ``overlap_step`` it waits for the
         pending update but does not publish it (Note [delayed parameter update])."""
         self._check_open("state_dict")
+        if self._eager is not None and self._eager.backward_ended:
+            self._land_eager()
         self._mode.drain()
         return optimizer_state(self, pending_update=self._mode.pending)
 
@@ -698,6 +830,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not self._finalizer.alive:
             return
         try:
+            if self._eager is not None and self._eager.backward_ended:
+                self._land_eager()
             self._mode.settle(self.buckets)
         finally:
             self._finalizer()
