@@ -88,10 +88,11 @@ def test_traffic_per_step_is_the_zero_formula(two_ranks: list[dict]) -> None:
     assert moved("comm", "all_reduce") == (2 + sum(traffic["slots"])) * 8
     # Only this rank's 1/N of the gradients leaves the device.
     assert moved("d2h", "device_to_host/gradients") == padded * itemsize // world
-    # Host memory per rank: 5 fp32 fields (master, exp_avg, exp_avg_sq, grad_acc, and
-    # grad_staging in the fp32 training dtype) over this rank's shard of each bucket, each
-    # block rounded up to the 512-byte pool alignment: 1/N of world size 1 plus padding.
-    assert traffic["host_pool"] == sum(5 * -(-4 * k // 512) * 512 for k in traffic["shard"])
+    # Host memory per rank: 4 fp32 fields (master, exp_avg, exp_avg_sq, and grad_staging
+    # in the fp32 training dtype; no accumulator with one micro-batch) over this rank's
+    # shard of each bucket, each block rounded up to the 512-byte pool alignment: 1/N of
+    # world size 1 plus padding.
+    assert traffic["host_pool"] == sum(4 * -(-4 * k // 512) * 512 for k in traffic["shard"])
     # The updated shard goes back to the device, padding left out (it never changes).
     assert moved("d2h", "host_to_device/weights") == sum(traffic["owned_real"]) * itemsize
 

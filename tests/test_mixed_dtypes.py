@@ -222,7 +222,7 @@ def test_device_and_host_pools_follow_the_placement_formula_per_dtype() -> None:
     host = 0
     for b in opt.buckets:
         n, s = b.layout.padded_numel, b.dtype.itemsize
-        host += 2 * _aligned(4 * n)  # fp32 master and gradient accumulator
+        host += _aligned(4 * n)  # fp32 master (no accumulator: one micro-batch per step)
         host += 2 * _aligned(4 * n)  # exp_avg, exp_avg_sq (fp32 moments)
         host += _aligned(s * n)  # gradient staging, in the bucket's dtype
         host += _aligned(s * n) if s != 4 else 0  # weight staging; fp32 copies the master
@@ -276,11 +276,12 @@ def test_frozen_bf16_base_with_fp32_adapters_has_host_state_for_the_adapters_alo
     trained = {id(p) for b in opt.buckets for p in b.params}
     assert trained == {id(p) for p in model.parameters() if p.requires_grad}
     assert {b.dtype for b in opt.buckets} == {torch.float32}
-    # Host state, fp32 adapters only (Note in optim/placement.py): master, gradient
-    # accumulator, exp_avg, exp_avg_sq and gradient staging, 4 bytes each; no weight staging
-    # (an fp32 bucket copies its master out); nothing for the frozen bf16 base.
+    # Host state, fp32 adapters only (Note in optim/placement.py): master, exp_avg,
+    # exp_avg_sq and gradient staging, 4 bytes each (the accumulator comes only with
+    # accumulation); no weight staging (an fp32 bucket copies its master out); nothing for
+    # the frozen bf16 base.
     (host_pool,) = [p for p in opt.manager.pools if p.name.endswith(".host")]
-    assert host_pool.capacity == sum(5 * _aligned(4 * b.layout.padded_numel) for b in opt.buckets)
+    assert host_pool.capacity == sum(4 * _aligned(4 * b.layout.padded_numel) for b in opt.buckets)
     frozen_numel = sum(p.numel() for p in frozen.values())
     assert host_pool.capacity < 4 * frozen_numel  # a master of the base alone would not fit
     data = batches(8)

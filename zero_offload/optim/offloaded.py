@@ -55,6 +55,7 @@ from ..partition import BucketLayout, clip_runs
 from ..tracing import phase
 from .backend import AdamHyper, BucketPools, UpdateBackend
 from .param_views import ParamViews
+from .placement import accumulator_bytes
 from .ranks import Ranks
 
 __all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
@@ -173,7 +174,7 @@ class OffloadedState(UpdateBackend):
         # backward]); one pool per bucket, so a bucket that never accumulates costs nothing.
         self.accumulators = AccumulatorPool(
             manager,
-            -(-4 * layout.shard_numel // pools.host.alignment) * pools.host.alignment,
+            accumulator_bytes(layout, alignment=pools.host.alignment),
             name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
         )
         self.always_accumulate = False  # overlap_step: see the Note above

@@ -16,9 +16,13 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
   largest offloaded bucket in bytes, ``max a(n*s)`` over the offloaded buckets of every
   dtype (Note [a bucket's gradient lifecycle]);
 - host, offloaded bucket, with ``k = n / world_size`` (this rank's shard, Note [who owns
-  which shard] in partition.py): master and grad accumulator ``2*a(4k)``, moments
-  ``2*a(k*m)`` (``m`` = 4 or 2 for bf16 moments; one more with amsgrad), gradient staging
-  ``a(k*s)``, and weight staging ``a(k*s)`` unless the bucket's training dtype is fp32.
+  which shard] in partition.py): fp32 master ``a(4k)``, moments ``2*a(k*m)`` (``m`` = 4
+  or 2 for bf16 moments; one more with amsgrad), gradient staging ``a(k*s)``, and weight
+  staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
+  accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
+  time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
+  in offloaded.py; ``accumulator_bytes`` gives it. So one micro-batch of bf16 costs
+  4 + 8 + 2 + 2 = 16 host bytes per parameter, and 20 with accumulation.
 
 Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowhere.
 """
@@ -34,7 +38,14 @@ from ..errors import DeviceBudgetExceeded
 from ..partition import BucketLayout, plan_buckets
 from .checks import Family
 
-__all__ = ["GRAD_BUFFERS", "POOL_ALIGNMENT", "Placement", "plan_dtype_buckets", "plan_placement"]
+__all__ = [
+    "GRAD_BUFFERS",
+    "POOL_ALIGNMENT",
+    "Placement",
+    "accumulator_bytes",
+    "plan_dtype_buckets",
+    "plan_placement",
+]
 
 #: Alignment of every block in OffloadAdamW's pools, bytes; buckets are padded to multiples
 #: of it too (Note [padding stays at the end] in partition.py; each parameter's slot is
@@ -74,12 +85,18 @@ def _host_bytes(
     bucket: BucketLayout, *, itemsize: int, moment_size: int, amsgrad: bool, alignment: int
 ) -> int:
     n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
-    total = 2 * _aligned(4 * n, alignment)
+    total = _aligned(4 * n, alignment)  # the master; no accumulator (accumulator_bytes)
     total += (3 if amsgrad else 2) * _aligned(moment_size * n, alignment)
     total += _aligned(itemsize * n, alignment)
     if itemsize != 4:
         total += _aligned(itemsize * n, alignment)
     return total
+
+
+def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
+    """Host bytes of one offloaded bucket's fp32 gradient accumulator, allocated only once
+    a window accumulates (Note [no accumulator for one backward] in offloaded.py)."""
+    return _aligned(4 * bucket.shard_numel, alignment)
 
 
 def plan_dtype_buckets(
