@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, write_json
+from _common import machine, time_rounds, write_json
 
 from zero_offload import OffloadAdamW, OffloadConfig, get_accelerator
 from zero_offload.demo.model import GPTConfig, TinyGPT
@@ -188,19 +188,6 @@ def _variants(kind: str, dtype: torch.dtype, micro: int, clip: float | None) -> 
     return out
 
 
-def _time(variants: dict, rounds: int) -> dict[str, float]:
-    fns = {name: fn for name, (fn, _) in variants.items()}
-    for fn in fns.values():  # warm-up: numba loads its kernels, torch its caches
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def _optimizer_vs_kernel(rounds: int) -> dict[str, float]:
     """embed, bf16, one micro-batch: our step() alone against the bare kernel on the same
     bytes (fp32 master and moments, bf16 gradient in, bf16 weights out)."""
@@ -313,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     for kind, dtype, micro, clip in configs:
         variants = _variants(kind, dtype, micro, CLIPS[clip])
-        med = _time(variants, rounds)
+        med = time_rounds({name: fn for name, (fn, _) in variants.items()}, rounds=rounds)
         for _, opt in variants.values():
             if isinstance(opt, OffloadAdamW):
                 opt.close()
