@@ -1,9 +1,11 @@
 """OffloadAdamW's ``state_dict`` and ``load_state_dict``: torch's layout, checked first.
 
 The layout is torch's (``state`` keyed by the parameter's position across groups,
-``param_groups`` with ``params`` as positions), with each parameter's fp32 ``master``
-weights added, and the loss scaler and skip count under ``zero_offload``. A
-``torch.optim.AdamW`` state dict loads too: missing master weights come from the parameters.
+``param_groups`` with ``params`` as positions, and ``param_names`` where the optimizer
+was given ``named_parameters()``, which loading carries over as torch does), with each
+parameter's fp32 ``master`` weights added, and the loss scaler and skip count under
+``zero_offload``. A ``torch.optim.AdamW`` state dict loads too: missing master weights come
+from the parameters.
 
 Note [sharded state dicts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -20,6 +22,7 @@ ranks resumes with M.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -212,7 +215,9 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
     for saved, group in zip(saved_groups, opt.param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":
-                group[key] = value
+                # A copy, as torch takes: a tensor lr is stepped in place by LR schedulers,
+                # which must not write into the caller's state dict.
+                group[key] = copy.deepcopy(value)
     opt.scaler.load_state_dict(scaler_state)
     opt.skipped_steps = int(extra.get("skipped_steps", opt.skipped_steps))
     return bool(extra.get("pending_update", False))
