@@ -106,3 +106,25 @@ def test_a_dropped_pool_releases_its_buffer_only_after_its_copies():
     gc.collect()
     assert end.query()  # the finalizer waited for the copy before releasing
     assert acc.memory_stats()["in_use"] == 0
+
+
+def test_defragmentation_of_a_block_whose_copy_was_not_recorded_is_a_race():
+    # The owner forgot block.record_event(end): the pool thinks the block idle and moves it
+    # while the d2h copy may still read it. The checker names the pair before a byte moves.
+    acc = _accelerator()
+    d2h = acc.new_stream("d2h")
+    pool = BlockPool.device(acc, 3 * BLOCK, name="acts")
+    first = pool.alloc(BLOCK, owner="first")
+    second = pool.alloc(BLOCK, owner="second")
+    second.on_move(lambda block: None)  # movable: its views are re-taken on a move
+    out = acc.allocate_host(BLOCK)
+    acc.copy_(out, second.view(torch.uint8), stream=d2h, label="activation out")
+    first.free()
+    with pytest.raises(StreamRaceError, match=r"defragmentation moving second.*'d2h'"):
+        pool.defragment()
+    assert second.offset == BLOCK  # nothing moved
+    d2h.synchronize()
+    pool.defragment()  # ordered now: the host synchronised the copy
+    assert second.offset == 0
+    second.free()
+    pool.close()

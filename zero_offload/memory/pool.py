@@ -533,6 +533,14 @@ class BlockPool:
     def _move_locked(self, plan: list[tuple[Block, int]]) -> int:
         if not plan:
             return 0
+        acc, compute = self.accelerator, self.accelerator.current_stream()
+        for block, dest in plan:  # all checked before any byte moves (race checker only)
+            what = f"defragmentation moving {block.owner or 'a block'} of pool {self.name!r}"
+            # The old bytes go back to the free list, to be overwritten by anyone: a write.
+            source = self._buffer[block.offset : block.offset + block.nbytes]
+            acc.declare_access(source, stream=compute, write=True, what=what)
+            target = self._buffer[dest : dest + block.nbytes]
+            acc.declare_access(target, stream=compute, write=True, what=what)
         need = staging_bytes(self._buffer, [(dest, b.offset, b.nbytes) for b, dest in plan])
         scratch = self._scratch(need) if need else None
         staging, release = scratch if scratch is not None else (None, _noop)
