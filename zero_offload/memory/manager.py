@@ -237,7 +237,8 @@ class TieredMemoryManager:
                 f"disk_copy of {label or category.value}: direction must be NVME_READ or "
                 f"NVME_WRITE, got {direction!r} (device/host copies go through copy())"
             )
-        self.counters.add(direction, category, file.record_bytes)
+        nbytes = file.length(slot)
+        self.counters.add(direction, category, nbytes)
         with self._lock:
             listeners = list(self._listeners)
         if listeners:
@@ -245,7 +246,7 @@ class TieredMemoryManager:
                 seq=next(self._seq),
                 direction=direction,
                 category=category,
-                nbytes=file.record_bytes,
+                nbytes=nbytes,
                 stream="nvme",
                 issued_at=issued_at,
                 start=end.started if end.started is not None else end,

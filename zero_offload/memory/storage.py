@@ -3,7 +3,8 @@
 One ``StorageTier`` per optimizer and rank owns a directory ``nvme_dir/rank{r}`` (shared by
 the optimizers of one process, each with its own files), a small fixed ring of aligned I/O
 buffers (pinned where the accelerator pins), and an asynchronous engine. A ``StorageFile`` is
-``slots`` records of ``record_bytes`` each, every record with its checksum; the optimizer
+``slots`` records of at most ``record_bytes`` each (packed: a short last tile takes only its
+own aligned bytes), every record with its checksum; the optimizer
 decides what a record holds (``optim/nvme.py``: one tile of master and moments).
 
 Reads and writes are queued only through ``TieredMemoryManager.disk_copy`` (Note [one choke
@@ -18,9 +19,9 @@ tier exists to save (and whose writeback would stall the step unpredictably). Di
 needs the buffer address, the file offset and the length aligned to the device's logical
 block: every record is padded to ``IO_ALIGNMENT`` (4 KiB, a multiple of every logical block
 size in use) and the buffers are carved at 4 KiB addresses. Some filesystems refuse
-``O_DIRECT`` (tmpfs, some network and FUSE filesystems); the tier then opens the files
-buffered and warns once, naming the directory: correct, but the page cache now holds the
-state too.
+``O_DIRECT`` with EINVAL (tmpfs before Linux 6.6, some network and FUSE filesystems); the
+tier then opens the files buffered and warns once, naming the directory: correct, but the
+page cache now holds the state too.
 
 Note [the engine: a thread pool on preadv/pwritev]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -211,7 +212,8 @@ class IOBuffer:
         self.data = data
         self.state = IOBufferState.FREE
         self.event: IOEvent | None = None
-        self.tag: object = None  # what the holder keeps in it (its record's slot)
+        # (file, record) of the I/O it carries or last carried; None when FREE.
+        self.tag: tuple[StorageFile, int] | None = None
 
     def settle(self) -> None:
         """Wait for the pending I/O (raising its error) and become FREE.
@@ -239,23 +241,38 @@ class IOBuffer:
 
 
 class StorageFile:
-    """``slots`` records of ``record_bytes`` in one preallocated file, each with a checksum.
+    """``slots`` records in one preallocated file, each with a checksum; record ``i`` is
+    ``lengths[i]`` bytes (a multiple of ``IO_ALIGNMENT``, at most ``record_bytes``, the I/O
+    buffers' size) at ``offsets[i]``, packed end to end.
 
     ``checksums``: ``(slots,)`` uint64, host; 0 with ``written[slot]`` False means never
     written (reading it is a bug). Guarded by ``_lock`` (workers write it).
     """
 
-    def __init__(self, tier: StorageTier, name: str, *, slots: int, record_bytes: int) -> None:
-        if record_bytes % IO_ALIGNMENT:
+    def __init__(
+        self,
+        tier: StorageTier,
+        name: str,
+        *,
+        slots: int,
+        record_bytes: int,
+        lengths: list[int] | None = None,
+    ) -> None:
+        lengths = [record_bytes] * slots if lengths is None else list(lengths)
+        if len(lengths) != slots or any(
+            n <= 0 or n % IO_ALIGNMENT or n > record_bytes for n in lengths
+        ):
             raise ValueError(
-                f"record_bytes must be a multiple of {IO_ALIGNMENT}, got {record_bytes}; "
-                "round it up with storage.aligned()"
+                f"record lengths must be {slots} positive multiples of {IO_ALIGNMENT} of at "
+                f"most record_bytes={record_bytes}; round them up with storage.aligned()"
             )
         self.tier = tier
         self.path = tier.directory / f"{name}{FILE_SUFFIX}"
         self.slots = slots
         self.record_bytes = record_bytes
-        self.nbytes = slots * record_bytes
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # (slots,) bytes per record
+        self.offsets = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
+        self.nbytes = int(self.lengths.sum())
         self.state = StorageState.OPEN
         self.checksums = np.zeros(slots, dtype=np.uint64)
         self.written = np.zeros(slots, dtype=bool)
@@ -273,13 +290,17 @@ class StorageFile:
             ) from exc
 
     def __repr__(self) -> str:
-        return f"StorageFile({str(self.path)!r}, {self.slots} x {self.record_bytes} B)"
+        return f"StorageFile({str(self.path)!r}, {self.slots} records, {self.nbytes} B)"
 
     def offset(self, slot: int) -> int:
         """Byte offset of record ``slot`` in the file."""
         if not 0 <= slot < self.slots:
             raise RuntimeError(f"{self.path}: record {slot} of {self.slots} (bug)")
-        return slot * self.record_bytes
+        return int(self.offsets[slot])
+
+    def length(self, slot: int) -> int:
+        """Bytes of record ``slot``."""
+        return int(self.lengths[slot])
 
     def _check_open(self, what: str) -> None:
         if self.state is StorageState.FAILED:
@@ -298,7 +319,7 @@ class StorageFile:
         if not self.written[slot]:
             raise RuntimeError(f"{self.path}: record {slot} read before written (bug)")
         buffer.transition(IOBufferState.FREE, IOBufferState.READING)
-        buffer.tag = slot
+        buffer.tag = (self, slot)
         expected = int(self.checksums[slot])
         event = self.tier.engine.submit(
             self, buffer, slot, write=False, after=lambda view: self._verify(slot, view, expected)
@@ -311,7 +332,7 @@ class StorageFile:
         taken first, on a worker. Only ``TieredMemoryManager.disk_copy`` calls this."""
         self._check_open("write")
         buffer.transition(IOBufferState.HELD, IOBufferState.WRITING)
-        buffer.tag = slot
+        buffer.tag = (self, slot)
 
         def before(view: memoryview) -> None:
             digest = _checksum(view)
@@ -328,11 +349,13 @@ class StorageFile:
         # records before it, which must still land; the reader decides (``optim/nvme.py``).
         found = _checksum(view)
         if found != expected:
-            raise StorageError(
+            error = StorageError(
                 f"checksum mismatch in record {slot} of {self.path} (bytes "
-                f"{self.offset(slot)}..{self.offset(slot) + self.record_bytes}): the record is "
+                f"{self.offset(slot)}..{self.offset(slot) + self.length(slot)}): the record is "
                 f"torn or corrupted (xxh3 {found:#018x}, written as {expected:#018x})"
             )
+            error.file = self  # type: ignore[attr-defined]
+            raise error
 
     def rewrite_all(self) -> None:
         """The caller is about to write every record without reading any (loading a
@@ -359,7 +382,7 @@ class StorageFile:
 
 class _Engine:
     """Note [the engine: a thread pool on preadv/pwritev]. ``workers`` threads; a record is
-    ``ceil(record_bytes / chunk_bytes)`` requests."""
+    ``ceil(length / chunk_bytes)`` requests."""
 
     def __init__(self, workers: int, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -380,7 +403,7 @@ class _Engine:
         """Queue the record's chunks; ``before(view)`` (a write's checksum) runs on a worker
         first, so the caller never hashes."""
         base = file.offset(slot)
-        n = file.record_bytes
+        n = file.length(slot)
         view = memoryview(buffer.data.numpy()).cast("B")[:n]
         chunks = [(lo, min(lo + self.chunk_bytes, n)) for lo in range(0, n, self.chunk_bytes)]
         event = IOEvent(len(chunks), view=view, after=after)
@@ -434,6 +457,7 @@ def _transfer(
             f"{type(exc).__name__}: {exc}"
         )
         error.__cause__ = exc
+        error.file = file  # type: ignore[attr-defined]
     event.part_done(error)
 
 
@@ -507,6 +531,7 @@ class StorageTier:
                 for i in range(buffers)
             ]
             self.engine = _Engine(workers, aligned(chunk_bytes))
+            self._cursor = 0  # the ring's next buffer, Note [the step streams the state]
         except BaseException:
             self._release_directory()
             raise
@@ -577,12 +602,14 @@ class StorageTier:
 
     # -- files ---------------------------------------------------------------------------
 
-    def create_file(self, name: str, *, slots: int, record_bytes: int) -> StorageFile:
+    def create_file(
+        self, name: str, *, slots: int, record_bytes: int, lengths: list[int] | None = None
+    ) -> StorageFile:
         """A new preallocated file of ``slots`` records (``StorageFull`` when it does not
-        fit; its name must be unique in the directory)."""
+        fit; its name must be unique in the directory); see ``StorageFile``."""
         if self.state is not StorageState.OPEN:
             raise RuntimeError(f"storage tier {self.directory} is {self.state.value} (bug)")
-        file = StorageFile(self, name, slots=slots, record_bytes=record_bytes)
+        file = StorageFile(self, name, slots=slots, record_bytes=record_bytes, lengths=lengths)
         self._files.add(file)
         return file
 
@@ -590,6 +617,13 @@ class StorageTier:
     def files(self) -> list[StorageFile]:
         """The open files, by path."""
         return sorted(self._files, key=lambda f: str(f.path))
+
+    def next_buffer(self) -> IOBuffer:
+        """The ring's next buffer, round robin: the one whose last I/O was issued longest
+        ago (the caller settles it before use)."""
+        buffer = self.buffers[self._cursor % len(self.buffers)]
+        self._cursor += 1
+        return buffer
 
     def settle_buffers(self) -> None:
         """Wait for every buffer's pending I/O; raise the first error after all settled."""

@@ -1,0 +1,265 @@
+"""Checkpoints that never hold the optimizer state in host RAM: saved and loaded bucket by
+bucket, tile by tile (``save_streaming`` / ``load_streaming``).
+
+``state_dict()`` hands the state out as tensors, which an optimizer with state on NVMe
+cannot do without exhausting the RAM it did not fit in (``nvme.StateNotInHostRam`` names
+these calls). These work for every placement (device-resident, host, NVMe): the host RAM
+they use is one tile of every field at a time, whatever the model.
+
+Layout, under ``path/rank{r}/`` (each rank writes its own shard, Note [sharded state dicts]
+in ``state_io.py``):
+
+- ``bucket{i}.bin``: bucket ``i``'s tiles in order; each tile is its fields' raw bytes for
+  the tile's elements, field after field (master, exp_avg, exp_avg_sq, max_exp_avg_sq);
+- ``meta.pt`` (``torch.save``, written last: a checkpoint without it is incomplete): the
+  format version, rank and world size, ``param_groups`` (as ``state_dict()``), the loss
+  scaler, ``skipped_steps``, whether an ``overlap_step`` update was pending, and per bucket
+  its fingerprint (index, shard, parameter sizes, fields and dtypes, tile size), step counts
+  and each tile's ``(lo, hi, xxh3-64)``.
+
+A checkpoint loads back into an optimizer built the same way (the same parameters, world
+size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
+bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
+and back. Everything is checked first, every tile's checksum included (a pass over the
+files): a mismatch raises and leaves the optimizer as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .flat_bucket import FlatBucket
+from .nvme import NvmeState
+from .stepping import DelayedUpdate
+
+if TYPE_CHECKING:
+    from .offload_adamw import OffloadAdamW
+
+__all__ = ["load_streaming", "save_streaming"]
+
+_FORMAT_VERSION = 1
+_META = "meta.pt"
+
+TileFn = Callable[[int, int, dict[str, torch.Tensor]], None]
+
+
+def _tile_elements(opt: OffloadAdamW) -> int:
+    return opt.config.tile_elements
+
+
+def _fields_of(bucket: FlatBucket) -> list[tuple[str, torch.dtype]]:
+    backend = bucket.backend
+    if isinstance(backend, NvmeState):
+        return [(name, dtype) for name, dtype, _ in backend.record.fields]
+    return [(name, tensor.dtype) for name, tensor in backend.state_tensors().items()]
+
+
+def _real(bucket: FlatBucket) -> int:
+    """Elements of this rank's state that hold parameters (before the sharding padding)."""
+    start, stop = (0, bucket.layout.padded_numel) if bucket.resident else bucket.shard
+    return bucket.layout.real_in(start, stop)
+
+
+def _each_tile(bucket: FlatBucket, tile: int, fn: TileFn, *, read: bool, write: bool) -> None:
+    """``fn(lo, hi, fields)`` over the bucket's state in tiles of ``tile`` elements: from
+    the NVMe tier through its I/O buffers, else views of the host or device tensors."""
+    backend = bucket.backend
+    if isinstance(backend, NvmeState):
+        backend.stream_fields(fn, read=read, write=write)
+        return
+    tensors = backend.state_tensors()
+    real = _real(bucket)
+    for lo in range(0, real, tile):
+        hi = min(lo + tile, real)
+        fn(lo, hi, {name: tensor[lo:hi] for name, tensor in tensors.items()})
+
+
+def _fingerprint(opt: OffloadAdamW, bucket: FlatBucket) -> dict[str, Any]:
+    return {
+        "index": bucket.layout.index,
+        "shard": tuple(bucket.shard) if not bucket.resident else (0, bucket.layout.padded_numel),
+        "real": _real(bucket),
+        "params": [slot.numel for slot in bucket.layout.slots],
+        "fields": [(name, str(dtype)) for name, dtype in _fields_of(bucket)],
+        "tile_elements": _tile_elements(opt),
+    }
+
+
+def _rank_dir(opt: OffloadAdamW, path: str | os.PathLike[str]) -> tuple[Path, int, int]:
+    rank = opt.comm.rank if opt.comm is not None else 0
+    world = opt.comm.world_size if opt.comm is not None else 1
+    return Path(path) / f"rank{rank}", rank, world
+
+
+def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+    """Write ``opt``'s state under ``path/rank{r}/`` bucket by bucket, tile by tile; see
+    the module docstring. Every rank calls it with the same ``path``.
+
+    Like ``state_dict()`` it reads the state without changing training (with
+    ``overlap_step`` it waits for the pending update and records that it is pending)."""
+    opt._check_open("save_streaming")
+    opt._mode.drain()
+    directory, rank, world = _rank_dir(opt, path)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta_path = directory / _META
+    meta_path.unlink(missing_ok=True)  # incomplete until rewritten, last
+    tile = _tile_elements(opt)
+    buckets = []
+    for bucket in opt.buckets:
+        target = directory / f"bucket{bucket.layout.index}.bin"
+        checksums = _save_bucket(bucket, tile, target)
+        entry = _fingerprint(opt, bucket)
+        entry["steps"] = bucket.steps.tolist()
+        entry["tiles"] = checksums
+        buckets.append(entry)
+    groups, position = [], 0
+    for group in opt.param_groups:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = list(range(position, position + len(group["params"])))
+        position += len(group["params"])
+        groups.append(saved)
+    meta = {
+        "version": _FORMAT_VERSION,
+        "rank": rank,
+        "world_size": world,
+        "param_groups": groups,
+        "loss_scaler": opt.scaler.state_dict(),
+        "skipped_steps": opt.skipped_steps,
+        "pending_update": bool(opt._mode.pending),
+        "buckets": buckets,
+    }
+    partial = directory / (_META + ".partial")
+    torch.save(meta, partial)
+    os.replace(partial, meta_path)
+
+
+def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int, int, int]]:
+    """Write one bucket's tiles to ``target``; each tile's ``(lo, hi, xxh3-64)``."""
+    checksums: list[tuple[int, int, int]] = []
+    with open(target, "wb") as out:
+
+        def save(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+            digest = xxhash.xxh3_64()
+            for view in fields.values():
+                data = view.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+                digest.update(memoryview(data))
+                out.write(memoryview(data))
+            checksums.append((lo, hi, digest.intdigest()))
+
+        _each_tile(bucket, tile, save, read=True, write=False)
+        out.flush()
+        os.fsync(out.fileno())  # durable before meta.pt says the checkpoint is complete
+    return checksums
+
+
+def _load_bucket(bucket: FlatBucket, tile: int, source: Path) -> None:
+    """Stream ``source``'s tiles (checked already) into the bucket's state."""
+    fields = _fields_of(bucket)
+    with open(source, "rb") as handle:
+
+        def load(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+            arrays = _read_tile(handle, fields, hi - lo)
+            for (name, dtype), data in zip(fields, arrays, strict=True):
+                views[name].copy_(torch.from_numpy(data).view(dtype))
+
+        _each_tile(bucket, tile, load, read=False, write=True)
+
+
+def _read_tile(handle: Any, fields: list[tuple[str, torch.dtype]], count: int) -> list[np.ndarray]:
+    arrays = []
+    for _, dtype in fields:
+        data = np.empty(count * dtype.itemsize, dtype=np.uint8)
+        if handle.readinto(memoryview(data)) != data.nbytes:
+            raise ValueError(f"{handle.name} ends early: truncated checkpoint")
+        arrays.append(data)
+    return arrays
+
+
+def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int) -> None:
+    """Everything ``load_streaming`` relies on, before anything changes."""
+    if meta.get("version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"{directory / _META}: format version {meta.get('version')!r}, expected "
+            f"{_FORMAT_VERSION}"
+        )
+    if meta["world_size"] != world:
+        raise ValueError(
+            f"{directory}: saved with {meta['world_size']} ranks, this optimizer has {world}; "
+            "a streamed checkpoint resumes on the same world size"
+        )
+    saved = meta["buckets"]
+    if len(saved) != len(opt.buckets) or len(meta["param_groups"]) != len(opt.param_groups):
+        raise ValueError(
+            f"{directory}: {len(saved)} buckets and {len(meta['param_groups'])} param groups "
+            f"saved, this optimizer has {len(opt.buckets)} and {len(opt.param_groups)}: build "
+            "it over the same parameters with the same OffloadConfig.bucket_bytes"
+        )
+    for entry, bucket in zip(saved, opt.buckets, strict=True):
+        mine = _fingerprint(opt, bucket)
+        theirs = {key: entry[key] for key in mine}
+        theirs["shard"] = tuple(theirs["shard"])
+        if theirs != mine:
+            diff = sorted(key for key in mine if theirs[key] != mine[key])
+            raise ValueError(
+                f"{directory}: bucket {bucket.layout.index} was saved with different {diff} "
+                f"({[theirs[k] for k in diff]} vs {[mine[k] for k in diff]} here): build the "
+                "optimizer over the same parameters with the same bucket_bytes, "
+                "tile_elements and moments_dtype"
+            )
+        fields = _fields_of(bucket)
+        with open(directory / f"bucket{bucket.layout.index}.bin", "rb") as handle:
+            for lo, hi, expected in entry["tiles"]:
+                digest = xxhash.xxh3_64()
+                for data in _read_tile(handle, fields, hi - lo):
+                    digest.update(memoryview(data))
+                if digest.intdigest() != expected:
+                    raise ValueError(
+                        f"{handle.name}: tile [{lo}, {hi}) fails its checksum (corrupted or "
+                        "torn checkpoint); nothing was loaded"
+                    )
+    opt.scaler.check_state(meta.get("loss_scaler") or {})
+
+
+def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+    """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile; see the
+    module docstring. Checks everything first: a mismatch raises and changes nothing.
+
+    The master weights come from the checkpoint (the model's weights are loaded by the
+    caller, as with ``load_state_dict``)."""
+    opt._check_open("load_streaming")
+    opt._mode.drain()
+    directory, _, world = _rank_dir(opt, path)
+    if not (directory / _META).exists():
+        raise FileNotFoundError(
+            f"{directory / _META} does not exist: not a streamed checkpoint, or its save did "
+            "not finish (save_streaming writes it last)"
+        )
+    meta = torch.load(directory / _META, weights_only=False)
+    _check(opt, directory, meta, world)
+
+    # Checked: from here on nothing raises on the checkpoint's data.
+    tile = _tile_elements(opt)
+    for entry, bucket in zip(meta["buckets"], opt.buckets, strict=True):
+        _load_bucket(bucket, tile, directory / f"bucket{bucket.layout.index}.bin")
+        bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
+        bucket.backend.drop_unpublished()
+        bucket.views.remember()
+    for saved, group in zip(meta["param_groups"], opt.param_groups, strict=True):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = value
+    opt.scaler.load_state_dict(meta.get("loss_scaler") or {})
+    opt.skipped_steps = int(meta.get("skipped_steps", opt.skipped_steps))
+    opt._stats_cache = None
+    if isinstance(opt._mode, DelayedUpdate):  # as load_state_dict
+        if meta.get("pending_update"):
+            opt._mode.resume_pending(opt.buckets)
+        else:
+            opt._mode.forget_pending()
