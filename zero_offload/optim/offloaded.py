@@ -75,14 +75,17 @@ class GradBuffers:
     def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
         """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
         ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
+        # The compute stream fills the buffer first: its reuse waits there, not on the CPU
+        # (stream-ordered reuse, Note [block reuse waits on events] in pool.py).
+        stream = self.manager.accelerator.current_stream()
         try:
-            return pool.alloc(nbytes, owner=owner)
+            return pool.alloc(nbytes, owner=owner, stream=stream)
         except PoolExhausted:
             if not grow:
                 raise
         for extra in self.overflow:
             try:
-                return extra.alloc(nbytes, owner=owner)
+                return extra.alloc(nbytes, owner=owner, stream=stream)
             except PoolExhausted:
                 continue
         extra = self.manager.create_pool(
@@ -98,7 +101,7 @@ class GradBuffers:
                 stacklevel=2,
             )
         self.overflow.append(extra)
-        return extra.alloc(nbytes, owner=owner)
+        return extra.alloc(nbytes, owner=owner, stream=stream)
 
     def close(self) -> None:
         """Close the overflow pools (their blocks were freed by the buckets)."""
@@ -228,6 +231,7 @@ class OffloadedState(UpdateBackend):
         self._grad_block = block
         self._bind_grad(block)
         # Note [a gradient buffer is written once per slot]: only the padding is zeroed now.
+        self._declare_compute(self.grad_dev[self.layout.numel :], write=True, what="pad zeroing")
         self.grad_dev[self.layout.numel :].zero_()
         self._filled = np.zeros(len(self.layout.slots), dtype=bool)
         if not new_window and self._source == "grad_staging":
@@ -250,9 +254,7 @@ class OffloadedState(UpdateBackend):
         acc = self._ensure_accumulator()
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
-        worker.submit(
-            functools.partial(accumulate_grad, acc, self.grad_staging, overwrite=True, stop=real)
-        )
+        worker.submit(functools.partial(self._fold_on_host, acc, real))
         self._staging_consumed = worker.record_event()
         self._source = "grad_acc"
 
@@ -264,6 +266,7 @@ class OffloadedState(UpdateBackend):
         # slots that got none are zeroed, so the buffer is exact everywhere it is read.
         slot = self.layout.slots[slot_index]
         view = self.grad_dev[slot.offset : slot.end]
+        self._declare_compute(view, write=True, what=f"backward writes slot {slot_index}")
         if self._filled[slot_index]:
             view.add_(grad)
         else:
@@ -277,10 +280,31 @@ class OffloadedState(UpdateBackend):
         for i, slot in enumerate(slots):
             if filled[i]:
                 if slot.offset > position:
-                    self.grad_dev[position : slot.offset].zero_()
+                    gap = self.grad_dev[position : slot.offset]
+                    self._declare_compute(gap, write=True, what="zeroing unfilled slots")
+                    gap.zero_()
                 position = slot.end
         if self.layout.numel > position:
-            self.grad_dev[position : self.layout.numel].zero_()
+            tail = self.grad_dev[position : self.layout.numel]
+            self._declare_compute(tail, write=True, what="zeroing unfilled slots")
+            tail.zero_()
+
+    def _declare_compute(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
+        """Tell the race checker about compute-stream work on ``tensor`` (Note [declaring
+        stream accesses] in accelerator/base.py); nothing without a checker."""
+        acc = self.manager.accelerator
+        acc.declare_access(
+            tensor,
+            stream=acc.current_stream(),
+            write=write,
+            what=f"bucket{self.layout.index} {what}",
+        )
+
+    def _declare_cpu(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
+        """The same for work of the calling CPU thread (the caller or the host worker)."""
+        self.manager.accelerator.declare_access(
+            tensor, stream=None, write=write, what=f"bucket{self.layout.index} {what}"
+        )
 
     def _bind_grad(self, block: Block) -> None:
         self.grad_dev = block.view(self.dtype, (self.layout.padded_numel,))
@@ -333,14 +357,23 @@ class OffloadedState(UpdateBackend):
             worker.submit(functools.partial(self._accumulate_on_host, acc, overwrite))
         self._staging_consumed = worker.record_event()
 
+    def _fold_on_host(self, acc: torch.Tensor, real: int) -> None:
+        # Host worker: the window's first gradient, from staging into the accumulator.
+        self._declare_cpu(self.grad_staging, write=False, what="fold reads staging")
+        self._declare_cpu(acc, write=True, what="fold writes the accumulator")
+        accumulate_grad(acc, self.grad_staging, overwrite=True, stop=real)
+
     def _stats_on_host(self) -> None:
         # Host worker, after the D2H copy: the window's only pass over a lone flush; step()
         # needs no pass of its own (Note [no accumulator for one backward]).
+        self._declare_cpu(self.grad_staging, write=False, what="statistics read staging")
         self._stats = grad_stats(self.grad_staging, stop=self.layout.real_in(*self.shard))
 
     def _accumulate_on_host(self, acc: torch.Tensor, overwrite: bool) -> None:
         # Host worker, after the D2H copy; Note [a bucket's gradient lifecycle]. The same
         # pass yields the statistics of the accumulated gradient.
+        self._declare_cpu(self.grad_staging, write=False, what="accumulation reads staging")
+        self._declare_cpu(acc, write=True, what="accumulation writes the accumulator")
         self._stats = accumulate_grad(
             acc, self.grad_staging, overwrite=overwrite, stop=self.layout.real_in(*self.shard)
         )
@@ -367,10 +400,17 @@ class OffloadedState(UpdateBackend):
         after: list[Event] | None = None,
     ) -> None:
         grad = getattr(self, source or self._source)
+        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
+        for name, tensor in self.state_tensors().items():
+            self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
+        if self.weights_staging is not None:
+            self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
         # The weight copies overwrite weights_dev: they wait for compute issued so far
         # (a forward or a weight-reading kernel still queued), write-after-read; a step
         # run during backward passes the event recorded when the bucket was complete.
         if after is None:
+            if publish:
+                self.declare_weight_readers()
             after = [self.manager.compute_ready()] if publish else []
         for start, stop, step in clip_runs(runs, *self.shard):
             for lo in range(start, stop, self.tile_elements):
@@ -418,8 +458,18 @@ class OffloadedState(UpdateBackend):
             label=f"bucket{self.layout.index}[{lo}:{hi}]",
         )
 
+    def declare_weight_readers(self) -> None:
+        """Kernels queued on compute so far read the weights (what ``after`` orders the
+        weight copies behind)."""
+        self._declare_compute(
+            self.views.weights_dev, write=False, what="kernels queued on compute read weights"
+        )
+
     def publish(self) -> list[Event]:
-        after = [self.manager.compute_ready()] if self._unpublished else []
+        after = []
+        if self._unpublished:
+            self.declare_weight_readers()
+            after = [self.manager.compute_ready()]
         events = self._issued + [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
         self._issued, self._unpublished = [], []
         return events

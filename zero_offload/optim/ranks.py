@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..accelerator import Event, Stream
+from ..accelerator import Accelerator, Event, Stream
 from ..collectives import (
     Comm,
     Pending,
@@ -97,12 +97,13 @@ class ShardedRanks(Ranks):
     """Several ranks over ``comm``; reduce-scatters run on ``stream`` ("comm"), off the
     compute and copy streams, so they overlap backward."""
 
-    def __init__(self, comm: Comm, stream: Stream, *, device: torch.device) -> None:
+    def __init__(self, comm: Comm, stream: Stream, *, accelerator: Accelerator) -> None:
         self._comm = comm
         self.stream = stream
         self.rank = comm.rank
         self.world_size = comm.world_size
-        self._device = device
+        self._accelerator = accelerator
+        self._device = accelerator.device
 
     @property
     def comm(self) -> Comm:
@@ -123,6 +124,7 @@ class ShardedRanks(Ranks):
                 reduce_scatter_avg(grad, comm=comm, what=what)
 
         self.stream.wait_event(ready)
+        self._accelerator.declare_access(grad, stream=self.stream, write=True, what=what)
         self.stream.submit(run)
         return self.stream.record_event()
 
@@ -143,6 +145,8 @@ class ShardedRanks(Ranks):
         return summed, bool(total[1] > 0) or math.isnan(summed), total[2:] > 0
 
     def all_gather(self, weights: torch.Tensor, *, what: str) -> Pending | None:
+        # The collective writes every rank's shard into the weights, issued from here.
+        self._accelerator.declare_access(weights, stream=None, write=True, what=what)
         return all_gather_flat(weights, comm=self._comm, what=what)
 
     def wait(self, pending: Sequence[Pending]) -> None:

@@ -301,6 +301,9 @@ class EagerStep:
             self._backup_bytes += nbytes
         plan = StepPlan(bucket, bucket.grads.arrived.copy())
         hyper = self.hypers[bucket.layout.group]
+        declare = getattr(backend, "declare_weight_readers", None)
+        if declare is not None:
+            declare()  # the copies below wait for these readers
         ready = [self.manager.compute_ready()]
         scale = self.grad_scale
 
