@@ -109,3 +109,28 @@ def test_tile_pipelining_hides_the_weight_copies_behind_the_cpu_update() -> None
         sequential,
         pipelined,
     )
+
+
+def test_construction_releases_each_buckets_original_weights_as_it_goes(monkeypatch) -> None:
+    """Note [construction holds one copy]: once a bucket holds its parameters, their
+    original storage is gone, so construction never holds two copies of the model (the
+    peak is one bucket above the final footprint)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from zero_offload.optim import param_views
+
+    model, _ = make_pair()
+    originals = {id(p): StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+    built: list[list[int]] = []  # after each bucket: ids of the parameters bucketed so far
+    alive_after: list[int] = []  # ... and how many of those still have their old storage
+    init = param_views.ParamViews.__init__
+
+    def record(self, layout, params, pool) -> None:
+        init(self, layout, params, pool)
+        built.append([id(p) for p in params] + (built[-1] if built else []))
+        alive_after.append(sum(not originals[i].expired() for i in built[-1]))
+
+    monkeypatch.setattr(param_views.ParamViews, "__init__", record)
+    opt = offload_opt(model)
+    assert len(built) == len(opt.buckets) > 3
+    assert alive_after == [0] * len(built)
