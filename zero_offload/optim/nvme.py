@@ -27,7 +27,11 @@ earlier, so in steady state the CPU does not wait on it and the step is bounded 
 Across buckets (``StreamGroup``, the segment's NVMe buckets in bucket order, the order every
 update mode steps them in): at the end of its update a bucket issues the reads of the next
 NVMe bucket's first ``B - 2`` tiles, and only then waits for its own last writes, so the
-disk is not idle between buckets. A bucket's update returns when its own writes are done:
+disk is not idle between buckets; the last bucket waits for its writes first and then reads
+the first bucket's first tiles for the next step, during the forward and backward in
+between (issued earlier they would slow the step's last writes), so the disk is not idle at
+the start of a step either. A read
+of a record waits for a pending write of the same record first. A bucket's update returns when its own writes are done:
 an I/O error surfaces in the update of the bucket that caused it, never later or elsewhere.
 A prefetched read the next update does not use (its first tiles got no gradient; another
 stream came first) is dropped. Each updated tile is read once and written once per step;
@@ -302,11 +306,10 @@ class StreamGroup:
         return taken
 
     def prefetch_after(self, backend: NvmeState, count: int) -> None:
-        """Issue reads of the first ``count`` tiles of the NVMe bucket after ``backend``."""
+        """Issue reads of the first ``count`` tiles of the NVMe bucket after ``backend``
+        (after the last one: the first, for the next step)."""
         index = self.order.index(backend)
-        if index + 1 >= len(self.order):
-            return
-        after = self.order[index + 1]
+        after = self.order[(index + 1) % len(self.order)]
         if after.file is None:
             return
         for tile in range(min(count, after.tiles)):
@@ -531,13 +534,16 @@ class NvmeState(OffloadedState):
                     )
                 else:
                     buffer.settle()  # HELD -> FREE: nothing to write
-            if prefetch_next:
-                self.group.prefetch_after(self, depth)
+            wraps = prefetch_next and self.group.order[-1] is self
+            if prefetch_next and not wraps:
+                self.group.prefetch_after(self, depth)  # during this bucket's last writes
             # This bucket's update is complete only when its writes are: errors surface in
             # the call that caused them, naming this bucket.
             for buffer in tier.buffers:
                 if buffer.tag is not None and buffer.tag[0] is file:
                     _settle(buffer)
+            if wraps:
+                self.group.prefetch_after(self, depth)  # during the next forward, backward
         except BaseException as exc:
             self._abort(written=write)
             if isinstance(exc, StorageError):
@@ -558,6 +564,9 @@ class NvmeState(OffloadedState):
         """Queue reading ``tile`` into ``buffer`` (FREE -> READING)."""
         if self.file is None:
             raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
+        for other in self.tier.buffers:
+            if other.tag == (self.file, tile) and other.state is IOBufferState.WRITING:
+                _settle(other)  # read after write of the same record: the write first
         self.manager.disk_copy(
             self.file,
             tile,
