@@ -225,3 +225,22 @@ def test_add_param_group_after_construction() -> None:
     train(ref, ropt, data[3:])
     assert len(opt.param_groups) == 2
     assert max_diff(model, ref) < FP32_ATOL
+
+
+def test_grad_norm_reads_the_norm_without_clipping() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    twin = offload_opt(ref)
+    tokens, targets = batches(1)[0]
+    for m in (model, ref):
+        lm_loss(m, tokens, targets).backward()
+    norm = opt.grad_norm()
+    assert norm.item() == pytest.approx(twin.clip_grad_norm_(1e-3).item(), rel=0, abs=0)
+    opt.step()  # unclipped
+    twin.step()  # clipped to 1e-3: far from the unclipped step
+    ref_model, _ = make_pair()
+    plain = offload_opt(ref_model)
+    lm_loss(ref_model, tokens, targets).backward()
+    plain.step()
+    assert max_diff(model, ref_model) == 0.0
+    assert max_diff(model, ref) > 0.0

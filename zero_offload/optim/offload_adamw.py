@@ -671,9 +671,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             and math.isfinite(max_norm)
         ):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        norm = self.grad_norm()
+        self._clip_once = float(max_norm)
+        return norm
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients the next step will use (unscaled; the same
+        on every rank), read-only: it sets no clipping. From the fused statistics pass, so
+        it costs no pass over the gradients."""
+        self._check_open("grad_norm")
         self._collect_stray_grads()
         sumsq, _, _ = self._grad_stats()
-        self._clip_once = float(max_norm)
         return torch.tensor(math.sqrt(sumsq) / self.scaler.scale)
 
     @torch.no_grad()
