@@ -43,7 +43,8 @@ def _number_or_scalar_tensor(
 ) -> None:
     """Like ``_number``, but a 1-element real tensor is accepted too (torch accepts one for
     ``lr`` and ``betas``: LR schedulers under ``torch.compile`` step a tensor ``lr`` in
-    place, so that a new value is not a recompile). Its value is read at each step."""
+    place, so that a new value is not a recompile). Its value is read where the step reads
+    the hyper-parameters (hidden cost: for a tensor on a GPU, a host sync per group)."""
     if not isinstance(value, torch.Tensor):
         _number(where, name, value, low=low, high=high)
         return
