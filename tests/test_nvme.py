@@ -9,12 +9,15 @@ import signal
 import subprocess
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.errors import StorageError, StorageFull
@@ -26,6 +29,7 @@ from zero_offload.optim.placement import POOL_ALIGNMENT
 from zero_offload.optim.state_stream import load_streaming, save_streaming
 from zero_offload.optim.stepping import StepFailed
 
+from ._dist import data, free_port, train_steps
 from ._models import batches, host_accelerator, lm_loss, make_pair, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -614,3 +618,77 @@ def test_host_budget_auto_and_validation(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="host_budget='plenty' is not a byte count"):
         OffloadConfig(nvme_dir=tmp_path, host_budget="plenty")
     assert OffloadConfig(nvme_dir=tmp_path, host_budget="48GiB").host_budget == 48 << 30
+
+
+# -- several ranks ----------------------------------------------------------------------
+
+DIST_STEPS = 8
+
+
+def _dist_rank(rank: int, world: int, port: int, out: str) -> None:
+    """A spawned gloo rank: the same model trained with its state on NVMe (this rank's own
+    directory) and in RAM, on this rank's share of each global batch; then a streamed
+    checkpoint of the NVMe one, resumed by a fresh optimizer, trains the last steps again."""
+    torch.set_num_threads(1)  # two ranks share two cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    root = Path(out)
+    pairs = data(DIST_STEPS)
+    model, ram_model = make_pair()
+    opt = _opt(model, nvme_dir=root / "nvme", host_budget=1)
+    ram_opt = _opt(ram_model)
+    dirs = sorted({str(b.file.path.parent) for b in _nvme_buckets(opt)})
+    shards = [(b.layout.index, b.shard) for b in opt.buckets]
+    train_steps(model, opt, pairs[:5], rank, world)
+    train_steps(ram_model, ram_opt, pairs, rank, world)
+    save_streaming(opt, root / "ckpt")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, opt, pairs[5:], rank, world)
+    resumed, _ = make_pair(seed=1)
+    resumed.load_state_dict(saved)
+    ropt = _opt(resumed, nvme_dir=root / "nvme2", host_budget=1)
+    load_streaming(ropt, root / "ckpt")
+    train_steps(resumed, ropt, pairs[5:], rank, world)
+    result = {
+        "dirs": dirs,
+        "shards": shards,
+        "nvme": [p.detach().clone() for p in model.parameters()],
+        "ram": [p.detach().clone() for p in ram_model.parameters()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+    }
+    for o in (opt, ram_opt, ropt):
+        o.close()
+    torch.save(result, root / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_with_state_on_nvme(tmp_path: Path) -> None:
+    mp.spawn(_dist_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, result in enumerate(ranks):
+        assert result["dirs"] == [str(tmp_path / "nvme" / f"rank{r}")]  # its own files
+        # NVMe against RAM, same ranks, same collectives: bitwise.
+        assert all(torch.equal(a, b) for a, b in zip(result["nvme"], result["ram"], strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(result["nvme"], result["resumed"], strict=True)
+        )
+    assert ranks[0]["shards"] != ranks[1]["shards"]  # each rank steps its own shard
+    for a, b in zip(ranks[0]["nvme"], ranks[1]["nvme"], strict=True):
+        assert torch.equal(a, b)  # the all-gather gives every rank the same weights
+    # Against one process on the global batch, as tests/test_dist_offload.py (to 1e-5: the
+    # ranks sum the batch in another order).
+    model, _ = make_pair()
+    single = _opt(model)
+    train(model, single, data(DIST_STEPS))
+    worst = max(
+        (x - y).abs().max().item()
+        for x, y in zip(ranks[0]["nvme"], model.parameters(), strict=True)
+    )
+    assert worst < 1e-5
+    single.close()
+    assert not list((tmp_path / "nvme").iterdir()) and not list((tmp_path / "nvme2").iterdir())
