@@ -344,6 +344,33 @@ def test_state_four_times_the_host_budget_trains_bitwise_like_in_ram(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("mode", ["overlap_step", "step_during_backward"])
+def test_update_modes_on_nvme_are_bitwise_the_in_ram_ones(tmp_path: Path, mode: str) -> None:
+    """The delayed update (on the host worker) and the step announced in backward (each
+    bucket stepped as its gradients land) stream NVMe buckets in bucket order too."""
+    extra = {"overlap_step": True} if mode == "overlap_step" else {}
+    model, ref = make_pair(torch.bfloat16)
+    opt = _opt(model, nvme_dir=tmp_path, host_budget=1, **extra)
+    ropt = _opt(ref, **extra)
+    assert len(_nvme_buckets(opt)) == len(opt.buckets)
+    for tokens, targets in batches(6):
+        for m, o in ((model, opt), (ref, ropt)):
+            loss = lm_loss(m, tokens, targets)
+            if mode == "step_during_backward":
+                o.backward(loss, step=True)
+            else:
+                loss.backward()
+                o.step()
+            o.zero_grad()
+        if mode == "step_during_backward":
+            assert _params_equal(model, ref)
+    opt.flush_pending_update()
+    ropt.flush_pending_update()
+    assert _params_equal(model, ref)
+    opt.close()
+    ropt.close()
+
+
 def test_host_memory_against_the_formula(tmp_path: Path) -> None:
     _, budget = _quarter_budget(torch.bfloat16)
     model, _ = make_pair(torch.bfloat16)
