@@ -31,8 +31,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
+from zero_offload.optim.checks import Family
 from zero_offload.optim.loss_scaler import DynamicLossScaler, NoLossScaler
-from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT
+from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT, plan_dtype_buckets
 
 from ._dist import free_port
 from ._models import batches, host_accelerator
@@ -414,3 +415,29 @@ def test_two_ranks_with_fp16_and_fp32_buckets_match_one_process(tmp_path: Path) 
             for param, saved in zip(module.parameters(), torch.load(path), strict=True):
                 param.copy_(saved)
     _assert_close_per_dtype(ours, ref)
+
+
+def test_plan_dtype_buckets_alone() -> None:
+    """The pure planner: one dtype per bucket, each dtype's own elements per bucket, real
+    group indices, numbering from ``first_index``, backward order across the dtypes."""
+    bf16 = [(0, (40,)), (2, (8,)), (4, (8,))]  # group 0: 0, 2 | group 1: 4
+    fp32 = [(1, (4,)), (3, (4,)), (5, (4,))]  # group 0: 1, 3 | group 1: 5
+    families = [
+        Family(0, torch.bfloat16, [m for m in bf16 if m[0] < 4]),
+        Family(0, torch.float32, [m for m in fp32 if m[0] < 4]),
+        Family(1, torch.bfloat16, [m for m in bf16 if m[0] >= 4]),
+        Family(1, torch.float32, [m for m in fp32 if m[0] >= 4]),
+    ]
+    layouts = plan_dtype_buckets(
+        families, bucket_bytes=128, world_size=1, align_numel=1, first_index=3
+    )
+    bf16_indices = {i for i, _ in bf16}
+    contents = [[slot.index for slot in layout.slots] for layout in layouts]
+    # 128 bytes: 64 bf16 elements, so parameters 2 and 0 share a bucket (56 elements with
+    # the slot alignment gap, Note [slots are aligned]); 32 fp32 ones hold 3 and 1 (20).
+    assert contents == [[5], [4], [3, 1], [2, 0]]
+    assert max(layout.numel for layout in layouts if layout.slots[0].index == 2) > 32
+    assert [layout.index for layout in layouts] == [3, 4, 5, 6]
+    assert [layout.group for layout in layouts] == [1, 1, 0, 0]
+    for indices in contents:
+        assert len({i in bf16_indices for i in indices}) == 1  # one dtype per bucket
