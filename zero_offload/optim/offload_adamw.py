@@ -167,9 +167,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        params: Iterable[torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]]
+        | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float | None = None,
         amsgrad: bool = False,
