@@ -87,6 +87,7 @@ from .pool import check_host_ram
 
 __all__ = [
     "IO_ALIGNMENT",
+    "IO_BUFFERS",
     "IOBuffer",
     "IOBufferState",
     "IOEvent",
@@ -99,6 +100,10 @@ __all__ = [
 #: Alignment of record sizes, file offsets and buffer addresses, bytes; Note [direct I/O
 #: and its fallback].
 IO_ALIGNMENT = 4096
+
+#: I/O buffers per tier: two reads in flight ahead of the tile computed on, that tile, and
+#: the previous tile being written (Note [the step streams the state] in optim/nvme.py).
+IO_BUFFERS = 4
 
 #: Suffix of the record files; a stale directory loses these and nothing else.
 FILE_SUFFIX = ".zo-state"
@@ -483,8 +488,7 @@ class StorageTier:
         needed_bytes: what the files will hold; refused at construction when the
             filesystem has less free (``StorageFull``, with the numbers).
         buffer_bytes: size of each I/O buffer (one record), rounded up to ``IO_ALIGNMENT``.
-        buffers: how many I/O buffers (default 4: one read ahead, one computed on, one
-            being written, and one spare so a slow write never stalls the next read).
+        buffers: how many I/O buffers (default ``IO_BUFFERS``, 4); at least 3.
         workers, chunk_bytes: the engine (Note [the engine: a thread pool on preadv/pwritev]).
 
     Fields: ``buffers``: the ring of ``IOBuffer``; ``_raw``: the ``(buffers * buffer_bytes +
@@ -499,7 +503,7 @@ class StorageTier:
         accelerator: Accelerator,
         needed_bytes: int,
         buffer_bytes: int,
-        buffers: int = 4,
+        buffers: int = IO_BUFFERS,
         workers: int = 8,
         chunk_bytes: int = 1 << 20,
     ) -> None:
@@ -613,28 +617,12 @@ class StorageTier:
         self._files.add(file)
         return file
 
-    @property
-    def files(self) -> list[StorageFile]:
-        """The open files, by path."""
-        return sorted(self._files, key=lambda f: str(f.path))
-
     def next_buffer(self) -> IOBuffer:
         """The ring's next buffer, round robin: the one whose last I/O was issued longest
         ago (the caller settles it before use)."""
         buffer = self.buffers[self._cursor % len(self.buffers)]
         self._cursor += 1
         return buffer
-
-    def settle_buffers(self) -> None:
-        """Wait for every buffer's pending I/O; raise the first error after all settled."""
-        first: BaseException | None = None
-        for buffer in self.buffers:
-            try:
-                buffer.settle()
-            except BaseException as exc:
-                first = first or exc
-        if first is not None:
-            raise first
 
     def close(self) -> None:
         """Wait for pending I/O, delete every file, unlock and remove the directory (when

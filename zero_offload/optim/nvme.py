@@ -73,6 +73,7 @@ from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.storage import (
     IO_ALIGNMENT,
+    IO_BUFFERS,
     IOBuffer,
     IOBufferState,
     StorageFile,
@@ -132,11 +133,6 @@ class RecordLayout:
             offset += aligned(tile_elements * dtype.itemsize)
         return cls(tile_elements, tuple(fields), offset)
 
-    @property
-    def state_bytes_per_element(self) -> int:
-        """Bytes of state per element (without alignment padding)."""
-        return sum(dtype.itemsize for _, dtype, _ in self.fields)
-
     def offsets(self, count: int) -> list[int]:
         """Byte offset of each field in the record of a tile of ``count`` elements."""
         out, offset = [], 0
@@ -175,11 +171,6 @@ class NvmePlan:
     disk: int
     record: RecordLayout
     host_budget: int | None
-
-    @property
-    def io_buffer_bytes(self) -> int:
-        """Host bytes of the tier's I/O buffers (0 without NVMe buckets)."""
-        return 4 * self.record.record_bytes + IO_ALIGNMENT if self.nvme else 0
 
 
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
@@ -243,7 +234,7 @@ def plan_nvme(
         return NvmePlan(frozenset(), placement.host_state, state, 0, record, None)
     minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
     budget = resolve_host_budget(
-        config, other_host_bytes=minimum + 4 * record.record_bytes + IO_ALIGNMENT
+        config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
     )
     nvme: set[int] = set()
     host_pool = host_state = disk = 0
@@ -257,8 +248,8 @@ def plan_nvme(
             continue
         nvme.add(b.index)
         host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
-        sizes = tile_sizes(b, b.shard_range(rank), config.tile_elements)
-        disk += sum(record.bytes_for(n) for n in sizes)
+        tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
+        disk += sum(record.bytes_for(n) for n in tiles)
     return NvmePlan(frozenset(nvme), host_pool, host_state, disk, record, budget)
 
 
