@@ -258,6 +258,16 @@ class OffloadConfig:
             fit, the rest on NVMe. Gradients, staging and the tier's I/O buffers are in host
             RAM whatever the budget (README, "NVMe tier"). Default ``None``: ``"auto"`` when
             ``nvme_dir`` is set. Needs ``nvme_dir``.
+        offload_parameters: keep only a window of layers' training-dtype weights on the
+            device; the pinned host copy that CPU Adam writes is the authoritative one and
+            each unit (a block of ``layers``, the embeddings, the head, ...) is fetched
+            ``prefetch_layers`` units ahead of its forward and its backward
+            (``zero_offload.params``; README, "Parameter offload"). Needs ``model=`` on the
+            optimizer, one rank, ``offload_fraction=1.0``, no ``overlap_step`` and no
+            ``nvme_dir``. Default False.
+        prefetch_layers: with ``offload_parameters``, how many units ahead the H2D copies
+            run (0: fetched when needed, nothing hidden). Device weights are then
+            ``prefetch_layers + 2`` slots of the largest units. An int >= 0. Default 1.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -274,6 +284,8 @@ class OffloadConfig:
     collective_timeout: float = 600.0
     nvme_dir: str | os.PathLike[str] | None = None
     host_budget: int | str | None = None
+    offload_parameters: bool = False
+    prefetch_layers: int = 1
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -338,3 +350,20 @@ class OffloadConfig:
                 )
         elif self.nvme_dir is not None:
             object.__setattr__(self, "host_budget", "auto")
+        if not isinstance(self.offload_parameters, bool):
+            raise TypeError(
+                f"OffloadConfig.offload_parameters must be a bool, got {self.offload_parameters!r}"
+            )
+        _check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0)
+        if self.offload_parameters:
+            for name, value, fix in (
+                ("offload_fraction", self.offload_fraction != 1.0, "offload_fraction=1.0"),
+                ("overlap_step", self.overlap_step, "overlap_step=False"),
+                ("nvme_dir", self.nvme_dir is not None, "nvme_dir=None"),
+            ):
+                if value:
+                    raise ValueError(
+                        f"OffloadConfig.offload_parameters=True does not combine with "
+                        f"{name}={getattr(self, name)!r} yet (the pinned training-dtype copy "
+                        f"must be in host RAM and current before each forward); set {fix}"
+                    )

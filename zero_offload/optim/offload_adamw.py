@@ -115,9 +115,14 @@ class _Resources:
         self.segments: list[_Segment] = []
         self.state: OptimizerState | None = None
         self.extra_streams: list[Any] = []
+        self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
 
     def release(self) -> None:
         self.router.remove_hooks()
+        if self.param_offload is not None:
+            # Before the pools go: the parameters take private copies of their weights.
+            self.param_offload.close()
+            self.param_offload = None
         for segment in self.segments:
             for bucket in segment.buckets:
                 for param in bucket.params:
@@ -184,6 +189,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         config: OffloadConfig | None = None,
         accelerator: Accelerator | None = None,
         process_group: Any = None,
+        model: torch.nn.Module | None = None,
+        layers: Sequence[torch.nn.Module] | None = None,
     ) -> None:
         name = type(self).__name__
         for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
@@ -227,6 +234,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"ranks (device-resident optimizer state is not partitioned yet), got "
                 f"{config.offload_fraction!r}"
             )
+        self._check_param_offload(config, comm, model, layers)
+        # Parameter offload (zero_offload.params): the model and its blocks, for _build.
+        self._param_offload_of = (model, layers) if config.offload_parameters else None
         self.serial = next(_serials)
         self.manager = TieredMemoryManager(self.accelerator)
         extra_streams = []
@@ -344,6 +354,48 @@ class OffloadAdamW(torch.optim.Optimizer):
                     "add the parameter to that optimizer instead"
                 )
 
+    @staticmethod
+    def _check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
+        if config.offload_parameters:
+            if model is None:
+                raise ValueError(
+                    "OffloadConfig(offload_parameters=True) needs the model whose blocks it "
+                    "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
+                    "the nn.ModuleList holding the most parameters)"
+                )
+            if comm is not None:
+                raise ValueError(
+                    f"{comm.where()}: OffloadConfig.offload_parameters=True runs on one rank "
+                    "only for now (ZeRO-3 sharding of the weights is not implemented); set "
+                    "offload_parameters=False or run one process"
+                )
+        elif model is not None or layers is not None:
+            raise ValueError(
+                "model= and layers= are for parameter offload; set "
+                "OffloadConfig(offload_parameters=True), or leave them None"
+            )
+
+    def _param_offloader(self, params: list[torch.Tensor], families: list[Any]) -> Any:
+        """The ``ParamOffloader`` for this segment, or None without parameter offload."""
+        if self._param_offload_of is None:
+            return None
+        if self._resources.param_offload is not None:
+            raise ValueError(
+                "add_param_group with OffloadConfig(offload_parameters=True): the window is "
+                "planned once for the model; pass every param group to the constructor"
+            )
+        from ..params import ParamOffloader  # params sits beside optim (DESIGN.md)
+
+        model, layers = self._param_offload_of
+        return ParamOffloader(
+            model,
+            layers=layers,
+            manager=self.manager,
+            prefetch_layers=self.config.prefetch_layers,
+            trainable=[params[i] for family in families for i, _ in family.members],
+            name=f"offload_adamw{self.serial}",
+        )
+
     def _build(self, group_indices: list[int]) -> None:
         """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets
         of one training dtype each (``plan_dtype_buckets``), one device and one host pool
@@ -359,6 +411,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not families:
             return
         self._check_owners(params, [i for family in families for i, _ in family.members])
+        offload = self._param_offloader(params, families)
+        if offload is not None:  # no bucket spans two units (zero_offload.params)
+            families = offload.split_families(families, params)
         layouts = plan_dtype_buckets(
             families,
             bucket_bytes=self.config.bucket_bytes,
@@ -368,42 +423,62 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         amsgrad = any(self.param_groups[family.group]["amsgrad"] for family in families)
         moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
+        if offload is not None:
+            offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
         stats = self.accelerator.memory_stats()
-        placement = plan_placement(
-            layouts,
-            itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-            moment_size=moments_dtype.itemsize,
-            amsgrad=amsgrad,
-            offload_fraction=self.config.offload_fraction,
-            device_free=stats["budget"] - stats["in_use"],
-            auto_headroom=self.config.auto_headroom,
-            alignment=POOL_ALIGNMENT,
-        )
+        try:
+            placement = plan_placement(
+                layouts,
+                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
+                moment_size=moments_dtype.itemsize,
+                amsgrad=amsgrad,
+                offload_fraction=self.config.offload_fraction,
+                device_free=stats["budget"] - stats["in_use"],
+                auto_headroom=self.config.auto_headroom,
+                alignment=POOL_ALIGNMENT,
+                weights_elsewhere=frozenset(b.index for b in layouts if offload is not None),
+            )
+        except BaseException:
+            if offload is not None:
+                offload.close()
+            raise
         name = f"offload_adamw{self.serial}.{len(self._resources.segments)}"
-        device_pool = self.manager.create_pool(
-            Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
-        )
+        try:
+            device_pool = self.manager.create_pool(
+                Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
+            )
+        except BaseException:
+            if offload is not None:
+                offload.close()
+            raise
         try:
             host_pool = self.manager.create_pool(
                 Tier.HOST, max(placement.host_state, POOL_ALIGNMENT), name=f"{name}.host"
             )
         except BaseException:
             self.manager.discard_pool(device_pool)
+            if offload is not None:
+                offload.close()
             raise
         pools = BucketPools(device=device_pool, host=host_pool)
         grad_buffers = GradBuffers(self.manager, name=name)
         buckets: list[FlatBucket] = []
         try:
             self._build_buckets(
-                layouts, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets
+                layouts, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets, offload
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
             for bucket in buckets:
                 bucket.views.unbind()
+            if offload is not None:
+                offload.close()
             self.manager.discard_pool(device_pool)
             self.manager.discard_pool(host_pool)
             raise
+        if offload is not None:
+            offload.install(self)
+            self._resources.param_offload = offload
         segment = _Segment(buckets, pools, grad_buffers)
         self._resources.segments.append(segment)
         self._router.add(buckets)
@@ -435,13 +510,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         amsgrad: bool,
         moments_dtype: torch.dtype,
         out: list[FlatBucket],
+        offload: Any = None,
     ) -> None:
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
-        ``out`` as each is built (so a failure can undo the ones before it)."""
+        ``out`` as each is built (so a failure can undo the ones before it). With parameter
+        offload (``offload``) the weights live in its window and the backend's home."""
         params = self._all_params()
         for layout in layouts:
             members = [params[slot.index] for slot in layout.slots]
-            views = ParamViews(layout, members, pools.device)
+            views = (
+                ParamViews(layout, members, pools.device)
+                if offload is None
+                else offload.views_for(layout, members)
+            )
             shard = layout.shard_range(self._ranks.rank)
             try:
                 backend: UpdateBackend
@@ -459,6 +540,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                         amsgrad=amsgrad,
                         tile_elements=self.config.tile_elements,
                     )
+                if offload is not None:
+                    offload.adopt(views, backend)
             except BaseException:
                 views.unbind()
                 views.close()
@@ -509,6 +592,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             return "overlap_step delays the update instead"
         if any(bucket.resident for bucket in self.buckets):
             return "some optimizer state is resident on the device (offload_fraction < 1)"
+        if self._resources.param_offload is not None:
+            return "parameter offload (the step writes the pinned weights the fetches read)"
         return None
 
     def announce_step(self) -> bool:

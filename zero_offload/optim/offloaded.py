@@ -435,26 +435,29 @@ class OffloadedState(UpdateBackend):
                     stop=hi,
                 )
                 if publish:
-                    self._issued.append(self._copy_tile(lo, hi, after))
+                    event = self._copy_tile(lo, hi, after)
+                    if event is not None:  # None: the source is the weights' home
+                        self._issued.append(event)
                 else:
                     self._unpublished.append((lo, hi))
 
-    def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event:
-        source, name = (
-            (self.master, "master")
-            if self.weights_staging is None
-            else (self.weights_staging, "weights_staging")
-        )
+    def weights_home(self) -> tuple[torch.Tensor, Block]:
+        """The pinned training-dtype copy CPU Adam writes, ``(shard_numel,)``, and its block:
+        ``weights_staging``, or the fp32 master itself for an fp32 bucket (with parameter
+        offload the weights live there between uses, ``zero_offload.params``)."""
+        name = "master" if self.weights_staging is None else "weights_staging"
+        return getattr(self, name), self._blocks[name]
+
+    def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event | None:
+        source, block = self.weights_home()
         offset = self.shard[0]
-        return self.manager.copy(
-            self.views.weights_dev[offset + lo : offset + hi],
+        return self.views.copy_in(
+            self.manager,
+            offset + lo,
+            offset + hi,
             source[lo:hi],
-            direction=Direction.H2D,
-            category=Category.WEIGHTS,
+            block,
             after=after,
-            # The end event on both ends: neither the device block nor the pinned source
-            # is reused while the copy is pending.
-            blocks=[self.views.block, self._blocks[name]],
             label=f"bucket{self.layout.index}[{lo}:{hi}]",
         )
 
@@ -470,7 +473,8 @@ class OffloadedState(UpdateBackend):
         if self._unpublished:
             self.declare_weight_readers()
             after = [self.manager.compute_ready()]
-        events = self._issued + [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
+        copies = [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
+        events = self._issued + [event for event in copies if event is not None]
         self._issued, self._unpublished = [], []
         return events
 
@@ -490,18 +494,17 @@ class OffloadedState(UpdateBackend):
         # Synchronisation point (rare: construction, loading, weights written outside the
         # optimizer): the weights' bytes must be final and the staging idle.
         self.manager.synchronize()
-        target = self.master if self.weights_staging is None else self.weights_staging
-        names = ["master" if self.weights_staging is None else "weights_staging"]
-        done = self.manager.copy(
+        target, target_block = self.weights_home()
+        done = self.views.copy_out(
+            self.manager,
+            start,
+            stop,
             target,
-            self.views.weights_dev[start:stop],
-            direction=Direction.D2H,
-            category=Category.OPTIMIZER_STATE,  # reads the weights to re-derive the master
-            after=[self.manager.compute_ready()],
-            blocks=[self.views.block, *(self._blocks[n] for n in names)],
+            target_block,
             label=f"bucket{self.layout.index} master refresh",
         )
-        done.synchronize()  # Synchronisation point: the comparison below reads it
+        if done is not None:
+            done.synchronize()  # Synchronisation point: the comparison below reads it
         if self.weights_staging is not None:
             weights = self.weights_staging
             # Where the weight is still the rounding of the master, the master keeps its

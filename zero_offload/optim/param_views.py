@@ -30,12 +30,18 @@ a fresh tensor may have the same version.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..memory.block import Block
 from ..memory.pool import BlockPool
+from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout
+
+if TYPE_CHECKING:
+    from ..accelerator import Event
+    from ..memory.manager import TieredMemoryManager
 
 __all__ = ["ParamViews"]
 
@@ -88,8 +94,9 @@ class ParamViews:
         """``(slot_index, param)`` of parameters no longer bound to their slot; see Note
         [parameters replaced behind the optimizer]."""
         out = []
+        bound = self.bound_to()
         for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
-            view = self.weights_dev[slot.offset : slot.end]
+            view = bound[slot.offset : slot.end]
             if (
                 param.dtype != self.dtype
                 or tuple(param.shape) != slot.shape
@@ -97,6 +104,10 @@ class ParamViews:
             ):
                 out.append((i, param))
         return out
+
+    def bound_to(self) -> torch.Tensor:
+        """The flat tensor the parameters are views of now: ``weights_dev``."""
+        return self.weights_dev
 
     def current_versions(self) -> tuple[int, ...]:
         """Each parameter's version counter now."""
@@ -113,6 +124,54 @@ class ParamViews:
     def forget(self) -> None:
         """Treat the weights as written (reconcile at the next step)."""
         self.versions = None
+
+    def copy_in(
+        self,
+        manager: TieredMemoryManager,
+        lo: int,
+        hi: int,
+        source: torch.Tensor,
+        source_block: Block,
+        *,
+        after: list[Event],
+        label: str,
+    ) -> Event | None:
+        """Queue the copy of updated training-dtype weights ``source`` (pinned host) into
+        ``weights_dev[lo:hi]``; its end event, or None when nothing had to move (the source
+        is the weights' home, ``zero_offload.params.views.WindowedViews``)."""
+        return manager.copy(
+            self.weights_dev[lo:hi],
+            source,
+            direction=Direction.H2D,
+            category=Category.WEIGHTS,
+            after=after,
+            # The end event on both ends: neither the device block nor the pinned source
+            # is reused while the copy is pending.
+            blocks=[self.block, source_block],
+            label=label,
+        )
+
+    def copy_out(
+        self,
+        manager: TieredMemoryManager,
+        lo: int,
+        hi: int,
+        target: torch.Tensor,
+        target_block: Block,
+        *,
+        label: str,
+    ) -> Event | None:
+        """Queue the copy of ``weights_dev[lo:hi]`` into pinned ``target`` (re-deriving the
+        master); its end event, or None when ``target`` already holds the weights."""
+        return manager.copy(
+            target,
+            self.weights_dev[lo:hi],
+            direction=Direction.D2H,
+            category=Category.OPTIMIZER_STATE,  # reads the weights to re-derive the master
+            after=[manager.compute_ready()],
+            blocks=[self.block, target_block],
+            label=label,
+        )
 
     def close(self) -> None:
         """Return ``weights_dev`` to its pool (the parameters keep pointing at it: only for

@@ -145,6 +145,7 @@ def plan_placement(
     device_free: int,
     auto_headroom: float,
     alignment: int,
+    weights_elsewhere: frozenset[int] = frozenset(),
 ) -> Placement:
     """Choose the resident buckets and size the pools.
 
@@ -155,7 +156,9 @@ def plan_placement(
     ``DeviceBudgetExceeded`` when even full offload does not fit ``device_free``.
 
     ``itemsize``: training dtype bytes, one for every bucket or one per bucket of
-    ``buckets`` (mixed training dtypes, ``plan_dtype_buckets``).
+    ``buckets`` (mixed training dtypes, ``plan_dtype_buckets``). ``weights_elsewhere``:
+    indices of buckets whose weights are not in the device pool (parameter offload keeps
+    them in a window of its own, ``zero_offload.params``).
     """
     if isinstance(itemsize, int):
         sizes_of = {b.index: itemsize for b in buckets}
@@ -167,7 +170,11 @@ def plan_placement(
             )
         sizes_of = {b.index: size for b, size in zip(buckets, itemsize, strict=True)}
     total = sum(b.param_numel for b in buckets) or 1  # parameter elements, no gaps
-    weights = sum(_aligned(b.padded_numel * sizes_of[b.index], alignment) for b in buckets)
+    weights = sum(
+        _aligned(b.padded_numel * sizes_of[b.index], alignment)
+        for b in buckets
+        if b.index not in weights_elsewhere
+    )
 
     def grad_buffers(resident: set[int]) -> int:
         # Each buffer must hold the largest offloaded bucket of any dtype, in bytes.

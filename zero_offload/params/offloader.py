@@ -1,0 +1,388 @@
+"""ParamOffloader: a window of units' weights on the device, fetched ahead of forward and
+backward, released behind them.
+
+Note [the parameter window]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each *use* of a unit (Note [what a unit is] in ``units.py``) moves the window: the unit must
+be on the device, the next ``prefetch_layers`` distinct units of the expected order are
+fetched (on the ``h2d`` stream, through the memory manager), and every other resident unit
+is released (Note [a unit's lifecycle] in ``unit.py``). Uses are:
+
+- forward: the unit's module forward pre-hook. The expected order is the previous forward's
+  sequence of uses (the registration order before the first), followed by its reverse (the
+  backward), so the last units of a forward stay for the backward that starts with them.
+- backward: the first gradient reaching one of the unit's forward outputs (a tensor hook
+  registered by the forward post-hook), which fires before any backward node of the unit
+  runs. The expected order is this forward's uses, reversed. Autograd runs nodes by
+  decreasing sequence number, so when a unit's output gradient arrives every node of the
+  units after it in the forward has run: releasing those cannot pull weights from under a
+  backward node. Their gradients have gone to the optimizer's buckets already (the backward
+  router's hooks), exactly as without parameter offload.
+- recompute (activation checkpointing, a forward pre-hook inside a backward): the unit is
+  made resident if it is not (reentrant checkpointing hides the block's outputs from the
+  tensor hooks); the post-hook does nothing then.
+
+The end of each backward releases every unit; the optimizer's step pre-hook waits for every
+pending fetch (they read the homes the step writes) and releases every unit, so the step
+updates only the pinned homes, and the next forward's fetches bring the update. A fetch whose
+slot still holds the unit's current weights copies nothing (``ParamUnit.content_valid``).
+
+Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns to its
+slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
+plus one slot per tied unit. Everything else on the device is what it was: the optimizer's
+gradient buffers and the activations.
+
+Several ranks (ZeRO-3 with offload) are not implemented: each rank would hold its shard of
+each home, fetch the shard into its slice of the slot and all-gather the slot on the comm
+stream before ``use`` (``ParamUnit.ready`` would become the all-gather's event); the window,
+the lifecycle and the schedule stay as they are. The optimizer refuses several ranks with
+parameter offload for now.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..memory.manager import TieredMemoryManager
+from ..optim.checks import Family
+from ..partition import BucketLayout
+from .unit import ParamUnit, UnitState
+from .units import UnitSpec, default_layers, find_units
+from .views import WindowedViews
+from .window import Window, aligned, plan_slots
+
+__all__ = ["ParamOffloader", "Phase"]
+
+
+class Phase(enum.Enum):
+    """What the model is doing, as the hooks see it."""
+
+    IDLE = "idle"  # between a backward (or construction) and the next forward
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (recompute included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Once:
+    """One forward use's backward trigger: the first output gradient fires it."""
+
+    __slots__ = ("fired",)
+
+    def __init__(self) -> None:
+        self.fired = False
+
+
+def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
+    offloader = ref()
+    if offloader is not None:
+        offloader._before_forward(offloader.units[index])
+
+
+def _post_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    offloader = ref()
+    if offloader is not None:
+        offloader._after_forward(offloader.units[index], output)
+
+
+def _grad_hook(ref: weakref.ref, index: int, once: _Once, grad: torch.Tensor) -> None:
+    offloader = ref()
+    if offloader is not None and not once.fired:
+        once.fired = True
+        offloader._backward_use(offloader.units[index])
+
+
+def _end_of_backward(ref: weakref.ref) -> None:
+    offloader = ref()
+    if offloader is not None:
+        offloader._end_backward()
+
+
+def _root_pre_hook(ref: weakref.ref, module: nn.Module, args: Any) -> None:
+    offloader = ref()
+    if offloader is not None and not _in_backward():
+        offloader._begin_forward()
+
+
+def _root_post_hook(ref: weakref.ref, module: nn.Module, args: Any, output: Any) -> None:
+    offloader = ref()
+    if offloader is not None and not _in_backward():
+        offloader._end_forward()
+
+
+def _step_pre_hook(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:
+    offloader = ref()
+    if offloader is not None:
+        offloader.before_step()
+
+
+class ParamOffloader:
+    """Parameter offload for one model and one optimizer; see Note [the parameter window].
+
+    Built by ``OffloadAdamW`` with ``OffloadConfig(offload_parameters=True)`` and
+    ``model=``; the optimizer calls ``split_families``, ``plan``, ``views_for``, ``adopt``
+    and ``install`` while it builds its buckets, and ``close`` when it is released.
+
+    Fields:
+        units: ``ParamUnit`` per unit, in forward (registration) order.
+        window: the device window (``Window``), from ``plan``.
+        phase: ``Phase``, as the hooks last saw it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Sequence[nn.Module] | None,
+        manager: TieredMemoryManager,
+        prefetch_layers: int,
+        trainable: Sequence[torch.Tensor],
+        name: str,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model must be the nn.Module whose parameters are offloaded, got "
+                f"{type(model).__name__}"
+            )
+        if layers is None:
+            layers = default_layers(model)
+        elif isinstance(layers, nn.Module) and not isinstance(layers, nn.ModuleList):
+            raise TypeError(
+                f"layers must be the blocks (an nn.ModuleList or a list of modules), got one "
+                f"{type(layers).__name__}; pass e.g. layers=model.transformer.h"
+            )
+        blocks = list(layers)
+        if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+            raise TypeError(
+                f"layers must be a non-empty sequence of nn.Module blocks, got {layers!r}"
+            )
+        self.model = model
+        self.manager = manager
+        self.prefetch = prefetch_layers
+        self.name = name
+        self.specs: list[UnitSpec] = find_units(model, blocks, trainable)
+        self._index_of_param = {id(p): i for i, s in enumerate(self.specs) for p in s.params}
+        self.units: list[ParamUnit] = []
+        self.window: Window | None = None
+        self._place: dict[int, tuple[int, int]] = {}  # bucket index -> (unit, byte offset)
+        self._handles: list[Any] = []
+        self.phase = Phase.IDLE
+        self._trace: list[ParamUnit] = []  # this forward's uses
+        self._last_trace: list[ParamUnit] = []  # the previous complete forward's uses
+        self._backward_plan: list[ParamUnit] = []
+        self._backward_pos = 0
+
+    # -- construction (called by the optimizer) ----------------------------------------
+
+    def split_families(self, families: Sequence[Family], params: Sequence[Any]) -> list[Family]:
+        """Each family split by unit, so no bucket holds parameters of two units."""
+        out = []
+        for family in families:
+            by_unit: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+            for index, shape in family.members:
+                by_unit.setdefault(self._index_of_param[id(params[index])], []).append(
+                    (index, shape)
+                )
+            out.extend(Family(family.group, family.dtype, members) for members in by_unit.values())
+        return out
+
+    def plan(
+        self, layouts: Sequence[BucketLayout], params: Sequence[Any], *, alignment: int
+    ) -> None:
+        """Place each bucket in its unit's slot and allocate the window (device)."""
+        unit_bytes = [0] * len(self.specs)
+        for layout in layouts:
+            unit = self._index_of_param[id(params[layout.slots[0].index])]
+            itemsize = params[layout.slots[0].index].element_size()
+            self._place[layout.index] = (unit, unit_bytes[unit])
+            unit_bytes[unit] += aligned(layout.padded_numel * itemsize, alignment)
+        slot_of, slot_bytes = plan_slots(
+            unit_bytes, [s.tied for s in self.specs], prefetch_layers=self.prefetch
+        )
+        self.window = Window(
+            self.manager, slot_bytes, name=f"{self.name}.window", alignment=alignment
+        )
+        self.units = [
+            ParamUnit(spec, i, self.window.slots[slot_of[i]]) for i, spec in enumerate(self.specs)
+        ]
+
+    def views_for(self, layout: BucketLayout, params: Sequence[nn.Parameter]) -> WindowedViews:
+        """The bucket's parameter views, at its offset of its unit's slot."""
+        index, offset = self._place[layout.index]
+        unit = self.units[index]
+        region = unit.slot.region(offset, layout.padded_numel, params[0].dtype)
+        views = WindowedViews(layout, params, unit, region)
+        unit.views.append(views)
+        return views
+
+    def adopt(self, views: WindowedViews, backend: Any) -> None:
+        """The bucket's backend is built: its home (``weights_home()``) becomes the
+        parameters' place while the unit is released."""
+        views.adopt_home(*backend.weights_home())
+
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Register the hooks (each holds the offloader weakly, Note [lifetimes without
+        close] in ``optim/offload_adamw.py``)."""
+        ref = weakref.ref(self)
+        add = self._handles.append
+        add(self.model.register_forward_pre_hook(functools.partial(_root_pre_hook, ref)))
+        add(self.model.register_forward_hook(functools.partial(_root_post_hook, ref)))
+        for unit in self.units:
+            for module in unit.spec.modules:
+                add(module.register_forward_pre_hook(functools.partial(_pre_hook, ref, unit.index)))
+                add(module.register_forward_hook(functools.partial(_post_hook, ref, unit.index)))
+        add(optimizer.register_step_pre_hook(functools.partial(_step_pre_hook, ref)))
+        add(optimizer.register_load_state_dict_pre_hook(functools.partial(_step_pre_hook, ref)))
+
+    # -- the schedule ------------------------------------------------------------------
+
+    def _expected_forward(self) -> list[ParamUnit]:
+        forward = self._last_trace or self.units
+        return [*forward, *reversed(forward)]
+
+    def _upcoming(
+        self, order: Sequence[ParamUnit], start: int, current: ParamUnit
+    ) -> list[ParamUnit]:
+        """The next ``prefetch_layers`` distinct units of ``order[start:]``, not ``current``."""
+        out: list[ParamUnit] = []
+        for unit in order[start:]:
+            if len(out) >= self.prefetch:
+                break
+            if unit is not current and unit not in out:
+                out.append(unit)
+        return out
+
+    def _advance(self, current: ParamUnit, upcoming: list[ParamUnit]) -> None:
+        """Note [the parameter window]: release what left it, fetch ``current`` (if it is
+        not resident) and ``upcoming``, and make compute wait for ``current``."""
+        keep = {id(current), *(id(u) for u in upcoming)}
+        ready = None
+        for unit in self.units:
+            if unit.resident and id(unit) not in keep:
+                if ready is None:
+                    ready = self.manager.compute_ready()
+                unit.release(ready)
+        self._fetch(current, demand=True)
+        for unit in upcoming:
+            self._fetch(unit, demand=False)
+        current.use(self.manager)
+
+    def _fetch(self, unit: ParamUnit, *, demand: bool) -> None:
+        if unit.resident:
+            return
+        occupant = unit.slot.occupant
+        if occupant is not None and occupant is not unit and occupant.resident:
+            if not demand:
+                return  # its slot holds a unit still in the window: fetched when needed
+            occupant.release(self.manager.compute_ready())
+        unit.fetch(self.manager)
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        self._trace = []
+
+    def _end_forward(self) -> None:
+        if self._trace:
+            self._last_trace = list(self._trace)
+
+    def _before_forward(self, unit: ParamUnit) -> None:
+        if _in_backward():  # recompute under activation checkpointing
+            if unit.state is not UnitState.ON_DEVICE:
+                self._backward_use(unit)
+            return
+        if self.phase is not Phase.FORWARD:  # a submodule run without the model's forward
+            self._begin_forward()
+        position = len(self._trace)
+        self._trace.append(unit)
+        self._advance(unit, self._upcoming(self._expected_forward(), position + 1, unit))
+
+    def _after_forward(self, unit: ParamUnit, output: Any) -> None:
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        once = _Once()
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.grad_fn is not None:
+                leaf.register_hook(
+                    functools.partial(_grad_hook, weakref.ref(self), unit.index, once)
+                )
+
+    def _backward_use(self, unit: ParamUnit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            self._backward_plan = list(reversed(self._trace or self._last_trace or self.units))
+            self._backward_pos = 0
+            # Runs when this backward's graph task ends (after the router's flushes).
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_end_of_backward, weakref.ref(self))
+            )
+        plan = self._backward_plan
+        try:
+            position = plan.index(unit, self._backward_pos)
+            self._backward_pos = position + 1
+        except ValueError:
+            position = len(plan)  # not where expected: no prefetch from here
+        self._advance(unit, self._upcoming(plan, position + 1, unit))
+
+    def _end_backward(self) -> None:
+        self._release_all()
+        self.phase = Phase.IDLE
+
+    def _release_all(self) -> None:
+        ready = None
+        for unit in self.units:
+            if unit.resident:
+                if ready is None:
+                    ready = self.manager.compute_ready()
+                unit.release(ready)
+
+    def before_step(self) -> None:
+        """The step writes the homes: every pending fetch reads them, so wait for each
+        (Synchronisation point: the copies were needed by compute already, except
+        prefetches nobody used); release every unit, so no stale weights stay resident."""
+        for unit in self.units:
+            unit.settle()
+        self._release_all()
+        self.phase = Phase.IDLE
+
+    # -- statistics and teardown -------------------------------------------------------
+
+    @property
+    def fetches(self) -> int:
+        """Fetches that copied bytes, over every unit."""
+        return sum(unit.fetches for unit in self.units)
+
+    @property
+    def window_bytes(self) -> int:
+        """Device bytes of the window pool (its slots)."""
+        return 0 if self.window is None else self.window.capacity
+
+    def close(self) -> None:
+        """Remove the hooks, give every parameter a private copy of its current weights (so
+        the model keeps working without the optimizer's pools) and close the window."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit in self.units:
+            unit.settle()
+        self._release_all()
+        for unit in self.units:
+            for views in unit.views:
+                if views.home is not None:
+                    views.unbind()
+                views.close()
+        if self.window is not None:
+            self.window.close()
+            self.window = None
