@@ -620,7 +620,11 @@ class NvmeState(OffloadedState):
         # As OffloadedState.update: the gradient is staging or the accumulator (Note [no
         # accumulator for one backward]); the weight copies wait for compute issued so far.
         grad = getattr(self, source or self._source)
+        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
+        self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
         if after is None:
+            if publish:
+                self.declare_weight_readers()
             after = [self.manager.compute_ready()] if publish else []
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
@@ -657,7 +661,9 @@ class NvmeState(OffloadedState):
                 if fp32:
                     self.weights_staging[lo:hi].copy_(master)
                 if publish:
-                    self._issued.append(self._copy_tile(lo, hi, after))
+                    event = self._copy_tile(lo, hi, after)
+                    if event is not None:  # None: the source is the weights' home
+                        self._issued.append(event)
                 else:
                     self._unpublished.append((lo, hi))
 

@@ -52,6 +52,7 @@ from .checks import (
 )
 from .flat_bucket import FlatBucket, StepPlan
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
+from .nvme import NvmeBackends, plan_nvme
 from .offloaded import GradBuffers, OffloadedState
 from .param_views import ParamViews
 from .placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
@@ -443,6 +444,22 @@ class OffloadAdamW(torch.optim.Optimizer):
                 offload.close()
             raise
         name = f"offload_adamw{self.serial}.{len(self._resources.segments)}"
+        nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
+            self.manager,
+            plan_nvme(
+                layouts,
+                placement,
+                config=self.config,
+                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
+                moments_dtype=moments_dtype,
+                amsgrad=amsgrad,
+                rank=self._ranks.rank,
+                alignment=POOL_ALIGNMENT,
+            ),
+            config=self.config,
+            rank=self._ranks.rank,
+            name=name,
+        )
         try:
             device_pool = self.manager.create_pool(
                 Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
@@ -453,7 +470,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise
         try:
             host_pool = self.manager.create_pool(
-                Tier.HOST, max(placement.host_state, POOL_ALIGNMENT), name=f"{name}.host"
+                Tier.HOST, max(nvme.plan.host_pool, POOL_ALIGNMENT), name=f"{name}.host"
             )
         except BaseException:
             self.manager.discard_pool(device_pool)
@@ -465,7 +482,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         buckets: list[FlatBucket] = []
         try:
             self._build_buckets(
-                layouts, placement, pools, grad_buffers, amsgrad, moments_dtype, buckets, offload
+                layouts,
+                placement,
+                pools,
+                grad_buffers,
+                amsgrad,
+                moments_dtype,
+                buckets,
+                nvme,
+                offload,
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
@@ -510,6 +535,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         amsgrad: bool,
         moments_dtype: torch.dtype,
         out: list[FlatBucket],
+        nvme: NvmeBackends,
         offload: Any = None,
     ) -> None:
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
@@ -528,6 +554,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                 backend: UpdateBackend
                 if layout.index in placement.resident:
                     backend = ResidentState(layout, views, pools=pools, amsgrad=amsgrad)
+                elif nvme.holds(layout.index):
+                    backend = nvme.build(
+                        layout,
+                        views,
+                        manager=self.manager,
+                        pools=pools,
+                        grad_buffers=grad_buffers,
+                        shard=shard,
+                    )
                 else:
                     backend = OffloadedState(
                         layout,
