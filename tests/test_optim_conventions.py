@@ -269,3 +269,13 @@ def test_resize_token_embeddings_after_construction_is_refused_at_the_next_step(
     # Nothing was stepped: the other weights are as they were.
     assert torch.equal(model.transformer.h[0].mlp.c_fc.weight, before)
     opt.close()
+
+
+def test_refusals_name_a_named_parameter() -> None:
+    model, _ = make_pair()
+    with torch.no_grad():
+        model.norm.bias.data = model.norm.bias.data.double()
+    with pytest.raises(
+        TypeError, match=r"parameter \d+ \('norm.bias', shape \(32,\), torch.float64"
+    ):
+        _opt(model.named_parameters())

@@ -15,6 +15,7 @@ __all__ = [
     "check_new_params",
     "check_params",
     "describe_param",
+    "param_name",
     "plain_trainer_calling",
     "split_names",
 ]
@@ -23,9 +24,23 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def describe_param(index: int, param: torch.Tensor) -> str:
-    """``"parameter 3 (shape (4, 5), torch.float32)"``, for error messages."""
-    return f"parameter {index} (shape {tuple(param.shape)}, {param.dtype})"
+def describe_param(index: int, param: torch.Tensor, name: str | None = None) -> str:
+    """``"parameter 3 (shape (4, 5), torch.float32)"``, for error messages; with the name
+    that ``named_parameters()`` gave it, ``"parameter 3 ('fc.weight', shape ...)"``."""
+    named = f"{name!r}, " if name is not None else ""
+    return f"parameter {index} ({named}shape {tuple(param.shape)}, {param.dtype})"
+
+
+def param_name(param_groups: Sequence[dict[str, Any]], index: int) -> str | None:
+    """The name of the parameter at flat position ``index`` across ``param_groups``, when
+    the groups were given ``named_parameters()`` (their ``param_names``), else None."""
+    for group in param_groups:
+        count = len(group["params"])
+        if index < count:
+            names = group.get("param_names")
+            return names[index] if names is not None else None
+        index -= count
+    return None
 
 
 def _number(where: str, name: str, value: Any, *, low: float, high: float | None = None) -> None:
@@ -108,15 +123,21 @@ def split_names(params: Sequence[Any], *, where: str) -> tuple[list[Any], list[s
     return [pair[1] for pair in params], [pair[0] for pair in params]
 
 
-def check_new_params(params: Sequence[Any], param_groups: Sequence[dict[str, Any]]) -> None:
-    """Refuse non-tensors, non-leaves and parameters already in a group, by position."""
+def check_new_params(
+    params: Sequence[Any],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    names: Sequence[str] | None = None,
+) -> None:
+    """Refuse non-tensors, non-leaves and parameters already in a group, by position (and
+    by name, given ``names``)."""
     first = sum(len(group["params"]) for group in param_groups)
     seen = {id(p) for group in param_groups for p in group["params"]}
     for offset, param in enumerate(params):
         index = first + offset
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"parameter {index} must be a torch.Tensor, got {type(param).__name__}")
-        what = describe_param(index, param)
+        what = describe_param(index, param, names[offset] if names is not None else None)
         if not param.is_leaf:
             raise ValueError(
                 f"{what} is not a leaf tensor (it was computed from others); pass the "
@@ -158,8 +179,9 @@ def check_params(
     index = first_index
     for g in group_indices:
         by_dtype: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
-        for param in param_groups[g]["params"]:
-            what = describe_param(index, param)
+        names = param_groups[g].get("param_names")
+        for i, param in enumerate(param_groups[g]["params"]):
+            what = describe_param(index, param, names[i] if names is not None else None)
             if param.is_complex() or not param.is_floating_point():
                 raise TypeError(
                     f"{what} is not a real floating-point tensor; OffloadAdamW updates "
