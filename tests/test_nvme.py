@@ -344,6 +344,35 @@ def test_state_four_times_the_host_budget_trains_bitwise_like_in_ram(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("moments", "amsgrad"),
+    [("bfloat16", False), ("float32", True)],
+    ids=["bf16-moments", "amsgrad"],
+)
+def test_other_state_layouts_on_nvme_are_bitwise(
+    tmp_path: Path, moments: str, amsgrad: bool
+) -> None:
+    model, ref = make_pair(torch.bfloat16)
+    opts = []
+    for m, extra in ((model, {"nvme_dir": tmp_path, "host_budget": 1}), (ref, {})):
+        opts.append(
+            OffloadAdamW(
+                m.parameters(),
+                lr=1e-3,
+                amsgrad=amsgrad,
+                config=_config(moments_dtype=moments, **extra),
+                accelerator=host_accelerator(),
+            )
+        )
+    nvme = _nvme_buckets(opts[0])
+    assert nvme and nvme[0].state_names()[-1] == ("max_exp_avg_sq" if amsgrad else "exp_avg_sq")
+    train(model, opts[0], batches(5))
+    train(ref, opts[1], batches(5))
+    assert _params_equal(model, ref)
+    for o in opts:
+        o.close()
+
+
 @pytest.mark.parametrize("mode", ["overlap_step", "step_during_backward"])
 def test_update_modes_on_nvme_are_bitwise_the_in_ram_ones(tmp_path: Path, mode: str) -> None:
     """The delayed update (on the host worker) and the step announced in backward (each

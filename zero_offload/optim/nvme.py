@@ -708,6 +708,11 @@ class NvmeState(OffloadedState):
             "and load_streaming(opt, path)"
         )
 
+    def state_names(self) -> tuple[str, ...]:
+        """The state fields this bucket keeps (on disk), without reading them: master,
+        exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad."""
+        return tuple(name for name, _, _ in self.record.fields)
+
     def stream_fields(
         self,
         fn: Callable[[int, int, dict[str, torch.Tensor]], None],
