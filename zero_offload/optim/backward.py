@@ -115,9 +115,13 @@ class BackwardRouter:
         self._armed: set[int] = set()
         self._lock = threading.Lock()
         self._next = 0
-        #: The step announced for the running backward, or None (Note [stepping during
-        #: backward] in stepping.py); set by the optimizer, cleared when that backward ends.
+        #: The announced step (Note [stepping during backward] in stepping.py), from
+        #: announce_step() until step() takes it; set and cleared by the optimizer.
         self.eager: EagerStep | None = None
+        # A step consumed the window: the next gradient opens a new one for every bucket
+        # (Note [a bucket's gradient lifecycle]: buckets without a gradient in the new
+        # window must not keep the old one).
+        self._window_consumed = False
 
     def add(self, buckets: list[FlatBucket]) -> None:
         """Route the gradients of ``buckets``' parameters (appended to the order)."""
@@ -143,7 +147,14 @@ class BackwardRouter:
         grad = param.grad
         if grad is None:
             return
+        if self.eager is not None and self.eager.backward_ended:
+            raise RuntimeError(
+                "a backward after backward(step=True)/announce_step() and before step(): "
+                "the announced step already ran, without this backward's gradients. Call "
+                "step() first, or announce the step on the last micro-batch only"
+            )
         if grad.is_sparse:
+            param.grad = None  # refused: it must not reach a later step as a hand-set one
             raise ValueError(
                 f"parameter {bucket.layout.slots[slot_index].index} (shape "
                 f"{tuple(param.shape)}) got a sparse gradient; OffloadAdamW needs dense ones "
@@ -159,8 +170,20 @@ class BackwardRouter:
         with surface_collective_errors():
             self.receive(bucket, slot_index, grad)
 
+    def consumed(self) -> None:
+        """A step consumed the window (the next gradient opens a new one)."""
+        self._window_consumed = True
+
+    def _open_window(self) -> None:
+        self._window_consumed = False
+        for bucket in self.buckets:
+            if bucket.grads.state is GradState.CONSUMED:
+                bucket.grads.discard()  # no device buffer to release in CONSUMED
+
     def receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
         """Add one gradient to its bucket; flush what is ready."""
+        if self._window_consumed:
+            self._open_window()
         lockstep = self.ranks.lockstep
         if lockstep and bucket.grads.state is GradState.COMPLETE:
             bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
@@ -229,9 +252,8 @@ class BackwardRouter:
             for bucket in self.buckets:
                 if bucket.grads.holds_device_buffer:
                     bucket.flush(self.ranks)
-            if self.eager is not None:
+            if self.eager is not None and not self.eager.backward_ended:
                 self.eager.end_backward(self.buckets)
-                self.eager = None
         self._next = 0
         for bucket in self.buckets:
             bucket.grads.end_backward()
@@ -250,5 +272,6 @@ class BackwardRouter:
         with self._lock:
             self._armed.clear()
         self._next = 0
+        self._window_consumed = False
         for bucket in self.buckets:
             bucket.discard()

@@ -51,6 +51,7 @@ from .checks import (
     split_names,
 )
 from .flat_bucket import FlatBucket, StepPlan
+from .grad_lifecycle import GradState
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .nvme import NvmeBackends, plan_nvme
 from .offloaded import GradBuffers, OffloadedState
@@ -128,20 +129,30 @@ class _Resources:
             for bucket in segment.buckets:
                 for param in bucket.params:
                     _OWNERS.pop(param, None)
-        try:
-            self.manager.synchronize()
-        finally:
-            for segment in self.segments:
-                segment.close()
-            self.segments.clear()
-            self.router.buckets.clear()
-            if self.state is not None:
-                self.state.clear_slots()
-            self.manager.close()
-            for stream in self.extra_streams:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()
+        # Release everything even when a part fails (a stream's sticky error, a pool still
+        # owning a block after a failure): the first error is raised at the end.
+        errors: list[BaseException] = []
+
+        def attempt(fn: Any) -> None:
+            try:
+                fn()
+            except BaseException as exc:  # collected, re-raised below
+                errors.append(exc)
+
+        attempt(self.manager.synchronize)
+        for segment in self.segments:
+            attempt(segment.close)
+        self.segments.clear()
+        self.router.buckets.clear()
+        if self.state is not None:
+            self.state.clear_slots()
+        attempt(self.manager.close)
+        for stream in self.extra_streams:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                attempt(close)
+        if errors:
+            raise errors[0]
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -275,7 +286,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             super().__init__(params, defaults)
             self._constructing = False
-            self._state_view = OptimizerState()
+            self._state_view = OptimizerState(drain=self.manager.host_worker.synchronize)
             self._resources.state = self._state_view
             self._build(list(range(len(self.param_groups))))
         except BaseException:
@@ -296,6 +307,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does); after construction it gets buckets of its own (and
         the dynamic loss scaler, if it brings the first fp16 parameters)."""
+        if getattr(self, "_eager", None) is not None:
+            raise RuntimeError(
+                "add_param_group between backward(step=True)/announce_step() and step(): "
+                "the announced step is planned for the current groups; call step() first"
+            )
         group = dict(param_group)
         params = group.get("params")
         where = f"param group {len(self.param_groups)}"
@@ -322,6 +338,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             group.setdefault(key, value)
         check_hyper(group, where=where)
         check_new_params(params, self.param_groups)
+        if (
+            isinstance(getattr(self, "scaler", None), NoLossScaler)
+            and any(p.dtype == torch.float16 and p.requires_grad for p in params)
+            and any(
+                b.grads.state not in (GradState.EMPTY, GradState.CONSUMED) for b in self.buckets
+            )
+        ):
+            raise ValueError(
+                "add_param_group brings the first fp16 parameters, whose loss scaler would "
+                "unscale the gradients already accumulated in this window: add the group "
+                "between steps (after step() or zero_grad())"
+            )
         super().add_param_group(group)
         if not self._constructing:
             try:
@@ -724,6 +752,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                 )
         for g, group in enumerate(self.param_groups):
             check_hyper(group, where=f"param group {g}")
+        for bucket in self.buckets:
+            group = self.param_groups[bucket.layout.group]
+            if group["amsgrad"] and "max_exp_avg_sq" not in bucket.backend.state_tensors():
+                raise ValueError(
+                    f"param group {bucket.layout.group} has amsgrad=True, but {self!r} was "
+                    "built without it (its max_exp_avg_sq buffers do not exist): build the "
+                    "optimizer with amsgrad=True (load_state_dict carries the state over). "
+                    "Nothing was stepped"
+                )
 
     def _refuse_invisible_clipping(self) -> None:
         """A plain HF ``Trainer`` would silently not clip and log grad_norm 0: refuse."""
@@ -817,7 +854,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._eager is not None:
-            self._land_eager()
+            self._land_eager()  # nothing more when state_dict() already landed it
+            self._drop_eager()
             return loss
         self._check_untouched()
         self._refuse_invisible_clipping()
@@ -829,28 +867,31 @@ class OffloadAdamW(torch.optim.Optimizer):
         if skip:
             for bucket in self.buckets:
                 bucket.grads.consume()
+            self._router.consumed()
             return loss
         work = [
             (StepPlan(bucket, flags), self._hyper(bucket))
             for bucket, flags in zip(self.buckets, arrived, strict=True)
         ]
         self._mode.run(work, grad_scale)
+        self._router.consumed()
         return loss
 
     def _land_eager(self) -> None:
-        """Take the announced step that ran during backward: land its weights, commit."""
-        eager, self._eager = self._eager, None
-        self._router.eager = None
-        if eager is None:
+        """Take the announced step that ran during backward: land its weights, commit.
+        Refusals come first and leave it pending (a retry after fixing them lands it)."""
+        eager = self._eager
+        if eager is None or eager.landed:
             return
+        for bucket in self.buckets:
+            if any(param.grad is not None for param in bucket.params):
+                raise RuntimeError(
+                    "a gradient was set by hand after an announced backward "
+                    "(backward(step=True)); the step already ran without it. Clear it "
+                    "(param.grad = None) and call step() again"
+                )
         with surface_collective_errors():
-            for bucket in self.buckets:
-                if any(param.grad is not None for param in bucket.params):
-                    raise RuntimeError(
-                        "a gradient was set by hand after an announced backward "
-                        "(backward(step=True)); the step already ran without it"
-                    )
-            if not eager.backward_ended:  # the announced backward raised or never ran
+            if not eager.backward_ended:  # the announced backward never ran
                 self._router.finish()
                 eager.end_backward(self.buckets)
 
@@ -863,6 +904,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.speculation_failures += 1
         self._last_eager_share = eager.share_before_backward_returned
         self._stats_cache = None
+        self._router.consumed()
+
+    def _drop_eager(self) -> None:
+        """Forget the announced step (it was taken, or is being abandoned)."""
+        self._eager = None
+        self._router.eager = None
 
     def _decide(self, sumsq: float, overflow: bool) -> tuple[bool, float]:
         """From the window's statistics: whether the step is skipped, and the gradient
@@ -919,8 +966,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Forget every gradient since the last step, in flight or not (device and host)."""
         super().zero_grad(set_to_none=True)
         if self._finalizer.alive:
-            if self._eager is not None and self._eager.backward_ended:
-                self._land_eager()  # the announced step already ran: take it
+            self._clip_once = None  # a clip_grad_norm_ belongs to the window it measured
+            eager = self._eager
+            if eager is not None:
+                if eager.backward_ended:
+                    self._land_eager()  # the announced step already ran: take it
+                elif not eager.landed:
+                    # The announced backward raised: what it stepped stays stepped.
+                    stepped = eager.abandon(self.buckets, self._ranks)
+                    if stepped:
+                        warnings.warn(
+                            f"{self!r}: the announced step's backward raised after buckets "
+                            f"{stepped} were stepped (backward(step=True) runs them as they "
+                            "complete); they keep that step and the rest were not stepped. "
+                            "OffloadConfig(speculative_step=True) backs up and restores instead",
+                            stacklevel=2,
+                        )
+                self._drop_eager()
             self._router.discard()
             self._stats_cache = None
 
@@ -932,7 +994,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         pending update but does not publish it (Note [delayed parameter update])."""
         self._check_open("state_dict")
         if self._eager is not None and self._eager.backward_ended:
-            self._land_eager()
+            self._land_eager()  # the step has happened; the next step() only takes it
         self._mode.drain()
         return optimizer_state(self, pending_update=self._mode.pending)
 
@@ -942,7 +1004,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         changes: a mismatch raises and leaves the optimizer as it was."""
         self._check_open("load_state_dict")
         self._mode.drain()
+        if self._eager is not None:
+            # An announced step that ran is superseded by the loaded state; the window's
+            # gradients stay, and the next step() steps from what was loaded.
+            self.manager.host_worker.synchronize()
+            for bucket in self.buckets:
+                bucket.backend.publish()  # collect the copies already issued
         pending = load_optimizer_state(self, state_dict)
+        if self._eager is not None:
+            self._drop_eager()
         if isinstance(self._mode, DelayedUpdate):
             if pending:
                 self._mode.resume_pending(self.buckets)
@@ -963,6 +1033,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             if self._eager is not None and self._eager.backward_ended:
                 self._land_eager()
+            self._drop_eager()
             self._mode.settle(self.buckets)
         finally:
             self._finalizer()

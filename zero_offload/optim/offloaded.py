@@ -191,6 +191,9 @@ class OffloadedState(UpdateBackend):
         self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
         self._issued: list[Event] = []  # end events of weight copies issued, not yet handed
         self._unpublished: list[tuple[int, int]] = []  # updated shard tiles not yet copied
+        # End events of the last published weight copies: they read the staging (or the
+        # fp32 master) the next update rewrites.
+        self._source_readers: list[Event] = []
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
         n = layout.shard_numel
         fields: list[tuple[str, torch.dtype]] = [
@@ -223,6 +226,9 @@ class OffloadedState(UpdateBackend):
     # -- gradients ---------------------------------------------------------------------
 
     def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
+        folds = not new_window and self._source == "grad_staging"
+        if folds:
+            self._ensure_accumulator()  # first: a failure leaves nothing allocated
         nbytes = self.layout.padded_numel * self.dtype.itemsize
         block = self.grad_buffers.alloc(
             self.pools.device, nbytes, owner=f"bucket{self.layout.index}.grad", grow=grow
@@ -234,7 +240,7 @@ class OffloadedState(UpdateBackend):
         self._declare_compute(self.grad_dev[self.layout.numel :], write=True, what="pad zeroing")
         self.grad_dev[self.layout.numel :].zero_()
         self._filled = np.zeros(len(self.layout.slots), dtype=bool)
-        if not new_window and self._source == "grad_staging":
+        if folds:
             self._fold()
 
     def _ensure_accumulator(self) -> torch.Tensor:
@@ -335,6 +341,8 @@ class OffloadedState(UpdateBackend):
             what=f"bucket {index} ({self.layout.padded_numel} el)",
         )
         start, stop = self.shard
+        if not overwrite or self.always_accumulate:
+            self._ensure_accumulator()  # before anything moves: a failure changes nothing
         block = self._release_grad()
         done = manager.copy(
             self.grad_staging,
@@ -400,6 +408,12 @@ class OffloadedState(UpdateBackend):
         after: list[Event] | None = None,
     ) -> None:
         grad = getattr(self, source or self._source)
+        for event in self._source_readers:
+            # Synchronisation point (rare: two steps with no backward between, or a device
+            # far behind): the last step's weight copies read the staging about to be
+            # rewritten. Usually long done.
+            event.synchronize()
+        self._source_readers = []
         self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
         for name, tensor in self.state_tensors().items():
             self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
@@ -476,6 +490,7 @@ class OffloadedState(UpdateBackend):
         copies = [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
         events = self._issued + [event for event in copies if event is not None]
         self._issued, self._unpublished = [], []
+        self._source_readers = list(events)
         return events
 
     def drop_unpublished(self) -> None:

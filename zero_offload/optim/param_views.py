@@ -117,6 +117,13 @@ class ParamViews:
         """Whether something wrote a parameter since ``remember()``."""
         return self.current_versions() != self.versions
 
+    def changed_params(self) -> list[torch.nn.Parameter]:
+        """The parameters written since ``remember()`` (all of them when unknown)."""
+        if self.versions is None:
+            return list(self.params)
+        now = self.current_versions()
+        return [p for p, a, b in zip(self.params, now, self.versions, strict=True) if a != b]
+
     def remember(self) -> None:
         """Record the versions after the optimizer's own writes or reads."""
         self.versions = self.current_versions()

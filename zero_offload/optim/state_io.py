@@ -191,6 +191,15 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         check_hyper(merged, where=f"state_dict param group {g}")
+        if merged["amsgrad"] and any(
+            "max_exp_avg_sq" not in bucket.backend.state_tensors()
+            for bucket in opt.buckets
+            if bucket.layout.group == g
+        ):
+            raise ValueError(
+                f"state_dict param group {g} has amsgrad=True but this optimizer was built "
+                "without it (no max_exp_avg_sq buffers): build it with amsgrad=True, then load"
+            )
 
     # Everything is checked: from here on nothing raises on the caller's data.
     for bucket in opt.buckets:

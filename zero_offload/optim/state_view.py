@@ -14,7 +14,7 @@ as torch's ``defaultdict(dict)`` gives them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ __all__ = ["OptimizerState"]
 class OptimizerState(MutableMapping):
     """The mapping behind ``OffloadAdamW.state``; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, drain: Callable[[], None]) -> None:
+        self._drain = drain  # waits for queued host work (a delayed or announced update)
         self._slots: dict[int, tuple[torch.Tensor, FlatBucket, int]] = {}  # id(param) ->
         self._other: dict[torch.Tensor, Any] = {}
 
@@ -46,6 +47,7 @@ class OptimizerState(MutableMapping):
         if entry is None or entry[0] is not param:
             return self._other.setdefault(param, {})
         _, bucket, i = entry
+        self._drain()  # Synchronisation point: what is read is final, not mid-update
         lo, hi, views = bucket.state_views(i)
         shape = bucket.layout.slots[i].shape
         whole = (lo, hi) == (0, bucket.layout.slots[i].numel)

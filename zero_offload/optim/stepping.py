@@ -199,20 +199,29 @@ class DelayedUpdate(UpdateMode):
             ) from exc
         events: list[Event] = []
         gathers: list[Pending | None] = []
+        # Parameters written since the last step keep what was written, the others of
+        # their bucket take the pending update: saved before the publication, put back
+        # after it, then the master reconciled element-wise (Note [weights written outside
+        # the optimizer] in param_views.py).
+        written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for bucket in buckets:
-            if bucket.views.changed() and not self._trust_weights:
-                # Written since the last step: the weights win over the pending update.
-                bucket.backend.drop_unpublished()
-                bucket.backend.reconcile_master()
-                published: list[Event] = []
-            else:
-                published = bucket.backend.publish()
+            if not self._trust_weights:
+                changed = bucket.views.changed_params()
+                if changed:
+                    written.append((bucket, [(p, p.detach().clone()) for p in changed]))
+            published = bucket.backend.publish()
             events.extend(published)
             gathers.append(self._gather(bucket, published))
         for event in events:
             # The next update rewrites the staging these copies read.
             self.manager.host_worker.wait_event(event)
         self._land(buckets, events, gathers)
+        with torch.no_grad():
+            for bucket, saved in written:
+                for param, value in saved:
+                    param.copy_(value)
+                bucket.backend.reconcile_master()
+                bucket.views.remember()
         self._pending = False
         self._trust_weights = False
 
@@ -282,6 +291,8 @@ class EagerStep:
         self.share_before_backward_returned: float | None = None
         #: Speculative: whether the step had to be restored and redone (or skipped).
         self.rolled_back = False
+        #: Whether ``land`` (or ``abandon``) took the step: the next step() must not redo it.
+        self.landed = False
 
     def hand_over(self, bucket: FlatBucket) -> None:
         """``bucket``'s gradients of this window are all queued: queue its update (or, over
@@ -290,7 +301,8 @@ class EagerStep:
         if index in self.plans:
             raise RuntimeError(
                 f"bucket {index} got a gradient after it was stepped during backward "
-                "(opt.backward(..., step=True)): a parameter's gradient arrived twice"
+                "(opt.backward(..., step=True)): a parameter's gradient arrived twice, or "
+                "the announced backward raised and another began; call zero_grad() first"
             )
         backend = bucket.backend
         speculative = self.speculation_bytes is not None
@@ -342,13 +354,8 @@ class EagerStep:
         """step(): wait for the updates, check the speculation (``decide`` returns whether
         the step is skipped and its true gradient multiplier), make compute wait for the
         weights, commit."""
-        stepped = [i for i, e in self._done.items() if e.query()]
-        try:
-            self.manager.host_worker.synchronize()
-        except BaseException as exc:
-            raise _failed(
-                f"{ranks.where()}the step run during backward failed", stepped, None
-            ) from exc
+        self._drain(ranks)
+        self.landed = True
         skip, grad_scale = decide()
         events: list[Event] = []
         for bucket in buckets:
@@ -397,6 +404,43 @@ class EagerStep:
             for b in buckets
         ]
         ImmediateUpdate(self.manager, ranks).run(work, grad_scale)
+
+    def _drain(self, ranks: Ranks) -> None:
+        stepped = [i for i, e in self._done.items() if e.query()]
+        try:
+            self.manager.host_worker.synchronize()
+        except BaseException as exc:
+            raise _failed(
+                f"{ranks.where()}the step run during backward failed", stepped, None
+            ) from exc
+
+    def abandon(self, buckets: Sequence[FlatBucket], ranks: Ranks) -> list[int]:
+        """The announced backward raised and the window is being discarded (zero_grad):
+        the buckets already stepped cannot be unstepped (an exact step keeps no backup;
+        a speculative one is restored instead), so they are taken as stepped: their
+        weights land and their counts move. Returns their indices."""
+        self._drain(ranks)
+        self.landed = True
+        events: list[Event] = []
+        for bucket in buckets:
+            events.extend(bucket.backend.publish())
+        for event in events:
+            event.synchronize()  # the restored state below must not race the copies
+        for index, backup in self._backups.items():
+            bucket = next(b for b in buckets if b.layout.index == index)
+            for name, tensor in bucket.backend.state_tensors().items():
+                tensor.copy_(backup[name])
+            bucket.backend.publish_all_from_master()
+            events.extend(bucket.backend.publish())
+            self.plans.pop(index)
+        with phase("wait_weights"):
+            self.manager.wait_for(events, category=Category.WEIGHTS)
+        for bucket in buckets:
+            plan = self.plans.get(bucket.layout.index)
+            if plan is not None:
+                bucket.commit(plan)
+            bucket.views.remember()
+        return sorted(self.plans)
 
     def _hyper(self, bucket: FlatBucket) -> AdamHyper:
         return self.hypers[bucket.layout.group]
