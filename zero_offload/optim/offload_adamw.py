@@ -47,6 +47,7 @@ from .checks import (
     check_new_params,
     check_params,
     describe_param,
+    param_name,
     plain_trainer_calling,
     split_names,
 )
@@ -176,6 +177,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     fp32 norms, fp32 adapters on a bf16 base); each bucket holds one dtype. With any fp16
     parameter one dynamic loss scaler serves them all: ``opt.backward(loss)`` scales the
     whole loss, and every bucket's gradients are unscaled by the same factor at the step.
+
+    Parameter offload (``OffloadConfig(offload_parameters=True)``, one rank): ``model`` is
+    the module whose forward runs and ``layers`` its repeated blocks (default: the
+    ``nn.ModuleList`` holding the most parameters); only a window of units' weights stays
+    on the device, fetched ahead of each forward and backward (``zero_offload.params``).
     """
 
     #: AdamW's decoupled weight decay; ``OffloadAdam`` sets False (torch.optim.Adam's L2).
@@ -337,7 +343,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         check_hyper(group, where=where)
-        check_new_params(params, self.param_groups)
+        check_new_params(params, self.param_groups, names=names)
         if (
             isinstance(getattr(self, "scaler", None), NoLossScaler)
             and any(p.dtype == torch.float16 and p.requires_grad for p in params)
@@ -377,7 +383,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                     collected = True
                     continue
                 raise ValueError(
-                    f"{describe_param(index, param)} is already trained by {live!r}, which "
+                    f"{describe_param(index, param, param_name(self.param_groups, index))} is "
+                    f"already trained by {live!r}, which "
                     f"is still alive; {self!r} would share its gradients and never train. "
                     f"Call close() on {live!r} (or drop every reference to it) first, or "
                     "add the parameter to that optimizer instead"
