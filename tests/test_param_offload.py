@@ -18,6 +18,7 @@ from zero_offload.activations import checkpoint as offload_checkpoint
 from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
+from zero_offload.estimate import ModelShape, estimate, param_offload_bytes
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 from zero_offload.params import UnitState
@@ -330,3 +331,82 @@ def test_root_parameters_beside_units_are_refused():
     model = WithRootParam()
     with pytest.raises(ValueError, match="Move them into a submodule"):
         make_opt(model, "64MiB", offload=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_estimator_pools_equal_the_optimizers(dtype):
+    shape = ModelShape(layers=4, hidden=64, heads=4, vocab=VOCAB, seq_len=SEQ)
+    model = gpt(dtype, layers=4)
+    opt = make_opt(model, "64MiB", offload=True, bucket_bytes=16384)
+    capacity = {
+        name.rsplit(".", 1)[-1]: stats["capacity_bytes"]
+        for name, stats in opt.manager.pool_stats().items()
+    }
+    opt.close()
+    window, grad_buffers, host = param_offload_bytes(
+        shape, itemsize=dtype.itemsize, bucket_bytes=16384
+    )
+    assert capacity["window"] == window
+    assert capacity["device"] == grad_buffers  # the optimizer's device pool: no weights
+    assert capacity["host"] == host
+    rows = {
+        row.name: row
+        for row in estimate(shape, dtype=dtype, device_memory=2**30, bucket_bytes=16384).rows
+    }
+    assert rows["ZeRO-Offload + parameter offload"].device_model_states == window
+
+
+def test_profiler_reports_the_parameter_fetches_with_their_exposed_time():
+    from zero_offload import profile
+
+    model = gpt(torch.float32, layers=4)
+    opt = make_opt(model, "64MiB", offload=True, link=2e8)
+    train(model, opt, 1)
+    labels: list[str] = []
+
+    def listen(record):
+        if getattr(record, "direction", None) is Direction.H2D:
+            labels.append(f"{record.category.value}: {record.label}")
+
+    unsubscribe = opt.manager.subscribe(listen)
+    before = opt.manager.exposed_seconds.get(Category.WEIGHTS, 0.0)
+    bytes0 = opt.manager.counters.bytes(Direction.H2D, Category.WEIGHTS)
+    with profile(opt, link_bandwidth=2e8) as prof:
+        train(model, opt, 2)
+    unsubscribe()
+    rows = {row["name"]: row for row in prof.to_dict()["transfers"]}
+    weights = rows["weights H2D"]
+    # Every weight H2D copy is a parameter fetch: the step itself publishes nothing.
+    assert weights["bytes"] == opt.manager.counters.bytes(Direction.H2D, Category.WEIGHTS) - bytes0
+    assert weights["count"] == len(labels) > 0
+    assert all(label.startswith("weights: param ") for label in labels)
+    exposed = opt.manager.exposed_seconds.get(Category.WEIGHTS, 0.0) - before
+    assert weights["exposed_seconds"] == pytest.approx(exposed)
+    opt.close()
+
+
+def test_every_module_computes_on_window_bytes_and_sees_home_bytes_otherwise():
+    model = gpt(torch.bfloat16, layers=6)
+    opt = make_opt(model, "64MiB", offload=True)
+    offloader = opt._resources.param_offload
+    window = offloader.window.slots[0].block.view(torch.uint8)
+    lo = window.untyped_storage().data_ptr()
+    hi = lo + window.untyped_storage().nbytes()
+    seen = []
+
+    def check(unit, module, args):  # runs after the offloader's own pre-hook
+        assert unit.state is UnitState.ON_DEVICE
+        for param in unit.spec.params:
+            assert lo <= param.data_ptr() < hi
+        seen.append(unit.index)
+
+    for unit in offloader.units:
+        for module in unit.spec.modules:
+            module.register_forward_pre_hook(functools.partial(check, unit))
+    train(model, opt, 2)
+    assert sorted(set(seen)) == list(range(len(offloader.units)))
+    for unit in offloader.units:  # between steps: every parameter is a view of its home
+        assert unit.state is UnitState.ON_HOST
+        for param in unit.spec.params:
+            assert not lo <= param.data_ptr() < hi
+    opt.close()

@@ -27,11 +27,20 @@ layer's input (``S b h s``) plus one layer's full activations while it is recomp
 activation offload moves those inputs to the host and keeps ``prefetch_depth + 1`` of them on
 the device.
 
+Parameter offload (one rank, a ``ModelShape`` given; ``param_offload_bytes``): the device
+holds the window of ``OffloadConfig(offload_parameters=True)`` instead of the weights, its
+exact slots (``prefetch_layers + 2`` ring slots of the largest units, Note [a unit always
+returns to its slot] in ``params/window.py``) planned from the same per-unit buckets as the
+optimizer's, plus the gradient buffers; the host is as for ZeRO-Offload (the pinned weights
+are the staging it already counts). The largest model that fits keeps the layer width and
+grows the rest, so host memory bounds it.
+
 Host memory is per node: ``ranks_per_node`` ranks (default: all of ``world_size``) share it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,10 +50,17 @@ import psutil
 import torch
 
 from .config import OffloadConfig, format_bytes
-from .optim.placement import POOL_ALIGNMENT, plan_placement
-from .partition import plan_buckets
+from .optim.placement import POOL_ALIGNMENT, Placement, plan_placement
+from .partition import BucketLayout, plan_buckets
 
-__all__ = ["ConfigEstimate", "MemoryEstimate", "ModelShape", "estimate", "offload_adamw_bytes"]
+__all__ = [
+    "ConfigEstimate",
+    "MemoryEstimate",
+    "ModelShape",
+    "estimate",
+    "offload_adamw_bytes",
+    "param_offload_bytes",
+]
 
 #: Default bucket size of ``OffloadConfig.bucket_bytes``.
 DEFAULT_BUCKET_BYTES = int(OffloadConfig().bucket_bytes)
@@ -201,7 +217,20 @@ def offload_adamw_bytes(
         world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
     )
-    placement = plan_placement(
+    placement = _full_offload(layouts, itemsize=itemsize)
+    # plan_placement sizes the host pool for this rank's shards already.
+    return placement.device_weights, placement.device_grad_buffers, placement.host_state
+
+
+def _full_offload(
+    layouts: Sequence[BucketLayout],
+    *,
+    itemsize: int,
+    weights_elsewhere: frozenset[int] = frozenset(),
+) -> Placement:
+    """``plan_placement`` of ``layouts`` with everything offloaded, fp32 moments, no
+    budget."""
+    return plan_placement(
         layouts,
         itemsize=itemsize,
         moment_size=4,
@@ -210,9 +239,41 @@ def offload_adamw_bytes(
         device_free=2**62,
         auto_headroom=0.0,
         alignment=POOL_ALIGNMENT,
+        weights_elsewhere=weights_elsewhere,
     )
-    # plan_placement sizes the host pool for this rank's shards already.
-    return placement.device_weights, placement.device_grad_buffers, placement.host_state
+
+
+def param_offload_bytes(
+    shape: ModelShape, *, itemsize: int, bucket_bytes: int, prefetch_layers: int = 1
+) -> tuple[int, int, int]:
+    """``(device window, device gradient buffers, host)`` of ``OffloadAdamW`` with
+    ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units: token
+    and position embeddings, each block, the final norm, the head), one rank: the exact
+    pool sizes, from buckets planned per unit as the optimizer plans them."""
+    from .params.window import aligned, plan_slots  # params sits above the estimator's inputs
+
+    shapes = shape.parameter_shapes()
+    per_block = (len(shapes) - 5) // shape.layers
+    units = [[0], [1]]
+    units += [list(range(2 + i * per_block, 2 + (i + 1) * per_block)) for i in range(shape.layers)]
+    units += [[len(shapes) - 3, len(shapes) - 2], [len(shapes) - 1]]
+    layouts = []
+    unit_bytes = []
+    for unit in units:
+        nbytes = 0
+        for layout in plan_buckets(
+            [[(i, shapes[i]) for i in unit]],
+            bucket_numel=max(1, bucket_bytes // itemsize),
+            align_numel=POOL_ALIGNMENT // 2,
+        ):
+            layouts.append(dataclasses.replace(layout, index=len(layouts)))
+            nbytes += aligned(layout.padded_numel * itemsize, POOL_ALIGNMENT)
+        unit_bytes.append(nbytes)
+    _, slot_bytes = plan_slots(unit_bytes, [False] * len(units), prefetch_layers=prefetch_layers)
+    placement = _full_offload(
+        layouts, itemsize=itemsize, weights_elsewhere=frozenset(b.index for b in layouts)
+    )
+    return sum(slot_bytes), placement.device_grad_buffers, placement.host_state
 
 
 def _offload_bytes_of_count(
@@ -257,6 +318,12 @@ class _Accountant:
         self.ranks_per_node = ranks_per_node
         self.bucket_bytes = bucket_bytes
         self.shape = shape
+        # Parameter offload: one rank, the layer shapes known (the window is per layer).
+        self.param_offload = (
+            param_offload_bytes(shape, itemsize=itemsize, bucket_bytes=bucket_bytes)
+            if shape is not None and world_size == 1
+            else None
+        )
 
     def activations(self) -> tuple[int, int, int]:
         """``(full, checkpointed, offloaded-on-device)`` activation bytes; host part of offload."""
@@ -300,6 +367,28 @@ class _Accountant:
                 grad_buffers,
                 offloaded,
                 host_node + ckpt_host,
+            ),
+            *self._param_offload_rows(host_node, full, checkpointed, exact=shapes is not None),
+        ]
+
+    def _param_offload_rows(
+        self, host_node: int, full: int, checkpointed: int, *, exact: bool
+    ) -> list[tuple[str, int, int, int, int]]:
+        """The parameter-offload rows (none without a shape or with several ranks); the
+        window stays that of the shape's layers while the largest-model search grows the
+        parameter count."""
+        if self.param_offload is None:
+            return []
+        window, grad_buffers, host = self.param_offload
+        host = host * self.ranks_per_node if exact else host_node
+        return [
+            ("ZeRO-Offload + parameter offload", window, grad_buffers, full, host),
+            (
+                "ZeRO-Offload + param offload + checkpointing",
+                window,
+                grad_buffers,
+                checkpointed,
+                host,
             ),
         ]
 

@@ -267,12 +267,9 @@ class ParamOffloader:
         """Note [the parameter window]: release what left it, fetch ``current`` (if it is
         not resident) and ``upcoming``, and make compute wait for ``current``."""
         keep = {id(current), *(id(u) for u in upcoming)}
-        ready = None
         for unit in self.units:
             if unit.resident and id(unit) not in keep:
-                if ready is None:
-                    ready = self.manager.compute_ready()
-                unit.release(ready)
+                unit.release()
         self._fetch(current, demand=True)
         for unit in upcoming:
             self._fetch(unit, demand=False)
@@ -285,7 +282,7 @@ class ParamOffloader:
         if occupant is not None and occupant is not unit and occupant.resident:
             if not demand:
                 return  # its slot holds a unit still in the window: fetched when needed
-            occupant.release(self.manager.compute_ready())
+            occupant.release()
         unit.fetch(self.manager)
 
     # -- hooks -------------------------------------------------------------------------
@@ -341,12 +338,9 @@ class ParamOffloader:
         self.phase = Phase.IDLE
 
     def _release_all(self) -> None:
-        ready = None
         for unit in self.units:
             if unit.resident:
-                if ready is None:
-                    ready = self.manager.compute_ready()
-                unit.release(ready)
+                unit.release()
 
     def before_step(self) -> None:
         """The step writes the homes: every pending fetch reads them, so wait for each

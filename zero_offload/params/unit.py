@@ -18,8 +18,9 @@ fetch brings the update (nothing else crosses the link for these weights).
 - ON_DEVICE: compute waited on ``ready``; kernels may read the slot.
 
 ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use).
-A release records a compute-stream event on the slot (``Slot.reusable``) and re-points the
-parameters at the homes; the slot's bytes are overwritten only by a fetch that waits on it.
+A release re-points the parameters at the homes; the slot's bytes are overwritten only by a
+fetch, whose copies wait for the compute stream's work issued before it (every kernel that
+read the previous occupant is among it: stream-ordered reuse, the CPU does not wait).
 ``ParamUnit.content_valid`` says the slot still holds this unit's current weights (released,
 nobody fetched into the slot since, no step since): a fetch then copies nothing.
 """
@@ -69,7 +70,9 @@ class ParamUnit:
         slot: its fixed slot (Note [a unit always returns to its slot]).
         views: one ``WindowedViews`` per bucket of the unit, each at a fixed offset of
             the slot.
-        ready: end event of the last fetch's copies (None when nothing is pending).
+        ready: end event of the last fetch's copies, until compute waited on it (None then).
+        fetched: the same event, kept until the CPU waited on it (``settle``): the homes it
+            reads are written by the next step's CPU Adam.
         fetches: fetches that copied bytes (a statistic; the tests count them).
     """
 
@@ -80,6 +83,7 @@ class ParamUnit:
         self.views: list[WindowedViews] = []
         self.state = UnitState.ON_HOST
         self.ready: Event | None = None
+        self.fetched: Event | None = None
         self.content_valid = False
         self._versions: tuple[int, ...] = ()  # the parameters' versions at the release
         self.fetches = 0
@@ -113,7 +117,8 @@ class ParamUnit:
         if self.content_valid and self._versions != self._current_versions():
             self.content_valid = False  # the homes were written while released
         if not (slot.occupant is self and self.content_valid):
-            after = [slot.reusable] if slot.reusable is not None else []
+            # Write-after-read: the previous occupant's readers were all issued before now.
+            after = [manager.compute_ready()]
             end = None
             for views in self.views:
                 home, home_block = views.home_pair()
@@ -128,7 +133,7 @@ class ParamUnit:
                     blocks=[slot.block, home_block],
                     label=f"param {self.spec.name} bucket{views.layout.index}",
                 )
-            self.ready = end  # one stream, in order: the last copy's end covers them all
+            self.ready = self.fetched = end  # one stream, in order: the last end covers all
             self.fetches += 1
         slot.occupant = self
         self.content_valid = True
@@ -146,21 +151,20 @@ class ParamUnit:
             self.ready = None
         self._go(UnitState.ON_DEVICE)
 
-    def release(self, reusable: Event) -> None:
-        """-> ON_HOST: the parameters point at the homes again; the slot may be rewritten
-        once ``reusable`` (the compute issued so far) is complete."""
+    def release(self) -> None:
+        """-> ON_HOST: the parameters point at the homes again; the slot is rewritten only
+        by a later fetch, ordered after the compute issued before it."""
         for views in self.views:
             views.bind_home()
         self._versions = self._current_versions()
-        self.slot.reusable = reusable
         self._go(UnitState.ON_HOST)
 
     def settle(self) -> None:
-        """Wait for this unit's pending fetch (the homes are about to be written).
+        """Wait on the host for this unit's last fetch (the homes are about to be written).
 
-        Synchronisation point: blocks the caller on the H2D copy (rare: only a fetch that
-        compute never waited for, e.g. a prefetch past the end of a forward without
-        backward)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
+        Synchronisation point: blocks the caller on the H2D copy; compute has waited for
+        nearly all of them already (a prefetch nobody used is the exception), so this
+        rarely waits."""
+        if self.fetched is not None:
+            self.fetched.synchronize()
+            self.fetched = None

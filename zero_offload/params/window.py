@@ -21,9 +21,9 @@ It needs saved-tensor hooks around every unit's forward to re-derive each saved 
 current address, which would shadow the user's own saved-tensor hooks (activation offload).
 
 Slot lifetime: a slot's block is allocated at construction and freed at close. Writing it
-(a fetch) waits on ``reusable``, the compute-stream event recorded when its previous
-occupant was released (stream-ordered reuse: the H2D stream waits, not the CPU); the fetch's
-end event is recorded on the block (Note [block reuse waits on events]).
+(a fetch) waits for the compute stream's work issued so far, which holds every kernel that
+read the previous occupant (stream-ordered reuse: the H2D stream waits, not the CPU); the
+fetch's end event is recorded on the block (Note [block reuse waits on events]).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accelerator import Event
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
 from ..memory.block import Block
@@ -80,15 +79,12 @@ class Slot:
     Fields:
         block: (nbytes,) uint8, the window pool; the units' parameters are views of it.
         occupant: the unit whose bytes the slot holds or is receiving (None: nothing valid).
-        reusable: compute-stream event after which no kernel reads the occupant any more
-            (recorded at its release); the next fetch into the slot waits on it.
     """
 
     def __init__(self, index: int, block: Block) -> None:
         self.index = index
         self.block = block
         self.occupant: ParamUnit | None = None
-        self.reusable: Event | None = None
 
     def region(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``(numel,)`` of ``dtype`` at byte ``offset`` of the slot."""
