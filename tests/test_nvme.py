@@ -30,7 +30,7 @@ from zero_offload.optim.state_stream import load_streaming, save_streaming
 from zero_offload.optim.stepping import StepFailed
 
 from ._dist import data, free_port, train_steps
-from ._models import batches, host_accelerator, lm_loss, make_pair, train
+from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, train
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
@@ -748,3 +748,37 @@ def test_two_gloo_ranks_with_state_on_nvme(tmp_path: Path) -> None:
     assert worst < 1e-5
     single.close()
     assert not list((tmp_path / "nvme").iterdir()) and not list((tmp_path / "nvme2").iterdir())
+
+
+def test_the_profiler_report_has_nvme_rows(tmp_path: Path) -> None:
+    from zero_offload import profile
+
+    model, _ = make_pair()
+    opt = _opt(model, nvme_dir=tmp_path / "state", host_budget=1)
+    with profile(opt, link_bandwidth=1e9, sample_rss=False) as prof:
+        train(model, opt, batches(2))
+        prof.step()
+    rows = {row["name"]: row for row in prof.to_dict()["transfers"]}
+    read, write = rows["optimizer state NVMe read"], rows["optimizer state NVMe write"]
+    assert read["bytes"] > 0 and write["bytes"] > 0
+    assert read["link_share"] is None  # the disk is not measured against the device link
+    assert "NVMe" in prof.report()
+    opt.close()
+
+
+def test_a_speculative_step_steps_nvme_buckets_in_step(tmp_path: Path) -> None:
+    # NVMe buckets cannot be backed up: a speculative step leaves them to step(), where
+    # the coefficient is known; the result is bitwise the ordinary step.
+    spec_model, plain_model = make_pair()
+    spec = _opt(spec_model, nvme_dir=tmp_path / "a", host_budget=1, speculative_step=True,
+                max_grad_norm=1e-3)  # fmt: skip
+    plain = _opt(plain_model, nvme_dir=tmp_path / "b", host_budget=1, max_grad_norm=1e-3)
+    for tokens, targets in batches(3):
+        spec.backward(lm_loss(spec_model, tokens, targets), step=True)
+        plain.backward(lm_loss(plain_model, tokens, targets))
+        for o in (spec, plain):
+            o.step()
+            o.zero_grad()
+    assert max_diff(spec_model, plain_model) == 0.0
+    spec.close()
+    plain.close()

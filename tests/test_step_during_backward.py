@@ -148,3 +148,20 @@ def test_a_speculative_step_that_overflows_is_restored_and_skipped() -> None:
     assert spec.speculation_failures == 1
     assert spec.loss_scale == plain.loss_scale
     assert max_diff(spec_model, plain_model) == 0.0
+
+
+def test_the_profiler_reports_the_share_and_the_rollbacks() -> None:
+    from zero_offload import profile
+
+    model, _ = make_pair(torch.bfloat16)
+    opt = offload_opt(model, speculative_step=True, max_grad_norm=1e-3)
+    with profile(opt, link_bandwidth=1e9, sample_rss=False) as prof:
+        for tokens, targets in batches(2):
+            opt.backward(_loss(model, tokens, targets), step=True)
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    notes = prof.to_dict()["step_notes"]
+    assert notes["speculation_failures"] == 2  # clipping binds at 1e-3
+    assert 0.0 < notes["share_stepped_during_backward"] <= 1.0
+    assert "speculation failures 2" in prof.report()

@@ -71,6 +71,10 @@ class TieredMemoryManager:
         self.pools: list[BlockPool] = []
         self.storage: list[StorageTier] = []  # NVMe tiers opened here, closed with the manager
         self.counters = TrafficCounters()
+        #: What the owner of this manager reports about its steps, for the profiler (the
+        #: optimizer: skipped steps, speculative rollbacks, the share of an announced step
+        #: done during backward); plain numbers by name, written by the owner only.
+        self.step_notes: dict[str, float] = {}
         # Seconds compute stood still in ``wait_for`` (exposed transfer time), by category,
         # from stalls whose events have completed; guarded by ``_lock``. See
         # Note [exposed time is measured on the compute stream].

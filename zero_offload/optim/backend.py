@@ -126,6 +126,14 @@ class UpdateBackend(ABC):
         """Where a weight is not the rounding of the master, take the weight into the
         master; see Note [weights written outside the optimizer] in ``param_views.py``."""
 
+    #: Whether ``state_tensors()`` can be copied aside and restored (a speculative step,
+    #: Note [speculative steps] in stepping.py); False where the state is not in memory.
+    supports_speculation = True
+
+    def state_names(self) -> tuple[str, ...]:
+        """The state fields this bucket keeps, without touching them."""
+        return tuple(self.state_tensors())
+
     @abstractmethod
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's flat state fields by name (master, exp_avg, exp_avg_sq, and

@@ -379,6 +379,8 @@ class NvmeState(OffloadedState):
     elements. ``master``/``exp_avg``/``exp_avg_sq`` are not host tensors here.
     """
 
+    supports_speculation = False  # the state is on disk: no copy to restore from
+
     resident = False
 
     def __init__(

@@ -724,6 +724,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     if param.grad is not None:
                         grad, param.grad = param.grad, None
                         self._router.receive(bucket, slot_index, grad)
+                        self._stats_cache = None  # the window changed
             self._router.finish()
 
     # -- step --------------------------------------------------------------------------
@@ -761,7 +762,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             check_hyper(group, where=f"param group {g}")
         for bucket in self.buckets:
             group = self.param_groups[bucket.layout.group]
-            if group["amsgrad"] and "max_exp_avg_sq" not in bucket.backend.state_tensors():
+            if group["amsgrad"] and "max_exp_avg_sq" not in bucket.backend.state_names():
                 raise ValueError(
                     f"param group {bucket.layout.group} has amsgrad=True, but {self!r} was "
                     "built without it (its max_exp_avg_sq buffers do not exist): build the "
@@ -910,6 +911,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if eager.rolled_back:
             self.speculation_failures += 1
         self._last_eager_share = eager.share_before_backward_returned
+        self._note_steps()
         self._stats_cache = None
         self._router.consumed()
 
@@ -933,10 +935,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.scaler.update(overflow)
         if skip:
             self.skipped_steps += 1
+        self._note_steps()
         clip = 1.0
         if max_norm is not None and math.isfinite(norm):
             clip = min(1.0, max_norm / (norm + 1e-6))
         return skip, clip / scale
+
+    def _note_steps(self) -> None:
+        """What the profiler reports about the steps (``TieredMemoryManager.step_notes``)."""
+        notes = self.manager.step_notes
+        notes["skipped_steps"] = self.skipped_steps
+        if self.config.speculative_step:
+            notes["speculation_failures"] = self.speculation_failures
+        if self._last_eager_share is not None:
+            notes["share_stepped_during_backward"] = round(self._last_eager_share, 3)
 
     def _reconcile_written_weights(self) -> None:
         """Note [weights written outside the optimizer] in param_views.py."""

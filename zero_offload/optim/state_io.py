@@ -192,7 +192,7 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         check_hyper(merged, where=f"state_dict param group {g}")
         if merged["amsgrad"] and any(
-            "max_exp_avg_sq" not in bucket.backend.state_tensors()
+            "max_exp_avg_sq" not in bucket.backend.state_names()
             for bucket in opt.buckets
             if bucket.layout.group == g
         ):

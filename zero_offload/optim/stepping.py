@@ -307,6 +307,8 @@ class EagerStep:
         backend = bucket.backend
         speculative = self.speculation_bytes is not None
         if speculative:
+            if not backend.supports_speculation:
+                return  # stepped in land(), once the coefficient is known
             nbytes = sum(t.numel() * t.element_size() for t in backend.state_tensors().values())
             if self._backup_bytes + nbytes > self.speculation_bytes:
                 return  # stepped in land(), once the coefficient is known

@@ -41,7 +41,12 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
         if began is None or ended is None:
             continue
         track = record.stream if manager_index == 0 else f"{record.stream} ({manager_index})"
-        direction = "d2h" if record.direction is Direction.D2H else "h2d"
+        direction = {
+            Direction.D2H: "d2h",
+            Direction.H2D: "h2d",
+            Direction.NVME_READ: "nvme_read",
+            Direction.NVME_WRITE: "nvme_write",
+        }[record.direction]
         events.append(
             {
                 "name": f"zero_offload::{record.category.value}_{direction}",

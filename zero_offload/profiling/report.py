@@ -155,4 +155,10 @@ def format_report(summary: dict[str, Any]) -> str:
             f"copying, {_seconds(per_step['exposed_seconds'])} exposed, "
             f"{_seconds(per_step['seconds'])} wall"
         )
+    notes = summary.get("step_notes") or {}
+    if notes:
+        parts.append(
+            "optimizer: "
+            + ", ".join(f"{name.replace('_', ' ')} {value:g}" for name, value in notes.items())
+        )
     return "\n\n".join(parts)

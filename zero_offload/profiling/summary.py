@@ -34,6 +34,9 @@ TRANSFER_ROWS: tuple[tuple[str, Direction, Category], ...] = (
     ("optimizer state H2D", Direction.H2D, Category.OPTIMIZER_STATE),
     ("gradients H2D", Direction.H2D, Category.GRADIENTS),
     ("weights D2H", Direction.D2H, Category.WEIGHTS),
+    # The NVMe tier (memory/storage.py): measured against the disk, not the device link.
+    ("optimizer state NVMe read", Direction.NVME_READ, Category.OPTIMIZER_STATE),
+    ("optimizer state NVMe write", Direction.NVME_WRITE, Category.OPTIMIZER_STATE),
 )
 #: Rows that appear even with no copies (the ones every user of the library cares about).
 _ALWAYS_SHOWN = ("gradients D2H", "weights H2D", "activations out", "activations in")
@@ -71,7 +74,18 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
             "pending": 0,
         }
     for _, record in data.copies:
-        row = rows[(record.direction, record.category)]
+        row = rows.get((record.direction, record.category))
+        if row is None:  # a pair no row names: counted under its own name
+            name = f"{record.category.value} {record.direction.value}"
+            row = rows[(record.direction, record.category)] = {
+                "name": name,
+                "direction": record.direction.value,
+                "category": record.category.value,
+                "count": 0,
+                "bytes": 0,
+                "seconds": 0.0,
+                "pending": 0,
+            }
         row["count"] += 1
         row["bytes"] += record.nbytes
         seconds = _duration(record)
@@ -94,7 +108,7 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
         row["hidden_seconds"] = max(0.0, row["seconds"] - row["exposed_seconds"])
         rate = row["bytes"] / row["seconds"] if row["seconds"] > 0 else None
         row["gb_per_s"] = None if rate is None else rate / 1e9
-        bandwidth = link[direction]
+        bandwidth = link.get(direction)  # None for the disk: no device link applies
         row["link_share"] = None if rate is None or not bandwidth else rate / bandwidth
         shown.append(row)
     return shown
@@ -220,4 +234,6 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "process_rss_peak_bytes": data.rss_peak or None,
         },
         "pools": pools,
+        # The managers' owners' step notes (TieredMemoryManager.step_notes), merged.
+        "step_notes": {k: v for m in data.managers for k, v in m.step_notes.items()},
     }
