@@ -410,3 +410,57 @@ def test_every_module_computes_on_window_bytes_and_sees_home_bytes_otherwise():
         for param in unit.spec.params:
             assert not lo <= param.data_ptr() < hi
     opt.close()
+
+
+def test_saved_tensor_offload_with_parameter_offload_is_bitwise():
+    from zero_offload import ActivationOffloader, offload_activations
+    from zero_offload.activations.config import ActivationOffloadConfig
+
+    make = functools.partial(gpt, torch.bfloat16, layers=6)
+    want_losses, want = reference(make, 5)
+    model = make()
+    opt = make_opt(model, "64MiB", offload=True)
+    offloader = ActivationOffloader(
+        manager=opt.manager,
+        config=ActivationOffloadConfig(host_pool_bytes="64MiB", device_pool_bytes="16MiB"),
+    )
+
+    def loss_of(model, ids):
+        with offload_activations(min_bytes=1, offloader=offloader):
+            return model(ids, ids)
+
+    losses = train(model, opt, 5, loss_of=loss_of)
+    assert opt.manager.counters.bytes(Direction.D2H, Category.ACTIVATIONS) > 0
+    offloader.close()
+    opt.close()
+    assert losses == want_losses
+    assert_same(model, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_resume_continues_bitwise(dtype):
+    make = functools.partial(gpt, dtype, layers=4)
+    want_losses, want = reference(make, 6)
+    model = make()
+    opt = make_opt(model, "64MiB", offload=True)
+    losses = train(model, opt, 3)
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    opt.close()
+    resumed = make()
+    resumed.load_state_dict(model_state)
+    opt = make_opt(resumed, "64MiB", offload=True)
+    opt.load_state_dict(opt_state)
+    gen_skip = torch.Generator().manual_seed(1)  # the same batches as the uninterrupted run
+    for _ in range(3):
+        torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip)
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip)
+        loss = resumed(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.close()
+    assert losses == want_losses
+    assert_same(resumed, want)
