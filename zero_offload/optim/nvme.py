@@ -69,7 +69,6 @@ from ..accelerator import Event
 from ..config import OffloadConfig, format_bytes
 from ..errors import StorageError
 from ..kernels import adam_step
-from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.storage import (
     IO_ALIGNMENT,
@@ -84,7 +83,7 @@ from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout, clip_runs
 from ..tracing import phase
 from .backend import AdamHyper, BucketPools
-from .offloaded import AccumulatorPool, GradBuffers, OffloadedState
+from .offloaded import GradBuffers, OffloadedState
 from .param_views import ParamViews
 from .placement import Placement, _aligned, _host_bytes
 
@@ -397,51 +396,24 @@ class NvmeState(OffloadedState):
         name: str,
     ) -> None:
         # OffloadedState.__init__ is not called: it allocates master and moments in the
-        # host pool, which is what this backend exists to avoid. The fields its gradient
-        # methods (open_grad, add_grad, flush, discard_grad, window_source, grad_sumsq,
-        # require_accumulator) and weight copies (_copy_tile, publish, drop_unpublished)
-        # use are set here, as it sets them.
-        self.layout = layout
-        self.views = views
-        self.manager = manager
-        self.pools = pools
-        self.grad_buffers = grad_buffers
-        self.shard = shard
-        self.dtype = views.dtype
+        # host pool, which is what this backend exists to avoid; the gradient path and the
+        # weight copies are set up the same way (OffloadedState._init_gradient_path).
+        self._init_gradient_path(
+            layout,
+            views,
+            manager=manager,
+            pools=pools,
+            grad_buffers=grad_buffers,
+            shard=shard,
+            tile_elements=record.tile_elements,
+        )
         self.record = record
-        self.tile_elements = record.tile_elements
         self.group = group
         self.tier = tier = group.tier
-        # Note [no accumulator for one backward] in offloaded.py: the same lazy pool.
-        self.accumulators = AccumulatorPool(
-            manager,
-            -(-4 * layout.shard_numel // pools.host.alignment) * pools.host.alignment,
-            name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
-        )
-        self.always_accumulate = False
-        self._blocks: dict[str, Block] = {}  # staging blocks by field name (+ grad_acc)
-        self.grad_acc: torch.Tensor | None = None
-        self._source = "grad_staging"
-        self._grad_block: Block | None = None
-        self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
-        self._stats = (0.0, False)
-        self._issued: list[Event] = []
-        self._unpublished: list[tuple[int, int]] = []
-        self._staging_consumed: Event | None = None
-        self.max_exp_avg_sq = None
         self.real = layout.real_in(*shard)  # shard elements before the sharding padding
-        n = layout.shard_numel
         self.file: StorageFile | None = None
         try:
-            for field, dtype in (("grad_staging", self.dtype), ("weights_staging", self.dtype)):
-                block = pools.host.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{field}")
-                self._blocks[field] = block
-                block.on_move(
-                    lambda b, field=field, dtype=dtype: setattr(self, field, b.view(dtype, (n,)))
-                )
-                tensor = block.view(dtype, (n,))
-                tensor.zero_()
-                setattr(self, field, tensor)
+            self._alloc_host_fields([("grad_staging", self.dtype), ("weights_staging", self.dtype)])
             sizes = tile_sizes(layout, shard, self.tile_elements)
             self.file = tier.create_file(
                 name,

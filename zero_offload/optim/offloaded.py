@@ -165,6 +165,45 @@ class OffloadedState(UpdateBackend):
         amsgrad: bool,
         tile_elements: int,
     ) -> None:
+        self._init_gradient_path(
+            layout,
+            views,
+            manager=manager,
+            pools=pools,
+            grad_buffers=grad_buffers,
+            shard=shard,
+            tile_elements=tile_elements,
+        )
+        fields: list[tuple[str, torch.dtype]] = [
+            ("master", torch.float32),
+            ("exp_avg", moments_dtype),
+            ("exp_avg_sq", moments_dtype),
+            ("grad_staging", self.dtype),
+        ]
+        if amsgrad:
+            fields.append(("max_exp_avg_sq", moments_dtype))
+        if self.dtype != torch.float32:
+            fields.append(("weights_staging", self.dtype))
+        try:
+            self._alloc_host_fields(fields)
+        except BaseException:
+            self.close()
+            raise
+        self.reconcile_master()  # fp32 master from the model's initial weights
+
+    def _init_gradient_path(
+        self,
+        layout: BucketLayout,
+        views: ParamViews,
+        *,
+        manager: TieredMemoryManager,
+        pools: BucketPools,
+        grad_buffers: GradBuffers,
+        shard: tuple[int, int],
+        tile_elements: int,
+    ) -> None:
+        """The fields of the gradient path and the weight copies, which every host-side
+        backend shares (this one, and ``nvme.NvmeState``, whose state is on disk)."""
         self.layout = layout
         self.views = views
         self.manager = manager
@@ -195,33 +234,24 @@ class OffloadedState(UpdateBackend):
         # fp32 master) the next update rewrites.
         self._source_readers: list[Event] = []
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
-        n = layout.shard_numel
-        fields: list[tuple[str, torch.dtype]] = [
-            ("master", torch.float32),
-            ("exp_avg", moments_dtype),
-            ("exp_avg_sq", moments_dtype),
-            ("grad_staging", self.dtype),
-        ]
-        if amsgrad:
-            fields.append(("max_exp_avg_sq", moments_dtype))
-        if self.dtype != torch.float32:
-            fields.append(("weights_staging", self.dtype))
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.weights_staging: torch.Tensor | None = None
-        try:
-            for name, dtype in fields:
-                block = pools.host.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{name}")
-                self._blocks[name] = block
-                block.on_move(
-                    lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
-                )
-                tensor = block.view(dtype, (n,))
-                tensor.zero_()
-                setattr(self, name, tensor)
-        except BaseException:
-            self.close()
-            raise
-        self.reconcile_master()  # fp32 master from the model's initial weights
+
+    def _alloc_host_fields(self, fields: list[tuple[str, torch.dtype]]) -> None:
+        """Each named ``(shard_numel,)`` field from the host pool, zeroed, re-taken after a
+        move; the blocks are in ``_blocks`` (freed by ``close``)."""
+        n = self.layout.shard_numel
+        for name, dtype in fields:
+            block = self.pools.host.alloc(
+                n * dtype.itemsize, owner=f"bucket{self.layout.index}.{name}"
+            )
+            self._blocks[name] = block
+            block.on_move(
+                lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
+            )
+            tensor = block.view(dtype, (n,))
+            tensor.zero_()
+            setattr(self, name, tensor)
 
     # -- gradients ---------------------------------------------------------------------
 
