@@ -61,6 +61,16 @@ class UpdateBackend(ABC):
         ``PoolExhausted`` when no device buffer is free, unless ``grow`` allows an extra
         pool (several ranks); nothing changes then."""
 
+    def can_adopt(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` (a parameter's own autograd gradient) can serve as the open
+        buffer itself, with no device copy (Note [a lone gradient is its own buffer] in
+        offloaded.py)."""
+        return False
+
+    def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
+        """Take ``grad`` as the open buffer (only where ``can_adopt``)."""
+        raise RuntimeError(f"{type(self).__name__} cannot adopt a gradient (bug)")
+
     @abstractmethod
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
         """Add one parameter's flat gradient into its slot of the open buffer (on the

@@ -101,6 +101,10 @@ class FlatBucket:
 
         Raises ``PoolExhausted`` (nothing changed) when no device buffer can be opened."""
         if not self.grads.holds_device_buffer:
+            if self.backend.can_adopt(grad):  # Note [a lone gradient is its own buffer]
+                self.backend.adopt_grad(grad, new_window=self.grads.opens_window)
+                self.grads.start_filling()
+                return self.grads.receive(slot_index)
             self.backend.open_grad(new_window=self.grads.opens_window, grow=grow)
             self.grads.start_filling()
         self.backend.add_grad(slot_index, grad.reshape(-1))

@@ -226,6 +226,9 @@ class OffloadedState(UpdateBackend):
         # caller's thread at each flush; a step captures it in its plan.
         self._source = "grad_staging"
         self._grad_block: Block | None = None  # under grad_dev while FILLING
+        # A lone parameter's own autograd gradient, used as the bucket's device buffer
+        # (Note [a lone gradient is its own buffer]); None otherwise.
+        self._adopted: torch.Tensor | None = None
         self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
         self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
         self._issued: list[Event] = []  # end events of weight copies issued, not yet handed
@@ -254,6 +257,34 @@ class OffloadedState(UpdateBackend):
             setattr(self, name, tensor)
 
     # -- gradients ---------------------------------------------------------------------
+
+    # Note [a lone gradient is its own buffer]
+    # A bucket of one parameter (a parameter larger than bucket_bytes: an embedding table, a
+    # large projection) with one rank needs no device gradient buffer: autograd's gradient
+    # tensor is copied to the host directly, saving a device copy (and a zeroing pass) of
+    # every element. The tensor stays referenced until its copy is issued; the accelerator
+    # keeps the caching allocator from reusing it before the copy is done (record_stream
+    # on CUDA, Note in accelerator/cuda.py copy_). A second gradient for it in the same
+    # buffer, or several ranks (the reduce-scatter needs the padded buffer), take the
+    # ordinary path.
+
+    def can_adopt(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can serve as this bucket's device buffer as it is."""
+        return (
+            len(self.layout.slots) == 1
+            and self.shard == (0, self.layout.padded_numel)
+            and grad.dtype == self.dtype
+            and grad.device == self.grad_dev.device
+            and grad.is_contiguous()
+            and grad.layout is torch.strided
+        )
+
+    def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
+        """Take ``grad`` (the only parameter's gradient) as the open buffer."""
+        if not new_window and self._source == "grad_staging":
+            self._ensure_accumulator()
+            self._fold()
+        self._adopted = grad.reshape(-1)
 
     def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
         folds = not new_window and self._source == "grad_staging"
@@ -300,6 +331,11 @@ class OffloadedState(UpdateBackend):
         # is copied in (read 2 + write 2 bytes per element of bf16, instead of a zeroing
         # pass and a read-modify-write add), a second one is added, and at the flush the
         # slots that got none are zeroed, so the buffer is exact everywhere it is read.
+        if self._adopted is not None:
+            raise RuntimeError(
+                f"bucket {self.layout.index}: a second gradient into an adopted one (bug: "
+                "Note [a lone gradient is its own buffer])"
+            )
         slot = self.layout.slots[slot_index]
         view = self.grad_dev[slot.offset : slot.end]
         self._declare_compute(view, write=True, what=f"backward writes slot {slot_index}")
@@ -364,6 +400,9 @@ class OffloadedState(UpdateBackend):
             with phase("wait_staging"):
                 self._staging_consumed.synchronize()
         index = self.layout.index
+        if self._adopted is not None:
+            self._flush_adopted(overwrite=overwrite, staging_block=staging_block)
+            return
         self._zero_unfilled()
         ready = ranks.reduce_scatter(
             grad,
@@ -384,7 +423,28 @@ class OffloadedState(UpdateBackend):
             label=f"bucket{index}",
         )
         block.free()  # reuse waits on `done`, Note [block reuse waits on events]
-        worker = manager.host_worker
+        self._after_copy(done, overwrite=overwrite)
+
+    def _flush_adopted(self, *, overwrite: bool, staging_block: Block) -> None:
+        """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
+        if not overwrite or self.always_accumulate:
+            self._ensure_accumulator()  # before anything moves: a failure changes nothing
+        grad, self._adopted = self._adopted, None
+        numel = self.layout.numel
+        done = self.manager.copy(
+            self.grad_staging[:numel],
+            grad,
+            direction=Direction.D2H,
+            category=Category.GRADIENTS,
+            after=[self.manager.compute_ready()],
+            blocks=[staging_block],
+            label=f"bucket{self.layout.index}",
+        )
+        self._after_copy(done, overwrite=overwrite)
+
+    def _after_copy(self, done: Event, *, overwrite: bool) -> None:
+        """Queue the host worker's pass over the staging once the copy ``done`` landed."""
+        worker = self.manager.host_worker
         worker.wait_event(done)
         if overwrite and not self.always_accumulate:
             self._source = "grad_staging"
@@ -417,6 +477,9 @@ class OffloadedState(UpdateBackend):
         )
 
     def discard_grad(self) -> None:
+        if self._adopted is not None:
+            self._adopted = None  # autograd's tensor: dropping it is all
+            return
         self._release_grad().free()
 
     def window_source(self) -> str:
@@ -568,6 +631,7 @@ class OffloadedState(UpdateBackend):
         self.always_accumulate = True
 
     def close(self) -> None:
+        self._adopted = None
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None

@@ -145,8 +145,10 @@ class ShardedRanks(Ranks):
         return summed, bool(total[1] > 0) or math.isnan(summed), total[2:] > 0
 
     def all_gather(self, weights: torch.Tensor, *, what: str) -> Pending | None:
-        # The collective writes every rank's shard into the weights, issued from here.
-        self._accelerator.declare_access(weights, stream=None, write=True, what=what)
+        # The collective writes every rank's shard into the weights, ordered after the
+        # work queued on the compute stream (NCCL's stream waits on it; gloo runs inline).
+        acc = self._accelerator
+        acc.declare_access(weights, stream=acc.current_stream(), write=True, what=what)
         return all_gather_flat(weights, comm=self._comm, what=what)
 
     def wait(self, pending: Sequence[Pending]) -> None:
