@@ -464,3 +464,18 @@ def test_state_dict_resume_continues_bitwise(dtype):
     opt.close()
     assert losses == want_losses
     assert_same(resumed, want)
+
+
+def test_two_forwards_then_one_backward():
+    make = functools.partial(gpt, torch.bfloat16, layers=4)
+
+    def loss_of(model, ids):  # both forwards' graphs live until the one backward
+        return model(ids, ids) + model(ids.flip(1), ids.flip(1))
+
+    want_losses, want = reference(make, 4, loss_of=loss_of)
+    model = make()
+    opt = make_opt(model, "64MiB", offload=True)
+    losses = train(model, opt, 4, loss_of=loss_of)
+    opt.close()
+    assert losses == want_losses
+    assert_same(model, want)
