@@ -97,7 +97,7 @@ def test_weights_three_times_the_budget_train_bitwise_like_resident(dtype):
     opt = make_opt(model, budget, offload=True)
     losses = train(model, opt, 20)
     stats = opt.accelerator.memory_stats()
-    offloader = opt._resources.param_offload
+    offloader = opt.param_offloader
     assert all(unit.state is UnitState.ON_HOST for unit in offloader.units)
     opt.close()
     assert losses == want_losses
@@ -117,7 +117,7 @@ def test_device_peak_matches_the_formula(prefetch, tied):
     # bucket's aligned bytes.
     opt = make_opt(model, "64MiB", offload=True, prefetch=prefetch, bucket_bytes=2**20)
     train(model, opt, 2)
-    offloader = opt._resources.param_offload
+    offloader = opt.param_offloader
     bucket_bytes = {id(b.params[0]): _aligned(b.layout.padded_numel * 2) for b in opt.buckets}
     unit_bytes = [
         sum(bucket_bytes.get(id(p), 0) for p in unit.spec.params) for unit in offloader.units
@@ -209,7 +209,7 @@ def test_tied_weights_are_one_unit_fetched_for_both_uses(dtype):
     want_losses, want = reference(make, 8)
     model = make()
     opt = make_opt(model, "64MiB", offload=True)
-    offloader = opt._resources.param_offload
+    offloader = opt.param_offloader
     tied = [unit for unit in offloader.units if unit.spec.tied]
     assert len(tied) == 1 and len(tied[0].spec.modules) == 2
     assert model.head.weight is model.tokens.weight
@@ -230,7 +230,7 @@ def test_hf_gpt2_blocks_default_to_transformer_h():
     want_losses, want = reference(tiny_gpt2, 5, loss_of=loss_of)
     model = tiny_gpt2()
     opt = make_opt(model, "64MiB", offload=True)
-    offloader = opt._resources.param_offload
+    offloader = opt.param_offloader
     names = [unit.spec.name for unit in offloader.units]
     assert [n for n in names if ".h." in n] == ["transformer.h.0", "transformer.h.1"]
     assert "transformer.wte+lm_head" in names  # tied: one unit
@@ -388,7 +388,7 @@ def test_profiler_reports_the_parameter_fetches_with_their_exposed_time():
 def test_every_module_computes_on_window_bytes_and_sees_home_bytes_otherwise():
     model = gpt(torch.bfloat16, layers=6)
     opt = make_opt(model, "64MiB", offload=True)
-    offloader = opt._resources.param_offload
+    offloader = opt.param_offloader
     window = offloader.window.slots[0].block.view(torch.uint8)
     lo = window.untyped_storage().data_ptr()
     hi = lo + window.untyped_storage().nbytes()

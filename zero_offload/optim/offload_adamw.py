@@ -306,6 +306,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -- construction ------------------------------------------------------------------
 
     @property
+    def param_offloader(self) -> Any:
+        """The ``zero_offload.params.ParamOffloader`` with ``offload_parameters=True`` (its
+        ``units``, ``fetches``, ``window_bytes``), else None."""
+        return self._resources.param_offload
+
+    @property
     def comm(self) -> Any:
         """The process group's ``Comm`` (``collectives.Comm``), or ``None`` with one rank."""
         return self._ranks.comm
