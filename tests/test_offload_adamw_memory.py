@@ -134,3 +134,29 @@ def test_construction_releases_each_buckets_original_weights_as_it_goes(monkeypa
     opt = offload_opt(model)
     assert len(built) == len(opt.buckets) > 3
     assert alive_after == [0] * len(built)
+
+
+def test_resident_temporaries_are_reserved_in_the_ledger(monkeypatch) -> None:
+    """Note [resident temporaries are counted]: the scaled-gradient and reconcile tiles of
+    a resident bucket are reserved in the device ledger while they live."""
+    model, _ = make_pair(torch.bfloat16)
+    opt = offload_opt(model, offload_fraction=0.0, max_grad_norm=1e-3, tile_elements=1024)
+    ledger = opt.accelerator.ledger
+    reserved: list[tuple[int, str]] = []
+    original = ledger.reserve
+
+    def record(nbytes: int, *, what: str) -> None:
+        reserved.append((nbytes, what))
+        original(nbytes, what=what)
+
+    monkeypatch.setattr(ledger, "reserve", record)
+    in_use = opt.accelerator.memory_stats()["in_use"]
+    train(model, opt, batches(1))  # clipping binds: every gradient tile is scaled
+    with torch.no_grad():
+        model.head.weight.add_(1.0)  # written outside: the next step reconciles
+    train(model, opt, batches(1))
+    steps = [n for n, what in reserved if "step temporaries" in what]
+    reconciles = [n for n, what in reserved if "reconcile temporaries" in what]
+    assert steps and all(n == 8 * 1024 for n in steps)  # two fp32 tiles
+    assert reconciles and all(n <= 7 * 1024 for n in reconciles)  # fp32 + bf16 + mask
+    assert opt.accelerator.memory_stats()["in_use"] == in_use  # all released again

@@ -594,7 +594,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             try:
                 backend: UpdateBackend
                 if layout.index in placement.resident:
-                    backend = ResidentState(layout, views, pools=pools, amsgrad=amsgrad)
+                    backend = ResidentState(
+                        layout,
+                        views,
+                        pools=pools,
+                        amsgrad=amsgrad,
+                        tile_elements=self.config.tile_elements,
+                    )
                 elif nvme.holds(layout.index):
                     backend = nvme.build(
                         layout,

@@ -3,7 +3,9 @@ AdamW (the share ``1 - offload_fraction`` of the parameters; nothing crosses a t
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
@@ -29,9 +31,17 @@ class ResidentState(UpdateBackend):
     resident = True
 
     def __init__(
-        self, layout: BucketLayout, views: ParamViews, *, pools: BucketPools, amsgrad: bool
+        self,
+        layout: BucketLayout,
+        views: ParamViews,
+        *,
+        pools: BucketPools,
+        amsgrad: bool,
+        tile_elements: int = 1 << 20,
     ) -> None:
         self.layout = layout
+        self.tile_elements = tile_elements
+        self._ledger = pools.device.accelerator.ledger
         self.views = views
         self.dtype = views.dtype
         n = layout.padded_numel
@@ -81,6 +91,25 @@ class ResidentState(UpdateBackend):
         norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64).item())
         return norm * norm, not math.isfinite(norm)
 
+    # Note [resident temporaries are counted]
+    # Scaling a gradient, adding Adam's coupled decay and reconciling the master allocate
+    # device temporaries that no pool holds. They are bounded to one tile (tile_elements) at
+    # a time and reserved in the device ledger while they live, so the budget sees them and
+    # a step near the budget fails with the ledger's error, not the caching allocator's OOM.
+
+    @contextlib.contextmanager
+    def _temporaries(self, nbytes: int, what: str) -> Iterator[None]:
+        self._ledger.reserve(nbytes, what=f"bucket{self.layout.index} {what}")
+        try:
+            yield
+        finally:
+            self._ledger.release(nbytes)
+
+    def _tiles(self, runs: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
+        for start, stop, step in runs:
+            for lo in range(start, stop, self.tile_elements):
+                yield lo, min(lo + self.tile_elements, stop), step
+
     def update(
         self,
         hyper: AdamHyper,
@@ -92,39 +121,53 @@ class ResidentState(UpdateBackend):
         after: list[Event] | None = None,
     ) -> None:
         weights = self.views.weights_dev
-        for start, stop, step in runs:
-            grad = self.grad_acc[start:stop]
-            if grad_scale != 1.0:
-                # A scaled copy: grad_acc must stay as accumulated (a second step() on the
-                # same gradients, like torch, must see them unscaled). Hidden cost: a
-                # temporary of the run's size on the device.
-                grad = grad * grad_scale
-            master = self.master[start:stop]
-            maximize = hyper.maximize
-            if not hyper.decoupled and hyper.weight_decay != 0:
-                # Adam's coupled L2 decay (torch.optim.Adam): the sign flip of maximize
-                # comes first, then the decay term; a temporary of the run's size.
-                grad = (-grad if maximize else grad) + hyper.weight_decay * master
-                maximize = False
-            # torch's fused kernel counts the step itself: it adds 1 before using it.
-            state_step = self._state_step.fill_(float(step - 1))
-            torch_adamw(
-                [master],
-                [grad],
-                [self.exp_avg[start:stop]],
-                [self.exp_avg_sq[start:stop]],
-                [self.max_exp_avg_sq[start:stop]] if hyper.amsgrad else [],
-                [state_step],
-                fused=True,
-                amsgrad=hyper.amsgrad,
-                beta1=hyper.beta1,
-                beta2=hyper.beta2,
-                lr=hyper.lr,
-                weight_decay=hyper.weight_decay if hyper.decoupled else 0.0,
-                eps=hyper.eps,
-                maximize=maximize,
-            )
-            weights[start:stop].copy_(master)
+        scaled = grad_scale != 1.0 or (not hyper.decoupled and hyper.weight_decay != 0)
+        # Note [resident temporaries are counted]: up to two fp32 tiles at once.
+        nbytes = 8 * self.tile_elements if scaled else 0
+        with self._temporaries(nbytes, "step temporaries"):
+            for start, stop, step in self._tiles(runs):
+                self._update_tile(hyper, grad_scale, start, stop, step, weights)
+
+    def _update_tile(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        start: int,
+        stop: int,
+        step: int,
+        weights: torch.Tensor,
+    ) -> None:
+        grad = self.grad_acc[start:stop]
+        if grad_scale != 1.0:
+            # A scaled copy: grad_acc must stay as accumulated (a second step() on the
+            # same gradients, like torch, must see them unscaled); a tile-sized temporary.
+            grad = grad * grad_scale
+        master = self.master[start:stop]
+        maximize = hyper.maximize
+        if not hyper.decoupled and hyper.weight_decay != 0:
+            # Adam's coupled L2 decay (torch.optim.Adam): the sign flip of maximize
+            # comes first, then the decay term; a tile-sized temporary.
+            grad = (-grad if maximize else grad) + hyper.weight_decay * master
+            maximize = False
+        # torch's fused kernel counts the step itself: it adds 1 before using it.
+        state_step = self._state_step.fill_(float(step - 1))
+        torch_adamw(
+            [master],
+            [grad],
+            [self.exp_avg[start:stop]],
+            [self.exp_avg_sq[start:stop]],
+            [self.max_exp_avg_sq[start:stop]] if hyper.amsgrad else [],
+            [state_step],
+            fused=True,
+            amsgrad=hyper.amsgrad,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            lr=hyper.lr,
+            weight_decay=hyper.weight_decay if hyper.decoupled else 0.0,
+            eps=hyper.eps,
+            maximize=maximize,
+        )
+        weights[start:stop].copy_(master)
 
     def publish(self) -> list[Event]:
         return []  # update() writes weights_dev in place: nothing crosses a tier
@@ -140,10 +183,16 @@ class ResidentState(UpdateBackend):
         if self.dtype == torch.float32:
             self.master.copy_(weights)
             return
-        # Hidden cost: an fp32 temporary and a mask of the bucket's size on the device (rare:
-        # construction, loading, weights written outside the optimizer).
-        written = weights != self.master.to(self.dtype)
-        self.master.copy_(torch.where(written, weights.float(), self.master))
+        # Rare (construction, loading, weights written outside the optimizer); tile by tile,
+        # an fp32 tile, a training-dtype tile and a mask at once (Note [resident temporaries
+        # are counted]).
+        n = self.layout.padded_numel
+        with self._temporaries(7 * min(self.tile_elements, n), "reconcile temporaries"):
+            for lo in range(0, n, self.tile_elements):
+                hi = min(lo + self.tile_elements, n)
+                master, tile = self.master[lo:hi], weights[lo:hi]
+                written = tile != master.to(self.dtype)
+                master.copy_(torch.where(written, tile.float(), master))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
