@@ -4,7 +4,7 @@ One ``BackwardRouter`` per optimizer. Each trainable parameter's post-accumulate
 hands its gradient to its bucket (Note [a bucket's gradient lifecycle] in
 ``grad_lifecycle.py``). The hooks hold the router weakly and the router holds no reference
 to the optimizer, so an optimizer that is dropped without ``close()`` is collected, and its
-finalizer removes the hooks (Note [lifetimes without close] in ``offload_adamw.py``).
+finalizer removes the hooks (Note [lifetimes without close] in ``lifetime.py``).
 
 Note [end of backward, once per backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

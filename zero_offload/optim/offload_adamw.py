@@ -21,7 +21,6 @@ with offload (``ranks.ShardedRanks``); one rank is the same code with no collect
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import sys
@@ -32,34 +31,27 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..accelerator import Accelerator, get_accelerator
 from ..collectives import make_comm, surface_collective_errors
 from ..config import OffloadConfig
-from ..memory.manager import Tier, TieredMemoryManager
-from ..partition import BucketLayout
+from ..memory.manager import TieredMemoryManager
 from ..tracing import phase
-from .backend import AdamHyper, BucketPools, UpdateBackend
+from .backend import AdamHyper
 from .backward import BackwardRouter
 from .checks import (
     check_hyper,
     check_new_params,
-    check_params,
     describe_param,
-    param_name,
     plain_trainer_calling,
     split_names,
 )
+from .construction import build_group, check_param_offload
 from .flat_bucket import FlatBucket, StepPlan
 from .grad_lifecycle import GradState
+from .lifetime import Resources
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
-from .nvme import NvmeBackends, plan_nvme
-from .offloaded import GradBuffers, OffloadedState
-from .param_views import ParamViews
-from .placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .ranks import Ranks, ShardedRanks, SingleRank
-from .resident import ResidentState
 from .state_io import load_optimizer_state, optimizer_state
 from .state_view import OptimizerState
 from .stepping import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, UpdateMode
@@ -67,93 +59,6 @@ from .stepping import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, Upd
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 
 _serials = itertools.count(1)
-
-# Which live optimizer trains each parameter: Note [one optimizer per parameter].
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-class _Segment:
-    """The buckets and pools built for one call's worth of param groups.
-
-    The constructor builds one segment for all its groups; each later ``add_param_group``
-    builds another, with pools sized for that group alone.
-    """
-
-    def __init__(
-        self, buckets: list[FlatBucket], pools: BucketPools, grad_buffers: GradBuffers
-    ) -> None:
-        self.buckets = buckets
-        self.pools = pools
-        self.grad_buffers = grad_buffers
-
-    def close(self) -> None:
-        for bucket in self.buckets:
-            bucket.close()
-        self.grad_buffers.close()
-        self.pools.device.close()
-        self.pools.host.close()
-
-
-# Note [lifetimes without close]
-# HF Trainer and notebooks drop optimizers without close(). Nothing that lives on after the
-# optimizer references it: the hooks hold the router weakly, the router, buckets, streams
-# and threads never point back at the optimizer. So the optimizer is freed like any object,
-# and a weakref.finalize releases what it owned (_Resources.release): hooks removed,
-# streams and the host worker stopped, pools returned (device pools: to the budget), and
-# the parameters' ownership dropped. close() runs the same finalizer at once.
-#
-# Note [one optimizer per parameter]
-# A second optimizer over parameters a live one still trains would share their gradients
-# with it (both sets of hooks fire) and silently never train. Construction refuses, naming
-# both; an unreachable owner that the garbage collector has not reached yet is collected
-# first, so building a new optimizer after dropping the old one just works.
-
-
-class _Resources:
-    """What an optimizer owns and must release, without a reference back to it."""
-
-    def __init__(self, manager: TieredMemoryManager, router: BackwardRouter) -> None:
-        self.manager = manager
-        self.router = router
-        self.segments: list[_Segment] = []
-        self.state: OptimizerState | None = None
-        self.extra_streams: list[Any] = []
-        self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
-
-    def release(self) -> None:
-        self.router.remove_hooks()
-        if self.param_offload is not None:
-            # Before the pools go: the parameters take private copies of their weights.
-            self.param_offload.close()
-            self.param_offload = None
-        for segment in self.segments:
-            for bucket in segment.buckets:
-                for param in bucket.params:
-                    _OWNERS.pop(param, None)
-        # Release everything even when a part fails (a stream's sticky error, a pool still
-        # owning a block after a failure): the first error is raised at the end.
-        errors: list[BaseException] = []
-
-        def attempt(fn: Any) -> None:
-            try:
-                fn()
-            except BaseException as exc:  # collected, re-raised below
-                errors.append(exc)
-
-        attempt(self.manager.synchronize)
-        for segment in self.segments:
-            attempt(segment.close)
-        self.segments.clear()
-        self.router.buckets.clear()
-        if self.state is not None:
-            self.state.clear_slots()
-        attempt(self.manager.close)
-        for stream in self.extra_streams:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                attempt(close)
-        if errors:
-            raise errors[0]
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -252,7 +157,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"ranks (device-resident optimizer state is not partitioned yet), got "
                 f"{config.offload_fraction!r}"
             )
-        self._check_param_offload(config, comm, model, layers)
+        check_param_offload(config, comm, model, layers)
         # Parameter offload (zero_offload.params): the model and its blocks, for _build.
         self._param_offload_of = (model, layers) if config.offload_parameters else None
         self.serial = next(_serials)
@@ -267,7 +172,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             extra_streams.append(stream)
             self._ranks = ShardedRanks(comm, stream, accelerator=self.accelerator)
         self._router = BackwardRouter(self._ranks)
-        self._resources = _Resources(self.manager, self._router)
+        self._resources = Resources(self.manager, self._router)
         self._resources.extra_streams = extra_streams
         # See Note [lifetimes without close]: nothing passed here references self.
         self._finalizer = weakref.finalize(self, self._resources.release)
@@ -294,7 +199,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._constructing = False
             self._state_view = OptimizerState(drain=self.manager.host_worker.synchronize)
             self._resources.state = self._state_view
-            self._build(list(range(len(self.param_groups))))
+            build_group(self, list(range(len(self.param_groups))))
         except BaseException:
             self._finalizer()
             raise
@@ -365,7 +270,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(group)
         if not self._constructing:
             try:
-                self._build([len(self.param_groups) - 1])
+                build_group(self, [len(self.param_groups) - 1])
             except BaseException:
                 self.param_groups.pop()  # a failed call leaves the optimizer as it was
                 raise
@@ -373,263 +278,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _check_owners(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
-        """Note [one optimizer per parameter]."""
-        collected = False
-        for index in indices:
-            param = params[index]
-            while True:
-                owner = _OWNERS.get(param)
-                live = owner() if owner is not None else None
-                if live is None or live is self:
-                    break
-                if not collected:  # an unreachable owner not collected yet: collect it
-                    del live
-                    gc.collect()
-                    collected = True
-                    continue
-                raise ValueError(
-                    f"{describe_param(index, param, param_name(self.param_groups, index))} is "
-                    f"already trained by {live!r}, which "
-                    f"is still alive; {self!r} would share its gradients and never train. "
-                    f"Call close() on {live!r} (or drop every reference to it) first, or "
-                    "add the parameter to that optimizer instead"
-                )
-
-    @staticmethod
-    def _check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
-        if config.offload_parameters:
-            if model is None:
-                raise ValueError(
-                    "OffloadConfig(offload_parameters=True) needs the model whose blocks it "
-                    "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
-                    "the nn.ModuleList holding the most parameters)"
-                )
-            if comm is not None:
-                raise ValueError(
-                    f"{comm.where()}: OffloadConfig.offload_parameters=True runs on one rank "
-                    "only for now (ZeRO-3 sharding of the weights is not implemented); set "
-                    "offload_parameters=False or run one process"
-                )
-        elif model is not None or layers is not None:
-            raise ValueError(
-                "model= and layers= are for parameter offload; set "
-                "OffloadConfig(offload_parameters=True), or leave them None"
-            )
-
-    def _param_offloader(self, params: list[torch.Tensor], families: list[Any]) -> Any:
-        """The ``ParamOffloader`` for this segment, or None without parameter offload."""
-        if self._param_offload_of is None:
-            return None
-        if self._resources.param_offload is not None:
-            raise ValueError(
-                "add_param_group with OffloadConfig(offload_parameters=True): the window is "
-                "planned once for the model; pass every param group to the constructor"
-            )
-        from ..params import ParamOffloader  # params sits beside optim (DESIGN.md)
-
-        model, layers = self._param_offload_of
-        return ParamOffloader(
-            model,
-            layers=layers,
-            manager=self.manager,
-            prefetch_layers=self.config.prefetch_layers,
-            trainable=[params[i] for family in families for i, _ in family.members],
-            name=f"offload_adamw{self.serial}",
-        )
-
-    def _build(self, group_indices: list[int]) -> None:
-        """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets
-        of one training dtype each (``plan_dtype_buckets``), one device and one host pool
-        sized for them all (``plan_placement``, per-bucket itemsize)."""
-        params = self._all_params()
-        first_index = sum(len(self.param_groups[g]["params"]) for g in range(group_indices[0]))
-        families = check_params(
-            self.param_groups,
-            group_indices,
-            first_index=first_index,
-            device=self.accelerator.device,
-        )
-        if not families:
-            return
-        self._check_owners(params, [i for family in families for i, _ in family.members])
-        offload = self._param_offloader(params, families)
-        if offload is not None:  # no bucket spans two units (zero_offload.params)
-            families = offload.split_families(families, params)
-        layouts = plan_dtype_buckets(
-            families,
-            bucket_bytes=self.config.bucket_bytes,
-            world_size=self._ranks.world_size,
-            align_numel=POOL_ALIGNMENT // 2,
-            first_index=len(self.buckets),
-        )
-        amsgrad = any(self.param_groups[family.group]["amsgrad"] for family in families)
-        moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
-        if offload is not None:
-            offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
-        stats = self.accelerator.memory_stats()
-        try:
-            placement = plan_placement(
-                layouts,
-                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                moment_size=moments_dtype.itemsize,
-                amsgrad=amsgrad,
-                offload_fraction=self.config.offload_fraction,
-                device_free=stats["budget"] - stats["in_use"],
-                auto_headroom=self.config.auto_headroom,
-                alignment=POOL_ALIGNMENT,
-                weights_elsewhere=frozenset(b.index for b in layouts if offload is not None),
-            )
-        except BaseException:
-            if offload is not None:
-                offload.close()
-            raise
-        name = f"offload_adamw{self.serial}.{len(self._resources.segments)}"
-        nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
-            self.manager,
-            plan_nvme(
-                layouts,
-                placement,
-                config=self.config,
-                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                moments_dtype=moments_dtype,
-                amsgrad=amsgrad,
-                rank=self._ranks.rank,
-                alignment=POOL_ALIGNMENT,
-            ),
-            config=self.config,
-            rank=self._ranks.rank,
-            name=name,
-        )
-        try:
-            device_pool = self.manager.create_pool(
-                Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
-            )
-        except BaseException:
-            if offload is not None:
-                offload.close()
-            raise
-        try:
-            host_pool = self.manager.create_pool(
-                Tier.HOST, max(nvme.plan.host_pool, POOL_ALIGNMENT), name=f"{name}.host"
-            )
-        except BaseException:
-            self.manager.discard_pool(device_pool)
-            if offload is not None:
-                offload.close()
-            raise
-        pools = BucketPools(device=device_pool, host=host_pool)
-        grad_buffers = GradBuffers(self.manager, name=name)
-        buckets: list[FlatBucket] = []
-        try:
-            self._build_buckets(
-                layouts,
-                placement,
-                pools,
-                grad_buffers,
-                amsgrad,
-                moments_dtype,
-                buckets,
-                nvme,
-                offload,
-            )
-        except BaseException:
-            # The parameters take private copies of their weights back before the pools go.
-            for bucket in buckets:
-                bucket.views.unbind()
-            if offload is not None:
-                offload.close()
-            self.manager.discard_pool(device_pool)
-            self.manager.discard_pool(host_pool)
-            raise
-        if offload is not None:
-            offload.install(self)
-            self._resources.param_offload = offload
-        segment = _Segment(buckets, pools, grad_buffers)
-        self._resources.segments.append(segment)
-        self._router.add(buckets)
-        self._state_view.add(buckets)
-        for bucket in buckets:
-            if self.config.overlap_step:  # Note [no accumulator for one backward]
-                bucket.backend.require_accumulator()
-            for param in bucket.params:
-                _OWNERS[param] = weakref.ref(self)
-        if isinstance(self.scaler, NoLossScaler) and any(
-            bucket.dtype == torch.float16 for bucket in buckets
-        ):
-            # The first fp16 parameters bring the dynamic scaler: Note [one loss scale].
-            self.scaler = DynamicLossScaler(self.config.loss_scaler)
-
-    # Note [construction holds one copy]
-    # Each bucket copies its parameters into the device pool and re-points them there
-    # (ParamViews), which releases the original storage bucket by bucket: the peak is one
-    # bucket above the final footprint, never two copies of the model. A failure half-way
-    # gives the parameters built so far private copies again (ParamViews.unbind) before the
-    # pools are discarded, so the model keeps its values.
-
-    def _build_buckets(
-        self,
-        layouts: list[BucketLayout],
-        placement: Placement,
-        pools: BucketPools,
-        grad_buffers: GradBuffers,
-        amsgrad: bool,
-        moments_dtype: torch.dtype,
-        out: list[FlatBucket],
-        nvme: NvmeBackends,
-        offload: Any = None,
-    ) -> None:
-        """One bucket per layout, resident or offloaded as ``placement`` says, appended to
-        ``out`` as each is built (so a failure can undo the ones before it). With parameter
-        offload (``offload``) the weights live in its window and the backend's home."""
-        params = self._all_params()
-        for layout in layouts:
-            members = [params[slot.index] for slot in layout.slots]
-            views = (
-                ParamViews(layout, members, pools.device)
-                if offload is None
-                else offload.views_for(layout, members)
-            )
-            shard = layout.shard_range(self._ranks.rank)
-            try:
-                backend: UpdateBackend
-                if layout.index in placement.resident:
-                    backend = ResidentState(
-                        layout,
-                        views,
-                        pools=pools,
-                        amsgrad=amsgrad,
-                        tile_elements=self.config.tile_elements,
-                    )
-                elif nvme.holds(layout.index):
-                    backend = nvme.build(
-                        layout,
-                        views,
-                        manager=self.manager,
-                        pools=pools,
-                        grad_buffers=grad_buffers,
-                        shard=shard,
-                    )
-                else:
-                    backend = OffloadedState(
-                        layout,
-                        views,
-                        manager=self.manager,
-                        pools=pools,
-                        grad_buffers=grad_buffers,
-                        shard=shard,
-                        moments_dtype=moments_dtype,
-                        amsgrad=amsgrad,
-                        tile_elements=self.config.tile_elements,
-                    )
-                if offload is not None:
-                    offload.adopt(views, backend)
-            except BaseException:
-                views.unbind()
-                views.close()
-                raise
-            views.remember()
-            out.append(FlatBucket(layout, views, backend, shard=shard))
+    # Construction: construction.build_group (Note [construction holds one copy] there).
 
     @property
     def buckets(self) -> list[FlatBucket]:

@@ -79,7 +79,7 @@ class ParamViews:
 
         Releases each parameter's previous storage (at construction: the original weights,
         so the model is never held twice; Note [construction holds one copy] in
-        ``offload_adamw.py``)."""
+        ``construction.py``)."""
         self.weights_dev = block.view(self.dtype, (self.layout.padded_numel,))
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = self.weights_dev[slot.offset : slot.end].view(slot.shape)

@@ -1,0 +1,137 @@
+"""What an optimizer owns, and who owns each parameter: released without close().
+
+See Note [lifetimes without close] and Note [one optimizer per parameter] below.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..memory.manager import TieredMemoryManager
+from .backend import BucketPools
+from .backward import BackwardRouter
+from .checks import describe_param, param_name
+from .flat_bucket import FlatBucket
+from .offloaded import GradBuffers
+from .state_view import OptimizerState
+
+__all__ = ["OWNERS", "Resources", "Segment", "check_owners"]
+
+# Which live optimizer trains each parameter: Note [one optimizer per parameter].
+OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class Segment:
+    """The buckets and pools built for one call's worth of param groups.
+
+    The constructor builds one segment for all its groups; each later ``add_param_group``
+    builds another, with pools sized for that group alone.
+    """
+
+    def __init__(
+        self, buckets: list[FlatBucket], pools: BucketPools, grad_buffers: GradBuffers
+    ) -> None:
+        self.buckets = buckets
+        self.pools = pools
+        self.grad_buffers = grad_buffers
+
+    def close(self) -> None:
+        for bucket in self.buckets:
+            bucket.close()
+        self.grad_buffers.close()
+        self.pools.device.close()
+        self.pools.host.close()
+
+
+# Note [lifetimes without close]
+# HF Trainer and notebooks drop optimizers without close(). Nothing that lives on after the
+# optimizer references it: the hooks hold the router weakly, the router, buckets, streams
+# and threads never point back at the optimizer. So the optimizer is freed like any object,
+# and a weakref.finalize releases what it owned (Resources.release): hooks removed,
+# streams and the host worker stopped, pools returned (device pools: to the budget), and
+# the parameters' ownership dropped. close() runs the same finalizer at once.
+#
+# Note [one optimizer per parameter]
+# A second optimizer over parameters a live one still trains would share their gradients
+# with it (both sets of hooks fire) and silently never train. Construction refuses, naming
+# both; an unreachable owner that the garbage collector has not reached yet is collected
+# first, so building a new optimizer after dropping the old one just works.
+
+
+class Resources:
+    """What an optimizer owns and must release, without a reference back to it."""
+
+    def __init__(self, manager: TieredMemoryManager, router: BackwardRouter) -> None:
+        self.manager = manager
+        self.router = router
+        self.segments: list[Segment] = []
+        self.state: OptimizerState | None = None
+        self.extra_streams: list[Any] = []
+        self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
+
+    def release(self) -> None:
+        self.router.remove_hooks()
+        if self.param_offload is not None:
+            # Before the pools go: the parameters take private copies of their weights.
+            self.param_offload.close()
+            self.param_offload = None
+        for segment in self.segments:
+            for bucket in segment.buckets:
+                for param in bucket.params:
+                    OWNERS.pop(param, None)
+        # Release everything even when a part fails (a stream's sticky error, a pool still
+        # owning a block after a failure): the first error is raised at the end.
+        errors: list[BaseException] = []
+
+        def attempt(fn: Any) -> None:
+            try:
+                fn()
+            except BaseException as exc:  # collected, re-raised below
+                errors.append(exc)
+
+        attempt(self.manager.synchronize)
+        for segment in self.segments:
+            attempt(segment.close)
+        self.segments.clear()
+        self.router.buckets.clear()
+        if self.state is not None:
+            self.state.clear_slots()
+        attempt(self.manager.close)
+        for stream in self.extra_streams:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                attempt(close)
+        if errors:
+            raise errors[0]
+
+
+def check_owners(
+    opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], indices: Sequence[int]
+) -> None:
+    """Refuse parameters a live optimizer other than ``opt`` trains; Note [one optimizer
+    per parameter]."""
+    collected = False
+    for index in indices:
+        param = params[index]
+        while True:
+            owner = OWNERS.get(param)
+            live = owner() if owner is not None else None
+            if live is None or live is opt:
+                break
+            if not collected:  # an unreachable owner not collected yet: collect it
+                del live
+                gc.collect()
+                collected = True
+                continue
+            raise ValueError(
+                f"{describe_param(index, param, param_name(opt.param_groups, index))} is "
+                f"already trained by {live!r}, which "
+                f"is still alive; {opt!r} would share its gradients and never train. "
+                f"Call close() on {live!r} (or drop every reference to it) first, or "
+                "add the parameter to that optimizer instead"
+            )
