@@ -593,13 +593,7 @@ class NvmeState(OffloadedState):
     ) -> None:
         # As OffloadedState.update: the gradient is staging or the accumulator (Note [no
         # accumulator for one backward]); the weight copies wait for compute issued so far.
-        grad = getattr(self, source or self._source)
-        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
-        self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
-        if after is None:
-            if publish:
-                self.declare_weight_readers()
-            after = [self.manager.compute_ready()] if publish else []
+        grad, after = self._begin_update(source, publish=publish, after=after)
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
             first = start // self.tile_elements

@@ -500,25 +500,9 @@ class OffloadedState(UpdateBackend):
         source: str | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        grad = getattr(self, source or self._source)
-        for event in self._source_readers:
-            # Synchronisation point (rare: two steps with no backward between, or a device
-            # far behind): the last step's weight copies read the staging about to be
-            # rewritten. Usually long done.
-            event.synchronize()
-        self._source_readers = []
-        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
+        grad, after = self._begin_update(source, publish=publish, after=after)
         for name, tensor in self.state_tensors().items():
             self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
-        if self.weights_staging is not None:
-            self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
-        # The weight copies overwrite weights_dev: they wait for compute issued so far
-        # (a forward or a weight-reading kernel still queued), write-after-read; a step
-        # run during backward passes the event recorded when the bucket was complete.
-        if after is None:
-            if publish:
-                self.declare_weight_readers()
-            after = [self.manager.compute_ready()] if publish else []
         for start, stop, step in clip_runs(runs, *self.shard):
             for lo in range(start, stop, self.tile_elements):
                 hi = min(lo + self.tile_elements, stop)
@@ -554,6 +538,31 @@ class OffloadedState(UpdateBackend):
         offload the weights live there between uses, ``zero_offload.params``)."""
         name = "master" if self.weights_staging is None else "weights_staging"
         return getattr(self, name), self._blocks[name]
+
+    def _begin_update(
+        self, source: str | None, *, publish: bool, after: list[Event] | None
+    ) -> tuple[torch.Tensor, list[Event]]:
+        """What every update of the host-side backends does first: the gradient to read
+        (``source``, or the window's now), the staging free of the last step's weight
+        copies, the accesses declared, and the events the new weight copies wait for."""
+        grad = getattr(self, source or self._source)
+        for event in self._source_readers:
+            # Synchronisation point (rare: two steps with no backward between, or a device
+            # far behind): the last step's weight copies read the staging about to be
+            # rewritten. Usually long done.
+            event.synchronize()
+        self._source_readers = []
+        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
+        if self.weights_staging is not None:
+            self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
+        # The weight copies overwrite weights_dev: they wait for compute issued so far
+        # (a forward or a weight-reading kernel still queued), write-after-read; a step
+        # run during backward passes the event recorded when the bucket was complete.
+        if after is None:
+            if publish:
+                self.declare_weight_readers()
+            after = [self.manager.compute_ready()] if publish else []
+        return grad, after
 
     def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event | None:
         source, block = self.weights_home()
