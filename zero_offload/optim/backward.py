@@ -188,7 +188,9 @@ class BackwardRouter:
         if lockstep and bucket.grads.state is GradState.COMPLETE:
             bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
             return
-        if lockstep and self.buckets.index(bucket) < self._next:
+        # layout.index is the bucket's position in the order (plan_dtype_buckets numbers
+        # each segment's buckets from len(buckets)).
+        if lockstep and bucket.layout.index < self._next:
             raise RuntimeError(
                 f"{self.ranks.where()}bucket {bucket.layout.index} got a gradient after it "
                 "was reduce-scattered in this backward (a parameter's gradient arrived "
