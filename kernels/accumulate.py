@@ -16,6 +16,19 @@ from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking,
 from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 
 
+@njit(fastmath=FASTMATH_REDUCTION, cache=True, nogil=True, error_model="numpy")
+def _accumulate_tile(acc_t, src_t, src_kind, overwrite):
+    total = 0.0
+    for i in range(acc_t.shape[0]):
+        g = load_f32(src_t, i, src_kind)
+        if not overwrite:
+            g = acc_t[i] + g  # one fp32 add, exactly torch's acc.add_(src.float())
+        acc_t[i] = g
+        d = np.float64(g)
+        total += d * d
+    return total
+
+
 @njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
 def _accumulate_kernel(acc, src, src_kind, overwrite, start, stop, nchunks):
     partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum of squares per chunk
@@ -23,15 +36,8 @@ def _accumulate_kernel(acc, src, src_kind, overwrite, start, stop, nchunks):
     for c in prange(nchunks):
         lo = start + span * c // nchunks
         hi = start + span * (c + 1) // nchunks
-        total = 0.0
-        for i in range(lo, hi):
-            g = load_f32(src, i, src_kind)
-            if not overwrite:
-                g = acc[i] + g  # one fp32 add, exactly torch's acc.add_(src.float())
-            acc[i] = g
-            d = np.float64(g)
-            total += d * d
-        partial[c] = total
+        # Note [one contiguous slice per thread] (adam.py): a slice, so the loop vectorises
+        partial[c] = _accumulate_tile(acc[lo:hi], src[lo:hi], src_kind, overwrite)
     return partial
 
 

@@ -19,6 +19,15 @@ from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 # see Note [why no nnan/ninf fastmath] in convert.py.
 
 
+@njit(fastmath=FASTMATH_REDUCTION, cache=True, nogil=True, error_model="numpy")
+def _sumsq_tile(g_t, grad_kind):
+    acc = 0.0
+    for i in range(g_t.shape[0]):
+        g = np.float64(load_f32(g_t, i, grad_kind))
+        acc += g * g
+    return acc
+
+
 @njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
 def _sumsq_kernel(grad, grad_kind, start, stop, nchunks):
     partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum per chunk
@@ -26,11 +35,8 @@ def _sumsq_kernel(grad, grad_kind, start, stop, nchunks):
     for c in prange(nchunks):
         lo = start + span * c // nchunks
         hi = start + span * (c + 1) // nchunks
-        acc = 0.0
-        for i in range(lo, hi):
-            g = np.float64(load_f32(grad, i, grad_kind))
-            acc += g * g
-        partial[c] = acc
+        # Note [one contiguous slice per thread] (adam.py): a slice, so the loop vectorises
+        partial[c] = _sumsq_tile(grad[lo:hi], grad_kind)
     return partial
 
 
