@@ -214,7 +214,8 @@ class OffloadConfig:
         bucket_bytes: gradient bytes (in the training dtype) per bucket; gradients leave
             the device a bucket at a time. Default 32 MiB. Must be >= 1 KiB.
         tile_elements: elements the CPU optimizer updates before issuing that tile's copy to
-            the device, so the copy of one tile overlaps the compute of the next.
+            the device, so the copy of one tile overlaps the compute of the next; gradients
+            reach the host in tiles of this size too, and CPU Adam starts on the first.
             Default 2**21. Must be >= 1024.
         offload_fraction: share of the parameters (by element count) whose fp32 master
             weights and Adam moments live on the host and are updated by the CPU; the rest

@@ -594,6 +594,7 @@ class NvmeState(OffloadedState):
         # As OffloadedState.update: the gradient is staging or the accumulator (Note [no
         # accumulator for one backward]); the weight copies wait for compute issued so far.
         grad, after = self._begin_update(source, publish=publish, after=after)
+        source = source or self._source
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
             first = start // self.tile_elements
@@ -609,6 +610,7 @@ class NvmeState(OffloadedState):
             for lo, hi, step in pieces[tile]:
                 a, b = lo - base, hi - base
                 master = fields["master"][a:b]
+                self._await_grad(grad, source, lo, hi)  # Note [Adam follows the gradient in]
                 adam_step(
                     master,
                     grad[lo:hi],

@@ -33,11 +33,25 @@ accumulator, or that gradient would be overwritten unread (a lagging worker, an 
 or micro-batches while ``overlap_step``'s update occupies the worker). Each flush records
 an event on the host worker after its accumulation, and the next flush of that bucket
 waits for it.
+
+Note [Adam follows the gradient in]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A flush copies its gradient into staging in tiles of ``tile_elements``, one copy and one
+end event each (``_landing``), and the host worker's pass (statistics, or accumulation
+with statistics) follows tile by tile as each lands, so it ends one tile after the copy
+does. When the step's decision needs no statistics (Note [a step that needs no
+statistics] in ``offload_adamw.py``), ``step()`` does not wait for the host worker at all:
+``update()`` waits for the copy of each tile just before it reads it (``_await_grad``),
+so CPU Adam starts on the first tile while the rest is still on the way. Events of one
+stream complete in order, so a tile's event covers every tile before it. A gradient in
+the accumulator waits for the host worker's last pass over the bucket
+(``_staging_consumed``), which follows every tile of the window's last flush.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import numpy as np
@@ -237,6 +251,9 @@ class OffloadedState(UpdateBackend):
         # fp32 master) the next update rewrites.
         self._source_readers: list[Event] = []
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
+        # (end offset in staging, copy end event) of each tile of the last flush, in order:
+        # Note [Adam follows the gradient in].
+        self._landing: list[tuple[int, Event]] = []
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.weights_staging: torch.Tensor | None = None
 
@@ -413,46 +430,62 @@ class OffloadedState(UpdateBackend):
         if not overwrite or self.always_accumulate:
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         block = self._release_grad()
-        done = manager.copy(
-            self.grad_staging,
-            grad[start:stop],
-            direction=Direction.D2H,
-            category=Category.GRADIENTS,
-            after=[ready],
-            blocks=[block, staging_block],
-            label=f"bucket{index}",
+        landing = self._copy_to_staging(
+            grad[start:stop], after=[ready], blocks=[block, staging_block]
         )
-        block.free()  # reuse waits on `done`, Note [block reuse waits on events]
-        self._after_copy(done, overwrite=overwrite)
+        block.free()  # reuse waits on the copies, Note [block reuse waits on events]
+        self._after_copy(landing, overwrite=overwrite)
 
     def _flush_adopted(self, *, overwrite: bool, staging_block: Block) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
         if not overwrite or self.always_accumulate:
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad, self._adopted = self._adopted, None
-        numel = self.layout.numel
-        done = self.manager.copy(
-            self.grad_staging[:numel],
-            grad,
-            direction=Direction.D2H,
-            category=Category.GRADIENTS,
-            after=[self.manager.compute_ready()],
-            blocks=[staging_block],
-            label=f"bucket{self.layout.index}",
+        landing = self._copy_to_staging(
+            grad, after=[self.manager.compute_ready()], blocks=[staging_block]
         )
-        self._after_copy(done, overwrite=overwrite)
+        self._after_copy(landing, overwrite=overwrite)
 
-    def _after_copy(self, done: Event, *, overwrite: bool) -> None:
-        """Queue the host worker's pass over the staging once the copy ``done`` landed."""
+    def _copy_to_staging(
+        self, src: torch.Tensor, *, after: list[Event], blocks: list[Block]
+    ) -> list[tuple[int, Event]]:
+        """Queue ``grad_staging[:n] = src`` in tiles; Note [Adam follows the gradient in]."""
+        n, step, index = src.numel(), self.tile_elements, self.layout.index
+        landing = []
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            event = self.manager.copy(
+                self.grad_staging[lo:hi],
+                src[lo:hi],
+                direction=Direction.D2H,
+                category=Category.GRADIENTS,
+                after=after if lo == 0 else (),  # the stream is in order
+                blocks=blocks,
+                label=f"bucket{index}" if n <= step else f"bucket{index}[{lo}:{hi}]",
+            )
+            landing.append((hi, event))
+        return landing
+
+    def _after_copy(self, landing: list[tuple[int, Event]], *, overwrite: bool) -> None:
+        """Queue the host worker's pass over each tile of staging as it lands."""
         worker = self.manager.host_worker
-        worker.wait_event(done)
         if overwrite and not self.always_accumulate:
             self._source = "grad_staging"
-            worker.submit(self._stats_on_host)
+            acc = None
         else:
             self._source = "grad_acc"
             acc = self._ensure_accumulator()
-            worker.submit(functools.partial(self._accumulate_on_host, acc, overwrite))
+        self._landing = landing
+        real = self.layout.real_in(*self.shard)
+        partials: list[float] = []
+        lo = 0
+        for hi, event in landing:
+            worker.wait_event(event)
+            if min(hi, real) > lo:  # a tile of padding only has nothing to add or count
+                task = self._host_pass_tile
+                worker.submit(functools.partial(task, acc, overwrite, lo, min(hi, real), partials))
+            lo = hi
+        worker.submit(functools.partial(self._sum_partials, partials))
         self._staging_consumed = worker.record_event()
 
     def _fold_on_host(self, acc: torch.Tensor, real: int) -> None:
@@ -461,20 +494,40 @@ class OffloadedState(UpdateBackend):
         self._declare_cpu(acc, write=True, what="fold writes the accumulator")
         accumulate_grad(acc, self.grad_staging, overwrite=True, stop=real)
 
-    def _stats_on_host(self) -> None:
-        # Host worker, after the D2H copy: the window's only pass over a lone flush; step()
-        # needs no pass of its own (Note [no accumulator for one backward]).
-        self._declare_cpu(self.grad_staging, write=False, what="statistics read staging")
-        self._stats = grad_stats(self.grad_staging, stop=self.layout.real_in(*self.shard))
+    def _host_pass_tile(
+        self, acc: torch.Tensor | None, overwrite: bool, lo: int, hi: int, partials: list[float]
+    ) -> None:
+        # Host worker, once staging[lo:hi] landed. Without an accumulator: the window's only
+        # pass over a lone flush, its statistics; step() needs no pass of its own (Note [no
+        # accumulator for one backward]). With one: Note [a bucket's gradient lifecycle];
+        # the same pass yields the statistics of the accumulated gradient.
+        staging = self.grad_staging
+        if acc is None:
+            self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
+            partials.append(grad_stats(staging, start=lo, stop=hi)[0])
+            return
+        self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
+        self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
+        partials.append(accumulate_grad(acc, staging, overwrite=overwrite, start=lo, stop=hi)[0])
 
-    def _accumulate_on_host(self, acc: torch.Tensor, overwrite: bool) -> None:
-        # Host worker, after the D2H copy; Note [a bucket's gradient lifecycle]. The same
-        # pass yields the statistics of the accumulated gradient.
-        self._declare_cpu(self.grad_staging, write=False, what="accumulation reads staging")
-        self._declare_cpu(acc, write=True, what="accumulation writes the accumulator")
-        self._stats = accumulate_grad(
-            acc, self.grad_staging, overwrite=overwrite, stop=self.layout.real_in(*self.shard)
-        )
+    def _sum_partials(self, partials: list[float]) -> None:
+        # Host worker, after the last tile: the flush's statistics (float64 sums, in order).
+        total = math.fsum(partials) if partials else 0.0
+        self._stats = (total, not math.isfinite(total))
+
+    def _await_grad(self, grad: torch.Tensor, source: str, lo: int, hi: int) -> None:
+        """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
+        gradient; Note [Adam follows the gradient in]. Instant when the host worker
+        drained."""
+        if source == "grad_staging":
+            for end, event in self._landing:
+                if end >= hi:
+                    # Synchronisation point: CPU Adam reads this tile next.
+                    event.synchronize()
+                    break
+        elif self._staging_consumed is not None:
+            self._staging_consumed.synchronize()  # the host worker's last pass is done
+        self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def discard_grad(self) -> None:
         if self._adopted is not None:
@@ -501,11 +554,13 @@ class OffloadedState(UpdateBackend):
         after: list[Event] | None = None,
     ) -> None:
         grad, after = self._begin_update(source, publish=publish, after=after)
+        source = source or self._source
         for name, tensor in self.state_tensors().items():
             self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
         for start, stop, step in clip_runs(runs, *self.shard):
             for lo in range(start, stop, self.tile_elements):
                 hi = min(lo + self.tile_elements, stop)
+                self._await_grad(grad, source, lo, hi)
                 adam_step(
                     self.master,
                     grad,
@@ -552,7 +607,7 @@ class OffloadedState(UpdateBackend):
             # rewritten. Usually long done.
             event.synchronize()
         self._source_readers = []
-        self._declare_cpu(grad, write=False, what="CPU Adam reads the gradient")
+        # The gradient's reads are declared tile by tile (``_await_grad``).
         if self.weights_staging is not None:
             self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
         # The weight copies overwrite weights_dev: they wait for compute issued so far
