@@ -339,3 +339,39 @@ def test_first_fp16_group_added_mid_window_does_not_unscale_fp32_window():
     o.step()
     ro.step()
     assert mdiff(m, r) < 1e-5
+
+
+def test_a_delayed_update_behind_the_next_backward_does_not_wait_for_it(monkeypatch):
+    # overlap_step queues the update on the host worker; here it is slow, so the next
+    # backward's flushes (and their host-worker events) are queued behind it. The update
+    # must not wait for those events (Note [Adam follows the gradient in]): it would wait
+    # for work queued after itself, forever. Run in a thread, so a regression fails, not
+    # hangs.
+    import threading
+    import time
+
+    kernel = off.adam_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(off, "adam_step", slow)
+    model = mlp()
+    opt = mk(model, overlap_step=True)
+    batches = data(4)
+    done = threading.Event()
+
+    def train():
+        for x, y in batches:
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush_pending_update()
+        done.set()
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set(), "the delayed update waited for work queued behind it"
+    opt.close()

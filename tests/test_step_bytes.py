@@ -7,10 +7,20 @@ with ``require_accumulator()``; accumulation is compared with torch (1e-5, as el
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    offload_opt,
+    torch_adamw,
+)
 
 
 def _train(model, opt, data, *, micro: int = 1, clip: float | None = None) -> None:
@@ -62,3 +72,61 @@ def test_accumulation_allocates_the_accumulator_and_matches_torch() -> None:
         ropt.step()
         ropt.zero_grad()
     assert max_diff(model, ref) < 1e-5
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_step_that_needs_no_statistics_is_bitwise_the_waiting_one(
+    dtype: torch.dtype, micro: int
+) -> None:
+    # Note [a step that needs no statistics]: without clipping, step() starts CPU Adam as
+    # the gradient tiles land. A clip that never binds makes the step wait for the
+    # statistics first, with the same arithmetic (the coefficient is exactly 1).
+    fast_model, waiting_model = make_pair(dtype)
+    fast = offload_opt(fast_model)
+    waiting = offload_opt(waiting_model, max_grad_norm=1e30)
+    assert not fast._step_needs_statistics() and waiting._step_needs_statistics()
+    data = batches(3 * micro)
+    _train(fast_model, fast, data, micro=micro)
+    _train(waiting_model, waiting, data, micro=micro)
+    assert max_diff(fast_model, waiting_model) == 0.0
+    assert fast.last_grad_norm == waiting.last_grad_norm
+    assert fast.state_dict()["state"][0]["step"] == waiting.state_dict()["state"][0]["step"]
+
+
+@pytest.mark.parametrize("clip", [None, 1e30])
+def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait(
+    clip: float | None,
+) -> None:
+    # One 128 x 512 weight (65536 elements, a lone gradient) in 16 tiles of 4096, over a
+    # simulated link of 5 ms per tile: the gradient takes 80 ms to land.
+    from zero_offload.optim import offloaded
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 128, bias=False)
+    accel = host_accelerator(link_bandwidth=4096 * 4 / 5e-3)
+    opt = offload_opt(model, accelerator=accel, tile_elements=4096, max_grad_norm=clip)
+    first_tile_at = []
+    kernel = offloaded.adam_step
+
+    def timed(*args, **kwargs):
+        if not first_tile_at:
+            first_tile_at.append(time.perf_counter())
+        return kernel(*args, **kwargs)
+
+    x = torch.randn(4, 512)
+    try:
+        offloaded.adam_step = timed
+        model(x).square().sum().backward()
+        opt.step()
+    finally:
+        offloaded.adam_step = kernel
+    landing = opt.buckets[0].backend._landing
+    assert len(landing) == 16
+    last_landed = landing[-1][1].completed_at()
+    if clip is None:
+        # Started on the first tile while (at least) the last 60 ms of copies were to come.
+        assert first_tile_at[0] < last_landed
+    else:
+        # Clipping is configured: the norm, so every tile, comes first.
+        assert first_tile_at[0] > last_landed

@@ -201,6 +201,10 @@ class ThreadStream(Stream):
         self.record_event().synchronize()
         self._check()
 
+    def is_current(self) -> bool:
+        """Whether the calling thread is this stream's worker (running one of its tasks)."""
+        return threading.current_thread() is self._worker.thread
+
     @property
     def closed(self) -> bool:
         """Whether ``close()`` has stopped this stream's worker."""

@@ -531,6 +531,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._collect_stray_grads()
         self._mode.settle(self.buckets)
         self._reconcile_written_weights()
+        if not self._step_needs_statistics():
+            # Note [a step that needs no statistics]
+            arrived = [bucket.grads.arrived.copy() for bucket in self.buckets]
+            work = [
+                (StepPlan(bucket, flags), self._hyper(bucket))
+                for bucket, flags in zip(self.buckets, arrived, strict=True)
+            ]
+            self._mode.run(work, 1.0 / self.scaler.scale)
+            sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
+            self._decide(sumsq, overflow)  # for last_grad_norm and the profiler only
+            self._router.consumed()
+            return loss
         sumsq, overflow, arrived = self._grad_stats()
         skip, grad_scale = self._decide(sumsq, overflow)
         if skip:
@@ -545,6 +557,34 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._mode.run(work, grad_scale)
         self._router.consumed()
         return loss
+
+    # Note [a step that needs no statistics]
+    # The statistics (the gradients' sum of squares and overflow flag) decide a step only
+    # through clipping (configured, or a clip_grad_norm_ call for this step), a skip on
+    # overflow (fp16's dynamic loss scaling, or skip_nonfinite) or, with several ranks,
+    # the all-reduce that also merges which parameters got gradients. Without any of these
+    # the step is known before the statistics are: every parameter with a gradient takes
+    # one Adam step with the gradient divided by the (static) loss scale. Then step()
+    # does not wait for the host worker: CPU Adam starts on each bucket's first gradient
+    # tile as soon as it lands (Note [Adam follows the gradient in] in offloaded.py), and
+    # the statistics, computed meanwhile on the host worker, are read after the update for
+    # last_grad_norm and the profiler. It is the same arithmetic either way (bitwise; see
+    # tests/test_step_bytes.py). Kept to the plain case: offloaded buckets only, an
+    # immediate update, no parameter offload.
+
+    def _step_needs_statistics(self) -> bool:
+        """Whether this step's decision needs the statistics first (Note [a step that
+        needs no statistics])."""
+        return (
+            self.config.max_grad_norm is not None
+            or self._clip_once is not None
+            or isinstance(self.scaler, DynamicLossScaler)
+            or self.config.skip_nonfinite
+            or self._ranks.world_size > 1
+            or not isinstance(self._mode, ImmediateUpdate)
+            or self.config.offload_parameters
+            or any(bucket.resident for bucket in self.buckets)
+        )
 
     def _land_eager(self) -> None:
         """Take the announced step that ran during backward: land its weights, commit.

@@ -525,7 +525,10 @@ class OffloadedState(UpdateBackend):
                     # Synchronisation point: CPU Adam reads this tile next.
                     event.synchronize()
                     break
-        elif self._staging_consumed is not None:
+        elif self._staging_consumed is not None and not self.manager.host_worker.is_current():
+            # On the host worker (a delayed or announced update) the update is queued behind
+            # the passes over its window, and a later window's event may already be queued
+            # behind the update: waiting for it would never end.
             self._staging_consumed.synchronize()  # the host worker's last pass is done
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
