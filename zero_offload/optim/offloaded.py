@@ -74,6 +74,18 @@ from .ranks import Ranks
 
 __all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
 
+# Note [the Adam pass gets the cores]
+# The host worker's passes over a gradient (statistics, accumulation, the fold into the
+# accumulator) run while something else holds the cores: torch's threads running the
+# rest of backward, or CPU Adam, which runs on every core (numba's default, as torch's).
+# They are memory-bound and vectorised, so one thread nearly saturates the memory (31 of
+# 33 GB/s for the statistics on the 2-vCPU test machine), while a second team of threads
+# oversubscribes the cores and stalls both teams at their barriers. So they run on one
+# thread. Measured in the same run (bench_offload_step's embed model, bf16, one
+# micro-batch, no clipping, median of 15 interleaved rounds): 26.5 ms a step with one
+# thread against 29.1 ms with a team of two; no change with clipping or 4 micro-batches.
+HOST_PASS_THREADS = 1
+
 
 class GradBuffers:
     """Device gradient buffers for offloaded buckets: the device pool, plus overflow pools
@@ -492,7 +504,9 @@ class OffloadedState(UpdateBackend):
         # Host worker: the window's first gradient, from staging into the accumulator.
         self._declare_cpu(self.grad_staging, write=False, what="fold reads staging")
         self._declare_cpu(acc, write=True, what="fold writes the accumulator")
-        accumulate_grad(acc, self.grad_staging, overwrite=True, stop=real)
+        accumulate_grad(
+            acc, self.grad_staging, overwrite=True, stop=real, num_threads=HOST_PASS_THREADS
+        )
 
     def _host_pass_tile(
         self, acc: torch.Tensor | None, overwrite: bool, lo: int, hi: int, partials: list[float]
@@ -504,11 +518,17 @@ class OffloadedState(UpdateBackend):
         staging = self.grad_staging
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
-            partials.append(grad_stats(staging, start=lo, stop=hi)[0])
+            partials.append(
+                grad_stats(staging, start=lo, stop=hi, num_threads=HOST_PASS_THREADS)[0]
+            )
             return
         self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
         self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        partials.append(accumulate_grad(acc, staging, overwrite=overwrite, start=lo, stop=hi)[0])
+        partials.append(
+            accumulate_grad(
+                acc, staging, overwrite=overwrite, start=lo, stop=hi, num_threads=HOST_PASS_THREADS
+            )[0]
+        )
 
     def _sum_partials(self, partials: list[float]) -> None:
         # Host worker, after the last tile: the flush's statistics (float64 sums, in order).
