@@ -78,10 +78,10 @@ __all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
 # The host worker's passes over a gradient (statistics, accumulation, the fold into the
 # accumulator) run while something else holds the cores: torch's threads running the
 # rest of backward, or CPU Adam, which runs on every core (numba's default, as torch's).
-# They are memory-bound and vectorised, so one thread nearly saturates the memory (31 of
-# 33 GB/s for the statistics on the 2-vCPU test machine), while a second team of threads
-# oversubscribes the cores and stalls both teams at their barriers. So they run on one
-# thread. Measured in the same run (bench_offload_step's embed model, bf16, one
+# They are vectorised and mostly memory-bound: alone, one thread does the fp32 statistics
+# in 1.16x the time of two, bf16 in 1.6x (benchmarks/bench_grad_passes.py). Beside CPU
+# Adam, though, a second team of threads oversubscribes the cores and stalls both teams at
+# their barriers. So they run on one thread. Measured in the same run (bench_offload_step's embed model, bf16, one
 # micro-batch, no clipping, median of 15 interleaved rounds): 26.5 ms a step with one
 # thread against 29.1 ms with a team of two; no change with clipping or 4 micro-batches.
 HOST_PASS_THREADS = 1
@@ -539,12 +539,10 @@ class OffloadedState(UpdateBackend):
         """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
         gradient; Note [Adam follows the gradient in]. Instant when the host worker
         drained."""
-        if source == "grad_staging":
-            for end, event in self._landing:
-                if end >= hi:
-                    # Synchronisation point: CPU Adam reads this tile next.
-                    event.synchronize()
-                    break
+        if source == "grad_staging" and self._landing:
+            # The first tile copy ending at or past hi (the last one past the copied part).
+            event = next((e for end, e in self._landing if end >= hi), self._landing[-1][1])
+            event.synchronize()  # Synchronisation point: CPU Adam reads this tile next
         elif self._staging_consumed is not None and not self.manager.host_worker.is_current():
             # On the host worker (a delayed or announced update) the update is queued behind
             # the passes over its window, and a later window's event may already be queued
