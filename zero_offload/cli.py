@@ -22,6 +22,7 @@ __all__ = ["BENCHMARKS", "main"]
 #: ``zero-offload bench`` names and the scripts under the repository's ``benchmarks/``.
 BENCHMARKS = {
     "kernels": "bench_cpu_adam.py",
+    "grad-passes": "bench_grad_passes.py",
     "pools": "bench_pool.py",
     "step": "bench_offload_step.py",
     "step-dist": "bench_offload_step_dist.py",
