@@ -130,3 +130,28 @@ def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait
     else:
         # Clipping is configured: the norm, so every tile, comes first.
         assert first_tile_at[0] > last_landed
+
+
+def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -> None:
+    # Note [no accumulator for one backward]: a loop that accumulates every step sends each
+    # window's first flush straight into the accumulator (no statistics pass, no fold);
+    # when it stops accumulating, the next window is stepped from the accumulator and the
+    # one after reads staging again. Bitwise the always-accumulating path throughout.
+    model, plain_model = make_pair()
+    opt, plain = offload_opt(model), offload_opt(plain_model)
+    for bucket in plain.buckets:
+        bucket.backend.require_accumulator()
+    data = batches(9)
+    sources = []
+    for micro, chunk in [(3, data[0:3]), (3, data[3:6]), (1, data[6:7]), (1, data[7:8])]:
+        for o, m in ((opt, model), (plain, plain_model)):
+            for j, (tokens, targets) in enumerate(chunk):
+                o.backward(lm_loss(m, tokens, targets))
+                if o is opt and j == 0:
+                    sources.append({b.backend.window_source() for b in opt.buckets})
+            o.step()
+            o.zero_grad()
+        assert micro == len(chunk)
+    assert sources == [{"grad_staging"}, {"grad_acc"}, {"grad_acc"}, {"grad_staging"}]
+    assert max_diff(model, plain_model) == 0.0
+    assert opt.last_grad_norm == plain.last_grad_norm

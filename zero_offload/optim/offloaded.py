@@ -19,7 +19,11 @@ worker's only pass over the gradient is its statistics (``grad_stats``) as the s
 lands. No fp32 accumulator exists. A second flush in the window (a second micro-batch, or
 an early flush) first folds staging into an fp32 accumulator, taken on first need from a
 lazily created pool (``AccumulatorPool``: pinned once, kept for later steps), and adds each
-later flush there, exactly, in fp32. Lazily rather than by a setting: users never declare
+later flush there, exactly, in fp32. A bucket whose previous window accumulated expects the
+next one to as well: its first flush goes straight into the accumulator (an overwriting
+pass that also yields the statistics), so a loop that accumulates every step pays no
+statistics pass and no fold; a window that then gets one flush after all is stepped from
+the accumulator, the same values (``grad.float()``), bitwise. Lazily rather than by a setting: users never declare
 accumulation, at the cost of one pinned allocation at the first accumulating step.
 ``overlap_step`` always accumulates: its delayed update still reads the gradients while
 the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
@@ -246,6 +250,10 @@ class OffloadedState(UpdateBackend):
             name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
         )
         self.always_accumulate = False  # overlap_step: see the Note above
+        # Flushes in the current window and in the one before (the first flush of a window
+        # goes to the accumulator when the one before accumulated; Note above).
+        self._window_flushes = 0
+        self._previous_window_flushes = 0
         self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
         self.grad_acc: torch.Tensor | None = None
         # Which field holds the window's gradient: "grad_staging" or "grad_acc". Set on the
@@ -429,6 +437,9 @@ class OffloadedState(UpdateBackend):
             with phase("wait_staging"):
                 self._staging_consumed.synchronize()
         index = self.layout.index
+        if overwrite:  # a new window: the one before had _window_flushes flushes
+            self._previous_window_flushes, self._window_flushes = self._window_flushes, 0
+        self._window_flushes += 1
         if self._adopted is not None:
             self._flush_adopted(overwrite=overwrite, staging_block=staging_block)
             return
@@ -439,7 +450,7 @@ class OffloadedState(UpdateBackend):
             what=f"bucket {index} ({self.layout.padded_numel} el)",
         )
         start, stop = self.shard
-        if not overwrite or self.always_accumulate:
+        if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         block = self._release_grad()
         landing = self._copy_to_staging(
@@ -450,13 +461,18 @@ class OffloadedState(UpdateBackend):
 
     def _flush_adopted(self, *, overwrite: bool, staging_block: Block) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
-        if not overwrite or self.always_accumulate:
+        if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad, self._adopted = self._adopted, None
         landing = self._copy_to_staging(
             grad, after=[self.manager.compute_ready()], blocks=[staging_block]
         )
         self._after_copy(landing, overwrite=overwrite)
+
+    def _first_flush_accumulates(self) -> bool:
+        """Whether a window's first flush goes to the accumulator (Note [no accumulator for
+        one backward])."""
+        return self.always_accumulate or self._previous_window_flushes > 1
 
     def _copy_to_staging(
         self, src: torch.Tensor, *, after: list[Event], blocks: list[Block]
@@ -481,7 +497,7 @@ class OffloadedState(UpdateBackend):
     def _after_copy(self, landing: list[tuple[int, Event]], *, overwrite: bool) -> None:
         """Queue the host worker's pass over each tile of staging as it lands."""
         worker = self.manager.host_worker
-        if overwrite and not self.always_accumulate:
+        if overwrite and not self._first_flush_accumulates():
             self._source = "grad_staging"
             acc = None
         else:
