@@ -375,3 +375,38 @@ def test_a_delayed_update_behind_the_next_backward_does_not_wait_for_it(monkeypa
     worker.join(timeout=60)
     assert done.is_set(), "the delayed update waited for work queued behind it"
     opt.close()
+
+
+def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monkeypatch):
+    # Note [a step that needs no statistics]: the update runs before the host worker's
+    # statistics are read, so their failure comes after the step changed every bucket.
+    # It must say so (StepFailed), not look like a step that changed nothing.
+    import time
+
+    from zero_offload.errors import StreamError
+    from zero_offload.optim.stepping import StepFailed
+
+    model = mlp()
+    opt = mk(model)
+    assert not opt._step_needs_statistics()
+    (x, y), (x2, y2) = data(2)
+    loss_fn(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    last = opt.buckets[0].layout.index  # backward reaches the first layer's bucket last
+    real = off.OffloadedState._sum_partials
+
+    def failing(self, partials):
+        if self.layout.index == last:
+            time.sleep(0.05)  # the caller is past its last submit when this fails
+            raise MemoryError("injected")
+        return real(self, partials)
+
+    monkeypatch.setattr(off.OffloadedState, "_sum_partials", failing)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, x2, y2).backward()
+    with pytest.raises(StepFailed, match=r"step\(\) was applied to buckets .*rebuild"):
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(StreamError, match="injected"):  # the worker's error is sticky
+        opt.close()

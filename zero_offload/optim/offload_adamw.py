@@ -539,9 +539,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                 for bucket, flags in zip(self.buckets, arrived, strict=True)
             ]
             self._mode.run(work, 1.0 / self.scaler.scale)
-            sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
+            self._router.consumed()  # the step is applied, whatever follows
+            try:
+                sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
+            except BaseException as exc:
+                stepped = [bucket.layout.index for bucket in self.buckets]
+                raise StepFailed(
+                    f"step() was applied to buckets {stepped}, but the host worker's "
+                    f"statistics of its gradients then failed ({type(exc).__name__}), so "
+                    "last_grad_norm is not known. Later steps would fail the same way: "
+                    "rebuild the optimizer (or reload it from a checkpoint)"
+                ) from exc
             self._decide(sumsq, overflow)  # for last_grad_norm and the profiler only
-            self._router.consumed()
             return loss
         sumsq, overflow, arrived = self._grad_stats()
         skip, grad_scale = self._decide(sumsq, overflow)

@@ -54,10 +54,12 @@ the accumulator waits for the host worker's last pass over the bucket
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import warnings
 
+import numba
 import numpy as np
 import torch
 
@@ -85,10 +87,16 @@ __all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
 # They are vectorised and mostly memory-bound: alone, one thread does the fp32 statistics
 # in 1.16x the time of two, bf16 in 1.6x (benchmarks/bench_grad_passes.py). Beside CPU
 # Adam, though, a second team of threads oversubscribes the cores and stalls both teams at
-# their barriers. So they run on one thread. Measured in the same run (bench_offload_step's embed model, bf16, one
-# micro-batch, no clipping, median of 15 interleaved rounds): 26.5 ms a step with one
-# thread against 29.1 ms with a team of two; no change with clipping or 4 micro-batches.
-HOST_PASS_THREADS = 1
+# their barriers. So they run on a quarter of numba's threads, at least one: one on the
+# 2-vCPU test machine, where that measured 26.5 ms a step against 29.1 ms with a team of
+# two (bench_offload_step's embed model, bf16, one micro-batch, no clipping, median of 15
+# interleaved rounds; no change with clipping or 4 micro-batches); on a many-core host a
+# few threads keep up with the D2H link (not measured: no GPU host was available).
+
+
+def host_pass_threads() -> int:
+    """Threads for one host-worker pass over a gradient: Note [the Adam pass gets the cores]."""
+    return max(1, numba.config.NUMBA_NUM_THREADS // 4)
 
 
 class GradBuffers:
@@ -487,8 +495,10 @@ class OffloadedState(UpdateBackend):
                 src[lo:hi],
                 direction=Direction.D2H,
                 category=Category.GRADIENTS,
-                after=after if lo == 0 else (),  # the stream is in order
-                blocks=blocks,
+                # The stream is in order: the first copy waits, the last one's end event
+                # (recorded on the blocks) is every copy's end.
+                after=after if lo == 0 else (),
+                blocks=blocks if hi == n else (),
                 label=f"bucket{index}" if n <= step else f"bucket{index}[{lo}:{hi}]",
             )
             landing.append((hi, event))
@@ -521,7 +531,7 @@ class OffloadedState(UpdateBackend):
         self._declare_cpu(self.grad_staging, write=False, what="fold reads staging")
         self._declare_cpu(acc, write=True, what="fold writes the accumulator")
         accumulate_grad(
-            acc, self.grad_staging, overwrite=True, stop=real, num_threads=HOST_PASS_THREADS
+            acc, self.grad_staging, overwrite=True, stop=real, num_threads=host_pass_threads()
         )
 
     def _host_pass_tile(
@@ -535,14 +545,19 @@ class OffloadedState(UpdateBackend):
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
             partials.append(
-                grad_stats(staging, start=lo, stop=hi, num_threads=HOST_PASS_THREADS)[0]
+                grad_stats(staging, start=lo, stop=hi, num_threads=host_pass_threads())[0]
             )
             return
         self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
         self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
         partials.append(
             accumulate_grad(
-                acc, staging, overwrite=overwrite, start=lo, stop=hi, num_threads=HOST_PASS_THREADS
+                acc,
+                staging,
+                overwrite=overwrite,
+                start=lo,
+                stop=hi,
+                num_threads=host_pass_threads(),
             )[0]
         )
 
@@ -555,15 +570,21 @@ class OffloadedState(UpdateBackend):
         """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
         gradient; Note [Adam follows the gradient in]. Instant when the host worker
         drained."""
+        event = None
         if source == "grad_staging" and self._landing:
             # The first tile copy ending at or past hi (the last one past the copied part).
-            event = next((e for end, e in self._landing if end >= hi), self._landing[-1][1])
-            event.synchronize()  # Synchronisation point: CPU Adam reads this tile next
-        elif self._staging_consumed is not None and not self.manager.host_worker.is_current():
+            ends = [end for end, _ in self._landing]
+            event = self._landing[min(bisect.bisect_left(ends, hi), len(ends) - 1)][1]
+        elif not self.manager.host_worker.is_current():
             # On the host worker (a delayed or announced update) the update is queued behind
             # the passes over its window, and a later window's event may already be queued
             # behind the update: waiting for it would never end.
-            self._staging_consumed.synchronize()  # the host worker's last pass is done
+            event = self._staging_consumed  # the host worker's last pass over the window
+        if event is not None and not event.query():
+            # Synchronisation point: CPU Adam reads this tile next. Timed as waiting for
+            # gradients, not as CPU Adam.
+            with phase("wait_grads", track="cpu_optimizer"):
+                event.synchronize()
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def discard_grad(self) -> None:
