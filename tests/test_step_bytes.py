@@ -171,7 +171,7 @@ def test_a_flush_in_many_tiles_records_its_blocks_once(monkeypatch) -> None:
     # Note [Adam follows the gradient in]: a lone gradient of 256 tiles is 256 copies. Only
     # the last records its end on the staging block (the stream is in order); recording
     # every one made each record filter the block's growing list (256^2 / 2 event queries
-    # on the backward thread).
+    # on the backward thread; one to four thousand remain from the rest of the step).
     from zero_offload.accelerator.threads import ThreadEvent
 
     torch.manual_seed(0)
@@ -184,5 +184,5 @@ def test_a_flush_in_many_tiles_records_its_blocks_once(monkeypatch) -> None:
     model(x).square().sum().backward()
     opt.step()
     assert len(opt.buckets[0].backend._landing) == 256
-    assert len(queries) < 2000
+    assert len(queries) < 10_000  # recording on every copy: over 32k
     opt.close()

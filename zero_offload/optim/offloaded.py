@@ -580,11 +580,15 @@ class OffloadedState(UpdateBackend):
             # the passes over its window, and a later window's event may already be queued
             # behind the update: waiting for it would never end.
             event = self._staging_consumed  # the host worker's last pass over the window
-        if event is not None and not event.query():
-            # Synchronisation point: CPU Adam reads this tile next. Timed as waiting for
-            # gradients, not as CPU Adam.
-            with phase("wait_grads", track="cpu_optimizer"):
+        if event is not None:
+            # Synchronisation point: CPU Adam reads this tile next. Always synchronize (a
+            # query that says done orders nothing for the race checker); a wait that blocks
+            # is timed as waiting for gradients, not as CPU Adam.
+            if event.query():
                 event.synchronize()
+            else:
+                with phase("wait_grads", track="cpu_optimizer"):
+                    event.synchronize()
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def discard_grad(self) -> None:
