@@ -2,19 +2,26 @@
 
     python benchmarks/gpu_check.py [--skip-tests] [--skip-benchmarks]
 
-1. the test suite's CUDA cases (``pytest -m cuda``), then again under PyTorch's CUDA
-   sanitizer (``TORCH_CUDA_SANITIZER=1``), which raises on unsynchronised stream accesses;
-2. the default device budget (free memory at construction less the headroom, Note [the
+1. the default device budget (free memory at construction less the headroom, Note [the
    default device budget] in ``accelerator/cuda.py``) next to ``mem_get_info``;
-3. pinned memory: the registration rate of ``CudaAccelerator.allocate_host`` (page-aligned
+2. pinned memory: the registration rate of ``CudaAccelerator.allocate_host`` (page-aligned
    mmap, pre-faulted, ``cudaHostRegister``) against torch's pinned allocator
    (``pin_memory=True``, which rounds sizes up), and the locked-memory limit;
-4. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
+3. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
    ``CudaAccelerator.allocate_host``, timed with CUDA events);
-5. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
+4. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
    memory (``torch.cuda.max_memory_allocated``) with ``OffloadAdamW`` against the same loop
    with torch's fused AdamW keeping fp32 master weights and moments on the GPU;
-6. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
+5. a 1B-parameter GPT (bf16) at a batch that keeps the GPU busy (``--gpt-1b-tokens`` tokens a
+   step, in ``--gpt-1b-micro`` micro-batches): the offloaded step (plain; announced with
+   ``backward(step=True)``; ``overlap_step``) against the no-offload step (fp32 master and
+   moments on the GPU, fused AdamW); issue 15's target is offloaded <= 1.1x;
+6. the test suite's CUDA cases (``pytest -m cuda``), then again under PyTorch's CUDA
+   sanitizer (``TORCH_CUDA_SANITIZER=1``), which raises on unsynchronised stream accesses;
+7. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
+
+Each result row is printed as soon as it is measured (so a run cut short still reports what
+it got), and the whole table again at the end.
 
 Without a GPU it says so in one line and exits 0. It runs unchanged on any CUDA machine.
 """
@@ -32,6 +39,19 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+
+class _Rows(list):
+    """The result rows; each is printed as it is added (a run cut short still reports)."""
+
+    def append(self, row: tuple[str, str]) -> None:
+        print(f"gpu_check: {row[0]}: {row[1]}", flush=True)
+        super().append(row)
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
 
 
 def _bandwidth(nbytes: int = 256 * 2**20, rounds: int = 5) -> dict[str, float]:
@@ -138,16 +158,113 @@ def _offload_vs_resident(rounds: int = 5) -> dict[str, float]:
     return result
 
 
+#: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
+#: head, 2048 positions.
+GPT_1B = {"vocab_size": 32768, "seq_len": 2048, "layers": 20, "hidden": 2048, "heads": 16}
+
+
+def offloaded_vs_resident_step(
+    config, *, micro: int, batch: int, rounds: int, device: torch.device
+) -> dict[str, float]:
+    """Median step seconds of the no-offload loop and of three offloaded loops on ``config``
+    (a ``GPTConfig``), ``micro`` micro-batches of ``batch`` sequences a step, and the ratios.
+    Runs on any accelerator (the tests run it on the CPU with a tiny config)."""
+    from bench_offload_step import _TorchMixed
+
+    from zero_offload import OffloadAdamW, OffloadConfig
+    from zero_offload.demo.model import TinyGPT
+
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=gen).to(device)
+        for _ in range(micro)
+    ]
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    out: dict[str, float] = {}
+    for name in ("resident", "offload", "offload_announced", "offload_overlap_step"):
+        if cuda:
+            torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        model = TinyGPT(config).to(device=device, dtype=torch.bfloat16)
+        if name == "resident":
+            opt = _TorchMixed(model)
+        else:
+            config_ = OffloadConfig(overlap_step=name == "offload_overlap_step")
+            opt = OffloadAdamW(model.parameters(), lr=1e-4, config=config_)
+        announce = name == "offload_announced"
+        times = []
+        for _ in range(rounds + 1):
+            sync()
+            start = time.perf_counter()
+            for i, ids in enumerate(data):
+                loss = model(ids, ids)
+                if name == "resident":
+                    loss.backward()
+                else:
+                    opt.backward(loss, step=announce and i == micro - 1)
+            opt.step()
+            opt.zero_grad()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_step_s"] = statistics.median(times[1:])
+        if name != "resident":
+            opt.close()
+        del model, opt
+    for name in ("offload", "offload_announced", "offload_overlap_step"):
+        out[f"{name}_ratio"] = out[f"{name}_step_s"] / out["resident_step_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-benchmarks", action="store_true")
+    parser.add_argument("--skip-gpt-1b", action="store_true")
+    parser.add_argument("--gpt-1b-tokens", type=int, default=65536, help="tokens per step")
+    parser.add_argument("--gpt-1b-micro", type=int, default=4, help="micro-batches per step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU visible to torch {torch.__version__}; nothing to check")
         return 0
-    rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name())]
+    rows = _Rows([("GPU", torch.cuda.get_device_name())])
     status = 0
+    rows += _budget()
+    rows += _pinned()
+    bw = _bandwidth()
+    rows += [("pinned H2D GB/s", f"{bw['h2d']:.1f}"), ("pinned D2H GB/s", f"{bw['d2h']:.1f}")]
+    both = _offload_vs_resident()
+    rows += [
+        ("step time offload / resident (100M, bf16)", f"{both['step_ratio']:.2f}"),
+        ("peak device memory resident / offload", f"{both['memory_ratio']:.2f}x"),
+        (
+            "offload step ms / resident step ms",
+            f"{both['offload_step_s'] * 1e3:.0f} / {both['resident_step_s'] * 1e3:.0f}",
+        ),
+    ]
+    if not args.skip_gpt_1b:
+        from zero_offload.demo.model import GPTConfig
+
+        config = GPTConfig(**GPT_1B)
+        micro = args.gpt_1b_micro
+        batch = max(1, args.gpt_1b_tokens // (micro * config.seq_len))
+        big = offloaded_vs_resident_step(
+            config, micro=micro, batch=batch, rounds=3, device=torch.device("cuda")
+        )
+        what = f"1B GPT, bf16, {micro} x {batch} x {config.seq_len} tokens"
+        rows.append((f"no-offload step ms ({what})", f"{big['resident_step_s'] * 1e3:.0f}"))
+        for name in ("offload", "offload_announced", "offload_overlap_step"):
+            rows.append(
+                (
+                    f"{name} step ms, / no-offload (target <= 1.1)",
+                    f"{big[f'{name}_step_s'] * 1e3:.0f}, {big[f'{name}_ratio']:.2f}",
+                )
+            )
+    # The tests after the measurements: a run cut short keeps the numbers.
     if not args.skip_tests:
         tests = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "cuda", os.path.join(HERE, "..", "tests")],
@@ -168,19 +285,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         status = tests.returncode or sanitized.returncode
-    rows += _budget()
-    rows += _pinned()
-    bw = _bandwidth()
-    rows += [("pinned H2D GB/s", f"{bw['h2d']:.1f}"), ("pinned D2H GB/s", f"{bw['d2h']:.1f}")]
-    both = _offload_vs_resident()
-    rows += [
-        ("step time offload / resident (100M, bf16)", f"{both['step_ratio']:.2f}"),
-        ("peak device memory resident / offload", f"{both['memory_ratio']:.2f}x"),
-        (
-            "offload step ms / resident step ms",
-            f"{both['offload_step_s'] * 1e3:.0f} / {both['resident_step_s'] * 1e3:.0f}",
-        ),
-    ]
     if not args.skip_benchmarks:
         import bench_cpu_adam
         import bench_offload_step
