@@ -9,8 +9,9 @@ What differs from ``torch.optim.AdamW``, visibly:
   is produced and accumulates in fp32 on the host. ``step()`` uses exactly the gradients of
   the backward passes since the previous ``step()`` or ``zero_grad()``, whatever the loop
   calls to clear gradients. Clip with ``opt.clip_grad_norm_`` or
-  ``OffloadConfig(max_grad_norm=...)``: ``torch.nn.utils.clip_grad_norm_`` finds no
-  ``.grad`` to clip. fp16 models use ``opt.backward(loss)``.
+  ``OffloadConfig(max_grad_norm=...)``: ``torch.nn.utils.clip_grad_norm_`` would find no
+  ``.grad`` to clip, so on our parameters it raises (Note [torch's clipping cannot see our
+  gradients] in ``torch_clipping.py``). fp16 models use ``opt.backward(loss)``.
 - Parameters become views into flat per-bucket device buffers (``param.data`` is replaced
   once, at construction; modules keep working unchanged). Replacing ``param.data`` later,
   or unfreezing a parameter that was frozen at construction, is refused at the next step.
@@ -72,9 +73,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     group when it is initialised, else none); every rank must construct the optimizer
     over the same parameters in the same order. See the module docstring.
 
-    Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees no gradients
-    (they are on the host) and clips nothing. Use ``opt.clip_grad_norm_(max_norm)``, or
-    ``OffloadConfig(max_grad_norm=...)``, or the integrations (``OffloadTrainer``).
+    Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see no
+    gradients (they are on the host), so on this optimizer's parameters it raises. Use
+    ``opt.clip_grad_norm_(max_norm)``, or ``OffloadConfig(max_grad_norm=...)``, or the
+    integrations (``OffloadTrainer``, ``OffloadAccelerator``).
 
     As in torch, ``params`` may be ``model.named_parameters()`` (the names are kept as each
     group's ``param_names``, state dict included), and ``lr`` and ``betas`` may be 1-element
