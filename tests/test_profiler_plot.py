@@ -48,6 +48,16 @@ def test_each_step_splits_into_compute_exposed_and_optimizer():
     assert steps[3].optimizer == pytest.approx(0.1)
 
 
+def test_a_phase_nested_in_another_on_the_optimizer_track_counts_once():
+    # A wait for gradients inside CPU Adam (Note [Adam follows the gradient in]).
+    data = _data()
+    data.phases.append(PhaseSpan("wait_grads", "cpu_optimizer", 1.32, 1.38))
+    data.phases.append(PhaseSpan("wait_grads", "cpu_optimizer", 1.39, 1.42))  # runs past it
+    second = step_times(data)[1]
+    assert second.optimizer == pytest.approx(0.12)  # 1.3 to 1.42
+    assert second.compute == pytest.approx(0.5 - 0.15 - 0.12)
+
+
 def test_the_zoomed_step_is_the_median_after_warm_up():
     steps = step_times(_data())
     assert representative_step(steps).index == 1  # median of 0.5, 0.7, 0.5; not step 0

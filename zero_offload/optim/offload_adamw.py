@@ -544,7 +544,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._router.consumed()  # the step is applied, whatever follows
             try:
                 sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
-            except BaseException as exc:
+            except Exception as exc:  # (a KeyboardInterrupt is not the worker failing)
                 stepped = [bucket.layout.index for bucket in self.buckets]
                 raise StepFailed(
                     f"step() was applied to buckets {stepped}, but the host worker's "

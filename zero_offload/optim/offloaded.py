@@ -258,10 +258,10 @@ class OffloadedState(UpdateBackend):
             name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
         )
         self.always_accumulate = False  # overlap_step: see the Note above
-        # Flushes in the current window and in the one before (the first flush of a window
-        # goes to the accumulator when the one before accumulated; Note above).
+        # Flushes in the current window (until a new window's first flush is done, the one
+        # before): a window's first flush goes to the accumulator when the one before
+        # accumulated (Note above).
         self._window_flushes = 0
-        self._previous_window_flushes = 0
         self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
         self.grad_acc: torch.Tensor | None = None
         # Which field holds the window's gradient: "grad_staging" or "grad_acc". Set on the
@@ -282,6 +282,7 @@ class OffloadedState(UpdateBackend):
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in].
         self._landing: list[tuple[int, Event]] = []
+        self._landing_ends: list[int] = []  # the end offsets of _landing, for bisect
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.weights_staging: torch.Tensor | None = None
 
@@ -445,9 +446,6 @@ class OffloadedState(UpdateBackend):
             with phase("wait_staging"):
                 self._staging_consumed.synchronize()
         index = self.layout.index
-        if overwrite:  # a new window: the one before had _window_flushes flushes
-            self._previous_window_flushes, self._window_flushes = self._window_flushes, 0
-        self._window_flushes += 1
         if self._adopted is not None:
             self._flush_adopted(overwrite=overwrite, staging_block=staging_block)
             return
@@ -479,8 +477,9 @@ class OffloadedState(UpdateBackend):
 
     def _first_flush_accumulates(self) -> bool:
         """Whether a window's first flush goes to the accumulator (Note [no accumulator for
-        one backward])."""
-        return self.always_accumulate or self._previous_window_flushes > 1
+        one backward]); asked before the flush is counted, so ``_window_flushes`` is still
+        the previous window's."""
+        return self.always_accumulate or self._window_flushes > 1
 
     def _copy_to_staging(
         self, src: torch.Tensor, *, after: list[Event], blocks: list[Block]
@@ -514,6 +513,9 @@ class OffloadedState(UpdateBackend):
             self._source = "grad_acc"
             acc = self._ensure_accumulator()
         self._landing = landing
+        self._landing_ends = [end for end, _ in landing]
+        # Counted once the flush is queued: a flush that failed before it is not counted.
+        self._window_flushes = 1 if overwrite else self._window_flushes + 1
         real = self.layout.real_in(*self.shard)
         partials: list[float] = []
         lo = 0
@@ -573,7 +575,7 @@ class OffloadedState(UpdateBackend):
         event = None
         if source == "grad_staging" and self._landing:
             # The first tile copy ending at or past hi (the last one past the copied part).
-            ends = [end for end, _ in self._landing]
+            ends = self._landing_ends
             event = self._landing[min(bisect.bisect_left(ends, hi), len(ends) - 1)][1]
         elif not self.manager.host_worker.is_current():
             # On the host worker (a delayed or announced update) the update is queued behind

@@ -70,6 +70,18 @@ def _overlap(start: float, end: float, lo: float, hi: float) -> float:
     return max(0.0, min(end, hi) - max(start, lo))
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping ``(start, end)`` spans merged: a phase nested in another on the same
+    track (a wait inside CPU Adam) counts once."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def step_times(data: ProfileData) -> list[StepTime]:
     """Each ``prof.step()`` window with its exposed and optimizer seconds."""
     stalls = []
@@ -77,7 +89,7 @@ def step_times(data: ProfileData) -> list[StepTime]:
         began, ended = stall.before.completed_at(), stall.after.completed_at()
         if began is not None and ended is not None:
             stalls.append((began, ended))
-    optimizer = [(s.start, s.end) for s in data.phases if s.track == "cpu_optimizer"]
+    optimizer = _union([(s.start, s.end) for s in data.phases if s.track == "cpu_optimizer"])
     steps = []
     start = data.started_at
     for index, end in enumerate(data.step_marks):
