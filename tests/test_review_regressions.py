@@ -410,3 +410,43 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(StreamError, match="injected"):  # the worker's error is sticky
         opt.close()
+
+
+@pytest.mark.parametrize("lone", [False, True], ids=["bucket", "lone-gradient"])
+def test_a_gradient_copy_failing_mid_flush_is_discarded_by_zero_grad(monkeypatch, lone):
+    # A flush queues its gradient tile by tile (Note [Adam follows the gradient in]); when
+    # queuing one fails, the bucket keeps its device buffer (or its adopted gradient), so
+    # the backward that raised is discarded by zero_grad like any other, and training goes
+    # on as torch's would without that backward.
+    from zero_offload.memory.manager import TieredMemoryManager
+    from zero_offload.memory.traffic import Category
+
+    dims = (64, 64, 8) if lone else (16, 32, 32, 8)
+    model, ref = mlp(dims=dims), mlp(dims=dims)
+    opt = mk(model, bucket_bytes=64 * 64 * 4 if lone else 2048)
+    ropt = ref_opt(ref)
+    batches = data(3, d_in=dims[0])
+    real = TieredMemoryManager.copy
+    calls = []
+
+    def failing(self, dst, src, *, category, **kwargs):
+        if category is Category.GRADIENTS:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected copy failure")
+        return real(self, dst, src, category=category, **kwargs)
+
+    monkeypatch.setattr(TieredMemoryManager, "copy", failing)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        loss_fn(model, *batches[0]).backward()
+    monkeypatch.setattr(TieredMemoryManager, "copy", real)
+    opt.zero_grad()
+    for x, y in batches[1:]:
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert mdiff(model, ref) < 1e-5
+    opt.close()

@@ -459,9 +459,14 @@ class OffloadedState(UpdateBackend):
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         block = self._release_grad()
-        landing = self._copy_to_staging(
-            grad[start:stop], after=[ready], blocks=[block, staging_block]
-        )
+        try:
+            landing = self._copy_to_staging(
+                grad[start:stop], after=[ready], blocks=[block, staging_block]
+            )
+        except BaseException:
+            self._grad_block = block  # the bucket keeps its buffer: zero_grad releases it
+            self._bind_grad(block)
+            raise
         block.free()  # reuse waits on the copies, Note [block reuse waits on events]
         self._after_copy(landing, overwrite=overwrite)
 
@@ -470,9 +475,13 @@ class OffloadedState(UpdateBackend):
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad, self._adopted = self._adopted, None
-        landing = self._copy_to_staging(
-            grad, after=[self.manager.compute_ready()], blocks=[staging_block]
-        )
+        try:
+            landing = self._copy_to_staging(
+                grad, after=[self.manager.compute_ready()], blocks=[staging_block]
+            )
+        except BaseException:
+            self._adopted = grad  # still the bucket's buffer: zero_grad drops it
+            raise
         self._after_copy(landing, overwrite=overwrite)
 
     def _first_flush_accumulates(self) -> bool:
@@ -485,8 +494,25 @@ class OffloadedState(UpdateBackend):
         self, src: torch.Tensor, *, after: list[Event], blocks: list[Block]
     ) -> list[tuple[int, Event]]:
         """Queue ``grad_staging[:n] = src`` in tiles; Note [Adam follows the gradient in]."""
+        landing: list[tuple[int, Event]] = []
+        try:
+            self._queue_tiles(src, landing, after=after, blocks=blocks)
+        except BaseException:
+            for block in blocks if landing else ():  # what was queued still uses them
+                block.record_event(landing[-1][1])
+            raise
+        return landing
+
+    def _queue_tiles(
+        self,
+        src: torch.Tensor,
+        landing: list[tuple[int, Event]],
+        *,
+        after: list[Event],
+        blocks: list[Block],
+    ) -> None:
+        """Queue the tile copies one by one, appending each to ``landing``."""
         n, step, index = src.numel(), self.tile_elements, self.layout.index
-        landing = []
         for lo in range(0, n, step):
             hi = min(lo + step, n)
             event = self.manager.copy(
@@ -501,7 +527,6 @@ class OffloadedState(UpdateBackend):
                 label=f"bucket{index}" if n <= step else f"bucket{index}[{lo}:{hi}]",
             )
             landing.append((hi, event))
-        return landing
 
     def _after_copy(self, landing: list[tuple[int, Event]], *, overwrite: bool) -> None:
         """Queue the host worker's pass over each tile of staging as it lands."""
