@@ -57,6 +57,15 @@ def mdiff(a, b):
     )
 
 
+def train_both(model, opt, ref, ropt, batches):
+    """One step per batch on ours and on the torch reference."""
+    for x, y in batches:
+        for m, o in ((model, opt), (ref, ropt)):
+            loss_fn(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+
+
 def ref_opt(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -185,13 +194,7 @@ def test_amsgrad_true_after_load_is_honoured_or_refused():
         o.load_state_dict(copy.deepcopy(ro.state_dict()))
     except (ValueError, TypeError):
         return  # refused: fine
-    for x, y in D[3:]:
-        loss_fn(m, x, y).backward()
-        o.step()
-        o.zero_grad()
-        loss_fn(r, x, y).backward()
-        ro.step()
-        ro.zero_grad()
+    train_both(m, o, r, ro, D[3:])
     assert mdiff(m, r) < 1e-5
 
 
@@ -441,12 +444,6 @@ def test_a_gradient_copy_failing_mid_flush_is_discarded_by_zero_grad(monkeypatch
         loss_fn(model, *batches[0]).backward()
     monkeypatch.setattr(TieredMemoryManager, "copy", real)
     opt.zero_grad()
-    for x, y in batches[1:]:
-        loss_fn(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_fn(ref, x, y).backward()
-        ropt.step()
-        ropt.zero_grad()
+    train_both(model, opt, ref, ropt, batches[1:])
     assert mdiff(model, ref) < 1e-5
     opt.close()
