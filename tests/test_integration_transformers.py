@@ -272,3 +272,39 @@ def test_two_ranks_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
     # The ranks agree: same weights, same (all-reduced) norms.
     assert max_weight_diff(ranks[0]["whole"]["weights"], ranks[1]["whole"]["weights"]) == 0.0
     assert ranks[0]["whole"]["grad_norms"] == ranks[1]["whole"]["grad_norms"]
+
+
+@pytest.mark.parametrize(
+    ("max_grad_norm", "speculative", "failures"),
+    [(0.5, True, 12), (100.0, True, 0), (0.0, False, 0)],
+    ids=["speculation-rolls-back", "speculation-holds", "no-clip"],
+)
+def test_trainer_steps_during_backward_bitwise(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    max_grad_norm: float,
+    speculative: bool,
+    failures: int,
+) -> None:
+    # Note [Trainer steps during backward]: the window's last micro-batch announces the
+    # step; the result is bitwise the same run with every step taken in step(), logged
+    # norms included.
+    config = offload_config(speculative_step=speculative)
+    args = {"max_grad_norm": max_grad_norm}
+    with monkeypatch.context() as patch:  # the reference never announces
+        patch.setattr(OffloadAdamW, "can_step_during_backward", lambda self: False)
+        plain = offload_trainer(
+            tiny_gpt2(), training_args(tmp_path / "plain", **args), offload_config=config
+        )
+        plain.train()
+    assert plain.offload_optimizer.share_stepped_during_backward is None
+    eager = offload_trainer(
+        tiny_gpt2(), training_args(tmp_path / "eager", **args), offload_config=config
+    )
+    eager.train()
+    opt = eager.offload_optimizer
+    assert opt.share_stepped_during_backward is not None  # the steps were announced
+    assert opt.speculation_failures == failures
+    assert logged(eager, "grad_norm") == logged(plain, "grad_norm")
+    assert logged(eager, "loss") == logged(plain, "loss")
+    assert max_weight_diff(weights(eager.model), weights(plain.model)) == 0.0

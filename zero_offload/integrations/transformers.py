@@ -220,18 +220,55 @@ class OffloadTrainer(Trainer):
             )
         return find_offload_optimizer(self.optimizer, where="OffloadTrainer")
 
+    # -- stepping during backward -------------------------------------------------------
+
+    # Note [Trainer steps during backward]
+    # Trainer runs the window's last micro-batch, then clips, then steps, with nothing in
+    # between that changes the gradients. So on that micro-batch (accelerate's
+    # sync_gradients) OffloadTrainer announces the step before backward when the optimizer
+    # can take it there (Note [stepping during backward] in optim/stepping.py): with no
+    # clipping (max_grad_norm=0), or with OffloadConfig(speculative_step=True), which
+    # steps at once and rolls back when the clip binds. The optimizer must then clip at
+    # TrainingArguments.max_grad_norm itself (the one it builds does), so Trainer's clip
+    # call only reads the pre-clip norm. Bitwise the step taken in step(); the share of
+    # CPU Adam done during backward shows in the profiler.
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """Trainer's training step; the window's last one announces the optimizer step
+        where it can run during backward (Note [Trainer steps during backward])."""
+        opt = self.offload_optimizer
+        clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else None
+        if (
+            self.accelerator.sync_gradients
+            and not opt.step_announced
+            and opt.config.max_grad_norm == clip
+            and opt.can_step_during_backward()
+        ):
+            opt.announce_step()
+        return super().training_step(model, inputs, num_items_in_batch)
+
     # -- clipping and the logged norm ----------------------------------------------------
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        """Clip at ``args.max_grad_norm`` inside the optimizer; the pre-clip norm."""
-        return self.offload_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+        """Clip at ``args.max_grad_norm`` inside the optimizer; the pre-clip norm. After an
+        announced step the optimizer clips at that value itself (Note [Trainer steps during
+        backward]): only the norm is read."""
+        opt = self.offload_optimizer
+        if opt.step_announced:
+            return opt.grad_norm()
+        return opt.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(
         self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None
     ) -> torch.Tensor | float:
         """The pre-clip norm Trainer logs as ``grad_norm`` (read from the optimizer when
         ``max_grad_norm`` is 0, so nothing clipped)."""
-        return pre_clip_norm(self.offload_optimizer) if grad_norm is None else grad_norm
+        if grad_norm is not None:
+            return grad_norm
+        opt = self.offload_optimizer
+        return opt.grad_norm() if opt.step_announced else pre_clip_norm(opt)
 
     # -- fp16 models: the loss scale ---------------------------------------------------
 

@@ -329,6 +329,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             return "parameter offload (the step writes the pinned weights the fetches read)"
         return None
 
+    def can_step_during_backward(self) -> bool:
+        """Whether an announced step (``backward(step=True)``, ``announce_step()``) would
+        run during backward here, as opposed to in ``step()``; Note [stepping during
+        backward] in stepping.py."""
+        self._check_open("can_step_during_backward")
+        return self._eager_refusal() is None
+
+    @property
+    def step_announced(self) -> bool:
+        """Whether a step is announced and not taken yet (``step()`` takes it)."""
+        return self._eager is not None
+
     def announce_step(self) -> bool:
         """Announce that the next backward is the window's last and ``step()`` follows it
         with no clipping or another backward in between (for loops that call
