@@ -275,9 +275,14 @@ def test_two_ranks_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_grad_norm", "speculative", "failures"),
-    [(0.5, True, 12), (100.0, True, 0), (0.0, False, 0)],
-    ids=["speculation-rolls-back", "speculation-holds", "no-clip"],
+    ("max_grad_norm", "speculative", "failures", "checkpointing"),
+    [
+        (0.5, True, 12, False),
+        (100.0, True, 0, False),
+        (0.0, False, 0, False),
+        (0.0, False, 0, True),
+    ],
+    ids=["speculation-rolls-back", "speculation-holds", "no-clip", "no-clip-checkpointing"],
 )
 def test_trainer_steps_during_backward_bitwise(
     tmp_path: Path,
@@ -285,12 +290,13 @@ def test_trainer_steps_during_backward_bitwise(
     max_grad_norm: float,
     speculative: bool,
     failures: int,
+    checkpointing: bool,
 ) -> None:
     # Note [Trainer steps during backward]: the window's last micro-batch announces the
     # step; the result is bitwise the same run with every step taken in step(), logged
     # norms included.
     config = offload_config(speculative_step=speculative)
-    args = {"max_grad_norm": max_grad_norm}
+    args = {"max_grad_norm": max_grad_norm, "gradient_checkpointing": checkpointing}
     with monkeypatch.context() as patch:  # the reference never announces
         patch.setattr(OffloadAdamW, "can_step_during_backward", lambda self: False)
         plain = offload_trainer(
