@@ -42,10 +42,14 @@ class InFlight(Generic[T]):
         return f"InFlight({type(self._buffer).__name__}, {len(self.pending())} pending)"
 
     def add(self, event: Event) -> None:
-        """One more copy touches the buffer until ``event``; completed events are dropped."""
+        """One more copy touches the buffer until ``event``."""
         if not isinstance(event, Event):
             raise TypeError(f"InFlight.add takes an accelerator Event, got {event!r}")
-        self._events = [*self.pending(), event]
+        n = len(self._events)
+        # Completed events are dropped at lengths 8, 16, 32, ... only: filtering at every
+        # add is quadratic when many copies are pending at once (one per tile).
+        events = self.pending() if n >= 8 and n & (n - 1) == 0 else self._events
+        self._events = [*events, event]
 
     def pending(self) -> list[Event]:
         """The events not yet complete (``query``; never blocks)."""
