@@ -296,7 +296,9 @@ def test_trainer_steps_during_backward_bitwise(
     # step; the result is bitwise the same run with every step taken in step(), logged
     # norms included.
     config = offload_config(speculative_step=speculative)
-    args = {"max_grad_norm": max_grad_norm, "gradient_checkpointing": checkpointing}
+    args: dict[str, object] = {"max_grad_norm": max_grad_norm}
+    if checkpointing:
+        args["gradient_checkpointing"] = True
     with monkeypatch.context() as patch:  # the reference never announces
         patch.setattr(OffloadAdamW, "can_step_during_backward", lambda self: False)
         plain = offload_trainer(
