@@ -306,12 +306,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
 
-    def _eager_refusal(self) -> str | None:
+    def _eager_refusal(self, *, speculative: bool | None = None) -> str | None:
         """Why a step cannot run during backward here, or None; Note [stepping during
-        backward] in stepping.py."""
+        backward] in stepping.py. ``speculative``: whether it may speculate (default
+        ``OffloadConfig.speculative_step``; Note [speculative steps])."""
         if self._ranks.world_size > 1:
             return "several ranks (the all-gathers and arrival flags are collective)"
-        speculative = self.config.speculative_step  # Note [speculative steps]
+        if speculative is None:
+            speculative = self.config.speculative_step
         if self.config.max_grad_norm is not None and not speculative:
             return (
                 "clipping is configured (the norm is known only after backward; "
@@ -545,40 +547,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._collect_stray_grads()
         self._mode.settle(self.buckets)
         self._reconcile_written_weights()
-        if not self._step_needs_statistics():
-            # Note [a step that needs no statistics]
+        fast = not self._step_needs_statistics()  # Note [a step that needs no statistics]
+        if fast:
             arrived = [bucket.grads.arrived.copy() for bucket in self.buckets]
-            work = [
-                (StepPlan(bucket, flags), self._hyper(bucket))
-                for bucket, flags in zip(self.buckets, arrived, strict=True)
-            ]
-            self._mode.run(work, 1.0 / self.scaler.scale)
-            self._router.consumed()  # the step is applied, whatever follows
-            try:
-                sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
-            except Exception as exc:  # (a KeyboardInterrupt is not the worker failing)
-                stepped = [bucket.layout.index for bucket in self.buckets]
-                raise StepFailed(
-                    f"step() was applied to buckets {stepped}, but the host worker's "
-                    f"statistics of its gradients then failed ({type(exc).__name__}), so "
-                    "last_grad_norm is not known. Later steps would fail the same way: "
-                    "rebuild the optimizer (or reload it from a checkpoint)"
-                ) from exc
-            self._decide(sumsq, overflow)  # for last_grad_norm and the profiler only
-            return loss
-        sumsq, overflow, arrived = self._grad_stats()
-        skip, grad_scale = self._decide(sumsq, overflow)
-        if skip:
-            for bucket in self.buckets:
-                bucket.grads.consume()
-            self._router.consumed()
-            return loss
+            grad_scale = 1.0 / self.scaler.scale
+        else:
+            sumsq, overflow, arrived = self._grad_stats()
+            skip, grad_scale = self._decide(sumsq, overflow)
+            if skip:
+                for bucket in self.buckets:
+                    bucket.grads.consume()
+                self._router.consumed()
+                return loss
         work = [
             (StepPlan(bucket, flags), self._hyper(bucket))
             for bucket, flags in zip(self.buckets, arrived, strict=True)
         ]
         self._mode.run(work, grad_scale)
         self._router.consumed()
+        if fast:
+            self._statistics_after_the_update()
         return loss
 
     # Note [a step that needs no statistics]
@@ -597,17 +585,23 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _step_needs_statistics(self) -> bool:
         """Whether this step's decision needs the statistics first (Note [a step that
-        needs no statistics])."""
-        return (
-            self.config.max_grad_norm is not None
-            or self._clip_once is not None
-            or isinstance(self.scaler, DynamicLossScaler)
-            or self.config.skip_nonfinite
-            or self._ranks.world_size > 1
-            or not isinstance(self._mode, ImmediateUpdate)
-            or self.config.offload_parameters
-            or any(bucket.resident for bucket in self.buckets)
-        )
+        needs no statistics]): where a step could not run during backward unspeculated."""
+        return self._clip_once is not None or self._eager_refusal(speculative=False) is not None
+
+    def _statistics_after_the_update(self) -> None:
+        """A step that needed no statistics is applied: read them now, for
+        ``last_grad_norm`` and the profiler (Note [a step that needs no statistics])."""
+        try:
+            sumsq, overflow, _ = self._grad_stats()  # done meanwhile, on the host worker
+        except Exception as exc:  # (a KeyboardInterrupt is not the worker failing)
+            stepped = [bucket.layout.index for bucket in self.buckets]
+            raise StepFailed(
+                f"step() was applied to buckets {stepped}, but the host worker's "
+                f"statistics of its gradients then failed ({type(exc).__name__}), so "
+                "last_grad_norm is not known. Later steps would fail the same way: "
+                "rebuild the optimizer (or reload it from a checkpoint)"
+            ) from exc
+        self._decide(sumsq, overflow)
 
     def _land_eager(self) -> None:
         """Take the announced step that ran during backward: land its weights, commit.
