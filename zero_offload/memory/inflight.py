@@ -22,9 +22,20 @@ from typing import Generic, TypeVar
 
 from ..accelerator import Event, Stream
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "pruned"]
 
 T = TypeVar("T")
+
+
+def pruned(events: list[Event]) -> list[Event]:
+    """``events`` with the completed ones dropped, at lengths 8, 16, 32, ... only: a
+    record per tile of a large copy keeps many pending at once, and filtering them all at
+    every record made recording quadratic. Completed events left in meanwhile are harmless
+    (everything that reads such a list queries them)."""
+    n = len(events)
+    if n >= 8 and n & (n - 1) == 0:
+        return [event for event in events if not event.query()]
+    return events
 
 
 class InFlight(Generic[T]):
@@ -45,11 +56,7 @@ class InFlight(Generic[T]):
         """One more copy touches the buffer until ``event``."""
         if not isinstance(event, Event):
             raise TypeError(f"InFlight.add takes an accelerator Event, got {event!r}")
-        n = len(self._events)
-        # Completed events are dropped at lengths 8, 16, 32, ... only: filtering at every
-        # add is quadratic when many copies are pending at once (one per tile).
-        events = self.pending() if n >= 8 and n & (n - 1) == 0 else self._events
-        self._events = [*events, event]
+        self._events = [*pruned(self._events), event]
 
     def pending(self) -> list[Event]:
         """The events not yet complete (``query``; never blocks)."""

@@ -69,7 +69,7 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
 from .block import Block, BlockState, MoveCallback
 from .freelist import OFFSET_BITS, FreeList
-from .inflight import InFlight
+from .inflight import InFlight, pruned
 from .moves import move_within, staging_bytes
 
 __all__ = [
@@ -686,7 +686,7 @@ class BlockPool:
                     f"cannot record an event on {block!r}: it was freed; record the copy's "
                     f"event before freeing the block"
                 )
-            block._events = [*_pruned(block._events), event]
+            block._events = [*pruned(block._events), event]
             self._lifetime.add(event)
 
     def _name_range(self, lo: int, hi: int) -> str:
@@ -745,15 +745,6 @@ def _check_pool_args(capacity_bytes: int, alignment: int) -> tuple[int, int]:
             f"2**{OFFSET_BITS}, got {capacity_bytes}"
         )
     return capacity_bytes, alignment
-
-
-def _pruned(events: list[Event]) -> list[Event]:
-    """``events`` with the completed ones dropped, at lengths 8, 16, 32, ... only: a
-    record per tile of a large copy keeps many pending at once, and filtering them all at
-    every record made recording quadratic. Completed events left in meanwhile are harmless
-    (everything that reads the list queries them)."""
-    n = len(events)
-    return _still_pending(events) if n >= 8 and n & (n - 1) == 0 else events
 
 
 def _still_pending(events: list[Event]) -> list[Event]:

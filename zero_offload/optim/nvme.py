@@ -593,8 +593,7 @@ class NvmeState(OffloadedState):
     ) -> None:
         # As OffloadedState.update: the gradient is staging or the accumulator (Note [no
         # accumulator for one backward]); the weight copies wait for compute issued so far.
-        grad, after = self._begin_update(source, publish=publish, after=after)
-        source = source or self._source
+        source, grad, after = self._begin_update(source, publish=publish, after=after)
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
             first = start // self.tile_elements

@@ -642,8 +642,7 @@ class OffloadedState(UpdateBackend):
         source: str | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        grad, after = self._begin_update(source, publish=publish, after=after)
-        source = source or self._source
+        source, grad, after = self._begin_update(source, publish=publish, after=after)
         for name, tensor in self.state_tensors().items():
             self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
         for start, stop, step in clip_runs(runs, *self.shard):
@@ -685,11 +684,13 @@ class OffloadedState(UpdateBackend):
 
     def _begin_update(
         self, source: str | None, *, publish: bool, after: list[Event] | None
-    ) -> tuple[torch.Tensor, list[Event]]:
-        """What every update of the host-side backends does first: the gradient to read
-        (``source``, or the window's now), the staging free of the last step's weight
-        copies, the accesses declared, and the events the new weight copies wait for."""
-        grad = getattr(self, source or self._source)
+    ) -> tuple[str, torch.Tensor, list[Event]]:
+        """What every update of the host-side backends does first: the field holding the
+        gradient to read (``source``, or the window's now) and that gradient, the staging
+        free of the last step's weight copies, the accesses declared, and the events the
+        new weight copies wait for."""
+        source = source or self._source
+        grad = getattr(self, source)
         for event in self._source_readers:
             # Synchronisation point (rare: two steps with no backward between, or a device
             # far behind): the last step's weight copies read the staging about to be
@@ -706,7 +707,7 @@ class OffloadedState(UpdateBackend):
             if publish:
                 self.declare_weight_readers()
             after = [self.manager.compute_ready()] if publish else []
-        return grad, after
+        return source, grad, after
 
     def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event | None:
         source, block = self.weights_home()
