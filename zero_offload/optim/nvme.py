@@ -374,8 +374,8 @@ class NvmeState(OffloadedState):
 
     Host fields (``(shard_numel,)``, host pool; the gradient path's, as in
     ``OffloadedState``): grad_staging and weights_staging (training dtype, fp32 included),
-    and grad_acc (fp32, its own pool) only once a window accumulated. Disk: ``file``, one ``RecordLayout`` record per tile of the shard's real
-    elements. ``master``/``exp_avg``/``exp_avg_sq`` are not host tensors here.
+    and grad_acc (fp32, its own pool) only once a window accumulated. Disk: ``file``, one
+    ``RecordLayout`` record per tile of the shard's real elements. ``master``/``exp_avg``/``exp_avg_sq`` are not host tensors here.
     """
 
     supports_speculation = False  # the state is on disk: no copy to restore from
