@@ -17,7 +17,7 @@ def warmup() -> dict[str, float]:
     """Trigger compilation of every kernel specialisation and return seconds per kernel.
 
     The first call in a fresh install compiles with LLVM (tens of seconds in total); later
-    processes load the machine code from numba's cache (kernels/__pycache__) in well under
+    processes load the machine code from numba's cache (zero_offload/kernels/__pycache__) in well under
     a second. Keys name the specialisation, e.g. ``"adam[grad=uint16,moments=float32,amsgrad=False,out=bf16]"`` (uint16 = bf16/fp16 bits);
     ``"total"`` is the sum. Calling it again in the same process costs microseconds.
     """

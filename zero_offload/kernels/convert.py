@@ -39,7 +39,7 @@ KERNEL_OPTIONS = {"parallel": True, "cache": True, "nogil": True, "error_model":
 # Note [numba cache and device functions]
 # cache=True keys a kernel's cache entry on the file that defines the kernel only. A change
 # to a device function here does not invalidate kernels cached from adam.py or stats.py:
-# delete kernels/__pycache__/*.nbi and *.nbc after editing this file.
+# delete zero_offload/kernels/__pycache__/*.nbi and *.nbc after editing this file.
 
 
 @intrinsic
