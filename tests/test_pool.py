@@ -6,6 +6,7 @@ zero_offload/memory/pool.py.
 
 from __future__ import annotations
 
+import pathlib
 import threading
 import time
 from collections import namedtuple
@@ -16,7 +17,7 @@ import torch
 from zero_offload.accelerator import Accelerator, HostAccelerator
 from zero_offload.config import AcceleratorConfig
 from zero_offload.errors import DeviceBudgetExceeded, PoolExhausted
-from zero_offload.memory import pool as pool_module
+from zero_offload.memory import host_ram
 from zero_offload.memory.pool import Block, BlockPool, BlockState
 
 from .conftest import make_accelerator
@@ -156,7 +157,8 @@ def test_host_pool_larger_than_available_ram_is_refused_before_allocating(
     acc: HostAccelerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     Memory = namedtuple("Memory", "total available")
-    monkeypatch.setattr(pool_module.psutil, "virtual_memory", lambda: Memory(16 * 2**30, 2 * 2**30))
+    monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(16 * 2**30, 2 * 2**30))
+    monkeypatch.setattr(host_ram, "cgroup_headroom", lambda: None)  # no container limit
 
     def must_not_allocate(nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         raise AssertionError("allocated before checking host RAM")
@@ -166,15 +168,61 @@ def test_host_pool_larger_than_available_ram_is_refused_before_allocating(
     with pytest.raises(PoolExhausted) as info:
         BlockPool.host(acc, 3 * 2**29, name="grads", sized_by="OffloadConfig.host_pool_bytes")
     message = str(info.value)
-    for expected in ("'grads'", "1.50 GiB", "2.00 GiB of host RAM is available", "margin"):
+    for expected in ("'grads'", "1.50 GiB", "host RAM available is only 2.00 GiB", "margin"):
         assert expected in message
     assert "Lower OffloadConfig.host_pool_bytes" in message
 
 
 def test_host_pool_larger_than_total_ram_is_refused(acc: HostAccelerator) -> None:
-    total = pool_module.psutil.virtual_memory().total
+    total = host_ram.psutil.virtual_memory().total
     with pytest.raises(PoolExhausted, match="refusing to allocate host pool 'huge'"):
         BlockPool.host(acc, total + 2**30, name="huge")
+
+
+def _fake_cgroup(tmp_path: pathlib.Path, files: dict[str, str], own: str) -> tuple[str, str]:
+    # A /sys/fs/cgroup tree and a /proc/self/cgroup naming the process's own cgroup.
+    for rel, text in files.items():
+        (tmp_path / "cg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cg" / rel).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(own)
+    return str(tmp_path / "cg"), str(tmp_path / "proc_cgroup")
+
+
+def test_cgroup_v2_limit_is_the_headroom(tmp_path: pathlib.Path) -> None:
+    root, proc = _fake_cgroup(
+        tmp_path,
+        {"job/memory.max": str(8 << 30), "job/memory.current": str(3 << 30)},
+        "0::/job\n",
+    )
+    assert host_ram.cgroup_headroom(root, proc) == 5 << 30
+
+
+def test_cgroup_v1_limit_at_the_mount_root(tmp_path: pathlib.Path) -> None:
+    # A container sees its own cgroup at the mount's root, not under the path it is named by.
+    root, proc = _fake_cgroup(
+        tmp_path,
+        {"memory/memory.limit_in_bytes": str(4 << 30), "memory/memory.usage_in_bytes": "1024"},
+        "4:memory:/outer/job\n0::/\n",
+    )
+    assert host_ram.cgroup_headroom(root, proc) == (4 << 30) - 1024
+
+
+def test_cgroup_without_a_limit_is_none(tmp_path: pathlib.Path) -> None:
+    root, proc = _fake_cgroup(tmp_path, {"memory.max": "max", "memory.current": "123"}, "0::/\n")
+    assert host_ram.cgroup_headroom(root, proc) is None
+    assert host_ram.cgroup_headroom(str(tmp_path / "none"), proc) is None
+
+
+def test_container_limit_below_host_ram_refuses_the_pool(
+    acc: HostAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(64 * 2**30, 60 * 2**30))
+    monkeypatch.setattr(host_ram, "cgroup_headroom", lambda: 4 * 2**30)
+    monkeypatch.setattr(acc, "allocate_host", lambda *a, **k: pytest.fail("allocated first"))
+    # Margin: max(5% of 64 GiB, 1 GiB) = 3.2 GiB, so the container's 4 GiB leaves 0.8 GiB.
+    with pytest.raises(PoolExhausted, match=r"container's memory limit \(cgroup\) leaves only"):
+        BlockPool.host(acc, 2**30, name="state")
 
 
 # ---------------------------------------------------------------------- exhaustion

@@ -9,6 +9,7 @@ See Note [views pin unregistered blocks] and Note [block reuse waits on events] 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from ..accelerator import Event
 if TYPE_CHECKING:
     from .pool import BlockPool
 
-__all__ = ["Block", "BlockState", "MoveCallback"]
+__all__ = ["Block", "BlockState", "MoveCallback", "view_shape"]
 
 #: Called as ``callback(block)`` after ``block`` moved; the owner re-takes its views there.
 MoveCallback = Callable[["Block"], None]
@@ -124,3 +125,26 @@ class Block:
     def free(self) -> None:
         """Same as ``self.pool.free(self)``."""
         self.pool.free(self)
+
+
+def view_shape(
+    block: Block, dtype: torch.dtype, shape: tuple[int, ...] | None
+) -> tuple[tuple[int, ...], int]:
+    """The shape and element count of a ``dtype`` view of ``block``, checked against its
+    bytes: the whole block as 1-D when ``shape`` is None."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    itemsize = dtype.itemsize
+    if shape is None:
+        numel = block.nbytes // itemsize
+        return (numel,), numel
+    shape = tuple(shape)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape must be a tuple of ints >= 0, got {shape!r}")
+    numel = math.prod(shape)
+    if numel * itemsize > block.nbytes:
+        raise ValueError(
+            f"a {dtype} view of shape {shape} needs {numel * itemsize} bytes but {block!r} "
+            f"holds {block.nbytes}; allocate a larger block"
+        )
+    return shape, numel

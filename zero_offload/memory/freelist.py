@@ -17,7 +17,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 
-__all__ = ["OFFSET_BITS", "FreeList", "SortedInts"]
+__all__ = ["OFFSET_BITS", "FreeList", "SortedInts", "check_align", "check_pool_args"]
 
 #: Offsets and sizes must stay below 2**OFFSET_BITS bytes (256 TiB) to share one sort key.
 OFFSET_BITS = 48
@@ -186,3 +186,28 @@ class FreeList:
         del self._size_at_start[offset]
         del self._start_at_end[offset + size]
         self.free_bytes -= size
+
+
+def check_align(value: int, name: str) -> int:
+    """``value``, checked to be an int power of two (an alignment in bytes)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int power of two, got {type(value).__name__} {value!r}")
+    if value <= 0 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two (1, 2, ..., 512, ...), got {value}")
+    return value
+
+
+def check_pool_args(capacity_bytes: int, alignment: int) -> tuple[int, int]:
+    """A pool's size and alignment, checked: the alignment a power of two, the size at
+    least one alignment and addressable by the free list's packed offsets."""
+    alignment = check_align(alignment, "alignment")
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise TypeError(
+            f"capacity_bytes must be an int, got {type(capacity_bytes).__name__} {capacity_bytes!r}"
+        )
+    if capacity_bytes < alignment or capacity_bytes >= 1 << OFFSET_BITS:
+        raise ValueError(
+            f"capacity_bytes must be at least the alignment ({alignment}) and below "
+            f"2**{OFFSET_BITS}, got {capacity_bytes}"
+        )
+    return capacity_bytes, alignment

@@ -17,12 +17,14 @@ under its lock).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
+
+import torch
 
 from ..accelerator import Event, Stream
 
-__all__ = ["InFlight", "pruned"]
+__all__ = ["BufferLifetime", "InFlight", "pruned"]
 
 T = TypeVar("T")
 
@@ -81,3 +83,34 @@ class InFlight(Generic[T]):
         for event in self.pending():
             stream.wait_event(event)
         return self._buffer
+
+
+class BufferLifetime:
+    """Holds a pool's buffer until its copies are done; see Note [a pool outlives its copies].
+
+    ``held`` pairs the buffer with every block event not yet seen complete (Note [a buffer
+    travels with its events]); it is guarded by the pool's lock while the
+    pool lives. ``drain`` runs once, when the pool is closed or collected.
+    """
+
+    def __init__(self, buffer: torch.Tensor, release: Callable[[], None]) -> None:
+        self.held: InFlight[torch.Tensor] | None = InFlight(buffer)  # (capacity,) uint8
+        self._release = release
+
+    def add(self, event: Event) -> None:
+        """One more copy may touch the buffer until ``event``."""
+        if self.held is not None:
+            self.held.add(event)
+
+    def drain(self) -> None:
+        """Wait for every copy, then release the buffer (once; later calls do nothing)."""
+        # Synchronisation point (hidden when run as a finalizer): see the Note in pool.py.
+        if self.held is not None:
+            self.held.wait()
+            self.held = None
+        release, self._release = self._release, _noop
+        release()
+
+
+def _noop() -> None:
+    return None

@@ -19,9 +19,20 @@ than one big copy on a loaded 2-core machine.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import TypeVar
+
 import torch
 
-__all__ = ["DIRECT_CHUNK_MIN", "STAGING_BYTES", "move_chunked", "move_within", "staging_bytes"]
+__all__ = [
+    "DIRECT_CHUNK_MIN",
+    "STAGING_BYTES",
+    "free_gaps",
+    "move_chunked",
+    "move_within",
+    "plan_compaction",
+    "staging_bytes",
+]
 
 #: Overlapping moves shorter than this (bytes) bounce through staging, see the Note above.
 DIRECT_CHUNK_MIN = 1 << 20
@@ -78,3 +89,41 @@ def move_chunked(
         n = min(chunk, nbytes - start)
         staging[:n].copy_(buffer[src + start : src + start + n])
         buffer[dst + start : dst + start + n].copy_(staging[:n])
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def plan_compaction(occupied: Sequence[tuple[K, int, int, int, bool]]) -> list[tuple[K, int]]:
+    """Where each movable block goes when blocks slide toward the start.
+
+    ``occupied``: (key, offset, size, align, movable) per occupied block, in address order,
+    bytes. Returns (key, new offset) for the blocks that move, in address order: each
+    movable block goes to the lowest offset aligned to its ``align`` after the block before
+    it (moved or not), so a destination overlaps only the block's own source (Note
+    [overlap-safe moves]). Blocks that cannot move stay where they are.
+    """
+    plan: list[tuple[K, int]] = []
+    cursor = 0
+    for key, offset, size, align, movable in occupied:
+        dest = -(-cursor // align) * align
+        if movable and dest < offset:
+            plan.append((key, dest))
+            cursor = dest + size
+        else:
+            cursor = offset + size
+    return plan
+
+
+def free_gaps(occupied: Sequence[tuple[int, int]], usable: int) -> list[tuple[int, int]]:
+    """The free ranges (offset, size) of a buffer of ``usable`` bytes around ``occupied``
+    (start, end) ranges given in address order."""
+    gaps: list[tuple[int, int]] = []
+    cursor = 0
+    for start, end in occupied:
+        if start > cursor:
+            gaps.append((cursor, start - cursor))
+        cursor = end
+    if cursor < usable:
+        gaps.append((cursor, usable - cursor))
+    return gaps

@@ -10,32 +10,15 @@ Offload lives or dies by its buffers. A pool makes four failures impossible by c
 - fragmentation OOM: when a request fits the free bytes but no free block,
   ``alloc`` defragments (compacts live blocks) and retries before giving up.
 
-Note [block reuse waits on events]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A copy queued on a stream may still read or write a block after its owner is done with it.
-The owner records the copy's event on the block (``block.record_event(event)``). Freeing
-never blocks: a block whose events have not all completed becomes IN_FLIGHT and its bytes
-stay off the free list. IN_FLIGHT blocks are reclaimed (their bytes returned to the free
-list) when ``event.query()`` says their copies are done, checked on every later ``alloc``
-and ``free``.
-
-When an allocation does not fit the free list, it takes IN_FLIGHT bytes without the CPU
-waiting if the caller names the stream that will use the block (``alloc(stream=S)``), the
-way the CUDA caching allocator reuses memory: ``S`` waits on the pending events (a GPU-side
-wait), the new block inherits them (so defragmentation leaves it in place until they
-complete), and the rest of the reused IN_FLIGHT range stays IN_FLIGHT with the same events.
-The bytes go to ``S`` only: nobody else sees them before the events complete. Without a
-stream, or when no single IN_FLIGHT range holds the request, ``alloc`` waits for pending
-events on the host (a synchronisation, the last resort before defragmenting). Events are
-always waited on without the pool's lock held: a copy-stream worker may need the lock to
-free a block before the event we wait on can complete.
+Freed blocks whose copies are still pending wait in ``InFlightBlocks``: see Note [block
+reuse waits on events] in ``in_flight_blocks.py``.
 
 Note [a pool outlives its copies]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A pinned buffer must not be unpinned and freed while a DMA into or out of it is queued,
 and a device buffer must not return to the budget while a copy still touches it. ``close()``
 waits for pending events; a pool dropped without ``close()`` (an optimizer a Trainer lets go
-of) is finalised by ``_Lifetime.drain``, which holds the buffer, waits for every event ever
+of) is finalised by ``BufferLifetime.drain`` (``inflight.py``), which holds the buffer, waits for every event ever
 recorded on a block that has not yet completed, and only then releases the buffer. That
 wait runs in a finalizer, i.e. in whichever thread dropped the last reference: a hidden
 host synchronisation, paid only by code that forgot ``close()``.
@@ -54,23 +37,23 @@ pointer is ever silently invalidated.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
-import psutil
 import torch
 
 from ..accelerator import Accelerator, Event, Stream
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded, PoolExhausted
-from .block import Block, BlockState, MoveCallback
-from .freelist import OFFSET_BITS, FreeList
-from .inflight import InFlight, pruned
-from .moves import move_within, staging_bytes
+from .block import Block, BlockState, MoveCallback, view_shape
+from .freelist import FreeList, check_align, check_pool_args
+from .host_ram import HOST_RAM_MARGIN_FRACTION, HOST_RAM_MARGIN_MIN, check_host_ram
+from .in_flight_blocks import InFlightBlocks, pending_events, still_pending
+from .inflight import BufferLifetime, pruned
+from .moves import free_gaps, move_within, plan_compaction, staging_bytes
 
 __all__ = [
     "HOST_RAM_MARGIN_FRACTION",
@@ -81,58 +64,8 @@ __all__ = [
     "check_host_ram",
 ]
 
-#: Host RAM left free when sizing a host pool: the larger of this fraction of total RAM...
-HOST_RAM_MARGIN_FRACTION = 0.05
-#: ...and this many bytes, for the interpreter, torch, the data loader and the page cache.
-HOST_RAM_MARGIN_MIN = 1 << 30
-
 # Staging for overlapping moves: (tensor, release) or None when none can be had.
 Scratch = Callable[[int], "tuple[torch.Tensor, Callable[[], None]] | None"]
-
-
-def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:
-    """Raise ``PoolExhausted`` unless ``nbytes`` fit in the host RAM available now.
-
-    Available means ``psutil.virtual_memory().available`` less a safety margin of
-    max(``HOST_RAM_MARGIN_FRACTION`` of total RAM, ``HOST_RAM_MARGIN_MIN``), so that
-    pinning a pool (which cannot be swapped out) never hands the process to the OOM killer.
-    """
-    memory = psutil.virtual_memory()
-    margin = max(int(memory.total * HOST_RAM_MARGIN_FRACTION), HOST_RAM_MARGIN_MIN)
-    allowed = memory.available - margin
-    if nbytes > allowed:
-        raise PoolExhausted(
-            f"refusing to allocate {what} of {format_bytes(nbytes)} ({nbytes} bytes): only "
-            f"{format_bytes(memory.available)} of host RAM is available "
-            f"(total {format_bytes(memory.total)}), and {format_bytes(margin)} is kept free as a "
-            f"safety margin, leaving {format_bytes(max(allowed, 0))}. Lower {sized_by}, or "
-            f"free host memory (other pools, processes) before building the pool."
-        )
-
-
-class _Lifetime:
-    """Holds a pool's buffer until its copies are done; see Note [a pool outlives its copies].
-
-    ``held`` pairs the buffer with every block event not yet seen complete (Note [a buffer
-    travels with its events] in ``inflight.py``); it is guarded by the pool's lock while the
-    pool lives. ``drain`` runs once, when the pool is closed or collected.
-    """
-
-    def __init__(self, buffer: torch.Tensor, release: Callable[[], None]) -> None:
-        self.held: InFlight[torch.Tensor] | None = InFlight(buffer)  # (capacity,) uint8
-        self._release = release
-
-    def add(self, event: Event) -> None:
-        if self.held is not None:
-            self.held.add(event)
-
-    def drain(self) -> None:
-        # Synchronisation point (hidden when run as a finalizer): see the Note.
-        if self.held is not None:
-            self.held.wait()
-            self.held = None
-        release, self._release = self._release, _noop
-        release()
 
 
 @dataclass
@@ -141,7 +74,6 @@ class _Counters:
 
     bytes_in_use: int = 0  # bytes (rounded sizes) of IN_USE blocks
     bytes_requested: int = 0  # bytes asked for (unrounded) by IN_USE blocks
-    bytes_in_flight: int = 0  # bytes of IN_FLIGHT blocks (freed, copy pending)
     peak_bytes_in_use: int = 0  # largest bytes_in_use since construction or reset_peak()
     allocations: int = 0  # successful alloc() calls
     frees: int = 0  # free() calls
@@ -209,13 +141,13 @@ class BlockPool:
         self.usable = self.capacity - self.capacity % alignment  # bytes
         self._buffer = buffer  # (capacity,) uint8, host (pinned when available) or device
         self._scratch = scratch
-        self._lifetime = _Lifetime(buffer, release)
+        self._lifetime = BufferLifetime(buffer, release)
         self._finalizer = weakref.finalize(self, self._lifetime.drain)
         self._lock = threading.Lock()
         self._free = FreeList()
         self._free.insert(0, self.usable)
         self._live: set[Block] = set()  # IN_USE blocks
-        self._in_flight: list[Block] = []  # IN_FLIGHT blocks, oldest first
+        self._in_flight = InFlightBlocks(accelerator)  # freed, copies pending
         self._counters = _Counters()
         self._closed = False
         checker = accelerator.race_checker
@@ -250,7 +182,7 @@ class BlockPool:
         counted by the next pool's RAM check) rather than during a copy.
         ``sized_by`` names the setting that chose the size, for error messages.
         """
-        capacity, alignment = _check_pool_args(capacity_bytes, alignment)
+        capacity, alignment = check_pool_args(capacity_bytes, alignment)
         pin = bool(pinned) and accelerator.pinned_memory_available
         check_host_ram(capacity, what=f"host pool {name!r}", sized_by=sized_by)
         buffer = accelerator.allocate_host(capacity, pinned=pin)
@@ -285,7 +217,7 @@ class BlockPool:
         Raises ``DeviceBudgetExceeded`` when the budget cannot hold it. ``close()`` returns
         the bytes to the budget.
         """
-        capacity, alignment = _check_pool_args(capacity_bytes, alignment)
+        capacity, alignment = check_pool_args(capacity_bytes, alignment)
         device_buffer = accelerator.allocate_device(capacity, what=f"block pool {name!r}")
 
         def scratch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
@@ -321,7 +253,7 @@ class BlockPool:
                     f"cannot close pool {self.name!r}: {len(self._live)} blocks are still in "
                     f"use (owners: {', '.join(owners[:8])}); free them first"
                 )
-            pending = _pending_events(self._in_flight)
+            pending = self._in_flight.pending_events()
         self._wait(pending)
         with self._lock:
             if self._closed:
@@ -369,7 +301,7 @@ class BlockPool:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes} (owner {owner!r})")
         base = self.alignment
-        block_align = base if align is None else max(_check_align(align, "align"), base)
+        block_align = base if align is None else max(check_align(align, "align"), base)
         size = -(-nbytes // base) * base
         with self._lock:
             if self._closed:
@@ -388,20 +320,16 @@ class BlockPool:
     def _reuse_in_flight_locked(
         self, nbytes: int, size: int, align: int, owner: str
     ) -> Block | None:
-        fits = [b for b in self._in_flight if b.size >= size and b.offset % align == 0]
-        if not fits:
+        old = self._in_flight.take(size, align)
+        if old is None:
             return None
-        old = min(fits, key=lambda b: (b.size, b.offset))  # best fit, as for the free list
-        self._in_flight.remove(old)
         block = Block(self, old.offset, size, nbytes, align, owner)
         block._events = list(old._events)  # inherited: Note [block reuse waits on events]
         if old.size > size:  # the tail stays IN_FLIGHT, behind the same copies
             tail = Block(self, old.offset + size, old.size - size, 0, self.alignment, old.owner)
-            tail.state = BlockState.IN_FLIGHT
             tail._events = list(old._events)
-            self._in_flight.append(tail)
+            self._in_flight.add(tail)
         counters = self._counters
-        counters.bytes_in_flight -= size
         counters.stream_reuses += 1
         counters.allocations += 1
         counters.bytes_in_use += size
@@ -417,7 +345,7 @@ class BlockPool:
                 block = self._try_alloc_locked(*request)
                 if block is not None:
                     return block
-                pending = _pending_events(self._in_flight)
+                pending = self._in_flight.pending_events()
                 worth_compacting = self._free.free_bytes >= size
             if not pending:
                 break
@@ -453,11 +381,9 @@ class BlockPool:
             if block._callbacks:
                 block._callbacks.clear()
             if block._events:
-                block._events = self._settle(block._events)
+                block._events = self._in_flight.settle(block._events)
             if block._events:
-                block.state = BlockState.IN_FLIGHT
-                self._in_flight.append(block)
-                self._counters.bytes_in_flight += block.size
+                self._in_flight.add(block)
             else:
                 block.state = BlockState.FREE
                 self._free.insert(block.offset, block.size)
@@ -486,7 +412,7 @@ class BlockPool:
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            pending = _pending_events(chain(self._live, self._in_flight))
+            pending = [*pending_events(self._live), *self._in_flight.pending_events()]
         self._wait(pending)
         with self._lock:
             self._reclaim_locked()
@@ -500,34 +426,30 @@ class BlockPool:
 
     def _compact_locked(self) -> tuple[list[Block], int]:
         occupied = sorted(chain(self._live, self._in_flight), key=lambda b: b.offset)
-        plan: list[tuple[Block, int]] = []  # (block, new offset), in address order
-        cursor = 0
         for block in occupied:
-            block._events = _still_pending(block._events)
-            movable = (
-                block.state is BlockState.IN_USE
-                and not block._pinned_in_place
-                and not block._events
-            )
-            dest = -(-cursor // block.align) * block.align
-            if movable and dest < block.offset:
-                plan.append((block, dest))
-                cursor = dest + block.size
-            else:
-                cursor = block.end
+            block._events = still_pending(block._events)
+        plan = plan_compaction(
+            [
+                (
+                    block,
+                    block.offset,
+                    block.size,
+                    block.align,
+                    block.state is BlockState.IN_USE
+                    and not block._pinned_in_place
+                    and not block._events,
+                )
+                for block in occupied
+            ]
+        )
         self._counters.defragmentations += 1
         try:
             moved_bytes = self._move_locked(plan)
         finally:
             # Rebuilt even if a copy failed midway: each block's offset is where its bytes are.
             self._free.clear()
-            cursor = 0
-            for block in occupied:
-                if block.offset > cursor:
-                    self._free.insert(cursor, block.offset - cursor)
-                cursor = block.end
-            if cursor < self.usable:
-                self._free.insert(cursor, self.usable - cursor)
+            for offset, size in free_gaps([(b.offset, b.end) for b in occupied], self.usable):
+                self._free.insert(offset, size)
         return [block for block, _ in plan], moved_bytes
 
     def _move_locked(self, plan: list[tuple[Block, int]]) -> int:
@@ -571,6 +493,7 @@ class BlockPool:
                 largest_free_block=largest,
                 fragmentation=0.0 if free == 0 else 1.0 - largest / free,
                 live_blocks=len(self._live),
+                bytes_in_flight=self._in_flight.nbytes,
                 in_flight_blocks=len(self._in_flight),
                 free_blocks=len(self._free),
             )
@@ -607,29 +530,8 @@ class BlockPool:
         return block
 
     def _reclaim_locked(self) -> None:
-        # See Note [block reuse waits on events]: O(in-flight blocks), one query per event.
-        still_in_flight = []
-        for block in self._in_flight:
-            block._events = self._settle(block._events)
-            if block._events:
-                still_in_flight.append(block)
-            else:
-                block.state = BlockState.FREE
-                self._counters.bytes_in_flight -= block.size
-                self._free.insert(block.offset, block.size)
-        self._in_flight = still_in_flight
-
-    def _settle(self, events: list[Event]) -> list[Event]:
-        # The events still pending. The bytes of a block whose events are all done may go to
-        # any stream now, so the host counts as having seen them complete: see Note [race
-        # checking with vector clocks] in accelerator/race_checker.py.
-        pending = _still_pending(events)
-        checker = self.accelerator.race_checker
-        if checker is not None and len(pending) < len(events):
-            for event in events:
-                if event not in pending:
-                    checker.observed(event.race_stamp)
-        return pending
+        for block in self._in_flight.reclaim():
+            self._free.insert(block.offset, block.size)
 
     def _wait(self, events: list[Event]) -> None:
         # Called without the lock, see Note [block reuse waits on events].
@@ -642,22 +544,8 @@ class BlockPool:
     def _view(
         self, block: Block, dtype: torch.dtype, shape: tuple[int, ...] | None
     ) -> torch.Tensor:
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        shape, numel = view_shape(block, dtype, shape)
         itemsize = dtype.itemsize
-        if shape is None:
-            numel = block.nbytes // itemsize
-            shape = (numel,)
-        else:
-            shape = tuple(shape)
-            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-                raise ValueError(f"shape must be a tuple of ints >= 0, got {shape!r}")
-            numel = math.prod(shape)
-        if numel * itemsize > block.nbytes:
-            raise ValueError(
-                f"a {dtype} view of shape {shape} needs {numel * itemsize} bytes but {block!r} "
-                f"holds {block.nbytes}; allocate a larger block"
-            )
         with self._lock:
             if block.state is not BlockState.IN_USE:
                 raise ValueError(f"cannot view {block!r}: it was freed")
@@ -719,40 +607,10 @@ class BlockPool:
             f"{len(self._free)} ranges, largest free block {hint} {self._free.largest()} bytes; "
             f"{self._counters.bytes_in_use} bytes in use by {len(self._live)} blocks "
             f"({pinned} of them pinned in place by views without on_move callbacks), "
-            f"{self._counters.bytes_in_flight} bytes in flight. Raise {self.sized_by} (now "
+            f"{self._in_flight.nbytes} bytes in flight. Raise {self.sized_by} (now "
             f"{self.capacity} bytes) for pool {self.name!r}, free blocks sooner, or register "
             f"on_move callbacks before taking views so blocks can be compacted."
         )
-
-
-def _check_align(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int power of two, got {type(value).__name__} {value!r}")
-    if value <= 0 or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two (1, 2, ..., 512, ...), got {value}")
-    return value
-
-
-def _check_pool_args(capacity_bytes: int, alignment: int) -> tuple[int, int]:
-    alignment = _check_align(alignment, "alignment")
-    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-        raise TypeError(
-            f"capacity_bytes must be an int, got {type(capacity_bytes).__name__} {capacity_bytes!r}"
-        )
-    if capacity_bytes < alignment or capacity_bytes >= 1 << OFFSET_BITS:
-        raise ValueError(
-            f"capacity_bytes must be at least the alignment ({alignment}) and below "
-            f"2**{OFFSET_BITS}, got {capacity_bytes}"
-        )
-    return capacity_bytes, alignment
-
-
-def _still_pending(events: list[Event]) -> list[Event]:
-    return [event for event in events if not event.query()] if events else events
-
-
-def _pending_events(blocks: Iterable[Block]) -> list[Event]:
-    return [event for block in blocks for event in _still_pending(block._events)]
 
 
 def _noop() -> None:

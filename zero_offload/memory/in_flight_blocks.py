@@ -1,0 +1,113 @@
+"""InFlightBlocks: a pool's freed blocks whose copies are still pending.
+
+Note [block reuse waits on events]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A copy queued on a stream may still read or write a block after its owner is done with it.
+The owner records the copy's event on the block (``block.record_event(event)``). Freeing
+never blocks: a block whose events have not all completed becomes IN_FLIGHT and its bytes
+stay off the free list. IN_FLIGHT blocks are reclaimed (their bytes returned to the free
+list) when ``event.query()`` says their copies are done, checked on every later ``alloc``
+and ``free``.
+
+When an allocation does not fit the free list, it takes IN_FLIGHT bytes without the CPU
+waiting if the caller names the stream that will use the block (``alloc(stream=S)``), the
+way the CUDA caching allocator reuses memory: ``S`` waits on the pending events (a GPU-side
+wait), the new block inherits them (so defragmentation leaves it in place until they
+complete), and the rest of the reused IN_FLIGHT range stays IN_FLIGHT with the same events.
+The bytes go to ``S`` only: nobody else sees them before the events complete. Without a
+stream, or when no single IN_FLIGHT range holds the request, ``alloc`` waits for pending
+events on the host (a synchronisation, the last resort before defragmenting). Events are
+always waited on without the pool's lock held: a copy-stream worker may need the lock to
+free a block before the event we wait on can complete.
+
+``InFlightBlocks`` is that set for one pool: not thread-safe by itself, every method runs
+under the pool's lock (``pool.py``, class docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from ..accelerator import Accelerator, Event
+from .block import Block, BlockState
+
+__all__ = ["InFlightBlocks", "pending_events", "still_pending"]
+
+
+def still_pending(events: list[Event]) -> list[Event]:
+    """The events of ``events`` not yet complete (``query``; never blocks)."""
+    return [event for event in events if not event.query()] if events else events
+
+
+def pending_events(blocks: Iterable[Block]) -> list[Event]:
+    """Every pending event of every block in ``blocks``."""
+    return [event for block in blocks for event in still_pending(block._events)]
+
+
+class InFlightBlocks:
+    """IN_FLIGHT blocks, oldest first, and their total size ``nbytes`` (rounded, bytes)."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._accelerator = accelerator
+        self._blocks: list[Block] = []  # IN_FLIGHT, oldest first
+        self.nbytes = 0  # sum of the blocks' sizes
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._blocks))
+
+    def add(self, block: Block) -> None:
+        """``block`` was freed (or split off a reused block) with copies still pending."""
+        block.state = BlockState.IN_FLIGHT
+        self._blocks.append(block)
+        self.nbytes += block.size
+
+    def settle(self, events: list[Event]) -> list[Event]:
+        """The events still pending. The bytes of a block whose events are all done may go to
+        any stream now, so the host counts as having seen them complete: see Note [race
+        checking with vector clocks] in accelerator/race_checker.py."""
+        pending = still_pending(events)
+        checker = self._accelerator.race_checker
+        if checker is not None and len(pending) < len(events):
+            for event in events:
+                if event not in pending:
+                    checker.observed(event.race_stamp)
+        return pending
+
+    def reclaim(self) -> list[Block]:
+        """Remove and return the blocks whose copies are all done, now FREE. O(blocks), one
+        query per event."""
+        if not self._blocks:
+            return []
+        done, still = [], []
+        for block in self._blocks:
+            block._events = self.settle(block._events)
+            (still if block._events else done).append(block)
+        for block in done:
+            block.state = BlockState.FREE
+            self.nbytes -= block.size
+        self._blocks = still
+        return done
+
+    def take(self, size: int, align: int) -> Block | None:
+        """Remove and return the best-fitting block (smallest, then lowest address) of at
+        least ``size`` bytes at an offset aligned to ``align``, copies still pending; None
+        when none fits. The caller reuses it behind its events on one stream."""
+        fits = [b for b in self._blocks if b.size >= size and b.offset % align == 0]
+        if not fits:
+            return None
+        old = min(fits, key=lambda b: (b.size, b.offset))
+        self._blocks.remove(old)
+        self.nbytes -= old.size
+        return old
+
+    def pending_events(self) -> list[Event]:
+        """Every pending event of every block in flight."""
+        return pending_events(self._blocks)
+
+    def clear(self) -> None:
+        """Forget every block (the pool is closed and its events are done)."""
+        self._blocks.clear()
+        self.nbytes = 0
