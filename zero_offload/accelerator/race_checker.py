@@ -46,6 +46,7 @@ import itertools
 import os
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -212,11 +213,14 @@ class RaceChecker:
     def track(self, tensor: torch.Tensor, name: str, *, namer: RangeNamer | None = None) -> None:
         """Start tracking the storage under ``tensor`` as buffer ``name`` (anew if tracked).
 
-        ``namer(lo, hi)``, when given, names what a byte range holds, for error messages.
+        ``namer(lo, hi)``, when given, names what a byte range holds, for error messages. A
+        bound method is held weakly: the checker must not keep its object (a pool) alive.
         """
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             return
+        if isinstance(namer, types.MethodType):
+            namer = _weak_namer(weakref.WeakMethod(namer))
         buffer = _Buffer(name, storage.nbytes(), [], namer)
         with self._lock:
             self._buffers[storage.data_ptr()] = buffer
@@ -315,3 +319,11 @@ def _race_message(
         f"that {earlier.kind.value} (stream.wait_event(event), or manager.copy(after=[event])), "
         f"or synchronize that event on the host before issuing this {kind.value}."
     )
+
+
+def _weak_namer(method: weakref.WeakMethod) -> RangeNamer:
+    def namer(lo: int, hi: int) -> str:
+        bound = method()
+        return bound(lo, hi) if bound is not None else "a dropped owner"
+
+    return namer

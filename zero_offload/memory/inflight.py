@@ -8,8 +8,19 @@ buffer without the event, and nothing stops it. ``InFlight`` makes the pair one 
 buffer is handed out only through a method that orders the caller after the events first
 (``wait()`` on the host, ``use_on(stream)`` on a stream, without blocking the CPU), and
 events are added to it, never kept beside it. ``BlockPool`` keeps its buffer in one until
-its last copy is done (Note [a pool outlives its copies] in ``pool.py``); the optimizer's
+its last copy is done (Note [a pool outlives its copies], below); the optimizer's
 staging buffers and the activation records are the other such pairs.
+
+Note [a pool outlives its copies]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pinned buffer must not be unpinned and freed while a DMA into or out of it is queued,
+and a device buffer must not return to the budget while a copy still touches it. ``close()``
+waits for pending events; a pool dropped without ``close()`` (an optimizer a Trainer lets go
+of) is finalised by ``BufferLifetime.drain``, which holds the buffer, waits for every
+event ever recorded on a block that has not yet completed, and only then releases the
+buffer. That
+wait runs in a finalizer, i.e. in whichever thread dropped the last reference: a hidden
+host synchronisation, paid only by code that forgot ``close()``.
 
 Not thread-safe by itself: the owner serialises ``add`` and the hand-outs (the pool does it
 under its lock).
@@ -104,7 +115,7 @@ class BufferLifetime:
 
     def drain(self) -> None:
         """Wait for every copy, then release the buffer (once; later calls do nothing)."""
-        # Synchronisation point (hidden when run as a finalizer): see the Note in pool.py.
+        # Synchronisation point (hidden when run as a finalizer): see the Note above.
         if self.held is not None:
             self.held.wait()
             self.held = None

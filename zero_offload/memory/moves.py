@@ -19,17 +19,23 @@ than one big copy on a loaded 2-core machine.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 import torch
 
+from ..accelerator import Accelerator
+from ..errors import DeviceBudgetExceeded
+
 __all__ = [
     "DIRECT_CHUNK_MIN",
     "STAGING_BYTES",
+    "Scratch",
+    "device_scratch",
     "free_gaps",
     "move_chunked",
     "move_within",
+    "no_scratch",
     "plan_compaction",
     "staging_bytes",
 ]
@@ -38,6 +44,29 @@ __all__ = [
 DIRECT_CHUNK_MIN = 1 << 20
 #: Largest staging buffer a defragmentation allocates, bytes.
 STAGING_BYTES = 4 << 20
+
+#: Staging for overlapping moves: ``scratch(nbytes)`` gives (flat uint8 tensor, release), or
+#: None when none can be had (the move then goes in short direct chunks).
+Scratch = Callable[[int], "tuple[torch.Tensor, Callable[[], None]] | None"]
+
+
+def no_scratch(nbytes: int) -> None:
+    """A host pool's scratch: none is needed, CPU moves are memmoves (see the Note)."""
+    return None
+
+
+def device_scratch(accelerator: Accelerator, name: str) -> Scratch:
+    """A device pool's scratch: staging from the device budget, or None when the budget
+    cannot hold it (then short direct chunks, see Note [overlap-safe moves])."""
+
+    def scratch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
+        try:
+            staging = accelerator.allocate_device(nbytes, what=f"{name!r} defrag staging")
+        except DeviceBudgetExceeded:
+            return None
+        return staging.tensor, staging.release
+
+    return scratch
 
 
 def move_within(

@@ -13,15 +13,8 @@ Offload lives or dies by its buffers. A pool makes four failures impossible by c
 Freed blocks whose copies are still pending wait in ``InFlightBlocks``: see Note [block
 reuse waits on events] in ``in_flight_blocks.py``.
 
-Note [a pool outlives its copies]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A pinned buffer must not be unpinned and freed while a DMA into or out of it is queued,
-and a device buffer must not return to the budget while a copy still touches it. ``close()``
-waits for pending events; a pool dropped without ``close()`` (an optimizer a Trainer lets go
-of) is finalised by ``BufferLifetime.drain`` (``inflight.py``), which holds the buffer, waits for every event ever
-recorded on a block that has not yet completed, and only then releases the buffer. That
-wait runs in a finalizer, i.e. in whichever thread dropped the last reference: a hidden
-host synchronisation, paid only by code that forgot ``close()``.
+A pool dropped without ``close()`` releases its buffer only after its copies: Note [a pool
+outlives its copies] in ``inflight.py``.
 
 Note [views pin unregistered blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -47,25 +40,28 @@ import torch
 
 from ..accelerator import Accelerator, Event, Stream
 from ..config import format_bytes
-from ..errors import DeviceBudgetExceeded, PoolExhausted
+from ..errors import PoolExhausted
 from .block import Block, BlockState, MoveCallback, view_shape
 from .freelist import FreeList, check_align, check_pool_args
-from .host_ram import HOST_RAM_MARGIN_FRACTION, HOST_RAM_MARGIN_MIN, check_host_ram
+from .host_ram import check_host_ram
 from .in_flight_blocks import InFlightBlocks, pending_events, still_pending
 from .inflight import BufferLifetime, pruned
-from .moves import free_gaps, move_within, plan_compaction, staging_bytes
+from .moves import (
+    Scratch,
+    device_scratch,
+    free_gaps,
+    move_within,
+    no_scratch,
+    plan_compaction,
+    staging_bytes,
+)
 
 __all__ = [
-    "HOST_RAM_MARGIN_FRACTION",
-    "HOST_RAM_MARGIN_MIN",
     "Block",
     "BlockPool",
     "BlockState",
     "check_host_ram",
 ]
-
-# Staging for overlapping moves: (tensor, release) or None when none can be had.
-Scratch = Callable[[int], "tuple[torch.Tensor, Callable[[], None]] | None"]
 
 
 @dataclass
@@ -150,15 +146,10 @@ class BlockPool:
         self._in_flight = InFlightBlocks(accelerator)  # freed, copies pending
         self._counters = _Counters()
         self._closed = False
-        checker = accelerator.race_checker
-        if checker is not None:
-            me = weakref.WeakMethod(self._name_range)  # the checker must not keep the pool
-
-            def namer(lo: int, hi: int) -> str:
-                method = me()
-                return method(lo, hi) if method is not None else "a dropped pool"
-
-            checker.track(buffer, f"pool {name!r} ({kind})", namer=namer)
+        if accelerator.race_checker is not None:
+            accelerator.race_checker.track(
+                buffer, f"pool {name!r} ({kind})", namer=self._name_range
+            )
 
     # ----------------------------------------------------------------- construction
 
@@ -197,7 +188,7 @@ class BlockPool:
             alignment=alignment,
             sized_by=sized_by,
             auto_defragment=auto_defragment,
-            scratch=_no_scratch,  # CPU moves are memmoves, see Note [overlap-safe moves]
+            scratch=no_scratch,  # CPU moves are memmoves, see Note [overlap-safe moves]
             release=_noop,
         )
 
@@ -220,14 +211,6 @@ class BlockPool:
         capacity, alignment = check_pool_args(capacity_bytes, alignment)
         device_buffer = accelerator.allocate_device(capacity, what=f"block pool {name!r}")
 
-        def scratch(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
-            try:
-                staging = accelerator.allocate_device(nbytes, what=f"{name!r} defrag staging")
-            except DeviceBudgetExceeded:
-                # Fall back to short direct chunks, see Note [overlap-safe moves] in moves.py.
-                return None
-            return staging.tensor, staging.release
-
         return cls(
             accelerator,
             device_buffer.tensor,
@@ -236,7 +219,7 @@ class BlockPool:
             alignment=alignment,
             sized_by=sized_by,
             auto_defragment=auto_defragment,
-            scratch=scratch,
+            scratch=device_scratch(accelerator, name),
             release=device_buffer.release,
         )
 
@@ -614,8 +597,4 @@ class BlockPool:
 
 
 def _noop() -> None:
-    return None
-
-
-def _no_scratch(nbytes: int) -> None:
     return None
