@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from zero_offload.memory.traffic import Category, StallRecord
+from zero_offload.profiling.data import PhaseSpan, ProfileData
 from zero_offload.profiling.link import LinkBandwidth
 from zero_offload.profiling.plot import representative_step, step_times
-from zero_offload.profiling.recorder import PhaseSpan, ProfileData
 
 
 class _At:

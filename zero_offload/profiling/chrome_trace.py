@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..memory.traffic import Direction
-from .recorder import ProfileData
+from .data import ProfileData
 
 __all__ = ["STANDARD_TRACKS", "chrome_trace_events", "write_chrome_trace"]
 

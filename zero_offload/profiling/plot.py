@@ -26,7 +26,7 @@ from typing import Any
 
 from ..memory.traffic import Category
 from .chrome_trace import STANDARD_TRACKS
-from .recorder import ProfileData
+from .data import ProfileData
 
 __all__ = ["StepTime", "plot_profile", "representative_step", "step_times"]
 

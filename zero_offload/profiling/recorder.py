@@ -5,6 +5,10 @@ It keeps no bookkeeping of its own beyond what it hears: the managers' ``CopyRec
 the compute stream]), the ``tracing.phase`` spans, samples of the device
 ledger and the pools, and the managers' ``exposed_seconds`` and pool stats at start and stop.
 Everything it reports is derived from those in ``summary.py``.
+
+Layering: ``data.py`` holds what is recorded; the recorder writes it, and the writers
+(``summary``, ``report``, ``chrome_trace``, ``plot``) only read it. Nothing imports the
+recorder back.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import json
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,16 @@ import torch
 
 from ..accelerator import Accelerator
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category, CopyRecord, Record, StallRecord
+from ..memory.traffic import Category, Record, StallRecord
 from ..tracing import add_phase_listener
+from .chrome_trace import write_chrome_trace
+from .data import MemorySample, PhaseSpan, ProfileData
 from .link import LinkBandwidth, measure_link
+from .plot import plot_profile
+from .report import format_report
+from .summary import summarize
 
-__all__ = ["MemorySample", "PhaseSpan", "ProfileData", "ProfilerState", "TrafficProfiler"]
+__all__ = ["ProfilerState", "TrafficProfiler"]
 
 
 class ProfilerState(enum.Enum):
@@ -39,54 +47,6 @@ class ProfilerState(enum.Enum):
     RECORDING = "recording"
     #: Listeners removed and pending copies waited for: the timeline is complete.
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class PhaseSpan:
-    """One ``tracing.phase`` that ended while recording (times on ``perf_counter``)."""
-
-    name: str
-    track: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    """Memory at one instant, in bytes.
-
-    ``device``: library-owned device bytes (the accelerators' ledgers). ``device_pools`` and
-    ``host_pools``: bytes of blocks in use in the device and host pools (``None`` in samples
-    taken at a copy or a phase, where only the ledger is read). ``device_torch``: all memory torch has
-    allocated on the CUDA device, activations included (``None`` without CUDA).
-    """
-
-    at: float
-    device: int
-    device_pools: int | None
-    host_pools: int | None
-    device_torch: int | None
-
-
-@dataclass
-class ProfileData:
-    """Everything recorded; ``summary.summarize`` turns it into the report."""
-
-    managers: list[TieredMemoryManager]
-    link: LinkBandwidth
-    started_at: float = 0.0
-    stopped_at: float | None = None
-    copies: list[tuple[int, CopyRecord]] = field(default_factory=list)  # (manager index, record)
-    stalls: list[tuple[int, StallRecord]] = field(default_factory=list)  # (manager index, record)
-    phases: list[PhaseSpan] = field(default_factory=list)
-    memory: list[MemorySample] = field(default_factory=list)
-    step_marks: list[float] = field(default_factory=list)  # perf_counter at each prof.step()
-    rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
-    exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
-    exposed_end: list[dict[Category, float]] | None = None
-    pools_start: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats()
-    pools_end: dict[str, dict[str, Any]] | None = None
-    device_budget: int = 0  # bytes, summed over the accelerators
 
 
 def resolve_managers(targets: Iterable[Any]) -> list[TieredMemoryManager]:
@@ -266,8 +226,6 @@ class TrafficProfiler:
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain JSON-friendly data (see ``summary.summarize``)."""
-        from .summary import summarize
-
         return summarize(self.data)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -279,8 +237,6 @@ class TrafficProfiler:
 
     def report(self) -> str:
         """The traffic report as a text table (what ``str(prof)`` prints)."""
-        from .report import format_report
-
         return format_report(self.to_dict())
 
     def __str__(self) -> str:
@@ -288,12 +244,8 @@ class TrafficProfiler:
 
     def export_chrome_trace(self, path: str | Path) -> Path:
         """Write a Chrome trace (Perfetto, chrome://tracing) to ``path``; returns the path."""
-        from .chrome_trace import write_chrome_trace
-
         return write_chrome_trace(self.data, Path(path))
 
     def plot(self, path: str | Path) -> Path:
         """Write a PNG: transfers per stream over time, and memory over time (needs matplotlib)."""
-        from .plot import plot_profile
-
         return plot_profile(self.data, Path(path))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory.traffic import Category, CopyRecord, Direction
-from .recorder import PhaseSpan, ProfileData
+from .data import PhaseSpan, ProfileData
 
 __all__ = ["COLLECTIVE_PHASES", "TRANSFER_ROWS", "summarize"]
 

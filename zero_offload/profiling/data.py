@@ -1,0 +1,61 @@
+"""What a profiler records: plain data, written by ``recorder.py`` and read by the writers
+(``summary.py``, ``report.py``, ``chrome_trace.py``, ``plot.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..memory.manager import TieredMemoryManager
+from ..memory.traffic import Category, CopyRecord, StallRecord
+from .link import LinkBandwidth
+
+__all__ = ["MemorySample", "PhaseSpan", "ProfileData"]
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    """One ``tracing.phase`` that ended while recording (times on ``perf_counter``)."""
+
+    name: str
+    track: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Memory at one instant, in bytes.
+
+    ``device``: library-owned device bytes (the accelerators' ledgers). ``device_pools`` and
+    ``host_pools``: bytes of blocks in use in the device and host pools (``None`` in samples
+    taken at a copy or a phase, where only the ledger is read). ``device_torch``: all memory torch has
+    allocated on the CUDA device, activations included (``None`` without CUDA).
+    """
+
+    at: float
+    device: int
+    device_pools: int | None
+    host_pools: int | None
+    device_torch: int | None
+
+
+@dataclass
+class ProfileData:
+    """Everything recorded; ``summary.summarize`` turns it into the report."""
+
+    managers: list[TieredMemoryManager]
+    link: LinkBandwidth
+    started_at: float = 0.0
+    stopped_at: float | None = None
+    copies: list[tuple[int, CopyRecord]] = field(default_factory=list)  # (manager index, record)
+    stalls: list[tuple[int, StallRecord]] = field(default_factory=list)  # (manager index, record)
+    phases: list[PhaseSpan] = field(default_factory=list)
+    memory: list[MemorySample] = field(default_factory=list)
+    step_marks: list[float] = field(default_factory=list)  # perf_counter at each prof.step()
+    rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
+    exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
+    exposed_end: list[dict[Category, float]] | None = None
+    pools_start: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats()
+    pools_end: dict[str, dict[str, Any]] | None = None
+    device_budget: int = 0  # bytes, summed over the accelerators
