@@ -328,7 +328,7 @@ class CudaAccelerator(Accelerator):
         # copy is done: only those it owns and may free early (a saved activation autograd
         # drops after packing). Library buffers (pool blocks, and tensors viewing their
         # storage, such as reloaded activations) stay allocated until their own events
-        # complete (Note [block reuse waits on events] in memory/pool.py), and record_stream
+        # complete (Note [block reuse waits on events] in memory/in_flight_blocks.py), and record_stream
         # on a view of them would only delay the whole pool buffer's eventual free.
         foreign = [
             t

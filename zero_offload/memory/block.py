@@ -2,8 +2,8 @@
 
 A block is a handle, not a tensor: the pool may move its bytes (``BlockPool.defragment``),
 so owners take views through ``Block.view`` and re-take them in an ``on_move`` callback.
-See Note [views pin unregistered blocks] and Note [block reuse waits on events] in
-``pool.py``.
+See Note [views pin unregistered blocks] in ``pool.py`` and Note [block reuse waits on
+events] in ``in_flight_blocks.py``.
 """
 
 from __future__ import annotations
@@ -11,19 +11,33 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..accelerator import Event
 
-if TYPE_CHECKING:
-    from .pool import BlockPool
-
-__all__ = ["Block", "BlockState", "MoveCallback", "view_shape"]
+__all__ = ["Block", "BlockOwner", "BlockState", "MoveCallback", "view_shape"]
 
 #: Called as ``callback(block)`` after ``block`` moved; the owner re-takes its views there.
 MoveCallback = Callable[["Block"], None]
+
+
+class BlockOwner(Protocol):
+    """What a block asks of the pool that made it (``BlockPool`` in ``pool.py`` is the one
+    implementation; the protocol keeps this module below it)."""
+
+    name: str
+
+    def free(self, block: Block) -> None: ...
+
+    def _view(
+        self, block: Block, dtype: torch.dtype, shape: tuple[int, ...] | None
+    ) -> torch.Tensor: ...
+
+    def _register_callback(self, block: Block, callback: MoveCallback) -> None: ...
+
+    def _record_event(self, block: Block, event: Event) -> None: ...
 
 
 class BlockState(enum.Enum):
@@ -70,7 +84,7 @@ class Block:
     )
 
     def __init__(
-        self, pool: BlockPool, offset: int, size: int, nbytes: int, align: int, owner: str
+        self, pool: BlockOwner, offset: int, size: int, nbytes: int, align: int, owner: str
     ) -> None:
         self.pool = pool
         self.offset = offset
@@ -118,7 +132,7 @@ class Block:
     def record_event(self, event: Event) -> None:
         """Record a pending copy touching this block; reuse waits for it.
 
-        See Note [block reuse waits on events] in pool.py.
+        See Note [block reuse waits on events] in in_flight_blocks.py.
         """
         self.pool._record_event(self, event)
 

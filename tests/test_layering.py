@@ -1,0 +1,213 @@
+"""Arrows point down: the package's imports, read from the source, form no cycle and never go
+from a lower layer to a higher one.
+
+The layers, lowest first (a module may import its own layer's modules and any lower layer's):
+
+0. ``errors``, ``config``, ``tracing``: plain types, settings and the phase hook.
+1. ``accelerator``, ``kernels``, ``partition``, ``collectives``: devices and streams, numba
+   kernels, which rank owns which slice, stateless collectives.
+2. ``memory``, ``sysinfo``: pools, the tiered manager, storage; what the machine offers.
+3. ``tensors``, ``profiling``: what optim and params share (parameter views, families);
+   the traffic profiler, which listens on the memory managers only.
+4. ``params``, ``activations``: parameter offload, activation offload.
+5. ``optim``: the optimizer (it reaches ``params`` through one seam module only).
+6. ``checkpoint_io``, ``estimate``: consolidated checkpoints; the memory estimator.
+7. ``demo``, ``integrations``: the demo; Trainer, accelerate, Lightning, TRL.
+8. ``cli``, ``__main__``, and the package's ``__init__``: the command and the public names.
+
+Two rules beyond the order: only ``optim`` imports ``kernels``; nothing imports
+``integrations`` but the package's ``__init__`` (whose exports there are lazy).
+
+Cycles are looked for among module-level imports, those under ``if TYPE_CHECKING:``
+included (a cycle there is a cycle in the design even if Python never runs it). The layer
+rule also covers imports deferred into functions: hiding an upward arrow in a function does
+not make it point down.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "zero_offload"
+
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "config": 0,
+    "tracing": 0,
+    "accelerator": 1,
+    "kernels": 1,
+    "partition": 1,
+    "collectives": 1,
+    "memory": 2,
+    "sysinfo": 2,
+    "tensors": 3,
+    "profiling": 3,
+    "params": 4,
+    "activations": 4,
+    "optim": 5,
+    "checkpoint_io": 6,
+    "estimate": 6,
+    "demo": 7,
+    "integrations": 7,
+    "cli": 8,
+    "__main__": 8,
+    "": 8,  # zero_offload/__init__.py
+}
+ONLY_IMPORTED_BY = {"kernels": {"optim"}, "integrations": {""}}
+# The one optim module through which optim reaches params (None: optim imports no params).
+OPTIM_PARAMS_SEAM_MAX = 1
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: pathlib.Path, modules: set[str]) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every zero_offload import in the file."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[str, bool]] = []
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == PACKAGE:
+                        found.append((alias.name, top))
+            elif isinstance(child, ast.ImportFrom):
+                target = resolve(child)
+                if target.split(".")[0] != PACKAGE:
+                    continue
+                for alias in child.names:  # `from pkg import submodule` imports the submodule
+                    sub = f"{target}.{alias.name}"
+                    found.append((sub if sub in modules else target, top))
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                visit(child, top)
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                visit(child, False)
+            else:
+                visit(child, top)
+
+    visit(tree, True)
+    return found
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    modules = _modules()
+    names = set(modules)
+    top_level: dict[str, set[str]] = defaultdict(set)
+    every: list[tuple[str, str]] = []
+    for name, path in modules.items():
+        for target, top in _imports(name, path, names):
+            if target not in names or target == name:
+                continue
+            every.append((name, target))
+            if top:
+                top_level[name].add(target)
+    return top_level, every
+
+
+def test_every_area_has_a_layer() -> None:
+    missing = sorted({_area(m) for m in _modules()} - set(LAYERS))
+    assert not missing, f"give these parts of zero_offload a layer in LAYERS: {missing}"
+
+
+def test_no_import_points_up() -> None:
+    _, every = _graph()
+    wrong = sorted(
+        f"{source} -> {target} (layer {LAYERS[_area(source)]} -> {LAYERS[_area(target)]})"
+        for source, target in every
+        if _area(source) != _area(target)
+        and LAYERS.get(_area(source), -1) < LAYERS.get(_area(target), -1)
+    )
+    assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
+
+
+def test_restricted_packages_have_their_only_importers() -> None:
+    _, every = _graph()
+    wrong = sorted(
+        f"{source} -> {target}"
+        for source, target in every
+        if _area(target) in ONLY_IMPORTED_BY
+        and _area(source) != _area(target)
+        and _area(source) not in ONLY_IMPORTED_BY[_area(target)]
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_optim_reaches_params_through_one_seam() -> None:
+    _, every = _graph()
+    seams = sorted({s for s, t in every if _area(s) == "optim" and _area(t) == "params"})
+    assert len(seams) <= OPTIM_PARAMS_SEAM_MAX, f"optim modules importing params: {seams}"
+
+
+def test_no_import_cycle() -> None:
+    graph, _ = _graph()
+    # Tarjan's strongly connected components; any component of more than one module (or a
+    # module importing itself) is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def connect(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(_modules()):
+        if node not in index:
+            connect(node)
+    # A package's __init__ that re-exports its submodules, imported by those submodules
+    # through the package name, is the same import Python resolves in order; it still
+    # counts as a cycle here: import the submodule, not the package, from inside it.
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
