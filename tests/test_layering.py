@@ -7,7 +7,7 @@ The layers, lowest first (a module may import its own layer's modules and any lo
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``: devices and streams, numba
    kernels, which rank owns which slice, stateless collectives.
 2. ``memory``, ``sysinfo``: pools, the tiered manager, storage; what the machine offers.
-3. ``tensors``, ``profiling``: what optim and params share (parameter views, families);
+3. ``views``, ``profiling``: what optim and params share (parameter views, families);
    the traffic profiler, which listens on the memory managers only.
 4. ``params``, ``activations``: parameter offload, activation offload.
 5. ``optim``: the optimizer (it reaches ``params`` through one seam module only).
@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "collectives": 1,
     "memory": 2,
     "sysinfo": 2,
-    "tensors": 3,
+    "views": 3,
     "profiling": 3,
     "params": 4,
     "activations": 4,
