@@ -5,17 +5,25 @@ imported when first called, never when the estimator is imported."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .shape import ModelShape, Shape
+from .shape import ModelShape, Shape, Unit
 
 if TYPE_CHECKING:
     from ..optim.placement import Placement
     from ..partition import BucketLayout
 
-__all__ = ["offload_adamw_bytes", "offload_bytes_of_count", "param_offload_bytes"]
+__all__ = [
+    "offload_adamw_bytes",
+    "offload_bytes_of_count",
+    "param_offload_bytes",
+    "shape_bucket_numels",
+    "shape_offload_bytes",
+]
 
 
 def offload_adamw_bytes(
@@ -60,37 +68,147 @@ def _full_offload(
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _unit_pools(
+    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int
+) -> tuple[int, int, int]:
+    """``(window bytes, gradient buffers, host)`` of one unit under parameter offload: its
+    own buckets (a unit never shares one), planned as the optimizer plans them."""
+    from ..optim.placement import POOL_ALIGNMENT
+    from ..params.window import aligned  # params sits above the estimator's inputs
+    from ..partition import plan_buckets
+
+    layouts = plan_buckets(
+        [list(enumerate(shapes))],
+        bucket_numel=max(1, bucket_bytes // itemsize),
+        align_numel=POOL_ALIGNMENT // 2,
+    )
+    nbytes = sum(aligned(layout.padded_numel * itemsize, POOL_ALIGNMENT) for layout in layouts)
+    placement = _full_offload(
+        layouts, itemsize=itemsize, weights_elsewhere=frozenset(b.index for b in layouts)
+    )
+    return nbytes, placement.device_grad_buffers, placement.host_state
+
+
 def param_offload_bytes(
     shape: ModelShape, *, itemsize: int, bucket_bytes: int, prefetch_layers: int = 1
 ) -> tuple[int, int, int]:
     """``(device window, device gradient buffers, host)`` of ``OffloadAdamW`` with
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units,
-    ``ModelShape.parameter_units``), one rank: the exact pool sizes, from buckets planned per
-    unit as the optimizer plans them."""
-    from ..optim.placement import POOL_ALIGNMENT
-    from ..params.window import aligned, plan_slots  # params sits above the estimator's inputs
-    from ..partition import plan_buckets
+    ``ModelShape.parameter_units``), one rank: the exact pool sizes.
 
-    layouts: list[BucketLayout] = []
-    unit_bytes, tied = [], []
-    first = 0
-    for shapes, is_tied in shape.parameter_units():
-        nbytes = 0
-        for layout in plan_buckets(
-            [[(first + i, s) for i, s in enumerate(shapes)]],
-            bucket_numel=max(1, bucket_bytes // itemsize),
-            align_numel=POOL_ALIGNMENT // 2,
-        ):
-            layouts.append(dataclasses.replace(layout, index=len(layouts)))
-            nbytes += aligned(layout.padded_numel * itemsize, POOL_ALIGNMENT)
-        first += len(shapes)
-        unit_bytes.append(nbytes)
-        tied.append(is_tied)
-    _, slot_bytes = plan_slots(unit_bytes, tied, prefetch_layers=prefetch_layers)
-    placement = _full_offload(
-        layouts, itemsize=itemsize, weights_elsewhere=frozenset(b.index for b in layouts)
+    Each unit's buckets are its own, so each distinct unit is planned once (the blocks are
+    alike): the host pool and the gradient buffers are a sum and a maximum over buckets
+    (``plan_placement``). The window's ring gives unit ``j`` slot ``j mod ring``, so the
+    blocks beyond one ring's worth, in whole rings, change no slot: they are left out of
+    ``plan_slots``, which then takes O(1) in the layers.
+    """
+    from ..params.window import plan_slots
+
+    ring = prefetch_layers + 2
+    before, after = shape.outer_units()
+    block: Unit = (shape.block_shapes(), False)
+    planned = {
+        tuple(shapes): _unit_pools(tuple(shapes), itemsize=itemsize, bucket_bytes=bucket_bytes)
+        for shapes, _ in [*before, block, *after]
+    }
+    grad_buffers = max(pools[1] for pools in planned.values())
+    host = sum(planned[tuple(shapes)][2] for shapes, _ in before + after)
+    host += shape.layers * planned[tuple(block[0])][2]
+    kept_layers = shape.layers
+    if shape.layers > ring:
+        kept_layers = ring + (shape.layers - ring) % ring
+    window = [*before, *[block] * kept_layers, *after]
+    _, slot_bytes = plan_slots(
+        [planned[tuple(shapes)][0] for shapes, _ in window],
+        [tied for _, tied in window],
+        prefetch_layers=prefetch_layers,
     )
-    return sum(slot_bytes), placement.device_grad_buffers, placement.host_state
+    return sum(slot_bytes), grad_buffers, host
+
+
+def _pack(sizes: Sequence[int], fill: int, limit: int) -> tuple[list[int], int]:
+    """``partition.plan_buckets``' packing loop over parameters of ``sizes`` elements (in
+    the order it packs them), from an open bucket of ``fill`` elements (0: none): the
+    elements of each bucket it closes, and the open bucket's after. Note [slots are
+    aligned]: each slot starts at a multiple of ``SLOT_ALIGN_NUMEL``."""
+    from ..partition import SLOT_ALIGN_NUMEL
+
+    closed = []
+    for size in sizes:
+        offset = -(-fill // SLOT_ALIGN_NUMEL) * SLOT_ALIGN_NUMEL
+        if fill and offset + size > limit:
+            closed.append(fill)
+            offset = 0
+        fill = offset + size
+    return closed, fill
+
+
+def _sizes_last_first(units: Sequence[Unit]) -> list[int]:
+    return [math.prod(shape) for shapes, _ in units[::-1] for shape in shapes[::-1]]
+
+
+def shape_bucket_numels(shape: ModelShape, *, bucket_numel: int) -> Counter[int]:
+    """How many buckets of each size (elements, alignment gaps included) ``plan_buckets``
+    makes of ``shape``'s parameters, in O(1) in the layers.
+
+    The packer walks the parameters last to first, and at a block's edge its only state is
+    how full the open bucket is. The blocks are alike, so once that fill repeats, the
+    buckets repeat with it: the cycle is counted, not walked.
+    """
+    before, after = shape.outer_units()
+    block = [math.prod(s) for s in shape.block_shapes()][::-1]
+    counts: Counter[int] = Counter()
+    closed, fill = _pack(_sizes_last_first(after), 0, bucket_numel)
+    counts.update(closed)
+    seen: dict[int, int] = {}  # fill at a block's edge -> the block
+    fills: list[int] = []  # fills[k]: the fill before block k (walked blocks only)
+    history: list[list[int]] = []  # history[k]: the buckets block k closed
+    done = 0
+    while done < shape.layers:
+        if fill in seen:  # blocks seen[fill] .. done - 1 repeat from here on
+            start = seen[fill]
+            whole, rest = divmod(shape.layers - done, done - start)
+            for k, cycle in enumerate(history[start:done]):
+                for numel in cycle:
+                    counts[numel] += whole + (k < rest)
+            fill = fills[start + rest]
+            break
+        seen[fill] = done
+        fills.append(fill)
+        closed, fill = _pack(block, fill, bucket_numel)
+        history.append(closed)
+        counts.update(closed)
+        done += 1
+    closed, fill = _pack(_sizes_last_first(before), fill, bucket_numel)
+    counts.update(closed)
+    if fill:
+        counts[fill] += 1
+    return counts
+
+
+def shape_offload_bytes(
+    shape: ModelShape, *, itemsize: int, bucket_bytes: int, world_size: int = 1
+) -> tuple[int, int, int]:
+    """``offload_adamw_bytes`` of ``shape``'s parameters, exact, in O(1) in the layers:
+    each distinct bucket size planned once (``shape_bucket_numels``); ``plan_placement``'s
+    weights and host pool are sums over buckets, its gradient buffers a maximum."""
+    weights = grad_buffers = host = 0
+    counts = shape_bucket_numels(shape, bucket_numel=max(1, bucket_bytes // itemsize))
+    for numel, count in counts.items():
+        w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size)
+        weights, grad_buffers, host = weights + count * w, max(grad_buffers, g), host + count * h
+    return weights, grad_buffers, host
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_bucket(
+    numel: int, itemsize: int, bucket_bytes: int, world_size: int
+) -> tuple[int, int, int]:
+    """``offload_adamw_bytes`` of one bucket of ``numel`` elements."""
+    return offload_adamw_bytes(
+        [(numel,)], itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
+    )
 
 
 def offload_bytes_of_count(
@@ -106,9 +224,7 @@ def offload_bytes_of_count(
     weights = grad_buffers = host = 0
     for count, numel in ((full, bucket_numel), (1, rest)):
         if count and numel:
-            w, g, h = offload_adamw_bytes(
-                [(numel,)], itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
-            )
+            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size)
             weights, grad_buffers, host = (
                 weights + count * w,
                 max(grad_buffers, g),

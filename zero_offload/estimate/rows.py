@@ -27,7 +27,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .pools import offload_adamw_bytes, offload_bytes_of_count, param_offload_bytes
+from .pools import (
+    offload_adamw_bytes,
+    offload_bytes_of_count,
+    param_offload_bytes,
+    shape_offload_bytes,
+)
 from .shape import ModelShape, Shape, shapes_numel
 
 __all__ = [
@@ -179,8 +184,8 @@ class ShapeSubject(Subject):
 
     def _plan_offload(self) -> tuple[int, int, int]:
         ctx = self.ctx
-        return offload_adamw_bytes(
-            self._shape.parameter_shapes(),
+        return shape_offload_bytes(
+            self._shape,
             itemsize=ctx.itemsize,
             bucket_bytes=ctx.bucket_bytes,
             world_size=ctx.world_size,
@@ -250,10 +255,23 @@ class ModuleSubject(Subject):
         return shapes_numel(self._shapes) + self._extra * self._bucket_numel
 
     def _plan_offload(self) -> tuple[int, int, int]:
-        ctx = self.ctx
-        shapes = self._shapes + [(self._bucket_numel,)] * self._extra
+        # The extra parameters, registered last, are packed first, a full bucket each, and
+        # leave the module's own buckets as they were: the pools add up.
+        ctx, extra = self.ctx, self._extra
+        if extra:
+            weights, grad_buffers, host = ModuleSubject(self._shapes, ctx).offload_pools()
+            full = offload_bytes_of_count(
+                self._bucket_numel,
+                itemsize=ctx.itemsize,
+                bucket_bytes=ctx.bucket_bytes,
+                world_size=ctx.world_size,
+            )
+            return weights + extra * full[0], max(grad_buffers, full[1]), host + extra * full[2]
         return offload_adamw_bytes(
-            shapes, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
+            self._shapes,
+            itemsize=ctx.itemsize,
+            bucket_bytes=ctx.bucket_bytes,
+            world_size=ctx.world_size,
         )
 
     def largest(self, fits: Callable[[Subject], bool]) -> Subject | None:

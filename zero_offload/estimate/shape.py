@@ -34,6 +34,7 @@ from typing import cast
 __all__ = ["ARCHITECTURES", "Architecture", "ModelShape"]
 
 Shape = tuple[int, ...]
+Unit = tuple[list[Shape], bool]  # a unit's parameter shapes, and whether it is tied
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Trainable parameters (a tied head counted once)."""
-        return sum(math.prod(shape) for shape in self.parameter_shapes())
+        before, after = self.outer_units()
+        outer = [shape for shapes, _ in before + after for shape in shapes]
+        return shapes_numel(outer) + self.layers * shapes_numel(self.block_shapes())
 
     def with_layers(self, layers: int) -> ModelShape:
         """The same widths with ``layers`` blocks: the family the largest-model search grows."""
@@ -183,19 +186,23 @@ class ModelShape:
             return [*norm, *attention, *norm, *mlp]
         return [*attention, *mlp, *norm, *norm]  # Llama order: attention, MLP, the two norms
 
-    def parameter_units(self) -> list[tuple[list[Shape], bool]]:
-        """``(shapes, tied)`` per unit in forward order, as ``zero_offload.params`` cuts a
-        model: the token embedding (tied: also the head), the position table, each block,
-        the final norm, the head."""
+    def outer_units(self) -> tuple[list[Unit], list[Unit]]:
+        """The units before the blocks (the token embedding, tied: also the head; the
+        position table) and after them (the final norm, the head), as ``parameter_units``."""
         h = self.hidden
-        units: list[tuple[list[Shape], bool]] = [([(self.vocab, h)], self.tied)]
+        before: list[Unit] = [([(self.vocab, h)], self.tied)]
         if self.positions:
-            units.append(([(self.positions, h)], False))
-        units += [(self.block_shapes(), False) for _ in range(self.layers)]
-        units.append(([(h,), (h,)] if self.architecture.norm_bias else [(h,)], False))
+            before.append(([(self.positions, h)], False))
+        after: list[Unit] = [([(h,), (h,)] if self.architecture.norm_bias else [(h,)], False)]
         if not self.tied:
-            units.append(([(self.vocab, h)], False))
-        return units
+            after.append(([(self.vocab, h)], False))
+        return before, after
+
+    def parameter_units(self) -> list[Unit]:
+        """``(shapes, tied)`` per unit in forward order, as ``zero_offload.params`` cuts a
+        model: the units before the blocks, each block, the units after."""
+        before, after = self.outer_units()
+        return [*before, *[(self.block_shapes(), False)] * self.layers, *after]
 
     def parameter_shapes(self) -> list[Shape]:
         """Every trainable parameter's shape, in registration order (a tied head once)."""
