@@ -6,8 +6,12 @@ Note [largest that fits grows the row's own family]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 "Largest that fits" must never contradict "fits": a row that fits reports a largest model at
 least as large as the model, and a row that does not, a smaller one. So the search evaluates
-the very function that sized the row, on members of one family that contains the model
-itself, ordered by size, whose bytes only grow with size (so a binary search is exact):
+the very function that sized the row (``Configuration.bytes``, tested by ``Limits.fits``),
+on members of one family that contains the model itself, ordered by size; and it starts from
+the model: upward from it if the row fits, below it if not. That makes the rule hold by
+construction. The bytes grow with the size (up to alignment gaps, a few bytes per
+parameter against a whole layer's), so the binary search finds the largest member exactly.
+The families:
 
 - a ``ModelShape``: the same widths with more or fewer layers (``ModelShape.with_layers``);
   the embeddings, the head, their gradient buffers and the activations per layer are the
@@ -16,8 +20,6 @@ itself, ordered by size, whose bytes only grow with size (so a binary search is 
 - a module's parameter shapes: if it fits, the module plus whole buckets of extra
   parameters; if not, a bare count below the module's (which is smaller, so it cannot
   contradict the row either).
-
-Fitting is ``Limits.fits``, the same test for the row and for the search.
 """
 
 from __future__ import annotations
@@ -159,10 +161,24 @@ class Subject(ABC):
         on_device = min(shape.layers, OFFLOAD_CHECKPOINTS_ON_DEVICE) * ckpt + layer + logits
         return on_device, shape.layers * ckpt * self.ctx.ranks_per_node
 
+    @property
     @abstractmethod
+    def size(self) -> int:
+        """This subject's place in its family (``member(size)`` is itself)."""
+
+    @abstractmethod
+    def member(self, size: int) -> Subject:
+        """The family's member of ``size`` (>= 1)."""
+
     def largest(self, fits: Callable[[Subject], bool]) -> Subject | None:
         """The largest member of this subject's family that ``fits``, ``None`` if none
-        does; see Note [largest that fits grows the row's own family]."""
+        does: not below this subject if it fits, below it if not; see Note [largest that
+        fits grows the row's own family]."""
+        if fits(self):
+            size = _largest_int(lambda n: fits(self.member(n)), low=self.size)
+        else:
+            size = _largest_int(lambda n: fits(self.member(n)), low=1, high=self.size - 1)
+        return None if size is None else self.member(size)
 
 
 class ShapeSubject(Subject):
@@ -200,17 +216,17 @@ class ShapeSubject(Subject):
             )
         return self._param_pools
 
-    def with_layers(self, layers: int) -> ShapeSubject:
-        """The family's member with ``layers`` blocks (shared, so pools are planned once)."""
-        if layers not in self._members:
-            member = ShapeSubject(self._shape.with_layers(layers), self.ctx)
-            member._members = self._members
-            self._members[layers] = member
-        return self._members[layers]
+    @property
+    def size(self) -> int:
+        return self._shape.layers
 
-    def largest(self, fits: Callable[[Subject], bool]) -> Subject | None:
-        layers = _largest_int(lambda n: fits(self.with_layers(n)), low=1)
-        return None if layers is None else self.with_layers(layers)
+    def member(self, size: int) -> ShapeSubject:
+        """The same widths with ``size`` layers (members are shared: each planned once)."""
+        if size not in self._members:
+            member = ShapeSubject(self._shape.with_layers(size), self.ctx)
+            member._members = self._members
+            self._members[size] = member
+        return self._members[size]
 
 
 class CountSubject(Subject):
@@ -233,21 +249,30 @@ class CountSubject(Subject):
             world_size=ctx.world_size,
         )
 
-    def largest(
-        self, fits: Callable[[Subject], bool], *, below: int | None = None
-    ) -> Subject | None:
-        count = _largest_int(lambda n: fits(CountSubject(n, self.ctx)), low=1, high=below)
-        return None if count is None else CountSubject(count, self.ctx)
+    @property
+    def size(self) -> int:
+        return self._params
+
+    def member(self, size: int) -> CountSubject:
+        return CountSubject(size, self.ctx)
 
 
 class ModuleSubject(Subject):
     """A module's trainable parameters by shape; its family: the module plus whole buckets
     of extra parameters, and below it, bare counts."""
 
-    def __init__(self, shapes: Sequence[Shape], ctx: Context, *, extra_buckets: int = 0) -> None:
+    def __init__(
+        self,
+        shapes: Sequence[Shape],
+        ctx: Context,
+        *,
+        base: ModuleSubject | None = None,
+        extra_buckets: int = 0,
+    ) -> None:
         super().__init__(ctx)
         self._shapes = list(shapes)
-        self._extra = extra_buckets
+        self._base = base  # the module itself, when this is it plus extra buckets
+        self._extra = extra_buckets  # whole buckets of parameters added after the module
         self._bucket_numel = max(1, ctx.bucket_bytes // ctx.itemsize)
 
     @property
@@ -258,8 +283,8 @@ class ModuleSubject(Subject):
         # The extra parameters, registered last, are packed first, a full bucket each, and
         # leave the module's own buckets as they were: the pools add up.
         ctx, extra = self.ctx, self._extra
-        if extra:
-            weights, grad_buffers, host = ModuleSubject(self._shapes, ctx).offload_pools()
+        if self._base is not None:
+            weights, grad_buffers, host = self._base.offload_pools()
             full = offload_bytes_of_count(
                 self._bucket_numel,
                 itemsize=ctx.itemsize,
@@ -274,13 +299,20 @@ class ModuleSubject(Subject):
             world_size=ctx.world_size,
         )
 
-    def largest(self, fits: Callable[[Subject], bool]) -> Subject | None:
-        if not fits(self):
-            return CountSubject(self.params, self.ctx).largest(fits, below=self.params - 1)
-        extra = _largest_int(
-            lambda n: fits(ModuleSubject(self._shapes, self.ctx, extra_buckets=n)), low=0
-        )
-        return ModuleSubject(self._shapes, self.ctx, extra_buckets=extra or 0)
+    @property
+    def size(self) -> int:
+        return self.params
+
+    def member(self, size: int) -> Subject:
+        """Below the module: a bare count; from it up: the module plus whole buckets (a
+        size between two of those is the smaller)."""
+        module = self if self._base is None else self._base
+        if size < module.params:
+            return CountSubject(size, self.ctx)
+        extra = (size - module.params) // self._bucket_numel
+        if not extra:
+            return module
+        return ModuleSubject(module._shapes, self.ctx, base=module, extra_buckets=extra)
 
 
 def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = None) -> int | None:
