@@ -21,7 +21,7 @@ from .rows import (
     Subject,
     largest_fitting,
 )
-from .shape import ModelShape
+from .shape import ModelShape, Shape
 
 if TYPE_CHECKING:
     import torch
@@ -79,10 +79,11 @@ def _is_torch(value: object) -> bool:
     return type(value).__module__.startswith("torch")
 
 
-def _subject(
+def _model_source(
     model: Any, dtype: str | torch.dtype | None, *, seq_len: int, micro_batch: int
-) -> tuple[str, Any]:
-    """``(dtype name, what to build the subject from)``: a ``ModelShape``, shapes, or a count."""
+) -> tuple[str, ModelShape | list[Shape] | int]:
+    """``(dtype name, what the subject is built from)``: a shape, a module's parameter
+    shapes, or a count."""
     torch_module = sys.modules.get("torch")  # a module or dtype exists only if torch is loaded
     if torch_module is not None and isinstance(model, torch_module.nn.Module):
         params = [p for p in model.parameters() if p.requires_grad and p.numel()]
@@ -186,7 +187,7 @@ def estimate(
         if host_memory is None
         else parse_size(host_memory, name="host_memory", least=_LEAST_MEMORY)
     )
-    dtype_name, what = _subject(model, dtype, seq_len=seq_len, micro_batch=micro_batch)
+    dtype_name, what = _model_source(model, dtype, seq_len=seq_len, micro_batch=micro_batch)
     device, device_source, host, host_source = _machine_memory(device, host)
     ctx = Context(
         itemsize=_ITEMSIZE[dtype_name],
