@@ -53,7 +53,6 @@ def _byte_size(flag: str, *, least: int = 1) -> Callable[[str], int]:
         except (TypeError, ValueError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
-    parse.__name__ = "size"  # argparse names the type in "invalid size value"
     return parse
 
 

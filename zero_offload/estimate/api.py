@@ -48,9 +48,10 @@ def parse_size(value: int | str, *, name: str, least: int = 1) -> int:
         )
     nbytes = parse_bytes(value, name=name)
     if nbytes < least:
+        example = f"{value}GiB" if isinstance(value, int) and value else "24GiB"
         raise ValueError(
             f"{name}={value!r} is {nbytes} bytes, less than {least}; give a size with a "
-            "unit, e.g. '24GiB'"
+            f"unit, e.g. '{example}'"
         )
     return nbytes
 
