@@ -32,6 +32,15 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
         (["estimate", "--params", "many"], "parameter count"),
         (["estimate"], "nothing to estimate"),
         (["estimate", "--params", "7B", "--layers", "2"], "not both"),
+        (["estimate", "--hf-config", "gpt2", "--vocab", "100"], "not both"),
+        (["estimate", "--layers", "2", "--hidden", "64"], "--heads"),
+        (["estimate", "--hf-config", "gpt-9"], "known model"),
+        (
+            ["estimate", "--params", "7B", "--device-memory", "24"],
+            "--device-memory='24' has no unit",
+        ),
+        (["estimate", "--params", "7B", "--host-memory", "lots"], "not a byte count"),
+        (["demo", "--device-budget", "8"], "'8GiB'"),
         (["bench", "everything"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -96,7 +105,8 @@ def test_bench_all_lists_the_missing_ones(
 
 
 def test_estimate_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["estimate", "--layers", "24", "--hidden", "1024", "--device-memory", "16GiB"]
+    argv = ["estimate", "--layers", "24", "--hidden", "1024", "--heads", "16"]
+    argv += ["--device-memory", "16GiB"]
     assert cli.main([*argv, "--host-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-Offload + activation offload" in out and "16.00 GiB" in out

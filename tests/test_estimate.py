@@ -100,7 +100,8 @@ def test_default_memory_is_this_machines() -> None:
     ("kwargs", "error"),
     [
         ({"model": 0}, TypeError),
-        ({"model": "big"}, TypeError),
+        ({"model": "big"}, ValueError),  # a string names a config: none is called "big"
+        ({"model": 3.5}, TypeError),
         ({"model": 10, "world_size": 0}, ValueError),
         ({"model": 10, "dtype": "int8"}, ValueError),
         ({"model": 10, "world_size": 2, "ranks_per_node": 3}, ValueError),

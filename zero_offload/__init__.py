@@ -1,13 +1,22 @@
-"""zero-offload: ZeRO-Offload for PyTorch. The public names, re-exported."""
+"""zero-offload: ZeRO-Offload for PyTorch. The public names, re-exported.
 
-from .accelerator import Accelerator, CudaAccelerator, HostAccelerator, get_accelerator
-from .activations import (
-    ActivationOffloadConfig,
-    ActivationOffloader,
-    checkpoint,
-    offload_activations,
-)
-from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
+Note [the package imports torch lazily]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``import zero_offload`` must not import torch or numba: ``zero-offload --help`` and ``info``
+start in a fraction of a second, and importing torch takes seconds (15-22 s on a loaded
+machine). So the names whose modules need torch are resolved on first use by the module's
+``__getattr__`` (PEP 562): ``from zero_offload import OffloadAdamW`` and
+``zero_offload.OffloadAdamW`` work as before, importing what they need then. The torch-free
+names (configuration, errors, the estimator) are imported here; ``estimate`` must be, since
+importing the subpackage ``zero_offload.estimate`` would otherwise bind the package
+attribute ``estimate`` to the subpackage instead of the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
 from .errors import (
     CollectiveError,
@@ -17,9 +26,40 @@ from .errors import (
     StreamRaceError,
 )
 from .estimate import MemoryEstimate, ModelShape, estimate
-from .memory.manager import TieredMemoryManager
-from .optim import OffloadAdam, OffloadAdamW, StepFailed
-from .profiling import TrafficProfiler, profile
+
+if TYPE_CHECKING:
+    from .accelerator import Accelerator, CudaAccelerator, HostAccelerator, get_accelerator
+    from .activations import (
+        ActivationOffloadConfig,
+        ActivationOffloader,
+        checkpoint,
+        offload_activations,
+    )
+    from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
+    from .memory.manager import TieredMemoryManager
+    from .optim import OffloadAdam, OffloadAdamW, StepFailed
+    from .profiling import TrafficProfiler, profile
+
+#: Public names whose modules import torch: name -> the module that defines it.
+_LAZY = {
+    "Accelerator": ".accelerator",
+    "CudaAccelerator": ".accelerator",
+    "HostAccelerator": ".accelerator",
+    "get_accelerator": ".accelerator",
+    "ActivationOffloadConfig": ".activations",
+    "ActivationOffloader": ".activations",
+    "checkpoint": ".activations",
+    "offload_activations": ".activations",
+    "consolidated_state_dict": ".checkpoint_io",
+    "load_consolidated": ".checkpoint_io",
+    "save_consolidated": ".checkpoint_io",
+    "TieredMemoryManager": ".memory.manager",
+    "OffloadAdam": ".optim",
+    "OffloadAdamW": ".optim",
+    "StepFailed": ".optim",
+    "TrafficProfiler": ".profiling",
+    "profile": ".profiling",
+}
 
 __all__ = [
     "Accelerator",
@@ -53,3 +93,18 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """A public name whose module imports torch, imported on first use; see Note [the
+    package imports torch lazily]."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,5 +1,10 @@
 """The ``zero-offload`` command: ``info``, ``demo``, ``estimate``, ``bench``.
 
+``--help`` and the parser import neither torch nor numba (Note [the package imports torch
+lazily] in ``__init__.py``): each command imports what it needs when it runs, and the demo's
+flags, whose defaults come from a module that imports torch, are added only when the
+command is ``demo``.
+
 Errors (bad flag values, a budget too small, a missing benchmark) print one line and exit
 with status 2; ``--debug`` shows the traceback instead.
 """
@@ -15,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import parse_bytes
+from .estimate import KNOWN_MODELS, parse_size
 
 __all__ = ["BENCHMARKS", "main"]
 
@@ -39,14 +44,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _byte_count(text: str) -> int:
-    try:
-        value = parse_bytes(text, name="size")
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
-    return value
+def _byte_size(flag: str, *, least: int = 1) -> Callable[[str], int]:
+    """An argparse type for ``flag``: a size with a unit (``24GiB``), never bare bytes."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, name=flag, least=least)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parse
 
 
 def _param_count(text: str) -> int:
@@ -88,10 +95,13 @@ def _fraction(text: str) -> float:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .sysinfo import collect_info, format_info
+    from .sysinfo import SECTIONS, collect_info, format_info
 
-    info = collect_info()
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    if args.json:  # one object: every section first
+        print(json.dumps(collect_info(), indent=2))
+        return 0
+    for collect in SECTIONS:  # the machine's facts print before torch is imported
+        print(format_info(collect(), width=len("pinned_memory_available")), flush=True)
     return 0
 
 
@@ -105,38 +115,75 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .estimate import ModelShape, estimate
+def _estimate_model(args: argparse.Namespace) -> Any:
+    """What ``estimate`` is of: ``--params``, ``--hf-config``, or a shape from the flags."""
+    from .estimate import ModelShape
 
-    if args.params is not None and args.layers is not None:
+    shape_flags = {
+        "--layers": args.layers,
+        "--hidden": args.hidden,
+        "--heads": args.heads,
+        "--kv-heads": args.kv_heads,
+        "--ffn": args.ffn,
+        "--vocab": args.vocab,
+        "--arch": args.arch,
+        "--tied": True if args.tied else None,
+    }
+    given = [flag for flag, value in shape_flags.items() if value is not None]
+    sources = [
+        *(["--params"] if args.params is not None else []),
+        *(["--hf-config"] if args.hf_config is not None else []),
+        *([" ".join(given)] if given else []),
+    ]
+    if len(sources) > 1:
         raise ValueError(
-            "give either --params or a model shape (--layers, --hidden, ...), not both"
+            f"give one of --params, --hf-config or a model shape (--layers, --hidden, "
+            f"--heads, ...), not both: got {' and '.join(sources)}"
         )
     if args.params is not None:
-        model: Any = args.params
-    elif args.layers is not None and args.hidden is not None:
-        heads = args.heads if args.heads is not None else max(1, args.hidden // 64)
-        model = ModelShape(
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=heads,
-            vocab=args.vocab,
-            seq_len=args.seq_len,
-            micro_batch=args.micro_batch,
-        )
-    else:
+        return args.params
+    if args.hf_config is not None:
+        return args.hf_config
+    if not given:
         raise ValueError(
-            "nothing to estimate: give --params N (e.g. 7B) or a model shape with --layers "
-            "and --hidden (plus --heads, --vocab, --seq-len, --micro-batch)"
+            "nothing to estimate: give --params N (e.g. 7B), --hf-config (a config.json, its "
+            f"folder, or one of {', '.join(KNOWN_MODELS)}), or a model shape with --layers, "
+            "--hidden and --heads (plus --kv-heads, --ffn, --vocab, --tied, --arch)"
         )
+    missing = [flag for flag in ("--layers", "--hidden", "--heads") if shape_flags[flag] is None]
+    if missing:
+        raise ValueError(
+            f"a model shape needs {', '.join(missing)} too (Llama-3-8B: --arch llama "
+            "--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256), "
+            "or use --hf-config llama-3-8b"
+        )
+    return ModelShape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        vocab=args.vocab if args.vocab is not None else 50257,
+        tied=args.tied,
+        arch=args.arch or "gpt",
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+    )
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate
+
     result = estimate(
-        model,
+        _estimate_model(args),
         world_size=args.world_size,
         ranks_per_node=args.ranks_per_node,
         dtype=args.dtype,
         device_memory=args.device_memory,
         host_memory=args.host_memory,
         bucket_bytes=args.bucket_bytes,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
@@ -177,11 +224,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # -- parser ------------------------------------------------------------------------------
 
+_DEMO_HELP = "train a small GPT with offload, profiled"
+
 
 def _add_demo(commands: Any) -> None:
     from .demo.train import DemoConfig as D  # the flags' defaults are the config's
 
-    demo = commands.add_parser("demo", help="train a small GPT with offload, profiled")
+    demo = commands.add_parser("demo", help=_DEMO_HELP)
     demo.add_argument("--steps", type=_positive_int, default=D.steps, help="optimizer steps")
     demo.add_argument("--layers", type=_positive_int, default=D.layers)
     demo.add_argument("--hidden", type=_positive_int, default=D.hidden)
@@ -196,11 +245,15 @@ def _add_demo(commands: Any) -> None:
         default=D.activation_offload,
         help="checkpoint each block with its input kept on the host",
     )
-    demo.add_argument("--device-budget", type=_byte_count, default=None, help="e.g. 8MiB")
-    demo.add_argument("--bucket-bytes", type=_byte_count, default=D.bucket_bytes)
+    demo.add_argument(
+        "--device-budget", type=_byte_size("--device-budget"), default=None, help="e.g. 8MiB"
+    )
+    demo.add_argument(
+        "--bucket-bytes", type=_byte_size("--bucket-bytes", least=1024), default=D.bucket_bytes
+    )
     demo.add_argument(
         "--link-bandwidth",
-        type=_byte_count,
+        type=_byte_size("--link-bandwidth"),
         default=None,
         help="host accelerator only: simulate a link of this many bytes/s (e.g. 12GB)",
     )
@@ -210,35 +263,92 @@ def _add_demo(commands: Any) -> None:
 
 
 def _add_estimate(commands: Any) -> None:
-    est = commands.add_parser("estimate", help="memory per tier for each configuration")
-    est.add_argument("--params", type=_param_count, default=None, help="e.g. 1.5e9, 350M, 7B")
-    est.add_argument("--layers", type=_positive_int, default=None)
-    est.add_argument("--hidden", type=_positive_int, default=None)
-    est.add_argument("--heads", type=_positive_int, default=None, help="default hidden/64")
-    est.add_argument("--vocab", type=_positive_int, default=50257)
-    est.add_argument("--seq-len", type=_positive_int, default=1024)
+    from .estimate import ARCHITECTURES, SUPPORTED_MODEL_TYPES  # torch-free
+
+    est = commands.add_parser(
+        "estimate",
+        help="memory per tier for each configuration",
+        description="Memory per tier for each way of training a model, and what fits; "
+        "docs/estimator.md explains the columns. Sizes need a unit: 80GiB, 24GB, 512MiB.",
+    )
+    model = est.add_argument_group("the model (one of --params, --hf-config, or a shape)")
+    model.add_argument("--params", type=_param_count, default=None, help="e.g. 1.5e9, 350M, 7B")
+    model.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH|NAME",
+        help="a transformers config.json or its folder (model types: "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)}), or one of {', '.join(KNOWN_MODELS)}; "
+        "read locally, nothing is downloaded",
+    )
+    model.add_argument(
+        "--arch",
+        choices=tuple(ARCHITECTURES),
+        default=None,
+        help="block layout: gpt (GPT-2, the demo: GeLU MLP, LayerNorm, learned positions), "
+        "llama (Llama, Mistral: SwiGLU, RMSNorm, rotary), qwen2 (llama with Q/K/V biases); "
+        "default gpt",
+    )
+    model.add_argument("--layers", type=_positive_int, default=None)
+    model.add_argument("--hidden", type=_positive_int, default=None)
+    model.add_argument("--heads", type=_positive_int, default=None, help="attention heads")
+    model.add_argument(
+        "--kv-heads",
+        type=_positive_int,
+        default=None,
+        help="key/value heads (GQA); default --heads",
+    )
+    model.add_argument(
+        "--ffn", type=_positive_int, default=None, help="MLP width; default 4 x --hidden"
+    )
+    model.add_argument("--vocab", type=_positive_int, default=None, help="default 50257")
+    model.add_argument(
+        "--tied", action="store_true", help="the head shares the token embedding's weight"
+    )
+    est.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens per sequence")
     est.add_argument("--micro-batch", type=_positive_int, default=1)
     est.add_argument("--world-size", type=_positive_int, default=1)
     est.add_argument("--ranks-per-node", type=_positive_int, default=None)
     est.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    est.add_argument("--device-memory", type=_byte_count, default=None, help="per rank, e.g. 80GiB")
-    est.add_argument("--host-memory", type=_byte_count, default=None, help="per node")
-    est.add_argument("--bucket-bytes", type=_byte_count, default=32 * 2**20)
+    est.add_argument(
+        "--device-memory",
+        type=_byte_size("--device-memory", least=2**20),
+        default=None,
+        help="per rank, e.g. 80GiB; default this machine's GPU",
+    )
+    est.add_argument(
+        "--host-memory",
+        type=_byte_size("--host-memory", least=2**20),
+        default=None,
+        help="per node, e.g. 256GiB; default this machine's RAM",
+    )
+    est.add_argument(
+        "--bucket-bytes", type=_byte_size("--bucket-bytes", least=1024), default=32 * 2**20
+    )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(run=_cmd_estimate)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser; the demo's flags only when ``command`` is ``demo``."""
     parser = _Parser(
         prog="zero-offload",
         description="ZeRO-Offload for PyTorch: train models larger than GPU memory.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = commands.add_parser("info", help="what this machine offers the library")
+    info = commands.add_parser(
+        "info",
+        help="what this machine offers the library",
+        description="The machine's facts (CPU, RAM) first, at once; then torch's and the "
+        "accelerator's, which import torch (seconds), then numba's.",
+    )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(run=_cmd_info)
-    _add_demo(commands)
+    if command == "demo":
+        _add_demo(commands)
+    else:  # listed in --help; its flags need torch (see the module docstring)
+        commands.add_parser("demo", help=_DEMO_HELP)
     _add_estimate(commands)
     bench = commands.add_parser("bench", help="run the benchmarks' --quick mode")
     bench.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
@@ -248,7 +358,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zero-offload`` console script; returns the exit status."""
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word that is not a flag (the top level has only --debug).
+    parser = _parser(next((word for word in argv if not word.startswith("-")), None))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed on one line

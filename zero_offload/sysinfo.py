@@ -1,16 +1,26 @@
-"""What this machine offers the library: the facts behind ``zero-offload info``."""
+"""What this machine offers the library: the facts behind ``zero-offload info``.
+
+In three sections, each a function, cheapest first: the machine's (CPU, RAM: no torch), then
+torch's and the accelerator's (imports torch, seconds), then numba's (imports numba). Only
+``collect_torch_info`` and ``collect_numba_info`` import them, when called.
+"""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import psutil
-import torch
 
-from .accelerator import choose_accelerator, get_accelerator
-
-__all__ = ["collect_info", "format_info"]
+__all__ = [
+    "SECTIONS",
+    "collect_info",
+    "collect_machine_info",
+    "collect_numba_info",
+    "collect_torch_info",
+    "format_info",
+]
 
 _SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
 
@@ -32,7 +42,8 @@ def _cpu_facts() -> dict[str, Any]:
     }
 
 
-def _numba_facts() -> dict[str, Any]:
+def collect_numba_info() -> dict[str, Any]:
+    """numba's version and threads; imports numba."""
     try:
         import numba
 
@@ -49,13 +60,27 @@ def _numba_facts() -> dict[str, Any]:
         return {"numba_version": f"not importable: {exc}"}
 
 
-def collect_info() -> dict[str, Any]:
-    """Everything ``zero-offload info`` prints, as a JSON-friendly dict."""
+def collect_machine_info() -> dict[str, Any]:
+    """Python, the CPU and the RAM; imports neither torch nor numba."""
+    memory = psutil.virtual_memory()
+    return {
+        "python": platform.python_version(),
+        **_cpu_facts(),
+        "host_ram_total": memory.total,
+        "host_ram_available": memory.available,
+    }
+
+
+def collect_torch_info() -> dict[str, Any]:
+    """torch's build, the accelerator the library would choose, the GPU and pinned memory;
+    imports torch."""
+    import torch
+
+    from .accelerator import choose_accelerator, get_accelerator
+
     name, reason = choose_accelerator()
     accelerator = get_accelerator()
-    memory = psutil.virtual_memory()
     info: dict[str, Any] = {
-        "python": platform.python_version(),
         "torch_version": torch.__version__,
         "torch_build": f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU",
         "torch_threads": torch.get_num_threads(),
@@ -64,24 +89,37 @@ def collect_info() -> dict[str, Any]:
         "gpu_name": None,
         "gpu_memory_total": None,
         "pinned_memory_available": accelerator.pinned_memory_available,
-        "host_ram_total": memory.total,
-        "host_ram_available": memory.available,
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info["gpu_name"] = props.name
         info["gpu_memory_total"] = props.total_memory
     info.update(accelerator.describe())
-    info.update(_cpu_facts())
-    info.update(_numba_facts())
     return info
 
 
-def format_info(info: dict[str, Any]) -> str:
-    """The ``info`` dict as aligned ``key: value`` lines, sizes in binary units."""
+#: ``info``'s sections in the order printed: the first imports neither torch nor numba.
+SECTIONS: tuple[Callable[[], dict[str, Any]], ...] = (
+    collect_machine_info,
+    collect_torch_info,
+    collect_numba_info,
+)
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything ``zero-offload info`` prints, as a JSON-friendly dict."""
+    info: dict[str, Any] = {}
+    for collect in SECTIONS:
+        info.update(collect())
+    return info
+
+
+def format_info(info: dict[str, Any], *, width: int = 0) -> str:
+    """The ``info`` dict as ``key value`` lines, keys padded to ``width`` or the longest,
+    sizes in binary units."""
     from .config import format_bytes
 
-    width = max(len(key) for key in info)
+    width = max(width, *(len(key) for key in info))
     lines = []
     for key, value in info.items():
         if (

@@ -1,0 +1,59 @@
+"""Memory estimator: bytes per tier for each way of training a model, and what fits.
+
+Importing it imports neither torch nor numba (``zero-offload --help`` stays fast); planning
+the optimizer's pools does, on the first estimate.
+
+Accounting (per rank, ``P`` parameters, ``s`` bytes per element of the training dtype,
+``N`` ranks), after the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): weights ``sP``,
+gradients ``sP``, and Adam state ``KP`` with ``K = 12`` in mixed precision (fp32 master,
+exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
+
+- no offload (DDP): device ``(2s + K) P``;
+- ZeRO-1: device ``2sP + KP/N`` (optimizer state partitioned);
+- ZeRO-2: device ``sP + (s + K) P/N`` (gradients partitioned too);
+- ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
+  ``optim.placement.plan_placement`` with everything offloaded: device weights plus the
+  gradient buffers, host fp32 master, gradient staging, moments and weight staging; the
+  host part is partitioned over ``N`` (each rank updates its own shard). Given the
+  parameters' shapes (a ``ModelShape``, a config or a model), the buckets are planned as the
+  optimizer plans them, each slot aligned (Note [slots are aligned] in ``partition.py``);
+  from a bare parameter count, buckets are taken as full and gap-free.
+- parameter offload (one rank, a shape known): the device holds the window of
+  ``OffloadConfig(offload_parameters=True)`` (Note [a unit always returns to its slot] in
+  ``params/window.py``) instead of the weights, plus the gradient buffers.
+
+Activations: Note [activation bytes per layer] in ``shape.py``; the logits add
+``S b V (s + 4)``. Checkpointing keeps each layer's input plus one layer's activations
+while it is recomputed; activation offload moves those inputs to the host and keeps two on
+the device. Host memory is per node (``ranks_per_node`` ranks share it); a configuration
+fits when its host bytes leave ``host_reserve`` free. "Largest that fits": Note [largest
+that fits grows the row's own family] in ``rows.py``.
+"""
+
+from .api import DEFAULT_BUCKET_BYTES, estimate, host_reserve, parse_size
+from .configs import KNOWN_MODELS, SUPPORTED_MODEL_TYPES, load_config, shape_from_config
+from .pools import offload_adamw_bytes, param_offload_bytes
+from .result import ConfigEstimate, MemoryEstimate
+from .rows import CONFIGURATIONS, ActivationMode, Configuration
+from .shape import ARCHITECTURES, Architecture, ModelShape
+
+__all__ = [
+    "ARCHITECTURES",
+    "CONFIGURATIONS",
+    "DEFAULT_BUCKET_BYTES",
+    "KNOWN_MODELS",
+    "SUPPORTED_MODEL_TYPES",
+    "ActivationMode",
+    "Architecture",
+    "ConfigEstimate",
+    "Configuration",
+    "MemoryEstimate",
+    "ModelShape",
+    "estimate",
+    "host_reserve",
+    "load_config",
+    "offload_adamw_bytes",
+    "param_offload_bytes",
+    "parse_size",
+    "shape_from_config",
+]

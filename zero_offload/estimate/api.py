@@ -1,0 +1,243 @@
+"""``estimate()``: its inputs checked and resolved, then one row per configuration."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import parse_bytes
+from .configs import load_config, shape_from_config
+from .result import ConfigEstimate, MemoryEstimate
+from .rows import (
+    CONFIGURATIONS,
+    Context,
+    CountSubject,
+    Limits,
+    ModuleSubject,
+    ShapeSubject,
+    Subject,
+    largest_fitting,
+)
+from .shape import ModelShape, Shape
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "estimate", "host_reserve", "parse_size"]
+
+#: Default bucket size of ``OffloadConfig.bucket_bytes`` (32 MiB).
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
+#: The least ``device_memory`` / ``host_memory`` given as a bare int (bytes): a smaller one is
+#: a size whose unit was forgotten.
+_LEAST_MEMORY = 2**20
+
+
+def parse_size(value: int | str, *, name: str, least: int = 1) -> int:
+    """A byte size: a string with a unit (``"24GiB"``, ``"24GB"``, ``"512MiB"``, ``"1e9B"``)
+    or an int of bytes, at least ``least``. A string without a unit is refused, never read as
+    bytes. Raises ``ValueError``/``TypeError`` naming ``name``, the value and an example."""
+    if isinstance(value, str) and _BARE_NUMBER.match(value):
+        raise ValueError(
+            f"{name}={value!r} has no unit; give one, e.g. '{value.strip()}GiB' (binary) or "
+            f"'{value.strip()}GB' (decimal), or '{value.strip()}B' for bytes"
+        )
+    nbytes = parse_bytes(value, name=name)
+    if nbytes < least:
+        example = f"{value}GiB" if isinstance(value, int) and value else "24GiB"
+        raise ValueError(
+            f"{name}={value!r} is {nbytes} bytes, less than {least}; give a size with a "
+            f"unit, e.g. '{example}'"
+        )
+    return nbytes
+
+
+def host_reserve(host_memory: int) -> int:
+    """Host bytes a configuration must leave free to fit: max(10% of the RAM, 2 GiB), what
+    ``OffloadConfig(host_budget="auto")`` leaves for activations, the data loader, the
+    interpreter and the page cache."""
+    from ..optim.nvme import AUTO_HOST_HEADROOM_FRACTION, AUTO_HOST_HEADROOM_MIN
+
+    return max(int(host_memory * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str:
+    if dtype is None:
+        return "bfloat16"
+    name = dtype if isinstance(dtype, str) else None
+    if _is_torch(dtype):  # a torch.dtype, named without importing torch
+        name = str(dtype).removeprefix("torch.")
+    if name not in _ITEMSIZE:
+        raise ValueError(f"dtype must be one of {', '.join(_ITEMSIZE)}, got {dtype!r}")
+    return name
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _model_source(
+    model: Any, dtype: str | torch.dtype | None, *, seq_len: int, micro_batch: int
+) -> tuple[str, ModelShape | list[Shape] | int]:
+    """``(dtype name, what the subject is built from)``: a shape, a module's parameter
+    shapes, or a count."""
+    torch_module = sys.modules.get("torch")  # a module or dtype exists only if torch is loaded
+    if torch_module is not None and isinstance(model, torch_module.nn.Module):
+        params = [p for p in model.parameters() if p.requires_grad and p.numel()]
+        name = _dtype_name(params[0].dtype if params and dtype is None else dtype)
+        count = sum(p.numel() for p in params)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_dict"):  # a transformers model
+            try:
+                shape = shape_from_config(config, seq_len=seq_len, micro_batch=micro_batch)
+            except (TypeError, ValueError):
+                shape = None
+            if shape is not None and shape.params == count:  # nothing frozen, nothing added
+                return name, shape
+        return name, [tuple(p.shape) for p in params]
+    if isinstance(model, ModelShape):
+        return _dtype_name(dtype), model
+    if isinstance(model, (str, Path)):
+        model = load_config(model)
+    if isinstance(model, Mapping) or (hasattr(model, "to_dict") and hasattr(model, "model_type")):
+        return _dtype_name(dtype), shape_from_config(
+            model, seq_len=seq_len, micro_batch=micro_batch
+        )
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise TypeError(
+            "model must be a parameter count (int >= 1), a ModelShape, an nn.Module, a "
+            "transformers config (object, dict, config.json path or a known name such as "
+            f"'llama-3-8b'), got {type(model).__name__} {model!r}"
+        )
+    return _dtype_name(dtype), model
+
+
+def _machine_memory(
+    device_memory: int | None, host_memory: int | None
+) -> tuple[int | None, str, int, str]:
+    if device_memory is not None:
+        device_source = "given"
+    else:
+        import torch  # only to ask for a GPU
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            device_memory, device_source = props.total_memory, f"this machine's {props.name}"
+        else:
+            device_source = "unknown: no GPU here; pass device_memory / --device-memory"
+    if host_memory is not None:
+        return device_memory, device_source, host_memory, "given"
+    import psutil
+
+    return device_memory, device_source, psutil.virtual_memory().total, "this machine's RAM"
+
+
+def estimate(
+    model: int | ModelShape | torch.nn.Module | Mapping[str, Any] | str | Path | Any,
+    *,
+    world_size: int = 1,
+    ranks_per_node: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    seq_len: int = 1024,
+    micro_batch: int = 1,
+) -> MemoryEstimate:
+    """Estimate training memory per tier for each configuration; returns the estimate (its
+    ``table()`` is what ``zero-offload estimate`` prints). See ``docs/estimator.md``.
+
+    ``model``: a parameter count; a ``ModelShape`` (activations counted too); an
+    ``nn.Module`` (its trainable parameters' exact shapes, or its transformers config's
+    shape when that counts the same parameters); a transformers config (a
+    ``PretrainedConfig``, its dict, a ``config.json`` path or folder, or a name in
+    ``KNOWN_MODELS`` such as ``"llama-3-8b"``), whose shape takes ``seq_len`` and
+    ``micro_batch``. ``dtype``: training dtype (``"bfloat16"`` default, or the module's).
+    ``device_memory`` (per rank) and ``host_memory`` (per node): a size with a unit
+    (``"80GiB"``, ``"24GB"``) or an int of bytes (at least 1 MiB); default this machine's GPU
+    and RAM. ``bucket_bytes``: ``OffloadConfig.bucket_bytes``, the same forms.
+    """
+    for name, value in (
+        ("world_size", world_size),
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
+    if (
+        isinstance(ranks_per_node, bool)
+        or not isinstance(ranks_per_node, int)
+        or not 1 <= ranks_per_node <= world_size
+    ):
+        raise ValueError(
+            f"ranks_per_node must be in [1, world_size={world_size}], got {ranks_per_node!r}"
+        )
+    bucket = parse_size(bucket_bytes, name="bucket_bytes", least=1024)
+    device = (
+        None
+        if device_memory is None
+        else parse_size(device_memory, name="device_memory", least=_LEAST_MEMORY)
+    )
+    host = (
+        None
+        if host_memory is None
+        else parse_size(host_memory, name="host_memory", least=_LEAST_MEMORY)
+    )
+    dtype_name, what = _model_source(model, dtype, seq_len=seq_len, micro_batch=micro_batch)
+    device, device_source, host, host_source = _machine_memory(device, host)
+    ctx = Context(
+        itemsize=_ITEMSIZE[dtype_name],
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        bucket_bytes=bucket,
+    )
+    subject: Subject
+    if isinstance(what, ModelShape):
+        subject = ShapeSubject(what, ctx)
+    elif isinstance(what, list):
+        subject = ModuleSubject(what, ctx)
+    else:
+        subject = CountSubject(what, ctx)
+    limits = Limits(device=device, host=host, host_reserve=host_reserve(host))
+    rows = []
+    for configuration in CONFIGURATIONS:
+        row = configuration.bytes(subject)
+        if row is None:
+            continue
+        largest = None
+        if limits.device is not None:
+            largest = largest_fitting(configuration, subject, limits)
+        rows.append(
+            ConfigEstimate(
+                name=configuration.name,
+                device_model_states=row.model_states,
+                device_buffers=row.buffers,
+                device_activations=row.activations,
+                host=row.host,
+                fits=limits.fits(row),
+                largest_fitting_params=(
+                    None if limits.device is None else largest.params if largest else 0
+                ),
+                largest_fitting_layers=(
+                    largest.shape.layers if largest is not None and largest.shape else None
+                ),
+            )
+        )
+    return MemoryEstimate(
+        params=subject.params,
+        dtype=dtype_name,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        device_memory=device,
+        device_memory_source=device_source,
+        host_memory=host,
+        host_memory_source=host_source,
+        host_reserve=limits.host_reserve,
+        shape=subject.shape,
+        rows=rows,
+    )

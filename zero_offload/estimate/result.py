@@ -1,0 +1,130 @@
+"""The estimate as data (``MemoryEstimate``, one ``ConfigEstimate`` per row) and as text."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..config import format_bytes
+from .shape import ModelShape
+
+__all__ = ["ConfigEstimate", "MemoryEstimate", "format_count"]
+
+
+@dataclass(frozen=True)
+class ConfigEstimate:
+    """One configuration's bytes per rank (device) and per node (host), and whether it fits."""
+
+    name: str
+    device_model_states: int  # weights, gradients, optimizer state on the device
+    device_buffers: int  # the library's gradient buffers (ZeRO-Offload rows only)
+    device_activations: int
+    host: int  # per node
+    fits: bool | None  # None: a memory size is unknown
+    # The largest model of the same family that fits (Note [largest that fits grows the
+    # row's own family] in rows.py): its parameters, 0 if none fits, None if unknown; and
+    # its layers when the family is a shape.
+    largest_fitting_params: int | None
+    largest_fitting_layers: int | None = None
+
+    @property
+    def device_total(self) -> int:
+        """Device bytes per rank."""
+        return self.device_model_states + self.device_buffers + self.device_activations
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate: inputs and one row per configuration. ``table()`` is the text that
+    ``zero-offload estimate`` prints; ``to_dict()`` the JSON."""
+
+    params: int
+    dtype: str
+    world_size: int
+    ranks_per_node: int
+    device_memory: int | None
+    device_memory_source: str
+    host_memory: int | None
+    host_memory_source: str
+    host_reserve: int  # host bytes a fitting configuration leaves free, per node
+    shape: ModelShape | None
+    rows: list[ConfigEstimate] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-friendly data, with each row's ``device_total``."""
+        out = asdict(self)
+        out["rows"] = [dict(asdict(row), device_total=row.device_total) for row in self.rows]
+        return out
+
+    def table(self) -> str:
+        """The estimate as text: a header, one line per configuration, what the columns
+        mean."""
+        head = f"zero-offload memory estimate: {format_count(self.params)} parameters"
+        head += f" ({self.dtype}), world size {self.world_size}"
+        if self.world_size != self.ranks_per_node:
+            head += f", {self.ranks_per_node} ranks per node"
+        if self.shape is not None:
+            head += f"\nmodel: {self.shape.describe()}"
+        else:
+            head += "\nactivations not counted (give a model shape to count them)"
+        head += (
+            f"\ndevice memory {_size(self.device_memory)} per rank ({self.device_memory_source});"
+            f" host memory {_size(self.host_memory)} per node ({self.host_memory_source})"
+        )
+        rows = [
+            [
+                row.name,
+                _size(row.device_model_states),
+                _size(row.device_buffers),
+                _size(row.device_activations),
+                _size(row.device_total),
+                _size(row.host),
+                {True: "yes", False: "no", None: "?"}[row.fits],
+                _largest_text(row),
+            ]
+            for row in self.rows
+        ]
+        header = ["configuration", "model states", "buffers", "activations", "device total"]
+        header += ["host", "fits", "largest that fits"]
+        grows = (
+            "the same widths with more or fewer layers"
+            if self.shape is not None
+            else "more or fewer parameters in full buckets"
+        )
+        note = (
+            "\n\nmodel states: weights, gradients and Adam state on the device (ZeRO paper, "
+            "2 + 2 + 12 bytes per parameter in mixed precision); buffers: OffloadAdamW's "
+            "gradient buffers; host: OffloadAdamW's pools per node."
+            f"\nfits: device total <= device memory, and host <= host memory less "
+            f"{_size(self.host_reserve)} kept free (max(10% of RAM, 2 GiB), the reserve of "
+            f'OffloadConfig(host_budget="auto")).'
+            f"\nlargest that fits: the most parameters each configuration holds, with {grows}."
+        )
+        from ..profiling.report import format_table  # profiling imports torch; so did planning
+
+        return head + "\n\n" + format_table(header, rows) + note
+
+
+def _largest_text(row: ConfigEstimate) -> str:
+    if row.largest_fitting_params is None:
+        return "-"
+    if not row.largest_fitting_params:
+        return "none"
+    text = format_count(row.largest_fitting_params)
+    return (
+        text
+        if row.largest_fitting_layers is None
+        else f"{text} ({row.largest_fitting_layers} layers)"
+    )
+
+
+def _size(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else format_bytes(nbytes)
+
+
+def format_count(params: int) -> str:
+    """``8030261248`` as ``8.03 B``."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if params >= scale:
+            return f"{params / scale:.2f} {unit}"
+    return str(params)

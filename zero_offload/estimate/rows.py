@@ -1,0 +1,421 @@
+"""What is estimated (a ``Subject``: a shape, a module's parameters, or a bare count), each
+configuration's bytes for it (a ``Configuration``, one per table row), and the largest
+member of the subject's family that a configuration fits.
+
+Note [largest that fits grows the row's own family]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+"Largest that fits" must never contradict "fits": a row that fits reports a largest model at
+least as large as the model, and a row that does not, a smaller one. So the search evaluates
+the very function that sized the row (``Configuration.bytes``, tested by ``Limits.fits``),
+on members of one family that contains the model itself, ordered by size; and it starts from
+the model: upward from it if the row fits, below it if not. That makes the rule hold by
+construction. The bytes grow with the size (up to alignment gaps, a few bytes per
+parameter against a whole layer's), so the binary search finds the largest member exactly.
+The families:
+
+- a ``ModelShape``: the same widths with more or fewer layers (``ModelShape.with_layers``);
+  the embeddings, the head, their gradient buffers and the activations per layer are the
+  row's own;
+- a bare count: that many parameters in full buckets (``offload_bytes_of_count``);
+- a module's parameter shapes: if it fits, the module plus whole buckets of extra
+  parameters; if not, a bare count below the module's (which is smaller, so it cannot
+  contradict the row either).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .pools import (
+    offload_adamw_bytes,
+    offload_bytes_of_count,
+    param_offload_bytes,
+    shape_offload_bytes,
+)
+from .shape import ModelShape, Shape, shapes_numel
+
+__all__ = [
+    "CONFIGURATIONS",
+    "ActivationMode",
+    "Configuration",
+    "Context",
+    "CountSubject",
+    "Limits",
+    "ModuleSubject",
+    "RowBytes",
+    "ShapeSubject",
+    "Subject",
+    "largest_fitting",
+]
+
+#: Activation checkpoints held on the device by activation offload (prefetch depth 1 + 1).
+OFFLOAD_CHECKPOINTS_ON_DEVICE = 2
+#: The search stops growing a family here (a model this large does not fit anything).
+_SEARCH_CAP = 2**50
+
+
+@dataclass(frozen=True)
+class Context:
+    """The training setup every row shares."""
+
+    itemsize: int  # training dtype bytes
+    world_size: int
+    ranks_per_node: int
+    bucket_bytes: int
+
+    @property
+    def adam_bytes(self) -> int:
+        """Adam state bytes per parameter (ZeRO paper's ``K``): fp32 master, exp_avg,
+        exp_avg_sq in mixed precision; the weights are the master copy in fp32."""
+        return 8 if self.itemsize == 4 else 12
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """One configuration's bytes: device per rank, host per node."""
+
+    model_states: int  # weights, gradients, optimizer state on the device
+    buffers: int  # the library's gradient buffers (ZeRO-Offload rows only)
+    activations: int
+    host: int
+
+    @property
+    def device(self) -> int:
+        """Device bytes per rank."""
+        return self.model_states + self.buffers + self.activations
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Memory per rank (device) and per node (host); ``None``: unknown. A configuration fits
+    when its device bytes fit ``device`` and its host bytes fit ``host`` less
+    ``host_reserve``."""
+
+    device: int | None
+    host: int | None
+    host_reserve: int
+
+    def fits(self, row: RowBytes) -> bool | None:
+        """``False`` if a known limit is exceeded, ``True`` if both are known and kept,
+        else ``None``."""
+        if self.device is not None and row.device > self.device:
+            return False
+        if self.host is not None and row.host > self.host - self.host_reserve:
+            return False
+        return None if self.device is None or self.host is None else True
+
+
+class ActivationMode(enum.Enum):
+    """What stays of the forward's activations until backward."""
+
+    FULL = "every layer's activations on the device"
+    CHECKPOINTED = "each layer's input on the device, one layer recomputed at a time"
+    OFFLOADED = "each layer's input on the host, two on the device, one layer recomputed"
+
+
+class Subject(ABC):
+    """What the estimate is of, and its family for the largest-model search."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._pools: tuple[int, int, int] | None = None
+
+    @property
+    @abstractmethod
+    def params(self) -> int:
+        """Trainable parameters."""
+
+    @property
+    def shape(self) -> ModelShape | None:
+        """The model's shape, when known (activations and parameter offload need it)."""
+        return None
+
+    @abstractmethod
+    def _plan_offload(self) -> tuple[int, int, int]:
+        """``(device weights, device gradient buffers, host per rank)`` of OffloadAdamW."""
+
+    def offload_pools(self) -> tuple[int, int, int]:
+        """``_plan_offload``, planned once."""
+        if self._pools is None:
+            self._pools = self._plan_offload()
+        return self._pools
+
+    def param_offload_pools(self) -> tuple[int, int, int] | None:
+        """``param_offload_bytes``, or ``None`` where parameter offload is not estimated."""
+        return None
+
+    def activations(self, mode: ActivationMode) -> tuple[int, int]:
+        """``(device, host per node)`` activation bytes; ``(0, 0)`` without a shape."""
+        shape, s = self.shape, self.ctx.itemsize
+        if shape is None:
+            return 0, 0
+        layer, ckpt = shape.layer_activation_bytes(s), shape.checkpoint_bytes(s)
+        logits = shape.logits_bytes(s)
+        if mode is ActivationMode.FULL:
+            return shape.layers * layer + logits, 0
+        if mode is ActivationMode.CHECKPOINTED:
+            return shape.layers * ckpt + layer + logits, 0
+        on_device = min(shape.layers, OFFLOAD_CHECKPOINTS_ON_DEVICE) * ckpt + layer + logits
+        return on_device, shape.layers * ckpt * self.ctx.ranks_per_node
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """This subject's place in its family (``member(size)`` is itself)."""
+
+    @abstractmethod
+    def member(self, size: int) -> Subject:
+        """The family's member of ``size`` (>= 1)."""
+
+    def largest(self, fits: Callable[[Subject], bool]) -> Subject | None:
+        """The largest member of this subject's family that ``fits``, ``None`` if none
+        does: not below this subject if it fits, below it if not; see Note [largest that
+        fits grows the row's own family]."""
+        if fits(self):
+            size = _largest_int(lambda n: fits(self.member(n)), low=self.size)
+        else:
+            size = _largest_int(lambda n: fits(self.member(n)), low=1, high=self.size - 1)
+        return None if size is None else self.member(size)
+
+
+class ShapeSubject(Subject):
+    """A ``ModelShape``; its family: the same widths, any number of layers."""
+
+    def __init__(self, shape: ModelShape, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._shape = shape
+        self._members: dict[int, ShapeSubject] = {shape.layers: self}
+        self._param_pools: tuple[int, int, int] | None = None
+
+    @property
+    def params(self) -> int:
+        return self._shape.params
+
+    @property
+    def shape(self) -> ModelShape:
+        return self._shape
+
+    def _plan_offload(self) -> tuple[int, int, int]:
+        ctx = self.ctx
+        return shape_offload_bytes(
+            self._shape,
+            itemsize=ctx.itemsize,
+            bucket_bytes=ctx.bucket_bytes,
+            world_size=ctx.world_size,
+        )
+
+    def param_offload_pools(self) -> tuple[int, int, int] | None:
+        if self.ctx.world_size != 1:  # parameter offload is one rank today
+            return None
+        if self._param_pools is None:
+            self._param_pools = param_offload_bytes(
+                self._shape, itemsize=self.ctx.itemsize, bucket_bytes=self.ctx.bucket_bytes
+            )
+        return self._param_pools
+
+    @property
+    def size(self) -> int:
+        return self._shape.layers
+
+    def member(self, size: int) -> ShapeSubject:
+        """The same widths with ``size`` layers (members are shared: each planned once)."""
+        if size not in self._members:
+            member = ShapeSubject(self._shape.with_layers(size), self.ctx)
+            member._members = self._members
+            self._members[size] = member
+        return self._members[size]
+
+
+class CountSubject(Subject):
+    """A bare parameter count, in full buckets; its family: every count."""
+
+    def __init__(self, params: int, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._params = params
+
+    @property
+    def params(self) -> int:
+        return self._params
+
+    def _plan_offload(self) -> tuple[int, int, int]:
+        ctx = self.ctx
+        return offload_bytes_of_count(
+            self._params,
+            itemsize=ctx.itemsize,
+            bucket_bytes=ctx.bucket_bytes,
+            world_size=ctx.world_size,
+        )
+
+    @property
+    def size(self) -> int:
+        return self._params
+
+    def member(self, size: int) -> CountSubject:
+        return CountSubject(size, self.ctx)
+
+
+class ModuleSubject(Subject):
+    """A module's trainable parameters by shape; its family: the module plus whole buckets
+    of extra parameters, and below it, bare counts."""
+
+    def __init__(
+        self,
+        shapes: Sequence[Shape],
+        ctx: Context,
+        *,
+        base: ModuleSubject | None = None,
+        extra_buckets: int = 0,
+    ) -> None:
+        super().__init__(ctx)
+        self._shapes = list(shapes)
+        self._base = base  # the module itself, when this is it plus extra buckets
+        self._extra = extra_buckets  # whole buckets of parameters added after the module
+        self._bucket_numel = max(1, ctx.bucket_bytes // ctx.itemsize)
+
+    @property
+    def params(self) -> int:
+        return shapes_numel(self._shapes) + self._extra * self._bucket_numel
+
+    def _plan_offload(self) -> tuple[int, int, int]:
+        # The extra parameters, registered last, are packed first, a full bucket each, and
+        # leave the module's own buckets as they were: the pools add up.
+        ctx, extra = self.ctx, self._extra
+        if self._base is not None:
+            weights, grad_buffers, host = self._base.offload_pools()
+            full = offload_bytes_of_count(
+                self._bucket_numel,
+                itemsize=ctx.itemsize,
+                bucket_bytes=ctx.bucket_bytes,
+                world_size=ctx.world_size,
+            )
+            return weights + extra * full[0], max(grad_buffers, full[1]), host + extra * full[2]
+        return offload_adamw_bytes(
+            self._shapes,
+            itemsize=ctx.itemsize,
+            bucket_bytes=ctx.bucket_bytes,
+            world_size=ctx.world_size,
+        )
+
+    @property
+    def size(self) -> int:
+        return self.params
+
+    def member(self, size: int) -> Subject:
+        """Below the module: a bare count; from it up: the module plus whole buckets (a
+        size between two of those is the smaller)."""
+        module = self if self._base is None else self._base
+        if size < module.params:
+            return CountSubject(size, self.ctx)
+        extra = (size - module.params) // self._bucket_numel
+        if not extra:
+            return module
+        return ModuleSubject(module._shapes, self.ctx, base=module, extra_buckets=extra)
+
+
+def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = None) -> int | None:
+    """The largest ``n`` in ``[low, high]`` (``high`` unbounded: up to ``_SEARCH_CAP``) with
+    ``fits(n)``, for ``fits`` true up to some ``n`` and false beyond; ``None`` if
+    ``fits(low)`` is false."""
+    cap = _SEARCH_CAP if high is None else high
+    if cap < low or not fits(low):
+        return None
+    good, bad = low, None
+    step = max(1, low)
+    while bad is None:  # grow until a size does not fit (or the cap)
+        probe = min(good + step, cap)
+        if probe == good:
+            return good
+        if fits(probe):
+            good, step = probe, step * 2
+        else:
+            bad = probe
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+@dataclass(frozen=True)
+class Configuration(ABC):
+    """One way of training: a table row. ``bytes`` is ``None`` where it does not apply."""
+
+    name: str
+    activations: ActivationMode = field(default=ActivationMode.FULL)
+
+    @abstractmethod
+    def bytes(self, subject: Subject) -> RowBytes | None:
+        """This configuration's bytes for ``subject``."""
+
+
+@dataclass(frozen=True)
+class Replicated(Configuration):
+    """Model states on the device (ZeRO paper, section 3.1): weights ``sP``, gradients
+    ``sP``, Adam ``KP``; ``stage`` 0 (DDP) replicates all, 1 partitions the Adam state over
+    ``N`` ranks, 2 the gradients too."""
+
+    stage: int = 0
+
+    def bytes(self, subject: Subject) -> RowBytes | None:
+        ctx, p = subject.ctx, subject.params
+        s, k, n = ctx.itemsize, ctx.adam_bytes, ctx.world_size
+        states = {
+            0: (2 * s + k) * p,
+            1: 2 * s * p + -(-k * p // n),
+            2: s * p + -(-(s + k) * p // n),
+        }[self.stage]
+        device, host = subject.activations(self.activations)
+        return RowBytes(states, 0, device, host)
+
+
+@dataclass(frozen=True)
+class Offloaded(Configuration):
+    """ZeRO-Offload with this library: ``OffloadAdamW``'s exact pools, everything offloaded;
+    the host part per node (each rank's shards, times the ranks on a node)."""
+
+    def bytes(self, subject: Subject) -> RowBytes | None:
+        weights, grad_buffers, host = subject.offload_pools()
+        device, act_host = subject.activations(self.activations)
+        return RowBytes(weights, grad_buffers, device, host * subject.ctx.ranks_per_node + act_host)
+
+
+@dataclass(frozen=True)
+class ParamOffloaded(Configuration):
+    """``OffloadConfig(offload_parameters=True)``: the window's slots instead of the weights
+    on the device; a shape and one rank needed."""
+
+    def bytes(self, subject: Subject) -> RowBytes | None:
+        pools = subject.param_offload_pools()
+        if pools is None:
+            return None
+        window, grad_buffers, host = pools
+        device, act_host = subject.activations(self.activations)
+        return RowBytes(window, grad_buffers, device, host + act_host)
+
+
+#: The table's rows, in order. A new kind of row (ZeRO-3, NVMe) is one more ``Configuration``.
+CONFIGURATIONS: tuple[Configuration, ...] = (
+    Replicated("no offload (DDP)", stage=0),
+    Replicated("ZeRO-1", stage=1),
+    Replicated("ZeRO-2", stage=2),
+    Offloaded("ZeRO-Offload"),
+    Offloaded("ZeRO-Offload + checkpointing", ActivationMode.CHECKPOINTED),
+    Offloaded("ZeRO-Offload + activation offload", ActivationMode.OFFLOADED),
+    ParamOffloaded("ZeRO-Offload + parameter offload"),
+    ParamOffloaded("ZeRO-Offload + param offload + checkpointing", ActivationMode.CHECKPOINTED),
+)
+
+
+def largest_fitting(
+    configuration: Configuration, subject: Subject, limits: Limits
+) -> Subject | None:
+    """The largest member of ``subject``'s family that ``configuration`` fits into
+    ``limits``; see Note [largest that fits grows the row's own family]."""
+
+    def fits(member: Subject) -> bool:
+        row = configuration.bytes(member)
+        return row is not None and limits.fits(row) is not False
+
+    return subject.largest(fits)
