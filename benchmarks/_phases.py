@@ -13,9 +13,9 @@ So each phase is a function run under three guards, by ``PhaseRunner.run``:
    phase runs. Python runs the handler between bytecodes, so a phase stuck inside C code
    holding the GIL never sees it; hence
 3. a hard timeout: ``faulthandler.dump_traceback_later(exit=True)``, ``hard_grace_s`` after
-   the soft one, dumps the stacks from faulthandler's own C thread and ends the process. What
-   was measured until then is already on disk: the report is rewritten after every row and
-   names the phase that was running when it went.
+   the soft one, dumps the stacks to stderr from faulthandler's own C thread and ends the
+   process (exit status 1). What was measured until then is already on disk: the report
+   is rewritten after every row and names the phase that was running when it went.
 
 Both timers are cancelled when the phase ends. Subprocesses inside a phase get a
 ``timeout=`` of their own, below the phase's (``Phase.remaining()``). A phase also ends at
@@ -145,7 +145,7 @@ class Phase:
 class Faults:
     """Failures to inject, by phase name, to check the guards themselves (tests, and a
     first run on a new machine): ``fail`` raises at the start of the phase, ``hang`` sleeps
-    past the soft timeout, ``stuck`` sleeps with SIGALRM blocked, so only the hard timeout
+    past the soft timeout, ``stuck`` sleeps with SIGALRM ignored, so only the hard timeout
     ends it (and the process)."""
 
     fail: frozenset[str] = frozenset()
@@ -177,11 +177,18 @@ class PhaseRunner:
         self.hard_grace_s = hard_grace_s
         self.timeouts = dict(timeouts or {})  # phase name -> seconds, overriding the default
         self.faults = faults
-        self.traces: IO[str] = sys.stderr  # where stacks are dumped (a real file descriptor)
+        # Where a soft timeout dumps the stacks (a real file descriptor). A hard timeout
+        # dumps them to stderr, the last thing the console shows of the process.
+        self.traces: IO[str] = sys.__stderr__  # fd 2, whatever replaced sys.stderr
         if report.out_dir is not None:
             self.traces = open(report.out_dir / f"{report.name}_tracebacks.txt", "a")  # noqa: SIM115
         self._alarms = hasattr(signal, "setitimer")  # POSIX; the hard timeout works anywhere
         self._armed = False  # the soft timeout may fire (cleared before the timers are)
+
+    def close(self) -> None:
+        """Close the stack-dump file (the runner is not used after)."""
+        if self.traces is not sys.__stderr__:
+            self.traces.close()
 
     def budget_left(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
@@ -253,7 +260,9 @@ class PhaseRunner:
     # -- the guards ------------------------------------------------------------------------
 
     def _arm(self, name: str, timeout: float) -> None:
-        faulthandler.dump_traceback_later(timeout + self.hard_grace_s, exit=True, file=self.traces)
+        faulthandler.dump_traceback_later(
+            timeout + self.hard_grace_s, exit=True, file=sys.__stderr__
+        )
         if not self._alarms:
             return
 
@@ -285,6 +294,7 @@ class PhaseRunner:
             while True:  # interrupted by the soft timeout
                 time.sleep(0.1)
         if name in self.faults.stuck:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            # As for a phase inside C code: the soft timeout's handler never gets to run.
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
             while True:  # only the hard timeout ends this, and the process with it
                 time.sleep(0.1)
