@@ -16,6 +16,7 @@ then resets the device's peak-memory counter, then times each step between devic
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,9 @@ class Target:
         return torch.cuda.max_memory_allocated() if self.cuda else None
 
     def release(self) -> None:
+        """Give the memory of the previous run back, so the next one's peak is its own (an
+        optimizer's hooks make reference cycles: collected, not just unreferenced)."""
+        gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
 
@@ -275,22 +279,27 @@ def _ours_run(
     return model, seconds, peak
 
 
-def _max_abs_diff(a: Any, b: Any) -> float:
-    return max(
-        (x.detach().float() - y.detach().float()).abs().max().item()
-        for x, y in zip(a.parameters(), b.parameters(), strict=True)
-    )
+def _host_weights(model: Any) -> list[torch.Tensor]:
+    """fp32 copies of ``model``'s weights in host memory, so the device holds one model at a
+    time (each run's peak is its own)."""
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+
+
+def _max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def parity_run(mode: str, target: Target, sizes: Sizes, *, workdir: Path) -> ParityResult:
     """OffloadAdamW in ``mode`` against torch.optim.AdamW (default implementation) on the
     same fp32 GPT and batches; ``overlap_step`` against the same one-step delay by hand."""
     data = batches(sizes.parity_model, sizes.parity_batch, sizes.parity_steps, target)
-    ours, ours_s, ours_peak = _ours_run(mode, sizes, target, data, workdir)
+    model, ours_s, ours_peak = _ours_run(mode, sizes, target, data, workdir)
+    ours = _host_weights(model)
+    del model
     target.release()
-    ref, torch_s, torch_peak = _torch_run(sizes, target, data, delayed=mode == "overlap_step")
-    diff = _max_abs_diff(ours, ref)
-    del ours, ref
+    model, torch_s, torch_peak = _torch_run(sizes, target, data, delayed=mode == "overlap_step")
+    diff = _max_abs_diff(ours, _host_weights(model))
+    del model
     target.release()
     return ParityResult(mode, len(data), diff, ours_s, torch_s, ours_peak, torch_peak)
 
@@ -299,8 +308,10 @@ def torch_spread(target: Target, sizes: Sizes) -> float:
     """Largest weight difference between torch's for-loop and fused AdamW on the parity
     run: float rounding's own spread, the yardstick of every parity row."""
     data = batches(sizes.parity_model, sizes.parity_batch, sizes.parity_steps, target)
-    loop, _, _ = _torch_run(sizes, target, data, foreach=False)
-    fused, _, _ = _torch_run(sizes, target, data, fused=True)
+    loop = _host_weights(_torch_run(sizes, target, data, foreach=False)[0])
+    target.release()
+    fused = _host_weights(_torch_run(sizes, target, data, fused=True)[0])
+    target.release()
     return _max_abs_diff(loop, fused)
 
 

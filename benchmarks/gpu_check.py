@@ -1,10 +1,13 @@
 """The CUDA check: one script, under six minutes on one GPU, a row per result.
 
     python benchmarks/gpu_check.py [--gpt-1b] [--skip-tests] [--skip-benchmarks] [--budget-s S]
+    python benchmarks/gpu_check.py --only parity --phase-timeout parity-nvme=200  # a part
     python benchmarks/gpu_check.py --cpu-smoke   # every phase on the host accelerator, tiny
+    python benchmarks/gpu_check.py --cpu-smoke --inject-failure pinned  # the guards themselves
 
-It runs from a checkout with nothing installed (the checkout goes first on ``sys.path``).
-Phases, numbers first; each row is printed as soon as it is measured:
+It runs from a checkout with nothing installed: the checkout and ``benchmarks/`` go first on
+``sys.path``, ahead of any installed copy. Phases, numbers first; each row is printed as
+soon as it is measured (the runs themselves are in ``_runs.py``):
 
 - ``environment``: Python, torch, CUDA (build, device, driver from torch and ``nvidia-smi``),
   numba and its threading layer, the CPU model (py-cpuinfo), ``nproc`` (CPU affinity), host
@@ -122,12 +125,11 @@ def environment(phase: Phase) -> None:
     phase.data["torch"] = torch.__version__
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
         phase.row(
             "CUDA device",
             f"{props.name}, compute {props.major}.{props.minor}, "
             f"{props.total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} visible; "
-            f"driver API {driver // 1000}.{driver % 1000 // 10}",
+            f"driver API {_driver_api()}",
         )
         phase.data["gpu"] = props.name
     else:
@@ -171,6 +173,16 @@ def environment(phase: Phase) -> None:
     phase.row("locked-memory limit (ulimit -l)", limit)
     tmp = tempfile.gettempdir()
     phase.row(f"free disk in {tmp} (NVMe phase)", f"{shutil.disk_usage(tmp).free / 2**30:.1f} GiB")
+
+
+def _driver_api() -> str:
+    """The CUDA version the driver supports, as the runtime reports it (nvidia-smi's
+    driver version is the other row)."""
+    try:
+        version = torch._C._cuda_getDriverVersion()  # e.g. 12040; private, hence the guard
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+    return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def _cpu_model() -> str:
@@ -352,7 +364,7 @@ def bandwidth(phase: Phase, target: Target, nbytes: int, rounds: int = 5) -> Non
         phase.data[f"{name}_gb_s"] = nbytes / seconds[name] / 1e9
         phase.row(
             f"pinned {name.upper()} GB/s ({_fmt_bytes(nbytes)})",
-            f"{phase.data[f'{name}_gb_s']:.1f}",
+            f"{phase.data[f'{name}_gb_s']:.3g}",
         )
 
 
@@ -648,14 +660,10 @@ def main(argv: list[str] | None = None) -> int:
     runner.run("environment", environment, timeout_s=60)
     if mode == "no-gpu":
         print(
-            "gpu_check: no CUDA GPU visible to torch; nothing to check here "
+            "gpu_check: no CUDA GPU visible to torch; nothing more to check here "
             "(--cpu-smoke runs every phase on the host accelerator at tiny sizes)"
         )
-        report.exit_status = 0
-        report.write()
-        runner.close()
-        return 0
-    for planned in plan(args, target, out_dir):
+    for planned in plan(args, target, out_dir) if mode != "no-gpu" else []:
         if not _selected(planned.name, args.only):
             continue
         if planned.skip is not None:
