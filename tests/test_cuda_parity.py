@@ -43,10 +43,15 @@ LAYER_BYTES = BATCH * SHAPE.seq_len * SHAPE.hidden * 4
 
 
 def _pair(device: torch.device) -> tuple[TinyGPT, TinyGPT]:
-    """Two identical fp32 GPTs on ``device``: ours and torch's."""
+    """Two identical fp32 GPTs on ``device``: ours and torch's. Without the attention's qkv
+    bias: the key bias's gradient is zero in exact arithmetic, so its float noise (which
+    differs once the two runs' weights differ by an ulp, and on CUDA may differ run to run)
+    would be amplified by Adam into updates near ``lr`` (tests/_models.py, the same)."""
     torch.manual_seed(0)
     with device:
         model = TinyGPT(SHAPE)
+    for block in model.blocks:
+        block.attn.qkv.bias = None
     return model, copy.deepcopy(model)
 
 
