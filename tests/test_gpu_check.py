@@ -62,8 +62,16 @@ def _bare_checkout(tmp: Path) -> Path:
 
 def _run(script: Path, out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """The script in a fresh interpreter with a clean environment: no PYTHONPATH, run from
-    outside the checkout, so only the script's own path setup can find the package."""
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "OUT": str(out)}
+    outside the checkout, so only the script's own path setup can find the package. One
+    thread for torch and numba: tiny sizes gain nothing from more, and on a loaded machine
+    every parallel region would wait for a descheduled thread."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/"),
+        "OUT": str(out),
+        "OMP_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+    }
     return subprocess.run(
         [sys.executable, str(script), *args],
         cwd=out.parent,
