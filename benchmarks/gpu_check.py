@@ -112,7 +112,7 @@ def _fmt_bytes(nbytes: float | None) -> str:
 # -- environment ---------------------------------------------------------------------------
 
 
-def environment(phase: Phase) -> None:
+def environment(phase: Phase, nvme_dir: Path) -> None:
     """Everything about the machine that a number below depends on. Imports nothing from
     zero_offload, so it reports even when the package does not import."""
     phase.row("python", f"{platform.python_version()} ({sys.executable})")
@@ -139,15 +139,21 @@ def environment(phase: Phase) -> None:
         phase.row("nvidia-smi", "not on PATH")
     else:
         query = "--query-gpu=name,driver_version,memory.total,memory.used,power.limit"
-        proc = subprocess.run(
-            [smi, query, "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=min(20.0, max(1.0, phase.remaining() - 1)),
-            check=False,
-        )
-        out = (proc.stdout or proc.stderr).strip().replace("\n", "; ")
-        phase.row("nvidia-smi (name, driver, memory, used, power)", out, ok=proc.returncode == 0)
+        what = "nvidia-smi (name, driver, memory, used, power)"
+        seconds = min(20.0, max(1.0, phase.remaining() - 1))
+        try:
+            proc = subprocess.run(
+                [smi, query, "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=seconds,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # a wedged driver: say so, report the rest
+            phase.row(what, f"no answer within {seconds:.0f} s", ok=False)
+        else:
+            out = (proc.stdout or proc.stderr).strip().replace("\n", "; ")
+            phase.row(what, out, ok=proc.returncode == 0)
     try:
         import numba
 
@@ -171,8 +177,8 @@ def environment(phase: Phase) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / MiB:.1f} MiB"
     phase.row("locked-memory limit (ulimit -l)", limit)
-    tmp = tempfile.gettempdir()
-    phase.row(f"free disk in {tmp} (NVMe phase)", f"{shutil.disk_usage(tmp).free / 2**30:.1f} GiB")
+    free = shutil.disk_usage(nvme_dir).free
+    phase.row(f"free disk in {nvme_dir} (the nvme phase, --nvme-dir)", f"{free / 2**30:.1f} GiB")
 
 
 def _driver_api() -> str:
@@ -657,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     print(f"gpu_check: {mode} run of {ROOT}, budget {args.budget_s:.0f} s", flush=True)
-    runner.run("environment", environment, timeout_s=60)
+    runner.run("environment", lambda p: environment(p, Path(args.nvme_dir)), timeout_s=60)
     if mode == "no-gpu":
         print(
             "gpu_check: no CUDA GPU visible to torch; nothing more to check here "
