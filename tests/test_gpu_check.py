@@ -212,6 +212,18 @@ def test_without_a_gpu_it_reports_the_environment_and_exits_0(
     assert report["phases"][0]["status"] == "ok"
 
 
+def test_the_named_test_files_are_every_file_with_cuda_cases() -> None:
+    """A new file with CUDA cases (the ``accel_kind`` fixture or the ``cuda`` mark) must be
+    named in gpu_check.TEST_FILES, or the GPU run would never run it."""
+    marks = ("accel_kind", "ACCELERATOR_KINDS", "pytest.mark.cuda")
+    with_cuda = {
+        f"tests/{path.name}"
+        for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != Path(__file__).name and any(mark in path.read_text() for mark in marks)
+    }
+    assert with_cuda == set(gpu_check.TEST_FILES)
+
+
 def test_time_rounds_syncs_the_device_around_every_timed_call() -> None:
     events: list[str] = []
     fns = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
