@@ -91,7 +91,9 @@ class Report:
     def table(self) -> str:
         """The rows as a markdown table."""
         lines = ["| phase | check | result | status |", "|---|---|---|---|"]
-        lines += [f"| {r.phase} | {r.name} | {r.value} | {r.status.value} |" for r in self.rows]
+        for r in self.rows:
+            cells = (r.phase, r.name, r.value, r.status.value)
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
@@ -119,6 +121,11 @@ class Report:
             tmp = path.with_suffix(suffix + ".tmp")
             tmp.write_text(text)
             os.replace(tmp, path)
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: one line, its pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 @dataclass

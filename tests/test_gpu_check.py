@@ -144,7 +144,9 @@ def test_cpu_smoke_run_from_a_bare_checkout_reports_every_phase(tmp_path: Path) 
     # Collection of the named CUDA test files works without a GPU (and without expecttest).
     assert "tests collected" in phases["cuda-tests"]["data"]["summary"]
     assert (out / "cuda-tests.log").is_file()
-    assert "| parity-nvme | nvme: max |w - w_torch|" in (out / "gpu_check.md").read_text()
+    table = (out / "gpu_check.md").read_text()  # one row per line, the cells' pipes escaped
+    assert "| parity-nvme | nvme: max \\|w - w_torch\\| after 4 steps | " in table
+    assert len(table.splitlines()) == 2 + len(report["rows"])
     assert seconds < 300  # the budget is 320 s; tiny sizes take well under one
 
 
