@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 __all__ = ["Phase", "PhaseRunner", "PhaseTimeout", "Report", "Row", "Status"]
 
@@ -184,18 +184,13 @@ class PhaseRunner:
         self.hard_grace_s = hard_grace_s
         self.timeouts = dict(timeouts or {})  # phase name -> seconds, overriding the default
         self.faults = faults
-        # Where a soft timeout dumps the stacks (a real file descriptor). A hard timeout
+        # Where a soft timeout dumps the stacks (stderr without an out_dir). A hard timeout
         # dumps them to stderr, the last thing the console shows of the process.
-        self.traces: IO[str] = sys.__stderr__  # fd 2, whatever replaced sys.stderr
+        self.traces: Path | None = None
         if report.out_dir is not None:
-            self.traces = open(report.out_dir / f"{report.name}_tracebacks.txt", "a")  # noqa: SIM115
+            self.traces = report.out_dir / f"{report.name}_tracebacks.txt"
         self._alarms = hasattr(signal, "setitimer")  # POSIX; the hard timeout works anywhere
         self._armed = False  # the soft timeout may fire (cleared before the timers are)
-
-    def close(self) -> None:
-        """Close the stack-dump file (the runner is not used after)."""
-        if self.traces is not sys.__stderr__:
-            self.traces.close()
 
     def budget_left(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
@@ -276,12 +271,18 @@ class PhaseRunner:
         def on_alarm(signum: int, frame: object) -> None:
             if not self._armed:  # the phase ended as the timer fired
                 return
-            print(
-                f"\n--- phase {name!r}: soft timeout ({timeout:.0f} s), stacks:", file=self.traces
-            )
-            self.traces.flush()
-            faulthandler.dump_traceback(file=self.traces, all_threads=True)
-            raise PhaseTimeout(f"no result within {timeout:.0f} s; stacks in {self.traces.name}")
+            header = f"\n--- phase {name!r}: soft timeout ({timeout:.3g} s), stacks:\n"
+            if self.traces is None:
+                sys.__stderr__.write(header)
+                sys.__stderr__.flush()
+                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+            else:
+                with open(self.traces, "a") as traces:
+                    traces.write(header)
+                    traces.flush()
+                    faulthandler.dump_traceback(file=traces, all_threads=True)
+            where = "stderr" if self.traces is None else self.traces
+            raise PhaseTimeout(f"no result within {timeout:.3g} s; stacks in {where}")
 
         self._armed = True
         signal.signal(signal.SIGALRM, on_alarm)

@@ -683,7 +683,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{report.table()}\n\ngpu_check: {time.monotonic() - started:.0f} s, exit {status}")
     report.exit_status = status
     report.write()
-    runner.close()
     return status
 
 

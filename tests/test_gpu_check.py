@@ -196,10 +196,26 @@ def test_a_phase_that_does_not_fit_the_budget_is_skipped_with_the_reason(
 
     assert runner.run("checked", check, timeout_s=5) is Status.FAILED
     assert [row.status for row in report.rows[-2:]] == [Status.FAILED, Status.OK]
-    runner.close()
     saved = json.loads((tmp_path / "check.json").read_text())
     assert [phase["status"] for phase in saved["phases"]] == ["ok", "skipped", "FAILED"]
     assert "check: a number: too large  [FAILED]" in capsys.readouterr().out
+
+
+def test_a_soft_timeout_without_out_dumps_the_stacks_to_stderr(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    report = Report("check", out_dir=None, meta={})
+    runner = PhaseRunner(report, started=time.monotonic(), budget_s=30, hard_grace_s=30)
+
+    def waits_forever(phase):
+        while True:
+            time.sleep(0.01)
+
+    assert runner.run("waits", waits_forever, timeout_s=0.3) is Status.TIMEOUT
+    assert runner.run("after", lambda phase: phase.row("next", "ran"), timeout_s=5) is Status.OK
+    err = capfd.readouterr().err
+    assert "phase 'waits': soft timeout" in err and "waits_forever" in err
+    assert report.rows[0].value.startswith("TIMEOUT after 0.3 s: no result within 0.3 s")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, main() runs the whole check")
