@@ -12,20 +12,46 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def time_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, warmup: int = 1) -> dict:
+def cuda_sync_if_used() -> None:
+    """``torch.cuda.synchronize()`` once this process has touched CUDA; a no-op otherwise.
+
+    CUDA kernels run asynchronously: without a sync a timer around them measures their
+    launches, not their work. A process that never initialised CUDA has nothing in flight.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_rounds(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    warmup: int = 1,
+    sync: Callable[[], None] | None = None,
+) -> dict:
     """Median seconds per call of each function, timed in interleaved rounds.
 
     Each round calls every function once, so slow drift in the machine (frequency, a
-    neighbour's load) hits all of them alike instead of whichever ran last.
+    neighbour's load) hits all of them alike instead of whichever ran last. ``sync`` runs
+    before the clock starts and before it stops, so asynchronous device work is inside the
+    interval it belongs to; default ``cuda_sync_if_used`` (pass ``lambda: None`` to time
+    launches only).
     """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"time_rounds needs rounds >= 1 and warmup >= 0, got {rounds}, {warmup}")
+    sync = cuda_sync_if_used if sync is None else sync
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()  # the previous call's device work is not this one's
             t0 = time.perf_counter()
             fn()
+            sync()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
 

@@ -1,309 +1,688 @@
-"""The CUDA check: one script, a few minutes on one GPU, one table at the end.
+"""The CUDA check: one script, under six minutes on one GPU, a row per result.
 
-    python benchmarks/gpu_check.py [--skip-tests] [--skip-benchmarks]
+    python benchmarks/gpu_check.py [--gpt-1b] [--skip-tests] [--skip-benchmarks] [--budget-s S]
+    python benchmarks/gpu_check.py --only parity --phase-timeout parity-nvme=200  # a part
+    python benchmarks/gpu_check.py --cpu-smoke   # every phase on the host accelerator, tiny
+    python benchmarks/gpu_check.py --cpu-smoke --inject-failure pinned  # the guards themselves
 
-1. the default device budget (free memory at construction less the headroom, Note [the
-   default device budget] in ``accelerator/cuda.py``) next to ``mem_get_info``;
-2. pinned memory: the registration rate of ``CudaAccelerator.allocate_host`` (page-aligned
-   mmap, pre-faulted, ``cudaHostRegister``) against torch's pinned allocator
-   (``pin_memory=True``, which rounds sizes up), and the locked-memory limit;
-3. pinned host-to-device and device-to-host bandwidth (exact-size pinned buffers from
-   ``CudaAccelerator.allocate_host``, timed with CUDA events);
-4. a GPT-style model (~100M parameters, bf16) that fits both ways: step time and peak device
-   memory (``torch.cuda.max_memory_allocated``) with ``OffloadAdamW`` against the same loop
-   with torch's fused AdamW keeping fp32 master weights and moments on the GPU;
-5. a 1B-parameter GPT (bf16) at a batch that keeps the GPU busy (``--gpt-1b-tokens`` tokens a
-   step, in ``--gpt-1b-micro`` micro-batches): the offloaded step (plain; announced with
-   ``backward(step=True)``; ``overlap_step``) against the no-offload step (fp32 master and
-   moments on the GPU, fused AdamW); issue 15's target is offloaded <= 1.1x;
-6. the test suite's CUDA cases (``pytest -m cuda``), then again under PyTorch's CUDA
-   sanitizer (``TORCH_CUDA_SANITIZER=1``), which raises on unsynchronised stream accesses;
-7. the kernel and step benchmarks (``--quick``), which run on this machine's CPU and GPU.
+It runs from a checkout with nothing installed: the checkout and ``benchmarks/`` go first on
+``sys.path``, ahead of any installed copy. Phases, numbers first; each row is printed as
+soon as it is measured (the runs themselves are in ``_runs.py``):
 
-Each result row is printed as soon as it is measured (so a run cut short still reports what
-it got), and the whole table again at the end.
+- ``environment``: Python, torch, CUDA (build, device, driver from torch and ``nvidia-smi``),
+  numba and its threading layer, the CPU model (py-cpuinfo), ``nproc`` (CPU affinity), host
+  RAM (and a container limit), the locked-memory limit, free space in the temp dir.
+- ``import``: which ``zero_offload`` is imported; it must be this checkout's.
+- ``kernels``: the first call of the fp32 CPU Adam kernel (a compile, or a load from numba's
+  cache) and the threading layer numba then runs.
+- ``parity-torch``: torch's own AdamW, for-loop against fused, on the parity model: the
+  spread of float rounding that the parity rows are held to.
+- ``parity-<mode>``: ``OffloadAdamW`` against ``torch.optim.AdamW``, fp32, a small GPT, N
+  steps: the largest weight difference and the step-time ratio (and peak device memory on
+  CUDA), one row each, for ``plain``, ``announced`` (``opt.backward(loss, step=True)``),
+  ``overlap_step`` (against torch AdamW with the same one-step delay), ``param_offload``,
+  ``activation_offload`` (each block's input checkpointed to the host) and ``nvme``.
+- ``device-budget``, ``pinned``, ``bandwidth``: the default device budget next to
+  ``mem_get_info``; the pinning rate of our buffers against torch's pinned allocator;
+  pinned host-to-device and device-to-host bandwidth.
+- ``step-100m``: a 100M GPT in bf16, offloaded against resident (fp32 master weights and
+  moments on the device, fused AdamW): step time and peak device memory, the peak reset
+  after construction and one warm-up step.
+- ``step-1b`` (``--gpt-1b``; a few minutes on its own): issue 15's 1.15B GPT, plain,
+  announced and ``overlap_step`` against no offload; the target is offloaded <= 1.1x.
+- ``cuda-tests``, ``cuda-tests-sanitizer``: the CUDA cases of ``TEST_FILES`` (named, so a
+  file that cannot be collected shows), then again under ``TORCH_CUDA_SANITIZER=1``.
+- ``benchmarks``: ``bench_cpu_adam --quick`` and ``bench_offload_step --quick``.
 
-Without a GPU it says so in one line and exits 0. It runs unchanged on any CUDA machine.
+Each phase runs under ``_phases.PhaseRunner`` (Note [a phase never takes the script down]):
+an exception or a timeout becomes a row and the next phase runs; a phase that needs more
+than what is left of ``--budget-s`` is skipped with a row saying so. With ``$OUT`` set, the
+rows and every phase's data go to ``$OUT/gpu_check.json`` and ``gpu_check.md`` after each
+row, the test logs beside them. Exit status 1 when any phase failed, raised or timed out.
+
+Without a GPU it prints the environment and says so (exit 0); ``--cpu-smoke`` runs every
+phase that has a CPU form on the host accelerator at tiny sizes (tests/test_gpu_check.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
 import os
-import statistics
+import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# This checkout's package, not an installed one; then the benchmark helpers.
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
+from _common import machine, time_rounds  # noqa: E402
+from _phases import Faults, Phase, PhaseRunner, Report, Status  # noqa: E402
+from _runs import (  # noqa: E402
+    BETAS,
+    CUDA_SIZES,
+    FP32_ATOL,
+    LR,
+    MODES,
+    STEP_VARIANTS,
+    TINY_SIZES,
+    WEIGHT_DECAY,
+    MiB,
+    Sizes,
+    Target,
+    parity_run,
+    step_comparison,
+    torch_spread,
+)
 
-class _Rows(list):
-    """The result rows; each is printed as it is added (a run cut short still reports)."""
-
-    def append(self, row: tuple[str, str]) -> None:
-        print(f"gpu_check: {row[0]}: {row[1]}", flush=True)
-        super().append(row)
-
-    def __iadd__(self, rows):
-        for row in rows:
-            self.append(row)
-        return self
-
-
-def _bandwidth(nbytes: int = 256 * 2**20, rounds: int = 5) -> dict[str, float]:
-    from zero_offload import CudaAccelerator
-
-    acc = CudaAccelerator()
-    host = acc.allocate_host(nbytes, pinned=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
-    out = {}
-    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        times = []
-        for _ in range(rounds + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        out[name] = nbytes / statistics.median(times[1:]) / 1e9
-    return out
-
-
-def _budget() -> list[tuple[str, str]]:
-    from zero_offload import CudaAccelerator
-    from zero_offload.config import format_bytes
-
-    acc = CudaAccelerator()
-    free, total = torch.cuda.mem_get_info(acc.device)
-    return [
-        ("device memory free / total", f"{format_bytes(free)} / {format_bytes(total)}"),
-        (
-            "default device budget",
-            f"{format_bytes(acc.ledger.budget)} ({acc.ledger.budget_source})",
-        ),
-    ]
-
-
-def _pinned(nbytes: int = 1 << 30) -> list[tuple[str, str]]:
-    """Registration rate (GB/s) of our pinned buffers and of torch's pinned allocator."""
-    from zero_offload import CudaAccelerator
-    from zero_offload.accelerator.pinned import memlock_limit
-    from zero_offload.config import format_bytes
-
-    acc = CudaAccelerator()
-    rows = []
-    for size in (nbytes, nbytes + 4096):  # an exact power of two, and just above one
-        start = time.perf_counter()
-        ours = acc.allocate_host(size, pinned=True)
-        mmap_s = time.perf_counter() - start
-        held = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
-        start = time.perf_counter()
-        theirs = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        torch_s = time.perf_counter() - start
-        # The allocator's bytes for this request: its size rounded up to a power of two.
-        rounded = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) - held
-        rows.append(
-            (
-                f"pinning {format_bytes(size)}: mmap+register / torch GB/s",
-                f"{size / mmap_s / 1e9:.2f} / {size / torch_s / 1e9:.2f} "
-                f"(torch pinned {format_bytes(rounded)} for it)",
-            )
-        )
-        del ours, theirs
-        torch.cuda.synchronize()
-    limit = memlock_limit()
-    rows.append(
-        ("locked-memory limit (ulimit -l)", "unlimited" if limit is None else format_bytes(limit))
-    )
-    return rows
-
-
-def _offload_vs_resident(rounds: int = 5) -> dict[str, float]:
-    from bench_offload_step import SIZES, _TorchMixed
-
-    from zero_offload import OffloadAdamW
-    from zero_offload.demo.model import TinyGPT
-
-    config = SIZES["100M"]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=gen).cuda()
-    result = {}
-    for name in ("offload", "resident"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(0)
-        model = TinyGPT(config).cuda().bfloat16()
-        opt = OffloadAdamW(model.parameters(), lr=1e-4) if name == "offload" else _TorchMixed(model)
-        times = []
-        for _ in range(rounds + 1):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(ids, ids).backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        result[f"{name}_step_s"] = statistics.median(times[1:])
-        result[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated()
-        if name == "offload":
-            opt.close()
-        del model, opt
-    result["step_ratio"] = result["offload_step_s"] / result["resident_step_s"]
-    result["memory_ratio"] = result["resident_peak_bytes"] / result["offload_peak_bytes"]
-    return result
-
-
+#: The test files holding CUDA cases, run by name (``pytest -m cuda``).
+TEST_FILES = (
+    "tests/test_cuda_parity.py",
+    "tests/test_cuda_path.py",
+    "tests/test_accelerator.py",
+    "tests/test_pool.py",
+    "tests/test_activations.py",
+)
 #: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
 #: head, 2048 positions.
 GPT_1B = {"vocab_size": 32768, "seq_len": 2048, "layers": 20, "hidden": 2048, "heads": 16}
 
 
-def offloaded_vs_resident_step(
-    config, *, micro: int, batch: int, rounds: int, device: torch.device
-) -> dict[str, float]:
-    """Median step seconds of the no-offload loop and of three offloaded loops on ``config``
-    (a ``GPTConfig``), ``micro`` micro-batches of ``batch`` sequences a step, and the ratios.
-    Runs on any accelerator (the tests run it on the CPU with a tiny config)."""
-    from bench_offload_step import _TorchMixed
+def _fmt_bytes(nbytes: float | None) -> str:
+    if nbytes is None:
+        return "n/a"
+    from zero_offload.config import format_bytes
 
-    from zero_offload import OffloadAdamW, OffloadConfig
-    from zero_offload.demo.model import TinyGPT
+    return format_bytes(nbytes)
 
-    gen = torch.Generator().manual_seed(0)
-    data = [
-        torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=gen).to(device)
-        for _ in range(micro)
-    ]
-    cuda = device.type == "cuda"
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
+# -- environment ---------------------------------------------------------------------------
 
-    out: dict[str, float] = {}
-    for name in ("resident", "offload", "offload_announced", "offload_overlap_step"):
-        if cuda:
-            torch.cuda.empty_cache()
-        torch.manual_seed(0)
-        model = TinyGPT(config).to(device=device, dtype=torch.bfloat16)
-        if name == "resident":
-            opt = _TorchMixed(model)
+
+def environment(phase: Phase, nvme_dir: Path) -> None:
+    """Everything about the machine that a number below depends on. Imports nothing from
+    zero_offload, so it reports even when the package does not import."""
+    phase.row("python", f"{platform.python_version()} ({sys.executable})")
+    phase.row(
+        "torch",
+        f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}, "
+        f"cuDNN {torch.backends.cudnn.version() if torch.version.cuda else 'none'}, "
+        f"{torch.get_num_threads()} intra-op threads",
+    )
+    phase.data["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        phase.row(
+            "CUDA device",
+            f"{props.name}, compute {props.major}.{props.minor}, "
+            f"{props.total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} visible; "
+            f"driver API {_driver_api()}",
+        )
+        phase.data["gpu"] = props.name
+    else:
+        phase.row("CUDA device", "none visible to torch")
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        phase.row("nvidia-smi", "not on PATH")
+    else:
+        query = "--query-gpu=name,driver_version,memory.total,memory.used,power.limit"
+        what = "nvidia-smi (name, driver, memory, used, power)"
+        seconds = min(20.0, max(1.0, phase.remaining() - 1))
+        try:
+            proc = subprocess.run(
+                [smi, query, "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=seconds,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # a wedged driver: say so, report the rest
+            phase.row(what, f"no answer within {seconds:.0f} s", ok=False)
         else:
-            config_ = OffloadConfig(overlap_step=name == "offload_overlap_step")
-            opt = OffloadAdamW(model.parameters(), lr=1e-4, config=config_)
-        announce = name == "offload_announced"
-        times = []
-        for _ in range(rounds + 1):
-            sync()
+            out = (proc.stdout or proc.stderr).strip().replace("\n", "; ")
+            phase.row(what, out, ok=proc.returncode == 0)
+    try:
+        import numba
+
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # chosen at the first parallel launch (the kernels phase)
+            layer = f"not chosen yet (configured {numba.config.THREADING_LAYER!r})"
+        phase.row(
+            "numba",
+            f"{numba.__version__}, threading layer {layer}, {numba.get_num_threads()} threads",
+        )
+    except ImportError as exc:
+        phase.row("numba", f"not importable: {exc}", ok=False)
+    phase.row("CPU", _cpu_model())
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    phase.row("nproc (CPU affinity) / logical CPUs", f"{affinity} / {os.cpu_count()}")
+    phase.data["nproc"] = affinity
+    phase.row("host RAM total / available", _host_ram())
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / MiB:.1f} MiB"
+    phase.row("locked-memory limit (ulimit -l)", limit)
+    free = shutil.disk_usage(nvme_dir).free
+    phase.row(f"free disk in {nvme_dir} (the nvme phase, --nvme-dir)", f"{free / 2**30:.1f} GiB")
+
+
+def _driver_api() -> str:
+    """The CUDA version the driver supports, as the runtime reports it (nvidia-smi's
+    driver version is the other row)."""
+    try:
+        version = torch._C._cuda_getDriverVersion()  # e.g. 12040; private, hence the guard
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cpu_model() -> str:
+    try:
+        import cpuinfo
+
+        info = cpuinfo.get_cpu_info()
+    except Exception as exc:  # py-cpuinfo missing, or it failed: /proc/cpuinfo instead
+        return f"{machine()['cpu']} (py-cpuinfo: {type(exc).__name__}: {exc})"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    flags = ",".join(f for f in wanted if f in set(info.get("flags", []))) or "none of " + ",".join(
+        wanted
+    )
+    return f"{info.get('brand_raw') or machine()['cpu']} ({info.get('arch', '?')}; {flags})"
+
+
+def _host_ram() -> str:
+    try:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        total, available = memory.total, memory.available
+    except ImportError:  # /proc/meminfo counts in KiB
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        total, available = (int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+    text = f"{total / 2**30:.1f} / {available / 2**30:.1f} GiB"
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < total:
+            text += f" (container limit {int(value) / 2**30:.1f} GiB)"
+        break
+    return text
+
+
+# -- the package and its kernels -------------------------------------------------------------
+
+
+def import_package(phase: Phase) -> None:
+    """Import ``zero_offload`` and say from where: this checkout, or it fails."""
+    import zero_offload
+
+    path = Path(zero_offload.__file__).resolve().parent
+    phase.data["file"] = str(Path(zero_offload.__file__).resolve())
+    ours = path.is_relative_to(ROOT)
+    where = "this checkout" if ours else f"NOT this checkout ({ROOT}): an installed copy shadows it"
+    phase.row("zero_offload", f"{zero_offload.__version__} from {path} ({where})", ok=ours)
+
+
+def kernels(phase: Phase) -> None:
+    """The fp32 CPU Adam kernel's first call, and the threading layer it brought up."""
+    import numba
+    import numpy as np
+
+    from zero_offload.kernels import adam_step
+    from zero_offload.kernels.threading_layer import THREADSAFE_LAYERS, threading_layer_in_use
+
+    n = 1 << 16
+    arrays = [np.zeros(n, np.float32) for _ in range(4)]
+    hyper = {"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1], "eps": 1e-8}
+    seconds = []
+    for step in (1, 2):
+        start = time.perf_counter()
+        adam_step(*arrays, step=step, weight_decay=WEIGHT_DECAY, **hyper)
+        seconds.append(time.perf_counter() - start)
+    cached = len(list((ROOT / "zero_offload" / "kernels" / "__pycache__").glob("*.nbi")))
+    phase.data.update(first_call_s=seconds[0], second_call_s=seconds[1], cache_indexes=cached)
+    phase.row(
+        "CPU Adam kernel (fp32): first call / second call",
+        f"{seconds[0]:.2f} s / {seconds[1] * 1e3:.2f} ms (the first compiles or loads from "
+        f"numba's cache: {cached} kernel indexes in the checkout's cache)",
+    )
+    layer = threading_layer_in_use()
+    phase.row(
+        "numba threading layer in use",
+        f"{layer}, {numba.get_num_threads()} threads",
+        ok=layer in THREADSAFE_LAYERS,
+    )
+
+
+# -- parity: OffloadAdamW against torch.optim.AdamW, fp32 -----------------------------------
+
+
+def parity_phase(
+    mode: str, target: Target, sizes: Sizes, context: dict[str, Any], nvme_root: Path
+) -> Callable[[Phase], None]:
+    def run(phase: Phase) -> None:
+        workdir = Path(tempfile.mkdtemp(prefix="gpu_check_nvme_", dir=nvme_root))
+        try:
+            result = parity_run(mode, target, sizes, workdir=workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        tolerance = max(FP32_ATOL, 2 * context.get("spread", 0.0))
+        phase.data.update(asdict(result), step_ratio=result.step_ratio, tolerance=tolerance)
+        phase.row(
+            f"{mode}: max |w - w_torch| after {result.steps} steps",
+            f"{result.max_abs_diff:.2e} (tolerance {tolerance:.0e})",
+            ok=result.max_abs_diff <= tolerance,
+        )
+        phase.row(
+            f"{mode}: step time ours / torch",
+            f"{result.step_ratio:.2f} ({result.ours_step_s * 1e3:.1f} / "
+            f"{result.torch_step_s * 1e3:.1f} ms)",
+        )
+        if result.ours_peak_bytes is not None:
+            phase.row(
+                f"{mode}: peak device memory ours / torch",
+                f"{_fmt_bytes(result.ours_peak_bytes)} / {_fmt_bytes(result.torch_peak_bytes)}",
+            )
+
+    return run
+
+
+# -- the device: budget, pinned memory, bandwidth ---------------------------------------------
+
+
+def device_budget(phase: Phase, target: Target) -> None:
+    acc = target.accelerator()
+    budget = acc.ledger.budget
+    phase.data.update(budget=budget, source=acc.ledger.budget_source)
+    if not target.cuda:
+        phase.row("default device budget", f"{_fmt_bytes(budget)} ({acc.ledger.budget_source})")
+        return
+    free, total = torch.cuda.mem_get_info(acc.device)
+    cached = torch.cuda.memory_reserved(acc.device) - torch.cuda.memory_allocated(acc.device)
+    phase.row("device memory free / total", f"{_fmt_bytes(free)} / {_fmt_bytes(total)}")
+    phase.row(
+        "default device budget (<= free + torch's unused cache)",
+        f"{_fmt_bytes(budget)} ({acc.ledger.budget_source})",
+        ok=budget <= free + cached,
+    )
+
+
+def pinned(phase: Phase, target: Target, nbytes: int) -> None:
+    """Pinning rate (GB/s) of our page-aligned buffers and, on CUDA, of torch's pinned
+    allocator, which rounds sizes up to a power of two."""
+    from zero_offload.accelerator.pinned import memlock_limit
+
+    acc = target.accelerator()
+    phase.row("pinned memory available", str(acc.pinned_memory_available))
+    for size in (nbytes, nbytes + 4096):  # an exact power of two, and just above one
+        start = time.perf_counter()
+        ours = acc.allocate_host(size, pinned=True)
+        ours_s = time.perf_counter() - start
+        text = f"{size / ours_s / 1e9:.2f}"
+        if target.cuda:
+            held = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
             start = time.perf_counter()
-            for i, ids in enumerate(data):
-                loss = model(ids, ids)
-                if name == "resident":
-                    loss.backward()
-                else:
-                    opt.backward(loss, step=announce and i == micro - 1)
-            opt.step()
-            opt.zero_grad()
-            sync()
-            times.append(time.perf_counter() - start)
-        out[f"{name}_step_s"] = statistics.median(times[1:])
-        if name != "resident":
-            opt.close()
-        del model, opt, loss  # the loss's graph holds every parameter
-    for name in ("offload", "offload_announced", "offload_overlap_step"):
-        out[f"{name}_ratio"] = out[f"{name}_step_s"] / out["resident_step_s"]
-    return out
+            theirs = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            torch_s = time.perf_counter() - start
+            rounded = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) - held
+            text += f" / {size / torch_s / 1e9:.2f} (torch pinned {_fmt_bytes(rounded)} for it)"
+            del theirs
+        who = "ours / torch" if target.cuda else "ours"
+        phase.row(f"pinning {size:,} bytes: {who} GB/s", text)
+        del ours
+        target.sync()
+    limit = memlock_limit()
+    phase.row("locked-memory limit", "unlimited" if limit is None else _fmt_bytes(limit))
+
+
+def bandwidth(phase: Phase, target: Target, nbytes: int, rounds: int = 5) -> None:
+    """Host-to-device and device-to-host copies between a pinned buffer and device memory,
+    each timed between device syncs."""
+    acc = target.accelerator()
+    host = acc.allocate_host(nbytes, pinned=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+    seconds = time_rounds(
+        {
+            "h2d": lambda: dev.copy_(host, non_blocking=True),
+            "d2h": lambda: host.copy_(dev, non_blocking=True),
+        },
+        rounds=rounds,
+        sync=target.sync,
+    )
+    for name in ("h2d", "d2h"):
+        phase.data[f"{name}_gb_s"] = nbytes / seconds[name] / 1e9
+        phase.row(
+            f"pinned {name.upper()} GB/s ({_fmt_bytes(nbytes)})",
+            f"{phase.data[f'{name}_gb_s']:.3g}",
+        )
+
+
+# -- a training step: offloaded against resident ----------------------------------------------
+
+
+def step_100m(phase: Phase, target: Target, sizes: Sizes) -> None:
+    from zero_offload.demo.model import GPTConfig
+
+    config = GPTConfig(**sizes.step_model)
+    both = step_comparison(
+        config,
+        micro=1,
+        batch=sizes.step_batch,
+        rounds=sizes.step_rounds,
+        target=target,
+        variants=("resident", "offload"),
+    )
+    phase.data.update(both)
+    what = f"{both['parameters']:,} parameters, bf16"
+    phase.row(
+        f"step time offload / resident ({what})",
+        f"{both['offload_ratio']:.2f} ({both['offload_step_s'] * 1e3:.1f} / "
+        f"{both['resident_step_s'] * 1e3:.1f} ms)",
+    )
+    if "resident_peak_bytes" in both:
+        phase.row(
+            "peak device memory resident / offload",
+            f"{both['resident_peak_bytes'] / both['offload_peak_bytes']:.2f}x "
+            f"({_fmt_bytes(both['resident_peak_bytes'])} / {_fmt_bytes(both['offload_peak_bytes'])})",
+        )
+
+
+def step_1b(phase: Phase, target: Target, *, tokens: int, micro: int) -> None:
+    from zero_offload.demo.model import GPTConfig
+
+    config = GPTConfig(**GPT_1B)
+    batch = max(1, tokens // (micro * config.seq_len))
+    big = step_comparison(config, micro=micro, batch=batch, rounds=3, target=target)
+    phase.data.update(big, micro=micro, batch=batch)
+    phase.row(
+        f"no-offload step ms (1.15B GPT, bf16, {micro} x {batch} x {config.seq_len} tokens)",
+        f"{big['resident_step_s'] * 1e3:.0f}",
+    )
+    for name in STEP_VARIANTS[1:]:
+        phase.row(
+            f"{name} step ms, / no-offload (target <= 1.1)",
+            f"{big[f'{name}_step_s'] * 1e3:.0f}, {big[f'{name}_ratio']:.2f}",
+        )
+
+
+# -- the test suite's CUDA cases, and the benchmarks ---------------------------------------------
+
+
+def cuda_tests(phase: Phase, target: Target, *, sanitizer: bool, out_dir: Path | None) -> None:
+    """``pytest -m cuda`` on ``TEST_FILES``; on the host accelerator, collection only (the
+    cases skip without a GPU, but a file that fails to import still shows)."""
+    missing = [name for name in TEST_FILES if not (ROOT / name).is_file()]
+    if missing:
+        phase.row("test files", f"missing from this checkout: {', '.join(missing)}", ok=False)
+    files = [name for name in TEST_FILES if name not in missing]
+    if importlib.util.find_spec("pytest") is None or not files:
+        phase.row("pytest", "not installed (pip install pytest)" if files else "no files", ok=False)
+        return
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    command += ["-rfEs", *files] if target.cuda else ["--collect-only", *files]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    if sanitizer:
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    log = None if out_dir is None else out_dir / f"{phase.name}.log"
+    try:
+        proc = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, phase.remaining() - 5),  # leave time to report
+            check=False,
+        )
+        output, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = "".join(
+            part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+            for part in (exc.stdout, exc.stderr)
+        )
+        _keep_log(output, log)
+        raise
+    _keep_log(output, log)
+    lines = [line for line in output.splitlines() if line.strip()]
+    summary = lines[-1] if lines else "(no output)"
+    phase.data.update(returncode=code, summary=summary, command=" ".join(command), log=str(log))
+    what = "pytest -m cuda" + (" (collect only: no GPU)" if not target.cuda else "")
+    phase.row(f"{what}, {len(files)} files", f"{summary} (exit {code})", ok=code == 0)
+
+
+def _keep_log(output: str, log: Path | None) -> None:
+    """The tail on stdout, the whole log in ``$OUT``."""
+    tail = output.splitlines()[-25:]
+    print("\n".join(tail), flush=True)
+    if log is not None:
+        log.write_text(output)
+
+
+def benchmarks(phase: Phase) -> None:
+    import bench_cpu_adam
+    import bench_offload_step
+
+    adam = bench_cpu_adam.main(["--quick"])
+    step = bench_offload_step.main(["--quick"])
+    phase.data.update(
+        step_over_kernel=step["step_over_kernel"], device_cut=step["device_cut_vs_mixed"]
+    )
+    phase.row("CPU Adam benchmark", f"{len(adam)} result groups (tables above)")
+    phase.row("step / bare kernel (20M)", f"{step['step_over_kernel']:.2f}")
+    phase.row("device cut vs mixed (20M)", f"{step['device_cut_vs_mixed']:.1f}x")
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One phase of the run: its function, soft timeout and the least time it needs, or
+    why it does not run here."""
+
+    name: str
+    fn: Callable[[Phase], None]
+    timeout_s: float = 60.0
+    needs_s: float = 0.0
+    skip: str | None = None
+
+
+def plan(args: argparse.Namespace, target: Target, out_dir: Path | None) -> list[Planned]:
+    """Every phase after ``environment``, in order: numbers first, then the tests."""
+    sizes = TINY_SIZES if not target.cuda else CUDA_SIZES
+    context: dict[str, Any] = {}  # what later phases read from earlier ones
+    nvme_root = Path(args.nvme_dir)
+    no_cuda = "needs CUDA (--cpu-smoke runs on the host accelerator)"
+
+    def spread(phase: Phase) -> None:
+        context["spread"] = torch_spread(target, sizes)
+        phase.data["spread"] = context["spread"]
+        phase.row(
+            f"torch AdamW for-loop vs fused, max |dw| after {sizes.parity_steps} steps",
+            f"{context['spread']:.2e} (float rounding's own spread)",
+        )
+
+    phases = [
+        Planned("import", import_package, 60),
+        Planned("kernels", kernels, 180),
+        Planned("parity-torch", spread, 60, 10),
+        *(
+            Planned(
+                f"parity-{mode}", parity_phase(mode, target, sizes, context, nvme_root), 120, 10
+            )
+            for mode in MODES
+        ),
+        Planned("device-budget", lambda p: device_budget(p, target), 30),
+        Planned("pinned", lambda p: pinned(p, target, sizes.pinned_bytes), 60, 10),
+        Planned("bandwidth", lambda p: bandwidth(p, target, sizes.bandwidth_bytes), 30, 5),
+        Planned("step-100m", lambda p: step_100m(p, target, sizes), 120, 30),
+        Planned(
+            "step-1b",
+            lambda p: step_1b(p, target, tokens=args.gpt_1b_tokens, micro=args.gpt_1b_micro),
+            300,
+            150,
+            skip=None
+            if args.gpt_1b and target.cuda
+            else (no_cuda if args.gpt_1b else "not asked for (--gpt-1b)"),
+        ),
+        Planned(
+            "cuda-tests",
+            lambda p: cuda_tests(p, target, sanitizer=False, out_dir=out_dir),
+            180,
+            30,
+            skip="--skip-tests" if args.skip_tests else None,
+        ),
+        Planned(
+            "cuda-tests-sanitizer",
+            lambda p: cuda_tests(p, target, sanitizer=True, out_dir=out_dir),
+            150,
+            30,
+            skip="--skip-tests" if args.skip_tests else (None if target.cuda else no_cuda),
+        ),
+        Planned(
+            "benchmarks",
+            benchmarks,
+            150,
+            60,
+            skip="--skip-benchmarks"
+            if args.skip_benchmarks
+            else (None if target.cuda else "--cpu-smoke (they time this machine; run them alone)"),
+        ),
+    ]
+    return phases
+
+
+def _selected(name: str, only: list[str]) -> bool:
+    return not only or any(name == o or name.startswith(o + "-") for o in only)
+
+
+def _name_value(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        return name, float(value) if sep else float("nan")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=SECONDS, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="host accelerator, tiny sizes")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-benchmarks", action="store_true")
+    parser.add_argument("--gpt-1b", action="store_true", help="issue 15's 1.15B GPT comparison")
+    parser.add_argument("--gpt-1b-tokens", type=int, default=65536, help="tokens per step")
+    parser.add_argument("--gpt-1b-micro", type=int, default=4, help="micro-batches per step")
+    parser.add_argument(
+        "--budget-s", type=float, default=320.0, help="seconds for every phase (default 320)"
+    )
+    parser.add_argument(
+        "--hard-grace-s",
+        type=float,
+        default=15.0,
+        help="after a phase's soft timeout, seconds until the process is ended (default 15)",
+    )
+    parser.add_argument(
+        "--phase-timeout",
+        type=_name_value,
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help="override one phase's soft timeout",
+    )
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="PHASE", help="run these (and environment)"
+    )
+    parser.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="for the nvme phase")
+    for what, help_ in (
+        ("failure", "raise at the start of PHASE"),
+        ("hang", "sleep in PHASE past its soft timeout"),
+        ("stuck", "sleep in PHASE with SIGALRM ignored: only the hard timeout ends it"),
+    ):
+        parser.add_argument(
+            f"--inject-{what}",
+            action="append",
+            default=[],
+            metavar="PHASE",
+            help=f"check the guards: {help_}",
+        )
+    args = parser.parse_args(argv)
+    for name, seconds in args.phase_timeout:
+        if not seconds > 0:
+            parser.error(f"--phase-timeout {name}= needs seconds > 0, got {seconds}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-benchmarks", action="store_true")
-    parser.add_argument("--skip-gpt-1b", action="store_true")
-    parser.add_argument("--gpt-1b-tokens", type=int, default=65536, help="tokens per step")
-    parser.add_argument("--gpt-1b-micro", type=int, default=4, help="micro-batches per step")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA GPU visible to torch {torch.__version__}; nothing to check")
-        return 0
-    rows = _Rows([("GPU", torch.cuda.get_device_name())])
-    status = 0
-    rows += _budget()
-    rows += _pinned()
-    bw = _bandwidth()
-    rows += [("pinned H2D GB/s", f"{bw['h2d']:.1f}"), ("pinned D2H GB/s", f"{bw['d2h']:.1f}")]
-    both = _offload_vs_resident()
-    rows += [
-        ("step time offload / resident (100M, bf16)", f"{both['step_ratio']:.2f}"),
-        ("peak device memory resident / offload", f"{both['memory_ratio']:.2f}x"),
-        (
-            "offload step ms / resident step ms",
-            f"{both['offload_step_s'] * 1e3:.0f} / {both['resident_step_s'] * 1e3:.0f}",
+    started = time.monotonic()
+    args = parse_args(argv)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    target = Target("cuda" if cuda else "host")
+    mode = "cuda" if cuda else ("cpu-smoke" if args.cpu_smoke else "no-gpu")
+    report = Report(
+        "gpu_check",
+        out_dir=out_dir,
+        meta={
+            "argv": sys.argv if argv is None else argv,
+            "mode": mode,
+            "root": str(ROOT),
+            "budget_s": args.budget_s,
+            "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        },
+    )
+    runner = PhaseRunner(
+        report,
+        started=started,
+        budget_s=args.budget_s,
+        hard_grace_s=args.hard_grace_s,
+        timeouts=dict(args.phase_timeout),
+        faults=Faults(
+            fail=frozenset(args.inject_failure),
+            hang=frozenset(args.inject_hang),
+            stuck=frozenset(args.inject_stuck),
         ),
-    ]
-    if not args.skip_gpt_1b:
-        from zero_offload.demo.model import GPTConfig
-
-        config = GPTConfig(**GPT_1B)
-        micro = args.gpt_1b_micro
-        batch = max(1, args.gpt_1b_tokens // (micro * config.seq_len))
-        what = f"1B GPT, bf16, {micro} x {batch} x {config.seq_len} tokens"
-        try:
-            big = offloaded_vs_resident_step(
-                config, micro=micro, batch=batch, rounds=3, device=torch.device("cuda")
-            )
-        except Exception as exc:  # the rest of the check still runs; the row says why
-            rows.append((f"step comparison ({what})", f"FAILED: {type(exc).__name__}: {exc}"))
-            status = 1
-            torch.cuda.empty_cache()
-        else:
-            rows.append((f"no-offload step ms ({what})", f"{big['resident_step_s'] * 1e3:.0f}"))
-            for name in ("offload", "offload_announced", "offload_overlap_step"):
-                rows.append(
-                    (
-                        f"{name} step ms, / no-offload (target <= 1.1)",
-                        f"{big[f'{name}_step_s'] * 1e3:.0f}, {big[f'{name}_ratio']:.2f}",
-                    )
-                )
-    # The tests after the measurements: a run cut short keeps the numbers.
-    if not args.skip_tests:
-        tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", os.path.join(HERE, "..", "tests")],
-            check=False,
+    )
+    print(f"gpu_check: {mode} run of {ROOT}, budget {args.budget_s:.0f} s", flush=True)
+    runner.run("environment", lambda p: environment(p, Path(args.nvme_dir)), timeout_s=60)
+    if mode == "no-gpu":
+        print(
+            "gpu_check: no CUDA GPU visible to torch; nothing more to check here "
+            "(--cpu-smoke runs every phase on the host accelerator at tiny sizes)"
         )
-        rows.append(
-            ("CUDA tests (pytest -m cuda)", "passed" if tests.returncode == 0 else "FAILED")
-        )
-        sanitized = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", os.path.join(HERE, "..", "tests")],
-            check=False,
-            env={**os.environ, "TORCH_CUDA_SANITIZER": "1"},
-        )
-        rows.append(
-            (
-                "CUDA tests under TORCH_CUDA_SANITIZER=1",
-                "passed" if sanitized.returncode == 0 else "FAILED",
-            )
-        )
-        status = status or tests.returncode or sanitized.returncode
-    if not args.skip_benchmarks:
-        import bench_cpu_adam
-        import bench_offload_step
-
-        adam = bench_cpu_adam.main(["--quick"])
-        step = bench_offload_step.main(["--quick"])
-        rows.append(("CPU Adam benchmark", f"{len(adam)} result groups (tables above)"))
-        rows.append(("step / bare kernel (20M, CUDA)", f"{step['step_over_kernel']:.2f}"))
-        rows.append(("device cut vs mixed (20M, CUDA)", f"{step['device_cut_vs_mixed']:.1f}x"))
-    width = max(len(name) for name, _ in rows)
-    print("\n| check | result |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name.ljust(width)} | {value} |")
+    for planned in plan(args, target, out_dir) if mode != "no-gpu" else []:
+        if not _selected(planned.name, args.only):
+            continue
+        if planned.skip is not None:
+            runner.skip(planned.name, planned.skip)
+            continue
+        runner.run(planned.name, planned.fn, timeout_s=planned.timeout_s, needs_s=planned.needs_s)
+    # ERROR and TIMEOUT phases add a row of their status, FAILED ones have a FAILED row.
+    status = int(
+        any(row.status in (Status.FAILED, Status.ERROR, Status.TIMEOUT) for row in report.rows)
+    )
+    print(f"\n{report.table()}\n\ngpu_check: {time.monotonic() - started:.0f} s, exit {status}")
+    report.exit_status = status
+    report.write()
     return status
 
 
