@@ -10,6 +10,8 @@ of an activation (2**-8 relative), so losses differ by up to 1e-4 and weights by
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from zero_offload import OffloadAdamW
+from zero_offload import LossScalerConfig, OffloadAdamW
 from zero_offload.integrations.lightning import OffloadDDPStrategy, OffloadLightningModule
 
 from ._dist import free_port
@@ -54,9 +56,11 @@ class _Body:
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:  # torch's AdamW: the gradients are in param.grad
-            self.norms.append(torch.cat([g.flatten() for g in grads]).norm().item())
+        if isinstance(optimizer, OffloadAdamW):  # the norm of the step, unscaled
+            self.norms.append(optimizer.grad_norm().item())
+        else:  # torch's AdamW: the gradients are in param.grad
+            grads = [p.grad.flatten() for p in self.parameters() if p.grad is not None]
+            self.norms.append(torch.cat(grads).norm().item())
 
     def configure_optimizers(self) -> Any:
         hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -117,6 +121,21 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def test_importing_zero_offload_imports_neither_lightning_nor_trl() -> None:
+    code = (
+        "import sys, zero_offload, zero_offload.integrations as z; "
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'trl') if m in sys.modules)); "
+        "z.OffloadLightningModule; print('lightning' in sys.modules, 'trl' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True False"]  # imported on first access
+    import zero_offload.integrations as integrations
+
+    assert integrations.OffloadDDPStrategy is OffloadDDPStrategy
+    with pytest.raises(AttributeError, match="OffloadNothing"):
+        integrations.OffloadNothing  # noqa: B018
+
+
 @pytest.mark.parametrize(
     ("precision", "loss_tol", "weight_tol"),
     [("32-true", 1e-6, 1e-6), ("bf16-mixed", 1e-4, 1e-5)],
@@ -131,6 +150,7 @@ def test_parity_with_torch_adamw_clip_and_accumulate(
     assert len(ref.norms) == STEPS and min(ref.norms) > CLIP  # clipping binds every step
     assert len(ours.losses) == STEPS * ACCUMULATE
     torch.testing.assert_close(ours.losses, ref.losses, rtol=0, atol=loss_tol)
+    torch.testing.assert_close(ours.norms, ref.norms, rtol=loss_tol, atol=0)
     assert max_diff(weights(ours), weights(ref)) < weight_tol
 
 
@@ -167,6 +187,21 @@ def test_refused_before_the_first_backward(overrides: dict, match: str) -> None:
         trainer(**overrides).fit(module)
     assert module.losses == [] or len(module.losses) == 1  # the first forward, no step
     assert max_diff(weights(module), before) == 0.0
+
+
+def test_fp16_model_scales_the_loss_by_the_optimizers_loss_scale() -> None:
+    """precision="16-true" trains an fp16 model: backward must carry OffloadAdamW's loss
+    scale (2**10 here), or the norm it unscales would be 2**10 times too small. Measured:
+    the first two norms within 2e-4 relative of the fp32 run's."""
+    ref = TorchNet("torch")
+    trainer(max_steps=2).fit(ref)
+    scaler = LossScalerConfig(initial_scale=2.0**10)
+    ours = OffloadNet("offload", loss_scaler=scaler)
+    trainer(max_steps=2, precision="16-true").fit(ours)
+    opt = ours.trainer.optimizers[0]
+    assert opt.loss_scale == 2.0**10 and opt.skipped_steps == 0
+    assert next(ours.parameters()).dtype == torch.float16
+    torch.testing.assert_close(ours.norms, ref.norms, rtol=2e-3, atol=0)
 
 
 def test_a_plain_lightning_module_names_the_integration() -> None:
