@@ -154,19 +154,38 @@ def test_parity_with_torch_adamw_clip_and_accumulate(
     assert max_diff(weights(ours), weights(ref)) < weight_tol
 
 
+EPOCHS = {"max_steps": -1, "max_epochs": 2, "limit_train_batches": STEPS // 2 * ACCUMULATE}
+
+
+def whole_and_resumed(out: Path, *, ranks: int = 1) -> tuple[OffloadNet, OffloadNet]:
+    """Lightning's own checkpointing: an uninterrupted run of 2 epochs of 3 steps saving
+    after each, and a differently initialised module resumed from the first file."""
+
+    def fit(module: OffloadNet, name: str, **kwargs: Any) -> None:
+        saver = ModelCheckpoint(dirpath=out / name, save_top_k=-1)
+        several: dict[str, Any] = {}
+        if ranks > 1:  # each rank samples its own half (see train_dataloader)
+            several = {
+                "devices": ranks,
+                "strategy": OffloadDDPStrategy(),
+                "use_distributed_sampler": False,
+            }
+        trainer(callbacks=[saver], enable_checkpointing=True, **EPOCHS, **several).fit(
+            module, **kwargs
+        )
+
+    whole = OffloadNet("offload", ranks=ranks)
+    fit(whole, "whole")
+    (first,) = sorted((out / "whole").glob("epoch=0*.ckpt"))
+    resumed = OffloadNet("offload", seed=1, ranks=ranks)
+    fit(resumed, "resumed", ckpt_path=first)
+    return whole, resumed
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
 def test_checkpoint_resume_is_bitwise(tmp_path: Path) -> None:
-    """Lightning's own checkpointing: an uninterrupted 2-epoch run saving after epoch 1, and
-    a differently initialised module resumed from that file, end bitwise equal."""
-    epoch = STEPS // 2  # optimizer steps per epoch (the loader has STEPS * ACCUMULATE batches)
-    whole = OffloadNet("offload")
-    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
-    steps = {"max_steps": -1, "max_epochs": 2, "limit_train_batches": epoch * ACCUMULATE}
-    trainer(callbacks=[saver], enable_checkpointing=True, **steps).fit(whole)
-    (first,) = sorted(tmp_path.glob("epoch=0*.ckpt"))
-    resumed = OffloadNet("offload", seed=1)
-    again = ModelCheckpoint(dirpath=tmp_path / "resumed", save_top_k=-1, every_n_epochs=1)
-    trainer(callbacks=[again], enable_checkpointing=True, **steps).fit(resumed, ckpt_path=first)
-    assert resumed.losses == whole.losses[epoch * ACCUMULATE :]
+    whole, resumed = whole_and_resumed(tmp_path)
+    assert resumed.losses == whole.losses[STEPS // 2 * ACCUMULATE :]
     assert max_diff(weights(resumed), weights(whole)) == 0.0
     assert resumed.trainer.optimizers[0].state_dict()["state"][0]["step"] == STEPS
 
@@ -242,21 +261,29 @@ def test_manual_optimization_clips_like_automatic() -> None:
 
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
     as_torchrun_rank(rank, world, port)  # Lightning sees LOCAL_RANK: processes exist already
-    module = OffloadNet("offload", ranks=world)
-    trainer(devices=world, strategy=OffloadDDPStrategy(), use_distributed_sampler=False).fit(module)
-    torch.save({"losses": module.losses, "weights": weights(module)}, Path(out) / f"{rank}.pt")
+    whole, resumed = whole_and_resumed(Path(out), ranks=world)
+    result = {"losses": whole.losses, "weights": weights(whole)}
+    result |= {"resumed_losses": resumed.losses, "resumed_weights": weights(resumed)}
+    torch.save(result, Path(out) / f"{rank}.pt")
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path: Path) -> None:
+def test_two_processes_match_one_and_resume_bitwise(tmp_path: Path) -> None:
     """2 gloo ranks, each with half of every batch, no DDP wrapper (OffloadAdamW
-    reduce-scatters): the weights match one process with the whole batch."""
+    reduce-scatters): the weights match one process with the whole batch, and a run
+    resumed from the consolidated checkpoint is bitwise the uninterrupted one."""
     os.environ.pop("LOCAL_RANK", None)
     mp.spawn(_ddp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
-    one = OffloadNet("offload")
-    trainer().fit(one)
+    saved = torch.load(next((tmp_path / "whole").glob("epoch=0*.ckpt")), weights_only=False)
+    (state,) = saved["optimizer_states"]
+    assert state["state"][0]["exp_avg"].shape == (64, 32)  # whole, not a rank's shard
+    for rank in ranks:
+        assert rank["resumed_losses"] == rank["losses"][STEPS // 2 * ACCUMULATE :]
+        assert max_diff(rank["resumed_weights"], rank["weights"]) == 0.0
     assert max_diff(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
+    one = OffloadNet("offload")
+    trainer(**EPOCHS).fit(one)
     # Measured: 9e-8 in the weights, 1e-6 in the losses (each rank's mean over half a batch).
     assert max_diff(ranks[0]["weights"], weights(one)) < 1e-6
     halves = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
