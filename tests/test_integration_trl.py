@@ -19,11 +19,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, Trainer
-from trl import SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from zero_offload import OffloadAdamW
 from zero_offload.integrations.transformers import OffloadTrainer
-from zero_offload.integrations.trl import OffloadSFTTrainer
+from zero_offload.integrations.trl import OffloadDPOTrainer, OffloadSFTTrainer
 
 from ._hf import (
     VOCAB,
@@ -38,6 +38,7 @@ from ._models import host_accelerator
 
 MAX_GRAD_NORM = 0.5  # full fine-tuning: the norms are above 1, clipping binds every step
 STEPS = 6
+DPO_MAX_GRAD_NORM = 0.5
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -61,27 +62,40 @@ def dataset(n: int = 48) -> Dataset:
     return Dataset.from_dict({"text": texts})
 
 
-def sft_config(out: Path, **overrides: Any) -> SFTConfig:
-    """``training_args`` (the Trainer tests' run, 6 steps) as an SFTConfig."""
+def trl_config(kind: type, out: Path, **overrides: Any) -> Any:
+    """``training_args`` (the Trainer tests' run, 6 steps) as a TRL config of ``kind``."""
     args = training_args(out, max_steps=STEPS, **overrides)
     fields = args.to_dict() | {"hub_token": args.hub_token}  # to_dict hides the token
-    # SFTConfig's own defaults differ: bf16 and gradient checkpointing on, 1024 tokens.
+    # TRL's own defaults differ: bf16 and gradient checkpointing on, 1024 tokens.
     fields |= {"bf16": args.bf16, "gradient_checkpointing": False, "max_length": 16}
-    return SFTConfig(**fields)
+    return kind(**fields)
+
+
+def preferences(n: int = 24) -> Dataset:
+    """``n`` prompts of 4 words, each with a chosen and a rejected 4-word answer."""
+    gen = torch.Generator().manual_seed(1)
+    words = torch.randint(3, VOCAB, (n, 3, 4), generator=gen).tolist()
+    prompt, chosen, rejected = (
+        [" ".join(f"w{i}" for i in row[part]) for row in words] for part in range(3)
+    )
+    return Dataset.from_dict({"prompt": prompt, "chosen": chosen, "rejected": rejected})
 
 
 def run(cls: type, out: Path, *, model: torch.nn.Module | None = None, **kwargs: Any) -> Trainer:
-    """Train ``cls`` (SFTTrainer or OffloadSFTTrainer) on the shared data; ``resume``
-    resumes from that checkpoint."""
+    """Train ``cls`` (a TRL trainer or ours) on the shared data; ``resume`` resumes from
+    that checkpoint."""
     resume = kwargs.pop("resume", None)
     overrides = kwargs.pop("overrides", {})
-    if cls is OffloadSFTTrainer:
+    if issubclass(cls, OffloadTrainer):
         kwargs.setdefault("offload_config", offload_config())
         kwargs.setdefault("offload_device", host_accelerator())
+    dpo = issubclass(cls, DPOTrainer)
+    if dpo:
+        kwargs.setdefault("ref_model", tiny_gpt2())  # TRL would load it by the model's name
     trainer = cls(
         model=tiny_gpt2() if model is None else model,
-        args=sft_config(out, **overrides),
-        train_dataset=dataset(),
+        args=trl_config(DPOConfig if dpo else SFTConfig, out, **overrides),
+        train_dataset=preferences() if dpo else dataset(),
         processing_class=tokenizer(),
         **kwargs,
     )
@@ -147,15 +161,43 @@ def test_sft_lora_parity_with_torch_adamw(tmp_path: Path) -> None:
     assert_parity(ours, ref)
 
 
+def test_dpo_parity_with_torch_adamw(tmp_path: Path) -> None:
+    """DPO: the policy trains, the reference model (passed in) does not."""
+    clip = {"overrides": {"max_grad_norm": DPO_MAX_GRAD_NORM}}
+    ref = run(DPOTrainer, tmp_path / "torch", **clip)
+    ours = run(OffloadDPOTrainer, tmp_path / "offload", **clip)
+    assert min(logged(ref, "grad_norm")) > DPO_MAX_GRAD_NORM  # clipping binds every step
+    assert_parity(ours, ref)
+    policy = {id(p) for p in ours.model.parameters()}
+    trained = [p for g in ours.offload_optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in trained} == policy
+    assert max_weight_diff(weights(ours.ref_model), weights(tiny_gpt2())) == 0.0
+
+
 def test_a_trl_that_overrides_a_replaced_route_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """OffloadTrainer's overrides come first in the MRO: a TRL version that clipped its own
     way would be skipped without a word, so construction refuses it."""
-    assert OffloadSFTTrainer.__mro__[1:3] == (OffloadTrainer, SFTTrainer)
+    mro = OffloadSFTTrainer.__mro__
+    assert mro.index(OffloadTrainer) < mro.index(SFTTrainer)
     monkeypatch.setattr(SFTTrainer, "_clip_grad_norm", Trainer._clip_grad_norm, raising=False)
     with pytest.raises(RuntimeError, match=r"SFTTrainer\._clip_grad_norm"):
         run(OffloadSFTTrainer, tmp_path)
+
+
+def test_grpo_is_refused_for_its_own_optimizer_loading() -> None:
+    """Why no OffloadGRPOTrainer ships: GRPOTrainer restores state of its own in
+    _load_optimizer_and_scheduler, which OffloadTrainer's would skip."""
+    from trl import GRPOTrainer
+
+    from zero_offload.integrations.trl import _OffloadTRLTrainer
+
+    class OffloadGRPOTrainer(_OffloadTRLTrainer, GRPOTrainer):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._load_optimizer_and_scheduler"):
+        OffloadGRPOTrainer(model=tiny_gpt2())
 
 
 def test_plain_sft_trainer_with_offload_adamw_names_the_integration(tmp_path: Path) -> None:

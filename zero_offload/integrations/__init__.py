@@ -5,8 +5,8 @@
 - ``zero_offload.integrations.accelerate``: ``OffloadAccelerator``, an
   ``accelerate.Accelerator`` whose ``prepare``, ``backward`` and ``clip_grad_norm_`` know
   that ``OffloadAdamW`` keeps the gradients on the host.
-- ``zero_offload.integrations.trl``: ``OffloadSFTTrainer``, TRL's ``SFTTrainer`` with
-  ``OffloadTrainer``'s optimizer, clipping and checkpoints.
+- ``zero_offload.integrations.trl``: ``OffloadSFTTrainer`` and ``OffloadDPOTrainer``, TRL's
+  trainers with ``OffloadTrainer``'s optimizer, clipping and checkpoints.
 - ``zero_offload.integrations.lightning``: ``OffloadLightningModule``, a
   ``LightningModule`` whose ``gradient_clip_val`` clips inside ``OffloadAdamW``, and
   ``OffloadDDPStrategy`` for several processes without a DDP wrapper.
@@ -27,6 +27,7 @@ _LAZY = {
     "OffloadTrainer": "transformers",
     "OffloadAccelerator": "accelerate",
     "OffloadSFTTrainer": "trl",
+    "OffloadDPOTrainer": "trl",
     "OffloadLightningModule": "lightning",
     "OffloadDDPStrategy": "lightning",
 }

@@ -1,10 +1,11 @@
-"""TRL with ``OffloadAdamW``: ``OffloadSFTTrainer``.
+"""TRL with ``OffloadAdamW``: ``OffloadSFTTrainer`` and ``OffloadDPOTrainer``.
 
-``trl.SFTTrainer`` is a ``transformers.Trainer`` that prepares the data (tokenising,
-packing, completion-only labels), applies a ``peft_config`` and adds its own metrics; the
-optimizer, the clipping and the checkpoints are Trainer's. ``OffloadSFTTrainer`` puts
-``OffloadTrainer`` in front of it, so those go to ``OffloadAdamW`` (see
-``integrations/transformers.py``) and everything else is TRL's::
+``trl.SFTTrainer`` and ``trl.DPOTrainer`` are ``transformers.Trainer`` subclasses that
+prepare the data (tokenising, packing, completion-only labels, preference pairs), apply a
+``peft_config``, compute their own losses and metrics, and leave the optimizer, the
+clipping and the checkpoints to Trainer's loop. The classes here put ``OffloadTrainer`` in
+front of them, so those go to ``OffloadAdamW`` (see ``integrations/transformers.py``) and
+everything else is TRL's::
 
     from trl import SFTConfig
     from zero_offload.integrations.trl import OffloadSFTTrainer
@@ -19,27 +20,29 @@ optimizer, the clipping and the checkpoints are Trainer's. ``OffloadSFTTrainer``
     )
     trainer.train()
 
-It takes ``SFTTrainer``'s arguments plus ``OffloadTrainer``'s keyword-only
-``offload_config`` and ``offload_device``, and refuses what ``OffloadTrainer`` refuses.
-SFTConfig turns bf16 on by default; with ``fp16=True`` set instead, it is refused (torch's
+They take the TRL trainer's arguments plus ``OffloadTrainer``'s keyword-only
+``offload_config`` and ``offload_device``, and refuse what ``OffloadTrainer`` refuses.
+TRL's configs turn bf16 on by default, which works; ``fp16=True`` is refused (torch's
 GradScaler needs ``param.grad``).
 
-TRL's other trainers (``DPOTrainer``, ``GRPOTrainer``, ...) are Trainer subclasses too, but
-they are not tested here, so no class is shipped for them.
+No class for ``GRPOTrainer``: it defines ``_load_optimizer_and_scheduler`` (to restore its
+entropy controller after the optimizer), which ``OffloadTrainer`` replaces without calling
+it, so a resumed run would lose that state; construction would refuse the combination
+(``_OffloadTRLTrainer``). TRL's other trainers are not tested here, so no class either.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trl import SFTTrainer
+from trl import DPOTrainer, SFTTrainer
 
 from .transformers import OffloadTrainer
 
-__all__ = ["OffloadSFTTrainer"]
+__all__ = ["OffloadDPOTrainer", "OffloadSFTTrainer"]
 
-#: The Trainer methods OffloadTrainer replaces without calling Trainer's (its
-#: ``compute_loss`` and ``training_step`` call the next class's: SFTTrainer's run).
+#: The Trainer methods OffloadTrainer replaces without calling the next class's (its
+#: ``compute_loss`` and ``training_step`` do call it: TRL's run inside them).
 _REPLACED = (
     "create_optimizer",
     "_clip_grad_norm",
@@ -49,26 +52,36 @@ _REPLACED = (
 )
 
 
-class OffloadSFTTrainer(OffloadTrainer, SFTTrainer):
-    """``trl.SFTTrainer`` training with ``OffloadAdamW``; see the module docstring.
+class _OffloadTRLTrainer(OffloadTrainer):
+    """``OffloadTrainer`` in front of a TRL trainer (the next class in the MRO).
 
     The method resolution order puts ``OffloadTrainer``'s overrides (the optimizer, the
     clipping and logged norm, the loss scale of fp16 models, the optimizer checkpoint)
-    before ``SFTTrainer``'s. Its ``compute_loss`` and ``training_step`` call SFTTrainer's;
-    the methods it replaces outright (``_REPLACED``) must not be TRL's, or TRL's version
-    would be skipped without a word: construction checks.
+    before the TRL trainer's. Its ``compute_loss`` and ``training_step`` call TRL's; the
+    methods it replaces outright (``_REPLACED``) must not be TRL's, or TRL's version would
+    be skipped without a word: construction checks.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        trl_classes = [c for c in SFTTrainer.__mro__ if c.__module__.startswith("trl.")]
+        trl_classes = [c for c in type(self).__mro__ if c.__module__.startswith("trl.")]
         clashes = [
             f"{c.__name__}.{name}" for c in trl_classes for name in _REPLACED if name in vars(c)
         ]
         if clashes:
             raise RuntimeError(
-                f"this trl version defines {clashes}, which OffloadSFTTrainer replaces with "
-                "OffloadTrainer's (the OffloadAdamW optimizer, clipping and checkpoints), so "
-                "TRL's code there would not run; install a trl that zero-offload supports "
+                f"this trl version defines {clashes}, which {type(self).__name__} replaces "
+                "with OffloadTrainer's (the OffloadAdamW optimizer, clipping and checkpoints), "
+                "so TRL's code there would not run; install a trl that zero-offload supports "
                 "(see pyproject.toml, the 'test' extra)"
             )
         super().__init__(*args, **kwargs)
+
+
+class OffloadSFTTrainer(_OffloadTRLTrainer, SFTTrainer):
+    """``trl.SFTTrainer`` training with ``OffloadAdamW``; see the module docstring."""
+
+
+class OffloadDPOTrainer(_OffloadTRLTrainer, DPOTrainer):
+    """``trl.DPOTrainer`` training with ``OffloadAdamW``; see the module docstring. The
+    reference model (``ref_model``, or the adapters disabled with PEFT) is not trained:
+    only the policy's parameters are the optimizer's."""

@@ -52,7 +52,10 @@ def _framework_hint(name: str) -> str:
     ``sys.modules``: nothing here imports ``integrations``)."""
     hint = ""
     if "trl" in sys.modules and name == "clip_grad_norm_":
-        hint += ", with TRL's SFTTrainer zero_offload.integrations.trl.OffloadSFTTrainer"
+        hint += (
+            ", with TRL's SFTTrainer or DPOTrainer zero_offload.integrations.trl."
+            "OffloadSFTTrainer or OffloadDPOTrainer"
+        )
     if "lightning" in sys.modules or "pytorch_lightning" in sys.modules:
         hint += (
             ", with Lightning derive the module from "
