@@ -27,8 +27,8 @@ work to the precision plugin, whose ``clip_grad_by_norm`` calls
 values passed to it) and, for an ``OffloadAdamW``, calls ``opt.clip_grad_norm_(max_norm)``
 (Note [frameworks clip through the optimizer] in ``_optim.py``); other optimizers go to
 Lightning's own path unchanged. Overriding the module rather than a precision plugin keeps
-every precision (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-true``) and every
-strategy as Lightning builds it, and covers automatic and manual optimization alike.
+every precision plugin and strategy as Lightning builds them (``32-true``, ``bf16-mixed``
+and ``16-true`` are tested), and covers automatic and manual optimization alike.
 ``gradient_clip_algorithm="value"`` clips each element of ``param.grad``: OffloadAdamW has
 only the global norm, so it is refused.
 
