@@ -22,6 +22,7 @@ reads ``param.grad`` itself.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +45,25 @@ def _owner_of(parameters: list[Any]) -> object | None:
             if owner is not None:
                 return owner
     return None
+
+
+def _framework_hint(name: str) -> str:
+    """The integrations for the frameworks the program has imported (read from
+    ``sys.modules``: nothing here imports ``integrations``)."""
+    hint = ""
+    if "trl" in sys.modules and name == "clip_grad_norm_":
+        hint += (
+            ", with TRL's SFTTrainer or DPOTrainer zero_offload.integrations.trl."
+            "OffloadSFTTrainer or OffloadDPOTrainer"
+        )
+    if "lightning" in sys.modules or "pytorch_lightning" in sys.modules:
+        hint += (
+            ", with Lightning derive the module from "
+            "zero_offload.integrations.lightning.OffloadLightningModule, which routes "
+            "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm') to "
+            "opt.clip_grad_norm_"
+        )
+    return hint
 
 
 def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
@@ -69,8 +89,8 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
                 f"torch.nn.utils.{name} on parameters that {owner!r} trains: their "
                 "gradients are in host memory, not in param.grad, so torch would clip "
                 f"nothing{' and return a norm of 0' if name == 'clip_grad_norm_' else ''}. "
-                f"Nothing was clipped. {tail} (Note [torch's clipping cannot see our "
-                "gradients])"
+                f"Nothing was clipped. {tail}{_framework_hint(name)} (Note [torch's clipping "
+                "cannot see our gradients])"
             )
         return fn(passed, *args, **kwargs)
 

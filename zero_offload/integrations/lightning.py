@@ -1,0 +1,244 @@
+"""PyTorch Lightning with ``OffloadAdamW``: ``OffloadLightningModule`` and ``OffloadDDPStrategy``.
+
+Two lines change in a Lightning program: the module's base class and the optimizer::
+
+    import lightning.pytorch as pl
+    from zero_offload import OffloadAdamW
+    from zero_offload.integrations.lightning import OffloadLightningModule
+
+    class Net(OffloadLightningModule):  # was: pl.LightningModule
+        ...
+        def configure_optimizers(self):
+            return OffloadAdamW(self.parameters(), lr=1e-3)  # was: torch.optim.AdamW
+
+    pl.Trainer(gradient_clip_val=1.0, accumulate_grad_batches=4, precision="bf16-mixed").fit(Net())
+
+Several processes (``torchrun`` or Lightning's own launcher) add a third:
+``Trainer(strategy=OffloadDDPStrategy())`` instead of ``strategy="ddp"``.
+
+Note [Lightning clips through the module]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Lightning clips in ``LightningModule.clip_gradients``, which ``configure_gradient_clipping``
+(the hook users override) calls, and which manual optimization calls by hand. It hands the
+work to the precision plugin, whose ``clip_grad_by_norm`` calls
+``torch.nn.utils.clip_grad_norm_`` on the optimizer's parameters: refused for ours (Note
+[torch's clipping cannot see our gradients] in ``optim/torch_clipping.py``). So
+``OffloadLightningModule.clip_gradients`` takes ``Trainer(gradient_clip_val=...)`` (or the
+values passed to it) and, for an ``OffloadAdamW``, calls ``opt.clip_grad_norm_(max_norm)``
+(Note [frameworks clip through the optimizer] in ``_optim.py``); other optimizers go to
+Lightning's own path unchanged. Overriding the module rather than a precision plugin keeps
+every precision plugin and strategy as Lightning builds them (``32-true``, ``bf16-mixed``
+and ``16-true`` are tested), and covers automatic and manual optimization alike.
+``gradient_clip_algorithm="value"`` clips each element of ``param.grad``: OffloadAdamW has
+only the global norm, so it is refused.
+
+Note [Lightning's steps are ordinary]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Automatic optimization calls ``optimizer.step(closure)`` where the closure runs forward,
+backward and the clip; ``OffloadAdamW.step`` runs the closure first, as torch's optimizers
+do. ``accumulate_grad_batches`` runs backward without stepping and clears gradients at
+the window's start: the gradient semantics of ``OffloadAdamW`` (DESIGN.md). bf16-mixed
+autocasts the forward and leaves fp32 gradients: a plain ``loss.backward()`` is right. An
+fp16 model (``precision="16-true"``) needs the optimizer's loss scale on the loss, which
+``OffloadLightningModule.backward`` applies. fp16 AMP (``precision="16-mixed"``) uses
+torch's GradScaler on ``param.grad``: refused before the first backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+
+from ..checkpoint_io import consolidated_state_dict
+from ..optim import OffloadAdamW
+from .accelerate import FP16_AMP_MESSAGE
+
+__all__ = ["OffloadDDPStrategy", "OffloadLightningModule"]
+
+_VALUE_REFUSAL = (
+    "gradient_clip_algorithm='value' clips each element of param.grad, and OffloadAdamW keeps "
+    "no param.grad (its gradients are in host memory; it clips by the global norm only). Use "
+    "gradient_clip_algorithm='norm' (the default) with gradient_clip_val, or leave "
+    "gradient_clip_val unset"
+)
+
+
+def _offload_optimizer(optimizer: object) -> OffloadAdamW | None:
+    """``optimizer``, or the one behind Lightning's ``LightningOptimizer``, if it is ours."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer.optimizer
+    return inner if isinstance(inner, OffloadAdamW) else None
+
+
+class OffloadLightningModule(pl.LightningModule):
+    """A ``LightningModule`` whose clipping and backward know ``OffloadAdamW``.
+
+    Derive from it instead of ``LightningModule`` and return ``OffloadAdamW`` from
+    ``configure_optimizers``. ``Trainer(gradient_clip_val=v)`` (algorithm ``"norm"``) then
+    clips inside the optimizer (Note [Lightning clips through the module]); an fp16 model's
+    loss is scaled by the optimizer's loss scale (Note [Lightning's steps are ordinary]).
+    Optimizers other than ``OffloadAdamW`` behave as under a plain ``LightningModule``.
+    """
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's ``clip_gradients``; for an ``OffloadAdamW``, ``opt.clip_grad_norm_``
+        at ``gradient_clip_val`` (default the Trainer's). Algorithm ``"value"`` is refused."""
+        opt = _offload_optimizer(optimizer)
+        if opt is None:
+            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        trainer = self.trainer
+        if gradient_clip_val is None:
+            gradient_clip_val = trainer.gradient_clip_val or 0.0
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = trainer.gradient_clip_algorithm or "norm"
+        algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))
+        if algorithm.lower() != "norm":
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}: {_VALUE_REFUSAL}")
+        if isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)):
+            raise TypeError(
+                f"gradient_clip_val must be an int or a float, got {gradient_clip_val!r}"
+            )
+        if gradient_clip_val > 0:  # Lightning's rule: 0 (or unset) does not clip
+            opt.clip_grad_norm_(float(gradient_clip_val))
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()``; refuses fp16 AMP and clipping by value before any gradient
+        exists, and scales an fp16 model's loss by the optimizer's loss scale."""
+        trainer = self._trainer
+        optimizers = [] if trainer is None else [_offload_optimizer(o) for o in trainer.optimizers]
+        ours = [opt for opt in optimizers if opt is not None]
+        if ours:
+            self._check_trainer(trainer)
+            scales = {opt.loss_scale for opt in ours}
+            if len(scales) > 1:
+                raise ValueError(
+                    f"the OffloadAdamW optimizers have different loss scales {sorted(scales)}; "
+                    "one backward can carry one: give the fp16 parameters a single optimizer"
+                )
+            (scale,) = scales
+            if scale != 1.0:
+                loss = loss * scale
+        super().backward(loss, *args, **kwargs)
+
+    @staticmethod
+    def _check_trainer(trainer: pl.Trainer) -> None:
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise ValueError(f"Trainer(precision={plugin.precision!r}): {FP16_AMP_MESSAGE}")
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", None)
+        if trainer.gradient_clip_val and algorithm == "value":
+            raise ValueError(
+                f"Trainer(gradient_clip_algorithm='value', gradient_clip_val="
+                f"{trainer.gradient_clip_val!r}): {_VALUE_REFUSAL}"
+            )
+
+
+class OffloadDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` for ``OffloadAdamW``: one process per device, no DDP wrapper.
+
+    ``OffloadAdamW`` reduce-scatters the gradients itself, so the model is not wrapped in
+    ``DistributedDataParallel`` (which would all-reduce every gradient a second time);
+    rank 0's initial weights are broadcast, as DDP's constructor would. The optimizer must
+    run its collectives on ``optimizer_process_group`` (Note [the optimizer's own process
+    group])::
+
+        def configure_optimizers(self):
+            group = self.trainer.strategy.optimizer_process_group
+            return OffloadAdamW(self.parameters(), lr=1e-3, process_group=group)
+
+    Checkpoints hold the optimizer state consolidated from every rank's shard
+    (``checkpoint_io``), written by rank 0; on resume every rank keeps the pieces it owns,
+    on any number of ranks. The state is not moved to the device after loading: it lives in
+    host memory by design. Takes ``DDPStrategy``'s arguments; those that configure the DDP
+    wrapper do nothing.
+    """
+
+    # Note [the optimizer's own process group]
+    # Lightning issues collectives on the default group from the main thread: a broadcast
+    # before every batch (the SIGTERM check), reductions for sync_dist logging, barriers.
+    # OffloadAdamW issues its reduce-scatters and all-gathers from its communication thread
+    # while the main thread goes on (the last bucket's reduce-scatter is still in flight
+    # when backward returns). On one group the two streams of calls would interleave in a
+    # different order on each rank, and a collective matched against the wrong one hangs.
+    # So the strategy makes a second group over the same ranks for the optimizer alone, and
+    # refuses an OffloadAdamW on the default group before the first batch.
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._optimizer_group: Any = None  # a torch.distributed ProcessGroup once set up
+
+    def setup_distributed(self) -> None:
+        """Lightning's process group, then the optimizer's own (a collective)."""
+        super().setup_distributed()
+        self._optimizer_group = dist.new_group(backend=self._get_process_group_backend())
+
+    @property
+    def optimizer_process_group(self) -> Any:
+        """The group to build ``OffloadAdamW`` with (``process_group=``); Note [the
+        optimizer's own process group]."""
+        if self._optimizer_group is None:
+            raise RuntimeError(
+                "OffloadDDPStrategy.optimizer_process_group before the processes are set up; "
+                "read it in configure_optimizers (self.trainer.strategy.optimizer_process_group)"
+            )
+        return self._optimizer_group
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's ``configure_optimizers``; each ``OffloadAdamW`` must use the
+        optimizer's own group (Note [the optimizer's own process group])."""
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            opt = _offload_optimizer(optimizer)
+            if opt is None or opt.comm is None or opt.comm.group is self._optimizer_group:
+                continue
+            raise ValueError(
+                f"{opt.comm.where()}: OffloadAdamW was built on process group "
+                f"{opt.comm.group!r}; under OffloadDDPStrategy build it with "
+                "process_group=self.trainer.strategy.optimizer_process_group, or its "
+                "collectives would interleave with Lightning's on one group and hang (Note "
+                "[the optimizer's own process group] in zero_offload/integrations/lightning.py)"
+            )
+
+    def configure_ddp(self) -> None:
+        """Leave the module unwrapped; every rank starts from rank 0's weights."""
+        if not isinstance(self.model, pl.LightningModule):
+            raise RuntimeError(
+                f"OffloadDDPStrategy expected the LightningModule itself, found "
+                f"{type(self.model).__name__}; this is a bug"
+            )
+        _sync_module_states(self.model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The consolidated state on rank 0, ``{}`` on the others (a collective: Lightning
+        calls it on every rank when it saves)."""
+        opt = _offload_optimizer(optimizer)
+        if opt is None:
+            return super().optimizer_state(optimizer)
+        state = consolidated_state_dict(opt)
+        return {} if state is None else state
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Each ``OffloadAdamW`` loads the consolidated state and keeps its pieces; other
+        optimizers as Lightning does."""
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer states, the module configures "
+                f"{len(self.optimizers)} optimizers"
+            )
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+            if _offload_optimizer(optimizer) is None:
+                _optimizer_to_device(optimizer, self.root_device)
