@@ -15,10 +15,12 @@ complete by construction; a test counts them independently.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -38,7 +40,34 @@ from .traffic import (
     TrafficCounters,
 )
 
-__all__ = ["Tier", "TieredMemoryManager"]
+__all__ = ["Tier", "TieredMemoryManager", "interpreter_exiting"]
+
+# Note [a quiet exit after a failed stream]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A process whose peer died raises its one ``CollectiveError`` (the stream's sticky error,
+# Note [stream errors are sticky]) and exits. At exit the finalizers of what it still holds
+# (the optimizer's ``Resources.release``, each pool's drain) meet the same failed streams;
+# an error raised there reaches nobody and is only printed, once per finalizer, burying the
+# one that matters. So, at interpreter exit, a release whose first error is a failed
+# stream's swallows it and what followed from it (pools still holding blocks). ``_EXITING`` is set by an ``atexit`` hook that runs before
+# ``weakref.finalize``'s own (atexit runs hooks last-registered first, and the dummy
+# finalizer below makes sure weakref's hook is registered before ours).
+_EXITING = False
+
+
+def _mark_exit() -> None:
+    global _EXITING
+    _EXITING = True
+
+
+weakref.finalize(_mark_exit, lambda: None)
+atexit.register(_mark_exit)
+
+
+def interpreter_exiting() -> bool:
+    """Whether the interpreter is running its exit hooks (Note [a quiet exit after a failed
+    stream])."""
+    return _EXITING
 
 
 class Tier(enum.Enum):

@@ -66,7 +66,7 @@ import torch
 
 from ..accelerator import Accelerator, Event, Stream
 from ..config import format_bytes
-from ..errors import DeviceBudgetExceeded, PoolExhausted
+from ..errors import DeviceBudgetExceeded, PoolExhausted, StreamError
 from .block import Block, BlockState, MoveCallback
 from .freelist import OFFSET_BITS, FreeList
 from .inflight import InFlight, pruned
@@ -129,7 +129,15 @@ class _Lifetime:
     def drain(self) -> None:
         # Synchronisation point (hidden when run as a finalizer): see the Note.
         if self.held is not None:
-            self.held.wait()
+            for event in self.held.pending():
+                try:
+                    event.synchronize()
+                except StreamError:
+                    # Its stream failed, so its work is over and the buffer free to go; the
+                    # error reached the stream's user already (Note [stream errors are
+                    # sticky]). Raising it again here would print it once more per pool
+                    # from the finalizers at exit, burying the one error that matters.
+                    continue
             self.held = None
         release, self._release = self._release, _noop
         release()
