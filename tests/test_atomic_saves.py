@@ -313,3 +313,29 @@ def test_a_pickle_payload_in_meta_is_refused_and_never_runs(tmp_path: Path) -> N
     assert not (tmp_path / "pwned").exists()
     _assert_states_equal(before, opt.state_dict())
     opt.close()
+
+
+def test_a_swap_that_fails_half_way_is_undone_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = make_pair()
+    opt = _opt(model)
+    train(model, opt, batches(1))
+    save_streaming(opt, tmp_path / "ckpt")
+    good = _files(tmp_path / "ckpt")
+    train(model, opt, batches(1))
+    real_replace, calls = fileio._replace, []
+
+    def replace(src: object, dst: object) -> None:
+        calls.append(src)
+        if len(calls) == 2:  # the old one is aside, the new one cannot be put in place
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fileio, "_replace", replace)
+    with pytest.raises(OSError, match="injected"):
+        save_streaming(opt, tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert _files(tmp_path / "ckpt") == good
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0"]
+    opt.close()

@@ -253,13 +253,20 @@ def atomic_directory(
         _swap(staging, path)
     except OSError as exc:
         written = _tree_bytes(staging)
-        _rmtree(staging, ignore_errors=True)
+        _undo(staging, path)
         if exc.errno == errno.ENOSPC and not isinstance(exc, StorageFull):
             raise _full(exc, path, what, written, nbytes) from exc
         raise
     except BaseException:
-        _rmtree(staging, ignore_errors=True)
+        _undo(staging, path)
         raise
+
+
+def _undo(staging: Path, path: Path) -> None:
+    """A failed save: its staging goes, and a swap it left half done is undone."""
+    _rmtree(staging, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        recover_directory(path)
 
 
 def _tree_bytes(directory: Path) -> int:
