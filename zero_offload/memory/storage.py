@@ -38,16 +38,8 @@ cache); ``kvikio-cu12`` (26.10) installs, but even its POSIX compatibility mode 
 ``libcuda.so.1`` and fails on a machine without a GPU driver. The thread pool needs nothing
 beyond the standard library, runs everywhere the tests run, and is bounded by the disk.
 
-Note [checksums per record]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every write computes the record's xxh3-64 (``xxhash``) on an engine worker before the bytes
-leave, and keeps it in host RAM (8 bytes per record); every read verifies it on the worker
-after the bytes land. xxhash holds the GIL, but it is cheap: 0.6 ms for a 24 MiB record on
-this project's machine (39 GiB/s; crc32c 1.5 ms, zlib.crc32 6.1 ms, which would stall the
-CPU Adam for as long). A torn write (a crash, a full disk that lied), a bit flip or a file
-overwritten from outside is caught on the read that would have fed it into the optimizer,
-as a ``StorageError`` naming the record and file. The checksums are not written to disk: the files are scratch, never read by another
-process (checkpoints go through ``optim/state_stream.py``).
+Note [checksums per record] (``checksums.py``): each record's xxh3-64, taken on write and
+verified on read, in host RAM.
 
 Note [stale directories] (``state_dir.py``): the directory is checked, private and locked
 with ``flock`` for the tier's life, and what a killed process left is cleaned at the next
@@ -71,11 +63,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ..accelerator import Accelerator, Event
 from ..config import format_bytes
 from ..errors import StorageError, StorageFull
+from .checksums import checksum
 from .pool import check_host_ram
 from .state_dir import FILE_SUFFIX, StateDirectory
 
@@ -107,10 +99,6 @@ _pwritev = os.pwritev
 def aligned(nbytes: int, alignment: int = IO_ALIGNMENT) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
     return -(-nbytes // alignment) * alignment
-
-
-def _checksum(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
 
 
 class StorageState(enum.Enum):
@@ -331,7 +319,7 @@ class StorageFile:
         buffer.tag = (self, slot)
 
         def before(view: memoryview) -> None:
-            digest = _checksum(view)
+            digest = checksum(view)
             with self._lock:
                 self.checksums[slot] = digest
                 self.written[slot] = True
@@ -343,7 +331,7 @@ class StorageFile:
     def _verify(self, slot: int, view: memoryview, expected: int) -> None:
         # The file is not marked FAILED here: a read ahead runs before the writes of the
         # records before it, which must still land; the reader decides (``optim/nvme.py``).
-        found = _checksum(view)
+        found = checksum(view)
         if found != expected:
             error = StorageError(
                 f"checksum mismatch in record {slot} of {self.path} (bytes "
