@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Comm, Pending, wait_work
+from .errors import StorageFull
+from .fileio import save_torch
 from .optim import OffloadAdamW
 
 __all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save_consolidated"]
@@ -111,12 +113,14 @@ def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any
 
 def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: int = 0) -> None:
     """Write the consolidated state dict to ``path`` from rank ``dst``; every rank calls it
-    and returns once the file is written (a barrier, so a following load sees it)."""
+    and returns once the file is written (a barrier, so a following load sees it). A failed
+    write leaves the previous file at ``path`` as it was."""
     state = consolidated_state_dict(opt, dst=dst)
     failure: BaseException | None = None
     if state is not None:
         try:
-            torch.save(state, path)
+            # Replaces ``path`` only once complete: Note [atomic replacement] in fileio.py.
+            save_torch(state, path, what="save_consolidated")
         except Exception as exc:  # still reach the barrier, so the other ranks are not stuck
             failure = exc
     comm = opt.comm
@@ -126,6 +130,8 @@ def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: i
         wait_work(Pending(work, f"barrier after writing {str(path)!r}", False), comm)
     if failure is not None:
         where = f"{comm.where()}: " if comm is not None else ""
+        if isinstance(failure, StorageFull):
+            raise StorageFull(f"{where}{failure}") from failure
         raise OSError(
             f"{where}could not write the checkpoint to {str(path)!r}: {failure}"
         ) from failure

@@ -8,6 +8,7 @@ deep inside a training step.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ def parse_bytes(value: int | str, *, name: str = "value") -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a byte count (int or a string like '8GiB'), got a bool")
+    if not isinstance(value, (int, str)) and hasattr(value, "__index__"):
+        value = _as_int(name, value)  # a numpy or torch integer
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
@@ -156,9 +159,25 @@ class AcceleratorConfig:
         return default, default_reason
 
 
-def _check_int(name: str, value: int, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _as_int(name: str, value: object) -> int:
+    """``value`` as an int: Python, numpy and 0-d torch integers are (``__index__``);
+    bools, floats and the rest raise ``TypeError`` naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got a bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int (Python, numpy or torch integer), got "
+            f"{type(value).__name__} {value!r}"
+        ) from None
+
+
+def _check_int(name: str, value: object, *, low: int) -> int:
+    number = _as_int(name, value)
+    if number < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -197,8 +216,9 @@ class LossScalerConfig:
             raise ValueError(
                 f"LossScalerConfig.backoff_factor must be in (0, 1), got {self.backoff_factor!r}"
             )
-        _check_int("LossScalerConfig.growth_interval", self.growth_interval, low=1)
-        _check_int("LossScalerConfig.hysteresis", self.hysteresis, low=1)
+        for name in ("growth_interval", "hysteresis"):
+            value = _check_int(f"LossScalerConfig.{name}", getattr(self, name), low=1)
+            object.__setattr__(self, name, value)
         if self.min_scale > self.initial_scale:
             raise ValueError(
                 f"LossScalerConfig.min_scale ({self.min_scale}) must be <= initial_scale "
@@ -293,7 +313,11 @@ class OffloadConfig:
         if nbytes < 1024:
             raise ValueError(f"OffloadConfig.bucket_bytes must be >= 1 KiB, got {nbytes} bytes")
         object.__setattr__(self, "bucket_bytes", nbytes)
-        _check_int("OffloadConfig.tile_elements", self.tile_elements, low=1024)
+        object.__setattr__(
+            self,
+            "tile_elements",
+            _check_int("OffloadConfig.tile_elements", self.tile_elements, low=1024),
+        )
         fraction = self.offload_fraction
         if fraction != "auto":
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
@@ -335,7 +359,9 @@ class OffloadConfig:
                     f"OffloadConfig.nvme_dir must be a directory path (str or os.PathLike), "
                     f"got {self.nvme_dir!r}"
                 )
-            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+            # ``~`` is the user's home, as in a shell; the directory itself is checked when
+            # the optimizer opens it (Note [the directory is checked and private]).
+            object.__setattr__(self, "nvme_dir", os.path.expanduser(os.fspath(self.nvme_dir)))
         if self.host_budget is not None:
             if self.nvme_dir is None:
                 raise ValueError(
@@ -355,7 +381,11 @@ class OffloadConfig:
             raise TypeError(
                 f"OffloadConfig.offload_parameters must be a bool, got {self.offload_parameters!r}"
             )
-        _check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0)
+        object.__setattr__(
+            self,
+            "prefetch_layers",
+            _check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0),
+        )
         if self.offload_parameters:
             for name, value, fix in (
                 ("offload_fraction", self.offload_fraction != 1.0, "offload_fraction=1.0"),

@@ -51,6 +51,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from ..accelerator import Accelerator as OffloadDevice
 from ..checkpoint_io import load_consolidated, save_consolidated
 from ..config import OffloadConfig
+from ..fileio import save_torch
 from ..optim import OffloadAdamW
 from ._optim import find_offload_optimizer, pre_clip_norm
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
@@ -304,7 +305,8 @@ class OffloadTrainer(Trainer):
         it) and Trainer's ``scheduler.pt``."""
         save_consolidated(self.offload_optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            path = os.path.join(output_dir, SCHEDULER_NAME)
+            save_torch(self.lr_scheduler.state_dict(), path, what="scheduler.pt")  # atomically
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Every rank reads ``optimizer.pt`` and keeps its own shard (any world size); as

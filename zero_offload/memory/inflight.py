@@ -34,6 +34,7 @@ from typing import Generic, TypeVar
 import torch
 
 from ..accelerator import Event, Stream
+from ..errors import StreamError
 
 __all__ = ["BufferLifetime", "InFlight", "pruned"]
 
@@ -117,7 +118,15 @@ class BufferLifetime:
         """Wait for every copy, then release the buffer (once; later calls do nothing)."""
         # Synchronisation point (hidden when run as a finalizer): see the Note above.
         if self.held is not None:
-            self.held.wait()
+            for event in self.held.pending():
+                try:
+                    event.synchronize()
+                except StreamError:
+                    # Its stream failed, so its work is over and the buffer free to go; the
+                    # error reached the stream's user already (Note [stream errors are
+                    # sticky]). Raising it again here would print it once more per pool
+                    # from the finalizers at exit, burying the one error that matters.
+                    continue
             self.held = None
         release, self._release = self._release, _noop
         release()

@@ -15,10 +15,12 @@ complete by construction; a test counts them independently.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -38,7 +40,34 @@ from .traffic import (
     TrafficCounters,
 )
 
-__all__ = ["Tier", "TieredMemoryManager"]
+__all__ = ["Tier", "TieredMemoryManager", "interpreter_exiting"]
+
+# Note [a quiet exit after a failed stream]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A process whose peer died raises its one ``CollectiveError`` (the stream's sticky error,
+# Note [stream errors are sticky]) and exits. At exit the finalizers of what it still holds
+# (the optimizer's ``Resources.release``, each pool's drain) meet the same failed streams;
+# an error raised there reaches nobody and is only printed, once per finalizer, burying the
+# one that matters. So, at interpreter exit, a release whose first error is a failed
+# stream's swallows it and what followed from it (pools still holding blocks). ``_EXITING`` is set by an ``atexit`` hook that runs before
+# ``weakref.finalize``'s own (atexit runs hooks last-registered first, and the dummy
+# finalizer below makes sure weakref's hook is registered before ours).
+_EXITING = False
+
+
+def _mark_exit() -> None:
+    global _EXITING
+    _EXITING = True
+
+
+weakref.finalize(_mark_exit, lambda: None)
+atexit.register(_mark_exit)
+
+
+def interpreter_exiting() -> bool:
+    """Whether the interpreter is running its exit hooks (Note [a quiet exit after a failed
+    stream])."""
+    return _EXITING
 
 
 class Tier(enum.Enum):
@@ -79,7 +108,10 @@ class TieredMemoryManager:
         # from stalls whose events have completed; guarded by ``_lock``. See
         # Note [exposed time is measured on the compute stream].
         self._exposed: dict[Category, float] = {}
-        self._stalls: list[StallRecord] = []  # stalls not yet complete; guarded by _lock
+        # Stalls not yet complete (Note [stall records are bounded]); guarded by _lock.
+        self._stalls: list[StallRecord] = []
+        #: Stalls dropped unmeasured because more than ``MAX_PENDING_STALLS`` were pending.
+        self.stalls_dropped = 0
         self._listeners: list[RecordListener] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -303,9 +335,44 @@ class TieredMemoryManager:
         )
         with self._lock:
             self._stalls.append(stall)
+            self._fold_completed()  # Note [stall records are bounded]
             listeners = list(self._listeners)
         for listener in listeners:
             listener(stall)
+
+    # Note [stall records are bounded]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Every ``wait_for`` makes a ``StallRecord``, thousands per step with parameter offload.
+    # The manager keeps only those whose events are still pending: each wait folds the
+    # completed ones into ``_exposed`` (a few floats), whether or not anyone reads
+    # ``exposed_seconds``, so the memory held is the stalls in flight, not the stalls ever
+    # made. Should the events fall far behind (a device queue thousands of waits deep), the
+    # oldest beyond ``MAX_PENDING_STALLS`` are dropped unmeasured and counted in
+    # ``stalls_dropped``: the exposed time is then a lower bound, and says so by that count.
+
+    #: Pending stall records kept at most; Note [stall records are bounded].
+    MAX_PENDING_STALLS = 4096
+
+    def _fold_completed(self) -> None:
+        """Fold completed stalls into ``_exposed``; the caller holds ``_lock``."""
+        pending = []
+        for stall in self._stalls:
+            seconds = stall.seconds()
+            if seconds is None:
+                pending.append(stall)
+            else:
+                self._exposed[stall.category] = self._exposed.get(stall.category, 0.0) + seconds
+        excess = len(pending) - self.MAX_PENDING_STALLS
+        if excess > 0:
+            self.stalls_dropped += excess
+            del pending[:excess]
+        self._stalls = pending
+
+    @property
+    def pending_stalls(self) -> int:
+        """Stall records held now, awaiting their events (Note [stall records are bounded])."""
+        with self._lock:
+            return len(self._stalls)
 
     @property
     def exposed_seconds(self) -> dict[Category, float]:
@@ -315,14 +382,7 @@ class TieredMemoryManager:
         on the compute stream]. Never blocks.
         """
         with self._lock:
-            pending = []
-            for stall in self._stalls:
-                seconds = stall.seconds()
-                if seconds is None:
-                    pending.append(stall)
-                else:
-                    self._exposed[stall.category] = self._exposed.get(stall.category, 0.0) + seconds
-            self._stalls = pending
+            self._fold_completed()
             return dict(self._exposed)
 
     def synchronize(self) -> None:

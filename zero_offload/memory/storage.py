@@ -38,26 +38,12 @@ cache); ``kvikio-cu12`` (26.10) installs, but even its POSIX compatibility mode 
 ``libcuda.so.1`` and fails on a machine without a GPU driver. The thread pool needs nothing
 beyond the standard library, runs everywhere the tests run, and is bounded by the disk.
 
-Note [checksums per record]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every write computes the record's xxh3-64 (``xxhash``) on an engine worker before the bytes
-leave, and keeps it in host RAM (8 bytes per record); every read verifies it on the worker
-after the bytes land. xxhash holds the GIL, but it is cheap: 0.6 ms for a 24 MiB record on
-this project's machine (39 GiB/s; crc32c 1.5 ms, zlib.crc32 6.1 ms, which would stall the
-CPU Adam for as long). A torn write (a crash, a full disk that lied), a bit flip or a file
-overwritten from outside is caught on the read that would have fed it into the optimizer,
-as a ``StorageError`` naming the record and file. The checksums are not written to disk: the files are scratch, never read by another
-process (checkpoints go through ``optim/state_stream.py``).
+Note [checksums per record] (``checksums.py``): each record's xxh3-64, taken on write and
+verified on read, in host RAM.
 
-Note [stale directories]
-~~~~~~~~~~~~~~~~~~~~~~~~
-A tier writes ``LOCK`` (the host name and the pid) into its directory and removes its files,
-then the lock and the directory, at ``close()`` and at interpreter exit (``atexit``). A
-process killed by a signal leaves them behind. At the next construction: a lock of a dead
-process on this host means a stale directory: its record files (``*.zo-state``, never
-anything else) are deleted with a warning. A lock held by a live process, or written on
-another host (a shared filesystem, where the pid says nothing), is refused with the pid and
-the host, and what to do.
+Note [stale directories] (``state_dir.py``): the directory is checked, private and locked
+with ``flock`` for the tier's life, and what a killed process left is cleaned at the next
+construction.
 """
 
 from __future__ import annotations
@@ -68,7 +54,6 @@ import contextlib
 import enum
 import errno
 import os
-import socket
 import threading
 import time
 import warnings
@@ -78,12 +63,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ..accelerator import Accelerator, Event
 from ..config import format_bytes
 from ..errors import StorageError, StorageFull
+from .checksums import checksum
 from .pool import check_host_ram
+from .state_dir import FILE_SUFFIX, StateDirectory
 
 __all__ = [
     "IO_ALIGNMENT",
@@ -105,10 +91,6 @@ IO_ALIGNMENT = 4096
 #: the previous tile being written (Note [the step streams the state] in optim/nvme.py).
 IO_BUFFERS = 4
 
-#: Suffix of the record files; a stale directory loses these and nothing else.
-FILE_SUFFIX = ".zo-state"
-LOCK_NAME = "LOCK"
-
 # The system calls, looked up at call time (tests inject faults by replacing them).
 _preadv = os.preadv
 _pwritev = os.pwritev
@@ -117,10 +99,6 @@ _pwritev = os.pwritev
 def aligned(nbytes: int, alignment: int = IO_ALIGNMENT) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
     return -(-nbytes // alignment) * alignment
-
-
-def _checksum(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
 
 
 class StorageState(enum.Enum):
@@ -289,7 +267,8 @@ class StorageFile:
             os.close(self.fd)
             self.path.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
-                raise StorageFull(tier.full_message(self.nbytes, what=str(self.path))) from exc
+                message = tier.full_message(self.nbytes, what=str(self.path), refused=True)
+                raise StorageFull(message) from exc
             raise StorageError(
                 f"could not preallocate {format_bytes(self.nbytes)} for {self.path}: {exc}"
             ) from exc
@@ -340,7 +319,7 @@ class StorageFile:
         buffer.tag = (self, slot)
 
         def before(view: memoryview) -> None:
-            digest = _checksum(view)
+            digest = checksum(view)
             with self._lock:
                 self.checksums[slot] = digest
                 self.written[slot] = True
@@ -352,7 +331,7 @@ class StorageFile:
     def _verify(self, slot: int, view: memoryview, expected: int) -> None:
         # The file is not marked FAILED here: a read ahead runs before the writes of the
         # records before it, which must still land; the reader decides (``optim/nvme.py``).
-        found = _checksum(view)
+        found = checksum(view)
         if found != expected:
             error = StorageError(
                 f"checksum mismatch in record {slot} of {self.path} (bytes "
@@ -468,9 +447,6 @@ def _transfer(
 
 # Every open tier of this process, closed at interpreter exit (Note [stale directories]).
 _OPEN_TIERS: weakref.WeakSet[StorageTier] = weakref.WeakSet()
-# Tiers of this process per directory: the lock and the directory go with the last one.
-_DIRECTORY_USERS: dict[Path, int] = {}
-_DIRECTORY_LOCK = threading.Lock()
 
 
 @atexit.register
@@ -511,15 +487,16 @@ class StorageTier:
             raise ValueError(
                 f"buffers must be >= 3 (read ahead, compute, write back), got {buffers}"
             )
+        self._dir = StateDirectory(root, rank=rank)  # checked: Note [stale directories]
         self.state = StorageState.OPEN
-        self.directory = Path(root) / f"rank{rank}"
+        self.directory = self._dir.path
         self.rank = rank
         self.direct = True
         self._files: set[StorageFile] = set()
-        self._acquire_directory()
+        self._dir.acquire()
         try:
             free = self.free_bytes()
-            if needed_bytes > free:
+            if free is not None and needed_bytes > free:
                 raise StorageFull(self.full_message(needed_bytes, what="the optimizer state"))
             self.buffer_bytes = aligned(buffer_bytes)
             total = buffers * self.buffer_bytes + IO_ALIGNMENT
@@ -537,54 +514,20 @@ class StorageTier:
             self.engine = _Engine(workers, aligned(chunk_bytes))
             self._cursor = 0  # the ring's next buffer, Note [the step streams the state]
         except BaseException:
-            self._release_directory()
+            self._dir.release()
             raise
         _OPEN_TIERS.add(self)
 
     # -- the directory -----------------------------------------------------------------
 
-    def free_bytes(self) -> int:
-        """Bytes free for this user on the directory's filesystem now."""
-        stats = os.statvfs(self.directory)
-        return stats.f_bavail * stats.f_frsize
+    def free_bytes(self) -> int | None:
+        """Bytes free for this user on the directory's filesystem now (``None``: the
+        filesystem does not say, as ramfs)."""
+        return self._dir.free_bytes()
 
-    def full_message(self, needed: int, *, what: str) -> str:
+    def full_message(self, needed: int, *, what: str, refused: bool = False) -> str:
         """The ``StorageFull`` message: what, bytes needed, free, where, and the fix."""
-        free = self.free_bytes()
-        return (
-            f"rank {self.rank}: {what} needs {format_bytes(needed)} ({needed} bytes) on "
-            f"disk under {self.directory}, but only {format_bytes(free)} ({free} bytes) is "
-            "free there. Free space, point OffloadConfig.nvme_dir at a larger disk, or raise "
-            "OffloadConfig.host_budget so that less state goes to disk"
-        )
-
-    def _acquire_directory(self) -> None:
-        """Create and lock the directory; Note [stale directories]."""
-        directory = self.directory
-        with _DIRECTORY_LOCK:
-            if _DIRECTORY_USERS.get(directory, 0) > 0:
-                _DIRECTORY_USERS[directory] += 1
-                return
-            directory.mkdir(parents=True, exist_ok=True)
-            lock = directory / LOCK_NAME
-            host = socket.gethostname()
-            if lock.exists():
-                _check_stale(directory, lock, host)
-            lock.write_text(f"{host}\n{os.getpid()}\n")
-            _DIRECTORY_USERS[directory] = 1
-
-    def _release_directory(self) -> None:
-        directory = self.directory
-        with _DIRECTORY_LOCK:
-            users = _DIRECTORY_USERS.get(directory, 0) - 1
-            if users > 0:
-                _DIRECTORY_USERS[directory] = users
-                return
-            _DIRECTORY_USERS.pop(directory, None)
-            (directory / LOCK_NAME).unlink(missing_ok=True)
-            # Not empty: files that are not ours stay, and so does the directory.
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+        return self._dir.full_message(needed, what=what, refused=refused)
 
     def _open(self, path: Path) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
@@ -639,46 +582,4 @@ class StorageTier:
         finally:
             for file in list(self._files):
                 file.close()
-            self._release_directory()
-
-
-def _check_stale(directory: Path, lock: Path, host: str) -> None:
-    """Clean a dead process's directory, or refuse a live one's; Note [stale directories]."""
-    try:
-        owner_host, owner_pid = lock.read_text().split()
-        pid = int(owner_pid)
-    except (OSError, ValueError):
-        owner_host, pid = host, -1  # unreadable or torn lock: its writer died writing it
-    if owner_host != host:
-        raise ValueError(
-            f"nvme_dir {directory} is locked by pid {pid} on host {owner_host!r} (this is "
-            f"{host!r}): another machine may be using it. Give each machine its own "
-            f"OffloadConfig.nvme_dir, or delete {directory} if that run is gone"
-        )
-    if pid == os.getpid():
-        raise RuntimeError(f"{lock} names this process but no tier holds it (bug)")
-    if pid > 0 and _alive(pid):
-        raise ValueError(
-            f"nvme_dir {directory} is in use by the live process {pid} on this host. Give "
-            "each concurrent run its own OffloadConfig.nvme_dir (or stop that process)"
-        )
-    stale = sorted(directory.glob(f"*{FILE_SUFFIX}"))
-    nbytes = sum(path.stat().st_size for path in stale)
-    for path in stale:
-        path.unlink(missing_ok=True)
-    lock.unlink(missing_ok=True)
-    warnings.warn(
-        f"zero-offload: {directory} was left by process {pid}, which is gone (killed?); "
-        f"removed its {len(stale)} state file(s) ({format_bytes(nbytes)})",
-        stacklevel=5,
-    )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
+            self._dir.release()

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..memory.manager import TieredMemoryManager
+from ..errors import StreamError
+from ..memory.manager import TieredMemoryManager, interpreter_exiting
 from .backend import BucketPools
 from .backward import BackwardRouter
 from .checks import describe_param, param_name
@@ -106,8 +107,8 @@ class Resources:
             close = getattr(stream, "close", None)
             if close is not None:
                 attempt(close)
-        if errors:
-            raise errors[0]
+        if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
+            raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
 
 
 def check_owners(

@@ -11,11 +11,14 @@ in ``state_io.py``):
 
 - ``bucket{i}.bin``: bucket ``i``'s tiles in order; each tile is its fields' raw bytes for
   the tile's elements, field after field (master, exp_avg, exp_avg_sq, max_exp_avg_sq);
-- ``meta.pt`` (``torch.save``, written last: a checkpoint without it is incomplete): the
+- ``meta.pt`` (``torch.save`` of plain data, loaded with ``weights_only=True``): the
   format version, rank and world size, ``param_groups`` (as ``state_dict()``), the loss
   scaler, ``skipped_steps``, whether an ``overlap_step`` update was pending, and per bucket
   its fingerprint (index, shard, parameter sizes, fields and dtypes, tile size), step counts
   and each tile's ``(lo, hi, xxh3-64)``.
+
+Each rank's directory is replaced whole (Note [atomic replacement] in ``fileio.py``): a save
+that fails or is killed leaves the previous checkpoint at ``path`` loadable.
 
 A checkpoint loads back into an optimizer built the same way (the same parameters, world
 size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
@@ -27,6 +30,7 @@ files): a mismatch raises and leaves the optimizer as it was.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..fileio import atomic_directory, private_file, recover_directory
 from .flat_bucket import FlatBucket
 from .nvme import NvmeState
 from .stepping import DelayedUpdate
@@ -107,43 +112,42 @@ def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     opt._check_open("save_streaming")
     opt._mode.drain()
     directory, rank, world = _rank_dir(opt, path)
-    directory.mkdir(parents=True, exist_ok=True)
-    meta_path = directory / _META
-    meta_path.unlink(missing_ok=True)  # incomplete until rewritten, last
     tile = _tile_elements(opt)
-    buckets = []
-    for bucket in opt.buckets:
-        target = directory / f"bucket{bucket.layout.index}.bin"
-        checksums = _save_bucket(bucket, tile, target)
-        entry = _fingerprint(opt, bucket)
-        entry["steps"] = bucket.steps.tolist()
-        entry["tiles"] = checksums
-        buckets.append(entry)
-    groups, position = [], 0
-    for group in opt.param_groups:
-        saved = {key: value for key, value in group.items() if key != "params"}
-        saved["params"] = list(range(position, position + len(group["params"])))
-        position += len(group["params"])
-        groups.append(saved)
-    meta = {
-        "version": _FORMAT_VERSION,
-        "rank": rank,
-        "world_size": world,
-        "param_groups": groups,
-        "loss_scaler": opt.scaler.state_dict(),
-        "skipped_steps": opt.skipped_steps,
-        "pending_update": bool(opt._mode.pending),
-        "buckets": buckets,
-    }
-    partial = directory / (_META + ".partial")
-    torch.save(meta, partial)
-    os.replace(partial, meta_path)
+    nbytes = sum(_real(b) * sum(d.itemsize for _, d in _fields_of(b)) for b in opt.buckets)
+    # Written aside and swapped in whole: see Note [atomic replacement] in fileio.py.
+    with atomic_directory(directory, what="save_streaming", nbytes=nbytes) as staging:
+        buckets = []
+        for bucket in opt.buckets:
+            target = staging / f"bucket{bucket.layout.index}.bin"
+            checksums = _save_bucket(bucket, tile, target)
+            entry = _fingerprint(opt, bucket)
+            entry["steps"] = bucket.steps.tolist()
+            entry["tiles"] = checksums
+            buckets.append(entry)
+        groups, position = [], 0
+        for group in opt.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = list(range(position, position + len(group["params"])))
+            position += len(group["params"])
+            groups.append(saved)
+        meta = {
+            "version": _FORMAT_VERSION,
+            "rank": rank,
+            "world_size": world,
+            "param_groups": groups,
+            "loss_scaler": opt.scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
+            "pending_update": bool(opt._mode.pending),
+            "buckets": buckets,
+        }
+        with private_file(staging / _META) as out:
+            torch.save(meta, out)
 
 
 def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int, int, int]]:
     """Write one bucket's tiles to ``target``; each tile's ``(lo, hi, xxh3-64)``."""
     checksums: list[tuple[int, int, int]] = []
-    with open(target, "wb") as out:
+    with private_file(target) as out:
 
         def save(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
             digest = xxhash.xxh3_64()
@@ -154,8 +158,6 @@ def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int,
             checksums.append((lo, hi, digest.intdigest()))
 
         _each_tile(bucket, tile, save, read=True, write=False)
-        out.flush()
-        os.fsync(out.fileno())  # durable before meta.pt says the checkpoint is complete
     return checksums
 
 
@@ -227,6 +229,21 @@ def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int)
     opt.scaler.check_state(meta.get("loss_scaler") or {})
 
 
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.pt`` with ``weights_only=True``: plain data and tensors, never code."""
+    try:
+        meta = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"{path} holds objects other than plain data (numbers, strings, lists, dicts, "
+            "tensors), which save_streaming never writes: refusing to unpickle it, since "
+            f"that could run arbitrary code; nothing was loaded ({exc})"
+        ) from exc
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a save_streaming metadata file; nothing was loaded")
+    return meta
+
+
 def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile; see the
     module docstring. Checks everything first: a mismatch raises and changes nothing.
@@ -236,12 +253,13 @@ def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     opt._check_open("load_streaming")
     opt._mode.drain()
     directory, _, world = _rank_dir(opt, path)
+    recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
     if not (directory / _META).exists():
         raise FileNotFoundError(
             f"{directory / _META} does not exist: not a streamed checkpoint, or its save did "
             "not finish (save_streaming writes it last)"
         )
-    meta = torch.load(directory / _META, weights_only=False)
+    meta = _read_meta(directory / _META)
     _check(opt, directory, meta, world)
 
     # Checked: from here on nothing raises on the checkpoint's data.

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_text
 from ..memory.traffic import Direction
 from .data import ProfileData
 
@@ -147,7 +148,6 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
 
 def write_chrome_trace(data: ProfileData, path: Path) -> Path:
     """Write the trace JSON to ``path`` (parent folders created); returns ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     trace = {"traceEvents": chrome_trace_events(data), "displayTimeUnit": "ms"}
-    path.write_text(json.dumps(trace))
+    write_text(path, json.dumps(trace), what="write_chrome_trace")  # atomically, see fileio
     return path

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..fileio import atomic_file
 from ..memory.traffic import Category
 from .chrome_trace import STANDARD_TRACKS
 from .data import ProfileData
@@ -283,6 +284,6 @@ def plot_profile(data: ProfileData, path: Path) -> Path:
         _draw_steps(bars, steps, chosen)
     _draw_tiers(memory, data)
     figure.suptitle("zero-offload traffic profile")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    with atomic_file(path, what="plot") as handle:  # replaced whole, see fileio
+        figure.savefig(handle, dpi=100, format=path.suffix.lstrip(".") or None)
     return path

@@ -25,6 +25,7 @@ import psutil
 import torch
 
 from ..accelerator import Accelerator
+from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Record, StallRecord
 from ..tracing import add_phase_listener
@@ -232,7 +233,7 @@ class TrafficProfiler:
         """``to_dict()`` as JSON text; also written to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_text(path, text + "\n", what="to_json")  # atomically, see fileio
         return text
 
     def report(self) -> str:
