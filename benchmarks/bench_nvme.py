@@ -45,7 +45,7 @@ from bench_offload_step import EmbedModel  # parameter-heavy, compute-light
 from zero_offload import OffloadAdamW, OffloadConfig, get_accelerator
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.memory.traffic import Direction
-from zero_offload.optim.nvme import NvmeState
+from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.tracing import add_phase_listener
 
 

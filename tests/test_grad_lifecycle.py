@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
-from zero_offload.optim.grad_lifecycle import GradState
+from zero_offload.optim.grads.lifecycle import GradState
 
 from ._models import (
     batches,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 
-from zero_offload.optim.placement import POOL_ALIGNMENT
+from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
 from ._hf import logged, offload_trainer, tiny_gpt2, torch_trainer, training_args, weights
 

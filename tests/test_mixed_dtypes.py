@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
-from zero_offload.optim.checks import Family
-from zero_offload.optim.loss_scaler import DynamicLossScaler, NoLossScaler
-from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT, plan_dtype_buckets
+from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT, plan_dtype_buckets
+from zero_offload.optim.update.loss_scaler import DynamicLossScaler, NoLossScaler
+from zero_offload.views import Family
 
 from ._dist import free_port
 from ._models import batches, host_accelerator

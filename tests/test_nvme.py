@@ -24,10 +24,10 @@ from zero_offload.errors import StorageError, StorageFull
 from zero_offload.memory import storage
 from zero_offload.memory.storage import IO_ALIGNMENT, IOBufferState, StorageTier, aligned
 from zero_offload.memory.traffic import CopyRecord, Direction
-from zero_offload.optim.nvme import NvmeState, StateNotInHostRam
-from zero_offload.optim.placement import POOL_ALIGNMENT
-from zero_offload.optim.state_stream import load_streaming, save_streaming
-from zero_offload.optim.stepping import StepFailed
+from zero_offload.optim.state.nvme import NvmeState, StateNotInHostRam
+from zero_offload.optim.state.placement import POOL_ALIGNMENT
+from zero_offload.optim.state.streaming import load_streaming, save_streaming
+from zero_offload.optim.update.modes import StepFailed
 
 from ._dist import data, free_port, train_steps
 from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, train

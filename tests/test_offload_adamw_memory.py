@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
-from zero_offload.optim.placement import GRAD_BUFFERS
+from zero_offload.optim.state.placement import GRAD_BUFFERS
 from zero_offload.tracing import add_phase_listener
 
 from ._models import batches, make_pair, offload_opt, train
@@ -117,7 +117,7 @@ def test_construction_releases_each_buckets_original_weights_as_it_goes(monkeypa
     peak is one bucket above the final footprint)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from zero_offload.optim import param_views
+    from zero_offload.views import param_views
 
     model, _ = make_pair()
     originals = {id(p): StorageWeakRef(p.untyped_storage()) for p in model.parameters()}

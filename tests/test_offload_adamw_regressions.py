@@ -91,7 +91,7 @@ def test_failed_construction_leaves_the_model_and_budget_as_they_were(
     model, _ = make_pair()
     before = copy.deepcopy(model.state_dict())
     acc = host_accelerator()
-    from zero_offload.optim import offloaded
+    from zero_offload.optim.grads import to_host as offloaded
 
     calls = {"n": 0}
     original = offloaded.OffloadedState.__init__

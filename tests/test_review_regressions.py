@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import zero_offload.optim.offloaded as off
+import zero_offload.optim.grads.to_host as off
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
 
 warnings.simplefilter("ignore")
@@ -387,7 +387,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
     import time
 
     from zero_offload.errors import StreamError
-    from zero_offload.optim.stepping import StepFailed
+    from zero_offload.optim.update.modes import StepFailed
 
     model = mlp()
     opt = mk(model)

@@ -50,7 +50,7 @@ import psutil
 import torch
 
 from .config import OffloadConfig, format_bytes
-from .optim.placement import POOL_ALIGNMENT, Placement, plan_placement
+from .optim.state.placement import POOL_ALIGNMENT, Placement, plan_placement
 from .partition import BucketLayout, plan_buckets
 
 __all__ = [

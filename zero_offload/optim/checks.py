@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from ..views.family import Family
+
 __all__ = [
     "SUPPORTED_DTYPES",
-    "Family",
     "check_hyper",
     "check_new_params",
     "check_params",
@@ -149,15 +150,6 @@ def check_new_params(
                 "list each parameter once"
             )
         seen.add(id(param))
-
-
-class Family(NamedTuple):
-    """The trainable parameters of one param group that share one training dtype: what
-    one run of buckets is planned from (a bucket never mixes groups or dtypes)."""
-
-    group: int  # index into param_groups
-    dtype: torch.dtype  # the training dtype of every member
-    members: list[tuple[int, tuple[int, ...]]]  # (flat parameter index, shape), in order
 
 
 def check_params(

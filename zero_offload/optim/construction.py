@@ -11,16 +11,16 @@ import torch
 from ..config import OffloadConfig
 from ..memory.manager import Tier
 from ..partition import BucketLayout
-from .backend import BucketPools, UpdateBackend
+from ..views.param_views import ParamViews
 from .checks import check_params
 from .flat_bucket import FlatBucket
+from .grads.to_host import GradBuffers, OffloadedState
 from .lifetime import OWNERS, Segment, check_owners
-from .loss_scaler import DynamicLossScaler, NoLossScaler
-from .nvme import NvmeBackends, plan_nvme
-from .offloaded import GradBuffers, OffloadedState
-from .param_views import ParamViews
-from .placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
-from .resident import ResidentState
+from .state.nvme import NvmeBackends, plan_nvme
+from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
+from .state.resident import ResidentState
+from .state.store import BucketPools, UpdateBackend
+from .update.loss_scaler import DynamicLossScaler, NoLossScaler
 
 if TYPE_CHECKING:
     from .offload_adamw import OffloadAdamW

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from ..partition import BucketLayout
-from .backend import UpdateBackend
-from .grad_lifecycle import BucketGrads, GradState
-from .param_views import ParamViews
+from ..views.param_views import ParamViews
+from .grads.lifecycle import BucketGrads, GradState
 from .ranks import Ranks
+from .state.store import UpdateBackend
 
 __all__ = ["FlatBucket", "StepPlan"]
 

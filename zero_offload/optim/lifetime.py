@@ -13,12 +13,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..memory.manager import TieredMemoryManager
-from .backend import BucketPools
-from .backward import BackwardRouter
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
-from .offloaded import GradBuffers
-from .state_view import OptimizerState
+from .grads.router import BackwardRouter
+from .grads.to_host import GradBuffers
+from .state.live import OptimizerState
+from .state.store import BucketPools
 
 __all__ = ["OWNERS", "Resources", "Segment", "check_owners"]
 

@@ -38,8 +38,6 @@ from ..collectives import make_comm, surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import TieredMemoryManager
 from ..tracing import phase
-from .backend import AdamHyper
-from .backward import BackwardRouter
 from .checks import (
     check_hyper,
     check_new_params,
@@ -49,13 +47,15 @@ from .checks import (
 )
 from .construction import build_group, check_param_offload
 from .flat_bucket import FlatBucket, StepPlan
-from .grad_lifecycle import GradState
+from .grads.lifecycle import GradState
+from .grads.router import BackwardRouter
 from .lifetime import Resources
-from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .ranks import Ranks, ShardedRanks, SingleRank
-from .state_io import load_optimizer_state, optimizer_state
-from .state_view import OptimizerState
-from .stepping import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, UpdateMode
+from .state.live import OptimizerState
+from .state.state_dict import load_optimizer_state, optimizer_state
+from .state.store import AdamHyper
+from .update.loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
+from .update.modes import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, UpdateMode
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 

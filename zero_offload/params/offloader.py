@@ -51,13 +51,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
-from ..optim.checks import Family
 from ..partition import BucketLayout
+from ..views import Family
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .views import WindowedViews
-from .window import Window, aligned, plan_slots
+from .window import Window, plan_slots
 
 __all__ = ["ParamOffloader", "Phase"]
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory.block import Block
-from ..optim.param_views import ParamViews
 from ..partition import BucketLayout
+from ..views import ParamViews
 
 if TYPE_CHECKING:
     from ..accelerator import Event

@@ -21,14 +21,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..accelerator import Event
-from ..collectives import Pending
-from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category
-from ..tracing import phase
-from .backend import AdamHyper
-from .flat_bucket import FlatBucket, StepPlan
-from .ranks import Ranks
+from ...accelerator import Event
+from ...collectives import Pending
+from ...memory.manager import TieredMemoryManager
+from ...memory.traffic import Category
+from ...tracing import phase
+from ..flat_bucket import FlatBucket, StepPlan
+from ..ranks import Ranks
+from ..state.store import AdamHyper
 
 __all__ = ["DelayedUpdate", "EagerStep", "ImmediateUpdate", "StepFailed", "UpdateMode"]
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from ..accelerator import Event
-from ..memory.block import Block
-from ..partition import BucketLayout
-from .backend import AdamHyper, BucketPools, UpdateBackend
-from .param_views import ParamViews
-from .ranks import Ranks
+from ...accelerator import Event
+from ...memory.block import Block
+from ...partition import BucketLayout
+from ...views.param_views import ParamViews
+from ..ranks import Ranks
+from .store import AdamHyper, BucketPools, UpdateBackend
 
 __all__ = ["ResidentState"]
 

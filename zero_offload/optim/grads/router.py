@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from ..collectives import surface_collective_errors
-from ..errors import PoolExhausted
-from .flat_bucket import FlatBucket
-from .grad_lifecycle import GradState
-from .ranks import Ranks
-from .stepping import EagerStep
+from ...collectives import surface_collective_errors
+from ...errors import PoolExhausted
+from ..flat_bucket import FlatBucket
+from ..ranks import Ranks
+from ..update.modes import EagerStep
+from .lifecycle import GradState
 
 __all__ = ["BackwardRouter"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import LossScalerConfig
+from ...config import LossScalerConfig
 
 __all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .flat_bucket import FlatBucket
+from ..flat_bucket import FlatBucket
 
 __all__ = ["OptimizerState"]
 

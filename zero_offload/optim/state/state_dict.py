@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks import check_hyper
-from .flat_bucket import FlatBucket
+from ..checks import check_hyper
+from ..flat_bucket import FlatBucket
 
 if TYPE_CHECKING:
-    from .offload_adamw import OffloadAdamW
+    from ..offload_adamw import OffloadAdamW
 
 __all__ = ["load_optimizer_state", "optimizer_state"]
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..accelerator import Event
-from ..memory.pool import BlockPool
-from .ranks import Ranks
+from ...accelerator import Event
+from ...memory.pool import BlockPool
+from ..ranks import Ranks
 
 __all__ = ["AdamHyper", "BucketPools", "UpdateBackend"]
 

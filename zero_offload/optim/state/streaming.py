@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import xxhash
 
-from .flat_bucket import FlatBucket
+from ..flat_bucket import FlatBucket
+from ..update.modes import DelayedUpdate
 from .nvme import NvmeState
-from .stepping import DelayedUpdate
 
 if TYPE_CHECKING:
-    from .offload_adamw import OffloadAdamW
+    from ..offload_adamw import OffloadAdamW
 
 __all__ = ["load_streaming", "save_streaming"]
 

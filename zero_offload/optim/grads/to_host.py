@@ -63,20 +63,20 @@ import numba
 import numpy as np
 import torch
 
-from ..accelerator import Event
-from ..config import format_bytes
-from ..errors import PoolExhausted
-from ..kernels import accumulate_grad, adam_step, grad_stats
-from ..memory.block import Block
-from ..memory.manager import Tier, TieredMemoryManager
-from ..memory.pool import BlockPool
-from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout, clip_runs
-from ..tracing import phase
-from .backend import AdamHyper, BucketPools, UpdateBackend
-from .param_views import ParamViews
-from .placement import accumulator_bytes
-from .ranks import Ranks
+from ...accelerator import Event
+from ...config import format_bytes
+from ...errors import PoolExhausted
+from ...kernels import accumulate_grad, adam_step, grad_stats
+from ...memory.block import Block
+from ...memory.manager import Tier, TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...memory.traffic import Category, Direction
+from ...partition import BucketLayout, clip_runs
+from ...tracing import phase
+from ...views.param_views import ParamViews
+from ..ranks import Ranks
+from ..state.placement import accumulator_bytes
+from ..state.store import AdamHyper, BucketPools, UpdateBackend
 
 __all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
 

@@ -65,27 +65,27 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ..accelerator import Event
-from ..config import OffloadConfig, format_bytes
-from ..errors import StorageError
-from ..kernels import adam_step
-from ..memory.manager import TieredMemoryManager
-from ..memory.storage import (
+from ...accelerator import Event
+from ...config import OffloadConfig, format_bytes
+from ...errors import StorageError
+from ...kernels import adam_step
+from ...memory.align import aligned
+from ...memory.manager import TieredMemoryManager
+from ...memory.storage import (
     IO_ALIGNMENT,
     IO_BUFFERS,
     IOBuffer,
     IOBufferState,
     StorageFile,
     StorageTier,
-    aligned,
 )
-from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout, clip_runs
-from ..tracing import phase
-from .backend import AdamHyper, BucketPools
-from .offloaded import GradBuffers, OffloadedState
-from .param_views import ParamViews
-from .placement import Placement, _aligned, _host_bytes
+from ...memory.traffic import Category, Direction
+from ...partition import BucketLayout, clip_runs
+from ...tracing import phase
+from ...views.param_views import ParamViews
+from ..grads.to_host import GradBuffers, OffloadedState
+from .placement import Placement, _host_bytes
+from .store import AdamHyper, BucketPools
 
 __all__ = [
     "AUTO_HOST_HEADROOM_MIN",
@@ -129,7 +129,7 @@ class RecordLayout:
         fields, offset = [], 0
         for name, dtype in names:
             fields.append((name, dtype, offset))
-            offset += aligned(tile_elements * dtype.itemsize)
+            offset += aligned(tile_elements * dtype.itemsize, IO_ALIGNMENT)
         return cls(tile_elements, tuple(fields), offset)
 
     def offsets(self, count: int) -> list[int]:
@@ -137,12 +137,12 @@ class RecordLayout:
         out, offset = [], 0
         for _, dtype, _ in self.fields:
             out.append(offset)
-            offset += aligned(count * dtype.itemsize)
+            offset += aligned(count * dtype.itemsize, IO_ALIGNMENT)
         return out
 
     def bytes_for(self, count: int) -> int:
         """Bytes of the record of a tile of ``count`` elements (a multiple of 4 KiB)."""
-        return sum(aligned(count * dtype.itemsize) for _, dtype, _ in self.fields)
+        return sum(aligned(count * dtype.itemsize, IO_ALIGNMENT) for _, dtype, _ in self.fields)
 
     def views(self, data: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
         """The fields of the record in ``data`` (uint8), each ``(count,)`` long."""
@@ -175,12 +175,12 @@ class NvmePlan:
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
     """Master and moments of this rank's shard in the host pool."""
     k = bucket.shard_numel
-    return _aligned(4 * k, alignment) + (3 if amsgrad else 2) * _aligned(moment_size * k, alignment)
+    return aligned(4 * k, alignment) + (3 if amsgrad else 2) * aligned(moment_size * k, alignment)
 
 
 def _nvme_host_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
     """An NVMe bucket's bytes in the host pool: gradient staging and weight staging."""
-    return 2 * _aligned(itemsize * bucket.shard_numel, alignment)
+    return 2 * aligned(itemsize * bucket.shard_numel, alignment)
 
 
 def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], tile_elements: int) -> list[int]:
