@@ -11,15 +11,20 @@ import torch
 from ..config import OffloadConfig
 from ..memory.manager import Tier
 from ..partition import BucketLayout
-from ..views.param_views import ParamViews
+from ..views import ParamViews
 from .checks import check_params
 from .flat_bucket import FlatBucket
-from .grads.to_host import GradBuffers, OffloadedState
+from .grads.buffers import GradBuffers
+from .grads.on_device import DeviceGradients
+from .grads.path import GradientPath
+from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Segment, check_owners
-from .state.nvme import NvmeBackends, plan_nvme
+from .state.host import HostState
+from .state.nvme import NvmeBackends
+from .state.nvme_plan import plan_nvme
 from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .state.resident import ResidentState
-from .state.store import BucketPools, UpdateBackend
+from .state.store import BucketPools, StateStore
 from .update.loss_scaler import DynamicLossScaler, NoLossScaler
 
 if TYPE_CHECKING:
@@ -186,8 +191,6 @@ def build_group(opt: OffloadAdamW, group_indices: list[int]) -> None:
     opt._router.add(buckets)
     opt._state_view.add(buckets)
     for bucket in buckets:
-        if opt.config.overlap_step:  # Note [no accumulator for one backward]
-            bucket.backend.require_accumulator()
         for param in bucket.params:
             OWNERS[param] = weakref.ref(opt)
     if isinstance(opt.scaler, NoLossScaler) and any(
@@ -219,7 +222,7 @@ def _build_buckets(
 ) -> None:
     """One bucket per layout, resident or offloaded as ``placement`` says, appended to
     ``out`` as each is built (so a failure can undo the ones before it). With parameter
-    offload (``offload``) the weights live in its window and the backend's home."""
+    offload (``offload``) the weights live in its window and the store's home."""
     params = opt._all_params()
     for layout in layouts:
         members = [params[slot.index] for slot in layout.slots]
@@ -229,42 +232,60 @@ def _build_buckets(
             else offload.views_for(layout, members)
         )
         shard = layout.shard_range(opt._ranks.rank)
+        gradients: GradientPath | None = None
         try:
-            backend: UpdateBackend
+            store: StateStore
             if layout.index in placement.resident:
-                backend = ResidentState(
+                gradients = DeviceGradients(layout, device_pool=pools.device)
+                store = ResidentState(
                     layout,
                     views,
-                    pools=pools,
+                    device_pool=pools.device,
+                    gradients=gradients,
                     amsgrad=amsgrad,
                     tile_elements=opt.config.tile_elements,
-                )
-            elif nvme.holds(layout.index):
-                backend = nvme.build(
-                    layout,
-                    views,
-                    manager=opt.manager,
-                    pools=pools,
-                    grad_buffers=grad_buffers,
-                    shard=shard,
                 )
             else:
-                backend = OffloadedState(
+                gradients = host_gradients = HostGradients(
                     layout,
-                    views,
                     manager=opt.manager,
-                    pools=pools,
+                    device_pool=pools.device,
+                    host_pool=pools.host,
                     grad_buffers=grad_buffers,
                     shard=shard,
-                    moments_dtype=moments_dtype,
-                    amsgrad=amsgrad,
+                    dtype=views.dtype,
                     tile_elements=opt.config.tile_elements,
+                    # Note [no accumulator for one backward] in grads/to_host.py
+                    always_accumulate=opt.config.overlap_step,
                 )
+                if nvme.holds(layout.index):
+                    store = nvme.build(
+                        layout,
+                        views,
+                        manager=opt.manager,
+                        host_pool=pools.host,
+                        gradients=host_gradients,
+                        shard=shard,
+                    )
+                else:
+                    store = HostState(
+                        layout,
+                        views,
+                        manager=opt.manager,
+                        host_pool=pools.host,
+                        gradients=host_gradients,
+                        shard=shard,
+                        moments_dtype=moments_dtype,
+                        amsgrad=amsgrad,
+                        tile_elements=opt.config.tile_elements,
+                    )
             if offload is not None:
-                offload.adopt(views, backend)
+                offload.adopt(views, store)
         except BaseException:
+            if gradients is not None:
+                gradients.close()
             views.unbind()
             views.close()
             raise
         views.remember()
-        out.append(FlatBucket(layout, views, backend, shard=shard))
+        out.append(FlatBucket(layout, views, gradients, store, shard=shard))

@@ -15,8 +15,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..memory.manager import TieredMemoryManager
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
+from .grads.buffers import GradBuffers
 from .grads.router import BackwardRouter
-from .grads.to_host import GradBuffers
 from .state.live import OptimizerState
 from .state.store import BucketPools
 

@@ -53,9 +53,10 @@ from .lifetime import Resources
 from .ranks import Ranks, ShardedRanks, SingleRank
 from .state.live import OptimizerState
 from .state.state_dict import load_optimizer_state, optimizer_state
-from .state.store import AdamHyper
+from .update.eager import EagerStep
 from .update.loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
-from .update.modes import DelayedUpdate, EagerStep, ImmediateUpdate, StepFailed, UpdateMode
+from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed, UpdateMode
+from .update.tiles import AdamHyper
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 
@@ -439,7 +440,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             check_hyper(group, where=f"param group {g}")
         for bucket in self.buckets:
             group = self.param_groups[bucket.layout.group]
-            if group["amsgrad"] and "max_exp_avg_sq" not in bucket.backend.state_names():
+            if group["amsgrad"] and "max_exp_avg_sq" not in bucket.store.state_names():
                 raise ValueError(
                     f"param group {bucket.layout.group} has amsgrad=True, but {self!r} was "
                     "built without it (its max_exp_avg_sq buffers do not exist): build the "
@@ -672,7 +673,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Note [weights written outside the optimizer] in param_views.py."""
         for bucket in self.buckets:
             if bucket.views.changed():
-                bucket.backend.reconcile_master()
+                bucket.store.reconcile_master()
                 bucket.views.remember()
 
     def _hyper(self, bucket: FlatBucket) -> AdamHyper:
@@ -746,7 +747,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # gradients stay, and the next step() steps from what was loaded.
             self.manager.host_worker.synchronize()
             for bucket in self.buckets:
-                bucket.backend.publish()  # collect the copies already issued
+                bucket.publish()  # collect the copies already issued
         pending = load_optimizer_state(self, state_dict)
         if self._eager is not None:
             self._drop_eager()

@@ -5,7 +5,7 @@ Note [a unit's lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 The authoritative training-dtype weights of a unit live in pinned host memory, in each of
 its buckets' *home*: the ``weights_staging`` CPU Adam writes for bf16/fp16, the fp32 master
-itself for fp32 (``OffloadedState.weights_home``). A step updates the homes only; the next
+itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``). A step updates the homes only; the next
 fetch brings the update (nothing else crosses the link for these weights).
 
 - ON_HOST: the parameters are views of the homes (pinned host memory, no device bytes of

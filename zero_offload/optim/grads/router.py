@@ -40,7 +40,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,8 +48,10 @@ from ...collectives import surface_collective_errors
 from ...errors import PoolExhausted
 from ..flat_bucket import FlatBucket
 from ..ranks import Ranks
-from ..update.modes import EagerStep
 from .lifecycle import GradState
+
+if TYPE_CHECKING:
+    from ..update.eager import EagerStep
 
 __all__ = ["BackwardRouter"]
 

@@ -21,7 +21,7 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
   staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
   accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
   time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
-  in offloaded.py; ``accumulator_bytes`` gives it. So one micro-batch of bf16 costs
+  in grads/to_host.py; ``grads.buffers.accumulator_bytes`` gives it. So one micro-batch of bf16 costs
   4 + 8 + 2 + 2 = 16 host bytes per parameter, and 20 with accumulation.
 
 Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowhere.
@@ -43,7 +43,6 @@ __all__ = [
     "GRAD_BUFFERS",
     "POOL_ALIGNMENT",
     "Placement",
-    "accumulator_bytes",
     "plan_dtype_buckets",
     "plan_placement",
 ]
@@ -88,12 +87,6 @@ def _host_bytes(
     if itemsize != 4:
         total += aligned(itemsize * n, alignment)
     return total
-
-
-def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
-    """Host bytes of one offloaded bucket's fp32 gradient accumulator, allocated only once
-    a window accumulates (Note [no accumulator for one backward] in offloaded.py)."""
-    return aligned(4 * bucket.shard_numel, alignment)
 
 
 def plan_dtype_buckets(

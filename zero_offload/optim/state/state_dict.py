@@ -192,7 +192,7 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         check_hyper(merged, where=f"state_dict param group {g}")
         if merged["amsgrad"] and any(
-            "max_exp_avg_sq" not in bucket.backend.state_names()
+            "max_exp_avg_sq" not in bucket.store.state_names()
             for bucket in opt.buckets
             if bucket.layout.group == g
         ):
@@ -206,7 +206,7 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
         # never stepped) come from the model's weights (Note [weights written outside the
         # optimizer] in param_views.py).
-        bucket.backend.reconcile_master()
+        bucket.store.reconcile_master()
         bucket.views.remember()
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)

@@ -1,104 +1,82 @@
-"""The update backend interface: where a bucket's optimizer state lives and who updates it.
+"""The state store interface: where a bucket's optimizer state lives and how it is updated.
 
-A bucket (``flat_bucket.FlatBucket``) is its parameter views, its gradient lifecycle and one
-backend, chosen at construction by ``placement.plan_placement``:
+A bucket (``flat_bucket.FlatBucket``) is its parameter views, its gradient lifecycle, one
+gradient path (``grads/path.py``) and one state store, chosen at construction by
+``placement.plan_placement`` and ``nvme_plan.plan_nvme``:
 
-- ``offloaded.OffloadedState``: fp32 master weights, moments and the fp32 gradient
-  accumulator in the host pool, updated tile by tile by the CPU Adam kernel;
-- ``resident.ResidentState``: the same state on the device, updated by torch's fused AdamW.
+- ``host.HostState``: fp32 master weights and moments in the host pool, updated tile by
+  tile by the CPU Adam kernel (``update/tiles.py``); gradients come to the host;
+- ``nvme.NvmeState``: the same update, the state streamed from files of the storage tier;
+- ``resident.ResidentState``: the state on the device, updated by torch's fused AdamW;
+  gradients stay on the device.
 
-The lifecycle (``grad_lifecycle.py``) decides *when*; the backend does *what*, for its
-placement. Nothing here overrides a method into a no-op for the other placement.
+Every store walks its state tile by tile (``stream_fields``): checkpoints, the master's
+reconciliation with written weights and the republication of a resumed update are written
+once, here, over that walk.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ...accelerator import Event
 from ...memory.pool import BlockPool
-from ..ranks import Ranks
+from ..grads.path import GradSource
+from ..update.publish import Publication, WeightCopies
+from ..update.tiles import AdamHyper
 
-__all__ = ["AdamHyper", "BucketPools", "UpdateBackend"]
+__all__ = [
+    "BucketPools",
+    "StateStore",
+    "TileFn",
+    "republish_from_master",
+    "stream_tensors",
+    "take_written",
+]
 
-
-@dataclass(frozen=True)
-class AdamHyper:
-    """One param group's hyper-parameters for a step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-    #: True: AdamW's decoupled decay (``param *= 1 - lr * wd``); False: Adam's L2 term.
-    decoupled: bool = True
+#: ``fn(lo, hi, fields)``: one tile ``[lo, hi)`` of a store's elements and its state views.
+TileFn = Callable[[int, int, dict[str, torch.Tensor]], None]
 
 
 @dataclass(frozen=True)
 class BucketPools:
-    """Where a bucket's buffers come from."""
+    """Where a segment's buffers come from."""
 
     device: BlockPool  # weights_dev, gradient buffers, and a resident bucket's fp32 state
     host: BlockPool  # an offloaded bucket's fp32 state and staging
 
 
-class UpdateBackend(ABC):
-    """A bucket's optimizer state and update, for one placement."""
+def take_written(master: torch.Tensor, weights: torch.Tensor) -> None:
+    """Where ``weights`` is not the training-dtype rounding of ``master``, the master takes
+    the weight; elsewhere it keeps its extra bits (Note [weights written outside the
+    optimizer] in ``views/param_views.py``). Both are one tile's views."""
+    if weights.dtype == torch.float32:
+        if weights.data_ptr() != master.data_ptr():  # an fp32 home is the master itself
+            master.copy_(weights)
+        return
+    written = weights != master.to(weights.dtype)
+    master.copy_(torch.where(written, weights.float(), master))
+
+
+class StateStore(ABC):
+    """A bucket's optimizer state, for one placement.
+
+    Fields every store has: ``publication`` (how its updated weights reach the device),
+    ``tile_elements`` (the tile of ``stream_fields``).
+    """
 
     #: Whether the state lives on the device (no tier crossing).
     resident: bool
+    publication: Publication
+    tile_elements: int
 
-    @abstractmethod
-    def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
-        """Open the ``(padded_numel,)`` device tensor this backward's gradients add into,
-        zeroed where it must be (``new_window``: the window's first). Raises
-        ``PoolExhausted`` when no device buffer is free, unless ``grow`` allows an extra
-        pool (several ranks); nothing changes then."""
-
-    def can_adopt(self, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` (a parameter's own autograd gradient) can serve as the open
-        buffer itself, with no device copy (Note [a lone gradient is its own buffer] in
-        offloaded.py)."""
-        return False
-
-    def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
-        """Take ``grad`` as the open buffer (only where ``can_adopt``)."""
-        raise RuntimeError(f"{type(self).__name__} cannot adopt a gradient (bug)")
-
-    @abstractmethod
-    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's flat gradient into its slot of the open buffer (on the
-        compute stream)."""
-
-    @abstractmethod
-    def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
-        """Hand the open gradient buffer on (FILLING -> IN_FLIGHT): average it over the
-        ranks, copy this rank's shard to the host and queue its accumulation (``overwrite``
-        for the window's first flush); the buffer is released."""
-
-    @abstractmethod
-    def discard_grad(self) -> None:
-        """Release the open gradient buffer without using it (``zero_grad``)."""
-
-    @abstractmethod
-    def window_source(self) -> str:
-        """The name of the field holding the window's gradient now (what a step planned
-        now must read, even if a later flush changes it)."""
-
-    def require_accumulator(self) -> None:
-        """Accumulate every window in fp32, even a lone flush (``overlap_step``)."""
-        return None
-
-    @abstractmethod
-    def grad_sumsq(self) -> tuple[float, bool]:
-        """Sum of squares of the window's accumulated gradient (this rank's shard) and
-        whether any is non-finite; the caller drained the host worker first."""
+    #: Whether ``state_tensors()`` can be copied aside and restored (a speculative step,
+    #: Note [speculative steps] in ``update/eager.py``); False where it is not in memory.
+    supports_speculation = True
 
     @abstractmethod
     def update(
@@ -108,23 +86,60 @@ class UpdateBackend(ABC):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
-        source: str | None = None,
+        source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
         """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges), reading
         the gradient from ``source`` (``window_source()`` when the step was planned; now
         when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
         as soon as the tile is done, after ``after`` (default: the compute issued so far);
-        otherwise ``publish()`` issues them later."""
+        otherwise ``publication.publish()`` issues them later."""
 
     @abstractmethod
-    def publish(self) -> list[Event]:
-        """Issue the weight copies not yet issued; the end events of every copy issued
-        since the last ``publish`` (the next forward waits on them)."""
+    def span(self) -> tuple[int, int]:
+        """The bucket elements ``[start, stop)`` the state fields cover (this rank's
+        shard, or the whole padded bucket on the device)."""
 
     @abstractmethod
-    def drop_unpublished(self) -> None:
-        """Forget updated tiles not yet copied (the weights were written since: they win)."""
+    def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
+        """The state fields this bucket keeps and their dtypes, without touching them:
+        master, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad."""
+
+    def state_names(self) -> tuple[str, ...]:
+        """The names of ``field_dtypes()``."""
+        return tuple(name for name, _ in self.field_dtypes())
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The flat state fields by name, each over ``span()`` from its start."""
+
+    @abstractmethod
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        """``fn(lo, hi, fields)`` over the real elements of ``span()`` in tiles of
+        ``tile_elements``, in order (span-local ``[lo, hi)``; ``fields`` are that tile's
+        views): the state read first (``read``; else ``fn`` must fill every field) and
+        written back after (``write``) where it does not live in memory."""
+
+    @abstractmethod
+    def final_weights(self) -> torch.Tensor:
+        """The training-dtype weights over ``span()``, final (every write to them landed),
+        where the master can be compared with them."""
+
+    @abstractmethod
+    def weights_out(self) -> torch.Tensor:
+        """Where the update writes the training-dtype weights over ``span()``."""
+
+    def reconcile_master(self) -> None:
+        """Where a weight is not the rounding of the master, take the weight into the
+        master; see Note [weights written outside the optimizer] in
+        ``views/param_views.py``. Updated tiles not yet copied are forgotten."""
+        weights = self.final_weights()
+        self.stream_fields(
+            lambda lo, hi, fields: take_written(fields["master"], weights[lo:hi]),
+            read=True,
+            write=True,
+        )
+        self.publication.drop_unpublished()
 
     @abstractmethod
     def publish_all_from_master(self) -> None:
@@ -132,23 +147,26 @@ class UpdateBackend(ABC):
         training-dtype rounding of the master (resuming a delayed update)."""
 
     @abstractmethod
-    def reconcile_master(self) -> None:
-        """Where a weight is not the rounding of the master, take the weight into the
-        master; see Note [weights written outside the optimizer] in ``param_views.py``."""
-
-    #: Whether ``state_tensors()`` can be copied aside and restored (a speculative step,
-    #: Note [speculative steps] in stepping.py); False where the state is not in memory.
-    supports_speculation = True
-
-    def state_names(self) -> tuple[str, ...]:
-        """The state fields this bucket keeps, without touching them."""
-        return tuple(self.state_tensors())
-
-    @abstractmethod
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's flat state fields by name (master, exp_avg, exp_avg_sq, and
-        max_exp_avg_sq with amsgrad), each ``(shard_numel,)`` from the shard's start."""
-
-    @abstractmethod
     def close(self) -> None:
         """Return every block to its pool."""
+
+
+def republish_from_master(store: StateStore, copies: WeightCopies) -> None:
+    """``publish_all_from_master`` of a host-side store: every tile's weights from the
+    master (rounded to nearest even), each tile marked for the next ``publish``."""
+    out = store.weights_out()
+
+    def take(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+        if out[lo:hi].data_ptr() != fields["master"].data_ptr():  # fp32: out is the master
+            out[lo:hi].copy_(fields["master"])
+        copies.mark_unpublished(lo, hi)
+
+    store.stream_fields(take, read=True, write=False)
+
+
+def stream_tensors(tensors: dict[str, torch.Tensor], real: int, tile: int, fn: TileFn) -> None:
+    """``stream_fields`` of a store whose state is in memory: views of ``tensors``, tile by
+    tile over their first ``real`` elements."""
+    for lo in range(0, real, tile):
+        hi = min(lo + tile, real)
+        fn(lo, hi, {name: tensor[lo:hi] for name, tensor in tensors.items()})

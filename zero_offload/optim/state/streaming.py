@@ -27,7 +27,6 @@ files): a mismatch raises and leaves the optimizer as it was.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,6 @@ import xxhash
 
 from ..flat_bucket import FlatBucket
 from ..update.modes import DelayedUpdate
-from .nvme import NvmeState
 
 if TYPE_CHECKING:
     from ..offload_adamw import OffloadAdamW
@@ -47,44 +45,24 @@ __all__ = ["load_streaming", "save_streaming"]
 _FORMAT_VERSION = 1
 _META = "meta.pt"
 
-TileFn = Callable[[int, int, dict[str, torch.Tensor]], None]
-
 
 def _tile_elements(opt: OffloadAdamW) -> int:
     return opt.config.tile_elements
 
 
 def _fields_of(bucket: FlatBucket) -> list[tuple[str, torch.dtype]]:
-    backend = bucket.backend
-    if isinstance(backend, NvmeState):
-        return [(name, dtype) for name, dtype, _ in backend.record.fields]
-    return [(name, tensor.dtype) for name, tensor in backend.state_tensors().items()]
+    return bucket.store.field_dtypes()
 
 
 def _real(bucket: FlatBucket) -> int:
     """Elements of this rank's state that hold parameters (before the sharding padding)."""
-    start, stop = (0, bucket.layout.padded_numel) if bucket.resident else bucket.shard
-    return bucket.layout.real_in(start, stop)
-
-
-def _each_tile(bucket: FlatBucket, tile: int, fn: TileFn, *, read: bool, write: bool) -> None:
-    """``fn(lo, hi, fields)`` over the bucket's state in tiles of ``tile`` elements: from
-    the NVMe tier through its I/O buffers, else views of the host or device tensors."""
-    backend = bucket.backend
-    if isinstance(backend, NvmeState):
-        backend.stream_fields(fn, read=read, write=write)
-        return
-    tensors = backend.state_tensors()
-    real = _real(bucket)
-    for lo in range(0, real, tile):
-        hi = min(lo + tile, real)
-        fn(lo, hi, {name: tensor[lo:hi] for name, tensor in tensors.items()})
+    return bucket.layout.real_in(*bucket.store.span())
 
 
 def _fingerprint(opt: OffloadAdamW, bucket: FlatBucket) -> dict[str, Any]:
     return {
         "index": bucket.layout.index,
-        "shard": tuple(bucket.shard) if not bucket.resident else (0, bucket.layout.padded_numel),
+        "shard": tuple(bucket.store.span()),
         "real": _real(bucket),
         "params": [slot.numel for slot in bucket.layout.slots],
         "fields": [(name, str(dtype)) for name, dtype in _fields_of(bucket)],
@@ -110,11 +88,10 @@ def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     meta_path = directory / _META
     meta_path.unlink(missing_ok=True)  # incomplete until rewritten, last
-    tile = _tile_elements(opt)
     buckets = []
     for bucket in opt.buckets:
         target = directory / f"bucket{bucket.layout.index}.bin"
-        checksums = _save_bucket(bucket, tile, target)
+        checksums = _save_bucket(bucket, target)
         entry = _fingerprint(opt, bucket)
         entry["steps"] = bucket.steps.tolist()
         entry["tiles"] = checksums
@@ -140,7 +117,7 @@ def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     os.replace(partial, meta_path)
 
 
-def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int, int, int]]:
+def _save_bucket(bucket: FlatBucket, target: Path) -> list[tuple[int, int, int]]:
     """Write one bucket's tiles to ``target``; each tile's ``(lo, hi, xxh3-64)``."""
     checksums: list[tuple[int, int, int]] = []
     with open(target, "wb") as out:
@@ -153,13 +130,13 @@ def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int,
                 out.write(memoryview(data))
             checksums.append((lo, hi, digest.intdigest()))
 
-        _each_tile(bucket, tile, save, read=True, write=False)
+        bucket.store.stream_fields(save, read=True, write=False)
         out.flush()
         os.fsync(out.fileno())  # durable before meta.pt says the checkpoint is complete
     return checksums
 
 
-def _load_bucket(bucket: FlatBucket, tile: int, source: Path) -> None:
+def _load_bucket(bucket: FlatBucket, source: Path) -> None:
     """Stream ``source``'s tiles (checked already) into the bucket's state."""
     fields = _fields_of(bucket)
     with open(source, "rb") as handle:
@@ -169,7 +146,7 @@ def _load_bucket(bucket: FlatBucket, tile: int, source: Path) -> None:
             for (name, dtype), data in zip(fields, arrays, strict=True):
                 views[name].copy_(torch.from_numpy(data).view(dtype))
 
-        _each_tile(bucket, tile, load, read=False, write=True)
+        bucket.store.stream_fields(load, read=False, write=True)
 
 
 def _read_tile(handle: Any, fields: list[tuple[str, torch.dtype]], count: int) -> list[np.ndarray]:
@@ -245,11 +222,10 @@ def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
     _check(opt, directory, meta, world)
 
     # Checked: from here on nothing raises on the checkpoint's data.
-    tile = _tile_elements(opt)
     for entry, bucket in zip(meta["buckets"], opt.buckets, strict=True):
-        _load_bucket(bucket, tile, directory / f"bucket{bucket.layout.index}.bin")
+        _load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
-        bucket.backend.drop_unpublished()
+        bucket.store.publication.drop_unpublished()
         bucket.views.remember()
     for saved, group in zip(meta["param_groups"], opt.param_groups, strict=True):
         for key, value in saved.items():
