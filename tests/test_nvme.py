@@ -1,5 +1,5 @@
-"""The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/nvme.py,
-optim/state_stream.py): parity with the in-RAM optimizer, memory and disk bytes against
+"""The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/state/nvme.py,
+optim/state/streaming.py): parity with the in-RAM optimizer, memory and disk bytes against
 their formulas, streamed checkpoints, and injected faults. The disk is real (tmp dirs)."""
 
 from __future__ import annotations

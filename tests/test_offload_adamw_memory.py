@@ -78,7 +78,7 @@ def _timed_steps(tile_elements: int, bandwidth: float | None, numel: int) -> lis
     try:
         for _ in range(5):
             model(torch.randn(2, numel // 1024)).sum().backward()
-            opt._grad_stats()  # gradients on the host and statistics done: time the update alone
+            opt._policy.grad_stats()  # gradients on the host and statistics done: time the update alone
             start = time.perf_counter()
             opt.step()
             out.append((time.perf_counter() - start, phases["cpu_adam"]))

@@ -392,7 +392,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
 
     model = mlp()
     opt = mk(model)
-    assert not opt._step_needs_statistics()
+    assert not opt._policy.needs_statistics()
     (x, y), (x2, y2) = data(2)
     loss_fn(model, x, y).backward()
     opt.step()

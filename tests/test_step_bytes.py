@@ -87,7 +87,7 @@ def test_a_step_that_needs_no_statistics_is_bitwise_the_waiting_one(
     fast_model, waiting_model = make_pair(dtype)
     fast = offload_opt(fast_model)
     waiting = offload_opt(waiting_model, max_grad_norm=1e30)
-    assert not fast._step_needs_statistics() and waiting._step_needs_statistics()
+    assert not fast._policy.needs_statistics() and waiting._policy.needs_statistics()
     data = batches(3 * micro)
     _train(fast_model, fast, data, micro=micro)
     _train(waiting_model, waiting, data, micro=micro)

@@ -234,7 +234,7 @@ class ParamOffloader:
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the hooks (each holds the offloader weakly, Note [lifetimes without
-        close] in ``optim/offload_adamw.py``)."""
+        close] in ``optim/lifetime.py``)."""
         ref = weakref.ref(self)
         add = self._handles.append
         add(self.model.register_forward_pre_hook(functools.partial(_root_pre_hook, ref)))

@@ -49,7 +49,7 @@ def host_pass_threads() -> int:
 class GradBuffers:
     """Device gradient buffers for offloaded buckets: the device pool, plus overflow pools
     grown on demand when buckets must wait for their turn (several ranks, Note [ranks in
-    lockstep] in ``backward.py``). Overflow pools are kept and reused by later backwards;
+    lockstep] in ``order.py``). Overflow pools are kept and reused by later backwards;
     each is counted against the device budget like any pool."""
 
     def __init__(self, manager: TieredMemoryManager, *, name: str) -> None:

@@ -27,7 +27,7 @@ the accumulator, the same values (``grad.float()``), bitwise. Lazily rather than
 accumulation, at the cost of one pinned allocation at the first accumulating step.
 ``overlap_step`` always accumulates: its delayed update still reads the gradients while
 the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
-update] in ``stepping.py``).
+update] in ``update/modes.py``).
 
 Note [staging is reused only once consumed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

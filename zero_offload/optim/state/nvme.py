@@ -44,7 +44,7 @@ A read error, a bad checksum or a write error in a bucket's step leaves that buc
 partly stepped (tiles before the failure updated, tiles after it not): the file is marked
 FAILED and refuses further I/O, and the ``StorageError`` names the bucket, the file and the
 way out (reload from the last checkpoint). Other buckets' files were not being written and
-are intact; their state can still be saved (``state_stream.save_streaming`` skips nothing,
+are intact; their state can still be saved (``streaming.save_streaming`` skips nothing,
 so it refuses a FAILED file, naming it).
 
 The planning (which buckets, their bytes, the record layout) is in ``nvme_plan.py``.
@@ -366,7 +366,7 @@ class NvmeState(StateStore):
                     f"bucket {self.layout.index}: NVMe I/O failed on {file.path}: {exc}. "
                     f"{changed}; the state of every other bucket is intact. Reload the "
                     "optimizer from its last checkpoint "
-                    "(zero_offload.optim.state_stream.load_streaming)"
+                    "(opt.load_streaming(path), zero_offload.optim.state.streaming)"
                 ) from exc
             raise
 
@@ -502,8 +502,9 @@ class NvmeState(StateStore):
             f"{format_bytes(self.file.nbytes if self.file is not None else 0)}): it did not fit "
             "OffloadConfig.host_budget, so state_dict(), load_state_dict() and opt.state[p] "
             "cannot hand it out as tensors without exhausting host RAM. Save and load "
-            "bucket by bucket with zero_offload.optim.state_stream.save_streaming(opt, path) "
-            "and load_streaming(opt, path)"
+            "bucket by bucket with zero_offload.optim.state.streaming.save_streaming(opt, path) "
+            "and load_streaming(opt, path) (the same as opt.save_streaming(path), "
+            "opt.load_streaming(path))"
         )
 
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:

@@ -8,7 +8,7 @@ bytes (``a(x)`` = ``x`` rounded up to the pool alignment): gradient staging ``a(
 weight staging ``a(s*k)`` (fp32 weights too: the H2D copies' source, so that the I/O buffer
 is free as soon as its write is issued); with one micro-batch per step that is all (Adam
 reads the gradient from staging, Note [no accumulator for one backward] in
-``offloaded.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
+``grads/to_host.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
 ``a(4k)`` joins, in its own pool, created at the first accumulating step. Plus, once per
 segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
 """

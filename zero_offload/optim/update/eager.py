@@ -5,6 +5,7 @@ restored when it must be) where ``OffloadConfig(speculative_step=True)`` allows.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,7 +19,27 @@ from ..ranks import Ranks
 from .modes import ImmediateUpdate, failed
 from .tiles import AdamHyper
 
-__all__ = ["EagerStep"]
+__all__ = ["EagerPhase", "EagerStep"]
+
+
+class EagerPhase(enum.Enum):
+    """Where an announced step is."""
+
+    #: The announced backward has not ended: each bucket's update is queued on the host
+    #: worker as the bucket completes (its state and weight staging written there).
+    ANNOUNCED = "announced"
+    #: The backward ended: every bucket with gradients was handed over (or, over the
+    #: speculation budget, left for ``land``); updates may still be running.
+    BACKWARD_ENDED = "backward_ended"
+    #: ``land`` (step()) or ``abandon`` (zero_grad) took the step: weights landed, counts
+    #: committed; nothing of it is pending.
+    LANDED = "landed"
+
+
+_P = EagerPhase
+_ALLOWED = frozenset(
+    {(_P.ANNOUNCED, _P.BACKWARD_ENDED), (_P.BACKWARD_ENDED, _P.LANDED), (_P.ANNOUNCED, _P.LANDED)}
+)
 
 
 # Note [stepping during backward]
@@ -81,13 +102,27 @@ class EagerStep:
         # written by the host worker, read after it drained.
         self._backups: dict[int, dict[str, torch.Tensor]] = {}
         self._backup_bytes = 0
-        self.backward_ended = False
+        self.phase = EagerPhase.ANNOUNCED
         #: Share of the step's elements whose CPU Adam had finished when backward returned.
         self.share_before_backward_returned: float | None = None
-        #: Speculative: whether the step had to be restored and redone (or skipped).
-        self.rolled_back = False
-        #: Whether ``land`` (or ``abandon``) took the step: the next step() must not redo it.
-        self.landed = False
+
+    def _go(self, to: EagerPhase) -> None:
+        if (self.phase, to) not in _ALLOWED:
+            raise RuntimeError(
+                f"announced step: {self.phase.name} -> {to.name} is not a valid transition "
+                "(a bug in zero-offload; please report it)"
+            )
+        self.phase = to
+
+    @property
+    def backward_ended(self) -> bool:
+        """Whether the announced backward ended (every bucket handed over or left)."""
+        return self.phase is not EagerPhase.ANNOUNCED
+
+    @property
+    def landed(self) -> bool:
+        """Whether ``land`` (or ``abandon``) took the step: step() must not redo it."""
+        return self.phase is EagerPhase.LANDED
 
     def hand_over(self, bucket: FlatBucket) -> None:
         """``bucket``'s gradients of this window are all queued: queue its update (or, over
@@ -136,19 +171,20 @@ class EagerStep:
         total = sum(_elements(p) for p in self.plans.values())
         done = sum(_elements(p) for i, p in self.plans.items() if self._done[i].query())
         self.share_before_backward_returned = done / total if total else 1.0
-        self.backward_ended = True
+        self._go(EagerPhase.BACKWARD_ENDED)
 
     def land(
         self,
         buckets: Sequence[FlatBucket],
         ranks: Ranks,
         decide: Callable[[], tuple[bool, float]],
-    ) -> None:
+    ) -> bool:
         """step(): wait for the updates, check the speculation (``decide`` returns whether
         the step is skipped and its true gradient multiplier), make compute wait for the
-        weights, commit."""
+        weights, commit. Returns whether the speculation was rolled back (the step
+        restored, then skipped or redone)."""
         self._drain(ranks)
-        self.landed = True
+        self._go(EagerPhase.LANDED)
         skip, grad_scale = decide()
         events: list[Event] = []
         for bucket in buckets:
@@ -165,14 +201,13 @@ class EagerStep:
                 else:
                     rest.append((StepPlan(bucket, bucket.grads.arrived), self._hyper(bucket)))
             ImmediateUpdate(self.manager, ranks).run(rest, grad_scale)
-            return
+            return False
         if self.speculation_bytes is None:
             raise RuntimeError(
                 "an exact step run during backward needed another coefficient (bug: "
                 "Note [stepping during backward] lists what refuses it)"
             )
         # Note [speculative steps]: restore, then skip or step again.
-        self.rolled_back = True
         for event in events:
             event.synchronize()  # the redo rewrites the staging these copies read
         for index, backup in self._backups.items():
@@ -191,12 +226,13 @@ class EagerStep:
                 self.manager.wait_for(restored, category=Category.WEIGHTS)
             for bucket in buckets:
                 bucket.views.remember()
-            return
+            return True
         work = [
             (self.plans.get(b.layout.index) or StepPlan(b, b.grads.arrived), self._hyper(b))
             for b in buckets
         ]
         ImmediateUpdate(self.manager, ranks).run(work, grad_scale)
+        return True
 
     def _drain(self, ranks: Ranks) -> None:
         stepped = [i for i, e in self._done.items() if e.query()]
@@ -213,7 +249,7 @@ class EagerStep:
         a speculative one is restored instead), so they are taken as stepped: their
         weights land and their counts move. Returns their indices."""
         self._drain(ranks)
-        self.landed = True
+        self._go(EagerPhase.LANDED)
         events: list[Event] = []
         for bucket in buckets:
             events.extend(bucket.publish())

@@ -68,18 +68,27 @@ class UpdateMode(ABC):
         self.manager.synchronize()
 
     @abstractmethod
+    def eager_refusal(self) -> str | None:
+        """Why an announced step cannot run during backward under this mode, or None
+        (Note [stepping during backward] in ``eager.py``)."""
+
+    @abstractmethod
+    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
+        """A state was loaded; ``pending``: it was saved with a delayed update pending."""
+
+    @abstractmethod
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
         """Apply the planned step to every bucket."""
 
-    def _gather(self, bucket: FlatBucket, events: list[Event]) -> Pending | None:
-        """Issue the all-gather of ``bucket``'s updated shards once this rank's shard has
-        reached ``weights_dev`` (``events``); nothing with one rank."""
-        if self.ranks.world_size == 1:
-            return None
-        # Synchronisation point (host accelerator): the collective reads weights_dev now.
-        self.manager.wait_for(events, category=Category.WEIGHTS)
-        return self.ranks.all_gather(
-            bucket.weights_dev, what=f"bucket {bucket.layout.index} weights"
+    def _gather(
+        self, bucket: FlatBucket, published: list[Event]
+    ) -> tuple[list[Event], Pending | None]:
+        """``Ranks.gather_weights`` of ``bucket``'s updated shard."""
+        return self.ranks.gather_weights(
+            self.manager,
+            bucket.weights_dev,
+            published,
+            what=f"bucket {bucket.layout.index} weights",
         )
 
     def _land(
@@ -96,6 +105,13 @@ class UpdateMode(ABC):
 class ImmediateUpdate(UpdateMode):
     """CPU Adam now, tile by tile, each tile's weights copied as soon as it is written."""
 
+    def eager_refusal(self) -> str | None:
+        return None
+
+    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
+        """Every update is on the device when step() returns: a pending one of the
+        checkpoint's is in its master and weights already."""
+
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
         events: list[Event] = []
         gathers: list[Pending | None] = []
@@ -108,10 +124,10 @@ class ImmediateUpdate(UpdateMode):
                         hyper, grad_scale, plan.runs, publish=True, source=plan.source
                     )
                     published = bucket.publish()
-                    if self.ranks.world_size == 1:
-                        events.extend(published)
-                    else:  # this bucket's all-gather overlaps the next bucket's CPU Adam
-                        gathers.append(self._gather(bucket, published))
+                    # this bucket's all-gather overlaps the next bucket's CPU Adam
+                    wait, gather = self._gather(bucket, published)
+                    events.extend(wait)
+                    gathers.append(gather)
                 except BaseException as exc:
                     raise failed(
                         f"{self.ranks.where()}step() failed in bucket {bucket.layout.index}",
@@ -159,6 +175,15 @@ class DelayedUpdate(UpdateMode):
     def pending(self) -> bool:
         return self._pending
 
+    def eager_refusal(self) -> str | None:
+        return "overlap_step delays the update instead"
+
+    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
+        if pending:
+            self.resume_pending(buckets)
+        else:
+            self.forget_pending()
+
     def resume_pending(self, buckets: Sequence[FlatBucket]) -> None:
         """A checkpoint had an update pending: publish it from the master at the next step."""
         for bucket in buckets:
@@ -202,7 +227,7 @@ class DelayedUpdate(UpdateMode):
         # Parameters written since the last step keep what was written, the others of
         # their bucket take the pending update: saved before the publication, put back
         # after it, then the master reconciled element-wise (Note [weights written outside
-        # the optimizer] in param_views.py).
+        # the optimizer] in views/param_views.py).
         written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for bucket in buckets:
             if not self._trust_weights:
@@ -211,7 +236,7 @@ class DelayedUpdate(UpdateMode):
                     written.append((bucket, [(p, p.detach().clone()) for p in changed]))
             published = bucket.publish()
             events.extend(published)
-            gathers.append(self._gather(bucket, published))
+            gathers.append(self._gather(bucket, published)[1])
         for event in events:
             # The next update rewrites the staging these copies read.
             self.manager.host_worker.wait_event(event)
