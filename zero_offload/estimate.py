@@ -250,7 +250,8 @@ def param_offload_bytes(
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units: token
     and position embeddings, each block, the final norm, the head), one rank: the exact
     pool sizes, from buckets planned per unit as the optimizer plans them."""
-    from .params.window import aligned, plan_slots  # params sits above the estimator's inputs
+    from .memory.align import aligned
+    from .params.window import plan_slots  # params sits above the estimator's inputs
 
     shapes = shape.parameter_shapes()
     per_block = (len(shapes) - 5) // shape.layers
