@@ -15,7 +15,7 @@ a warm-up), in one process:
   at copy_'s bandwidth over its time; a pass that mostly reads can beat 1).
 
 Each pass runs on one thread (``num_threads=1``) as the optimizer runs it (Note [the Adam
-pass gets the cores] in ``zero_offload/optim/offloaded.py``) and on every thread; torch's
+pass gets the cores] in ``zero_offload/optim/grads/buffers.py``) and on every thread; torch's
 ops run on ``torch.get_num_threads()`` threads.
 """
 

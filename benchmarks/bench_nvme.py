@@ -45,7 +45,7 @@ from bench_offload_step import EmbedModel  # parameter-heavy, compute-light
 from zero_offload import OffloadAdamW, OffloadConfig, get_accelerator
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.memory.traffic import Direction
-from zero_offload.optim.nvme import NvmeState
+from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.tracing import add_phase_listener
 
 
@@ -189,7 +189,7 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         config = OffloadConfig(nvme_dir=base / "nvme", host_budget=1)
         nvme = StepTimer(OffloadAdamW(model.parameters(), lr=1e-4, config=config), model, data)
-        files = [b.backend.file for b in nvme.opt.buckets if isinstance(b.backend, NvmeState)]
+        files = [b.store.file for b in nvme.opt.buckets if isinstance(b.store, NvmeState)]
         per_step = sum(f.nbytes for f in files)  # read once and written once
         record_bytes = files[0].record_bytes
         torch.manual_seed(0)

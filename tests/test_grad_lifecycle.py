@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
-from zero_offload.optim.grad_lifecycle import GradState
+from zero_offload.optim.grads.lifecycle import GradState
 
 from ._models import (
     batches,
@@ -307,7 +307,7 @@ def test_a_failure_in_the_middle_of_step_says_what_was_stepped(
     assert _same_state(state, opt.state_dict())
     opt.param_groups[0]["lr"] = 1e-3
     # A failure after mutation started names what was stepped.
-    victim = opt.buckets[2].backend
+    victim = opt.buckets[2].store
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected kernel failure")

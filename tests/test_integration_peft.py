@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 
-from zero_offload.optim.placement import POOL_ALIGNMENT
+from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
 from ._hf import logged, offload_trainer, tiny_gpt2, torch_trainer, training_args, weights
 
@@ -94,7 +94,7 @@ def test_lora_bf16_base_fp32_adapters(tmp_path: Path) -> None:
     for name, before in frozen_before.items():
         assert torch.equal(our_weights[name], before), name
 
-    # Host state for the adapters alone (Note in optim/placement.py; fp32 training dtype,
+    # Host state for the adapters alone (Note in optim/state/placement.py; fp32 training dtype,
     # fp32 moments, one rank): per bucket of n padded elements, the segment's host pool
     # holds the fp32 master a(4n), exp_avg and exp_avg_sq 2*a(4n) and gradient staging a(4n)
     # (no weight staging for fp32); since every window accumulates two micro-batches, each

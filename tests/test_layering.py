@@ -3,7 +3,8 @@ from a lower layer to a higher one.
 
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
-0. ``errors``, ``config``, ``tracing``: plain types, settings and the phase hook.
+0. ``errors``, ``config``, ``tracing``, ``fileio``: plain types, settings, the phase hook,
+   atomic file writes.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``: devices and streams, numba
    kernels, which rank owns which slice, stateless collectives.
 2. ``memory``, ``sysinfo``: pools, the tiered manager, storage; what the machine offers.
@@ -37,6 +38,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "config": 0,
     "tracing": 0,
+    "fileio": 0,
     "accelerator": 1,
     "kernels": 1,
     "partition": 1,

@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
-from zero_offload.optim.checks import Family
-from zero_offload.optim.loss_scaler import DynamicLossScaler, NoLossScaler
-from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT, plan_dtype_buckets
+from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT, plan_dtype_buckets
+from zero_offload.optim.update.loss_scaler import DynamicLossScaler, NoLossScaler
+from zero_offload.views import Family
 
 from ._dist import free_port
 from ._models import batches, host_accelerator
@@ -237,7 +237,7 @@ def test_device_and_host_pools_follow_the_placement_formula_per_dtype() -> None:
     acc.ledger.reset_peak()
     _run(model, opt, batches(3), lambda loss: loss.backward())
     # Per bucket of n = padded_numel elements and s = its own dtype's bytes (every bucket
-    # offloaded, one rank): Note in optim/placement.py.
+    # offloaded, one rank): Note in optim/state/placement.py.
     weights = sum(_aligned(b.layout.padded_numel * b.dtype.itemsize) for b in opt.buckets)
     # Two gradient buffers, each of the largest bucket in bytes of either dtype.
     grad_buffers = GRAD_BUFFERS * max(
@@ -300,7 +300,7 @@ def test_frozen_bf16_base_with_fp32_adapters_has_host_state_for_the_adapters_alo
     trained = {id(p) for b in opt.buckets for p in b.params}
     assert trained == {id(p) for p in model.parameters() if p.requires_grad}
     assert {b.dtype for b in opt.buckets} == {torch.float32}
-    # Host state, fp32 adapters only (Note in optim/placement.py): master, exp_avg,
+    # Host state, fp32 adapters only (Note in optim/state/placement.py): master, exp_avg,
     # exp_avg_sq and gradient staging, 4 bytes each (the accumulator comes only with
     # accumulation); no weight staging (an fp32 bucket copies its master out); nothing for
     # the frozen bf16 base.

@@ -1,5 +1,5 @@
-"""The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/nvme.py,
-optim/state_stream.py): parity with the in-RAM optimizer, memory and disk bytes against
+"""The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/state/nvme.py,
+optim/state/streaming.py): parity with the in-RAM optimizer, memory and disk bytes against
 their formulas, streamed checkpoints, and injected faults. The disk is real (tmp dirs)."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from zero_offload.errors import StorageError, StorageFull
 from zero_offload.memory import storage
 from zero_offload.memory.storage import IO_ALIGNMENT, IOBufferState, StorageTier, aligned
 from zero_offload.memory.traffic import CopyRecord, Direction
-from zero_offload.optim.nvme import NvmeState, StateNotInHostRam
-from zero_offload.optim.placement import POOL_ALIGNMENT
-from zero_offload.optim.state_stream import load_streaming, save_streaming
-from zero_offload.optim.stepping import StepFailed
+from zero_offload.optim.state.nvme import NvmeState, StateNotInHostRam
+from zero_offload.optim.state.placement import POOL_ALIGNMENT
+from zero_offload.optim.state.streaming import load_streaming, save_streaming
+from zero_offload.optim.update.modes import StepFailed
 
 from ._dist import data, free_port, train_steps
 from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, train
@@ -62,7 +62,7 @@ def _state_bytes(opt: OffloadAdamW) -> int:
 
 
 def _nvme_buckets(opt: OffloadAdamW) -> list[NvmeState]:
-    return [b.backend for b in opt.buckets if isinstance(b.backend, NvmeState)]
+    return [b.store for b in opt.buckets if isinstance(b.store, NvmeState)]
 
 
 def _quarter_budget(dtype: torch.dtype) -> tuple[int, int]:
@@ -335,10 +335,10 @@ def test_state_four_times_the_host_budget_trains_bitwise_like_in_ram(
         assert _params_equal(model, ref)
     # The state on disk is the in-RAM state, bit for bit.
     for bucket, rbucket in zip(opt.buckets, ropt.buckets, strict=True):
-        if isinstance(bucket.backend, NvmeState):
-            disk = _nvme_state(bucket.backend)
-            real = bucket.backend.real
-            for name, tensor in rbucket.backend.state_tensors().items():
+        if isinstance(bucket.store, NvmeState):
+            disk = _nvme_state(bucket.store)
+            real = bucket.store.real
+            for name, tensor in rbucket.store.state_tensors().items():
                 assert torch.equal(disk[name], tensor[:real]), (bucket.layout.index, name)
     opt.close()
     assert not list(tmp_path.iterdir())
@@ -408,13 +408,13 @@ def test_host_memory_against_the_formula(tmp_path: Path) -> None:
     host_state = 0
     for bucket in opt.buckets:
         k = bucket.layout.shard_numel
-        if isinstance(bucket.backend, NvmeState):
+        if isinstance(bucket.store, NvmeState):
             # An NVMe bucket holds only its gradient staging and weight staging (bf16), no
             # master, no moments, and no accumulator with one micro-batch.
-            blocks = bucket.backend._blocks
-            assert set(blocks) == {"grad_staging", "weights_staging"}
-            assert sum(block.size for block in blocks.values()) == 2 * a(2 * k)
-            assert bucket.backend.accumulators.pool is None
+            blocks = [bucket.gradients.staging_block, bucket.store.weights_home()[1]]
+            assert not hasattr(bucket.store, "master")
+            assert sum(block.size for block in blocks) == 2 * a(2 * k)
+            assert bucket.gradients.accumulators.pool is None
         else:
             host_state += 3 * a(4 * k)  # master, exp_avg, exp_avg_sq, fp32
     assert host_state <= budget  # the budget bounds the master and moments in host RAM
@@ -623,7 +623,7 @@ def test_write_error_mid_step_names_bucket_and_file_and_leaves_others_intact(
             continue
         state = _nvme_state(backend)
         want = (
-            {k: v[: backend.real] for k, v in by_index[index].backend.state_tensors().items()}
+            {k: v[: backend.real] for k, v in by_index[index].store.state_tensors().items()}
             if index in stepped
             else before[index]
         )

@@ -9,7 +9,7 @@ from torch import nn
 
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
 from zero_offload.memory.traffic import Category, CopyRecord, Direction
-from zero_offload.optim.placement import GRAD_BUFFERS
+from zero_offload.optim.state.placement import GRAD_BUFFERS
 
 from ._models import batches, make_pair, offload_opt, train
 
@@ -68,7 +68,7 @@ def test_tile_pipelining_hides_the_weight_copies_behind_the_cpu_update(monkeypat
     Structural, not timed (the machine is shared): the order of the updates and the copies'
     issues, and that the first copy (on a slow simulated link, so it is still running)
     started before the CPU finished the last tile."""
-    from zero_offload.optim import offloaded
+    from zero_offload.optim.update import tiles as offloaded
 
     tiles = 16
     tile_elements = 2**14
@@ -122,7 +122,7 @@ def test_construction_releases_each_buckets_original_weights_as_it_goes(monkeypa
     peak is one bucket above the final footprint)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from zero_offload.optim import param_views
+    from zero_offload.views import param_views
 
     model, _ = make_pair()
     originals = {id(p): StorageWeakRef(p.untyped_storage()) for p in model.parameters()}

@@ -91,10 +91,10 @@ def test_failed_construction_leaves_the_model_and_budget_as_they_were(
     model, _ = make_pair()
     before = copy.deepcopy(model.state_dict())
     acc = host_accelerator()
-    from zero_offload.optim import offloaded
+    from zero_offload.optim.state import host
 
     calls = {"n": 0}
-    original = offloaded.OffloadedState.__init__
+    original = host.HostState.__init__
 
     def fail_third(self, *args, **kwargs) -> None:
         calls["n"] += 1
@@ -102,7 +102,7 @@ def test_failed_construction_leaves_the_model_and_budget_as_they_were(
             raise MemoryError("injected")
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(offloaded.OffloadedState, "__init__", fail_third)
+    monkeypatch.setattr(host.HostState, "__init__", fail_third)
     with pytest.raises(MemoryError, match="injected"):
         offload_opt(model, accelerator=acc)
     assert acc.memory_stats()["in_use"] == 0

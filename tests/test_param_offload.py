@@ -20,7 +20,7 @@ from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
 from zero_offload.estimate import ModelShape, estimate, param_offload_bytes
 from zero_offload.memory.traffic import Category, Direction
-from zero_offload.optim.placement import GRAD_BUFFERS, POOL_ALIGNMENT
+from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 from zero_offload.params import UnitState
 
 VOCAB, SEQ = 64, 16

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-import zero_offload.optim.offloaded as off
+import zero_offload.optim.grads.to_host as off
+import zero_offload.optim.update.tiles as tiles
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
 
 warnings.simplefilter("ignore")
@@ -168,7 +169,7 @@ def test_accumulator_allocation_failure_leaves_nothing_behind(monkeypatch, where
         loss_fn(m, *D[1]).backward()
     monkeypatch.undo()
     o.zero_grad()  # flush case: raises "(bug)" today
-    assert all(b.backend._grad_block is None for b in o.buckets), "leaked device grad block"
+    assert all(b.gradients._grad_block is None for b in o.buckets), "leaked device grad block"
     loss_fn(m, *D[2]).backward()
     o.step()
     o.zero_grad()
@@ -353,13 +354,13 @@ def test_a_delayed_update_behind_the_next_backward_does_not_wait_for_it(monkeypa
     import threading
     import time
 
-    kernel = off.adam_step
+    kernel = tiles.adam_step
 
     def slow(*args, **kwargs):
         time.sleep(0.02)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(off, "adam_step", slow)
+    monkeypatch.setattr(tiles, "adam_step", slow)
     model = mlp()
     opt = mk(model, overlap_step=True)
     batches = data(4)
@@ -387,17 +388,17 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
     import time
 
     from zero_offload.errors import StreamError
-    from zero_offload.optim.stepping import StepFailed
+    from zero_offload.optim.update.modes import StepFailed
 
     model = mlp()
     opt = mk(model)
-    assert not opt._step_needs_statistics()
+    assert not opt._policy.needs_statistics()
     (x, y), (x2, y2) = data(2)
     loss_fn(model, x, y).backward()
     opt.step()
     opt.zero_grad()
     last = opt.buckets[0].layout.index  # backward reaches the first layer's bucket last
-    real = off.OffloadedState._sum_partials
+    real = off.HostGradients._sum_partials
 
     def failing(self, partials):
         if self.layout.index == last:
@@ -405,7 +406,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
             raise MemoryError("injected")
         return real(self, partials)
 
-    monkeypatch.setattr(off.OffloadedState, "_sum_partials", failing)
+    monkeypatch.setattr(off.HostGradients, "_sum_partials", failing)
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn(model, x2, y2).backward()
     with pytest.raises(StepFailed, match=r"step\(\) was applied to buckets .*rebuild"):

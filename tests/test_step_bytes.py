@@ -44,15 +44,15 @@ def test_adam_from_staging_is_bitwise_the_accumulator_path(
     fast = offload_opt(fast_model)
     plain = offload_opt(plain_model)
     for bucket in plain.buckets:
-        bucket.backend.require_accumulator()
+        bucket.gradients.always_accumulate = True
     data = batches(4)
     _train(fast_model, fast, data, clip=clip)
     _train(plain_model, plain, data, clip=clip)
     assert max_diff(fast_model, plain_model) == 0.0
     assert fast.last_grad_norm == plain.last_grad_norm
     # One backward per step: no accumulator was ever allocated.
-    assert all(b.backend.grad_acc is None for b in fast.buckets)
-    assert all(b.backend.accumulators.pool is None for b in fast.buckets)
+    assert all(b.gradients.grad_acc is None for b in fast.buckets)
+    assert all(b.gradients.accumulators.pool is None for b in fast.buckets)
 
 
 def test_accumulation_allocates_the_accumulator_and_matches_torch() -> None:
@@ -61,9 +61,9 @@ def test_accumulation_allocates_the_accumulator_and_matches_torch() -> None:
     ropt = torch_adamw(ref)
     data = batches(8)
     _train(model, opt, data[:2])  # one micro-batch per step first: no accumulator
-    assert all(b.backend.grad_acc is None for b in opt.buckets)
+    assert all(b.gradients.grad_acc is None for b in opt.buckets)
     _train(model, opt, data[2:], micro=3)
-    assert all(b.backend.grad_acc is not None for b in opt.buckets)
+    assert all(b.gradients.grad_acc is not None for b in opt.buckets)
     for tokens, targets in data[:2]:
         lm_loss(ref, tokens, targets).backward()
         ropt.step()
@@ -87,7 +87,7 @@ def test_a_step_that_needs_no_statistics_is_bitwise_the_waiting_one(
     fast_model, waiting_model = make_pair(dtype)
     fast = offload_opt(fast_model)
     waiting = offload_opt(waiting_model, max_grad_norm=1e30)
-    assert not fast._step_needs_statistics() and waiting._step_needs_statistics()
+    assert not fast._policy.needs_statistics() and waiting._policy.needs_statistics()
     data = batches(3 * micro)
     _train(fast_model, fast, data, micro=micro)
     _train(waiting_model, waiting, data, micro=micro)
@@ -102,14 +102,14 @@ def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait
 ) -> None:
     # One 128 x 512 weight (65536 elements, a lone gradient) in 16 tiles of 4096, over a
     # simulated link of 5 ms per tile: the gradient takes 80 ms to land.
-    from zero_offload.optim import offloaded
+    from zero_offload.optim.update import tiles
 
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 128, bias=False)
     accel = host_accelerator(link_bandwidth=4096 * 4 / 5e-3)
     opt = offload_opt(model, accelerator=accel, tile_elements=4096, max_grad_norm=clip)
     first_tile_at = []
-    kernel = offloaded.adam_step
+    kernel = tiles.adam_step
 
     def timed(*args, **kwargs):
         if not first_tile_at:
@@ -122,16 +122,16 @@ def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait
         lambda name, track, start, end: waited.append(end - start) if name == "wait_grads" else 0
     )
     try:
-        offloaded.adam_step = timed
+        tiles.adam_step = timed
         model(x).square().sum().backward()
         opt.step()
     finally:
-        offloaded.adam_step = kernel
+        tiles.adam_step = kernel
         stop_listening()
     # Either way the time spent waiting for the gradient shows as wait_grads (not as CPU
     # Adam): most of the 80 ms the copies take.
     assert sum(waited) > 0.03
-    landing = opt.buckets[0].backend._landing
+    landing = opt.buckets[0].gradients._landing
     assert len(landing) == 16
     last_landed = landing[-1][1].completed_at()
     if clip is None:
@@ -150,7 +150,7 @@ def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -
     model, plain_model = make_pair()
     opt, plain = offload_opt(model), offload_opt(plain_model)
     for bucket in plain.buckets:
-        bucket.backend.require_accumulator()
+        bucket.gradients.always_accumulate = True
     data = batches(9)
     sources = []
     for micro, chunk in [(3, data[0:3]), (3, data[3:6]), (1, data[6:7]), (1, data[7:8])]:
@@ -158,7 +158,7 @@ def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -
             for j, (tokens, targets) in enumerate(chunk):
                 o.backward(lm_loss(m, tokens, targets))
                 if o is opt and j == 0:
-                    sources.append({b.backend.window_source() for b in opt.buckets})
+                    sources.append({b.gradients.window_source().value for b in opt.buckets})
             o.step()
             o.zero_grad()
         assert micro == len(chunk)
@@ -184,6 +184,6 @@ def test_a_flush_in_many_tiles_records_its_blocks_once(monkeypatch) -> None:
     monkeypatch.setattr(ThreadEvent, "query", lambda self: queries.append(1) or real(self))
     model(x).square().sum().backward()
     opt.step()
-    assert len(opt.buckets[0].backend._landing) == 256
+    assert len(opt.buckets[0].gradients._landing) == 256
     assert len(queries) < 10_000  # about 3700; filtering at every record: 64700
     opt.close()

@@ -24,7 +24,7 @@ parameter view that starts mid-vector makes every vectorised kernel over it (the
 numba loops, cuBLASLt's and Inductor's kernels, which want 16-byte-aligned operands) take
 its slow unaligned path; FSDP pads each parameter the same way. The cost is fewer than
 ``slot_align_numel`` elements per parameter, which the memory formula counts through
-``padded_numel`` (``optim/placement.py``, and so ``estimate.py``).
+``padded_numel`` (``optim/state/placement.py``, and so ``estimate.py``).
 
 Note [who owns which shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -12,7 +12,7 @@ exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
 - ZeRO-1: device ``2sP + KP/N`` (optimizer state partitioned);
 - ZeRO-2: device ``sP + (s + K) P/N`` (gradients partitioned too);
 - ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
-  ``optim.placement.plan_placement`` with everything offloaded: device weights plus the
+  ``optim.state.placement.plan_placement`` with everything offloaded: device weights plus the
   gradient buffers, host fp32 master, gradient staging, moments and weight staging; the
   host part is partitioned over ``N`` (each rank updates its own shard). Given the
   parameters' shapes (a ``ModelShape``, a config or a model), the buckets are planned as the

@@ -60,7 +60,7 @@ def host_reserve(host_memory: int) -> int:
     """Host bytes a configuration must leave free to fit: max(10% of the RAM, 2 GiB), what
     ``OffloadConfig(host_budget="auto")`` leaves for activations, the data loader, the
     interpreter and the page cache."""
-    from ..optim.nvme import AUTO_HOST_HEADROOM_FRACTION, AUTO_HOST_HEADROOM_MIN
+    from ..optim.state.nvme_plan import AUTO_HOST_HEADROOM_FRACTION, AUTO_HOST_HEADROOM_MIN
 
     return max(int(host_memory * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
 

@@ -1,5 +1,5 @@
 """The exact pool sizes of ``OffloadAdamW`` for given parameter shapes, planned as the
-optimizer plans them (``partition.plan_buckets``, ``optim.placement.plan_placement``,
+optimizer plans them (``partition.plan_buckets``, ``optim.state.placement.plan_placement``,
 ``params.window.plan_slots``). The planners live in packages that import torch, so they are
 imported when first called, never when the estimator is imported."""
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .shape import ModelShape, Shape, Unit
 
 if TYPE_CHECKING:
-    from ..optim.placement import Placement
+    from ..optim.state.placement import Placement
     from ..partition import BucketLayout
 
 __all__ = [
@@ -31,7 +31,7 @@ def offload_adamw_bytes(
 ) -> tuple[int, int, int]:
     """``(device weights, device gradient buffers, host per rank)`` of a fully offloaded
     ``OffloadAdamW`` over parameters of ``shapes``: its exact pool sizes, in bytes."""
-    from ..optim.placement import POOL_ALIGNMENT
+    from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
 
     layouts = plan_buckets(
@@ -53,7 +53,7 @@ def _full_offload(
 ) -> Placement:
     """``plan_placement`` of ``layouts`` with everything offloaded, fp32 moments, no
     budget."""
-    from ..optim.placement import POOL_ALIGNMENT, plan_placement
+    from ..optim.state.placement import POOL_ALIGNMENT, plan_placement
 
     return plan_placement(
         layouts,
@@ -74,8 +74,8 @@ def _unit_pools(
 ) -> tuple[int, int, int]:
     """``(window bytes, gradient buffers, host)`` of one unit under parameter offload: its
     own buckets (a unit never shares one), planned as the optimizer plans them."""
-    from ..optim.placement import POOL_ALIGNMENT
-    from ..params.window import aligned  # params sits above the estimator's inputs
+    from ..memory.align import aligned
+    from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
 
     layouts = plan_buckets(

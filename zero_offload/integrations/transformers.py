@@ -227,7 +227,7 @@ class OffloadTrainer(Trainer):
     # Trainer runs the window's last micro-batch, then clips, then steps, with nothing in
     # between that changes the gradients. So on that micro-batch (accelerate's
     # sync_gradients) OffloadTrainer announces the step before backward when the optimizer
-    # can take it there (Note [stepping during backward] in optim/stepping.py): with no
+    # can take it there (Note [stepping during backward] in optim/update/eager.py): with no
     # clipping (max_grad_norm=0), or with OffloadConfig(speculative_step=True), which
     # steps at once and rolls back when the clip binds. The optimizer must then clip at
     # TrainingArguments.max_grad_norm itself (the one it builds does), so Trainer's clip

@@ -5,7 +5,7 @@ the optimizers of one process, each with its own files), a small fixed ring of a
 buffers (pinned where the accelerator pins), and an asynchronous engine. A ``StorageFile`` is
 ``slots`` records of at most ``record_bytes`` each (packed: a short last tile takes only its
 own aligned bytes), every record with its checksum; the optimizer
-decides what a record holds (``optim/nvme.py``: one tile of master and moments).
+decides what a record holds (``optim/state/nvme.py``: one tile of master and moments).
 
 Reads and writes are queued only through ``TieredMemoryManager.disk_copy`` (Note [one choke
 point for copies] in ``manager.py``), so the traffic counters and the profiler see every
@@ -88,7 +88,7 @@ __all__ = [
 IO_ALIGNMENT = 4096
 
 #: I/O buffers per tier: two reads in flight ahead of the tile computed on, that tile, and
-#: the previous tile being written (Note [the step streams the state] in optim/nvme.py).
+#: the previous tile being written (Note [the step streams the state] in optim/state/nvme.py).
 IO_BUFFERS = 4
 
 # The system calls, looked up at call time (tests inject faults by replacing them).
@@ -202,7 +202,7 @@ class IOBuffer:
         """Wait for the pending I/O (raising its error) and become FREE.
 
         Synchronisation point: the caller blocks until the disk is done with the buffer;
-        Note [the step streams the state] in ``optim/nvme.py`` keeps this off the critical
+        Note [the step streams the state] in ``optim/state/nvme.py`` keeps this off the critical
         path in steady state."""
         event, self.event = self.event, None
         busy = self.state in (IOBufferState.READING, IOBufferState.WRITING)
@@ -291,7 +291,7 @@ class StorageFile:
             raise StorageError(
                 f"{self.path} failed earlier (an I/O error or a bad checksum): its records "
                 f"are unknown, so it refuses to {what}. Reload the optimizer from its last "
-                "checkpoint (zero_offload.optim.state_stream.load_streaming)"
+                "checkpoint (opt.load_streaming(path))"
             )
         if self.state is StorageState.CLOSED:
             raise RuntimeError(f"{self.path} is closed; it cannot {what} (bug)")
@@ -330,7 +330,7 @@ class StorageFile:
 
     def _verify(self, slot: int, view: memoryview, expected: int) -> None:
         # The file is not marked FAILED here: a read ahead runs before the writes of the
-        # records before it, which must still land; the reader decides (``optim/nvme.py``).
+        # records before it, which must still land; the reader decides (``optim/state/nvme.py``).
         found = checksum(view)
         if found != expected:
             error = StorageError(

@@ -1,8 +1,8 @@
 """Offloading optimizers."""
 
 from .offload_adamw import OffloadAdam, OffloadAdamW
-from .stepping import StepFailed
 from .torch_clipping import install as _install_clipping_guard
+from .update.modes import StepFailed
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..views.family import Family
+
+if TYPE_CHECKING:
+    from .flat_bucket import FlatBucket
+
 __all__ = [
     "SUPPORTED_DTYPES",
-    "Family",
     "check_hyper",
     "check_new_params",
     "check_params",
+    "check_untouched",
     "describe_param",
     "param_name",
     "plain_trainer_calling",
@@ -151,15 +156,6 @@ def check_new_params(
         seen.add(id(param))
 
 
-class Family(NamedTuple):
-    """The trainable parameters of one param group that share one training dtype: what
-    one run of buckets is planned from (a bucket never mixes groups or dtypes)."""
-
-    group: int  # index into param_groups
-    dtype: torch.dtype  # the training dtype of every member
-    members: list[tuple[int, tuple[int, ...]]]  # (flat parameter index, shape), in order
-
-
 def check_params(
     param_groups: Sequence[dict[str, Any]],
     group_indices: Sequence[int],
@@ -238,3 +234,47 @@ def plain_trainer_calling(frame: Any, *, depth: int = 12) -> Any | None:
             return None if ours else owner
         frame = frame.f_back
     return None
+
+
+def check_untouched(
+    owner: Any, param_groups: Sequence[dict[str, Any]], buckets: Sequence[FlatBucket]
+) -> None:
+    """Refuse, before anything changes, what happened behind ``owner``'s (the optimizer's)
+    back: Notes [parameters replaced behind the optimizer] and [a step is all or nothing]."""
+    trained = {id(p) for bucket in buckets for p in bucket.params}
+    index = 0
+    for g, group in enumerate(param_groups):
+        for param in group["params"]:
+            if id(param) not in trained and param.grad is not None:
+                raise ValueError(
+                    f"{describe_param(index, param)} in param group {g} has a gradient, "
+                    f"but it was frozen (requires_grad=False) or empty when {owner!r} was "
+                    "built, so it has no optimizer state. Build the optimizer after "
+                    "unfreezing, or pass the parameters that will train: nothing was "
+                    "stepped"
+                )
+            index += 1
+    for bucket in buckets:
+        detached = bucket.views.detached()
+        if detached:
+            slot_index, param = detached[0]
+            slot = bucket.layout.slots[slot_index]
+            raise ValueError(
+                f"{describe_param(slot.index, param)} no longer uses the storage "
+                f"{owner!r} gave it (its .data was replaced after construction: "
+                "model.half()/.to(dtype), load_state_dict(assign=True), PEFT "
+                "merge_and_unload, resize_token_embeddings...). The optimizer would "
+                "update memory the model does not read. Rebuild the optimizer after such "
+                "changes (load_state_dict carries the state over): nothing was stepped"
+            )
+    for g, group in enumerate(param_groups):
+        check_hyper(group, where=f"param group {g}")
+    for bucket in buckets:
+        group = param_groups[bucket.layout.group]
+        if group["amsgrad"] and "max_exp_avg_sq" not in bucket.store.state_names():
+            raise ValueError(
+                f"param group {bucket.layout.group} has amsgrad=True, but {owner!r} was "
+                "built without it (its max_exp_avg_sq buffers do not exist): build the "
+                "optimizer with amsgrad=True (load_state_dict carries the state over). "
+                "Nothing was stepped"
+            )

@@ -1,8 +1,10 @@
-"""One bucket: its parameter views, its gradient lifecycle, its update backend, its steps.
+"""One bucket: its parameter views, its gradient lifecycle, its gradient path, its state
+store, its steps.
 
-Each part is its own managed thing (``param_views.ParamViews``,
-``grad_lifecycle.BucketGrads``, a ``backend.UpdateBackend`` strategy); the bucket wires them
-together, so the optimizer and the backward router talk to one object per bucket.
+Each part is its own managed thing (``views.ParamViews``, ``grads.lifecycle.BucketGrads``,
+a ``grads.path.GradientPath`` and a ``state.store.StateStore``, composed per bucket at
+construction); the bucket wires them together, so the optimizer and the backward router
+talk to one object per bucket.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ..accelerator import Event
 from ..partition import BucketLayout
-from .backend import UpdateBackend
-from .grad_lifecycle import BucketGrads, GradState
-from .param_views import ParamViews
+from ..views.param_views import ParamViews
+from .grads.lifecycle import BucketGrads, GradState
+from .grads.path import GradientPath
 from .ranks import Ranks
+from .state.store import StateStore
 
 __all__ = ["FlatBucket", "StepPlan"]
 
@@ -45,14 +49,14 @@ class StepPlan:
 
     ``steps``: (n_slots,) int64, the step counts after the step; ``runs``: the
     ``(start, stop, step)`` ranges to update (``_runs``); ``source``: the field holding the
-    window's gradient at planning time (``UpdateBackend.window_source``).
+    window's gradient at planning time (``GradientPath.window_source``).
     """
 
     def __init__(self, bucket: FlatBucket, arrived: np.ndarray) -> None:
         self.bucket = bucket
         self.steps = bucket.steps + arrived.astype(np.int64)
         self.runs = list(_runs(bucket.layout, self.steps, arrived))
-        self.source = bucket.backend.window_source()
+        self.source = bucket.gradients.window_source()
 
 
 class FlatBucket:
@@ -61,7 +65,8 @@ class FlatBucket:
     Fields:
         views: the parameters as views of ``weights_dev`` (``ParamViews``).
         grads: the gradient lifecycle (``BucketGrads``).
-        backend: where the optimizer state lives and who updates it (``UpdateBackend``).
+        gradients: where the gradients go (``GradientPath``).
+        store: where the optimizer state lives and how it is updated (``StateStore``).
         steps: (n_slots,) int64, host; each parameter's Adam step count.
         shard: ``(start, stop)`` of the flat elements this rank owns (the whole padded
             bucket with one rank); see Note [who owns which shard] in ``partition.py``.
@@ -71,13 +76,15 @@ class FlatBucket:
         self,
         layout: BucketLayout,
         views: ParamViews,
-        backend: UpdateBackend,
+        gradients: GradientPath,
+        store: StateStore,
         *,
         shard: tuple[int, int],
     ) -> None:
         self.layout = layout
         self.views = views
-        self.backend = backend
+        self.gradients = gradients
+        self.store = store
         self.shard = shard
         self.grads = BucketGrads(layout.index, len(layout.slots))
         self.steps = np.zeros(len(layout.slots), dtype=np.int64)
@@ -87,7 +94,7 @@ class FlatBucket:
     @property
     def resident(self) -> bool:
         """Whether this bucket's optimizer state lives on the device."""
-        return self.backend.resident
+        return self.store.resident
 
     @property
     def weights_dev(self) -> torch.Tensor:
@@ -101,32 +108,32 @@ class FlatBucket:
 
         Raises ``PoolExhausted`` (nothing changed) when no device buffer can be opened."""
         if not self.grads.holds_device_buffer:
-            if self.backend.can_adopt(grad):  # Note [a lone gradient is its own buffer]
-                self.backend.adopt_grad(grad, new_window=self.grads.opens_window)
+            if self.gradients.can_adopt(grad):  # Note [a lone gradient is its own buffer]
+                self.gradients.adopt_grad(grad, new_window=self.grads.opens_window)
                 self.grads.start_filling()
                 return self.grads.receive(slot_index)
-            self.backend.open_grad(new_window=self.grads.opens_window, grow=grow)
+            self.gradients.open_grad(new_window=self.grads.opens_window, grow=grow)
             self.grads.start_filling()
-        self.backend.add_grad(slot_index, grad.reshape(-1))
+        self.gradients.add_grad(slot_index, grad.reshape(-1))
         return self.grads.receive(slot_index)
 
     def open_empty(self, *, grow: bool) -> None:
         """Several ranks, end of backward: a bucket with no gradient on this rank still
         goes to the reduce-scatter, contributing zeros (Note [ranks in lockstep])."""
         if not self.grads.holds_device_buffer:
-            self.backend.open_grad(new_window=self.grads.opens_window, grow=grow)
+            self.gradients.open_grad(new_window=self.grads.opens_window, grow=grow)
             self.grads.start_filling()
 
     def flush(self, ranks: Ranks) -> None:
         """Hand this backward's device gradients on; Note [a bucket's gradient lifecycle]."""
         overwrite = self.grads.flushes == 0
-        self.backend.flush(overwrite=overwrite, ranks=ranks)
+        self.gradients.flush(overwrite=overwrite, ranks=ranks)
         self.grads.flushed()
 
     def discard(self) -> None:
         """Forget the window's gradients (``zero_grad``), device buffer included."""
         if self.grads.holds_device_buffer:
-            self.backend.discard_grad()
+            self.gradients.discard_grad()
         self.grads.discard()
 
     # -- step ----------------------------------------------------------------------------
@@ -140,12 +147,17 @@ class FlatBucket:
     def grad_sumsq(self) -> tuple[float, bool]:
         """Sum of squares of the window's gradient on this rank's shard, and the overflow
         flag; the caller drained the host worker."""
-        return self.backend.grad_sumsq() if self.has_gradients else (0.0, False)
+        return self.gradients.grad_sumsq() if self.has_gradients else (0.0, False)
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` is done: take its step counts, consume the window."""
         self.steps[:] = plan.steps
         self.grads.consume()
+
+    def publish(self) -> list[Event]:
+        """Issue the weight copies the last update left (``Publication.publish``); the
+        events the next forward waits on."""
+        return self.store.publication.publish()
 
     def state_views(self, slot_index: int) -> tuple[int, int, dict[str, torch.Tensor]]:
         """The piece ``[lo, hi)`` of one flattened parameter that this rank owns (all of it
@@ -160,13 +172,14 @@ class FlatBucket:
             hi,
             {
                 name: tensor[first : first + hi - lo]
-                for name, tensor in self.backend.state_tensors().items()
+                for name, tensor in self.store.state_tensors().items()
             },
         )
 
     def close(self) -> None:
         """Return every block to its pool."""
         if self.grads.holds_device_buffer:
-            self.backend.discard_grad()
-        self.backend.close()
+            self.gradients.discard_grad()
+        self.gradients.close()
+        self.store.close()
         self.views.close()

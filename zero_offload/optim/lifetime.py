@@ -14,12 +14,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import StreamError
 from ..memory.manager import TieredMemoryManager, interpreter_exiting
-from .backend import BucketPools
-from .backward import BackwardRouter
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
-from .offloaded import GradBuffers
-from .state_view import OptimizerState
+from .grads.buffers import GradBuffers
+from .grads.router import BackwardRouter
+from .state.live import OptimizerState
+from .state.store import BucketPools
 
 __all__ = ["OWNERS", "Resources", "Segment", "check_owners"]
 

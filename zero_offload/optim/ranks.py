@@ -4,7 +4,7 @@
 buckets may go to the host in any order. ``ShardedRanks`` partitions buckets over a process
 group (ZeRO stage 2 with offload, Note [who owns which shard] in ``partition.py``):
 gradients are reduce-scattered on the comm stream in one fixed order (Note [ranks in
-lockstep] in ``backward.py``), the statistics are all-reduced, and the updated shards are
+lockstep] in ``grads/order.py``), the statistics are all-reduced, and the updated shards are
 all-gathered. Code above asks neither which one it has nor how many ranks there are.
 """
 
@@ -25,7 +25,10 @@ from ..collectives import (
     reduce_scatter_avg,
     wait_all,
 )
+from ..memory.manager import TieredMemoryManager
+from ..memory.traffic import Category
 from ..tracing import phase
+from .grads.order import BucketOrder, FreeOrder, LockstepOrder
 
 __all__ = ["Ranks", "ShardedRanks", "SingleRank"]
 
@@ -41,11 +44,29 @@ class Ranks(ABC):
         """The process group's ``Comm`` (``None`` with one rank)."""
         return None
 
-    @property
-    def lockstep(self) -> bool:
-        """Whether every bucket goes to the host exactly once per backward, in bucket order,
-        on every rank (so the ranks' collectives match); see Note [ranks in lockstep]."""
-        return False
+    @abstractmethod
+    def bucket_order(self) -> BucketOrder:
+        """In what order buckets go to the host during backward: ``LockstepOrder`` where
+        the ranks' collectives must match (Note [ranks in lockstep] in
+        ``grads/order.py``), else ``FreeOrder``."""
+
+    @abstractmethod
+    def eager_refusal(self) -> str | None:
+        """Why a step cannot run during backward with these ranks, or None (Note
+        [stepping during backward] in ``update/eager.py``)."""
+
+    @abstractmethod
+    def gather_weights(
+        self,
+        manager: TieredMemoryManager,
+        weights: torch.Tensor,
+        published: list[Event],
+        *,
+        what: str,
+    ) -> tuple[list[Event], Pending | None]:
+        """This rank's updated shard of ``weights`` reaches ``weights_dev`` with the copies
+        ``published``: returns the events compute must still wait for and the issued
+        all-gather of every rank's shard (None with one rank)."""
 
     def where(self) -> str:
         """The prefix of a multi-rank error (``"rank 1/3: "``), empty with one rank."""
@@ -78,6 +99,22 @@ class SingleRank(Ranks):
     rank = 0
     world_size = 1
 
+    def bucket_order(self) -> BucketOrder:
+        return FreeOrder()
+
+    def eager_refusal(self) -> str | None:
+        return None
+
+    def gather_weights(
+        self,
+        manager: TieredMemoryManager,
+        weights: torch.Tensor,
+        published: list[Event],
+        *,
+        what: str,
+    ) -> tuple[list[Event], Pending | None]:
+        return published, None
+
     def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
         return ready
 
@@ -109,9 +146,23 @@ class ShardedRanks(Ranks):
     def comm(self) -> Comm:
         return self._comm
 
-    @property
-    def lockstep(self) -> bool:
-        return True
+    def bucket_order(self) -> BucketOrder:
+        return LockstepOrder()
+
+    def eager_refusal(self) -> str | None:
+        return "several ranks (the all-gathers and arrival flags are collective)"
+
+    def gather_weights(
+        self,
+        manager: TieredMemoryManager,
+        weights: torch.Tensor,
+        published: list[Event],
+        *,
+        what: str,
+    ) -> tuple[list[Event], Pending | None]:
+        # Synchronisation point (host accelerator): the collective reads weights_dev now.
+        manager.wait_for(published, category=Category.WEIGHTS)
+        return [], self.all_gather(weights, what=what)
 
     def where(self) -> str:
         return f"{self._comm.where()}: "

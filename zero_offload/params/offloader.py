@@ -51,13 +51,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
-from ..optim.checks import Family
 from ..partition import BucketLayout
+from ..views import Family
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .views import WindowedViews
-from .window import Window, aligned, plan_slots
+from .window import Window, plan_slots
 
 __all__ = ["ParamOffloader", "Phase"]
 
@@ -233,7 +234,7 @@ class ParamOffloader:
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the hooks (each holds the offloader weakly, Note [lifetimes without
-        close] in ``optim/offload_adamw.py``)."""
+        close] in ``optim/lifetime.py``)."""
         ref = weakref.ref(self)
         add = self._handles.append
         add(self.model.register_forward_pre_hook(functools.partial(_root_pre_hook, ref)))

@@ -5,13 +5,13 @@ Note [a unit's lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 The authoritative training-dtype weights of a unit live in pinned host memory, in each of
 its buckets' *home*: the ``weights_staging`` CPU Adam writes for bf16/fp16, the fp32 master
-itself for fp32 (``OffloadedState.weights_home``). A step updates the homes only; the next
+itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``). A step updates the homes only; the next
 fetch brings the update (nothing else crosses the link for these weights).
 
 - ON_HOST: the parameters are views of the homes (pinned host memory, no device bytes of
   their own); the unit's slot may hold another unit. Code that writes the parameters now
   (``load_state_dict``) writes the homes, which the optimizer reconciles as for any write
-  (Note [weights written outside the optimizer] in ``optim/param_views.py``).
+  (Note [weights written outside the optimizer] in ``views/param_views.py``).
 - FETCHING: H2D copies (one per bucket, on the ``h2d`` stream through the memory manager)
   are writing the homes into the slot; the parameters are already views of the slot, and
   compute must wait on ``ready`` before reading them.

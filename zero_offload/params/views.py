@@ -7,7 +7,7 @@ slot] in ``window.py``), not a block of the bucket's own, and the parameters are
 between it and the home as the unit comes and goes (Note [a unit's lifecycle] in
 ``unit.py``). The re-pointing goes through here, so ``detached()`` compares each parameter
 with where it should point *now* and never takes the window's moves for a replacement behind
-the optimizer (Note [parameters replaced behind the optimizer] in ``optim/param_views.py``).
+the optimizer (Note [parameters replaced behind the optimizer] in ``views/param_views.py``).
 
 Construction copies the model's initial weights into the slot, exactly as ``ParamViews``
 copies them into ``weights_dev``, so the backend's ``reconcile_master`` derives the fp32
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory.block import Block
-from ..optim.param_views import ParamViews
 from ..partition import BucketLayout
+from ..views import ParamViews
 
 if TYPE_CHECKING:
     from ..accelerator import Event

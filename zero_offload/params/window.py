@@ -41,12 +41,7 @@ from ..memory.pool import BlockPool
 if TYPE_CHECKING:
     from .unit import ParamUnit
 
-__all__ = ["Slot", "Window", "aligned", "plan_slots"]
-
-
-def aligned(nbytes: int, alignment: int) -> int:
-    """``nbytes`` rounded up to ``alignment``."""
-    return -(-nbytes // alignment) * alignment
+__all__ = ["Slot", "Window", "plan_slots"]
 
 
 def plan_slots(

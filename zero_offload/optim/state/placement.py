@@ -21,7 +21,7 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
   staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
   accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
   time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
-  in offloaded.py; ``accumulator_bytes`` gives it. So one micro-batch of bf16 costs
+  in grads/to_host.py; ``grads.buffers.accumulator_bytes`` gives it. So one micro-batch of bf16 costs
   4 + 8 + 2 + 2 = 16 host bytes per parameter, and 20 with accumulation.
 
 Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowhere.
@@ -33,16 +33,16 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import format_bytes
-from ..errors import DeviceBudgetExceeded
-from ..partition import BucketLayout, plan_buckets
-from .checks import Family
+from ...config import format_bytes
+from ...errors import DeviceBudgetExceeded
+from ...memory.align import aligned
+from ...partition import BucketLayout, plan_buckets
+from ...views import Family
 
 __all__ = [
     "GRAD_BUFFERS",
     "POOL_ALIGNMENT",
     "Placement",
-    "accumulator_bytes",
     "plan_dtype_buckets",
     "plan_placement",
 ]
@@ -55,10 +55,6 @@ POOL_ALIGNMENT = 512
 #: Device gradient buffers for offloaded buckets: one filling while the previous one's
 #: copy to the host is in flight.
 GRAD_BUFFERS = 2
-
-
-def _aligned(nbytes: int, alignment: int) -> int:
-    return -(-nbytes // alignment) * alignment
 
 
 @dataclass(frozen=True)
@@ -78,25 +74,19 @@ class Placement:
 
 
 def _resident_bytes(bucket: BucketLayout, *, amsgrad: bool, alignment: int) -> int:
-    return (5 if amsgrad else 4) * _aligned(4 * bucket.padded_numel, alignment)
+    return (5 if amsgrad else 4) * aligned(4 * bucket.padded_numel, alignment)
 
 
 def _host_bytes(
     bucket: BucketLayout, *, itemsize: int, moment_size: int, amsgrad: bool, alignment: int
 ) -> int:
     n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
-    total = _aligned(4 * n, alignment)  # the master; no accumulator (accumulator_bytes)
-    total += (3 if amsgrad else 2) * _aligned(moment_size * n, alignment)
-    total += _aligned(itemsize * n, alignment)
+    total = aligned(4 * n, alignment)  # the master; no accumulator (accumulator_bytes)
+    total += (3 if amsgrad else 2) * aligned(moment_size * n, alignment)
+    total += aligned(itemsize * n, alignment)
     if itemsize != 4:
-        total += _aligned(itemsize * n, alignment)
+        total += aligned(itemsize * n, alignment)
     return total
-
-
-def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
-    """Host bytes of one offloaded bucket's fp32 gradient accumulator, allocated only once
-    a window accumulates (Note [no accumulator for one backward] in offloaded.py)."""
-    return _aligned(4 * bucket.shard_numel, alignment)
 
 
 def plan_dtype_buckets(
@@ -171,7 +161,7 @@ def plan_placement(
         sizes_of = {b.index: size for b, size in zip(buckets, itemsize, strict=True)}
     total = sum(b.param_numel for b in buckets) or 1  # parameter elements, no gaps
     weights = sum(
-        _aligned(b.padded_numel * sizes_of[b.index], alignment)
+        aligned(b.padded_numel * sizes_of[b.index], alignment)
         for b in buckets
         if b.index not in weights_elsewhere
     )
@@ -179,7 +169,7 @@ def plan_placement(
     def grad_buffers(resident: set[int]) -> int:
         # Each buffer must hold the largest offloaded bucket of any dtype, in bytes.
         sizes = [b.padded_numel * sizes_of[b.index] for b in buckets if b.index not in resident]
-        return GRAD_BUFFERS * _aligned(max(sizes), alignment) if sizes else 0
+        return GRAD_BUFFERS * aligned(max(sizes), alignment) if sizes else 0
 
     resident: set[int] = set()
     state = 0

@@ -23,50 +23,71 @@ ranks resumes with M.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from .checks import check_hyper
-from .flat_bucket import FlatBucket
+from ...collectives import Comm
+from ..checks import check_hyper
+from ..flat_bucket import FlatBucket
+from ..update.loss_scaler import LossScaler
 
-if TYPE_CHECKING:
-    from .offload_adamw import OffloadAdamW
+__all__ = ["LoadedState", "group_entries", "load_optimizer_state", "optimizer_state"]
 
-__all__ = ["load_optimizer_state", "optimizer_state"]
+
+class LoadedState(NamedTuple):
+    """What a loaded state says beyond the buckets and groups (the caller applies it)."""
+
+    scaler_state: dict[str, Any]  # for LossScaler.load_state_dict (checked already)
+    skipped_steps: int | None  # None: the state has no count
+    pending_update: bool  # saved with an overlap_step update pending
+
 
 _FORMAT_VERSION = 1
 
 
-def _slots(opt: OffloadAdamW) -> dict[int, tuple[FlatBucket, int]]:
+def _slots(buckets: Sequence[FlatBucket]) -> dict[int, tuple[FlatBucket, int]]:
     return {
-        slot.index: (bucket, i)
-        for bucket in opt.buckets
-        for i, slot in enumerate(bucket.layout.slots)
+        slot.index: (bucket, i) for bucket in buckets for i, slot in enumerate(bucket.layout.slots)
     }
 
 
-def optimizer_state(opt: OffloadAdamW, *, pending_update: bool = False) -> dict[str, Any]:
-    """The state dict; tensors are CPU copies, shaped like their parameters.
-
-    ``pending_update``: an ``overlap_step`` update is computed but its weights are not on
-    the device yet (Note [delayed parameter update] in ``stepping.py``); loading the dict
-    makes the next step publish them from the master."""
+def group_entries(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``param_groups`` as a state dict holds them: ``params`` as positions across groups."""
     groups, position = [], 0
-    for group in opt.param_groups:
+    for group in param_groups:
         entry = {key: value for key, value in group.items() if key != "params"}
         entry["params"] = list(range(position, position + len(group["params"])))
         position += len(group["params"])
         groups.append(entry)
+    return groups
+
+
+def optimizer_state(
+    buckets: Sequence[FlatBucket],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    comm: Comm | None,
+    scaler: LossScaler,
+    skipped_steps: int,
+    pending_update: bool = False,
+) -> dict[str, Any]:
+    """The state dict; tensors are CPU copies, shaped like their parameters.
+
+    ``pending_update``: an ``overlap_step`` update is computed but its weights are not on
+    the device yet (Note [delayed parameter update] in ``update/modes.py``); loading the
+    dict makes the next step publish them from the master."""
+    groups = group_entries(param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     pieces: dict[int, tuple[int, int]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
-    for index, (bucket, i) in sorted(_slots(opt).items()):
+    for index, (bucket, i) in sorted(_slots(buckets).items()):
         if bucket.steps[i] == 0:
             continue  # never stepped: torch has no entry either
         lo, hi, views = bucket.state_views(i)
         shape = bucket.layout.slots[i].shape
-        whole = opt.comm is None
+        whole = comm is None
         entry = {
             name: (view.view(shape) if whole else view).detach().to("cpu", copy=True)
             for name, view in views.items()
@@ -76,14 +97,14 @@ def optimizer_state(opt: OffloadAdamW, *, pending_update: bool = False) -> dict[
         pieces[index], shapes[index] = (lo, hi), shape
     extra: dict[str, Any] = {
         "version": _FORMAT_VERSION,
-        "loss_scaler": opt.scaler.state_dict(),
-        "skipped_steps": opt.skipped_steps,
+        "loss_scaler": scaler.state_dict(),
+        "skipped_steps": skipped_steps,
         "pending_update": bool(pending_update),
     }
-    if opt.comm is not None:  # Note [sharded state dicts]
+    if comm is not None:  # Note [sharded state dicts]
         extra["shard"] = {
-            "rank": opt.comm.rank,
-            "world_size": opt.comm.world_size,
+            "rank": comm.rank,
+            "world_size": comm.world_size,
             "pieces": pieces,
             "shapes": shapes,
         }
@@ -114,18 +135,26 @@ def _check_step(where: str, value: Any) -> int:
     return int(step)
 
 
-def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
-    """Check everything, then copy; see ``OffloadAdamW.load_state_dict``. Returns whether
-    the checkpoint was taken with an ``overlap_step`` update pending."""
+def load_optimizer_state(
+    buckets: Sequence[FlatBucket],
+    param_groups: list[dict[str, Any]],
+    state_dict: dict[str, Any],
+    *,
+    comm: Comm | None,
+    scaler: LossScaler,
+) -> LoadedState:
+    """Check everything (the loss scaler's state too), then copy into ``buckets`` and
+    ``param_groups``; see ``OffloadAdamW.load_state_dict``. Returns what the caller
+    applies: the scaler's state, the skip count, whether an update was pending."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"state_dict has {len(saved_groups)} param groups but this optimizer has "
-            f"{len(opt.param_groups)}"
+            f"{len(param_groups)}"
         )
-    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+    for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"param group {g}: state_dict has {len(saved['params'])} parameters but this "
@@ -137,7 +166,7 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
             f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
         )
     shard = extra.get("shard")
-    here = (opt.comm.rank, opt.comm.world_size) if opt.comm is not None else (0, 1)
+    here = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     if shard is not None and (shard["rank"], shard["world_size"]) != here:
         raise ValueError(
             f"rank {here[0]}/{here[1]}: this state_dict is the shard of rank "
@@ -146,12 +175,12 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
             "Note [sharded state dicts])"
         )
     # Multi-rank: say which rank refused, since each checks its own pieces.
-    rank_prefix = f"rank {here[0]}/{here[1]}: " if opt.comm is not None else ""
+    rank_prefix = f"rank {here[0]}/{here[1]}: " if comm is not None else ""
     positions = [p for saved in saved_groups for p in saved["params"]]
     to_local = {saved_id: local for local, saved_id in enumerate(positions)}
-    slots = _slots(opt)
+    slots = _slots(buckets)
     amsgrad = {
-        index: bool(opt.param_groups[bucket.layout.group]["amsgrad"])
+        index: bool(param_groups[bucket.layout.group]["amsgrad"])
         for index, (bucket, _) in slots.items()
     }
     staged: dict[int, dict[str, Any]] = {}
@@ -187,13 +216,13 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
         checked["step"] = _check_step(where, entry["step"])
         staged[index] = checked
     scaler_state = extra.get("loss_scaler") or {}
-    opt.scaler.check_state(scaler_state)
-    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+    scaler.check_state(scaler_state)
+    for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         check_hyper(merged, where=f"state_dict param group {g}")
         if merged["amsgrad"] and any(
-            "max_exp_avg_sq" not in bucket.backend.state_names()
-            for bucket in opt.buckets
+            "max_exp_avg_sq" not in bucket.store.state_names()
+            for bucket in buckets
             if bucket.layout.group == g
         ):
             raise ValueError(
@@ -202,11 +231,11 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
             )
 
     # Everything is checked: from here on nothing raises on the caller's data.
-    for bucket in opt.buckets:
+    for bucket in buckets:
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
         # never stepped) come from the model's weights (Note [weights written outside the
-        # optimizer] in param_views.py).
-        bucket.backend.reconcile_master()
+        # optimizer] in views/param_views.py).
+        bucket.store.reconcile_master()
         bucket.views.remember()
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)
@@ -221,12 +250,13 @@ def load_optimizer_state(opt: OffloadAdamW, state_dict: dict[str, Any]) -> bool:
             if name in entry:
                 view.copy_(entry[name])
         bucket.steps[i] = entry["step"]
-    for saved, group in zip(saved_groups, opt.param_groups, strict=True):
+    for saved, group in zip(saved_groups, param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":
                 # A copy, as torch takes: a tensor lr is stepped in place by LR schedulers,
                 # which must not write into the caller's state dict.
                 group[key] = copy.deepcopy(value)
-    opt.scaler.load_state_dict(scaler_state)
-    opt.skipped_steps = int(extra.get("skipped_steps", opt.skipped_steps))
-    return bool(extra.get("pending_update", False))
+    skipped = extra.get("skipped_steps")
+    return LoadedState(
+        scaler_state, None if skipped is None else int(skipped), bool(extra.get("pending_update"))
+    )

@@ -1,14 +1,14 @@
-"""Offloaded bucket state: fp32 master, moments and accumulator in host memory, CPU Adam.
+"""The gradient path to the host: device buffer, D2H tiles, the host worker's passes.
 
-Gradients leave the device a bucket at a time (D2H on the ``d2h`` stream, after a
-reduce-scatter with several ranks), the host worker adds them into the fp32 accumulator,
-the CPU Adam kernel updates the master tile by tile, and each updated tile goes back to
-the device (H2D on the ``h2d`` stream) while the next tile is computed.
+Gradients leave the device a bucket at a time: each backward's gradients add into a device
+buffer (``GradBuffers``), a complete bucket is reduce-scattered with several ranks and this
+rank's shard is copied into pinned host staging in tiles (D2H on the ``d2h`` stream); the
+host worker takes the statistics and, when a window has several flushes, adds them into the
+fp32 accumulator. The state stores that live on the host (``state/host.py``,
+``state/nvme.py``) read the gradient from here, tile by tile (``await_grad``).
 
-With several ranks, every host field covers this rank's shard of the bucket,
-``shard_numel`` elements (Note [who owns which shard] in ``partition.py``); after the
-update each rank copies its updated shard into its slice of ``weights_dev`` and the
-optimizer all-gathers the bucket.
+With several ranks, the host fields cover this rank's shard of the bucket, ``shard_numel``
+elements (Note [who owns which shard] in ``partition.py``).
 
 Note [no accumulator for one backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -27,7 +27,7 @@ the accumulator, the same values (``grad.float()``), bitwise. Lazily rather than
 accumulation, at the cost of one pinned allocation at the first accumulating step.
 ``overlap_step`` always accumulates: its delayed update still reads the gradients while
 the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
-update] in ``stepping.py``).
+update] in ``update/modes.py``).
 
 Note [staging is reused only once consumed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -44,8 +44,8 @@ A flush copies its gradient into staging in tiles of ``tile_elements``, one copy
 end event each (``_landing``), and the host worker's pass (statistics, or accumulation
 with statistics) follows tile by tile as each lands, so it ends one tile after the copy
 does. When the step's decision needs no statistics (Note [a step that needs no
-statistics] in ``offload_adamw.py``), ``step()`` does not wait for the host worker at all:
-``update()`` waits for the copy of each tile just before it reads it (``_await_grad``),
+statistics] in ``update/policy.py``), ``step()`` does not wait for the host worker at all:
+the CPU Adam tile loop waits for the copy of each tile just before it reads it (``await_grad``),
 so CPU Adam starts on the first tile while the rest is still on the way. Events of one
 stream complete in order, so a tile's event covers every tile before it. A gradient in
 the accumulator waits for the host worker's last pass over the bucket
@@ -57,250 +57,100 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import warnings
 
-import numba
 import numpy as np
 import torch
 
-from ..accelerator import Event
-from ..config import format_bytes
-from ..errors import PoolExhausted
-from ..kernels import accumulate_grad, adam_step, grad_stats
-from ..memory.block import Block
-from ..memory.manager import Tier, TieredMemoryManager
-from ..memory.pool import BlockPool
-from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout, clip_runs
-from ..tracing import phase
-from .backend import AdamHyper, BucketPools, UpdateBackend
-from .param_views import ParamViews
-from .placement import accumulator_bytes
-from .ranks import Ranks
+from ...accelerator import Event
+from ...kernels import accumulate_grad, grad_stats
+from ...memory.block import Block
+from ...memory.manager import TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...memory.traffic import Category, Direction
+from ...partition import BucketLayout
+from ...tracing import phase
+from ..access import declare_compute, declare_cpu
+from ..ranks import Ranks
+from .buffers import AccumulatorPool, GradBuffers, accumulator_bytes, host_pass_threads
+from .path import GradientPath, GradSource
 
-__all__ = ["AccumulatorPool", "GradBuffers", "OffloadedState"]
-
-# Note [the Adam pass gets the cores]
-# The host worker's passes over a gradient (statistics, accumulation, the fold into the
-# accumulator) run while something else holds the cores: torch's threads running the
-# rest of backward, or CPU Adam, which runs on every core (numba's default, as torch's).
-# They are vectorised and mostly memory-bound: alone, one thread does the fp32 statistics
-# in 1.16x the time of two, bf16 in 1.6x (benchmarks/bench_grad_passes.py). Beside CPU
-# Adam, though, a second team of threads oversubscribes the cores and stalls both teams at
-# their barriers. So they run on a quarter of numba's threads, at least one: one on the
-# 2-vCPU test machine, where that measured 26.5 ms a step against 29.1 ms with a team of
-# two (bench_offload_step's embed model, bf16, one micro-batch, no clipping, median of 15
-# interleaved rounds; no change with clipping or 4 micro-batches); on a many-core host a
-# few threads keep up with the D2H link (not measured: no GPU host was available).
+__all__ = ["HostGradients"]
 
 
-def host_pass_threads() -> int:
-    """Threads for one host-worker pass over a gradient: Note [the Adam pass gets the cores]."""
-    return max(1, numba.config.NUMBA_NUM_THREADS // 4)
+class HostGradients(GradientPath):
+    """Gradients to the host: see the module docstring.
 
-
-class GradBuffers:
-    """Device gradient buffers for offloaded buckets: the device pool, plus overflow pools
-    grown on demand when buckets must wait for their turn (several ranks, Note [ranks in
-    lockstep] in ``backward.py``). Overflow pools are kept and reused by later backwards;
-    each is counted against the device budget like any pool."""
-
-    def __init__(self, manager: TieredMemoryManager, *, name: str) -> None:
-        self.manager = manager
-        self.name = name
-        self.overflow: list[BlockPool] = []  # each one largest-bucket buffer, device
-
-    def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
-        """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
-        ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
-        # The compute stream fills the buffer first: its reuse waits there, not on the CPU
-        # (stream-ordered reuse, Note [block reuse waits on events] in pool.py).
-        stream = self.manager.accelerator.current_stream()
-        try:
-            return pool.alloc(nbytes, owner=owner, stream=stream)
-        except PoolExhausted:
-            if not grow:
-                raise
-        for extra in self.overflow:
-            try:
-                return extra.alloc(nbytes, owner=owner, stream=stream)
-            except PoolExhausted:
-                continue
-        extra = self.manager.create_pool(
-            Tier.DEVICE, nbytes, name=f"{self.name}.grad_overflow{len(self.overflow)}"
-        )
-        if not self.overflow:
-            warnings.warn(
-                f"zero-offload: a gradient bucket of {format_bytes(nbytes)} had to wait for an "
-                "earlier bucket that is not complete on this rank (an unused parameter, or "
-                "backward order differing from bucket order); its gradients stay on the "
-                "device meanwhile, in an extra device pool (kept for later steps). See "
-                "'Ranks in lockstep' in the README.",
-                stacklevel=2,
-            )
-        self.overflow.append(extra)
-        return extra.alloc(nbytes, owner=owner, stream=stream)
-
-    def close(self) -> None:
-        """Close the overflow pools (their blocks were freed by the buckets)."""
-        for extra in self.overflow:
-            extra.close()
-        self.overflow.clear()
-
-
-class AccumulatorPool:
-    """fp32 gradient accumulator memory, created on first need (Note [no accumulator for
-    one backward]); ``capacity`` in bytes."""
-
-    def __init__(self, manager: TieredMemoryManager, capacity: int, *, name: str) -> None:
-        self.manager = manager
-        self.capacity = capacity
-        self.name = name
-        self.pool: BlockPool | None = None  # host, pinned where available; None until needed
-
-    def alloc(self, nbytes: int, *, owner: str) -> Block:
-        """A block of ``nbytes``; the first call creates the pool (hidden cost: a pinned
-        allocation of ``capacity`` bytes)."""
-        if self.pool is None:
-            self.pool = self.manager.create_pool(Tier.HOST, self.capacity, name=self.name)
-        return self.pool.alloc(nbytes, owner=owner)
-
-    def close(self) -> None:
-        """Close the pool (its blocks were freed by the buckets)."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-
-
-class OffloadedState(UpdateBackend):
-    """State on the host, updated by the CPU kernel; see the module docstring.
-
-    Host fields (all ``(shard_numel,)``, the elements of ``shard``; host pool, pinned where
-    available):
-        master: fp32 master weights.
-        exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
-        grad_staging: training dtype, the D2H copy's destination; Adam reads it directly
-            when the window had one flush (Note [no accumulator for one backward]).
-        grad_acc: fp32 gradient accumulator, from ``accumulators``, only once a window had
-            a second flush (None before).
-        weights_staging: training dtype (absent for fp32), the kernel's fused copy-out and
-            the H2D copy's source.
-    Device field: grad_dev, (padded_numel,) training dtype, while the bucket is FILLING.
+    Fields:
+        grad_dev: (padded_numel,) training dtype, device pool (or an overflow pool), while
+            the bucket is FILLING; empty otherwise.
+        grad_staging: (shard_numel,) training dtype, host pool, pinned where available; the
+            D2H copy's destination; Adam reads it directly when the window had one flush
+            (Note [no accumulator for one backward]).
+        grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
+            second flush (None before).
     """
-
-    resident = False
 
     def __init__(
         self,
         layout: BucketLayout,
-        views: ParamViews,
         *,
         manager: TieredMemoryManager,
-        pools: BucketPools,
+        device_pool: BlockPool,
+        host_pool: BlockPool,
         grad_buffers: GradBuffers,
         shard: tuple[int, int],
-        moments_dtype: torch.dtype,
-        amsgrad: bool,
+        dtype: torch.dtype,
         tile_elements: int,
+        always_accumulate: bool = False,
     ) -> None:
-        self._init_gradient_path(
-            layout,
-            views,
-            manager=manager,
-            pools=pools,
-            grad_buffers=grad_buffers,
-            shard=shard,
-            tile_elements=tile_elements,
-        )
-        fields: list[tuple[str, torch.dtype]] = [
-            ("master", torch.float32),
-            ("exp_avg", moments_dtype),
-            ("exp_avg_sq", moments_dtype),
-            ("grad_staging", self.dtype),
-        ]
-        if amsgrad:
-            fields.append(("max_exp_avg_sq", moments_dtype))
-        if self.dtype != torch.float32:
-            fields.append(("weights_staging", self.dtype))
-        try:
-            self._alloc_host_fields(fields)
-        except BaseException:
-            self.close()
-            raise
-        self.reconcile_master()  # fp32 master from the model's initial weights
-
-    def _init_gradient_path(
-        self,
-        layout: BucketLayout,
-        views: ParamViews,
-        *,
-        manager: TieredMemoryManager,
-        pools: BucketPools,
-        grad_buffers: GradBuffers,
-        shard: tuple[int, int],
-        tile_elements: int,
-    ) -> None:
-        """The fields of the gradient path and the weight copies, which every host-side
-        backend shares (this one, and ``nvme.NvmeState``, whose state is on disk)."""
         self.layout = layout
-        self.views = views
         self.manager = manager
-        self.pools = pools
+        self.device_pool = device_pool
         self.grad_buffers = grad_buffers
         self.shard = shard
-        self.dtype = views.dtype
+        self.dtype = dtype
         self.tile_elements = tile_elements
         # This bucket's accumulator, pinned on first need (Note [no accumulator for one
         # backward]); one pool per bucket, so a bucket that never accumulates costs nothing.
         self.accumulators = AccumulatorPool(
             manager,
-            accumulator_bytes(layout, alignment=pools.host.alignment),
-            name=f"{pools.host.name}.bucket{layout.index}.grad_acc",
+            accumulator_bytes(layout, alignment=host_pool.alignment),
+            name=f"{host_pool.name}.bucket{layout.index}.grad_acc",
         )
-        self.always_accumulate = False  # overlap_step: see the Note above
+        #: overlap_step: every window accumulates, even a lone flush (see the Note above).
+        self.always_accumulate = always_accumulate
         # Flushes in the current window (until a new window's first flush is done, the one
         # before): a window's first flush goes to the accumulator when the one before
         # accumulated (Note above).
         self._window_flushes = 0
-        self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
         self.grad_acc: torch.Tensor | None = None
-        # Which field holds the window's gradient: "grad_staging" or "grad_acc". Set on the
-        # caller's thread at each flush; a step captures it in its plan.
-        self._source = "grad_staging"
+        self._acc_block: Block | None = None  # under grad_acc
+        # Which field holds the window's gradient. Set on the caller's thread at each
+        # flush; a step captures it in its plan.
+        self._source = GradSource.STAGING
         self._grad_block: Block | None = None  # under grad_dev while FILLING
+        # (n_slots,) bool, host: which slots of grad_dev hold a gradient (Note [a gradient
+        # buffer is written once per slot]); reset when a buffer opens.
+        self._filled = np.zeros(len(layout.slots), dtype=bool)
         # A lone parameter's own autograd gradient, used as the bucket's device buffer
         # (Note [a lone gradient is its own buffer]); None otherwise.
         self._adopted: torch.Tensor | None = None
-        self.grad_dev = torch.empty(0, dtype=self.dtype, device=manager.accelerator.device)
+        self.grad_dev = torch.empty(0, dtype=dtype, device=manager.accelerator.device)
         self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
-        self._issued: list[Event] = []  # end events of weight copies issued, not yet handed
-        self._unpublished: list[tuple[int, int]] = []  # updated shard tiles not yet copied
-        # End events of the last published weight copies: they read the staging (or the
-        # fp32 master) the next update rewrites.
-        self._source_readers: list[Event] = []
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in].
         self._landing: list[tuple[int, Event]] = []
         self._landing_ends: list[int] = []  # the end offsets of _landing, for bisect
-        self.max_exp_avg_sq: torch.Tensor | None = None
-        self.weights_staging: torch.Tensor | None = None
-
-    def _alloc_host_fields(self, fields: list[tuple[str, torch.dtype]]) -> None:
-        """Each named ``(shard_numel,)`` field from the host pool, zeroed, re-taken after a
-        move; the blocks are in ``_blocks`` (freed by ``close``)."""
-        n = self.layout.shard_numel
-        for name, dtype in fields:
-            block = self.pools.host.alloc(
-                n * dtype.itemsize, owner=f"bucket{self.layout.index}.{name}"
-            )
-            self._blocks[name] = block
-            block.on_move(
-                lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
-            )
-            tensor = block.view(dtype, (n,))
-            tensor.zero_()
-            setattr(self, name, tensor)
+        n = layout.shard_numel
+        self.staging_block = host_pool.alloc(
+            n * dtype.itemsize, owner=f"bucket{layout.index}.grad_staging"
+        )
+        self.staging_block.on_move(
+            lambda b: setattr(self, "grad_staging", b.view(self.dtype, (n,)))
+        )
+        self.grad_staging = self.staging_block.view(dtype, (n,))
+        self.grad_staging.zero_()
 
     # -- gradients ---------------------------------------------------------------------
 
@@ -327,18 +177,18 @@ class OffloadedState(UpdateBackend):
 
     def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
         """Take ``grad`` (the only parameter's gradient) as the open buffer."""
-        if not new_window and self._source == "grad_staging":
+        if not new_window and self._source is GradSource.STAGING:
             self._ensure_accumulator()
             self._fold()
         self._adopted = grad.reshape(-1)
 
     def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
-        folds = not new_window and self._source == "grad_staging"
+        folds = not new_window and self._source is GradSource.STAGING
         if folds:
             self._ensure_accumulator()  # first: a failure leaves nothing allocated
         nbytes = self.layout.padded_numel * self.dtype.itemsize
         block = self.grad_buffers.alloc(
-            self.pools.device, nbytes, owner=f"bucket{self.layout.index}.grad", grow=grow
+            self.device_pool, nbytes, owner=f"bucket{self.layout.index}.grad", grow=grow
         )
         block.on_move(self._bind_grad)
         self._grad_block = block
@@ -354,7 +204,7 @@ class OffloadedState(UpdateBackend):
         if self.grad_acc is None:
             n = self.layout.shard_numel
             block = self.accumulators.alloc(4 * n, owner=f"bucket{self.layout.index}.grad_acc")
-            self._blocks["grad_acc"] = block
+            self._acc_block = block
             block.on_move(lambda b: setattr(self, "grad_acc", b.view(torch.float32, (n,))))
             self.grad_acc = block.view(torch.float32, (n,))
             self.grad_acc.zero_()  # padding stays zero (Note [padding stays at the end])
@@ -369,7 +219,7 @@ class OffloadedState(UpdateBackend):
         worker = self.manager.host_worker
         worker.submit(functools.partial(self._fold_on_host, acc, real))
         self._staging_consumed = worker.record_event()
-        self._source = "grad_acc"
+        self._source = GradSource.ACCUMULATOR
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
         # Note [a gradient buffer is written once per slot]
@@ -408,21 +258,10 @@ class OffloadedState(UpdateBackend):
             tail.zero_()
 
     def _declare_compute(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
-        """Tell the race checker about compute-stream work on ``tensor`` (Note [declaring
-        stream accesses] in accelerator/base.py); nothing without a checker."""
-        acc = self.manager.accelerator
-        acc.declare_access(
-            tensor,
-            stream=acc.current_stream(),
-            write=write,
-            what=f"bucket{self.layout.index} {what}",
-        )
+        declare_compute(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
 
     def _declare_cpu(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
-        """The same for work of the calling CPU thread (the caller or the host worker)."""
-        self.manager.accelerator.declare_access(
-            tensor, stream=None, write=write, what=f"bucket{self.layout.index} {what}"
-        )
+        declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
 
     def _bind_grad(self, block: Block) -> None:
         self.grad_dev = block.view(self.dtype, (self.layout.padded_numel,))
@@ -438,7 +277,7 @@ class OffloadedState(UpdateBackend):
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         manager = self.manager
         grad = self.grad_dev
-        staging_block = self._blocks["grad_staging"]
+        staging_block = self.staging_block
         if self._staging_consumed is not None and not self._staging_consumed.query():
             # Note [staging is reused only once consumed]. Synchronisation point: the caller
             # waits, since a CUDA stream cannot wait on host-thread work; it is rare (the
@@ -532,10 +371,10 @@ class OffloadedState(UpdateBackend):
         """Queue the host worker's pass over each tile of staging as it lands."""
         worker = self.manager.host_worker
         if overwrite and not self._first_flush_accumulates():
-            self._source = "grad_staging"
+            self._source = GradSource.STAGING
             acc = None
         else:
-            self._source = "grad_acc"
+            self._source = GradSource.ACCUMULATOR
             acc = self._ensure_accumulator()
         self._landing = landing
         self._landing_ends = [end for end, _ in landing]
@@ -593,12 +432,12 @@ class OffloadedState(UpdateBackend):
         total = math.fsum(partials) if partials else 0.0
         self._stats = (total, not math.isfinite(total))
 
-    def _await_grad(self, grad: torch.Tensor, source: str, lo: int, hi: int) -> None:
+    def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
         """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
         gradient; Note [Adam follows the gradient in]. Instant when the host worker
         drained."""
         event = None
-        if source == "grad_staging" and self._landing:
+        if source is GradSource.STAGING and self._landing:
             # The first tile copy ending at or past hi (the last one past the copied part).
             ends = self._landing_ends
             event = self._landing[min(bisect.bisect_left(ends, hi), len(ends) - 1)][1]
@@ -624,172 +463,25 @@ class OffloadedState(UpdateBackend):
             return
         self._release_grad().free()
 
-    def window_source(self) -> str:
+    def window_source(self) -> GradSource:
         return self._source
+
+    def gradient(self, source: GradSource) -> torch.Tensor:
+        grad = self.grad_staging if source is GradSource.STAGING else self.grad_acc
+        if grad is None:
+            raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
+        return grad
 
     def grad_sumsq(self) -> tuple[float, bool]:
         return self._stats
-
-    # -- update ------------------------------------------------------------------------
-
-    def update(
-        self,
-        hyper: AdamHyper,
-        grad_scale: float,
-        runs: list[tuple[int, int, int]],
-        *,
-        publish: bool,
-        source: str | None = None,
-        after: list[Event] | None = None,
-    ) -> None:
-        source, grad, after = self._begin_update(source, publish=publish, after=after)
-        for name, tensor in self.state_tensors().items():
-            self._declare_cpu(tensor, write=True, what=f"CPU Adam writes {name}")
-        for start, stop, step in clip_runs(runs, *self.shard):
-            for lo in range(start, stop, self.tile_elements):
-                hi = min(lo + self.tile_elements, stop)
-                self._await_grad(grad, source, lo, hi)
-                adam_step(
-                    self.master,
-                    grad,
-                    self.exp_avg,
-                    self.exp_avg_sq,
-                    step=step,
-                    lr=hyper.lr,
-                    beta1=hyper.beta1,
-                    beta2=hyper.beta2,
-                    eps=hyper.eps,
-                    weight_decay=hyper.weight_decay,
-                    decoupled_weight_decay=hyper.decoupled,
-                    maximize=hyper.maximize,
-                    grad_scale=grad_scale,
-                    max_exp_avg_sq=self.max_exp_avg_sq if hyper.amsgrad else None,
-                    out=self.weights_staging,
-                    start=lo,
-                    stop=hi,
-                )
-                if publish:
-                    event = self._copy_tile(lo, hi, after)
-                    if event is not None:  # None: the source is the weights' home
-                        self._issued.append(event)
-                else:
-                    self._unpublished.append((lo, hi))
-
-    def weights_home(self) -> tuple[torch.Tensor, Block]:
-        """The pinned training-dtype copy CPU Adam writes, ``(shard_numel,)``, and its block:
-        ``weights_staging``, or the fp32 master itself for an fp32 bucket (with parameter
-        offload the weights live there between uses, ``zero_offload.params``)."""
-        name = "master" if self.weights_staging is None else "weights_staging"
-        return getattr(self, name), self._blocks[name]
-
-    def _begin_update(
-        self, source: str | None, *, publish: bool, after: list[Event] | None
-    ) -> tuple[str, torch.Tensor, list[Event]]:
-        """What every update of the host-side backends does first: the field holding the
-        gradient to read (``source``, or the window's now) and that gradient, the staging
-        free of the last step's weight copies, the accesses declared, and the events the
-        new weight copies wait for."""
-        source = source or self._source
-        grad = getattr(self, source)
-        for event in self._source_readers:
-            # Synchronisation point (rare: two steps with no backward between, or a device
-            # far behind): the last step's weight copies read the staging about to be
-            # rewritten. Usually long done.
-            event.synchronize()
-        self._source_readers = []
-        # The gradient's reads are declared tile by tile (``_await_grad``).
-        if self.weights_staging is not None:
-            self._declare_cpu(self.weights_staging, write=True, what="CPU Adam writes weights")
-        # The weight copies overwrite weights_dev: they wait for compute issued so far
-        # (a forward or a weight-reading kernel still queued), write-after-read; a step
-        # run during backward passes the event recorded when the bucket was complete.
-        if after is None:
-            if publish:
-                self.declare_weight_readers()
-            after = [self.manager.compute_ready()] if publish else []
-        return source, grad, after
-
-    def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event | None:
-        source, block = self.weights_home()
-        offset = self.shard[0]
-        return self.views.copy_in(
-            self.manager,
-            offset + lo,
-            offset + hi,
-            source[lo:hi],
-            block,
-            after=after,
-            label=f"bucket{self.layout.index}[{lo}:{hi}]",
-        )
-
-    def declare_weight_readers(self) -> None:
-        """Kernels queued on compute so far read the weights (what ``after`` orders the
-        weight copies behind)."""
-        self._declare_compute(
-            self.views.weights_dev, write=False, what="kernels queued on compute read weights"
-        )
-
-    def publish(self) -> list[Event]:
-        after = []
-        if self._unpublished:
-            self.declare_weight_readers()
-            after = [self.manager.compute_ready()]
-        copies = [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
-        events = self._issued + [event for event in copies if event is not None]
-        self._issued, self._unpublished = [], []
-        self._source_readers = list(events)
-        return events
-
-    def drop_unpublished(self) -> None:
-        self._unpublished = []
-
-    def publish_all_from_master(self) -> None:
-        real = self.layout.real_in(*self.shard)
-        if self.weights_staging is not None:
-            self.weights_staging[:real].copy_(self.master[:real])  # round to nearest even
-        self._unpublished = [
-            (lo, min(lo + self.tile_elements, real)) for lo in range(0, real, self.tile_elements)
-        ]
-
-    def reconcile_master(self) -> None:
-        start, stop = self.shard
-        # Synchronisation point (rare: construction, loading, weights written outside the
-        # optimizer): the weights' bytes must be final and the staging idle.
-        self.manager.synchronize()
-        target, target_block = self.weights_home()
-        done = self.views.copy_out(
-            self.manager,
-            start,
-            stop,
-            target,
-            target_block,
-            label=f"bucket{self.layout.index} master refresh",
-        )
-        if done is not None:
-            done.synchronize()  # Synchronisation point: the comparison below reads it
-        if self.weights_staging is not None:
-            weights = self.weights_staging
-            # Where the weight is still the rounding of the master, the master keeps its
-            # extra bits; elsewhere the weight was written and wins.
-            written = weights != self.master.to(self.dtype)
-            self.master[written] = weights[written].float()
-        self._unpublished = []
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.max_exp_avg_sq is not None:
-            out["max_exp_avg_sq"] = self.max_exp_avg_sq
-        return out
-
-    def require_accumulator(self) -> None:
-        self.always_accumulate = True
 
     def close(self) -> None:
         self._adopted = None
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None
-        for block in self._blocks.values():
-            block.free()
-        self._blocks.clear()
+        for block in (self._acc_block, self.staging_block):
+            if block is not None:
+                block.free()
+        self._acc_block = None
         self.accumulators.close()

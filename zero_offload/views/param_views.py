@@ -9,7 +9,7 @@ Note [weights written outside the optimizer]
 Code other than the optimizer may write the weights in place between steps
 (``model.load_state_dict``, an EMA swap, user code under ``no_grad``): the *parameter's*
 version counter moves, ``changed()`` sees it at the next step, and the bucket reconciles
-its fp32 master with the weights (``UpdateBackend.reconcile_master``): elements whose
+its fp32 master with the weights (``StateStore.reconcile_master`` in ``optim/state/store.py``): elements whose
 weight is no longer the training-dtype rounding of the master take the weight, the others
 keep the master's extra precision. So a step starts from what the model holds, and
 restoring a checkpoint gives the same bits whichever of ``model.load_state_dict`` and

@@ -2,7 +2,7 @@
 
 One ``BackwardRouter`` per optimizer. Each trainable parameter's post-accumulate-grad hook
 hands its gradient to its bucket (Note [a bucket's gradient lifecycle] in
-``grad_lifecycle.py``). The hooks hold the router weakly and the router holds no reference
+``lifecycle.py``). The hooks hold the router weakly and the router holds no reference
 to the optimizer, so an optimizer that is dropped without ``close()`` is collected, and its
 finalizer removes the hooks (Note [lifetimes without close] in ``lifetime.py``).
 
@@ -18,20 +18,7 @@ outer node instead, whose post-hook queues the callback on the outer task. The b
 therefore flushed once per real backward, not once per checkpointed segment, and several
 ``backward()`` calls on one graph (``retain_graph=True``) are several backwards.
 
-Note [ranks in lockstep]
-~~~~~~~~~~~~~~~~~~~~~~~~
-With several ranks, buckets are reduce-scattered in one fixed order (bucket index), each
-exactly once per backward, whichever gradients a rank produced: collectives match by order,
-so a rank that left a branch unused must not skip or reorder a bucket. A bucket complete
-early goes early only when every bucket before it has gone; at the end of backward the rest
-go, in order, including buckets that got no gradient on this rank (a zero buffer: they
-contribute zeros). The per-parameter "got a gradient" flags are OR-reduced at the step, so
-uneven gradients give exactly the single-process result on the global batch, like DDP with
-``find_unused_parameters=True``. The cost: a complete bucket may wait, holding its device
-gradient buffer, behind an earlier one that a rank does not complete (those waiting
-buffers come from extra device pools, ``offloaded.GradBuffers``), and its copy to the host
-overlaps less of backward. With one rank order does not matter: a bucket goes as soon as it
-is complete, and any bucket may go early when the device pool needs its buffer.
+The order buckets go to the host in is the ranks' ``BucketOrder`` (``order.py``).
 """
 
 from __future__ import annotations
@@ -40,16 +27,18 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..collectives import surface_collective_errors
-from ..errors import PoolExhausted
-from .flat_bucket import FlatBucket
-from .grad_lifecycle import GradState
-from .ranks import Ranks
-from .stepping import EagerStep
+from ...collectives import surface_collective_errors
+from ..flat_bucket import FlatBucket
+from ..ranks import Ranks
+from .lifecycle import GradState
+from .order import BucketOrder
+
+if TYPE_CHECKING:
+    from ..update.eager import EagerStep
 
 __all__ = ["BackwardRouter"]
 
@@ -104,7 +93,7 @@ class BackwardRouter:
         backwards: completed backwards so far (for tests and the profiler).
         _armed: graph task ids with an end callback queued; guarded by ``_lock`` (hooks may
             run on autograd's device threads).
-        _next: several ranks: the index of the next bucket to go (Note [ranks in lockstep]).
+        order: in what order buckets go to the host (``order.py``), from the ranks.
     """
 
     def __init__(self, ranks: Ranks) -> None:
@@ -114,8 +103,8 @@ class BackwardRouter:
         self._hooks: list[Any] = []
         self._armed: set[int] = set()
         self._lock = threading.Lock()
-        self._next = 0
-        #: The announced step (Note [stepping during backward] in stepping.py), from
+        self.order: BucketOrder = ranks.bucket_order()
+        #: The announced step (Note [stepping during backward] in update/eager.py), from
         #: announce_step() until step() takes it; set and cleared by the optimizer.
         self.eager: EagerStep | None = None
         # A step consumed the window: the next gradient opens a new one for every bucket
@@ -181,47 +170,10 @@ class BackwardRouter:
                 bucket.grads.discard()  # no device buffer to release in CONSUMED
 
     def receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
-        """Add one gradient to its bucket; flush what is ready."""
+        """Add one gradient to its bucket; flush what is ready, in the ranks' order."""
         if self._window_consumed:
             self._open_window()
-        lockstep = self.ranks.lockstep
-        if lockstep and bucket.grads.state is GradState.COMPLETE:
-            bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
-            return
-        # layout.index is the bucket's position in the order (plan_dtype_buckets numbers
-        # each segment's buckets from len(buckets)).
-        if lockstep and bucket.layout.index < self._next:
-            raise RuntimeError(
-                f"{self.ranks.where()}bucket {bucket.layout.index} got a gradient after it "
-                "was reduce-scattered in this backward (a parameter's gradient arrived "
-                "twice); every rank must reduce each bucket once per backward"
-            )
-        try:
-            complete = bucket.receive_grad(slot_index, grad)
-        except PoolExhausted:
-            if lockstep:
-                # Buckets wait their turn (Note [ranks in lockstep]): grow instead.
-                complete = bucket.receive_grad(slot_index, grad, grow=True)
-            else:
-                # More buckets are half-filled than the gradient buffers hold (backward
-                # order differs from bucket order): hand the others on early and retry.
-                for other in self.buckets:
-                    if other is not bucket and other.grads.holds_device_buffer:
-                        other.flush(self.ranks)
-                complete = bucket.receive_grad(slot_index, grad)
-        if not complete:
-            return
-        if not lockstep:
-            bucket.flush(self.ranks)
-            if self.eager is not None:
-                self.eager.hand_over(bucket)
-            return
-        bucket.grads.complete()
-        while self._next < len(self.buckets) and (
-            self.buckets[self._next].grads.state is GradState.COMPLETE
-        ):
-            self.buckets[self._next].flush(self.ranks)
-            self._next += 1
+        self.order.receive(self, bucket, slot_index, grad)
 
     # -- the end of a backward ---------------------------------------------------------
 
@@ -239,24 +191,15 @@ class BackwardRouter:
         """Whether a backward's gradients are not all handed on yet (running, or raised)."""
         return (
             bool(self._armed)
-            or self._next > 0
+            or self.order.in_progress
             or any(b.grads.holds_device_buffer for b in self.buckets)
         )
 
     def end_backward(self) -> None:
         """Flush what arrived (several ranks: every remaining bucket, in order) and expect
         every parameter again in the next backward."""
-        if self.ranks.lockstep:
-            for bucket in self.buckets[self._next :]:
-                bucket.open_empty(grow=True)
-                bucket.flush(self.ranks)
-        else:
-            for bucket in self.buckets:
-                if bucket.grads.holds_device_buffer:
-                    bucket.flush(self.ranks)
-            if self.eager is not None and not self.eager.backward_ended:
-                self.eager.end_backward(self.buckets)
-        self._next = 0
+        self.order.end_backward(self)
+        self.order.reset()
         for bucket in self.buckets:
             bucket.grads.end_backward()
         self.backwards += 1
@@ -273,7 +216,7 @@ class BackwardRouter:
         """``zero_grad``: forget every gradient of the window, in flight or not."""
         with self._lock:
             self._armed.clear()
-        self._next = 0
+        self.order.reset()
         self._window_consumed = False
         for bucket in self.buckets:
             bucket.discard()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import LossScalerConfig
+from ...config import LossScalerConfig
 
 __all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler"]
 
@@ -29,6 +29,9 @@ class LossScaler:
     """The interface: ``scale`` to multiply the loss by, ``update(overflow)`` after a step."""
 
     scale: float = 1.0
+    #: Whether an overflowing step is skipped (and the scale backs off): the step cannot
+    #: be decided before its statistics are known.
+    skips_overflow: bool = False
 
     def update(self, overflow: bool) -> None:
         """Record whether the step just taken overflowed (and so was skipped)."""
@@ -47,6 +50,8 @@ class LossScaler:
 class NoLossScaler(LossScaler):
     """bf16 and fp32: no scaling needed."""
 
+    skips_overflow = False
+
 
 class DynamicLossScaler(LossScaler):
     """fp16: grow the scale after a run of clean steps, back off after overflows.
@@ -56,6 +61,8 @@ class DynamicLossScaler(LossScaler):
     does not halve the scale), and never below ``min_scale``. After ``growth_interval``
     consecutive clean steps the scale grows by ``growth_factor`` and the hysteresis resets.
     """
+
+    skips_overflow = True
 
     def __init__(self, config: LossScalerConfig) -> None:
         self.config = config

@@ -2,11 +2,12 @@
 by tile under the CPU Adam; gradients and weight staging stay in host RAM.
 
 A bucket whose optimizer state does not fit ``OffloadConfig.host_budget`` gets an
-``NvmeState`` (``plan_nvme`` decides which, buckets whole). Its gradient path is
-``OffloadedState``'s, unchanged (device buffer, D2H into staging, the host worker's fp32
-accumulation and statistics): ``NvmeState`` inherits it and allocates only the gradient
-and staging fields; the master and moments live in one ``StorageFile`` per bucket
-(``memory/storage.py``), one record per tile.
+``NvmeState`` (``plan_nvme`` in ``nvme_plan.py`` decides which, buckets whole). Its gradient
+path is the host one, unchanged (``grads.to_host.HostGradients``: device buffer, D2H into
+staging, the host worker's fp32 accumulation and statistics), composed with this store as
+with ``host.HostState``; the store allocates only the weight staging in host RAM, and the
+master and moments live in one ``StorageFile`` per bucket (``memory/storage.py``), one
+record per tile.
 
 Note [the step streams the state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -17,7 +18,7 @@ own length). A step visits the tiles that hold updated elements in order, over t
 ring of ``B`` I/O buffers (4 by default), taken round robin (``StorageTier.next_buffer``):
 at tile ``i`` the read of tile ``i + B - 2`` is issued, the CPU waits for tile ``i``'s read
 (issued ``B - 2`` tiles ago), runs the same ``adam_step`` kernel on it that
-``OffloadedState`` runs (elementwise, so tile boundaries do not change a bit: bitwise equal
+``host.HostState`` runs (``update/tiles.py``; elementwise, so tile boundaries do not change a bit: bitwise equal
 to the in-RAM state), writes the training-dtype weights into ``weights_staging`` and issues
 their H2D copy, then issues the write of tile ``i``. A buffer is read into only after the
 write it last carried completed (``IOBuffer.settle``): that write was issued two tiles
@@ -43,213 +44,44 @@ A read error, a bad checksum or a write error in a bucket's step leaves that buc
 partly stepped (tiles before the failure updated, tiles after it not): the file is marked
 FAILED and refuses further I/O, and the ``StorageError`` names the bucket, the file and the
 way out (reload from the last checkpoint). Other buckets' files were not being written and
-are intact; their state can still be saved (``state_stream.save_streaming`` skips nothing,
+are intact; their state can still be saved (``streaming.save_streaming`` skips nothing,
 so it refuses a FAILED file, naming it).
 
-Host bytes per NVMe bucket, with ``k`` the shard's elements and ``s`` the training dtype's
-bytes (``a(x)`` = ``x`` rounded up to the pool alignment): gradient staging ``a(s*k)`` and
-weight staging ``a(s*k)`` (fp32 weights too: the H2D copies' source, so that the I/O buffer
-is free as soon as its write is issued); with one micro-batch per step that is all (Adam
-reads the gradient from staging, Note [no accumulator for one backward] in
-``offloaded.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
-``a(4k)`` joins, in its own pool, created at the first accumulating step. Plus, once per
-segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
+The planning (which buckets, their bytes, the record layout) is in ``nvme_plan.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import psutil
 import torch
 
-from ..accelerator import Event
-from ..config import OffloadConfig, format_bytes
-from ..errors import StorageError
-from ..kernels import adam_step
-from ..memory.manager import TieredMemoryManager
-from ..memory.storage import (
-    IO_ALIGNMENT,
-    IO_BUFFERS,
-    IOBuffer,
-    IOBufferState,
-    StorageFile,
-    StorageTier,
-    aligned,
-)
-from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout, clip_runs
-from ..tracing import phase
-from .backend import AdamHyper, BucketPools
-from .offloaded import GradBuffers, OffloadedState
-from .param_views import ParamViews
-from .placement import Placement, _aligned, _host_bytes
+from ...accelerator import Event
+from ...config import OffloadConfig, format_bytes
+from ...errors import StorageError
+from ...memory.block import Block
+from ...memory.manager import TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageTier
+from ...memory.traffic import Category, Direction
+from ...partition import BucketLayout, clip_runs
+from ...tracing import phase
+from ...views import ParamViews
+from ..access import declare_cpu
+from ..grads.path import GradSource
+from ..grads.to_host import HostGradients
+from ..update.publish import WeightCopies
+from ..update.tiles import AdamHyper, AdamTiles
+from .nvme_plan import NvmePlan, RecordLayout, tile_sizes
+from .store import StateStore, TileFn, republish_from_master
 
-__all__ = [
-    "AUTO_HOST_HEADROOM_MIN",
-    "NvmeBackends",
-    "NvmePlan",
-    "NvmeState",
-    "RecordLayout",
-    "StateNotInHostRam",
-    "StreamGroup",
-    "plan_nvme",
-]
-
-#: ``host_budget="auto"`` leaves max(10% of total RAM, this) free, for activations, the data
-#: loader, the interpreter and the page cache.
-AUTO_HOST_HEADROOM_MIN = 2 << 30
-AUTO_HOST_HEADROOM_FRACTION = 0.10
+__all__ = ["NvmeBackends", "NvmeState", "StateNotInHostRam", "StreamGroup"]
 
 
 class StateNotInHostRam(RuntimeError):
     """The optimizer state of a bucket lives on NVMe: it cannot be handed out as tensors
     (``state_dict``, ``opt.state[p]``); the message names the streaming calls."""
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """Where each state field of one tile sits in its record: ``fields`` is ``(name, dtype,
-    byte offset)`` for a whole tile; each field starts 4 KiB-aligned. A short tile (the last
-    of a shard) packs its fields the same way at its own length (``offsets``), so its record
-    is only its own bytes, aligned."""
-
-    tile_elements: int
-    fields: tuple[tuple[str, torch.dtype, int], ...]
-    record_bytes: int
-
-    @classmethod
-    def make(cls, tile_elements: int, moments_dtype: torch.dtype, amsgrad: bool) -> RecordLayout:
-        names = [("master", torch.float32), ("exp_avg", moments_dtype)]
-        names.append(("exp_avg_sq", moments_dtype))
-        if amsgrad:
-            names.append(("max_exp_avg_sq", moments_dtype))
-        fields, offset = [], 0
-        for name, dtype in names:
-            fields.append((name, dtype, offset))
-            offset += aligned(tile_elements * dtype.itemsize)
-        return cls(tile_elements, tuple(fields), offset)
-
-    def offsets(self, count: int) -> list[int]:
-        """Byte offset of each field in the record of a tile of ``count`` elements."""
-        out, offset = [], 0
-        for _, dtype, _ in self.fields:
-            out.append(offset)
-            offset += aligned(count * dtype.itemsize)
-        return out
-
-    def bytes_for(self, count: int) -> int:
-        """Bytes of the record of a tile of ``count`` elements (a multiple of 4 KiB)."""
-        return sum(aligned(count * dtype.itemsize) for _, dtype, _ in self.fields)
-
-    def views(self, data: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
-        """The fields of the record in ``data`` (uint8), each ``(count,)`` long."""
-        return {
-            name: data[offset : offset + count * dtype.itemsize].view(dtype)
-            for (name, dtype, _), offset in zip(self.fields, self.offsets(count), strict=True)
-        }
-
-
-# -- placement -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NvmePlan:
-    """Which offloaded buckets keep their state on NVMe, and the bytes of each place.
-
-    ``host_pool``: the host pool's capacity (host-resident buckets in full, NVMe buckets'
-    gradients and staging); ``host_state``: of that, the master and moments in host RAM
-    (what ``host_budget`` bounds); ``disk``: bytes of the files; ``record``: the layout.
-    """
-
-    nvme: frozenset[int]
-    host_pool: int
-    host_state: int
-    disk: int
-    record: RecordLayout
-    host_budget: int | None
-
-
-def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
-    """Master and moments of this rank's shard in the host pool."""
-    k = bucket.shard_numel
-    return _aligned(4 * k, alignment) + (3 if amsgrad else 2) * _aligned(moment_size * k, alignment)
-
-
-def _nvme_host_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
-    """An NVMe bucket's bytes in the host pool: gradient staging and weight staging."""
-    return 2 * _aligned(itemsize * bucket.shard_numel, alignment)
-
-
-def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], tile_elements: int) -> list[int]:
-    """Elements of each tile of a bucket's shard: its real elements in ``tile_elements``
-    pieces (one tile at least)."""
-    real = bucket.real_in(*shard)
-    sizes = [min(tile_elements, real - lo) for lo in range(0, real, tile_elements)]
-    return sizes or [1]
-
-
-def resolve_host_budget(config: OffloadConfig, *, other_host_bytes: int) -> int | None:
-    """``config.host_budget`` in bytes for the master and moments; ``"auto"`` is the RAM
-    available now less max(10% of total, 2 GiB) and less ``other_host_bytes`` (gradients,
-    staging, I/O buffers: they are in host RAM whatever the placement)."""
-    budget = config.host_budget
-    if budget is None or isinstance(budget, int):
-        return budget
-    memory = psutil.virtual_memory()
-    headroom = max(int(memory.total * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
-    return max(0, memory.available - headroom - other_host_bytes)
-
-
-def plan_nvme(
-    layouts: Sequence[BucketLayout],
-    placement: Placement,
-    *,
-    config: OffloadConfig,
-    itemsize: int | Sequence[int],
-    moments_dtype: torch.dtype,
-    amsgrad: bool,
-    rank: int,
-    alignment: int,
-) -> NvmePlan:
-    """Place offloaded buckets whole: in bucket order, on the host while their master and
-    moments fit ``host_budget``; that bucket and every later one on NVMe.
-
-    Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
-    ``placement.host_state``, unchanged)."""
-    sizes = [itemsize] * len(layouts) if isinstance(itemsize, int) else list(itemsize)
-    record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
-    offloaded = [
-        (b, s) for b, s in zip(layouts, sizes, strict=True) if b.index not in placement.resident
-    ]
-    m = moments_dtype.itemsize
-    if config.nvme_dir is None:
-        state = sum(
-            _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-            for b, _ in offloaded
-        )
-        return NvmePlan(frozenset(), placement.host_state, state, 0, record, None)
-    minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
-    budget = resolve_host_budget(
-        config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
-    )
-    nvme: set[int] = set()
-    host_pool = host_state = disk = 0
-    for b, s in offloaded:
-        state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-        if not nvme and (budget is None or host_state + state <= budget):
-            host_state += state
-            host_pool += _host_bytes(
-                b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
-            )
-            continue
-        nvme.add(b.index)
-        host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
-        tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
-        disk += sum(record.bytes_for(n) for n in tiles)
-    return NvmePlan(frozenset(nvme), host_pool, host_state, disk, record, budget)
 
 
 def _settle(buffer: IOBuffer) -> None:
@@ -346,8 +178,8 @@ class NvmeBackends:
         views: ParamViews,
         *,
         manager: TieredMemoryManager,
-        pools: BucketPools,
-        grad_buffers: GradBuffers,
+        host_pool: BlockPool,
+        gradients: HostGradients,
         shard: tuple[int, int],
     ) -> NvmeState:
         """The bucket's ``NvmeState``; its file is ``{name}.bucket{index}``."""
@@ -357,8 +189,8 @@ class NvmeBackends:
             layout,
             views,
             manager=manager,
-            pools=pools,
-            grad_buffers=grad_buffers,
+            host_pool=host_pool,
+            gradients=gradients,
             shard=shard,
             record=self.plan.record,
             group=self.group,
@@ -366,16 +198,17 @@ class NvmeBackends:
         )
 
 
-# -- the backend -----------------------------------------------------------------------
+# -- the store -------------------------------------------------------------------------
 
 
-class NvmeState(OffloadedState):
+class NvmeState(StateStore):
     """State on NVMe, streamed under the CPU kernel; see the module docstring.
 
-    Host fields (``(shard_numel,)``, host pool; the gradient path's, as in
-    ``OffloadedState``): grad_staging and weights_staging (training dtype, fp32 included),
-    and grad_acc (fp32, its own pool) only once a window accumulated. Disk: ``file``, one
-    ``RecordLayout`` record per tile of the shard's real elements. ``master``/``exp_avg``/``exp_avg_sq`` are not host tensors here.
+    Host field: weights_staging, ``(shard_numel,)`` training dtype (fp32 included), host
+    pool: the kernel's copy-out and the H2D copies' source. Disk: ``file``, one
+    ``RecordLayout`` record per tile of the shard's real elements. The master and moments
+    are never host tensors here; the gradient is ``gradients``' (host staging, or the fp32
+    accumulator).
     """
 
     supports_speculation = False  # the state is on disk: no copy to restore from
@@ -388,32 +221,38 @@ class NvmeState(OffloadedState):
         views: ParamViews,
         *,
         manager: TieredMemoryManager,
-        pools: BucketPools,
-        grad_buffers: GradBuffers,
+        host_pool: BlockPool,
+        gradients: HostGradients,
         shard: tuple[int, int],
         record: RecordLayout,
         group: StreamGroup,
         name: str,
     ) -> None:
-        # OffloadedState.__init__ is not called: it allocates master and moments in the
-        # host pool, which is what this backend exists to avoid; the gradient path and the
-        # weight copies are set up the same way (OffloadedState._init_gradient_path).
-        self._init_gradient_path(
-            layout,
-            views,
-            manager=manager,
-            pools=pools,
-            grad_buffers=grad_buffers,
-            shard=shard,
-            tile_elements=record.tile_elements,
-        )
+        self.layout = layout
+        self.views = views
+        self.manager = manager
+        self.gradients = gradients
+        self.shard = shard
+        self.dtype = views.dtype
+        self.tile_elements = record.tile_elements
         self.record = record
         self.group = group
         self.tier = tier = group.tier
         self.real = layout.real_in(*shard)  # shard elements before the sharding padding
         self.file: StorageFile | None = None
+        self.publication = WeightCopies(
+            manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
+        )
+        n = layout.shard_numel
+        self._staging_block: Block | None = host_pool.alloc(
+            n * self.dtype.itemsize, owner=f"bucket{layout.index}.weights_staging"
+        )
+        self._staging_block.on_move(
+            lambda b: setattr(self, "weights_staging", b.view(self.dtype, (n,)))
+        )
+        self.weights_staging = self._staging_block.view(self.dtype, (n,))
+        self.weights_staging.zero_()
         try:
-            self._alloc_host_fields([("grad_staging", self.dtype), ("weights_staging", self.dtype)])
             sizes = tile_sizes(layout, shard, self.tile_elements)
             self.file = tier.create_file(
                 name,
@@ -427,6 +266,12 @@ class NvmeState(OffloadedState):
         except BaseException:
             self.close()
             raise
+
+    def weights_home(self) -> tuple[torch.Tensor, Block]:
+        """``weights_staging`` and its block: what the H2D copies read."""
+        if self._staging_block is None:
+            raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
+        return self.weights_staging, self._staging_block
 
     @property
     def tiles(self) -> int:
@@ -521,7 +366,7 @@ class NvmeState(OffloadedState):
                     f"bucket {self.layout.index}: NVMe I/O failed on {file.path}: {exc}. "
                     f"{changed}; the state of every other bucket is intact. Reload the "
                     "optimizer from its last checkpoint "
-                    "(zero_offload.optim.state_stream.load_streaming)"
+                    "(opt.load_streaming(path), zero_offload.optim.state.streaming)"
                 ) from exc
             raise
 
@@ -566,7 +411,7 @@ class NvmeState(OffloadedState):
             direction=Direction.D2H,
             category=Category.OPTIMIZER_STATE,  # reads the weights to re-derive the master
             after=[self.manager.compute_ready()],
-            blocks=[self.views.block, self._blocks["weights_staging"]],
+            blocks=[self.views.block, self.weights_home()[1]],
             label=f"bucket{self.layout.index} master refresh",
         )
         done.synchronize()  # Synchronisation point: the tiles below read it
@@ -588,12 +433,27 @@ class NvmeState(OffloadedState):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
-        source: str | None = None,
+        source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        # As OffloadedState.update: the gradient is staging or the accumulator (Note [no
+        # As HostState.update: the gradient is staging or the accumulator (Note [no
         # accumulator for one backward]); the weight copies wait for compute issued so far.
-        source, grad, after = self._begin_update(source, publish=publish, after=after)
+        tiles = AdamTiles(
+            self.gradients,
+            self.publication,
+            hyper,
+            grad_scale,
+            source=source,
+            publish=publish,
+            after=after,
+        )
+        declare_cpu(
+            self.manager,
+            self.weights_staging,
+            bucket=self.layout.index,
+            write=True,
+            what="CPU Adam writes weights",
+        )
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
             first = start // self.tile_elements
@@ -608,61 +468,30 @@ class NvmeState(OffloadedState):
             base = tile * self.tile_elements
             for lo, hi, step in pieces[tile]:
                 a, b = lo - base, hi - base
-                master = fields["master"][a:b]
-                self._await_grad(grad, source, lo, hi)  # Note [Adam follows the gradient in]
-                adam_step(
-                    master,
-                    grad[lo:hi],
-                    fields["exp_avg"][a:b],
-                    fields["exp_avg_sq"][a:b],
-                    step=step,
-                    lr=hyper.lr,
-                    beta1=hyper.beta1,
-                    beta2=hyper.beta2,
-                    eps=hyper.eps,
-                    weight_decay=hyper.weight_decay,
-                    decoupled_weight_decay=hyper.decoupled,
-                    maximize=hyper.maximize,
-                    grad_scale=grad_scale,
-                    max_exp_avg_sq=fields["max_exp_avg_sq"][a:b] if hyper.amsgrad else None,
-                    out=None if fp32 else self.weights_staging[lo:hi],
+                staging = self.weights_staging[lo:hi]
+                tiles.step(
+                    lo,
+                    hi,
+                    step,
+                    {name: view[a:b] for name, view in fields.items()},
+                    out=None if fp32 else staging,
+                    copy_master_to=staging if fp32 else None,
                 )
-                if fp32:
-                    self.weights_staging[lo:hi].copy_(master)
-                if publish:
-                    event = self._copy_tile(lo, hi, after)
-                    if event is not None:  # None: the source is the weights' home
-                        self._issued.append(event)
-                else:
-                    self._unpublished.append((lo, hi))
 
         self._stream(step_tile, sorted(pieces), prefetch_next=True)
 
-    def publish_all_from_master(self) -> None:
-        def take(tile: int, fields: dict[str, torch.Tensor]) -> None:
-            lo, hi = self._tile_range(tile)
-            self.weights_staging[lo:hi].copy_(fields["master"])  # round to nearest even
-
-        self._stream(take, range(self.tiles), write=False)
-        self._unpublished = [self._tile_range(t) for t in range(self.tiles)]
-
-    def reconcile_master(self) -> None:
+    def final_weights(self) -> torch.Tensor:
         self._load_weights()
-        weights = self.weights_staging
+        return self.weights_staging
 
-        def take(tile: int, fields: dict[str, torch.Tensor]) -> None:
-            lo, hi = self._tile_range(tile)
-            master = fields["master"]
-            if self.dtype == torch.float32:
-                master.copy_(weights[lo:hi])
-                return
-            # As OffloadedState: where the weight is still the rounding of the master, the
-            # master keeps its extra bits; elsewhere the weight was written and wins.
-            written = weights[lo:hi] != master.to(self.dtype)
-            master[written] = weights[lo:hi][written].float()
+    def weights_out(self) -> torch.Tensor:
+        return self.weights_staging
 
-        self._stream(take, range(self.tiles))
-        self._unpublished = []
+    def publish_all_from_master(self) -> None:
+        republish_from_master(self, self.publication)
+
+    def span(self) -> tuple[int, int]:
+        return self.shard
 
     # -- state -------------------------------------------------------------------------
 
@@ -673,22 +502,16 @@ class NvmeState(OffloadedState):
             f"{format_bytes(self.file.nbytes if self.file is not None else 0)}): it did not fit "
             "OffloadConfig.host_budget, so state_dict(), load_state_dict() and opt.state[p] "
             "cannot hand it out as tensors without exhausting host RAM. Save and load "
-            "bucket by bucket with zero_offload.optim.state_stream.save_streaming(opt, path) "
-            "and load_streaming(opt, path)"
+            "bucket by bucket with zero_offload.optim.state.streaming.save_streaming(opt, path) "
+            "and load_streaming(opt, path) (the same as opt.save_streaming(path), "
+            "opt.load_streaming(path))"
         )
 
-    def state_names(self) -> tuple[str, ...]:
-        """The state fields this bucket keeps (on disk), without reading them: master,
-        exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad."""
-        return tuple(name for name, _, _ in self.record.fields)
+    def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
+        """The state fields this bucket keeps (on disk), without reading them."""
+        return [(name, dtype) for name, dtype, _ in self.record.fields]
 
-    def stream_fields(
-        self,
-        fn: Callable[[int, int, dict[str, torch.Tensor]], None],
-        *,
-        read: bool = True,
-        write: bool = False,
-    ) -> None:
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         """``fn(lo, hi, fields)`` for every tile in order (shard-local ``[lo, hi)``, the
         state fields' views of that tile): read from disk first (``read``; else ``fn``
         must fill every field) and written back after (``write``). For checkpoints: a
@@ -704,7 +527,9 @@ class NvmeState(OffloadedState):
 
     def close(self) -> None:
         try:
-            super().close()
+            if self._staging_block is not None:
+                self._staging_block.free()
+                self._staging_block = None
         finally:
             if self in self.group.order:
                 self.group.order.remove(self)

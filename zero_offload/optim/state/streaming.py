@@ -7,7 +7,7 @@ these calls). These work for every placement (device-resident, host, NVMe): the 
 they use is one tile of every field at a time, whatever the model.
 
 Layout, under ``path/rank{r}/`` (each rank writes its own shard, Note [sharded state dicts]
-in ``state_io.py``):
+in ``state_dict.py``):
 
 - ``bucket{i}.bin``: bucket ``i``'s tiles in order; each tile is its fields' raw bytes for
   the tile's elements, field after field (master, exp_avg, exp_avg_sq, max_exp_avg_sq);
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,112 +39,94 @@ import numpy as np
 import torch
 import xxhash
 
-from ..fileio import atomic_directory, private_file, recover_directory
-from .flat_bucket import FlatBucket
-from .nvme import NvmeState
-from .stepping import DelayedUpdate
+from ...collectives import Comm
+from ...fileio import atomic_directory, private_file, recover_directory
+from ..flat_bucket import FlatBucket
+from ..update.loss_scaler import LossScaler
+from .state_dict import LoadedState, group_entries
 
 if TYPE_CHECKING:
-    from .offload_adamw import OffloadAdamW
+    from ..offload_adamw import OffloadAdamW
 
-__all__ = ["load_streaming", "save_streaming"]
+__all__ = ["load", "load_streaming", "save", "save_streaming"]
 
 _FORMAT_VERSION = 1
 _META = "meta.pt"
 
-TileFn = Callable[[int, int, dict[str, torch.Tensor]], None]
+
+def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+    """``opt.save_streaming(path)``: write the state under ``path/rank{r}/`` bucket by
+    bucket, tile by tile; see the module docstring. Every rank calls it."""
+    opt.save_streaming(path)
 
 
-def _tile_elements(opt: OffloadAdamW) -> int:
-    return opt.config.tile_elements
+def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+    """``opt.load_streaming(path)``: load what ``save_streaming`` wrote, tile by tile."""
+    opt.load_streaming(path)
 
 
-def _fields_of(bucket: FlatBucket) -> list[tuple[str, torch.dtype]]:
-    backend = bucket.backend
-    if isinstance(backend, NvmeState):
-        return [(name, dtype) for name, dtype, _ in backend.record.fields]
-    return [(name, tensor.dtype) for name, tensor in backend.state_tensors().items()]
-
-
-def _real(bucket: FlatBucket) -> int:
-    """Elements of this rank's state that hold parameters (before the sharding padding)."""
-    start, stop = (0, bucket.layout.padded_numel) if bucket.resident else bucket.shard
-    return bucket.layout.real_in(start, stop)
-
-
-def _each_tile(bucket: FlatBucket, tile: int, fn: TileFn, *, read: bool, write: bool) -> None:
-    """``fn(lo, hi, fields)`` over the bucket's state in tiles of ``tile`` elements: from
-    the NVMe tier through its I/O buffers, else views of the host or device tensors."""
-    backend = bucket.backend
-    if isinstance(backend, NvmeState):
-        backend.stream_fields(fn, read=read, write=write)
-        return
-    tensors = backend.state_tensors()
-    real = _real(bucket)
-    for lo in range(0, real, tile):
-        hi = min(lo + tile, real)
-        fn(lo, hi, {name: tensor[lo:hi] for name, tensor in tensors.items()})
-
-
-def _fingerprint(opt: OffloadAdamW, bucket: FlatBucket) -> dict[str, Any]:
+def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
+    store = bucket.store
     return {
         "index": bucket.layout.index,
-        "shard": tuple(bucket.shard) if not bucket.resident else (0, bucket.layout.padded_numel),
-        "real": _real(bucket),
+        "shard": tuple(store.span()),
+        # Elements of this rank's state that hold parameters (before the sharding padding).
+        "real": bucket.layout.real_in(*store.span()),
         "params": [slot.numel for slot in bucket.layout.slots],
-        "fields": [(name, str(dtype)) for name, dtype in _fields_of(bucket)],
-        "tile_elements": _tile_elements(opt),
+        "fields": [(name, str(dtype)) for name, dtype in store.field_dtypes()],
+        "tile_elements": tile_elements,
     }
 
 
-def _rank_dir(opt: OffloadAdamW, path: str | os.PathLike[str]) -> tuple[Path, int, int]:
-    rank = opt.comm.rank if opt.comm is not None else 0
-    world = opt.comm.world_size if opt.comm is not None else 1
+def _rank_dir(comm: Comm | None, path: str | os.PathLike[str]) -> tuple[Path, int, int]:
+    rank = comm.rank if comm is not None else 0
+    world = comm.world_size if comm is not None else 1
     return Path(path) / f"rank{rank}", rank, world
 
 
-def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
-    """Write ``opt``'s state under ``path/rank{r}/`` bucket by bucket, tile by tile; see
-    the module docstring. Every rank calls it with the same ``path``.
-
-    Like ``state_dict()`` it reads the state without changing training (with
-    ``overlap_step`` it waits for the pending update and records that it is pending)."""
-    opt._check_open("save_streaming")
-    opt._mode.drain()
-    directory, rank, world = _rank_dir(opt, path)
-    tile = _tile_elements(opt)
-    nbytes = sum(_real(b) * sum(d.itemsize for _, d in _fields_of(b)) for b in opt.buckets)
+def save(
+    path: str | os.PathLike[str],
+    buckets: Sequence[FlatBucket],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    comm: Comm | None,
+    scaler: LossScaler,
+    skipped_steps: int,
+    pending_update: bool,
+    tile_elements: int,
+) -> None:
+    """Write the state of ``buckets`` under ``path/rank{r}/``; the caller made it final
+    (``OffloadAdamW.save_streaming``)."""
+    directory, rank, world = _rank_dir(comm, path)
+    nbytes = sum(
+        b.layout.real_in(*b.store.span()) * sum(d.itemsize for _, d in b.store.field_dtypes())
+        for b in buckets
+    )
     # Written aside and swapped in whole: see Note [atomic replacement] in fileio.py.
     with atomic_directory(directory, what="save_streaming", nbytes=nbytes) as staging:
-        buckets = []
-        for bucket in opt.buckets:
+        entries = []
+        for bucket in buckets:
             target = staging / f"bucket{bucket.layout.index}.bin"
-            checksums = _save_bucket(bucket, tile, target)
-            entry = _fingerprint(opt, bucket)
+            checksums = _save_bucket(bucket, target)
+            entry = _fingerprint(bucket, tile_elements)
             entry["steps"] = bucket.steps.tolist()
             entry["tiles"] = checksums
-            buckets.append(entry)
-        groups, position = [], 0
-        for group in opt.param_groups:
-            saved = {key: value for key, value in group.items() if key != "params"}
-            saved["params"] = list(range(position, position + len(group["params"])))
-            position += len(group["params"])
-            groups.append(saved)
+            entries.append(entry)
         meta = {
             "version": _FORMAT_VERSION,
             "rank": rank,
             "world_size": world,
-            "param_groups": groups,
-            "loss_scaler": opt.scaler.state_dict(),
-            "skipped_steps": opt.skipped_steps,
-            "pending_update": bool(opt._mode.pending),
-            "buckets": buckets,
+            "param_groups": group_entries(param_groups),
+            "loss_scaler": scaler.state_dict(),
+            "skipped_steps": skipped_steps,
+            "pending_update": bool(pending_update),
+            "buckets": entries,
         }
         with private_file(staging / _META) as out:
             torch.save(meta, out)
 
 
-def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int, int, int]]:
+def _save_bucket(bucket: FlatBucket, target: Path) -> list[tuple[int, int, int]]:
     """Write one bucket's tiles to ``target``; each tile's ``(lo, hi, xxh3-64)``."""
     checksums: list[tuple[int, int, int]] = []
     with private_file(target) as out:
@@ -157,13 +139,13 @@ def _save_bucket(bucket: FlatBucket, tile: int, target: Path) -> list[tuple[int,
                 out.write(memoryview(data))
             checksums.append((lo, hi, digest.intdigest()))
 
-        _each_tile(bucket, tile, save, read=True, write=False)
+        bucket.store.stream_fields(save, read=True, write=False)
     return checksums
 
 
-def _load_bucket(bucket: FlatBucket, tile: int, source: Path) -> None:
+def _load_bucket(bucket: FlatBucket, source: Path) -> None:
     """Stream ``source``'s tiles (checked already) into the bucket's state."""
-    fields = _fields_of(bucket)
+    fields = bucket.store.field_dtypes()
     with open(source, "rb") as handle:
 
         def load(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
@@ -171,7 +153,7 @@ def _load_bucket(bucket: FlatBucket, tile: int, source: Path) -> None:
             for (name, dtype), data in zip(fields, arrays, strict=True):
                 views[name].copy_(torch.from_numpy(data).view(dtype))
 
-        _each_tile(bucket, tile, load, read=False, write=True)
+        bucket.store.stream_fields(load, read=False, write=True)
 
 
 def _read_tile(handle: Any, fields: list[tuple[str, torch.dtype]], count: int) -> list[np.ndarray]:
@@ -184,8 +166,16 @@ def _read_tile(handle: Any, fields: list[tuple[str, torch.dtype]], count: int) -
     return arrays
 
 
-def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int) -> None:
-    """Everything ``load_streaming`` relies on, before anything changes."""
+def _check(
+    buckets: Sequence[FlatBucket],
+    param_groups: Sequence[dict[str, Any]],
+    scaler: LossScaler,
+    tile_elements: int,
+    directory: Path,
+    meta: dict[str, Any],
+    world: int,
+) -> None:
+    """Everything ``load`` relies on, before anything changes."""
     if meta.get("version") != _FORMAT_VERSION:
         raise ValueError(
             f"{directory / _META}: format version {meta.get('version')!r}, expected "
@@ -197,14 +187,14 @@ def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int)
             "a streamed checkpoint resumes on the same world size"
         )
     saved = meta["buckets"]
-    if len(saved) != len(opt.buckets) or len(meta["param_groups"]) != len(opt.param_groups):
+    if len(saved) != len(buckets) or len(meta["param_groups"]) != len(param_groups):
         raise ValueError(
             f"{directory}: {len(saved)} buckets and {len(meta['param_groups'])} param groups "
-            f"saved, this optimizer has {len(opt.buckets)} and {len(opt.param_groups)}: build "
+            f"saved, this optimizer has {len(buckets)} and {len(param_groups)}: build "
             "it over the same parameters with the same OffloadConfig.bucket_bytes"
         )
-    for entry, bucket in zip(saved, opt.buckets, strict=True):
-        mine = _fingerprint(opt, bucket)
+    for entry, bucket in zip(saved, buckets, strict=True):
+        mine = _fingerprint(bucket, tile_elements)
         theirs = {key: entry[key] for key in mine}
         theirs["shard"] = tuple(theirs["shard"])
         if theirs != mine:
@@ -215,7 +205,7 @@ def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int)
                 "optimizer over the same parameters with the same bucket_bytes, "
                 "tile_elements and moments_dtype"
             )
-        fields = _fields_of(bucket)
+        fields = bucket.store.field_dtypes()
         with open(directory / f"bucket{bucket.layout.index}.bin", "rb") as handle:
             for lo, hi, expected in entry["tiles"]:
                 digest = xxhash.xxh3_64()
@@ -226,7 +216,7 @@ def _check(opt: OffloadAdamW, directory: Path, meta: dict[str, Any], world: int)
                         f"{handle.name}: tile [{lo}, {hi}) fails its checksum (corrupted or "
                         "torn checkpoint); nothing was loaded"
                     )
-    opt.scaler.check_state(meta.get("loss_scaler") or {})
+    scaler.check_state(meta.get("loss_scaler") or {})
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -244,15 +234,20 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
-    """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile; see the
-    module docstring. Checks everything first: a mismatch raises and changes nothing.
-
-    The master weights come from the checkpoint (the model's weights are loaded by the
-    caller, as with ``load_state_dict``)."""
-    opt._check_open("load_streaming")
-    opt._mode.drain()
-    directory, _, world = _rank_dir(opt, path)
+def load(
+    path: str | os.PathLike[str],
+    buckets: Sequence[FlatBucket],
+    param_groups: list[dict[str, Any]],
+    *,
+    comm: Comm | None,
+    scaler: LossScaler,
+    tile_elements: int,
+) -> LoadedState:
+    """Load what ``save`` wrote under ``path/rank{r}/`` into ``buckets`` and
+    ``param_groups``, tile by tile; checks everything first (the loss scaler's state
+    too): a mismatch raises and changes nothing. Returns what the caller applies, as
+    ``state_dict.load_optimizer_state`` does."""
+    directory, _, world = _rank_dir(comm, path)
     recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
     if not (directory / _META).exists():
         raise FileNotFoundError(
@@ -260,24 +255,21 @@ def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
             "not finish (save_streaming writes it last)"
         )
     meta = _read_meta(directory / _META)
-    _check(opt, directory, meta, world)
+    _check(buckets, param_groups, scaler, tile_elements, directory, meta, world)
 
     # Checked: from here on nothing raises on the checkpoint's data.
-    tile = _tile_elements(opt)
-    for entry, bucket in zip(meta["buckets"], opt.buckets, strict=True):
-        _load_bucket(bucket, tile, directory / f"bucket{bucket.layout.index}.bin")
+    for entry, bucket in zip(meta["buckets"], buckets, strict=True):
+        _load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
-        bucket.backend.drop_unpublished()
+        bucket.store.publication.drop_unpublished()
         bucket.views.remember()
-    for saved, group in zip(meta["param_groups"], opt.param_groups, strict=True):
+    for saved, group in zip(meta["param_groups"], param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":
                 group[key] = value
-    opt.scaler.load_state_dict(meta.get("loss_scaler") or {})
-    opt.skipped_steps = int(meta.get("skipped_steps", opt.skipped_steps))
-    opt._stats_cache = None
-    if isinstance(opt._mode, DelayedUpdate):  # as load_state_dict
-        if meta.get("pending_update"):
-            opt._mode.resume_pending(opt.buckets)
-        else:
-            opt._mode.forget_pending()
+    skipped = meta.get("skipped_steps")
+    return LoadedState(
+        meta.get("loss_scaler") or {},
+        None if skipped is None else int(skipped),
+        bool(meta.get("pending_update")),
+    )

@@ -50,7 +50,7 @@ class GradState(enum.Enum):
     FILLING = "filling"
     #: Several ranks only: every parameter of the bucket reported in this backward, and
     #: the bucket keeps its device buffer until every bucket before it in the fixed order
-    #: has gone (Note [ranks in lockstep] in ``backward.py``).
+    #: has gone (Note [ranks in lockstep] in ``order.py``).
     COMPLETE = "complete"
     #: Flushed: the device buffer is released (its reuse waits on the copy's event); the
     #: reduce-scatter, the copy into host staging and the host worker's accumulation are

@@ -1,31 +1,36 @@
-"""Resident bucket state: fp32 master, moments and accumulator on the device, torch's fused
-AdamW (the share ``1 - offload_fraction`` of the parameters; nothing crosses a tier)."""
+"""Device-resident state: fp32 master and moments on the device, torch's fused AdamW (the
+share ``1 - offload_fraction`` of the parameters; nothing crosses a tier). The gradients
+stay on the device too (``grads.on_device.DeviceGradients``), and the update writes
+``weights_dev`` in place (``update.publish.WrittenInPlace``)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from ..accelerator import Event
-from ..memory.block import Block
-from ..partition import BucketLayout
-from .backend import AdamHyper, BucketPools, UpdateBackend
-from .param_views import ParamViews
-from .ranks import Ranks
+from ...accelerator import Event
+from ...memory.block import Block
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout
+from ...views import ParamViews
+from ..grads.on_device import DeviceGradients
+from ..grads.path import GradSource
+from ..update.publish import WrittenInPlace
+from ..update.tiles import AdamHyper
+from .store import StateStore, TileFn, stream_tensors
 
 __all__ = ["ResidentState"]
 
 
-class ResidentState(UpdateBackend):
+class ResidentState(StateStore):
     """State on the device, updated there by torch's fused AdamW.
 
     Device fields (all ``(padded_numel,)`` fp32, device pool): master, exp_avg, exp_avg_sq,
-    max_exp_avg_sq (amsgrad only), grad_acc. Gradients add straight into ``grad_acc``: a
-    resident bucket needs no gradient buffer of its own.
+    max_exp_avg_sq (amsgrad only). The gradient is ``gradients.grad_acc``: a resident
+    bucket needs no gradient buffer of its own.
     """
 
     resident = True
@@ -35,24 +40,27 @@ class ResidentState(UpdateBackend):
         layout: BucketLayout,
         views: ParamViews,
         *,
-        pools: BucketPools,
+        device_pool: BlockPool,
+        gradients: DeviceGradients,
         amsgrad: bool,
         tile_elements: int = 1 << 20,
     ) -> None:
         self.layout = layout
         self.tile_elements = tile_elements
-        self._ledger = pools.device.accelerator.ledger
+        self._ledger = device_pool.accelerator.ledger
+        self.gradients = gradients
+        self.publication = WrittenInPlace()
         self.views = views
         self.dtype = views.dtype
         n = layout.padded_numel
-        names = ["master", "exp_avg", "exp_avg_sq", "grad_acc"]
+        names = ["master", "exp_avg", "exp_avg_sq"]
         if amsgrad:
             names.append("max_exp_avg_sq")
         self._blocks: dict[str, Block] = {}
         self.max_exp_avg_sq: torch.Tensor | None = None
         try:
             for name in names:
-                block = pools.device.alloc(4 * n, owner=f"bucket{layout.index}.{name}")
+                block = device_pool.alloc(4 * n, owner=f"bucket{layout.index}.{name}")
                 self._blocks[name] = block
                 block.on_move(lambda b, name=name: setattr(self, name, b.view(torch.float32, (n,))))
                 tensor = block.view(torch.float32, (n,))
@@ -65,31 +73,6 @@ class ResidentState(UpdateBackend):
         # one per bucket, refilled in place (no host-to-device copy per step).
         self._state_step = torch.zeros((), dtype=torch.float32, device=self.master.device)
         self.reconcile_master()
-
-    def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
-        if new_window:
-            self.grad_acc.zero_()
-
-    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
-        slot = self.layout.slots[slot_index]
-        self.grad_acc[slot.offset : slot.end].add_(grad)
-
-    def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
-        return None  # the gradients are already in the accumulator, on the device
-
-    def discard_grad(self) -> None:
-        return None  # the accumulator is zeroed when the next window opens
-
-    def window_source(self) -> str:
-        return "grad_acc"
-
-    def grad_sumsq(self) -> tuple[float, bool]:
-        grad = self.grad_acc[: self.layout.numel]
-        # Synchronisation point: .item() waits for the device to finish the reduction. In
-        # float64 the squares of finite fp32 values cannot overflow, so the norm is
-        # non-finite exactly when some gradient is.
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64).item())
-        return norm * norm, not math.isfinite(norm)
 
     # Note [resident temporaries are counted]
     # Scaling a gradient, adding Adam's coupled decay and reconciling the master allocate
@@ -117,7 +100,7 @@ class ResidentState(UpdateBackend):
         runs: list[tuple[int, int, int]],
         *,
         publish: bool,
-        source: str | None = None,
+        source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
         weights = self.views.weights_dev
@@ -137,7 +120,7 @@ class ResidentState(UpdateBackend):
         step: int,
         weights: torch.Tensor,
     ) -> None:
-        grad = self.grad_acc[start:stop]
+        grad = self.gradients.grad_acc[start:stop]
         if grad_scale != 1.0:
             # A scaled copy: grad_acc must stay as accumulated (a second step() on the
             # same gradients, like torch, must see them unscaled); a tile-sized temporary.
@@ -169,30 +152,39 @@ class ResidentState(UpdateBackend):
         )
         weights[start:stop].copy_(master)
 
-    def publish(self) -> list[Event]:
-        return []  # update() writes weights_dev in place: nothing crosses a tier
-
-    def drop_unpublished(self) -> None:
-        return None  # every update is written in place at once: nothing waits
-
     def publish_all_from_master(self) -> None:
         self.views.weights_dev.copy_(self.master)
 
     def reconcile_master(self) -> None:
-        weights = self.views.weights_dev
         if self.dtype == torch.float32:
-            self.master.copy_(weights)
+            super().reconcile_master()
             return
         # Rare (construction, loading, weights written outside the optimizer); tile by tile,
         # an fp32 tile, a training-dtype tile and a mask at once (Note [resident temporaries
         # are counted]).
         n = self.layout.padded_numel
         with self._temporaries(7 * min(self.tile_elements, n), "reconcile temporaries"):
-            for lo in range(0, n, self.tile_elements):
-                hi = min(lo + self.tile_elements, n)
-                master, tile = self.master[lo:hi], weights[lo:hi]
-                written = tile != master.to(self.dtype)
-                master.copy_(torch.where(written, tile.float(), master))
+            super().reconcile_master()
+
+    def final_weights(self) -> torch.Tensor:
+        return self.views.weights_dev  # written on the compute stream, in order
+
+    def weights_out(self) -> torch.Tensor:
+        return self.views.weights_dev
+
+    def span(self) -> tuple[int, int]:
+        return 0, self.layout.padded_numel
+
+    def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
+        return [(name, tensor.dtype) for name, tensor in self.state_tensors().items()]
+
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        stream_tensors(
+            self.state_tensors(),
+            self.layout.real_in(0, self.layout.padded_numel),
+            self.tile_elements,
+            fn,
+        )
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

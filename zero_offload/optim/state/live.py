@@ -6,7 +6,7 @@ inspects moments). Every trained parameter therefore has an entry from construct
 built on access from its bucket: ``step`` (a 0-d int64 view of the bucket's step counts),
 and ``master``, ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) as views of
 the host (or resident device) state, shaped like the parameter with one rank and flat
-pieces of this rank's shard with several (Note [sharded state dicts] in ``state_io.py``).
+pieces of this rank's shard with several (Note [sharded state dicts] in ``state_dict.py``).
 Writing through a view writes the optimizer state; replacing an entry is refused (use
 ``load_state_dict``). Parameters the optimizer does not train get ordinary dict entries,
 as torch's ``defaultdict(dict)`` gives them.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .flat_bucket import FlatBucket
+from ..flat_bucket import FlatBucket
 
 __all__ = ["OptimizerState"]
 

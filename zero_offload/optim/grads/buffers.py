@@ -1,0 +1,119 @@
+"""The memory a gradient passes through on its way to the host: the device gradient
+buffers (``GradBuffers``, with overflow pools for buckets that wait their turn) and the fp32
+accumulator (``AccumulatorPool``, pinned on first need), and the thread count of the host
+worker's passes over a gradient."""
+
+from __future__ import annotations
+
+import warnings
+
+import numba
+
+from ...config import format_bytes
+from ...errors import PoolExhausted
+from ...memory.align import aligned
+from ...memory.block import Block
+from ...memory.manager import Tier, TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout
+
+__all__ = ["AccumulatorPool", "GradBuffers", "accumulator_bytes", "host_pass_threads"]
+
+
+def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
+    """Bytes of an offloaded bucket's fp32 gradient accumulator, ``a(4k)``: its own pool,
+    created at the first accumulating step (Note [no accumulator for one backward] in
+    ``grads/to_host.py``)."""
+    return aligned(4 * bucket.shard_numel, alignment)
+
+
+# Note [the Adam pass gets the cores]
+# The host worker's passes over a gradient (statistics, accumulation, the fold into the
+# accumulator) run while something else holds the cores: torch's threads running the
+# rest of backward, or CPU Adam, which runs on every core (numba's default, as torch's).
+# They are vectorised and mostly memory-bound: alone, one thread does the fp32 statistics
+# in 1.16x the time of two, bf16 in 1.6x (benchmarks/bench_grad_passes.py). Beside CPU
+# Adam, though, a second team of threads oversubscribes the cores and stalls both teams at
+# their barriers. So they run on a quarter of numba's threads, at least one: one on the
+# 2-vCPU test machine, where that measured 26.5 ms a step against 29.1 ms with a team of
+# two (bench_offload_step's embed model, bf16, one micro-batch, no clipping, median of 15
+# interleaved rounds; no change with clipping or 4 micro-batches); on a many-core host a
+# few threads keep up with the D2H link (not measured: no GPU host was available).
+
+
+def host_pass_threads() -> int:
+    """Threads for one host-worker pass over a gradient: Note [the Adam pass gets the cores]."""
+    return max(1, numba.config.NUMBA_NUM_THREADS // 4)
+
+
+class GradBuffers:
+    """Device gradient buffers for offloaded buckets: the device pool, plus overflow pools
+    grown on demand when buckets must wait for their turn (several ranks, Note [ranks in
+    lockstep] in ``order.py``). Overflow pools are kept and reused by later backwards;
+    each is counted against the device budget like any pool."""
+
+    def __init__(self, manager: TieredMemoryManager, *, name: str) -> None:
+        self.manager = manager
+        self.name = name
+        self.overflow: list[BlockPool] = []  # each one largest-bucket buffer, device
+
+    def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
+        """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
+        ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
+        # The compute stream fills the buffer first: its reuse waits there, not on the CPU
+        # (stream-ordered reuse, Note [block reuse waits on events] in pool.py).
+        stream = self.manager.accelerator.current_stream()
+        try:
+            return pool.alloc(nbytes, owner=owner, stream=stream)
+        except PoolExhausted:
+            if not grow:
+                raise
+        for extra in self.overflow:
+            try:
+                return extra.alloc(nbytes, owner=owner, stream=stream)
+            except PoolExhausted:
+                continue
+        extra = self.manager.create_pool(
+            Tier.DEVICE, nbytes, name=f"{self.name}.grad_overflow{len(self.overflow)}"
+        )
+        if not self.overflow:
+            warnings.warn(
+                f"zero-offload: a gradient bucket of {format_bytes(nbytes)} had to wait for an "
+                "earlier bucket that is not complete on this rank (an unused parameter, or "
+                "backward order differing from bucket order); its gradients stay on the "
+                "device meanwhile, in an extra device pool (kept for later steps). See "
+                "'Ranks in lockstep' in the README.",
+                stacklevel=2,
+            )
+        self.overflow.append(extra)
+        return extra.alloc(nbytes, owner=owner, stream=stream)
+
+    def close(self) -> None:
+        """Close the overflow pools (their blocks were freed by the buckets)."""
+        for extra in self.overflow:
+            extra.close()
+        self.overflow.clear()
+
+
+class AccumulatorPool:
+    """fp32 gradient accumulator memory, created on first need (Note [no accumulator for
+    one backward]); ``capacity`` in bytes."""
+
+    def __init__(self, manager: TieredMemoryManager, capacity: int, *, name: str) -> None:
+        self.manager = manager
+        self.capacity = capacity
+        self.name = name
+        self.pool: BlockPool | None = None  # host, pinned where available; None until needed
+
+    def alloc(self, nbytes: int, *, owner: str) -> Block:
+        """A block of ``nbytes``; the first call creates the pool (hidden cost: a pinned
+        allocation of ``capacity`` bytes)."""
+        if self.pool is None:
+            self.pool = self.manager.create_pool(Tier.HOST, self.capacity, name=self.name)
+        return self.pool.alloc(nbytes, owner=owner)
+
+    def close(self) -> None:
+        """Close the pool (its blocks were freed by the buckets)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -1,0 +1,69 @@
+"""The gradient path that stays on the device: gradients add straight into an fp32
+accumulator there (the device-resident state store, ``state/resident.py``, reads it).
+
+Nothing crosses a tier, so there is no buffer per backward: the accumulator is the open
+buffer of every backward of the window, zeroed when a window opens. A flush hands nothing on
+(the window's gradient is already where the step reads it), and ``zero_grad`` has nothing
+to release (the next window's first gradient zeroes the accumulator).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...memory.block import Block
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout
+from ..ranks import Ranks
+from .path import GradientPath, GradSource
+
+__all__ = ["DeviceGradients"]
+
+
+class DeviceGradients(GradientPath):
+    """Gradients accumulated on the device.
+
+    Fields:
+        grad_acc: (padded_numel,) fp32, device pool; the window's gradient.
+    """
+
+    def __init__(self, layout: BucketLayout, *, device_pool: BlockPool) -> None:
+        self.layout = layout
+        n = layout.padded_numel
+        self._block: Block = device_pool.alloc(4 * n, owner=f"bucket{layout.index}.grad_acc")
+        self._block.on_move(lambda b: setattr(self, "grad_acc", b.view(torch.float32, (n,))))
+        self.grad_acc = self._block.view(torch.float32, (n,))
+        self.grad_acc.zero_()
+
+    def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
+        if new_window:
+            self.grad_acc.zero_()
+
+    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
+        slot = self.layout.slots[slot_index]
+        self.grad_acc[slot.offset : slot.end].add_(grad)
+
+    def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
+        """The gradients are already in the accumulator the step reads: nothing moves."""
+
+    def discard_grad(self) -> None:
+        """The accumulator is zeroed when the next window opens: nothing to release."""
+
+    def window_source(self) -> GradSource:
+        return GradSource.ACCUMULATOR
+
+    def gradient(self, source: GradSource) -> torch.Tensor:
+        return self.grad_acc
+
+    def grad_sumsq(self) -> tuple[float, bool]:
+        grad = self.grad_acc[: self.layout.numel]
+        # Synchronisation point: .item() waits for the device to finish the reduction. In
+        # float64 the squares of finite fp32 values cannot overflow, so the norm is
+        # non-finite exactly when some gradient is.
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64).item())
+        return norm * norm, not math.isfinite(norm)
+
+    def close(self) -> None:
+        self._block.free()

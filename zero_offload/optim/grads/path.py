@@ -1,0 +1,86 @@
+"""The gradient path interface: how a bucket's gradients reach the place a step reads them.
+
+A bucket composes one gradient path with one state store (``state/store.py``):
+
+- ``to_host.HostGradients``: a device buffer per backward, copied to host staging in tiles
+  (after a reduce-scatter with several ranks), the host worker's statistics and fp32
+  accumulation; for the host-RAM and NVMe stores;
+- ``on_device.DeviceGradients``: gradients add straight into an fp32 accumulator on the
+  device; for the device-resident store.
+
+The lifecycle (``lifecycle.py``) decides *when*; the path does *what*.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..ranks import Ranks
+
+__all__ = ["GradSource", "GradientPath"]
+
+
+class GradSource(enum.Enum):
+    """Which field holds the window's gradient (what a step planned now reads, even if a
+    later flush changes it)."""
+
+    #: Host staging, training dtype: the window had one flush (Note [no accumulator for
+    #: one backward] in ``to_host.py``).
+    STAGING = "grad_staging"
+    #: The fp32 accumulator (host, or device for a resident bucket).
+    ACCUMULATOR = "grad_acc"
+
+
+class GradientPath(ABC):
+    """Where one bucket's gradients go during backward, and what a step reads."""
+
+    def can_adopt(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` (a parameter's own autograd gradient) can serve as the open
+        buffer itself, with no device copy (Note [a lone gradient is its own buffer] in
+        ``to_host.py``)."""
+        return False
+
+    def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
+        """Take ``grad`` as the open buffer (only where ``can_adopt``)."""
+        raise RuntimeError(f"{type(self).__name__} cannot adopt a gradient (bug)")
+
+    @abstractmethod
+    def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
+        """Open the ``(padded_numel,)`` device tensor this backward's gradients add into,
+        zeroed where it must be (``new_window``: the window's first). Raises
+        ``PoolExhausted`` when no device buffer is free, unless ``grow`` allows an extra
+        pool (several ranks); nothing changes then."""
+
+    @abstractmethod
+    def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's flat gradient into its slot of the open buffer (on the
+        compute stream)."""
+
+    @abstractmethod
+    def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
+        """Hand the open gradient buffer on (FILLING -> IN_FLIGHT); ``overwrite`` for the
+        window's first flush."""
+
+    @abstractmethod
+    def discard_grad(self) -> None:
+        """Forget the open gradient buffer without using it (``zero_grad``)."""
+
+    @abstractmethod
+    def window_source(self) -> GradSource:
+        """The field holding the window's gradient now."""
+
+    @abstractmethod
+    def gradient(self, source: GradSource) -> torch.Tensor:
+        """The flat gradient tensor of ``source`` (this rank's shard's elements)."""
+
+    @abstractmethod
+    def grad_sumsq(self) -> tuple[float, bool]:
+        """Sum of squares of the window's accumulated gradient (this rank's shard) and
+        whether any is non-finite; the caller drained the host worker."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Return every block to its pool."""

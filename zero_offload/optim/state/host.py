@@ -1,0 +1,187 @@
+"""Host-RAM state: fp32 master and moments in the host pool, updated by CPU Adam.
+
+The CPU Adam kernel updates the master tile by tile (``update/tiles.py``), reading the
+gradient from the bucket's ``grads.to_host.HostGradients``, and each updated tile goes back
+to the device (H2D on the ``h2d`` stream, ``update/publish.py``) while the next tile is
+computed. With several ranks every field covers this rank's shard of the bucket,
+``shard_numel`` elements (Note [who owns which shard] in ``partition.py``); after the
+update each rank copies its updated shard into its slice of ``weights_dev`` and the
+optimizer all-gathers the bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...accelerator import Event
+from ...memory.block import Block
+from ...memory.manager import TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout, clip_runs
+from ...views import ParamViews
+from ..access import declare_cpu
+from ..grads.path import GradSource
+from ..grads.to_host import HostGradients
+from ..update.publish import WeightCopies
+from ..update.tiles import AdamHyper, AdamTiles
+from .store import StateStore, TileFn, republish_from_master, stream_tensors
+
+__all__ = ["HostState"]
+
+
+class HostState(StateStore):
+    """State in host RAM, updated by the CPU kernel; see the module docstring.
+
+    Host fields (all ``(shard_numel,)``, the elements of ``shard``; host pool, pinned where
+    available):
+        master: fp32 master weights.
+        exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
+        weights_staging: training dtype (absent for fp32: the master is the weights' home),
+            the kernel's fused copy-out and the H2D copy's source.
+    """
+
+    resident = False
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        views: ParamViews,
+        *,
+        manager: TieredMemoryManager,
+        host_pool: BlockPool,
+        gradients: HostGradients,
+        shard: tuple[int, int],
+        moments_dtype: torch.dtype,
+        amsgrad: bool,
+        tile_elements: int,
+    ) -> None:
+        self.layout = layout
+        self.views = views
+        self.manager = manager
+        self.gradients = gradients
+        self.shard = shard
+        self.dtype = views.dtype
+        self.tile_elements = tile_elements
+        self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
+        self.max_exp_avg_sq: torch.Tensor | None = None
+        self.weights_staging: torch.Tensor | None = None
+        self.publication = WeightCopies(
+            manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
+        )
+        fields: list[tuple[str, torch.dtype]] = [
+            ("master", torch.float32),
+            ("exp_avg", moments_dtype),
+            ("exp_avg_sq", moments_dtype),
+        ]
+        if amsgrad:
+            fields.append(("max_exp_avg_sq", moments_dtype))
+        if self.dtype != torch.float32:
+            fields.append(("weights_staging", self.dtype))
+        n = layout.shard_numel
+        try:
+            for name, dtype in fields:
+                block = host_pool.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{name}")
+                self._blocks[name] = block
+                block.on_move(
+                    lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
+                )
+                tensor = block.view(dtype, (n,))
+                tensor.zero_()
+                setattr(self, name, tensor)
+            self.reconcile_master()  # fp32 master from the model's initial weights
+        except BaseException:
+            self.close()
+            raise
+
+    def weights_home(self) -> tuple[torch.Tensor, Block]:
+        """The pinned training-dtype copy CPU Adam writes, ``(shard_numel,)``, and its block:
+        ``weights_staging``, or the fp32 master itself for an fp32 bucket (with parameter
+        offload the weights live there between uses, ``zero_offload.params``)."""
+        name = "master" if self.weights_staging is None else "weights_staging"
+        return getattr(self, name), self._blocks[name]
+
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool,
+        source: GradSource | None = None,
+        after: list[Event] | None = None,
+    ) -> None:
+        tiles = AdamTiles(
+            self.gradients,
+            self.publication,
+            hyper,
+            grad_scale,
+            source=source,
+            publish=publish,
+            after=after,
+        )
+        bucket = self.layout.index
+        if self.weights_staging is not None:
+            declare_cpu(
+                self.manager,
+                self.weights_staging,
+                bucket=bucket,
+                write=True,
+                what="CPU Adam writes weights",
+            )
+        state = self.state_tensors()
+        for name, tensor in state.items():
+            declare_cpu(
+                self.manager, tensor, bucket=bucket, write=True, what=f"CPU Adam writes {name}"
+            )
+        out = self.weights_staging
+        for start, stop, step in clip_runs(runs, *self.shard):
+            for lo in range(start, stop, self.tile_elements):
+                hi = min(lo + self.tile_elements, stop)
+                fields = {name: tensor[lo:hi] for name, tensor in state.items()}
+                tiles.step(lo, hi, step, fields, out=None if out is None else out[lo:hi])
+
+    def span(self) -> tuple[int, int]:
+        return self.shard
+
+    def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
+        return [(name, tensor.dtype) for name, tensor in self.state_tensors().items()]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        return out
+
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        stream_tensors(
+            self.state_tensors(), self.layout.real_in(*self.shard), self.tile_elements, fn
+        )
+
+    def final_weights(self) -> torch.Tensor:
+        start, stop = self.shard
+        # Synchronisation point (rare: construction, loading, weights written outside the
+        # optimizer): the weights' bytes must be final and the staging idle.
+        self.manager.synchronize()
+        target, target_block = self.weights_home()
+        done = self.views.copy_out(
+            self.manager,
+            start,
+            stop,
+            target,
+            target_block,
+            label=f"bucket{self.layout.index} master refresh",
+        )
+        if done is not None:
+            done.synchronize()  # Synchronisation point: the comparison reads it
+        return target
+
+    def weights_out(self) -> torch.Tensor:
+        return self.weights_home()[0]
+
+    def publish_all_from_master(self) -> None:
+        republish_from_master(self, self.publication)
+
+    def close(self) -> None:
+        for block in self._blocks.values():
+            block.free()
+        self._blocks.clear()

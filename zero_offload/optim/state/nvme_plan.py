@@ -1,0 +1,182 @@
+"""Which offloaded buckets keep their state on NVMe, and the bytes of each place: pure
+arithmetic, before anything is allocated (``plan_nvme``); and how a tile's state sits in
+its record of the bucket's file (``RecordLayout``). See Note [the step streams the state]
+in ``nvme.py``.
+
+Host bytes per NVMe bucket, with ``k`` the shard's elements and ``s`` the training dtype's
+bytes (``a(x)`` = ``x`` rounded up to the pool alignment): gradient staging ``a(s*k)`` and
+weight staging ``a(s*k)`` (fp32 weights too: the H2D copies' source, so that the I/O buffer
+is free as soon as its write is issued); with one micro-batch per step that is all (Adam
+reads the gradient from staging, Note [no accumulator for one backward] in
+``grads/to_host.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
+``a(4k)`` joins, in its own pool, created at the first accumulating step. Plus, once per
+segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ...config import OffloadConfig
+from ...memory.align import aligned
+from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
+from ...partition import BucketLayout
+from .placement import Placement, _host_bytes
+
+__all__ = [
+    "AUTO_HOST_HEADROOM_MIN",
+    "NvmePlan",
+    "RecordLayout",
+    "plan_nvme",
+    "resolve_host_budget",
+    "tile_sizes",
+]
+
+#: ``host_budget="auto"`` leaves max(10% of total RAM, this) free, for activations, the data
+#: loader, the interpreter and the page cache.
+AUTO_HOST_HEADROOM_MIN = 2 << 30
+AUTO_HOST_HEADROOM_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where each state field of one tile sits in its record: ``fields`` is ``(name, dtype,
+    byte offset)`` for a whole tile; each field starts 4 KiB-aligned. A short tile (the last
+    of a shard) packs its fields the same way at its own length (``offsets``), so its record
+    is only its own bytes, aligned."""
+
+    tile_elements: int
+    fields: tuple[tuple[str, torch.dtype, int], ...]
+    record_bytes: int
+
+    @classmethod
+    def make(cls, tile_elements: int, moments_dtype: torch.dtype, amsgrad: bool) -> RecordLayout:
+        names = [("master", torch.float32), ("exp_avg", moments_dtype)]
+        names.append(("exp_avg_sq", moments_dtype))
+        if amsgrad:
+            names.append(("max_exp_avg_sq", moments_dtype))
+        fields, offset = [], 0
+        for name, dtype in names:
+            fields.append((name, dtype, offset))
+            offset += aligned(tile_elements * dtype.itemsize, IO_ALIGNMENT)
+        return cls(tile_elements, tuple(fields), offset)
+
+    def offsets(self, count: int) -> list[int]:
+        """Byte offset of each field in the record of a tile of ``count`` elements."""
+        out, offset = [], 0
+        for _, dtype, _ in self.fields:
+            out.append(offset)
+            offset += aligned(count * dtype.itemsize, IO_ALIGNMENT)
+        return out
+
+    def bytes_for(self, count: int) -> int:
+        """Bytes of the record of a tile of ``count`` elements (a multiple of 4 KiB)."""
+        return sum(aligned(count * dtype.itemsize, IO_ALIGNMENT) for _, dtype, _ in self.fields)
+
+    def views(self, data: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+        """The fields of the record in ``data`` (uint8), each ``(count,)`` long."""
+        return {
+            name: data[offset : offset + count * dtype.itemsize].view(dtype)
+            for (name, dtype, _), offset in zip(self.fields, self.offsets(count), strict=True)
+        }
+
+
+@dataclass(frozen=True)
+class NvmePlan:
+    """Which offloaded buckets keep their state on NVMe, and the bytes of each place.
+
+    ``host_pool``: the host pool's capacity (host-resident buckets in full, NVMe buckets'
+    gradients and staging); ``host_state``: of that, the master and moments in host RAM
+    (what ``host_budget`` bounds); ``disk``: bytes of the files; ``record``: the layout.
+    """
+
+    nvme: frozenset[int]
+    host_pool: int
+    host_state: int
+    disk: int
+    record: RecordLayout
+    host_budget: int | None
+
+
+def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
+    """Master and moments of this rank's shard in the host pool."""
+    k = bucket.shard_numel
+    return aligned(4 * k, alignment) + (3 if amsgrad else 2) * aligned(moment_size * k, alignment)
+
+
+def _nvme_host_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
+    """An NVMe bucket's bytes in the host pool: gradient staging and weight staging."""
+    return 2 * aligned(itemsize * bucket.shard_numel, alignment)
+
+
+def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], tile_elements: int) -> list[int]:
+    """Elements of each tile of a bucket's shard: its real elements in ``tile_elements``
+    pieces (one tile at least)."""
+    real = bucket.real_in(*shard)
+    sizes = [min(tile_elements, real - lo) for lo in range(0, real, tile_elements)]
+    return sizes or [1]
+
+
+def resolve_host_budget(config: OffloadConfig, *, other_host_bytes: int) -> int | None:
+    """``config.host_budget`` in bytes for the master and moments; ``"auto"`` is the RAM
+    available now less max(10% of total, 2 GiB) and less ``other_host_bytes`` (gradients,
+    staging, I/O buffers: they are in host RAM whatever the placement)."""
+    budget = config.host_budget
+    if budget is None or isinstance(budget, int):
+        return budget
+    memory = psutil.virtual_memory()
+    headroom = max(int(memory.total * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
+    return max(0, memory.available - headroom - other_host_bytes)
+
+
+def plan_nvme(
+    layouts: Sequence[BucketLayout],
+    placement: Placement,
+    *,
+    config: OffloadConfig,
+    itemsize: int | Sequence[int],
+    moments_dtype: torch.dtype,
+    amsgrad: bool,
+    rank: int,
+    alignment: int,
+) -> NvmePlan:
+    """Place offloaded buckets whole: in bucket order, on the host while their master and
+    moments fit ``host_budget``; that bucket and every later one on NVMe.
+
+    Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
+    ``placement.host_state``, unchanged)."""
+    sizes = [itemsize] * len(layouts) if isinstance(itemsize, int) else list(itemsize)
+    record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
+    offloaded = [
+        (b, s) for b, s in zip(layouts, sizes, strict=True) if b.index not in placement.resident
+    ]
+    m = moments_dtype.itemsize
+    if config.nvme_dir is None:
+        state = sum(
+            _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
+            for b, _ in offloaded
+        )
+        return NvmePlan(frozenset(), placement.host_state, state, 0, record, None)
+    minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
+    budget = resolve_host_budget(
+        config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+    )
+    nvme: set[int] = set()
+    host_pool = host_state = disk = 0
+    for b, s in offloaded:
+        state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
+        if not nvme and (budget is None or host_state + state <= budget):
+            host_state += state
+            host_pool += _host_bytes(
+                b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
+            )
+            continue
+        nvme.add(b.index)
+        host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
+        tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
+        disk += sum(record.bytes_for(n) for n in tiles)
+    return NvmePlan(frozenset(nvme), host_pool, host_state, disk, record, budget)

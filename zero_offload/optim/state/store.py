@@ -1,0 +1,172 @@
+"""The state store interface: where a bucket's optimizer state lives and how it is updated.
+
+A bucket (``flat_bucket.FlatBucket``) is its parameter views, its gradient lifecycle, one
+gradient path (``grads/path.py``) and one state store, chosen at construction by
+``placement.plan_placement`` and ``nvme_plan.plan_nvme``:
+
+- ``host.HostState``: fp32 master weights and moments in the host pool, updated tile by
+  tile by the CPU Adam kernel (``update/tiles.py``); gradients come to the host;
+- ``nvme.NvmeState``: the same update, the state streamed from files of the storage tier;
+- ``resident.ResidentState``: the state on the device, updated by torch's fused AdamW;
+  gradients stay on the device.
+
+Every store walks its state tile by tile (``stream_fields``): checkpoints, the master's
+reconciliation with written weights and the republication of a resumed update are written
+once, here, over that walk.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...accelerator import Event
+from ...memory.pool import BlockPool
+from ..grads.path import GradSource
+from ..update.publish import Publication, WeightCopies
+from ..update.tiles import AdamHyper
+
+__all__ = [
+    "BucketPools",
+    "StateStore",
+    "TileFn",
+    "republish_from_master",
+    "stream_tensors",
+    "take_written",
+]
+
+#: ``fn(lo, hi, fields)``: one tile ``[lo, hi)`` of a store's elements and its state views.
+TileFn = Callable[[int, int, dict[str, torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class BucketPools:
+    """Where a segment's buffers come from."""
+
+    device: BlockPool  # weights_dev, gradient buffers, and a resident bucket's fp32 state
+    host: BlockPool  # an offloaded bucket's fp32 state and staging
+
+
+def take_written(master: torch.Tensor, weights: torch.Tensor) -> None:
+    """Where ``weights`` is not the training-dtype rounding of ``master``, the master takes
+    the weight; elsewhere it keeps its extra bits (Note [weights written outside the
+    optimizer] in ``views/param_views.py``). Both are one tile's views."""
+    if weights.dtype == torch.float32:
+        if weights.data_ptr() != master.data_ptr():  # an fp32 home is the master itself
+            master.copy_(weights)
+        return
+    written = weights != master.to(weights.dtype)
+    master.copy_(torch.where(written, weights.float(), master))
+
+
+class StateStore(ABC):
+    """A bucket's optimizer state, for one placement.
+
+    Fields every store has: ``publication`` (how its updated weights reach the device),
+    ``tile_elements`` (the tile of ``stream_fields``).
+    """
+
+    #: Whether the state lives on the device (no tier crossing).
+    resident: bool
+    publication: Publication
+    tile_elements: int
+
+    #: Whether ``state_tensors()`` can be copied aside and restored (a speculative step,
+    #: Note [speculative steps] in ``update/eager.py``); False where it is not in memory.
+    supports_speculation = True
+
+    @abstractmethod
+    def update(
+        self,
+        hyper: AdamHyper,
+        grad_scale: float,
+        runs: list[tuple[int, int, int]],
+        *,
+        publish: bool,
+        source: GradSource | None = None,
+        after: list[Event] | None = None,
+    ) -> None:
+        """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges), reading
+        the gradient from ``source`` (``window_source()`` when the step was planned; now
+        when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
+        as soon as the tile is done, after ``after`` (default: the compute issued so far);
+        otherwise ``publication.publish()`` issues them later."""
+
+    @abstractmethod
+    def span(self) -> tuple[int, int]:
+        """The bucket elements ``[start, stop)`` the state fields cover (this rank's
+        shard, or the whole padded bucket on the device)."""
+
+    @abstractmethod
+    def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
+        """The state fields this bucket keeps and their dtypes, without touching them:
+        master, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad."""
+
+    def state_names(self) -> tuple[str, ...]:
+        """The names of ``field_dtypes()``."""
+        return tuple(name for name, _ in self.field_dtypes())
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The flat state fields by name, each over ``span()`` from its start."""
+
+    @abstractmethod
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        """``fn(lo, hi, fields)`` over the real elements of ``span()`` in tiles of
+        ``tile_elements``, in order (span-local ``[lo, hi)``; ``fields`` are that tile's
+        views): the state read first (``read``; else ``fn`` must fill every field) and
+        written back after (``write``) where it does not live in memory."""
+
+    @abstractmethod
+    def final_weights(self) -> torch.Tensor:
+        """The training-dtype weights over ``span()``, final (every write to them landed),
+        where the master can be compared with them."""
+
+    @abstractmethod
+    def weights_out(self) -> torch.Tensor:
+        """Where the update writes the training-dtype weights over ``span()``."""
+
+    def reconcile_master(self) -> None:
+        """Where a weight is not the rounding of the master, take the weight into the
+        master; see Note [weights written outside the optimizer] in
+        ``views/param_views.py``. Updated tiles not yet copied are forgotten."""
+        weights = self.final_weights()
+        self.stream_fields(
+            lambda lo, hi, fields: take_written(fields["master"], weights[lo:hi]),
+            read=True,
+            write=True,
+        )
+        self.publication.drop_unpublished()
+
+    @abstractmethod
+    def publish_all_from_master(self) -> None:
+        """Mark every tile as updated but unpublished: the next ``publish`` writes the
+        training-dtype rounding of the master (resuming a delayed update)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Return every block to its pool."""
+
+
+def republish_from_master(store: StateStore, copies: WeightCopies) -> None:
+    """``publish_all_from_master`` of a host-side store: every tile's weights from the
+    master (rounded to nearest even), each tile marked for the next ``publish``."""
+    out = store.weights_out()
+
+    def take(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+        if out[lo:hi].data_ptr() != fields["master"].data_ptr():  # fp32: out is the master
+            out[lo:hi].copy_(fields["master"])
+        copies.mark_unpublished(lo, hi)
+
+    store.stream_fields(take, read=True, write=False)
+
+
+def stream_tensors(tensors: dict[str, torch.Tensor], real: int, tile: int, fn: TileFn) -> None:
+    """``stream_fields`` of a store whose state is in memory: views of ``tensors``, tile by
+    tile over their first ``real`` elements."""
+    for lo in range(0, real, tile):
+        hi = min(lo + tile, real)
+        fn(lo, hi, {name: tensor[lo:hi] for name, tensor in tensors.items()})

@@ -1,0 +1,365 @@
+"""The step decision: whether a step runs, when, and with which gradient multiplier.
+
+``StepPolicy`` owns what decides a step: the loss scaler, a one-off ``clip_grad_norm_``,
+the window's statistics (global norm, overflow, which parameters got gradients, all-reduced
+over the ranks), the announced step run during backward (``eager.EagerStep``) and the
+update mode (``modes.ImmediateUpdate``, ``modes.DelayedUpdate``). The optimizer facade
+checks what the caller did and hands the policy its buckets' hyper-parameters; the policy
+never reads the optimizer.
+
+Note [a step that needs no statistics]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The statistics (the gradients' sum of squares and overflow flag) decide a step only through
+clipping (configured, or a clip_grad_norm_ call for this step), a skip on overflow (fp16's
+dynamic loss scaling, or skip_nonfinite) or, with several ranks, the all-reduce that also
+merges which parameters got gradients. Without any of these the step is known before the
+statistics are: every parameter with a gradient takes one Adam step with the gradient
+divided by the (static) loss scale. Then step() does not wait for the host worker: CPU Adam
+starts on each bucket's first gradient tile as soon as it lands (Note [Adam follows the
+gradient in] in ``grads/to_host.py``), and the statistics, computed meanwhile on the host
+worker, are read after the update for last_grad_norm and the profiler. It is the same
+arithmetic either way (bitwise; see tests/test_step_bytes.py). Kept to the plain case:
+offloaded buckets only, an immediate update, no parameter offload.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...collectives import surface_collective_errors
+from ...config import OffloadConfig
+from ...memory.manager import TieredMemoryManager
+from ...tracing import phase
+from ..flat_bucket import FlatBucket, StepPlan
+from ..grads.router import BackwardRouter
+from ..ranks import Ranks
+from .eager import EagerStep
+from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
+from .modes import StepFailed, UpdateMode
+from .tiles import AdamHyper
+
+__all__ = ["StepPolicy"]
+
+HyperOf = Callable[[FlatBucket], AdamHyper]
+
+
+class StepPolicy:
+    """One optimizer's step decision; see the module docstring.
+
+    Fields:
+        scaler: the loss scaler (Note [one loss scale] in ``loss_scaler.py``).
+        mode: when an update's weights reach the device.
+        eager: the announced step (Note [stepping during backward] in ``eager.py``), from
+            ``announce`` until the step is taken; also the router's.
+        skipped_steps, speculation_failures, last_grad_norm: what the optimizer reports.
+        _clip_once: a ``clip_grad_norm_`` bound for the next step only.
+        _stats_cache: ``(backwards, sumsq, overflow, arrived)`` of the window, all-reduced
+            once per window (a second read must not be a second collective).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: OffloadConfig,
+        manager: TieredMemoryManager,
+        ranks: Ranks,
+        router: BackwardRouter,
+        mode: UpdateMode,
+        param_offload: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.ranks = ranks
+        self.router = router
+        self.mode = mode
+        self._param_offload = param_offload  # whether parameter offload is on
+        # Dynamic once any trainable parameter is fp16 (use_scaler_for); Note [one loss
+        # scale] in loss_scaler.py.
+        self.scaler: LossScaler = NoLossScaler()
+        self.eager: EagerStep | None = None
+        self._eager_warned = False
+        self.last_eager_share: float | None = None
+        self._clip_once: float | None = None
+        self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
+        #: Speculative steps that had to be restored and redone (Note [speculative steps]).
+        self.speculation_failures = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        return self.router.buckets
+
+    def use_scaler_for(self, buckets: list[FlatBucket]) -> None:
+        """The first fp16 parameters bring the dynamic scaler: Note [one loss scale]."""
+        if not self.scaler.skips_overflow and any(b.dtype == torch.float16 for b in buckets):
+            self.scaler = DynamicLossScaler(self.config.loss_scaler)
+
+    def window_changed(self) -> None:
+        """A gradient entered the window outside backward: the statistics are stale."""
+        self._stats_cache = None
+
+    # -- the decision --------------------------------------------------------------------
+
+    def eager_refusal(self, *, speculative: bool | None = None) -> str | None:
+        """Why a step cannot run during backward here, or None; Note [stepping during
+        backward] in eager.py. ``speculative``: whether it may speculate (default
+        ``OffloadConfig.speculative_step``; Note [speculative steps])."""
+        reason = self.ranks.eager_refusal()
+        if reason is not None:
+            return reason
+        if speculative is None:
+            speculative = self.config.speculative_step
+        if self.config.max_grad_norm is not None and not speculative:
+            return (
+                "clipping is configured (the norm is known only after backward; "
+                "OffloadConfig(speculative_step=True) steps anyway and rolls back)"
+            )
+        if (self.scaler.skips_overflow or self.config.skip_nonfinite) and not speculative:
+            return "an overflow could skip the step (fp16 loss scaling or skip_nonfinite)"
+        reason = self.mode.eager_refusal()
+        if reason is not None:
+            return reason
+        if any(bucket.resident for bucket in self.buckets):
+            return "some optimizer state is resident on the device (offload_fraction < 1)"
+        if self._param_offload():
+            return "parameter offload (the step writes the pinned weights the fetches read)"
+        return None
+
+    def needs_statistics(self) -> bool:
+        """Whether this step's decision needs the statistics first (Note [a step that
+        needs no statistics]): where a step could not run during backward unspeculated."""
+        return self._clip_once is not None or self.eager_refusal(speculative=False) is not None
+
+    def grad_stats(self) -> tuple[float, bool, list[np.ndarray]]:
+        """Global sum of squares of the (scaled) gradients, the overflow flag, and each
+        bucket's per-parameter "got a gradient" flags (OR over the ranks)."""
+        generation = self.router.backwards
+        # Synchronisation point: the CPU must see every gradient copied so far.
+        with phase("wait_grads"), surface_collective_errors():
+            self.manager.host_worker.synchronize()
+        for bucket in self.buckets:
+            bucket.grads.settled()
+        sumsq, nonfinite = 0.0, False
+        with phase("grad_stats", track="cpu_optimizer"):
+            for bucket in self.buckets:
+                part, bad = bucket.grad_sumsq()
+                sumsq += part
+                nonfinite = nonfinite or bad
+        local = [b.grads.arrived for b in self.buckets]
+        flat = torch.from_numpy(np.concatenate(local)) if local else torch.zeros(0, dtype=bool)
+        if self._stats_cache is not None and self._stats_cache[0] == generation:
+            sumsq, nonfinite, merged = self._stats_cache[1:]
+        else:
+            sumsq, nonfinite, merged_t = self.ranks.all_reduce_stats(sumsq, nonfinite, flat)
+            merged = merged_t.numpy().astype(bool)
+            self._stats_cache = (generation, sumsq, nonfinite, merged)
+        arrived, offset = [], 0
+        for bucket in self.buckets:
+            n = len(bucket.layout.slots)
+            arrived.append(merged[offset : offset + n])
+            offset += n
+        return sumsq, nonfinite, arrived
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the window's gradients, unscaled."""
+        sumsq, _, _ = self.grad_stats()
+        return math.sqrt(sumsq) / self.scaler.scale
+
+    def clip_once(self, max_norm: float) -> None:
+        """Clip the next step's gradients to ``max_norm`` (``clip_grad_norm_``)."""
+        self.check_clip_allowed()
+        self._clip_once = float(max_norm)
+
+    def check_clip_allowed(self) -> None:
+        """Refuse clipping once a step was announced (it runs unclipped)."""
+        if self.eager is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ after backward(step=True)/announce_step(): the step ran "
+                "during backward, unclipped. Configure clipping up front with "
+                "OffloadConfig(max_grad_norm=...) (the step then runs in step()), or do not "
+                "announce the step"
+            )
+
+    def decide(self, sumsq: float, overflow: bool) -> tuple[bool, float]:
+        """From the window's statistics: whether the step is skipped, and the gradient
+        multiplier (loss unscaling and clipping folded into one); updates the loss scaler,
+        ``last_grad_norm`` and ``skipped_steps``."""
+        scale = self.scaler.scale
+        norm = math.sqrt(sumsq) / scale
+        self.last_grad_norm = norm
+        max_norm = self._clip_once if self._clip_once is not None else self.config.max_grad_norm
+        self._clip_once = None
+        skip = overflow and (self.scaler.skips_overflow or self.config.skip_nonfinite)
+        self.scaler.update(overflow)
+        if skip:
+            self.skipped_steps += 1
+        self.note_steps()
+        clip = 1.0
+        if max_norm is not None and math.isfinite(norm):
+            clip = min(1.0, max_norm / (norm + 1e-6))
+        return skip, clip / scale
+
+    def note_steps(self) -> None:
+        """What the profiler reports about the steps (``TieredMemoryManager.step_notes``)."""
+        notes = self.manager.step_notes
+        notes["skipped_steps"] = self.skipped_steps
+        if self.config.speculative_step:
+            notes["speculation_failures"] = self.speculation_failures
+        if self.last_eager_share is not None:
+            notes["share_stepped_during_backward"] = round(self.last_eager_share, 3)
+
+    # -- a step in step() ----------------------------------------------------------------
+
+    def step(self, hyper_of: HyperOf) -> None:
+        """Decide and run the window's step (the caller checked and settled everything
+        before: Note [a step is all or nothing] in ``modes.py``)."""
+        fast = not self.needs_statistics()  # Note [a step that needs no statistics]
+        if fast:
+            arrived = [bucket.grads.arrived.copy() for bucket in self.buckets]
+            grad_scale = 1.0 / self.scaler.scale
+        else:
+            sumsq, overflow, arrived = self.grad_stats()
+            skip, grad_scale = self.decide(sumsq, overflow)
+            if skip:
+                for bucket in self.buckets:
+                    bucket.grads.consume()
+                self.router.consumed()
+                return
+        work = [
+            (StepPlan(bucket, flags), hyper_of(bucket))
+            for bucket, flags in zip(self.buckets, arrived, strict=True)
+        ]
+        self.mode.run(work, grad_scale)
+        self.router.consumed()
+        if fast:
+            self._statistics_after_the_update()
+
+    def _statistics_after_the_update(self) -> None:
+        """A step that needed no statistics is applied: read them now, for
+        ``last_grad_norm`` and the profiler (Note [a step that needs no statistics])."""
+        try:
+            sumsq, overflow, _ = self.grad_stats()  # done meanwhile, on the host worker
+        except Exception as exc:  # (a KeyboardInterrupt is not the worker failing)
+            stepped = [bucket.layout.index for bucket in self.buckets]
+            raise StepFailed(
+                f"step() was applied to buckets {stepped}, but the host worker's "
+                f"statistics of its gradients then failed ({type(exc).__name__}), so "
+                "last_grad_norm is not known. Later steps would fail the same way: "
+                "rebuild the optimizer (or reload it from a checkpoint)"
+            ) from exc
+        self.decide(sumsq, overflow)
+
+    # -- a step announced before its backward ----------------------------------------------
+
+    def refuses_announcement(self, owner: Any) -> bool:
+        """Whether an announced step must run in step() after all; warns once, naming
+        ``owner`` (the optimizer) and the reason."""
+        reason = self.eager_refusal()
+        if reason is None:
+            return False
+        if not self._eager_warned:
+            self._eager_warned = True
+            warnings.warn(
+                f"{owner!r}: the announced step runs in step(), not during backward: {reason}",
+                stacklevel=3,
+            )
+        return True
+
+    def announce(self, hypers: dict[int, AdamHyper]) -> None:
+        """Announce the step (the caller checked ``refuses_announcement`` and what step()
+        would refuse): each bucket is stepped as it completes in the next backward."""
+        speculative = self.config.speculative_step and (
+            self.config.max_grad_norm is not None
+            or self.scaler.skips_overflow
+            or self.config.skip_nonfinite
+        )
+        self.eager = EagerStep(
+            self.manager,
+            hypers,
+            grad_scale=1.0 / self.scaler.scale,
+            speculation_bytes=self.config.speculation_bytes if speculative else None,
+        )
+        self.router.eager = self.eager
+
+    def land_eager(self) -> None:
+        """Take the announced step that ran during backward: land its weights, commit.
+        Refusals come first and leave it pending (a retry after fixing them lands it)."""
+        eager = self.eager
+        if eager is None or eager.landed:
+            return
+        for bucket in self.buckets:
+            if any(param.grad is not None for param in bucket.params):
+                raise RuntimeError(
+                    "a gradient was set by hand after an announced backward "
+                    "(backward(step=True)); the step already ran without it. Clear it "
+                    "(param.grad = None) and call step() again"
+                )
+        with surface_collective_errors():
+            if not eager.backward_ended:  # the announced backward never ran
+                self.router.finish()
+                eager.end_backward(self.buckets)
+
+            def decide() -> tuple[bool, float]:
+                sumsq, overflow, _ = self.grad_stats()
+                return self.decide(sumsq, overflow)
+
+            if eager.land(self.buckets, self.ranks, decide):
+                self.speculation_failures += 1
+        self.last_eager_share = eager.share_before_backward_returned
+        self.note_steps()
+        self._stats_cache = None
+        self.router.consumed()
+
+    def land_if_ran(self) -> None:
+        """Land the announced step if its backward ended (``state_dict``, ``close``)."""
+        if self.eager is not None and self.eager.backward_ended:
+            self.land_eager()
+
+    def drop_eager(self) -> None:
+        """Forget the announced step (it was taken, or is being abandoned)."""
+        self.eager = None
+        self.router.eager = None
+
+    # -- the window ------------------------------------------------------------------------
+
+    def discard_window(self, owner: Any) -> None:
+        """``zero_grad``: forget the window; an announced step that ran is taken, one whose
+        backward raised keeps what it stepped (warned, naming ``owner``)."""
+        self._clip_once = None  # a clip_grad_norm_ belongs to the window it measured
+        eager = self.eager
+        if eager is not None:
+            if eager.backward_ended:
+                self.land_eager()  # the announced step already ran: take it
+            elif not eager.landed:
+                # The announced backward raised: what it stepped stays stepped.
+                stepped = eager.abandon(self.buckets, self.ranks)
+                if stepped:
+                    warnings.warn(
+                        f"{owner!r}: the announced step's backward raised after buckets "
+                        f"{stepped} were stepped (backward(step=True) runs them as they "
+                        "complete); they keep that step and the rest were not stepped. "
+                        "OffloadConfig(speculative_step=True) backs up and restores instead",
+                        stacklevel=3,
+                    )
+            self.drop_eager()
+        self.router.discard()
+        self._stats_cache = None
+
+    def loaded(
+        self, scaler_state: dict[str, Any], skipped_steps: int | None, pending: bool
+    ) -> None:
+        """A state was loaded (``load_state_dict``, ``load_streaming``): the scaler's and
+        the skip count (None: the state had none, keep ours), and the update mode told
+        whether an update was pending."""
+        self.scaler.load_state_dict(scaler_state)
+        if skipped_steps is not None:
+            self.skipped_steps = skipped_steps
+        self._stats_cache = None
+        self.mode.loaded(self.buckets, pending=pending)
