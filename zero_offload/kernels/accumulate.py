@@ -12,7 +12,16 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking, run_with_threads
+from ._validate import (
+    BF16,
+    FP16,
+    FP32,
+    REDUCTION_BLOCK,
+    as_kernel_array,
+    check_range,
+    reduction_blocks,
+    run_with_threads,
+)
 from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 
 
@@ -30,14 +39,14 @@ def _accumulate_tile(acc_t, src_t, src_kind, overwrite):
 
 
 @njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
-def _accumulate_kernel(acc, src, src_kind, overwrite, start, stop, nchunks):
-    partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum of squares per chunk
-    span = stop - start
-    for c in prange(nchunks):
-        lo = start + span * c // nchunks
-        hi = start + span * (c + 1) // nchunks
-        # Note [one contiguous slice per thread] (adam.py): a slice, so the loop vectorises
-        partial[c] = _accumulate_tile(acc[lo:hi], src[lo:hi], src_kind, overwrite)
+def _accumulate_kernel(acc, src, src_kind, overwrite, start, stop, nblocks):
+    partial = np.zeros(nblocks, dtype=np.float64)  # one float64 sum of squares per block
+    for b in prange(nblocks):
+        # Note [sums do not depend on the threads] (_validate.py); a slice, so the loop
+        # vectorises (Note [one contiguous slice per thread], adam.py)
+        lo = start + b * REDUCTION_BLOCK
+        hi = min(lo + REDUCTION_BLOCK, stop)
+        partial[b] = _accumulate_tile(acc[lo:hi], src[lo:hi], src_kind, overwrite)
     return partial
 
 
@@ -55,7 +64,8 @@ def accumulate_grad(
     ``acc`` is a 1-D contiguous fp32 CPU tensor or numpy array; ``src`` is fp32, bf16 or
     fp16 of the same length (numpy uint16 means bf16 bits). Returns ``(sum of squares, any
     non-finite)`` of the *updated* ``acc[start:stop]``, accumulated in float64 as in
-    ``grad_stats`` (see Note [non-finite flag from the float64 sum] in stats.py).
+    ``grad_stats``, bitwise the same sum as ``grad_stats(acc, start=start, stop=stop)``
+    afterwards (see Note [non-finite flag from the float64 sum] in stats.py).
     """
     acc_a, _ = as_kernel_array(acc, "acc", (FP32,), writable=True)
     src_a, kind = as_kernel_array(src, "src", (FP32, BF16, FP16))
@@ -66,11 +76,10 @@ def accumulate_grad(
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     start, stop = check_range(start, stop, acc_a.shape[0])
+    nblocks = reduction_blocks(stop - start)
     partial = run_with_threads(
         num_threads,
-        lambda n: _accumulate_kernel(
-            acc_a, src_a, kind, overwrite, start, stop, chunking(stop - start, n)
-        ),
+        lambda n: _accumulate_kernel(acc_a, src_a, kind, overwrite, start, stop, nblocks),
     )
-    total = float(partial.sum())
+    total = math.fsum(partial)
     return total, not math.isfinite(total)

@@ -7,7 +7,16 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking, run_with_threads
+from ._validate import (
+    BF16,
+    FP16,
+    FP32,
+    REDUCTION_BLOCK,
+    as_kernel_array,
+    check_range,
+    reduction_blocks,
+    run_with_threads,
+)
 from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 
 # Note [non-finite flag from the float64 sum]
@@ -29,14 +38,14 @@ def _sumsq_tile(g_t, grad_kind):
 
 
 @njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
-def _sumsq_kernel(grad, grad_kind, start, stop, nchunks):
-    partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum per chunk
-    span = stop - start
-    for c in prange(nchunks):
-        lo = start + span * c // nchunks
-        hi = start + span * (c + 1) // nchunks
-        # Note [one contiguous slice per thread] (adam.py): a slice, so the loop vectorises
-        partial[c] = _sumsq_tile(grad[lo:hi], grad_kind)
+def _sumsq_kernel(grad, grad_kind, start, stop, nblocks):
+    partial = np.zeros(nblocks, dtype=np.float64)  # one float64 sum per block
+    for b in prange(nblocks):
+        # Note [sums do not depend on the threads] (_validate.py); a slice, so the loop
+        # vectorises (Note [one contiguous slice per thread], adam.py)
+        lo = start + b * REDUCTION_BLOCK
+        hi = min(lo + REDUCTION_BLOCK, stop)
+        partial[b] = _sumsq_tile(grad[lo:hi], grad_kind)
     return partial
 
 
@@ -46,16 +55,18 @@ def grad_stats(
     """Return ``(sum of squares, any non-finite)`` over ``grad[start:stop]`` in one pass.
 
     ``grad`` is a 1-D contiguous CPU fp32/bf16/fp16 tensor, or a numpy float32/float16
-    array or uint16 array of bf16 bits. The sum is accumulated in float64 (per thread, then
-    added in float64), so ``math.sqrt`` of the sums of all tiles is the global L2 norm to
+    array or uint16 array of bf16 bits. The sum is accumulated in float64 over fixed blocks
+    whose sums are added exactly (``math.fsum``): the result depends only on the values and
+    ``start``, not on ``num_threads`` nor on the dtype holding the values (Note [sums do not
+    depend on the threads]). ``math.sqrt`` of the sums of all tiles is the global L2 norm to
     float64 accuracy. The flag is True iff some element is NaN or +-inf; the sum is then
     NaN or inf too.
     """
     grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
     start, stop = check_range(start, stop, grad_a.shape[0])
+    nblocks = reduction_blocks(stop - start)
     partial = run_with_threads(
-        num_threads,
-        lambda n: _sumsq_kernel(grad_a, kind, start, stop, chunking(stop - start, n)),
+        num_threads, lambda n: _sumsq_kernel(grad_a, kind, start, stop, nblocks)
     )
-    total = float(partial.sum())
+    total = math.fsum(partial)
     return total, not math.isfinite(total)
