@@ -40,8 +40,9 @@ the ulp level. So an offloaded tensor travels as the storage range its view cove
 *span*: from its first element to its last, ``1 + sum((size - 1) * stride)`` elements,
 the same as its numel for a dense view, a permutation included) and comes back as a view
 with the saved shape and strides over a device block, placed so that its data pointer has
-the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes. The cost: a view with gaps (a
-slice of a fused projection) moves the bytes between its elements too.
+the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes (the block is that much longer;
+pool blocks start aligned, so an aligned tensor costs nothing more). The cost: a view with
+gaps (a slice of a fused projection) moves the bytes between its elements too.
 
 Note [reuse order]
 ~~~~~~~~~~~~~~~~~~
@@ -372,8 +373,10 @@ class ActivationOffloader:
         )
         # Note [saved layout comes back]: the saved strides, the saved pointer alignment
         itemsize = flat.element_size()
-        pad = (record.ptr_mod - flat.data_ptr()) % LAYOUT_ALIGN // itemsize
         span = record.host_view.numel()
+        pad = (record.ptr_mod - flat.data_ptr()) % LAYOUT_ALIGN // itemsize
+        if (pad + span) * itemsize > block.nbytes:  # a pool buffer not aligned to LAYOUT_ALIGN
+            pad = 0
         device_tensor = flat.as_strided(record.shape, record.stride, pad)
         end = self.manager.copy(
             flat[pad : pad + span],
@@ -447,7 +450,7 @@ class ActivationOffloader:
     def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
         owner = f"activation group {record.group}"
         try:
-            nbytes = record.nbytes + LAYOUT_ALIGN  # Note [saved layout comes back]
+            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back]
             try:
                 block = self.device_pool.alloc(nbytes, owner=owner)
             except PoolExhausted:
@@ -493,7 +496,7 @@ class ActivationOffloader:
         # comes back]); nbytes is the span's, more than numel's for a view with gaps
         for field, pool, need in (
             ("host_pool_bytes", self.host_pool, nbytes),
-            ("device_pool_bytes", self.device_pool, nbytes + LAYOUT_ALIGN),
+            ("device_pool_bytes", self.device_pool, nbytes + tensor.data_ptr() % LAYOUT_ALIGN),
         ):
             if need > pool.usable:
                 raise PoolExhausted(
