@@ -355,6 +355,28 @@ def test_fast_paths_are_bitwise_the_plain_path(setup: Setup, loop: Loop, path: s
     assert norms == expected_norms
 
 
+@settings(max_examples=scaled(6))
+@given(
+    setup=setups(dtypes=True),
+    loop=loops(),
+    other=st.tuples(BUCKET_BYTES, TILES),
+)
+def test_bucket_and_tile_sizes_do_not_change_the_weights(
+    setup: Setup, loop: Loop, other: tuple[int, int]
+) -> None:
+    # Note [every specialisation rounds alike] (kernels/convert.py): which buffer CPU Adam
+    # reads (16-bit staging or the fp32 accumulator) follows the bucket layout; the weights
+    # must not. The norm is summed per bucket (its last bit may move with the layout), so
+    # only a clip that never binds is drawn here: its coefficient is exactly 1.
+    loop = Loop(**{**loop.__dict__, "clip": "config" if loop.clip != "none" else "none",
+                   "max_norm": 1e30})  # fmt: skip
+    bucket_bytes, tile_elements = other
+    a, b = make_model(setup), make_model(setup)
+    run_offload(a, loop, setup.config)
+    run_offload(b, loop, {"bucket_bytes": bucket_bytes, "tile_elements": tile_elements})
+    assert_bitwise(b, a)
+
+
 @pytest.mark.parametrize("clear", ["opt", "model", "both", "neither"])
 def test_every_way_of_clearing_gradients_is_the_same_training(clear: str) -> None:
     # A deterministic anchor for the drawn property: all four clearing styles, bitwise.
