@@ -22,19 +22,24 @@ from ._validate import (
     reduction_blocks,
     run_with_threads,
 )
-from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
+from .convert import FASTMATH_ELEMENTWISE, FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
+from .stats import SUM_CHUNK, _sumsq_f32
 
 
-@njit(fastmath=FASTMATH_REDUCTION, cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
 def _accumulate_tile(acc_t, src_t, src_kind, overwrite):
+    # The statistics of each chunk just written: Note [one loop shape for every sum]
+    n = acc_t.shape[0]
     total = 0.0
-    for i in range(acc_t.shape[0]):
-        g = load_f32(src_t, i, src_kind)
-        if not overwrite:
-            g = acc_t[i] + g  # one fp32 add, exactly torch's acc.add_(src.float())
-        acc_t[i] = g
-        d = np.float64(g)
-        total += d * d
+    for lo in range(0, n, SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, n)
+        acc_c, src_c = acc_t[lo:hi], src_t[lo:hi]
+        for i in range(hi - lo):
+            g = load_f32(src_c, i, src_kind)
+            if not overwrite:
+                g = acc_c[i] + g  # one fp32 add, exactly torch's acc.add_(src.float())
+            acc_c[i] = g
+        total += _sumsq_f32(acc_c)
     return total
 
 
