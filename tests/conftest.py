@@ -1,12 +1,29 @@
-"""Shared fixtures: every accelerator that exists on this machine."""
+"""Shared fixtures: every accelerator that exists on this machine; hypothesis profiles."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from zero_offload.accelerator import Accelerator, CudaAccelerator, HostAccelerator
 from zero_offload.config import AcceleratorConfig
+
+# Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default "ci"). "ci": derandomized (the
+# same examples on every run, so a failure is reproducible and CI is not flaky) and bounded;
+# tests that set no max_examples get 25, and tests/_properties.py's scaled() sizes the
+# expensive ones from this budget. "long": fresh random examples, 10x as many, for nightly
+# runs (HYPOTHESIS_PROFILE=long pytest tests/test_properties.py tests/test_kernels_bitwise.py).
+_RELAXED = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci", max_examples=25, derandomize=True, deadline=None, suppress_health_check=_RELAXED
+)
+settings.register_profile(
+    "long", max_examples=250, deadline=None, suppress_health_check=_RELAXED, print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ACCELERATOR_KINDS = [
     "host",

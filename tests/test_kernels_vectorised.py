@@ -52,3 +52,30 @@ def test_adam_loop_vectorises(grad, out) -> None:
     signature = (F32, grad, types.int64, F32, F32, NONE, out, f32, f32, f32, types.boolean,
                  f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
     assert _vectorised(adam._adam_tile, convert.FASTMATH_ELEMENTWISE, signature)
+
+
+# Note [every specialisation rounds alike] (convert.py): no fast-math flag, no fused
+# multiply-add, in any specialisation of the Adam loop, so each rounds every operation as
+# written and equal values give equal bits whatever buffers hold them.
+FAST_MATH_FLAG = re.compile(r"\b(?:fast|reassoc|contract|nnan|ninf|nsz|arcp|afn)\b")
+FUSED = re.compile(r"llvm\.(?:fma|fmuladd)\.")
+FMA_INSTRUCTION = re.compile(r"\bvf(?:n?m(?:add|sub)|maddsub|msubadd)\d", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("grad", [F32, U16], ids=["grad-fp32", "grad-16bit"])
+@pytest.mark.parametrize("moments", [F32, U16], ids=["moments-fp32", "moments-bf16"])
+@pytest.mark.parametrize("vmax", [False, True], ids=["", "amsgrad"])
+@pytest.mark.parametrize("out", [NONE, U16, I16], ids=["no-out", "bf16-out", "fp16-out"])
+def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out) -> None:
+    f32 = types.float32
+    signature = (F32, grad, types.int64, moments, moments, moments if vmax else NONE, out,
+                 f32, f32, f32, types.boolean, f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
+    dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(
+        adam._adam_tile.py_func
+    )
+    dispatcher.compile(signature)
+    ir = dispatcher.inspect_llvm(signature)
+    assert "fdiv" in ir and "fmul" in ir  # the arithmetic is there to be checked
+    assert FAST_MATH_FLAG.search(ir) is None
+    assert FUSED.search(ir) is None
+    assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None

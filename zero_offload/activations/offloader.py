@@ -30,6 +30,20 @@ records an event on the compute stream (on CUDA, kernels using the tensor may st
 queued), so the pool hands the bytes to the next reload only after that work. The views the
 pool hands out pin these blocks in place: nobody could re-point autograd's tensors.
 
+Note [saved layout comes back]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Autograd saves views as they are: ``scaled_dot_product_attention`` saves the transposed
+q/k/v and its logsumexp, a linear layer saves a transposed weight. Backward kernels choose
+their path, and so their rounding, by strides (and a BLAS may by pointer alignment): a view
+that came back contiguous made a run with activation offload differ from one without at
+the ulp level. So an offloaded tensor travels as the storage range its view covers (its
+*span*: from its first element to its last, ``1 + sum((size - 1) * stride)`` elements,
+the same as its numel for a dense view, a permutation included) and comes back as a view
+with the saved shape and strides over a device block, placed so that its data pointer has
+the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes (the block is that much longer;
+pool blocks start aligned, so an aligned tensor costs nothing more). The cost: a view with
+gaps (a slice of a fused projection) moves the bytes between its elements too.
+
 Note [reuse order]
 ~~~~~~~~~~~~~~~~~~
 Every iteration allocates and frees device blocks in the same order (reverse forward order,
@@ -63,7 +77,11 @@ from ..tracing import phase
 from .config import ActivationOffloadConfig
 from .record import ActivationState, OffloadedActivation, SavedActivation
 
-__all__ = ["ActivationOffloader", "default_offloader"]
+__all__ = ["LAYOUT_ALIGN", "ActivationOffloader", "default_offloader"]
+
+#: Bytes modulo which a reloaded activation's data pointer matches the saved one's (a cache
+#: line; torch's CPU allocator aligns to it). See Note [saved layout comes back].
+LAYOUT_ALIGN = 64
 
 
 class _Outgoing(NamedTuple):
@@ -160,18 +178,19 @@ class ActivationOffloader:
 
         The caller has decided ``tensor`` should be offloaded (``policy.is_offloadable``).
         """
-        nbytes = tensor.numel() * tensor.element_size()
+        span = _span(tensor)  # Note [saved layout comes back]
+        nbytes = span * tensor.element_size()
         self._check_fits(tensor, nbytes)
         # The copy runs on another thread (host accelerator), outside this grad mode.
-        tensor = tensor.detach()
+        source = tensor.detach().as_strided((span,), (1,))  # the span, over the same storage
         with phase("act_offload", track="copy"):
             self._reap()
             self._bound_outgoing()
             host_block = self._alloc_host(nbytes, group)
-            host_view = host_block.view(tensor.dtype, tuple(tensor.shape))
+            host_view = host_block.view(tensor.dtype, (span,))
             end = self.manager.copy(
                 host_view,
-                tensor,
+                source,
                 direction=Direction.D2H,
                 category=Category.ACTIVATIONS,
                 after=[self.manager.compute_ready()],
@@ -182,13 +201,15 @@ class ActivationOffloader:
                 group=group,
                 dtype=tensor.dtype,
                 shape=tuple(tensor.shape),
+                stride=tuple(tensor.stride()),
+                ptr_mod=tensor.data_ptr() % LAYOUT_ALIGN,
                 nbytes=nbytes,
                 host_block=host_block,
                 host_view=host_view,
                 out_event=end,
             )
             with self._lock:
-                self._outgoing.append(_Outgoing(record, tensor, end))
+                self._outgoing.append(_Outgoing(record, source, end))
                 self._groups.setdefault(group, []).append(record)
                 self._add_device_bytes_locked(nbytes)
                 self._stats.offloaded_tensors += 1
@@ -342,16 +363,23 @@ class ActivationOffloader:
         block = self._alloc_device(record, demand=demand)
         if block is None:
             return False
-        device_tensor = _tensor_over_block(
+        flat = _tensor_over_block(
             block,
             record.dtype,
-            record.shape,
+            (block.nbytes // record.host_view.element_size(),),
             functools.partial(
                 self._deferred.put, functools.partial(self._free_device_block, block, record.nbytes)
             ),
         )
+        # Note [saved layout comes back]: the saved strides, the saved pointer alignment
+        itemsize = flat.element_size()
+        span = record.host_view.numel()
+        pad = (record.ptr_mod - flat.data_ptr()) % LAYOUT_ALIGN // itemsize
+        if (pad + span) * itemsize > block.nbytes:  # a pool buffer not aligned to LAYOUT_ALIGN
+            pad = 0
+        device_tensor = flat.as_strided(record.shape, record.stride, pad)
         end = self.manager.copy(
-            device_tensor,
+            flat[pad : pad + span],
             record.host_view,
             direction=Direction.H2D,
             category=Category.ACTIVATIONS,
@@ -422,11 +450,12 @@ class ActivationOffloader:
     def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
         owner = f"activation group {record.group}"
         try:
+            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back]
             try:
-                block = self.device_pool.alloc(record.nbytes, owner=owner)
+                block = self.device_pool.alloc(nbytes, owner=owner)
             except PoolExhausted:
                 self._run_deferred()  # frees handed over by finalizers since the last reap
-                block = self.device_pool.alloc(record.nbytes, owner=owner)
+                block = self.device_pool.alloc(nbytes, owner=owner)
         except PoolExhausted as exc:
             if not demand:
                 with self._lock:
@@ -463,17 +492,20 @@ class ActivationOffloader:
         del device_tensor  # a prefetched, never used block returns via its storage finalizer
 
     def _check_fits(self, tensor: torch.Tensor, nbytes: int) -> None:
-        for field, pool in (
-            ("host_pool_bytes", self.host_pool),
-            ("device_pool_bytes", self.device_pool),
+        # the device block has room to restore the pointer's alignment (Note [saved layout
+        # comes back]); nbytes is the span's, more than numel's for a view with gaps
+        for field, pool, need in (
+            ("host_pool_bytes", self.host_pool, nbytes),
+            ("device_pool_bytes", self.device_pool, nbytes + tensor.data_ptr() % LAYOUT_ALIGN),
         ):
-            if nbytes > pool.usable:
+            if need > pool.usable:
                 raise PoolExhausted(
-                    f"a saved activation of shape {tuple(tensor.shape)} ({tensor.dtype}, "
-                    f"{format_bytes(nbytes)}, {nbytes} bytes) cannot fit the activation pool "
-                    f"{pool.name!r} of {pool.usable} usable bytes. Raise "
-                    f"ActivationOffloadConfig.{field} to at least {nbytes} bytes (more to hold "
-                    f"several), or raise min_bytes above {nbytes} to keep such tensors on the device."
+                    f"a saved activation of shape {tuple(tensor.shape)} and strides "
+                    f"{tuple(tensor.stride())} ({tensor.dtype}, {format_bytes(nbytes)}, {nbytes} "
+                    f"bytes spanned) cannot fit the activation pool {pool.name!r} of "
+                    f"{pool.usable} usable bytes. Raise ActivationOffloadConfig.{field} to at "
+                    f"least {need} bytes (more to hold several), or raise min_bytes above "
+                    f"{tensor.numel() * tensor.element_size()} to keep such tensors on the device."
                 )
 
     def _forget_locked(self, record: OffloadedActivation) -> None:
@@ -486,6 +518,13 @@ class ActivationOffloader:
     def _add_device_bytes_locked(self, nbytes: int) -> None:
         self._stats.device_bytes += nbytes
         self._stats.device_bytes_peak = max(self._stats.device_bytes_peak, self._stats.device_bytes)
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements of storage from ``tensor``'s first element to its last (Note [saved layout
+    comes back]); strides are never negative in torch."""
+    pairs = zip(tensor.shape, tensor.stride(), strict=True)
+    return 1 + sum((size - 1) * stride for size, stride in pairs)
 
 
 def _tensor_over_block(

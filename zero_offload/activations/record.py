@@ -48,8 +48,10 @@ class OffloadedActivation:
         "in_event",
         "nbytes",
         "out_event",
+        "ptr_mod",
         "shape",
         "state",
+        "stride",
     )
 
     def __init__(
@@ -58,6 +60,8 @@ class OffloadedActivation:
         group: int,
         dtype: torch.dtype,
         shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        ptr_mod: int,
         nbytes: int,
         host_block: Block,
         host_view: torch.Tensor,
@@ -65,20 +69,25 @@ class OffloadedActivation:
     ) -> None:
         self.group = group  # prefetch unit: one checkpoint call, or one saved tensor
         self.dtype = dtype
+        # Note [saved layout comes back] in offloader.py: the saved tensor's shape and
+        # strides, and its data pointer modulo LAYOUT_ALIGN bytes
         self.shape = shape
-        self.nbytes = nbytes  # numel * itemsize, as saved
+        self.stride = stride
+        self.ptr_mod = ptr_mod
+        self.nbytes = nbytes  # span * itemsize: the storage range the saved view covers
         self.host_block = host_block  # host pool block, freed when autograd drops the activation
-        self.host_view = host_view  # (shape,) dtype, contiguous, over host_block
+        self.host_view = host_view  # (span,) dtype, over host_block: the span's bytes
         self.out_event = out_event  # end of the copy to the host
         self.state = ActivationState.MOVING_OUT
-        # (shape,) dtype, contiguous, on the device, over a device pool block; set while
-        # MOVING_IN. See Note [device blocks live as long as their storage] in offloader.py.
+        # (shape,) dtype with the saved strides, on the device, over a device pool block; set
+        # while MOVING_IN. See Note [device blocks live as long as their storage] in offloader.py.
         self.device_tensor: torch.Tensor | None = None
         self.in_event: Event | None = None  # end of the copy back, while MOVING_IN
 
     def __repr__(self) -> str:
         return (
-            f"OffloadedActivation(group={self.group}, shape={self.shape}, dtype={self.dtype}, "
+            f"OffloadedActivation(group={self.group}, shape={self.shape}, stride={self.stride}, "
+            f"dtype={self.dtype}, "
             f"nbytes={self.nbytes}, state={self.state.name})"
         )
 

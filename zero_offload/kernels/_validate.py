@@ -156,6 +156,20 @@ def chunking(span: int, threads: int) -> int:
     return max(1, min(threads, span // MIN_ELEMENTS_PER_THREAD))
 
 
+# Note [sums do not depend on the threads]
+# A reduction (the sum of squares) splits [start, stop) into fixed blocks of
+# REDUCTION_BLOCK elements counted from start, whatever the number of threads; each block
+# is summed by one thread with one loop shape, and the block sums are added exactly
+# (math.fsum). Splitting by thread instead made the last bits of the sum, hence of the
+# clipping coefficient and every weight, depend on how many threads a pass ran on.
+REDUCTION_BLOCK = MIN_ELEMENTS_PER_THREAD
+
+
+def reduction_blocks(span: int) -> int:
+    """Number of REDUCTION_BLOCK blocks covering ``span`` elements (at least one)."""
+    return max(1, -(-span // REDUCTION_BLOCK))
+
+
 def run_with_threads(num_threads: object, fn: Callable[[int], T]) -> T:
     """Call ``fn(n)`` with numba's thread count set to ``n`` for this calling thread only."""
     n = resolve_threads(num_threads)

@@ -41,8 +41,10 @@ from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, s
 #   max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)         (amsgrad; NaN wins)
 #   denom = sqrt(v) / sqrt(1 - beta2**step) + eps                 (v: max buffer if amsgrad)
 #   param += (-lr / (1 - beta1**step)) * exp_avg / denom
-# The kernel does the same operations in the same order, so fp32 results agree with torch
-# up to fused multiply-adds (see Note [why no nnan/ninf fastmath] in convert.py).
+# The kernel does the same operations in the same order, each rounded as written (no fused
+# multiply-add: Note [every specialisation rounds alike] in convert.py), so fp32 results
+# agree with torch up to the fused multiply-adds of torch's own vectorised lerp/addcmul,
+# and are bitwise the same whichever dtype the gradient buffer has.
 # grad_scale multiplies the raw gradient before anything else; maximize is folded into its
 # sign, which is exact because IEEE rounding is symmetric: -(g * s) == g * (-s).
 

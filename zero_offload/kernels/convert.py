@@ -21,12 +21,25 @@ from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking,
 # Note [why no nnan/ninf fastmath]
 # LLVM's nnan/ninf flags let it assume no value is NaN or inf: it may then fold
 # `x != x` to false and drop the propagation of a non-finite gradient into the weights,
-# which is exactly what overflow detection and torch parity need. The kernels therefore
-# allow only 'contract' (fused multiply-add, as torch's own vectorised CPU kernels use)
-# and, for reductions, 'reassoc' (several partial sums, so the loop vectorises). 'arcp'
-# and 'afn' are left out too: they would change the rounding of the divisions and square
-# roots that torch.optim.AdamW performs exactly.
-FASTMATH_ELEMENTWISE = {"contract"}
+# which is exactly what overflow detection and torch parity need. 'arcp' and 'afn' would
+# change the rounding of the divisions and square roots that torch.optim.AdamW performs
+# exactly. Reductions allow 'reassoc' (several partial sums, so the loop vectorises; the
+# float64 sums of squares are accurate either way) and 'contract' (harmless there: the
+# square of an fp32 value is exact in float64, so a fused multiply-add rounds the same).
+# Elementwise kernels allow nothing: Note [every specialisation rounds alike].
+#
+# Note [every specialisation rounds alike]
+# numba compiles one specialisation of a kernel per argument dtype, and LLVM chooses per
+# specialisation which multiplies and adds to fuse into an fma when 'contract' allows it:
+# the Adam pass then rounded differently reading a bf16 gradient than reading the same
+# values from an fp32 accumulator (1 ulp, in a third of the elements). Which buffer a
+# bucket reads depends on bucket layout, early flushes and micro-batch count, so fast
+# paths were not bitwise the plain one. Without any fast-math flag every operation is
+# rounded as written, in every specialisation, so equal values give equal bits whatever
+# buffers they come from. tests/test_kernels_vectorised.py checks the compiled IR of
+# every specialisation for flags and fused multiply-adds; tests/test_kernels_bitwise.py
+# checks the results.
+FASTMATH_ELEMENTWISE: set[str] = set()
 FASTMATH_REDUCTION = {"contract", "reassoc"}
 
 # Note [error_model numpy]
@@ -121,8 +134,9 @@ def fp16_to_f32(h):
     em = h & 0x7FFF
     exp = em >> 10
     if exp == 0:
-        # mantissa * 2**-24 is exact in float32 (an integer below 1024 times a power of two)
-        mag = f32_bits(np.float32(em) * np.float32(5.9604644775390625e-08))
+        # mantissa * 2**-24: the integer's exact float32, its exponent lowered by 24 (still
+        # normal); integer work only, so no fast-math flag of the caller can touch it
+        mag = f32_bits(np.float32(em)) - (24 << 23) if em != 0 else np.int64(0)
     elif exp == 31:
         mag = (em << 13) + 0x70000000
     else:

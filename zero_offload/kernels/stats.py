@@ -5,10 +5,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
-from ._validate import BF16, FP16, FP32, as_kernel_array, check_range, chunking, run_with_threads
-from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
+from ._validate import (
+    BF16,
+    FP16,
+    FP32,
+    REDUCTION_BLOCK,
+    as_kernel_array,
+    check_range,
+    reduction_blocks,
+    run_with_threads,
+)
+from .convert import FASTMATH_ELEMENTWISE, FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 
 # Note [non-finite flag from the float64 sum]
 # Each square of an fp32 value is exact in float64 (24-bit mantissa squared fits in 53
@@ -19,24 +29,65 @@ from .convert import FASTMATH_REDUCTION, KERNEL_OPTIONS, load_f32
 # see Note [why no nnan/ninf fastmath] in convert.py.
 
 
+# Note [one loop shape for every sum]
+# With 'reassoc', LLVM picks the shape of a reduction (vector width, unrolling, remainder
+# loop) per compiled loop: the statistics of fp16 staging and of the fp32 accumulator
+# holding the same values differed in the last bit for some lengths. So every sum of
+# squares (statistics of any dtype, accumulation) is the one fp32 loop ``_sumsq_f32``
+# over chunks of SUM_CHUNK fp32 elements counted from the start of the block, added in
+# order in float64: 16-bit gradients are widened chunk by chunk into a scratch buffer
+# (it stays in L1), the accumulation pass sums the chunk it just wrote.
+SUM_CHUNK = 2048
+
+
 @njit(fastmath=FASTMATH_REDUCTION, cache=True, nogil=True, error_model="numpy")
-def _sumsq_tile(g_t, grad_kind):
+def _sumsq_f32(x):
+    """Sum of squares of an fp32 chunk, in float64; the only reduction loop."""
     acc = 0.0
-    for i in range(g_t.shape[0]):
-        g = np.float64(load_f32(g_t, i, grad_kind))
+    for i in range(x.shape[0]):
+        g = np.float64(x[i])
         acc += g * g
     return acc
 
 
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _sumsq_tile(g_t, grad_kind):
+    # Note [one loop shape for every sum]
+    n = g_t.shape[0]
+    scratch = np.empty(min(n, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) fp32
+    total = 0.0
+    for lo in range(0, n, SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, n)
+        total += _sumsq_f32(_as_f32(g_t[lo:hi], grad_kind, scratch[: hi - lo]))
+    return total
+
+
+def _as_f32(chunk, kind, scratch):
+    """``chunk`` as fp32: itself if it is fp32, else widened into ``scratch``."""
+
+
+@overload(_as_f32)
+def _as_f32_impl(chunk, kind, scratch):
+    if chunk.dtype == types.float32:
+        return lambda chunk, kind, scratch: chunk
+
+    def widen(chunk, kind, scratch):
+        for i in range(chunk.shape[0]):
+            scratch[i] = load_f32(chunk, i, kind)
+        return scratch
+
+    return widen
+
+
 @njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
-def _sumsq_kernel(grad, grad_kind, start, stop, nchunks):
-    partial = np.zeros(nchunks, dtype=np.float64)  # one float64 sum per chunk
-    span = stop - start
-    for c in prange(nchunks):
-        lo = start + span * c // nchunks
-        hi = start + span * (c + 1) // nchunks
-        # Note [one contiguous slice per thread] (adam.py): a slice, so the loop vectorises
-        partial[c] = _sumsq_tile(grad[lo:hi], grad_kind)
+def _sumsq_kernel(grad, grad_kind, start, stop, nblocks):
+    partial = np.zeros(nblocks, dtype=np.float64)  # one float64 sum per block
+    for b in prange(nblocks):
+        # Note [sums do not depend on the threads] (_validate.py); a slice, so the loop
+        # vectorises (Note [one contiguous slice per thread], adam.py)
+        lo = start + b * REDUCTION_BLOCK
+        hi = min(lo + REDUCTION_BLOCK, stop)
+        partial[b] = _sumsq_tile(grad[lo:hi], grad_kind)
     return partial
 
 
@@ -46,16 +97,18 @@ def grad_stats(
     """Return ``(sum of squares, any non-finite)`` over ``grad[start:stop]`` in one pass.
 
     ``grad`` is a 1-D contiguous CPU fp32/bf16/fp16 tensor, or a numpy float32/float16
-    array or uint16 array of bf16 bits. The sum is accumulated in float64 (per thread, then
-    added in float64), so ``math.sqrt`` of the sums of all tiles is the global L2 norm to
+    array or uint16 array of bf16 bits. The sum is accumulated in float64 over fixed blocks
+    whose sums are added exactly (``math.fsum``): the result depends only on the values and
+    ``start``, not on ``num_threads`` nor on the dtype holding the values (Note [sums do not
+    depend on the threads]). ``math.sqrt`` of the sums of all tiles is the global L2 norm to
     float64 accuracy. The flag is True iff some element is NaN or +-inf; the sum is then
     NaN or inf too.
     """
     grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
     start, stop = check_range(start, stop, grad_a.shape[0])
+    nblocks = reduction_blocks(stop - start)
     partial = run_with_threads(
-        num_threads,
-        lambda n: _sumsq_kernel(grad_a, kind, start, stop, chunking(stop - start, n)),
+        num_threads, lambda n: _sumsq_kernel(grad_a, kind, start, stop, nblocks)
     )
-    total = float(partial.sum())
+    total = math.fsum(partial)
     return total, not math.isfinite(total)
