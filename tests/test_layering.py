@@ -213,3 +213,13 @@ def test_no_import_cycle() -> None:
     # through the package name, is the same import Python resolves in order; it still
     # counts as a cycle here: import the submodule, not the package, from inside it.
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """One managed thing per module: a file past 600 lines is answering two questions."""
+    long = sorted(
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in _modules().values()
+        if (n := len(path.read_text().splitlines())) > 600
+    )
+    assert not long, "split these modules:\n" + "\n".join(long)

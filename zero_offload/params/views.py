@@ -18,18 +18,28 @@ slot is free for the next unit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
+from .window import Slot
 
 if TYPE_CHECKING:
     from ..accelerator import Event
     from ..memory.manager import TieredMemoryManager
-    from .unit import ParamUnit
+
+
+class SlotHolder(Protocol):
+    """What the views ask of their unit (``unit.ParamUnit``; a protocol, so this module
+    stays below the unit that builds it)."""
+
+    slot: Slot  # the window slot the unit's weights use while resident
+    resident: bool  # the parameters point at the slot now
+    content_valid: bool  # the slot holds the unit's current weights
+
 
 __all__ = ["WindowedViews"]
 
@@ -48,7 +58,7 @@ class WindowedViews(ParamViews):
         self,
         layout: BucketLayout,
         params: Sequence[torch.nn.Parameter],
-        unit: ParamUnit,
+        unit: SlotHolder,
         region: torch.Tensor,
     ) -> None:
         # Not ParamViews.__init__: the device bytes are the slot's, not a block of our own.

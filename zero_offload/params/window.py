@@ -28,7 +28,7 @@ fetch's end event is recorded on the block (Note [block reuse waits on events]).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -38,8 +38,17 @@ from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 
-if TYPE_CHECKING:
-    from .unit import ParamUnit
+
+class Occupant(Protocol):
+    """What the window asks of a unit in a slot (``unit.ParamUnit``; a protocol, so this
+    module stays below the unit that imports it)."""
+
+    resident: bool  # its parameters point at the slot now
+    content_valid: bool  # the slot holds its current weights
+
+    def release(self) -> None:
+        """Leave the slot (its parameters point back at their home)."""
+
 
 __all__ = ["Slot", "Window", "plan_slots"]
 
@@ -79,7 +88,7 @@ class Slot:
     def __init__(self, index: int, block: Block) -> None:
         self.index = index
         self.block = block
-        self.occupant: ParamUnit | None = None
+        self.occupant: Occupant | None = None
 
     def region(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``(numel,)`` of ``dtype`` at byte ``offset`` of the slot."""

@@ -20,16 +20,47 @@ is complete, and any bucket may go early when the device pool needs its buffer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ...errors import PoolExhausted
-from .lifecycle import GradState
+from ...partition import BucketLayout
+from .lifecycle import BucketGrads, GradState
 
-if TYPE_CHECKING:
-    from ..flat_bucket import FlatBucket
-    from .router import BackwardRouter
+
+# What an order asks of the buckets and the router it serves (``flat_bucket.FlatBucket``
+# and ``router.BackwardRouter``), written as protocols so this module stays below both: the
+# ranks, which sit below the buckets, choose the order.
+class OrderedBucket(Protocol):
+    layout: BucketLayout
+    grads: BucketGrads
+
+    def receive_grad(self, slot_index: int, grad: torch.Tensor, *, grow: bool = False) -> bool:
+        """Add one parameter's gradient; True when the bucket is complete."""
+
+    def flush(self, ranks: Any) -> None:
+        """Hand this backward's device gradients on."""
+
+
+class AnnouncedStep(Protocol):
+    @property
+    def backward_ended(self) -> bool:
+        """Whether the announced step saw its backward end."""
+
+    def hand_over(self, bucket: Any) -> None:
+        """A bucket's gradients are on their way: step it when they land."""
+
+    def end_backward(self, buckets: Sequence[Any]) -> None:
+        """The backward ended: step what is left."""
+
+
+class Routing(Protocol):
+    buckets: Sequence[OrderedBucket]
+    ranks: Any  # optim.ranks.Ranks: where() names this rank in errors
+    eager: AnnouncedStep | None
+
 
 __all__ = ["BucketOrder", "FreeOrder", "LockstepOrder"]
 
@@ -44,12 +75,12 @@ class BucketOrder(ABC):
 
     @abstractmethod
     def receive(
-        self, router: BackwardRouter, bucket: FlatBucket, slot_index: int, grad: torch.Tensor
+        self, router: Routing, bucket: OrderedBucket, slot_index: int, grad: torch.Tensor
     ) -> None:
         """Add one gradient to ``bucket`` and flush what may go now."""
 
     @abstractmethod
-    def end_backward(self, router: BackwardRouter) -> None:
+    def end_backward(self, router: Routing) -> None:
         """The backward ended: flush what must go."""
 
     @abstractmethod
@@ -62,7 +93,7 @@ class FreeOrder(BucketOrder):
     the device pool needs its buffer."""
 
     def receive(
-        self, router: BackwardRouter, bucket: FlatBucket, slot_index: int, grad: torch.Tensor
+        self, router: Routing, bucket: OrderedBucket, slot_index: int, grad: torch.Tensor
     ) -> None:
         try:
             complete = bucket.receive_grad(slot_index, grad)
@@ -79,7 +110,7 @@ class FreeOrder(BucketOrder):
         if router.eager is not None:
             router.eager.hand_over(bucket)
 
-    def end_backward(self, router: BackwardRouter) -> None:
+    def end_backward(self, router: Routing) -> None:
         for bucket in router.buckets:
             if bucket.grads.holds_device_buffer:
                 bucket.flush(router.ranks)
@@ -105,7 +136,7 @@ class LockstepOrder(BucketOrder):
         return self.next > 0
 
     def receive(
-        self, router: BackwardRouter, bucket: FlatBucket, slot_index: int, grad: torch.Tensor
+        self, router: Routing, bucket: OrderedBucket, slot_index: int, grad: torch.Tensor
     ) -> None:
         if bucket.grads.state is GradState.COMPLETE:
             bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
@@ -131,7 +162,7 @@ class LockstepOrder(BucketOrder):
             buckets[self.next].flush(router.ranks)
             self.next += 1
 
-    def end_backward(self, router: BackwardRouter) -> None:
+    def end_backward(self, router: Routing) -> None:
         for bucket in router.buckets[self.next :]:
             bucket.open_empty(grow=True)
             bucket.flush(router.ranks)

@@ -27,7 +27,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -35,10 +35,7 @@ from ...collectives import surface_collective_errors
 from ..flat_bucket import FlatBucket
 from ..ranks import Ranks
 from .lifecycle import GradState
-from .order import BucketOrder
-
-if TYPE_CHECKING:
-    from ..update.eager import EagerStep
+from .order import AnnouncedStep, BucketOrder
 
 __all__ = ["BackwardRouter"]
 
@@ -106,7 +103,7 @@ class BackwardRouter:
         self.order: BucketOrder = ranks.bucket_order()
         #: The announced step (Note [stepping during backward] in update/eager.py), from
         #: announce_step() until step() takes it; set and cleared by the optimizer.
-        self.eager: EagerStep | None = None
+        self.eager: AnnouncedStep | None = None  # an update.eager.EagerStep
         # A step consumed the window: the next gradient opens a new one for every bucket
         # (Note [a bucket's gradient lifecycle]: buckets without a gradient in the new
         # window must not keep the old one).

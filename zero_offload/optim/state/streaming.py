@@ -33,7 +33,7 @@ import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,8 +45,15 @@ from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
 from .state_dict import LoadedState, group_entries
 
-if TYPE_CHECKING:
-    from ..offload_adamw import OffloadAdamW
+
+class Streamable(Protocol):
+    """An optimizer that streams its state (``OffloadAdamW``; a protocol, so this module
+    stays below the facade that calls ``save``/``load``)."""
+
+    def save_streaming(self, path: str | os.PathLike[str]) -> None: ...
+
+    def load_streaming(self, path: str | os.PathLike[str]) -> None: ...
+
 
 __all__ = ["load", "load_streaming", "save", "save_streaming"]
 
@@ -54,13 +61,13 @@ _FORMAT_VERSION = 1
 _META = "meta.pt"
 
 
-def save_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+def save_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
     """``opt.save_streaming(path)``: write the state under ``path/rank{r}/`` bucket by
     bucket, tile by tile; see the module docstring. Every rank calls it."""
     opt.save_streaming(path)
 
 
-def load_streaming(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+def load_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
     """``opt.load_streaming(path)``: load what ``save_streaming`` wrote, tile by tile."""
     opt.load_streaming(path)
 
