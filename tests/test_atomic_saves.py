@@ -18,7 +18,7 @@ import torch
 from zero_offload import OffloadAdamW, OffloadConfig, fileio
 from zero_offload.checkpoint_io import load_consolidated, save_consolidated
 from zero_offload.errors import StorageFull
-from zero_offload.optim import state_stream
+from zero_offload.optim.state import streaming as state_stream
 from zero_offload.optim.state.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
 
