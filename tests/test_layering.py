@@ -3,8 +3,8 @@ from a lower layer to a higher one.
 
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
-0. ``errors``, ``config``, ``tracing``, ``fileio``: plain types, settings, the phase hook,
-   atomic file writes.
+0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``: plain types, settings, the
+   phase hook, atomic file writes, progress bars.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``: devices and streams, numba
    kernels, which rank owns which slice, stateless collectives.
 2. ``memory``, ``sysinfo``: pools, the tiered manager, storage; what the machine offers.
@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "tracing": 0,
     "fileio": 0,
+    "progress": 0,
     "accelerator": 1,
     "kernels": 1,
     "partition": 1,

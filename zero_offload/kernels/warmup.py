@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from ..progress import progress
 from .accumulate import accumulate_grad
 from .adam import adam_step
 from .convert import cast_fp32
@@ -27,8 +28,13 @@ def warmup() -> dict[str, float]:
     # grad: fp32 | 16-bit (bf16 and fp16 share one specialisation); moments: fp32 | bf16;
     # amsgrad buffer absent | present; out absent | bf16 | fp16: 24 specialisations.
     outs = {"none": None, "bf16": np.uint16, "fp16": np.float16}
-    for grad_dtype, moment_dtype, amsgrad, out_name in itertools.product(
-        (np.float32, np.uint16), (np.float32, np.uint16), (False, True), outs
+    # A cold compile takes about a minute: a bar says so (Note [waits say what they wait
+    # for] in progress.py).
+    for grad_dtype, moment_dtype, amsgrad, out_name in progress(
+        itertools.product((np.float32, np.uint16), (np.float32, np.uint16), (False, True), outs),
+        desc="compiling CPU Adam kernels",
+        total=24,
+        unit="kernel",
     ):
         out_dtype = outs[out_name]
         t0 = time.perf_counter()

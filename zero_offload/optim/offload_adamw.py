@@ -23,6 +23,7 @@ with offload (``ranks.ShardedRanks``); one rank is the same code with no collect
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import sys
@@ -40,7 +41,6 @@ from .checks import (
     check_hyper,
     check_new_params,
     check_untouched,
-    plain_trainer_calling,
     split_names,
 )
 from .construction import SegmentBuilder, check_param_offload
@@ -52,10 +52,14 @@ from .ranks import Ranks, ShardedRanks, SingleRank
 from .state import streaming
 from .state.live import OptimizerState
 from .state.state_dict import load_optimizer_state, optimizer_state
+from .state.summary import Placement, placement_line, placement_of
+from .torch_clipping import refuse_plain_trainer
 from .update.loss_scaler import LossScaler
 from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed
 from .update.policy import StepPolicy
 from .update.tiles import AdamHyper
+
+_log = logging.getLogger("zero_offload")
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 
@@ -208,6 +212,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._finalizer()
             raise
         self.state = self._state_view  # type: ignore[assignment]
+        # Note [construction says where the state went] in state/summary.py.
+        _log.info(placement_line(repr(self), self.placement, str(self.accelerator.device)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}#{self.serial}"
@@ -283,6 +289,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     # Construction: construction.SegmentBuilder (Note [construction holds one copy] there).
+
+    @property
+    def placement(self) -> Placement:
+        """Where the optimizer state is: bytes per tier, pinned host bytes, the budget."""
+        return placement_of(self.buckets, self.manager, self.accelerator)
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -386,20 +397,6 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- step --------------------------------------------------------------------------
 
-    def _refuse_invisible_clipping(self) -> None:
-        """A plain HF ``Trainer`` would silently not clip and log grad_norm 0: refuse."""
-        trainer = plain_trainer_calling(sys._getframe(2))
-        if trainer is not None:
-            raise RuntimeError(
-                f"{type(trainer).__name__} clips (max_grad_norm="
-                f"{getattr(trainer.args, 'max_grad_norm', None)!r}) and computes the "
-                "grad_norm it logs with torch.nn.utils.clip_grad_norm_, which cannot see "
-                f"{type(self).__name__}'s gradients (they live on the host): it would clip "
-                "nothing and log grad_norm 0. Use "
-                "zero_offload.integrations.transformers.OffloadTrainer, which clips inside "
-                "the optimizer and logs the true norm. Nothing was stepped"
-            )
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the next step's gradients to ``max_norm``; returns the total norm (as torch's).
@@ -445,7 +442,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._policy.drop_eager()
             return loss
         check_untouched(self, self.param_groups, self.buckets)
-        self._refuse_invisible_clipping()
+        refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
         self._policy.mode.settle(self.buckets)
         self._reconcile_written_weights()

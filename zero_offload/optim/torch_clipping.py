@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.utils.clip_grad as _clip_module
 
+from .checks import plain_trainer_calling
 from .lifetime import OWNERS
 
 __all__ = ["install"]
@@ -107,3 +108,22 @@ def install() -> None:
         setattr(_clip_module, name, guarded)
         if not getattr(getattr(torch.nn.utils, name), _WRAPPED, False):
             setattr(torch.nn.utils, name, guarded)
+
+
+def refuse_plain_trainer(optimizer: str, frame: Any) -> None:
+    """Raise when a plain HF ``Trainer`` among the callers of ``frame`` steps ``optimizer``:
+    it would silently not clip and log grad_norm 0 (``checks.plain_trainer_calling``)."""
+    trainer = plain_trainer_calling(frame)
+    if trainer is None:
+        return
+    ours = "OffloadTrainer"
+    if type(trainer).__module__.startswith("trl."):
+        ours = "OffloadSFTTrainer or OffloadDPOTrainer (zero_offload.integrations.trl)"
+    raise RuntimeError(
+        f"{type(trainer).__name__} clips (max_grad_norm="
+        f"{getattr(trainer.args, 'max_grad_norm', None)!r}) and computes the grad_norm it "
+        f"logs with torch.nn.utils.clip_grad_norm_, which cannot see {optimizer}'s "
+        "gradients (they live on the host): it would clip nothing and log grad_norm 0. Use "
+        f"{ours} (zero_offload.integrations.transformers.OffloadTrainer for a plain Trainer), "
+        "which clips inside the optimizer and logs the true norm. Nothing was stepped"
+    )

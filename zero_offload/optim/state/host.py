@@ -41,6 +41,7 @@ class HostState(StateStore):
     """
 
     resident = False
+    location = "host"
 
     def __init__(
         self,

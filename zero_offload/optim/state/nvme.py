@@ -214,6 +214,7 @@ class NvmeState(StateStore):
     supports_speculation = False  # the state is on disk: no copy to restore from
 
     resident = False
+    location = "nvme"
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ class ResidentState(StateStore):
     """
 
     resident = True
+    location = "device"
 
     def __init__(
         self,

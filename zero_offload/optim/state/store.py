@@ -71,6 +71,8 @@ class StateStore(ABC):
 
     #: Whether the state lives on the device (no tier crossing).
     resident: bool
+    #: Where the state lives, for reports: "device", "host" or "nvme".
+    location: str
     publication: Publication
     tile_elements: int
 

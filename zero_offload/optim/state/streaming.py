@@ -41,6 +41,7 @@ import xxhash
 
 from ...collectives import Comm
 from ...fileio import atomic_directory, private_file, recover_directory
+from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
 from .state_dict import LoadedState, group_entries
@@ -112,7 +113,7 @@ def save(
     # Written aside and swapped in whole: see Note [atomic replacement] in fileio.py.
     with atomic_directory(directory, what="save_streaming", nbytes=nbytes) as staging:
         entries = []
-        for bucket in buckets:
+        for bucket in progress(buckets, desc="save_streaming", unit="bucket"):
             target = staging / f"bucket{bucket.layout.index}.bin"
             checksums = _save_bucket(bucket, target)
             entry = _fingerprint(bucket, tile_elements)
@@ -200,7 +201,8 @@ def _check(
             f"saved, this optimizer has {len(buckets)} and {len(param_groups)}: build "
             "it over the same parameters with the same OffloadConfig.bucket_bytes"
         )
-    for entry, bucket in zip(saved, buckets, strict=True):
+    checking = zip(saved, buckets, strict=True)
+    for entry, bucket in progress(checking, desc="checking the checkpoint", total=len(buckets)):
         mine = _fingerprint(bucket, tile_elements)
         theirs = {key: entry[key] for key in mine}
         theirs["shard"] = tuple(theirs["shard"])
@@ -265,7 +267,10 @@ def load(
     _check(buckets, param_groups, scaler, tile_elements, directory, meta, world)
 
     # Checked: from here on nothing raises on the checkpoint's data.
-    for entry, bucket in zip(meta["buckets"], buckets, strict=True):
+    loading = zip(meta["buckets"], buckets, strict=True)
+    for entry, bucket in progress(
+        loading, desc="load_streaming", total=len(buckets), unit="bucket"
+    ):
         _load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
         bucket.store.publication.drop_unpublished()

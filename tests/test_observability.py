@@ -1,0 +1,106 @@
+"""A run says what it is doing: the construction log line (Note [construction says where the
+state went]) and progress bars on long waits (Note [waits say what they wait for])."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload.progress import progress, progress_enabled
+
+
+def test_construction_logs_where_the_state_went(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(64, 32)  # 64 * 32 + 32 = 2080 fp32 parameters
+    with caplog.at_level(logging.INFO, logger="zero_offload"):
+        opt = OffloadAdamW(model.parameters())
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "zero_offload"]
+        assert len(lines) == 1, lines
+        placement = opt.placement
+        # fp32 master + exp_avg + exp_avg_sq: 12 bytes per parameter, all on the host.
+        assert placement.parameters == 2080
+        assert placement.host == 12 * 2080
+        assert placement.device == placement.nvme == 0
+        assert placement.pinned + placement.pageable > placement.host  # staging too
+        assert placement.device_budget == opt.accelerator.memory_stats()["budget"]
+        line = lines[0]
+        for expected in ("2,080 parameters", "host 24.38 KiB", "NVMe 0 B", "budget"):
+            assert expected in line, line
+    finally:
+        opt.close()
+
+
+def test_the_log_line_counts_state_on_nvme(tmp_path: pathlib.Path) -> None:
+    model = nn.Linear(512, 512)  # 262,656 parameters: 3 MiB of state, host_budget 1 MiB
+    opt = OffloadAdamW(
+        model.parameters(), config=OffloadConfig(nvme_dir=str(tmp_path), host_budget="1MiB")
+    )
+    try:
+        placement = opt.placement
+        assert placement.nvme > 0
+        assert placement.nvme + placement.host + placement.device == 12 * 262_656
+    finally:
+        opt.close()
+
+
+def test_progress_bars_follow_the_terminal_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ZERO_OFFLOAD_PROGRESS", "0")
+    assert not progress_enabled()
+    assert list(progress(range(3), desc="quiet", delay=0)) == [0, 1, 2]
+    assert "quiet" not in capsys.readouterr().err
+    monkeypatch.setenv("ZERO_OFFLOAD_PROGRESS", "1")
+    assert progress_enabled()
+    assert list(progress(range(3), desc="loud", total=3, delay=0)) == [0, 1, 2]
+    assert "zero-offload: loud" in capsys.readouterr().err
+    monkeypatch.delenv("ZERO_OFFLOAD_PROGRESS")
+    assert progress_enabled() is False  # pytest's captured stderr is not a terminal
+
+
+def test_streaming_checkpoints_and_kernel_warmup_show_bars(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import zero_offload.progress as bars
+    from zero_offload.kernels import warmup
+
+    monkeypatch.setenv("ZERO_OFFLOAD_PROGRESS", "1")
+    real = bars.progress
+    seen: list[str] = []
+
+    def at_once(items, *, desc, **kwargs):  # no 2 s delay in a test
+        seen.append(desc)
+        kwargs["delay"] = 0
+        if desc.startswith("compiling"):  # the bar, not a cold compile of all 24 kernels
+            return real(iter(()), desc=desc, **kwargs)
+        return real(items, desc=desc, **kwargs)
+
+    warmup_module = importlib.import_module("zero_offload.kernels.warmup")  # not the function
+    monkeypatch.setattr(warmup_module, "progress", at_once)
+    monkeypatch.setattr("zero_offload.optim.state.streaming.progress", at_once)
+    warmup()
+    model = nn.Linear(16, 16)
+    opt = OffloadAdamW(model.parameters())
+    try:
+        opt.backward(model(torch.randn(2, 16)).sum())
+        opt.step()
+        opt.save_streaming(tmp_path / "ckpt")
+        opt.load_streaming(tmp_path / "ckpt")
+    finally:
+        opt.close()
+    assert seen == [
+        "compiling CPU Adam kernels",
+        "save_streaming",
+        "checking the checkpoint",
+        "load_streaming",
+    ]
+    err = capsys.readouterr().err
+    assert (
+        "zero-offload: compiling CPU Adam kernels" in err and "zero-offload: save_streaming" in err
+    )
