@@ -65,7 +65,7 @@ def accelerate_loop(accelerator: Accelerator, model, opt, data) -> dict[str, lis
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "norms": norms, "opt": opt}
+    return {"losses": losses, "norms": norms, "opt": opt, "accelerator": accelerator}
 
 
 def test_loop_with_clipping_matches_torch() -> None:
@@ -81,6 +81,12 @@ def test_loop_with_clipping_matches_torch() -> None:
     torch.testing.assert_close(ours["norms"], ref["norms"], rtol=1e-6, atol=0)
     assert max_weight_diff(weights(model), weights(ref_model)) < 3e-6
     assert isinstance(ours["opt"], OffloadAcceleratedOptimizer)
+    # Note [offload metrics in the framework's logs]: per optimizer step since the last call.
+    metrics = ours["accelerator"].offload_metrics()
+    assert ours["opt"].optimizer_steps == STEPS
+    assert metrics["offload/cpu_adam_ms"] > 0 and metrics["offload/host_bytes"] > 0
+    assert "offload/exposed_transfer_ms" in metrics
+    assert ours["accelerator"].offload_metrics()["offload/cpu_adam_ms"] == 0  # nothing since
 
 
 def test_prepare_costs_no_state_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:

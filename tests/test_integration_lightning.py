@@ -155,6 +155,10 @@ def test_parity_with_torch_adamw_clip_and_accumulate(
     torch.testing.assert_close(ours.losses, ref.losses, rtol=0, atol=loss_tol)
     torch.testing.assert_close(ours.norms, ref.norms, rtol=loss_tol, atol=0)
     assert max_diff(weights(ours), weights(ref)) < weight_tol
+    # Note [offload metrics in the framework's logs]: logged with self.log_dict each step.
+    logged = ours.trainer.callback_metrics
+    assert float(logged["offload/cpu_adam_ms"]) > 0 and float(logged["offload/host_bytes"]) > 0
+    assert "offload/cpu_adam_ms" not in ref.trainer.callback_metrics
 
 
 EPOCHS = {"max_steps": -1, "max_epochs": 2, "limit_train_batches": STEPS // 2 * ACCUMULATE}

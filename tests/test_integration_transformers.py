@@ -76,6 +76,13 @@ def test_parity_with_torch_adamw_trainer(tmp_path: Path, overrides: dict) -> Non
     torch.testing.assert_close(our_norms, ref_norms, rtol=1e-6, atol=0)
     assert logged(ours, "learning_rate") == logged(ref, "learning_rate")
     assert max_weight_diff(weights(ours.model), weights(ref.model)) < 3e-6
+    # Note [offload metrics in the framework's logs]: in every training record.
+    cpu_adam, held = logged(ours, "offload/cpu_adam_ms"), logged(ours, "offload/host_bytes")
+    assert len(cpu_adam) == 12 and min(cpu_adam) > 0
+    placement = ours.offload_optimizer.placement
+    assert held == [float(placement.pinned + placement.pageable)] * 12
+    assert len(logged(ours, "offload/exposed_transfer_ms")) == 12
+    assert not logged(ref, "offload/cpu_adam_ms")
 
 
 def test_parity_bf16(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..optim import OffloadAdamW
+from ..profiling.metrics import StepMetrics
 from ._optim import clip_norm
 
 __all__ = ["FP16_AMP_MESSAGE", "OffloadAcceleratedOptimizer", "OffloadAccelerator"]
@@ -90,6 +91,7 @@ class OffloadAcceleratedOptimizer(AcceleratedOptimizer):
             raise ValueError(f"OffloadAdamW cannot run under fp16 AMP: {FP16_AMP_MESSAGE}")
         super().__init__(optimizer, device_placement=False, scaler=None)
         self._skipped = False  # whether the last step() was skipped by the optimizer
+        self.optimizer_steps = 0  # steps that reached the optimizer (not accumulation steps)
         self._is_accelerate_prepared = True  # see Note [no state round trip at prepare]
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -97,6 +99,8 @@ class OffloadAcceleratedOptimizer(AcceleratedOptimizer):
         before = self.optimizer.skipped_steps
         super().step(closure)
         self._skipped = self.optimizer.skipped_steps != before
+        if self.gradient_state.sync_gradients:
+            self.optimizer_steps += 1
 
     @property
     def step_was_skipped(self) -> bool:
@@ -124,6 +128,28 @@ class OffloadAccelerator(Accelerator):
         #: Optimizers passed to the prepare() call under way, so that prepare_model (which
         #: accelerate calls before prepare_optimizer) knows who owns the model's parameters.
         self._offload_in_prepare: list[OffloadAdamW] = []
+        #: Per prepared optimizer: its StepMetrics and the step count at the last collect.
+        self._offload_metrics: dict[int, tuple[StepMetrics, int]] = {}
+
+    def offload_metrics(self) -> dict[str, float]:
+        """The offload figures per optimizer step since the last call (Note [offload metrics
+        in the framework's logs] in ``profiling/metrics.py``); ``log()`` merges them into
+        every record. With several optimizers the keys carry the optimizer's index."""
+        merged: dict[str, float] = {}
+        prepared = [o for o in self._optimizers if isinstance(o, OffloadAcceleratedOptimizer)]
+        for index, wrapper in enumerate(prepared):
+            metrics, mark = self._offload_metrics.get(id(wrapper), (None, 0))
+            if metrics is None:
+                metrics = StepMetrics(wrapper.optimizer)
+            self._offload_metrics[id(wrapper)] = (metrics, wrapper.optimizer_steps)
+            figures = metrics.collect(wrapper.optimizer_steps - mark)
+            suffix = "" if len(prepared) == 1 else f"/{index}"
+            merged.update({f"{key}{suffix}": value for key, value in figures.items()})
+        return merged
+
+    def log(self, values: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """accelerate's tracker log, with ``offload_metrics()`` merged in."""
+        super().log({**values, **self.offload_metrics()}, *args, **kwargs)
 
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         prepared = [
@@ -149,6 +175,8 @@ class OffloadAccelerator(Accelerator):
         its state, whatever ``device_placement`` says."""
         if isinstance(optimizer, OffloadAdamW):
             optimizer = OffloadAcceleratedOptimizer(optimizer, scaler=self.scaler)
+            # Listening from now on: the first offload_metrics() covers the first steps.
+            self._offload_metrics[id(optimizer)] = (StepMetrics(optimizer.optimizer), 0)
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def prepare_model(

@@ -58,6 +58,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..checkpoint_io import consolidated_state_dict
 from ..optim import OffloadAdamW
+from ..profiling.metrics import StepMetrics
 from .accelerate import FP16_AMP_MESSAGE
 
 __all__ = ["OffloadDDPStrategy", "OffloadLightningModule"]
@@ -112,6 +113,29 @@ class OffloadLightningModule(pl.LightningModule):
             )
         if gradient_clip_val > 0:  # Lightning's rule: 0 (or unset) does not clip
             opt.clip_grad_norm_(float(gradient_clip_val))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Logs the offload figures per optimizer step with ``self.log_dict`` (Note [offload
+        metrics in the framework's logs] in ``profiling/metrics.py``); call
+        ``super().on_train_batch_end(...)`` when you override it."""
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        trainer = self._trainer
+        if trainer is None:
+            return
+        ours = [o for o in (_offload_optimizer(o) for o in trainer.optimizers) if o is not None]
+        if not ours:
+            return
+        if getattr(self, "_offload_metrics", None) is None:
+            self._offload_metrics = [StepMetrics(opt) for opt in ours]
+            self._offload_mark = 0
+        steps = trainer.global_step - self._offload_mark
+        if steps <= 0:  # an accumulation micro-batch: no optimizer step since the last log
+            return
+        self._offload_mark = trainer.global_step
+        for index, metrics in enumerate(self._offload_metrics):
+            suffix = "" if len(self._offload_metrics) == 1 else f"/{index}"
+            figures = {f"{k}{suffix}": v for k, v in metrics.collect(steps).items()}
+            self.log_dict(figures, on_step=True, on_epoch=False, prog_bar=False)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``; refuses fp16 AMP and clipping by value before any gradient

@@ -53,6 +53,7 @@ from ..checkpoint_io import load_consolidated, save_consolidated
 from ..config import OffloadConfig
 from ..fileio import save_torch
 from ..optim import OffloadAdamW
+from ..profiling.metrics import StepMetrics
 from ._optim import find_offload_optimizer, pre_clip_norm
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
@@ -117,8 +118,21 @@ class OffloadTrainer(Trainer):
             )
         self.offload_config = offload_config if offload_config is not None else OffloadConfig()
         self.offload_device = offload_device
+        self._offload_metrics: StepMetrics | None = None  # from the first training log on
+        self._offload_logged_step = 0
         super().__init__(*args, **kwargs)
         self._check_setup()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log, with the offload figures merged into training records (Note
+        [offload metrics in the framework's logs] in ``profiling/metrics.py``)."""
+        if "loss" in logs and self.optimizer is not None:
+            if self._offload_metrics is None:
+                self._offload_metrics = StepMetrics(self.offload_optimizer)
+            steps = self.state.global_step - self._offload_logged_step
+            self._offload_logged_step = self.state.global_step
+            logs = {**logs, **self._offload_metrics.collect(steps)}
+        super().log(logs, start_time)
 
     def _check_setup(self) -> None:
         """Refuse what would train wrongly, now rather than at the first step."""
