@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -92,9 +93,9 @@ def offload_opt(
     )
 
 
-def torch_adamw(model: nn.Module) -> torch.optim.AdamW:
+def torch_adamw(model: nn.Module, lr: float = 1e-3) -> torch.optim.AdamW:
     """The reference: torch's AdamW with ``offload_opt``'s default hyper-parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def train(
@@ -122,3 +123,58 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
         (x.detach().float() - y.detach().float()).abs().max().item()
         for x, y in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+# A small MLP and its regression loop, for tests that want buckets of a layer or two.
+
+
+def mlp(
+    seed: int = 0, dims: tuple[int, ...] = (16, 32, 32, 8), dtype: torch.dtype = torch.float32
+) -> nn.Sequential:
+    """Linear layers of widths ``dims`` with Tanh between them."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(dims):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).to(dtype)
+
+
+def mlp_batches(
+    n: int, seed: int = 1, d_in: int = 16, d_out: int = 8
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` deterministic (inputs, targets) pairs of 4 rows for ``mlp``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(4, d_in, generator=g), torch.randn(4, d_out, generator=g)) for _ in range(n)
+    ]
+
+
+def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, computed in fp32 whatever the model's dtype."""
+    return ((model(x.to(next(model.parameters()).dtype)).float() - y) ** 2).mean()
+
+
+def mlp_opt(model: nn.Module, **config: object) -> OffloadAdamW:
+    """``offload_opt`` at ``mlp_torch_adamw``'s lr, with buckets of 2 KiB: several per ``mlp``."""
+    config.setdefault("bucket_bytes", 2048)
+    return offload_opt(model, lr=1e-2, **config)
+
+
+def mlp_torch_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """The reference for ``mlp_opt``: torch's AdamW with its hyper-parameters."""
+    return torch_adamw(model, lr=1e-2)
+
+
+def mlp_train_both(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref: nn.Module,
+    ropt: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """One step per batch on ours and on the torch reference."""
+    for x, y in batches:
+        for m, o in ((model, opt), (ref, ropt)):
+            mlp_loss(m, x, y).backward()
+            o.step()
+            o.zero_grad()

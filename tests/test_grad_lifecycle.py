@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import zero_offload.optim.grads.to_host as off
 from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.lifecycle import GradState
@@ -25,6 +26,12 @@ from ._models import (
     lm_loss,
     make_pair,
     max_diff,
+    mlp,
+    mlp_batches,
+    mlp_loss,
+    mlp_opt,
+    mlp_torch_adamw,
+    mlp_train_both,
     offload_opt,
     torch_adamw,
 )
@@ -55,6 +62,46 @@ def test_every_way_of_clearing_gradients_trains_like_torch(style: str, micro: in
         ropt.step()
         ropt.zero_grad()
     assert max_diff(model, ref) < TOL
+
+
+def test_clip_grad_norm_does_not_leak_past_zero_grad():
+    m = mlp()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m)
+    ro = mlp_torch_adamw(r)
+    D = mlp_batches(2)
+    mlp_loss(m, *D[0]).backward()
+    o.clip_grad_norm_(1e-3)
+    o.zero_grad()
+    for mod, opt in ((m, o), (r, ro)):
+        mlp_loss(mod, *D[1]).backward()
+        opt.step()
+    assert max_diff(m, r) < 1e-5
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16, bias=False)
+        self.b = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def test_bucket_without_gradient_in_new_backward_is_not_restepped():
+    torch.manual_seed(0)
+    m = _TwoLayers()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m, bucket_bytes=1024)
+    ro = mlp_torch_adamw(r)
+    for k, (x, y) in enumerate(mlp_batches(3, d_out=16)):
+        for mod, opt in ((m, o), (r, ro)):
+            ((mod(x, k == 0) - y) ** 2).mean().backward()
+            opt.step()
+            mod.zero_grad()
+    assert int(o.state[m.b.weight]["step"]) == 1
+    assert max_diff(m, r) < 1e-5
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -133,6 +180,65 @@ def test_a_backward_that_raised_then_another_backward_counts_like_param_grad() -
         assert not opt._router.open
         assert all(b.grads.state is GradState.EMPTY for b in opt.buckets)
     assert max_diff(model, ref) < TOL
+
+
+@pytest.mark.parametrize("lone", [False, True], ids=["bucket", "lone-gradient"])
+def test_a_gradient_copy_failing_mid_flush_is_discarded_by_zero_grad(monkeypatch, lone):
+    # A flush queues its gradient tile by tile (Note [Adam follows the gradient in]); when
+    # queuing one fails, the bucket keeps its device buffer (or its adopted gradient), so
+    # the backward that raised is discarded by zero_grad like any other, and training goes
+    # on as torch's would without that backward.
+    from zero_offload.memory.manager import TieredMemoryManager
+    from zero_offload.memory.traffic import Category
+
+    dims = (64, 64, 8) if lone else (16, 32, 32, 8)
+    model, ref = mlp(dims=dims), mlp(dims=dims)
+    opt = mlp_opt(model, bucket_bytes=64 * 64 * 4 if lone else 2048)
+    ropt = mlp_torch_adamw(ref)
+    batches = mlp_batches(3, d_in=dims[0])
+    real = TieredMemoryManager.copy
+    calls = []
+
+    def failing(self, dst, src, *, category, **kwargs):
+        if category is Category.GRADIENTS:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected copy failure")
+        return real(self, dst, src, category=category, **kwargs)
+
+    monkeypatch.setattr(TieredMemoryManager, "copy", failing)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        mlp_loss(model, *batches[0]).backward()
+    monkeypatch.setattr(TieredMemoryManager, "copy", real)
+    opt.zero_grad()
+    mlp_train_both(model, opt, ref, ropt, batches[1:])
+    assert max_diff(model, ref) < 1e-5
+    opt.close()
+
+
+def _failing_alloc(self, nbytes, *, owner):
+    raise MemoryError("simulated: cannot pin the accumulator")
+
+
+@pytest.mark.parametrize("where", ["fold_in_open_grad", "flush_overlap_step"])
+def test_accumulator_allocation_failure_leaves_nothing_behind(monkeypatch, where):
+    m = mlp()
+    o = mlp_opt(m, overlap_step=(where == "flush_overlap_step"))
+    acc = o.accelerator
+    D = mlp_batches(3)
+    if where == "fold_in_open_grad":
+        mlp_loss(m, *D[0]).backward()
+    monkeypatch.setattr(off.AccumulatorPool, "alloc", _failing_alloc)
+    with pytest.raises(MemoryError):
+        mlp_loss(m, *D[1]).backward()
+    monkeypatch.undo()
+    o.zero_grad()  # flush case: raises "(bug)" today
+    assert all(b.gradients._grad_block is None for b in o.buckets), "leaked device grad block"
+    mlp_loss(m, *D[2]).backward()
+    o.step()
+    o.zero_grad()
+    o.close()
+    assert acc.memory_stats()["in_use"] == 0
 
 
 class _Checkpointed(nn.Module):
@@ -219,6 +325,23 @@ def test_overlap_step_lets_weights_loaded_between_steps_win() -> None:
     for index, param in enumerate(model.parameters()):
         assert torch.equal(mine[index]["master"], param.detach())
         assert torch.equal(mine[index]["exp_avg"], theirs[index]["exp_avg"])
+
+
+def test_overlap_step_write_to_one_param_keeps_others_pending_update():
+    res = []
+    for write in (False, True):
+        m = mlp()
+        o = mlp_opt(m, overlap_step=True, bucket_bytes=1 << 20)
+        for x, y in mlp_batches(3):
+            mlp_loss(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+        if write:
+            with torch.no_grad():
+                m[0].bias.mul_(1.0)
+        o.flush_pending_update()
+        res.append([p.detach().clone() for n, p in m.named_parameters() if n != "0.bias"])
+    assert all(torch.equal(a, b) for a, b in zip(*res, strict=True))
 
 
 def _params_snapshot(model: nn.Module) -> list[torch.Tensor]:

@@ -10,7 +10,14 @@ from torch import nn
 
 from zero_offload import DeviceBudgetExceeded, OffloadAdamW, OffloadConfig
 
-from ._models import batches, host_accelerator, make_pair, offload_opt, train
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    offload_opt,
+    train,
+)
 
 
 def _opt(params, **kwargs) -> OffloadAdamW:
@@ -83,6 +90,37 @@ def test_budget_too_small_fails_at_construction_and_leaks_nothing() -> None:
     assert acc.memory_stats()["in_use"] == 0
 
 
+def test_failed_construction_leaves_the_model_and_budget_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, _ = make_pair()
+    before = copy.deepcopy(model.state_dict())
+    acc = host_accelerator()
+    from zero_offload.optim.state import host
+
+    calls = {"n": 0}
+    original = host.HostState.__init__
+
+    def fail_third(self, *args, **kwargs) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("injected")
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(host.HostState, "__init__", fail_third)
+    with pytest.raises(MemoryError, match="injected"):
+        offload_opt(model, accelerator=acc)
+    assert acc.memory_stats()["in_use"] == 0
+    for param in model.parameters():
+        # Note [construction holds one copy]: the parameters of the buckets built before
+        # the failure got private storage back, not views of the discarded pool.
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+    # Nothing is left owning the parameters: a new optimizer over them builds.
+    offload_opt(model, accelerator=acc).close()
+
+
 def test_failed_add_param_group_leaves_the_optimizer_as_it_was() -> None:
     model, _ = make_pair()
     opt = offload_opt(model.blocks)
@@ -132,6 +170,20 @@ def test_bad_load_state_dict_raises_and_changes_nothing(mutate, match: str) -> N
     assert _state_equal(before, opt.state_dict())
 
 
+def test_failed_load_state_dict_changes_nothing_even_late() -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    train(model, opt, batches(2))
+    saved = opt.state_dict()
+    bad = copy.deepcopy(saved)
+    bad["param_groups"][0]["lr"] = -1.0  # checked before anything is copied
+    bad["state"][0]["exp_avg"].fill_(123.0)
+    with pytest.raises(ValueError, match=r"lr must be >= 0\.0"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == saved["param_groups"][0]["lr"]
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
 def test_clip_grad_norm_rejects_bad_arguments() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)
@@ -167,3 +219,15 @@ def test_meta_parameters_are_told_to_use_to_empty() -> None:
         layer = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match=r"meta device .* model\.to_empty\(device="):
         OffloadAdamW(layer.parameters(), accelerator=host_accelerator())
+
+
+def test_step_and_close_after_close() -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    opt.close()
+    opt.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"step\(\) after close"):
+        opt.step()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) after close"):
+        opt.state_dict()
+    assert lm_loss(model, *batches(1)[0]).isfinite()  # the model still works

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
+from zero_offload import OffloadAdamW
 
 from ._models import (
     batches,
@@ -61,6 +64,24 @@ def test_bf16_loss_curve_tracks_torch_with_fp32_master() -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert abs(a - b) <= 0.02 * abs(b) + 0.02
     assert ours[-1] < ours[0] - 0.5
+
+
+def test_bf16_master_keeps_sub_ulp_updates() -> None:
+    # Updates of 1e-4 are far below a bf16 ulp at 1.0 (2**-7): only the fp32 master sees
+    # them. Were the master refreshed from the bf16 weights each step, it would never move.
+    layer = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    opt = OffloadAdamW(
+        layer.parameters(), lr=1e-4, weight_decay=0.0, accelerator=host_accelerator()
+    )
+    for _ in range(100):
+        layer.weight.grad = torch.ones_like(layer.weight)
+        opt.step()
+        opt.zero_grad()
+    master = opt.state_dict()["state"][0]["master"]
+    assert torch.allclose(master, torch.full_like(master, 1.0 - 100 * 1e-4), atol=1e-5)
+    assert torch.equal(layer.weight, master.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("micro_steps", [2, 3])

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+import zero_offload.optim.grads.to_host as off
+import zero_offload.optim.update.tiles as tiles
 from zero_offload.tracing import add_phase_listener
 
 from ._models import (
@@ -20,6 +22,10 @@ from ._models import (
     lm_loss,
     make_pair,
     max_diff,
+    mlp,
+    mlp_batches,
+    mlp_loss,
+    mlp_opt,
     offload_opt,
     torch_adamw,
 )
@@ -76,6 +82,26 @@ def test_accumulation_allocates_the_accumulator_and_matches_torch() -> None:
     assert max_diff(model, ref) < 1e-5
 
 
+def test_accumulation_survives_a_lagging_host_worker() -> None:
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    ropt = torch_adamw(ref)
+    data = batches(4)
+    for i in range(0, 4, 2):
+        for tokens, targets in data[i : i + 2]:
+            lm_loss(model, tokens, targets).backward()
+            # Stall the host worker: the next backward's copies must not overwrite a
+            # staging buffer it has not added up yet (Note [staging is reused only once
+            # consumed]).
+            opt.manager.host_worker.submit(lambda: time.sleep(0.2))
+            lm_loss(ref, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    assert max_diff(model, ref) < 1e-5
+
+
 @pytest.mark.parametrize("micro", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_step_that_needs_no_statistics_is_bitwise_the_waiting_one(
@@ -94,6 +120,41 @@ def test_a_step_that_needs_no_statistics_is_bitwise_the_waiting_one(
     assert max_diff(fast_model, waiting_model) == 0.0
     assert fast.last_grad_norm == waiting.last_grad_norm
     assert fast.state_dict()["state"][0]["step"] == waiting.state_dict()["state"][0]["step"]
+
+
+def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monkeypatch):
+    # Note [a step that needs no statistics]: the update runs before the host worker's
+    # statistics are read, so their failure comes after the step changed every bucket.
+    # It must say so (StepFailed), not look like a step that changed nothing.
+    import time
+
+    from zero_offload.errors import StreamError
+    from zero_offload.optim.update.modes import StepFailed
+
+    model = mlp()
+    opt = mlp_opt(model)
+    assert not opt._policy.needs_statistics()
+    (x, y), (x2, y2) = mlp_batches(2)
+    mlp_loss(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    last = opt.buckets[0].layout.index  # backward reaches the first layer's bucket last
+    real = off.HostGradients._sum_partials
+
+    def failing(self, partials):
+        if self.layout.index == last:
+            time.sleep(0.05)  # the caller is past its last submit when this fails
+            raise MemoryError("injected")
+        return real(self, partials)
+
+    monkeypatch.setattr(off.HostGradients, "_sum_partials", failing)
+    before = [p.detach().clone() for p in model.parameters()]
+    mlp_loss(model, x2, y2).backward()
+    with pytest.raises(StepFailed, match=r"step\(\) was applied to buckets .*rebuild"):
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(StreamError, match="injected"):  # the worker's error is sticky
+        opt.close()
 
 
 @pytest.mark.parametrize("clip", [None, 1e30])
@@ -140,6 +201,42 @@ def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait
     else:
         # Clipping is configured: the norm, so every tile, comes first.
         assert first_tile_at[0] > last_landed
+
+
+def test_a_delayed_update_behind_the_next_backward_does_not_wait_for_it(monkeypatch):
+    # overlap_step queues the update on the host worker; here it is slow, so the next
+    # backward's flushes (and their host-worker events) are queued behind it. The update
+    # must not wait for those events (Note [Adam follows the gradient in]): it would wait
+    # for work queued after itself, forever. Run in a thread, so a regression fails, not
+    # hangs.
+    import threading
+    import time
+
+    kernel = tiles.adam_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tiles, "adam_step", slow)
+    model = mlp()
+    opt = mlp_opt(model, overlap_step=True)
+    batches = mlp_batches(4)
+    done = threading.Event()
+
+    def train():
+        for x, y in batches:
+            mlp_loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush_pending_update()
+        done.set()
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set(), "the delayed update waited for work queued behind it"
+    opt.close()
 
 
 def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -> None:

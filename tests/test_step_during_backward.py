@@ -1,15 +1,33 @@
 """Note [stepping during backward]: an announced step runs bucket by bucket while backward
-goes on, bitwise equal to the ordinary step."""
+goes on, bitwise equal to the ordinary step; a call between the announcement and step() (a
+backward that raises, a second backward, state_dict, load_state_dict, add_param_group, a
+gradient set by hand) either keeps training equal to torch.optim.AdamW (1e-5, fp32, as in
+the parity tests) or is refused."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, offload_opt
+from zero_offload import OffloadAdamW, OffloadConfig
+
+from ._models import (
+    batches,
+    host_accelerator,
+    lm_loss,
+    make_pair,
+    max_diff,
+    mlp,
+    mlp_batches,
+    mlp_loss,
+    mlp_opt,
+    mlp_torch_adamw,
+    offload_opt,
+)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -165,3 +183,145 @@ def test_the_profiler_reports_the_share_and_the_rollbacks() -> None:
     assert notes["speculation_failures"] == 2  # clipping binds at 1e-3
     assert 0.0 < notes["share_stepped_during_backward"] <= 1.0
     assert "speculation failures 2" in prof.report()
+
+
+def _forward(model, x, boom=False):
+    h = model[0](x)
+    if boom:
+
+        def hk(g):
+            raise RuntimeError("boom")
+
+        h.register_hook(hk)
+    for layer in list(model)[1:]:
+        h = layer(h)
+    return h
+
+
+def test_announced_backward_that_raises_then_zero_grad_recovers():
+    # An exact announced step keeps no backup: the buckets it stepped before the backward
+    # raised stay stepped (counted, with a warning naming them), the others are not, and
+    # the optimizer trains on normally afterwards.
+    m = mlp()
+    o = mlp_opt(m)
+    D = mlp_batches(3)
+    x, y = D[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        o.backward(((_forward(m, x, True) - y) ** 2).mean(), step=True)
+    with pytest.warns(UserWarning, match=r"buckets \[.*\] were stepped"):
+        o.zero_grad()
+    counts = {int(o.state[p]["step"]) for p in m.parameters()}
+    assert counts == {0, 1}
+    for x, y in D[1:]:
+        o.backward(((_forward(m, x) - y) ** 2).mean(), step=True)
+        o.step()
+        o.zero_grad()
+    assert {int(o.state[p]["step"]) for p in m.parameters()} == {2, 3}
+
+
+def test_second_backward_after_announced_one_is_refused_or_counted():
+    m = mlp()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m)
+    ro = mlp_torch_adamw(r)
+    D = mlp_batches(2)
+    o.backward(mlp_loss(m, *D[0]), step=True)
+    try:
+        mlp_loss(m, *D[1]).backward()
+    except RuntimeError:
+        return  # refused, as Note [stepping during backward] promises
+    o.step()
+    for x, y in D:
+        mlp_loss(r, x, y).backward()
+    ro.step()
+    assert max_diff(m, r) < 1e-5, "the second backward's gradients were silently dropped"
+
+
+def test_state_dict_between_announced_backward_and_step_does_not_double_step():
+    m = mlp()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m)
+    ro = mlp_torch_adamw(r)
+    x, y = mlp_batches(1)[0]
+    o.backward(mlp_loss(m, x, y), step=True)
+    o.state_dict()
+    o.step()
+    mlp_loss(r, x, y).backward()
+    ro.step()
+    assert int(o.state[next(m.parameters())]["step"]) == 1
+    assert max_diff(m, r) < 1e-5
+
+
+def test_load_state_dict_between_announced_backward_and_step():
+    m = mlp()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m)
+    ro = mlp_torch_adamw(r)
+    D = mlp_batches(4)
+    for x, y in D[:2]:
+        for mod, opt in ((m, o), (r, ro)):
+            mlp_loss(mod, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    sd, rsd, msd = (
+        copy.deepcopy(o.state_dict()),
+        copy.deepcopy(ro.state_dict()),
+        copy.deepcopy(m.state_dict()),
+    )
+    for mod, opt in ((m, o), (r, ro)):
+        mlp_loss(mod, *D[2]).backward()
+        opt.step()
+        opt.zero_grad()
+    o.backward(mlp_loss(m, *D[3]), step=True)
+    mlp_loss(r, *D[3]).backward()
+    m.load_state_dict(msd)
+    o.load_state_dict(sd)
+    r.load_state_dict(msd)
+    ro.load_state_dict(rsd)
+    try:
+        o.step()
+    except RuntimeError:
+        return  # a clear refusal would be acceptable
+    ro.step()
+    assert int(o.state[next(m.parameters())]["step"]) == 3
+    assert max_diff(m, r) < 1e-5
+
+
+def test_add_param_group_after_announce():
+    from ._models import host_accelerator
+
+    m = mlp()
+    ps = list(m.parameters())
+    for p in ps[2:]:
+        p.requires_grad_(False)
+    o = OffloadAdamW(
+        ps[:2], lr=1e-2, config=OffloadConfig(bucket_bytes=2048), accelerator=host_accelerator()
+    )
+    x, y = mlp_batches(1)[0]
+    assert o.announce_step()
+    for p in ps[2:]:
+        p.requires_grad_(True)
+    try:
+        o.add_param_group({"params": ps[2:]})
+    except RuntimeError:
+        return  # a clear refusal is fine
+    mlp_loss(m, x, y).backward()
+    o.step()  # KeyError(1) today, forever after
+
+
+def test_refused_eager_step_leaves_state_unchanged():
+    m = mlp()
+    r = copy.deepcopy(m)
+    o = mlp_opt(m)
+    ro = mlp_torch_adamw(r)
+    x, y = mlp_batches(1)[0]
+    o.backward(mlp_loss(m, x, y), step=True)
+    p = next(m.parameters())
+    p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="set by hand"):
+        o.step()
+    p.grad = None
+    o.step()
+    mlp_loss(r, x, y).backward()
+    ro.step()
+    assert max_diff(m, r) < 1e-5, "the announced update was applied twice"
