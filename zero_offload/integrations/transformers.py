@@ -199,6 +199,7 @@ class OffloadTrainer(Trainer):
         if not isinstance(self.optimizer, OffloadAcceleratedOptimizer):
             opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer")
             self.optimizer = OffloadAcceleratedOptimizer(opt, scaler=self.accelerator.scaler)
+            self._offload_metrics = StepMetrics(opt)  # listening from the first step on
         return self.optimizer
 
     def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadAdamW:
