@@ -207,8 +207,8 @@ class MemoryRegistry:
 
     Storages never registered are *unknown*: a CPU tensor the test or the library made
     without saying where (on a GPU machine, usually a CPU tensor too); they mix with both.
-    Entries go when the tensor that registered them dies (its views keep it alive), so an
-    address the CPU allocator reuses is never mistaken for what it held before. ``_lock``
+    Entries go when the storage dies, so an address the CPU allocator reuses is never
+    mistaken for what it held before. ``_lock``
     guards ``_entries``.
     """
 
@@ -224,7 +224,9 @@ class MemoryRegistry:
         entry = (kind, name)
         with self._lock:
             self._entries[address] = entry
-        weakref.finalize(tensor, self._forget, address, entry)
+        # The storage, not the tensor: a dtype view (``.view(torch.float32)``) does not keep
+        # its base tensor alive, but every view keeps the storage.
+        weakref.finalize(tensor.untyped_storage(), self._forget, address, entry)
 
     def _forget(self, address: int, entry: tuple[MemoryKind, str]) -> None:
         with self._lock:
