@@ -156,9 +156,9 @@ def test_copies_scalars_and_unknown_tensors_mix_freely():
         device.add_(host.sum())  # a 0-dim CPU tensor mixes with device tensors on CUDA
         assert torch.equal(host + reference, host + 1) and torch.equal(device * reference, device)
         assert host_memory_name(host.double()) is not None  # a copy stays where it was
-        moved = host.to(device="cpu", dtype=torch.float64)  # .to(device=...): on the device
-        with pytest.raises(RuntimeError, match=MISMATCH + r".*moved to the device"):
-            moved + host.double()
+        moved = host.to(device="cpu", dtype=torch.float64)  # "cpu" or the device: unknown
+        assert host_memory_name(moved) is None and torch.equal(moved, host.double())
+        device.to(device="cpu", dtype=torch.float64).add_(host.double())  # unknown + host
     assert host_memory_name(host[3:]) is not None and host_memory_name(device) is None
 
 

@@ -25,6 +25,14 @@ the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
 A failed stream refuses all further work with the same error; events recorded on it and
 streams that wait on those events fail too.
 
+On CUDA, ``submit`` runs ``fn`` on the calling thread, so a Python exception ``fn`` raises
+while *issuing* work reaches the caller at once, and the stream still fails for good. That
+is deliberate (issue 22 asked): ``fn`` may have queued part of its kernels and copies before
+it raised, so the buffers it touches are half-written with no event that says when, and the
+host accelerator, whose worker meets the same exception later, refuses further work too. A
+caller that caught the error and went on would pass on one accelerator and corrupt data on
+the other. Recovering means a new stream (or, for compute, a new accelerator).
+
 Note [declaring stream accesses]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The host accelerator's race checker (``race_checker.py``) sees every copy made through

@@ -28,9 +28,10 @@ blocks, so parameters fetched into them and everything computed from those).
 fixture enters it under ``ZERO_OFFLOAD_STRICT=1``), checks every op: one that mixes host
 memory with device memory raises that ``RuntimeError``, naming the op and both tensors.
 What a result is follows CUDA: a view is what its base is; anything computed from device
-memory is device memory, and so is ``.to(device=...)``'s result (a factory op cannot
-be told apart: torch passes every one its device); a result computed from host memory
-alone is host memory. Exempt, as on CUDA: copies (``copy_``,
+memory is device memory; a result computed from host memory alone is host memory; a
+copy in place (``.float()``, ``.clone()``) is what its source is. ``.to(device=...)`` and
+factory ops give unknown tensors: the device and "cpu" look alike here (torch passes every
+factory op its device), and a state dict's ``.to("cpu")`` copy is host memory on CUDA. Exempt, as on CUDA: copies (``copy_``,
 ``to``), which may cross devices, and 0-dim tensors (CPU scalars mix with device tensors).
 Tensors made without saying where (a test's reference, a scratch) are *unknown* and mix
 with both: on a GPU machine most would be CPU tensors, and calling them device memory
@@ -197,8 +198,7 @@ class MemoryKind(enum.Enum):
 
     #: Host memory the accelerator handed out (``allocate_host``), or computed from it only.
     HOST = "host"
-    #: Device memory: ``allocate_device``, ``.to(device=...)``, or anything computed from
-    #: device memory.
+    #: Device memory: ``allocate_device``, or anything computed from device memory.
     DEVICE = "device"
 
 
@@ -280,9 +280,9 @@ class StrictDeviceMode(TorchDispatchMode):
             out = func(*args, **kwargs)
             if func is torch.ops.aten.copy_.default:
                 return out
-            if "device" in kwargs:  # .to(device): the result is on the device
-                self._mark(out, _DEV, "a tensor moved to the device")
-            elif device or host:  # a copy in place: where its source was
+            if "device" in kwargs:  # .to(device=...): "cpu" and the device look alike here
+                return out
+            if device or host:  # a copy in place: where its source was
                 self._mark(out, *((_DEV, device[0][1]) if device else (_HOST, host[0][1])))
             return out
         if host and device:
