@@ -70,7 +70,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .device_context import simulated_device
 from .threads import Guard, ThreadEvent
@@ -271,8 +270,7 @@ class StrictDeviceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
+        tensors = _tensor_args(args, kwargs.values())
         entries = [self.registry.lookup(t) for t in tensors]
         host = [(t, e[1]) for t, e in zip(tensors, entries, strict=True) if e and e[0] is _HOST]
         device = [(t, e[1]) for t, e in zip(tensors, entries, strict=True) if e and e[0] is _DEV]
@@ -303,10 +301,23 @@ class StrictDeviceMode(TorchDispatchMode):
         return out
 
     def _mark(self, out: Any, kind: MemoryKind, name: str) -> None:
-        flat, _ = tree_flatten(out)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and self.registry.lookup(tensor) is None:
+        for tensor in _tensor_args((out,), ()):
+            if self.registry.lookup(tensor) is None:
                 self.registry.register(tensor, kind, name)
+
+
+def _tensor_args(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    # The tensors with at least one dimension among an op's arguments, lists included (a
+    # hand-written flatten: torch's pytree costs more than the rest of the check).
+    found = []
+    for group in (args, kwargs):
+        for arg in group:
+            if isinstance(arg, torch.Tensor):
+                if arg.dim() > 0:
+                    found.append(arg)
+            elif isinstance(arg, (list, tuple)):
+                found.extend(a for a in arg if isinstance(a, torch.Tensor) and a.dim() > 0)
+    return found
 
 
 _HOST, _DEV = MemoryKind.HOST, MemoryKind.DEVICE
