@@ -10,10 +10,12 @@ Note [strict: compute completes after its event]
 A GPU runs compute long after the CPU queued it, so an event recorded on the compute stream
 is pending for a while, and a device block freed with it stays in flight. The strict compute
 stream still runs work inline (the results are there at once), but each event it records
-reports ``query() == False`` until either ``COMPUTE_LATENCY`` seconds have passed since it
+reports ``query() == False`` (and ``completed_at() is None``) until either ``COMPUTE_LATENCY`` seconds have passed since it
 was recorded or something waits for it: ``Event.synchronize``, the stream's or the
 accelerator's ``synchronize``, or another stream's ``wait_event`` once that stream reaches
-the wait. Completing an event completes every earlier one of the stream (stream order). Code
+the wait. Completing an event completes every earlier one of the stream (stream order); its
+``completed_at`` is then when it was recorded, which is when the inline work before it ended,
+as a GPU timestamps an event when the stream reaches it. Code
 that waits properly never blocks for long and never deadlocks; code that reads ``query()``
 as "done" takes its not-done path, as it would on a GPU.
 
@@ -152,8 +154,14 @@ class PendingComputeEvent(ThreadEvent):
         **kwargs: Any,
     ) -> None:
         super().__init__(stream_name, **kwargs)
-        self._due = time.perf_counter() + latency
+        self._ran_at = time.perf_counter()  # the inline work before it is done by now
+        self._due = self._ran_at + latency
         self._completer = completer
+
+    def completed_at(self) -> float | None:
+        # When the work before it finished (the profiler's timeline), not when someone
+        # noticed: a GPU's event timestamp is taken when the stream reaches it.
+        return self._ran_at if self._done.is_set() else None
 
     def query(self) -> bool:
         if not self._done.is_set() and time.perf_counter() >= self._due:
