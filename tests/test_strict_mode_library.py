@@ -44,7 +44,9 @@ def _train_with_parameter_offload(steps: int) -> tuple[TinyGPT, OffloadAdamW]:
     strict=True,
     reason="issue 22: a released unit's parameters are views of their pinned home "
     "(param.data = home), so between steps user code sees them on the host: on CUDA "
-    "next(model.parameters()).device, HF model.device and generate() say cpu; fix in "
+    "next(model.parameters()).device, HF model.device and generate() say cpu, and comparing "
+    "them with device tensors raises (test_param_offload.py's assert_same does, under "
+    "ZERO_OFFLOAD_STRICT=1); fix in "
     "params/views.py (keep the parameter on the device with its storage resized to 0, "
     "FSDP2's way, and make the home reachable only through the offloader)",
 )
