@@ -116,12 +116,18 @@ class AcceleratorConfig:
             a buffer with no wait ordering them (see ``accelerator/race_checker.py``).
             Default ``None``: read ``ZERO_OFFLOAD_CHECK_RACES`` ("1" turns it on), else off.
             On CUDA use PyTorch's own ``TORCH_CUDA_SANITIZER=1`` instead.
+        strict: host accelerator only: behave as CUDA would where CUDA differs from a CPU
+            (compute events complete after they are recorded, host memory mixed with device
+            memory raises, each thread has its own current device, the accelerator being
+            device 1 of 2); see ``accelerator/strict.py``. Default ``None``: read
+            ``ZERO_OFFLOAD_STRICT`` ("1" turns it on), else off.
     """
 
     device_budget: int | str | None = None
     link_bandwidth: float | None = None
     link_latency: float = 0.0
     check_races: bool | None = None
+    strict: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device_budget is not None:
@@ -139,6 +145,11 @@ class AcceleratorConfig:
                 f"AcceleratorConfig.check_races must be True, False or None (read "
                 f"ZERO_OFFLOAD_CHECK_RACES), got {type(self.check_races).__name__} "
                 f"{self.check_races!r}"
+            )
+        if self.strict is not None and not isinstance(self.strict, bool):
+            raise TypeError(
+                f"AcceleratorConfig.strict must be True, False or None (read "
+                f"ZERO_OFFLOAD_STRICT), got {type(self.strict).__name__} {self.strict!r}"
             )
 
     @property

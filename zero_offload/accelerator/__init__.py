@@ -63,8 +63,8 @@ def get_accelerator(config: AcceleratorConfig | None = None) -> Accelerator:
 
     Passing ``config`` replaces the process-wide accelerator with one built from it. A CUDA
     accelerator built before ``torch.cuda.set_device(local_rank)`` is rebuilt for the
-    device this rank resolves to now (``resolve_device_index``: ``LOCAL_RANK``, else the
-    current device), so no rank is left on ``cuda:0``.
+    device this rank resolves to now (``resolve_device_index``: a device the user set,
+    else ``LOCAL_RANK``, else device 0), so no rank is left on ``cuda:0``.
     """
     global _default
     with _default_lock:

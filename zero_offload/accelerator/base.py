@@ -25,6 +25,14 @@ the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
 A failed stream refuses all further work with the same error; events recorded on it and
 streams that wait on those events fail too.
 
+On CUDA, ``submit`` runs ``fn`` on the calling thread, so a Python exception ``fn`` raises
+while *issuing* work reaches the caller at once, and the stream still fails for good. That
+is deliberate (issue 22 asked): ``fn`` may have queued part of its kernels and copies before
+it raised, so the buffers it touches are half-written with no event that says when, and the
+host accelerator, whose worker meets the same exception later, refuses further work too. A
+caller that caught the error and went on would pass on one accelerator and corrupt data on
+the other. Recovering means a new stream (or, for compute, a new accelerator).
+
 Note [declaring stream accesses]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The host accelerator's race checker (``race_checker.py``) sees every copy made through
@@ -230,6 +238,14 @@ class Accelerator(ABC):
         """Block until every stream of this accelerator is idle; raise the first error."""
 
     @abstractmethod
+    def bind_thread(self) -> None:
+        """Make this accelerator's device the calling thread's current device.
+
+        Every thread the library starts calls it before its first call into the accelerator;
+        see Note [every library thread binds its device] in ``device_context.py``.
+        """
+
+    @abstractmethod
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         """A flat ``uint8`` CPU tensor of exactly ``nbytes`` (pinned when asked and available).
 
@@ -238,7 +254,7 @@ class Accelerator(ABC):
         """
 
     @abstractmethod
-    def _device_empty(self, nbytes: int) -> torch.Tensor:
+    def _device_empty(self, nbytes: int, *, what: str) -> torch.Tensor:
         """Raw ``(nbytes,) uint8`` device tensor; budget accounting is the caller's."""
 
     @abstractmethod
@@ -291,7 +307,18 @@ class Accelerator(ABC):
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r} for {what!r}")
         self.ledger.reserve(nbytes, what=what)
         try:
-            tensor = self._device_empty(nbytes)
+            tensor = self._device_empty(nbytes, what=what)
+        except torch.OutOfMemoryError as exc:
+            # The budget said yes, the device said no: it is a snapshot (others allocate).
+            self.ledger.release(nbytes)
+            raise DeviceBudgetExceeded(
+                f"cannot place {what!r} ({format_bytes(nbytes)}, {nbytes} bytes) on the "
+                f"device: it is within the budget ({format_bytes(self.ledger.budget)}, "
+                f"{self.ledger.budget_source}; {format_bytes(self.ledger.in_use)} in use by "
+                f"zero-offload) but the device is out of memory ({exc}). Others took memory "
+                f"since the budget was set: lower AcceleratorConfig(device_budget=...), free "
+                f"device memory first, or offload more."
+            ) from exc
         except BaseException:
             self.ledger.release(nbytes)
             raise

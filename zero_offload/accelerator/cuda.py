@@ -32,6 +32,7 @@ about a microsecond) elapsed time, summed in float64.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -42,8 +43,9 @@ from typing import Any, Protocol
 import torch
 
 from ..config import AcceleratorConfig, format_bytes
-from ..errors import StreamError
+from ..errors import DeviceBudgetExceeded, StreamError
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .device_context import on_cuda_device
 from .pinned import memlock_limit, page_aligned_buffer
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
     "DEVICE_HEADROOM_FRACTION",
     "DEVICE_HEADROOM_MIN",
     "CudaAccelerator",
+    "HostRegistration",
+    "check_device_free",
     "default_device_budget",
     "resolve_device_index",
 ]
@@ -82,11 +86,13 @@ def default_device_budget(free: int, total: int, cached_unused: int = 0) -> tupl
 def resolve_device_index(
     index: int | None, *, env: Mapping[str, str], device_count: int, current: int
 ) -> int:
-    """Which CUDA device this process uses: ``index``, else ``LOCAL_RANK``, else the current.
+    """Which CUDA device this process uses: ``index``, else the current device when the
+    user chose one, else ``LOCAL_RANK``, else the current (device 0).
 
-    ``LOCAL_RANK`` (set by torchrun) wins over the current device only when it names a
-    visible device: with one GPU visible per process (``CUDA_VISIBLE_DEVICES``) the rank's
-    GPU is device 0, the current one.
+    A current device other than 0 was set by the user (``torch.cuda.set_device``): it wins
+    over ``LOCAL_RANK``, which is only torchrun's default mapping. ``LOCAL_RANK`` is used
+    only when it names a visible device: with one GPU visible per process
+    (``CUDA_VISIBLE_DEVICES``) the rank's GPU is device 0, the current one.
     """
     if index is not None:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < device_count:
@@ -95,6 +101,8 @@ def resolve_device_index(
                 f"this process sees {device_count} GPU(s)"
             )
         return index
+    if current != 0:
+        return current  # an explicit set_device: not ours to override
     local = env.get("LOCAL_RANK", "").strip()
     if local:
         if not local.isdigit():
@@ -237,12 +245,73 @@ class CudaStream(Stream):
         self.stream.synchronize()
 
 
-def _register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+def check_device_free(nbytes: int, *, free: int, cached_unused: int, what: str) -> None:
+    """Raise ``DeviceBudgetExceeded`` if ``nbytes`` cannot fit in what the device has now.
+
+    The budget is a snapshot taken at construction (Note [the default device budget]);
+    others (activations, another process) may have taken memory since, so a large request
+    is checked against ``mem_get_info`` again before it is made.
+    """
+    available = free + cached_unused
+    if nbytes > available:
+        raise DeviceBudgetExceeded(
+            f"cannot place {what!r} ({format_bytes(nbytes)}, {nbytes} bytes) on the device: "
+            f"only {format_bytes(available)} is free there now (torch.cuda.mem_get_info plus "
+            f"torch's unused cache), less than when the budget was set. Free device memory "
+            f"first (smaller batch, fewer cached tensors), lower AcceleratorConfig("
+            f"device_budget=...), or offload more (smaller buckets, higher offload_fraction)."
+        )
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+def _clear_last_error() -> None:
+    # The runtime keeps a failed call's error as the thread's "last error" until someone
+    # reads it; torch's next kernel-launch check would report it as its own failure. torch
+    # binds no cudaGetLastError, so call the runtime torch loaded (same soname, same copy).
+    for name in (None, f"libcudart.so.{(torch.version.cuda or '12').split('.')[0]}"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+class HostRegistration:
+    """``cudaHostRegister``/``Unregister`` for device ``index``, from any thread.
+
+    Each call runs with the device current (``on_cuda_device``; a finalizer may unregister
+    on any thread): Note [every library thread binds its device] in device_context.py. A
+    failed registration clears the runtime's last error, so it is reported once, by us.
+    ``cudart``/``clear_error`` are for tests with a fake runtime.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        *,
+        cudart: Any = None,
+        clear_error: Callable[[], None] = _clear_last_error,
+    ) -> None:
+        self.index = index
+        self._cudart = cudart
+        self._clear_error = clear_error
+
+    def _runtime(self) -> Any:
+        return self._cudart if self._cudart is not None else torch.cuda.cudart()
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        """Pin ``nbytes`` at ``ptr``; the CUDA status (0 on success)."""
+        with on_cuda_device(self.index):
+            status = int(self._runtime().cudaHostRegister(ptr, nbytes, 0))
+            if status != 0:
+                self._clear_error()
+        return status
+
+    def unregister(self, ptr: int) -> None:
+        """Unpin the registration at ``ptr`` (at the last view's death, any thread)."""
+        with on_cuda_device(self.index):
+            status = int(self._runtime().cudaHostUnregister(ptr))
+            if status != 0:
+                self._clear_error()  # nothing to raise to in a finalizer; keep torch clean
 
 
 class CudaAccelerator(Accelerator):
@@ -272,6 +341,8 @@ class CudaAccelerator(Accelerator):
             current=torch.cuda.current_device(),
         )
         self.device = torch.device("cuda", index)
+        self.bind_thread()  # the building thread works on this device from now on
+        self._registration = HostRegistration(index)
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget, source = self.config.resolved_device_budget(
@@ -286,6 +357,11 @@ class CudaAccelerator(Accelerator):
     @property
     def pinned_memory_available(self) -> bool:
         return True
+
+    def bind_thread(self) -> None:
+        # Only when it differs: set_device on the current device still costs a driver call.
+        if torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
 
     def new_stream(self, name: str) -> CudaStream:
         stream = CudaStream(torch.cuda.Stream(self.device), name, self)
@@ -309,9 +385,16 @@ class CudaAccelerator(Accelerator):
         # Hidden cost: faults in and page-locks every page; done once per pool. See Note
         # [pinned buffers are page-aligned mmaps] in pinned.py for why not np.empty or
         # torch's pinned allocator.
-        return page_aligned_buffer(nbytes, register=_register, unregister=_unregister)
+        registration = self._registration
+        return page_aligned_buffer(
+            nbytes, register=registration.register, unregister=registration.unregister
+        )
 
-    def _device_empty(self, nbytes: int) -> torch.Tensor:
+    def _device_empty(self, nbytes: int, *, what: str) -> torch.Tensor:
+        # The budget is a snapshot from construction: check what the device has now.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        check_device_free(nbytes, free=free, cached_unused=cached, what=what)
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         ptr = tensor.untyped_storage().data_ptr()
         self._pool_storages.add(ptr)

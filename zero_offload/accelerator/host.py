@@ -5,7 +5,9 @@ thread that runs its queued work in order (``threads.ThreadStream``); an event c
 when the work queued before it is done; a stream can wait on another stream's event. Copies
 may go over a simulated link (bandwidth, latency) so tests can prove that prefetch hides
 transfer time. With ``check_races`` (or ``ZERO_OFFLOAD_CHECK_RACES=1``) a ``RaceChecker``
-watches every tracked buffer and raises ``StreamRaceError`` on a missing wait.
+watches every tracked buffer and raises ``StreamRaceError`` on a missing wait. With
+``strict`` (or ``ZERO_OFFLOAD_STRICT=1``) it behaves as CUDA would where CUDA differs from a
+CPU: see ``strict.py``.
 
 See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, and Note
 [race checking with vector clocks] in ``race_checker.py``.
@@ -23,10 +25,21 @@ import torch
 
 from ..config import AcceleratorConfig, format_bytes
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .device_context import set_simulated_device
 from .race_checker import RaceChecker, races_enabled_by_env
-from .threads import ThreadEvent, ThreadStream
+from .strict import (
+    COMPUTE_LATENCY,
+    MEMORY,
+    STRICT_DEVICE_INDEX,
+    ComputeEvents,
+    MemoryKind,
+    PendingComputeEvent,
+    device_guard,
+    strict_enabled_by_env,
+)
+from .threads import Guard, ThreadEvent, ThreadStream
 
-__all__ = ["CallerStream", "HostAccelerator", "HostEvent", "HostStream"]
+__all__ = ["CallerStream", "HostAccelerator", "HostEvent", "HostStream", "StrictCallerStream"]
 
 #: The host accelerator's events are the thread streams' events.
 HostEvent = ThreadEvent
@@ -71,6 +84,45 @@ class CallerStream(Stream):
             self._checker.observed(self._checker.stamp(self))
 
 
+class StrictCallerStream(CallerStream):
+    """The strict compute stream: work still runs inline, but its events complete late and
+    only a bound thread may touch it (Notes [strict: compute completes after its event] and
+    [strict: a thread's current device] in ``strict.py``)."""
+
+    def __init__(self, name: str = "compute", *, checker: RaceChecker | None, guard: Guard) -> None:
+        super().__init__(name, checker=checker)
+        self._guard = guard
+        self._events = ComputeEvents()
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._guard(f"stream {self.name!r}")
+        fn()
+
+    def record_event(self) -> PendingComputeEvent:
+        self._guard(f"stream {self.name!r}")
+        checker = self._checker
+        stamp = checker.stamp(self) if checker is not None else None
+        event = PendingComputeEvent(
+            self.name,
+            completer=self._events,
+            latency=COMPUTE_LATENCY,
+            checker=checker,
+            stamp=stamp,
+            guard=self._guard,
+        )
+        self._events.add(event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        self._guard(f"stream {self.name!r}")
+        super().wait_event(event)
+
+    def synchronize(self) -> None:
+        self._guard(f"stream {self.name!r}")
+        self._events.complete_through(None)  # the work ran inline: it is all done
+        super().synchronize()
+
+
 class HostAccelerator(Accelerator):
     """See the module docstring."""
 
@@ -86,8 +138,18 @@ class HostAccelerator(Accelerator):
         check = self.config.check_races
         enabled = races_enabled_by_env() if check is None else check
         self.race_checker = RaceChecker() if enabled else None
+        self.strict = strict_enabled_by_env() if self.config.strict is None else self.config.strict
+        #: The device index, of the simulated machine in strict mode (Note [strict: a thread's
+        #: current device] in strict.py); 0 otherwise, where no thread's device is checked.
+        self.index = STRICT_DEVICE_INDEX if self.strict else 0
+        self._guard: Guard | None = device_guard(self.index) if self.strict else None
         self._streams: weakref.WeakSet[HostStream] = weakref.WeakSet()
-        self._compute = CallerStream(checker=self.race_checker)
+        self._compute: CallerStream
+        if self._guard is not None:
+            self._compute = StrictCallerStream(checker=self.race_checker, guard=self._guard)
+            self.bind_thread()  # the building thread, as CudaAccelerator sets the device
+        else:
+            self._compute = CallerStream(checker=self.race_checker)
 
     @property
     def pinned_memory_available(self) -> bool:
@@ -97,8 +159,14 @@ class HostAccelerator(Accelerator):
     def timing(self) -> bool:
         return True  # every event knows its completion time; it costs nothing here
 
+    def bind_thread(self) -> None:
+        set_simulated_device(self.index)
+
     def new_stream(self, name: str) -> HostStream:
-        stream = HostStream(name, checker=self.race_checker)
+        # The worker is the simulated GPU running the stream: it is on the device.
+        stream = HostStream(
+            name, checker=self.race_checker, bind=self.bind_thread, guard=self._guard
+        )
         self._streams.add(stream)
         return stream
 
@@ -114,12 +182,18 @@ class HostAccelerator(Accelerator):
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         # Ordinary pageable memory: there is no device to pin for.
         tensor = torch.empty(nbytes, dtype=torch.uint8)
+        name = f"host buffer of {nbytes} bytes"
         if self.race_checker is not None:
-            self.race_checker.track(tensor, f"host buffer of {nbytes} bytes")
+            self.race_checker.track(tensor, name)
+        if self.strict:  # Note [strict: host memory is not device memory] in strict.py
+            MEMORY.register(tensor, MemoryKind.HOST, f"the {'pinned ' if pinned else ''}{name}")
         return tensor
 
-    def _device_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def _device_empty(self, nbytes: int, *, what: str) -> torch.Tensor:
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if self.strict:  # Note [strict: host memory is not device memory] in strict.py
+            MEMORY.register(tensor, MemoryKind.DEVICE, f"device buffer {what!r}")
+        return tensor
 
     def link_seconds(self, nbytes: int) -> float:
         """Time the simulated link takes for ``nbytes`` (0 without a simulated link)."""
@@ -158,4 +232,5 @@ class HostAccelerator(Accelerator):
             "device_budget_source": self.ledger.budget_source,
             "simulated_link": link,
             "race_checker": "on" if self.race_checker is not None else "off",
+            "strict": f"on (device {self.index} of 2)" if self.strict else "off",
         }

@@ -20,6 +20,13 @@ Torch's own pinned allocator (``pin_memory=True``) was the alternative: even wit
 the host RAM asked for) and caches the block for reuse, so pools would not have their exact
 size. ``benchmarks/gpu_check.py`` measures both registration rates on a GPU.
 
+Each mapping is ``madvise(MADV_DONTFORK)``: a forked child (a ``DataLoader`` worker under
+the ``fork`` start method) does not inherit it. Inherited, every pinned page would become
+copy-on-write shared with the child, and the parent's next write to it would move the
+parent to a fresh physical page while the GPU's DMA still targets the old one (kernels
+without pinned-page copy-on-fork), so copies would read or write stale memory. The child
+never needs the optimizer's pinned state; touching it there faults at once instead.
+
 The buffer is unregistered (``unregister(ptr)``) just before the mapping goes away, which is
 when the last tensor viewing it dies; see ``PinnedBuffer``. The locked-memory limit
 (``ulimit -l``, ``RLIMIT_MEMLOCK``) is reported with every failure, with the numbers.
@@ -80,6 +87,8 @@ def page_aligned_buffer(
         raise ValueError(f"nbytes must be an int > 0, got {nbytes!r}")
     length = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
     mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_DONTFORK"):  # Linux; see the module doc for why
+        mapping.madvise(mmap.MADV_DONTFORK)
     if length >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # an optimisation; the kernel may refuse it
             mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -19,6 +19,11 @@ the work runs: a task first merges the clock of the thread that submitted it (as
 submission), a queued ``wait_event`` merges its event's stamp when the worker gets to it, and
 an event is stamped when the worker reaches it. Doing any of these at issue time would order
 work queued *earlier* after things it never waited for, hiding races.
+
+A worker binds its device before anything else (``bind``, by default the device its creator
+had current): Note [every library thread binds its device] in ``device_context.py``. A
+``guard`` (strict mode's device check, ``strict.py``) runs at every call into the stream and
+its events, on the calling thread.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ from typing import Any
 
 from ..errors import StreamError
 from .base import Event, Stream
+from .device_context import capture_thread_device
 from .race_checker import RaceChecker, VectorClock
 
-__all__ = ["ThreadEvent", "ThreadStream"]
+__all__ = ["Guard", "ThreadEvent", "ThreadStream"]
 
 _STOP = object()
+
+#: Called with what is being touched (e.g. "stream 'h2d'") at each call into a stream or
+#: event; raises if the calling thread may not touch it (strict mode's device check).
+Guard = Callable[[str], None]
 
 
 class ThreadEvent(Event):
@@ -55,8 +65,10 @@ class ThreadEvent(Event):
         checker: RaceChecker | None = None,
         stamp: VectorClock | None = None,
         query_observes: bool = False,
+        guard: Guard | None = None,
     ) -> None:
         self.stream_name = stream_name
+        self._guard = guard
         self.race_stamp = stamp
         self._checker = checker
         self._query_observes = query_observes
@@ -76,7 +88,12 @@ class ThreadEvent(Event):
     def completed_at(self) -> float | None:
         return self._completed_at if self._done.is_set() else None
 
+    def _touch(self) -> None:
+        if self._guard is not None:
+            self._guard(f"an event of stream {self.stream_name!r}")
+
     def query(self) -> bool:
+        self._touch()
         # For a simulated device stream, not an observation for the race checker: its copies
         # finish far sooner than a GPU's, so a True here would hide races (code that hands
         # bytes on because a query said done says so itself, as the pool does). A CPU
@@ -92,6 +109,7 @@ class ThreadEvent(Event):
         For a *stream's* wait that happens to block a thread (the host accelerator's
         compute stream runs on the caller): on a GPU the caller would not have waited.
         """
+        self._touch()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -118,7 +136,10 @@ class _Worker:
         self.thread.start()
 
     def _run(self) -> None:
-        self._on_start()
+        try:
+            self._on_start()
+        except BaseException as exc:  # e.g. binding the device failed: every task fails with it
+            self._fail(exc)
         self._on_start = _noop  # drop the reference (it may name the stream)
         while True:
             item = self.tasks.get()
@@ -132,14 +153,16 @@ class _Worker:
             try:
                 item()
             except BaseException as exc:
-                error = StreamError(
-                    f"work on stream {self.name!r} failed with {type(exc).__name__}: {exc}\n"
-                    f"(original traceback below, as the cause)\n"
-                    + "".join(traceback.format_exception(exc))
-                )
-                error.__cause__ = exc
-                with self.lock:
-                    self.error = error
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        error = StreamError(
+            f"work on stream {self.name!r} failed with {type(exc).__name__}: {exc}\n"
+            f"(original traceback below, as the cause)\n" + "".join(traceback.format_exception(exc))
+        )
+        error.__cause__ = exc
+        with self.lock:
+            self.error = error
 
 
 class ThreadStream(Stream):
@@ -149,12 +172,25 @@ class ThreadStream(Stream):
     #: when it is issued: see Note [when a thread stream's clock moves].
     clock_at_execution = False
 
-    def __init__(self, name: str, *, checker: RaceChecker | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        checker: RaceChecker | None = None,
+        bind: Callable[[], None] | None = None,
+        guard: Guard | None = None,
+    ) -> None:
+        """``bind`` runs first on the worker thread (default: take the creator's current
+        device, Note [every library thread binds its device]); ``guard``: see the module doc.
+        """
         self.name = name
         self._checker = checker
+        self._guard = guard
         me = weakref.ref(self)
+        bind_device = bind if bind is not None else capture_thread_device()
 
         def on_start() -> None:
+            bind_device()
             stream = me()
             if checker is not None and stream is not None:
                 checker.bind_thread(stream)  # tasks' own waits order this stream
@@ -164,6 +200,8 @@ class ThreadStream(Stream):
         weakref.finalize(self, self._worker.tasks.put, _STOP)
 
     def _check(self) -> None:
+        if self._guard is not None:
+            self._guard(f"stream {self.name!r}")
         if self._worker.error is not None:
             raise self._worker.error
         if self._closed:
@@ -186,12 +224,17 @@ class ThreadStream(Stream):
         if checker is not None and not self.clock_at_execution:
             stamp = checker.stamp(self)
         event = ThreadEvent(  # without a stamp here, the worker stamps it when it gets there
-            self.name, checker=checker, stamp=stamp, query_observes=self.clock_at_execution
+            self.name,
+            checker=checker,
+            stamp=stamp,
+            query_observes=self.clock_at_execution,
+            guard=self._guard,
         )
         self._worker.tasks.put(event)
         return event
 
     def wait_event(self, event: Event) -> None:
+        self._check()
         if self._checker is not None and not self.clock_at_execution:
             self._checker.wait(self, event.race_stamp)
         # Run by the worker; with clock_at_execution its synchronize() is the merge.
