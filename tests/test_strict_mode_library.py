@@ -59,17 +59,11 @@ def test_parameters_user_code_sees_between_steps_are_on_the_device():
         opt.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: BlockPool.stats() counts a block freed with a compute event as in flight "
-    "(and its bytes as fragmentation) until a later alloc polls its event, even after a host "
-    "sync completed it; with compute events pending, as on CUDA, the activation pool reports "
-    "fragmentation after every backward (test_activations.py::"
-    "test_device_pool_layout_repeats_without_fragmentation fails under ZERO_OFFLOAD_STRICT=1); "
-    "fix in memory/pool.py (stats() reclaims completed in-flight blocks first: a query per "
-    "event, never blocking)",
-)
 def test_a_host_sync_leaves_no_block_in_flight_in_the_pool_stats():
+    """A block freed with a compute event that a host sync completed is free in the stats
+    (it counted as in flight, and its bytes as fragmentation, until a later alloc polled it:
+    with compute events pending, as on CUDA, the activation pool reported fragmentation
+    after every backward)."""
     from zero_offload.memory.pool import BlockPool
 
     acc = HostAccelerator(AcceleratorConfig(strict=True))

@@ -29,4 +29,6 @@ class HostWorker(ThreadStream):
     clock_at_execution = True
 
     def __init__(self, accelerator: Accelerator, name: str = "host_worker") -> None:
-        super().__init__(name, checker=accelerator.race_checker)
+        # Bound to the accelerator's device, whichever thread built the optimizer: Note
+        # [every library thread binds its device] in accelerator/threads.py.
+        super().__init__(name, checker=accelerator.race_checker, bind=accelerator.bind_thread)

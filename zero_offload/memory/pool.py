@@ -461,11 +461,10 @@ class BlockPool:
             release()
         return sum(block.nbytes for block, _ in plan)
 
-    # ----------------------------------------------------------------- stats
-
     def stats(self) -> dict[str, int | float]:
-        """A snapshot of the pool's stats; see the class docstring for units."""
+        """The pool's stats (blocks whose copies completed count as free); units above."""
         with self._lock:
+            self._reclaim_locked()
             free = self._free.free_bytes
             largest = self._free.largest()
             stats: dict[str, int | float] = dict(vars(self._counters))
