@@ -104,3 +104,25 @@ def test_streaming_checkpoints_and_kernel_warmup_show_bars(
     assert (
         "zero-offload: compiling CPU Adam kernels" in err and "zero-offload: save_streaming" in err
     )
+
+
+def test_nvme_preallocation_goes_through_a_bar(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+
+    def record(items, *, desc, **kwargs):
+        seen.append(desc)
+        return iter(items)
+
+    monkeypatch.setattr("zero_offload.memory.storage.progress", record)
+    model = nn.Linear(512, 512)
+    opt = OffloadAdamW(
+        model.parameters(), config=OffloadConfig(nvme_dir=str(tmp_path), host_budget="1MiB")
+    )
+    try:
+        assert seen and all(desc.startswith("preallocating ") for desc in seen)
+        opt.backward(model(torch.randn(2, 512)).sum())
+        opt.step()  # the files were preallocated whole: the step writes and reads them
+    finally:
+        opt.close()

@@ -67,8 +67,9 @@ import torch
 from ..accelerator import Accelerator, Event
 from ..config import format_bytes
 from ..errors import StorageError, StorageFull
+from ..progress import progress
 from .checksums import checksum
-from .pool import check_host_ram
+from .host_ram import check_host_ram
 from .state_dir import FILE_SUFFIX, StateDirectory
 
 __all__ = [
@@ -99,6 +100,10 @@ _pwritev = os.pwritev
 def aligned(nbytes: int, alignment: int = IO_ALIGNMENT) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
     return -(-nbytes // alignment) * alignment
+
+
+#: Bytes preallocated per ``posix_fallocate`` call (one step of the bar).
+_PREALLOCATE_STEP = 256 << 20
 
 
 class StorageState(enum.Enum):
@@ -262,7 +267,11 @@ class StorageFile:
         self._lock = threading.Lock()
         self.fd = tier._open(self.path)
         try:
-            os.posix_fallocate(self.fd, 0, self.nbytes)
+            # In steps, so that a large file shows a bar (Note [waits say what they wait
+            # for] in progress.py); the blocks are the same as in one call.
+            steps = range(0, self.nbytes, _PREALLOCATE_STEP)
+            for start in progress(steps, desc=f"preallocating {self.path.name}", unit="step"):
+                os.posix_fallocate(self.fd, start, min(_PREALLOCATE_STEP, self.nbytes - start))
         except OSError as exc:
             os.close(self.fd)
             self.path.unlink(missing_ok=True)
