@@ -148,12 +148,16 @@ class StepPolicy:
             self.manager.host_worker.synchronize()
         for bucket in self.buckets:
             bucket.grads.settled()
-        sumsq, nonfinite = 0.0, False
+        partials: list[float] = []
+        nonfinite = False
         with phase("grad_stats", track="cpu_optimizer"):
             for bucket in self.buckets:
-                part, bad = bucket.grad_sumsq()
-                sumsq += part
+                parts, bad = bucket.grad_sumsq()
+                partials.extend(parts)
                 nonfinite = nonfinite or bad
+        # Added exactly, rounded once: Note [the norm does not depend on the bucketing]
+        # in grads/stat_cells.py.
+        sumsq = math.fsum(partials)
         local = [b.grads.arrived for b in self.buckets]
         flat = torch.from_numpy(np.concatenate(local)) if local else torch.zeros(0, dtype=bool)
         if self._stats_cache is not None and self._stats_cache[0] == generation:
