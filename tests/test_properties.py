@@ -22,6 +22,7 @@ must be flipped once fixed; the properties avoid exactly those combinations.
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -525,3 +526,71 @@ def test_overlap_resume_loading_the_optimizer_first_keeps_the_trained_weights() 
     opt2.flush_pending_update()
     opt2.close()
     assert_bitwise(resumed, model)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        if _RaiseInBackward.armed:
+            raise RuntimeError("a backward that raises half-way")
+        return grad
+
+
+def test_partial_gradients_of_a_raised_backward_add_as_docs_say() -> None:
+    # docs/gradient-semantics.md (issue 28 item 7): without zero_grad(), the partial
+    # gradients of a backward that raised stay in a bucket still filling on the device and
+    # the next backward adds into them there, in bf16, as torch accumulates a bf16 .grad
+    # (not exactly in fp32, as a bucket already sent to the host would).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False))
+    model = model.bfloat16()
+    reference = copy.deepcopy(model)
+    opt = OffloadAdamW(
+        model.parameters(), lr=LR, betas=BETAS, weight_decay=WD,
+        config=OffloadConfig(bucket_bytes=1 << 20),
+        accelerator=HostAccelerator(AcceleratorConfig(device_budget="64MiB")),
+    )  # fmt: skip
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+
+    def loss(net: nn.Module, x: torch.Tensor, *, raising: bool = True) -> torch.Tensor:
+        hidden = net[0](x.bfloat16())
+        if raising:
+            hidden = _RaiseInBackward.apply(hidden)
+        return net[1](hidden).float().pow(2).sum()
+
+    try:
+        _RaiseInBackward.armed = True
+        with pytest.raises(RuntimeError, match="raises half-way"):
+            opt.backward(loss(model, inputs[0]))
+        _RaiseInBackward.armed = False
+        opt.backward(loss(model, inputs[1]))
+        opt.step()
+        norm = opt.last_grad_norm
+    finally:
+        _RaiseInBackward.armed = True
+        opt.close()
+    # torch: the first backward reaches only the last layer, the second adds to its .grad
+    # in bf16; the fp32 sum of the same two gradients for contrast.
+    grads = []
+    for x in inputs:
+        reference.zero_grad()
+        loss(reference, x, raising=False).backward()
+        grads.append([p.grad.clone() for p in reference.parameters()])
+    (_, first1), (second0, second1) = grads
+    in_bf16 = [second0, first1 + second1]
+    in_fp32 = [second0.float(), first1.float() + second1.float()]
+
+    def norm_of(gs: list[torch.Tensor]) -> float:
+        return math.sqrt(math.fsum(float((g.double() ** 2).sum()) for g in gs))
+
+    assert norm_of(in_bf16) != norm_of(in_fp32)  # the two rules are told apart
+    assert norm == pytest.approx(norm_of(in_bf16), rel=1e-12)
+    assert norm != pytest.approx(norm_of(in_fp32), rel=1e-9)
