@@ -110,6 +110,8 @@ class ParamViews:
         self.weights_dev = block.view(self.dtype, (self.layout.padded_numel,))
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = self.weights_dev[slot.offset : slot.end].view(slot.shape)
+        if self._stamp is not None:  # a move keeps the values: the fingerprints hold
+            self._stamp = (self.weights_dev.data_ptr(), self._stamp[1])
 
     def unbind(self) -> None:
         """Give every parameter a private copy of its weights (before the pool goes away
