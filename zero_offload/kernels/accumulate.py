@@ -63,6 +63,7 @@ def accumulate_grad(
     start: int = 0,
     stop: int | None = None,
     num_threads: int | None = None,
+    partials: list[float] | None = None,
 ) -> tuple[float, bool]:
     """``acc[start:stop] = src`` (``overwrite``) or ``+= src``, in fp32; returns the statistics.
 
@@ -70,7 +71,8 @@ def accumulate_grad(
     fp16 of the same length (numpy uint16 means bf16 bits). Returns ``(sum of squares, any
     non-finite)`` of the *updated* ``acc[start:stop]``, accumulated in float64 as in
     ``grad_stats``, bitwise the same sum as ``grad_stats(acc, start=start, stop=stop)``
-    afterwards (see Note [non-finite flag from the float64 sum] in stats.py).
+    afterwards (see Note [non-finite flag from the float64 sum] in stats.py); ``partials``
+    as in ``grad_stats``.
     """
     acc_a, _ = as_kernel_array(acc, "acc", (FP32,), writable=True)
     src_a, kind = as_kernel_array(src, "src", (FP32, BF16, FP16))
@@ -86,5 +88,7 @@ def accumulate_grad(
         num_threads,
         lambda n: _accumulate_kernel(acc_a, src_a, kind, overwrite, start, stop, nblocks),
     )
+    if partials is not None:
+        partials.extend(partial.tolist())
     total = math.fsum(partial)
     return total, not math.isfinite(total)

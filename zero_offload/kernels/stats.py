@@ -92,7 +92,12 @@ def _sumsq_kernel(grad, grad_kind, start, stop, nblocks):
 
 
 def grad_stats(
-    grad, *, start: int = 0, stop: int | None = None, num_threads: int | None = None
+    grad,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    num_threads: int | None = None,
+    partials: list[float] | None = None,
 ) -> tuple[float, bool]:
     """Return ``(sum of squares, any non-finite)`` over ``grad[start:stop]`` in one pass.
 
@@ -102,7 +107,8 @@ def grad_stats(
     ``start``, not on ``num_threads`` nor on the dtype holding the values (Note [sums do not
     depend on the threads]). ``math.sqrt`` of the sums of all tiles is the global L2 norm to
     float64 accuracy. The flag is True iff some element is NaN or +-inf; the sum is then
-    NaN or inf too.
+    NaN or inf too. ``partials``: a list the block sums are appended to, in order (for a
+    caller that adds sums of several calls exactly).
     """
     grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
     start, stop = check_range(start, stop, grad_a.shape[0])
@@ -110,5 +116,7 @@ def grad_stats(
     partial = run_with_threads(
         num_threads, lambda n: _sumsq_kernel(grad_a, kind, start, stop, nblocks)
     )
+    if partials is not None:
+        partials.extend(partial.tolist())
     total = math.fsum(partial)
     return total, not math.isfinite(total)

@@ -144,10 +144,11 @@ class FlatBucket:
         other ranks, or zeros)."""
         return self.grads.state is not GradState.EMPTY
 
-    def grad_sumsq(self) -> tuple[float, bool]:
-        """Sum of squares of the window's gradient on this rank's shard, and the overflow
-        flag; the caller drained the host worker."""
-        return self.gradients.grad_sumsq() if self.has_gradients else (0.0, False)
+    def grad_sumsq(self) -> tuple[list[float], bool]:
+        """Partial sums of squares of the window's gradient on this rank's shard (see
+        ``GradientPath.grad_sumsq``), and the overflow flag; the caller drained the host
+        worker."""
+        return self.gradients.grad_sumsq() if self.has_gradients else ([], False)
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` is done: take its step counts, consume the window."""

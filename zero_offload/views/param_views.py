@@ -7,15 +7,28 @@ tile and every parameter sees them at once.
 Note [weights written outside the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Code other than the optimizer may write the weights in place between steps
-(``model.load_state_dict``, an EMA swap, user code under ``no_grad``): the *parameter's*
-version counter moves, ``changed()`` sees it at the next step, and the bucket reconciles
-its fp32 master with the weights (``StateStore.reconcile_master`` in ``optim/state/store.py``): elements whose
-weight is no longer the training-dtype rounding of the master take the weight, the others
-keep the master's extra precision. So a step starts from what the model holds, and
-restoring a checkpoint gives the same bits whichever of ``model.load_state_dict`` and
-``opt.load_state_dict`` runs first. The optimizer's own writes (weight copies, all-gathers)
-go through ``weights_dev``, whose counter is the pool buffer's and is shared by every block
-of the pool, so they never move a parameter's own counter.
+(``model.load_state_dict``, an EMA swap, re-initialisation, user code under ``no_grad``,
+through the parameter or through ``param.data``). At the next step the bucket reconciles
+its fp32 master with the weights (``StateStore.reconcile_master`` in
+``optim/state/store.py``): elements whose weight is no longer the training-dtype rounding of
+the master take the weight, the others keep the master's extra precision. So a step starts
+from what the model holds, and restoring a checkpoint gives the same bits whichever of
+``model.load_state_dict`` and ``opt.load_state_dict`` runs first.
+
+What was written is decided by *value*, not by version counter: a write through
+``param.data`` (``p.data.copy_``, ``p.data.mul_``) moves no counter the optimizer can see
+(``.data`` is a tensor with a counter of its own), and ``load_state_dict`` of the weights
+the model already holds moves the counter without writing anything new. ``remember()``
+takes a fingerprint of each parameter's slot after the optimizer's own writes landed
+(ordered after them on the compute stream), and ``changed()`` / ``changed_params()``
+compare a fresh fingerprint with it. The fingerprint (``_fingerprint``) is the xxh3-64 of
+the slot's bytes where the weights are in host-addressable memory (the host accelerator,
+pinned homes), and the 64-bit integer sum of the slot's bit patterns on a GPU (a device
+reduction, kept on the device until the comparison, whose ``.tolist()`` is the one
+synchronisation point). The sum misses a write that keeps the sum of a parameter's bit
+patterns (a permutation of its elements); xxh3 misses only collisions. Where the
+parameters are no longer views of the tensor fingerprinted (parameter offload moves them
+between slot and home) the version counters decide, as before. Cost: docs/optimizer.md.
 
 Note [parameters replaced behind the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +46,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import xxhash
 
 from ..memory.block import Block
 from ..memory.pool import BlockPool
@@ -45,6 +59,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ParamViews"]
 
+#: The integer dtype of each element size, to read a weight's bit pattern.
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class ParamViews:
     """The bucket's parameters bound to slots of ``weights_dev``.
@@ -55,7 +72,17 @@ class ParamViews:
         versions: each parameter's version when the optimizer last wrote or read it; None
             means unknown (compare as changed). See Note [weights written outside the
             optimizer].
+        masters_from_weights: slot indices whose fp32 master the last loaded optimizer state
+            lacked (taken from the weights then); weights written to them before the next
+            step are theirs even when a resumed delayed update trusts the rest (Note
+            [delayed parameter update] in ``optim/update/modes.py``).
+        _stamp: ``(data_ptr, fingerprints)`` of ``bound_to()`` at ``remember()``, one
+            fingerprint per slot (a list of ints, or an int64 device tensor); None until
+            then or after ``forget()``.
     """
+
+    _stamp: tuple[int, list[int] | torch.Tensor] | None = None
+    masters_from_weights: frozenset[int] = frozenset()
 
     def __init__(
         self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], pool: BlockPool
@@ -83,6 +110,8 @@ class ParamViews:
         self.weights_dev = block.view(self.dtype, (self.layout.padded_numel,))
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = self.weights_dev[slot.offset : slot.end].view(slot.shape)
+        if self._stamp is not None:  # a move keeps the values: the fingerprints hold
+            self._stamp = (self.weights_dev.data_ptr(), self._stamp[1])
 
     def unbind(self) -> None:
         """Give every parameter a private copy of its weights (before the pool goes away
@@ -113,24 +142,59 @@ class ParamViews:
         """Each parameter's version counter now."""
         return tuple(param._version for param in self.params)
 
+    def _fingerprint(self, flat: torch.Tensor) -> list[int] | torch.Tensor:
+        """One fingerprint per slot of ``flat``; see Note [weights written outside the
+        optimizer]."""
+        slots = self.layout.slots
+        if flat.device.type == "cpu":
+            raw = flat.detach().view(torch.uint8).numpy()
+            size = flat.element_size()
+            return [xxhash.xxh3_64_intdigest(raw[s.offset * size : s.end * size]) for s in slots]
+        ints = flat.detach().view(_SAME_SIZE_INT[flat.element_size()])
+        return torch.stack([ints[s.offset : s.end].sum(dtype=torch.int64) for s in slots])
+
+    def _written_slots(self) -> list[int] | None:
+        """Indices of the slots whose values differ from ``remember()``'s fingerprints; None
+        when they cannot be compared (never taken, forgotten, or the parameters now view
+        another tensor)."""
+        if self._stamp is None or self.versions is None:
+            return None
+        flat = self.bound_to()
+        ptr, before = self._stamp
+        if flat.data_ptr() != ptr:
+            return None
+        now = self._fingerprint(flat)
+        if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):
+            # Synchronisation point (GPU): the comparison's result is read on the host.
+            return torch.nonzero(now != before).flatten().tolist()
+        return [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a != b]  # type: ignore[arg-type]
+
     def changed(self) -> bool:
-        """Whether something wrote a parameter since ``remember()``."""
-        return self.current_versions() != self.versions
+        """Whether something wrote new values into a parameter since ``remember()``."""
+        return bool(self.changed_params())
 
     def changed_params(self) -> list[torch.nn.Parameter]:
-        """The parameters written since ``remember()`` (all of them when unknown)."""
+        """The parameters written since ``remember()`` (all of them when unknown), by value
+        where it can be compared (Note [weights written outside the optimizer])."""
         if self.versions is None:
             return list(self.params)
+        written = self._written_slots()
+        if written is not None:
+            return [self.params[i] for i in written]
         now = self.current_versions()
         return [p for p, a, b in zip(self.params, now, self.versions, strict=True) if a != b]
 
     def remember(self) -> None:
-        """Record the versions after the optimizer's own writes or reads."""
+        """Record the versions and the values after the optimizer's own writes or reads
+        (issued on the compute stream after them)."""
         self.versions = self.current_versions()
+        flat = self.bound_to()
+        self._stamp = (flat.data_ptr(), self._fingerprint(flat))
 
     def forget(self) -> None:
         """Treat the weights as written (reconcile at the next step)."""
         self.versions = None
+        self._stamp = None
 
     def copy_in(
         self,

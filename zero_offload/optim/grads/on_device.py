@@ -57,13 +57,19 @@ class DeviceGradients(GradientPath):
     def gradient(self, source: GradSource) -> torch.Tensor:
         return self.grad_acc
 
-    def grad_sumsq(self) -> tuple[float, bool]:
-        grad = self.grad_acc[: self.layout.numel]
-        # Synchronisation point: .item() waits for the device to finish the reduction. In
-        # float64 the squares of finite fp32 values cannot overflow, so the norm is
-        # non-finite exactly when some gradient is.
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64).item())
-        return norm * norm, not math.isfinite(norm)
+    def grad_sumsq(self) -> tuple[list[float], bool]:
+        # One partial per parameter (a function of its values only, whatever the bucket:
+        # Note [the norm does not depend on the bucketing] in stat_cells.py), its float64
+        # norm squared. Synchronisation point: .tolist() waits for the device to finish the
+        # reductions. In float64 the squares of finite fp32 values cannot overflow, so a
+        # norm is non-finite exactly when some gradient is.
+        norms = torch.stack(
+            [
+                torch.linalg.vector_norm(self.grad_acc[s.offset : s.end], dtype=torch.float64)
+                for s in self.layout.slots
+            ]
+        ).tolist()
+        return [n * n for n in norms], not all(math.isfinite(n) for n in norms)
 
     def close(self) -> None:
         self._block.free()

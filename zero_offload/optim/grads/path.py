@@ -77,9 +77,11 @@ class GradientPath(ABC):
         """The flat gradient tensor of ``source`` (this rank's shard's elements)."""
 
     @abstractmethod
-    def grad_sumsq(self) -> tuple[float, bool]:
-        """Sum of squares of the window's accumulated gradient (this rank's shard) and
-        whether any is non-finite; the caller drained the host worker."""
+    def grad_sumsq(self) -> tuple[list[float], bool]:
+        """Partial sums of squares of the window's accumulated gradient (this rank's shard;
+        ``math.fsum`` of all buckets' partials is the global sum, Note [the norm does not
+        depend on the bucketing] in ``stat_cells.py``) and whether any is non-finite; the
+        caller drained the host worker."""
 
     @abstractmethod
     def close(self) -> None:

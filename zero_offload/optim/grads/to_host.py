@@ -73,6 +73,7 @@ from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
 from .buffers import AccumulatorPool, GradBuffers, accumulator_bytes, host_pass_threads
 from .path import GradientPath, GradSource
+from .stat_cells import Cut, pieces
 
 __all__ = ["HostGradients"]
 
@@ -137,6 +138,9 @@ class HostGradients(GradientPath):
         self._adopted: torch.Tensor | None = None
         self.grad_dev = torch.empty(0, dtype=dtype, device=manager.accelerator.device)
         self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
+        # The float64 partial sums of that sum, per cell (Note [the norm does not depend on
+        # the bucketing] in stat_cells.py); host worker.
+        self._partials: list[float] = []
         self._staging_consumed: Event | None = None  # host worker done with grad_staging
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in].
@@ -406,30 +410,41 @@ class HostGradients(GradientPath):
         # Host worker, once staging[lo:hi] landed. Without an accumulator: the window's only
         # pass over a lone flush, its statistics; step() needs no pass of its own (Note [no
         # accumulator for one backward]). With one: Note [a bucket's gradient lifecycle];
-        # the same pass yields the statistics of the accumulated gradient.
+        # the same pass yields the statistics of the accumulated gradient, cut per Note
+        # [the norm does not depend on the bucketing] (stat_cells.py).
         staging = self.grad_staging
+        threads = host_pass_threads()
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
-            partials.append(
-                grad_stats(staging, start=lo, stop=hi, num_threads=host_pass_threads())[0]
-            )
-            return
-        self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
-        self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        partials.append(
-            accumulate_grad(
-                acc,
-                staging,
-                overwrite=overwrite,
-                start=lo,
-                stop=hi,
-                num_threads=host_pass_threads(),
-            )[0]
-        )
+        else:
+            self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
+            self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
+        for piece in pieces(self.layout.slots, self.shard, lo, hi):
+            counted = partials if piece.cut is Cut.CELLS else None
+            if acc is not None:
+                accumulate_grad(
+                    acc,
+                    staging,
+                    overwrite=overwrite,
+                    start=piece.lo,
+                    stop=piece.hi,
+                    num_threads=threads,
+                    partials=counted,
+                )
+            elif counted is not None:
+                grad_stats(
+                    staging, start=piece.lo, stop=piece.hi, num_threads=threads, partials=counted
+                )
+            if piece.cut is Cut.LAST and piece.cell is not None:
+                cell_lo, cell_hi = piece.cell
+                source = staging if acc is None else acc
+                grad_stats(source, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
 
     def _sum_partials(self, partials: list[float]) -> None:
-        # Host worker, after the last tile: the flush's statistics (float64 sums, in order).
+        # Host worker, after the last tile: the flush's statistics (float64 sums, added
+        # exactly; the policy adds every bucket's partials the same way).
         total = math.fsum(partials) if partials else 0.0
+        self._partials = list(partials)
         self._stats = (total, not math.isfinite(total))
 
     def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
@@ -472,8 +487,8 @@ class HostGradients(GradientPath):
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
         return grad
 
-    def grad_sumsq(self) -> tuple[float, bool]:
-        return self._stats
+    def grad_sumsq(self) -> tuple[list[float], bool]:
+        return self._partials, self._stats[1]
 
     def close(self) -> None:
         self._adopted = None

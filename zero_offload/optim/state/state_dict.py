@@ -237,9 +237,12 @@ def load_optimizer_state(
         # optimizer] in views/param_views.py).
         bucket.store.reconcile_master()
         bucket.views.remember()
+    missing_master: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)
         entry = staged.get(index)
+        if entry is None or "master" not in entry:
+            missing_master[bucket.layout.index].add(i)
         if entry is None:
             for name, view in views.items():
                 if name != "master":
@@ -250,6 +253,8 @@ def load_optimizer_state(
             if name in entry:
                 view.copy_(entry[name])
         bucket.steps[i] = entry["step"]
+    for bucket in buckets:
+        bucket.views.masters_from_weights = frozenset(missing_master[bucket.layout.index])
     for saved, group in zip(saved_groups, param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":

@@ -157,7 +157,10 @@ class ImmediateUpdate(UpdateMode):
 # torch: the bucket's publication is dropped and its master re-derived from them. Reading
 # the state (``state_dict``) waits for the update but publishes nothing, so checkpointing
 # never changes training; the dict records that an update was pending, and loading it makes
-# the next step publish from the master.
+# the next step publish from the master, except for the parameters the dict had no master
+# for (``ParamViews.masters_from_weights``): weights loaded into those before that step win,
+# so both load orders resume alike. "Written" means new values, not a moved version counter
+# (Note [weights written outside the optimizer] in views/param_views.py).
 
 
 class DelayedUpdate(UpdateMode):
@@ -228,12 +231,20 @@ class DelayedUpdate(UpdateMode):
         # their bucket take the pending update: saved before the publication, put back
         # after it, then the master reconciled element-wise (Note [weights written outside
         # the optimizer] in views/param_views.py).
+        # Written means new values (a reload of the same weights writes nothing). Resumed
+        # from a checkpoint, the weights loaded since are the checkpoint's own and the
+        # publication wins, except where the checkpoint had no master: there the weights
+        # loaded are the truth, whichever of the model and the optimizer loaded first.
         written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for bucket in buckets:
-            if not self._trust_weights:
-                changed = bucket.views.changed_params()
-                if changed:
-                    written.append((bucket, [(p, p.detach().clone()) for p in changed]))
+            views = bucket.views
+            changed = views.changed_params()
+            if self._trust_weights:
+                ours = {id(views.params[i]) for i in views.masters_from_weights}
+                changed = [p for p in changed if id(p) in ours]
+            if changed:
+                written.append((bucket, [(p, p.detach().clone()) for p in changed]))
+            views.masters_from_weights = frozenset()
             published = bucket.publish()
             events.extend(published)
             gathers.append(self._gather(bucket, published)[1])

@@ -58,7 +58,9 @@ class StepPolicy:
         eager: the announced step (Note [stepping during backward] in ``eager.py``), from
             ``announce`` until the step is taken; also the router's.
         skipped_steps, speculation_failures, last_grad_norm: what the optimizer reports.
-        _clip_once: a ``clip_grad_norm_`` bound for the next step only.
+        _clip: ``(max_norm, backwards)``: a ``clip_grad_norm_`` bound and the window it
+            measured (``router.backwards`` then); it holds for every step on those
+            gradients, as torch's clipped ``.grad`` does, until a backward or ``zero_grad``.
         _stats_cache: ``(backwards, sumsq, overflow, arrived)`` of the window, all-reduced
             once per window (a second read must not be a second collective).
     """
@@ -85,7 +87,7 @@ class StepPolicy:
         self.eager: EagerStep | None = None
         self._eager_warned = False
         self.last_eager_share: float | None = None
-        self._clip_once: float | None = None
+        self._clip: tuple[float, int] | None = None
         self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         #: Speculative steps that had to be restored and redone (Note [speculative steps]).
         self.speculation_failures = 0
@@ -135,7 +137,7 @@ class StepPolicy:
     def needs_statistics(self) -> bool:
         """Whether this step's decision needs the statistics first (Note [a step that
         needs no statistics]): where a step could not run during backward unspeculated."""
-        return self._clip_once is not None or self.eager_refusal(speculative=False) is not None
+        return self._clip_bound() is not None or self.eager_refusal(speculative=False) is not None
 
     def grad_stats(self) -> tuple[float, bool, list[np.ndarray]]:
         """Global sum of squares of the (scaled) gradients, the overflow flag, and each
@@ -146,12 +148,16 @@ class StepPolicy:
             self.manager.host_worker.synchronize()
         for bucket in self.buckets:
             bucket.grads.settled()
-        sumsq, nonfinite = 0.0, False
+        partials: list[float] = []
+        nonfinite = False
         with phase("grad_stats", track="cpu_optimizer"):
             for bucket in self.buckets:
-                part, bad = bucket.grad_sumsq()
-                sumsq += part
+                parts, bad = bucket.grad_sumsq()
+                partials.extend(parts)
                 nonfinite = nonfinite or bad
+        # Added exactly, rounded once: Note [the norm does not depend on the bucketing]
+        # in grads/stat_cells.py.
+        sumsq = math.fsum(partials)
         local = [b.grads.arrived for b in self.buckets]
         flat = torch.from_numpy(np.concatenate(local)) if local else torch.zeros(0, dtype=bool)
         if self._stats_cache is not None and self._stats_cache[0] == generation:
@@ -173,9 +179,16 @@ class StepPolicy:
         return math.sqrt(sumsq) / self.scaler.scale
 
     def clip_once(self, max_norm: float) -> None:
-        """Clip the next step's gradients to ``max_norm`` (``clip_grad_norm_``)."""
+        """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``): every step on
+        them (a second ``step()`` with no backward too) uses them clipped, as torch's."""
         self.check_clip_allowed()
-        self._clip_once = float(max_norm)
+        self._clip = (float(max_norm), self.router.backwards)
+
+    def _clip_bound(self) -> float | None:
+        """The ``clip_grad_norm_`` bound of the current window's gradients, if any."""
+        if self._clip is None or self._clip[1] != self.router.backwards:
+            return None
+        return self._clip[0]
 
     def check_clip_allowed(self) -> None:
         """Refuse clipping once a step was announced (it runs unclipped)."""
@@ -194,8 +207,8 @@ class StepPolicy:
         scale = self.scaler.scale
         norm = math.sqrt(sumsq) / scale
         self.last_grad_norm = norm
-        max_norm = self._clip_once if self._clip_once is not None else self.config.max_grad_norm
-        self._clip_once = None
+        bound = self._clip_bound()
+        max_norm = bound if bound is not None else self.config.max_grad_norm
         skip = overflow and (self.scaler.skips_overflow or self.config.skip_nonfinite)
         self.scaler.update(overflow)
         if skip:
@@ -332,7 +345,7 @@ class StepPolicy:
     def discard_window(self, owner: Any) -> None:
         """``zero_grad``: forget the window; an announced step that ran is taken, one whose
         backward raised keeps what it stepped (warned, naming ``owner``)."""
-        self._clip_once = None  # a clip_grad_norm_ belongs to the window it measured
+        self._clip = None  # a clip_grad_norm_ belongs to the window it measured
         eager = self.eager
         if eager is not None:
             if eager.backward_ended:
