@@ -137,7 +137,7 @@ def test_an_emergency_save_after_a_failed_step_keeps_the_last_good_checkpoint(
     train(model, opt, batches(2))
     save_streaming(opt, tmp_path / "ckpt")
     good = _files(tmp_path / "ckpt")
-    victim = next(b.backend for b in opt.buckets if b.backend.file is not None)
+    victim = next(b.store for b in opt.buckets if getattr(b.store, "file", None) is not None)
     fd = os.open(victim.file.path, os.O_WRONLY)
     os.pwrite(fd, b"\x7f" * 8, victim.file.offset(1) + 8)
     os.close(fd)
