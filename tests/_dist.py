@@ -237,7 +237,7 @@ def _since(began: float) -> float:
 def scenario_user_collectives(rank: int, world: int, out: Path, *, steps: int) -> dict:
     """The loop issues collectives of its own on the default group from the main thread
     (as Lightning's SIGTERM-flag broadcast does) while backward's reduce-scatters run on
-    the comm stream's thread: Note [the optimizer's own process group]. Rank 0's comm
+    the comm stream's thread: Note [a process group of the optimizer's own]. Rank 0's comm
     stream is held back and rank 1's main thread waits, so on one shared group the two
     ranks would issue them in opposite orders."""
     import time

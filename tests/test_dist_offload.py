@@ -169,7 +169,7 @@ def test_ranks_with_different_unused_parameters_match_one_process(
 def test_user_collectives_on_the_default_group_during_backward_do_not_collide(
     tmp_path: Path,
 ) -> None:
-    """Note [the optimizer's own process group]: the loop's own all-reduce and broadcast on
+    """Note [a process group of the optimizer's own]: the loop's own all-reduce and broadcast on
     the default group, issued mid-backward while the reduce-scatters are in flight, match
     each other and training matches one process."""
     steps = 3

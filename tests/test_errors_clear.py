@@ -115,3 +115,37 @@ def test_prefetch_layers_past_the_model_trains_as_prefetching_every_unit() -> No
     huge = _gpt_steps(10**12)
     every = _gpt_steps(8)  # 3 blocks plus the embedding and head units: all of them
     assert all(torch.equal(a, b) for a, b in zip(huge, every, strict=True))
+
+
+# -- parameters replaced in their module --------------------------------------------------
+
+
+def test_load_state_dict_assign_true_is_refused_at_the_next_step_naming_the_parameter() -> None:
+    model, _ = make_pair()
+    opt = OffloadAdamW(
+        model.named_parameters(),
+        config=OffloadConfig(bucket_bytes=8192),
+        accelerator=HostAccelerator(AcceleratorConfig(device_budget="256MiB")),
+    )
+    data = batches(2)
+    lm_loss(model, *data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(saved, assign=True)  # new Parameter objects in the modules
+    lm_loss(model, *data[1]).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    replaced = r"parameter \d+ \('[\w.]+', shape .*\) was replaced in its module \(\w+\.\w+ is a"
+    with pytest.raises(ValueError, match=replaced + r".*assign=True"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.close()
+
+
+def test_a_plain_load_state_dict_keeps_training() -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    lm_loss(model, *batches(1)[0]).backward()
+    opt.step()  # nothing was replaced: no refusal
+    opt.close()

@@ -73,7 +73,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     group's ranks, in a group of the optimizer's own, when it is initialised, else none);
     every rank must construct the optimizer over the same parameters in the same order. A
     group passed here is used as given: keep other collectives off it while the optimizer
-    runs (Note [the optimizer's own process group] in ``ranks.py``).
+    runs (Note [a process group of the optimizer's own] in ``ranks.py``).
 
     Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see no
     gradients (they are on the host), so on this optimizer's parameters it raises. Use

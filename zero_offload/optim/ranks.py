@@ -36,7 +36,7 @@ from .grads.order import BucketOrder, FreeOrder, LockstepOrder
 __all__ = ["Ranks", "ShardedRanks", "SingleRank", "optimizer_comm"]
 
 
-# Note [the optimizer's own process group]
+# Note [a process group of the optimizer's own]
 # The reduce-scatters run on the comm stream, a background thread, while backward goes on;
 # the all-gathers and the statistics' all-reduce run in step(). User code may call
 # collectives of its own meanwhile on the main thread (Lightning broadcasts a SIGTERM flag
@@ -55,7 +55,7 @@ __all__ = ["Ranks", "ShardedRanks", "SingleRank", "optimizer_comm"]
 def optimizer_comm(process_group: Any, *, timeout: float) -> Comm | None:
     """The ``Comm`` the optimizer runs its collectives on: ``process_group`` as given, else
     (torch.distributed initialised with several ranks) a new group of the default group's
-    ranks; None with one rank. See Note [the optimizer's own process group]."""
+    ranks; None with one rank. See Note [a process group of the optimizer's own]."""
     if process_group is None and dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world > 1:
