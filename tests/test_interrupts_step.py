@@ -192,5 +192,8 @@ def test_ctrl_c_on_the_gradient_path_and_no_zero_grad_close_still_works(
         _inject(patch, opt, "flushed, lifecycle not told", 1)
         with pytest.raises(KeyboardInterrupt):
             lm_loss(model, *batches(1)[0]).backward()
+    # A step without zero_grad says what to do rather than "a bug".
+    with pytest.raises(RuntimeError, match=r"interrupted half-way.*Call opt\.zero_grad\(\)"):
+        opt.step()
     opt.close()
     assert opt.closed

@@ -314,7 +314,13 @@ class HostGradients(GradientPath):
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         block = self._grad_block
         if block is None:
-            raise RuntimeError(f"bucket {index}: no device gradient buffer to flush (bug)")
+            # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
+            # already handed the buffer on or dropped it.
+            raise RuntimeError(
+                f"bucket {index}: its device gradients were already handed on: a backward "
+                "was interrupted half-way (KeyboardInterrupt) and its window was not "
+                "discarded. Call opt.zero_grad() after an interrupted backward"
+            )
         # The bucket keeps its buffer until the copies are queued: if they fail or are
         # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
         landing = self._copy_to_staging(
