@@ -74,7 +74,7 @@ def test_step_failed_names_the_absent_rank_in_its_first_line() -> None:
     wrapped.__cause__ = collective
     error = failed("rank 0/2: step() failed in bucket 1", [0], 1, ranks=SingleRank(), cause=wrapped)
     first = str(error).splitlines()[0]
-    assert first.startswith("rank 0/2: step() failed in bucket 1 (rank(s) 1 died or hang")
+    assert first.startswith("rank 0/2: step() failed in bucket 1 (rank(s) 1 died or hung")
     assert "opt.zero_grad()" in first
 
 

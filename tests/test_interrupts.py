@@ -94,4 +94,4 @@ def test_step_failed_after_a_peer_died_mid_step_names_it_in_the_first_line() -> 
     assert ranks[0].returncode == 1, errs[0][-3000:]
     first = errs[0].split("FIRST LINE:", 1)[1].splitlines()[0].strip()
     assert first.startswith("rank 0/2: step() failed"), first
-    assert "rank(s) 1 died or hang" in first
+    assert "rank(s) 1 died or hung" in first

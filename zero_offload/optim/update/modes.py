@@ -66,7 +66,7 @@ def _absent_ranks(exc: BaseException | None) -> str:
             text = str(exc)
             found = re.search(r"Rank\(s\) ([0-9, ]+) did not report", text)
             if found:
-                return f" (rank(s) {found.group(1)} died or hang: a collective failed)"
+                return f" (rank(s) {found.group(1)} died or hung: a collective failed)"
             return f" (a collective failed: {text.splitlines()[0] if text else 'no message'})"
         exc = exc.__cause__ or exc.__context__
     return ""
