@@ -234,6 +234,49 @@ def _since(began: float) -> float:
     return time.perf_counter() - began
 
 
+def scenario_user_collectives(rank: int, world: int, out: Path, *, steps: int) -> dict:
+    """The loop issues collectives of its own on the default group from the main thread
+    (as Lightning's SIGTERM-flag broadcast does) while backward's reduce-scatters run on
+    the comm stream's thread: Note [a process group of the optimizer's own]. Rank 0's comm
+    stream is held back and rank 1's main thread waits, so on one shared group the two
+    ranks would issue them in opposite orders."""
+    import time
+
+    model, _ = make_pair()
+    opt = offload_opt(model, collective_timeout=20.0)
+    stream = opt._ranks.stream
+    flags = []
+
+    def user_collectives(grad: torch.Tensor) -> torch.Tensor:
+        # Runs on the main thread mid-backward, after the later buckets were handed on.
+        if rank == 1:
+            time.sleep(0.1)
+        flag = torch.tensor([float(rank)])
+        dist.all_reduce(flag)
+        stop = torch.tensor([1.0 if rank == 0 else 0.0])
+        dist.broadcast(stop, src=0)
+        flags.append((flag.item(), stop.item()))
+        return grad
+
+    for tokens, targets in data(steps):
+        if rank == 0:
+            stream.submit(lambda: time.sleep(0.1))  # this rank's reduce-scatters go late
+        x = model.embed(shard_batch(tokens, rank, world))
+        x.register_hook(user_collectives)
+        for block in model.blocks:
+            x = block(x)
+        logits = model.head(model.norm(x))
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), shard_batch(targets, rank, world).flatten()
+        )
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    result = {"weights": _weights(model), "flags": flags}
+    opt.close()
+    return result
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
     "train": scenario_train,
     "overflow": scenario_overflow,
@@ -242,6 +285,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
     "failure": scenario_failure,
     "collectives": scenario_collectives,
     "uneven": scenario_uneven,
+    "user_collectives": scenario_user_collectives,
 }
 
 

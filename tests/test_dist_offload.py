@@ -164,3 +164,17 @@ def test_ranks_with_different_unused_parameters_match_one_process(
     expected = [p.detach() for p in ref.parameters()]
     for result in results:
         assert _max_diff(result["weights"], expected) < FP32_ATOL
+
+
+def test_user_collectives_on_the_default_group_during_backward_do_not_collide(
+    tmp_path: Path,
+) -> None:
+    """Note [a process group of the optimizer's own]: the loop's own all-reduce and broadcast on
+    the default group, issued mid-backward while the reduce-scatters are in flight, match
+    each other and training matches one process."""
+    steps = 3
+    results = run_ranks(2, "user_collectives", tmp_path, steps=steps)
+    ours, _ = _reference(steps)
+    for rank, result in enumerate(results):
+        assert result["flags"] == [(1.0, 1.0)] * steps, rank  # 0 + 1; rank 0's flag
+        assert _max_diff(result["weights"], ours) < FP32_ATOL, rank

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..views.family import Family
 
@@ -23,6 +25,7 @@ __all__ = [
     "param_name",
     "plain_trainer_calling",
     "split_names",
+    "watch_replacement",
 ]
 
 #: Training dtypes the CPU kernels read and write.
@@ -236,6 +239,41 @@ def plain_trainer_calling(frame: Any, *, depth: int = 12) -> Any | None:
     return None
 
 
+# Note [parameters replaced in their module]
+# ``model.load_state_dict(sd, assign=True)`` (and ``module.weight = nn.Parameter(...)``)
+# does not write the old parameter: it puts a new Parameter object in the module. The
+# optimizer holds the old object, whose storage is still its slot (``detached()`` sees
+# nothing), and no gradient reaches it again: training would silently stop, as it does with
+# torch's own optimizers. The optimizer does not know the model, but every such replacement
+# goes through ``Module.register_parameter``, whose process-wide registration hooks see the
+# module's old parameter before it is replaced: one hook, installed with the first
+# optimizer, records the replaced parameters the optimizers train, and the next step
+# refuses, naming the parameter and where it was. (With torch's swap_tensors conversion
+# the old object takes the new data instead, which ``detached()`` refuses.)
+
+#: Parameters an optimizer trains (keys only; set at construction).
+WATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: Watched parameters replaced in their module, and where: ``"Linear.weight"``.
+REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_hook: list[object] = []  # the registration hook's handle, once installed
+
+
+def _on_register(module: torch.nn.Module, name: str, param: object) -> None:
+    old = module._parameters.get(name)
+    if old is not None and old is not param and old in WATCHED:
+        REPLACED[old] = f"{type(module).__name__}.{name}"
+
+
+def watch_replacement(params: Sequence[torch.Tensor]) -> None:
+    """Record it if one of ``params`` is replaced in its module: Note [parameters replaced
+    in their module]."""
+    if not _hook:
+        _hook.append(register_module_parameter_registration_hook(_on_register))
+    for param in params:
+        WATCHED[param] = True
+        REPLACED.pop(param, None)
+
+
 def check_untouched(
     owner: Any, param_groups: Sequence[dict[str, Any]], buckets: Sequence[FlatBucket]
 ) -> None:
@@ -254,6 +292,18 @@ def check_untouched(
                     "stepped"
                 )
             index += 1
+    for bucket in buckets:
+        for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
+            where = REPLACED.get(param)
+            if where is not None:
+                raise ValueError(
+                    f"{describe_param(slot.index, param, param_name(param_groups, slot.index))} "
+                    f"was replaced in its module ({where} is a new nn.Parameter: "
+                    "model.load_state_dict(..., assign=True), or an assignment of a new "
+                    f"Parameter). {owner!r} holds the old object, which no longer trains. "
+                    "Rebuild the optimizer over the model's parameters after such changes "
+                    "(load_state_dict carries the state over): nothing was stepped"
+                )
     for bucket in buckets:
         detached = bucket.views.detached()
         if detached:

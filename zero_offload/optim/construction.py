@@ -12,7 +12,7 @@ from ..config import OffloadConfig
 from ..memory.manager import Tier, TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import ParamViews
-from .checks import check_params
+from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
 from .grads.on_device import DeviceGradients
@@ -223,6 +223,7 @@ class SegmentBuilder:
         for bucket in buckets:
             for param in bucket.params:
                 OWNERS[param] = weakref.ref(owner)
+            watch_replacement(bucket.params)  # Note [parameters replaced in their module]
         self.policy.use_scaler_for(buckets)  # Note [one loss scale]
 
     # Note [construction holds one copy]

@@ -131,9 +131,9 @@ class FlatBucket:
         self.grads.flushed()
 
     def discard(self) -> None:
-        """Forget the window's gradients (``zero_grad``), device buffer included."""
-        if self.grads.holds_device_buffer:
-            self.gradients.discard_grad()
+        """Forget the window's gradients (``zero_grad``), device buffer included (whatever
+        the path holds, Note [an interrupted gradient path] in ``grads/to_host.py``)."""
+        self.gradients.discard_grad()
         self.grads.discard()
 
     # -- step ----------------------------------------------------------------------------
@@ -179,8 +179,7 @@ class FlatBucket:
 
     def close(self) -> None:
         """Return every block to its pool."""
-        if self.grads.holds_device_buffer:
-            self.gradients.discard_grad()
+        self.gradients.discard_grad()
         self.gradients.close()
         self.store.close()
         self.views.close()

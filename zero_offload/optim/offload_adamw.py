@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, get_accelerator
-from ..collectives import make_comm, surface_collective_errors
+from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import TieredMemoryManager
 from .checks import (
@@ -48,7 +48,7 @@ from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
 from .grads.router import BackwardRouter
 from .lifetime import Resources
-from .ranks import Ranks, ShardedRanks, SingleRank
+from .ranks import Ranks, ShardedRanks, SingleRank, optimizer_comm
 from .state import streaming
 from .state.live import OptimizerState
 from .state.state_dict import load_optimizer_state, optimizer_state
@@ -74,8 +74,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``accelerator`` defaults to ``get_accelerator()``. ``capturable``, ``differentiable``,
     ``foreach=False`` and ``fused=False`` have no meaning here and are refused.
     ``process_group``: the ranks to partition over (default: torch.distributed's default
-    group when it is initialised, else none); every rank must construct the optimizer
-    over the same parameters in the same order. See the module docstring.
+    group's ranks, in a group of the optimizer's own, when it is initialised, else none);
+    every rank must construct the optimizer over the same parameters in the same order. A
+    group passed here is used as given: keep other collectives off it while the optimizer
+    runs (Note [a process group of the optimizer's own] in ``ranks.py``).
 
     Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see no
     gradients (they are on the host), so on this optimizer's parameters it raises. Use
@@ -156,7 +158,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
-        comm = make_comm(process_group, timeout=config.collective_timeout)
+        comm = optimizer_comm(process_group, timeout=config.collective_timeout)
         if comm is not None and config.offload_fraction != 1.0:
             raise ValueError(
                 f"{comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
@@ -175,7 +177,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
             self._ranks = ShardedRanks(comm, stream, accelerator=self.accelerator)
-        self._router = BackwardRouter(self._ranks)
+        self._router = BackwardRouter(self._ranks, self.manager)
         self._resources = Resources(self.manager, self._router)
         self._resources.extra_streams = extra_streams
         # See Note [lifetimes without close]: nothing passed here references self.

@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..accelerator import Accelerator, Event, Stream
 from ..collectives import (
@@ -22,6 +24,7 @@ from ..collectives import (
     Pending,
     all_gather_flat,
     all_reduce_stats,
+    make_comm,
     reduce_scatter_avg,
     wait_all,
 )
@@ -30,7 +33,34 @@ from ..memory.traffic import Category
 from ..tracing import phase
 from .grads.order import BucketOrder, FreeOrder, LockstepOrder
 
-__all__ = ["Ranks", "ShardedRanks", "SingleRank"]
+__all__ = ["Ranks", "ShardedRanks", "SingleRank", "optimizer_comm"]
+
+
+# Note [a process group of the optimizer's own]
+# The reduce-scatters run on the comm stream, a background thread, while backward goes on;
+# the all-gathers and the statistics' all-reduce run in step(). User code may call
+# collectives of its own meanwhile on the main thread (Lightning broadcasts a SIGTERM flag
+# every batch, a loop all-reduces its loss): on one group, collectives match by the order
+# each rank issues them, and the two threads interleave differently on different ranks, so
+# a user's broadcast would be matched with the optimizer's reduce-scatter and training
+# hangs or reduces garbage. So with several ranks and no ``process_group=``, the optimizer
+# makes a group of its own over the same ranks and backend at construction
+# (``torch.distributed.new_group``: a collective every rank calls, as they all construct
+# the optimizer in the same order); nothing else issues collectives on it. A group passed
+# as ``process_group=`` is used as given: the caller then keeps other collectives off it
+# while the optimizer runs. The group lives as long as the process
+# (``torch.distributed.destroy_process_group()`` at the end releases it with the others).
+
+
+def optimizer_comm(process_group: Any, *, timeout: float) -> Comm | None:
+    """The ``Comm`` the optimizer runs its collectives on: ``process_group`` as given, else
+    (torch.distributed initialised with several ranks) a new group of the default group's
+    ranks; None with one rank. See Note [a process group of the optimizer's own]."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world > 1:
+            process_group = dist.new_group(ranks=list(range(world)), backend=dist.get_backend())
+    return make_comm(process_group, timeout=timeout)
 
 
 class Ranks(ABC):

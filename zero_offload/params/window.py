@@ -57,8 +57,13 @@ def plan_slots(
     unit_bytes: list[int], tied: list[bool], *, prefetch_layers: int
 ) -> tuple[list[int], list[int]]:
     """``(slot_of_unit, slot_bytes)``: each unit's slot index and each slot's bytes; see
-    Note [a unit always returns to its slot]. Units in forward order; ``unit_bytes`` aligned."""
-    ring = prefetch_layers + 2
+    Note [a unit always returns to its slot]. Units in forward order; ``unit_bytes`` aligned.
+
+    The ring never has more slots than there are untied units: past that every unit has a
+    slot of its own already, so a ``prefetch_layers`` larger than the model (any int the
+    config accepts) plans the same window as the number of units does."""
+    untied = sum(1 for is_tied in tied if not is_tied)
+    ring = max(1, min(prefetch_layers + 2, untied))
     ring_bytes = [0] * ring
     slot_of: list[int] = []
     dedicated: list[int] = []

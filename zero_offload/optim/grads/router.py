@@ -23,6 +23,7 @@ The order buckets go to the host in is the ranks' ``BucketOrder`` (``order.py``)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from ...collectives import surface_collective_errors
+from ...memory.manager import TieredMemoryManager
 from ..flat_bucket import FlatBucket
 from ..ranks import Ranks
 from .lifecycle import GradState
@@ -93,8 +95,9 @@ class BackwardRouter:
         order: in what order buckets go to the host (``order.py``), from the ranks.
     """
 
-    def __init__(self, ranks: Ranks) -> None:
+    def __init__(self, ranks: Ranks, manager: TieredMemoryManager) -> None:
         self.ranks = ranks
+        self.manager = manager  # zero_grad after an interrupted backward waits on it
         self.buckets: list[FlatBucket] = []
         self.backwards = 0
         self._hooks: list[Any] = []
@@ -211,6 +214,13 @@ class BackwardRouter:
 
     def discard(self) -> None:
         """``zero_grad``: forget every gradient of the window, in flight or not."""
+        if self.open:
+            # A backward that did not end (it raised, or was interrupted): wait for what it
+            # queued before its buffers go (Note [an interrupted gradient path] in
+            # to_host.py). Synchronisation point, on that path only. A stream's own
+            # failure is sticky and is raised by the next step, not here.
+            with contextlib.suppress(Exception):
+                self.manager.synchronize()
         with self._lock:
             self._armed.clear()
         self.order.reset()

@@ -38,6 +38,17 @@ or micro-batches while ``overlap_step``'s update occupies the worker). Each flus
 an event on the host worker after its accumulation, and the next flush of that bucket
 waits for it.
 
+Note [an interrupted gradient path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``KeyboardInterrupt`` may leave backward between any two calls of a hook or a flush: a
+buffer opened before the lifecycle (``lifecycle.py``) said FILLING, a flush whose copies
+are queued before it said IN_FLIGHT, host passes queued without the event that ends them.
+So the path, not the lifecycle, knows what it holds: the bucket keeps its device buffer
+until the copies out of it are queued, ``discard_grad`` drops whatever buffer is open (none
+is fine), and ``open_grad`` drops one an interrupted open left. ``zero_grad`` after a
+backward that did not end waits for what that backward queued before it forgets the window
+(``BackwardRouter.discard``), so the next window starts clean.
+
 Note [Adam follows the gradient in]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A flush copies its gradient into staging in tiles of ``tile_elements``, one copy and one
@@ -187,6 +198,10 @@ class HostGradients(GradientPath):
         self._adopted = grad.reshape(-1)
 
     def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
+        if self._grad_block is not None or self._adopted is not None:
+            # An open interrupted before the lifecycle recorded it (Note [an interrupted
+            # gradient path]): that buffer holds nothing of this backward.
+            self.discard_grad()
         folds = not new_window and self._source is GradSource.STAGING
         if folds:
             self._ensure_accumulator()  # first: a failure leaves nothing allocated
@@ -301,30 +316,33 @@ class HostGradients(GradientPath):
         start, stop = self.shard
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
-        block = self._release_grad()
-        try:
-            landing = self._copy_to_staging(
-                grad[start:stop], after=[ready], blocks=[block, staging_block]
+        block = self._grad_block
+        if block is None:
+            # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
+            # already handed the buffer on or dropped it.
+            raise RuntimeError(
+                f"bucket {index}: its device gradients were already handed on: a backward "
+                "was interrupted half-way (KeyboardInterrupt) and its window was not "
+                "discarded. Call opt.zero_grad() after an interrupted backward"
             )
-        except BaseException:
-            self._grad_block = block  # the bucket keeps its buffer: zero_grad releases it
-            self._bind_grad(block)
-            raise
-        block.free()  # reuse waits on the copies, Note [block reuse waits on events]
+        # The bucket keeps its buffer until the copies are queued: if they fail or are
+        # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
+        landing = self._copy_to_staging(
+            grad[start:stop], after=[ready], blocks=[block, staging_block]
+        )
+        self._release_grad().free()  # reuse waits on the copies, Note [block reuse waits...]
         self._after_copy(landing, overwrite=overwrite)
 
     def _flush_adopted(self, *, overwrite: bool, staging_block: Block) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
-        grad, self._adopted = self._adopted, None
-        try:
-            landing = self._copy_to_staging(
-                grad, after=[self.manager.compute_ready()], blocks=[staging_block]
-            )
-        except BaseException:
-            self._adopted = grad  # still the bucket's buffer: zero_grad drops it
-            raise
+        grad = self._adopted
+        # Still the bucket's buffer until its copy is queued: zero_grad drops it.
+        landing = self._copy_to_staging(
+            grad, after=[self.manager.compute_ready()], blocks=[staging_block]
+        )
+        self._adopted = None
         self._after_copy(landing, overwrite=overwrite)
 
     def _first_flush_accumulates(self) -> bool:
@@ -473,10 +491,11 @@ class HostGradients(GradientPath):
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def discard_grad(self) -> None:
-        if self._adopted is not None:
-            self._adopted = None  # autograd's tensor: dropping it is all
-            return
-        self._release_grad().free()
+        """Drop whatever device buffer is open, if any: Note [an interrupted gradient
+        path]."""
+        self._adopted = None  # autograd's tensor: dropping it is all
+        if self._grad_block is not None:
+            self._release_grad().free()
 
     def window_source(self) -> GradSource:
         return self._source

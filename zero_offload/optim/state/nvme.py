@@ -212,6 +212,7 @@ class NvmeState(StateStore):
     """
 
     supports_speculation = False  # the state is on disk: no copy to restore from
+    on_storage_tier = True
 
     resident = False
     location = "nvme"

@@ -80,6 +80,10 @@ class StateStore(ABC):
     #: Note [speculative steps] in ``update/eager.py``); False where it is not in memory.
     supports_speculation = True
 
+    #: Whether the state lives in files of the storage tier (NVMe): it is reloaded with
+    #: ``load_streaming`` after a failed step (Note [a step is all or nothing]).
+    on_storage_tier = False
+
     @abstractmethod
     def update(
         self,

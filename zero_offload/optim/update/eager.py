@@ -16,7 +16,7 @@ from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
-from .modes import ImmediateUpdate, failed
+from .modes import ImmediateUpdate, failed, interrupted
 from .tiles import AdamHyper
 
 __all__ = ["EagerPhase", "EagerStep"]
@@ -239,9 +239,10 @@ class EagerStep:
         try:
             self.manager.host_worker.synchronize()
         except BaseException as exc:
-            raise failed(
-                f"{ranks.where()}the step run during backward failed", stepped, None
-            ) from exc
+            what = f"{ranks.where()}the step run during backward"
+            if interrupted(exc, what, stepped, None, buckets=(), ranks=ranks):
+                raise  # Note [an interrupt is not a failure] in modes.py
+            raise failed(f"{what} failed", stepped, None, ranks=ranks, cause=exc) from exc
 
     def abandon(self, buckets: Sequence[FlatBucket], ranks: Ranks) -> list[int]:
         """The announced backward raised and the window is being discarded (zero_grad):

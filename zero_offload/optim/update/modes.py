@@ -11,11 +11,25 @@ Everything that can refuse (arguments, hyper-parameters, parameters replaced or 
 behind the optimizer) is checked and every bucket's ``StepPlan`` made before the first
 bucket changes. What can still fail after that is not the caller's data: a kernel, a copy
 or a collective. Then ``StepFailed`` says which buckets were stepped, which one was
-stepped in part, and that the optimizer must be reloaded from a checkpoint or rebuilt.
+stepped in part, and that the optimizer must be reloaded from a checkpoint or rebuilt: after
+``zero_grad()``, by ``load_streaming`` where some state is on NVMe, else ``load_state_dict``
+(``load_consolidated`` with several ranks); with several ranks its first line names the rank
+whose absence failed the collective (Note [naming the absent rank] in ``collectives.py``).
+
+Note [an interrupt is not a failure]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``KeyboardInterrupt``, ``SystemExit`` (a SIGTERM handler calling ``sys.exit``) and any other
+``BaseException`` that is not an ``Exception`` leave a step as themselves, never as
+``StepFailed``: ``except KeyboardInterrupt`` must catch Ctrl-C, ``except Exception`` must not
+swallow it, and an exit must exit. What the step had done (the stepped buckets, the one
+stepped in part, how to recover) rides on the exception as a note (``add_note``; logged
+where Python has none).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -23,6 +37,7 @@ import torch
 
 from ...accelerator import Event
 from ...collectives import Pending
+from ...errors import CollectiveError
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
@@ -30,7 +45,9 @@ from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
 from .tiles import AdamHyper
 
-__all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed"]
+__all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
+
+_log = logging.getLogger("zero_offload")
 
 
 class StepFailed(RuntimeError):
@@ -38,13 +55,93 @@ class StepFailed(RuntimeError):
     all or nothing]."""
 
 
-def failed(what: str, stepped: list[int], failing: int | None) -> StepFailed:
+def _absent_ranks(exc: BaseException | None) -> str:
+    """Who made a collective of ``exc``'s chain fail, for the first line: the ranks the
+    ``CollectiveError`` found absent (Note [naming the absent rank]), else its own first
+    line; empty when no collective failed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CollectiveError):
+            text = str(exc)
+            found = re.search(r"Rank\(s\) ([0-9, ]+) did not report", text)
+            if found:
+                return f" (rank(s) {found.group(1)} died or hung: a collective failed)"
+            return f" (a collective failed: {text.splitlines()[0] if text else 'no message'})"
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+def _recovery(buckets: Sequence[FlatBucket], ranks: Ranks) -> str:
+    """How to get the optimizer back: Note [a step is all or nothing]."""
+    if any(bucket.store.on_storage_tier for bucket in buckets):
+        load = (
+            "opt.load_streaming(path) from the last opt.save_streaming(path) (some state "
+            "is on NVMe)"
+        )
+    elif ranks.comm is not None:
+        load = (
+            "zero_offload.checkpoint_io.load_consolidated(opt, path) (or "
+            "opt.load_state_dict(state) of this rank's state_dict)"
+        )
+    else:
+        load = "opt.load_state_dict(state) from a checkpoint"
+    return (
+        "The optimizer state no longer matches one step count: call opt.zero_grad(), then "
+        f"reload it with {load}, or rebuild the optimizer"
+    )
+
+
+def _summary(stepped: list[int], failing: int | None) -> str:
     part = f"; bucket {failing} was partly stepped" if failing is not None else ""
     done = f"buckets {stepped} were stepped" if stepped else "no bucket was fully stepped"
-    return StepFailed(
-        f"{what}: {done}{part}. The optimizer state no longer matches one step count: "
-        "reload it from a checkpoint (opt.load_state_dict) or rebuild the optimizer"
+    return f"{done}{part}"
+
+
+def failed(
+    what: str,
+    stepped: list[int],
+    failing: int | None,
+    *,
+    buckets: Sequence[FlatBucket] = (),
+    ranks: Ranks | None = None,
+    cause: BaseException | None = None,
+) -> StepFailed:
+    """The ``StepFailed`` for a step that failed after ``stepped`` (Note [a step is all or
+    nothing]); ``buckets`` and ``ranks`` choose the recovery named, ``cause`` the absent
+    rank named in the first line."""
+    recovery = (
+        _recovery(buckets, ranks)
+        if ranks is not None
+        else "The optimizer state no longer matches one step count: call opt.zero_grad(), "
+        "then reload it from a checkpoint (opt.load_state_dict) or rebuild the optimizer"
     )
+    return StepFailed(f"{what}{_absent_ranks(cause)}: {_summary(stepped, failing)}. {recovery}")
+
+
+def interrupted(
+    exc: BaseException,
+    what: str,
+    stepped: list[int],
+    failing: int | None,
+    *,
+    buckets: Sequence[FlatBucket],
+    ranks: Ranks,
+) -> bool:
+    """Whether ``exc`` is an interrupt (not an ``Exception``) that must leave as itself;
+    if so, what the step had done is attached to it: Note [an interrupt is not a failure]."""
+    if isinstance(exc, Exception):
+        return False
+    note = (
+        f"zero-offload: {what} was interrupted by {type(exc).__name__}: "
+        f"{_summary(stepped, failing)}. {_recovery(buckets, ranks)}"
+    )
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:  # Python 3.11+
+        add_note(note)
+    else:
+        _log.error(note)
+    return True
 
 
 class UpdateMode(ABC):
@@ -116,6 +213,7 @@ class ImmediateUpdate(UpdateMode):
         events: list[Event] = []
         gathers: list[Pending | None] = []
         stepped: list[int] = []
+        buckets = [plan.bucket for plan, _ in work]
         with phase("cpu_adam", track="cpu_optimizer"):
             for plan, hyper in work:
                 bucket = plan.bucket
@@ -129,18 +227,34 @@ class ImmediateUpdate(UpdateMode):
                     events.extend(wait)
                     gathers.append(gather)
                 except BaseException as exc:
+                    what = f"{self.ranks.where()}step() in bucket {bucket.layout.index}"
+                    index = bucket.layout.index
+                    # Note [an interrupt is not a failure]
+                    if interrupted(exc, what, stepped, index, buckets=buckets, ranks=self.ranks):
+                        raise
                     raise failed(
-                        f"{self.ranks.where()}step() failed in bucket {bucket.layout.index}",
+                        f"{self.ranks.where()}step() failed in bucket {index}",
                         stepped,
-                        bucket.layout.index,
+                        index,
+                        buckets=buckets,
+                        ranks=self.ranks,
+                        cause=exc,
                     ) from exc
                 bucket.commit(plan)
                 stepped.append(bucket.layout.index)
         try:
-            self._land([plan.bucket for plan, _ in work], events, gathers)
+            self._land(buckets, events, gathers)
         except BaseException as exc:
+            what = f"{self.ranks.where()}step() while landing the weights"
+            if interrupted(exc, what, stepped, None, buckets=buckets, ranks=self.ranks):
+                raise
             raise failed(
-                f"{self.ranks.where()}step() failed while landing the weights", stepped, None
+                f"{self.ranks.where()}step() failed while landing the weights",
+                stepped,
+                None,
+                buckets=buckets,
+                ranks=self.ranks,
+                cause=exc,
             ) from exc
 
 
