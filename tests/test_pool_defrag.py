@@ -254,7 +254,8 @@ class PoolModel(RuleBasedStateMachine):
                 assert torch.equal(data, pattern(block.nbytes, seed)), block
 
     def stats_agree_with_a_recount(self) -> None:
-        stats = self.pool.stats()
+        stats = self.pool.stats()  # reclaims blocks whose copies completed: they are free
+        self.reclaimed_blocks_had_their_copies_done()
         occupied = sorted([*self.owners, *self.in_flight], key=lambda b: b.offset)
         gaps, cursor = [], 0
         for block in occupied:
