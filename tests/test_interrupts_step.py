@@ -197,3 +197,25 @@ def test_ctrl_c_on_the_gradient_path_and_no_zero_grad_close_still_works(
         opt.step()
     opt.close()
     assert opt.closed
+
+
+def test_an_interrupt_while_a_delayed_update_settles_stays_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``overlap_step``, Ctrl-C while ``step()`` waits for the previous update leaves
+    as ``KeyboardInterrupt``, not ``StepFailed`` (Note [an interrupt is not a failure])."""
+    model, _ = make_pair()
+    opt = offload_opt(model, overlap_step=True)
+    try:
+        train(model, opt, batches(1))  # one delayed update now pending
+        lm_loss(model, *batches(1)[0]).backward()
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(opt.manager.host_worker, "synchronize", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        monkeypatch.undo()
+        opt.close()

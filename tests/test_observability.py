@@ -126,3 +126,27 @@ def test_nvme_preallocation_goes_through_a_bar(
         opt.step()  # the files were preallocated whole: the step writes and reads them
     finally:
         opt.close()
+
+
+def test_step_metrics_neither_keep_the_optimizer_alive_nor_outlive_it() -> None:
+    """The phase listeners are global: metrics hold the optimizer weakly and stop listening
+    when it is collected (an OffloadTrainer rebuilding its optimizer per trial leaked each)."""
+    import gc
+    import weakref
+
+    from zero_offload import tracing
+    from zero_offload.profiling.metrics import StepMetrics
+
+    before = len(tracing._listeners)
+    model = nn.Linear(16, 16)
+    opt = OffloadAdamW(model.parameters())
+    metrics = StepMetrics(opt)
+    opt.backward(model(torch.randn(2, 16)).sum())
+    opt.step()
+    assert metrics.collect(1)["offload/cpu_adam_ms"] > 0
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None
+    assert len(tracing._listeners) == before
+    assert metrics.collect(1) == {}

@@ -177,6 +177,9 @@ class OffloadAccelerator(Accelerator):
             optimizer = OffloadAcceleratedOptimizer(optimizer, scaler=self.scaler)
             # Listening from now on: the first offload_metrics() covers the first steps.
             self._offload_metrics[id(optimizer)] = (StepMetrics(optimizer.optimizer), 0)
+            live = {id(o) for o in self._optimizers} | {id(optimizer)}
+            for key in [key for key in self._offload_metrics if key not in live]:
+                self._offload_metrics.pop(key)[0].close()  # optimizers accelerate let go of
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def prepare_model(

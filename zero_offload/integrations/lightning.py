@@ -125,9 +125,13 @@ class OffloadLightningModule(pl.LightningModule):
         ours = [o for o in (_offload_optimizer(o) for o in trainer.optimizers) if o is not None]
         if not ours:
             return
-        if getattr(self, "_offload_metrics", None) is None:
+        built_for = getattr(self, "_offload_metrics_for", None)
+        if built_for != [id(opt) for opt in ours]:  # first batch, or new optimizers
+            for old in getattr(self, "_offload_metrics", None) or []:
+                old.close()
             self._offload_metrics = [StepMetrics(opt) for opt in ours]
-            self._offload_mark = 0
+            self._offload_metrics_for = [id(opt) for opt in ours]
+            self._offload_mark = trainer.global_step  # counted from the next step on
         steps = trainer.global_step - self._offload_mark
         if steps <= 0:  # an accumulation micro-batch: no optimizer step since the last log
             return

@@ -199,7 +199,10 @@ class OffloadTrainer(Trainer):
         if not isinstance(self.optimizer, OffloadAcceleratedOptimizer):
             opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer")
             self.optimizer = OffloadAcceleratedOptimizer(opt, scaler=self.accelerator.scaler)
+            if self._offload_metrics is not None:  # a new train(): the old optimizer's go
+                self._offload_metrics.close()
             self._offload_metrics = StepMetrics(opt)  # listening from the first step on
+            self._offload_logged_step = self.state.global_step
         return self.optimizer
 
     def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadAdamW:

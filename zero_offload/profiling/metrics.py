@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..memory.manager import TieredMemoryManager
@@ -37,19 +38,26 @@ class StepMetrics:
                 f"StepMetrics takes an OffloadAdamW (with a .manager), got "
                 f"{type(optimizer).__name__}"
             )
-        self._optimizer = optimizer
-        self._manager = manager
+        # Weakly: the phase listener list is global, and must not keep a dropped optimizer
+        # (its pinned state, pools and threads) alive; the listeners go with the optimizer.
+        self._optimizer = weakref.ref(optimizer)
         self._lock = threading.Lock()  # guards the running sums, written by stream workers
         self._cpu_adam = 0.0  # seconds in cpu_adam phases since the last collect
         self._nvme_bytes = 0  # bytes read from or written to the NVMe tier since then
-        self._exposed_mark = self._exposed_total()
+        self._exposed_mark = self._exposed_total(manager)
         self._time_mark = time.perf_counter()
-        self._remove_phase = add_phase_listener(self._on_phase)
+        me = weakref.WeakMethod(self._on_phase)
+        self._remove_phase = add_phase_listener(lambda *span: _call(me, *span))
         # Copy records are needed for the NVMe figure only; subscribing turns on event timing.
-        self._remove_copy = manager.subscribe(self._on_copy) if optimizer.placement.nvme else _noop
+        self._remove_copy = _noop
+        if optimizer.placement.nvme:
+            on_copy = weakref.WeakMethod(self._on_copy)
+            self._remove_copy = manager.subscribe(lambda record: _call(on_copy, record))
+        self._finalizer = weakref.finalize(optimizer, self.close)
 
-    def _exposed_total(self) -> float:
-        return sum(self._manager.exposed_seconds.values())
+    @staticmethod
+    def _exposed_total(manager: TieredMemoryManager) -> float:
+        return sum(manager.exposed_seconds.values())
 
     def _on_phase(self, name: str, track: str, start: float, end: float) -> None:
         if name == "cpu_adam":
@@ -68,16 +76,19 @@ class StepMetrics:
         """The figures since the last call, per step over ``steps`` optimizer steps (at
         least 1): host bytes held, exposed transfer ms, CPU Adam ms; NVMe GB/s over the
         wall time when the state has a disk tier."""
+        optimizer = self._optimizer()
+        if optimizer is None or optimizer.closed:
+            return {}
         steps = max(int(steps), 1)
         now = time.perf_counter()
-        exposed = self._exposed_total()
+        exposed = self._exposed_total(optimizer.manager)
         with self._lock:
             cpu_adam, self._cpu_adam = self._cpu_adam, 0.0
             nvme, self._nvme_bytes = self._nvme_bytes, 0
         elapsed = max(now - self._time_mark, 1e-9)
         exposed_delta = exposed - self._exposed_mark
         self._time_mark, self._exposed_mark = now, exposed
-        placement = self._optimizer.placement
+        placement = optimizer.placement
         metrics = {
             "offload/host_bytes": float(placement.pinned + placement.pageable),
             "offload/exposed_transfer_ms": 1000.0 * exposed_delta / steps,
@@ -96,3 +107,9 @@ class StepMetrics:
 
 def _noop() -> None:
     return None
+
+
+def _call(method: weakref.WeakMethod, *args: Any) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)

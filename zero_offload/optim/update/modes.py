@@ -334,6 +334,8 @@ class DelayedUpdate(UpdateMode):
         try:
             self.manager.host_worker.synchronize()
         except BaseException as exc:
+            if not isinstance(exc, Exception):  # Note [an interrupt is not a failure]
+                raise
             raise failed(
                 f"{self.ranks.where()}the delayed update of step {self._steps_queued} failed",
                 [],
