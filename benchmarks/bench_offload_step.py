@@ -128,9 +128,6 @@ class TorchMixed:
         """Nothing to clear: step() overwrites the master gradients and drops .grad."""
 
 
-_TorchMixed = TorchMixed  # the name gpu_check.py imports
-
-
 def _loop(
     model: nn.Module,
     data: list,
