@@ -174,6 +174,20 @@ def _estimate_model(args: argparse.Namespace) -> Any:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate
 
+    if args.north_star or args.zero_table:
+        from .estimate.north_star import north_star, north_star_text
+        from .estimate.paper import table1
+
+        if args.json and args.north_star:
+            answers = [
+                {"model": a.star.title, "chosen": a.chosen and a.chosen.name}
+                | {"estimate": a.estimate.to_dict()}
+                for a in north_star()
+            ]
+            print(json.dumps(answers, indent=2))
+        else:
+            print(north_star_text() if args.north_star else table1())
+        return 0
     result = estimate(
         _estimate_model(args),
         world_size=args.world_size,
@@ -181,6 +195,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device_memory=args.device_memory,
         host_memory=args.host_memory,
+        disk_memory=args.disk_memory,
         bucket_bytes=args.bucket_bytes,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
@@ -323,9 +338,26 @@ def _add_estimate(commands: Any) -> None:
         help="per node, e.g. 256GiB; default this machine's RAM",
     )
     est.add_argument(
+        "--disk-memory",
+        type=_byte_size("--disk-memory", least=2**20),
+        default=None,
+        help="NVMe per node for nvme_dir, e.g. 2TB; default none",
+    )
+    est.add_argument(
         "--bucket-bytes", type=_byte_size("--bucket-bytes", least=1024), default=32 * 2**20
     )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.add_argument(
+        "--north-star",
+        action="store_true",
+        help="the big-models issue's two targets (Llama-3-8B on 24GiB + 128GiB, Llama-3-70B "
+        "on 24GiB + 256GiB + 2TB NVMe): the configuration chosen for each",
+    )
+    est.add_argument(
+        "--zero-table",
+        action="store_true",
+        help="the ZeRO paper's Table 1 (model-state GB per device, stages 1-3), recomputed",
+    )
     est.set_defaults(run=_cmd_estimate)
 
 

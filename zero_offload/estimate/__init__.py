@@ -34,8 +34,9 @@ from .api import DEFAULT_BUCKET_BYTES, estimate, host_reserve, parse_size
 from .configs import KNOWN_MODELS, SUPPORTED_MODEL_TYPES, load_config, shape_from_config
 from .pools import offload_adamw_bytes, param_offload_bytes
 from .result import ConfigEstimate, MemoryEstimate
-from .rows import CONFIGURATIONS, ActivationMode, Configuration
+from .rows import ActivationMode, Configuration
 from .shape import ARCHITECTURES, Architecture, ModelShape
+from .tiered import CONFIGURATIONS
 
 __all__ = [
     "ARCHITECTURES",

@@ -12,16 +12,17 @@ from ..config import parse_bytes
 from .configs import load_config, shape_from_config
 from .result import ConfigEstimate, MemoryEstimate
 from .rows import (
-    CONFIGURATIONS,
     Context,
     CountSubject,
     Limits,
     ModuleSubject,
     ShapeSubject,
+    Status,
     Subject,
     largest_fitting,
 )
 from .shape import ModelShape, Shape
+from .tiered import CONFIGURATIONS
 
 if TYPE_CHECKING:
     import torch
@@ -147,6 +148,7 @@ def estimate(
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
     seq_len: int = 1024,
     micro_batch: int = 1,
+    disk_memory: int | str | None = None,
 ) -> MemoryEstimate:
     """Estimate training memory per tier for each configuration; returns the estimate (its
     ``table()`` is what ``zero-offload estimate`` prints). See ``docs/estimator.md``.
@@ -159,7 +161,9 @@ def estimate(
     ``micro_batch``. ``dtype``: training dtype (``"bfloat16"`` default, or the module's).
     ``device_memory`` (per rank) and ``host_memory`` (per node): a size with a unit
     (``"80GiB"``, ``"24GB"``) or an int of bytes (at least 1 MiB); default this machine's GPU
-    and RAM. ``bucket_bytes``: ``OffloadConfig.bucket_bytes``, the same forms.
+    and RAM. ``disk_memory``: NVMe bytes per node for ``nvme_dir`` (default none: rows with
+    NVMe then fit only what needs no disk). ``bucket_bytes``: ``OffloadConfig.bucket_bytes``,
+    the same forms.
     """
     for name, value in (
         ("world_size", world_size),
@@ -188,6 +192,11 @@ def estimate(
         if host_memory is None
         else parse_size(host_memory, name="host_memory", least=_LEAST_MEMORY)
     )
+    disk = (
+        None
+        if disk_memory is None
+        else parse_size(disk_memory, name="disk_memory", least=_LEAST_MEMORY)
+    )
     dtype_name, what = _model_source(model, dtype, seq_len=seq_len, micro_batch=micro_batch)
     device, device_source, host, host_source = _machine_memory(device, host)
     ctx = Context(
@@ -203,12 +212,13 @@ def estimate(
         subject = ModuleSubject(what, ctx)
     else:
         subject = CountSubject(what, ctx)
-    limits = Limits(device=device, host=host, host_reserve=host_reserve(host))
+    limits = Limits(device=device, host=host, host_reserve=host_reserve(host), disk=disk)
     rows = []
     for configuration in CONFIGURATIONS:
-        row = configuration.bytes(subject)
+        row = configuration.bytes(subject, limits)
         if row is None:
             continue
+        status, reason = configuration.status(ctx)
         largest = None
         if limits.device is not None:
             largest = largest_fitting(configuration, subject, limits)
@@ -226,6 +236,9 @@ def estimate(
                 largest_fitting_layers=(
                     largest.shape.layers if largest is not None and largest.shape else None
                 ),
+                disk=row.disk,
+                library=status.value,
+                not_run=reason if status is Status.NOT_YET else "",
             )
         )
     return MemoryEstimate(
@@ -240,4 +253,5 @@ def estimate(
         host_reserve=limits.host_reserve,
         shape=subject.shape,
         rows=rows,
+        disk_memory=disk,
     )

@@ -18,11 +18,15 @@ if TYPE_CHECKING:
     from ..partition import BucketLayout
 
 __all__ = [
+    "BucketGroups",
+    "module_bucket_numels",
     "offload_adamw_bytes",
     "offload_bytes_of_count",
     "param_offload_bytes",
+    "shape_bucket_groups",
     "shape_bucket_numels",
     "shape_offload_bytes",
+    "unit_bucket_groups",
 ]
 
 
@@ -70,10 +74,12 @@ def _full_offload(
 
 @functools.lru_cache(maxsize=1024)
 def _unit_pools(
-    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int
+    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int, world_size: int = 1
 ) -> tuple[int, int, int]:
-    """``(window bytes, gradient buffers, host)`` of one unit under parameter offload: its
-    own buckets (a unit never shares one), planned as the optimizer plans them."""
+    """``(window bytes, gradient buffers, host per rank)`` of one unit under parameter
+    offload: its own buckets (a unit never shares one), planned as the optimizer plans them.
+    With ``world_size`` ranks (ZeRO-3, an estimate: not run yet) the slot still holds the
+    whole unit, gathered, and the host holds this rank's shard."""
     from ..memory.align import aligned
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
@@ -81,6 +87,7 @@ def _unit_pools(
     layouts = plan_buckets(
         [list(enumerate(shapes))],
         bucket_numel=max(1, bucket_bytes // itemsize),
+        world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
     )
     nbytes = sum(aligned(layout.padded_numel * itemsize, POOL_ALIGNMENT) for layout in layouts)
@@ -91,11 +98,17 @@ def _unit_pools(
 
 
 def param_offload_bytes(
-    shape: ModelShape, *, itemsize: int, bucket_bytes: int, prefetch_layers: int = 1
+    shape: ModelShape,
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    prefetch_layers: int = 1,
+    world_size: int = 1,
 ) -> tuple[int, int, int]:
-    """``(device window, device gradient buffers, host)`` of ``OffloadAdamW`` with
+    """``(device window, device gradient buffers, host per rank)`` of ``OffloadAdamW`` with
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units,
-    ``ModelShape.parameter_units``), one rank: the exact pool sizes.
+    ``ModelShape.parameter_units``): the exact pool sizes with one rank; with several, the
+    ZeRO-3 estimate of ``_unit_pools``.
 
     Each unit's buckets are its own, so each distinct unit is planned once (the blocks are
     alike): the host pool and the gradient buffers are a sum and a maximum over buckets
@@ -109,7 +122,9 @@ def param_offload_bytes(
     before, after = shape.outer_units()
     block: Unit = (shape.block_shapes(), False)
     planned = {
-        tuple(shapes): _unit_pools(tuple(shapes), itemsize=itemsize, bucket_bytes=bucket_bytes)
+        tuple(shapes): _unit_pools(
+            tuple(shapes), itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
+        )
         for shapes, _ in [*before, block, *after]
     }
     grad_buffers = max(pools[1] for pools in planned.values())
@@ -148,19 +163,24 @@ def _sizes_last_first(units: Sequence[Unit]) -> list[int]:
     return [math.prod(shape) for shapes, _ in units[::-1] for shape in shapes[::-1]]
 
 
-def shape_bucket_numels(shape: ModelShape, *, bucket_numel: int) -> Counter[int]:
-    """How many buckets of each size (elements, alignment gaps included) ``plan_buckets``
-    makes of ``shape``'s parameters, in O(1) in the layers.
+#: Buckets in bucket order (backward order) as runs: ``(numels, repeats)`` is the buckets
+#: of ``numels`` (elements, alignment gaps included), that sequence ``repeats`` times over.
+BucketGroups = list[tuple[tuple[int, ...], int]]
+
+
+def shape_bucket_groups(shape: ModelShape, *, bucket_numel: int) -> BucketGroups:
+    """The buckets ``plan_buckets`` makes of ``shape``'s parameters, in bucket order, in
+    O(1) in the layers.
 
     The packer walks the parameters last to first, and at a block's edge its only state is
     how full the open bucket is. The blocks are alike, so once that fill repeats, the
-    buckets repeat with it: the cycle is counted, not walked.
+    buckets repeat with it: the cycle is one group, repeated, not walked.
     """
     before, after = shape.outer_units()
     block = [math.prod(s) for s in shape.block_shapes()][::-1]
-    counts: Counter[int] = Counter()
+    groups: BucketGroups = []
     closed, fill = _pack(_sizes_last_first(after), 0, bucket_numel)
-    counts.update(closed)
+    groups.append((tuple(closed), 1))
     seen: dict[int, int] = {}  # fill at a block's edge -> the block
     fills: list[int] = []  # fills[k]: the fill before block k (walked blocks only)
     history: list[list[int]] = []  # history[k]: the buckets block k closed
@@ -169,22 +189,61 @@ def shape_bucket_numels(shape: ModelShape, *, bucket_numel: int) -> Counter[int]
         if fill in seen:  # blocks seen[fill] .. done - 1 repeat from here on
             start = seen[fill]
             whole, rest = divmod(shape.layers - done, done - start)
-            for k, cycle in enumerate(history[start:done]):
-                for numel in cycle:
-                    counts[numel] += whole + (k < rest)
+            cycle = tuple(numel for closed in history[start:done] for numel in closed)
+            groups.append((cycle, whole))
+            groups.append((tuple(n for closed in history[start : start + rest] for n in closed), 1))
             fill = fills[start + rest]
             break
         seen[fill] = done
         fills.append(fill)
         closed, fill = _pack(block, fill, bucket_numel)
         history.append(closed)
-        counts.update(closed)
+        groups.append((tuple(closed), 1))
         done += 1
     closed, fill = _pack(_sizes_last_first(before), fill, bucket_numel)
-    counts.update(closed)
-    if fill:
-        counts[fill] += 1
+    groups.append((tuple(closed) + ((fill,) if fill else ()), 1))
+    return [(numels, repeats) for numels, repeats in groups if numels and repeats]
+
+
+def shape_bucket_numels(shape: ModelShape, *, bucket_numel: int) -> Counter[int]:
+    """How many buckets of each size (elements, alignment gaps included) ``plan_buckets``
+    makes of ``shape``'s parameters (``shape_bucket_groups``, counted)."""
+    counts: Counter[int] = Counter()
+    for numels, repeats in shape_bucket_groups(shape, bucket_numel=bucket_numel):
+        for numel in numels:
+            counts[numel] += repeats
     return counts
+
+
+@functools.lru_cache(maxsize=64)
+def module_bucket_numels(
+    shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int
+) -> tuple[int, ...]:
+    """Elements (gaps included) of each bucket ``plan_buckets`` makes of ``shapes``, in
+    bucket order."""
+    from ..optim.state.placement import POOL_ALIGNMENT
+    from ..partition import plan_buckets
+
+    layouts = plan_buckets(
+        [list(enumerate(shapes))],
+        bucket_numel=max(1, bucket_bytes // itemsize),
+        align_numel=POOL_ALIGNMENT // 2,
+    )
+    return tuple(layout.numel for layout in layouts)
+
+
+def unit_bucket_groups(shape: ModelShape, *, itemsize: int, bucket_bytes: int) -> BucketGroups:
+    """The buckets of ``shape`` under parameter offload, in bucket order (the units last
+    to first, each unit's own buckets as ``plan_buckets`` orders them)."""
+
+    def numels(shapes: list[Shape]) -> tuple[int, ...]:
+        return module_bucket_numels(tuple(shapes), itemsize, bucket_bytes)
+
+    before, after = shape.outer_units()
+    groups: BucketGroups = [(numels(shapes), 1) for shapes, _ in after[::-1]]
+    groups.append((numels(shape.block_shapes()), shape.layers))
+    groups += [(numels(shapes), 1) for shapes, _ in before[::-1]]
+    return groups
 
 
 def shape_offload_bytes(

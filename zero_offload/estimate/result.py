@@ -13,7 +13,8 @@ __all__ = ["ConfigEstimate", "MemoryEstimate", "format_count"]
 
 @dataclass(frozen=True)
 class ConfigEstimate:
-    """One configuration's bytes per rank (device) and per node (host), and whether it fits."""
+    """One configuration's bytes per rank (device) and per node (host, disk), whether it
+    fits, and whether the library runs it."""
 
     name: str
     device_model_states: int  # weights, gradients, optimizer state on the device
@@ -26,6 +27,11 @@ class ConfigEstimate:
     # its layers when the family is a shape.
     largest_fitting_params: int | None
     largest_fitting_layers: int | None = None
+    disk: int = 0  # NVMe per node
+    # "yes": the library runs it; "paper": the ZeRO paper's accounting of another system;
+    # "not yet": an estimate of what the library does not run yet, ``not_run`` saying why.
+    library: str = "yes"
+    not_run: str = ""
 
     @property
     def device_total(self) -> int:
@@ -49,6 +55,7 @@ class MemoryEstimate:
     host_reserve: int  # host bytes a fitting configuration leaves free, per node
     shape: ModelShape | None
     rows: list[ConfigEstimate] = field(default_factory=list)
+    disk_memory: int | None = None  # NVMe per node; None: not given (holds nothing)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data, with each row's ``device_total``."""
@@ -69,7 +76,8 @@ class MemoryEstimate:
             head += "\nactivations not counted (give a model shape to count them)"
         head += (
             f"\ndevice memory {_size(self.device_memory)} per rank ({self.device_memory_source});"
-            f" host memory {_size(self.host_memory)} per node ({self.host_memory_source})"
+            f" host memory {_size(self.host_memory)} per node ({self.host_memory_source});"
+            f" NVMe {_size(self.disk_memory) if self.disk_memory else 'none'} per node"
         )
         rows = [
             [
@@ -79,13 +87,18 @@ class MemoryEstimate:
                 _size(row.device_activations),
                 _size(row.device_total),
                 _size(row.host),
+                _size(row.disk),
                 {True: "yes", False: "no", None: "?"}[row.fits],
                 _largest_text(row),
+                row.library,
             ]
             for row in self.rows
         ]
         header = ["configuration", "model states", "buffers", "activations", "device total"]
-        header += ["host", "fits", "largest that fits"]
+        header += ["host", "disk", "fits", "largest that fits", "library runs it"]
+        reasons = dict.fromkeys(
+            reason for row in self.rows if row.not_run for reason in row.not_run.split("; ")
+        )
         grows = (
             "the same widths with more or fewer layers"
             if self.shape is not None
@@ -94,11 +107,17 @@ class MemoryEstimate:
         note = (
             "\n\nmodel states: weights, gradients and Adam state on the device (ZeRO paper, "
             "2 + 2 + 12 bytes per parameter in mixed precision); buffers: OffloadAdamW's "
-            "gradient buffers; host: OffloadAdamW's pools per node."
+            "gradient buffers; host: OffloadAdamW's pools per node (with NVMe: the staging, "
+            "I/O buffers and the state that fits the host budget); disk: NVMe per node, the "
+            "state beyond the host budget (and the weights, with params on NVMe)."
             f"\nfits: device total <= device memory, and host <= host memory less "
             f"{_size(self.host_reserve)} kept free (max(10% of RAM, 2 GiB), the reserve of "
             f'OffloadConfig(host_budget="auto")).'
             f"\nlargest that fits: the most parameters each configuration holds, with {grows}."
+            "\nlibrary runs it: yes (OffloadAdamW's exact pools); paper (the ZeRO paper's "
+            "accounting of other systems); not yet (an estimate: "
+            + ("; ".join(reasons) or "none here")
+            + ")."
         )
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 

@@ -30,15 +30,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .pools import (
+    BucketGroups,
     offload_adamw_bytes,
     offload_bytes_of_count,
     param_offload_bytes,
+    shape_bucket_groups,
     shape_offload_bytes,
+    unit_bucket_groups,
 )
 from .shape import ModelShape, Shape, shapes_numel
 
 __all__ = [
-    "CONFIGURATIONS",
     "ActivationMode",
     "Configuration",
     "Context",
@@ -47,6 +49,7 @@ __all__ = [
     "ModuleSubject",
     "RowBytes",
     "ShapeSubject",
+    "Status",
     "Subject",
     "largest_fitting",
 ]
@@ -75,12 +78,13 @@ class Context:
 
 @dataclass(frozen=True)
 class RowBytes:
-    """One configuration's bytes: device per rank, host per node."""
+    """One configuration's bytes: device per rank, host and disk per node."""
 
     model_states: int  # weights, gradients, optimizer state on the device
     buffers: int  # the library's gradient buffers (ZeRO-Offload rows only)
     activations: int
     host: int
+    disk: int = 0  # NVMe: optimizer state records, and weights with parameters on NVMe
 
     @property
     def device(self) -> int:
@@ -90,13 +94,15 @@ class RowBytes:
 
 @dataclass(frozen=True)
 class Limits:
-    """Memory per rank (device) and per node (host); ``None``: unknown. A configuration fits
-    when its device bytes fit ``device`` and its host bytes fit ``host`` less
-    ``host_reserve``."""
+    """Memory per rank (device), per node (host) and NVMe per node (disk); ``None``: unknown
+    (a disk not given holds nothing). A configuration fits when its device bytes fit
+    ``device``, its host bytes fit ``host`` less ``host_reserve``, and its disk bytes fit
+    ``disk``."""
 
     device: int | None
     host: int | None
     host_reserve: int
+    disk: int | None = None
 
     def fits(self, row: RowBytes) -> bool | None:
         """``False`` if a known limit is exceeded, ``True`` if both are known and kept,
@@ -105,7 +111,18 @@ class Limits:
             return False
         if self.host is not None and row.host > self.host - self.host_reserve:
             return False
+        if row.disk > (self.disk or 0):
+            return False
         return None if self.device is None or self.host is None else True
+
+    def state_budget(self, fixed: int, other: int, ranks: int) -> int | None:
+        """Each rank's host budget for optimizer state: the host less the reserve, less
+        ``other`` (per node), shared by ``ranks``, less ``fixed`` (per rank); ``None``
+        (unbounded) when the host is unknown. See Note [the host budget decides the
+        split] in ``nvme.py``."""
+        if self.host is None:
+            return None
+        return max(0, (self.host - self.host_reserve - other) // ranks - fixed)
 
 
 class ActivationMode(enum.Enum):
@@ -145,6 +162,15 @@ class Subject(ABC):
 
     def param_offload_pools(self) -> tuple[int, int, int] | None:
         """``param_offload_bytes``, or ``None`` where parameter offload is not estimated."""
+        return None
+
+    @abstractmethod
+    def bucket_groups(self) -> BucketGroups:
+        """OffloadAdamW's buckets in bucket order (``pools.BucketGroups``)."""
+
+    def unit_groups(self) -> BucketGroups | None:
+        """The buckets under parameter offload (each unit's own), or ``None`` where
+        parameter offload is not estimated."""
         return None
 
     def activations(self, mode: ActivationMode) -> tuple[int, int]:
@@ -208,13 +234,22 @@ class ShapeSubject(Subject):
         )
 
     def param_offload_pools(self) -> tuple[int, int, int] | None:
-        if self.ctx.world_size != 1:  # parameter offload is one rank today
-            return None
-        if self._param_pools is None:
+        if self._param_pools is None:  # several ranks: ZeRO-3, an estimate (not run yet)
             self._param_pools = param_offload_bytes(
-                self._shape, itemsize=self.ctx.itemsize, bucket_bytes=self.ctx.bucket_bytes
+                self._shape,
+                itemsize=self.ctx.itemsize,
+                bucket_bytes=self.ctx.bucket_bytes,
+                world_size=self.ctx.world_size,
             )
         return self._param_pools
+
+    def bucket_groups(self) -> BucketGroups:
+        numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
+        return shape_bucket_groups(self._shape, bucket_numel=numel)
+
+    def unit_groups(self) -> BucketGroups | None:
+        ctx = self.ctx
+        return unit_bucket_groups(self._shape, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes)
 
     @property
     def size(self) -> int:
@@ -248,6 +283,12 @@ class CountSubject(Subject):
             bucket_bytes=ctx.bucket_bytes,
             world_size=ctx.world_size,
         )
+
+    def bucket_groups(self) -> BucketGroups:
+        bucket_numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
+        full, rest = divmod(self._params, bucket_numel)
+        groups = [((bucket_numel,), full), ((rest,), 1)]
+        return [(numels, repeats) for numels, repeats in groups if repeats and numels[0]]
 
     @property
     def size(self) -> int:
@@ -299,6 +340,13 @@ class ModuleSubject(Subject):
             world_size=ctx.world_size,
         )
 
+    def bucket_groups(self) -> BucketGroups:
+        # The extra parameters, registered last, fill the first buckets.
+        from .pools import module_bucket_numels
+
+        own = module_bucket_numels(tuple(self._shapes), self.ctx.itemsize, self.ctx.bucket_bytes)
+        return [((self._bucket_numel,), self._extra)] * bool(self._extra) + [(own, 1)]
+
     @property
     def size(self) -> int:
         return self.params
@@ -338,6 +386,14 @@ def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = No
     return good
 
 
+class Status(enum.Enum):
+    """Whether this library trains a configuration today."""
+
+    RUNS = "yes"  # OffloadAdamW runs it; its pools are the library's exact sizes
+    PAPER = "paper"  # the ZeRO paper's accounting of another system (DDP, ZeRO-1/2/3)
+    NOT_YET = "not yet"  # an estimate of what the library does not run yet (reason given)
+
+
 @dataclass(frozen=True)
 class Configuration(ABC):
     """One way of training: a table row. ``bytes`` is ``None`` where it does not apply."""
@@ -346,28 +402,44 @@ class Configuration(ABC):
     activations: ActivationMode = field(default=ActivationMode.FULL)
 
     @abstractmethod
-    def bytes(self, subject: Subject) -> RowBytes | None:
-        """This configuration's bytes for ``subject``."""
+    def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
+        """This configuration's bytes for ``subject`` (``limits`` set the host budget of
+        rows with NVMe, Note [the host budget decides the split] in ``nvme.py``)."""
+
+    def status(self, ctx: Context) -> tuple[Status, str]:
+        """Whether the library runs it with ``ctx``'s ranks, and if not yet, why."""
+        return Status.RUNS, ""
 
 
 @dataclass(frozen=True)
 class Replicated(Configuration):
-    """Model states on the device (ZeRO paper, section 3.1): weights ``sP``, gradients
+    """Model states on the device (ZeRO paper, section 5): weights ``sP``, gradients
     ``sP``, Adam ``KP``; ``stage`` 0 (DDP) replicates all, 1 partitions the Adam state over
-    ``N`` ranks, 2 the gradients too."""
+    ``N`` ranks (``P_os``), 2 the gradients too (``P_os+g``), 3 the weights too
+    (``P_os+g+p``). The paper's Table 1 is these with ``s = 2``, ``K = 12``."""
 
     stage: int = 0
 
-    def bytes(self, subject: Subject) -> RowBytes | None:
+    def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx, p = subject.ctx, subject.params
-        s, k, n = ctx.itemsize, ctx.adam_bytes, ctx.world_size
-        states = {
-            0: (2 * s + k) * p,
-            1: 2 * s * p + -(-k * p // n),
-            2: s * p + -(-(s + k) * p // n),
-        }[self.stage]
         device, host = subject.activations(self.activations)
-        return RowBytes(states, 0, device, host)
+        return RowBytes(model_state_bytes(self.stage, p, ctx), 0, device, host)
+
+    def status(self, ctx: Context) -> tuple[Status, str]:
+        return Status.PAPER, "the ZeRO paper's accounting (model states on the device)"
+
+
+def model_state_bytes(stage: int, params: int, ctx: Context) -> int:
+    """Device bytes of weights, gradients and Adam state per rank at ZeRO ``stage`` (0:
+    DDP): ``(2s + K) P``, ``2sP + KP/N``, ``sP + (s + K)P/N``, ``(2s + K)P/N``, each
+    partitioned part rounded up to whole bytes."""
+    s, k, n, p = ctx.itemsize, ctx.adam_bytes, ctx.world_size, params
+    return {
+        0: (2 * s + k) * p,
+        1: 2 * s * p + -(-k * p // n),
+        2: s * p + -(-(s + k) * p // n),
+        3: -(-(2 * s + k) * p // n),
+    }[stage]
 
 
 @dataclass(frozen=True)
@@ -375,37 +447,34 @@ class Offloaded(Configuration):
     """ZeRO-Offload with this library: ``OffloadAdamW``'s exact pools, everything offloaded;
     the host part per node (each rank's shards, times the ranks on a node)."""
 
-    def bytes(self, subject: Subject) -> RowBytes | None:
+    def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         weights, grad_buffers, host = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
         return RowBytes(weights, grad_buffers, device, host * subject.ctx.ranks_per_node + act_host)
 
 
+#: Why rows with parameters offloaded and several ranks are estimates only.
+ZERO3_NOT_YET = "ZeRO-3 (parameters partitioned across ranks) is not implemented"
+
+
 @dataclass(frozen=True)
 class ParamOffloaded(Configuration):
     """``OffloadConfig(offload_parameters=True)``: the window's slots instead of the weights
-    on the device; a shape and one rank needed."""
+    on the device; a shape needed. With several ranks it is ZeRO-3 with offload (each rank
+    holds its shard of the host state; the slots hold gathered units): an estimate."""
 
-    def bytes(self, subject: Subject) -> RowBytes | None:
+    def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         pools = subject.param_offload_pools()
         if pools is None:
             return None
         window, grad_buffers, host = pools
         device, act_host = subject.activations(self.activations)
-        return RowBytes(window, grad_buffers, device, host + act_host)
+        return RowBytes(window, grad_buffers, device, host * subject.ctx.ranks_per_node + act_host)
 
-
-#: The table's rows, in order. A new kind of row (ZeRO-3, NVMe) is one more ``Configuration``.
-CONFIGURATIONS: tuple[Configuration, ...] = (
-    Replicated("no offload (DDP)", stage=0),
-    Replicated("ZeRO-1", stage=1),
-    Replicated("ZeRO-2", stage=2),
-    Offloaded("ZeRO-Offload"),
-    Offloaded("ZeRO-Offload + checkpointing", ActivationMode.CHECKPOINTED),
-    Offloaded("ZeRO-Offload + activation offload", ActivationMode.OFFLOADED),
-    ParamOffloaded("ZeRO-Offload + parameter offload"),
-    ParamOffloaded("ZeRO-Offload + param offload + checkpointing", ActivationMode.CHECKPOINTED),
-)
+    def status(self, ctx: Context) -> tuple[Status, str]:
+        if ctx.world_size > 1:
+            return Status.NOT_YET, ZERO3_NOT_YET
+        return Status.RUNS, ""
 
 
 def largest_fitting(
@@ -415,7 +484,7 @@ def largest_fitting(
     ``limits``; see Note [largest that fits grows the row's own family]."""
 
     def fits(member: Subject) -> bool:
-        row = configuration.bytes(member)
+        row = configuration.bytes(member, limits)
         return row is not None and limits.fits(row) is not False
 
     return subject.largest(fits)

@@ -1,0 +1,165 @@
+"""Optimizer state and weights in host RAM or on NVMe: each bucket's bytes per tier, and
+which buckets a host budget keeps in RAM. Pure arithmetic over the library's own planners
+(``optim.state.nvme_plan.plan_nvme``), imported when first called.
+
+Note [the host budget decides the split]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``OffloadConfig(nvme_dir=..., host_budget="auto")`` places offloaded buckets whole, in
+bucket order: in host RAM while their fp32 master and moments fit the budget; that bucket
+and every later one on NVMe (``plan_nvme``). The budget is the RAM left once everything
+that is in RAM whatever the placement is counted: the reserve of ``host_reserve``, the
+gradient and weight staging, the tier's I/O buffers, offloaded activations. The estimator
+sets it the same way from the given host memory, per rank (the node's ranks share the
+RAM evenly), so a row's host bytes are those fixed bytes plus the state that fits, and its
+disk bytes the state that does not. A row with NVMe fits when the fixed bytes fit the host
+and the spilled state fits the disk.
+
+Per bucket of this rank's shard ``k`` elements, training dtype ``s`` bytes, ``a(x)`` the
+pool alignment (512 B), records 4 KiB-aligned per tile:
+
+- state ``a(4k) + 2 a(4k)``: master, exp_avg, exp_avg_sq (fp32 moments);
+- staging ``2 a(sk)``: gradient staging and weight staging (the H2D copies' source); with
+  the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
+- record: the bucket's state file records, the state's bytes rounded up per tile;
+- home ``a(sk)``: the training-dtype weights (parameter offload makes the weight staging
+  the home); on NVMe, ``home_file``, 4 KiB-aligned.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .pools import BucketGroups
+
+__all__ = ["BucketTiers", "StateSplit", "bucket_tiers", "io_buffer_bytes", "split_state"]
+
+#: ``plan_nvme`` reads ``nvme_dir`` only to name files it does not create here.
+_PLANNING_DIR = "/nonexistent/zero-offload-estimate"
+
+
+@dataclass(frozen=True)
+class BucketTiers:
+    """One bucket's bytes (this rank's shard) in each place it may live."""
+
+    state: int  # master and moments, in host RAM or (as ``record``) on NVMe
+    staging: int  # gradient + weight staging in host RAM with the state on NVMe
+    ram_staging: int  # the same with the state in RAM (fp32: no weight staging, the master is)
+    grad: int  # gradient staging alone, a(s k)
+    home: int  # training-dtype weights in host RAM, a(s k)
+    record: int  # the state on NVMe: its records, 4 KiB-aligned per tile
+    home_file: int  # the training-dtype weights on NVMe, 4 KiB-aligned
+
+
+@functools.lru_cache(maxsize=4096)
+def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: int) -> BucketTiers:
+    """``BucketTiers`` of a bucket of ``numel`` elements (gaps included), planned by
+    ``plan_buckets`` and ``plan_nvme`` as the optimizer plans it, at the default
+    ``tile_elements``: once with an unbounded host budget (the state in RAM), once with none
+    (on NVMe)."""
+    import torch
+
+    from ..config import OffloadConfig
+    from ..memory.align import aligned
+    from ..memory.storage import IO_ALIGNMENT
+    from ..optim.state.nvme_plan import plan_nvme
+    from ..optim.state.placement import POOL_ALIGNMENT
+    from ..partition import plan_buckets
+    from .pools import _full_offload
+
+    layouts = plan_buckets(
+        [[(0, (numel,))]],
+        bucket_numel=max(1, bucket_bytes // itemsize),
+        world_size=world_size,
+        align_numel=POOL_ALIGNMENT // 2,
+    )
+    placement = _full_offload(layouts, itemsize=itemsize)
+
+    def plan(budget: int) -> tuple[int, int, int]:
+        config = OffloadConfig(nvme_dir=_PLANNING_DIR, host_budget=budget)
+        nvme = plan_nvme(
+            layouts,
+            placement,
+            config=config,
+            itemsize=itemsize,
+            moments_dtype=torch.float32,
+            amsgrad=False,
+            rank=0,
+            alignment=POOL_ALIGNMENT,
+        )
+        return nvme.host_pool, nvme.host_state, nvme.disk
+
+    in_ram, state, _ = plan(2**62)
+    staging, _, record = plan(0)
+    shard = layouts[0].shard_numel
+    return BucketTiers(
+        state=state,
+        staging=staging,
+        ram_staging=in_ram - state,
+        grad=aligned(itemsize * shard, POOL_ALIGNMENT),
+        home=aligned(itemsize * shard, POOL_ALIGNMENT),
+        record=record,
+        home_file=aligned(itemsize * shard, IO_ALIGNMENT),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def io_buffer_bytes() -> int:
+    """Host bytes of the NVMe tier's I/O buffers (one segment): ``IO_BUFFERS`` records of a
+    whole tile, and one alignment page (``nvme_plan``)."""
+    import torch
+
+    from ..config import OffloadConfig
+    from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
+    from ..optim.state.nvme_plan import RecordLayout
+
+    record = RecordLayout.make(OffloadConfig().tile_elements, torch.float32, False)
+    return IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """Where a host budget puts the state (per rank); see Note [the host budget decides
+    the split]."""
+
+    host: int  # state kept in host RAM (within the budget)
+    disk: int  # records of the buckets on NVMe
+    spilled: int  # bytes of ``per_bucket`` (the caller's) of the buckets on NVMe
+
+
+def split_state(
+    groups: BucketGroups,
+    tiers: Callable[[int], BucketTiers],
+    budget: int | None,
+    *,
+    spilled_bytes: Callable[[BucketTiers], int] = lambda t: 0,
+) -> StateSplit:
+    """Buckets in bucket order stay in RAM while their state fits ``budget`` (``None``:
+    unbounded); that bucket and every later one go to NVMe, as ``plan_nvme`` places them.
+    ``spilled_bytes`` sums a further quantity over the buckets on NVMe. O(1) in a group's
+    repeats."""
+    host = disk = spilled = 0
+    spilling = False
+    for numels, repeats in groups:
+        each = [tiers(numel) for numel in numels]
+        if not spilling:
+            state = sum(t.state for t in each)
+            whole = repeats
+            if budget is not None and state:
+                whole = min(repeats, max(0, budget - host) // state)
+            host += whole * state
+            repeats -= whole
+            if not repeats:
+                continue
+            spilling = True  # this repeat's first buckets may still fit; the rest spill
+            first = 0
+            while budget is not None and host + each[first].state <= budget:
+                host += each[first].state
+                first += 1
+            disk += sum(t.record for t in each[first:])
+            spilled += sum(spilled_bytes(t) for t in each[first:])
+            repeats -= 1
+        disk += repeats * sum(t.record for t in each)
+        spilled += repeats * sum(spilled_bytes(t) for t in each)
+    return StateSplit(host, disk, spilled)
