@@ -28,6 +28,11 @@ EXAMPLES: list[tuple[str, str]] = [
         "--hf-config llama-3-8b --seq-len 4096 --device-memory 24GiB --host-memory 128GiB",
     ),
     (
+        "Llama-3-70B on one 24 GiB GPU, 256 GiB of RAM and 2 TB of NVMe (the north star)",
+        "--hf-config llama-3-70b --seq-len 4096 --device-memory 24GiB --host-memory 256GiB "
+        "--disk-memory 2TB",
+    ),
+    (
         "The same model from flags, on an 80 GiB GPU and 512 GiB of RAM",
         "--arch llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
         "--vocab 128256 --seq-len 4096 --device-memory 80GiB --host-memory 512GiB",
@@ -39,8 +44,8 @@ EXAMPLES: list[tuple[str, str]] = [
     ),
     (
         "Mixtral-8x7B on 8 GPUs of 80 GiB and a 1 TiB node: its weights alone exceed a GPU, "
-        "so nothing here fits until ZeRO-3 rows exist (no parameter-offload rows: that is "
-        "one rank today)",
+        "so only the ZeRO-3 rows with parameter offload fit, estimates of what the library "
+        "does not run yet",
         "--hf-config mixtral-8x7b --seq-len 4096 --world-size 8 --device-memory 80GiB "
         "--host-memory 1TiB",
     ),

@@ -11,6 +11,8 @@ exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
 - no offload (DDP): device ``(2s + K) P``;
 - ZeRO-1: device ``2sP + KP/N`` (optimizer state partitioned);
 - ZeRO-2: device ``sP + (s + K) P/N`` (gradients partitioned too);
+- ZeRO-3: device ``(2s + K) P/N`` (weights partitioned too); with ``s = 2``, ``K = 12`` these
+  are the paper's Table 1 (``paper.py``, ``zero-offload estimate --zero-table``);
 - ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
   ``optim.state.placement.plan_placement`` with everything offloaded: device weights plus the
   gradient buffers, host fp32 master, gradient staging, moments and weight staging; the
@@ -18,9 +20,15 @@ exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
   parameters' shapes (a ``ModelShape``, a config or a model), the buckets are planned as the
   optimizer plans them, each slot aligned (Note [slots are aligned] in ``partition.py``);
   from a bare parameter count, buckets are taken as full and gap-free.
-- parameter offload (one rank, a shape known): the device holds the window of
+- parameter offload (a shape known): the device holds the window of
   ``OffloadConfig(offload_parameters=True)`` (Note [a unit always returns to its slot] in
-  ``params/window.py``) instead of the weights, plus the gradient buffers.
+  ``params/window.py``) instead of the weights, plus the gradient buffers; with several
+  ranks, ZeRO-3 with offload (an estimate: not run yet);
+- NVMe (``tiered.py``): the state beyond the host budget on disk, as ``plan_nvme`` places it
+  (Note [the host budget decides the split] in ``nvme.py``); with parameter offload, the
+  homes in RAM or on NVMe too (estimates: not run yet). Each row says whether the library
+  runs it (``ConfigEstimate.library``). ``north_star.py``: the big-models issue's two
+  targets, and the configuration chosen for each.
 
 Activations: Note [activation bytes per layer] in ``shape.py``; the logits add
 ``S b V (s + 4)``. Checkpointing keeps each layer's input plus one layer's activations

@@ -112,7 +112,7 @@ class MemoryEstimate:
             "state beyond the host budget (and the weights, with params on NVMe)."
             f"\nfits: device total <= device memory, and host <= host memory less "
             f"{_size(self.host_reserve)} kept free (max(10% of RAM, 2 GiB), the reserve of "
-            f'OffloadConfig(host_budget="auto")).'
+            f'OffloadConfig(host_budget="auto")), and disk <= NVMe.'
             f"\nlargest that fits: the most parameters each configuration holds, with {grows}."
             "\nlibrary runs it: yes (OffloadAdamW's exact pools); paper (the ZeRO paper's "
             "accounting of other systems); not yet (an estimate: "

@@ -75,17 +75,24 @@ class NvmeState(Configuration):
         ctx = subject.ctx
         weights, grad_buffers, _ = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
-        groups = subject.bucket_groups()
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-        fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
+        fixed = _total(subject.bucket_groups(), ctx, "staging") + io_buffer_bytes()
         budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
+        host, disk = self.tiers(subject, budget)
+        rpn = ctx.ranks_per_node
+        return RowBytes(weights, grad_buffers, device, rpn * host + act_host, rpn * disk)
+
+    @staticmethod
+    def tiers(subject: Subject, budget: int | None) -> tuple[int, int]:
+        """``(host, disk)`` bytes per rank with ``OffloadConfig(host_budget=budget)``: the
+        host pool (staging, the state that fits), the I/O buffers when a bucket is on NVMe;
+        the state files."""
+        ctx, groups = subject.ctx, subject.bucket_groups()
         split = split_state(
             groups, _tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
         )
         host = _total(groups, ctx, "ram_staging") + split.spilled + split.host
-        host += io_buffer_bytes() if split.disk else 0
-        rpn = ctx.ranks_per_node
-        return RowBytes(weights, grad_buffers, device, rpn * host + act_host, rpn * split.disk)
+        return host + (io_buffer_bytes() if split.disk else 0), split.disk
 
 
 class Homes(enum.Enum):
