@@ -166,3 +166,25 @@ def test_largest_never_contradicts_fits_with_a_disk(
             assert row.host <= result.host_memory - result.host_reserve  # type: ignore[operator]
         else:
             assert row.largest_fitting_params < shape.params, row
+
+
+@pytest.mark.parametrize(
+    ("value", "needles"),
+    [("2", ["disk_memory='2'", "no unit", "'2GiB'"]), (2048, ["disk_memory=2048", "'2048GiB'"])],
+)
+def test_a_disk_size_needs_a_unit(value: str | int, needles: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        estimate(10**6, device_memory=GiB, host_memory=GiB, disk_memory=value)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_the_cli_takes_a_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    from zero_offload.cli import main
+
+    argv = ["estimate", "--params", "7B", "--device-memory", "24GiB", "--host-memory", "64GiB"]
+    assert main([*argv, "--disk-memory", "1TB"]) == 0
+    out = capsys.readouterr().out
+    assert "NVMe 931.32 GiB per node" in out and "ZeRO-Offload + NVMe state" in out
+    assert main([*argv, "--disk-memory", "1"]) != 0
+    assert "--disk-memory" in capsys.readouterr().err

@@ -139,6 +139,7 @@ class Subject(ABC):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self._pools: tuple[int, int, int] | None = None
+        self._groups: BucketGroups | None = None  # bucket_groups(), planned once
 
     @property
     @abstractmethod
@@ -165,8 +166,14 @@ class Subject(ABC):
         return None
 
     @abstractmethod
-    def bucket_groups(self) -> BucketGroups:
+    def _plan_groups(self) -> BucketGroups:
         """OffloadAdamW's buckets in bucket order (``pools.BucketGroups``)."""
+
+    def bucket_groups(self) -> BucketGroups:
+        """``_plan_groups``, planned once."""
+        if self._groups is None:
+            self._groups = self._plan_groups()
+        return self._groups
 
     def unit_groups(self) -> BucketGroups | None:
         """The buckets under parameter offload (each unit's own), or ``None`` where
@@ -243,7 +250,7 @@ class ShapeSubject(Subject):
             )
         return self._param_pools
 
-    def bucket_groups(self) -> BucketGroups:
+    def _plan_groups(self) -> BucketGroups:
         numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
         return shape_bucket_groups(self._shape, bucket_numel=numel)
 
@@ -284,7 +291,7 @@ class CountSubject(Subject):
             world_size=ctx.world_size,
         )
 
-    def bucket_groups(self) -> BucketGroups:
+    def _plan_groups(self) -> BucketGroups:
         bucket_numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
         full, rest = divmod(self._params, bucket_numel)
         groups = [((bucket_numel,), full), ((rest,), 1)]
@@ -340,7 +347,7 @@ class ModuleSubject(Subject):
             world_size=ctx.world_size,
         )
 
-    def bucket_groups(self) -> BucketGroups:
+    def _plan_groups(self) -> BucketGroups:
         # The extra parameters, registered last, fill the first buckets.
         from .pools import module_bucket_numels
 
@@ -413,7 +420,7 @@ class Configuration(ABC):
 
 @dataclass(frozen=True)
 class Replicated(Configuration):
-    """Model states on the device (ZeRO paper, section 5): weights ``sP``, gradients
+    """Model states on the device (ZeRO paper, sections 3.1 and 5): weights ``sP``, gradients
     ``sP``, Adam ``KP``; ``stage`` 0 (DDP) replicates all, 1 partitions the Adam state over
     ``N`` ranks (``P_os``), 2 the gradients too (``P_os+g``), 3 the weights too
     (``P_os+g+p``). The paper's Table 1 is these with ``s = 2``, ``K = 12``."""
