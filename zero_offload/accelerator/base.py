@@ -259,13 +259,22 @@ class Accelerator(ABC):
 
     @abstractmethod
     def copy_(
-        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: Stream,
+        label: str = "",
+        held: bool = False,
     ) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the hardware allows).
 
         This is the only primitive that moves bytes between tiers; the memory manager is its
         only caller in the library (see Note [one choke point for copies] in the manager).
-        ``label`` names the copy in race reports.
+        ``label`` names the copy in race reports. ``held``: the caller keeps both tensors
+        alive until the copy's end event completes or compute waited for it, so the
+        allocator need not be told (no ``record_stream`` on CUDA). Raises ``CaptureRefused``
+        while a graph captures (Note [no graph capture of library work] in capture.py).
         """
 
     @abstractmethod

@@ -25,6 +25,7 @@ import torch
 
 from ..config import AcceleratorConfig, format_bytes
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .capture import check_not_capturing
 from .device_context import set_simulated_device
 from .race_checker import RaceChecker, races_enabled_by_env
 from .strict import (
@@ -203,8 +204,16 @@ class HostAccelerator(Accelerator):
         return seconds
 
     def copy_(
-        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: Stream,
+        label: str = "",
+        held: bool = False,
     ) -> None:
+        # ``held`` changes nothing here: there is no caching allocator to tell.
+        check_not_capturing(f"the copy {label!r}" if label else "a copy")
         self._check_copy(dst, src, stream=stream, label=label)
         nbytes = src.numel() * src.element_size()
         delay = self.link_seconds(nbytes)
