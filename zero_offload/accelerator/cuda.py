@@ -215,6 +215,7 @@ class CudaStream(Stream):
         self.name = name
         self._accelerator = accelerator
         self._error: StreamError | None = None
+        self._record_lock = threading.Lock()  # guards recording and numbering an event
 
     def submit(self, fn: Callable[[], Any]) -> None:
         if self._error is not None:
@@ -234,8 +235,12 @@ class CudaStream(Stream):
         timed = self._accelerator.timing
         anchor = self._accelerator._clock.anchor(self.stream) if timed else None
         event = torch.cuda.Event(enable_timing=timed, blocking=True)
-        event.record(self.stream)
-        return CudaEvent(event, self.name, anchor)
+        with self._record_lock:  # the record number follows the stream's order
+            event.record(self.stream)
+            order = self._next_order()
+        wrapped = CudaEvent(event, self.name, anchor)
+        wrapped.order = order
+        return wrapped
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):

@@ -67,7 +67,9 @@ class CallerStream(Stream):
     def record_event(self) -> ThreadEvent:
         checker = self._checker
         stamp = checker.stamp(self) if checker is not None else None
-        return ThreadEvent(self.name, done=True, checker=checker, stamp=stamp)
+        event = ThreadEvent(self.name, done=True, checker=checker, stamp=stamp)
+        event.order = self._next_order()  # born complete: any order is true
+        return event
 
     def wait_event(self, event: Event) -> None:
         if self._checker is not None:
@@ -111,7 +113,7 @@ class StrictCallerStream(CallerStream):
             stamp=stamp,
             guard=self._guard,
         )
-        self._events.add(event)
+        self._events.add(event, self)
         return event
 
     def wait_event(self, event: Event) -> None:
