@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 __all__ = [
+    "CaptureRefused",
     "CollectiveError",
+    "DefragmentationRefused",
     "DeviceBudgetExceeded",
     "PoolExhausted",
     "StorageError",
@@ -31,6 +33,21 @@ class PoolExhausted(MemoryError):
     defragmenting, and when a host pool would not fit in the host RAM available now. The
     message names the request, the capacity, the bytes free, the largest free block and the
     setting to change.
+    """
+
+
+class DefragmentationRefused(PoolExhausted):
+    """A pool was asked to compact (``defragment()``, or an allocation that would need it)
+    while a backward pass runs on this thread: tensors autograd saved may view the blocks,
+    and moving them would leave those views on stale bytes. See Note [no compaction inside
+    backward] in ``zero_offload.memory.pool``."""
+
+
+class CaptureRefused(RuntimeError):
+    """Library work was issued while ``torch.compile`` traces or a CUDA graph captures.
+
+    Streams, events, pool blocks and host copies cannot be replayed by a graph; see Note
+    [no graph capture of library work] in ``zero_offload.accelerator.capture``.
     """
 
 

@@ -12,7 +12,7 @@ import threading
 import torch
 
 from ..config import AcceleratorConfig
-from .base import Accelerator, DeviceBuffer, DeviceLedger, Event, Stream
+from .base import Accelerator, DeviceBuffer, DeviceLedger, Event, Stream, latest_per_stream
 from .cuda import CudaAccelerator, resolve_device_index
 from .host import HostAccelerator
 
@@ -27,6 +27,7 @@ __all__ = [
     "Stream",
     "choose_accelerator",
     "get_accelerator",
+    "latest_per_stream",
     "set_accelerator",
 ]
 

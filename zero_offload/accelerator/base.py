@@ -46,9 +46,10 @@ CUDA, where ``TORCH_CUDA_SANITIZER=1`` checks the real kernels instead.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,14 @@ from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
 from .race_checker import AccessKind, RaceChecker
 
-__all__ = ["Accelerator", "DeviceBuffer", "DeviceLedger", "Event", "Stream"]
+__all__ = [
+    "Accelerator",
+    "DeviceBuffer",
+    "DeviceLedger",
+    "Event",
+    "Stream",
+    "latest_per_stream",
+]
 
 
 class Event(ABC):
@@ -67,6 +75,10 @@ class Event(ABC):
     #: The recording stream's vector clock when a race checker is on, else None
     #: (Note [race checking with vector clocks] in race_checker.py).
     race_stamp: dict[int, int] | None = None
+    #: ``(stream key, record number)`` for an event of a stream that runs its work in order
+    #: (every stream here), so it completes after every event recorded before it on that
+    #: stream; None for events of no stream (NVMe I/O). See ``latest_per_stream``.
+    order: tuple[int, int] | None = None
 
     @abstractmethod
     def query(self) -> bool:
@@ -84,10 +96,39 @@ class Event(ABC):
         """
 
 
+def latest_per_stream(events: Iterable[Event]) -> list[Event]:
+    """The events whose completion implies all of ``events``: the last recorded of each
+    stream (``Event.order``), then every event of no stream, in the order given.
+
+    Waiting on these orders a stream after all of ``events`` with one wait per stream
+    instead of one per event (thousands per step with many tiles).
+    """
+    last: dict[int, Event] = {}
+    loose: list[Event] = []
+    for event in events:
+        order = event.order
+        if order is None:
+            loose.append(event)
+            continue
+        kept = last.get(order[0])
+        if kept is None or kept.order[1] < order[1]:  # type: ignore[index]
+            last[order[0]] = event
+    return [*last.values(), *loose]
+
+
+_stream_keys = itertools.count(1)
+
+
 class Stream(ABC):
     """An ordered queue of work; see Note [stream semantics]."""
 
     name: str
+
+    def _next_order(self) -> tuple[int, int]:
+        """The ``Event.order`` of the next event recorded here; call it where the event
+        takes its place in the stream's queue, under the lock that orders records."""
+        key, numbers = self.__dict__.setdefault("_orders", (next(_stream_keys), itertools.count()))
+        return key, next(numbers)
 
     @abstractmethod
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -194,6 +235,9 @@ class Accelerator(ABC):
     #: How many holders want timed events (``hold_timing``); guarded by ``_timing_lock``.
     _timing_holders = 0
     _timing_lock = threading.Lock()
+    #: Reads of device values the host waited for (``read_to_host``); ``_reads_lock``.
+    blocking_reads = 0
+    _reads_lock = threading.Lock()
 
     @property
     def timing(self) -> bool:
@@ -259,13 +303,22 @@ class Accelerator(ABC):
 
     @abstractmethod
     def copy_(
-        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: Stream,
+        label: str = "",
+        held: bool = False,
     ) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the hardware allows).
 
         This is the only primitive that moves bytes between tiers; the memory manager is its
         only caller in the library (see Note [one choke point for copies] in the manager).
-        ``label`` names the copy in race reports.
+        ``label`` names the copy in race reports. ``held``: the caller keeps both tensors
+        alive until the copy's end event completes or compute waited for it, so the
+        allocator need not be told (no ``record_stream`` on CUDA). Raises ``CaptureRefused``
+        while a graph captures (Note [no graph capture of library work] in capture.py).
         """
 
     @abstractmethod
@@ -325,6 +378,17 @@ class Accelerator(ABC):
         if self.race_checker is not None:
             self.race_checker.track(tensor, f"device buffer {what!r}")
         return DeviceBuffer(tensor=tensor, nbytes=nbytes, what=what, _ledger=self.ledger)
+
+    def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in host memory, for a decision the CPU makes now.
+
+        Synchronisation point: a blocking device-to-host copy, after the device finished
+        the work producing ``tensor``. Counted in ``blocking_reads``: gather what one
+        decision needs into one tensor and read it once.
+        """
+        with self._reads_lock:
+            self.blocking_reads += 1
+        return tensor.detach().to("cpu")
 
     def memory_stats(self) -> dict[str, int]:
         """Library-owned device bytes: ``budget``, ``in_use``, ``peak``."""

@@ -45,6 +45,7 @@ import torch
 from ..config import AcceleratorConfig, format_bytes
 from ..errors import DeviceBudgetExceeded, StreamError
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .capture import check_not_capturing
 from .device_context import on_cuda_device
 from .pinned import memlock_limit, page_aligned_buffer
 
@@ -54,8 +55,10 @@ __all__ = [
     "DEVICE_HEADROOM_MIN",
     "CudaAccelerator",
     "HostRegistration",
+    "LibraryRanges",
     "check_device_free",
     "default_device_budget",
+    "foreign_device_tensors",
     "resolve_device_index",
 ]
 
@@ -212,6 +215,7 @@ class CudaStream(Stream):
         self.name = name
         self._accelerator = accelerator
         self._error: StreamError | None = None
+        self._record_lock = threading.Lock()  # guards recording and numbering an event
 
     def submit(self, fn: Callable[[], Any]) -> None:
         if self._error is not None:
@@ -231,8 +235,12 @@ class CudaStream(Stream):
         timed = self._accelerator.timing
         anchor = self._accelerator._clock.anchor(self.stream) if timed else None
         event = torch.cuda.Event(enable_timing=timed, blocking=True)
-        event.record(self.stream)
-        return CudaEvent(event, self.name, anchor)
+        with self._record_lock:  # the record number follows the stream's order
+            event.record(self.stream)
+            order = self._next_order()
+        wrapped = CudaEvent(event, self.name, anchor)
+        wrapped.order = order
+        return wrapped
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
@@ -261,6 +269,52 @@ def check_device_free(nbytes: int, *, free: int, cached_unused: int, what: str) 
             f"first (smaller batch, fewer cached tensors), lower AcceleratorConfig("
             f"device_budget=...), or offload more (smaller buckets, higher offload_fraction)."
         )
+
+
+# Note [library storages by address range]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The caching allocator must be told (``record_stream``) about a device tensor that a copy
+# on a side stream uses only when the allocator owns it and may hand it out early: a saved
+# activation autograd drops after packing. Library buffers (pool buffers, and every tensor
+# viewing them, such as a reloaded activation over its own storage slice of a pool buffer,
+# whose storage pointer is *inside* the buffer) stay allocated until their own events
+# complete (Note [block reuse waits on events] in memory/in_flight_blocks.py). So they are
+# recognised by address range, not by the storage's start: ``record_stream`` on a pointer
+# inside an allocation asserts under ``backend:cudaMallocAsync`` ("ptr not found"), and
+# with the native allocator would only delay the whole pool buffer's eventual free.
+
+
+class LibraryRanges:
+    """The address ranges of library-allocated device buffers; ``_lock`` guards them
+    (finalizers drop ranges on any thread)."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, int] = {}  # start -> end (exclusive), bytes
+        self._lock = threading.Lock()
+
+    def add(self, start: int, nbytes: int) -> None:
+        """Track ``[start, start + nbytes)``."""
+        with self._lock:
+            self._ranges[start] = start + nbytes
+
+    def discard(self, start: int) -> None:
+        """Stop tracking the range starting at ``start`` (its buffer died)."""
+        with self._lock:
+            self._ranges.pop(start, None)
+
+    def owns(self, ptr: int) -> bool:
+        """Whether ``ptr`` lies inside a library buffer. O(buffers): a few pools."""
+        with self._lock:
+            return any(start <= ptr < end for start, end in self._ranges.items())
+
+
+def foreign_device_tensors(
+    tensors: tuple[torch.Tensor, ...], ranges: LibraryRanges
+) -> list[torch.Tensor]:
+    """The device tensors of ``tensors`` the caching allocator owns (not library buffers):
+    those a copy on a side stream must ``record_stream``, Note [library storages by
+    address range]."""
+    return [t for t in tensors if t.is_cuda and not ranges.owns(t.untyped_storage().data_ptr())]
 
 
 def _clear_last_error() -> None:
@@ -351,7 +405,7 @@ class CudaAccelerator(Accelerator):
         self.ledger = DeviceLedger(budget, source)
         self._clock = _Clock(self.device)
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
-        self._pool_storages: set[int] = set()  # data_ptr of library-allocated device buffers
+        self._library = LibraryRanges()  # Note [library storages by address range]
         self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self)
 
     @property
@@ -397,27 +451,27 @@ class CudaAccelerator(Accelerator):
         check_device_free(nbytes, free=free, cached_unused=cached, what=what)
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         ptr = tensor.untyped_storage().data_ptr()
-        self._pool_storages.add(ptr)
-        weakref.finalize(tensor, self._pool_storages.discard, ptr)
+        self._library.add(ptr, nbytes)
+        weakref.finalize(tensor, self._library.discard, ptr)
         return tensor
 
     def copy_(
-        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: Stream,
+        label: str = "",
+        held: bool = False,
     ) -> None:
         if not isinstance(stream, CudaStream):
             raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
-
+        check_not_capturing(f"the copy {label!r}" if label else "a copy")
         # Which device tensors the caching allocator must keep from other streams until this
-        # copy is done: only those it owns and may free early (a saved activation autograd
-        # drops after packing). Library buffers (pool blocks, and tensors viewing their
-        # storage, such as reloaded activations) stay allocated until their own events
-        # complete (Note [block reuse waits on events] in memory/in_flight_blocks.py), and record_stream
-        # on a view of them would only delay the whole pool buffer's eventual free.
-        foreign = [
-            t
-            for t in (dst, src)
-            if t.is_cuda and t.untyped_storage().data_ptr() not in self._pool_storages
-        ]
+        # copy is done: none when the caller holds them (Note [holding, not record_stream] in
+        # activations/offloader.py), else those it owns (Note [library storages by address
+        # range]).
+        foreign = [] if held else foreign_device_tensors((dst, src), self._library)
 
         def run() -> None:
             dst.copy_(src, non_blocking=True)

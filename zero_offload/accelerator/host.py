@@ -25,6 +25,7 @@ import torch
 
 from ..config import AcceleratorConfig, format_bytes
 from .base import Accelerator, DeviceLedger, Event, Stream
+from .capture import check_not_capturing
 from .device_context import set_simulated_device
 from .race_checker import RaceChecker, races_enabled_by_env
 from .strict import (
@@ -66,7 +67,9 @@ class CallerStream(Stream):
     def record_event(self) -> ThreadEvent:
         checker = self._checker
         stamp = checker.stamp(self) if checker is not None else None
-        return ThreadEvent(self.name, done=True, checker=checker, stamp=stamp)
+        event = ThreadEvent(self.name, done=True, checker=checker, stamp=stamp)
+        event.order = self._next_order()  # born complete: any order is true
+        return event
 
     def wait_event(self, event: Event) -> None:
         if self._checker is not None:
@@ -110,7 +113,7 @@ class StrictCallerStream(CallerStream):
             stamp=stamp,
             guard=self._guard,
         )
-        self._events.add(event)
+        self._events.add(event, self)
         return event
 
     def wait_event(self, event: Event) -> None:
@@ -203,8 +206,16 @@ class HostAccelerator(Accelerator):
         return seconds
 
     def copy_(
-        self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream, label: str = ""
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: Stream,
+        label: str = "",
+        held: bool = False,
     ) -> None:
+        # ``held`` changes nothing here: there is no caching allocator to tell.
+        check_not_capturing(f"the copy {label!r}" if label else "a copy")
         self._check_copy(dst, src, stream=stream, label=label)
         nbytes = src.numel() * src.element_size()
         delay = self.link_seconds(nbytes)

@@ -73,6 +73,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .base import Stream
 from .device_context import simulated_device
 from .threads import Guard, ThreadEvent
 
@@ -181,8 +182,10 @@ class ComputeEvents:
         self._pending: collections.deque[PendingComputeEvent] = collections.deque()
         self._lock = threading.Lock()
 
-    def add(self, event: PendingComputeEvent) -> None:
+    def add(self, event: PendingComputeEvent, stream: Stream) -> None:
+        """Queue ``event``, recorded on ``stream``; numbered in queue order."""
         with self._lock:
+            event.order = stream._next_order()
             self._pending.append(event)
 
     def complete_through(self, event: PendingComputeEvent | None) -> None:

@@ -196,6 +196,7 @@ class ThreadStream(Stream):
                 checker.bind_thread(stream)  # tasks' own waits order this stream
 
         self._worker = _Worker(name, on_start)
+        self._record_lock = threading.Lock()  # guards numbering and queueing an event
         self._closed = False
         weakref.finalize(self, self._worker.tasks.put, _STOP)
 
@@ -230,7 +231,9 @@ class ThreadStream(Stream):
             query_observes=self.clock_at_execution,
             guard=self._guard,
         )
-        self._worker.tasks.put(event)
+        with self._record_lock:  # the record number follows the queue order
+            event.order = self._next_order()
+            self._worker.tasks.put(event)
         return event
 
     def wait_event(self, event: Event) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _pytree as pytree
 
+from ..accelerator.capture import eager_only
 from .offloader import ActivationOffloader, default_offloader
 from .saved_tensors import offload_hooks
 
@@ -39,6 +40,7 @@ _CHECKPOINT_OPTIONS = (
 )
 
 
+@eager_only  # Note [no graph capture of library work] in accelerator/capture.py
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -55,7 +57,8 @@ def checkpoint(
     ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` go to torch's checkpoint; other keyword arguments go to ``fn``.
     ``use_reentrant`` may only be False. ``fn`` must return a tensor or a (nested)
-    tuple/list/dict holding at least one tensor.
+    tuple/list/dict holding at least one tensor. Inside a ``torch.compile``d model it runs
+    eagerly (a graph break), ``fn`` included.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint's first argument must be callable, got {type(fn).__name__}")

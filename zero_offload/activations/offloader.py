@@ -10,39 +10,38 @@ A saved tensor chosen for offload (``policy.is_offloadable``) becomes an
   the compute that produced the tensor. The device tensor stays referenced in ``_outgoing``
   until that copy's end event completes; then it is dropped and its memory returns to the
   allocator. Completion is polled at every pack and unpack; when more than
-  ``max_offloads_in_flight`` copies are pending, compute waits for the oldest.
+  ``max_offloads_in_flight`` copies are pending, compute waits for the oldest. The record
+  is ON_HOST only once the host saw the copy end (LANDING until then, ``record.py``).
 - unpack (backward): the record's group (one checkpoint call, or one saved tensor) is loaded
   into device pool blocks on the ``h2d`` stream, each copy after that record's copy out; then
   the ``prefetch_depth`` nearest groups saved before it are loaded too, so the next
   recomputation finds its inputs on the device. Compute waits only for the record's own
-  copy back (the wait is counted as exposed time by the manager).
+  copy back (the wait is counted as exposed time by the manager). The CPU never waits in
+  backward: see Note [reloads never block the CPU].
 - autograd dropping the handle (after the backward that used it, or with the graph) frees
   the host block; the pool reuses it only after its pending copies end (Note [block reuse
   waits on events] in ``memory/pool.py``).
 
-Note [device blocks live as long as their storage]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A reloaded activation is a tensor over its own ``UntypedStorage``, a slice of the device
-pool's buffer covering one block. Autograd and checkpoint recomputation may keep views and
-detached aliases of it, all sharing that storage; so the block is freed by a finalizer on
-the storage, which runs exactly when the last of them is gone. Before freeing, the block
-records an event on the compute stream (on CUDA, kernels using the tensor may still be
-queued), so the pool hands the bytes to the next reload only after that work. The views the
-pool hands out pin these blocks in place: nobody could re-point autograd's tensors.
+Note [reloads never block the CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A device block freed by a dead reloaded tensor carries a compute event that, on a GPU, is
+pending long after the CPU moved on. Reloads allocate with ``stream=h2d`` (the stream that
+fills the block first), so such bytes are reused stream-ordered: ``h2d`` waits for the
+event, the CPU does not (Note [block reuse waits on events] in memory/in_flight_blocks.py).
+A prefetch allocates with ``wait=False``: when nothing fits without a host wait it is
+skipped (``prefetch_skipped``) and the tensor comes as a demand load when backward needs
+it; only a demand load may wait on the host, as the pool's last resort.
 
-Note [saved layout comes back]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Autograd saves views as they are: ``scaled_dot_product_attention`` saves the transposed
-q/k/v and its logsumexp, a linear layer saves a transposed weight. Backward kernels choose
-their path, and so their rounding, by strides (and a BLAS may by pointer alignment): a view
-that came back contiguous made a run with activation offload differ from one without at
-the ulp level. So an offloaded tensor travels as the storage range its view covers (its
-*span*: from its first element to its last, ``1 + sum((size - 1) * stride)`` elements,
-the same as its numel for a dense view, a permutation included) and comes back as a view
-with the saved shape and strides over a device block, placed so that its data pointer has
-the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes (the block is that much longer;
-pool blocks start aligned, so an aligned tensor costs nothing more). The cost: a view with
-gaps (a slice of a fused projection) moves the bytes between its elements too.
+Note [holding, not record_stream]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every buffer travels with the event that keeps it alive: the saved tensor a copy out reads
+is held in ``_outgoing`` until its end event completes or compute waited for it (then
+its memory goes back to the caching allocator on the compute stream, ordered after the
+copy); a reloaded tensor's block is freed with a compute event. So the copies pass
+``held=True`` and the CUDA accelerator never calls ``record_stream`` for them: doing both
+delays frees for nothing, and ``record_stream`` on a view of a pool buffer asserts under
+``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``, whose allocator knows only the
+pointers it returned (Note [library storages by address range] in accelerator/cuda.py).
 
 Note [reuse order]
 ~~~~~~~~~~~~~~~~~~
@@ -70,18 +69,16 @@ from ..accelerator import Accelerator, Event
 from ..config import format_bytes
 from ..errors import PoolExhausted
 from ..memory.block import Block
+from ..memory.in_flight_blocks import synchronize_completed
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..tracing import phase
 from .config import ActivationOffloadConfig
+from .layout import LAYOUT_ALIGN, span_of, tensor_over_block
 from .record import ActivationState, OffloadedActivation, SavedActivation
 
 __all__ = ["LAYOUT_ALIGN", "ActivationOffloader", "default_offloader"]
-
-#: Bytes modulo which a reloaded activation's data pointer matches the saved one's (a cache
-#: line; torch's CPU allocator aligns to it). See Note [saved layout comes back].
-LAYOUT_ALIGN = 64
 
 
 class _Outgoing(NamedTuple):
@@ -162,6 +159,7 @@ class ActivationOffloader:
         # Prefetch queue: group id -> its records not yet unpacked, in pack order.
         self._groups: dict[int, list[OffloadedActivation]] = {}
         self._outgoing: deque[_Outgoing] = deque()  # pending copies out, in issue order
+        self._landing: list[OffloadedActivation] = []  # LANDING records, oldest first
         self._stats = _Stats()
 
     def __repr__(self) -> str:
@@ -178,7 +176,7 @@ class ActivationOffloader:
 
         The caller has decided ``tensor`` should be offloaded (``policy.is_offloadable``).
         """
-        span = _span(tensor)  # Note [saved layout comes back]
+        span = span_of(tensor)  # Note [saved layout comes back] in layout.py
         nbytes = span * tensor.element_size()
         self._check_fits(tensor, nbytes)
         # The copy runs on another thread (host accelerator), outside this grad mode.
@@ -196,6 +194,7 @@ class ActivationOffloader:
                 after=[self.manager.compute_ready()],
                 blocks=[host_block],
                 label=f"activation group {group} out",
+                held=True,  # Note [holding, not record_stream]
             )
             record = OffloadedActivation(
                 group=group,
@@ -307,6 +306,10 @@ class ActivationOffloader:
         with self._lock:
             while self._outgoing and self._outgoing[0].event.query():
                 released.append(self._release_oldest_locked())
+            landing, self._landing = self._landing, []
+            for record in landing:
+                if record.state is ActivationState.LANDING:
+                    self._settle_out_locked(record)
         del released  # the device memory returns to the allocator here, outside the lock
 
     def _bound_outgoing(self) -> None:
@@ -343,8 +346,18 @@ class ActivationOffloader:
         item = self._outgoing.popleft()
         self._stats.device_bytes -= item.record.nbytes
         if item.record.state is ActivationState.MOVING_OUT:
-            item.record.state = ActivationState.ON_HOST
+            self._settle_out_locked(item.record)
         return item.record
+
+    def _settle_out_locked(self, record: OffloadedActivation) -> None:
+        """ON_HOST if the copy out is done, the host seeing it so (Note [a completed event
+        is synchronized] in memory/in_flight_blocks.py); LANDING until then. Never blocks."""
+        if record.out_event.query():
+            synchronize_completed(record.out_event)
+            record.state = ActivationState.ON_HOST
+        else:
+            record.state = ActivationState.LANDING
+            self._landing.append(record)
 
     # -- copies back -------------------------------------------------------------------
 
@@ -358,12 +371,12 @@ class ActivationOffloader:
             # so both are never counted at once. The copy back must follow it anyway.
             self.manager.wait_for([record.out_event], category=Category.ACTIVATIONS)
             self._release_through(record)
-        elif state is not ActivationState.ON_HOST:
+        elif state not in (ActivationState.ON_HOST, ActivationState.LANDING):
             return True  # MOVING_IN already; FREED cannot be unpacked
         block = self._alloc_device(record, demand=demand)
         if block is None:
             return False
-        flat = _tensor_over_block(
+        flat = tensor_over_block(
             block,
             record.dtype,
             (block.nbytes // record.host_view.element_size(),),
@@ -371,7 +384,7 @@ class ActivationOffloader:
                 self._deferred.put, functools.partial(self._free_device_block, block, record.nbytes)
             ),
         )
-        # Note [saved layout comes back]: the saved strides, the saved pointer alignment
+        # Note [saved layout comes back] (layout.py): the saved strides and pointer alignment
         itemsize = flat.element_size()
         span = record.host_view.numel()
         pad = (record.ptr_mod - flat.data_ptr()) % LAYOUT_ALIGN // itemsize
@@ -386,6 +399,7 @@ class ActivationOffloader:
             after=[record.out_event],
             blocks=[block, record.host_block],
             label=f"activation group {record.group} in",
+            held=True,  # Note [holding, not record_stream]
         )
         with self._lock:
             record.device_tensor = device_tensor
@@ -413,14 +427,15 @@ class ActivationOffloader:
                 return
 
     def _take(self, record: OffloadedActivation) -> torch.Tensor:
-        """Hand the reloaded tensor to autograd; the record goes back to ON_HOST."""
+        """Hand the reloaded tensor to autograd; the record goes back to ON_HOST (or
+        LANDING, until the host sees its copy out end)."""
         with self._lock:
             tensor = record.device_tensor
             if record.state is not ActivationState.MOVING_IN or tensor is None:
                 raise RuntimeError(f"unpacking {record!r}, which was not reloaded (bug)")
             record.device_tensor = None
             record.in_event = None
-            record.state = ActivationState.ON_HOST
+            self._settle_out_locked(record)
             self._forget_locked(record)
         return tensor
 
@@ -431,9 +446,12 @@ class ActivationOffloader:
         try:
             return self.host_pool.alloc(nbytes, owner=owner)
         except PoolExhausted:
-            # Hidden cost, only when the pool is full: graphs in reference cycles hold their
-            # activations until the garbage collector runs.
-            gc.collect()
+            # Only when the pool is full, on the forward path: frees handed over since the
+            # last reap, and the youngest generation's garbage (a graph dropped in a reference
+            # cycle this step). Never a full collection here: it would walk every object of
+            # the process in the middle of forward.
+            self._run_deferred()
+            gc.collect(0)
         try:
             return self.host_pool.alloc(nbytes, owner=owner)
         except PoolExhausted as exc:
@@ -444,18 +462,24 @@ class ActivationOffloader:
                 f"by {held['live_blocks']} activations not yet used by backward. Raise "
                 f"ActivationOffloadConfig.host_pool_bytes (now {self.config.host_pool_bytes}) to "
                 f"the offloaded bytes of one forward pass (of all forwards before a backward, "
-                f"when accumulating gradients), or raise min_bytes to offload less."
+                f"when accumulating gradients), or raise min_bytes to offload less. If graphs "
+                f"of earlier steps are kept alive by reference cycles (an output stored on a "
+                f"module that holds it), break the cycle or call gc.collect() between steps."
             ) from exc
 
     def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
         owner = f"activation group {record.group}"
+        # Note [reloads never block the CPU]: h2d fills the block first; a prefetch never waits
+        alloc = functools.partial(
+            self.device_pool.alloc, owner=owner, stream=self.manager.h2d, wait=demand
+        )
         try:
-            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back]
+            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back] (layout.py)
             try:
-                block = self.device_pool.alloc(nbytes, owner=owner)
+                block = alloc(nbytes)
             except PoolExhausted:
                 self._run_deferred()  # frees handed over by finalizers since the last reap
-                block = self.device_pool.alloc(nbytes, owner=owner)
+                block = alloc(nbytes)
         except PoolExhausted as exc:
             if not demand:
                 with self._lock:
@@ -475,8 +499,8 @@ class ActivationOffloader:
         return block
 
     def _free_device_block(self, block: Block, nbytes: int) -> None:
-        # See Note [device blocks live as long as their storage]; runs on whichever thread
-        # dropped the storage's last reference.
+        # See Note [device blocks live as long as their storage] (layout.py); runs on the
+        # thread that dropped the storage's last reference.
         block.record_event(self.manager.compute_ready())
         block.free()
         with self._lock:
@@ -518,29 +542,6 @@ class ActivationOffloader:
     def _add_device_bytes_locked(self, nbytes: int) -> None:
         self._stats.device_bytes += nbytes
         self._stats.device_bytes_peak = max(self._stats.device_bytes_peak, self._stats.device_bytes)
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements of storage from ``tensor``'s first element to its last (Note [saved layout
-    comes back]); strides are never negative in torch."""
-    pairs = zip(tensor.shape, tensor.stride(), strict=True)
-    return 1 + sum((size - 1) * stride for size, stride in pairs)
-
-
-def _tensor_over_block(
-    block: Block, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[], None]
-) -> torch.Tensor:
-    """A contiguous ``dtype`` tensor of ``shape`` over its own storage slice of ``block``.
-
-    ``on_free()`` runs when that storage dies; see Note [device blocks live as long as
-    their storage].
-    """
-    flat = block.view(torch.uint8)  # pins the block in place; see the Note
-    start = flat.storage_offset()
-    storage = flat.untyped_storage()[start : start + block.nbytes]
-    tensor = flat.new_empty(0, dtype=dtype).set_(storage, 0, shape)
-    weakref.finalize(storage, on_free)
-    return tensor
 
 
 _default: ActivationOffloader | None = None

@@ -19,15 +19,23 @@ class ActivationState(enum.Enum):
     """Where an offloaded activation's bytes are, and what that means for memory.
 
     Transitions (checked in ``ActivationOffloader``): ``MOVING_OUT -> ON_HOST`` when the
-    copy out completes (or compute waited for it); ``ON_HOST -> MOVING_IN`` when a reload is
-    issued; ``MOVING_IN -> ON_HOST`` when backward takes the reloaded tensor (the device block
-    then belongs to that tensor's storage); any state ``-> FREED`` when autograd drops it.
+    host sees the copy out complete; ``MOVING_OUT -> LANDING`` when compute waited for it
+    (the device tensor goes) before the host saw it end, ``LANDING -> ON_HOST`` once it
+    does; ``ON_HOST``/``LANDING -> MOVING_IN`` when a reload is issued; ``MOVING_IN ->
+    ON_HOST`` (or ``LANDING``, the same rule) when backward takes the reloaded tensor (the
+    device block then belongs to that tensor's storage); any state ``-> FREED`` when
+    autograd drops it.
     """
 
     #: The copy to the host block is pending; the device tensor that autograd saved is still
     #: held (and counted as device activation bytes) until the copy's event completes.
     MOVING_OUT = "moving_out"
-    #: The host block holds the bytes; the activation uses no device memory.
+    #: Compute waited for the copy out, so the device tensor was released, but the host has
+    #: not seen the copy end (on a GPU it may still run): the host block is not to be read
+    #: on the host yet; a reload queues after ``out_event``. No device memory.
+    LANDING = "landing"
+    #: The host block holds the bytes, and the host saw the copy out end (``out_event``
+    #: synchronized): the activation uses no device memory.
     ON_HOST = "on_host"
     #: A device block is being filled from the host block (a prefetch or a demand load); the
     #: device block is counted as device activation bytes, the host block is kept for re-reads.
@@ -69,7 +77,7 @@ class OffloadedActivation:
     ) -> None:
         self.group = group  # prefetch unit: one checkpoint call, or one saved tensor
         self.dtype = dtype
-        # Note [saved layout comes back] in offloader.py: the saved tensor's shape and
+        # Note [saved layout comes back] in layout.py: the saved tensor's shape and
         # strides, and its data pointer modulo LAYOUT_ALIGN bytes
         self.shape = shape
         self.stride = stride
@@ -80,7 +88,7 @@ class OffloadedActivation:
         self.out_event = out_event  # end of the copy to the host
         self.state = ActivationState.MOVING_OUT
         # (shape,) dtype with the saved strides, on the device, over a device pool block; set
-        # while MOVING_IN. See Note [device blocks live as long as their storage] in offloader.py.
+        # while MOVING_IN. See Note [device blocks live as long as their storage] in layout.py.
         self.device_tensor: torch.Tensor | None = None
         self.in_event: Event | None = None  # end of the copy back, while MOVING_IN
 

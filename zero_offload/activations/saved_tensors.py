@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..accelerator.capture import eager_only
 from ..config import parse_bytes
 from .offloader import ActivationOffloader, default_offloader
 from .policy import excluded_storages, is_offloadable
@@ -44,7 +45,8 @@ def offload_hooks(
     def unpack(saved: torch.Tensor | SavedActivation) -> torch.Tensor:
         return offloader.unpack(saved) if isinstance(saved, SavedActivation) else saved
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    # Note [no graph capture of library work] in accelerator/capture.py
+    return torch.autograd.graph.saved_tensors_hooks(eager_only(pack), eager_only(unpack))
 
 
 @contextmanager

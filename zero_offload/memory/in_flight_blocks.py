@@ -7,7 +7,8 @@ The owner records the copy's event on the block (``block.record_event(event)``).
 never blocks: a block whose events have not all completed becomes IN_FLIGHT and its bytes
 stay off the free list. IN_FLIGHT blocks are reclaimed (their bytes returned to the free
 list) when ``event.query()`` says their copies are done, checked on every later ``alloc``
-and ``free``.
+and ``free``; such an event is then synchronized, which costs nothing (Note [a completed
+event is synchronized]).
 
 When an allocation does not fit the free list, it takes IN_FLIGHT bytes without the CPU
 waiting if the caller names the stream that will use the block (``alloc(stream=S)``), the
@@ -15,28 +16,67 @@ way the CUDA caching allocator reuses memory: ``S`` waits on the pending events 
 wait), the new block inherits them (so defragmentation leaves it in place until they
 complete), and the rest of the reused IN_FLIGHT range stays IN_FLIGHT with the same events.
 The bytes go to ``S`` only: nobody else sees them before the events complete. Without a
-stream, or when no single IN_FLIGHT range holds the request, ``alloc`` waits for pending
-events on the host (a synchronisation, the last resort before defragmenting). Events are
+stream, or when no single IN_FLIGHT range holds the request, ``alloc`` waits on the host for
+the oldest IN_FLIGHT block's events, one block at a time, until the request fits (a
+synchronisation, the last resort before defragmenting); ``alloc(wait=False)`` (a prefetch)
+raises instead. Events are
 always waited on without the pool's lock held: a copy-stream worker may need the lock to
 free a block before the event we wait on can complete.
 
 ``InFlightBlocks`` is that set for one pool: not thread-safe by itself, every method runs
 under the pool's lock (``pool.py``, class docstring).
+
+Note [a completed event is synchronized]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Handing a block's bytes to any stream because ``query()`` said its copies are done is a
+host-side ordering, but neither PyTorch's CUDA sanitizer (CSAN) nor our race checker
+counts a query as one: CSAN tracks ``cudaEventSynchronize``, not ``cudaEventQuery``, and
+would report the next user's access as racing with the old copy. So an event that a query
+found complete is then synchronized (``synchronize_completed``): it returns at once, and
+both checkers see the host wait that orders the reuse. The same holds wherever a query's
+"done" hands memory on (the activation offloader's released tensors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..accelerator import Accelerator, Event
+from ..accelerator import Event
 from .block import Block, BlockState
 
-__all__ = ["InFlightBlocks", "pending_events", "still_pending"]
+__all__ = [
+    "InFlightBlocks",
+    "name_range",
+    "pending_events",
+    "still_pending",
+    "synchronize_completed",
+]
+
+
+def synchronize_completed(event: Event) -> None:
+    """Synchronize ``event``, which ``query()`` found complete: free, and a host wait that
+    CSAN and the race checker see (Note [a completed event is synchronized])."""
+    try:
+        event.synchronize()
+    except Exception:  # a failed copy's error is its stream's to raise, at that stream's
+        return  # own synchronisation points (Note [stream errors are sticky])
 
 
 def still_pending(events: list[Event]) -> list[Event]:
     """The events of ``events`` not yet complete (``query``; never blocks)."""
     return [event for event in events if not event.query()] if events else events
+
+
+def name_range(blocks: Iterable[Block], lo: int, hi: int) -> str:
+    """For race reports: the owners and states of the blocks overlapping bytes [lo, hi)."""
+    owners = sorted(
+        {
+            f"{b.owner or '<no owner>'} ({b.state.name})"
+            for b in blocks
+            if b.offset < hi and lo < b.end
+        }
+    )
+    return f"block {', '.join(owners)}" if owners else "no live block"
 
 
 def pending_events(blocks: Iterable[Block]) -> list[Event]:
@@ -47,8 +87,7 @@ def pending_events(blocks: Iterable[Block]) -> list[Event]:
 class InFlightBlocks:
     """IN_FLIGHT blocks, oldest first, and their total size ``nbytes`` (rounded, bytes)."""
 
-    def __init__(self, accelerator: Accelerator) -> None:
-        self._accelerator = accelerator
+    def __init__(self) -> None:
         self._blocks: list[Block] = []  # IN_FLIGHT, oldest first
         self.nbytes = 0  # sum of the blocks' sizes
 
@@ -66,14 +105,13 @@ class InFlightBlocks:
 
     def settle(self, events: list[Event]) -> list[Event]:
         """The events still pending. The bytes of a block whose events are all done may go to
-        any stream now, so the host counts as having seen them complete: see Note [race
-        checking with vector clocks] in accelerator/race_checker.py."""
+        any stream now, so each completed one is synchronized (free): Note [a completed
+        event is synchronized]."""
         pending = still_pending(events)
-        checker = self._accelerator.race_checker
-        if checker is not None and len(pending) < len(events):
+        if len(pending) < len(events):
             for event in events:
                 if event not in pending:
-                    checker.observed(event.race_stamp)
+                    synchronize_completed(event)
         return pending
 
     def reclaim(self) -> list[Block]:
@@ -106,6 +144,15 @@ class InFlightBlocks:
     def pending_events(self) -> list[Event]:
         """Every pending event of every block in flight."""
         return pending_events(self._blocks)
+
+    def oldest_pending(self) -> list[Event]:
+        """The pending events of the oldest block in flight that has any (the first to
+        complete, in stream order, as a rule); empty when none is pending."""
+        for block in self._blocks:
+            events = still_pending(block._events)
+            if events:
+                return events
+        return []
 
     def clear(self) -> None:
         """Forget every block (the pool is closed and its events are done)."""

@@ -183,12 +183,14 @@ class TieredMemoryManager:
         blocks: Sequence[Block] = (),
         stream: Stream | None = None,
         label: str = "",
+        held: bool = False,
     ) -> Event:
         """Queue ``dst.copy_(src)`` across tiers; returns the event that marks its end.
 
         ``after``: events the copy must wait for (e.g. the compute stream's "gradients
         ready"). ``blocks``: pool blocks whose bytes the copy reads or writes; the end event
         is recorded on each. ``stream``: defaults to ``d2h`` or ``h2d`` by direction.
+        ``held``: the caller holds both tensors until the end event (``Accelerator.copy_``).
         See Note [one choke point for copies].
         """
         if not isinstance(direction, Direction) or not isinstance(category, Category):
@@ -211,7 +213,7 @@ class TieredMemoryManager:
         issued_at = time.perf_counter()
         # The start event only places the copy on a timeline: record it for listeners only.
         start = stream.record_event() if listeners else None
-        self.accelerator.copy_(dst, src, stream=stream, label=label or category.value)
+        self.accelerator.copy_(dst, src, stream=stream, label=label or category.value, held=held)
         end = stream.record_event()
         for block in blocks:
             block.record_event(end)

@@ -15,17 +15,26 @@ On the CPU none of this is needed: numpy's slice assignment is defined for overl
 operands (a memmove) and runs on the calling thread, whereas torch's CPU ``copy_`` hands
 every copy to its intra-op threads, a cost paid per block that made compaction 5-30x slower
 than one big copy on a loaded 2-core machine.
+Note [no compaction inside backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pool's ``on_move`` callbacks re-point their owner's views (a parameter's ``.data``), but
+not the views autograd saved for backward (a linear layer's transposed weight): those would
+read the old bytes, overwritten by the next block. So a compaction requested on a thread
+running a backward pass (an allocation from a gradient hook, say) raises
+``DefragmentationRefused`` (a ``PoolExhausted``) instead of moving anything. Saved views
+also live between a forward and its backward; owners of blocks autograd may save must
+not compact then either (nothing here can see that window).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from ..accelerator import Accelerator
-from ..errors import DeviceBudgetExceeded
+from ..errors import DefragmentationRefused, DeviceBudgetExceeded
 
 __all__ = [
     "DIRECT_CHUNK_MIN",
@@ -37,6 +46,7 @@ __all__ = [
     "move_within",
     "no_scratch",
     "plan_compaction",
+    "refuse_inside_backward",
     "staging_bytes",
 ]
 
@@ -156,3 +166,24 @@ def free_gaps(occupied: Sequence[tuple[int, int]], usable: int) -> list[tuple[in
     if cursor < usable:
         gaps.append((cursor, usable - cursor))
     return gaps
+
+
+class _Sized(Protocol):
+    name: str
+    sized_by: str
+    capacity: int
+
+
+def refuse_inside_backward(pool: _Sized, request: int | None) -> None:
+    """Raise ``DefragmentationRefused`` when the calling thread runs a backward pass:
+    Note [no compaction inside backward]. ``request``: the bytes of the allocation that
+    needs the compaction, None for an explicit ``defragment()``."""
+    if torch._C._current_graph_task_id() == -1:  # the autograd engine's, per thread
+        return
+    asked = "defragment()" if request is None else f"an allocation of {request} bytes"
+    raise DefragmentationRefused(
+        f"pool {pool.name!r}: {asked} needs compaction, refused while a backward pass runs "
+        f"on this thread (blocks may be viewed by tensors autograd saved; see Note [no "
+        f"compaction inside backward] in memory/moves.py). Size {pool.sized_by} (now "
+        f"{pool.capacity} bytes) for the peak of backward, or free blocks sooner."
+    )

@@ -44,7 +44,7 @@ from ..errors import PoolExhausted
 from .block import Block, BlockState, MoveCallback, view_shape
 from .freelist import FreeList, check_align, check_pool_args
 from .host_ram import check_host_ram
-from .in_flight_blocks import InFlightBlocks, pending_events, still_pending
+from .in_flight_blocks import InFlightBlocks, name_range, pending_events, still_pending
 from .inflight import BufferLifetime, pruned
 from .moves import (
     Scratch,
@@ -53,6 +53,7 @@ from .moves import (
     move_within,
     no_scratch,
     plan_compaction,
+    refuse_inside_backward,
     staging_bytes,
 )
 
@@ -143,7 +144,7 @@ class BlockPool:
         self._free = FreeList()
         self._free.insert(0, self.usable)
         self._live: set[Block] = set()  # IN_USE blocks
-        self._in_flight = InFlightBlocks(accelerator)  # freed, copies pending
+        self._in_flight = InFlightBlocks()  # freed, copies pending
         self._counters = _Counters()
         self._closed = False
         if accelerator.race_checker is not None:
@@ -267,6 +268,7 @@ class BlockPool:
         align: int | None = None,
         owner: str = "",
         stream: Stream | None = None,
+        wait: bool = True,
     ) -> Block:
         """A block of at least ``nbytes`` (rounded up to the pool's alignment).
 
@@ -274,11 +276,14 @@ class BlockPool:
         ``stream``: the stream that will use the block first; lets the pool hand out bytes
         whose copies are still pending, with ``stream`` waiting on them instead of the CPU.
         When nothing fits, in order: reuse pending bytes on ``stream``, wait for pending
-        copies of freed blocks, defragment (if the free bytes would hold the request), then
-        raise ``PoolExhausted``. See Note [block reuse waits on events].
+        copies of freed blocks, oldest first, defragment (if the free bytes would hold the
+        request), then raise ``PoolExhausted``; with ``wait=False`` raise instead of waiting
+        or compacting (never blocks). See Note [block reuse waits on events].
         """
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream must be an accelerator Stream or None, got {stream!r}")
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be True or False, got {wait!r}")
         if type(nbytes) is not int:  # bool and float are refused too
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
         if nbytes <= 0:
@@ -298,6 +303,9 @@ class BlockPool:
                 for event in block._events:
                     stream.wait_event(event)
             return block
+        if not wait:  # the caller would rather go without than block (a prefetch)
+            with self._lock:
+                raise PoolExhausted(self._exhausted_message(nbytes, size, block_align, owner))
         return self._alloc_slow(nbytes, size, block_align, owner)
 
     def _reuse_in_flight_locked(
@@ -306,19 +314,13 @@ class BlockPool:
         old = self._in_flight.take(size, align)
         if old is None:
             return None
-        block = Block(self, old.offset, size, nbytes, align, owner)
+        block = self._new_block_locked(old.offset, size, nbytes, align, owner)
         block._events = list(old._events)  # inherited: Note [block reuse waits on events]
         if old.size > size:  # the tail stays IN_FLIGHT, behind the same copies
             tail = Block(self, old.offset + size, old.size - size, 0, self.alignment, old.owner)
             tail._events = list(old._events)
             self._in_flight.add(tail)
-        counters = self._counters
-        counters.stream_reuses += 1
-        counters.allocations += 1
-        counters.bytes_in_use += size
-        counters.bytes_requested += nbytes
-        counters.peak_bytes_in_use = max(counters.peak_bytes_in_use, counters.bytes_in_use)
-        self._live.add(block)
+        self._counters.stream_reuses += 1
         return block
 
     def _alloc_slow(self, nbytes: int, size: int, align: int, owner: str) -> Block:
@@ -328,11 +330,12 @@ class BlockPool:
                 block = self._try_alloc_locked(*request)
                 if block is not None:
                     return block
-                pending = self._in_flight.pending_events()
+                pending = self._in_flight.oldest_pending()
                 worth_compacting = self._free.free_bytes >= size
             if not pending:
                 break
-            # Synchronisation point, the last resort: see Note [block reuse waits on events].
+            # Synchronisation point, the last resort, for the oldest block in flight only:
+            # see Note [block reuse waits on events].
             self._wait(pending)
         if worth_compacting and self.auto_defragment:
             _, block = self._defragment(request)
@@ -392,6 +395,7 @@ class BlockPool:
         return moved
 
     def _defragment(self, request: tuple[int, int, int, str] | None) -> tuple[int, Block | None]:
+        refuse_inside_backward(self, None if request is None else request[0])
         with self._lock:
             if self._closed:
                 raise self._closed_error()
@@ -502,6 +506,11 @@ class BlockPool:
         offset = self._free.take(size, align, self.alignment)
         if offset is None:
             return None
+        return self._new_block_locked(offset, size, nbytes, align, owner)
+
+    def _new_block_locked(
+        self, offset: int, size: int, nbytes: int, align: int, owner: str
+    ) -> Block:
         block = Block(self, offset, size, nbytes, align, owner)
         self._live.add(block)
         counters = self._counters
@@ -560,16 +569,8 @@ class BlockPool:
             self._lifetime.add(event)
 
     def _name_range(self, lo: int, hi: int) -> str:
-        # For race reports: the blocks a byte range overlaps. Takes no lock: called by the
-        # race checker, possibly while this pool's lock is held by the reporting thread.
-        owners = sorted(
-            {
-                f"{b.owner or '<no owner>'} ({b.state.name})"
-                for b in list(self._live) + list(self._in_flight)
-                if b.offset < hi and lo < b.end
-            }
-        )
-        return f"block {', '.join(owners)}" if owners else "no live block"
+        # For race reports. No lock: the race checker may call it under this pool's lock.
+        return name_range(list(self._live) + list(self._in_flight), lo, hi)
 
     def _exhausted_message(self, nbytes: int, size: int, align: int, owner: str) -> str:
         free = self._free.free_bytes

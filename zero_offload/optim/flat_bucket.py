@@ -18,7 +18,7 @@ from ..accelerator import Event
 from ..partition import BucketLayout
 from ..views.param_views import ParamViews
 from .grads.lifecycle import BucketGrads, GradState
-from .grads.path import GradientPath
+from .grads.path import GradientPath, SumSqParts
 from .ranks import Ranks
 from .state.store import StateStore
 
@@ -144,11 +144,11 @@ class FlatBucket:
         other ranks, or zeros)."""
         return self.grads.state is not GradState.EMPTY
 
-    def grad_sumsq(self) -> tuple[list[float], bool]:
+    def grad_sumsq(self) -> SumSqParts:
         """Partial sums of squares of the window's gradient on this rank's shard (see
         ``GradientPath.grad_sumsq``), and the overflow flag; the caller drained the host
         worker."""
-        return self.gradients.grad_sumsq() if self.has_gradients else ([], False)
+        return self.gradients.grad_sumsq() if self.has_gradients else SumSqParts([], False)
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` is done: take its step counts, consume the window."""

@@ -9,15 +9,13 @@ to release (the next window's first gradient zeroes the accumulator).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...memory.block import Block
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ..ranks import Ranks
-from .path import GradientPath, GradSource
+from .path import GradientPath, GradSource, SumSqParts
 
 __all__ = ["DeviceGradients"]
 
@@ -57,19 +55,19 @@ class DeviceGradients(GradientPath):
     def gradient(self, source: GradSource) -> torch.Tensor:
         return self.grad_acc
 
-    def grad_sumsq(self) -> tuple[list[float], bool]:
+    def grad_sumsq(self) -> SumSqParts:
         # One partial per parameter (a function of its values only, whatever the bucket:
         # Note [the norm does not depend on the bucketing] in stat_cells.py), its float64
-        # norm squared. Synchronisation point: .tolist() waits for the device to finish the
-        # reductions. In float64 the squares of finite fp32 values cannot overflow, so a
-        # norm is non-finite exactly when some gradient is.
+        # norm, left on the device: the caller reads all buckets' at once (no sync here).
+        # In float64 the squares of finite fp32 values cannot overflow, so a norm is
+        # non-finite exactly when some gradient is.
         norms = torch.stack(
             [
                 torch.linalg.vector_norm(self.grad_acc[s.offset : s.end], dtype=torch.float64)
                 for s in self.layout.slots
             ]
-        ).tolist()
-        return [n * n for n in norms], not all(math.isfinite(n) for n in norms)
+        )
+        return SumSqParts([], False, norms)
 
     def close(self) -> None:
         self._block.free()

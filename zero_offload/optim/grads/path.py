@@ -15,12 +15,25 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from ..ranks import Ranks
 
-__all__ = ["GradSource", "GradientPath"]
+__all__ = ["GradSource", "GradientPath", "SumSqParts"]
+
+
+class SumSqParts(NamedTuple):
+    """One bucket's share of the gradient norm (Note [the norm does not depend on the
+    bucketing] in ``stat_cells.py``): partial sums of squares already on the host, whether
+    any is non-finite, and, for gradients on the device, ``norms_dev``: (params,) float64,
+    on the device, each parameter's norm. The caller reads every bucket's ``norms_dev`` in
+    one device-to-host copy, not one per bucket."""
+
+    partials: list[float]
+    nonfinite: bool
+    norms_dev: torch.Tensor | None = None
 
 
 class GradSource(enum.Enum):
@@ -77,7 +90,7 @@ class GradientPath(ABC):
         """The flat gradient tensor of ``source`` (this rank's shard's elements)."""
 
     @abstractmethod
-    def grad_sumsq(self) -> tuple[list[float], bool]:
+    def grad_sumsq(self) -> SumSqParts:
         """Partial sums of squares of the window's accumulated gradient (this rank's shard;
         ``math.fsum`` of all buckets' partials is the global sum, Note [the norm does not
         depend on the bucketing] in ``stat_cells.py``) and whether any is non-finite; the

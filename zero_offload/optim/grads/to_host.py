@@ -83,7 +83,7 @@ from ...tracing import phase
 from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
 from .buffers import AccumulatorPool, GradBuffers, accumulator_bytes, host_pass_threads
-from .path import GradientPath, GradSource
+from .path import GradientPath, GradSource, SumSqParts
 from .stat_cells import Cut, pieces
 
 __all__ = ["HostGradients"]
@@ -506,8 +506,8 @@ class HostGradients(GradientPath):
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
         return grad
 
-    def grad_sumsq(self) -> tuple[list[float], bool]:
-        return self._partials, self._stats[1]
+    def grad_sumsq(self) -> SumSqParts:
+        return SumSqParts(self._partials, self._stats[1])
 
     def close(self) -> None:
         self._adopted = None

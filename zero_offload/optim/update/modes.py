@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...accelerator import Event
+from ...accelerator import Event, latest_per_stream
 from ...collectives import Pending
 from ...errors import CollectiveError
 from ...memory.manager import TieredMemoryManager
@@ -193,7 +193,8 @@ class UpdateMode(ABC):
     ) -> None:
         """Make compute wait for the weight copies and all-gathers; record the versions."""
         with phase("wait_weights"):
-            self.manager.wait_for(events, category=Category.WEIGHTS)
+            # One wait per stream: its last copy's event ends after every earlier one.
+            self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
         self.ranks.wait([g for g in gathers if g is not None])
         for bucket in buckets:
             bucket.views.remember()

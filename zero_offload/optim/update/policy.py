@@ -148,13 +148,16 @@ class StepPolicy:
             self.manager.host_worker.synchronize()
         for bucket in self.buckets:
             bucket.grads.settled()
-        partials: list[float] = []
-        nonfinite = False
         with phase("grad_stats", track="cpu_optimizer"):
-            for bucket in self.buckets:
-                parts, bad = bucket.grad_sumsq()
-                partials.extend(parts)
-                nonfinite = nonfinite or bad
+            shares = [bucket.grad_sumsq() for bucket in self.buckets]
+            partials = [x for share in shares for x in share.partials]
+            nonfinite = any(share.nonfinite for share in shares)
+            on_device = [s.norms_dev for s in shares if s.norms_dev is not None]
+            if on_device:
+                # Synchronisation point: one device-to-host read for every resident bucket.
+                norms = self.manager.accelerator.read_to_host(torch.cat(on_device)).tolist()
+                partials.extend(n * n for n in norms)
+                nonfinite = nonfinite or not all(math.isfinite(n) for n in norms)
         # Added exactly, rounded once: Note [the norm does not depend on the bucketing]
         # in grads/stat_cells.py.
         sumsq = math.fsum(partials)

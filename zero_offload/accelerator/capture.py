@@ -1,0 +1,55 @@
+"""Refusing graph capture: ``torch.compile`` tracing and CUDA graph capture.
+
+Note [no graph capture of library work]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Library work is Python bookkeeping around streams, events, pool blocks and pinned host
+copies: what a copy touches, which block it lands in and which event frees it are decided
+each time it is issued. A CUDA graph would replay one capture's pointers and events
+forever, and ``torch.compile`` (dynamo) would trace the bookkeeping into a graph or bake a
+pool offset in as a constant. Neither can be right, so every copy refuses while either is
+under way (``CaptureRefused``), and the library's hooks that run inside a model's forward
+(activation offload's saved-tensor hooks, ``checkpoint``) are wrapped in
+``torch.compiler.disable``: a compiled model graph-breaks around them, and they run
+eagerly, between the compiled pieces, exactly as without compilation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ..errors import CaptureRefused
+
+__all__ = ["capturing", "check_not_capturing", "eager_only"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def capturing() -> str | None:
+    """What is capturing the calling thread's work now, or None: Note [no graph capture of
+    library work]."""
+    if torch.compiler.is_compiling():
+        return "torch.compile is tracing"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is capturing the current stream"
+    return None
+
+
+def check_not_capturing(what: str) -> None:
+    """Raise ``CaptureRefused`` naming ``what`` when work is being captured."""
+    who = capturing()
+    if who is not None:
+        raise CaptureRefused(
+            f"{what} was issued while {who}: zero-offload's copies, streams and pool blocks "
+            f"cannot be captured into a graph (Note [no graph capture of library work] in "
+            f"accelerator/capture.py). Keep the optimizer step and offload calls out of the "
+            f"compiled or captured region; activation offload and checkpoint run eagerly "
+            f"inside a compiled model by themselves."
+        )
+
+
+def eager_only(fn: F) -> F:
+    """``fn`` run eagerly even inside a compiled model (``torch.compiler.disable``)."""
+    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]

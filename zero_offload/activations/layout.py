@@ -1,0 +1,64 @@
+"""Where a reloaded activation lives on the device: its layout and its storage.
+
+Note [device blocks live as long as their storage]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A reloaded activation is a tensor over its own ``UntypedStorage``, a slice of the device
+pool's buffer covering one block. Autograd and checkpoint recomputation may keep views and
+detached aliases of it, all sharing that storage; so the block is freed by a finalizer on
+the storage, which runs exactly when the last of them is gone. Before freeing, the block
+records an event on the compute stream (on CUDA, kernels using the tensor may still be
+queued), so the pool hands the bytes to the next reload only after that work. The views the
+pool hands out pin these blocks in place: nobody could re-point autograd's tensors.
+
+Note [saved layout comes back]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Autograd saves views as they are: ``scaled_dot_product_attention`` saves the transposed
+q/k/v and its logsumexp, a linear layer saves a transposed weight. Backward kernels choose
+their path, and so their rounding, by strides (and a BLAS may by pointer alignment): a view
+that came back contiguous made a run with activation offload differ from one without at
+the ulp level. So an offloaded tensor travels as the storage range its view covers (its
+*span*: from its first element to its last, ``1 + sum((size - 1) * stride)`` elements,
+the same as its numel for a dense view, a permutation included) and comes back as a view
+with the saved shape and strides over a device block, placed so that its data pointer has
+the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes (the block is that much longer;
+pool blocks start aligned, so an aligned tensor costs nothing more). The cost: a view with
+gaps (a slice of a fused projection) moves the bytes between its elements too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..memory.block import Block
+
+__all__ = ["LAYOUT_ALIGN", "span_of", "tensor_over_block"]
+
+#: Bytes modulo which a reloaded activation's data pointer matches the saved one's (a cache
+#: line; torch's CPU allocator aligns to it). See Note [saved layout comes back].
+LAYOUT_ALIGN = 64
+
+
+def span_of(tensor: torch.Tensor) -> int:
+    """Elements of storage from ``tensor``'s first element to its last (Note [saved layout
+    comes back]); strides are never negative in torch."""
+    pairs = zip(tensor.shape, tensor.stride(), strict=True)
+    return 1 + sum((size - 1) * stride for size, stride in pairs)
+
+
+def tensor_over_block(
+    block: Block, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[], None]
+) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` over its own storage slice of ``block``.
+
+    ``on_free()`` runs when that storage dies; see Note [device blocks live as long as
+    their storage].
+    """
+    flat = block.view(torch.uint8)  # pins the block in place; see the Note
+    start = flat.storage_offset()
+    storage = flat.untyped_storage()[start : start + block.nbytes]
+    tensor = flat.new_empty(0, dtype=dtype).set_(storage, 0, shape)
+    weakref.finalize(storage, on_free)
+    return tensor
