@@ -73,6 +73,7 @@ __all__ = [
     "launch_phase",
     "load_numba_layer_passive",
     "mark_thread_beside",
+    "numba_layer_choice",
     "numba_threads_now",
     "thread_budget",
     "torch_uses_openmp",
@@ -146,14 +147,15 @@ def _ancestors(root: Path, cgroup_path: str) -> list[Path]:
 
 
 def cgroup_cpu_limit(
-    root: Path = _CGROUP_ROOT, proc_cgroup: Path = _PROC_CGROUP
+    root: Path | None = None, proc_cgroup: Path | None = None
 ) -> tuple[float | None, str]:
     """The cgroup CPU quota in cores (None: no quota) and where it was read.
 
     cgroup v2: ``cpu.max`` ("max 100000" or "<quota> <period>") of this process's cgroup and
     its ancestors; v1: ``cpu.cfs_quota_us / cpu.cfs_period_us`` (-1: none) under the ``cpu``
     controller's mount. The smallest quota found wins."""
-    lines = (_read(proc_cgroup) or "").splitlines()
+    root = _CGROUP_ROOT if root is None else root
+    lines = (_read(_PROC_CGROUP if proc_cgroup is None else proc_cgroup) or "").splitlines()
     found: list[tuple[float, str]] = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
@@ -371,6 +373,28 @@ def wait_policy_report(
         f"numba's CPU Adam needs (numba's own team is loaded PASSIVE); {fix}"
     )
     return WaitPolicy(policy, numba_layer, True, why)
+
+
+def numba_layer_choice() -> tuple[str, str]:
+    """numba's threading layer as the library runs it, and why (imports numba). Before the
+    kernels are imported, the layer ``threadsafe`` will pick (Note [a thread-safe threading
+    layer] in ``kernels/threading_layer.py``)."""
+    import numba
+
+    try:
+        return numba.threading_layer(), "loaded"
+    except ValueError:  # not loaded yet in this process
+        pass
+    configured = str(numba.config.THREADING_LAYER).lower()
+    if configured not in ("default", "threadsafe", "safe"):
+        return configured, f"NUMBA_THREADING_LAYER={configured}"
+    try:
+        from numba.np.ufunc import tbbpool  # noqa: F401 (loads libtbb if installed)
+
+        return "tbb", "threadsafe: tbb is installed (its idle threads sleep)"
+    except ImportError as exc:
+        why = f"threadsafe: tbb is not installed ({exc}), so omp; workqueue is not thread-safe"
+        return "omp", why
 
 
 _warned = False
