@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -177,66 +178,57 @@ def test_the_host_worker_launches_beside_torch() -> None:
     assert tb.launch_phase() is tb.LaunchPhase.ALONE  # the caller's thread is unchanged
 
 
-def test_torch_yields_its_share_and_gets_it_back(budget_of) -> None:
+@pytest.fixture
+def four_cores(budget_of) -> Iterator[None]:
+    """A 4-core budget and torch on 4 threads; torch's count restored afterwards."""
     before = torch.get_num_threads()
-    try:
-        budget_of(4)
-        torch.set_num_threads(4)
-        share = tb.TorchThreadsYielded()
-        assert torch.get_num_threads() == 2
-        share.restore()
-        share.restore()  # idempotent
-        assert torch.get_num_threads() == 4
-        torch.set_num_threads(1)  # already under the share: left alone
-        tb.TorchThreadsYielded().restore()
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    budget_of(4)
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
 
 
-def test_restore_on_another_thread_leaves_torch_alone(budget_of) -> None:
-    before = torch.get_num_threads()
-    try:
-        budget_of(4)
-        torch.set_num_threads(4)
-        share = tb.TorchThreadsYielded()
-        other = threading.Thread(target=share.restore)
-        other.start()
-        other.join()
-        assert torch.get_num_threads() == 2  # OpenMP's count is per thread
-        share.restore()
-        assert torch.get_num_threads() == 4
-    finally:
-        torch.set_num_threads(before)
+def test_torch_yields_its_share_and_gets_it_back(four_cores) -> None:
+    share = tb.TorchThreadsYielded()
+    assert torch.get_num_threads() == 2
+    share.restore()
+    share.restore()  # idempotent
+    assert torch.get_num_threads() == 4
+    torch.set_num_threads(1)  # already under the share: left alone
+    tb.TorchThreadsYielded().restore()
+    assert torch.get_num_threads() == 1
 
 
-def test_an_announced_backward_runs_torch_on_its_share(budget_of) -> None:
+def test_restore_on_another_thread_leaves_torch_alone(four_cores) -> None:
+    share = tb.TorchThreadsYielded()
+    other = threading.Thread(target=share.restore)
+    other.start()
+    other.join()
+    assert torch.get_num_threads() == 2  # OpenMP's count is per thread
+    share.restore()
+    assert torch.get_num_threads() == 4
+
+
+def test_an_announced_backward_runs_torch_on_its_share(four_cores) -> None:
     """During the announced backward, once CPU Adam has a bucket, torch runs on
     ``torch_beside`` threads; after backward, on what it had."""
-    before = torch.get_num_threads()
-    try:
-        budget_of(4)
-        torch.set_num_threads(4)
-        torch.manual_seed(0)
-        # Two layers in two buckets (1 KiB each): the last layer's bucket is handed over
-        # before the first layer's backward runs.
-        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-        opt = OffloadAdamW(model.parameters(), lr=1e-3, config=OffloadConfig(bucket_bytes=1024))
-        seen: list[int] = []
-        model[0].register_full_backward_pre_hook(
-            lambda module, grad: seen.append(torch.get_num_threads())
-        )
-        x = torch.randn(8, 64, device=get_accelerator().device, requires_grad=True)
-        loss = model(x).square().mean()
-        opt.backward(loss, step=True)
-        after_backward = torch.get_num_threads()
-        opt.step()
-        opt.zero_grad()
-        opt.close()
-        assert seen == [2]
-        assert after_backward == 4
-    finally:
-        torch.set_num_threads(before)
+    torch.manual_seed(0)
+    # Two layers in two buckets (1 KiB each): the last layer's bucket is handed over
+    # before the first layer's backward runs.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, config=OffloadConfig(bucket_bytes=1024))
+    seen: list[int] = []
+    model[0].register_full_backward_pre_hook(
+        lambda module, grad: seen.append(torch.get_num_threads())
+    )
+    x = torch.randn(8, 64, device=get_accelerator().device, requires_grad=True)
+    opt.backward(model(x).square().mean(), step=True)
+    after_backward = torch.get_num_threads()
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    assert seen == [2]
+    assert after_backward == 4
 
 
 # --- the wait policy --------------------------------------------------------------------
