@@ -11,7 +11,7 @@ announced step's CPU Adam during backward, Note [stepping during backward] in
 ``optim/update/eager.py``; the delayed update of ``overlap_step``), 2N threads share N cores
 and each team's barrier waits for its slowest thread, which is the one the scheduler put
 aside: step time becomes a lottery (263-2033 ms on one model on 2 cores, issue 27). So one
-budget divides the cores, and every launch asks it:
+budget divides the cores, and every numba launch asks it:
 
 - ``cores``: the CPUs in this process's affinity mask (``os.sched_getaffinity``), capped by
   the cgroup CPU quota (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``) rounded
@@ -19,18 +19,23 @@ budget divides the cores, and every launch asks it:
   ``ZERO_OFFLOAD_CORES`` overrides it (to leave cores to a data loader, say).
 - ALONE (CPU Adam in ``step()`` on the caller's thread, after backward): numba takes
   ``min(torch.get_num_threads(), cores)``; a user's ``torch.set_num_threads`` still bounds it.
-- BESIDE (CPU Adam on the host worker while the caller's thread runs torch: the announced
+- BESIDE (CPU Adam on the host worker while the caller's thread may run torch: the announced
   step, the delayed update): numba takes ``k = max(1, cores // 2)``
-  (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it), and during the announced backward
-  torch keeps ``max(1, cores - k)`` (``torch_beside``), restored when backward ends. With
-  ``overlap_step`` torch is left alone: its delayed update spans the user's whole next
-  forward and backward, and halving torch for all of it costs more than it saves.
+  (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it).
 - a host-worker pass over a gradient beside CPU Adam: ``max(1, cores // 4)`` (Note [the
   Adam pass gets the cores] in ``optim/grads/buffers.py``).
 
-On 2 cores that is numba 1 + torch 1 while they overlap, numba 2 after backward. Half and
-half is a guess that cannot be badly wrong (neither team is starved); the split that is best
-depends on the model's backward and the state's size, and was not measured per phase here.
+torch keeps its own count throughout, so while the teams overlap they hold ``cores + k``
+threads, not ``cores``: torch's thread count decides how its reductions are split, hence
+the last bits of backward's gradients, and "every fast path is bitwise equal to the plain
+one" (the announced step against ``step()`` after backward, tests/test_step_during_backward.py)
+rules out cutting torch during the announced backward only. Cutting it for the whole run
+would slow every op of the user's model. The excess is ``k`` threads whose idle waits sleep
+(Note [no spinning team beside another]), not a second full team spinning.
+
+On 2 cores that is numba 1 beside torch's 2, numba 2 after backward. Half the cores is a
+guess that cannot be badly wrong (neither team is starved); the best share depends on the
+model's backward and the state's size, and was not measured per phase here.
 
 Note [no spinning team beside another]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -65,7 +70,6 @@ __all__ = [
     "CORES_ENV",
     "LaunchPhase",
     "ThreadBudget",
-    "TorchThreadsYielded",
     "WaitPolicy",
     "beside_torch",
     "cgroup_cpu_limit",
@@ -109,10 +113,8 @@ class ThreadBudget:
     cores_reason: str
     #: numba's threads for CPU Adam with the cores to itself (further capped by torch's).
     numba_alone: int
-    #: numba's threads for CPU Adam beside torch's work.
+    #: numba's threads for CPU Adam beside torch's work (torch keeps its own count).
     numba_beside: int
-    #: torch's intra-op threads while numba runs beside it (the announced backward).
-    torch_beside: int
     #: numba's threads for one host-worker pass over a gradient.
     host_pass: int
     #: how the shares were chosen.
@@ -223,18 +225,18 @@ def compute_budget(cores: int, cores_reason: str, env: Mapping[str, str]) -> Thr
                 f"{ADAM_BESIDE_ENV}={named} exceeds the {cores} cores this process may use "
                 f"({cores_reason}); set it to 1..{cores}"
             )
-        why = f"CPU Adam beside torch: {k} ({ADAM_BESIDE_ENV}), torch the rest"
+        why = f"CPU Adam beside torch: {k} ({ADAM_BESIDE_ENV})"
     else:
         k = max(1, cores // 2)
-        why = f"CPU Adam beside torch: half the cores ({k}), torch the rest"
+        why = f"CPU Adam beside torch: half the cores ({k})"
     return ThreadBudget(
         cores=cores,
         cores_reason=cores_reason,
         numba_alone=cores,
         numba_beside=k,
-        torch_beside=max(1, cores - k),
         host_pass=max(1, cores // 4),
-        split_reason=why + "; after backward CPU Adam takes all",
+        split_reason=why + ", torch keeps its count (bitwise results); after backward CPU "
+        "Adam takes all",
     )
 
 
@@ -287,30 +289,6 @@ def numba_threads_now(torch_threads: int, pool: int) -> int:
     else:
         share = min(torch_threads, budget.numba_alone)
     return max(1, min(share, pool))
-
-
-class TorchThreadsYielded:
-    """torch's intra-op threads cut to ``torch_beside`` on the calling thread until
-    ``restore()``: the announced backward, while CPU Adam runs beside it (Note [one thread
-    budget]). ``restore`` is idempotent and must run on the same thread."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self._before = torch.get_num_threads()
-        self._thread = threading.get_ident()
-        share = thread_budget().torch_beside
-        self._changed = share < self._before
-        if self._changed:
-            torch.set_num_threads(share)
-
-    def restore(self) -> None:
-        if not self._changed or threading.get_ident() != self._thread:
-            return  # another thread's count is its own (OpenMP's is per thread)
-        import torch
-
-        torch.set_num_threads(self._before)
-        self._changed = False
 
 
 # --- the wait policy (Note [no spinning team beside another]) ---------------------------

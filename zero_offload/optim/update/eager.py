@@ -13,7 +13,6 @@ import torch
 from ...accelerator import Event
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
-from ...thread_budget import TorchThreadsYielded
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
@@ -106,9 +105,6 @@ class EagerStep:
         self.phase = EagerPhase.ANNOUNCED
         #: Share of the step's elements whose CPU Adam had finished when backward returned.
         self.share_before_backward_returned: float | None = None
-        # torch's threads cut while CPU Adam runs beside the backward: Note [one thread
-        # budget] in thread_budget.py. From the first hand-over to the end of backward.
-        self._torch_share: TorchThreadsYielded | None = None
 
     def _go(self, to: EagerPhase) -> None:
         if (self.phase, to) not in _ALLOWED:
@@ -138,8 +134,6 @@ class EagerStep:
                 "(opt.backward(..., step=True)): a parameter's gradient arrived twice, or "
                 "the announced backward raised and another began; call zero_grad() first"
             )
-        if self._torch_share is None:
-            self._torch_share = TorchThreadsYielded()
         store = bucket.store
         speculative = self.speculation_bytes is not None
         if speculative:
@@ -177,8 +171,6 @@ class EagerStep:
         total = sum(_elements(p) for p in self.plans.values())
         done = sum(_elements(p) for i, p in self.plans.items() if self._done[i].query())
         self.share_before_backward_returned = done / total if total else 1.0
-        if self._torch_share is not None:
-            self._torch_share.restore()  # backward's torch work is over
         self._go(EagerPhase.BACKWARD_ENDED)
 
     def land(
@@ -243,8 +235,6 @@ class EagerStep:
         return True
 
     def _drain(self, ranks: Ranks) -> None:
-        if self._torch_share is not None:
-            self._torch_share.restore()  # a backward that raised never ended
         stepped = [i for i, e in self._done.items() if e.query()]
         try:
             self.manager.host_worker.synchronize()
