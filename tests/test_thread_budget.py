@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -146,10 +147,19 @@ def test_a_launch_takes_the_share_of_its_phase(budget_of) -> None:
     assert tb.numba_threads_now(torch_threads=6, pool=16) == 6  # torch's count bounds it
     assert tb.numba_threads_now(torch_threads=32, pool=16) == 8  # the cores bound it
     assert tb.numba_threads_now(torch_threads=32, pool=3) == 3  # numba's pool bounds it
-    with tb.beside_torch():
-        assert tb.launch_phase() is tb.LaunchPhase.BESIDE
-        assert tb.numba_threads_now(torch_threads=32, pool=16) == 4
-    assert tb.launch_phase() is tb.LaunchPhase.ALONE
+    beside: list[object] = []
+
+    def on_a_worker() -> None:
+        tb.mark_thread_beside()
+        beside.append(tb.launch_phase())
+        beside.append(tb.numba_threads_now(torch_threads=32, pool=16))  # k = 8 // 2
+        beside.append(tb.numba_threads_now(torch_threads=2, pool=16))  # torch's 2 bound it
+
+    worker = threading.Thread(target=on_a_worker)
+    worker.start()
+    worker.join()
+    assert beside == [tb.LaunchPhase.BESIDE, 4, 2]
+    assert tb.launch_phase() is tb.LaunchPhase.ALONE  # per thread
 
 
 def test_the_kernels_default_follows_the_budget(budget_of) -> None:

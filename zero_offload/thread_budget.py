@@ -17,11 +17,13 @@ budget divides the cores, and every numba launch asks it:
   the cgroup CPU quota (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``) rounded
   up, at least 1. Never ``os.cpu_count()``: in a container it counts the host's CPUs.
   ``ZERO_OFFLOAD_CORES`` overrides it (to leave cores to a data loader, say).
-- ALONE (CPU Adam in ``step()`` on the caller's thread, after backward): numba takes
-  ``min(torch.get_num_threads(), cores)``; a user's ``torch.set_num_threads`` still bounds it.
+- ALONE (CPU Adam in ``step()`` on the caller's thread, after backward): numba takes the
+  cores.
 - BESIDE (CPU Adam on the host worker while the caller's thread may run torch: the announced
   step, the delayed update): numba takes ``k = max(1, cores // 2)``
   (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it).
+- either way, at most ``torch.get_num_threads()``: a process told to use fewer threads (a
+  rank sharing a host with others) keeps to it, as before the budget.
 - a host-worker pass over a gradient beside CPU Adam: ``max(1, cores // 4)`` (Note [the
   Adam pass gets the cores] in ``optim/grads/buffers.py``).
 
@@ -55,13 +57,12 @@ does not spin either and is preferred by ``threadsafe`` when installed.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,6 @@ __all__ = [
     "LaunchPhase",
     "ThreadBudget",
     "WaitPolicy",
-    "beside_torch",
     "cgroup_cpu_limit",
     "compute_budget",
     "launch_phase",
@@ -260,7 +260,7 @@ _local = threading.local()
 
 
 def launch_phase() -> LaunchPhase:
-    """The calling thread's phase: BESIDE on the host worker or inside ``beside_torch``."""
+    """The calling thread's phase: BESIDE on the host worker, ALONE elsewhere."""
     return getattr(_local, "phase", LaunchPhase.ALONE)
 
 
@@ -270,25 +270,14 @@ def mark_thread_beside() -> None:
     _local.phase = LaunchPhase.BESIDE
 
 
-@contextlib.contextmanager
-def beside_torch() -> Iterator[None]:
-    """Launches from the calling thread inside the block are BESIDE."""
-    before = launch_phase()
-    _local.phase = LaunchPhase.BESIDE
-    try:
-        yield
-    finally:
-        _local.phase = before
-
-
 def numba_threads_now(torch_threads: int, pool: int) -> int:
-    """numba's threads for a launch from the calling thread, at most numba's ``pool``."""
+    """numba's threads for a launch from the calling thread: its phase's share, at most
+    torch's count (a process told to use fewer threads, a rank sharing a host, keeps to it)
+    and numba's ``pool``."""
     budget = thread_budget()
-    if launch_phase() is LaunchPhase.BESIDE:
-        share = budget.numba_beside
-    else:
-        share = min(torch_threads, budget.numba_alone)
-    return max(1, min(share, pool))
+    beside = launch_phase() is LaunchPhase.BESIDE
+    share = budget.numba_beside if beside else budget.numba_alone
+    return max(1, min(share, torch_threads, pool))
 
 
 # --- the wait policy (Note [no spinning team beside another]) ---------------------------
