@@ -288,7 +288,9 @@ def load_numba_layer_passive() -> None:
     a policy, then restore the environment. A no-op once numba's layer is loaded."""
     from numba.np.ufunc import parallel
 
-    if parallel._is_initialized:
+    # numba's private loader (stable since 0.49); without it the layer loads at the first
+    # launch, with whatever policy the environment has then.
+    if getattr(parallel, "_is_initialized", True) or not hasattr(parallel, "_launch_threads"):
         return
     user_set = WAIT_ENV in os.environ
     if not user_set:
