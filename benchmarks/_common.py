@@ -24,14 +24,14 @@ def cuda_sync_if_used() -> None:
         torch.cuda.synchronize()
 
 
-def time_rounds(
+def time_samples(
     fns: dict[str, Callable[[], object]],
     *,
     rounds: int,
     warmup: int = 1,
     sync: Callable[[], None] | None = None,
-) -> dict:
-    """Median seconds per call of each function, timed in interleaved rounds.
+) -> dict[str, list[float]]:
+    """Seconds of every call of each function, timed in interleaved rounds.
 
     Each round calls every function once, so slow drift in the machine (frequency, a
     neighbour's load) hits all of them alike instead of whichever ran last. ``sync`` runs
@@ -53,7 +53,28 @@ def time_rounds(
             fn()
             sync()
             samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def time_rounds(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    warmup: int = 1,
+    sync: Callable[[], None] | None = None,
+) -> dict:
+    """Median seconds per call of each function (``time_samples``'s rounds)."""
+    samples = time_samples(fns, rounds=rounds, warmup=warmup, sync=sync)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """p10, median and p90 of ``samples`` (seconds); with fewer than 2 samples all three
+    are the one sample."""
+    if len(samples) < 2:
+        return dict.fromkeys(("p10", "median", "p90"), samples[0])
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return {"p10": deciles[0], "median": statistics.median(samples), "p90": deciles[-1]}
 
 
 def machine() -> dict[str, object]:

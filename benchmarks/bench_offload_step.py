@@ -1,6 +1,10 @@
 """One training step with OffloadAdamW against torch's own loops, same run, same model.
 
-    python benchmarks/bench_offload_step.py [--quick] [--rounds N]
+    python benchmarks/bench_offload_step.py [--quick | --tiny] [--rounds N]
+
+Run it as users are told to launch (docs/threads.md): the script sets
+``OMP_WAIT_POLICY=PASSIVE`` before importing torch unless the environment names a policy
+(``OMP_WAIT_POLICY=ACTIVE python benchmarks/bench_offload_step.py`` measures the other).
 
 Two models, so that our overhead cannot hide behind compute:
 
@@ -9,7 +13,8 @@ Two models, so that our overhead cannot hide behind compute:
   step here.
 - ``gpt`` (compute-heavy): the demo's GPT (20M parameters), 1 x 32 tokens.
 
-Variants, timed in interleaved rounds (median after a warm-up round):
+Variants, timed in interleaved rounds after a warm-up round; each is reported as p10,
+median and p90 of its rounds, and its median over ``torch_mixed``'s:
 
 - ``ours``: ``OffloadAdamW``, everything offloaded; the plain loop (backward, clip, step).
 - ``ours_announced``: the same with ``opt.backward(loss, step=True)`` on the last
@@ -19,10 +24,19 @@ Variants, timed in interleaved rounds (median after a warm-up round):
   weights and gradients preallocated, gradients cast into them, ``clip_grad_norm_`` on the
   masters, ``AdamW(fused=True)``, weights cast back (for fp32 it is plain fused AdamW on the
   parameters).
-- ``torch_fused_bf16``: ``AdamW(fused=True)`` on the bf16 parameters (no master), bf16 only.
+- ``torch_fused``: the no-offload floor: ``AdamW(fused=True)`` (torch's fastest AdamW on the
+  CPU, and on CUDA) on the parameters in the training dtype, no master, clipping by
+  ``clip_grad_norm_``. For fp32 that is ``torch_mixed``'s loop itself, so it is not run twice.
+- ``torchao``: torchao's ``CPUOffloadOptimizer`` (fused AdamW on CPU copies, gradients
+  moved in hooks) where it runs: it needs CUDA and installs apart; without clipping only
+  (it takes the gradients off the parameters, so ``clip_grad_norm_`` has none to clip).
+  Where it does not run, one line says why.
 
 DeepSpeed ZeRO-2 with CPU offload is not installed here (it builds a C++ extension); the
 script says so and skips it.
+
+``--tiny`` shrinks both models (a 2048 x 128 embedding, a 2-layer 64-wide GPT) to check
+that the script runs, in well under a minute: its times mean nothing.
 
 Configurations: dtype bf16 / fp32, 1 / 4 micro-batches per step, clipping off / binding
 (``max_norm=1e-3``) / configured but not binding (``max_norm=1e6``); the ``gpt`` model runs
@@ -46,16 +60,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+if __name__ == "__main__":
+    # Before torch loads its OpenMP runtime, which reads this once: Note [no spinning team
+    # beside another] in zero_offload/thread_budget.py. Run as a script only: a script that
+    # imports this one has its torch loaded already.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, time_rounds, write_json
+from _common import machine, spread, time_samples, write_json
 
 from zero_offload import OffloadAdamW, OffloadConfig, get_accelerator
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.kernels import adam_step
+from zero_offload.sysinfo import collect_thread_info
 
 LR = 1e-4
 CLIPS = {"off": None, "binding": 1e-3, "not_binding": 1e6}
@@ -63,7 +85,21 @@ CLIPS = {"off": None, "binding": 1e-3, "not_binding": 1e6}
 SIZES = {
     "100M": GPTConfig(vocab_size=8192, seq_len=32, layers=12, hidden=768, heads=12),
     "20M": GPTConfig(vocab_size=8192, seq_len=32, layers=8, hidden=384, heads=6),
+    "tiny": GPTConfig(vocab_size=512, seq_len=32, layers=2, hidden=64, heads=2),
 }
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The models' sizes: the embedding table (vocab x dim) and the GPT."""
+
+    vocab: int
+    dim: int
+    gpt: str
+
+
+FULL = Scale(vocab=32768, dim=512, gpt="20M")
+TINY = Scale(vocab=2048, dim=128, gpt="tiny")
 
 
 class EmbedModel(nn.Module):
@@ -79,19 +115,24 @@ class EmbedModel(nn.Module):
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def _make_model(kind: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _make_model(
+    kind: str, dtype: torch.dtype, device: torch.device, scale: Scale = FULL
+) -> nn.Module:
     torch.manual_seed(0)
     if kind == "embed":
-        return EmbedModel().to(device=device, dtype=dtype)
-    return TinyGPT(SIZES["20M"]).to(device=device, dtype=dtype)
+        return EmbedModel(scale.vocab, scale.dim).to(device=device, dtype=dtype)
+    return TinyGPT(SIZES[scale.gpt]).to(device=device, dtype=dtype)
 
 
-def _batches(kind: str, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    kind: str, n: int, device: torch.device, scale: Scale = FULL
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     if kind == "embed":
-        shape, vocab, classes = (1, 64), 32768, 512
+        shape, vocab, classes = (1, 64), scale.vocab, scale.dim
     else:
-        shape, vocab, classes = (1, 32), 8192, 8192
+        config = SIZES[scale.gpt]
+        shape, vocab, classes = (1, config.seq_len), config.vocab_size, config.vocab_size
     return [
         (
             torch.randint(0, vocab, shape, generator=gen).to(device),
@@ -146,15 +187,34 @@ def _loop(
     return run
 
 
-def _variants(kind: str, dtype: torch.dtype, micro: int, clip: float | None) -> dict:
+def _torchao(model: nn.Module) -> tuple[object | None, str]:
+    """torchao's ``CPUOffloadOptimizer`` over ``model``, or None and why it does not run."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError as exc:
+        return None, f"not installed ({exc}); it runs on CUDA only"
+    try:
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, fused=True), ""
+    except Exception as exc:  # it refuses CPU parameters (it needs CUDA streams)
+        return None, f"refuses here: {type(exc).__name__}: {exc}"
+
+
+def _variants(
+    kind: str, dtype: torch.dtype, micro: int, clip: float | None, scale: Scale
+) -> tuple[dict, str | None]:
+    """The variants' step callables and optimizers, and why torchao is absent (None: it
+    runs, or the configuration clips, where it has no counterpart)."""
     device = get_accelerator().device
-    data = _batches(kind, micro, device)
+    data = _batches(kind, micro, device, scale)
     out: dict[str, tuple[Callable[[], None], object]] = {}
     names = ["ours", "ours_announced", "torch_mixed"]
-    if dtype == torch.bfloat16:
-        names.append("torch_fused_bf16")
+    if dtype != torch.float32:  # fp32's torch_fused is torch_mixed's loop: run it once
+        names.append("torch_fused")
+    if clip is None:
+        names.append("torchao")
+    torchao_absent = None
     for name in names:
-        model = _make_model(kind, dtype, device)
+        model = _make_model(kind, dtype, device, scale)
         if name.startswith("ours"):
             opt = OffloadAdamW(model.parameters(), lr=LR, config=OffloadConfig(max_grad_norm=clip))
             announce = name == "ours_announced"
@@ -166,7 +226,7 @@ def _variants(kind: str, dtype: torch.dtype, micro: int, clip: float | None) -> 
                 opt.step()
                 opt.zero_grad()
 
-        elif name == "torch_mixed" and dtype == torch.bfloat16:
+        elif name == "torch_mixed" and dtype != torch.float32:
             opt = TorchMixed(model, clip)
 
             def backward(loss, last) -> None:
@@ -174,7 +234,12 @@ def _variants(kind: str, dtype: torch.dtype, micro: int, clip: float | None) -> 
 
             step = opt.step
         else:
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+            if name == "torchao":
+                opt, torchao_absent = _torchao(model)
+                if opt is None:
+                    continue
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
             def backward(loss, last) -> None:
                 loss.backward()
@@ -186,7 +251,7 @@ def _variants(kind: str, dtype: torch.dtype, micro: int, clip: float | None) -> 
                 opt.zero_grad()
 
         out[name] = (_loop(model, data, micro=micro, step=step, backward=backward), opt)
-    return out
+    return out, torchao_absent
 
 
 def _tiles_with_copies(p, g, m, v, out, weights_dst, *, tile: int, step: int) -> None:
@@ -211,15 +276,15 @@ def _tiles_with_copies(p, g, m, v, out, weights_dst, *, tile: int, step: int) ->
     thread.join()
 
 
-def _optimizer_vs_kernel(rounds: int) -> dict[str, float]:
+def _optimizer_vs_kernel(rounds: int, scale: Scale) -> dict[str, float]:
     """embed, bf16, one micro-batch: our step() alone against the bare kernel on the same
     bytes (fp32 master and moments, bf16 gradient in, bf16 weights out)."""
     accel = get_accelerator()
     device = accel.device
-    model = _make_model("embed", torch.bfloat16, device)
+    model = _make_model("embed", torch.bfloat16, device, scale)
     accel.ledger.reset_peak()
     opt = OffloadAdamW(model.parameters(), lr=LR)
-    ids, targets = _batches("embed", 1, device)[0]
+    ids, targets = _batches("embed", 1, device, scale)[0]
     numel = sum(p.numel() for p in model.parameters())
     p, m, v = (torch.zeros(numel) for _ in range(3))
     g = torch.zeros(numel, dtype=torch.bfloat16)
@@ -315,50 +380,94 @@ def _byte_table(kernel: dict) -> list[str]:
     return lines
 
 
+#: The table's variants in column order; ``torch_fused`` is the no-offload floor.
+VARIANTS = ("ours", "ours_announced", "torch_mixed", "torch_fused", "torchao")
+
+
+def _row(kind: str, dtype: torch.dtype, micro: int, clip: str, times: dict) -> list[str]:
+    """One line per variant: p10, median and p90 in ms, the spread and the median's ratio to
+    the hand-written loop."""
+    base = times["torch_mixed"]["median"]
+    lines = []
+    for name in VARIANTS:
+        if name not in times:
+            continue
+        t = times[name]
+        alias = " (= torch_mixed)" if name == "torch_fused" and dtype == torch.float32 else ""
+        lines.append(
+            f"| {kind} | {str(dtype).removeprefix('torch.')} | {micro} | {clip} | "
+            f"{name}{alias} | {t['p10'] * 1e3:.1f} | {t['median'] * 1e3:.1f} | "
+            f"{t['p90'] * 1e3:.1f} | {t['p90'] / t['p10']:.2f} | **{t['median'] / base:.2f}** |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer configurations, 3 rounds")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer configurations, 3 rounds")
+    size.add_argument(
+        "--tiny", action="store_true", help="tiny models, 2 rounds: checks the script runs"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 5)
+    rounds = args.rounds or (2 if args.tiny else 3 if args.quick else 5)
+    scale = TINY if args.tiny else FULL
     accel = get_accelerator()
+    threads = collect_thread_info()
     print(f"accelerator: {accel.name}; machine: {machine()}; torch threads "
           f"{torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"thread budget: {threads['thread_cores']} cores ({threads['thread_cores_reason']}); "
+        f"{threads['thread_split_reason']}; OMP_WAIT_POLICY {threads['omp_wait_policy']}"
+    )
     try:
         import deepspeed  # noqa: F401
 
         print("deepspeed is installed, but its ZeRO-2 CPU-offload variant is not wired here")
     except ImportError:
         print("deepspeed: not installed (its CPU Adam needs a C++ build): skipped")
+    short = args.quick or args.tiny
     configs = [
         ("embed", dtype, micro, clip)
         for dtype in (torch.bfloat16, torch.float32)
-        for micro in ((1,) if args.quick else (1, 4))
-        for clip in (("off", "binding") if args.quick else tuple(CLIPS))
+        for micro in ((1,) if short else (1, 4))
+        for clip in (("off", "binding") if short else tuple(CLIPS))
     ] + [("gpt", torch.bfloat16, 1, clip) for clip in ("off", "binding")]
     rows = []
+    torchao_absent: str | None = None
     lines = [
-        "| model | dtype | micro | clip | ours (ms) | ours_announced | torch_mixed | "
-        "torch_fused_bf16 | ours / torch_mixed | announced / torch_mixed |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | dtype | micro | clip | variant | p10 ms | median ms | p90 ms | p90/p10 | "
+        "median / torch_mixed |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
+    print("\n".join(lines), flush=True)
     for kind, dtype, micro, clip in configs:
-        variants = _variants(kind, dtype, micro, CLIPS[clip])
-        med = time_rounds({name: fn for name, (fn, _) in variants.items()}, rounds=rounds)
+        variants, absent = _variants(kind, dtype, micro, CLIPS[clip], scale)
+        torchao_absent = absent or torchao_absent
+        samples = time_samples({name: fn for name, (fn, _) in variants.items()}, rounds=rounds)
         for _, opt in variants.values():
             if isinstance(opt, OffloadAdamW):
                 opt.close()
-        rows.append({"model": kind, "dtype": str(dtype), "micro": micro, "clip": clip, **med})
-        fused = f"{med['torch_fused_bf16'] * 1e3:.0f}" if "torch_fused_bf16" in med else "-"
-        lines.append(
-            f"| {kind} | {str(dtype).removeprefix('torch.')} | {micro} | {clip} | "
-            f"{med['ours'] * 1e3:.0f} | {med['ours_announced'] * 1e3:.0f} | "
-            f"{med['torch_mixed'] * 1e3:.0f} | {fused} | "
-            f"**{med['ours'] / med['torch_mixed']:.2f}** | "
-            f"**{med['ours_announced'] / med['torch_mixed']:.2f}** |"
+        times = {name: spread(s) for name, s in samples.items()}
+        if dtype == torch.float32:
+            times["torch_fused"] = times["torch_mixed"]  # the same loop: see the docstring
+        rows.append(
+            {
+                "model": kind,
+                "dtype": str(dtype),
+                "micro": micro,
+                "clip": clip,
+                **{name: t["median"] for name, t in times.items()},
+                "times": times,
+            }
         )
-        print(lines[-1], flush=True)
-    kernel = _optimizer_vs_kernel(rounds)
+        row_lines = _row(kind, dtype, micro, clip, times)
+        lines += row_lines
+        print("\n".join(row_lines), flush=True)
+    if torchao_absent is not None:
+        lines.append(f"\ntorchao CPUOffloadOptimizer: {torchao_absent}")
+    kernel = _optimizer_vs_kernel(rounds, scale)
     table = "\n".join([*lines, "", *_byte_table(kernel)])
     print()
     print(table)
@@ -369,8 +478,11 @@ def main(argv: list[str] | None = None) -> dict:
         "device_cut_vs_mixed": kernel["device_cut_vs_mixed"],
         "machine": machine(),
         "accelerator": accel.name,
+        "threads": threads,
+        "torchao": torchao_absent or "ran",
+        "scale": "tiny" if args.tiny else "full",
     }
-    path = write_json("bench_offload_step", result)
+    path = write_json("bench_offload_step_tiny" if args.tiny else "bench_offload_step", result)
     print(f"\nwrote {path}")
     return result
 

@@ -5,8 +5,9 @@ The layers, lowest first (a module may import its own layer's modules and any lo
 
 0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``: plain types, settings, the
    phase hook, atomic file writes, progress bars.
-1. ``accelerator``, ``kernels``, ``partition``, ``collectives``: devices and streams, numba
-   kernels, which rank owns which slice, stateless collectives.
+1. ``accelerator``, ``kernels``, ``partition``, ``collectives``, ``thread_budget``: devices
+   and streams, numba kernels, which rank owns which slice, stateless collectives, how many
+   threads each team may use.
 2. ``memory``, ``sysinfo``: pools, the tiered manager, storage; what the machine offers.
 3. ``views``, ``profiling``: what optim and params share (parameter views, families);
    the traffic profiler, which listens on the memory managers only.
@@ -44,6 +45,7 @@ LAYERS: dict[str, int] = {
     "kernels": 1,
     "partition": 1,
     "collectives": 1,
+    "thread_budget": 1,
     "memory": 2,
     "sysinfo": 2,
     "views": 3,

@@ -101,7 +101,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(collect_info(), indent=2))
         return 0
     for collect in SECTIONS:  # the machine's facts print before torch is imported
-        print(format_info(collect(), width=len("pinned_memory_available")), flush=True)
+        print(format_info(collect(), width=len("numba_threading_layer_reason")), flush=True)
     return 0
 
 

@@ -1,8 +1,10 @@
 """What this machine offers the library: the facts behind ``zero-offload info``.
 
-In three sections, each a function, cheapest first: the machine's (CPU, RAM: no torch), then
-torch's and the accelerator's (imports torch, seconds), then numba's (imports numba). Only
-``collect_torch_info`` and ``collect_numba_info`` import them, when called.
+In four sections, each a function, cheapest first: the machine's (CPU, RAM: no torch), then
+torch's and the accelerator's (imports torch, seconds), then numba's (imports numba), then
+the thread budget and the wait policy (Note [one thread budget] and Note [no spinning team
+beside another] in ``thread_budget.py``). Only the last three import torch or numba, when
+called.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "collect_info",
     "collect_machine_info",
     "collect_numba_info",
+    "collect_thread_info",
     "collect_torch_info",
     "format_info",
 ]
@@ -43,21 +46,21 @@ def _cpu_facts() -> dict[str, Any]:
 
 
 def collect_numba_info() -> dict[str, Any]:
-    """numba's version and threads; imports numba."""
+    """numba's version, threading layer (with why) and pool size; imports numba, without
+    loading its layer (``numba.get_num_threads()`` would)."""
     try:
         import numba
-
-        try:
-            layer = numba.threading_layer()
-        except ValueError:
-            layer = f"not yet chosen (configured: {numba.config.THREADING_LAYER})"
-        return {
-            "numba_version": numba.__version__,
-            "numba_threading_layer": layer,
-            "numba_threads": numba.get_num_threads(),
-        }
     except ImportError as exc:
         return {"numba_version": f"not importable: {exc}"}
+    from .thread_budget import numba_layer_choice
+
+    layer, why = numba_layer_choice()
+    return {
+        "numba_version": numba.__version__,
+        "numba_threading_layer": layer,
+        "numba_threading_layer_reason": why,
+        "numba_threads": numba.config.NUMBA_NUM_THREADS,
+    }
 
 
 def collect_machine_info() -> dict[str, Any]:
@@ -98,11 +101,40 @@ def collect_torch_info() -> dict[str, Any]:
     return info
 
 
+def collect_thread_info() -> dict[str, Any]:
+    """The thread budget, numba's threading layer and the OpenMP wait policy, each with why;
+    imports torch and numba."""
+    from .thread_budget import (
+        numba_layer_choice,
+        thread_budget,
+        torch_uses_openmp,
+        wait_policy_report,
+    )
+
+    budget = thread_budget()
+    layer, _ = numba_layer_choice()
+    wait = wait_policy_report(
+        numba_layer=layer, torch_openmp=torch_uses_openmp(), cores=budget.cores
+    )
+    return {
+        "thread_cores": budget.cores,
+        "thread_cores_reason": budget.cores_reason,
+        "thread_numba_alone": budget.numba_alone,
+        "thread_numba_beside_torch": budget.numba_beside,
+        "thread_host_pass": budget.host_pass,
+        "thread_split_reason": budget.split_reason,
+        "omp_wait_policy": wait.torch_policy,
+        "omp_wait_spins": wait.spins,
+        "omp_wait_reason": wait.reason,
+    }
+
+
 #: ``info``'s sections in the order printed: the first imports neither torch nor numba.
 SECTIONS: tuple[Callable[[], dict[str, Any]], ...] = (
     collect_machine_info,
     collect_torch_info,
     collect_numba_info,
+    collect_thread_info,
 )
 
 

@@ -5,9 +5,11 @@ array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, kee
 and validates all arguments before writing anything.
 """
 
-from .threading_layer import ensure_threadsafe_layer
+from .threading_layer import configure_threads
 
-ensure_threadsafe_layer()  # before any kernel launches: Note [a thread-safe threading layer]
+# Before any kernel launches: Note [a thread-safe threading layer], and Note [no spinning
+# team beside another] in thread_budget.py.
+configure_threads()
 
 from .accumulate import accumulate_grad  # noqa: E402
 from .adam import adam_step  # noqa: E402

@@ -17,6 +17,8 @@ import numba
 import numpy as np
 import torch
 
+from ..thread_budget import numba_threads_now
+
 # Element kinds. numba has no 16-bit float on the CPU, so bf16 and fp16 are uint16 bits.
 FP32 = 0
 BF16 = 1
@@ -133,10 +135,12 @@ def check_float(
 
 
 def resolve_threads(num_threads: object) -> int:
-    """Threads to use: ``num_threads`` if given, else torch's count, capped by numba's pool."""
+    """Threads to use: ``num_threads`` if given, else the calling thread's share of the
+    thread budget (Note [one thread budget] in ``thread_budget.py``: torch's count and the
+    cores after backward, less beside torch), capped by numba's pool."""
     pool = numba.config.NUMBA_NUM_THREADS
     if num_threads is None:
-        return max(1, min(torch.get_num_threads(), pool))
+        return numba_threads_now(torch.get_num_threads(), pool)
     try:
         n = operator.index(num_threads)
     except TypeError:
@@ -146,7 +150,7 @@ def resolve_threads(num_threads: object) -> int:
     if not 1 <= n <= pool:
         raise ValueError(
             f"num_threads={n} is out of range; numba's pool has {pool} threads, so pass "
-            f"1..{pool} (or None to follow torch.get_num_threads())"
+            f"1..{pool} (or None for the thread budget's share)"
         )
     return n
 

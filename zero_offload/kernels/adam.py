@@ -171,7 +171,8 @@ def adam_step(
     - ``out``: optional bf16/fp16 array that receives the updated weights, rounded to
       nearest even exactly as ``param.to(out.dtype)``.
     - ``start``, ``stop``: update only the tile ``[start, stop)``; tiles compose bitwise.
-    - ``num_threads``: defaults to ``torch.get_num_threads()`` (capped by numba's pool).
+    - ``num_threads``: defaults to the thread budget's share for the calling thread (Note
+      [one thread budget] in ``thread_budget.py``), capped by numba's pool.
 
     Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
     """

@@ -9,6 +9,8 @@ once abort the whole process. ``omp`` and ``tbb`` are. So, at import of
 ``zero_offload.kernels``, numba's choice is narrowed to ``threadsafe`` (omp or tbb) unless
 the user named a layer: a named thread-safe layer is kept; ``workqueue`` (named, or already
 running because another library launched numba kernels first) is refused with what to do.
+Then the layer is loaded at once, idle threads sleeping rather than spinning, and a spinning
+torch team is warned about: Note [no spinning team beside another] in ``thread_budget.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import os
 
 import numba
 
-__all__ = ["THREADSAFE_LAYERS", "ensure_threadsafe_layer", "threading_layer_in_use"]
+from ..thread_budget import load_numba_layer_passive, warn_if_torch_spins
+
+__all__ = [
+    "THREADSAFE_LAYERS",
+    "configure_threads",
+    "ensure_threadsafe_layer",
+    "threading_layer_in_use",
+]
 
 #: numba threading layers that tolerate concurrent launches from several threads.
 THREADSAFE_LAYERS = ("omp", "tbb")
@@ -56,3 +65,12 @@ def ensure_threadsafe_layer() -> None:
             f"NUMBA_THREADING_LAYER={named!r} is not thread-safe: zero-offload launches "
             "kernels from two threads at once. Use 'omp', 'tbb' or 'threadsafe'"
         )
+
+
+def configure_threads() -> None:
+    """At import of the kernels: a thread-safe layer (Note [a thread-safe threading layer]),
+    loaded now with a passive wait policy, and one warning if torch's team may spin beside
+    it (Note [no spinning team beside another] in ``thread_budget.py``)."""
+    ensure_threadsafe_layer()
+    load_numba_layer_passive()
+    warn_if_torch_spins(threading_layer_in_use())

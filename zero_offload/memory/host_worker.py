@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ..accelerator import Accelerator
 from ..accelerator.threads import ThreadStream
+from ..thread_budget import mark_thread_beside
 
 __all__ = ["HostWorker"]
 
@@ -31,4 +32,11 @@ class HostWorker(ThreadStream):
     def __init__(self, accelerator: Accelerator, name: str = "host_worker") -> None:
         # Bound to the accelerator's device, whichever thread built the optimizer: Note
         # [every library thread binds its device] in accelerator/threads.py.
-        super().__init__(name, checker=accelerator.race_checker, bind=accelerator.bind_thread)
+        # Its CPU Adam runs beside the caller's torch work: Note [one thread budget].
+        bind_device = accelerator.bind_thread
+
+        def bind() -> None:
+            bind_device()
+            mark_thread_beside()
+
+        super().__init__(name, checker=accelerator.race_checker, bind=bind)

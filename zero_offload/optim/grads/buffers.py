@@ -16,6 +16,7 @@ from ...memory.block import Block
 from ...memory.manager import Tier, TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
+from ...thread_budget import thread_budget
 
 __all__ = ["AccumulatorPool", "GradBuffers", "accumulator_bytes", "host_pass_threads"]
 
@@ -34,16 +35,18 @@ def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
 # They are vectorised and mostly memory-bound: alone, one thread does the fp32 statistics
 # in 1.16x the time of two, bf16 in 1.6x (benchmarks/bench_grad_passes.py). Beside CPU
 # Adam, though, a second team of threads oversubscribes the cores and stalls both teams at
-# their barriers. So they run on a quarter of numba's threads, at least one: one on the
-# 2-vCPU test machine, where that measured 26.5 ms a step against 29.1 ms with a team of
-# two (bench_offload_step's embed model, bf16, one micro-batch, no clipping, median of 15
-# interleaved rounds; no change with clipping or 4 micro-batches); on a many-core host a
-# few threads keep up with the D2H link (not measured: no GPU host was available).
+# their barriers. So they run on a quarter of the cores (the thread budget's host_pass), at
+# least one: one on the 2-vCPU test machine, where that measured 26.5 ms a step against
+# 29.1 ms with a team of two (bench_offload_step's embed model, bf16, one micro-batch, no
+# clipping, median of 15 interleaved rounds; no change with clipping or 4 micro-batches); on
+# a many-core host a few threads keep up with the D2H link (not measured: no GPU host was
+# available).
 
 
 def host_pass_threads() -> int:
     """Threads for one host-worker pass over a gradient: Note [the Adam pass gets the cores]."""
-    return max(1, numba.config.NUMBA_NUM_THREADS // 4)
+    # A quarter of the cores (Note [one thread budget]), within numba's pool.
+    return min(thread_budget().host_pass, numba.config.NUMBA_NUM_THREADS)
 
 
 class GradBuffers:
