@@ -295,8 +295,10 @@ class OffloadConfig:
             each unit (a block of ``layers``, the embeddings, the head, ...) is fetched
             ``prefetch_layers`` units ahead of its forward and its backward
             (``zero_offload.params``; README, "Parameter offload"). Needs ``model=`` on the
-            optimizer, one rank, ``offload_fraction=1.0``, no ``overlap_step`` and no
-            ``nvme_dir``. Default False.
+            optimizer, one rank, ``offload_fraction=1.0`` and no ``overlap_step``. With
+            ``nvme_dir`` the master and moments beyond ``host_budget`` go to NVMe and each
+            unit's home is its bucket's pinned weight staging, so the weights stay in host
+            RAM (docs/nvme.md, "With parameter offload"). Default False.
         prefetch_layers: with ``offload_parameters``, how many units ahead the H2D copies
             run (0: fetched when needed, nothing hidden). Device weights are then
             ``prefetch_layers + 2`` slots of the largest units. An int >= 0. Default 1.
@@ -401,7 +403,6 @@ class OffloadConfig:
             for name, value, fix in (
                 ("offload_fraction", self.offload_fraction != 1.0, "offload_fraction=1.0"),
                 ("overlap_step", self.overlap_step, "overlap_step=False"),
-                ("nvme_dir", self.nvme_dir is not None, "nvme_dir=None"),
             ):
                 if value:
                     raise ValueError(

@@ -24,7 +24,13 @@ from ..grads.path import GradSource
 from ..grads.to_host import HostGradients
 from ..update.publish import WeightCopies
 from ..update.tiles import AdamHyper, AdamTiles
-from .store import StateStore, TileFn, republish_from_master, stream_tensors
+from .store import (
+    StateStore,
+    TileFn,
+    republish_from_master,
+    stream_tensors,
+    weights_into_home,
+)
 
 __all__ = ["HostState"]
 
@@ -159,22 +165,9 @@ class HostState(StateStore):
         )
 
     def final_weights(self) -> torch.Tensor:
-        start, stop = self.shard
-        # Synchronisation point (rare: construction, loading, weights written outside the
-        # optimizer): the weights' bytes must be final and the staging idle.
-        self.manager.synchronize()
-        target, target_block = self.weights_home()
-        done = self.views.copy_out(
-            self.manager,
-            start,
-            stop,
-            target,
-            target_block,
-            label=f"bucket{self.layout.index} master refresh",
+        return weights_into_home(
+            self.views, self.manager, self.shard, self.weights_home(), bucket=self.layout.index
         )
-        if done is not None:
-            done.synchronize()  # Synchronisation point: the comparison reads it
-        return target
 
     def weights_out(self) -> torch.Tensor:
         return self.weights_home()[0]

@@ -74,7 +74,7 @@ from ..grads.to_host import HostGradients
 from ..update.publish import WeightCopies
 from ..update.tiles import AdamHyper, AdamTiles
 from .nvme_plan import NvmePlan, RecordLayout, tile_sizes
-from .store import StateStore, TileFn, republish_from_master
+from .store import StateStore, TileFn, republish_from_master, weights_into_home
 
 __all__ = ["NvmeBackends", "NvmeState", "StateNotInHostRam", "StreamGroup"]
 
@@ -402,21 +402,11 @@ class NvmeState(StateStore):
                 continue
 
     def _load_weights(self) -> None:
-        """The shard's weights from the device into ``weights_staging`` (D2H, waited)."""
-        start, stop = self.shard
-        # Synchronisation point (rare: construction, loading, weights written outside the
-        # optimizer): the weights' bytes must be final and the staging idle.
-        self.manager.synchronize()
-        done = self.manager.copy(
-            self.weights_staging,
-            self.views.weights_dev[start:stop],
-            direction=Direction.D2H,
-            category=Category.OPTIMIZER_STATE,  # reads the weights to re-derive the master
-            after=[self.manager.compute_ready()],
-            blocks=[self.views.block, self.weights_home()[1]],
-            label=f"bucket{self.layout.index} master refresh",
+        """The shard's weights into ``weights_staging``: D2H from ``weights_dev``, waited, or
+        nothing under parameter offload (the staging is their home)."""
+        weights_into_home(
+            self.views, self.manager, self.shard, self.weights_home(), bucket=self.layout.index
         )
-        done.synchronize()  # Synchronisation point: the tiles below read it
 
     def _initial_tile(self, tile: int, fields: dict[str, torch.Tensor]) -> None:
         lo, hi = self._tile_range(tile)

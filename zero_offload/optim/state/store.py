@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from ...accelerator import Event
+from ...memory.block import Block
+from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
+from ...views import ParamViews
 from ..grads.path import GradSource
 from ..update.publish import Publication, WeightCopies
 from ..update.tiles import AdamHyper
@@ -36,6 +39,7 @@ __all__ = [
     "republish_from_master",
     "stream_tensors",
     "take_written",
+    "weights_into_home",
 ]
 
 #: ``fn(lo, hi, fields)``: one tile ``[lo, hi)`` of a store's elements and its state views.
@@ -60,6 +64,29 @@ def take_written(master: torch.Tensor, weights: torch.Tensor) -> None:
         return
     written = weights != master.to(weights.dtype)
     master.copy_(torch.where(written, weights.float(), master))
+
+
+def weights_into_home(
+    views: ParamViews,
+    manager: TieredMemoryManager,
+    shard: tuple[int, int],
+    home: tuple[torch.Tensor, Block],
+    *,
+    bucket: int,
+) -> torch.Tensor:
+    """The shard's current weights in ``home`` (a host store's ``weights_home()``), waited:
+    the D2H copy from the device, or nothing where the parameters are views of the home
+    already (parameter offload, ``views.copy_out`` says which)."""
+    # Synchronisation point (rare: construction, loading, weights written outside the
+    # optimizer): the weights' bytes must be final and the home idle.
+    manager.synchronize()
+    target, target_block = home
+    done = views.copy_out(
+        manager, *shard, target, target_block, label=f"bucket{bucket} master refresh"
+    )
+    if done is not None:
+        done.synchronize()  # Synchronisation point: the caller reads it
+    return target
 
 
 class StateStore(ABC):
