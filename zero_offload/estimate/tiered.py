@@ -6,10 +6,11 @@
   moments in RAM up to the host budget and on NVMe beyond it.
 - ``ParamNvme``: parameter offload with optimizer state on NVMe, homes in RAM (``homes``
   ``HOST``) or on NVMe as well (``NVME``, ZeRO-Infinity's ``offload_param: nvme``). The
-  library does not run either yet (``OffloadConfig`` refuses ``offload_parameters`` with
-  ``nvme_dir``); the estimate follows the design of the big-models issue: host RAM holds the
-  units' homes (or, with homes on NVMe, bounce buffers for the window's units), gradient
-  staging only for the buckets in flight (each bucket's update runs as its gradient
+  library runs the first on one rank, as ``NvmeState`` places state: every bucket's home
+  (the weight staging) and gradient staging in RAM, the master and moments in RAM up to the
+  host budget and on NVMe beyond it. It does not run the second yet; that estimate follows
+  the design of the big-models issue: host RAM holds bounce buffers for the window's units,
+  gradient staging only for the buckets in flight (each bucket's update runs as its gradient
   arrives, so its staging is released at once), the tier's I/O buffers, and whatever state
   fits the host budget.
 
@@ -40,8 +41,8 @@ from .rows import (
 
 __all__ = ["CONFIGURATIONS", "Homes", "NvmeState", "ParamNvme"]
 
-#: Why the rows that combine parameter offload with NVMe are estimates only.
-PARAMS_NVME_NOT_YET = "parameter offload with nvme_dir is not implemented"
+#: Why the rows with the weights themselves on NVMe are estimates only.
+PARAMS_NVME_NOT_YET = "parameter offload with the weights on NVMe is not implemented"
 
 
 def _tiers(ctx: Context) -> Callable[[int], BucketTiers]:
@@ -87,12 +88,18 @@ class NvmeState(Configuration):
         """``(host, disk)`` bytes per rank with ``OffloadConfig(host_budget=budget)``: the
         host pool (staging, the state that fits), the I/O buffers when a bucket is on NVMe;
         the state files."""
-        ctx, groups = subject.ctx, subject.bucket_groups()
-        split = split_state(
-            groups, _tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
-        )
-        host = _total(groups, ctx, "ram_staging") + split.spilled + split.host
-        return host + (io_buffer_bytes() if split.disk else 0), split.disk
+        return _state_tiers(subject.bucket_groups(), subject.ctx, budget)
+
+
+def _state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tuple[int, int]:
+    """``(host, disk)`` per rank of buckets ``groups`` placed as ``plan_nvme`` places them:
+    every bucket's staging in RAM, the state up to ``budget`` too, the rest on NVMe with the
+    I/O buffers in RAM."""
+    split = split_state(
+        groups, _tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
+    )
+    host = _total(groups, ctx, "ram_staging") + split.spilled + split.host
+    return host + (io_buffer_bytes() if split.disk else 0), split.disk
 
 
 class Homes(enum.Enum):
@@ -105,9 +112,12 @@ class Homes(enum.Enum):
 @dataclass(frozen=True)
 class ParamNvme(Configuration):
     """Parameter offload with optimizer state on NVMe beyond the host budget, the homes in
-    RAM or on NVMe (``homes``); an estimate of what the library does not run yet.
+    RAM or on NVMe (``homes``).
 
-    Device per rank: as ``ParamOffloaded``. Host per rank: ``GRAD_BUFFERS`` buckets' gradient
+    Device per rank: as ``ParamOffloaded``. With ``homes`` ``HOST`` (what the library runs,
+    one rank): host and disk as ``NvmeState`` places the units' buckets (each bucket's home
+    is its weight staging). With ``NVME`` (an estimate of what the library does not run
+    yet): host per rank holds ``GRAD_BUFFERS`` buckets' gradient
     staging (the buckets in flight), the I/O buffers, and with ``homes`` ``HOST`` every
     home, with ``NVME`` bounce buffers as large as the device window (``prefetch_layers +
     2`` units read ahead); then the state that fits the budget. Disk per rank: the spilled
@@ -124,25 +134,28 @@ class ParamNvme(Configuration):
             return None
         window, grad_buffers, _ = pools
         device, act_host = subject.activations(self.activations)
-        fixed = GRAD_BUFFERS * _largest(groups, ctx, "grad") + io_buffer_bytes()
-        disk = 0
+        rpn = ctx.ranks_per_node
         if self.homes is Homes.HOST:
-            fixed += _total(groups, ctx, "home")
-        else:
-            fixed += window
-            disk += _total(groups, ctx, "home_file")
+            # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
+            fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
+            budget = limits.state_budget(fixed, act_host, rpn)
+            host, disk = _state_tiers(groups, ctx, budget)
+            return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
+        fixed = GRAD_BUFFERS * _largest(groups, ctx, "grad") + io_buffer_bytes() + window
+        disk = _total(groups, ctx, "home_file")
         budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
         split = split_state(groups, _tiers(ctx), budget)
         disk += split.disk
         host = fixed - (0 if disk else io_buffer_bytes()) + split.host
-        rpn = ctx.ranks_per_node
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
-        reason = PARAMS_NVME_NOT_YET
+        reasons = [PARAMS_NVME_NOT_YET] if self.homes is Homes.NVME else []
         if ctx.world_size > 1:
-            reason += "; " + ZERO3_NOT_YET
-        return Status.NOT_YET, reason
+            reasons.append(ZERO3_NOT_YET)
+        if not reasons:
+            return Status.RUNS, ""
+        return Status.NOT_YET, "; ".join(reasons)
 
 
 _CKPT, _ACT = ActivationMode.CHECKPOINTED, ActivationMode.OFFLOADED
