@@ -16,8 +16,8 @@ from zero_offload.config import AcceleratorConfig, OffloadConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.estimate import ModelShape, estimate
 from zero_offload.estimate.nvme import bucket_tiers, io_buffer_bytes
-from zero_offload.estimate.rows import Context, ShapeSubject
-from zero_offload.estimate.tiered import NvmeState
+from zero_offload.estimate.rows import ZERO3_NOT_YET, Context, CountSubject, ShapeSubject
+from zero_offload.estimate.tiered import PARAMS_NVME_NOT_YET, NvmeState, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim import OffloadAdamW
 
@@ -32,26 +32,43 @@ def _rows(result: object) -> dict[str, object]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("budget", [0, 300_000, 10**9])
+@pytest.mark.parametrize("params", [False, True], ids=["weights-on-device", "param-offload"])
 def test_nvme_state_split_matches_a_real_optimizer(
-    tmp_path: Path, budget: int, dtype: torch.dtype
+    tmp_path: Path, budget: int, dtype: torch.dtype, params: bool
 ) -> None:
+    # NvmeState against OffloadAdamW(nvme_dir=...); ParamNvme (homes in RAM) against
+    # OffloadAdamW(offload_parameters=True, nvme_dir=...): the units' buckets (units last to
+    # first) placed by plan_nvme, every unit's home (its bucket's weight staging) in the pool.
     model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
     acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
-    config = OffloadConfig(bucket_bytes=BUCKET, nvme_dir=tmp_path, host_budget=budget)
-    opt = OffloadAdamW(model.parameters(), accelerator=acc, config=config)
+    config = OffloadConfig(
+        bucket_bytes=BUCKET, nvme_dir=tmp_path, host_budget=budget, offload_parameters=params
+    )
+    extra = {"model": model, "layers": model.blocks} if params else {}
+    opt = OffloadAdamW(model.parameters(), accelerator=acc, config=config, **extra)  # type: ignore[arg-type]
     try:
+        locations = {b.store.location for b in opt.buckets}
         pools = opt.manager.pool_stats()
         host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
         disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
     finally:
         opt.close()
+    # Each budget places the buckets differently: all on NVMe, some of each, all in RAM.
+    assert locations == {0: {"nvme"}, 300_000: {"host", "nvme"}, 10**9: {"host"}}[budget]
     ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
-    host, disk_estimate = NvmeState.tiers(ShapeSubject(SHAPE, ctx), budget)
+    row = ParamNvme if params else NvmeState
+    host, disk_estimate = row.tiers(ShapeSubject(SHAPE, ctx), budget)
     # Host: the pool exactly, plus the tier's I/O buffers (not a pool) when a bucket spills.
     assert host == host_pool + (io_buffer_bytes() if disk_estimate else 0)
     # Disk: the state records exactly; the files add at most a page of metadata.
     assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
     assert (disk_estimate == 0) == (budget == 10**9)  # the big budget keeps everything in RAM
+
+
+def test_param_nvme_tiers_need_units() -> None:
+    ctx = Context(itemsize=2, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
+    with pytest.raises(ValueError, match="CountSubject"):
+        ParamNvme.tiers(CountSubject(10**6, ctx), None)
 
 
 def test_nvme_rows_agree_with_the_in_ram_rows_when_the_host_is_large() -> None:
@@ -60,37 +77,48 @@ def test_nvme_rows_agree_with_the_in_ram_rows_when_the_host_is_large() -> None:
     nvme = rows["ZeRO-Offload + NVMe state + checkpointing"]
     ram = rows["ZeRO-Offload + checkpointing"]
     assert (nvme.host, nvme.disk, nvme.device_total) == (ram.host, 0, ram.device_total)  # type: ignore[attr-defined]
-    # Parameter offload + NVMe state, homes in RAM: gradient staging only for the two buckets
-    # in flight instead of one per bucket, so fewer host bytes than parameter offload today.
+    # Parameter offload + NVMe state, homes in RAM, is parameter offload with every bucket's
+    # state in RAM: the same pools (the homes are the weight staging), no disk.
     param = rows["ZeRO-Offload + param offload + checkpointing"]
     combined = rows["param offload + NVMe state + checkpointing"]
-    assert combined.disk == 0 and combined.host < param.host  # type: ignore[attr-defined]
+    assert (combined.host, combined.disk) == (param.host, 0)  # type: ignore[attr-defined]
     assert combined.device_total == param.device_total  # type: ignore[attr-defined]
 
 
 def test_per_parameter_bytes_of_the_combined_rows_at_scale() -> None:
-    # Llama-3-8B, bf16, host large enough for all state. Homes in RAM: 2 bytes per parameter
-    # (the home) + 12 (master, exp_avg, exp_avg_sq), plus gradient staging for the two
-    # buckets in flight (as large as the device's two gradient buffers) and the tier's I/O
-    # buffers. Homes on NVMe: 12 in RAM, plus bounce buffers as large as the device window,
-    # and the homes' 2 bytes per parameter on disk. (Alignment: well under 1%.)
+    # Llama-3-8B, bf16, host large enough for all state. Homes in RAM (what the library
+    # runs): 2 bytes per parameter (the home, its bucket's weight staging) + 2 (gradient
+    # staging, every bucket) + 12 (master, exp_avg, exp_avg_sq), as parameter offload alone.
+    # Homes on NVMe (not run yet): 12 in RAM, plus gradient staging for the two buckets in
+    # flight (as large as the device's two gradient buffers), bounce buffers as large as the
+    # device window and the tier's I/O buffers; the homes' 2 bytes per parameter on disk.
+    # (Alignment: well under 1%.)
     result = estimate("llama-3-8b", device_memory="24GiB", host_memory="1TiB", disk_memory="1TB")
     p, rows = result.params, _rows(result)
     homes_in_ram = rows["param offload + NVMe state + checkpointing"]
     homes_on_disk = rows["params and state on NVMe + checkpointing"]
     in_flight = homes_in_ram.device_buffers  # type: ignore[attr-defined]
     window = homes_in_ram.device_model_states  # type: ignore[attr-defined]
-    assert homes_in_ram.host == pytest.approx(14 * p + in_flight, rel=0.005)  # type: ignore[attr-defined]
+    assert homes_in_ram.host == pytest.approx(16 * p, rel=0.005)  # type: ignore[attr-defined]
+    assert homes_in_ram.host == rows["ZeRO-Offload + param offload + checkpointing"].host  # type: ignore[attr-defined]
     assert homes_in_ram.disk == 0  # type: ignore[attr-defined]
     on_disk_host = 12 * p + in_flight + window + io_buffer_bytes()
     assert homes_on_disk.host == pytest.approx(on_disk_host, rel=0.005)  # type: ignore[attr-defined]
     assert homes_on_disk.disk == pytest.approx(2 * p, rel=0.005)  # type: ignore[attr-defined]
-    # A small host pushes the state to the disk: 12 bytes per parameter of records there.
+    # A small host pushes the state to the disk: most of its 12 bytes per parameter are
+    # records there. Homes in RAM keep 4 bytes per parameter in RAM (home and gradient
+    # staging) wherever the state is; homes on NVMe put 2 more on the disk.
     small = _rows(
         estimate("llama-3-8b", device_memory="24GiB", host_memory="48GiB", disk_memory="1TB")
-    )["params and state on NVMe + checkpointing"]
-    assert small.fits and small.host <= 48 * GiB - host_reserve_of(48 * GiB)  # type: ignore[attr-defined]
-    assert small.disk > 8 * p  # type: ignore[attr-defined]
+    )
+    for name, in_ram, total in (
+        ("params and state on NVMe + checkpointing", 0, 14),
+        ("param offload + NVMe state + checkpointing", 4, 16),
+    ):
+        row = small[name]
+        assert row.fits and row.host <= 48 * GiB - host_reserve_of(48 * GiB), name  # type: ignore[attr-defined]
+        assert row.host > in_ram * p and row.disk > 8 * p, name  # type: ignore[attr-defined]
+        assert row.host + row.disk >= total * p, name  # type: ignore[attr-defined]
 
 
 def host_reserve_of(host: int) -> int:
@@ -113,11 +141,19 @@ def test_library_column_says_what_runs() -> None:
     assert one["ZeRO-Offload + NVMe state + checkpointing"].library == "yes"  # type: ignore[attr-defined]
     assert one["ZeRO-Offload + parameter offload"].library == "yes"  # type: ignore[attr-defined]
     assert one["ZeRO-3"].library == "paper"  # type: ignore[attr-defined]
+    # Parameter offload with nvme_dir runs on one rank, the homes in RAM; with the weights
+    # themselves on NVMe it is an estimate.
+    homes_in_ram = one["param offload + NVMe state + checkpointing"]
+    assert (homes_in_ram.library, homes_in_ram.not_run) == ("yes", "")  # type: ignore[attr-defined]
     combined = one["params and state on NVMe + checkpointing"]
-    assert combined.library == "not yet" and "nvme_dir" in combined.not_run  # type: ignore[attr-defined]
+    assert combined.library == "not yet" and "weights on NVMe" in combined.not_run  # type: ignore[attr-defined]
+    assert "ZeRO-3" not in combined.not_run  # type: ignore[attr-defined]
     many = estimate(SHAPE, world_size=16, ranks_per_node=8, device_memory=GiB, host_memory=GiB)
-    param = _rows(many)["ZeRO-Offload + parameter offload"]
-    assert param.library == "not yet" and "ZeRO-3" in param.not_run  # type: ignore[attr-defined]
+    for name in ("ZeRO-Offload + parameter offload", "param offload + NVMe state + checkpointing"):
+        param = _rows(many)[name]
+        assert param.library == "not yet" and param.not_run == ZERO3_NOT_YET, name  # type: ignore[attr-defined]
+    combined = _rows(many)["params and state on NVMe + checkpointing"]
+    assert combined.not_run == f"{PARAMS_NVME_NOT_YET}; {ZERO3_NOT_YET}"  # type: ignore[attr-defined]
     text = many.table()
     assert "ZeRO-3 (parameters partitioned across ranks) is not implemented" in text
     assert "8 ranks per node" in text

@@ -26,9 +26,10 @@ exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
   ranks, ZeRO-3 with offload (an estimate: not run yet);
 - NVMe (``tiered.py``): the state beyond the host budget on disk, as ``plan_nvme`` places it
   (Note [the host budget decides the split] in ``nvme.py``); with parameter offload, the
-  homes in RAM or on NVMe too (estimates: not run yet). Each row says whether the library
-  runs it (``ConfigEstimate.library``). ``north_star.py``: the big-models issue's two
-  targets, and the configuration chosen for each.
+  homes in RAM (run on one rank) or on NVMe too (an estimate: not run yet). Each row says
+  whether the library runs it (``ConfigEstimate.library``). ``north_star.py``: the
+  big-models issue's two targets, and the configuration chosen for each (or that none
+  fits).
 
 Activations: Note [activation bytes per layer] in ``shape.py``; the logits add
 ``S b V (s + 4)``. Checkpointing keeps each layer's input plus one layer's activations

@@ -5,6 +5,8 @@
 ``north_star()`` estimates both and chooses a configuration for each: the first row of the
 table (least offloaded first) that fits, preferring one the library runs today over an
 estimate of one it does not run yet; the ZeRO paper's rows (other systems) are never chosen.
+Where no row fits, it says so, and names the closest row the library runs and the limits
+that row exceeds.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from ..config import format_bytes
 from .api import estimate
 from .result import ConfigEstimate, MemoryEstimate
 
-__all__ = ["NORTH_STARS", "Answer", "NorthStar", "choose", "north_star", "north_star_text"]
+__all__ = [
+    "NORTH_STARS",
+    "Answer",
+    "NorthStar",
+    "choose",
+    "exceeded",
+    "north_star",
+    "north_star_text",
+]
 
 
 @dataclass(frozen=True)
@@ -45,12 +55,15 @@ NORTH_STARS = (
 @dataclass(frozen=True)
 class Answer:
     """A north star's estimate and the configuration chosen for it (``None``: none fits);
-    ``running``: the best row the library runs today, whether or not it fits."""
+    ``running``: the best row the library runs today, whether or not it fits;
+    ``short_of_disk``: where no row fits, the row the library runs that misses only the
+    disk (it fits with its ``disk`` bytes of NVMe), the least disk first; else ``None``."""
 
     star: NorthStar
     estimate: MemoryEstimate
     chosen: ConfigEstimate | None
     running: ConfigEstimate | None
+    short_of_disk: ConfigEstimate | None = None
 
 
 def choose(result: MemoryEstimate) -> ConfigEstimate | None:
@@ -63,13 +76,49 @@ def choose(result: MemoryEstimate) -> ConfigEstimate | None:
     return None
 
 
+def exceeded(row: ConfigEstimate, result: MemoryEstimate) -> dict[str, tuple[int, int]]:
+    """Each limit of ``result``'s machine that ``row`` exceeds: ``{"host": (bytes needed,
+    bytes there)}`` (host: the host memory less the reserve; disk: none given holds
+    nothing); empty when it fits or the limits are unknown."""
+    limits = [("device", row.device_total, result.device_memory)]
+    if result.host_memory is not None:
+        limits.append(("host", row.host, result.host_memory - result.host_reserve))
+    limits.append(("disk", row.disk, result.disk_memory or 0))
+    return {name: (need, have) for name, need, have in limits if have is not None and need > have}
+
+
+def _exceeded_text(row: ConfigEstimate, result: MemoryEstimate) -> str:
+    return ", ".join(
+        f"{name} {format_bytes(need)} > {format_bytes(have)}"
+        for name, (need, have) in exceeded(row, result).items()
+    )
+
+
 def _closest_running(result: MemoryEstimate) -> ConfigEstimate | None:
-    """The row the library runs that fits, else the one with the largest model that fits."""
+    """The row the library runs that fits, else the one with the largest model that fits,
+    and of those the one that exceeds the fewest limits (then the first)."""
     running = [row for row in result.rows if row.library == "yes"]
     fitting = [row for row in running if row.fits]
     if fitting:
         return fitting[0]
-    return max(running, key=lambda row: row.largest_fitting_params or 0, default=None)
+    return min(
+        running,
+        key=lambda row: (-(row.largest_fitting_params or 0), len(exceeded(row, result))),
+        default=None,
+    )
+
+
+def _short_of_disk(result: MemoryEstimate) -> ConfigEstimate | None:
+    """The row the library runs whose only exceeded limit is the disk, the least disk
+    first; ``None`` if a row fits or none is short of disk alone."""
+    if any(row.fits for row in result.rows if row.library != "paper"):
+        return None
+    short = [
+        row
+        for row in result.rows
+        if row.library == "yes" and list(exceeded(row, result)) == ["disk"]
+    ]
+    return min(short, key=lambda row: row.disk, default=None)
 
 
 def north_star() -> list[Answer]:
@@ -83,7 +132,9 @@ def north_star() -> list[Answer]:
             host_memory=star.host_memory,
             disk_memory=star.disk_memory,
         )
-        answers.append(Answer(star, result, choose(result), _closest_running(result)))
+        answers.append(
+            Answer(star, result, choose(result), _closest_running(result), _short_of_disk(result))
+        )
     return answers
 
 
@@ -118,11 +169,18 @@ def north_star_text(answers: list[Answer] | None = None) -> str:
                 "fits"
                 if running.fits
                 else (
-                    f"does not fit; the largest it fits here is "
+                    f"does not fit ({_exceeded_text(running, answer.estimate)}); the "
+                    f"largest it fits here is "
                     f"{(running.largest_fitting_params or 0) / 1e9:.2f} B parameters"
                 )
             )
             lines.append(f"  best the library runs today: {_describe(running)}, {verdict}")
+        short = answer.short_of_disk
+        if short is not None:
+            lines.append(
+                f"  with {format_bytes(short.disk)} of NVMe or more, {short.name} fits "
+                f"(the library runs it): host {format_bytes(short.host)}"
+            )
         lines.append(f"  reproduce: zero-offload estimate {star.command()}")
     tables = "\n\n".join(answer.estimate.table() for answer in answers)
     return "\n".join(lines) + "\n\n" + tables

@@ -112,16 +112,17 @@ class Homes(enum.Enum):
 @dataclass(frozen=True)
 class ParamNvme(Configuration):
     """Parameter offload with optimizer state on NVMe beyond the host budget, the homes in
-    RAM or on NVMe (``homes``).
+    RAM or on NVMe (``homes``). Device per rank: as ``ParamOffloaded``.
 
-    Device per rank: as ``ParamOffloaded``. With ``homes`` ``HOST`` (what the library runs,
-    one rank): host and disk as ``NvmeState`` places the units' buckets (each bucket's home
-    is its weight staging). With ``NVME`` (an estimate of what the library does not run
-    yet): host per rank holds ``GRAD_BUFFERS`` buckets' gradient
-    staging (the buckets in flight), the I/O buffers, and with ``homes`` ``HOST`` every
-    home, with ``NVME`` bounce buffers as large as the device window (``prefetch_layers +
-    2`` units read ahead); then the state that fits the budget. Disk per rank: the spilled
-    state's records, and with ``NVME`` every home, 4 KiB-aligned."""
+    ``homes`` ``HOST`` (what the library runs, one rank): host and disk as ``NvmeState``
+    places state, over the units' buckets (``tiers``): each bucket's weight staging is its
+    unit's home, so every home and every bucket's gradient staging are in RAM, then the
+    state that fits the budget, the I/O buffers when a bucket spills; disk: the spilled
+    state's records. ``NVME`` (an estimate of what the library does not run yet): host per
+    rank holds ``GRAD_BUFFERS`` buckets' gradient staging (the buckets in flight), the I/O
+    buffers, bounce buffers as large as the device window (``prefetch_layers + 2`` units
+    read ahead), then the state that fits the budget; disk: every home, 4 KiB-aligned, and
+    the spilled state's records."""
 
     homes: Homes = field(default=Homes.HOST)
 
@@ -139,7 +140,7 @@ class ParamNvme(Configuration):
             # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
             fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
             budget = limits.state_budget(fixed, act_host, rpn)
-            host, disk = _state_tiers(groups, ctx, budget)
+            host, disk = self.tiers(subject, budget)
             return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
         fixed = GRAD_BUFFERS * _largest(groups, ctx, "grad") + io_buffer_bytes() + window
         disk = _total(groups, ctx, "home_file")
@@ -148,6 +149,20 @@ class ParamNvme(Configuration):
         disk += split.disk
         host = fixed - (0 if disk else io_buffer_bytes()) + split.host
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
+
+    @staticmethod
+    def tiers(subject: Subject, budget: int | None) -> tuple[int, int]:
+        """``(host, disk)`` bytes per rank with homes in RAM and ``OffloadConfig(
+        offload_parameters=True, nvme_dir=..., host_budget=budget)``: ``NvmeState.tiers``
+        over the units' buckets (``Subject.unit_groups``). Raises ``ValueError`` where
+        parameter offload is not estimated (a bare count, a module without a shape)."""
+        groups = subject.unit_groups()
+        if groups is None:
+            raise ValueError(
+                f"ParamNvme.tiers needs a subject with units (a ShapeSubject of a ModelShape), got "
+                f"{type(subject).__name__}"
+            )
+        return _state_tiers(groups, subject.ctx, budget)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         reasons = [PARAMS_NVME_NOT_YET] if self.homes is Homes.NVME else []
