@@ -351,7 +351,7 @@ def _add_estimate(commands: Any) -> None:
         "--north-star",
         action="store_true",
         help="the big-models issue's two targets (Llama-3-8B on 24GiB + 128GiB, Llama-3-70B "
-        "on 24GiB + 256GiB + 2TB NVMe): the configuration chosen for each",
+        "on 24GiB + 256GiB + 2TB NVMe): the configuration chosen for each, or that none fits",
     )
     est.add_argument(
         "--zero-table",
