@@ -368,6 +368,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._policy.refuses_announcement(self):
             return False
         check_untouched(self, self.param_groups, self.buckets)  # what step() would refuse
+        for bucket in self.buckets:
+            bucket.store.check_usable()
         self._reconcile_written_weights()
         self._policy.announce(
             {g: self._group_hyper(g) for g in {b.layout.group for b in self.buckets}}
@@ -444,6 +446,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._policy.drop_eager()
             return loss
         check_untouched(self, self.param_groups, self.buckets)
+        for bucket in self.buckets:
+            bucket.store.check_usable()  # a broken NVMe file refuses before anything changes
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
         self._policy.mode.settle(self.buckets)

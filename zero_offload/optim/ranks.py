@@ -177,7 +177,22 @@ class ShardedRanks(Ranks):
         return self._comm
 
     def bucket_order(self) -> BucketOrder:
-        return LockstepOrder()
+        return LockstepOrder(self.agree_late)
+
+    def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
+        """OR the (n_buckets,) float64 ``flags`` over the ranks: which buckets got a
+        gradient after they went in this backward, on some rank (Note [a parameter's
+        gradient may arrive several times] in ``grads/order.py``). The all-reduce runs on
+        the comm stream, after the reduce-scatters issued before it, as collectives match
+        by order. Synchronisation point: the host waits for the comm stream."""
+        result: list[torch.Tensor] = []
+
+        def run() -> None:
+            result.append(all_reduce_stats(flags, comm=self._comm, device=self._device))
+
+        self.stream.submit(run)
+        self.stream.synchronize()
+        return result[0] > 0
 
     def eager_refusal(self) -> str | None:
         return "several ranks (the all-gathers and arrival flags are collective)"
