@@ -71,6 +71,7 @@ from ...errors import StorageError
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
+from ...memory.state_dir import check_nvme_dir
 from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState, StorageTier
 from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout, clip_runs
@@ -172,6 +173,11 @@ class NvmeBackends:
         self.plan = plan
         self.name = name
         self.group: StreamGroup | None = None
+        if config.nvme_dir is not None:
+            # Checked even when every bucket fits host RAM: a wrong path fails now, not on
+            # the run whose state first outgrows host_budget (Note [the directory is
+            # checked and private] in memory/state_dir.py).
+            check_nvme_dir(config.nvme_dir)
         if plan.nvme and config.nvme_dir is not None:
             # StorageFull here, before any pool is pinned, when the files cannot fit.
             tier = manager.open_storage(
