@@ -176,7 +176,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             # that they overlap backward and stay off the copy streams.
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
-            self._ranks = ShardedRanks(comm, stream, accelerator=self.accelerator)
+            self._ranks = ShardedRanks(
+                comm, stream, accelerator=self.accelerator, owns_group=process_group is None
+            )
         self._router = BackwardRouter(self._ranks, self.manager)
         self._resources = Resources(self.manager, self._router)
         self._resources.extra_streams = extra_streams
@@ -368,8 +370,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._policy.refuses_announcement(self):
             return False
         check_untouched(self, self.param_groups, self.buckets)  # what step() would refuse
-        for bucket in self.buckets:
-            bucket.store.check_usable()
         self._reconcile_written_weights()
         self._policy.announce(
             {g: self._group_hyper(g) for g in {b.layout.group for b in self.buckets}}
@@ -446,8 +446,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._policy.drop_eager()
             return loss
         check_untouched(self, self.param_groups, self.buckets)
-        for bucket in self.buckets:
-            bucket.store.check_usable()  # a broken NVMe file refuses before anything changes
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
         self._policy.mode.settle(self.buckets)
@@ -457,6 +455,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _reconcile_written_weights(self) -> None:
         """Note [weights written outside the optimizer] in views/param_views.py."""
+        for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
+            bucket.store.check_usable()
         for bucket in self.buckets:
             if bucket.views.changed():
                 bucket.store.reconcile_master()
