@@ -14,6 +14,7 @@ import torch
 
 from zero_offload import OffloadAdamW
 from zero_offload.errors import StorageError
+from zero_offload.memory import storage
 from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.state.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
@@ -28,18 +29,20 @@ def _failed(opt: OffloadAdamW) -> list[int]:
     return [s.layout.index for s in _nvme_buckets(opt) if s.file.state.value == "failed"]
 
 
+def _disk_state_of(store: NvmeState) -> torch.Tensor:
+    """One NVMe bucket's state as read back from disk (checksums verified), flat."""
+    parts: list[torch.Tensor] = []
+    store.stream_fields(lambda lo, hi, f: parts.extend(v.clone() for v in f.values()))
+    return torch.cat(parts)
+
+
 def _disk_state(opt: OffloadAdamW) -> dict[int, torch.Tensor]:
-    """Every healthy NVMe bucket's state as read back from disk (checksums verified)."""
-    out = {}
-    for store in _nvme_buckets(opt):
-        if store.file.state.value == "failed":
-            continue
-        parts: list[torch.Tensor] = []
-        store.stream_fields(
-            lambda lo, hi, f, parts=parts: parts.extend(v.clone() for v in f.values())
-        )
-        out[store.layout.index] = torch.cat(parts)
-    return out
+    """Every healthy NVMe bucket's state as read back from disk."""
+    return {
+        store.layout.index: _disk_state_of(store)
+        for store in _nvme_buckets(opt)
+        if store.file.state.value != "failed"
+    }
 
 
 def _break_record(store: NvmeState, record: int) -> None:
@@ -118,4 +121,38 @@ def test_reading_ahead_into_a_failed_file_is_not_the_readers_failure(tmp_path: P
     assert _failed(opt) == [victim.layout.index]
     with pytest.raises(StorageError, match=f"^bucket {victim.layout.index}: its NVMe state"):
         victim.check_usable()
+    opt.close()
+
+
+def test_a_failed_read_ahead_nobody_uses_is_not_the_next_callers_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last bucket's update reads the first bucket's first tiles ahead for the next
+    step. When those reads fail and another bucket's stream comes first (a checkpoint, a
+    read of its state), the failure is not that bucket's: the unused reads are dropped and
+    the first bucket reports its own error when it reads the tiles itself."""
+    model, _ = make_pair()
+    opt = _opt(model, nvme_dir=tmp_path, host_budget=1)
+    train(model, opt, batches(1))
+    stores = _nvme_buckets(opt)
+    first, other, last = stores[0], stores[1], stores[-1]
+    group = first.group
+    for _, _, buffer in group.prefetched:  # the step's own read-ahead, read already
+        buffer.settle()
+    group.prefetched.clear()
+    real = storage._preadv
+
+    def broken(fd: int, buffers: list, offset: int) -> int:
+        if fd == first.file.fd:
+            raise OSError(5, "Input/output error (injected)")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(storage, "_preadv", broken)
+    group.prefetch_after(last, 2)  # the first bucket's tiles 0 and 1, failing
+    assert [store for store, _, _ in group.prefetched] == [first, first]
+    _disk_state_of(other)  # used to raise the first bucket's error in this bucket's stream
+    assert _failed(opt) == []
+    with pytest.raises(StorageError, match=f"^bucket {first.layout.index}: NVMe I/O failed"):
+        _disk_state_of(first)
+    monkeypatch.undo()
     opt.close()

@@ -48,8 +48,9 @@ are intact; their state can still be saved (``streaming.save_streaming`` skips n
 so it refuses a FAILED file, naming it). Two things keep that true when the loop goes on:
 - a failure is the failing bucket's own: a read of the next bucket issued ahead by this
   one's update (``StreamGroup.prefetch_after``) never raises here; it is dropped when it
-  cannot be issued (that bucket's file failed), and its error, if any, surfaces when that
-  bucket's own update reads the tile (its ``_stream``, naming it);
+  cannot be issued (that bucket's file failed) or when nobody uses it (its error goes with
+  it), and a failed read surfaces when that bucket's own update waits for the tile (its
+  ``_stream``, naming it);
 - a later ``step()`` (after ``zero_grad()``, a new backward) refuses before any bucket
   changes while a file is FAILED (``NvmeState.check_usable``): stepping again would step
   the buckets before the broken one a second time and fail in the same place. Reloading
@@ -133,7 +134,11 @@ class StreamGroup:
             if valid:
                 taken.append((tile, buffer))
             elif buffer.tag is not None and buffer.tag == (backend.file, tile):
-                buffer.settle()  # a read nobody will use (its error, if any, with it)
+                # A read nobody will use: its error is not ``owner``'s, and the record is
+                # read again (failing in its own bucket) when needed. Note [a failed write
+                # leaves the others intact].
+                with contextlib.suppress(StorageError):
+                    buffer.settle()
         return taken
 
     def prefetch_after(self, backend: NvmeState, count: int) -> None:
