@@ -155,23 +155,23 @@ class SegmentBuilder:
                 offload.close()
             raise
         name = f"{self.name}.{len(self.resources.segments)}"
-        try:  # a refusal here (StorageFull) gives the window back too
-            nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
-                self.manager,
-                plan_nvme(
-                    layouts,
-                    placement,
-                    config=self.config,
-                    itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                    moments_dtype=moments_dtype,
-                    amsgrad=amsgrad,
-                    rank=self.ranks.rank,
-                    alignment=POOL_ALIGNMENT,
-                ),
+        nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
+            self.manager,
+            plan_nvme(
+                layouts,
+                placement,
                 config=self.config,
+                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
+                moments_dtype=moments_dtype,
+                amsgrad=amsgrad,
                 rank=self.ranks.rank,
-                name=name,
-            )
+                alignment=POOL_ALIGNMENT,
+            ),
+            config=self.config,
+            rank=self.ranks.rank,
+            name=name,
+        )
+        try:
             device_pool = self.manager.create_pool(
                 Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
             )
