@@ -289,7 +289,8 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
 }
 
 
-def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned rank joins the gloo group on 127.0.0.1:``port``."""
     torch.set_num_threads(1)  # several ranks share two cores
     os.environ.setdefault("ZERO_OFFLOAD_DEVICE_BUDGET", "256MiB")
     dist.init_process_group(
@@ -299,6 +300,10 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: di
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+    join_gloo(rank, world, port)
     result = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
     torch.save(result, Path(out) / f"{scenario}.rank{rank}.pt")
     if scenario == "failure":

@@ -339,3 +339,32 @@ def test_a_swap_that_fails_half_way_is_undone_at_once(
     assert _files(tmp_path / "ckpt") == good
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0"]
     opt.close()
+
+
+def test_a_previous_version_that_cannot_be_removed_warns_and_the_save_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new checkpoint is in place when ``name.old`` is removed: failing that is not a
+    failed save. It warns; the next load finds the new checkpoint and removes the old."""
+    model, _ = make_pair()
+    opt = _opt(model)
+    train(model, opt, batches(1))
+    save_streaming(opt, tmp_path / "ckpt")
+    train(model, opt, batches(1))
+    real_rmtree = fileio._rmtree
+
+    def rmtree(path: object, *args: object, **kwargs: object) -> None:
+        if str(path).endswith(".old") and not kwargs.get("ignore_errors"):
+            raise OSError(errno.EBUSY, "Device or resource busy (injected)")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(fileio, "_rmtree", rmtree)
+    with pytest.warns(RuntimeWarning, match=r"saved .*ckpt.*could not remove .*rank0\.old"):
+        save_streaming(opt, tmp_path / "ckpt")
+    monkeypatch.undo()
+    new = _files(tmp_path / "ckpt" / "rank0")
+    assert (tmp_path / "ckpt" / "rank0.old").is_dir()
+    load_streaming(opt, tmp_path / "ckpt")  # the new one, and the old one goes
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0"]
+    assert _files(tmp_path / "ckpt" / "rank0") == new
+    opt.close()

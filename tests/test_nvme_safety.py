@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from zero_offload import OffloadConfig
+from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.errors import StorageFull
 from zero_offload.memory.state_dir import StateDirectory, check_nvme_dir
 from zero_offload.memory.storage import IO_ALIGNMENT, StorageTier
@@ -168,6 +169,35 @@ def test_os_errors_name_the_setting_and_the_path(tmp_path: Path) -> None:
     with pytest.raises(OSError, match=r"OffloadConfig.nvme_dir=.*cannot create .*a-file/sub") as e:
         _tier(blocker / "sub")
     assert e.value.errno in (errno.ENOTDIR, errno.EEXIST)
+
+
+def test_nvme_dir_is_checked_at_construction_when_nothing_goes_there(tmp_path: Path) -> None:
+    """The whole state fits host RAM (the default budget), yet a bad nvme_dir is refused
+    when the optimizer is built, naming the setting and the path; a missing one is created
+    (0700), with ``~`` expanded."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for bad, error, says in [
+        (blocker, ValueError, "exists and is not a"),
+        (blocker / "sub", OSError, "cannot create"),
+    ]:
+        model = torch.nn.Linear(4, 4)
+        with pytest.raises(error, match=rf"OffloadConfig.nvme_dir=.*{says}"):
+            OffloadAdamW(
+                model.parameters(),
+                config=OffloadConfig(nvme_dir=bad),
+                accelerator=host_accelerator(),
+            )
+        assert model.weight.device.type == "cpu"  # the model is left as it was
+    fresh = tmp_path / "fresh" / "nvme"
+    opt = OffloadAdamW(
+        torch.nn.Linear(4, 4).parameters(),
+        config=OffloadConfig(nvme_dir=fresh),
+        accelerator=host_accelerator(),
+    )
+    assert all(b.store.location == "host" for b in opt.buckets)  # nothing went to NVMe
+    assert _mode(fresh) == 0o700
+    opt.close()
 
 
 # -- free space -----------------------------------------------------------------------------------

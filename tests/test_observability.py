@@ -150,3 +150,30 @@ def test_step_metrics_neither_keep_the_optimizer_alive_nor_outlive_it() -> None:
     assert alive() is None
     assert len(tracing._listeners) == before
     assert metrics.collect(1) == {}
+
+
+def test_step_metrics_count_their_own_optimizers_cpu_adam_only() -> None:
+    """Two optimizers (a GAN, a model and its head): each one's cpu_adam_ms is its own
+    steps' time, whether its update runs in step() or on the host worker (overlap_step)."""
+    from zero_offload.profiling.metrics import StepMetrics
+
+    first, second = nn.Linear(64, 64), nn.Linear(64, 64)
+    opts = [
+        OffloadAdamW(first.parameters()),
+        OffloadAdamW(second.parameters(), config=OffloadConfig(overlap_step=True)),
+    ]
+    metrics = [StepMetrics(opt) for opt in opts]
+    try:
+        for stepping, (model, opt) in enumerate(zip((first, second), opts, strict=True)):
+            for _ in range(3):
+                opt.backward(model(torch.randn(2, 64)).sum())
+                opt.step()
+                opt.zero_grad()
+            opt.flush_pending_update()  # the delayed update's CPU Adam has run
+            figures = [m.collect(3)["offload/cpu_adam_ms"] for m in metrics]
+            assert figures[stepping] > 0
+            assert figures[1 - stepping] == 0.0, figures  # it did not step
+    finally:
+        for m, opt in zip(metrics, opts, strict=True):
+            m.close()
+            opt.close()

@@ -11,7 +11,8 @@ durable:
   a directory), and the directory is ``fsync``-ed so the rename itself survives a crash;
 - a directory is written as the sibling ``name.tmp-<pid>-<random>/``; its files and the
   directory are ``fsync``-ed, then the old one is renamed to ``name.old``, the new one to
-  ``name``, the parent is ``fsync``-ed and ``name.old`` is removed.
+  ``name``, the parent is ``fsync``-ed and ``name.old`` is removed (a removal that fails
+  only warns: the save is done, and the next save or load of ``name`` removes it).
 
 A write that raises removes its temporary and leaves ``name`` as it was. A process killed at
 any point leaves either the old version or the new one loadable: killed between the two
@@ -34,6 +35,7 @@ import errno
 import os
 import secrets
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -283,4 +285,16 @@ def _swap(staging: Path, path: Path) -> None:
     _replace(staging, path)
     _fsync_path(path.parent)
     if old.exists():
-        _rmtree(old)
+        try:
+            _rmtree(old)
+        except OSError as exc:
+            # The save succeeded: the new version is in place and durable. What is left is
+            # the previous one, which the next save or load of ``path`` removes
+            # (``recover_directory``); a failed save would be the wrong report.
+            warnings.warn(
+                f"zero-offload: saved {path}, but could not remove the previous version at "
+                f"{old} ({exc}); the next save or load of {path} removes it, or remove it "
+                "yourself",
+                RuntimeWarning,
+                stacklevel=4,
+            )

@@ -173,18 +173,49 @@ class OffloadLightningModule(pl.LightningModule):
             )
 
 
+def check_optimizer_groups(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Refuse an ``OffloadAdamW`` on the default process group, or sharing its group with
+    another: Note [the optimizer's own process group]."""
+    owners: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        opt = _offload_optimizer(optimizer)
+        if opt is None or opt.comm is None:
+            continue
+        group = opt.comm.group
+        fix = (
+            "under OffloadDDPStrategy build each OffloadAdamW with process_group="
+            "self.trainer.strategy.optimizer_process_group (a new group per read), or "
+            "without process_group=, or its collectives interleave with other ones on one "
+            "group and hang (Note [the optimizer's own process group] in "
+            "zero_offload/integrations/lightning.py)"
+        )
+        if group is None or group is dist.group.WORLD:
+            raise ValueError(
+                f"{opt.comm.where()}: optimizer {index} (OffloadAdamW) was built on the "
+                f"default process group, where Lightning runs its own collectives; {fix}"
+            )
+        if id(group) in owners:
+            raise ValueError(
+                f"{opt.comm.where()}: optimizers {owners[id(group)]} and {index} (OffloadAdamW) "
+                f"share process group {group!r}; each needs its own: {fix}"
+            )
+        owners[id(group)] = index
+
+
 class OffloadDDPStrategy(DDPStrategy):
     """``DDPStrategy`` for ``OffloadAdamW``: one process per device, no DDP wrapper.
 
     ``OffloadAdamW`` reduce-scatters the gradients itself, so the model is not wrapped in
     ``DistributedDataParallel`` (which would all-reduce every gradient a second time);
-    rank 0's initial weights are broadcast, as DDP's constructor would. The optimizer must
-    run its collectives on ``optimizer_process_group`` (Note [the optimizer's own process
+    rank 0's initial weights are broadcast, as DDP's constructor would. Each optimizer must
+    run its collectives on a process group of its own (Note [the optimizer's own process
     group])::
 
         def configure_optimizers(self):
-            group = self.trainer.strategy.optimizer_process_group
+            group = self.trainer.strategy.optimizer_process_group  # a new group per read
             return OffloadAdamW(self.parameters(), lr=1e-3, process_group=group)
+
+    (``OffloadAdamW`` built without ``process_group=`` makes a group of its own too.)
 
     Checkpoints hold the optimizer state consolidated from every rank's shard
     (``checkpoint_io``), written by rank 0; on resume every rank keeps the pieces it owns,
@@ -200,44 +231,30 @@ class OffloadDDPStrategy(DDPStrategy):
     # while the main thread goes on (the last bucket's reduce-scatter is still in flight
     # when backward returns). On one group the two streams of calls would interleave in a
     # different order on each rank, and a collective matched against the wrong one hangs.
-    # So the strategy makes a second group over the same ranks for the optimizer alone, and
-    # refuses an OffloadAdamW on the default group before the first batch.
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._optimizer_group: Any = None  # a torch.distributed ProcessGroup once set up
-
-    def setup_distributed(self) -> None:
-        """Lightning's process group, then the optimizer's own (a collective)."""
-        super().setup_distributed()
-        self._optimizer_group = dist.new_group(backend=self._get_process_group_backend())
+    # Two OffloadAdamW (a GAN's, or a model's and its head's) have a communication thread
+    # each, so they cannot share a group either. So every read of
+    # ``optimizer_process_group`` makes a new group over the same ranks (a collective:
+    # every rank's configure_optimizers reads it in the same order), and an OffloadAdamW
+    # on the default group, or sharing its group with another, is refused before the
+    # first batch.
 
     @property
     def optimizer_process_group(self) -> Any:
-        """The group to build ``OffloadAdamW`` with (``process_group=``); Note [the
-        optimizer's own process group]."""
-        if self._optimizer_group is None:
+        """A new process group over the default group's ranks, for one ``OffloadAdamW``
+        (``process_group=``); read it once per optimizer, in configure_optimizers. Note
+        [the optimizer's own process group]."""
+        if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "OffloadDDPStrategy.optimizer_process_group before the processes are set up; "
                 "read it in configure_optimizers (self.trainer.strategy.optimizer_process_group)"
             )
-        return self._optimizer_group
+        return dist.new_group(backend=dist.get_backend())
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Lightning's ``configure_optimizers``; each ``OffloadAdamW`` must use the
-        optimizer's own group (Note [the optimizer's own process group])."""
+        """Lightning's ``configure_optimizers``; each ``OffloadAdamW`` must use a group of
+        its own (Note [the optimizer's own process group])."""
         super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
-            opt = _offload_optimizer(optimizer)
-            if opt is None or opt.comm is None or opt.comm.group is self._optimizer_group:
-                continue
-            raise ValueError(
-                f"{opt.comm.where()}: OffloadAdamW was built on process group "
-                f"{opt.comm.group!r}; under OffloadDDPStrategy build it with "
-                "process_group=self.trainer.strategy.optimizer_process_group, or its "
-                "collectives would interleave with Lightning's on one group and hang (Note "
-                "[the optimizer's own process group] in zero_offload/integrations/lightning.py)"
-            )
+        check_optimizer_groups(self.optimizers)
 
     def configure_ddp(self) -> None:
         """Leave the module unwrapped; every rank starts from rank 0's weights."""

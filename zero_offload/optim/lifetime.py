@@ -107,6 +107,7 @@ class Resources:
             close = getattr(stream, "close", None)
             if close is not None:
                 attempt(close)
+        attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
         if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
             raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
 

@@ -176,7 +176,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             # that they overlap backward and stay off the copy streams.
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
-            self._ranks = ShardedRanks(comm, stream, accelerator=self.accelerator)
+            self._ranks = ShardedRanks(
+                comm, stream, accelerator=self.accelerator, owns_group=process_group is None
+            )
         self._router = BackwardRouter(self._ranks, self.manager)
         self._resources = Resources(self.manager, self._router)
         self._resources.extra_streams = extra_streams
@@ -453,6 +455,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _reconcile_written_weights(self) -> None:
         """Note [weights written outside the optimizer] in views/param_views.py."""
+        for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
+            bucket.store.check_usable()
         for bucket in self.buckets:
             if bucket.views.changed():
                 bucket.store.reconcile_master()

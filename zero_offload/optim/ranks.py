@@ -10,6 +10,7 @@ all-gathered. Code above asks neither which one it has nor how many ranks there 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -48,8 +49,10 @@ __all__ = ["Ranks", "ShardedRanks", "SingleRank", "optimizer_comm"]
 # (``torch.distributed.new_group``: a collective every rank calls, as they all construct
 # the optimizer in the same order); nothing else issues collectives on it. A group passed
 # as ``process_group=`` is used as given: the caller then keeps other collectives off it
-# while the optimizer runs. The group lives as long as the process
-# (``torch.distributed.destroy_process_group()`` at the end releases it with the others).
+# while the optimizer runs. Each optimizer makes its own (two optimizers' comm threads on
+# one group would interleave the same way). A group the optimizer made is destroyed when it
+# is closed or collected (``Ranks.close``); when the loop already tore torch.distributed
+# down (``destroy_process_group()`` releases every group), there is nothing left to do.
 
 
 def optimizer_comm(process_group: Any, *, timeout: float) -> Comm | None:
@@ -101,6 +104,10 @@ class Ranks(ABC):
     def where(self) -> str:
         """The prefix of a multi-rank error (``"rank 1/3: "``), empty with one rank."""
         return ""
+
+    def close(self) -> None:
+        """Release what the ranks hold (the optimizer's own process group); idempotent."""
+        return None
 
     @abstractmethod
     def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
@@ -164,8 +171,12 @@ class ShardedRanks(Ranks):
     """Several ranks over ``comm``; reduce-scatters run on ``stream`` ("comm"), off the
     compute and copy streams, so they overlap backward."""
 
-    def __init__(self, comm: Comm, stream: Stream, *, accelerator: Accelerator) -> None:
+    def __init__(
+        self, comm: Comm, stream: Stream, *, accelerator: Accelerator, owns_group: bool = False
+    ) -> None:
         self._comm = comm
+        # Whether ``optimizer_comm`` made the group for this optimizer (destroyed at close).
+        self._owns_group = owns_group
         self.stream = stream
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -177,7 +188,22 @@ class ShardedRanks(Ranks):
         return self._comm
 
     def bucket_order(self) -> BucketOrder:
-        return LockstepOrder()
+        return LockstepOrder(self.agree_late)
+
+    def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
+        """OR the (n_buckets,) float64 ``flags`` over the ranks: which buckets got a
+        gradient after they went in this backward, on some rank (Note [a parameter's
+        gradient may arrive several times] in ``grads/order.py``). The all-reduce runs on
+        the comm stream, after the reduce-scatters issued before it, as collectives match
+        by order. Synchronisation point: the host waits for the comm stream."""
+        result: list[torch.Tensor] = []
+
+        def run() -> None:
+            result.append(all_reduce_stats(flags, comm=self._comm, device=self._device))
+
+        self.stream.submit(run)
+        self.stream.synchronize()
+        return result[0] > 0
 
     def eager_refusal(self) -> str | None:
         return "several ranks (the all-gathers and arrival flags are collective)"
@@ -196,6 +222,17 @@ class ShardedRanks(Ranks):
 
     def where(self) -> str:
         return f"{self._comm.where()}: "
+
+    def close(self) -> None:
+        """Destroy the optimizer's own group (Note [a process group of the optimizer's
+        own]); nothing when it was given, or when torch.distributed is torn down already."""
+        owned, self._owns_group = self._owns_group, False
+        if not owned or not (dist.is_available() and dist.is_initialized()):
+            return
+        # The group may be gone already (a loop that destroyed it, a failed backend): the
+        # optimizer is closing either way.
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group(self._comm.group)
 
     def reduce_scatter(self, grad: torch.Tensor, ready: Event, *, what: str) -> Event:
         comm = self._comm

@@ -5,8 +5,8 @@ Note [offload metrics in the framework's logs]
 A Trainer, accelerate or Lightning run logs loss and learning rate; with offload a user
 also needs to see the host memory it holds, how long compute stood still waiting for
 copies, how long CPU Adam took, and the NVMe throughput when the state is on disk.
-``StepMetrics`` gathers them cheaply and always: a phase listener adds up ``cpu_adam``
-spans (``tracing.phase``), a copy listener on the optimizer's manager adds up NVMe bytes,
+``StepMetrics`` gathers them cheaply and always: a phase listener adds up the ``cpu_adam``
+spans of its optimizer (``tracing.phase``, owned by the optimizer's manager), a copy listener on the optimizer's manager adds up NVMe bytes,
 and the manager's ``exposed_seconds`` already counts the stalls. ``collect(steps)`` returns
 the averages per step since the last call, under ``offload/`` keys, which the integrations
 merge into the framework's log record (``OffloadTrainer.log``, ``OffloadAccelerator.log``,
@@ -47,7 +47,8 @@ class StepMetrics:
         self._exposed_mark = self._exposed_total(manager)
         self._time_mark = time.perf_counter()
         me = weakref.WeakMethod(self._on_phase)
-        self._remove_phase = add_phase_listener(lambda *span: _call(me, *span))
+        # This optimizer's CPU Adam only (its phases name its manager), not every one's.
+        self._remove_phase = add_phase_listener(lambda *span: _call(me, *span), owner=manager)
         # Copy records are needed for the NVMe figure only; subscribing turns on event timing.
         self._remove_copy = _noop
         if optimizer.placement.nvme:

@@ -23,10 +23,14 @@ takes a fingerprint of each parameter's slot after the optimizer's own writes la
 (ordered after them on the compute stream), and ``changed()`` / ``changed_params()``
 compare a fresh fingerprint with it. The fingerprint (``_fingerprint``) is the xxh3-64 of
 the slot's bytes where the weights are in host-addressable memory (the host accelerator,
-pinned homes), and the 64-bit integer sum of the slot's bit patterns on a GPU (a device
-reduction, kept on the device until the comparison, whose ``.tolist()`` is the one
-synchronisation point). The sum misses a write that keeps the sum of a parameter's bit
-patterns (a permutation of its elements); xxh3 misses only collisions. Where the
+pinned homes), and on a GPU a position-mixed 64-bit sum computed with integer ops on the
+device (``_device_fingerprints``: each element's bit pattern times an odd multiplier drawn
+from its position, folded by an xor-shift, summed modulo 2**64; kept on the device until
+the comparison, whose ``.tolist()`` is the one synchronisation point). Mixing in the
+position makes a permutation of a parameter's elements (two weights swapped) change the
+sum, which a plain sum of bit patterns would not; both hashes miss only collisions. The
+device path works through ``_DEVICE_CHUNK`` elements at a time, so its transient device
+memory is three int64 vectors of that length (96 MiB) whatever the parameter's size. Where the
 parameters are no longer views of the tensor fingerprinted (parameter offload moves them
 between slot and home) the version counters decide, as before. Cost: docs/optimizer.md.
 
@@ -61,6 +65,48 @@ __all__ = ["ParamViews"]
 
 #: The integer dtype of each element size, to read a weight's bit pattern.
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+#: Elements the device fingerprint mixes at a time (bounds its int64 temporaries).
+_DEVICE_CHUNK = 1 << 22
+#: The odd 64-bit golden-ratio constant (2**64 / phi), as a signed int64, to spread positions.
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
+_LOW32 = (1 << 32) - 1
+
+
+def _host_addressable(flat: torch.Tensor) -> bool:
+    """Whether ``flat``'s bytes can be hashed on the host without a copy."""
+    return flat.device.type == "cpu"
+
+
+def _mixed_sum(bits: torch.Tensor, first: int) -> torch.Tensor:
+    """The position-mixed sum of ``bits`` (an integer view of weights whose first element
+    sits at position ``first`` of the bucket), an int64 scalar on their device. Integer
+    products and sums wrap modulo 2**64, on the CPU and on CUDA alike."""
+    size = bits.element_size()
+    mixed = bits.to(torch.int64, copy=True)  # a copy even for 8-byte weights: mixed in place
+    if size < 8:
+        mixed.bitwise_and_((1 << (8 * size)) - 1)  # the bit pattern, not its sign extension
+    # An odd multiplier per position: a bijection of the element's bits, different at
+    # every position, so moving a value changes its term.
+    factor = torch.arange(first, first + bits.numel(), dtype=torch.int64, device=bits.device)
+    mixed.mul_(factor.mul_(_MIX).bitwise_or_(1))
+    # Fold the high half into the low (a logical shift: the arithmetic one is masked), so
+    # that the terms are not linear in the values (a linear sum cancels some swaps).
+    mixed.bitwise_xor_(factor.copy_(mixed).bitwise_right_shift_(32).bitwise_and_(_LOW32))
+    return mixed.sum()
+
+
+def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """One position-mixed int64 fingerprint per ``(start, end)`` range of ``flat``, as an
+    int64 tensor on ``flat``'s device; see Note [weights written outside the optimizer]."""
+    ints = flat.detach().view(_SAME_SIZE_INT[flat.element_size()])
+    sums = []
+    for start, end in ranges:
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for lo in range(start, end, _DEVICE_CHUNK):
+            total += _mixed_sum(ints[lo : min(end, lo + _DEVICE_CHUNK)], lo)
+        sums.append(total)
+    return torch.stack(sums)
 
 
 class ParamViews:
@@ -146,12 +192,11 @@ class ParamViews:
         """One fingerprint per slot of ``flat``; see Note [weights written outside the
         optimizer]."""
         slots = self.layout.slots
-        if flat.device.type == "cpu":
+        if _host_addressable(flat):
             raw = flat.detach().view(torch.uint8).numpy()
             size = flat.element_size()
             return [xxhash.xxh3_64_intdigest(raw[s.offset * size : s.end * size]) for s in slots]
-        ints = flat.detach().view(_SAME_SIZE_INT[flat.element_size()])
-        return torch.stack([ints[s.offset : s.end].sum(dtype=torch.int64) for s in slots])
+        return _device_fingerprints(flat, [(s.offset, s.end) for s in slots])
 
     def _written_slots(self) -> list[int] | None:
         """Indices of the slots whose values differ from ``remember()``'s fingerprints; None

@@ -21,7 +21,7 @@ pieces exactly, in fp32.
 ``step()`` with no backward between reuses them, like torch without ``zero_grad``), and the
 next backward opens a fresh window. ``zero_grad()`` discards everything in flight, device
 buffers included. A backward that raised half-way leaves FILLING buckets and a partial
-``received`` mask behind: the next ``zero_grad()`` discards them, and the next completed
+``uses`` count behind: the next ``zero_grad()`` discards them, and the next completed
 backward or ``step()`` flushes them into the window (as torch's ``param.grad`` would keep
 them), so nothing of it outlives that step.
 
@@ -92,8 +92,12 @@ class BucketGrads:
 
     Fields:
         state: the ``GradState``.
-        received: (n_slots,) bool, host; which parameters reported in the current backward
-            (the bucket is complete when all did).
+        uses: (n_slots,) int64, host; how many times each parameter reported in the current
+            backward (more than once under reentrant checkpointing, Note [a parameter's
+            gradient may arrive several times] in ``order.py``).
+        expected: (n_slots,) int64, host; how many reports make a parameter complete: 1, or
+            what the ranks' order learned (``learn_uses``). The bucket is complete when
+            every parameter has ``uses >= expected``.
         arrived: (n_slots,) bool, host; which parameters got a gradient in this window
             (those are the ones a step updates, as torch skips parameters without .grad).
         flushes: flushes in this window (the first one overwrites the accumulator).
@@ -102,7 +106,8 @@ class BucketGrads:
     def __init__(self, index: int, n_slots: int) -> None:
         self.index = index
         self.state = GradState.EMPTY
-        self.received = np.zeros(n_slots, dtype=bool)
+        self.uses = np.zeros(n_slots, dtype=np.int64)
+        self.expected = np.ones(n_slots, dtype=np.int64)
         self.arrived = np.zeros(n_slots, dtype=bool)
         self.flushes = 0
 
@@ -132,14 +137,20 @@ class BucketGrads:
         self._go(GradState.FILLING)
 
     def receive(self, slot_index: int) -> bool:
-        """Record one parameter's gradient; True when every parameter has reported."""
+        """Record one parameter's gradient; True when every parameter has reported as
+        often as expected."""
         if not self.holds_device_buffer:
             raise RuntimeError(
                 f"bucket {self.index}: gradient received in state {self.state.name} (bug)"
             )
-        self.received[slot_index] = True
+        self.uses[slot_index] += 1
         self.arrived[slot_index] = True
-        return bool(self.received.all())
+        return bool((self.uses >= self.expected).all())
+
+    def learn_uses(self) -> None:
+        """Expect, from the next backward on, at least as many reports per parameter as
+        this backward gave (Note [a parameter's gradient may arrive several times])."""
+        np.maximum(self.expected, self.uses, out=self.expected)
 
     def complete(self) -> None:
         """FILLING -> COMPLETE: waiting for its turn in the fixed order."""
@@ -155,7 +166,7 @@ class BucketGrads:
 
     def end_backward(self) -> None:
         """Expect every parameter again in the next backward."""
-        self.received[:] = False
+        self.uses[:] = 0
 
     def settled(self) -> None:
         """The host worker drained: IN_FLIGHT -> ACCUMULATED (other states stay)."""
@@ -170,6 +181,6 @@ class BucketGrads:
     def discard(self) -> None:
         """``zero_grad``: forget the window (the caller released any device buffer)."""
         self._go(GradState.EMPTY)
-        self.received[:] = False
+        self.uses[:] = 0
         self.arrived[:] = False
         self.flushes = 0

@@ -15,12 +15,36 @@ gradient buffer, behind an earlier one that a rank does not complete (those wait
 buffers come from extra device pools, ``offloaded.GradBuffers``), and its copy to the host
 overlaps less of backward. With one rank order does not matter: a bucket goes as soon as it
 is complete, and any bucket may go early when the device pool needs its buffer.
+
+Note [a parameter's gradient may arrive several times]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Reentrant activation checkpointing (``use_reentrant=True``) runs each segment's backward as
+a graph task of its own, and each task accumulates into ``.grad`` and calls the
+post-accumulate-grad hook: a weight used in several segments (an ALBERT-style shared block,
+a tied embedding used inside a checkpointed block and by the head) reports once per use, at
+points of backward nothing announces. One rank adds the pieces (a bucket may go several
+times). Several ranks reduce-scatter each bucket at one point of the fixed order, so a
+bucket must not go before its parameters' last report, and DDP's static-graph answer is
+ours: the first backward learns how many reports each parameter gives (``uses``), and later
+backwards count a bucket complete when each parameter has given as many
+(``BucketGrads.expected``, the maximum seen in any backward). In the learning backward a
+bucket may go early as usual; a report for a bucket that already went opens its device
+buffer again, and at the end of that backward the ranks OR their "late" flags (one small
+all-reduce on the comm stream, after the reduce-scatters, read on the host) and every rank
+reduce-scatters each flagged bucket a second time, in order, zeros where it has nothing: the
+host accumulator adds the two flushes, as it adds micro-batches. Memory stays that of any
+backward (no bucket is held back in the first one) and only the first backward pays the
+round trip. A later backward that gives a parameter more reports than any before (control
+flow that changed) cannot be repaired without a collective every backward, so it raises,
+naming the parameter, and the next backward (after ``zero_grad()``, on every rank: a
+failed backward is retried by all ranks or by none) learns again.
+Adding a param group starts learning again (every rank adds it, so every rank agrees).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +66,9 @@ class OrderedBucket(Protocol):
 
     def flush(self, ranks: Any) -> None:
         """Hand this backward's device gradients on."""
+
+    def open_empty(self, *, grow: bool) -> None:
+        """Open a zero device buffer unless one is open."""
 
 
 class AnnouncedStep(Protocol):
@@ -87,6 +114,9 @@ class BucketOrder(ABC):
     def reset(self) -> None:
         """A new backward (or a discarded window) starts from the first bucket."""
 
+    def buckets_added(self) -> None:  # noqa: B027 (most orders have nothing to learn)
+        """``add_param_group`` appended buckets to the order."""
+
 
 class FreeOrder(BucketOrder):
     """One rank: a bucket goes as soon as it is complete, and any bucket may go early when
@@ -122,14 +152,24 @@ class FreeOrder(BucketOrder):
 
 
 class LockstepOrder(BucketOrder):
-    """Several ranks: Note [ranks in lockstep].
+    """Several ranks: Note [ranks in lockstep], Note [a parameter's gradient may arrive
+    several times].
 
     Fields:
         next: the index (in the router's order) of the next bucket to go.
+        learning: whether this backward learns the reports per parameter and repairs late
+            ones at its end (the first backward, and the first after ``add_param_group``).
+        late: indices of buckets that got a gradient after they went in this backward
+            (learning backward only).
+        agree: ORs a (n_buckets,) float64 host vector of flags over the ranks, ordered
+            after the reduce-scatters issued so far (``ShardedRanks.agree_late``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agree: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.next = 0
+        self.learning = True
+        self.late: set[int] = set()
+        self.agree = agree
 
     @property
     def in_progress(self) -> bool:
@@ -139,16 +179,13 @@ class LockstepOrder(BucketOrder):
         self, router: Routing, bucket: OrderedBucket, slot_index: int, grad: torch.Tensor
     ) -> None:
         if bucket.grads.state is GradState.COMPLETE:
-            bucket.receive_grad(slot_index, grad)  # a second gradient before its turn
+            bucket.receive_grad(slot_index, grad)  # a further gradient before its turn
             return
         # layout.index is the bucket's position in the order (plan_dtype_buckets numbers
         # each segment's buckets from len(buckets)).
         if bucket.layout.index < self.next:
-            raise RuntimeError(
-                f"{router.ranks.where()}bucket {bucket.layout.index} got a gradient after it "
-                "was reduce-scattered in this backward (a parameter's gradient arrived "
-                "twice); every rank must reduce each bucket once per backward"
-            )
+            self._late(router, bucket, slot_index, grad)
+            return
         try:
             complete = bucket.receive_grad(slot_index, grad)
         except PoolExhausted:
@@ -162,10 +199,53 @@ class LockstepOrder(BucketOrder):
             buckets[self.next].flush(router.ranks)
             self.next += 1
 
+    def _late(
+        self, router: Routing, bucket: OrderedBucket, slot_index: int, grad: torch.Tensor
+    ) -> None:
+        """A gradient for a bucket that already went in this backward; see Note [a
+        parameter's gradient may arrive several times]."""
+        if self.learning:
+            bucket.receive_grad(slot_index, grad, grow=True)  # flushed again at the end
+            self.late.add(bucket.layout.index)
+            return
+        uses = int(bucket.grads.uses[slot_index]) + 1
+        self.learning = True  # the retried backward learns the counts again
+        raise RuntimeError(
+            f"{router.ranks.where()}parameter {bucket.layout.slots[slot_index].index} (shape "
+            f"{tuple(grad.shape)}) got its gradient {uses} times in this backward, more than "
+            "in any backward before, after its bucket "
+            f"{bucket.layout.index} was reduce-scattered. A weight used several times under "
+            "reentrant activation checkpointing (use_reentrant=True) reports once per use; "
+            "with several ranks each bucket goes once per backward, after as many reports "
+            "as the first backward gave, so the number of uses must not grow after the "
+            "first backward. Call zero_grad() and run the backward again on every rank (it "
+            "learns the counts again), or use use_reentrant=False, whose backward reports "
+            "each weight once"
+        )
+
     def end_backward(self, router: Routing) -> None:
-        for bucket in router.buckets[self.next :]:
+        buckets = router.buckets
+        for bucket in buckets[self.next :]:
             bucket.open_empty(grow=True)
             bucket.flush(router.ranks)
+        self.next = len(buckets)
+        if self.learning:
+            # Synchronisation point (the learning backward only): the flags are read on
+            # the host to decide which buckets go again; every rank takes part.
+            flags = torch.zeros(len(buckets), dtype=torch.float64)
+            flags[sorted(self.late)] = 1.0
+            agreed = self.agree(flags)
+            for index in torch.nonzero(agreed).flatten().tolist():
+                buckets[index].open_empty(grow=True)
+                buckets[index].flush(router.ranks)
+            self.learning = False
+            self.late.clear()
+        for bucket in buckets:
+            bucket.grads.learn_uses()
 
     def reset(self) -> None:
         self.next = 0
+        self.late.clear()
+
+    def buckets_added(self) -> None:
+        self.learning = True

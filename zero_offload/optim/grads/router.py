@@ -122,6 +122,7 @@ class BackwardRouter:
                 )
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
         self.buckets.extend(buckets)
+        self.order.buckets_added()
 
     def remove_hooks(self) -> None:
         """Stop receiving gradients (``close`` and the finalizer)."""

@@ -45,7 +45,16 @@ partly stepped (tiles before the failure updated, tiles after it not): the file 
 FAILED and refuses further I/O, and the ``StorageError`` names the bucket, the file and the
 way out (reload from the last checkpoint). Other buckets' files were not being written and
 are intact; their state can still be saved (``streaming.save_streaming`` skips nothing,
-so it refuses a FAILED file, naming it).
+so it refuses a FAILED file, naming it). Two things keep that true when the loop goes on:
+- a failure is the failing bucket's own: a read of the next bucket issued ahead by this
+  one's update (``StreamGroup.prefetch_after``) never raises here; it is dropped when it
+  cannot be issued (that bucket's file failed) or when nobody uses it (its error goes with
+  it), and a failed read surfaces when that bucket's own update waits for the tile (its
+  ``_stream``, naming it);
+- a later ``step()`` (after ``zero_grad()``, a new backward) refuses before any bucket
+  changes while a file is FAILED (``NvmeState.check_usable``): stepping again would step
+  the buckets before the broken one a second time and fail in the same place. Reloading
+  (``load_streaming`` rewrites every record) makes the file whole again.
 
 The planning (which buckets, their bytes, the record layout) is in ``nvme_plan.py``.
 """
@@ -63,7 +72,8 @@ from ...errors import StorageError
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
-from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageTier
+from ...memory.state_dir import check_nvme_dir
+from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState, StorageTier
 from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout, clip_runs
 from ...tracing import phase
@@ -124,7 +134,11 @@ class StreamGroup:
             if valid:
                 taken.append((tile, buffer))
             elif buffer.tag is not None and buffer.tag == (backend.file, tile):
-                buffer.settle()  # a read nobody will use (its error, if any, with it)
+                # A read nobody will use: its error is not ``owner``'s, and the record is
+                # read again (failing in its own bucket) when needed. Note [a failed write
+                # leaves the others intact].
+                with contextlib.suppress(StorageError):
+                    buffer.settle()
         return taken
 
     def prefetch_after(self, backend: NvmeState, count: int) -> None:
@@ -132,12 +146,18 @@ class StreamGroup:
         (after the last one: the first, for the next step)."""
         index = self.order.index(backend)
         after = self.order[(index + 1) % len(self.order)]
-        if after.file is None:
-            return
+        if after.file is None or after.file.state is StorageState.FAILED:
+            return  # its own update refuses, naming it
         for tile in range(min(count, after.tiles)):
             buffer = self.tier.next_buffer()
             _settle(buffer)
-            after._read(tile, buffer)
+            try:
+                after._read(tile, buffer)
+            except StorageError:
+                # Not this bucket's failure (Note [a failed write leaves the others
+                # intact]): ``after`` reads the tile itself and reports it.
+                buffer.settle()
+                return
             self.prefetched.append((after, tile, buffer))
 
 
@@ -158,6 +178,11 @@ class NvmeBackends:
         self.plan = plan
         self.name = name
         self.group: StreamGroup | None = None
+        if config.nvme_dir is not None:
+            # Checked even when every bucket fits host RAM: a wrong path fails now, not on
+            # the run whose state first outgrows host_budget (Note [the directory is
+            # checked and private] in memory/state_dir.py).
+            check_nvme_dir(config.nvme_dir)
         if plan.nvme and config.nvme_dir is not None:
             # StorageFull here, before any pool is pinned, when the files cannot fit.
             tier = manager.open_storage(
@@ -274,6 +299,19 @@ class NvmeState(StateStore):
         if self._staging_block is None:
             raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
         return self.weights_staging, self._staging_block
+
+    def check_usable(self) -> None:
+        """Refuse a step while this bucket's file is FAILED (Note [a failed write leaves the
+        others intact])."""
+        if self.file is not None and self.file.state is StorageState.FAILED:
+            raise StorageError(
+                f"bucket {self.layout.index}: its NVMe state file {self.file.path} failed in "
+                "an earlier step (an I/O error or a bad checksum), so step() refuses before "
+                "changing anything: stepping again would step the buckets before it twice "
+                "and fail here again. The state of every other bucket is intact. Call "
+                "opt.zero_grad(), then reload the optimizer with opt.load_streaming(path) "
+                "from the last opt.save_streaming(path) (it rewrites this file), or rebuild it"
+            )
 
     @property
     def tiles(self) -> int:

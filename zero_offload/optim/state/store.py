@@ -111,6 +111,11 @@ class StateStore(ABC):
     #: ``load_streaming`` after a failed step (Note [a step is all or nothing]).
     on_storage_tier = False
 
+    def check_usable(self) -> None:  # noqa: B027 (stores in memory have nothing to check)
+        """Raise (changing nothing) when this store cannot take a step: a step refuses up
+        front rather than stepping the buckets before it and failing here (Note [a step is
+        all or nothing] in ``update/modes.py``). Stores in memory always can."""
+
     @abstractmethod
     def update(
         self,

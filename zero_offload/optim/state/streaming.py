@@ -20,6 +20,17 @@ in ``state_dict.py``):
 Each rank's directory is replaced whole (Note [atomic replacement] in ``fileio.py``): a save
 that fails or is killed leaves the previous checkpoint at ``path`` loadable.
 
+Note [one save across the ranks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each rank replaces only its own directory, so a save that failed or was killed on some
+ranks leaves their previous checkpoint next to the others' new one, and directories copied
+together from different runs look alike. Each ``meta.pt`` therefore records a save id, 96
+random bits drawn by rank 0 and shared by one all-reduce in ``save``; ``load`` exchanges
+every rank's id (one all-reduce; a rank whose metadata cannot be read takes part with
+none) and, before anything changes, every rank refuses alike, naming the ranks whose
+files come from another save than rank 0's. Checkpoints written before save ids existed
+carry none on any rank and load as before.
+
 A checkpoint loads back into an optimizer built the same way (the same parameters, world
 size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
 bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
@@ -31,15 +42,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import xxhash
 
-from ...collectives import Comm
+from ...collectives import Comm, all_reduce_stats
 from ...fileio import atomic_directory, private_file, recover_directory
 from ...progress import progress
 from ..flat_bucket import FlatBucket
@@ -86,6 +99,63 @@ def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
     }
 
 
+#: Bits in each of the save id's two halves (exact in a float64 all-reduce).
+_ID_BITS = 48
+
+
+def _collective_device(comm: Comm) -> torch.device:
+    """Where the group's collectives take tensors (the GPU for NCCL)."""
+    if "nccl" in str(dist.get_backend(comm.group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _new_save_id(comm: Comm | None) -> str:
+    """A save id every rank shares: rank 0's random bits, summed with the others' zeros.
+    See Note [one save across the ranks]."""
+    draw = [secrets.randbits(_ID_BITS), secrets.randbits(_ID_BITS)]
+    if comm is None:
+        return f"{draw[0]:012x}{draw[1]:012x}"
+    mine = torch.tensor(draw if comm.rank == 0 else [0, 0], dtype=torch.float64)
+    total = all_reduce_stats(mine, comm=comm, device=_collective_device(comm))
+    return f"{int(total[0]):012x}{int(total[1]):012x}"
+
+
+def _save_id_halves(save_id: object) -> tuple[int, int]:
+    """The two halves of a save id; ``(-1, -1)`` for none (or not one of ours)."""
+    if isinstance(save_id, str) and len(save_id) == 24:
+        try:
+            return int(save_id[:12], 16), int(save_id[12:], 16)
+        except ValueError:
+            pass
+    return -1, -1
+
+
+def _check_one_save(comm: Comm | None, path: str | os.PathLike[str], save_id: object) -> None:
+    """Refuse, on every rank alike, files of different saves under ``path``: Note [one
+    save across the ranks]. Every rank calls it (a collective)."""
+    if comm is None:
+        return
+    ids = torch.zeros(2 * comm.world_size, dtype=torch.float64)
+    ids[2 * comm.rank : 2 * comm.rank + 2] = torch.tensor(_save_id_halves(save_id))
+    total = all_reduce_stats(ids, comm=comm, device=_collective_device(comm))
+    halves = [(int(total[2 * r]), int(total[2 * r + 1])) for r in range(comm.world_size)]
+    if all(h == (-1, -1) for h in halves):
+        return  # saved before save ids existed
+    shown = [f"{a:012x}{b:012x}" if a >= 0 else "none" for a, b in halves]
+    others = [r for r in range(1, comm.world_size) if halves[r] != halves[0]]
+    if halves[0] == (-1, -1):
+        others = [0, *others]
+    if others:
+        raise ValueError(
+            f"{comm.where()}: {path}: the files of rank(s) {others} are from another save "
+            f"than rank 0's (save ids by rank: {shown}; 'none': no finished save there). "
+            "A save that failed or was killed on some ranks leaves their previous "
+            "checkpoint, and directories copied from different runs mix too: load a "
+            "checkpoint that every rank finished saving; nothing was loaded"
+        )
+
+
 def _rank_dir(comm: Comm | None, path: str | os.PathLike[str]) -> tuple[Path, int, int]:
     rank = comm.rank if comm is not None else 0
     world = comm.world_size if comm is not None else 1
@@ -106,6 +176,7 @@ def save(
     """Write the state of ``buckets`` under ``path/rank{r}/``; the caller made it final
     (``OffloadAdamW.save_streaming``)."""
     directory, rank, world = _rank_dir(comm, path)
+    save_id = _new_save_id(comm)  # Note [one save across the ranks]
     nbytes = sum(
         b.layout.real_in(*b.store.span()) * sum(d.itemsize for _, d in b.store.field_dtypes())
         for b in buckets
@@ -129,6 +200,7 @@ def save(
             "skipped_steps": skipped_steps,
             "pending_update": bool(pending_update),
             "buckets": entries,
+            "save_id": save_id,
         }
         with private_file(staging / _META) as out:
             torch.save(meta, out)
@@ -257,13 +329,21 @@ def load(
     too): a mismatch raises and changes nothing. Returns what the caller applies, as
     ``state_dict.load_optimizer_state`` does."""
     directory, _, world = _rank_dir(comm, path)
-    recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
-    if not (directory / _META).exists():
-        raise FileNotFoundError(
-            f"{directory / _META} does not exist: not a streamed checkpoint, or its save did "
-            "not finish (save_streaming writes it last)"
-        )
-    meta = _read_meta(directory / _META)
+    meta: dict[str, Any] = {}
+    unreadable: BaseException | None = None
+    try:
+        recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
+        if not (directory / _META).exists():
+            raise FileNotFoundError(
+                f"{directory / _META} does not exist: not a streamed checkpoint, or its save "
+                "did not finish (save_streaming writes it last)"
+            )
+        meta = _read_meta(directory / _META)
+    except (OSError, ValueError) as exc:
+        unreadable = exc  # raised after the other ranks learn this one has no save
+    _check_one_save(comm, path, meta.get("save_id") if unreadable is None else None)
+    if unreadable is not None:
+        raise unreadable
     _check(buckets, param_groups, scaler, tile_elements, directory, meta, world)
 
     # Checked: from here on nothing raises on the checkpoint's data.

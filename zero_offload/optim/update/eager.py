@@ -155,7 +155,7 @@ class EagerStep:
                 self._backups[index] = {
                     name: t.clone() for name, t in store.state_tensors().items()
                 }
-            with phase("cpu_adam", track="cpu_optimizer"):
+            with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
                 store.update(hyper, scale, plan.runs, publish=True, source=plan.source, after=ready)
 
         worker = self.manager.host_worker

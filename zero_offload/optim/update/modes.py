@@ -215,7 +215,7 @@ class ImmediateUpdate(UpdateMode):
         gathers: list[Pending | None] = []
         stepped: list[int] = []
         buckets = [plan.bucket for plan, _ in work]
-        with phase("cpu_adam", track="cpu_optimizer"):
+        with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
             for plan, hyper in work:
                 bucket = plan.bucket
                 try:
@@ -318,7 +318,7 @@ class DelayedUpdate(UpdateMode):
         plans = [(plan.bucket, hyper, plan.runs, plan.source) for plan, hyper in work]
 
         def update() -> None:
-            with phase("cpu_adam", track="cpu_optimizer"):
+            with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
                 for bucket, hyper, runs, source in plans:
                     bucket.store.update(hyper, grad_scale, runs, publish=False, source=source)
 

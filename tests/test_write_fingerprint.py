@@ -1,0 +1,77 @@
+"""The GPU fingerprint that finds weights written through ``param.data`` (Note [weights
+written outside the optimizer] in ``views/param_views.py``) sees a permutation: two weights
+swapped inside one parameter change its fingerprint. The device path is forced here (on the
+host accelerator the weights are host-addressable and hashed with xxh3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_offload.views import param_views
+
+from ._models import mlp, mlp_batches, mlp_loss, mlp_opt, mlp_torch_adamw
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swapping_two_values_changes_only_their_ranges_fingerprint(dtype: torch.dtype) -> None:
+    flat = torch.randn(97, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ranges = [(0, 40), (40, 41), (41, 97)]
+    before = param_views._device_fingerprints(flat, ranges)
+    swapped = flat.clone()
+    swapped[[3, 17]] = flat[[17, 3]]
+    # The plain sum of bit patterns (the old fingerprint) cannot tell them apart.
+    ints = param_views._SAME_SIZE_INT[flat.element_size()]
+    assert flat.view(ints).sum(dtype=torch.int64) == swapped.view(ints).sum(dtype=torch.int64)
+    after = param_views._device_fingerprints(swapped, ranges)
+    assert (after != before).tolist() == [True, False, False]
+    # Swapping a value with a zero, and moving the zero, is a write too.
+    zeroed = flat.clone()
+    zeroed[50] = 0
+    moved = zeroed.clone()
+    moved[[50, 60]] = zeroed[[60, 50]]
+    changes = param_views._device_fingerprints(moved, ranges) != param_views._device_fingerprints(
+        zeroed, ranges
+    )
+    assert changes.tolist() == [False, False, True]
+    # Same values, same fingerprints (the check must not see writes that did not happen).
+    assert torch.equal(param_views._device_fingerprints(flat.clone(), ranges), before)
+
+
+def test_chunks_give_the_fingerprint_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ranges = [(0, 999), (999, 1000)]
+    whole = param_views._device_fingerprints(flat, ranges)
+    monkeypatch.setattr(param_views, "_DEVICE_CHUNK", 7)
+    assert torch.equal(param_views._device_fingerprints(flat, ranges), whole)
+
+
+def test_a_swap_through_param_data_is_seen_on_the_device_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Swap two weights of a parameter through ``p.data`` between steps: torch steps from
+    the swapped weights, and so must we, with the device fingerprint deciding."""
+    monkeypatch.setattr(param_views, "_host_addressable", lambda flat: False)
+    model, reference = mlp(), mlp()
+    opt, ref = mlp_opt(model), mlp_torch_adamw(reference)
+    data = mlp_batches(2)
+    for m, o in ((model, opt), (reference, ref)):
+        mlp_loss(m, *data[0]).backward()
+        o.step()
+        o.zero_grad()
+    assert all(isinstance(b.views._stamp[1], torch.Tensor) for b in opt.buckets)  # device path
+    with torch.no_grad():
+        for m in (model, reference):
+            weight = m[0].weight.data.view(-1)
+            weight[[2, 9]] = weight[[9, 2]].clone()
+    written = [p for b in opt.buckets for p in b.views.changed_params()]
+    assert [p is model[0].weight for p in written] == [True]
+    for m, o in ((model, opt), (reference, ref)):
+        mlp_loss(m, *data[1]).backward()
+        o.step()
+        o.zero_grad()
+    opt.close()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (ours - theirs).abs().max().item() < 1e-5
