@@ -153,7 +153,7 @@ def train_step(model: TinyGPT, opt: OffloadAdamW, ids: torch.Tensor) -> float:
     opt.step()
     opt.zero_grad()
     opt.manager.synchronize()  # the step's copies are part of its time
-    return float(loss)
+    return loss.detach().item()
 
 
 def compare(args: argparse.Namespace, root: Path) -> dict[str, object]:
@@ -243,7 +243,7 @@ def north_star(args: argparse.Namespace, root: Path) -> dict[str, object]:
     from zero_offload.estimate.shape import ModelShape
     from zero_offload.estimate.tiered import ParamNvme
 
-    layers, hidden = (24, 64) if args.quick else (40, 192)
+    layers, hidden = (120, 64) if args.quick else (120, 192)
     steps = 3 if args.quick else 10
     checkpoint = save_checkpoint(layers, hidden, root)
     probe = TinyGPT(_config(layers, hidden))
@@ -274,7 +274,7 @@ def north_star(args: argparse.Namespace, root: Path) -> dict[str, object]:
     ctx = Context(itemsize=2, world_size=1, ranks_per_node=1, bucket_bytes=1 << 20)
     est_host, est_disk = ParamNvme.tiers(ShapeSubject(shape, ctx), host_budget)
     window, grad_buffers, _ = param_offload_bytes(
-        shape, itemsize=2, bucket_bytes=1 << 20, prefetch_layers=1
+        shape, itemsize=2, bucket_bytes=1 << 20, prefetch_layers=0
     )
     result = {
         "layers": layers,
@@ -307,7 +307,7 @@ def _build_north_star(
     config = OffloadConfig(
         bucket_bytes="1MiB",
         offload_parameters=True,
-        prefetch_layers=1,
+        prefetch_layers=0,  # a window of two units: weights 20x the device budget
         nvme_dir=nvme,
         host_budget=host_budget,
     )
