@@ -52,6 +52,7 @@ from ..memory.block import Block
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout
+from ..weights.source import fill
 
 if TYPE_CHECKING:
     from ..accelerator import Event
@@ -97,7 +98,9 @@ class ParamViews:
         with torch.no_grad():
             flat.zero_()  # see Note [padding stays at the end] in partition.py
             for slot, param in zip(layout.slots, self.params, strict=True):
-                flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+                # Device, host or meta plus a checkpoint: Note [construction reads each
+                # weight from its source] in weights/source.py.
+                fill(param, flat[slot.offset : slot.end])
         self._bind(self.block)
         self.versions: tuple[int, ...] | None = None
 
