@@ -153,8 +153,8 @@ def save_pretrained(
     limit = parse_bytes(max_shard_size, name="max_shard_size")
     if limit <= 0:
         raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size!r}")
+    entries = _entries(model, optimizer)  # refuses a model with meta tensors left
     directory = make_private_dirs(save_directory)
-    entries = _entries(model, optimizer)
     if optimizer is not None:
         optimizer.flush_pending_update()
         # Synchronisation point: the step's weight copies into the slots must have landed.
