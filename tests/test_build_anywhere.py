@@ -226,3 +226,31 @@ def test_frozen_parameters_on_meta_are_loaded_at_once(tmp_path: Path) -> None:
     opt = make_opt(model)
     assert frozen not in {p for b in opt.buckets for p in b.params}
     opt.close()
+
+
+def test_offload_trainer_loads_a_meta_model_from_a_checkpoint_path(tmp_path: Path) -> None:
+    from zero_offload.integrations.transformers import OffloadTrainer
+
+    from ._hf import TokenDataset, training_args
+
+    path = saved(tmp_path, sharded=True)
+    runs = {}
+    for name, model, weights, config in (
+        ("reference", GPT2LMHeadModel.from_pretrained(path), None, OffloadConfig()),
+        ("meta", on_meta(), path, OffloadConfig(offload_parameters=True)),
+    ):
+        trainer = OffloadTrainer(
+            model=model,
+            args=training_args(tmp_path / name, max_steps=3),
+            train_dataset=TokenDataset(n=24),
+            offload_config=config,
+            offload_device=host_accelerator(),
+            weights=weights,
+        )
+        trainer.train()
+        runs[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # Parameter offload: the optimizer was given the model and found its blocks.
+        assert (trainer.offload_optimizer.param_offloader is not None) == (name == "meta")
+        trainer.offload_optimizer.close()
+    for name, value in runs["reference"].items():
+        assert torch.equal(runs["meta"][name], value), name
