@@ -254,3 +254,28 @@ def test_offload_trainer_loads_a_meta_model_from_a_checkpoint_path(tmp_path: Pat
         trainer.offload_optimizer.close()
     for name, value in runs["reference"].items():
         assert torch.equal(runs["meta"][name], value), name
+
+
+def test_a_failed_construction_leaves_the_model_loadable_again(tmp_path: Path) -> None:
+    path = saved(tmp_path, sharded=True)
+    reference = GPT2LMHeadModel.from_pretrained(path)
+    model = load_pretrained(on_meta(), path)
+    with pytest.raises(MemoryError):  # the device pool does not fit: nothing was read
+        OffloadAdamW(model.parameters(), accelerator=host_accelerator(device_budget=4096))
+    assert all(p.is_meta and has_source(p) for p in model.parameters())
+    # A shard that went missing half-way: the buckets read so far keep their values.
+    shards = sorted(path.glob("model-*.safetensors"))
+    shards[0].rename(shards[0].with_suffix(".gone"))
+    with pytest.raises(ValueError, match=rf"cannot (open|read) .*{shards[0].name}"):
+        make_opt(model)
+    shards[0].with_suffix(".gone").rename(shards[0])
+    meta = [p.is_meta for p in model.parameters()]
+    assert any(meta) and not all(meta)  # half-way: some buckets were read
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if not param.is_meta:
+            assert torch.equal(param, expected[name]), name
+    opt = make_opt(model)  # and the rest loads now
+    for name, param in model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    opt.close()

@@ -153,8 +153,15 @@ class SafetensorsCheckpoint:
             self.close()
             # Hidden cost: parsing the shard's header and mapping the file, once per shard
             # switch (buckets run in backward order, so a few switches per construction).
-            self._open = (info.file, safe_open(str(info.file), framework="pt", device="cpu"))
-        tensor = self._open[1].get_tensor(key)
+            try:
+                handle = safe_open(str(info.file), framework="pt", device="cpu")
+            except Exception as exc:
+                raise ValueError(f"cannot open checkpoint shard {info.file}: {exc}") from exc
+            self._open = (info.file, handle)
+        try:
+            tensor = self._open[1].get_tensor(key)
+        except Exception as exc:  # safetensors' own errors carry no file name
+            raise ValueError(f"cannot read tensor {key!r} from {info.file}: {exc}") from exc
         with torch.no_grad():
             out.copy_(tensor.reshape(out.shape))
         return tensor.numel() * tensor.element_size()
