@@ -115,3 +115,30 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="meta device"):
         save_pretrained(on_meta(), tmp_path / "b")
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["host-state", "nvme-state"])
+def test_master_weights_export_the_fp32_master(tmp_path: Path, nvme: bool) -> None:
+    path = saved(tmp_path, sharded=False)
+    # The reference master: the same bf16 run with its state in host RAM (state_dict()).
+    twin = GPT2LMHeadModel.from_pretrained(path, dtype=torch.bfloat16)
+    twin_opt = make_opt(twin)
+    train(twin, twin_opt)
+    masters = [entry["master"] for _, entry in sorted(twin_opt.state_dict()["state"].items())]
+    twin_opt.close()
+    model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.bfloat16)
+    config: dict[str, object] = {"nvme_dir": str(tmp_path / "nvme"), "host_budget": 0}
+    opt = make_opt(model, **(config if nvme else {}))
+    train(model, opt)
+    out = tmp_path / "export"
+    save_pretrained(model, out, optimizer=opt, master_weights=True, max_shard_size="20KB")
+    loaded = dict(GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).named_parameters())
+    trained = dict(model.named_parameters())
+    for (name, param), master in zip(model.named_parameters(), masters, strict=True):
+        assert torch.equal(loaded[name], master.view(param.shape)), name
+        assert torch.equal(loaded[name].to(torch.bfloat16), trained[name]), name
+    # The master carries what bf16 cannot: the export is not just the weights widened.
+    assert any(not torch.equal(loaded[n], trained[n].float()) for n in trained)
+    opt.close()
+    with pytest.raises(ValueError, match=r"master_weights=True .* optimizer="):
+        save_pretrained(model, tmp_path / "c", master_weights=True)

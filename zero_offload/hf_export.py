@@ -40,10 +40,16 @@ class _Entry:
 
     __slots__ = ("dtype", "key", "read", "shape")
 
-    def __init__(self, key: str, tensor: torch.Tensor, read: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        read: Callable[[], torch.Tensor],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.key = key
         self.shape = tuple(tensor.shape)
-        self.dtype = tensor.dtype
+        self.dtype = tensor.dtype if dtype is None else dtype
         self.read = read
 
     @property
@@ -66,10 +72,45 @@ def _trained(optimizer: OffloadAdamW) -> dict[int, torch.Tensor]:
     return out
 
 
-def _entries(model: torch.nn.Module, optimizer: OffloadAdamW | None) -> list[_Entry]:
+class _Masters:
+    """The fp32 master of one bucket at a time on the host, read tile by tile
+    (``stream_fields``, from host RAM, NVMe or the device) when one of its parameters is
+    asked for: one bucket's fp32 on the host, whatever the model."""
+
+    def __init__(self, optimizer: OffloadAdamW) -> None:
+        self._slot = {
+            id(param): (bucket, slot)
+            for bucket in optimizer.buckets
+            for slot, param in zip(bucket.layout.slots, bucket.params, strict=True)
+        }
+        self._bucket: Any = None
+        self._flat = torch.empty(0, dtype=torch.float32)  # (span,) fp32, host
+
+    def has(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._slot
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        bucket, slot = self._slot[id(tensor)]
+        start = bucket.store.span()[0]
+        if bucket is not self._bucket:
+            self._bucket = None
+            flat = torch.empty(bucket.store.span()[1] - start, dtype=torch.float32)
+
+            def take(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+                flat[lo:hi].copy_(fields["master"])  # a host sync per tile on a GPU
+
+            bucket.store.stream_fields(take, read=True, write=False)
+            self._bucket, self._flat = bucket, flat
+        return self._flat[slot.offset - start : slot.end - start].view(slot.shape)
+
+
+def _entries(
+    model: torch.nn.Module, optimizer: OffloadAdamW | None, *, master: bool
+) -> list[_Entry]:
     """The model's ``state_dict`` keys once each (a tied weight under its first name, as
     ``save_pretrained`` does), in ``state_dict`` order."""
     trained = _trained(optimizer) if optimizer is not None else {}
+    masters = _Masters(optimizer) if master and optimizer is not None else None
     entries = []
     seen: set[int] = set()
     for key, tensor in model.state_dict(keep_vars=True).items():
@@ -83,6 +124,11 @@ def _entries(model: torch.nn.Module, optimizer: OffloadAdamW | None) -> list[_En
             )
         if tensor.dtype not in DTYPE_NAMES:
             raise TypeError(f"model tensor {key!r} has dtype {tensor.dtype}, not exportable")
+        if masters is not None and masters.has(tensor):
+            entries.append(
+                _Entry(key, tensor, lambda t=tensor: masters.read(t), dtype=torch.float32)
+            )
+            continue
         source = trained.get(id(tensor), tensor)
         entries.append(_Entry(key, tensor, lambda s=source: s.detach()))
     return entries
@@ -131,6 +177,7 @@ def save_pretrained(
     *,
     optimizer: OffloadAdamW | None = None,
     max_shard_size: int | str = "5GB",
+    master_weights: bool = False,
 ) -> list[Path]:
     """Write ``model``'s weights to ``save_directory`` as ``transformers``' ``save_pretrained``
     does (``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` with
@@ -142,6 +189,12 @@ def save_pretrained(
     pending ``overlap_step`` update is published. Without it every tensor is read from the
     model. Weights are written in their training dtype, tensor by tensor (Note [an export is
     streamed]). Call it on one rank.
+
+    ``master_weights=True`` (with ``optimizer``, one rank): the trained parameters are
+    written as their fp32 master weights instead (read from wherever the optimizer keeps
+    them: host RAM, NVMe or the device; one bucket's fp32 on the host at a time), so a
+    bf16 run exports its full precision. Weights written into the model after the last
+    step are not in the master until the next step reconciles them.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -150,10 +203,19 @@ def save_pretrained(
             f"optimizer must be the OffloadAdamW training the model, or None, got "
             f"{type(optimizer).__name__}"
         )
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+    if master_weights and (optimizer is None or optimizer.comm is not None):
+        raise ValueError(
+            "master_weights=True reads the fp32 master from the optimizer: pass optimizer= "
+            "(an OffloadAdamW on one rank; with several ranks each holds a shard of it)"
+        )
     limit = parse_bytes(max_shard_size, name="max_shard_size")
     if limit <= 0:
         raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size!r}")
-    entries = _entries(model, optimizer)  # refuses a model with meta tensors left
+    entries = _entries(
+        model, optimizer, master=master_weights
+    )  # refuses a model with meta tensors left
     directory = make_private_dirs(save_directory)
     if optimizer is not None:
         optimizer.flush_pending_update()
