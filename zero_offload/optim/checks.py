@@ -198,7 +198,8 @@ def check_params(
                 raise ValueError(
                     f"{what} is on the meta device (no storage yet) and has no source of "
                     "weights: load its checkpoint first, zero_offload.load_pretrained(model, "
-                    "path), or materialise it (model.to_empty(device=...) and initialise)"
+                    f"path), or materialise the model, model.to_empty(device={str(device)!r}), "
+                    "and initialise it"
                 )
             # Note [construction reads each weight from its source] in weights/source.py:
             # the device, the host (pinned or not) and meta plus a checkpoint are all read
