@@ -36,9 +36,11 @@ if TYPE_CHECKING:
         offload_activations,
     )
     from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
+    from .hf_export import save_pretrained
     from .memory.manager import TieredMemoryManager
     from .optim import OffloadAdam, OffloadAdamW, StepFailed
     from .profiling import TrafficProfiler, profile
+    from .weights import load_pretrained
 
 #: Public names whose modules import torch: name -> the module that defines it.
 _LAZY = {
@@ -58,6 +60,8 @@ _LAZY = {
     "OffloadAdamW": ".optim",
     "StepFailed": ".optim",
     "TrafficProfiler": ".profiling",
+    "load_pretrained": ".weights",
+    "save_pretrained": ".hf_export",
     "profile": ".profiling",
 }
 
@@ -87,9 +91,11 @@ __all__ = [
     "estimate",
     "get_accelerator",
     "load_consolidated",
+    "load_pretrained",
     "offload_activations",
     "profile",
     "save_consolidated",
+    "save_pretrained",
 ]
 
 __version__ = "0.1.0"

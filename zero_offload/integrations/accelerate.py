@@ -42,6 +42,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..optim import OffloadAdamW
 from ..profiling.metrics import StepMetrics
+from ..weights import has_source
 from ._optim import clip_norm
 
 __all__ = ["FP16_AMP_MESSAGE", "OffloadAcceleratedOptimizer", "OffloadAccelerator"]
@@ -191,6 +192,12 @@ class OffloadAccelerator(Accelerator):
         """``Accelerator.prepare_model``; a model whose trainable parameters an
         ``OffloadAdamW`` owns is neither moved nor, with several processes, wrapped in DDP
         (the optimizer reduce-scatters its gradients itself)."""
+        if any(has_source(p) for p in model.parameters()):
+            raise ValueError(
+                "prepare() got a model whose parameters are still on the meta device, waiting "
+                "for their checkpoint (zero_offload.load_pretrained): build OffloadAdamW over "
+                "model.parameters() first (it reads them into place), then prepare both"
+            )
         if self._owned_by_offload(model):
             # The optimizer was built on the parameters where they are: accelerate's
             # placement could only copy them away from its storage (on CPU, .to("cpu:0")

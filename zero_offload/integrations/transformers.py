@@ -54,6 +54,7 @@ from ..config import OffloadConfig
 from ..fileio import save_torch
 from ..optim import OffloadAdamW
 from ..profiling.metrics import StepMetrics
+from ..weights import has_source, load_pretrained
 from ._optim import find_offload_optimizer, pre_clip_norm
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
@@ -85,6 +86,13 @@ class OffloadTrainer(Trainer):
             ``max_grad_norm`` sets the clipping.
         offload_device: the zero-offload accelerator for the optimizer (default
             ``zero_offload.get_accelerator()``).
+        weights: an HF safetensors checkpoint (directory or file) to load ``model`` from,
+            ``model`` being built on the meta device (``zero_offload.load_pretrained``):
+            each trainable weight is read into its device slot when the optimizer is built,
+            so the model is never whole in host or device memory (docs/big-models.md).
+
+    With ``OffloadConfig(offload_parameters=True)`` the optimizer is given the model and
+    finds its blocks itself.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class OffloadTrainer(Trainer):
         *args: Any,
         offload_config: OffloadConfig | None = None,
         offload_device: OffloadDevice | None = None,
+        weights: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
@@ -120,6 +129,14 @@ class OffloadTrainer(Trainer):
         self.offload_device = offload_device
         self._offload_metrics: StepMetrics | None = None  # from the first training log on
         self._offload_logged_step = 0
+        if weights is not None:
+            model = kwargs.get("model", args[0] if args else None)
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(
+                    f"OffloadTrainer(weights={str(weights)!r}) loads into model=, which must be "
+                    f"an nn.Module built on the meta device, got {type(model).__name__}"
+                )
+            load_pretrained(model, weights, accelerator=offload_device)
         super().__init__(*args, **kwargs)
         self._check_setup()
 
@@ -181,6 +198,14 @@ class OffloadTrainer(Trainer):
                 "with OffloadConfig(max_grad_norm=None) and let Trainer's setting clip"
             )
 
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Trainer's placement, except for a model whose trainable parameters wait on meta
+        for the optimizer to read them from their checkpoint (``load_pretrained``): the
+        optimizer places them, and the rest is on the device already."""
+        if any(has_source(p) for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     # -- the optimizer -----------------------------------------------------------------
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -227,6 +252,9 @@ class OffloadTrainer(Trainer):
             weight_decay=args.weight_decay,
             config=config,
             accelerator=self.offload_device,
+            # Parameter offload fetches the model's blocks (``layers`` found by OffloadAdamW:
+            # the nn.ModuleList holding the most parameters).
+            model=model if config.offload_parameters else None,
         )
 
     @property

@@ -11,6 +11,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..views.family import Family
+from ..weights.source import has_source
 
 if TYPE_CHECKING:
     from .flat_bucket import FlatBucket
@@ -193,18 +194,23 @@ def check_params(
                     f"{what}: dtype {param.dtype} is not supported; cast the model to one of "
                     f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
                 )
-            if param.device.type == "meta":
+            if param.device.type == "meta" and not has_source(param):
                 raise ValueError(
-                    f"{what} is on the meta device (no storage yet): materialise the model "
-                    f"first, e.g. model.to_empty(device={str(device)!r}) and then initialise "
-                    "or load its weights"
+                    f"{what} is on the meta device (no storage yet) and has no source of "
+                    "weights: load its checkpoint first, zero_offload.load_pretrained(model, "
+                    f"path), or materialise the model, model.to_empty(device={str(device)!r}), "
+                    "and initialise it"
                 )
-            if param.device.type != device.type or (
-                device.index is not None and param.device.index != device.index
+            # Note [construction reads each weight from its source] in weights/source.py:
+            # the device, the host (pinned or not) and meta plus a checkpoint are all read
+            # bucket by bucket into the slots.
+            if param.device.type not in ("cpu", "meta") and (
+                param.device.type != device.type
+                or (device.index is not None and param.device.index != device.index)
             ):
                 raise ValueError(
                     f"{what} is on {param.device} but the accelerator's device is {device}; "
-                    f"move the model there first (model.to({str(device)!r}))"
+                    f"move the model there (model.to({str(device)!r})) or to the CPU first"
                 )
             if param.requires_grad and param.numel() > 0:
                 by_dtype.setdefault(param.dtype, []).append((index, tuple(param.shape)))

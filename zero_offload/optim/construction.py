@@ -12,6 +12,7 @@ from ..config import OffloadConfig
 from ..memory.manager import Tier, TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import ParamViews
+from ..weights.source import ConstructionPeaks, PeakTracker, tracking
 from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
@@ -82,6 +83,9 @@ class SegmentBuilder:
         self.name = name  # the pools' name prefix
         # Parameter offload (zero_offload.params): the model and its blocks, or None.
         self.param_offload_of = param_offload_of
+        #: What the last ``build`` held at its worst (Note [construction peaks] in
+        #: ``weights/source.py``); None before the first.
+        self.peaks: ConstructionPeaks | None = None
 
     @staticmethod
     def _all_params(owner: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -123,6 +127,20 @@ class SegmentBuilder:
         if not families:
             return
         check_owners(owner, params, [i for family in families for i, _ in family.members])
+        tracker = PeakTracker(
+            self.manager, [params[i] for family in families for i, _ in family.members]
+        )
+        with tracking(tracker):
+            self._build(owner, params, families, tracker)
+        self.peaks = tracker.peaks()
+
+    def _build(
+        self,
+        owner: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        families: list[Any],
+        tracker: PeakTracker,
+    ) -> None:
         offload = self._param_offloader(params, families)
         if offload is not None:  # no bucket spans two units (zero_offload.params)
             families = offload.split_families(families, params)
@@ -137,6 +155,7 @@ class SegmentBuilder:
         moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
         if offload is not None:
             offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
+            tracker.sample()
         stats = self.manager.accelerator.memory_stats()
         try:
             placement = plan_placement(
@@ -179,40 +198,48 @@ class SegmentBuilder:
             if offload is not None:
                 offload.close()
             raise
+        tracker.sample()
+        grad_buffers = GradBuffers(self.manager, name=name)
+        buckets: list[FlatBucket] = []
+        moved: list[ParamViews] = []  # views built before the host pool (no param offload)
+        host_pool = None
         try:
+            if offload is None:  # see Note [construction holds one copy]
+                for layout in layouts:
+                    members = [params[slot.index] for slot in layout.slots]
+                    moved.append(ParamViews(layout, members, device_pool))
+                    tracker.released(members)
             host_pool = self.manager.create_pool(
                 Tier.HOST, max(nvme.plan.host_pool, POOL_ALIGNMENT), name=f"{name}.host"
             )
-        except BaseException:
-            self.manager.discard_pool(device_pool)
-            if offload is not None:
-                offload.close()
-            raise
-        pools = BucketPools(device=device_pool, host=host_pool)
-        grad_buffers = GradBuffers(self.manager, name=name)
-        buckets: list[FlatBucket] = []
-        try:
+            tracker.sample()
             self._build_buckets(
                 owner,
                 layouts,
                 placement,
-                pools,
+                BucketPools(device=device_pool, host=host_pool),
                 grad_buffers,
                 amsgrad,
                 moments_dtype,
                 buckets,
                 nvme,
                 offload,
+                moved,
+                tracker,
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
-            for bucket in buckets:
-                bucket.views.unbind()
+            bound = {id(v): v for v in [*moved, *(bucket.views for bucket in buckets)]}
+            for views in bound.values():
+                views.unbind()
             if offload is not None:
                 offload.close()
             self.manager.discard_pool(device_pool)
-            self.manager.discard_pool(host_pool)
+            if host_pool is not None:
+                self.manager.discard_pool(host_pool)
             raise
+        tracker.sample()  # the final footprint (gradient staging pools included)
+        pools = BucketPools(device=device_pool, host=host_pool)
         if offload is not None:
             offload.install(owner)
             self.resources.param_offload = offload
@@ -227,11 +254,21 @@ class SegmentBuilder:
         self.policy.use_scaler_for(buckets)  # Note [one loss scale]
 
     # Note [construction holds one copy]
-    # Each bucket copies its parameters into the device pool and re-points them there
-    # (ParamViews), which releases the original storage bucket by bucket: the peak is one
-    # bucket above the final footprint, never two copies of the model. A failure half-way
-    # gives the parameters built so far private copies again (ParamViews.unbind) before the
-    # pools are discarded, so the model keeps its values.
+    # The device pool is allocated whole first (the final device footprint). Then each
+    # bucket copies its parameters' initial weights into its slots, from wherever they are
+    # (the device, the host, or a checkpoint for meta parameters: Note [construction reads
+    # each weight from its source] in weights/source.py) and re-points the parameters there
+    # (ParamViews), which releases the originals bucket by bucket. Without parameter offload
+    # every bucket moves before the host pool is pinned, so host originals and the host pool
+    # never coexist: host peak = max(the host originals, the final host footprint), plus one
+    # checkpoint tensor. With parameter offload the homes live in the host pool, so it comes
+    # first and each unit moves in turn: host peak = final + the originals not yet moved.
+    # Originals on a GPU stay until their bucket moves: device peak = final + the model (so
+    # a model larger than the GPU is built from the CPU or from meta plus a checkpoint, and
+    # then the device peak is the final footprint). Both peaks are measured: Note
+    # [construction peaks]. A failure half-way gives the parameters built so far private
+    # copies again (ParamViews.unbind) before the pools are discarded, so the model keeps
+    # its values (on the device).
 
     def _build_buckets(
         self,
@@ -244,19 +281,23 @@ class SegmentBuilder:
         moments_dtype: torch.dtype,
         out: list[FlatBucket],
         nvme: NvmeBackends,
-        offload: Any = None,
+        offload: Any,
+        moved: list[ParamViews],
+        tracker: PeakTracker,
     ) -> None:
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
-        ``out`` as each is built (so a failure can undo the ones before it). With parameter
-        offload (``offload``) the weights live in its window and the store's home."""
+        ``out`` as each is built (so a failure can undo the ones before it). Without
+        parameter offload the views are ``moved`` already, one per layout; with it
+        (``offload``) each is built here, in its unit's window slot, and the weights live in
+        the store's home."""
         params = self._all_params(owner)
-        for layout in layouts:
+        for i, layout in enumerate(layouts):
             members = [params[slot.index] for slot in layout.slots]
-            views = (
-                ParamViews(layout, members, pools.device)
-                if offload is None
-                else offload.views_for(layout, members)
-            )
+            if offload is None:
+                views = moved[i]
+            else:
+                views = offload.views_for(layout, members)
+                tracker.released(members)
             shard = layout.shard_range(self.ranks.rank)
             gradients: GradientPath | None = None
             try:
@@ -310,8 +351,9 @@ class SegmentBuilder:
             except BaseException:
                 if gradients is not None:
                     gradients.close()
-                views.unbind()
-                views.close()
+                if offload is not None:  # moved views are undone by build()
+                    views.unbind()
+                    views.close()
                 raise
             views.remember()
             out.append(FlatBucket(layout, views, gradients, store, shard=shard))

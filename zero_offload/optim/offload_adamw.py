@@ -231,6 +231,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._resources.param_offload
 
     @property
+    def construction_peaks(self) -> Any:
+        """``(device, host)`` bytes the last build held at most (``construction.py``'s
+        SegmentBuilder; Notes [construction holds one copy], [construction peaks])."""
+        return self._builder.peaks
+
+    @property
     def comm(self) -> Any:
         """The process group's ``Comm`` (``collectives.Comm``), or ``None`` with one rank."""
         return self._ranks.comm
@@ -291,8 +297,6 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
-
-    # Construction: construction.SegmentBuilder (Note [construction holds one copy] there).
 
     @property
     def placement(self) -> Placement:

@@ -25,6 +25,7 @@ import torch
 from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
+from ..weights.source import fill
 from .window import Slot
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class WindowedViews(ParamViews):
         with torch.no_grad():
             region.zero_()  # see Note [padding stays at the end] in partition.py
             for slot, param in zip(layout.slots, self.params, strict=True):
-                region[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+                fill(param, region[slot.offset : slot.end])
         self.bound = region
         self._point_at(region)  # releases the original storage (one copy of the model)
         self.versions: tuple[int, ...] | None = None

@@ -1,0 +1,247 @@
+"""``save_pretrained``: the trained weights as a Hugging Face safetensors checkpoint, written
+tensor by tensor from where they live, loadable by ``transformers``' ``from_pretrained``
+without zero-offload.
+
+Note [an export is streamed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The safetensors format is a JSON header (every tensor's dtype, shape and byte range) and then
+the raw bytes, in order. The header needs shapes and dtypes only, so it is written first and
+each tensor follows on its own: read from its bucket's slot (the device block, or the pinned
+home with parameter offload), copied to the host when it lives on a GPU, written, dropped.
+The host holds one tensor at a time, never a shard or the model. Each file is written
+atomically (Note [atomic replacement] in ``fileio.py``); a sharded export writes its shards
+first and the index last, then removes shards of an earlier export that the new index does
+not name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import parse_bytes
+from .fileio import atomic_file, make_private_dirs, write_text
+from .optim import OffloadAdamW
+from .weights.checkpoint import DTYPE_NAMES, INDEX_NAME, SINGLE_NAME, nbytes_of
+
+__all__ = ["save_pretrained"]
+
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+class _Entry:
+    """One tensor to export: its key, shape, dtype and how to read it."""
+
+    __slots__ = ("dtype", "key", "read", "shape")
+
+    def __init__(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        read: Callable[[], torch.Tensor],
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.key = key
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype if dtype is None else dtype
+        self.read = read
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.shape, self.dtype)
+
+
+def _trained(optimizer: OffloadAdamW) -> dict[int, torch.Tensor]:
+    """Each trained parameter's weights where they are authoritative, by id: its slot of the
+    bucket's device block, or with parameter offload its pinned home (where a released
+    unit's parameters have no storage of their own)."""
+    out = {}
+    for bucket in optimizer.buckets:
+        views = bucket.views
+        flat = getattr(views, "home", None)  # zero_offload.params' WindowedViews
+        if flat is None:
+            flat = views.weights_dev
+        for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
+            out[id(param)] = flat[slot.offset : slot.end].view(slot.shape)
+    return out
+
+
+class _Masters:
+    """The fp32 master of one bucket at a time on the host, read tile by tile
+    (``stream_fields``, from host RAM, NVMe or the device) when one of its parameters is
+    asked for: one bucket's fp32 on the host, whatever the model."""
+
+    def __init__(self, optimizer: OffloadAdamW) -> None:
+        self._slot = {
+            id(param): (bucket, slot)
+            for bucket in optimizer.buckets
+            for slot, param in zip(bucket.layout.slots, bucket.params, strict=True)
+        }
+        self._bucket: Any = None
+        self._flat = torch.empty(0, dtype=torch.float32)  # (span,) fp32, host
+
+    def has(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._slot
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        bucket, slot = self._slot[id(tensor)]
+        start = bucket.store.span()[0]
+        if bucket is not self._bucket:
+            self._bucket = None
+            flat = torch.empty(bucket.store.span()[1] - start, dtype=torch.float32)
+
+            def take(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+                flat[lo:hi].copy_(fields["master"])  # a host sync per tile on a GPU
+
+            bucket.store.stream_fields(take, read=True, write=False)
+            self._bucket, self._flat = bucket, flat
+        return self._flat[slot.offset - start : slot.end - start].view(slot.shape)
+
+
+def _entries(
+    model: torch.nn.Module, optimizer: OffloadAdamW | None, *, master: bool
+) -> list[_Entry]:
+    """The model's ``state_dict`` keys once each (a tied weight under its first name, as
+    ``save_pretrained`` does), in ``state_dict`` order."""
+    trained = _trained(optimizer) if optimizer is not None else {}
+    masters = _Masters(optimizer) if master and optimizer is not None else None
+    entries = []
+    seen: set[int] = set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_meta and id(tensor) not in trained:
+            raise ValueError(
+                f"model tensor {key!r} is still on the meta device (never loaded): build the "
+                "optimizer over it, or load it, before exporting"
+            )
+        if tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"model tensor {key!r} has dtype {tensor.dtype}, not exportable")
+        if masters is not None and masters.has(tensor):
+            entries.append(
+                _Entry(key, tensor, lambda t=tensor: masters.read(t), dtype=torch.float32)
+            )
+            continue
+        source = trained.get(id(tensor), tensor)
+        entries.append(_Entry(key, tensor, lambda s=source: s.detach()))
+    return entries
+
+
+def _shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+    """Consecutive entries per shard, each at most ``max_shard_size`` bytes unless a single
+    tensor is larger (it gets a shard of its own), as ``save_pretrained`` splits."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def _write_shard(path: Path, entries: list[_Entry]) -> None:
+    """One safetensors file, streamed: Note [an export is streamed]."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        header[entry.key] = {
+            "dtype": DTYPE_NAMES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_file(path, what="save_pretrained", nbytes=8 + len(raw) + offset) as handle:
+        handle.write(len(raw).to_bytes(8, "little"))
+        handle.write(raw)
+        for entry in entries:
+            # Hidden cost: a device-to-host copy of one tensor when it lives on a GPU.
+            tensor = entry.read().to("cpu").contiguous()
+            if tensor.numel():
+                handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+
+
+def save_pretrained(
+    model: torch.nn.Module,
+    save_directory: str | os.PathLike[str],
+    *,
+    optimizer: OffloadAdamW | None = None,
+    max_shard_size: int | str = "5GB",
+    master_weights: bool = False,
+) -> list[Path]:
+    """Write ``model``'s weights to ``save_directory`` as ``transformers``' ``save_pretrained``
+    does (``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json`` above ``max_shard_size``), plus ``config.json`` (and
+    ``generation_config.json``) when the model has a ``config``. Returns the weight files.
+
+    ``optimizer``: the ``OffloadAdamW`` training ``model``; its parameters are read from
+    their buckets (the device block, or the pinned home with parameter offload), after any
+    pending ``overlap_step`` update is published. Without it every tensor is read from the
+    model. Weights are written in their training dtype, tensor by tensor (Note [an export is
+    streamed]). Call it on one rank.
+
+    ``master_weights=True`` (with ``optimizer``, one rank): the trained parameters are
+    written as their fp32 master weights instead (read from wherever the optimizer keeps
+    them: host RAM, NVMe or the device; one bucket's fp32 on the host at a time), so a
+    bf16 run exports its full precision. Weights written into the model after the last
+    step are not in the master until the next step reconciles them.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, OffloadAdamW):
+        raise TypeError(
+            f"optimizer must be the OffloadAdamW training the model, or None, got "
+            f"{type(optimizer).__name__}"
+        )
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+    if master_weights and (optimizer is None or optimizer.comm is not None):
+        raise ValueError(
+            "master_weights=True reads the fp32 master from the optimizer: pass optimizer= "
+            "(an OffloadAdamW on one rank; with several ranks each holds a shard of it)"
+        )
+    limit = parse_bytes(max_shard_size, name="max_shard_size")
+    if limit <= 0:
+        raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size!r}")
+    entries = _entries(
+        model, optimizer, master=master_weights
+    )  # refuses a model with meta tensors left
+    directory = make_private_dirs(save_directory)
+    if optimizer is not None:
+        optimizer.flush_pending_update()
+        # Synchronisation point: the step's weight copies into the slots must have landed.
+        optimizer.manager.accelerator.synchronize()
+    shards = _shards(entries, limit)
+    if len(shards) == 1:
+        names = [SINGLE_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        _write_shard(directory / name, shard)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.key: n for n, shard in zip(names, shards, strict=True) for e in shard},
+        }
+        write_text(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n", what="index")
+    # What an earlier export left that this one does not name would be read instead of it
+    # (a stale index) or beside it.
+    stale = [directory / INDEX_NAME] if len(shards) == 1 else [directory / SINGLE_NAME]
+    stale += [p for p in directory.iterdir() if _SHARD_RE.match(p.name) and p.name not in names]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    for attribute in ("config", "generation_config"):
+        config = getattr(model, attribute, None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+    return [directory / name for name in names]
