@@ -37,12 +37,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import TieredMemoryManager
-from .checks import (
-    check_hyper,
-    check_new_params,
-    check_untouched,
-    split_names,
-)
+from .checks import check_hyper, check_new_params, check_untouched, split_names
 from .construction import SegmentBuilder, check_param_offload
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
