@@ -95,6 +95,7 @@ class WindowedViews(ParamViews):
         self._point_at(region)  # releases the original storage (one copy of the model)
         self.versions: tuple[int, ...] | None = None
         self.placeholders: list[torch.Tensor] = []
+        self._bindings: list[Binding] = []  # per parameter, how it reaches its weights
 
     def _point_at(self, flat: torch.Tensor) -> None:
         for slot, param in zip(self.layout.slots, self.params, strict=True):
@@ -114,6 +115,11 @@ class WindowedViews(ParamViews):
         self.home, self.home_block = home, home_block
         device = self.weights_dev.device
         self.placeholders = [placeholder_like(param, device) for param in self.params]
+        ref = weakref.ref(self)
+        self._bindings = [
+            Binding(self.unit.materialize, functools.partial(_home_view_of, ref, i))
+            for i in range(len(self.params))
+        ]
         self.bind_placeholders()
 
     def home_pair(self) -> tuple[torch.Tensor, Block]:
@@ -143,8 +149,7 @@ class WindowedViews(ParamViews):
         replaced = set(self.replaced()) if self.unit.resident else set()
         for i, (param, holder) in enumerate(zip(self.params, self.placeholders, strict=True)):
             if i not in replaced:
-                home = functools.partial(_home_view_of, weakref.ref(self), i)
-                release(param, holder, Binding(self.unit.materialize, home))
+                release(param, holder, self._bindings[i])
 
     def unbind(self) -> None:
         """Give every parameter a private copy of its weights on the device (the home's,
@@ -229,3 +234,4 @@ class WindowedViews(ParamViews):
         """Nothing of its own to free: the slot is the window's, the home the backend's."""
         self.home = self.home_block = None
         self.placeholders = []
+        self._bindings = []
