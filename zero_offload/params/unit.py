@@ -44,8 +44,8 @@ How it decides, cheaply: a write through the parameter (``copy_``, ``mul_``, wha
 fetch (a tuple compare). A write through ``.data`` moves a counter nobody sees, so a unit
 that user code could have touched, one that was *exposed* (still resident when a forward of
 the model returned, or brought back by ``materialize``), is also fingerprinted: its slot's
-fingerprint (``ParamViews._fingerprint``: xxh3 on a host, a device reduction on a GPU) is
-taken when it is exposed and again at its release. Cost: the version compare at every
+fingerprint (``WindowedViews.slot_fingerprint``: xxh3 on a host, a device reduction on a
+GPU) is taken when it is exposed and again at its release. Cost: the version compare at every
 release; the fingerprints of the units still resident after each forward (``prefetch_layers
 + 1`` of them) once per step, with one host synchronisation each on a GPU when they are
 released. A write made *during* a forward by code between two units' hooks, through
@@ -226,7 +226,7 @@ class ParamUnit:
         if not self.resident or self.exposed is not None:
             return
         self.use(manager)
-        self.exposed = [views._fingerprint(views.weights_dev) for views in self.views]
+        self.exposed = [views.slot_fingerprint() for views in self.views]
 
     def _written(self) -> list[WindowedViews]:
         """The buckets whose slot range user code wrote since the fetch."""
@@ -234,7 +234,7 @@ class ParamUnit:
         for i, views in enumerate(self.views):
             written = views.current_versions() != self._fetch_versions[i]
             if not written and self.exposed is not None:
-                written = _differ(views._fingerprint(views.weights_dev), self.exposed[i])
+                written = _differ(views.slot_fingerprint(), self.exposed[i])
             if written:
                 out.append(views)
         return out
@@ -262,7 +262,7 @@ class ParamUnit:
             self.write_backs += 1
         self._fetch_versions = [views.current_versions() for views in self.views]
         if self.exposed is not None:
-            self.exposed = [views._fingerprint(views.weights_dev) for views in self.views]
+            self.exposed = [views.slot_fingerprint() for views in self.views]
 
     def release(self) -> None:
         """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders

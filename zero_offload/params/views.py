@@ -190,6 +190,11 @@ class WindowedViews(ParamViews):
                     out.append((i, param))
         return out
 
+    def slot_fingerprint(self) -> list[int] | torch.Tensor:
+        """Per parameter, the fingerprint of its slot range now (Note [a write to a resident
+        unit reaches its home] in ``unit.py``)."""
+        return self._fingerprint(self.weights_dev)
+
     def bound_to(self) -> torch.Tensor:
         """The home once adopted (the truth the optimizer fingerprints), the slot before."""
         return self.weights_dev if self.home is None else self.home
