@@ -187,6 +187,26 @@ def test_state_dict_entries_follow_training_and_are_never_window_slots():
     assert_same(got_kept, got)  # the entries are the live weights
 
 
+def test_a_write_through_a_state_dict_entry_reaches_the_model():
+    def run(model, opt):
+        it = batches()
+        step(model, opt, next(it))
+        with torch.no_grad():
+            model(next(it))  # the last units stay on the device
+        kept = model.state_dict()
+        with torch.no_grad():  # entries alias the weights, as in torch
+            kept["blocks.3.mlp.0.weight"].mul_(0.5)  # a unit on the device
+            kept["blocks.0.mlp.0.weight"].mul_(0.5)  # a released unit
+        with torch.no_grad():
+            evaluated = model(next(it))  # before any step: sees both writes
+        return [evaluated, *(step(model, opt, next(it)) for _ in range(2))]
+
+    (want_out, want), (out, got) = both(run)
+    assert torch.equal(out[0], want_out[0])
+    assert out[1:] == want_out[1:]
+    assert_same(got, want)
+
+
 def test_load_state_dict_reaches_the_homes_released_or_resident():
     source = {name: p.detach() * 0.5 for name, p in gpt().named_parameters()}
 

@@ -404,6 +404,9 @@ class ParamOffloader:
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
         self._trace = []
+        for unit in self.units:  # written through a state dict entry while resident
+            if unit.resident and unit.homes_written:
+                unit.release()  # the forward fetches the homes afresh
 
     def _end_forward(self) -> None:
         if self._trace:

@@ -132,13 +132,19 @@ class ParamUnit:
         self.fetched: Event | None = None
         self.content_valid = False
         self._fetch_versions: list[tuple[int, ...]] = []  # per bucket, at the fetch
-        self._home_versions: tuple[int, ...] = ()  # the homes' versions at the release
+        self._home_versions: tuple[int, ...] = ()  # the homes' versions at fetch or release
         self.exposed: list[list[int] | torch.Tensor] | None = None
         self.fetches = 0
         self.write_backs = 0
 
     def _home_versions_now(self) -> tuple[int, ...]:
         return tuple(views.home_pair()[0]._version for views in self.views)
+
+    @property
+    def homes_written(self) -> bool:
+        """Whether a home was written through a view of it (a state dict entry) since the
+        unit's last fetch or release: the slot may be stale."""
+        return self._home_versions != self._home_versions_now()
 
     def __repr__(self) -> str:
         return f"unit {self.index} ({self.spec.name}, {self.state.name})"
@@ -164,7 +170,7 @@ class ParamUnit:
         if slot.occupant is not None and slot.occupant is not self and slot.occupant.resident:
             raise RuntimeError(f"{self!r}: slot {slot.index} is held by {slot.occupant!r} (bug)")
         self._refuse_replaced()
-        if self.content_valid and self._home_versions != self._home_versions_now():
+        if self.content_valid and self.homes_written:
             self.content_valid = False  # the homes were written through a state dict's views
         if not (slot.occupant is self and self.content_valid):
             # Write-after-read: the previous occupant's readers were all issued before now.
@@ -190,6 +196,7 @@ class ParamUnit:
         for views in self.views:
             views.bind_device()
         self._fetch_versions = [views.current_versions() for views in self.views]
+        self._home_versions = self._home_versions_now()
         self.exposed = None
         self._go(UnitState.FETCHING)
 
@@ -260,6 +267,7 @@ class ParamUnit:
             # read by the next fetch and written by the next step.
             end.synchronize()
             self.write_backs += 1
+            self._home_versions = self._home_versions_now()  # our own write
         self._fetch_versions = [views.current_versions() for views in self.views]
         if self.exposed is not None:
             self.exposed = [views.slot_fingerprint() for views in self.views]
@@ -268,10 +276,13 @@ class ParamUnit:
         """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders
         again; the slot is rewritten only by a later fetch, ordered after the compute issued
         before it."""
+        stale = self.homes_written  # the slot no longer holds what the homes do
         self.write_back()
         for views in self.views:
             views.bind_placeholders()
         self.exposed = None
+        if stale:
+            self.content_valid = False
         self._home_versions = self._home_versions_now()
         self._go(UnitState.ON_HOST)
 
