@@ -187,21 +187,30 @@ def test_state_dict_entries_follow_training_and_are_never_window_slots():
     assert_same(got_kept, got)  # the entries are the live weights
 
 
+def tied_gpt() -> TinyGPT:
+    model = gpt()
+    model.head.weight = model.tokens.weight  # one unit with a slot of its own
+    return model
+
+
 def test_a_write_through_a_state_dict_entry_reaches_the_model():
     def run(model, opt):
         it = batches()
         step(model, opt, next(it))
         with torch.no_grad():
-            model(next(it))  # the last units stay on the device
+            model(next(it))  # the tied unit (head) stays on the device, in its own slot
+        if opt.param_offloader is not None:
+            tied = next(u for u in opt.param_offloader.units if u.spec.tied)
+            assert tied.state is UnitState.ON_DEVICE
         kept = model.state_dict()
         with torch.no_grad():  # entries alias the weights, as in torch
-            kept["blocks.3.mlp.0.weight"].mul_(0.5)  # a unit on the device
+            kept["tokens.weight"].mul_(0.5)  # a unit on the device
             kept["blocks.0.mlp.0.weight"].mul_(0.5)  # a released unit
         with torch.no_grad():
             evaluated = model(next(it))  # before any step: sees both writes
         return [evaluated, *(step(model, opt, next(it)) for _ in range(2))]
 
-    (want_out, want), (out, got) = both(run)
+    (want_out, want), (out, got) = both(run, make=tied_gpt)
     assert torch.equal(out[0], want_out[0])
     assert out[1:] == want_out[1:]
     assert_same(got, want)
