@@ -1,10 +1,9 @@
 """The library on the strict host accelerator (``accelerator/strict.py``): what strict mode
-shows about code above ``accelerator/``. Each xfail is a CUDA bug strict mode found, named
-with the file that will fix it (issue 22)."""
+shows about code above ``accelerator/``. A CUDA bug strict mode finds is kept here as an
+xfail naming the file that will fix it (issue 22), until it is fixed."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
@@ -40,17 +39,9 @@ def _train_with_parameter_offload(steps: int) -> tuple[TinyGPT, OffloadAdamW]:
     return model, opt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: a released unit's parameters are views of their pinned home "
-    "(param.data = home), so between steps user code sees them on the host: on CUDA "
-    "next(model.parameters()).device, HF model.device and generate() say cpu, and comparing "
-    "them with device tensors raises (test_param_offload.py's assert_same does, under "
-    "ZERO_OFFLOAD_STRICT=1); fix in "
-    "params/views.py (keep the parameter on the device with its storage resized to 0, "
-    "FSDP2's way, and make the home reachable only through the offloader)",
-)
 def test_parameters_user_code_sees_between_steps_are_on_the_device():
+    """Released parameters are zero-byte device tensors (Note [a released parameter] in
+    params/released.py), never views of their pinned home; reading one fetches its unit."""
     model, opt = _train_with_parameter_offload(2)
     try:
         on_host = [name for name, p in model.named_parameters() if host_memory_name(p)]

@@ -26,6 +26,27 @@ The end of each backward releases every unit; the optimizer's step pre-hook wait
 pending fetch (they read the homes the step writes) and releases every unit, so the step
 updates only the pinned homes, and the next forward's fetches bring the update. A fetch whose
 slot still holds the unit's current weights copies nothing (``ParamUnit.content_valid``).
+A forward outside training (``torch.no_grad()``, ``model.eval()``, ``generate()``) moves the
+window exactly like a training forward; the units still resident when a forward returns are
+*exposed* to user code (Note [a write to a resident unit reaches its home] in ``unit.py``).
+User code that reads a released parameter outside the window brings its unit back through
+``materialize`` (Note [a released parameter] in ``released.py``).
+
+Note [state dict entries are views of the homes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Torch's ``state_dict()`` entries alias the parameters: they show the live weights and a write
+to one writes the parameter. Under parameter offload the live weights are the homes, so the
+state-dict hooks on every module that registers an offloaded parameter make each entry a
+view of the parameter's home (pinned host memory), never of a window slot, which holds
+another unit after the next move (issue 29 item 4). The pre-hook first copies a written
+resident slot home (Note [a write to a resident unit reaches its home]); a released
+parameter's ``detach()`` gives its home view without fetching. Views rather than copies:
+copies would not follow training (torch's entries do), would cost a model's worth of memory,
+and on the device the model does not fit. The price: the entries are on the host, not on the
+device as the parameters say; ``.to(device)`` them where device tensors are needed. A write
+through an entry reaches the home, which the optimizer reconciles by value at its next step;
+the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
+gives the parameters themselves, as in torch.
 
 Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns to its
 slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
@@ -55,6 +76,7 @@ from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import Family
+from . import released
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .views import WindowedViews
@@ -120,6 +142,44 @@ def _root_post_hook(ref: weakref.ref, module: nn.Module, args: Any, output: Any)
     offloader = ref()
     if offloader is not None and not _in_backward():
         offloader._end_forward()
+
+
+def _materialize(ref: weakref.ref, index: int) -> None:
+    offloader = ref()
+    if offloader is None:
+        raise RuntimeError(
+            "a released parameter was read after its optimizer was collected without close() "
+            "(a bug in zero-offload: the optimizer's finalizer restores every parameter)"
+        )
+    offloader.materialize(offloader.units[index])
+
+
+# (name in its module, unit index, bucket of the unit, parameter index in the bucket)
+_Owned = tuple[str, int, int, int]
+
+
+def _state_dict_pre_hook(
+    ref: weakref.ref, owned: list[_Owned], module: nn.Module, prefix: str, keep_vars: bool
+) -> None:
+    offloader = ref()
+    if offloader is not None:
+        released.begin_saving()
+        for unit in sorted({unit for _, unit, _, _ in owned}):
+            offloader.units[unit].write_back()
+
+
+def _state_dict_post_hook(
+    ref: weakref.ref,
+    owned: list[_Owned],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    offloader = ref()
+    if offloader is not None:
+        released.end_saving()
+        offloader._entries_to_homes(owned, module, state_dict, prefix)
 
 
 def _step_pre_hook(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -214,8 +274,16 @@ class ParamOffloader:
         self.window = Window(
             self.manager, slot_bytes, name=f"{self.name}.window", alignment=alignment
         )
+        ref = weakref.ref(self)
         self.units = [
-            ParamUnit(spec, i, self.window.slots[slot_of[i]]) for i, spec in enumerate(self.specs)
+            ParamUnit(
+                spec,
+                i,
+                self.window.slots[slot_of[i]],
+                manager=self.manager,
+                materialize=functools.partial(_materialize, ref, i),
+            )
+            for i, spec in enumerate(self.specs)
         ]
 
     def views_for(self, layout: BucketLayout, params: Sequence[nn.Parameter]) -> WindowedViews:
@@ -228,8 +296,8 @@ class ParamOffloader:
         return views
 
     def adopt(self, views: WindowedViews, backend: Any) -> None:
-        """The bucket's backend is built: its home (``weights_home()``) becomes the
-        parameters' place while the unit is released."""
+        """The bucket's backend is built: its home (``weights_home()``) holds the weights
+        while the unit is released, and the parameters hold their placeholders."""
         views.adopt_home(*backend.weights_home())
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
@@ -245,6 +313,51 @@ class ParamOffloader:
                 add(module.register_forward_hook(functools.partial(_post_hook, ref, unit.index)))
         add(optimizer.register_step_pre_hook(functools.partial(_step_pre_hook, ref)))
         add(optimizer.register_load_state_dict_pre_hook(functools.partial(_step_pre_hook, ref)))
+        for module, owned in self._owners():
+            pre = functools.partial(_state_dict_pre_hook, ref, owned)
+            add(module.register_state_dict_pre_hook(pre))
+            post = functools.partial(_state_dict_post_hook, ref, owned)
+            add(module.register_state_dict_post_hook(post))
+
+    def _owners(self) -> list[tuple[nn.Module, list[_Owned]]]:
+        """Each module that registers offloaded parameters, with where each of them lives."""
+        where: dict[int, tuple[int, int, int]] = {}
+        for unit in self.units:
+            for b, views in enumerate(unit.views):
+                for i, param in enumerate(views.params):
+                    where[id(param)] = (unit.index, b, i)
+        out = []
+        for module in self.model.modules():
+            owned = [
+                (name, *where[id(param)])
+                for name, param in module._parameters.items()
+                if param is not None and id(param) in where
+            ]
+            if owned:
+                out.append((module, owned))
+        return out
+
+    def _entries_to_homes(
+        self, owned: list[_Owned], module: nn.Module, state_dict: dict[str, Any], prefix: str
+    ) -> None:
+        """Note [state dict entries are views of the homes]."""
+        for name, unit, bucket, index in owned:
+            key = prefix + name
+            param = module._parameters.get(name)
+            if key not in state_dict or state_dict[key] is param:  # keep_vars=True
+                continue
+            views = self.units[unit].views[bucket]
+            if views.params[index] is not param or any(p is param for _, p in views.detached()):
+                continue  # replaced: its entry is what the module holds now
+            state_dict[key] = views.home_view(index)
+
+    def materialize(self, unit: ParamUnit) -> None:
+        """Bring ``unit`` onto the device for user code and wait for it (Note [a released
+        parameter]); it stays until the window or a step releases it, exposed."""
+        if self.window is None:
+            raise RuntimeError(f"{unit!r} is released after close (bug)")
+        self._fetch(unit, demand=True)
+        unit.expose(self.manager)
 
     # -- the schedule ------------------------------------------------------------------
 
@@ -291,10 +404,15 @@ class ParamOffloader:
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
         self._trace = []
+        for unit in self.units:  # written through a state dict entry while resident
+            if unit.resident and unit.homes_written:
+                unit.release()  # the forward fetches the homes afresh
 
     def _end_forward(self) -> None:
         if self._trace:
             self._last_trace = list(self._trace)
+        for unit in self.units:  # user code runs next: Note [a write to a resident unit ...]
+            unit.expose(self.manager)
 
     def _before_forward(self, unit: ParamUnit) -> None:
         if _in_backward():  # recompute under activation checkpointing
@@ -365,8 +483,9 @@ class ParamOffloader:
         return 0 if self.window is None else self.window.capacity
 
     def close(self) -> None:
-        """Remove the hooks, give every parameter a private copy of its current weights (so
-        the model keeps working without the optimizer's pools) and close the window."""
+        """Remove the hooks, give every parameter a private copy of its current weights on
+        the device and its plain class (so the model keeps working without the optimizer's
+        pools) and close the window."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -5,29 +5,59 @@ Note [a unit's lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 The authoritative training-dtype weights of a unit live in pinned host memory, in each of
 its buckets' *home*: the ``weights_staging`` CPU Adam writes for bf16/fp16, the fp32 master
-itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``). A step updates the homes only; the next
-fetch brings the update (nothing else crosses the link for these weights).
+itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``). A step updates the
+homes only; the next fetch brings the update (nothing else crosses the link for these
+weights).
 
-- ON_HOST: the parameters are views of the homes (pinned host memory, no device bytes of
-  their own); the unit's slot may hold another unit. Code that writes the parameters now
-  (``load_state_dict``) writes the homes, which the optimizer reconciles as for any write
-  (Note [weights written outside the optimizer] in ``views/param_views.py``).
+- ON_HOST (released): the weights are in the homes only. The parameters are zero-byte
+  tensors on the device, of their shape and dtype, that fetch the unit when user code reads
+  them (Note [a released parameter] in ``released.py``); the unit's slot may hold another
+  unit.
 - FETCHING: H2D copies (one per bucket, on the ``h2d`` stream through the memory manager)
   are writing the homes into the slot; the parameters are already views of the slot, and
   compute must wait on ``ready`` before reading them.
 - ON_DEVICE: compute waited on ``ready``; kernels may read the slot.
 
 ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use).
-A release re-points the parameters at the homes; the slot's bytes are overwritten only by a
-fetch, whose copies wait for the compute stream's work issued before it (every kernel that
-read the previous occupant is among it: stream-ordered reuse, the CPU does not wait).
-``ParamUnit.content_valid`` says the slot still holds this unit's current weights (released,
-nobody fetched into the slot since, no step since): a fetch then copies nothing.
+A release points the parameters at their placeholders again, after copying a written slot
+home (Note [a write to a resident unit reaches its home]); the slot's bytes are overwritten
+only by a fetch, whose copies wait for the compute stream's work issued before it (every
+kernel that read the previous occupant is among it: stream-ordered reuse, the CPU does not
+wait). ``ParamUnit.content_valid`` says the slot still holds this unit's current weights
+(released, nobody fetched into the slot since, no step since, the homes not written through
+a state dict's views since): a fetch then copies nothing.
+
+Note [a write to a resident unit reaches its home]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+While a unit is on the device its parameters are views of the slot, and user code may write
+them: ``model.load_state_dict`` after an eval forward or between forward and backward, an
+in-place op, ``p.data.copy_``, or anything after ``materialize`` brought the unit back for
+user code. Such a write must reach the home, or the next fetch (or step) would silently undo
+it. At each release the unit decides whether the slot was written and, if so, copies it home
+(D2H through the memory manager, waited for: the home is read by the next fetch and written
+by the next step) before the parameters are released; the optimizer then sees the home
+changed by value and reconciles (Note [weights written outside the optimizer] in
+``views/param_views.py``).
+
+How it decides, cheaply: a write through the parameter (``copy_``, ``mul_``, what
+``load_state_dict`` does) moves its version counter, compared with the versions at the
+fetch (a tuple compare). A write through ``.data`` moves a counter nobody sees, so a unit
+that user code could have touched, one that was *exposed* (still resident when a forward of
+the model returned, or brought back by ``materialize``), is also fingerprinted: its slot's
+fingerprint (``WindowedViews.slot_fingerprint``: xxh3 on a host, a device reduction on a
+GPU) is taken when it is exposed and again at its release. Cost: the version compare at every
+release; the fingerprints of the units still resident after each forward (``prefetch_layers
++ 1`` of them) once per step, with one host synchronisation each on a GPU when they are
+released. A write made *during* a forward by code between two units' hooks, through
+``.data``, to a unit that then leaves in the same forward, is not seen.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+
+import torch
 
 from ..accelerator import Event
 from ..memory.manager import TieredMemoryManager
@@ -42,7 +72,8 @@ __all__ = ["ParamUnit", "UnitState"]
 class UnitState(enum.Enum):
     """Where a unit's weights are, and what that means for device memory."""
 
-    #: Parameters are views of the pinned host homes; no device bytes are the unit's.
+    #: Released: the weights are in the pinned host homes only; the parameters hold
+    #: zero-byte device placeholders; no device bytes are the unit's.
     ON_HOST = "on_host"
     #: The unit's slot is being written by H2D copies; compute must wait on ``ready``.
     FETCHING = "fetching"
@@ -66,6 +97,7 @@ class ParamUnit:
 
     Fields:
         spec: which modules and parameters (``UnitSpec``).
+        manager: the memory manager every copy of the unit goes through.
         index: position in forward order (``find_units``).
         slot: its fixed slot (Note [a unit always returns to its slot]).
         views: one ``WindowedViews`` per bucket of the unit, each at a fixed offset of
@@ -74,22 +106,45 @@ class ParamUnit:
         fetched: the same event, kept until the CPU waited on it (``settle``): the homes it
             reads are written by the next step's CPU Adam.
         fetches: fetches that copied bytes (a statistic; the tests count them).
+        write_backs: releases that copied a written slot home (a statistic).
+        materialize: fetch for user code (``ParamOffloader.materialize``, holding it weakly).
+        exposed: per bucket, the slot's fingerprint when user code could first touch it
+            (None: not exposed); Note [a write to a resident unit reaches its home].
     """
 
-    def __init__(self, spec: UnitSpec, index: int, slot: Slot) -> None:
+    def __init__(
+        self,
+        spec: UnitSpec,
+        index: int,
+        slot: Slot,
+        *,
+        manager: TieredMemoryManager,
+        materialize: Callable[[], None],
+    ) -> None:
         self.spec = spec
+        self.manager = manager
         self.index = index
         self.slot = slot
+        self.materialize = materialize
         self.views: list[WindowedViews] = []
         self.state = UnitState.ON_HOST
         self.ready: Event | None = None
         self.fetched: Event | None = None
         self.content_valid = False
-        self._versions: tuple[int, ...] = ()  # the parameters' versions at the release
+        self._fetch_versions: list[tuple[int, ...]] = []  # per bucket, at the fetch
+        self._home_versions: tuple[int, ...] = ()  # the homes' versions at fetch or release
+        self.exposed: list[list[int] | torch.Tensor] | None = None
         self.fetches = 0
+        self.write_backs = 0
 
-    def _current_versions(self) -> tuple[int, ...]:
-        return tuple(param._version for param in self.spec.params)
+    def _home_versions_now(self) -> tuple[int, ...]:
+        return tuple(views.home_pair()[0]._version for views in self.views)
+
+    @property
+    def homes_written(self) -> bool:
+        """Whether a home was written through a view of it (a state dict entry) since the
+        unit's last fetch or release: the slot may be stale."""
+        return self._home_versions != self._home_versions_now()
 
     def __repr__(self) -> str:
         return f"unit {self.index} ({self.spec.name}, {self.state.name})"
@@ -114,8 +169,9 @@ class ParamUnit:
         slot = self.slot
         if slot.occupant is not None and slot.occupant is not self and slot.occupant.resident:
             raise RuntimeError(f"{self!r}: slot {slot.index} is held by {slot.occupant!r} (bug)")
-        if self.content_valid and self._versions != self._current_versions():
-            self.content_valid = False  # the homes were written while released
+        self._refuse_replaced()
+        if self.content_valid and self.homes_written:
+            self.content_valid = False  # the homes were written through a state dict's views
         if not (slot.occupant is self and self.content_valid):
             # Write-after-read: the previous occupant's readers were all issued before now.
             after = [manager.compute_ready()]
@@ -139,7 +195,26 @@ class ParamUnit:
         self.content_valid = True
         for views in self.views:
             views.bind_device()
+        self._fetch_versions = [views.current_versions() for views in self.views]
+        self._home_versions = self._home_versions_now()
+        self.exposed = None
         self._go(UnitState.FETCHING)
+
+    def _refuse_replaced(self) -> None:
+        """A released parameter whose ``.data`` was replaced is refused before the fetch
+        would undo the replacement (Note [parameters replaced behind the optimizer])."""
+        for views in self.views:
+            for _, param in views.detached():
+                name = self.spec.name_of(param)
+                raise ValueError(
+                    f"parameter {name!r} of {self!r} no longer uses the storage the optimizer "
+                    "gave it (its .data was replaced after construction: model.half()/"
+                    ".to(dtype), .to_empty(), load_state_dict(assign=True)...). With "
+                    "OffloadConfig(offload_parameters=True) its weights live in the "
+                    "optimizer's pinned home, which would go on training while the model "
+                    "reads something else. Rebuild the optimizer after such changes "
+                    "(load_state_dict carries the state over)"
+                )
 
     def use(self, manager: TieredMemoryManager) -> None:
         """FETCHING -> ON_DEVICE: compute waits for the fetch (exposed time, if any)."""
@@ -151,12 +226,64 @@ class ParamUnit:
             self.ready = None
         self._go(UnitState.ON_DEVICE)
 
+    def expose(self, manager: TieredMemoryManager) -> None:
+        """User code may touch the resident unit next: fingerprint its slot (after compute
+        waited for the fetch) unless it is exposed already; Note [a write to a resident
+        unit reaches its home]."""
+        if not self.resident or self.exposed is not None:
+            return
+        self.use(manager)
+        self.exposed = [views.slot_fingerprint() for views in self.views]
+
+    def _written(self) -> list[WindowedViews]:
+        """The buckets whose slot range user code wrote since the fetch."""
+        out = []
+        for i, views in enumerate(self.views):
+            written = views.current_versions() != self._fetch_versions[i]
+            if not written and self.exposed is not None:
+                written = _differ(views.slot_fingerprint(), self.exposed[i])
+            if written:
+                out.append(views)
+        return out
+
+    def write_back(self) -> None:
+        """Copy each written bucket's slot range home (D2H) and wait for it; Note [a write
+        to a resident unit reaches its home]. Only for an ON_DEVICE unit."""
+        if self.state is not UnitState.ON_DEVICE:
+            return  # nobody computed on (or wrote) a slot still being fetched
+        manager = self.manager
+        for views in self._written():
+            home, home_block = views.home_pair()
+            end = manager.copy(
+                home,
+                views.weights_dev,
+                direction=Direction.D2H,
+                category=Category.WEIGHTS,
+                after=[manager.compute_ready()],  # the writes were issued on compute
+                blocks=[self.slot.block, home_block],
+                label=f"param {self.spec.name} bucket{views.layout.index} write-back",
+            )
+            # Synchronisation point (only after a write outside the optimizer): the home is
+            # read by the next fetch and written by the next step.
+            end.synchronize()
+            self.write_backs += 1
+            self._home_versions = self._home_versions_now()  # our own write
+        self._fetch_versions = [views.current_versions() for views in self.views]
+        if self.exposed is not None:
+            self.exposed = [views.slot_fingerprint() for views in self.views]
+
     def release(self) -> None:
-        """-> ON_HOST: the parameters point at the homes again; the slot is rewritten only
-        by a later fetch, ordered after the compute issued before it."""
+        """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders
+        again; the slot is rewritten only by a later fetch, ordered after the compute issued
+        before it."""
+        stale = self.homes_written  # the slot no longer holds what the homes do
+        self.write_back()
         for views in self.views:
-            views.bind_home()
-        self._versions = self._current_versions()
+            views.bind_placeholders()
+        self.exposed = None
+        if stale:
+            self.content_valid = False
+        self._home_versions = self._home_versions_now()
         self._go(UnitState.ON_HOST)
 
     def settle(self) -> None:
@@ -168,3 +295,10 @@ class ParamUnit:
         if self.fetched is not None:
             self.fetched.synchronize()
             self.fetched = None
+
+
+def _differ(now: list[int] | torch.Tensor, before: list[int] | torch.Tensor) -> bool:
+    if isinstance(now, torch.Tensor) and isinstance(before, torch.Tensor):
+        # Synchronisation point (GPU): the comparison's result is read on the host.
+        return bool((now != before).any().item())
+    return now != before

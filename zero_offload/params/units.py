@@ -13,6 +13,12 @@ A module that registers parameters directly *and* contains another unit's module
 its weights for the whole of its children's compute; it is refused, with the fix (move the
 parameter into a submodule). Frozen parameters and parameters the optimizer does not train
 are in no unit and stay where they are.
+
+A parameter shared by two blocks of ``layers`` (``blocks[3][1].weight =
+blocks[1][1].weight``) is refused, naming it and both blocks: each block is one unit fetched
+for its own forward, and the unit of the other block would compute on a released parameter
+(a shared unit inside two blocks would need fetches nested in a block's forward, which the
+window does not do). Tie such weights outside the blocks, or pass smaller blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ class UnitSpec:
     name: str
     modules: tuple[nn.Module, ...]
     params: tuple[nn.Parameter, ...]
+    param_names: tuple[str, ...]  # each parameter's name in the model (its first)
+
+    def name_of(self, param: nn.Parameter) -> str:
+        """``param``'s name in the model (``"?"`` if it is not one of this unit's)."""
+        for candidate, name in zip(self.params, self.param_names, strict=True):
+            if candidate is param:
+                return name
+        return "?"
 
     @property
     def tied(self) -> bool:
@@ -68,6 +82,9 @@ def find_units(
     ``layers``)."""
     wanted = {id(p) for p in trainable}
     names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+    param_names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(param), name)
     block_ids = {id(block) for block in layers}
     for i, block in enumerate(layers):
         if id(block) not in names:
@@ -95,10 +112,21 @@ def find_units(
     for module in model.modules():
         if id(module) in block_ids:
             key = new_unit(module)
-            for param in module.parameters():
-                if id(param) in wanted and id(param) not in unit_of_param:
-                    params_of[key].append(param)
-                    unit_of_param[id(param)] = key
+            for local, param in module.named_parameters():
+                if id(param) not in wanted:
+                    continue
+                other = unit_of_param.get(id(param))
+                if other is not None:
+                    raise ValueError(
+                        f"parameter {param_names[id(param)]!r} {tuple(param.shape)} is "
+                        f"shared by two blocks of layers=[...]: {names[other]!r} and "
+                        f"{names[key]!r} (as {names[key]}.{local}). Parameter offload fetches "
+                        "each block as one unit for its own forward, so the second block "
+                        "would compute on a released parameter. Tie the weight outside the "
+                        "blocks, or pass blocks that do not share parameters as layers=[...]"
+                    )
+                params_of[key].append(param)
+                unit_of_param[id(param)] = key
             continue
         if id(module) in inside_blocks:
             continue
@@ -155,6 +183,7 @@ def find_units(
                 name="+".join(names[id(m)] for m in modules_of[key]),
                 modules=tuple(modules_of[key]),
                 params=tuple(params_of[key]),
+                param_names=tuple(param_names[id(p)] for p in params_of[key]),
             )
         )
     return units

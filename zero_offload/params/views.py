@@ -1,23 +1,28 @@
 """A bucket's parameters under parameter offload: views of the unit's slot while the unit is
-on the device, views of the pinned home otherwise.
+on the device, zero-byte placeholders on the device otherwise (Note [a released parameter] in
+``released.py``); the pinned home is the only copy of the weights.
 
 ``WindowedViews`` is the ``ParamViews`` of an offloaded-parameter bucket. What differs:
 ``weights_dev`` is a fixed range of the unit's slot (Note [a unit always returns to its
 slot] in ``window.py``), not a block of the bucket's own, and the parameters are re-pointed
-between it and the home as the unit comes and goes (Note [a unit's lifecycle] in
+between it and their placeholders as the unit comes and goes (Note [a unit's lifecycle] in
 ``unit.py``). The re-pointing goes through here, so ``detached()`` compares each parameter
 with where it should point *now* and never takes the window's moves for a replacement behind
 the optimizer (Note [parameters replaced behind the optimizer] in ``views/param_views.py``).
+The optimizer's fingerprints (Note [weights written outside the optimizer]) are taken of the
+home (``bound_to()``): a write reaches it, or is copied there when the unit leaves.
 
 Construction copies the model's initial weights into the slot, exactly as ``ParamViews``
 copies them into ``weights_dev``, so the backend's ``reconcile_master`` derives the fp32
-master from them unchanged; ``adopt_home`` then moves the parameters onto the home, and the
-slot is free for the next unit.
+master from them unchanged; ``adopt_home`` then releases the parameters onto their
+placeholders, and the slot is free for the next unit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -26,6 +31,7 @@ from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.source import fill
+from .released import Binding, is_bound_to, is_released, placeholder_like, release, restore
 from .window import Slot
 
 if TYPE_CHECKING:
@@ -41,8 +47,19 @@ class SlotHolder(Protocol):
     resident: bool  # the parameters point at the slot now
     content_valid: bool  # the slot holds the unit's current weights
 
+    #: Fetch the unit for user code and wait for it (Note [a released parameter]); holds
+    #: the offloader weakly, as every released parameter's binding keeps it.
+    materialize: Callable[[], None]
+
 
 __all__ = ["WindowedViews"]
+
+
+def _home_view_of(ref: weakref.ref, index: int) -> torch.Tensor:
+    views = ref()
+    if views is None:
+        raise RuntimeError("a released parameter outlived its optimizer's buffers (bug)")
+    return views.home_view(index)
 
 
 class WindowedViews(ParamViews):
@@ -52,7 +69,8 @@ class WindowedViews(ParamViews):
     block: the slot's block (copies record their events on it).
     home: (padded_numel,) training dtype, pinned host; the authoritative weights (None
         until ``adopt_home``); ``home_block`` its block.
-    bound: the tensor the parameters are views of now (``weights_dev`` or ``home``).
+    placeholders: per parameter, its shape and dtype on the device, 0 bytes of storage
+        (empty until ``adopt_home``); what a released parameter holds.
     """
 
     def __init__(
@@ -75,27 +93,35 @@ class WindowedViews(ParamViews):
             region.zero_()  # see Note [padding stays at the end] in partition.py
             for slot, param in zip(layout.slots, self.params, strict=True):
                 fill(param, region[slot.offset : slot.end])
-        self.bound = region
         self._point_at(region)  # releases the original storage (one copy of the model)
         self.versions: tuple[int, ...] | None = None
+        self.placeholders: list[torch.Tensor] = []
+        self._bindings: list[Binding] = []  # per parameter, how it reaches its weights
 
     def _point_at(self, flat: torch.Tensor) -> None:
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = flat[slot.offset : slot.end].view(slot.shape)
-        self.bound = flat
 
     def _bind(self, block: Block) -> None:
         raise RuntimeError("a window slot never moves (its pool does not defragment) (bug)")
 
     def adopt_home(self, home: torch.Tensor, home_block: Block) -> None:
-        """The backend is built and its home holds the weights: the parameters move there."""
+        """The backend is built and its home holds the weights: the parameters are released
+        onto their placeholders (Note [a released parameter])."""
         if home.numel() != self.layout.padded_numel or home.dtype != self.dtype:
             raise RuntimeError(
                 f"bucket {self.layout.index}: home {tuple(home.shape)} {home.dtype} does not "
                 f"match ({self.layout.padded_numel},) {self.dtype} (bug)"
             )
         self.home, self.home_block = home, home_block
-        self._point_at(home)
+        device = self.weights_dev.device
+        self.placeholders = [placeholder_like(param, device) for param in self.params]
+        ref = weakref.ref(self)
+        self._bindings = [
+            Binding(self.unit.materialize, functools.partial(_home_view_of, ref, i))
+            for i in range(len(self.params))
+        ]
+        self.bind_placeholders()
 
     def home_pair(self) -> tuple[torch.Tensor, Block]:
         """``(home, home_block)``, the source of every fetch."""
@@ -103,22 +129,76 @@ class WindowedViews(ParamViews):
             raise RuntimeError(f"bucket {self.layout.index}: no home yet (bug)")
         return self.home, self.home_block
 
-    def bind_device(self) -> None:
-        """The unit is fetched: the parameters become views of the slot."""
-        self._point_at(self.weights_dev)
+    def home_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached."""
+        slot = self.layout.slots[index]
+        return self.home_pair()[0][slot.offset : slot.end].view(slot.shape).detach()
 
-    def bind_home(self) -> None:
-        """The unit is released: the parameters become views of the home."""
-        self._point_at(self.home_pair()[0])
+    def replaced(self) -> list[int]:
+        """Indices of the parameters whose ``.data`` was replaced since the unit last
+        bound them (Note [parameters replaced behind the optimizer])."""
+        return [i for i, _ in self.detached()]
+
+    def bind_device(self) -> None:
+        """The unit is fetched: every parameter becomes a view of the slot (plain class)."""
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            restore(param, self.weights_dev[slot.offset : slot.end].view(slot.shape))
+
+    def bind_placeholders(self) -> None:
+        """The unit is released: every parameter still bound to the slot holds its
+        placeholder again. A replaced one is left as it is, for the next step to refuse."""
+        replaced = set(self.replaced()) if self.unit.resident else set()
+        for i, (param, holder) in enumerate(zip(self.params, self.placeholders, strict=True)):
+            if i not in replaced:
+                release(param, holder, self._bindings[i])
 
     def unbind(self) -> None:
-        for param in self.params:
-            param.data = param.data.clone()
+        """Give every parameter a private copy of its weights on the device (the home's,
+        once adopted) and its plain class (close, or a construction that failed). A
+        parameter whose ``.data`` was replaced keeps what it was given."""
+        for i, param in enumerate(self.params):
+            if self.home is None:
+                param.data = param.data.clone()
+            elif is_bound_to(param, self.placeholders[i]):
+                source = self.home_view(i)
+                device = self.weights_dev.device
+                restore(param, torch.empty(source.shape, dtype=source.dtype, device=device))
+                param.data.copy_(source)
+            elif is_released(param):  # replaced while released: only the class is ours
+                with torch._C.DisableTorchFunctionSubclass():
+                    data = param.data
+                restore(param, data)
+
+    def detached(self) -> list[tuple[int, torch.nn.Parameter]]:
+        """``(slot_index, param)`` of parameters bound neither to the slot (resident) nor to
+        their placeholder (released): Note [parameters replaced behind the optimizer]."""
+        if not self.placeholders:
+            return super().detached()
+        out = []
+        with torch._C.DisableTorchFunctionSubclass():
+            for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
+                if self.unit.resident:
+                    view = self.weights_dev[slot.offset : slot.end]
+                    ok = (
+                        not is_released(param)
+                        and param.dtype == self.dtype
+                        and tuple(param.shape) == slot.shape
+                        and param.data_ptr() == view.data_ptr()
+                    )
+                else:
+                    ok = is_bound_to(param, self.placeholders[i])
+                if not ok:
+                    out.append((i, param))
+        return out
+
+    def slot_fingerprint(self) -> list[int] | torch.Tensor:
+        """Per parameter, the fingerprint of its slot range now (Note [a write to a resident
+        unit reaches its home] in ``unit.py``)."""
+        return self._fingerprint(self.weights_dev)
 
     def bound_to(self) -> torch.Tensor:
-        """The slot while the unit is resident, the home otherwise (what ``detached()``
-        compares each parameter with)."""
-        return self.bound
+        """The home once adopted (the truth the optimizer fingerprints), the slot before."""
+        return self.weights_dev if self.home is None else self.home
 
     def copy_in(
         self,
@@ -159,3 +239,5 @@ class WindowedViews(ParamViews):
     def close(self) -> None:
         """Nothing of its own to free: the slot is the window's, the home the backend's."""
         self.home = self.home_block = None
+        self.placeholders = []
+        self._bindings = []

@@ -47,7 +47,8 @@ class Occupant(Protocol):
     content_valid: bool  # the slot holds its current weights
 
     def release(self) -> None:
-        """Leave the slot (its parameters point back at their home)."""
+        """Leave the slot (a written slot is copied home; the parameters hold their
+        zero-byte placeholders again)."""
 
 
 __all__ = ["Slot", "Window", "plan_slots"]

@@ -1,0 +1,215 @@
+"""A released parameter: a zero-byte tensor on the device that brings its unit back when read.
+
+Note [a released parameter]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Between uses a unit's parameters stay what user code expects (FSDP2's way): tensors of their
+shape and dtype on the accelerator's device, so ``param.device``, HF ``model.device`` and
+``generate()`` see the device. Their storage holds 0 bytes (one storage per parameter, the
+*placeholder*); the unit's homes are the only copy of the weights (Note [a unit's
+lifecycle] in ``unit.py``).
+
+Torch does not refuse to read a tensor whose storage is too small: most kernels read address
+0 (a segfault on a CPU, an illegal access that poisons the CUDA context on a GPU). So while
+released a parameter's class is switched to a subclass of its own class (as torch's
+``UninitializedParameter`` switches its class when materialised), whose
+``__torch_function__`` lets metadata through (shape, dtype, device, ``requires_grad``,
+``grad``, hooks, the version counter, ``param.data = ...``) and, before anything that reads
+or writes values (any op, ``.data``, ``.detach()``, ``copy_``, ``print``, ``stride()``),
+brings the unit onto the device (``ParamOffloader.materialize``: a fetch, waited for), which
+switches the class back; then the op runs on the real weights. User code between steps gets
+torch's semantics: a read sees the live weights, a write lands in the slot and reaches the
+home when the unit leaves (Note [a write to a resident unit reaches its home] in
+``unit.py``), and ``model.half()`` converts the fetched weights and replaces ``.data``, which
+the next fetch or step refuses (Note [parameters replaced behind the optimizer] in
+``views/param_views.py``). Compute never pays for the check: a unit's parameters have their
+plain class while it is on the device, and the window's hooks fetch every unit before its
+forward and backward.
+
+``model.state_dict()`` does not fetch: while a state dict is being taken (``begin_saving``,
+set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns a view of
+its home (Note [state dict entries are views of the homes] in ``offloader.py``).
+
+A placeholder has all-zero strides (it is made from one element whose storage is then
+resized to 0, so making it allocates nothing worth counting and the storage never holds the
+weights); ``stride()`` and ``is_contiguous()`` are therefore not metadata here and fetch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "Binding",
+    "begin_saving",
+    "bring_back",
+    "end_saving",
+    "is_bound_to",
+    "is_released",
+    "placeholder_like",
+    "release",
+    "restore",
+]
+
+
+class Binding(NamedTuple):
+    """How a released parameter reaches its weights (both hold the offloader weakly)."""
+
+    materialize: Callable[[], None]  # fetch the parameter's unit and wait for it
+    home_view: Callable[[], torch.Tensor]  # the parameter's slice of its home (pinned host)
+
+
+#: Released parameters and their bindings (weak keys: a parameter dropped with its model goes).
+_BINDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_local = threading.local()  # .saving: depth of state-dict calls on this thread
+
+#: Property getters and setters that read no values (by descriptor name).
+_META_GET = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "grad", "_version", "is_leaf", "ndim",
+        "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn",
+        "is_nested", "is_xpu", "is_mps", "names", "grad_fn", "_grad_fn", "_backward_hooks",
+        "_post_accumulate_grad_hooks", "retains_grad", "name", "output_nr", "itemsize",
+        "is_sparse_csr", "_cdata",
+    }
+)  # fmt: skip
+_META_SET = frozenset(
+    {"data", "grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"}
+)
+#: Methods that read no values.
+_META_CALLS = frozenset(
+    {
+        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
+        torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+        torch.Tensor.is_signed, torch.Tensor.get_device, torch.Tensor.requires_grad_,
+        torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+        torch.Tensor.__hash__, torch.is_floating_point, torch.is_complex, torch.numel,
+        torch._has_compatible_shallow_copy_type,
+    }
+)  # fmt: skip
+
+
+def _is_metadata(func: Any) -> bool:
+    if func in _META_CALLS:
+        return True
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__"):
+        names = _META_GET if name == "__get__" else _META_SET
+        return getattr(getattr(func, "__self__", None), "__name__", None) in names
+    return False
+
+
+class _Released:
+    """Mixed into a parameter's class while it is released: Note [a released parameter]."""
+
+    _plain: type  # the class the parameter has while resident
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.detach and getattr(_local, "saving", 0):
+            binding = _BINDINGS.get(args[0])
+            if binding is not None:
+                return binding.home_view()
+        for tensor in _released_args(args, kwargs):
+            bring_back(tensor)
+        return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        bring_back(self)  # type: ignore[arg-type]
+        return copy.deepcopy(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        bring_back(self)  # type: ignore[arg-type]
+        return self.__reduce_ex__(protocol)
+
+
+def _released_args(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for group in (args, kwargs.values()):
+        for arg in group:
+            if isinstance(arg, _Released):
+                yield arg  # type: ignore[misc]
+            elif isinstance(arg, (list, tuple)):
+                yield from (a for a in arg if isinstance(a, _Released))
+
+
+def bring_back(param: torch.Tensor) -> None:
+    """Fetch ``param``'s unit (its class becomes the plain one again)."""
+    binding = _BINDINGS.get(param)
+    if binding is None:  # not ours (a copy made by torch of a released parameter's class)
+        param.__class__ = type(param)._plain  # type: ignore[attr-defined]
+        return
+    binding.materialize()
+    if isinstance(param, _Released):
+        raise RuntimeError(
+            f"a released {tuple(param.shape)} {param.dtype} parameter is still released after "
+            "its unit was fetched (a bug in zero-offload; please report it)"
+        )
+
+
+@functools.cache
+def _released_class(plain: type) -> type:
+    return type(f"Released{plain.__name__}", (_Released, plain), {"_plain": plain})
+
+
+def is_released(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a released parameter (its class is switched)."""
+    return isinstance(param, _Released)
+
+
+def placeholder_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of ``param``'s shape and dtype on ``device`` whose storage holds 0 bytes
+    (all-zero strides: Note [a released parameter])."""
+    out = torch.empty_strided(
+        tuple(param.shape), (0,) * param.dim(), dtype=param.dtype, device=device
+    )
+    out.untyped_storage().resize_(0)
+    return out
+
+
+def release(param: torch.nn.Parameter, placeholder: torch.Tensor, binding: Binding) -> None:
+    """Point ``param`` at ``placeholder`` and switch its class (Note [a released parameter])."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param.data = placeholder
+    if not isinstance(param, _Released):
+        param.__class__ = _released_class(type(param))
+    _BINDINGS[param] = binding
+
+
+def restore(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """Switch ``param``'s class back and point it at ``data`` (its slot, or a copy)."""
+    if isinstance(param, _Released):
+        param.__class__ = type(param)._plain
+    _BINDINGS.pop(param, None)
+    param.data = data
+
+
+def is_bound_to(param: torch.Tensor, placeholder: torch.Tensor) -> bool:
+    """Whether released ``param`` still holds ``placeholder``'s storage (not replaced)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return (
+            isinstance(param, _Released)
+            and param.dtype == placeholder.dtype
+            and param.shape == placeholder.shape
+            and param.untyped_storage()._cdata == placeholder.untyped_storage()._cdata
+        )
+
+
+def begin_saving() -> None:
+    """Until ``end_saving``, ``detach()`` of a released parameter on this thread gives its home
+    view (a state dict is being taken; calls nest)."""
+    _local.saving = getattr(_local, "saving", 0) + 1
+
+
+def end_saving() -> None:
+    """The state dict call that ``begin_saving`` announced is done."""
+    _local.saving = max(0, getattr(_local, "saving", 0) - 1)
