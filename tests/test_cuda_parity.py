@@ -134,7 +134,7 @@ def test_parameter_offload_matches_torch_adamw(accel_kind: str) -> None:
     train(model, opt, data)
     units = opt.param_offloader.units
     assert len(units) > SHAPE.layers  # the blocks, and the embeddings and head around them
-    # Between steps every unit is released: its parameters are views of its host home.
+    # Between steps every unit is released: its parameters are zero-byte device placeholders.
     assert all(unit.state is UnitState.ON_HOST for unit in units)
     opt.close()
     _assert_matches_torch(model, ref, data)

@@ -30,9 +30,10 @@ the comparison, whose ``.tolist()`` is the one synchronisation point). Mixing in
 position makes a permutation of a parameter's elements (two weights swapped) change the
 sum, which a plain sum of bit patterns would not; both hashes miss only collisions. The
 device path works through ``_DEVICE_CHUNK`` elements at a time, so its transient device
-memory is three int64 vectors of that length (96 MiB) whatever the parameter's size. Where the
-parameters are no longer views of the tensor fingerprinted (parameter offload moves them
-between slot and home) the version counters decide, as before. Cost: docs/optimizer.md.
+memory is three int64 vectors of that length (96 MiB) whatever the parameter's size. Under
+parameter offload the fingerprints are of the pinned homes, the only copy between steps; a
+write to a unit on the device reaches its home when the unit leaves (Note [a write to a
+resident unit reaches its home] in ``params/unit.py``). Cost: docs/optimizer.md.
 
 Note [parameters replaced behind the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
