@@ -44,7 +44,8 @@ class _Gate:
 
 
 def _opt(model: nn.Module):
-    return mlp_opt(model, accelerator=host_accelerator(link_latency=LINK_LATENCY))
+    accelerator = host_accelerator(link_latency=LINK_LATENCY, check_races=True)
+    return mlp_opt(model, accelerator=accelerator)
 
 
 def _window(model, opt, data, *, lag: int | None) -> tuple[list[int], list[_Gate]]:
