@@ -1,13 +1,15 @@
 """The memory a gradient passes through on its way to the host: the device gradient
-buffers (``GradBuffers``, with overflow pools for buckets that wait their turn) and the fp32
-accumulator (``AccumulatorPool``, pinned on first need), and the thread count of the host
-worker's passes over a gradient."""
+buffers (``GradBuffers``, with overflow pools for buckets that wait their turn), the fp32
+accumulator (``AccumulatorPool``) and the second gradient staging buffer (``SpareStaging``),
+each pinned on first need, and the thread count of the host worker's passes over a
+gradient."""
 
 from __future__ import annotations
 
 import warnings
 
 import numba
+import torch
 
 from ...config import format_bytes
 from ...errors import PoolExhausted
@@ -18,7 +20,15 @@ from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ...thread_budget import thread_budget
 
-__all__ = ["AccumulatorPool", "GradBuffers", "accumulator_bytes", "host_pass_threads"]
+__all__ = [
+    "AccumulatorPool",
+    "GradBuffers",
+    "LazyHostPool",
+    "SpareStaging",
+    "accumulator_bytes",
+    "host_pass_threads",
+    "spare_staging_bytes",
+]
 
 
 def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
@@ -26,6 +36,13 @@ def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
     created at the first accumulating step (Note [no accumulator for one backward] in
     ``grads/to_host.py``)."""
     return aligned(4 * bucket.shard_numel, alignment)
+
+
+def spare_staging_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
+    """Bytes of an offloaded bucket's second gradient staging buffer, ``a(ks)`` for a
+    training dtype of ``k = itemsize`` bytes: its own pool, created at the first window with
+    a second flush (Note [two staging buffers for accumulation] in ``grads/to_host.py``)."""
+    return aligned(itemsize * bucket.shard_numel, alignment)
 
 
 # Note [the Adam pass gets the cores]
@@ -40,13 +57,20 @@ def accumulator_bytes(bucket: BucketLayout, *, alignment: int) -> int:
 # 29.1 ms with a team of two (bench_offload_step's embed model, bf16, one micro-batch, no
 # clipping, median of 15 interleaved rounds; no change with clipping or 4 micro-batches); on
 # a many-core host a few threads keep up with the D2H link (not measured: no GPU host was
-# available).
+# available). "The cores" are the thread budget's (affinity and cgroup quota, never
+# os.cpu_count()), and, like every numba launch (numba_threads_now), a pass takes no more
+# threads than torch's count: a process told to use fewer threads (ranks sharing a host)
+# keeps to it. The count does not change any result: the kernels' sums are cut in fixed
+# blocks whatever the threads (Note [sums do not depend on the threads] in
+# kernels/_validate.py).
 
 
 def host_pass_threads() -> int:
     """Threads for one host-worker pass over a gradient: Note [the Adam pass gets the cores]."""
-    # A quarter of the cores (Note [one thread budget]), within numba's pool.
-    return min(thread_budget().host_pass, numba.config.NUMBA_NUM_THREADS)
+    # A quarter of the cores (Note [one thread budget]), within torch's count (process-wide,
+    # so the host worker reads the caller's setting) and numba's pool.
+    share = thread_budget().host_pass
+    return max(1, min(share, torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
 class GradBuffers:
@@ -98,9 +122,10 @@ class GradBuffers:
         self.overflow.clear()
 
 
-class AccumulatorPool:
-    """fp32 gradient accumulator memory, created on first need (Note [no accumulator for
-    one backward]); ``capacity`` in bytes."""
+class LazyHostPool:
+    """Host memory for one bucket's field that only some windows need, created on first
+    need and kept for later steps; ``capacity`` in bytes. Subclassed per field, so each
+    field's pool is a type of its own (its name says which)."""
 
     def __init__(self, manager: TieredMemoryManager, capacity: int, *, name: str) -> None:
         self.manager = manager
@@ -120,3 +145,60 @@ class AccumulatorPool:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+class AccumulatorPool(LazyHostPool):
+    """fp32 gradient accumulator memory (``accumulator_bytes``), created on first need
+    (Note [no accumulator for one backward])."""
+
+
+class SpareStaging:
+    """A bucket's second gradient staging buffer (Note [two staging buffers for
+    accumulation] in ``grads/to_host.py``), allocated on first need from a pool of its own.
+
+    Fields:
+        tensor: (numel,) training dtype, host, pinned where available; None until
+            ``ensure``.
+        block: the block under ``tensor``; None until ``ensure``.
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        bucket: BucketLayout,
+        *,
+        dtype: torch.dtype,
+        alignment: int,
+        name: str,
+    ) -> None:
+        self.numel = bucket.shard_numel
+        self.dtype = dtype
+        self.owner = f"bucket{bucket.index}.grad_staging_spare"
+        capacity = spare_staging_bytes(bucket, itemsize=dtype.itemsize, alignment=alignment)
+        self.memory = LazyHostPool(manager, capacity, name=name)  # its pool, lazily
+        self.tensor: torch.Tensor | None = None
+        self.block: Block | None = None
+
+    def ensure(self) -> None:
+        """Allocate the buffer if it is not yet (hidden cost, once: a pinned allocation)."""
+        if self.block is None:
+            block = self.memory.alloc(self.numel * self.dtype.itemsize, owner=self.owner)
+            self.block = block
+            block.on_move(self._bind)
+            self._bind(block)
+
+    def _bind(self, block: Block) -> None:
+        self.tensor = block.view(self.dtype, (self.numel,))
+
+    def get(self, bucket_index: int) -> tuple[torch.Tensor, Block]:
+        """The buffer and its block; a bug before ``ensure``."""
+        if self.tensor is None or self.block is None:
+            raise RuntimeError(f"bucket {bucket_index}: no spare staging buffer (bug)")
+        return self.tensor, self.block
+
+    def close(self) -> None:
+        """Free the buffer and close its pool."""
+        if self.block is not None:
+            self.block.free()
+        self.block = self.tensor = None
+        self.memory.close()

@@ -31,12 +31,33 @@ update] in ``update/modes.py``).
 
 Note [staging is reused only once consumed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Each bucket has one host staging buffer for gradients. A flush's copy into it must not
-start before the host worker has added the previous flush of the same bucket into the
-accumulator, or that gradient would be overwritten unread (a lagging worker, an early flush,
-or micro-batches while ``overlap_step``'s update occupies the worker). Each flush records
-an event on the host worker after its accumulation, and the next flush of that bucket
-waits for it.
+A flush's copy into a staging buffer must not start before the host worker has passed over
+the previous flush into that buffer (added it into the accumulator, or taken its
+statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
+or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
+buffer records an event on the host worker after it (``_consumed``), and the next flush into
+that buffer waits for it, on the caller's thread: a CUDA stream cannot wait on host-thread
+work. Which buffer a flush uses: Note [two staging buffers for accumulation].
+
+Note [two staging buffers for accumulation]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With one staging buffer, micro-batch k+1's flush of a bucket waited for the host worker's
+pass over micro-batch k's: on a GPU, where the autograd thread runs ahead of the device, a
+host sync per bucket per micro-batch that drains the launch queue (issue 22). So a window's
+flushes alternate: the odd ones (the first) go to ``grad_staging``, the even ones to
+``spare_staging``. Flush k+1 waits only for the pass over flush k-1, which had a whole
+micro-batch to finish: the autograd thread waits only when the host is two micro-batches
+behind, both buffers busy (tests/test_accumulation_stall.py). Results are bitwise
+unchanged: the host worker runs the passes in flush order, so the fp32 accumulator adds the
+micro-batches in the same order with the same kernel; only the buffer a pass reads
+changes. A lone flush still goes to ``grad_staging`` and is read there (Note [no
+accumulator for one backward]).
+The cost: ``a(ks)`` more pinned host bytes per bucket (shard of ``s`` elements, ``k``-byte
+training dtype: 2 bytes a parameter in bf16, 4 in fp32), in a pool of its own created at
+the first window with a second flush (``SpareStaging``), like the accumulator: a loop that
+never accumulates pays nothing. The estimator does not model accumulation, so neither.
+Not an fp32 accumulator on the device: ``4s`` device bytes per bucket, in the memory
+offloading spares (docs/gradient-semantics.md weighs the two).
 
 Note [an interrupted gradient path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -82,7 +103,13 @@ from ...partition import BucketLayout
 from ...tracing import phase
 from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
-from .buffers import AccumulatorPool, GradBuffers, accumulator_bytes, host_pass_threads
+from .buffers import (
+    AccumulatorPool,
+    GradBuffers,
+    SpareStaging,
+    accumulator_bytes,
+    host_pass_threads,
+)
 from .path import GradientPath, GradSource, SumSqParts
 from .stat_cells import Cut, pieces
 
@@ -98,6 +125,9 @@ class HostGradients(GradientPath):
         grad_staging: (shard_numel,) training dtype, host pool, pinned where available; the
             D2H copy's destination; Adam reads it directly when the window had one flush
             (Note [no accumulator for one backward]).
+        spare_staging.tensor: (shard_numel,) training dtype, pinned where available; the
+            even flushes' destination once a window had a second flush (None before): Note
+            [two staging buffers for accumulation].
         grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
             second flush (None before).
     """
@@ -129,6 +159,18 @@ class HostGradients(GradientPath):
             accumulator_bytes(layout, alignment=host_pool.alignment),
             name=f"{host_pool.name}.bucket{layout.index}.grad_acc",
         )
+        # The second staging buffer, pinned on first need: Note [two staging buffers for
+        # accumulation].
+        self.spare_staging = SpareStaging(
+            manager,
+            layout,
+            dtype=dtype,
+            alignment=host_pool.alignment,
+            name=f"{host_pool.name}.bucket{layout.index}.grad_staging_spare",
+        )
+        #: Flushes that found their staging buffer still unread by the host worker and
+        #: waited on the caller's thread (Note [staging is reused only once consumed]).
+        self.staging_waits = 0
         #: overlap_step: every window accumulates, even a lone flush (see the Note above).
         self.always_accumulate = always_accumulate
         # Flushes in the current window (until a new window's first flush is done, the one
@@ -152,7 +194,10 @@ class HostGradients(GradientPath):
         # The float64 partial sums of that sum, per cell (Note [the norm does not depend on
         # the bucketing] in stat_cells.py); host worker.
         self._partials: list[float] = []
-        self._staging_consumed: Event | None = None  # host worker done with grad_staging
+        self._staging_consumed: Event | None = None  # the host worker's last pass, any buffer
+        # The host worker's last pass over each staging buffer (0: grad_staging, 1: the
+        # spare): Note [staging is reused only once consumed].
+        self._consumed: list[Event | None] = [None, None]
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in].
         self._landing: list[tuple[int, Event]] = []
@@ -237,7 +282,7 @@ class HostGradients(GradientPath):
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
         worker.submit(functools.partial(self._fold_on_host, acc, real))
-        self._staging_consumed = worker.record_event()
+        self._staging_consumed = self._consumed[0] = worker.record_event()
         self._source = GradSource.ACCUMULATOR
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
@@ -293,19 +338,34 @@ class HostGradients(GradientPath):
         self.grad_dev = torch.empty(0, dtype=self.dtype, device=self.grad_dev.device)
         return block
 
+    def _staging_index(self, overwrite: bool) -> int:
+        """This flush's staging buffer, 0 (odd flushes) or 1 (even): Note [two staging
+        buffers for accumulation]. Asked before the flush is counted."""
+        return 0 if overwrite else self._window_flushes % 2
+
+    def _staging(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        """Staging buffer ``buffer`` and its block (the spare once allocated)."""
+        if buffer == 0:
+            return self.grad_staging, self.staging_block
+        return self.spare_staging.get(self.layout.index)
+
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         manager = self.manager
         grad = self.grad_dev
-        staging_block = self.staging_block
-        if self._staging_consumed is not None and not self._staging_consumed.query():
+        buffer = self._staging_index(overwrite)
+        consumed = self._consumed[buffer]
+        if consumed is not None and not consumed.query():
             # Note [staging is reused only once consumed]. Synchronisation point: the caller
-            # waits, since a CUDA stream cannot wait on host-thread work; it is rare (the
-            # worker is usually far ahead).
+            # waits, since a CUDA stream cannot wait on host-thread work; only when the host
+            # worker is two flushes behind (Note [two staging buffers for accumulation]).
+            self.staging_waits += 1
             with phase("wait_staging"):
-                self._staging_consumed.synchronize()
+                consumed.synchronize()
         index = self.layout.index
+        if buffer == 1:
+            self.spare_staging.ensure()  # before anything moves: a failure changes nothing
         if self._adopted is not None:
-            self._flush_adopted(overwrite=overwrite, staging_block=staging_block)
+            self._flush_adopted(overwrite=overwrite, buffer=buffer)
             return
         self._zero_unfilled()
         ready = ranks.reduce_scatter(
@@ -327,23 +387,25 @@ class HostGradients(GradientPath):
             )
         # The bucket keeps its buffer until the copies are queued: if they fail or are
         # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
+        staging, staging_block = self._staging(buffer)
         landing = self._copy_to_staging(
-            grad[start:stop], after=[ready], blocks=[block, staging_block]
+            grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
         )
         self._release_grad().free()  # reuse waits on the copies, Note [block reuse waits...]
-        self._after_copy(landing, overwrite=overwrite)
+        self._after_copy(landing, overwrite=overwrite, buffer=buffer)
 
-    def _flush_adopted(self, *, overwrite: bool, staging_block: Block) -> None:
+    def _flush_adopted(self, *, overwrite: bool, buffer: int) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad = self._adopted
+        staging, staging_block = self._staging(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
-            grad, after=[self.manager.compute_ready()], blocks=[staging_block]
+            grad, staging, after=[self.manager.compute_ready()], blocks=[staging_block]
         )
         self._adopted = None
-        self._after_copy(landing, overwrite=overwrite)
+        self._after_copy(landing, overwrite=overwrite, buffer=buffer)
 
     def _first_flush_accumulates(self) -> bool:
         """Whether a window's first flush goes to the accumulator (Note [no accumulator for
@@ -352,12 +414,13 @@ class HostGradients(GradientPath):
         return self.always_accumulate or self._window_flushes > 1
 
     def _copy_to_staging(
-        self, src: torch.Tensor, *, after: list[Event], blocks: list[Block]
+        self, src: torch.Tensor, dst: torch.Tensor, *, after: list[Event], blocks: list[Block]
     ) -> list[tuple[int, Event]]:
-        """Queue ``grad_staging[:n] = src`` in tiles; Note [Adam follows the gradient in]."""
+        """Queue ``dst[:n] = src`` (a staging buffer) in tiles; Note [Adam follows the
+        gradient in]."""
         landing: list[tuple[int, Event]] = []
         try:
-            self._queue_tiles(src, landing, after=after, blocks=blocks)
+            self._queue_tiles(src, dst, landing, after=after, blocks=blocks)
         except BaseException:
             for block in blocks if landing else ():  # what was queued still uses them
                 block.record_event(landing[-1][1])
@@ -367,6 +430,7 @@ class HostGradients(GradientPath):
     def _queue_tiles(
         self,
         src: torch.Tensor,
+        dst: torch.Tensor,
         landing: list[tuple[int, Event]],
         *,
         after: list[Event],
@@ -377,7 +441,7 @@ class HostGradients(GradientPath):
         for lo in range(0, n, step):
             hi = min(lo + step, n)
             event = self.manager.copy(
-                self.grad_staging[lo:hi],
+                dst[lo:hi],
                 src[lo:hi],
                 direction=Direction.D2H,
                 category=Category.GRADIENTS,
@@ -389,8 +453,10 @@ class HostGradients(GradientPath):
             )
             landing.append((hi, event))
 
-    def _after_copy(self, landing: list[tuple[int, Event]], *, overwrite: bool) -> None:
-        """Queue the host worker's pass over each tile of staging as it lands."""
+    def _after_copy(
+        self, landing: list[tuple[int, Event]], *, overwrite: bool, buffer: int
+    ) -> None:
+        """Queue the host worker's pass over each tile of staging ``buffer`` as it lands."""
         worker = self.manager.host_worker
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
@@ -409,10 +475,11 @@ class HostGradients(GradientPath):
             worker.wait_event(event)
             if min(hi, real) > lo:  # a tile of padding only has nothing to add or count
                 task = self._host_pass_tile
-                worker.submit(functools.partial(task, acc, overwrite, lo, min(hi, real), partials))
+                args = (buffer, acc, overwrite, lo, min(hi, real), partials)
+                worker.submit(functools.partial(task, *args))
             lo = hi
         worker.submit(functools.partial(self._sum_partials, partials))
-        self._staging_consumed = worker.record_event()
+        self._staging_consumed = self._consumed[buffer] = worker.record_event()
 
     def _fold_on_host(self, acc: torch.Tensor, real: int) -> None:
         # Host worker: the window's first gradient, from staging into the accumulator.
@@ -423,14 +490,21 @@ class HostGradients(GradientPath):
         )
 
     def _host_pass_tile(
-        self, acc: torch.Tensor | None, overwrite: bool, lo: int, hi: int, partials: list[float]
+        self,
+        buffer: int,
+        acc: torch.Tensor | None,
+        overwrite: bool,
+        lo: int,
+        hi: int,
+        partials: list[float],
     ) -> None:
         # Host worker, once staging[lo:hi] landed. Without an accumulator: the window's only
         # pass over a lone flush, its statistics; step() needs no pass of its own (Note [no
         # accumulator for one backward]). With one: Note [a bucket's gradient lifecycle];
         # the same pass yields the statistics of the accumulated gradient, cut per Note
-        # [the norm does not depend on the bucketing] (stat_cells.py).
-        staging = self.grad_staging
+        # [the norm does not depend on the bucketing] (stat_cells.py). Staging ``buffer``
+        # is looked up now: a block may have moved since the pass was queued.
+        staging = self._staging(buffer)[0]
         threads = host_pass_threads()
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
@@ -519,3 +593,4 @@ class HostGradients(GradientPath):
                 block.free()
         self._acc_block = None
         self.accumulators.close()
+        self.spare_staging.close()

@@ -21,8 +21,10 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
   staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
   accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
   time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
-  in grads/to_host.py; ``grads.buffers.accumulator_bytes`` gives it. So one micro-batch of bf16 costs
-  4 + 8 + 2 + 2 = 16 host bytes per parameter, and 20 with accumulation.
+  in grads/to_host.py; ``grads.buffers.accumulator_bytes`` gives it. So does a second gradient
+  staging buffer ``a(k*s)`` (``grads.buffers.spare_staging_bytes``, Note [two staging buffers
+  for accumulation]). So one micro-batch of bf16 costs 4 + 8 + 2 + 2 = 16 host bytes per
+  parameter, and 22 with accumulation.
 
 Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowhere.
 """
