@@ -8,10 +8,21 @@ The safetensors format is a JSON header (every tensor's dtype, shape and byte ra
 the raw bytes, in order. The header needs shapes and dtypes only, so it is written first and
 each tensor follows on its own: read from its bucket's slot (the device block, or the pinned
 home with parameter offload), copied to the host when it lives on a GPU, written, dropped.
-The host holds one tensor at a time, never a shard or the model. Each file is written
-atomically (Note [atomic replacement] in ``fileio.py``); a sharded export writes its shards
-first and the index last, then removes shards of an earlier export that the new index does
-not name.
+The host holds one tensor at a time, never a shard or the model.
+
+Note [an export replaces the previous one whole]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A directory may hold an earlier export, and a new one with as many shards has the same file
+names (``model-00001-of-00004.safetensors``...). Replacing each shard as it is written would
+leave, after a failure half-way (a full disk, an exception while reading a weight), new
+shards beside old ones under the old index: a model that loads, silently mixed. So every
+weight file is first written whole to a hidden staged sibling (``.<name>.staged-<token>``,
+itself written atomically: Note [atomic replacement] in ``fileio.py``). Only when all are
+durable are they renamed to their names, then the index is replaced, then files of the
+earlier export that the new one does not name are removed. A failure before the renames
+removes the staged files and leaves the earlier export as it was. What remains is the
+renames themselves (no I/O, microseconds): a process killed among them can leave shards of
+both exports. Staged files of a killed export are removed by the next export there.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +45,7 @@ from .weights.checkpoint import DTYPE_NAMES, INDEX_NAME, SINGLE_NAME, nbytes_of
 __all__ = ["save_pretrained"]
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_STAGED = ".staged-"  # see Note [an export replaces the previous one whole]
 
 
 class _Entry:
@@ -149,7 +162,7 @@ def _shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
 
 
 def _write_shard(path: Path, entries: list[_Entry]) -> None:
-    """One safetensors file, streamed: Note [an export is streamed]."""
+    """One safetensors file, streamed (Note [an export is streamed]), written atomically."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for entry in entries:
@@ -169,6 +182,30 @@ def _write_shard(path: Path, entries: list[_Entry]) -> None:
             tensor = entry.read().to("cpu").contiguous()
             if tensor.numel():
                 handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+
+
+def _write_staged(directory: Path, shards: dict[str, list[_Entry]]) -> None:
+    """Write every shard to a staged sibling, then rename them all into place: Note [an
+    export replaces the previous one whole]."""
+    for leftover in directory.glob(f".*{_STAGED}*"):  # of an export that was killed
+        leftover.unlink(missing_ok=True)
+    token = secrets.token_hex(4)
+    staged = {name: directory / f".{name}{_STAGED}{token}" for name in shards}
+    try:
+        for name, entries in shards.items():
+            _write_shard(staged[name], entries)
+    except BaseException:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+        raise
+    for name, path in staged.items():
+        os.replace(path, directory / name)
+    # The renames survive a crash once the directory is durable.
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_pretrained(
@@ -226,8 +263,7 @@ def save_pretrained(
         names = [SINGLE_NAME]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        _write_shard(directory / name, shard)
+    _write_staged(directory, dict(zip(names, shards, strict=True)))
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(e.nbytes for e in entries)},

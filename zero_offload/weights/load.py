@@ -44,6 +44,18 @@ def _names_by_tensor(
     return names, tensors
 
 
+def _non_persistent_on_meta(model: torch.nn.Module) -> list[str]:
+    """Names of the non-persistent buffers on the meta device: no checkpoint holds them
+    (BERT's ``position_ids``, Llama's rotary ``inv_freq``), and left there the forward
+    fails, or computes NaN without a word."""
+    return [
+        f"{module_name}.{name}" if module_name else name
+        for module_name, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and buffer.is_meta and name in module._non_persistent_buffers_set
+    ]
+
+
 def _candidates(name: str, prefix: str) -> list[str]:
     """``name`` and, for a model with a ``base_model_prefix``, the name with the prefix
     added or removed (a checkpoint of the base model loads into a model with a head, and
@@ -61,39 +73,11 @@ def _patterns(model: torch.nn.Module, attribute: str) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in (getattr(model, attribute, None) or ())]
 
 
-def load_pretrained(
-    model: M,
-    path: str | os.PathLike[str],
-    *,
-    accelerator: Accelerator | None = None,
-) -> M:
-    """Point ``model`` (built on the meta device) at the safetensors checkpoint ``path``;
-    returns ``model``.
-
-    ``path``: the directory ``save_pretrained`` wrote (``model.safetensors``, or
-    ``model.safetensors.index.json`` with its shards), or a ``.safetensors`` file.
-
-    Every parameter and persistent buffer is matched with its checkpoint tensor by the
-    names ``named_parameters()`` / ``named_buffers()`` give it (any of a tied weight's
-    names; with or without the model's ``base_model_prefix``). Then:
-
-    - trainable parameters on meta stay there, tagged: build ``OffloadAdamW`` over them and
-      it reads each tensor into its device slot, bucket by bucket (with parameter offload,
-      unit by unit), so the host holds one checkpoint tensor at a time;
-    - frozen parameters and buffers on meta are read now onto the accelerator's device;
-    - tensors that are already real get the checkpoint's values in place (as
-      ``from_pretrained`` does).
-
-    Raises ``ValueError`` before changing anything when a tensor on meta has no key in the
-    checkpoint (a non-persistent buffer on meta cannot come from a checkpoint: build the
-    model under ``accelerate.init_empty_weights()``, which keeps buffers real), when a key
-    matches no tensor of the model (unless the model's ``_keys_to_ignore_on_load_unexpected``
-    says so), or when shapes differ; each names the key, its file and the shapes.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    acc = accelerator if accelerator is not None else get_accelerator()
-    checkpoint = SafetensorsCheckpoint(path)
+def _plan(
+    model: torch.nn.Module, checkpoint: SafetensorsCheckpoint
+) -> list[tuple[torch.Tensor, list[str], TensorInfo]]:
+    """Each tensor of ``model`` with a checkpoint key, its names and that key's entry;
+    raises ``ValueError`` (changing nothing) for what ``load_pretrained`` refuses."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     names, tensors = _names_by_tensor(model)
     ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
@@ -134,9 +118,7 @@ def load_pretrained(
             f"{len(missing)} tensor(s) of the model on the meta device have no key in the "
             f"checkpoint {checkpoint.path} ({len(checkpoint.files)} file(s)): "
             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Build the model "
-            "from the config the checkpoint was saved with; a non-persistent buffer on meta "
-            "cannot be loaded: build under accelerate.init_empty_weights(), which keeps "
-            "buffers real. Nothing was loaded"
+            "from the config the checkpoint was saved with. Nothing was loaded"
         )
     unexpected = [
         info
@@ -150,6 +132,73 @@ def load_pretrained(
             f"buffer of {type(model).__name__}: {shown}{' ...' if len(unexpected) > 8 else ''}. "
             "Build the model class the checkpoint was saved from. Nothing was loaded"
         )
+    return plan
+
+
+def load_pretrained(
+    model: M,
+    path: str | os.PathLike[str],
+    *,
+    accelerator: Accelerator | None = None,
+) -> M:
+    """Point ``model`` (built on the meta device) at the safetensors checkpoint ``path``;
+    returns ``model``.
+
+    ``path``: the directory ``save_pretrained`` wrote (``model.safetensors``, or
+    ``model.safetensors.index.json`` with its shards), or a ``.safetensors`` file.
+
+    Every parameter and persistent buffer is matched with its checkpoint tensor by the
+    names ``named_parameters()`` / ``named_buffers()`` give it (any of a tied weight's
+    names; with or without the model's ``base_model_prefix``). Then:
+
+    - trainable parameters on meta stay there, tagged: build ``OffloadAdamW`` over them and
+      it reads each tensor into its device slot, bucket by bucket (with parameter offload,
+      unit by unit), so the host holds one checkpoint tensor at a time;
+    - frozen parameters and buffers on meta are read now onto the accelerator's device;
+    - tensors that are already real get the checkpoint's values in place (as
+      ``from_pretrained`` does).
+
+    A Hugging Face model's weights are tied first (``model.tie_weights()``), as
+    ``from_pretrained`` does: built under ``accelerate.init_empty_weights()`` a tied
+    ``lm_head`` comes out untied, and its checkpoint holds it once.
+
+    Raises ``ValueError`` before changing anything (the tying undone) when a non-persistent
+    buffer is on meta (no checkpoint holds one: build the model under
+    ``accelerate.init_empty_weights()``, which keeps buffers real), when a tensor on meta
+    has no key in the checkpoint, when a key matches no tensor of the model (unless the
+    model's ``_keys_to_ignore_on_load_unexpected`` says so), or when shapes differ; each
+    names the key, its file and the shapes.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    acc = accelerator if accelerator is not None else get_accelerator()
+    checkpoint = SafetensorsCheckpoint(path)
+    non_persistent = _non_persistent_on_meta(model)
+    if non_persistent:
+        raise ValueError(
+            f"{len(non_persistent)} non-persistent buffer(s) of {type(model).__name__} are on "
+            f"the meta device: {', '.join(repr(n) for n in non_persistent[:8])}"
+            f"{' ...' if len(non_persistent) > 8 else ''}. No checkpoint holds them (the "
+            "model computes them at construction); build the model under "
+            "accelerate.init_empty_weights(), which keeps buffers real, instead of "
+            "torch.device('meta'). Nothing was loaded"
+        )
+    # A Hugging Face model ties its weights in post_init, but under init_empty_weights each
+    # parameter is re-created as it is registered, so a tied lm_head comes out a separate
+    # meta parameter, and the checkpoint saves it once, under the other name. Tie as
+    # from_pretrained does (the model's own config says which: a no-op when already tied),
+    # and untie if the checks refuse, so a refusal leaves the model as it was.
+    registered = [(module, dict(module._parameters)) for module in model.modules()]
+    tie = getattr(model, "tie_weights", None)
+    try:
+        if callable(tie):
+            tie()
+        plan = _plan(model, checkpoint)
+    except BaseException:
+        for module, params in registered:
+            module._parameters.clear()
+            module._parameters.update(params)
+        raise
 
     # Checked: now change the model.
     for tensor, tensor_names, info in plan:

@@ -1,0 +1,131 @@
+"""Review of building from anywhere and exporting back: what users do with real Hugging Face
+architectures (Llama with tied embeddings under ``accelerate.init_empty_weights``, BERT's and
+Llama's non-persistent buffers under ``torch.device("meta")``) and an export into a directory
+that already holds one, failing half-way."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import accelerate
+import pytest
+import torch
+from transformers import BertConfig, BertModel, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from zero_offload import fileio, load_pretrained, save_pretrained
+from zero_offload.errors import StorageFull
+from zero_offload.weights import has_source
+
+from .test_build_anywhere import batches, make_opt, saved
+
+
+def llama_config(*, tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+
+
+def bert_config() -> BertConfig:
+    return BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
+def test_llama_built_under_init_empty_weights_loads_and_matches_from_pretrained(
+    tmp_path: Path, tied: bool, offload: bool
+) -> None:
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(tied=tied)).save_pretrained(tmp_path, max_shard_size="50KB")
+    reference = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    # init_empty_weights re-creates each parameter as it is registered, so the model's own
+    # tying (post_init) leaves lm_head a separate meta parameter; the checkpoint has no key
+    # for it (transformers saves a tied weight once). from_pretrained ties after building.
+    with accelerate.init_empty_weights():
+        model = LlamaForCausalLM(llama_config(tied=tied))
+    load_pretrained(model, tmp_path)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    opt = make_opt(model, offload_parameters=offload)
+    model.eval()
+    tokens = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, reference(tokens).logits)
+    opt.close()
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (lambda: BertModel(bert_config()), r"'embeddings\.position_ids'"),
+        (lambda: LlamaForCausalLM(llama_config(tied=False)), r"'model\.rotary_emb\.inv_freq'"),
+    ],
+    ids=["bert", "llama"],
+)
+def test_non_persistent_buffers_on_meta_are_refused_by_name(
+    tmp_path: Path, build: object, names: str
+) -> None:
+    torch.manual_seed(0)
+    build().save_pretrained(tmp_path)  # type: ignore[operator]
+    with torch.device("meta"):
+        model = build()  # type: ignore[operator]
+    # Not in any checkpoint: left on meta, BERT's forward silently gives NaN and Llama's
+    # fails with "Cannot copy out of meta tensor". Refused up front, by name.
+    with pytest.raises(ValueError, match=rf"non-persistent buffer.*{names}.*init_empty_weights"):
+        load_pretrained(model, tmp_path)
+    assert all(p.is_meta and not has_source(p) for p in model.parameters())
+    # Under init_empty_weights the buffers are real, and BERT matches from_pretrained.
+    if isinstance(model, BertModel):
+        with accelerate.init_empty_weights():
+            model = build()  # type: ignore[operator]
+        load_pretrained(model, tmp_path)
+        opt = make_opt(model)
+        model.eval()
+        reference = BertModel.from_pretrained(tmp_path).eval()
+        tokens = batches(1)[0]
+        with torch.no_grad():
+            assert torch.equal(model(tokens)[0], reference(tokens)[0])
+        opt.close()
+
+
+def test_a_sharded_export_that_fails_half_way_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = GPT2LMHeadModel.from_pretrained(saved(tmp_path, sharded=False))
+    out = tmp_path / "export"
+    save_pretrained(model, out, max_shard_size="20KB")
+    previous = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    # The same shard names again; the disk fills up while the third shard is made durable.
+    synced = []
+    real = fileio._fsync
+
+    def fills_up(fd: int) -> None:
+        synced.append(fd)
+        if len(synced) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(fileio, "_fsync", fills_up)
+    with pytest.raises(StorageFull):
+        save_pretrained(model, out, max_shard_size="20KB")
+    monkeypatch.undo()
+    loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    for key, value in previous.items():
+        assert torch.equal(loaded[key], value), key
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries
