@@ -101,8 +101,9 @@ def test_non_persistent_buffers_on_meta_are_refused_by_name(
         opt.close()
 
 
+@pytest.mark.parametrize("fail_at", [3, 17], ids=["second-shard", "index"])
 def test_a_sharded_export_that_fails_half_way_leaves_the_previous_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int
 ) -> None:
     model = GPT2LMHeadModel.from_pretrained(saved(tmp_path, sharded=False))
     out = tmp_path / "export"
@@ -111,13 +112,14 @@ def test_a_sharded_export_that_fails_half_way_leaves_the_previous_one(
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)
-    # The same shard names again; the disk fills up while the third shard is made durable.
+    # The same shard names again (eight of them); the disk fills up while the second shard,
+    # or the index after all eight, is made durable (two fsyncs a file: it, its directory).
     synced = []
     real = fileio._fsync
 
     def fills_up(fd: int) -> None:
         synced.append(fd)
-        if len(synced) == 3:
+        if len(synced) == fail_at:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd)
 
@@ -128,4 +130,5 @@ def test_a_sharded_export_that_fails_half_way_leaves_the_previous_one(
     loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()
     for key, value in previous.items():
         assert torch.equal(loaded[key], value), key
+    assert len(list(out.glob("model-*-of-00008.safetensors"))) == 8
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries

@@ -16,13 +16,14 @@ A directory may hold an earlier export, and a new one with as many shards has th
 names (``model-00001-of-00004.safetensors``...). Replacing each shard as it is written would
 leave, after a failure half-way (a full disk, an exception while reading a weight), new
 shards beside old ones under the old index: a model that loads, silently mixed. So every
-weight file is first written whole to a hidden staged sibling (``.<name>.staged-<token>``,
-itself written atomically: Note [atomic replacement] in ``fileio.py``). Only when all are
-durable are they renamed to their names, then the index is replaced, then files of the
-earlier export that the new one does not name are removed. A failure before the renames
-removes the staged files and leaves the earlier export as it was. What remains is the
-renames themselves (no I/O, microseconds): a process killed among them can leave shards of
-both exports. Staged files of a killed export are removed by the next export there.
+weight file and the index is first written whole to a hidden staged sibling
+(``.<name>.staged-<token>``, itself written atomically: Note [atomic replacement] in
+``fileio.py``). Only when all are durable are they renamed to their names, the index last;
+then files of the earlier export that the new one does not name are removed. A failure
+before the renames removes the staged files and leaves the earlier export as it was. What
+remains is the renames themselves (no I/O, microseconds): a process killed among them can
+leave shards of both exports. Staged files of a killed export are removed by the next
+export there.
 """
 
 from __future__ import annotations
@@ -184,16 +185,19 @@ def _write_shard(path: Path, entries: list[_Entry]) -> None:
                 handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
 
 
-def _write_staged(directory: Path, shards: dict[str, list[_Entry]]) -> None:
-    """Write every shard to a staged sibling, then rename them all into place: Note [an
-    export replaces the previous one whole]."""
+def _write_staged(directory: Path, shards: dict[str, list[_Entry]], index: str | None) -> None:
+    """Write every shard (and the ``index`` text, if any) to a staged sibling, then rename
+    them all into place, the index last: Note [an export replaces the previous one whole]."""
     for leftover in directory.glob(f".*{_STAGED}*"):  # of an export that was killed
         leftover.unlink(missing_ok=True)
     token = secrets.token_hex(4)
-    staged = {name: directory / f".{name}{_STAGED}{token}" for name in shards}
+    names = [*shards, *([INDEX_NAME] if index is not None else [])]
+    staged = {name: directory / f".{name}{_STAGED}{token}" for name in names}
     try:
         for name, entries in shards.items():
             _write_shard(staged[name], entries)
+        if index is not None:
+            write_text(staged[INDEX_NAME], index, what="save_pretrained index")
     except BaseException:
         for path in staged.values():
             path.unlink(missing_ok=True)
@@ -263,13 +267,13 @@ def save_pretrained(
         names = [SINGLE_NAME]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    _write_staged(directory, dict(zip(names, shards, strict=True)))
+    index = None
     if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
-            "weight_map": {e.key: n for n, shard in zip(names, shards, strict=True) for e in shard},
-        }
-        write_text(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n", what="index")
+        weight_map = {e.key: n for n, shard in zip(names, shards, strict=True) for e in shard}
+        total = sum(e.nbytes for e in entries)
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        index += "\n"
+    _write_staged(directory, dict(zip(names, shards, strict=True)), index)
     # What an earlier export left that this one does not name would be read instead of it
     # (a stale index) or beside it.
     stale = [directory / INDEX_NAME] if len(shards) == 1 else [directory / SINGLE_NAME]
