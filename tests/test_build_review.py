@@ -132,3 +132,31 @@ def test_a_sharded_export_that_fails_half_way_leaves_the_previous_one(
         assert torch.equal(loaded[key], value), key
     assert len(list(out.glob("model-*-of-00008.safetensors"))) == 8
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+class _WithEmpty(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 8))  # trainable, no elements
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + torch.cat([self.empty, x]).sum(0)
+
+
+def test_an_empty_trainable_parameter_on_meta_is_loaded_at_once(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = _WithEmpty()
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp_path / "w.st")
+    with torch.device("meta"):
+        model = _WithEmpty()
+    load_pretrained(model, tmp_path / "w.st")
+    # The optimizer skips parameters without elements (as torch does): read now, it is
+    # not left on meta, where the forward would fail on it.
+    assert not model.empty.is_meta and model.fc.weight.is_meta
+    opt = make_opt(model)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), reference(x))
+    opt.close()

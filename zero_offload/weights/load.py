@@ -154,7 +154,8 @@ def load_pretrained(
     - trainable parameters on meta stay there, tagged: build ``OffloadAdamW`` over them and
       it reads each tensor into its device slot, bucket by bucket (with parameter offload,
       unit by unit), so the host holds one checkpoint tensor at a time;
-    - frozen parameters and buffers on meta are read now onto the accelerator's device;
+    - frozen (or empty) parameters and buffers on meta are read now onto the accelerator's
+      device;
     - tensors that are already real get the checkpoint's values in place (as
       ``from_pretrained`` does).
 
@@ -203,7 +204,8 @@ def load_pretrained(
     # Checked: now change the model.
     for tensor, tensor_names, info in plan:
         is_param = isinstance(tensor, torch.nn.Parameter)
-        if is_param and tensor.is_meta and tensor.requires_grad:
+        # An optimizer skips a parameter without elements (as torch does): read it now.
+        if is_param and tensor.is_meta and tensor.requires_grad and tensor.numel() > 0:
             attach(tensor, checkpoint, info.key)  # type: ignore[arg-type]
             continue
         if not tensor.is_meta:
