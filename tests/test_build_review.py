@@ -160,3 +160,39 @@ def test_an_empty_trainable_parameter_on_meta_is_loaded_at_once(tmp_path: Path) 
     x = torch.randn(3, 8)
     assert torch.equal(model(x), reference(x))
     opt.close()
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
+def test_adapters_on_a_base_frozen_then_loaded_train_like_a_normal_load(
+    tmp_path: Path, offload: bool
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(tied=True)).save_pretrained(tmp_path)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    runs = []
+    for from_meta in (False, True):  # the recipe of docs/big-models.md, and a plain load
+        if from_meta:
+            with accelerate.init_empty_weights():
+                base = LlamaForCausalLM(llama_config(tied=True))
+            base.requires_grad_(False)
+            load_pretrained(base, tmp_path)  # the frozen base is read now
+        else:
+            base = LlamaForCausalLM.from_pretrained(tmp_path)
+        torch.manual_seed(1)
+        model = get_peft_model(base, lora)
+        assert not any(p.is_meta for p in model.parameters())
+        opt = make_opt(model, offload_parameters=offload and from_meta)
+        losses = []
+        for tokens in batches(2):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        opt.close()
+    assert runs[0][0] == runs[1][0]
+    for name, value in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], value), name
