@@ -385,6 +385,13 @@ def report(result: dict[str, object]) -> None:
                 f"  {what:<7} measured {format_bytes(measured):>10}   "
                 f"estimated {format_bytes(est[what]):>10}"
             )
+        # host_budget bounds the master and moments in RAM, not the host peak: every unit's
+        # home, the gradient staging and the NVMe I/O buffers are on top (docs/nvme.md).
+        print(
+            f"  host peak = {star['host_peak'] / star['host_budget']:.1f}x the host budget "
+            "(which bounds master and moments only; homes, gradient staging and NVMe I/O "
+            "buffers are on top, docs/nvme.md)"
+        )
         cons = star["construction_peaks"]
         print(
             f"  construction peaks: device {format_bytes(cons['device'])}, "
