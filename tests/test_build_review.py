@@ -13,11 +13,12 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from zero_offload import fileio, load_pretrained, save_pretrained
+from zero_offload import OffloadAdamW, fileio, load_pretrained, save_pretrained
 from zero_offload.errors import StorageFull
 from zero_offload.weights import has_source
 
-from .test_build_anywhere import batches, make_opt, saved
+from ._models import host_accelerator
+from .test_build_anywhere import batches, make_opt, on_meta, saved
 
 
 def llama_config(*, tied: bool) -> LlamaConfig:
@@ -196,3 +197,29 @@ def test_adapters_on_a_base_frozen_then_loaded_train_like_a_normal_load(
     assert runs[0][0] == runs[1][0]
     for name, value in runs[0][1].items():
         assert torch.equal(runs[1][1][name], value), name
+
+
+def test_a_forward_before_the_optimizer_read_the_weights_names_them(tmp_path: Path) -> None:
+    path = saved(tmp_path, sharded=False)
+    tokens = batches(1)[0]
+    # The optimizer over a subset: the others wait on meta.
+    model = load_pretrained(on_meta(), path)
+    opt = OffloadAdamW(
+        [p for n, p in model.named_parameters() if ".h.0." in n], accelerator=host_accelerator()
+    )
+    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight'.* still wait on the meta"):
+        model(tokens)
+    opt.close()
+    # Frozen after load_pretrained: never read (freeze before it, docs/big-models.md).
+    model = load_pretrained(on_meta(), path)
+    model.transformer.h[1].requires_grad_(False)
+    opt = make_opt(model)
+    with pytest.raises(ValueError, match=r"'transformer\.h\.1\.ln_1\.weight'.*freeze before"):
+        model(tokens)
+    opt.close()
+    # Built over all: the checks go with the first forward.
+    model = load_pretrained(on_meta(), path)
+    opt = make_opt(model)
+    model(tokens)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    opt.close()

@@ -156,6 +156,9 @@ def load_pretrained(
       unit by unit), so the host holds one checkpoint tensor at a time;
     - frozen (or empty) parameters and buffers on meta are read now onto the accelerator's
       device;
+    - until the optimizer has read them, a forward of a module whose parameters wait on
+      meta raises ``ValueError`` naming them (one left out of the optimizer, or frozen
+      after this call);
     - tensors that are already real get the checkpoint's values in place (as
       ``from_pretrained`` does).
 
@@ -202,11 +205,13 @@ def load_pretrained(
         raise
 
     # Checked: now change the model.
+    waiting: dict[str, torch.Tensor] = {}  # trainable parameters left for the optimizer
     for tensor, tensor_names, info in plan:
         is_param = isinstance(tensor, torch.nn.Parameter)
         # An optimizer skips a parameter without elements (as torch does): read it now.
         if is_param and tensor.is_meta and tensor.requires_grad and tensor.numel() > 0:
             attach(tensor, checkpoint, info.key)  # type: ignore[arg-type]
+            waiting.update((name, tensor) for name in tensor_names)
             continue
         if not tensor.is_meta:
             checkpoint.read_into(info.key, tensor.detach())
@@ -220,4 +225,37 @@ def load_pretrained(
                 owner, _, leaf = name.rpartition(".")
                 model.get_submodule(owner)._buffers[leaf] = data
     checkpoint.close()
+    _refuse_forward_while_waiting(model, waiting)
     return model
+
+
+def _refuse_forward_while_waiting(model: torch.nn.Module, waiting: dict[str, torch.Tensor]) -> None:
+    """Until the optimizer has read them, a forward of a module whose parameters wait on
+    meta raises naming them (left alone, torch's error names no parameter, or none comes:
+    "Tensor on device cpu is not on the expected device meta"). Each hook removes itself at
+    the first forward that finds its parameters read."""
+    by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in waiting.items():
+        by_module.setdefault(name.rpartition(".")[0], []).append((name, param))
+    for owner, params in by_module.items():
+        module = model.get_submodule(owner)
+        handle: list[torch.utils.hooks.RemovableHandle] = []
+
+        def check(
+            module: torch.nn.Module,
+            args: object,
+            params: list[tuple[str, torch.Tensor]] = params,
+            handle: list[torch.utils.hooks.RemovableHandle] = handle,
+        ) -> None:
+            left = [name for name, param in params if param.is_meta]
+            if left:
+                raise ValueError(
+                    f"{', '.join(repr(n) for n in left[:8])} still wait on the meta device: "
+                    "load_pretrained left them for the optimizer to read, and no OffloadAdamW "
+                    "was built over them. Build it over every trainable parameter "
+                    "(model.parameters()); a parameter frozen after load_pretrained is "
+                    "never read: freeze before calling it"
+                )
+            handle[0].remove()
+
+        handle.append(module.register_forward_pre_hook(check))
