@@ -174,5 +174,7 @@ def test_lora_with_a_bf16_module_to_save_mixes_training_dtypes(tmp_path: Path) -
         if param.dtype == torch.bfloat16:
             tolerance = {"rtol": 2.0**-7, "atol": 1e-5}
         else:
-            tolerance = {"rtol": 0.0, "atol": 5e-6}
+            # 1.7e-6 measured on 2 cores; 6.3e-6 on one core, where torch's own
+            # reductions (in both runs' forward and backward) split differently.
+            tolerance = {"rtol": 0.0, "atol": 1e-5}
         torch.testing.assert_close(our_weights[name], ref_weights[name], **tolerance)

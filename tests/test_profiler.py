@@ -53,11 +53,11 @@ def test_byte_counts_equal_an_independent_count(
     seen = {"d2h": [0, 0], "h2d": [0, 0]}
     real_copy = acc.copy_
 
-    def spy(dst: torch.Tensor, src: torch.Tensor, *, stream: object, label: str = "") -> None:
+    def spy(dst: torch.Tensor, src: torch.Tensor, *, stream: object, **kwargs: object) -> None:
         entry = seen[stream.name]  # type: ignore[attr-defined]
         entry[0] += 1
         entry[1] += src.numel() * src.element_size()
-        real_copy(dst, src, stream=stream, label=label)  # type: ignore[arg-type]
+        real_copy(dst, src, stream=stream, **kwargs)  # type: ignore[arg-type]
 
     with profile(opt) as prof:  # the link probe runs here, before the spy is installed
         monkeypatch.setattr(acc, "copy_", spy)
