@@ -107,6 +107,31 @@ class _Once:
         self.fired = False
 
 
+def _inert(*args: Any) -> None:
+    """What a copy of the model holds in place of the offloader's hooks (``_Hook``)."""
+
+
+class _Hook:
+    """``fn(*args, *hook_args)``, as ``functools.partial`` would call it, for a hook the
+    offloader registers on the model or the optimizer (``args`` hold it weakly). A copy of
+    the model (``copy.deepcopy``, ``AveragedModel``, ``torch.save(model)``) is not what the
+    optimizer trains: it gets an inert hook, so its forwards leave this window alone, and it
+    pickles (a weak reference does not)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:  # no __slots__: torch marks some hooks
+        self.fn = fn
+        self.args = args
+
+    def __call__(self, *hook_args: Any) -> None:
+        self.fn(*self.args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(_inert)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (_inert,))
+
+
 def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
     offloader = ref()
     if offloader is not None:
@@ -305,18 +330,18 @@ class ParamOffloader:
         close] in ``optim/lifetime.py``)."""
         ref = weakref.ref(self)
         add = self._handles.append
-        add(self.model.register_forward_pre_hook(functools.partial(_root_pre_hook, ref)))
-        add(self.model.register_forward_hook(functools.partial(_root_post_hook, ref)))
+        add(self.model.register_forward_pre_hook(_Hook(_root_pre_hook, ref)))
+        add(self.model.register_forward_hook(_Hook(_root_post_hook, ref)))
         for unit in self.units:
             for module in unit.spec.modules:
-                add(module.register_forward_pre_hook(functools.partial(_pre_hook, ref, unit.index)))
-                add(module.register_forward_hook(functools.partial(_post_hook, ref, unit.index)))
-        add(optimizer.register_step_pre_hook(functools.partial(_step_pre_hook, ref)))
-        add(optimizer.register_load_state_dict_pre_hook(functools.partial(_step_pre_hook, ref)))
+                add(module.register_forward_pre_hook(_Hook(_pre_hook, ref, unit.index)))
+                add(module.register_forward_hook(_Hook(_post_hook, ref, unit.index)))
+        add(optimizer.register_step_pre_hook(_Hook(_step_pre_hook, ref)))
+        add(optimizer.register_load_state_dict_pre_hook(_Hook(_step_pre_hook, ref)))
         for module, owned in self._owners():
-            pre = functools.partial(_state_dict_pre_hook, ref, owned)
+            pre = _Hook(_state_dict_pre_hook, ref, owned)
             add(module.register_state_dict_pre_hook(pre))
-            post = functools.partial(_state_dict_post_hook, ref, owned)
+            post = _Hook(_state_dict_post_hook, ref, owned)
             add(module.register_state_dict_post_hook(post))
 
     def _owners(self) -> list[tuple[nn.Module, list[_Owned]]]:
