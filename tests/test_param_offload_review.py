@@ -157,3 +157,28 @@ def test_deepcopy_values_are_the_live_weights():
         assert type(q) is torch.nn.Parameter, name
         assert torch.equal(p.detach(), q.detach()), name
     opt.close()
+
+
+@pytest.mark.parametrize("first", ["backward", "autograd_grad"])
+def test_a_graph_run_twice_fetches_its_units_each_time(first):
+    """A second backward through a graph kept with retain_graph=True ran with every unit
+    released (each unit's trigger fired once per forward): a segfault reading address 0."""
+    out = []
+    for offload in (False, True):
+        model = gpt()
+        opt = make_opt(model, offload=offload)
+        step(model, opt, 1)
+        x = ids(2)
+        loss = model(x, x)
+        if first == "backward":
+            loss.backward(retain_graph=True)
+        else:
+            norm = torch.autograd.grad(loss, model.blocks[1].mlp[0].weight, retain_graph=True)
+            out.append(norm[0].norm().item())
+        (loss * 0.5).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([step(model, opt, s) for s in (3, 4)])
+        opt.close()
+    half = len(out) // 2
+    assert out[:half] == out[half:]

@@ -99,12 +99,14 @@ def _in_backward() -> bool:
 
 
 class _Once:
-    """One forward use's backward trigger: the first output gradient fires it."""
+    """One forward use's backward trigger: the first output gradient of each backward
+    through the graph fires it (a graph kept with ``retain_graph=True`` is run again with
+    the unit released)."""
 
-    __slots__ = ("fired",)
+    __slots__ = ("task",)
 
     def __init__(self) -> None:
-        self.fired = False
+        self.task = -1  # the graph task that fired it last (-1: none)
 
 
 def _inert(*args: Any) -> None:
@@ -146,8 +148,9 @@ def _post_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any, outpu
 
 def _grad_hook(ref: weakref.ref, index: int, once: _Once, grad: torch.Tensor) -> None:
     offloader = ref()
-    if offloader is not None and not once.fired:
-        once.fired = True
+    task = torch._C._current_graph_task_id()
+    if offloader is not None and once.task != task:
+        once.task = task
         offloader._backward_use(offloader.units[index])
 
 
