@@ -182,3 +182,20 @@ def test_a_graph_run_twice_fetches_its_units_each_time(first):
         opt.close()
     half = len(out) // 2
     assert out[:half] == out[half:]
+
+
+def test_trainer_resumes_a_parameter_offload_run(tmp_path):
+    """OffloadTrainer's resume loads the model's weights (bringing units back), then the
+    optimizer: that load raised 'weights read off-home (bug)'."""
+    pytest.importorskip("transformers")
+    from ._hf import offload_config, offload_trainer, tiny_gpt2, training_args, weights
+
+    config = offload_config(offload_parameters=True)
+    args = training_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    whole = offload_trainer(tiny_gpt2(), args, offload_config=config)
+    whole.train()
+    args = training_args(tmp_path, max_steps=4)
+    resumed = offload_trainer(tiny_gpt2(seed=1), args, offload_config=config)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    want, got = weights(whole.model), weights(resumed.model)
+    assert all(torch.equal(got[name], want[name]) for name in want)
