@@ -99,12 +99,39 @@ def _in_backward() -> bool:
 
 
 class _Once:
-    """One forward use's backward trigger: the first output gradient fires it."""
+    """One forward use's backward trigger: the first output gradient of each backward
+    through the graph fires it (a graph kept with ``retain_graph=True`` is run again with
+    the unit released)."""
 
-    __slots__ = ("fired",)
+    __slots__ = ("task",)
 
     def __init__(self) -> None:
-        self.fired = False
+        self.task = -1  # the graph task that fired it last (-1: none)
+
+
+def _inert(*args: Any) -> None:
+    """What a copy of the model holds in place of the offloader's hooks (``_Hook``)."""
+
+
+class _Hook:
+    """``fn(*args, *hook_args)``, as ``functools.partial`` would call it, for a hook the
+    offloader registers on the model or the optimizer (``args`` hold it weakly). A copy of
+    the model (``copy.deepcopy``, ``AveragedModel``, ``torch.save(model)``) is not what the
+    optimizer trains: it gets an inert hook, so its forwards leave this window alone, and it
+    pickles (a weak reference does not)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:  # no __slots__: torch marks some hooks
+        self.fn = fn
+        self.args = args
+
+    def __call__(self, *hook_args: Any) -> None:
+        self.fn(*self.args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(_inert)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (_inert,))
 
 
 def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
@@ -121,8 +148,9 @@ def _post_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any, outpu
 
 def _grad_hook(ref: weakref.ref, index: int, once: _Once, grad: torch.Tensor) -> None:
     offloader = ref()
-    if offloader is not None and not once.fired:
-        once.fired = True
+    task = torch._C._current_graph_task_id()
+    if offloader is not None and once.task != task:
+        once.task = task
         offloader._backward_use(offloader.units[index])
 
 
@@ -305,18 +333,18 @@ class ParamOffloader:
         close] in ``optim/lifetime.py``)."""
         ref = weakref.ref(self)
         add = self._handles.append
-        add(self.model.register_forward_pre_hook(functools.partial(_root_pre_hook, ref)))
-        add(self.model.register_forward_hook(functools.partial(_root_post_hook, ref)))
+        add(self.model.register_forward_pre_hook(_Hook(_root_pre_hook, ref)))
+        add(self.model.register_forward_hook(_Hook(_root_post_hook, ref)))
         for unit in self.units:
             for module in unit.spec.modules:
-                add(module.register_forward_pre_hook(functools.partial(_pre_hook, ref, unit.index)))
-                add(module.register_forward_hook(functools.partial(_post_hook, ref, unit.index)))
-        add(optimizer.register_step_pre_hook(functools.partial(_step_pre_hook, ref)))
-        add(optimizer.register_load_state_dict_pre_hook(functools.partial(_step_pre_hook, ref)))
+                add(module.register_forward_pre_hook(_Hook(_pre_hook, ref, unit.index)))
+                add(module.register_forward_hook(_Hook(_post_hook, ref, unit.index)))
+        add(optimizer.register_step_pre_hook(_Hook(_step_pre_hook, ref)))
+        add(optimizer.register_load_state_dict_pre_hook(_Hook(_step_pre_hook, ref)))
         for module, owned in self._owners():
-            pre = functools.partial(_state_dict_pre_hook, ref, owned)
+            pre = _Hook(_state_dict_pre_hook, ref, owned)
             add(module.register_state_dict_pre_hook(pre))
-            post = functools.partial(_state_dict_post_hook, ref, owned)
+            post = _Hook(_state_dict_post_hook, ref, owned)
             add(module.register_state_dict_post_hook(post))
 
     def _owners(self) -> list[tuple[nn.Module, list[_Owned]]]:

@@ -25,6 +25,11 @@ the next fetch or step refuses (Note [parameters replaced behind the optimizer] 
 plain class while it is on the device, and the window's hooks fetch every unit before its
 forward and backward.
 
+Pickling (``torch.save`` of parameters or of the model) does not fetch either: a released
+parameter pickles as a plain parameter holding a private copy of its home's weights
+(``torch.save`` writes a storage's bytes after pickling everything, when a fetched unit's
+slot may hold another unit); ``copy.deepcopy`` fetches and clones.
+
 ``model.state_dict()`` does not fetch: while a state dict is being taken (``begin_saving``,
 set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns a view of
 its home (Note [state dict entries are views of the homes] in ``offloader.py``).
@@ -129,8 +134,26 @@ class _Released:
         return copy.deepcopy(self, memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        bring_back(self)  # type: ignore[arg-type]
-        return self.__reduce_ex__(protocol)
+        twin = _private_twin(self)  # type: ignore[arg-type]
+        return twin.__reduce_ex__(protocol)
+
+
+def _private_twin(param: torch.Tensor) -> torch.Tensor:
+    """A parameter of ``param``'s plain class holding a private device copy of its weights,
+    read from its home without a fetch: ``torch.save`` records a tensor's storage and writes
+    its bytes after pickling everything, when a fetched unit's slot may hold another unit."""
+    binding = _BINDINGS.get(param)
+    if binding is None:
+        bring_back(param)  # not ours: only the class is
+        return param
+    source = binding.home_view()
+    plain = type(param)._plain  # type: ignore[attr-defined]
+    with torch._C.DisableTorchFunctionSubclass():
+        data = torch.empty(source.shape, dtype=source.dtype, device=param.device)
+        data.copy_(source)
+        twin = torch.Tensor._make_subclass(plain, data, param.requires_grad)
+    twin.__dict__.update(param.__dict__)
+    return twin
 
 
 def _released_args(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

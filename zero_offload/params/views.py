@@ -51,6 +51,9 @@ class SlotHolder(Protocol):
     #: the offloader weakly, as every released parameter's binding keeps it.
     materialize: Callable[[], None]
 
+    def release(self) -> None:
+        """Leave the slot (a written slot is copied home first)."""
+
 
 __all__ = ["WindowedViews"]
 
@@ -241,8 +244,13 @@ class WindowedViews(ParamViews):
     ) -> Event | None:
         if self.home is None:  # construction: the weights are in the slot
             return super().copy_out(manager, lo, hi, target, target_block, label=label)
-        if target_block is not self.home_block or self.unit.resident:
+        if target_block is not self.home_block:
             raise RuntimeError(f"bucket {self.layout.index}: weights read off-home (bug)")
+        if self.unit.resident:
+            # Read outside a step (``load_state_dict``, whose caller waited for every copy):
+            # the unit leaves first, so a write to its slot reaches the home (Note [a write
+            # to a resident unit reaches its home]) and no slot outlives what is loaded.
+            self.unit.release()
         return None  # the parameters are views of the home: writes landed there
 
     def close(self) -> None:
