@@ -30,7 +30,7 @@ import torch
 from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
-from ..weights.source import fill
+from ..weights.source import fill_bucket
 from .released import Binding, is_bound_to, is_released, placeholder_like, release, restore
 from .window import Slot
 
@@ -92,19 +92,7 @@ class WindowedViews(ParamViews):
         self.weights_dev = region
         self.home: torch.Tensor | None = None
         self.home_block: Block | None = None
-        filled: list[torch.nn.Parameter] = []
-        try:
-            with torch.no_grad():
-                region.zero_()  # see Note [padding stays at the end] in partition.py
-                for slot, param in zip(layout.slots, self.params, strict=True):
-                    was_meta = param.is_meta  # read from its checkpoint, then a slot view
-                    fill(param, region[slot.offset : slot.end])
-                    if was_meta:
-                        filled.append(param)
-        except BaseException:
-            for param in filled:  # their values stay theirs when the window goes
-                param.data = param.data.clone()
-            raise
+        fill_bucket(layout, self.params, region)  # the window keeps the slot on failure
         self._point_at(region)  # releases the original storage (one copy of the model)
         self.versions: tuple[int, ...] | None = None
         self.placeholders: list[torch.Tensor] = []

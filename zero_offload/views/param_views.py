@@ -57,7 +57,7 @@ from ..memory.block import Block
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout
-from ..weights.source import fill
+from ..weights.source import fill_bucket
 
 if TYPE_CHECKING:
     from ..accelerator import Event
@@ -142,20 +142,11 @@ class ParamViews:
         self.block: Block = pool.alloc(nbytes, owner=f"bucket{layout.index}.weights")
         self.block.on_move(self._bind)
         flat = self.block.view(self.dtype, (layout.padded_numel,))
-        filled: list[torch.nn.Parameter] = []
         try:
-            with torch.no_grad():
-                flat.zero_()  # see Note [padding stays at the end] in partition.py
-                for slot, param in zip(layout.slots, self.params, strict=True):
-                    # Device, host or meta plus a checkpoint: Note [construction reads each
-                    # weight from its source] in weights/source.py.
-                    was_meta = param.is_meta
-                    fill(param, flat[slot.offset : slot.end])
-                    if was_meta:  # now a view of the block
-                        filled.append(param)
+            # Device, host or meta plus a checkpoint: Note [construction reads each weight
+            # from its source] in weights/source.py.
+            fill_bucket(layout, self.params, flat)
         except BaseException:
-            for param in filled:  # their values stay theirs when the block goes
-                param.data = param.data.clone()
             self.block.free()
             raise
         self._bind(self.block)

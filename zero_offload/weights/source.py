@@ -25,7 +25,7 @@ copy] in ``optim/construction.py``.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -33,6 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..memory.manager import TieredMemoryManager
+    from ..partition import BucketLayout
     from .checkpoint import SafetensorsCheckpoint
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "PeakTracker",
     "attach",
     "fill",
+    "fill_bucket",
     "has_source",
     "tracking",
 ]
@@ -104,6 +106,26 @@ def fill(param: torch.Tensor, out: torch.Tensor) -> None:
     tracker = _TRACKER.get()
     if tracker is not None:
         tracker.sample(transient_host=transient)
+
+
+def fill_bucket(layout: BucketLayout, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Zero ``flat`` (a bucket's padded training-dtype weights) and ``fill`` each parameter
+    into its slot. If a read fails, the meta parameters read so far (now views of ``flat``)
+    get private copies before the error propagates, so they keep their values when the
+    caller frees ``flat``."""
+    filled: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            flat.zero_()  # see Note [padding stays at the end] in partition.py
+            for slot, param in zip(layout.slots, params, strict=True):
+                was_meta = param.is_meta  # read from its checkpoint, then a view of flat
+                fill(param, flat[slot.offset : slot.end])
+                if was_meta:
+                    filled.append(param)
+    except BaseException:
+        for param in filled:
+            param.data = param.data.clone()
+        raise
 
 
 # Note [construction peaks]
