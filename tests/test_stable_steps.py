@@ -88,17 +88,22 @@ print(json.dumps(out))
 @pytest.mark.parametrize("path", ["plain", "announced"])
 def test_step_times_are_not_bimodal(path: str) -> None:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, path],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    ours, reference = result["ours"], result["reference"]
-    spread = ours["p90"] / ours["p10"]
-    machine = reference["p90"] / reference["p10"]
+    # Up to three measurements: a bimodal step fails every one, while one scheduler hiccup
+    # on a shared machine (a p90 of 30 samples is its 3rd-slowest step) does not repeat.
+    for _attempt in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, path],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        ours, reference = result["ours"], result["reference"]
+        spread = ours["p90"] / ours["p10"]
+        machine = reference["p90"] / reference["p10"]
+        if spread < max(2.0, 1.5 * machine):
+            break
     assert spread < max(2.0, 1.5 * machine), result
