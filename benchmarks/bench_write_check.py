@@ -1,68 +1,120 @@
-"""What noticing weights written outside the optimizer costs per step.
+"""The cost of the check for weights written outside the optimizer, alone, in CPU time.
 
-    python benchmarks/bench_write_check.py [--rounds N]
+    python benchmarks/bench_write_check.py [--tiny] [--steps N]
 
-Note [weights written outside the optimizer] (``zero_offload/views/param_views.py``): each
-step compares every parameter's fingerprint with the one taken when the optimizer last
-published it (``changed()``), and takes a new one after publishing (``remember()``). Timed
-here on ``bench_offload_step.py``'s ``embed`` model (17M parameters), bf16 and fp32, host
-accelerator, against one whole ``step()`` (which includes the check), median of interleaved
-rounds. Prints a table and writes benchmarks/results/bench_write_check.json.
+Note [weights written outside the optimizer] (views/param_views.py) fingerprints each
+bucket's training-dtype weights: ``changed()`` at a step's start, ``remember()`` after its
+weights landed. Note [one cold hash per step] has ``remember()`` take the fingerprints of
+the tiles as they are published, while they are in cache. This script trains
+``bench_offload_step``'s ``embed`` model (17M parameters) for a few steps both ways in one
+run: ``streamed`` (the library as it is) and ``two cold hashes`` (streaming turned off, so
+``remember()`` hashes the weights afresh, as before), and reports the CPU time of the
+calling thread spent inside the check per step (``time.thread_time``: meaningful on a busy
+machine, unlike wall time), and the weight bytes each way reads from memory cold per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_offload_step.py
 
 import torch
-from _common import machine, time_rounds, write_json
-from bench_offload_step import EmbedModel, _batches
 
-from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine, write_json
+from bench_offload_step import FULL, LR, TINY, _batches, _make_model
+
+from zero_offload import OffloadAdamW
+from zero_offload.views import param_views
+
+#: The check's entry points, timed where they run.
+TIMED = ("changed_params", "remember", "published_tile")
 
 
-def measure(dtype: torch.dtype, rounds: int) -> dict[str, float]:
-    torch.manual_seed(0)
-    model = EmbedModel().to(dtype=dtype)
-    opt = OffloadAdamW(
-        model.parameters(),
-        lr=1e-3,
-        config=OffloadConfig(),
-        accelerator=HostAccelerator(AcceleratorConfig(device_budget="2GiB")),
-    )
-    ids, targets = _batches("embed", 1, torch.device("cpu"))[0]
+def _timed(totals: dict[str, float], name: str, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.thread_time() - t0
 
-    def step() -> None:
-        opt.backward(model(ids, targets))
-        opt.step()
-        opt.zero_grad()
+    return wrapper
 
-    def check() -> None:
-        for bucket in opt.buckets:
-            bucket.views.changed()
-            bucket.views.remember()
 
+def _measure(dtype: torch.dtype, steps: int, scale, *, streamed: bool) -> dict[str, float]:
+    """CPU seconds per step inside each of the check's entry points, median over steps."""
+    cls = param_views.ParamViews
+    saved = {name: getattr(cls, name) for name in (*TIMED, "begin_published")}
+    totals = dict.fromkeys(TIMED, 0.0)
+    per_step: dict[str, list[float]] = {name: [] for name in TIMED}
     try:
-        times = time_rounds({"train_step": step, "check": check}, rounds=rounds, sync=lambda: None)
-    finally:
+        for name in TIMED:
+            setattr(cls, name, _timed(totals, name, saved[name]))
+        if not streamed:
+            cls.begin_published = cls.drop_published  # remember() hashes afresh
+        model = _make_model("embed", dtype, torch.device("cpu"), scale)
+        opt = OffloadAdamW(model.parameters(), lr=LR)
+        ids, targets = _batches("embed", 1, torch.device("cpu"), scale)[0]
+        for step in range(steps + 1):
+            for name in TIMED:
+                totals[name] = 0.0
+            model(ids, targets).backward()
+            opt.step()
+            opt.zero_grad()
+            if step:  # the first step compiles and warms up
+                for name in TIMED:
+                    per_step[name].append(totals[name])
+        numel = sum(p.numel() for p in model.parameters())
         opt.close()
-    return {"params": sum(p.numel() for p in model.parameters()), **times}
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+    out = {name: statistics.median(v) for name, v in per_step.items()}
+    out["total"] = statistics.median([sum(v) for v in zip(*per_step.values(), strict=True)])
+    size = torch.empty((), dtype=dtype).element_size()
+    # Cold weight bytes hashed per step: the start's check always; remember() too when not
+    # streamed (the streamed tiles are read while in cache, just written by CPU Adam).
+    out["cold_bytes"] = numel * size * (1 if streamed else 2)
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    result: dict[str, object] = {"machine": machine()}
-    print(f"{'dtype':<10}{'params':>10}{'train step ms':>15}{'check ms':>10}")
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    scale = TINY if args.tiny else FULL
+    lines = [
+        "| dtype | check | changed() ms | remember() ms | tiles streamed ms | total CPU ms "
+        "| cold MB/step |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    result: dict = {"machine": machine(), "rows": []}
     for dtype in (torch.bfloat16, torch.float32):
-        row = measure(dtype, args.rounds)
-        result[str(dtype)] = row
-        print(
-            f"{dtype!s:<10}{row['params'] / 1e6:>9.1f}M"
-            f"{row['train_step'] * 1e3:>15.1f}{row['check'] * 1e3:>10.1f}"
-        )
-    print(f"wrote {write_json('bench_write_check', result)}")
+        for streamed in (False, True):
+            r = _measure(dtype, args.steps, scale, streamed=streamed)
+            label = "streamed (now)" if streamed else "two cold hashes (before)"
+            lines.append(
+                f"| {str(dtype).removeprefix('torch.')} | {label} | "
+                f"{r['changed_params'] * 1e3:.2f} | {r['remember'] * 1e3:.2f} | "
+                f"{r['published_tile'] * 1e3:.2f} | **{r['total'] * 1e3:.2f}** | "
+                f"{r['cold_bytes'] / 1e6:.0f} |"
+            )
+            print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
+            result["rows"].append({"dtype": str(dtype), "streamed": streamed, **r})
+    print()
+    print("\n".join(lines))
+    path = write_json("bench_write_check_tiny" if args.tiny else "bench_write_check", result)
+    print(f"\nwrote {path}")
+    return result
 
 
 if __name__ == "__main__":

@@ -35,6 +35,29 @@ parameter offload the fingerprints are of the pinned homes, the only copy betwee
 write to a unit on the device reaches its home when the unit leaves (Note [a write to a
 resident unit reaches its home] in ``params/unit.py``). Cost: docs/optimizer.md.
 
+Note [one cold hash per step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Hashing the weights twice per step (``changed()`` at the start, ``remember()`` after the
+update landed) read every weight byte twice from memory, cold: about 7 ms per step for 17M
+bf16 weights on the host accelerator. ``remember()`` needs the fingerprint of the bytes the
+update published, and those bytes pass through the CPU's caches once already: CPU Adam
+writes each tile into the pinned home, and that tile's H2D copy reads it. So where the
+weights are host-addressable, ``WeightCopies`` feeds each tile to ``published_tile()`` as
+its copy is issued, while the tile is still in cache, and each slot's xxh3 streams over its
+tiles in order (xxh3 streamed over the pieces equals xxh3 of the whole, so the fingerprint is
+the same number ``_fingerprint`` gives). ``remember()`` takes the streamed fingerprint of
+every slot the tiles covered completely and hashes only the others (a slot crossing the
+rank's shard, one the update did not touch), from ``bound_to()`` as before.
+
+Streamed fingerprints are of the bytes copied, so they are used only where nothing else can
+have written the weights between the tile and ``remember()``: ``begin_published()`` (the
+update's ``prepare``) starts them, ``finish_published()`` (``publish()`` with every copy
+issued from a fed tile) makes them usable, and anything else drops them: a tile published
+later from the home (``mark_unpublished``, a delayed update), dropped copies, ``forget()``,
+``changed()`` (a new step's check), or ``remember()`` itself (they are used once). What a
+write between steps looks like is unchanged: ``changed()`` still hashes the weights as they
+are at the step's start, so a write through ``param.data`` is seen as before.
+
 Note [parameters replaced behind the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``param.data = ...`` (``model.half()``, ``load_state_dict(assign=True)``, PEFT's
@@ -47,6 +70,7 @@ a fresh tensor may have the same version.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,7 +80,7 @@ import xxhash
 from ..memory.block import Block
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
-from ..partition import BucketLayout
+from ..partition import BucketLayout, ParamSlot
 from ..weights.source import fill_bucket
 
 if TYPE_CHECKING:
@@ -111,6 +135,54 @@ def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> t
     return torch.stack(sums)
 
 
+class _StreamedHashes:
+    """Each slot's xxh3, streamed over the tiles the update publishes, in order; see Note
+    [one cold hash per step].
+
+    Fields:
+        hashers: slot index -> (next element expected, xxh3 state so far).
+        broken: slots fed out of order (hashed afresh at ``remember()``).
+        final: every tile published was fed (``finish_published()``).
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot]) -> None:
+        self.slots = slots
+        self.order = sorted(range(len(slots)), key=lambda i: slots[i].offset)
+        self.starts = [slots[i].offset for i in self.order]
+        self.hashers: dict[int, tuple[int, xxhash.xxh3_64]] = {}
+        self.broken: set[int] = set()
+        self.final = False
+
+    def feed(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of the bucket now hold ``values`` (host memory)."""
+        raw = values.detach().view(torch.uint8).numpy()
+        size = values.element_size()
+        k = max(bisect_right(self.starts, lo) - 1, 0)
+        while k < len(self.order) and self.starts[k] < hi:
+            i = self.order[k]
+            k += 1
+            slot = self.slots[i]
+            a, b = max(lo, slot.offset), min(hi, slot.end)
+            if a >= b or i in self.broken:
+                continue
+            at, hasher = self.hashers.get(i, (slot.offset, None))
+            if at != a:  # a gap or a repeat: not the bytes in order
+                self.broken.add(i)
+                self.hashers.pop(i, None)
+                continue
+            if hasher is None:
+                hasher = xxhash.xxh3_64()
+            hasher.update(raw[(a - lo) * size : (b - lo) * size])
+            self.hashers[i] = (b, hasher)
+
+    def digest(self, i: int) -> int | None:
+        """Slot ``i``'s fingerprint when every byte of it was fed, in order; else None."""
+        entry = self.hashers.get(i)
+        if entry is None or entry[0] != self.slots[i].end:
+            return None
+        return entry[1].intdigest()
+
+
 class ParamViews:
     """The bucket's parameters bound to slots of ``weights_dev``.
 
@@ -127,9 +199,12 @@ class ParamViews:
         _stamp: ``(data_ptr, fingerprints)`` of ``bound_to()`` at ``remember()``, one
             fingerprint per slot (a list of ints, or an int64 device tensor); None until
             then or after ``forget()``.
+        _streamed: the published tiles' fingerprints, streamed (Note [one cold hash per
+            step]); None when none are being taken.
     """
 
     _stamp: tuple[int, list[int] | torch.Tensor] | None = None
+    _streamed: _StreamedHashes | None = None
     masters_from_weights: frozenset[int] = frozenset()
 
     def __init__(
@@ -193,15 +268,45 @@ class ParamViews:
         """Each parameter's version counter now."""
         return tuple(param._version for param in self.params)
 
-    def _fingerprint(self, flat: torch.Tensor) -> list[int] | torch.Tensor:
+    def _fingerprint(
+        self, flat: torch.Tensor, streamed: _StreamedHashes | None = None
+    ) -> list[int] | torch.Tensor:
         """One fingerprint per slot of ``flat``; see Note [weights written outside the
-        optimizer]."""
+        optimizer]. ``streamed``: the slots it covers take its fingerprints (Note [one cold
+        hash per step])."""
         slots = self.layout.slots
         if _host_addressable(flat):
             raw = flat.detach().view(torch.uint8).numpy()
             size = flat.element_size()
-            return [xxhash.xxh3_64_intdigest(raw[s.offset * size : s.end * size]) for s in slots]
+            out = []
+            for i, s in enumerate(slots):
+                known = None if streamed is None else streamed.digest(i)
+                if known is None:
+                    known = xxhash.xxh3_64_intdigest(raw[s.offset * size : s.end * size])
+                out.append(known)
+            return out
         return _device_fingerprints(flat, [(s.offset, s.end) for s in slots])
+
+    def begin_published(self) -> None:
+        """An update starts publishing tiles: stream their fingerprints where the weights
+        are host-addressable (Note [one cold hash per step])."""
+        flat = self.bound_to()
+        self._streamed = _StreamedHashes(self.layout.slots) if _host_addressable(flat) else None
+
+    def published_tile(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of the bucket receive ``values`` (host memory, what their
+        copy reads): fold them into the streamed fingerprints."""
+        if self._streamed is not None:
+            self._streamed.feed(lo, hi, values)
+
+    def finish_published(self) -> None:
+        """Every tile the update published was fed: ``remember()`` may use them."""
+        if self._streamed is not None:
+            self._streamed.final = True
+
+    def drop_published(self) -> None:
+        """Something other than a fed tile reaches the weights: hash afresh."""
+        self._streamed = None
 
     def _written_slots(self) -> list[int] | None:
         """Indices of the slots whose values differ from ``remember()``'s fingerprints; None
@@ -226,6 +331,8 @@ class ParamViews:
     def changed_params(self) -> list[torch.nn.Parameter]:
         """The parameters written since ``remember()`` (all of them when unknown), by value
         where it can be compared (Note [weights written outside the optimizer])."""
+        self._streamed = None  # a new check: streamed hashes are stale (Note [one cold hash
+        # per step])
         if self.versions is None:
             return list(self.params)
         written = self._written_slots()
@@ -239,12 +346,16 @@ class ParamViews:
         (issued on the compute stream after them)."""
         self.versions = self.current_versions()
         flat = self.bound_to()
-        self._stamp = (flat.data_ptr(), self._fingerprint(flat))
+        streamed, self._streamed = self._streamed, None
+        if streamed is not None and not streamed.final:
+            streamed = None
+        self._stamp = (flat.data_ptr(), self._fingerprint(flat, streamed))
 
     def forget(self) -> None:
         """Treat the weights as written (reconcile at the next step)."""
         self.versions = None
         self._stamp = None
+        self._streamed = None
 
     def copy_in(
         self,

@@ -96,6 +96,12 @@ class WeightCopies(Publication):
             # rewritten. Usually long done.
             event.synchronize()
         self._source_readers = []
+        # Note [one cold hash per step] in views/param_views.py: fingerprint the tiles as
+        # they are published, while they are in cache.
+        if publish:
+            self.views.begin_published()
+        else:
+            self.views.drop_published()
         # The weight copies overwrite weights_dev: they wait for compute issued so far
         # (a forward or a weight-reading kernel still queued), write-after-read; a step
         # run during backward passes the event recorded when the bucket was complete.
@@ -113,9 +119,13 @@ class WeightCopies(Publication):
         event = self._copy_tile(lo, hi, after)
         if event is not None:  # None: the source is the weights' home
             self._issued.append(event)
+        # The bytes the copy reads, hashed while they are in cache (the copy only reads them
+        # too): Note [one cold hash per step].
+        self.views.published_tile(self.offset + lo, self.offset + hi, self.home()[0][lo:hi])
 
     def mark_unpublished(self, lo: int, hi: int) -> None:
         """Tile ``[lo, hi)`` of the home holds weights the device lacks (resuming)."""
+        self.views.drop_published()
         self._unpublished.append((lo, hi))
 
     def _copy_tile(self, lo: int, hi: int, after: list[Event]) -> Event | None:
@@ -142,8 +152,11 @@ class WeightCopies(Publication):
     def publish(self) -> list[Event]:
         after = []
         if self._unpublished:
+            self.views.drop_published()  # copies of tiles never fed
             self.declare_weight_readers()
             after = [self.manager.compute_ready()]
+        else:
+            self.views.finish_published()
         copies = [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
         events = self._issued + [event for event in copies if event is not None]
         self._issued, self._unpublished = [], []
@@ -151,4 +164,5 @@ class WeightCopies(Publication):
         return events
 
     def drop_unpublished(self) -> None:
+        self.views.drop_published()
         self._unpublished = []
