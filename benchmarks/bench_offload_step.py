@@ -24,6 +24,11 @@ median and p90 of its rounds, and its median over ``torch_mixed``'s:
   weights and gradients preallocated, gradients cast into them, ``clip_grad_norm_`` on the
   masters, ``AdamW(fused=True)``, weights cast back (for fp32 it is plain fused AdamW on the
   parameters).
+- ``copy_floor``: ``torch_mixed`` plus exactly the copies our design must make on the host
+  accelerator, where each "DMA" is a CPU memcpy on the step's cores: each micro-batch's
+  gradient D2H into host staging, their fp32 accumulation with several micro-batches, and
+  the weights H2D (``CopyFloor``). Each row also gives the median over this one: ours /
+  ``copy_floor`` is our overhead, ``copy_floor`` / ``torch_mixed`` the simulator's floor.
 - ``torch_fused``: the no-offload floor: ``AdamW(fused=True)`` (torch's fastest AdamW on the
   CPU, and on CUDA) on the parameters in the training dtype, no master, clipping by
   ``clip_grad_norm_``. For fp32 that is ``torch_mixed``'s loop itself, so it is not run twice.
@@ -45,8 +50,9 @@ bf16 with one micro-batch, clipping off and binding.
 Also printed, for ``embed`` with one micro-batch: our optimizer step against the bare
 ``adam_step`` kernel on the same bytes (target <= 1.15), against that kernel run in the
 step's tiles with each tile's weight memcpy on a second thread (what the host accelerator's
-step must at least do, since its "DMA" shares the memory), and the byte model: host bytes per
-parameter each pass reads and writes, with the time those bytes take at the host memory
+step must at least do, since its "DMA" shares the memory), and the byte model for bf16 and
+fp32, one and 4 micro-batches: host bytes per parameter each pass reads and writes, for
+ours, ``copy_floor`` and ``torch_mixed``, with the time those bytes take at the host memory
 bandwidth measured in the same run.
 """
 
@@ -169,6 +175,65 @@ class TorchMixed:
         """Nothing to clear: step() overwrites the master gradients and drops .grad."""
 
 
+class CopyFloor:
+    """``torch_mixed`` plus exactly the copies our design must make on the host accelerator,
+    where every "DMA" is a CPU memcpy on the cores the step uses (on CUDA a copy engine does
+    them, beside the compute): the copy floor of this simulator.
+
+    - after each micro-batch's backward, the gradient D2H into host staging (a memcpy in
+      the training dtype), and ``.grad`` dropped (the next backward starts fresh, as ours);
+    - with several micro-batches, each added into an fp32 accumulator on the host (the first
+      copied in), which the step reads; one micro-batch is read from staging;
+    - the step: fused AdamW on fp32 masters (for fp32 too: the master is the weights' home
+      on the host), clipping on them, bf16 weights cast into host staging;
+    - the weights H2D: a memcpy of the training-dtype weights into the parameters.
+
+    What ours does beyond this is overhead of ours, not the simulator's floor (the byte model
+    lists both)."""
+
+    def __init__(self, model: nn.Module, clip: float | None, micro: int) -> None:
+        self.params = list(model.parameters())
+        self.clip = clip
+        self.master = [p.detach().float().clone() for p in self.params]
+        self.staging = [torch.zeros_like(p) for p in self.params]  # "pinned host"
+        lp = self.params[0].dtype != torch.float32
+        self.weights_out = [torch.zeros_like(p) for p in self.params] if lp else self.master
+        self.acc = [torch.zeros_like(m) for m in self.master] if micro > 1 else None
+        self.flushes = 0
+        for m, s in zip(self.master, self.acc or self.staging, strict=True):
+            # fp32 reads the gradient where it lands (staging or the accumulator); bf16
+            # casts it into the master's gradient, as torch_mixed does
+            m.grad = s if s.dtype == torch.float32 else torch.zeros_like(m)
+        self.opt = torch.optim.AdamW(self.master, lr=LR, fused=True)
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        loss.backward()
+        first = self.flushes == 0
+        self.flushes += 1
+        for i, p in enumerate(self.params):
+            self.staging[i].copy_(p.grad)  # D2H
+            p.grad = None
+            if self.acc is not None:  # the host's accumulation pass
+                if first:
+                    self.acc[i].copy_(self.staging[i])
+                else:
+                    self.acc[i].add_(self.staging[i])
+
+    def step(self) -> None:
+        self.flushes = 0
+        if self.acc is None and self.staging[0].dtype != torch.float32:
+            for m, s in zip(self.master, self.staging, strict=True):
+                m.grad.copy_(s)
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m, w in zip(self.params, self.master, self.weights_out, strict=True):
+                if w is not m:
+                    w.copy_(m)  # the kernel's bf16 copy-out
+                p.copy_(w)  # H2D
+
+
 def _loop(
     model: nn.Module,
     data: list,
@@ -207,7 +272,7 @@ def _variants(
     device = get_accelerator().device
     data = _batches(kind, micro, device, scale)
     out: dict[str, tuple[Callable[[], None], object]] = {}
-    names = ["ours", "ours_announced", "torch_mixed"]
+    names = ["ours", "ours_announced", "torch_mixed", "copy_floor"]
     if dtype != torch.float32:  # fp32's torch_fused is torch_mixed's loop: run it once
         names.append("torch_fused")
     if clip is None:
@@ -226,6 +291,9 @@ def _variants(
                 opt.step()
                 opt.zero_grad()
 
+        elif name == "copy_floor":
+            opt = CopyFloor(model, clip, micro)
+            backward, step = opt.backward, opt.step
         elif name == "torch_mixed" and dtype != torch.float32:
             opt = TorchMixed(model, clip)
 
@@ -338,33 +406,111 @@ def _optimizer_vs_kernel(rounds: int, scale: Scale) -> dict[str, float]:
     }
 
 
-#: Host bytes per parameter of each pass, bf16 training, one micro-batch (Note [no
-#: accumulator for one backward]): (name, bytes read, bytes written, by the CPU or by DMA).
-BYTE_MODEL_BF16 = [
-    ("gradient copy into staging (D2H)", 0, 2, "DMA"),
-    ("statistics over staging", 2, 0, "CPU"),
-    ("Adam: master, m, v, bf16 gradient in; master, m, v, bf16 weights out", 14, 14, "CPU"),
-    ("weight copy from staging (H2D)", 2, 0, "DMA"),
-]
+def byte_model(
+    k: int, micro: int, *, adopted: bool = True
+) -> list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """Host bytes per parameter of each pass of one step, training dtype of ``k`` bytes,
+    ``micro`` micro-batches: ``(pass, ours, copy_floor, torch_mixed)``, each ``(read,
+    written)``. Backward's own compute (and its first write of each gradient) is the same
+    in all three and left out; so is the forward. On the host accelerator every pass is a
+    CPU pass, the "DMA" copies included. ``adopted``: the gradient's bucket holds one
+    parameter, so autograd's tensor is copied to the host directly (Note [a lone gradient is
+    its own buffer] in grads/to_host.py; 98% of ``embed``'s parameters); otherwise the hook
+    first copies each gradient into the bucket's device buffer."""
+    extra = micro - 1  # micro-batches after the first
+    acc = micro > 1
+    lp = k != 4  # a low-precision training dtype: a cast to and from the fp32 master
+    # the gradient the step reads: staging (k bytes) or the fp32 accumulator
+    g = 4 if acc else k
+    rows = [
+        # Note [a gradient buffer is written once per slot] (grads/to_host.py): the hook
+        # copies each gradient into the bucket's device buffer (none for a lone gradient,
+        # Note [a lone gradient is its own buffer])
+        (
+            "hook: gradient into the bucket's device buffer",
+            (0, 0) if adopted else (k * micro, k * micro),
+            (0, 0),
+            (0, 0),
+        ),
+        # torch accumulates micro-batches in .grad in the training dtype
+        (
+            "autograd: later micro-batches add into .grad",
+            (0, 0),
+            (0, 0),
+            (2 * k * extra, k * extra),
+        ),
+        (
+            "gradient D2H into staging (a memcpy here)",
+            (k * micro, k * micro),
+            (k * micro, k * micro),
+            (0, 0),
+        ),
+        (
+            "accumulate into fp32 (first copied; ours also takes the statistics there)",
+            (k + (k + 4) * extra, 4 * micro) if acc else (0, 0),
+            (k + (k + 4) * extra, 4 * micro) if acc else (0, 0),
+            (0, 0),
+        ),
+        ("statistics over staging (one micro-batch)", (0 if acc else k, 0), (0, 0), (0, 0)),
+        (
+            "gradient cast into the fp32 master's .grad",
+            (0, 0),
+            (k, 4) if lp and not acc else (0, 0),
+            (k, 4) if lp else (0, 0),
+        ),
+        (
+            "Adam: master, m, v, gradient in; master, m, v out (+ training-dtype weights)",
+            (12 + g, 12 + (k if lp else 0)),
+            (12 + (4 if lp or acc else k), 12),
+            (16 if lp else 12 + k, 12),
+        ),
+        (
+            "weights cast from the master",
+            (0, 0),
+            (4, k) if lp else (0, 0),
+            (4, k) if lp else (0, 0),
+        ),
+        ("weights H2D (a memcpy here)", (k, k), (k, k), (0, 0)),
+        # Note [weights written outside the optimizer]: the start's check reads the weights
+        # cold; the new fingerprint streams over the tiles in cache (Note [one cold hash per
+        # step]), counted here as read again
+        ("write check: fingerprints", (2 * k, 0), (0, 0), (0, 0)),
+    ]
+    return rows
 
 
 def _byte_table(kernel: dict) -> list[str]:
     bw = kernel["bandwidth_bytes_per_s"]
     n = kernel["numel"]
-    lines = [
-        "| pass (bf16, one micro-batch) | read B/param | written B/param | by | ms at bandwidth |",
-        "|---|---:|---:|---|---:|",
-    ]
-    cpu = total = 0
-    for name, rd, wr, who in BYTE_MODEL_BF16:
-        lines.append(f"| {name} | {rd} | {wr} | {who} | {(rd + wr) * n / bw * 1e3:.1f} |")
-        total += rd + wr
-        cpu += (rd + wr) if who == "CPU" else 0
+    lines = []
+    for k, micro in ((2, 1), (4, 1), (2, 4), (4, 4)):
+        dtype = "bf16" if k == 2 else "fp32"
+        lines += [
+            f"| pass ({dtype}, {micro} micro-batch{'es' if micro > 1 else ''}; embed) | ours r+w "
+            "| copy_floor r+w | torch_mixed r+w |",
+            "|---|---:|---:|---:|",
+        ]
+        totals = [0, 0, 0]
+        for name, *cols in byte_model(k, micro):
+            if not any(r + w for r, w in cols):
+                continue
+            lines.append(f"| {name} | " + " | ".join(f"{r}+{w}" for r, w in cols) + " |")
+            for i, (r, w) in enumerate(cols):
+                totals[i] += r + w
+        lines.append(
+            "| **bytes per parameter** | "
+            + " | ".join(f"**{t}** ({t * n / bw * 1e3:.1f} ms)" for t in totals)
+            + " |"
+        )
+        lines.append(
+            f"\nours / copy_floor in bytes: **{totals[0] / totals[1]:.2f}**, "
+            f"copy_floor / torch_mixed: **{totals[1] / totals[2]:.2f}**\n"
+        )
     lines += [
-        f"| **CPU-touched** | | {cpu} | CPU | {cpu * n / bw * 1e3:.1f} |",
-        f"| all host bytes | | {total} | | {total * n / bw * 1e3:.1f} |",
-        "",
-        f"- host memory bandwidth (copy_, same run): {bw / 1e9:.1f} GB/s",
+        f"- host memory bandwidth (copy_, same run): {bw / 1e9:.1f} GB/s; ms at that bandwidth "
+        f"for {n / 1e6:.1f}M parameters. A bucket of several parameters adds the hook's copy "
+        "into its device buffer: k read + k written per micro-batch (k: the training dtype's "
+        "bytes)",
         f"- our step() {kernel['step_seconds'] * 1e3:.1f} ms, bare kernel on the same bytes "
         f"{kernel['kernel_seconds'] * 1e3:.1f} ms: step / kernel "
         f"**{kernel['step_seconds'] / kernel['kernel_seconds']:.2f}** (target <= 1.15); "
@@ -381,13 +527,14 @@ def _byte_table(kernel: dict) -> list[str]:
 
 
 #: The table's variants in column order; ``torch_fused`` is the no-offload floor.
-VARIANTS = ("ours", "ours_announced", "torch_mixed", "torch_fused", "torchao")
+VARIANTS = ("ours", "ours_announced", "torch_mixed", "copy_floor", "torch_fused", "torchao")
 
 
 def _row(kind: str, dtype: torch.dtype, micro: int, clip: str, times: dict) -> list[str]:
     """One line per variant: p10, median and p90 in ms, the spread and the median's ratio to
     the hand-written loop."""
     base = times["torch_mixed"]["median"]
+    floor = times["copy_floor"]["median"]
     lines = []
     for name in VARIANTS:
         if name not in times:
@@ -397,7 +544,8 @@ def _row(kind: str, dtype: torch.dtype, micro: int, clip: str, times: dict) -> l
         lines.append(
             f"| {kind} | {str(dtype).removeprefix('torch.')} | {micro} | {clip} | "
             f"{name}{alias} | {t['p10'] * 1e3:.1f} | {t['median'] * 1e3:.1f} | "
-            f"{t['p90'] * 1e3:.1f} | {t['p90'] / t['p10']:.2f} | **{t['median'] / base:.2f}** |"
+            f"{t['p90'] * 1e3:.1f} | {t['p90'] / t['p10']:.2f} | **{t['median'] / base:.2f}** | "
+            f"{t['median'] / floor:.2f} |"
         )
     return lines
 
@@ -438,8 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
     torchao_absent: str | None = None
     lines = [
         "| model | dtype | micro | clip | variant | p10 ms | median ms | p90 ms | p90/p10 | "
-        "median / torch_mixed |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|",
+        "median / torch_mixed | median / copy_floor |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     for kind, dtype, micro, clip in configs:
