@@ -82,7 +82,7 @@ from _common import machine, spread, time_samples, write_json
 
 from zero_offload import OffloadAdamW, OffloadConfig, get_accelerator
 from zero_offload.demo.model import GPTConfig, TinyGPT
-from zero_offload.kernels import adam_step
+from zero_offload.kernels import accumulate_grad, adam_step
 from zero_offload.sysinfo import collect_thread_info
 
 LR = 1e-4
@@ -183,7 +183,8 @@ class CopyFloor:
     - after each micro-batch's backward, the gradient D2H into host staging (a memcpy in
       the training dtype), and ``.grad`` dropped (the next backward starts fresh, as ours);
     - with several micro-batches, each added into an fp32 accumulator on the host (the first
-      copied in), which the step reads; one micro-batch is read from staging;
+      copied in; ``accumulate_grad``, the vectorised pass ours runs), which the step reads;
+      one micro-batch is read from staging;
     - the step: fused AdamW on fp32 masters (for fp32 too: the master is the weights' home
       on the host), clipping on them, bf16 weights cast into host staging;
     - the weights H2D: a memcpy of the training-dtype weights into the parameters.
@@ -214,10 +215,11 @@ class CopyFloor:
             self.staging[i].copy_(p.grad)  # D2H
             p.grad = None
             if self.acc is not None:  # the host's accumulation pass
-                if first:
-                    self.acc[i].copy_(self.staging[i])
-                else:
-                    self.acc[i].add_(self.staging[i])
+                # the library's vectorised kernel: torch's fp32 += bf16 ``add_`` runs at a
+                # fifth of memory speed here (docs/benchmarks.md, gradient passes), which
+                # would raise the floor
+                flat = self.acc[i].view(-1)
+                accumulate_grad(flat, self.staging[i].view(-1), overwrite=first)
 
     def step(self) -> None:
         self.flushes = 0
