@@ -296,13 +296,15 @@ class ParamViews:
     def published_tile(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Elements ``[lo, hi)`` of the bucket receive ``values`` (host memory, what their
         copy reads): fold them into the streamed fingerprints."""
-        if self._streamed is not None:
-            self._streamed.feed(lo, hi, values)
+        streamed = self._streamed  # once: another thread may drop it meanwhile
+        if streamed is not None:
+            streamed.feed(lo, hi, values)
 
     def finish_published(self) -> None:
         """Every tile the update published was fed: ``remember()`` may use them."""
-        if self._streamed is not None:
-            self._streamed.final = True
+        streamed = self._streamed
+        if streamed is not None:
+            streamed.final = True
 
     def drop_published(self) -> None:
         """Something other than a fed tile reaches the weights: hash afresh."""
