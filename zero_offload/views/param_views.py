@@ -38,8 +38,8 @@ resident unit reaches its home] in ``params/unit.py``). Cost: docs/optimizer.md.
 Note [one cold hash per step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Hashing the weights twice per step (``changed()`` at the start, ``remember()`` after the
-update landed) read every weight byte twice from memory, cold: about 7 ms per step for 17M
-bf16 weights on the host accelerator. ``remember()`` needs the fingerprint of the bytes the
+update landed) read every weight byte twice from memory, cold: 3.5 ms of CPU time per step
+for 17M bf16 weights on the host accelerator. ``remember()`` needs the fingerprint of the bytes the
 update published, and those bytes pass through the CPU's caches once already: CPU Adam
 writes each tile into the pinned home, and that tile's H2D copy reads it. So where the
 weights are host-addressable, ``WeightCopies`` feeds each tile to ``published_tile()`` as
@@ -47,7 +47,12 @@ its copy is issued, while the tile is still in cache, and each slot's xxh3 strea
 tiles in order (xxh3 streamed over the pieces equals xxh3 of the whole, so the fingerprint is
 the same number ``_fingerprint`` gives). ``remember()`` takes the streamed fingerprint of
 every slot the tiles covered completely and hashes only the others (a slot crossing the
-rank's shard, one the update did not touch), from ``bound_to()`` as before.
+rank's shard, one the update did not touch), from ``bound_to()`` as before. Measured
+(``benchmarks/bench_write_check.py``, docs/benchmarks.md): the weights are read cold once a
+step instead of twice, but a default 2M-element tile has mostly left the cache by the time
+it is hashed (CPU Adam streams 28-32 bytes per element through it), so the check's CPU time
+fell by about 12% only; xxh3 itself is near memory speed, so one pass over the weights at
+the step's start is the check's floor.
 
 Streamed fingerprints are of the bytes copied, so they are used only where nothing else can
 have written the weights between the tile and ``remember()``: ``begin_published()`` (the
