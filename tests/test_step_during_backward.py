@@ -76,7 +76,11 @@ def test_a_step_during_backward_is_bitwise_the_ordinary_step(
     assert max_diff(eager_model, plain_model) == 0.0
     assert eager.state_dict()["state"][0]["step"] == plain.state_dict()["state"][0]["step"]
     # The head's buckets finished their CPU Adam while backward slept above the embedding.
-    assert all(share is not None and share > 0.0 for share in shares), shares
+    # On a loaded machine one step's host worker may not get a core within the 0.3 s sleep
+    # (the first step also warms the kernels), so the overlap must show in some step, not
+    # in every one; a step that never runs during backward gives 0.0 (or None) every time.
+    assert all(share is not None for share in shares), shares
+    assert max(shares) > 0.0, shares
 
 
 def test_clipping_after_an_announced_step_is_refused() -> None:
