@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..config import OffloadConfig
+from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import ParamViews
@@ -18,6 +19,7 @@ from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
 from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
+from .grads.staging_ring import StagingRing, ring_slot_bytes
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
@@ -127,12 +129,49 @@ class SegmentBuilder:
         if not families:
             return
         check_owners(owner, params, [i for family in families for i, _ in family.members])
+        self._check_in_flight([params[i] for family in families for i, _ in family.members])
         tracker = PeakTracker(
             self.manager, [params[i] for family in families for i, _ in family.members]
         )
         with tracking(tracker):
             self._build(owner, params, families, tracker)
         self.peaks = tracker.peaks()
+
+    def _check_in_flight(self, params: list[torch.Tensor]) -> None:
+        """Refuse ``grad_staging="in_flight"`` where no step could run during backward
+        whatever the loop does (Note [gradient staging for the buckets in flight])."""
+        if self.config.grad_staging != "in_flight":
+            return
+        reason = self.ranks.eager_refusal()
+        if reason is None and any(p.dtype == torch.float16 for p in params):
+            reason = "fp16 parameters bring a loss scaler that may skip a step"
+        if reason is not None:
+            raise ValueError(
+                f"OffloadConfig(grad_staging='in_flight') needs each step to run during "
+                f"backward, which cannot happen here: {reason}. Use "
+                "grad_staging='per_bucket' (the default)"
+            )
+
+    def _staging_ring(
+        self, layouts: list[BucketLayout], itemsize: list[int], name: str
+    ) -> tuple[StagingRing | None, int]:
+        """With ``grad_staging="in_flight"``, the segment's ring (Note [gradient staging
+        for the buckets in flight]) and the host pool bytes it replaces: every offloaded
+        bucket's own staging, ``a(k*s)`` each, which the plans count in the host pool."""
+        if self.config.grad_staging != "in_flight" or not layouts:
+            return None, 0
+        own = sum(
+            aligned(s * layout.shard_numel, POOL_ALIGNMENT)
+            for layout, s in zip(layouts, itemsize, strict=True)
+        )
+        ring = StagingRing(
+            self.manager,
+            buffers=self.config.grad_staging_buffers,
+            slot_bytes=ring_slot_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT),
+            name=f"{name}.grad_staging_ring",
+            alignment=POOL_ALIGNMENT,
+        )
+        return ring, own
 
     def _build(
         self,
@@ -202,15 +241,21 @@ class SegmentBuilder:
         grad_buffers = GradBuffers(self.manager, name=name)
         buckets: list[FlatBucket] = []
         moved: list[ParamViews] = []  # views built before the host pool (no param offload)
-        host_pool = None
+        host_pool = ring = None
         try:
             if offload is None:  # see Note [construction holds one copy]
                 for layout in layouts:
                     members = [params[slot.index] for slot in layout.slots]
                     moved.append(ParamViews(layout, members, device_pool))
                     tracker.released(members)
+            offloaded = [b for b in layouts if b.index not in placement.resident]
+            ring, own_staging = self._staging_ring(
+                offloaded, [params[b.slots[0].index].dtype.itemsize for b in offloaded], name
+            )
             host_pool = self.manager.create_pool(
-                Tier.HOST, max(nvme.plan.host_pool, POOL_ALIGNMENT), name=f"{name}.host"
+                Tier.HOST,
+                max(nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
+                name=f"{name}.host",
             )
             tracker.sample()
             self._build_buckets(
@@ -226,6 +271,7 @@ class SegmentBuilder:
                 offload,
                 moved,
                 tracker,
+                ring,
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
@@ -237,6 +283,8 @@ class SegmentBuilder:
             self.manager.discard_pool(device_pool)
             if host_pool is not None:
                 self.manager.discard_pool(host_pool)
+            if ring is not None:
+                ring.close()
             raise
         tracker.sample()  # the final footprint (gradient staging pools included)
         pools = BucketPools(device=device_pool, host=host_pool)
@@ -284,6 +332,7 @@ class SegmentBuilder:
         offload: Any,
         moved: list[ParamViews],
         tracker: PeakTracker,
+        ring: StagingRing | None,
     ) -> None:
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
         ``out`` as each is built (so a failure can undo the ones before it). Without
@@ -324,6 +373,7 @@ class SegmentBuilder:
                         tile_elements=self.config.tile_elements,
                         # Note [no accumulator for one backward] in grads/to_host.py
                         always_accumulate=self.config.overlap_step,
+                        ring=ring,  # Note [gradient staging for the buckets in flight]
                     )
                     if nvme.holds(layout.index):
                         store = nvme.build(

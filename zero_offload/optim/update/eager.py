@@ -162,6 +162,9 @@ class EagerStep:
         worker.submit(update)
         self._done[index] = worker.record_event()
         self.plans[index] = plan
+        # Its staging may take the next bucket's gradient once this update is done: Note
+        # [gradient staging for the buckets in flight] in grads/staging_ring.py.
+        bucket.gradients.update_queued(self._done[index])
 
     def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
         """Backward ended: hand over the rest, and measure how much was already done."""
