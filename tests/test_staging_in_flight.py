@@ -267,3 +267,42 @@ def test_host_pools_against_the_formula(offload_parameters: bool) -> None:
     assert host <= 14 * params + len(shards) * 4 * POOL_ALIGNMENT
     ring.close()
     plain.close()
+
+
+class _Mixed(torch.nn.Module):
+    """bf16 layers and fp32 layers: buckets of two training dtypes share one ring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 96).to(torch.bfloat16)
+        self.down = torch.nn.Linear(96, 16)
+        self.out = torch.nn.Linear(16, 96).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.relu(self.up(x.bfloat16())).float())
+        return self.out(h.bfloat16()).float()
+
+
+def test_buckets_of_two_dtypes_share_the_ring() -> None:
+    torch.manual_seed(0)
+    ring_model = _Mixed()
+    plain_model = _Mixed()
+    plain_model.load_state_dict(ring_model.state_dict())
+    ring = offload_opt(ring_model, accelerator=_accelerator(), bucket_bytes=1024, **IN_FLIGHT)
+    plain = offload_opt(plain_model, bucket_bytes=1024)
+    dtypes = {b.dtype for b in ring.buckets}
+    assert dtypes == {torch.bfloat16, torch.float32} and len(ring.buckets) >= 6
+    # The slot is the largest shard in bytes, whichever dtype it is.
+    slot = max(aligned(b.layout.shard_numel * b.dtype.itemsize, 512) for b in ring.buckets)
+    assert _ring(ring).slot_bytes == slot
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=gen)
+        for opt, model, announce in ((ring, ring_model, True), (plain, plain_model, False)):
+            opt.backward(model(x).square().mean(), step=announce)
+            opt.step()
+            opt.zero_grad()
+    assert max_diff(ring_model, plain_model) == 0.0
+    assert len(_ring(ring).slots) == 2
+    ring.close()
+    plain.close()
