@@ -306,3 +306,45 @@ def test_buckets_of_two_dtypes_share_the_ring() -> None:
     assert len(_ring(ring).slots) == 2
     ring.close()
     plain.close()
+
+
+def test_buckets_without_gradients_in_a_step_are_left_alone() -> None:
+    # Every other step skips the blocks: their buckets get no gradient, and a step must
+    # not take their last window's (stepped, released) staging for this one's.
+    ring_model, plain_model = make_pair(torch.bfloat16)
+    ring = offload_opt(ring_model, accelerator=_accelerator(), bucket_bytes=2048, **IN_FLIGHT)
+    plain = offload_opt(plain_model, bucket_bytes=2048)
+    for i, (tokens, targets) in enumerate(batches(4)):
+        for opt, model, announce in ((ring, ring_model, True), (plain, plain_model, False)):
+            if i % 2:
+                logits = model.head(model.norm(model.embed(tokens)))
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), targets.flatten()
+                )
+            else:
+                loss = lm_loss(model, tokens, targets)
+            opt.backward(loss, step=announce)
+            opt.step()
+            opt.zero_grad()
+    assert max_diff(ring_model, plain_model) == 0.0
+    assert len(_ring(ring).slots) == 2
+    ring.close()
+    plain.close()
+
+
+def test_a_superseded_step_cannot_be_redone_from_released_staging() -> None:
+    """Per-bucket staging keeps the gradients of a step run during backward, so after a
+    load_state_dict superseded it, step() steps from the loaded state; the ring gave them
+    to the next buckets, so that step() is refused, and a zero_grad() starts over."""
+    model, _ = make_pair(torch.bfloat16)
+    opt = offload_opt(model, bucket_bytes=2048, **IN_FLIGHT)
+    saved = opt.state_dict()
+    tokens, targets = batches(1)[0]
+    opt.backward(lm_loss(model, tokens, targets), step=True)
+    opt.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match=r"stepped during backward.*zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    _train_lm(opt, model, 2, announce=True)
+    assert len(_ring(opt).slots) == 2
+    opt.close()

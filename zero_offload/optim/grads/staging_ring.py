@@ -77,6 +77,9 @@ class Staging(ABC):
 
     #: Flushes that waited on the caller's thread for a buffer's last reader.
     waits: int = 0
+    #: The bucket's second own buffer (Note [two staging buffers for accumulation]); None
+    #: with a ring.
+    spare: SpareStaging | None = None
 
     @abstractmethod
     def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
@@ -99,12 +102,21 @@ class Staging(ABC):
 
     @abstractmethod
     def read_by(self, event: Event) -> None:
-        """The last reader of the window's gradient in staging (a fold, an update) is
-        queued on the host worker and ends at ``event``."""
+        """The last reader of the window's gradient in staging (a fold) is queued on the
+        host worker and ends at ``event``."""
+
+    def stepped(self, event: Event) -> None:
+        """The bucket's update, run during backward, read the window's gradient in staging
+        (queued on the host worker, ending at ``event``)."""
+        self.read_by(event)
+
+    def check_kept(self, bucket: int, *, staged: bool) -> None:  # noqa: B027 (own: kept)
+        """Refuse to plan a step from the window's gradient in staging (``staged``) once
+        it is gone."""
 
     @property
     def holding(self) -> bool:
-        """Whether a window's gradient holds memory that ``release`` would give back."""
+        """Whether ``release`` has anything to give back (a slot) or forget."""
         return False
 
     def release(self, event: Event | None) -> None:  # noqa: B027 (own buffers stay)
@@ -339,6 +351,9 @@ class RingStaging(Staging):
             the last reader is queued (None otherwise).
         _last: the slot the window's gradient stayed in last; the queued update reads it
             after ``_kept`` let it go.
+        _gone: the window's gradient was stepped during backward and its slot let go: a
+            second step from it (``load_state_dict`` superseded the first) would read
+            another bucket's gradient, so it is refused until the window ends.
     """
 
     def __init__(self, ring: StagingRing, layout: BucketLayout, *, dtype: torch.dtype) -> None:
@@ -348,6 +363,7 @@ class RingStaging(Staging):
         self.dtype = dtype
         self._kept: int | None = None
         self._last = 0
+        self._gone = False
         ring.attach()
 
     @property
@@ -366,6 +382,7 @@ class RingStaging(Staging):
         return self.ring.view(buffer, self.dtype, self.numel)
 
     def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        self._gone = False
         if kept:
             self._kept = self._last = buffer
         else:
@@ -374,17 +391,31 @@ class RingStaging(Staging):
     def kept(self) -> int:
         return self._last
 
-    def read_by(self, event: Event) -> None:
-        self.release(event)
-
-    @property
-    def holding(self) -> bool:
-        return self._kept is not None
-
-    def release(self, event: Event | None) -> None:
+    def read_by(self, event: Event | None) -> None:
         if self._kept is not None:
             self.ring.release(self._kept, event)
             self._kept = None
+
+    def stepped(self, event: Event) -> None:
+        self.read_by(event)
+        self._gone = True
+
+    def check_kept(self, bucket: int, *, staged: bool) -> None:
+        if staged and self._gone:
+            raise RuntimeError(
+                f"bucket {bucket}: its gradients were stepped during backward and, with "
+                "OffloadConfig(grad_staging='in_flight'), their staging buffer went to the "
+                "next bucket; the step was superseded (load_state_dict) and cannot be run "
+                "again from them. Call opt.zero_grad() and run the backward again"
+            )
+
+    @property
+    def holding(self) -> bool:
+        return self._kept is not None or self._gone
+
+    def release(self, event: Event | None) -> None:
+        self.read_by(event)  # None: nothing pending
+        self._gone = False
 
     def close(self) -> None:
         self.release(None)  # the caller drained every queue first

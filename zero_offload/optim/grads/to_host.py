@@ -35,9 +35,10 @@ A flush's copy into a staging buffer must not start before the host worker has p
 the previous flush into that buffer (added it into the accumulator, or taken its
 statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
 or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
-buffer records an event on the host worker after it (``OwnStaging._consumed``), and the next flush into
-that buffer waits for it, on the caller's thread: a CUDA stream cannot wait on host-thread
-work. Which buffer a flush uses: Note [two staging buffers for accumulation].
+buffer records an event on the host worker after it (``OwnStaging._consumed``), and the
+next flush into that buffer waits for it, on the caller's thread: a CUDA stream cannot wait
+on host-thread work. Which buffer a flush uses: Note [two staging buffers for accumulation];
+with a ring: Note [gradient staging for the buckets in flight] in ``staging_ring.py``.
 
 Note [two staging buffers for accumulation]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -197,8 +198,7 @@ class HostGradients(GradientPath):
 
     @property
     def staging_waits(self) -> int:
-        """Flushes that found their staging buffer unread and waited on the caller's
-        thread (Note [staging is reused only once consumed]; the ring's, shared)."""
+        """Flushes that waited for their staging buffer's last reader (the ring's: shared)."""
         return self.staging.waits
 
     @property
@@ -339,15 +339,15 @@ class HostGradients(GradientPath):
         return self.staging.get(self.staging.kept())[1]
 
     @property
-    def spare_staging(self) -> SpareStaging:
-        """The second own staging buffer (``SpareStaging``; own staging only)."""
-        if not isinstance(self.staging, OwnStaging):
-            raise AttributeError("a ring-staged bucket has no spare staging buffer")
+    def spare_staging(self) -> SpareStaging | None:
+        """The second own staging buffer (None with a ring)."""
         return self.staging.spare
 
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         manager = self.manager
         grad = self.grad_dev
+        if overwrite:  # a new window: the last one's staging, if still held, is free
+            self.window_consumed()
         # Waits until the buffer may be overwritten: Note [staging is reused only once
         # consumed], Note [gradient staging for the buckets in flight].
         buffer = self.staging.acquire(overwrite=overwrite, window_flushes=self._window_flushes)
@@ -553,8 +553,7 @@ class HostGradients(GradientPath):
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def _drop_open(self) -> None:
-        """Drop whatever device buffer is open, if any: Note [an interrupted gradient
-        path]."""
+        """Drop the open device buffer, if any: Note [an interrupted gradient path]."""
         self._adopted = None  # autograd's tensor: dropping it is all
         if self._grad_block is not None:
             self._release_grad().free()
@@ -569,7 +568,7 @@ class HostGradients(GradientPath):
         """The bucket's update (run during backward) is queued on the host worker and
         ends at ``event``: the last reader of a gradient in staging."""
         if self._source is GradSource.STAGING:
-            self.staging.read_by(event)
+            self.staging.stepped(event)
 
     def window_consumed(self) -> None:
         """The window is over: staging may be reused after the host worker's queue."""
@@ -577,6 +576,7 @@ class HostGradients(GradientPath):
             self.staging.release(self.manager.host_worker.record_event())
 
     def window_source(self) -> GradSource:
+        self.staging.check_kept(self.layout.index, staged=self._source is GradSource.STAGING)
         return self._source
 
     def gradient(self, source: GradSource) -> torch.Tensor:
