@@ -117,6 +117,63 @@ def test_in_flight_staging_rows_match_a_real_optimizer(
     assert (disk_estimate == 0) == (budget == 10**9)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_flight_auto_budget_is_the_estimators(
+    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # host_budget="auto" with in-flight staging: the optimizer resolves the budget less
+    # what is in RAM with a ring (every weight staging, the ring, the I/O buffers), as the
+    # estimator's row does from the host memory. A machine whose RAM is all available, sized
+    # so that about half the state fits: both split the state alike, to the byte.
+    from collections import namedtuple
+
+    from zero_offload.optim.state import nvme_plan
+
+    ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
+    subject = ShapeSubject(SHAPE, ctx)
+    own, ring = ring_bytes(subject.unit_groups(), ctx)  # type: ignore[arg-type]
+    fixed = own + ring + io_buffer_bytes()  # weight staging is as large as gradient staging
+    ram = 2 * GiB + fixed + 300_000  # the reserve (2 GiB), the fixed part, some state
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(nvme_plan.psutil, "virtual_memory", lambda: Memory(ram, ram))
+    model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
+    acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
+    config = OffloadConfig(
+        bucket_bytes=BUCKET,
+        offload_parameters=True,
+        grad_staging="in_flight",
+        nvme_dir=tmp_path,
+        host_budget="auto",
+    )
+    opt = OffloadAdamW(
+        model.parameters(), accelerator=acc, config=config, model=model, layers=model.blocks
+    )
+    try:
+        locations = {b.store.location for b in opt.buckets}
+        pools = opt.manager.pool_stats()
+        host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
+        ring_pool = sum(
+            p["capacity_bytes"] for name, p in pools.items() if name.endswith(".grad_staging_ring")
+        )
+    finally:
+        opt.close()
+    assert locations == {"host", "nvme"}
+    host, disk = ParamInFlight.tiers(subject, 300_000)
+    assert host == host_pool + ring_pool + io_buffer_bytes() and disk > 0
+    row = _rows(
+        estimate(
+            SHAPE,
+            device_memory=GiB,
+            host_memory=ram,
+            disk_memory="1GB",
+            bucket_bytes=BUCKET,
+            dtype=dtype,
+        )
+    )
+    in_flight = row["param offload + NVMe state + in-flight staging + ckpt"]
+    assert (in_flight.host, in_flight.disk) == (host, disk)  # type: ignore[attr-defined]
+
+
 def test_param_nvme_tiers_need_units() -> None:
     ctx = Context(itemsize=2, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
     with pytest.raises(ValueError, match="CountSubject"):

@@ -3,14 +3,15 @@ call: the constructor's param groups, or one ``add_param_group``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
 import torch
 
 from ..config import OffloadConfig
-from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.source import ConstructionPeaks, PeakTracker, tracking
@@ -19,14 +20,14 @@ from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
 from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
-from .grads.staging_ring import StagingRing, ring_slot_bytes
+from .grads.staging_ring import StagingRing, own_staging_bytes, ring_slot_bytes
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
 from .state.host import HostState
 from .state.live import OptimizerState
 from .state.nvme import NvmeBackends
-from .state.nvme_plan import plan_nvme
+from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
 from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
@@ -160,10 +161,7 @@ class SegmentBuilder:
         bucket's own staging, ``a(k*s)`` each, which the plans count in the host pool."""
         if self.config.grad_staging != "in_flight" or not layouts:
             return None, 0
-        own = sum(
-            aligned(s * layout.shard_numel, POOL_ALIGNMENT)
-            for layout, s in zip(layouts, itemsize, strict=True)
-        )
+        own = own_staging_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT)
         ring = StagingRing(
             self.manager,
             buffers=self.config.grad_staging_buffers,
@@ -172,6 +170,33 @@ class SegmentBuilder:
             alignment=POOL_ALIGNMENT,
         )
         return ring, own
+
+    def _nvme_config(
+        self,
+        layouts: list[BucketLayout],
+        placement: Placement,
+        params: list[torch.Tensor],
+        moments_dtype: torch.dtype,
+        amsgrad: bool,
+    ) -> OffloadConfig:
+        """The config ``plan_nvme`` places state with. With in-flight staging and
+        ``host_budget="auto"`` the budget is resolved here, less what is in RAM whatever the
+        placement: every weight staging, the ring and the I/O buffers, not every bucket's
+        gradient staging, which ``plan_nvme`` would set aside (Note [gradient staging for
+        the buckets in flight])."""
+        config = self.config
+        if config.grad_staging != "in_flight" or config.host_budget != "auto":
+            return config
+        offloaded = [b for b in layouts if b.index not in placement.resident]
+        sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
+        # The weight staging is as large as the gradient staging the ring replaces.
+        weights = own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
+        ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
+        record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
+        other = weights + config.grad_staging_buffers * ring
+        other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        budget = resolve_host_budget(config, other_host_bytes=other)
+        return dataclasses.replace(config, host_budget=budget)
 
     def _build(
         self,
@@ -219,7 +244,7 @@ class SegmentBuilder:
                 plan_nvme(
                     layouts,
                     placement,
-                    config=self.config,
+                    config=self._nvme_config(layouts, placement, params, moments_dtype, amsgrad),
                     itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
                     moments_dtype=moments_dtype,
                     amsgrad=amsgrad,

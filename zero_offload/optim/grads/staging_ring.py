@@ -62,7 +62,23 @@ from ...partition import BucketLayout
 from ...tracing import phase
 from .buffers import SpareStaging
 
-__all__ = ["OwnStaging", "RingStaging", "SlotState", "Staging", "StagingRing", "ring_slot_bytes"]
+__all__ = [
+    "OwnStaging",
+    "RingStaging",
+    "SlotState",
+    "Staging",
+    "StagingRing",
+    "own_staging_bytes",
+    "ring_slot_bytes",
+]
+
+
+def own_staging_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
+    """Bytes of every bucket's own gradient staging, ``sum a(k*s)``: what a ring replaces
+    in the host pool (and, as weight staging, what stays beside it)."""
+    return sum(
+        aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)
+    )
 
 
 def ring_slot_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
