@@ -38,8 +38,16 @@ micro-batches accumulating into one step) holds each bucket's slot until it is d
 flush that finds every slot HELD grows the ring by one buffer (a pinned allocation, warned
 once) rather than wait for a release that cannot come before ``step()``. The result is
 bitwise that of per-bucket staging either way: the same bytes are copied, passed over and
-read by the same kernels in the same order; only the buffer they sit in changes. Grown
-buffers are kept for later steps, like the spare staging.
+read by the same kernels in the same order; only the buffer they sit in changes. A slot's
+bytes past what a flush copies (a lone gradient, Note [a lone gradient is its own buffer],
+is shorter than its padded shard) keep an earlier bucket's gradient: nothing reads past a
+bucket's real elements (the host passes stop there, CPU Adam reads the parameters' runs).
+Grown buffers are kept for later steps, like the spare staging.
+
+Where each step runs during backward, a gradient is gone once its bucket's update ran: a
+step planned from it again (``load_state_dict`` superseded the step, and ``step()`` would
+step from the loaded state with per-bucket staging) is refused before anything changes
+(``check_kept``), until the window ends.
 """
 
 from __future__ import annotations
