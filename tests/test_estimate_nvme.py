@@ -15,8 +15,16 @@ from zero_offload.accelerator import HostAccelerator
 from zero_offload.config import AcceleratorConfig, OffloadConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.estimate import ModelShape, estimate
+from zero_offload.estimate.in_flight import ParamInFlight, ring_bytes
 from zero_offload.estimate.nvme import bucket_tiers, io_buffer_bytes
-from zero_offload.estimate.rows import ZERO3_NOT_YET, Context, CountSubject, ShapeSubject
+from zero_offload.estimate.rows import (
+    ZERO3_NOT_YET,
+    ActivationMode,
+    Context,
+    CountSubject,
+    Limits,
+    ShapeSubject,
+)
 from zero_offload.estimate.tiered import PARAMS_NVME_NOT_YET, NvmeState, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim import OffloadAdamW
@@ -63,6 +71,107 @@ def test_nvme_state_split_matches_a_real_optimizer(
     # Disk: the state records exactly; the files add at most a page of metadata.
     assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
     assert (disk_estimate == 0) == (budget == 10**9)  # the big budget keeps everything in RAM
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("budget", [None, 0, 300_000, 10**9], ids=["no-nvme", "0", "300k", "1e9"])
+def test_in_flight_staging_rows_match_a_real_optimizer(
+    tmp_path: Path, budget: int | None, dtype: torch.dtype
+) -> None:
+    # ParamInFlight against OffloadAdamW(offload_parameters=True, grad_staging="in_flight"),
+    # the state in RAM (no nvme_dir) or split by a host budget: the host pool (every
+    # bucket's gradient staging left out) and the ring's pool, exactly.
+    model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
+    acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
+    nvme = {} if budget is None else {"nvme_dir": tmp_path, "host_budget": budget}
+    config = OffloadConfig(
+        bucket_bytes=BUCKET, offload_parameters=True, grad_staging="in_flight", **nvme
+    )
+    opt = OffloadAdamW(
+        model.parameters(), accelerator=acc, config=config, model=model, layers=model.blocks
+    )
+    try:
+        pools = opt.manager.pool_stats()
+        host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
+        ring = sum(
+            p["capacity_bytes"] for name, p in pools.items() if name.endswith(".grad_staging_ring")
+        )
+        disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    finally:
+        opt.close()
+    ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
+    subject = ShapeSubject(SHAPE, ctx)
+    assert ring == ring_bytes(subject.unit_groups(), ctx)[1] > 0  # type: ignore[arg-type]
+    if budget is None:
+        row = ParamInFlight("in flight", ActivationMode.CHECKPOINTED).bytes(
+            subject, Limits(device=None, host=None, host_reserve=0)
+        )
+        assert row is not None and (row.host, row.disk) == (host_pool + ring, 0)
+        # Against parameter offload with per-bucket staging: less every bucket's own.
+        own = ring_bytes(subject.unit_groups(), ctx)[0]  # type: ignore[arg-type]
+        assert row.host == subject.param_offload_pools()[2] - own + ring  # type: ignore[index]
+        return
+    host, disk_estimate = ParamInFlight.tiers(subject, budget)
+    assert host == host_pool + ring + (io_buffer_bytes() if disk_estimate else 0)
+    assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
+    assert (disk_estimate == 0) == (budget == 10**9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_flight_auto_budget_is_the_estimators(
+    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # host_budget="auto" with in-flight staging: the optimizer resolves the budget less
+    # what is in RAM with a ring (every weight staging, the ring, the I/O buffers), as the
+    # estimator's row does from the host memory. A machine whose RAM is all available, sized
+    # so that about half the state fits: both split the state alike, to the byte.
+    from collections import namedtuple
+
+    from zero_offload.optim.state import nvme_plan
+
+    ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
+    subject = ShapeSubject(SHAPE, ctx)
+    own, ring = ring_bytes(subject.unit_groups(), ctx)  # type: ignore[arg-type]
+    fixed = own + ring + io_buffer_bytes()  # weight staging is as large as gradient staging
+    ram = 2 * GiB + fixed + 300_000  # the reserve (2 GiB), the fixed part, some state
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(nvme_plan.psutil, "virtual_memory", lambda: Memory(ram, ram))
+    model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
+    acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
+    config = OffloadConfig(
+        bucket_bytes=BUCKET,
+        offload_parameters=True,
+        grad_staging="in_flight",
+        nvme_dir=tmp_path,
+        host_budget="auto",
+    )
+    opt = OffloadAdamW(
+        model.parameters(), accelerator=acc, config=config, model=model, layers=model.blocks
+    )
+    try:
+        locations = {b.store.location for b in opt.buckets}
+        pools = opt.manager.pool_stats()
+        host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
+        ring_pool = sum(
+            p["capacity_bytes"] for name, p in pools.items() if name.endswith(".grad_staging_ring")
+        )
+    finally:
+        opt.close()
+    assert locations == {"host", "nvme"}
+    host, disk = ParamInFlight.tiers(subject, 300_000)
+    assert host == host_pool + ring_pool + io_buffer_bytes() and disk > 0
+    row = _rows(
+        estimate(
+            SHAPE,
+            device_memory=GiB,
+            host_memory=ram,
+            disk_memory="1GB",
+            bucket_bytes=BUCKET,
+            dtype=dtype,
+        )
+    )
+    in_flight = row["param offload + NVMe state + in-flight staging + ckpt"]
+    assert (in_flight.host, in_flight.disk) == (host, disk)  # type: ignore[attr-defined]
 
 
 def test_param_nvme_tiers_need_units() -> None:
@@ -119,6 +228,36 @@ def test_per_parameter_bytes_of_the_combined_rows_at_scale() -> None:
         assert row.fits and row.host <= 48 * GiB - host_reserve_of(48 * GiB), name  # type: ignore[attr-defined]
         assert row.host > in_ram * p and row.disk > 8 * p, name  # type: ignore[attr-defined]
         assert row.host + row.disk >= total * p, name  # type: ignore[attr-defined]
+
+
+def test_per_parameter_bytes_of_the_in_flight_rows_at_scale() -> None:
+    # Llama-3-8B, bf16. In-flight staging drops every bucket's 2-byte gradient staging for
+    # a ring of two buffers of the largest bucket (the embedding, 128256 x 4096): 14 bytes
+    # per parameter plus 2 GiB with the state in RAM; with the state on NVMe and a small
+    # host, 2 in RAM (the homes) wherever the state is, the rest on the disk.
+    big = _rows(estimate("llama-3-8b", device_memory="24GiB", host_memory="1TiB"))
+    p = estimate("llama-3-8b").params
+    ring = 2 * 128256 * 4096 * 2
+    per_bucket = big["ZeRO-Offload + param offload + checkpointing"]
+    for name in (
+        "param offload + in-flight staging + checkpointing",
+        "param offload + NVMe state + in-flight staging + ckpt",
+    ):
+        row = big[name]
+        assert row.host == pytest.approx(14 * p + ring, rel=0.005), name  # type: ignore[attr-defined]
+        assert row.host < per_bucket.host - 2 * p + ring + 2**20, name  # type: ignore[attr-defined]
+        assert row.device_total == per_bucket.device_total and row.disk == 0, name  # type: ignore[attr-defined]
+        assert row.library == "yes" and "no gradient clipping" in row.conditions, name  # type: ignore[attr-defined]
+    small = _rows(
+        estimate("llama-3-8b", device_memory="24GiB", host_memory="48GiB", disk_memory="1TB")
+    )
+    row = small["param offload + NVMe state + in-flight staging + ckpt"]
+    assert row.fits and row.host <= 48 * GiB - host_reserve_of(48 * GiB)  # type: ignore[attr-defined]
+    assert row.host > 2 * p and row.disk > 8 * p  # type: ignore[attr-defined]
+    assert row.host + row.disk >= 14 * p  # type: ignore[attr-defined]
+    # Several ranks: ZeRO-3, an estimate.
+    two = _rows(estimate("llama-3-8b", world_size=2, device_memory="24GiB", host_memory="1TiB"))
+    assert two["param offload + in-flight staging + checkpointing"].library == "not yet"  # type: ignore[attr-defined]
 
 
 def host_reserve_of(host: int) -> int:

@@ -302,6 +302,22 @@ class OffloadConfig:
         prefetch_layers: with ``offload_parameters``, how many units ahead the H2D copies
             run (0: fetched when needed, nothing hidden). Device weights are then
             ``prefetch_layers + 2`` slots of the largest units. An int >= 0. Default 1.
+        grad_staging: where gradients land on the host. ``"per_bucket"`` (default): a
+            pinned staging buffer per bucket, for the whole model (2 bytes a parameter in
+            bf16). ``"in_flight"``: a ring of ``grad_staging_buffers`` buffers, each as large
+            as the largest bucket's shard, shared by every bucket; each step must then run
+            during backward (announce it: ``opt.backward(loss, step=True)`` or
+            ``opt.announce_step()``; the transformers integration does), so that a bucket's
+            buffer is free again once its CPU Adam is done (docs/optimizer.md, "Gradient
+            staging for the buckets in flight"). Refused with clipping (``max_grad_norm``),
+            ``skip_nonfinite``, ``speculative_step``, ``overlap_step`` or
+            ``offload_fraction`` other than 1.0, which keep every gradient until
+            ``step()``; a step that runs in ``step()`` anyway (not announced, micro-batches
+            accumulating, fp16's loss scaler, several ranks) stays exact and grows the ring,
+            warned once.
+        grad_staging_buffers: with ``grad_staging="in_flight"``, the ring's buffers (K). An
+            int >= 1. Default 2: one bucket's copy lands while the previous one's CPU Adam
+            runs.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -320,6 +336,8 @@ class OffloadConfig:
     host_budget: int | str | None = None
     offload_parameters: bool = False
     prefetch_layers: int = 1
+    grad_staging: str = "per_bucket"
+    grad_staging_buffers: int = 2
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -399,6 +417,7 @@ class OffloadConfig:
             "prefetch_layers",
             _check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0),
         )
+        self._check_grad_staging()
         if self.offload_parameters:
             for name, value, fix in (
                 ("offload_fraction", self.offload_fraction != 1.0, "offload_fraction=1.0"),
@@ -410,3 +429,33 @@ class OffloadConfig:
                         f"{name}={getattr(self, name)!r} yet (the pinned training-dtype copy "
                         f"must be in host RAM and current before each forward); set {fix}"
                     )
+
+    def _check_grad_staging(self) -> None:
+        """``grad_staging`` and what refuses ``"in_flight"``: settings that need every
+        gradient before any update (Note [gradient staging for the buckets in flight])."""
+        if self.grad_staging not in ("per_bucket", "in_flight"):
+            raise ValueError(
+                f"OffloadConfig.grad_staging must be 'per_bucket' or 'in_flight', "
+                f"got {self.grad_staging!r}"
+            )
+        object.__setattr__(
+            self,
+            "grad_staging_buffers",
+            _check_int("OffloadConfig.grad_staging_buffers", self.grad_staging_buffers, low=1),
+        )
+        if self.grad_staging != "in_flight":
+            return
+        for name, value, why in (
+            ("max_grad_norm", self.max_grad_norm is not None, "clipping needs the global norm"),
+            ("skip_nonfinite", self.skip_nonfinite, "a skip needs every gradient's check"),
+            ("speculative_step", self.speculative_step, "a rollback reads the gradients again"),
+            ("overlap_step", self.overlap_step, "the delayed update reads them a step later"),
+            ("offload_fraction", self.offload_fraction != 1.0, "resident buckets step later"),
+        ):
+            if value:
+                raise ValueError(
+                    f"OffloadConfig(grad_staging='in_flight') steps each bucket during "
+                    f"backward and reuses its staging at once, but {name}="
+                    f"{getattr(self, name)!r} keeps every gradient until step() ({why}). "
+                    f"Use grad_staging='per_bucket' (the default) with {name}, or drop {name}"
+                )

@@ -239,6 +239,7 @@ def estimate(
                 disk=row.disk,
                 library=status.value,
                 not_run=reason if status is Status.NOT_YET else "",
+                conditions=configuration.conditions(),
             )
         )
     return MemoryEstimate(

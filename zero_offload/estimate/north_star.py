@@ -7,6 +7,11 @@ table (least offloaded first) that fits, preferring one the library runs today o
 estimate of one it does not run yet; the ZeRO paper's rows (other systems) are never chosen.
 Where no row fits, it says so, and names the closest row the library runs and the limits
 that row exceeds.
+
+A row that holds only under conditions (in-flight gradient staging: every step run during
+backward, so no gradient clipping; ``estimate/in_flight.py``) may be chosen, and then the
+conditions are printed beside it, with the best row that holds without them: a full
+fine-tune usually clips, and with clipping only that one applies.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ NORTH_STARS = (
 @dataclass(frozen=True)
 class Answer:
     """A north star's estimate and the configuration chosen for it (``None``: none fits);
-    ``running``: the best row the library runs today, whether or not it fits;
-    ``short_of_disk``: where no row fits, the row the library runs that misses only the
-    disk (it fits with its ``disk`` bytes of NVMe), the least disk first; else ``None``."""
+    ``running``: the best row the library runs today with no conditions (gradient clipping
+    allowed), whether or not it fits; ``short_of_disk``: where no such row fits, the row
+    the library runs with no conditions that misses only the disk (it fits with its
+    ``disk`` bytes of NVMe), the least disk first; else ``None``."""
 
     star: NorthStar
     estimate: MemoryEstimate
@@ -94,10 +100,16 @@ def _exceeded_text(row: ConfigEstimate, result: MemoryEstimate) -> str:
     )
 
 
+def _unconditional(result: MemoryEstimate) -> list[ConfigEstimate]:
+    """The rows the library runs whatever the training loop does (clipping included)."""
+    return [row for row in result.rows if row.library == "yes" and not row.conditions]
+
+
 def _closest_running(result: MemoryEstimate) -> ConfigEstimate | None:
-    """The row the library runs that fits, else the one with the largest model that fits,
-    and of those the one that exceeds the fewest limits (then the first)."""
-    running = [row for row in result.rows if row.library == "yes"]
+    """The row the library runs with no conditions that fits, else the one with the
+    largest model that fits, and of those the one that exceeds the fewest limits (then the
+    first)."""
+    running = _unconditional(result)
     fitting = [row for row in running if row.fits]
     if fitting:
         return fitting[0]
@@ -109,15 +121,12 @@ def _closest_running(result: MemoryEstimate) -> ConfigEstimate | None:
 
 
 def _short_of_disk(result: MemoryEstimate) -> ConfigEstimate | None:
-    """The row the library runs whose only exceeded limit is the disk, the least disk
-    first; ``None`` if a row fits or none is short of disk alone."""
-    if any(row.fits for row in result.rows if row.library != "paper"):
+    """The row the library runs with no conditions whose only exceeded limit is the disk,
+    the least disk first; ``None`` if such a row fits or none is short of disk alone."""
+    running = _unconditional(result)
+    if any(row.fits for row in running):
         return None
-    short = [
-        row
-        for row in result.rows
-        if row.library == "yes" and list(exceeded(row, result)) == ["disk"]
-    ]
+    short = [row for row in running if list(exceeded(row, result)) == ["disk"]]
     return min(short, key=lambda row: row.disk, default=None)
 
 
@@ -163,6 +172,12 @@ def north_star_text(answers: list[Answer] | None = None) -> str:
             lines.append(f"  chosen: {_describe(row)}")
             if row.library != "yes":
                 lines.append(f"  (an estimate: the library does not run it yet: {row.not_run})")
+            if row.conditions:
+                lines.append(f"  only where {row.conditions}.")
+                lines.append(
+                    "  A full fine-tune usually clips gradients (max_grad_norm): then this row "
+                    "does not apply, and what follows is what runs"
+                )
         running = answer.running
         if running is not None and running is not row:
             verdict = (
@@ -174,7 +189,10 @@ def north_star_text(answers: list[Answer] | None = None) -> str:
                     f"{(running.largest_fitting_params or 0) / 1e9:.2f} B parameters"
                 )
             )
-            lines.append(f"  best the library runs today: {_describe(running)}, {verdict}")
+            clipping = " with clipping" if row is not None and row.conditions else ""
+            lines.append(
+                f"  best the library runs today{clipping}: {_describe(running)}, {verdict}"
+            )
         short = answer.short_of_disk
         if short is not None:
             lines.append(

@@ -32,6 +32,9 @@ class ConfigEstimate:
     # "not yet": an estimate of what the library does not run yet, ``not_run`` saying why.
     library: str = "yes"
     not_run: str = ""
+    # What the training loop must keep to for the row to hold (empty: nothing), e.g. no
+    # gradient clipping for in-flight gradient staging (estimate/in_flight.py).
+    conditions: str = ""
 
     @property
     def device_total(self) -> int:
@@ -90,7 +93,7 @@ class MemoryEstimate:
                 _size(row.disk),
                 {True: "yes", False: "no", None: "?"}[row.fits],
                 _largest_text(row),
-                row.library,
+                row.library + ("*" if row.conditions else ""),
             ]
             for row in self.rows
         ]
@@ -119,6 +122,9 @@ class MemoryEstimate:
             + ("; ".join(reasons) or "none here")
             + ")."
         )
+        for conditions in dict.fromkeys(row.conditions for row in self.rows if row.conditions):
+            note += f"\n*: only where {conditions}; a fine-tune that clips gradients cannot."
+
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 
         return head + "\n\n" + format_table(header, rows) + note

@@ -417,6 +417,10 @@ class Configuration(ABC):
         """Whether the library runs it with ``ctx``'s ranks, and if not yet, why."""
         return Status.RUNS, ""
 
+    def conditions(self) -> str:
+        """What a training loop must keep to for the row to hold (empty: nothing)."""
+        return ""
+
 
 @dataclass(frozen=True)
 class Replicated(Configuration):

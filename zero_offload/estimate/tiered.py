@@ -23,6 +23,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .in_flight import ParamInFlight
 from .nvme import BucketTiers, bucket_tiers, io_buffer_bytes, split_state
 from .pools import BucketGroups
 from .rows import (
@@ -191,8 +192,12 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     ParamOffloaded("ZeRO-Offload + parameter offload"),
     ParamOffloaded("ZeRO-Offload + param offload + checkpointing", _CKPT),
     ParamOffloaded("ZeRO-Offload + param offload + activation offload", _ACT),
+    ParamInFlight("param offload + in-flight staging + checkpointing", _CKPT),
+    ParamInFlight("param offload + in-flight staging + activation offload", _ACT),
     ParamNvme("param offload + NVMe state + checkpointing", _CKPT),
     ParamNvme("param offload + NVMe state + activation offload", _ACT),
+    ParamInFlight("param offload + NVMe state + in-flight staging + ckpt", _CKPT, nvme=True),
+    ParamInFlight("param offload + NVMe state + in-flight staging + act. offload", _ACT, nvme=True),
     ParamNvme("params and state on NVMe + checkpointing", _CKPT, Homes.NVME),
     ParamNvme("params and state on NVMe + activation offload", _ACT, Homes.NVME),
 )

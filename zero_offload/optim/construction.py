@@ -3,6 +3,7 @@ call: the constructor's param groups, or one ``add_param_group``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from ..config import OffloadConfig
 from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.source import ConstructionPeaks, PeakTracker, tracking
@@ -18,13 +20,14 @@ from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
 from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
+from .grads.staging_ring import StagingRing, own_staging_bytes, ring_slot_bytes
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
 from .state.host import HostState
 from .state.live import OptimizerState
 from .state.nvme import NvmeBackends
-from .state.nvme_plan import plan_nvme
+from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
 from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
@@ -127,12 +130,73 @@ class SegmentBuilder:
         if not families:
             return
         check_owners(owner, params, [i for family in families for i, _ in family.members])
+        self._check_in_flight([params[i] for family in families for i, _ in family.members])
         tracker = PeakTracker(
             self.manager, [params[i] for family in families for i, _ in family.members]
         )
         with tracking(tracker):
             self._build(owner, params, families, tracker)
         self.peaks = tracker.peaks()
+
+    def _check_in_flight(self, params: list[torch.Tensor]) -> None:
+        """Refuse ``grad_staging="in_flight"`` where no step could run during backward
+        whatever the loop does (Note [gradient staging for the buckets in flight])."""
+        if self.config.grad_staging != "in_flight":
+            return
+        reason = self.ranks.eager_refusal()
+        if reason is None and any(p.dtype == torch.float16 for p in params):
+            reason = "fp16 parameters bring a loss scaler that may skip a step"
+        if reason is not None:
+            raise ValueError(
+                f"OffloadConfig(grad_staging='in_flight') needs each step to run during "
+                f"backward, which cannot happen here: {reason}. Use "
+                "grad_staging='per_bucket' (the default)"
+            )
+
+    def _staging_ring(
+        self, layouts: list[BucketLayout], itemsize: list[int], name: str
+    ) -> tuple[StagingRing | None, int]:
+        """With ``grad_staging="in_flight"``, the segment's ring (Note [gradient staging
+        for the buckets in flight]) and the host pool bytes it replaces: every offloaded
+        bucket's own staging, ``a(k*s)`` each, which the plans count in the host pool."""
+        if self.config.grad_staging != "in_flight" or not layouts:
+            return None, 0
+        own = own_staging_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT)
+        ring = StagingRing(
+            self.manager,
+            buffers=self.config.grad_staging_buffers,
+            slot_bytes=ring_slot_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT),
+            name=f"{name}.grad_staging_ring",
+            alignment=POOL_ALIGNMENT,
+        )
+        return ring, own
+
+    def _nvme_config(
+        self,
+        layouts: list[BucketLayout],
+        placement: Placement,
+        params: list[torch.Tensor],
+        moments_dtype: torch.dtype,
+        amsgrad: bool,
+    ) -> OffloadConfig:
+        """The config ``plan_nvme`` places state with. With in-flight staging and
+        ``host_budget="auto"`` the budget is resolved here, less what is in RAM whatever the
+        placement: every weight staging, the ring and the I/O buffers, not every bucket's
+        gradient staging, which ``plan_nvme`` would set aside (Note [gradient staging for
+        the buckets in flight])."""
+        config = self.config
+        if config.grad_staging != "in_flight" or config.host_budget != "auto":
+            return config
+        offloaded = [b for b in layouts if b.index not in placement.resident]
+        sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
+        # The weight staging is as large as the gradient staging the ring replaces.
+        weights = own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
+        ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
+        record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
+        other = weights + config.grad_staging_buffers * ring
+        other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        budget = resolve_host_budget(config, other_host_bytes=other)
+        return dataclasses.replace(config, host_budget=budget)
 
     def _build(
         self,
@@ -180,7 +244,7 @@ class SegmentBuilder:
                 plan_nvme(
                     layouts,
                     placement,
-                    config=self.config,
+                    config=self._nvme_config(layouts, placement, params, moments_dtype, amsgrad),
                     itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
                     moments_dtype=moments_dtype,
                     amsgrad=amsgrad,
@@ -202,15 +266,21 @@ class SegmentBuilder:
         grad_buffers = GradBuffers(self.manager, name=name)
         buckets: list[FlatBucket] = []
         moved: list[ParamViews] = []  # views built before the host pool (no param offload)
-        host_pool = None
+        host_pool = ring = None
         try:
             if offload is None:  # see Note [construction holds one copy]
                 for layout in layouts:
                     members = [params[slot.index] for slot in layout.slots]
                     moved.append(ParamViews(layout, members, device_pool))
                     tracker.released(members)
+            offloaded = [b for b in layouts if b.index not in placement.resident]
+            ring, own_staging = self._staging_ring(
+                offloaded, [params[b.slots[0].index].dtype.itemsize for b in offloaded], name
+            )
             host_pool = self.manager.create_pool(
-                Tier.HOST, max(nvme.plan.host_pool, POOL_ALIGNMENT), name=f"{name}.host"
+                Tier.HOST,
+                max(nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
+                name=f"{name}.host",
             )
             tracker.sample()
             self._build_buckets(
@@ -226,6 +296,7 @@ class SegmentBuilder:
                 offload,
                 moved,
                 tracker,
+                ring,
             )
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
@@ -237,6 +308,8 @@ class SegmentBuilder:
             self.manager.discard_pool(device_pool)
             if host_pool is not None:
                 self.manager.discard_pool(host_pool)
+            if ring is not None:
+                ring.close()
             raise
         tracker.sample()  # the final footprint (gradient staging pools included)
         pools = BucketPools(device=device_pool, host=host_pool)
@@ -284,6 +357,7 @@ class SegmentBuilder:
         offload: Any,
         moved: list[ParamViews],
         tracker: PeakTracker,
+        ring: StagingRing | None,
     ) -> None:
         """One bucket per layout, resident or offloaded as ``placement`` says, appended to
         ``out`` as each is built (so a failure can undo the ones before it). Without
@@ -324,6 +398,7 @@ class SegmentBuilder:
                         tile_elements=self.config.tile_elements,
                         # Note [no accumulator for one backward] in grads/to_host.py
                         always_accumulate=self.config.overlap_step,
+                        ring=ring,  # Note [gradient staging for the buckets in flight]
                     )
                     if nvme.holds(layout.index):
                         store = nvme.build(

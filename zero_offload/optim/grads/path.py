@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...accelerator import Event
 from ..ranks import Ranks
 
 __all__ = ["GradSource", "GradientPath", "SumSqParts"]
@@ -76,6 +77,14 @@ class GradientPath(ABC):
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         """Hand the open gradient buffer on (FILLING -> IN_FLIGHT); ``overwrite`` for the
         window's first flush."""
+
+    def update_queued(self, event: Event) -> None:  # noqa: B027 (no staging to let go)
+        """The bucket's update, run during backward, is queued on the host worker and
+        ends at ``event`` (Note [gradient staging for the buckets in flight] in
+        ``staging_ring.py``)."""
+
+    def window_consumed(self) -> None:  # noqa: B027 (no staging to let go)
+        """A step consumed the window (or it was discarded)."""
 
     @abstractmethod
     def discard_grad(self) -> None:

@@ -161,8 +161,12 @@ class BackwardRouter:
             self.receive(bucket, slot_index, grad)
 
     def consumed(self) -> None:
-        """A step consumed the window (the next gradient opens a new one)."""
+        """A step consumed the window (the next gradient opens a new one); its staging may
+        be reused once the host worker's queue is done (Note [gradient staging for the
+        buckets in flight] in ``staging_ring.py``)."""
         self._window_consumed = True
+        for bucket in self.buckets:
+            bucket.gradients.window_consumed()
 
     def _open_window(self) -> None:
         self._window_consumed = False

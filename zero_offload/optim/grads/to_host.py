@@ -35,9 +35,10 @@ A flush's copy into a staging buffer must not start before the host worker has p
 the previous flush into that buffer (added it into the accumulator, or taken its
 statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
 or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
-buffer records an event on the host worker after it (``_consumed``), and the next flush into
-that buffer waits for it, on the caller's thread: a CUDA stream cannot wait on host-thread
-work. Which buffer a flush uses: Note [two staging buffers for accumulation].
+buffer records an event on the host worker after it (``OwnStaging._consumed``), and the
+next flush into that buffer waits for it, on the caller's thread: a CUDA stream cannot wait
+on host-thread work. Which buffer a flush uses: Note [two staging buffers for accumulation];
+with a ring: Note [gradient staging for the buckets in flight] in ``staging_ring.py``.
 
 Note [two staging buffers for accumulation]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -111,6 +112,7 @@ from .buffers import (
     host_pass_threads,
 )
 from .path import GradientPath, GradSource, SumSqParts
+from .staging_ring import OwnStaging, RingStaging, Staging, StagingRing
 from .stat_cells import Cut, pieces
 
 __all__ = ["HostGradients"]
@@ -122,12 +124,12 @@ class HostGradients(GradientPath):
     Fields:
         grad_dev: (padded_numel,) training dtype, device pool (or an overflow pool), while
             the bucket is FILLING; empty otherwise.
-        grad_staging: (shard_numel,) training dtype, host pool, pinned where available; the
-            D2H copy's destination; Adam reads it directly when the window had one flush
-            (Note [no accumulator for one backward]).
-        spare_staging.tensor: (shard_numel,) training dtype, pinned where available; the
-            even flushes' destination once a window had a second flush (None before): Note
-            [two staging buffers for accumulation].
+        staging: where the flushes land (``staging_ring.py``): the bucket's own buffers
+            (``grad_staging``: (shard_numel,) training dtype, host pool, pinned where
+            available, and the spare: Note [two staging buffers for accumulation]), or a
+            slot of the segment's ring (Note [gradient staging for the buckets in flight]).
+            Adam reads the gradient there when the window had one flush (Note [no
+            accumulator for one backward]).
         grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
             second flush (None before).
     """
@@ -144,6 +146,7 @@ class HostGradients(GradientPath):
         dtype: torch.dtype,
         tile_elements: int,
         always_accumulate: bool = False,
+        ring: StagingRing | None = None,
     ) -> None:
         self.layout = layout
         self.manager = manager
@@ -159,18 +162,11 @@ class HostGradients(GradientPath):
             accumulator_bytes(layout, alignment=host_pool.alignment),
             name=f"{host_pool.name}.bucket{layout.index}.grad_acc",
         )
-        # The second staging buffer, pinned on first need: Note [two staging buffers for
-        # accumulation].
-        self.spare_staging = SpareStaging(
-            manager,
-            layout,
-            dtype=dtype,
-            alignment=host_pool.alignment,
-            name=f"{host_pool.name}.bucket{layout.index}.grad_staging_spare",
+        self.staging: Staging = (
+            OwnStaging(manager, layout, host_pool=host_pool, dtype=dtype)
+            if ring is None
+            else RingStaging(ring, layout, dtype=dtype)
         )
-        #: Flushes that found their staging buffer still unread by the host worker and
-        #: waited on the caller's thread (Note [staging is reused only once consumed]).
-        self.staging_waits = 0
         #: overlap_step: every window accumulates, even a lone flush (see the Note above).
         self.always_accumulate = always_accumulate
         # Flushes in the current window (until a new window's first flush is done, the one
@@ -195,22 +191,20 @@ class HostGradients(GradientPath):
         # the bucketing] in stat_cells.py); host worker.
         self._partials: list[float] = []
         self._staging_consumed: Event | None = None  # the host worker's last pass, any buffer
-        # The host worker's last pass over each staging buffer (0: grad_staging, 1: the
-        # spare): Note [staging is reused only once consumed].
-        self._consumed: list[Event | None] = [None, None]
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in].
         self._landing: list[tuple[int, Event]] = []
         self._landing_ends: list[int] = []  # the end offsets of _landing, for bisect
-        n = layout.shard_numel
-        self.staging_block = host_pool.alloc(
-            n * dtype.itemsize, owner=f"bucket{layout.index}.grad_staging"
-        )
-        self.staging_block.on_move(
-            lambda b: setattr(self, "grad_staging", b.view(self.dtype, (n,)))
-        )
-        self.grad_staging = self.staging_block.view(dtype, (n,))
-        self.grad_staging.zero_()
+
+    @property
+    def staging_waits(self) -> int:
+        """Flushes that waited for their staging buffer's last reader (the ring's: shared)."""
+        return self.staging.waits
+
+    @property
+    def grad_staging(self) -> torch.Tensor:
+        """The staging buffer holding the window's gradient when it had one flush."""
+        return self.staging.get(self.staging.kept())[0]
 
     # -- gradients ---------------------------------------------------------------------
 
@@ -246,7 +240,7 @@ class HostGradients(GradientPath):
         if self._grad_block is not None or self._adopted is not None:
             # An open interrupted before the lifecycle recorded it (Note [an interrupted
             # gradient path]): that buffer holds nothing of this backward.
-            self.discard_grad()
+            self._drop_open()
         folds = not new_window and self._source is GradSource.STAGING
         if folds:
             self._ensure_accumulator()  # first: a failure leaves nothing allocated
@@ -281,8 +275,9 @@ class HostGradients(GradientPath):
         acc = self._ensure_accumulator()
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
-        worker.submit(functools.partial(self._fold_on_host, acc, real))
-        self._staging_consumed = self._consumed[0] = worker.record_event()
+        worker.submit(functools.partial(self._fold_on_host, acc, real, self.staging.kept()))
+        self._staging_consumed = worker.record_event()
+        self.staging.read_by(self._staging_consumed)
         self._source = GradSource.ACCUMULATOR
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
@@ -338,32 +333,25 @@ class HostGradients(GradientPath):
         self.grad_dev = torch.empty(0, dtype=self.dtype, device=self.grad_dev.device)
         return block
 
-    def _staging_index(self, overwrite: bool) -> int:
-        """This flush's staging buffer, 0 (odd flushes) or 1 (even): Note [two staging
-        buffers for accumulation]. Asked before the flush is counted."""
-        return 0 if overwrite else self._window_flushes % 2
+    @property
+    def staging_block(self) -> Block:
+        """The block of the buffer holding the window's lone flush."""
+        return self.staging.get(self.staging.kept())[1]
 
-    def _staging(self, buffer: int) -> tuple[torch.Tensor, Block]:
-        """Staging buffer ``buffer`` and its block (the spare once allocated)."""
-        if buffer == 0:
-            return self.grad_staging, self.staging_block
-        return self.spare_staging.get(self.layout.index)
+    @property
+    def spare_staging(self) -> SpareStaging | None:
+        """The second own staging buffer (None with a ring)."""
+        return self.staging.spare
 
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         manager = self.manager
         grad = self.grad_dev
-        buffer = self._staging_index(overwrite)
-        consumed = self._consumed[buffer]
-        if consumed is not None and not consumed.query():
-            # Note [staging is reused only once consumed]. Synchronisation point: the caller
-            # waits, since a CUDA stream cannot wait on host-thread work; only when the host
-            # worker is two flushes behind (Note [two staging buffers for accumulation]).
-            self.staging_waits += 1
-            with phase("wait_staging"):
-                consumed.synchronize()
+        if overwrite:  # a new window: the last one's staging, if still held, is free
+            self.window_consumed()
+        # Waits until the buffer may be overwritten: Note [staging is reused only once
+        # consumed], Note [gradient staging for the buckets in flight].
+        buffer = self.staging.acquire(overwrite=overwrite, window_flushes=self._window_flushes)
         index = self.layout.index
-        if buffer == 1:
-            self.spare_staging.ensure()  # before anything moves: a failure changes nothing
         if self._adopted is not None:
             self._flush_adopted(overwrite=overwrite, buffer=buffer)
             return
@@ -387,7 +375,7 @@ class HostGradients(GradientPath):
             )
         # The bucket keeps its buffer until the copies are queued: if they fail or are
         # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
-        staging, staging_block = self._staging(buffer)
+        staging, staging_block = self.staging.get(buffer)
         landing = self._copy_to_staging(
             grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
         )
@@ -399,7 +387,7 @@ class HostGradients(GradientPath):
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad = self._adopted
-        staging, staging_block = self._staging(buffer)
+        staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
             grad, staging, after=[self.manager.compute_ready()], blocks=[staging_block]
@@ -479,15 +467,15 @@ class HostGradients(GradientPath):
                 worker.submit(functools.partial(task, *args))
             lo = hi
         worker.submit(functools.partial(self._sum_partials, partials))
-        self._staging_consumed = self._consumed[buffer] = worker.record_event()
+        self._staging_consumed = worker.record_event()
+        self.staging.passed(buffer, self._staging_consumed, kept=acc is None)
 
-    def _fold_on_host(self, acc: torch.Tensor, real: int) -> None:
+    def _fold_on_host(self, acc: torch.Tensor, real: int, buffer: int) -> None:
         # Host worker: the window's first gradient, from staging into the accumulator.
-        self._declare_cpu(self.grad_staging, write=False, what="fold reads staging")
+        staging = self.staging.get(buffer)[0]
+        self._declare_cpu(staging, write=False, what="fold reads staging")
         self._declare_cpu(acc, write=True, what="fold writes the accumulator")
-        accumulate_grad(
-            acc, self.grad_staging, overwrite=True, stop=real, num_threads=host_pass_threads()
-        )
+        accumulate_grad(acc, staging, overwrite=True, stop=real, num_threads=host_pass_threads())
 
     def _host_pass_tile(
         self,
@@ -504,7 +492,7 @@ class HostGradients(GradientPath):
         # the same pass yields the statistics of the accumulated gradient, cut per Note
         # [the norm does not depend on the bucketing] (stat_cells.py). Staging ``buffer``
         # is looked up now: a block may have moved since the pass was queued.
-        staging = self._staging(buffer)[0]
+        staging = self.staging.get(buffer)[0]
         threads = host_pass_threads()
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
@@ -564,14 +552,31 @@ class HostGradients(GradientPath):
                     event.synchronize()
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
-    def discard_grad(self) -> None:
-        """Drop whatever device buffer is open, if any: Note [an interrupted gradient
-        path]."""
+    def _drop_open(self) -> None:
+        """Drop the open device buffer, if any: Note [an interrupted gradient path]."""
         self._adopted = None  # autograd's tensor: dropping it is all
         if self._grad_block is not None:
             self._release_grad().free()
 
+    def discard_grad(self) -> None:
+        """Forget the window: the open device buffer, and its staging once what the host
+        worker queued is done (Note [gradient staging for the buckets in flight])."""
+        self._drop_open()
+        self.window_consumed()
+
+    def update_queued(self, event: Event) -> None:
+        """The bucket's update (run during backward) is queued on the host worker and
+        ends at ``event``: the last reader of a gradient in staging."""
+        if self._source is GradSource.STAGING:
+            self.staging.stepped(event)
+
+    def window_consumed(self) -> None:
+        """The window is over: staging may be reused after the host worker's queue."""
+        if self.staging.holding:
+            self.staging.release(self.manager.host_worker.record_event())
+
     def window_source(self) -> GradSource:
+        self.staging.check_kept(self.layout.index, staged=self._source is GradSource.STAGING)
         return self._source
 
     def gradient(self, source: GradSource) -> torch.Tensor:
@@ -588,9 +593,8 @@ class HostGradients(GradientPath):
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None
-        for block in (self._acc_block, self.staging_block):
-            if block is not None:
-                block.free()
+        if self._acc_block is not None:
+            self._acc_block.free()
         self._acc_block = None
         self.accumulators.close()
-        self.spare_staging.close()
+        self.staging.close()

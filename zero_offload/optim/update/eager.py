@@ -57,6 +57,23 @@ _ALLOWED = frozenset(
 # The cost of a broken promise: the update has happened, so clipping or another backward
 # after an announced one is refused.
 
+# Note [stepping during backward with parameter offload]
+# With parameter offload the step writes each unit's pinned home (weights staging, or the
+# fp32 master), which the window's fetches read, and publishing is a mark on the unit ("the
+# slot no longer holds the home's weights", WindowedViews.copy_in) that may be made only
+# while the unit is released. So a bucket's update still runs on the host worker as soon as
+# its gradients are queued, but with publish=False: its tiles are published in land()
+# (step()), after the optimizer's step pre-hook waited for every fetch and released every
+# unit (ParamOffloader.before_step). The update writes the home only after its bucket is
+# complete, i.e. after every kernel of this backward that reads the unit's weights, and it
+# waits for the gradient copies those kernels' compute preceded, which waited for the
+# unit's fetch: no fetch of the unit is pending when the home is written, and none is
+# issued later in this backward (a unit is fetched ahead of its own backward, and the
+# bucket is complete only after it). A resident slot keeps the weights before the step
+# until the unit is released, exactly what backward reads without a step during it.
+# Taken with OffloadConfig(grad_staging="in_flight") only (policy.eager_refusal), which
+# needs it; per-bucket staging keeps the step in step() under parameter offload.
+
 # Note [speculative steps]
 # With OffloadConfig(speculative_step=True) an announced step runs during backward even when
 # clipping is configured or an fp16 overflow could skip it (SuperOffload's bet: clipping
@@ -91,8 +108,12 @@ class EagerStep:
         *,
         grad_scale: float = 1.0,
         speculation_bytes: int | None = None,
+        publish_during_backward: bool = True,
     ) -> None:
         self.manager = manager
+        # False with parameter offload: Note [stepping during backward with parameter
+        # offload]; the weights are published in land().
+        self.publish_during_backward = publish_during_backward
         self.hypers = hypers  # by param group index, read when the step was announced
         self.grad_scale = grad_scale
         self.speculation_bytes = speculation_bytes
@@ -148,6 +169,7 @@ class EagerStep:
         store.publication.declare_weight_readers()  # the copies below wait for these readers
         ready = [self.manager.compute_ready()]
         scale = self.grad_scale
+        publish = self.publish_during_backward
 
         def update() -> None:
             if speculative:
@@ -156,12 +178,17 @@ class EagerStep:
                     name: t.clone() for name, t in store.state_tensors().items()
                 }
             with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
-                store.update(hyper, scale, plan.runs, publish=True, source=plan.source, after=ready)
+                store.update(
+                    hyper, scale, plan.runs, publish=publish, source=plan.source, after=ready
+                )
 
         worker = self.manager.host_worker
         worker.submit(update)
         self._done[index] = worker.record_event()
         self.plans[index] = plan
+        # Its staging may take the next bucket's gradient once this update is done: Note
+        # [gradient staging for the buckets in flight] in grads/staging_ring.py.
+        bucket.gradients.update_queued(self._done[index])
 
     def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
         """Backward ended: hand over the rest, and measure how much was already done."""

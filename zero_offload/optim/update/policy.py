@@ -130,7 +130,9 @@ class StepPolicy:
             return reason
         if any(bucket.resident for bucket in self.buckets):
             return "some optimizer state is resident on the device (offload_fraction < 1)"
-        if self._param_offload():
+        if self._param_offload() and self.config.grad_staging != "in_flight":
+            # Note [stepping during backward with parameter offload] in eager.py: taken
+            # with in-flight staging, which needs it; per-bucket staging steps in step().
             return "parameter offload (the step writes the pinned weights the fetches read)"
         return None
 
@@ -301,6 +303,7 @@ class StepPolicy:
             hypers,
             grad_scale=1.0 / self.scaler.scale,
             speculation_bytes=self.config.speculation_bytes if speculative else None,
+            publish_during_backward=not self._param_offload(),
         )
         self.router.eager = self.eager
 

@@ -1,0 +1,446 @@
+"""Where a bucket's flushes land on the host: its own staging buffers, or a ring of a few
+buffers shared by every bucket (``OffloadConfig(grad_staging="in_flight")``).
+
+``HostGradients`` (``to_host.py``) asks its ``Staging`` for a buffer at each flush
+(``acquire``), tells it when the host worker's pass over that buffer is queued (``passed``)
+and when the last reader of the window's gradient in staging is queued (``read_by``: a fold
+into the accumulator, or the bucket's update run during backward), and lets the window go
+(``release``).
+
+- ``OwnStaging``: one buffer per bucket for the whole model, ``a(ks)`` pinned bytes in the
+  host pool, plus the spare pinned on first need (Note [two staging buffers for
+  accumulation] in ``to_host.py``).
+- ``RingStaging``: a slot of the segment's ``StagingRing`` per flush, released as soon as
+  what reads it is done: Note [gradient staging for the buckets in flight].
+
+Note [gradient staging for the buckets in flight]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``grad_staging="in_flight"`` the host holds ``grad_staging_buffers`` (K) staging buffers
+for a segment's offloaded buckets, each as large as the largest bucket's shard in bytes,
+instead of one per bucket. A flush takes the slot released longest ago (FREE, or RELEASING:
+its last reader is queued on the host worker, and the flush waits for that reader's event on
+the caller's thread before its copy is issued, as Note [staging is reused only once
+consumed] says and for its reason: a CUDA stream cannot wait on host-thread work). What
+releases a slot:
+
+- the host worker's pass over it, when the gradient goes on into the fp32 accumulator (a
+  window with several flushes);
+- otherwise the window's gradient stays in the slot for the step, and the slot is released
+  by the work that reads it last: the bucket's CPU Adam queued during backward by an
+  announced step (Note [stepping during backward] in ``update/eager.py``), a fold into the
+  accumulator when another flush follows, or the end of the window (``step()``, a skipped
+  step, ``zero_grad``), after everything queued on the host worker so far.
+
+So when every step is announced and runs during backward, bucket b+K's flush waits for
+bucket b's update, which was queued when b's copy was, and the host holds K buffers
+whatever the model's size. A step that runs in ``step()`` (not announced, or refused, or
+micro-batches accumulating into one step) holds each bucket's slot until it is done: a
+flush that finds every slot HELD grows the ring by one buffer (a pinned allocation, warned
+once) rather than wait for a release that cannot come before ``step()``. The result is
+bitwise that of per-bucket staging either way: the same bytes are copied, passed over and
+read by the same kernels in the same order; only the buffer they sit in changes. A slot's
+bytes past what a flush copies (a lone gradient, Note [a lone gradient is its own buffer],
+is shorter than its padded shard) keep an earlier bucket's gradient: nothing reads past a
+bucket's real elements (the host passes stop there, CPU Adam reads the parameters' runs).
+Grown buffers are kept for later steps, like the spare staging.
+
+Where each step runs during backward, a gradient is gone once its bucket's update ran: a
+step planned from it again (``load_state_dict`` superseded the step, and ``step()`` would
+step from the loaded state with per-bucket staging) is refused before anything changes
+(``check_kept``), until the window ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ...accelerator import Event
+from ...config import format_bytes
+from ...memory.align import aligned
+from ...memory.block import Block
+from ...memory.manager import Tier, TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout
+from ...tracing import phase
+from .buffers import SpareStaging
+
+__all__ = [
+    "OwnStaging",
+    "RingStaging",
+    "SlotState",
+    "Staging",
+    "StagingRing",
+    "own_staging_bytes",
+    "ring_slot_bytes",
+]
+
+
+def own_staging_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
+    """Bytes of every bucket's own gradient staging, ``sum a(k*s)``: what a ring replaces
+    in the host pool (and, as weight staging, what stays beside it)."""
+    return sum(
+        aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)
+    )
+
+
+def ring_slot_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
+    """Bytes of one ring slot: the largest shard of ``layouts`` in its training dtype,
+    ``max a(k*s)`` (0 for no bucket)."""
+    sizes = [aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)]
+    return max(sizes, default=0)
+
+
+class Staging(ABC):
+    """Where one bucket's flushes land; see the module docstring."""
+
+    #: Flushes that waited on the caller's thread for a buffer's last reader.
+    waits: int = 0
+    #: The bucket's second own buffer (Note [two staging buffers for accumulation]); None
+    #: with a ring.
+    spare: SpareStaging | None = None
+
+    @abstractmethod
+    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
+        """The buffer this flush copies into (an id for ``get``), once it may be
+        overwritten (a synchronisation point when it may not yet). ``window_flushes``: the
+        flushes of the window so far. A failure changes nothing."""
+
+    @abstractmethod
+    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        """Buffer ``buffer``: ``(shard_numel,)`` training dtype, host, and its block."""
+
+    @abstractmethod
+    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        """The host worker's pass over ``buffer`` is queued and ends at ``event``;
+        ``kept``: the window's gradient stays there for the step (no accumulator)."""
+
+    @abstractmethod
+    def kept(self) -> int:
+        """The buffer holding the window's gradient when it stayed in staging."""
+
+    @abstractmethod
+    def read_by(self, event: Event) -> None:
+        """The last reader of the window's gradient in staging (a fold) is queued on the
+        host worker and ends at ``event``."""
+
+    def stepped(self, event: Event) -> None:
+        """The bucket's update, run during backward, read the window's gradient in staging
+        (queued on the host worker, ending at ``event``)."""
+        self.read_by(event)
+
+    def check_kept(self, bucket: int, *, staged: bool) -> None:  # noqa: B027 (own: kept)
+        """Refuse to plan a step from the window's gradient in staging (``staged``) once
+        it is gone."""
+
+    @property
+    def holding(self) -> bool:
+        """Whether ``release`` has anything to give back (a slot) or forget."""
+        return False
+
+    def release(self, event: Event | None) -> None:  # noqa: B027 (own buffers stay)
+        """The window is over (consumed or discarded); ``event``: the host worker's last
+        queued work, which any reader still pending is before."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Give the bucket's memory back."""
+
+
+class OwnStaging(Staging):
+    """A bucket's own staging buffer (block 0, in the host pool) and its spare (block 1),
+    Note [two staging buffers for accumulation] in ``to_host.py``.
+
+    Fields:
+        block: the own buffer's block, ``(shard_numel,)`` training dtype, host pool.
+        spare: the second buffer, pinned on first need.
+        _consumed: per buffer, the host worker's last pass over it (Note [staging is reused
+            only once consumed]).
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        layout: BucketLayout,
+        *,
+        host_pool: BlockPool,
+        dtype: torch.dtype,
+    ) -> None:
+        self.numel = n = layout.shard_numel
+        self.dtype = dtype
+        self.index = layout.index
+        self.spare = SpareStaging(
+            manager,
+            layout,
+            dtype=dtype,
+            alignment=host_pool.alignment,
+            name=f"{host_pool.name}.bucket{layout.index}.grad_staging_spare",
+        )
+        self.waits = 0
+        self._consumed: list[Event | None] = [None, None]
+        self.block = host_pool.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.grad_staging")
+        self.block.on_move(self._bind)
+        self._bind(self.block)
+        self.tensor.zero_()
+
+    def _bind(self, block: Block) -> None:
+        self.tensor = block.view(self.dtype, (self.numel,))
+
+    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
+        # Note [two staging buffers for accumulation]: odd flushes to 0, even ones to 1.
+        buffer = 0 if overwrite else window_flushes % 2
+        consumed = self._consumed[buffer]
+        if consumed is not None and not consumed.query():
+            # Note [staging is reused only once consumed]. Synchronisation point: the caller
+            # waits, since a CUDA stream cannot wait on host-thread work; only when the host
+            # worker is two flushes behind.
+            self.waits += 1
+            with phase("wait_staging"):
+                consumed.synchronize()
+        if buffer == 1:
+            self.spare.ensure()  # before anything moves: a failure changes nothing
+        return buffer
+
+    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        if buffer == 0:
+            return self.tensor, self.block
+        return self.spare.get(self.index)
+
+    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        self._consumed[buffer] = event
+
+    def kept(self) -> int:
+        return 0
+
+    def read_by(self, event: Event) -> None:
+        self._consumed[0] = event
+
+    def close(self) -> None:
+        self.block.free()
+        self.spare.close()
+
+
+class SlotState(enum.Enum):
+    """A ring slot's lifecycle: what its bytes hold."""
+
+    #: Nothing anyone will read: the next flush may copy into it at once.
+    FREE = "free"
+    #: A bucket's gradient whose last reader is not queued yet: no flush may take it.
+    HELD = "held"
+    #: The last reader is queued on the host worker: a flush may take it once ``event``
+    #: completed (it waits for it on the caller's thread).
+    RELEASING = "releasing"
+
+
+@dataclass
+class _Slot:
+    block: Block  # slot_bytes, host, pinned where available; never moves (no callback)
+    state: SlotState = SlotState.FREE
+    event: Event | None = None  # RELEASING: the last reader's end
+    holder: int | None = None  # HELD: the bucket index
+
+
+class StagingRing:
+    """K gradient staging buffers shared by a segment's offloaded buckets: Note [gradient
+    staging for the buckets in flight].
+
+    Fields:
+        slots: every slot, the first ``buffers`` in ``pool``, each grown one in a pool of
+            its own (``grown``).
+        _order: indices of the FREE and RELEASING slots, in the order they became so; a
+            flush takes the first. Touched on the caller's thread only (flushes, the step,
+            ``zero_grad``), so no lock.
+        waits: flushes that waited for a slot's last reader (on the caller's thread).
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        *,
+        buffers: int,
+        slot_bytes: int,
+        name: str,
+        alignment: int,
+    ) -> None:
+        self.manager = manager
+        self.name = name
+        self.slot_bytes = aligned(max(slot_bytes, 1), alignment)
+        # Hidden cost: one pinned allocation of K slots, at construction.
+        self.pool: BlockPool | None = manager.create_pool(
+            Tier.HOST, buffers * self.slot_bytes, name=name, alignment=alignment
+        )
+        self.grown: list[BlockPool] = []
+        self.slots = [
+            _Slot(self.pool.alloc(self.slot_bytes, owner=f"grad_staging_ring{i}"))
+            for i in range(buffers)
+        ]
+        self._order: deque[int] = deque(range(buffers))
+        self.waits = 0
+        self._warned = False
+        self._users = 0  # the RingStaging of each bucket; the last one to close closes it
+
+    @property
+    def nbytes(self) -> int:
+        """Pinned bytes of every slot, grown ones included."""
+        return len(self.slots) * self.slot_bytes
+
+    def acquire(self, holder: int) -> int:
+        """A slot for bucket ``holder``'s flush, once its last reader is done; grows the
+        ring when every slot is HELD (Note [gradient staging for the buckets in flight])."""
+        if not self._order:
+            self._grow(holder)
+        index = self._order[0]
+        slot = self.slots[index]
+        if slot.event is not None and not slot.event.query():
+            # Synchronisation point: the previous bucket's last reader (usually its CPU
+            # Adam, queued during backward) must be done before this copy overwrites it.
+            self.waits += 1
+            with phase("wait_staging"):
+                slot.event.synchronize()
+        self._order.popleft()
+        slot.state, slot.event, slot.holder = SlotState.HELD, None, holder
+        return index
+
+    def _grow(self, holder: int) -> None:
+        # Hidden cost: a pinned allocation of one slot (kept for later steps).
+        pool = self.manager.create_pool(
+            Tier.HOST, self.slot_bytes, name=f"{self.name}.grown{len(self.grown)}"
+        )
+        self.grown.append(pool)
+        self.slots.append(_Slot(pool.alloc(self.slot_bytes, owner="grad_staging_ring_grown")))
+        self._order.append(len(self.slots) - 1)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"OffloadConfig(grad_staging='in_flight'): bucket {holder}'s flush found "
+                f"every one of the {len(self.slots) - 1} gradient staging buffers holding a "
+                "gradient that no update has read yet (the step runs in step(), not during "
+                "backward: it was not announced with opt.backward(loss, step=True) or "
+                "opt.announce_step(), or micro-batches accumulate). The ring grows by one "
+                f"buffer ({format_bytes(self.slot_bytes)} pinned) per such flush, kept for "
+                "later steps; the result is exact. Announce each step to keep the host "
+                "memory at the buckets in flight",
+                stacklevel=2,
+            )
+
+    def view(self, index: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, Block]:
+        """Slot ``index`` as ``(numel,)`` ``dtype``, and its block."""
+        block = self.slots[index].block
+        return block.view(dtype, (numel,)), block
+
+    def release(self, index: int, event: Event | None) -> None:
+        """Slot ``index``'s last reader is queued and ends at ``event`` (None: done)."""
+        slot = self.slots[index]
+        if slot.state is not SlotState.HELD:
+            raise RuntimeError(f"{self.name}: slot {index} released while {slot.state.name} (bug)")
+        slot.state = SlotState.FREE if event is None else SlotState.RELEASING
+        slot.event, slot.holder = event, None
+        self._order.append(index)
+
+    def attach(self) -> None:
+        """One more bucket stages through the ring."""
+        self._users += 1
+
+    def detach(self) -> None:
+        """A bucket closed; the last one closes the ring."""
+        self._users -= 1
+        if self._users == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Free every slot and close the pools (again: nothing)."""
+        if self.pool is None:
+            return
+        for slot in self.slots:
+            slot.block.free()
+        self.slots.clear()
+        self._order.clear()
+        self.pool.close()
+        self.pool = None
+        for pool in self.grown:
+            pool.close()
+        self.grown.clear()
+
+
+class RingStaging(Staging):
+    """One bucket's flushes through its segment's ``StagingRing``.
+
+    Fields:
+        _kept: the slot holding the window's gradient for the step, from its flush until
+            the last reader is queued (None otherwise).
+        _last: the slot the window's gradient stayed in last; the queued update reads it
+            after ``_kept`` let it go.
+        _gone: the window's gradient was stepped during backward and its slot let go: a
+            second step from it (``load_state_dict`` superseded the first) would read
+            another bucket's gradient, so it is refused until the window ends.
+    """
+
+    def __init__(self, ring: StagingRing, layout: BucketLayout, *, dtype: torch.dtype) -> None:
+        self.ring = ring
+        self.index = layout.index
+        self.numel = layout.shard_numel
+        self.dtype = dtype
+        self._kept: int | None = None
+        self._last = 0
+        self._gone = False
+        ring.attach()
+
+    @property
+    def waits(self) -> int:  # type: ignore[override]
+        return self.ring.waits
+
+    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
+        if self._kept is not None:
+            raise RuntimeError(
+                f"bucket {self.index}: a flush while staging still holds the window's "
+                "gradient unread (bug: a fold releases it first)"
+            )
+        return self.ring.acquire(self.index)
+
+    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        return self.ring.view(buffer, self.dtype, self.numel)
+
+    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        self._gone = False
+        if kept:
+            self._kept = self._last = buffer
+        else:
+            self.ring.release(buffer, event)
+
+    def kept(self) -> int:
+        return self._last
+
+    def read_by(self, event: Event | None) -> None:
+        if self._kept is not None:
+            self.ring.release(self._kept, event)
+            self._kept = None
+
+    def stepped(self, event: Event) -> None:
+        self.read_by(event)
+        self._gone = True
+
+    def check_kept(self, bucket: int, *, staged: bool) -> None:
+        if staged and self._gone:
+            raise RuntimeError(
+                f"bucket {bucket}: its gradients were stepped during backward and, with "
+                "OffloadConfig(grad_staging='in_flight'), their staging buffer went to the "
+                "next bucket; the step was superseded (load_state_dict) and cannot be run "
+                "again from them. Call opt.zero_grad() and run the backward again"
+            )
+
+    @property
+    def holding(self) -> bool:
+        return self._kept is not None or self._gone
+
+    def release(self, event: Event | None) -> None:
+        self.read_by(event)  # None: nothing pending
+        self._gone = False
+
+    def close(self) -> None:
+        self.release(None)  # the caller drained every queue first
+        self.ring.detach()
