@@ -186,6 +186,7 @@ class SegmentBuilder:
                     amsgrad=amsgrad,
                     rank=self.ranks.rank,
                     alignment=POOL_ALIGNMENT,
+                    homes_movable=offload is not None,  # the staging is each unit's home
                 ),
                 config=self.config,
                 rank=self.ranks.rank,

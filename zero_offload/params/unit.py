@@ -62,6 +62,7 @@ import torch
 from ..accelerator import Event
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Direction
+from .home_store import Bounce
 from .units import UnitSpec
 from .views import WindowedViews
 from .window import Slot
@@ -136,9 +137,10 @@ class ParamUnit:
         self.exposed: list[list[int] | torch.Tensor] | None = None
         self.fetches = 0
         self.write_backs = 0
+        self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
 
     def _home_versions_now(self) -> tuple[int, ...]:
-        return tuple(views.home_pair()[0]._version for views in self.views)
+        return tuple(views.home_version() for views in self.views)
 
     @property
     def homes_written(self) -> bool:
@@ -177,6 +179,11 @@ class ParamUnit:
             after = [manager.compute_ready()]
             end = None
             for views in self.views:
+                label = f"param {self.spec.name} bucket{views.layout.index}"
+                if views.nvme_home is not None and self.bounce is not None:
+                    # Note [homes on NVMe are fetched through a bounce ring]
+                    end = self.bounce.fetch(views, slot, after=after, label=label) or end
+                    continue
                 home, home_block = views.home_pair()
                 end = manager.copy(
                     views.weights_dev,
@@ -187,7 +194,7 @@ class ParamUnit:
                     # The end event on both ends: the slot is not rewritten and the home not
                     # reused (or updated by a step, ``ParamOffloader.before_step``) before.
                     blocks=[slot.block, home_block],
-                    label=f"param {self.spec.name} bucket{views.layout.index}",
+                    label=label,
                 )
             self.ready = self.fetched = end  # one stream, in order: the last end covers all
             self.fetches += 1
@@ -253,6 +260,12 @@ class ParamUnit:
             return  # nobody computed on (or wrote) a slot still being fetched
         manager = self.manager
         for views in self._written():
+            if views.nvme_home is not None and self.bounce is not None:
+                label = f"param {self.spec.name} bucket{views.layout.index} write-back"
+                self.bounce.write_back(views, self.slot, label=label)
+                self.write_backs += 1
+                self._home_versions = self._home_versions_now()  # our own write
+                continue
             home, home_block = views.home_pair()
             end = manager.copy(
                 home,

@@ -11,6 +11,19 @@ reads the gradient from staging, Note [no accumulator for one backward] in
 ``grads/to_host.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
 ``a(4k)`` joins, in its own pool, created at the first accumulating step. Plus, once per
 segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
+
+Note [homes on NVMe]
+~~~~~~~~~~~~~~~~~~~~
+With parameter offload the weight staging of a bucket is its unit's *home*, the only copy
+of its training-dtype weights (Note [a unit's lifecycle] in ``params/unit.py``). State goes
+to NVMe first (above); only when no bucket's master and moments are left in host RAM and the
+homes of the NVMe buckets still exceed ``host_budget`` do homes go to NVMe too: kept in RAM
+in bucket order while they fit the budget, that bucket's home and every later one in a
+weight file (``weights/nvme_home.py``; the last units first, as state is placed). Such a
+bucket's host bytes are its gradient staging only; its disk bytes add the weight file
+(``weight_file_bytes``), and the segment adds one ring of ``HOME_TILE_BUFFERS`` aligned
+weight tiles (``home_ring_bytes``: the step reads and writes the weights tile by tile
+through it). The window's bounce buffers (``params/home_store.py``) are the offloader's.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from ...config import OffloadConfig
 from ...memory.align import aligned
 from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ...partition import BucketLayout
+from ...weights.nvme_home import home_ring_bytes, weight_file_bytes
 from .placement import Placement, _host_bytes
 
 __all__ = [
@@ -90,8 +104,11 @@ class NvmePlan:
     """Which offloaded buckets keep their state on NVMe, and the bytes of each place.
 
     ``host_pool``: the host pool's capacity (host-resident buckets in full, NVMe buckets'
-    gradients and staging); ``host_state``: of that, the master and moments in host RAM
-    (what ``host_budget`` bounds); ``disk``: bytes of the files; ``record``: the layout.
+    gradients and staging, the weight tile ring); ``host_state``: of that, the master and
+    moments in host RAM (what ``host_budget`` bounds); ``disk``: bytes of the files;
+    ``record``: the layout; ``homes``: the buckets whose home is a weight file (Note
+    [homes on NVMe]); ``home_disk``: of ``disk``, the weight files; ``home_ring``: of
+    ``host_pool``, the weight tile ring (0 without homes on NVMe).
     """
 
     nvme: frozenset[int]
@@ -100,6 +117,19 @@ class NvmePlan:
     disk: int
     record: RecordLayout
     host_budget: int | None
+    homes: frozenset[int] = frozenset()
+    home_disk: int = 0
+    home_ring: int = 0
+
+    def tiers(self) -> dict[str, int]:
+        """Bytes per tier of the plan: ``host_pool``, ``host_state``, ``state_disk`` and
+        ``home_disk`` (what the estimator's rows are checked against)."""
+        return {
+            "host_pool": self.host_pool,
+            "host_state": self.host_state,
+            "state_disk": self.disk - self.home_disk,
+            "home_disk": self.home_disk,
+        }
 
 
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
@@ -143,9 +173,12 @@ def plan_nvme(
     amsgrad: bool,
     rank: int,
     alignment: int,
+    homes_movable: bool = False,
 ) -> NvmePlan:
     """Place offloaded buckets whole: in bucket order, on the host while their master and
-    moments fit ``host_budget``; that bucket and every later one on NVMe.
+    moments fit ``host_budget``; that bucket and every later one on NVMe. With
+    ``homes_movable`` (parameter offload: the staging is the unit's home) the homes follow
+    when the state alone is not enough (Note [homes on NVMe]).
 
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
@@ -179,4 +212,32 @@ def plan_nvme(
         host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
         tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
         disk += sum(record.bytes_for(n) for n in tiles)
-    return NvmePlan(frozenset(nvme), host_pool, host_state, disk, record, budget)
+    homes: set[int] = set()
+    home_disk = home_ring = 0
+    if homes_movable and budget is not None and host_state == 0:
+        kept = 0  # homes of NVMe buckets in host RAM, bucket order
+        for b, s in offloaded:
+            home = aligned(s * b.shard_numel, alignment)
+            if not homes and kept + home <= budget:
+                kept += home
+                continue
+            homes.add(b.index)
+            host_pool -= home  # the weight staging is not allocated
+            real = b.real_in(*b.shard_range(rank))
+            home_disk += weight_file_bytes(real, config.tile_elements, s)
+        if homes:
+            widest = max(s for b, s in offloaded if b.index in homes)
+            home_ring = home_ring_bytes(config.tile_elements, widest)
+            host_pool += home_ring
+            disk += home_disk
+    return NvmePlan(
+        frozenset(nvme),
+        host_pool,
+        host_state,
+        disk,
+        record,
+        budget,
+        frozenset(homes),
+        home_disk,
+        home_ring,
+    )
