@@ -334,7 +334,8 @@ class ParamOffloader:
         home = getattr(backend, "home", None)  # a weight file: Note [homes on NVMe]
         if home is not None:
             views.adopt_nvme_home(home, self.manager)
-            home.owner = f"{views.unit!r} bucket {views.layout.index}"
+            unit = self.units[self._place[views.layout.index][0]]
+            home.owner = f"unit {unit.index} ({unit.spec.name}) bucket {views.layout.index}"
             return
         views.adopt_home(*backend.weights_home())
 

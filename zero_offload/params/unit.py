@@ -178,6 +178,7 @@ class ParamUnit:
             # Write-after-read: the previous occupant's readers were all issued before now.
             after = [manager.compute_ready()]
             end = None
+            slot.occupant = None  # rewritten from here: a failed read leaves it nobody's
             for views in self.views:
                 label = f"param {self.spec.name} bucket{views.layout.index}"
                 if views.nvme_home is not None and self.bounce is not None:

@@ -21,12 +21,14 @@ placeholders, and the slot is free for the next unit.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..errors import StorageError
 from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
@@ -220,7 +222,7 @@ class WindowedViews(ParamViews):
             if self.home is None and self.nvme_home is None:
                 param.data = param.data.clone()
             elif is_bound_to(param, self.placeholders[i]):
-                source = self.home_view(i)
+                source = self._home_or_nan(i)
                 device = self.weights_dev.device
                 restore(param, torch.empty(source.shape, dtype=source.dtype, device=device))
                 param.data.copy_(source)
@@ -228,6 +230,22 @@ class WindowedViews(ParamViews):
                 with torch._C.DisableTorchFunctionSubclass():
                     data = param.data
                 restore(param, data)
+
+    def _home_or_nan(self, index: int) -> torch.Tensor:
+        """``home_view(index)``; for an NVMe home whose record is unreadable (a bad
+        checksum, an I/O error), NaN, with a warning naming the parameter and the file:
+        ``close`` still releases everything else."""
+        try:
+            return self.home_view(index)
+        except StorageError as exc:
+            slot = self.layout.slots[index]
+            warnings.warn(
+                f"zero-offload: closing the optimizer, parameter {index} of bucket "
+                f"{self.layout.index} {slot.shape} could not be read from its weight file; "
+                f"it is NaN now. {exc}",
+                stacklevel=4,
+            )
+            return torch.full(slot.shape, float("nan"), dtype=self.dtype)
 
     def detached(self) -> list[tuple[int, torch.nn.Parameter]]:
         """``(slot_index, param)`` of parameters bound neither to the slot (resident) nor to
