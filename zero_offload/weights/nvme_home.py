@@ -13,8 +13,9 @@ Record ``t`` holds tile ``t`` of the shard's real elements (``tile_elements`` of
 state file's tiles: a step updates both files tile by tile), in the training dtype, padded
 to 4 KiB (``IO_ALIGNMENT``, direct I/O) and checksummed like every record (Note [checksums
 per record] in ``memory/checksums.py``). A host area that holds several records (a fetch's
-bounce buffer, a scratch copy) lays tile ``t`` at byte ``t * record_bytes``: every record
-starts 4 KiB-aligned, so the disk reads straight into it. A bad checksum or an I/O error is
+bounce buffer, a scratch copy) lays tile ``t`` at byte ``t * record_bytes``, as the file
+does (only the last tile is short): every record starts 4 KiB-aligned, so the disk reads
+straight into it, and the area is the file's size. A bad checksum or an I/O error is
 raised as a ``StorageError`` naming the unit and the file (``owner``, ``path``).
 
 Writes outside the optimizer's step (a written slot copied home, a state-dict copy written
@@ -74,7 +75,7 @@ class WeightFile:
 
     Fields: ``file``: the ``StorageFile``; ``real``: the shard's real elements;
     ``record_bytes``: one whole tile's record (the stride of a host area of records);
-    ``staged_bytes``: a host area holding every record; ``owner``: what the errors name
+    ``staged_bytes``: a host area holding every record (the file's bytes); ``owner``: what the errors name
     (the unit and bucket, set by the window); ``written``: writes outside the step.
     """
 
@@ -95,7 +96,7 @@ class WeightFile:
         self.written = 0
         counts = _tile_counts(real, tile_elements)
         self.record_bytes = io_aligned(tile_elements * dtype.itemsize)
-        self.staged_bytes = len(counts) * self.record_bytes
+        self.staged_bytes = weight_file_bytes(real, tile_elements, dtype.itemsize)
         self.file: StorageFile = tier.create_file(
             f"{name}.weights",
             slots=len(counts),

@@ -19,7 +19,13 @@ of its training-dtype weights (Note [a unit's lifecycle] in ``params/unit.py``).
 to NVMe first (above); only when no bucket's master and moments are left in host RAM and the
 homes of the NVMe buckets still exceed ``host_budget`` do homes go to NVMe too: kept in RAM
 in bucket order while they fit the budget, that bucket's home and every later one in a
-weight file (``weights/nvme_home.py``; the last units first, as state is placed). Such a
+weight file (``weights/nvme_home.py``; bucket order, as state is placed: the buckets run
+from the last unit to the first). Why state first: a byte of state moved to disk costs two
+bytes of traffic per step (read, written), a byte of a home three or more (read for the
+forward and again for the backward, written by the step). ``host_budget="auto"`` counts
+every home as fixed when it sizes the state's budget; for the homes themselves it is the
+RAM left beside the gradient staging and the I/O buffers, so homes move only when they
+do not fit at all. Such a
 bucket's host bytes are its gradient staging only; its disk bytes add the weight file
 (``weight_file_bytes``), and the segment adds one ring of ``HOME_TILE_BUFFERS`` aligned
 weight tiles (``home_ring_bytes``: the step reads and writes the weights tile by tile
@@ -214,11 +220,16 @@ def plan_nvme(
         disk += sum(record.bytes_for(n) for n in tiles)
     homes: set[int] = set()
     home_disk = home_ring = 0
-    if homes_movable and budget is not None and host_state == 0:
+    home_budget = budget
+    if config.host_budget == "auto":  # the RAM left beside the gradient staging
+        grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
+        other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        home_budget = resolve_host_budget(config, other_host_bytes=other)
+    if homes_movable and home_budget is not None and host_state == 0:
         kept = 0  # homes of NVMe buckets in host RAM, bucket order
         for b, s in offloaded:
             home = aligned(s * b.shard_numel, alignment)
-            if not homes and kept + home <= budget:
+            if not homes and kept + home <= home_budget:
                 kept += home
                 continue
             homes.add(b.index)
