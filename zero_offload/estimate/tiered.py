@@ -175,7 +175,11 @@ class ParamNvme(Configuration):
         fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
         budget = limits.state_budget(fixed, act_host, rpn)
         if self.homes is Homes.NVME:
-            grads = _total(groups, ctx, "grad") + io_buffer_bytes()
+            from ..config import OffloadConfig
+            from ..weights.nvme_home import home_ring_bytes
+
+            ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
+            grads = _total(groups, ctx, "grad") + io_buffer_bytes() + ring + window
             home_budget = limits.state_budget(grads, act_host, rpn)
             host, disk = home_tiers(groups, ctx, budget, home_budget=home_budget)
         else:

@@ -187,6 +187,7 @@ class SegmentBuilder:
                     rank=self.ranks.rank,
                     alignment=POOL_ALIGNMENT,
                     homes_movable=offload is not None,  # the staging is each unit's home
+                    window_bytes=0 if offload is None else offload.window_bytes,
                 ),
                 config=self.config,
                 rank=self.ranks.rank,

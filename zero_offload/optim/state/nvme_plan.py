@@ -24,8 +24,8 @@ from the last unit to the first). Why state first: a byte of state moved to disk
 bytes of traffic per step (read, written), a byte of a home three or more (read for the
 forward and again for the backward, written by the step). ``host_budget="auto"`` counts
 every home as fixed when it sizes the state's budget; for the homes themselves it is the
-RAM left beside the gradient staging and the I/O buffers, so homes move only when they
-do not fit at all. Such a
+RAM left beside the gradient staging, the I/O buffers and the two rings (the bounce ring
+taken as large as the device window), so homes move only when they do not fit at all. Such a
 bucket's host bytes are its gradient staging only; its disk bytes add the weight file
 (``weight_file_bytes``), and the segment adds one ring of ``HOME_TILE_BUFFERS`` aligned
 weight tiles (``home_ring_bytes``: the step reads and writes the weights tile by tile
@@ -180,11 +180,13 @@ def plan_nvme(
     rank: int,
     alignment: int,
     homes_movable: bool = False,
+    window_bytes: int = 0,
 ) -> NvmePlan:
     """Place offloaded buckets whole: in bucket order, on the host while their master and
     moments fit ``host_budget``; that bucket and every later one on NVMe. With
     ``homes_movable`` (parameter offload: the staging is the unit's home) the homes follow
-    when the state alone is not enough (Note [homes on NVMe]).
+    when the state alone is not enough (Note [homes on NVMe]); ``window_bytes``, the
+    device window's, bounds the bounce ring that "auto" leaves room for.
 
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
@@ -223,7 +225,8 @@ def plan_nvme(
     home_budget = budget
     if config.host_budget == "auto":  # the RAM left beside the gradient staging
         grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
-        other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
+        other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
         home_budget = resolve_host_budget(config, other_host_bytes=other)
     if homes_movable and home_budget is not None and host_state == 0:
         kept = 0  # homes of NVMe buckets in host RAM, bucket order
