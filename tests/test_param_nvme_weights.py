@@ -81,30 +81,30 @@ def test_trains_bitwise_like_resident_reading_the_homes_from_disk(
     _assert_same(got, want)
 
 
-def test_homes_move_only_when_the_state_alone_is_not_enough(tmp_path: Path) -> None:
-    """Note [homes on NVMe]: state goes to NVMe first; with some state still in RAM no home
-    moves; with none, the homes that fit the budget stay, the last units' go to disk."""
-    make = functools.partial(gpt, torch.bfloat16, layers=3)
+def test_the_budget_holds_the_homes_first_then_the_state(tmp_path: Path) -> None:
+    """Note [homes on NVMe]: host_budget holds the homes first, in bucket order (the rest in
+    weight files, their state on NVMe too), then the master and moments."""
+    make = functools.partial(gpt, torch.float32, layers=3)
     a = lambda n: -(-n // POOL_ALIGNMENT) * POOL_ALIGNMENT  # noqa: E731
     model = make()
-    opt = _opt(model, offload=True, nvme_dir=tmp_path / "a", host_budget=200_000)
-    kinds = [type(b.store) for b in opt.buckets]
-    assert NvmeHomeState not in kinds and any(k is not NvmeState for k in kinds)
-    opt.close()
-    model = make()
-    probe = _homes_on_nvme(model, tmp_path / "b")
-    homes = [a(b.layout.shard_numel * 2) for b in probe.buckets]  # type: ignore[attr-defined]
-    first_state = 3 * a(4 * probe.buckets[0].layout.shard_numel)  # type: ignore[attr-defined]
+    probe = _homes_on_nvme(model, tmp_path / "probe")
+    homes = [a(b.layout.shard_numel * 4) for b in probe.buckets]  # type: ignore[attr-defined]
+    states = [3 * h for h in homes]  # fp32 master, exp_avg, exp_avg_sq
     probe.close()  # type: ignore[attr-defined]
+    # Every home and the first bucket's state: the rest of the state on NVMe.
     model = make()
-    # Below the first bucket's master and moments (no state in RAM), above some homes.
-    budget = min(first_state - 1, sum(homes[:-2]))
-    opt = _opt(model, offload=True, nvme_dir=tmp_path / "c", host_budget=budget)
-    assert all(isinstance(b.store, NvmeState) for b in opt.buckets)  # no state in RAM
-    kinds = [isinstance(b.store, NvmeHomeState) for b in opt.buckets]
-    kept = next(i for i, on_disk in enumerate(kinds) if on_disk)
-    assert kept > 0 and all(kinds[kept:])  # the first homes in RAM, the last units' on disk
-    assert sum(homes[:kept]) <= budget < sum(homes[: kept + 1])
+    budget = sum(homes) + states[0]
+    opt = _opt(model, offload=True, nvme_dir=tmp_path / "a", host_budget=budget)
+    kinds = [type(b.store).__name__ for b in opt.buckets]
+    assert kinds == ["HostState"] + ["NvmeState"] * (len(kinds) - 1), kinds
+    opt.close()
+    # Half the homes: the others in weight files, and no state in RAM.
+    model = make()
+    budget = sum(homes[: len(homes) // 2])
+    opt = _opt(model, offload=True, nvme_dir=tmp_path / "b", host_budget=budget)
+    on_disk = [isinstance(b.store, NvmeHomeState) for b in opt.buckets]
+    assert all(isinstance(b.store, NvmeState) for b in opt.buckets)
+    assert on_disk == [False] * (len(homes) // 2) + [True] * (len(homes) - len(homes) // 2)
     first = opt.buckets[0]  # a home in RAM is its store's staging, as before
     assert first.views.home is first.store.weights_home()[0]
     _train(model, opt, 1)

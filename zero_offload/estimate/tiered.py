@@ -6,12 +6,12 @@
   moments in RAM up to the host budget and on NVMe beyond it.
 - ``ParamNvme``: parameter offload with optimizer state on NVMe, homes in RAM (``homes``
   ``HOST``) or on NVMe as well when they do not fit (``NVME``, ZeRO-Infinity's
-  ``offload_param: nvme``). The library runs both on one rank and places them as
-  ``plan_nvme`` does (Note [homes on NVMe] in ``optim/state/nvme_plan.py``): every bucket's
-  gradient staging in RAM, the master and moments in RAM up to the host budget and on NVMe
-  beyond it; with ``NVME``, once no state is left in RAM, the homes that fit the budget in
-  RAM and the rest in weight files, with the step's weight tile ring and the window's
-  bounce ring in RAM. Gradient staging is for the whole model in both (staging only for the
+  ``offload_param: nvme``). The library places them as ``plan_nvme`` does (Note [homes
+  on NVMe] in ``optim/state/nvme_plan.py``), on one rank: every bucket's gradient staging
+  in RAM; the host budget holds the homes first (``NVME``: those beyond it in weight
+  files, with the step's weight tile ring and the window's bounce ring in RAM), then the
+  master and moments, the rest of the state on NVMe. ``HOST`` is that placement where the
+  budget holds every home (``tiers``: the budget given is the state's, beside them). Gradient staging is for the whole model in both (staging only for the
   buckets in flight is a separate item of the big-models issue).
 
 See Note [the host budget decides the split] in ``nvme.py``.
@@ -95,50 +95,43 @@ def _state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tupl
 
 
 def home_tiers(
-    groups: BucketGroups,
-    ctx: Context,
-    budget: int | None,
-    *,
-    home_budget: int | None = None,
-    prefetch_layers: int = 1,
+    groups: BucketGroups, ctx: Context, budget: int | None, *, prefetch_layers: int = 1
 ) -> tuple[int, int]:
     """``(host, disk)`` per rank of the units' buckets ``groups`` (bucket order) placed as
-    ``plan_nvme`` places them with the homes movable (Note [homes on NVMe]): as
-    ``_state_tiers``; when no state is left in RAM, the homes that do not fit ``budget``
-    (``home_budget``, default ``budget``; bucket order) leave RAM for their weight files,
-    and the weight tile ring and the bounce ring (per window slot, the largest unit's NVMe
-    records + 4 KiB) join the host. O(units)."""
+    ``plan_nvme`` places them with the homes movable (Note [homes on NVMe]): ``budget``
+    holds the homes first, in bucket order, the rest going to their weight files; the
+    state takes what is left (``_state_tiers``). With a home on disk the weight tile ring
+    and the bounce ring (per window slot, the largest unit's NVMe records + 4 KiB) join the
+    host. O(units)."""
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT
     from ..params.window import plan_slots
     from ..weights.nvme_home import home_ring_bytes
 
-    host, disk = _state_tiers(groups, ctx, budget)
+    if budget is None:
+        return _state_tiers(groups, ctx, None)
     tiers = _tiers(ctx)
-    home_budget = budget if home_budget is None else home_budget
-    if budget is None or home_budget is None or split_state(groups, tiers, budget).host:
-        return host, disk
-    kept, moving = 0, False
+    kept, moved, home_disk = 0, 0, 0
     records: list[int] = []  # per unit in bucket order: its weight files' bytes
     for numels, repeats in groups:
         each = [tiers(n) for n in numels]
         for _ in range(repeats):
             unit = 0
             for t in each:
-                if not moving and kept + t.home <= home_budget:
+                if not moved and kept + t.home <= budget:
                     kept += t.home
                     continue
-                moving = True
-                host -= t.home
-                disk += t.home_file
+                moved += t.home
                 unit += t.home_file
+            home_disk += unit
             records.append(unit)
-    if not moving:
+    host, disk = _state_tiers(groups, ctx, budget - kept)
+    if not moved:
         return host, disk
     _, slots = plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch_layers)
-    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
+    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
     host += sum(n + IO_ALIGNMENT for n in slots if n)
-    return host, disk
+    return host, disk + home_disk
 
 
 class Homes(enum.Enum):
@@ -157,8 +150,8 @@ class ParamNvme(Configuration):
     buckets (``tiers``): each bucket's weight staging is its unit's home, so every home
     and every bucket's gradient staging are in RAM, then the state that fits the budget,
     the I/O buffers when a bucket spills; disk: the spilled state's records. ``NVME``:
-    the same, and once no state is left in RAM the homes beyond the budget in weight
-    files, the weight tile ring and the bounce ring in RAM (``home_tiers``)."""
+    the budget holds the homes first, those beyond it in weight files with the weight
+    tile ring and the bounce ring in RAM, then the state (``home_tiers``)."""
 
     homes: Homes = field(default=Homes.HOST)
 
@@ -170,8 +163,8 @@ class ParamNvme(Configuration):
         window, grad_buffers, _ = pools
         device, act_host = subject.activations(self.activations)
         rpn = ctx.ranks_per_node
-        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; the
-        # homes' budget, for the gradient staging only (Note [homes on NVMe]).
+        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
+        # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
         fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
         budget = limits.state_budget(fixed, act_host, rpn)
         if self.homes is Homes.NVME:
@@ -180,8 +173,7 @@ class ParamNvme(Configuration):
 
             ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
             grads = _total(groups, ctx, "grad") + io_buffer_bytes() + ring + window
-            home_budget = limits.state_budget(grads, act_host, rpn)
-            host, disk = home_tiers(groups, ctx, budget, home_budget=home_budget)
+            host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
         else:
             host, disk = self.tiers(subject, budget)
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
@@ -192,8 +184,9 @@ class ParamNvme(Configuration):
     ) -> tuple[int, int]:
         """``(host, disk)`` bytes per rank with ``OffloadConfig(offload_parameters=True,
         nvme_dir=..., host_budget=budget)``: ``NvmeState.tiers`` over the units' buckets
-        (``Subject.unit_groups``), homes in RAM; with ``homes=Homes.NVME`` the homes
-        beyond the budget on NVMe (``home_tiers``). Raises ``ValueError`` where parameter
+        (``Subject.unit_groups``), homes in RAM and ``budget`` the state's beside them;
+        with ``homes=Homes.NVME`` ``budget`` holds the homes first and the state in what
+        is left, as the library places them (``home_tiers``). Raises ``ValueError`` where parameter
         offload is not estimated (a bare count, a module without a shape)."""
         groups = subject.unit_groups()
         if groups is None:

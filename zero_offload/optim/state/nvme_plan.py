@@ -15,21 +15,20 @@ segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
 Note [homes on NVMe]
 ~~~~~~~~~~~~~~~~~~~~
 With parameter offload the weight staging of a bucket is its unit's *home*, the only copy
-of its training-dtype weights (Note [a unit's lifecycle] in ``params/unit.py``). State goes
-to NVMe first (above); only when no bucket's master and moments are left in host RAM and the
-homes of the NVMe buckets still exceed ``host_budget`` do homes go to NVMe too: kept in RAM
-in bucket order while they fit the budget, that bucket's home and every later one in a
-weight file (``weights/nvme_home.py``; bucket order, as state is placed: the buckets run
-from the last unit to the first). Why state first: a byte of state moved to disk costs two
-bytes of traffic per step (read, written), a byte of a home three or more (read for the
-forward and again for the backward, written by the step). ``host_budget="auto"`` counts
-every home as fixed when it sizes the state's budget; for the homes themselves it is the
-RAM left beside the gradient staging, the I/O buffers and the two rings (the bounce ring
-taken as large as the device window), so homes move only when they do not fit at all. Such a
-bucket's host bytes are its gradient staging only; its disk bytes add the weight file
-(``weight_file_bytes``), and the segment adds one ring of ``HOME_TILE_BUFFERS`` aligned
-weight tiles (``home_ring_bytes``: the step reads and writes the weights tile by tile
-through it). The window's bounce buffers (``params/home_store.py``) are the offloader's.
+of its training-dtype weights (Note [a unit's lifecycle] in ``params/unit.py``), and
+``host_budget`` bounds the homes and the master and moments kept in RAM together. The homes
+come first: kept in RAM in bucket order while they fit the budget, that bucket's home and
+every later one in a weight file (``weights/nvme_home.py``); the state then takes what is
+left, placed as above (a bucket whose home is on disk has its state on disk too). Why the
+homes first: a byte of state moved to disk costs two bytes of traffic per step (read,
+written), a byte of a home three or more (read for the forward and again for the backward,
+written by the step). ``host_budget="auto"`` is then the RAM beside the gradient staging,
+the I/O buffers and the two rings (the bounce ring taken as large as the device window).
+A bucket with its home on disk has only its gradient staging in host RAM; its disk bytes
+add the weight file (``weight_file_bytes``), and the segment adds one ring of
+``HOME_TILE_BUFFERS`` aligned weight tiles (``home_ring_bytes``: the step reads and writes
+the weights tile by tile through it). The window's bounce buffers
+(``params/home_store.py``) are the offloader's.
 """
 
 from __future__ import annotations
@@ -184,9 +183,9 @@ def plan_nvme(
 ) -> NvmePlan:
     """Place offloaded buckets whole: in bucket order, on the host while their master and
     moments fit ``host_budget``; that bucket and every later one on NVMe. With
-    ``homes_movable`` (parameter offload: the staging is the unit's home) the homes follow
-    when the state alone is not enough (Note [homes on NVMe]); ``window_bytes``, the
-    device window's, bounds the bounce ring that "auto" leaves room for.
+    ``homes_movable`` (parameter offload: the staging is the unit's home) the budget holds
+    the homes first, then the state (Note [homes on NVMe]); ``window_bytes``, the device
+    window's, bounds the bounce ring that "auto" leaves room for.
 
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
@@ -206,11 +205,31 @@ def plan_nvme(
     budget = resolve_host_budget(
         config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
     )
+    homes: set[int] = set()
+    home_disk = home_ring = 0
+    if homes_movable:  # Note [homes on NVMe]: the homes first, the state in what is left
+        if config.host_budget == "auto":  # the RAM beside the gradient staging and rings
+            grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
+            rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
+            other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
+            budget = resolve_host_budget(config, other_host_bytes=other)
+        kept = 0  # homes in host RAM, bucket order
+        for b, s in offloaded:
+            home = aligned(s * b.shard_numel, alignment)
+            if budget is None or (not homes and kept + home <= budget):
+                kept += home
+                continue
+            homes.add(b.index)
+            real = b.real_in(*b.shard_range(rank))
+            home_disk += weight_file_bytes(real, config.tile_elements, s)
+        if budget is not None:
+            budget -= kept
     nvme: set[int] = set()
     host_pool = host_state = disk = 0
     for b, s in offloaded:
         state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-        if not nvme and (budget is None or host_state + state <= budget):
+        fits = budget is None or host_state + state <= budget
+        if not nvme and fits and b.index not in homes:
             host_state += state
             host_pool += _host_bytes(
                 b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
@@ -218,32 +237,15 @@ def plan_nvme(
             continue
         nvme.add(b.index)
         host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
+        if b.index in homes:
+            host_pool -= aligned(s * b.shard_numel, alignment)  # no weight staging
         tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
         disk += sum(record.bytes_for(n) for n in tiles)
-    homes: set[int] = set()
-    home_disk = home_ring = 0
-    home_budget = budget
-    if config.host_budget == "auto":  # the RAM left beside the gradient staging
-        grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
-        rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
-        other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
-        home_budget = resolve_host_budget(config, other_host_bytes=other)
-    if homes_movable and home_budget is not None and host_state == 0:
-        kept = 0  # homes of NVMe buckets in host RAM, bucket order
-        for b, s in offloaded:
-            home = aligned(s * b.shard_numel, alignment)
-            if not homes and kept + home <= home_budget:
-                kept += home
-                continue
-            homes.add(b.index)
-            host_pool -= home  # the weight staging is not allocated
-            real = b.real_in(*b.shard_range(rank))
-            home_disk += weight_file_bytes(real, config.tile_elements, s)
-        if homes:
-            widest = max(s for b, s in offloaded if b.index in homes)
-            home_ring = home_ring_bytes(config.tile_elements, widest)
-            host_pool += home_ring
-            disk += home_disk
+    if homes:
+        widest = max(s for b, s in offloaded if b.index in homes)
+        home_ring = home_ring_bytes(config.tile_elements, widest)
+        host_pool += home_ring
+        disk += home_disk
     return NvmePlan(
         frozenset(nvme),
         host_pool,
