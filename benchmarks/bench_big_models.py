@@ -247,7 +247,7 @@ def north_star(args: argparse.Namespace, root: Path) -> dict[str, object]:
     from zero_offload.estimate.tiered import home_tiers
 
     layers, hidden = (120, 64) if args.quick else (120, 192)
-    steps = 3 if args.quick else 10
+    steps = 10  # the count, --quick too (its model is small)
     checkpoint = save_checkpoint(layers, hidden, root)
     probe = TinyGPT(_config(layers, hidden))
     params = sum(p.numel() for p in probe.parameters())

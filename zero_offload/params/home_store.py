@@ -9,10 +9,13 @@ weight file (``weights/nvme_home.py``; Note [homes on NVMe] in
 unit always returns to its slot] in ``window.py``), as large as the NVMe-homed buckets of
 the largest unit placed in that slot, laid out like the weight files' records (Note [a
 weight file's records]); one host pool, allocated when the optimizer is built, freed at
-close. A fetch (``ParamUnit.fetch``) of such a bucket reads its records from disk into its
-range of the slot's bounce (direct I/O, checksums checked; the CPU waits for the reads:
-the H2D stream cannot wait on the disk) and queues the H2D copies bounce -> slot through the
-memory manager, one per tile, after the compute that read the slot's previous occupant. The
+close. A fetch (``ParamUnit.fetch``) of such a bucket queues the reads of its records into
+its range of the slot's bounce (direct I/O, checksums checked on arrival) and returns; the
+H2D copies bounce -> slot (through the memory manager, one per tile, after the compute that
+read the slot's previous occupant) are queued once the reads are done: when the window
+next moves and finds them done (``ParamOffloader._advance`` polls), or at the latest when
+compute needs the unit (``ParamUnit.use``: the CPU waits for the disk there, as the H2D
+stream cannot wait on it), or before a step or a release. The
 bounce is rewritten only after those copies completed (``Bounce.idle``: the next fetch into
 the slot waits for them on the CPU; they were issued a window earlier, so normally done).
 Fetches are issued ``prefetch_layers`` units ahead (Note [the parameter window]), so the
@@ -28,11 +31,13 @@ unit, the bucket and the file.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..accelerator import Event
+from ..errors import StorageError
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -43,7 +48,7 @@ from .window import Slot
 if TYPE_CHECKING:
     from .views import WindowedViews
 
-__all__ = ["Bounce"]
+__all__ = ["Bounce", "PendingFetch", "bounce_bytes"]
 
 
 class Bounce:
@@ -88,30 +93,15 @@ class Bounce:
             event.synchronize()
             self.last[slot.index] = None
 
-    def fetch(
+    def begin(
         self, views: WindowedViews, slot: Slot, *, after: list[Event], label: str
-    ) -> Event | None:
-        """Disk -> bounce (waited) -> slot (queued after ``after``); the last copy's end."""
-        home = views.nvme_home
-        if home is None:
+    ) -> PendingFetch:
+        """Queue the reads of the bucket's records into its bounce range (disk -> bounce);
+        ``PendingFetch.finish`` queues the copies to the slot."""
+        if views.nvme_home is None:
             raise RuntimeError(f"bucket {views.layout.index}: not homed on NVMe (bug)")
-        self.idle(slot)
-        area, block = self.area(slot, views)
-        home.read_all(self.manager, area)  # Synchronisation point: the disk, see the Note
-        end = None
-        for tile in range(home.tiles):
-            lo, hi = home.tile_range(tile)
-            end = self.manager.copy(
-                views.weights_dev[lo:hi],
-                home.tile_view(area, tile),
-                direction=Direction.H2D,
-                category=Category.WEIGHTS,
-                after=after,
-                blocks=[slot.block, block],
-                label=f"{label} tile {tile}",
-            )
-        self.last[slot.index] = end
-        return end
+        self.idle(slot)  # the bounce is rewritten: its last copies to the slot are done
+        return PendingFetch(self, views, slot, after=after, label=label)
 
     def write_back(self, views: WindowedViews, slot: Slot, *, label: str) -> None:
         """Slot -> bounce (D2H, waited) -> the weight file (waited)."""
@@ -146,6 +136,54 @@ class Bounce:
         self.pool.close()
         if self.pool in self.manager.pools:
             self.manager.pools.remove(self.pool)
+
+
+class PendingFetch:
+    """One bucket's fetch between its disk reads and its H2D copies; see Note [homes on
+    NVMe are fetched through a bounce ring]. ``buffers``: the reads in flight, one per
+    record, into the bucket's range of the slot's bounce."""
+
+    def __init__(
+        self, bounce: Bounce, views: WindowedViews, slot: Slot, *, after: list[Event], label: str
+    ) -> None:
+        self.bounce, self.views, self.slot = bounce, views, slot
+        self.after, self.label = after, label
+        self.home = views.nvme_home
+        self.area, self.block = bounce.area(slot, views)
+        self.buffers = self.home.begin_read_all(bounce.manager, self.area)  # type: ignore[union-attr]
+
+    def done(self) -> bool:
+        """Whether every read completed (nothing waits)."""
+        return all(b.event is None or b.event.query() for b in self.buffers)
+
+    def drop(self) -> None:
+        """Wait for the reads and forget them (a failure elsewhere; errors dropped)."""
+        for buffer in self.buffers:
+            with contextlib.suppress(StorageError):
+                buffer.settle()
+
+    def finish(self) -> Event | None:
+        """Wait for the reads (Synchronisation point: the disk; a bad record raises naming
+        the unit and the file), then queue the H2D copies bounce -> slot after ``after``;
+        the last copy's end event."""
+        home = self.home
+        if home is None:
+            raise RuntimeError(f"bucket {self.views.layout.index}: home closed (bug)")
+        home.settle_all(self.buffers)
+        manager, end = self.bounce.manager, None
+        for tile in range(home.tiles):
+            lo, hi = home.tile_range(tile)
+            end = manager.copy(
+                self.views.weights_dev[lo:hi],
+                home.tile_view(self.area, tile),
+                direction=Direction.H2D,
+                category=Category.WEIGHTS,
+                after=self.after,
+                blocks=[self.slot.block, self.block],
+                label=f"{self.label} tile {tile}",
+            )
+        self.bounce.last[self.slot.index] = end
+        return end
 
 
 def bounce_bytes(units: list[tuple[int, list[WindowedViews]]], slots: int) -> list[int]:

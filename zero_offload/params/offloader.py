@@ -46,7 +46,12 @@ and on the device the model does not fit. The price: the entries are on the host
 device as the parameters say; ``.to(device)`` them where device tensors are needed. A write
 through an entry reaches the home, which the optimizer reconciles by value at its next step;
 the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
-gives the parameters themselves, as in torch.
+gives the parameters themselves, as in torch. A home on NVMe (Note [homes on NVMe] in
+``optim/state/nvme_plan.py``) cannot be viewed: its entries are private copies read from
+disk (what a saved checkpoint needs, as FSDP's full state dict gives), and a write to such a
+copy is carried to the file at the next forward, step or ``state_dict()`` while the copy is
+alive (``flush_copies``); one written and dropped before then is lost (write through the
+parameters or ``load_state_dict``, which reach the home, instead).
 
 Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns to its
 slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
@@ -447,6 +452,9 @@ class ParamOffloader:
         """Note [the parameter window]: release what left it, fetch ``current`` (if it is
         not resident) and ``upcoming``, and make compute wait for ``current``."""
         keep = {id(current), *(id(u) for u in upcoming)}
+        for unit in self.units:  # prefetches from NVMe whose reads are done: to the slot
+            if unit.pending and all(p.done() for p in unit.pending):
+                unit.finish_fetch()
         for unit in self.units:
             if unit.resident and id(unit) not in keep:
                 unit.release()

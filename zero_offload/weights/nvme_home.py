@@ -132,26 +132,20 @@ class WeightFile:
 
     def read(self, manager: TieredMemoryManager, tile: int, buffer: IOBuffer) -> None:
         """Queue reading record ``tile`` into ``buffer`` (FREE -> READING)."""
-        manager.disk_copy(
-            self.file,
-            tile,
-            buffer,
-            direction=Direction.NVME_READ,
-            category=Category.WEIGHTS,
-            label=f"{self.owner} weights[tile {tile}]",
-        )
+        self._disk(manager, tile, buffer, Direction.NVME_READ)
 
     def write(self, manager: TieredMemoryManager, tile: int, buffer: IOBuffer) -> None:
         """Queue writing ``buffer`` (HELD, or FREE: taken now) to record ``tile``."""
         if buffer.state is IOBufferState.FREE:
             buffer.transition(IOBufferState.FREE, IOBufferState.HELD)
+        self._disk(manager, tile, buffer, Direction.NVME_WRITE)
+
+    def _disk(
+        self, manager: TieredMemoryManager, tile: int, buffer: IOBuffer, direction: Direction
+    ) -> None:
+        label = f"{self.owner} weights[tile {tile}]"
         manager.disk_copy(
-            self.file,
-            tile,
-            buffer,
-            direction=Direction.NVME_WRITE,
-            category=Category.WEIGHTS,
-            label=f"{self.owner} weights[tile {tile}]",
+            self.file, tile, buffer, direction=direction, category=Category.WEIGHTS, label=label
         )
 
     def settle(self, buffer: IOBuffer) -> None:
@@ -168,9 +162,10 @@ class WeightFile:
 
     # -- a host area of records ------------------------------------------------------------
 
-    def read_all(self, manager: TieredMemoryManager, area: torch.Tensor) -> None:
-        """Every record into ``area`` (``staged_bytes``, 4 KiB-aligned), waited for."""
-        self._settle_all([self._read_into(manager, area, t) for t in range(self.tiles)])
+    def begin_read_all(self, manager: TieredMemoryManager, area: torch.Tensor) -> list[IOBuffer]:
+        """Queue reading every record into ``area`` (``staged_bytes``, 4 KiB-aligned); the
+        buffers to hand to ``settle_all``."""
+        return [self._read_into(manager, area, t) for t in range(self.tiles)]
 
     def _read_into(self, manager: TieredMemoryManager, area: torch.Tensor, tile: int) -> IOBuffer:
         buffer = self._buffer(area, tile)
@@ -186,6 +181,11 @@ class WeightFile:
             buffers.append(buffer)
         self._settle_all(buffers)
         self.written += 1
+
+    def settle_all(self, buffers: list[IOBuffer]) -> None:
+        """Wait for every buffer; the first error (naming the unit and the file) is raised
+        once all settled."""
+        self._settle_all(buffers)
 
     def _settle_all(self, buffers: list[IOBuffer]) -> None:
         error: StorageError | None = None

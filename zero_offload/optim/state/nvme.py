@@ -487,17 +487,7 @@ class NvmeState(StateStore):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        # As HostState.update: the gradient is staging or the accumulator (Note [no
-        # accumulator for one backward]); the weight copies wait for compute issued so far.
-        tiles = AdamTiles(
-            self.gradients,
-            self.publication,
-            hyper,
-            grad_scale,
-            source=source,
-            publish=publish,
-            after=after,
-        )
+        tiles = self._adam_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         declare_cpu(
             self.manager,
             self.weights_staging,
@@ -523,6 +513,12 @@ class NvmeState(StateStore):
                 )
 
         self._stream(step_tile, sorted(pieces), prefetch_next=True)
+
+    def _adam_tiles(self, hyper: AdamHyper, grad_scale: float, **how: object) -> AdamTiles:
+        """As HostState.update's (``how``: source, publish, after): the gradient is staging
+        or the accumulator (Note [no accumulator for one backward]); the weight copies wait
+        for compute issued so far."""
+        return AdamTiles(self.gradients, self.publication, hyper, grad_scale, **how)  # type: ignore[arg-type]
 
     def _pieces(self, runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int, int]]]:
         """The updated ``(lo, hi, step)`` shard ranges of each tile that has any."""

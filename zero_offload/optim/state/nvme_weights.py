@@ -33,7 +33,7 @@ from ...memory.storage import IOBuffer
 from ...weights.nvme_home import HomeTiles, WeightFile
 from ..grads.path import GradSource
 from ..update.publish import WeightCopies
-from ..update.tiles import AdamHyper, AdamTiles
+from ..update.tiles import AdamHyper
 from .nvme import NvmeState
 from .store import take_written
 
@@ -208,15 +208,7 @@ class NvmeHomeState(NvmeState):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        tiles = AdamTiles(
-            self.gradients,
-            self.publication,
-            hyper,
-            grad_scale,
-            source=source,
-            publish=publish,
-            after=after,
-        )
+        tiles = self._adam_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         pieces = self._pieces(runs)
         fp32 = self.dtype == torch.float32
 
