@@ -126,16 +126,6 @@ class NvmePlan:
     home_disk: int = 0
     home_ring: int = 0
 
-    def tiers(self) -> dict[str, int]:
-        """Bytes per tier of the plan: ``host_pool``, ``host_state``, ``state_disk`` and
-        ``home_disk`` (what the estimator's rows are checked against)."""
-        return {
-            "host_pool": self.host_pool,
-            "host_state": self.host_state,
-            "state_disk": self.disk - self.home_disk,
-            "home_disk": self.home_disk,
-        }
-
 
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
     """Master and moments of this rank's shard in the host pool."""
