@@ -25,7 +25,7 @@ from zero_offload.estimate.rows import (
     Limits,
     ShapeSubject,
 )
-from zero_offload.estimate.tiered import PARAMS_NVME_NOT_YET, NvmeState, ParamNvme
+from zero_offload.estimate.tiered import Homes, NvmeState, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim import OffloadAdamW
 
@@ -44,9 +44,11 @@ def _rows(result: object) -> dict[str, object]:
 def test_nvme_state_split_matches_a_real_optimizer(
     tmp_path: Path, budget: int, dtype: torch.dtype, params: bool
 ) -> None:
-    # NvmeState against OffloadAdamW(nvme_dir=...); ParamNvme (homes in RAM) against
+    # NvmeState against OffloadAdamW(nvme_dir=...); ParamNvme against
     # OffloadAdamW(offload_parameters=True, nvme_dir=...): the units' buckets (units last to
-    # first) placed by plan_nvme, every unit's home (its bucket's weight staging) in the pool.
+    # first) placed by plan_nvme, the budget holding the homes first (each bucket's weight
+    # staging), then the state (Note [homes on NVMe]); the homes beyond it in weight files,
+    # with the weight tile ring in the pool and the window's bounce ring a pool of its own.
     model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
     acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
     config = OffloadConfig(
@@ -57,18 +59,31 @@ def test_nvme_state_split_matches_a_real_optimizer(
     try:
         locations = {b.store.location for b in opt.buckets}
         pools = opt.manager.pool_stats()
-        host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
+        host_pool = sum(
+            p["capacity_bytes"] for name, p in pools.items() if name.endswith((".host", ".bounce"))
+        )
+        homes_on_disk = any(getattr(b.store, "home", None) for b in opt.buckets)
         disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
     finally:
         opt.close()
     # Each budget places the buckets differently: all on NVMe, some of each, all in RAM.
-    assert locations == {0: {"nvme"}, 300_000: {"host", "nvme"}, 10**9: {"host"}}[budget]
+    # With parameter offload the homes take the budget first: 300 kB holds some homes, no
+    # bucket's state.
+    mixed = {"nvme"} if params else {"host", "nvme"}
+    assert locations == {0: {"nvme"}, 300_000: mixed, 10**9: {"host"}}[budget]
     ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
-    row = ParamNvme if params else NvmeState
-    host, disk_estimate = row.tiers(ShapeSubject(SHAPE, ctx), budget)
+    assert homes_on_disk == (params and budget < 10**9)
+    subject = ShapeSubject(SHAPE, ctx)
+    if params:
+        host, disk_estimate = ParamNvme.tiers(subject, budget, homes=Homes.NVME)
+        if budget == 10**9:  # every home in RAM: the homes-in-RAM row is that placement
+            assert ParamNvme.tiers(subject, budget) == (host, disk_estimate)
+    else:
+        host, disk_estimate = NvmeState.tiers(subject, budget)
     # Host: the pool exactly, plus the tier's I/O buffers (not a pool) when a bucket spills.
     assert host == host_pool + (io_buffer_bytes() if disk_estimate else 0)
-    # Disk: the state records exactly; the files add at most a page of metadata.
+    # Disk: the state records (and weight records) exactly; the files add at most a page
+    # of metadata.
     assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
     assert (disk_estimate == 0) == (budget == 10**9)  # the big budget keeps everything in RAM
 
@@ -195,39 +210,39 @@ def test_nvme_rows_agree_with_the_in_ram_rows_when_the_host_is_large() -> None:
 
 
 def test_per_parameter_bytes_of_the_combined_rows_at_scale() -> None:
-    # Llama-3-8B, bf16, host large enough for all state. Homes in RAM (what the library
-    # runs): 2 bytes per parameter (the home, its bucket's weight staging) + 2 (gradient
-    # staging, every bucket) + 12 (master, exp_avg, exp_avg_sq), as parameter offload alone.
-    # Homes on NVMe (not run yet): 12 in RAM, plus gradient staging for the two buckets in
-    # flight (as large as the device's two gradient buffers), bounce buffers as large as the
-    # device window and the tier's I/O buffers; the homes' 2 bytes per parameter on disk.
-    # (Alignment: well under 1%.)
+    # Llama-3-8B, bf16, host large enough for all state: 2 bytes per parameter (the home, its
+    # bucket's weight staging) + 2 (gradient staging, every bucket) + 12 (master, exp_avg,
+    # exp_avg_sq), as parameter offload alone; the homes fit, so the row with the weights
+    # movable to NVMe places them in RAM too (Note [homes on NVMe]). (Alignment: well under
+    # 1%.)
     result = estimate("llama-3-8b", device_memory="24GiB", host_memory="1TiB", disk_memory="1TB")
     p, rows = result.params, _rows(result)
     homes_in_ram = rows["param offload + NVMe state + checkpointing"]
-    homes_on_disk = rows["params and state on NVMe + checkpointing"]
-    in_flight = homes_in_ram.device_buffers  # type: ignore[attr-defined]
-    window = homes_in_ram.device_model_states  # type: ignore[attr-defined]
+    movable = rows["params and state on NVMe + checkpointing"]
     assert homes_in_ram.host == pytest.approx(16 * p, rel=0.005)  # type: ignore[attr-defined]
     assert homes_in_ram.host == rows["ZeRO-Offload + param offload + checkpointing"].host  # type: ignore[attr-defined]
-    assert homes_in_ram.disk == 0  # type: ignore[attr-defined]
-    on_disk_host = 12 * p + in_flight + window + io_buffer_bytes()
-    assert homes_on_disk.host == pytest.approx(on_disk_host, rel=0.005)  # type: ignore[attr-defined]
-    assert homes_on_disk.disk == pytest.approx(2 * p, rel=0.005)  # type: ignore[attr-defined]
+    assert homes_in_ram.disk == 0 and movable.disk == 0  # type: ignore[attr-defined]
+    assert movable.host == homes_in_ram.host  # type: ignore[attr-defined]
     # A small host pushes the state to the disk: most of its 12 bytes per parameter are
-    # records there. Homes in RAM keep 4 bytes per parameter in RAM (home and gradient
-    # staging) wherever the state is; homes on NVMe put 2 more on the disk.
+    # records there, while homes and gradient staging keep 4 bytes per parameter in RAM.
     small = _rows(
         estimate("llama-3-8b", device_memory="24GiB", host_memory="48GiB", disk_memory="1TB")
     )
-    for name, in_ram, total in (
-        ("params and state on NVMe + checkpointing", 0, 14),
-        ("param offload + NVMe state + checkpointing", 4, 16),
-    ):
-        row = small[name]
-        assert row.fits and row.host <= 48 * GiB - host_reserve_of(48 * GiB), name  # type: ignore[attr-defined]
-        assert row.host > in_ram * p and row.disk > 8 * p, name  # type: ignore[attr-defined]
-        assert row.host + row.disk >= total * p, name  # type: ignore[attr-defined]
+    row = small["param offload + NVMe state + checkpointing"]
+    assert row.fits and row.host <= 48 * GiB - host_reserve_of(48 * GiB)  # type: ignore[attr-defined]
+    assert row.host > 4 * p and row.disk > 8 * p and row.host + row.disk >= 16 * p  # type: ignore[attr-defined]
+    # Smaller still, the state is all on disk and the homes go too, past what fits beside
+    # the gradient staging (2 bytes per parameter, every bucket, in this library): the
+    # movable row has less in RAM and 2 more bytes per parameter on disk, at most.
+    tiny = _rows(
+        estimate("llama-3-8b", device_memory="24GiB", host_memory="24GiB", disk_memory="1TB")
+    )
+    fixed, movable = (
+        tiny["param offload + NVMe state + checkpointing"],
+        tiny["params and state on NVMe + checkpointing"],
+    )
+    assert movable.host < fixed.host and 2 * p < movable.host < 4 * p  # type: ignore[attr-defined]
+    assert fixed.disk < movable.disk <= fixed.disk + 2.01 * p  # type: ignore[attr-defined]
 
 
 def test_per_parameter_bytes_of_the_in_flight_rows_at_scale() -> None:
@@ -280,19 +295,19 @@ def test_library_column_says_what_runs() -> None:
     assert one["ZeRO-Offload + NVMe state + checkpointing"].library == "yes"  # type: ignore[attr-defined]
     assert one["ZeRO-Offload + parameter offload"].library == "yes"  # type: ignore[attr-defined]
     assert one["ZeRO-3"].library == "paper"  # type: ignore[attr-defined]
-    # Parameter offload with nvme_dir runs on one rank, the homes in RAM; with the weights
-    # themselves on NVMe it is an estimate.
-    homes_in_ram = one["param offload + NVMe state + checkpointing"]
-    assert (homes_in_ram.library, homes_in_ram.not_run) == ("yes", "")  # type: ignore[attr-defined]
-    combined = one["params and state on NVMe + checkpointing"]
-    assert combined.library == "not yet" and "weights on NVMe" in combined.not_run  # type: ignore[attr-defined]
-    assert "ZeRO-3" not in combined.not_run  # type: ignore[attr-defined]
+    # Parameter offload with nvme_dir runs on one rank, the homes in RAM or on NVMe.
+    for name in (
+        "param offload + NVMe state + checkpointing",
+        "params and state on NVMe + checkpointing",
+    ):
+        row = one[name]
+        assert (row.library, row.not_run) == ("yes", ""), name  # type: ignore[attr-defined]
     many = estimate(SHAPE, world_size=16, ranks_per_node=8, device_memory=GiB, host_memory=GiB)
     for name in ("ZeRO-Offload + parameter offload", "param offload + NVMe state + checkpointing"):
         param = _rows(many)[name]
         assert param.library == "not yet" and param.not_run == ZERO3_NOT_YET, name  # type: ignore[attr-defined]
     combined = _rows(many)["params and state on NVMe + checkpointing"]
-    assert combined.not_run == f"{PARAMS_NVME_NOT_YET}; {ZERO3_NOT_YET}"  # type: ignore[attr-defined]
+    assert combined.not_run == ZERO3_NOT_YET  # type: ignore[attr-defined]
     text = many.table()
     assert "ZeRO-3 (parameters partitioned across ranks) is not implemented" in text
     assert "8 ranks per node" in text

@@ -28,6 +28,7 @@ export there.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -71,18 +72,24 @@ class _Entry:
         return nbytes_of(self.shape, self.dtype)
 
 
-def _trained(optimizer: OffloadAdamW) -> dict[int, torch.Tensor]:
-    """Each trained parameter's weights where they are authoritative, by id: its slot of the
-    bucket's device block, or with parameter offload its pinned home (where a released
-    unit's parameters have no storage of their own)."""
-    out = {}
+def _trained(optimizer: OffloadAdamW) -> dict[int, Callable[[], torch.Tensor]]:
+    """How to read each trained parameter's weights where they are authoritative, by id:
+    its slot of the bucket's device block, or with parameter offload its pinned home (where
+    a released unit's parameters have no storage of their own), or a copy read from its
+    home's weight file on NVMe, one parameter at a time (Note [homes on NVMe])."""
+    out: dict[int, Callable[[], torch.Tensor]] = {}
     for bucket in optimizer.buckets:
         views = bucket.views
+        if getattr(views, "nvme_home", None) is not None:  # zero_offload.params' views
+            for i, param in enumerate(bucket.params):
+                out[id(param)] = functools.partial(views.home_view, i)
+            continue
         flat = getattr(views, "home", None)  # zero_offload.params' WindowedViews
         if flat is None:
             flat = views.weights_dev
         for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
-            out[id(param)] = flat[slot.offset : slot.end].view(slot.shape)
+            view = flat[slot.offset : slot.end].view(slot.shape)
+            out[id(param)] = lambda view=view: view.detach()
     return out
 
 
@@ -143,8 +150,8 @@ def _entries(
                 _Entry(key, tensor, lambda t=tensor: masters.read(t), dtype=torch.float32)
             )
             continue
-        source = trained.get(id(tensor), tensor)
-        entries.append(_Entry(key, tensor, lambda s=source: s.detach()))
+        read = trained.get(id(tensor), lambda t=tensor: t.detach())
+        entries.append(_Entry(key, tensor, read))
     return entries
 
 

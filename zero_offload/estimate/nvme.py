@@ -22,7 +22,14 @@ pool alignment (512 B), records 4 KiB-aligned per tile:
   the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
 - record: the bucket's state file records, the state's bytes rounded up per tile;
 - home ``a(sk)``: the training-dtype weights (parameter offload makes the weight staging
-  the home); on NVMe, ``home_file``, 4 KiB-aligned.
+  the home); on NVMe, ``home_file``: its weight file, one 4 KiB-aligned record per tile
+  (Note [a weight file's records] in ``weights/nvme_home.py``).
+
+With parameter offload the homes follow the state to NVMe only when no bucket's state is
+left in RAM (Note [homes on NVMe] in ``optim/state/nvme_plan.py``): kept in RAM in bucket
+order while they fit the same budget, the rest in weight files, with the step's weight
+tile ring and the window's bounce ring (one buffer per window slot, as large as the NVMe
+records of the largest unit in it) in RAM.
 """
 
 from __future__ import annotations
@@ -62,10 +69,10 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
 
     from ..config import OffloadConfig
     from ..memory.align import aligned
-    from ..memory.storage import IO_ALIGNMENT
     from ..optim.state.nvme_plan import plan_nvme
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
+    from ..weights.nvme_home import weight_file_bytes
     from .pools import _full_offload
 
     layouts = plan_buckets(
@@ -100,7 +107,11 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
         grad=aligned(itemsize * shard, POOL_ALIGNMENT),
         home=aligned(itemsize * shard, POOL_ALIGNMENT),
         record=record,
-        home_file=aligned(itemsize * shard, IO_ALIGNMENT),
+        home_file=weight_file_bytes(
+            layouts[0].real_in(*layouts[0].shard_range(0)),
+            OffloadConfig().tile_elements,
+            itemsize,
+        ),
     )
 
 

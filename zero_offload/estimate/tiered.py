@@ -5,14 +5,14 @@
   weights on the device, every bucket's gradient and weight staging in RAM, the master and
   moments in RAM up to the host budget and on NVMe beyond it.
 - ``ParamNvme``: parameter offload with optimizer state on NVMe, homes in RAM (``homes``
-  ``HOST``) or on NVMe as well (``NVME``, ZeRO-Infinity's ``offload_param: nvme``). The
-  library runs the first on one rank, as ``NvmeState`` places state: every bucket's home
-  (the weight staging) and gradient staging in RAM, the master and moments in RAM up to the
-  host budget and on NVMe beyond it. It does not run the second yet; that estimate follows
-  the design of the big-models issue: host RAM holds bounce buffers for the window's units,
-  gradient staging only for the buckets in flight (each bucket's update runs as its gradient
-  arrives, so its staging is released at once), the tier's I/O buffers, and whatever state
-  fits the host budget.
+  ``HOST``) or on NVMe as well when they do not fit (``NVME``, ZeRO-Infinity's
+  ``offload_param: nvme``). The library places them as ``plan_nvme`` does (Note [homes
+  on NVMe] in ``optim/state/nvme_plan.py``), on one rank: every bucket's gradient staging
+  in RAM; the host budget holds the homes first (``NVME``: those beyond it in weight
+  files, with the step's weight tile ring and the window's bounce ring in RAM), then the
+  master and moments, the rest of the state on NVMe. ``HOST`` is that placement where the
+  budget holds every home (``tiers``: the budget given is the state's, beside them). Gradient staging is for the whole model in both (staging only for the
+  buckets in flight is a separate item of the big-models issue).
 
 See Note [the host budget decides the split] in ``nvme.py``.
 """
@@ -40,10 +40,7 @@ from .rows import (
     Subject,
 )
 
-__all__ = ["CONFIGURATIONS", "Homes", "NvmeState", "ParamNvme"]
-
-#: Why the rows with the weights themselves on NVMe are estimates only.
-PARAMS_NVME_NOT_YET = "parameter offload with the weights on NVMe is not implemented"
+__all__ = ["CONFIGURATIONS", "Homes", "NvmeState", "ParamNvme", "home_tiers"]
 
 
 def _tiers(ctx: Context) -> Callable[[int], BucketTiers]:
@@ -58,11 +55,6 @@ def _tiers(ctx: Context) -> Callable[[int], BucketTiers]:
 def _total(groups: BucketGroups, ctx: Context, attr: str) -> int:
     tiers = _tiers(ctx)
     return sum(repeats * sum(getattr(tiers(n), attr) for n in numels) for numels, repeats in groups)
-
-
-def _largest(groups: BucketGroups, ctx: Context, attr: str) -> int:
-    tiers = _tiers(ctx)
-    return max((getattr(tiers(n), attr) for numels, _ in groups for n in numels), default=0)
 
 
 @dataclass(frozen=True)
@@ -103,11 +95,51 @@ def _state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tupl
     return host + (io_buffer_bytes() if split.disk else 0), split.disk
 
 
+def home_tiers(
+    groups: BucketGroups, ctx: Context, budget: int | None, *, prefetch_layers: int = 1
+) -> tuple[int, int]:
+    """``(host, disk)`` per rank of the units' buckets ``groups`` (bucket order) placed as
+    ``plan_nvme`` places them with the homes movable (Note [homes on NVMe]): ``budget``
+    holds the homes first, in bucket order, the rest going to their weight files; the
+    state takes what is left (``_state_tiers``). With a home on disk the weight tile ring
+    and the bounce ring (per window slot, the largest unit's NVMe records + 4 KiB) join the
+    host. O(units)."""
+    from ..config import OffloadConfig
+    from ..memory.storage import IO_ALIGNMENT
+    from ..params.window import plan_slots
+    from ..weights.nvme_home import home_ring_bytes
+
+    if budget is None:
+        return _state_tiers(groups, ctx, None)
+    tiers = _tiers(ctx)
+    kept, moved, home_disk = 0, 0, 0
+    records: list[int] = []  # per unit in bucket order: its weight files' bytes
+    for numels, repeats in groups:
+        each = [tiers(n) for n in numels]
+        for _ in range(repeats):
+            unit = 0
+            for t in each:
+                if not moved and kept + t.home <= budget:
+                    kept += t.home
+                    continue
+                moved += t.home
+                unit += t.home_file
+            home_disk += unit
+            records.append(unit)
+    host, disk = _state_tiers(groups, ctx, budget - kept)
+    if not moved:
+        return host, disk
+    _, slots = plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch_layers)
+    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
+    host += sum(n + IO_ALIGNMENT for n in slots if n)
+    return host, disk + home_disk
+
+
 class Homes(enum.Enum):
     """Where the training-dtype weights (each unit's home) live under parameter offload."""
 
     HOST = "host RAM: pinned, the H2D copies' source"
-    NVME = "NVMe: read ahead into host bounce buffers, then copied to the device"
+    NVME = "NVMe beyond the host budget: read into host bounce buffers, then to the device"
 
 
 @dataclass(frozen=True)
@@ -115,21 +147,16 @@ class ParamNvme(Configuration):
     """Parameter offload with optimizer state on NVMe beyond the host budget, the homes in
     RAM or on NVMe (``homes``). Device per rank: as ``ParamOffloaded``.
 
-    ``homes`` ``HOST`` (what the library runs, one rank): host and disk as ``NvmeState``
-    places state, over the units' buckets (``tiers``): each bucket's weight staging is its
-    unit's home, so every home and every bucket's gradient staging are in RAM, then the
-    state that fits the budget, the I/O buffers when a bucket spills; disk: the spilled
-    state's records. ``NVME`` (an estimate of what the library does not run yet): host per
-    rank holds ``GRAD_BUFFERS`` buckets' gradient staging (the buckets in flight), the I/O
-    buffers, bounce buffers as large as the device window (``prefetch_layers + 2`` units
-    read ahead), then the state that fits the budget; disk: every home, 4 KiB-aligned, and
-    the spilled state's records."""
+    ``homes`` ``HOST``: host and disk as ``NvmeState`` places state, over the units'
+    buckets (``tiers``): each bucket's weight staging is its unit's home, so every home
+    and every bucket's gradient staging are in RAM, then the state that fits the budget,
+    the I/O buffers when a bucket spills; disk: the spilled state's records. ``NVME``:
+    the budget holds the homes first, those beyond it in weight files with the weight
+    tile ring and the bounce ring in RAM, then the state (``home_tiers``)."""
 
     homes: Homes = field(default=Homes.HOST)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
-        from ..optim.state.placement import GRAD_BUFFERS
-
         ctx = subject.ctx
         pools, groups = subject.param_offload_pools(), subject.unit_groups()
         if pools is None or groups is None:
@@ -137,41 +164,45 @@ class ParamNvme(Configuration):
         window, grad_buffers, _ = pools
         device, act_host = subject.activations(self.activations)
         rpn = ctx.ranks_per_node
-        if self.homes is Homes.HOST:
-            # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-            fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
-            budget = limits.state_budget(fixed, act_host, rpn)
+        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
+        # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
+        fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
+        budget = limits.state_budget(fixed, act_host, rpn)
+        if self.homes is Homes.NVME:
+            from ..config import OffloadConfig
+            from ..weights.nvme_home import home_ring_bytes
+
+            ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
+            grads = _total(groups, ctx, "grad") + io_buffer_bytes() + ring + window
+            host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
+        else:
             host, disk = self.tiers(subject, budget)
-            return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
-        fixed = GRAD_BUFFERS * _largest(groups, ctx, "grad") + io_buffer_bytes() + window
-        disk = _total(groups, ctx, "home_file")
-        budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
-        split = split_state(groups, _tiers(ctx), budget)
-        disk += split.disk
-        host = fixed - (0 if disk else io_buffer_bytes()) + split.host
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
 
     @staticmethod
-    def tiers(subject: Subject, budget: int | None) -> tuple[int, int]:
-        """``(host, disk)`` bytes per rank with homes in RAM and ``OffloadConfig(
-        offload_parameters=True, nvme_dir=..., host_budget=budget)``: ``NvmeState.tiers``
-        over the units' buckets (``Subject.unit_groups``). Raises ``ValueError`` where
-        parameter offload is not estimated (a bare count, a module without a shape)."""
+    def tiers(
+        subject: Subject, budget: int | None, *, homes: Homes = Homes.HOST
+    ) -> tuple[int, int]:
+        """``(host, disk)`` bytes per rank with ``OffloadConfig(offload_parameters=True,
+        nvme_dir=..., host_budget=budget)``: ``NvmeState.tiers`` over the units' buckets
+        (``Subject.unit_groups``), homes in RAM and ``budget`` the state's beside them;
+        with ``homes=Homes.NVME`` ``budget`` holds the homes first and the state in what
+        is left, as the library places them (``home_tiers``). Raises ``ValueError`` where parameter
+        offload is not estimated (a bare count, a module without a shape)."""
         groups = subject.unit_groups()
         if groups is None:
             raise ValueError(
                 f"ParamNvme.tiers needs a subject with units (a ShapeSubject of a ModelShape), got "
                 f"{type(subject).__name__}"
             )
+        if homes is Homes.NVME:
+            return home_tiers(groups, subject.ctx, budget)
         return _state_tiers(groups, subject.ctx, budget)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
-        reasons = [PARAMS_NVME_NOT_YET] if self.homes is Homes.NVME else []
         if ctx.world_size > 1:
-            reasons.append(ZERO3_NOT_YET)
-        if not reasons:
-            return Status.RUNS, ""
-        return Status.NOT_YET, "; ".join(reasons)
+            return Status.NOT_YET, ZERO3_NOT_YET
+        return Status.RUNS, ""
 
 
 _CKPT, _ACT = ActivationMode.CHECKPOINTED, ActivationMode.OFFLOADED

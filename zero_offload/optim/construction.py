@@ -250,6 +250,8 @@ class SegmentBuilder:
                     amsgrad=amsgrad,
                     rank=self.ranks.rank,
                     alignment=POOL_ALIGNMENT,
+                    homes_movable=offload is not None,  # the staging is each unit's home
+                    window_bytes=0 if offload is None else offload.window_bytes,
                 ),
                 config=self.config,
                 rank=self.ranks.rank,

@@ -46,7 +46,12 @@ and on the device the model does not fit. The price: the entries are on the host
 device as the parameters say; ``.to(device)`` them where device tensors are needed. A write
 through an entry reaches the home, which the optimizer reconciles by value at its next step;
 the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
-gives the parameters themselves, as in torch.
+gives the parameters themselves, as in torch. A home on NVMe (Note [homes on NVMe] in
+``optim/state/nvme_plan.py``) cannot be viewed: its entries are private copies read from
+disk (what a saved checkpoint needs, as FSDP's full state dict gives), and a write to such a
+copy is carried to the file at the next forward, step or ``state_dict()`` while the copy is
+alive (``flush_copies``); one written and dropped before then is lost (write through the
+parameters or ``load_state_dict``, which reach the home, instead).
 
 Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns to its
 slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
@@ -77,6 +82,7 @@ from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import Family
 from . import released
+from .home_store import Bounce, bounce_bytes
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .views import WindowedViews
@@ -191,6 +197,7 @@ def _state_dict_pre_hook(
 ) -> None:
     offloader = ref()
     if offloader is not None:
+        offloader.flush_copies()
         released.begin_saving()
         for unit in sorted({unit for _, unit, _, _ in owned}):
             offloader.units[unit].write_back()
@@ -271,6 +278,9 @@ class ParamOffloader:
         self._last_trace: list[ParamUnit] = []  # the previous complete forward's uses
         self._backward_plan: list[ParamUnit] = []
         self._backward_pos = 0
+        self.bounce: Bounce | None = None  # Note [homes on NVMe are fetched through ...]
+        # State-dict copies of NVMe homes: (the copy, weakly; its version; views; index).
+        self._copies: list[tuple[weakref.ref, int, WindowedViews, int]] = []
 
     # -- construction (called by the optimizer) ----------------------------------------
 
@@ -326,11 +336,18 @@ class ParamOffloader:
     def adopt(self, views: WindowedViews, backend: Any) -> None:
         """The bucket's backend is built: its home (``weights_home()``) holds the weights
         while the unit is released, and the parameters hold their placeholders."""
+        home = getattr(backend, "home", None)  # a weight file: Note [homes on NVMe]
+        if home is not None:
+            views.adopt_nvme_home(home, self.manager)
+            unit = self.units[self._place[views.layout.index][0]]
+            home.owner = f"unit {unit.index} ({unit.spec.name}) bucket {views.layout.index}"
+            return
         views.adopt_home(*backend.weights_home())
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the hooks (each holds the offloader weakly, Note [lifetimes without
         close] in ``optim/lifetime.py``)."""
+        self._open_bounce()
         ref = weakref.ref(self)
         add = self._handles.append
         add(self.model.register_forward_pre_hook(_Hook(_root_pre_hook, ref)))
@@ -346,6 +363,16 @@ class ParamOffloader:
             add(module.register_state_dict_pre_hook(pre))
             post = _Hook(_state_dict_post_hook, ref, owned)
             add(module.register_state_dict_post_hook(post))
+
+    def _open_bounce(self) -> None:
+        """The bounce ring, when a bucket's home is on NVMe (Note [homes on NVMe are
+        fetched through a bounce ring] in ``home_store.py``)."""
+        if self.window is None or not any(v.nvme_home for u in self.units for v in u.views):
+            return
+        sizes = bounce_bytes([(u.slot.index, u.views) for u in self.units], len(self.window.slots))
+        self.bounce = Bounce(self.manager, sizes, name=f"{self.name}.bounce")
+        for unit in self.units:
+            unit.bounce = self.bounce
 
     def _owners(self) -> list[tuple[nn.Module, list[_Owned]]]:
         """Each module that registers offloaded parameters, with where each of them lives."""
@@ -377,7 +404,23 @@ class ParamOffloader:
             views = self.units[unit].views[bucket]
             if views.params[index] is not param or any(p is param for _, p in views.detached()):
                 continue  # replaced: its entry is what the module holds now
-            state_dict[key] = views.home_view(index)
+            state_dict[key] = entry = views.home_view(index)
+            if views.nvme_home is not None:  # a copy: its writes are carried home later
+                self._copies.append((weakref.ref(entry), entry._version, views, index))
+
+    def flush_copies(self) -> None:
+        """Carry the writes made to state-dict copies of NVMe homes home (Note [state dict
+        entries are views of the homes]); forget the copies that are gone."""
+        alive = []
+        for ref, version, views, index in self._copies:
+            entry = ref()
+            if entry is None or views.nvme_home is None:
+                continue
+            if entry._version != version:
+                views.write_home(index, entry)
+                version = entry._version
+            alive.append((ref, version, views, index))
+        self._copies = alive
 
     def materialize(self, unit: ParamUnit) -> None:
         """Bring ``unit`` onto the device for user code and wait for it (Note [a released
@@ -409,6 +452,9 @@ class ParamOffloader:
         """Note [the parameter window]: release what left it, fetch ``current`` (if it is
         not resident) and ``upcoming``, and make compute wait for ``current``."""
         keep = {id(current), *(id(u) for u in upcoming)}
+        for unit in self.units:  # prefetches from NVMe whose reads are done: to the slot
+            if unit.pending and all(p.done() for p in unit.pending):
+                unit.finish_fetch()
         for unit in self.units:
             if unit.resident and id(unit) not in keep:
                 unit.release()
@@ -432,6 +478,7 @@ class ParamOffloader:
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
         self._trace = []
+        self.flush_copies()
         for unit in self.units:  # written through a state dict entry while resident
             if unit.resident and unit.homes_written:
                 unit.release()  # the forward fetches the homes afresh
@@ -493,6 +540,7 @@ class ParamOffloader:
         """The step writes the homes: every pending fetch reads them, so wait for each
         (Synchronisation point: the copies were needed by compute already, except
         prefetches nobody used); release every unit, so no stale weights stay resident."""
+        self.flush_copies()
         for unit in self.units:
             unit.settle()
         self._release_all()
@@ -522,9 +570,13 @@ class ParamOffloader:
         self._release_all()
         for unit in self.units:
             for views in unit.views:
-                if views.home is not None:
+                if views.home is not None or views.nvme_home is not None:
                     views.unbind()
                 views.close()
         if self.window is not None:
             self.window.close()
             self.window = None
+        if self.bounce is not None:
+            self.bounce.close()
+            self.bounce = None
+        self._copies = []

@@ -5,9 +5,12 @@ Note [a unit's lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 The authoritative training-dtype weights of a unit live in pinned host memory, in each of
 its buckets' *home*: the ``weights_staging`` CPU Adam writes for bf16/fp16, the fp32 master
-itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``). A step updates the
-homes only; the next fetch brings the update (nothing else crosses the link for these
-weights).
+itself for fp32 (``HostState.weights_home`` in ``optim/state/host.py``), or, for a bucket
+beyond ``host_budget``, a weight file on NVMe read through the window's bounce ring (Note
+[homes on NVMe are fetched through a bounce ring] in ``home_store.py``; a fetch is then
+its disk reads, ``pending``, and the H2D copies queued once they are done,
+``finish_fetch``). A step updates the homes only; the next fetch brings the update (nothing
+else crosses the link for these weights).
 
 - ON_HOST (released): the weights are in the homes only. The parameters are zero-byte
   tensors on the device, of their shape and dtype, that fetch the unit when user code reads
@@ -62,6 +65,7 @@ import torch
 from ..accelerator import Event
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Direction
+from .home_store import Bounce, PendingFetch
 from .units import UnitSpec
 from .views import WindowedViews
 from .window import Slot
@@ -136,9 +140,11 @@ class ParamUnit:
         self.exposed: list[list[int] | torch.Tensor] | None = None
         self.fetches = 0
         self.write_backs = 0
+        self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
+        self.pending: list[PendingFetch] = []  # disk reads of a fetch, copies not queued
 
     def _home_versions_now(self) -> tuple[int, ...]:
-        return tuple(views.home_pair()[0]._version for views in self.views)
+        return tuple(views.home_version() for views in self.views)
 
     @property
     def homes_written(self) -> bool:
@@ -176,7 +182,14 @@ class ParamUnit:
             # Write-after-read: the previous occupant's readers were all issued before now.
             after = [manager.compute_ready()]
             end = None
+            slot.occupant = None  # rewritten from here: a failed read leaves it nobody's
             for views in self.views:
+                label = f"param {self.spec.name} bucket{views.layout.index}"
+                if views.nvme_home is not None and self.bounce is not None:
+                    # Note [homes on NVMe are fetched through a bounce ring]: reads now,
+                    # the copies to the slot once they are done (``finish_fetch``).
+                    self.pending.append(self.bounce.begin(views, slot, after=after, label=label))
+                    continue
                 home, home_block = views.home_pair()
                 end = manager.copy(
                     views.weights_dev,
@@ -187,7 +200,7 @@ class ParamUnit:
                     # The end event on both ends: the slot is not rewritten and the home not
                     # reused (or updated by a step, ``ParamOffloader.before_step``) before.
                     blocks=[slot.block, home_block],
-                    label=f"param {self.spec.name} bucket{views.layout.index}",
+                    label=label,
                 )
             self.ready = self.fetched = end  # one stream, in order: the last end covers all
             self.fetches += 1
@@ -216,10 +229,29 @@ class ParamUnit:
                     "(load_state_dict carries the state over)"
                 )
 
+    def finish_fetch(self) -> None:
+        """Queue the slot copies of the buckets whose disk reads are pending (waiting for
+        the reads); Note [homes on NVMe are fetched through a bounce ring]. A failed read
+        leaves the slot nobody's and raises, naming the unit and the file."""
+        pending, self.pending = self.pending, []
+        while pending:
+            fetch = pending.pop(0)
+            try:
+                end = fetch.finish()
+            except BaseException:
+                for rest in pending:
+                    rest.drop()
+                self.content_valid = False
+                self.slot.occupant = None
+                raise
+            if end is not None:  # one stream, in order: the last end covers all
+                self.ready = self.fetched = end
+
     def use(self, manager: TieredMemoryManager) -> None:
         """FETCHING -> ON_DEVICE: compute waits for the fetch (exposed time, if any)."""
         if self.state is UnitState.ON_DEVICE:
             return
+        self.finish_fetch()
         if self.ready is not None:
             # Synchronisation point (stream-side on CUDA): compute reads the slot next.
             manager.wait_for([self.ready], category=Category.WEIGHTS)
@@ -253,6 +285,12 @@ class ParamUnit:
             return  # nobody computed on (or wrote) a slot still being fetched
         manager = self.manager
         for views in self._written():
+            if views.nvme_home is not None and self.bounce is not None:
+                label = f"param {self.spec.name} bucket{views.layout.index} write-back"
+                self.bounce.write_back(views, self.slot, label=label)
+                self.write_backs += 1
+                self._home_versions = self._home_versions_now()  # our own write
+                continue
             home, home_block = views.home_pair()
             end = manager.copy(
                 home,
@@ -277,6 +315,7 @@ class ParamUnit:
         again; the slot is rewritten only by a later fetch, ordered after the compute issued
         before it."""
         stale = self.homes_written  # the slot no longer holds what the homes do
+        self.finish_fetch()  # a prefetch nobody used: its copies complete the slot
         self.write_back()
         for views in self.views:
             views.bind_placeholders()
@@ -292,6 +331,7 @@ class ParamUnit:
         Synchronisation point: blocks the caller on the H2D copy; compute has waited for
         nearly all of them already (a prefetch nobody used is the exception), so this
         rarely waits."""
+        self.finish_fetch()
         if self.fetched is not None:
             self.fetched.synchronize()
             self.fetched = None

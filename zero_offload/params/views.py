@@ -21,15 +21,18 @@ placeholders, and the slot is free for the next unit.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..errors import StorageError
 from ..memory.block import Block
 from ..partition import BucketLayout
 from ..views import ParamViews
+from ..weights.nvme_home import WeightFile
 from ..weights.source import fill_bucket
 from .released import Binding, is_bound_to, is_released, placeholder_like, release, restore
 from .window import Slot
@@ -97,6 +100,13 @@ class WindowedViews(ParamViews):
         self.versions: tuple[int, ...] | None = None
         self.placeholders: list[torch.Tensor] = []
         self._bindings: list[Binding] = []  # per parameter, how it reaches its weights
+        # The home on NVMe instead (Note [homes on NVMe are fetched through a bounce ring]
+        # in home_store.py): the weight file, this bucket's offset in its slot's bounce,
+        # the manager its reads go through, the file's ``written`` at ``remember()``.
+        self.nvme_home: WeightFile | None = None
+        self.bounce_offset = 0
+        self._manager: TieredMemoryManager | None = None
+        self._disk_seen = 0
 
     def _point_at(self, flat: torch.Tensor) -> None:
         for slot, param in zip(self.layout.slots, self.params, strict=True):
@@ -114,6 +124,16 @@ class WindowedViews(ParamViews):
                 f"match ({self.layout.padded_numel},) {self.dtype} (bug)"
             )
         self.home, self.home_block = home, home_block
+        self._release_onto_placeholders()
+
+    def adopt_nvme_home(self, home: WeightFile, manager: TieredMemoryManager) -> None:
+        """As ``adopt_home``, for a home in a weight file (Note [homes on NVMe])."""
+        if home.real > self.layout.padded_numel or home.dtype != self.dtype:
+            raise RuntimeError(f"bucket {self.layout.index}: weight file mismatch (bug)")
+        self.nvme_home, self._manager = home, manager
+        self._release_onto_placeholders()
+
+    def _release_onto_placeholders(self) -> None:
         device = self.weights_dev.device
         self.placeholders = [placeholder_like(param, device) for param in self.params]
         ref = weakref.ref(self)
@@ -130,9 +150,51 @@ class WindowedViews(ParamViews):
         return self.home, self.home_block
 
     def home_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached."""
+        """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached; a
+        private copy read from disk for a home on NVMe (Note [state dict entries are views
+        of the homes] in ``offloader.py``)."""
         slot = self.layout.slots[index]
+        if self.nvme_home is not None and self._manager is not None:
+            copy = self.nvme_home.read_range(self._manager, slot.offset, slot.end)
+            return copy.view(slot.shape)
         return self.home_pair()[0][slot.offset : slot.end].view(slot.shape).detach()
+
+    def write_home(self, index: int, values: torch.Tensor) -> None:
+        """Parameter ``index``'s weights in an NVMe home take ``values`` (a state dict's
+        copy written by user code)."""
+        slot = self.layout.slots[index]
+        if self.nvme_home is None or self._manager is None:
+            raise RuntimeError(f"bucket {self.layout.index}: home not on NVMe (bug)")
+        self.nvme_home.write_range(self._manager, slot.offset, slot.end, values)
+
+    def home_version(self) -> int:
+        """Moves when the home is written outside the optimizer's step: its version
+        counter, or the weight file's ``written``."""
+        if self.nvme_home is not None:
+            return self.nvme_home.written
+        return self.home_pair()[0]._version
+
+    def home_rewritten(self) -> None:
+        """The step wrote the home: the unit's slot no longer holds its weights."""
+        if self.unit.resident:
+            raise RuntimeError(f"{self.unit!r}: stepped while on the device (bug)")
+        self.unit.content_valid = False
+
+    def remember(self) -> None:
+        if self.nvme_home is None:
+            super().remember()
+            return
+        self.versions = self.current_versions()
+        self._disk_seen = self.nvme_home.written
+
+    def changed_params(self) -> list[torch.nn.Parameter]:
+        """For a home on NVMe: every parameter when the file was written outside the step
+        since ``remember()`` (the reconciliation compares by value, tile by tile)."""
+        if self.nvme_home is None:
+            return super().changed_params()
+        if self.versions is None or self.nvme_home.written != self._disk_seen:
+            return list(self.params)
+        return []
 
     def replaced(self) -> list[int]:
         """Indices of the parameters whose ``.data`` was replaced since the unit last
@@ -157,10 +219,10 @@ class WindowedViews(ParamViews):
         once adopted) and its plain class (close, or a construction that failed). A
         parameter whose ``.data`` was replaced keeps what it was given."""
         for i, param in enumerate(self.params):
-            if self.home is None:
+            if self.home is None and self.nvme_home is None:
                 param.data = param.data.clone()
             elif is_bound_to(param, self.placeholders[i]):
-                source = self.home_view(i)
+                source = self._home_or_nan(i)
                 device = self.weights_dev.device
                 restore(param, torch.empty(source.shape, dtype=source.dtype, device=device))
                 param.data.copy_(source)
@@ -168,6 +230,22 @@ class WindowedViews(ParamViews):
                 with torch._C.DisableTorchFunctionSubclass():
                     data = param.data
                 restore(param, data)
+
+    def _home_or_nan(self, index: int) -> torch.Tensor:
+        """``home_view(index)``; for an NVMe home whose record is unreadable (a bad
+        checksum, an I/O error), NaN, with a warning naming the parameter and the file:
+        ``close`` still releases everything else."""
+        try:
+            return self.home_view(index)
+        except StorageError as exc:
+            slot = self.layout.slots[index]
+            warnings.warn(
+                f"zero-offload: closing the optimizer, parameter {index} of bucket "
+                f"{self.layout.index} {slot.shape} could not be read from its weight file; "
+                f"it is NaN now. {exc}",
+                stacklevel=4,
+            )
+            return torch.full(slot.shape, float("nan"), dtype=self.dtype)
 
     def detached(self) -> list[tuple[int, torch.nn.Parameter]]:
         """``(slot_index, param)`` of parameters bound neither to the slot (resident) nor to
@@ -230,7 +308,7 @@ class WindowedViews(ParamViews):
         *,
         label: str,
     ) -> Event | None:
-        if self.home is None:  # construction: the weights are in the slot
+        if self.home is None and self.nvme_home is None:  # construction: in the slot
             return super().copy_out(manager, lo, hi, target, target_block, label=label)
         if target_block is not self.home_block:
             raise RuntimeError(f"bucket {self.layout.index}: weights read off-home (bug)")
@@ -244,5 +322,6 @@ class WindowedViews(ParamViews):
     def close(self) -> None:
         """Nothing of its own to free: the slot is the window's, the home the backend's."""
         self.home = self.home_block = None
+        self.nvme_home = self._manager = None
         self.placeholders = []
         self._bindings = []

@@ -78,6 +78,7 @@ from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout, clip_runs
 from ...tracing import phase
 from ...views import ParamViews
+from ...weights.nvme_home import HomeTiles
 from ..access import declare_cpu
 from ..grads.path import GradSource
 from ..grads.to_host import HostGradients
@@ -178,6 +179,7 @@ class NvmeBackends:
         self.plan = plan
         self.name = name
         self.group: StreamGroup | None = None
+        self.home_tiles: HomeTiles | None = None  # built with the first NVMe home
         if config.nvme_dir is not None:
             # Checked even when every bucket fits host RAM: a wrong path fails now, not on
             # the run whose state first outgrows host_budget (Note [the directory is
@@ -192,6 +194,10 @@ class NvmeBackends:
                 buffer_bytes=plan.record.record_bytes,
             )
             self.group = StreamGroup(tier)
+
+    def home_on_nvme(self, index: int) -> bool:
+        """Whether bucket ``index``'s home (its training-dtype weights) goes to NVMe too."""
+        return index in self.plan.homes
 
     def holds(self, index: int) -> bool:
         """Whether bucket ``index``'s state goes to NVMe."""
@@ -210,7 +216,15 @@ class NvmeBackends:
         """The bucket's ``NvmeState``; its file is ``{name}.bucket{index}``."""
         if self.group is None:
             raise RuntimeError(f"bucket {layout.index} placed on NVMe without a tier (bug)")
-        return NvmeState(
+        kind: type[NvmeState] = NvmeState
+        extra: dict[str, object] = {}
+        if self.home_on_nvme(layout.index):
+            from .nvme_weights import NvmeHomeState  # builds on this module
+
+            if self.home_tiles is None or self.home_tiles.block is None:
+                self.home_tiles = HomeTiles(host_pool, self.plan.home_ring, name=self.name)
+            kind, extra = NvmeHomeState, {"home_tiles": self.home_tiles}
+        return kind(
             layout,
             views,
             manager=manager,
@@ -220,6 +234,7 @@ class NvmeBackends:
             record=self.plan.record,
             group=self.group,
             name=f"{self.name}.bucket{layout.index}",
+            **extra,  # type: ignore[arg-type]
         )
 
 
@@ -267,19 +282,13 @@ class NvmeState(StateStore):
         self.tier = tier = group.tier
         self.real = layout.real_in(*shard)  # shard elements before the sharding padding
         self.file: StorageFile | None = None
-        self.publication = WeightCopies(
+        self.publication: WeightCopies = WeightCopies(
             manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
         )
-        n = layout.shard_numel
-        self._staging_block: Block | None = host_pool.alloc(
-            n * self.dtype.itemsize, owner=f"bucket{layout.index}.weights_staging"
-        )
-        self._staging_block.on_move(
-            lambda b: setattr(self, "weights_staging", b.view(self.dtype, (n,)))
-        )
-        self.weights_staging = self._staging_block.view(self.dtype, (n,))
-        self.weights_staging.zero_()
+        self._staging_block: Block | None = None
+        self.weights_staging: torch.Tensor | None = None
         try:
+            self._make_staging(host_pool, name)
             sizes = tile_sizes(layout, shard, self.tile_elements)
             self.file = tier.create_file(
                 name,
@@ -294,9 +303,21 @@ class NvmeState(StateStore):
             self.close()
             raise
 
+    def _make_staging(self, host_pool: BlockPool, name: str) -> None:
+        """``weights_staging``, ``(shard_numel,)`` training dtype, from the host pool."""
+        n = self.layout.shard_numel
+        self._staging_block = host_pool.alloc(
+            n * self.dtype.itemsize, owner=f"bucket{self.layout.index}.weights_staging"
+        )
+        self._staging_block.on_move(
+            lambda b: setattr(self, "weights_staging", b.view(self.dtype, (n,)))
+        )
+        self.weights_staging = self._staging_block.view(self.dtype, (n,))
+        self.weights_staging.zero_()
+
     def weights_home(self) -> tuple[torch.Tensor, Block]:
         """``weights_staging`` and its block: what the H2D copies read."""
-        if self._staging_block is None:
+        if self._staging_block is None or self.weights_staging is None:
             raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
         return self.weights_staging, self._staging_block
 
@@ -466,17 +487,7 @@ class NvmeState(StateStore):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        # As HostState.update: the gradient is staging or the accumulator (Note [no
-        # accumulator for one backward]); the weight copies wait for compute issued so far.
-        tiles = AdamTiles(
-            self.gradients,
-            self.publication,
-            hyper,
-            grad_scale,
-            source=source,
-            publish=publish,
-            after=after,
-        )
+        tiles = self._adam_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         declare_cpu(
             self.manager,
             self.weights_staging,
@@ -484,14 +495,7 @@ class NvmeState(StateStore):
             write=True,
             what="CPU Adam writes weights",
         )
-        pieces: dict[int, list[tuple[int, int, int]]] = {}
-        for start, stop, step in clip_runs(runs, *self.shard):
-            first = start // self.tile_elements
-            for tile in range(first, -(-stop // self.tile_elements)):
-                lo, hi = self._tile_range(tile)
-                lo, hi = max(lo, start), min(hi, stop)
-                if lo < hi:
-                    pieces.setdefault(tile, []).append((lo, hi, step))
+        pieces = self._pieces(runs)
         fp32 = self.dtype == torch.float32
 
         def step_tile(tile: int, fields: dict[str, torch.Tensor]) -> None:
@@ -509,6 +513,24 @@ class NvmeState(StateStore):
                 )
 
         self._stream(step_tile, sorted(pieces), prefetch_next=True)
+
+    def _adam_tiles(self, hyper: AdamHyper, grad_scale: float, **how: object) -> AdamTiles:
+        """As HostState.update's (``how``: source, publish, after): the gradient is staging
+        or the accumulator (Note [no accumulator for one backward]); the weight copies wait
+        for compute issued so far."""
+        return AdamTiles(self.gradients, self.publication, hyper, grad_scale, **how)  # type: ignore[arg-type]
+
+    def _pieces(self, runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int, int]]]:
+        """The updated ``(lo, hi, step)`` shard ranges of each tile that has any."""
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        for start, stop, step in clip_runs(runs, *self.shard):
+            first = start // self.tile_elements
+            for tile in range(first, -(-stop // self.tile_elements)):
+                lo, hi = self._tile_range(tile)
+                lo, hi = max(lo, start), min(hi, stop)
+                if lo < hi:
+                    pieces.setdefault(tile, []).append((lo, hi, step))
+        return pieces
 
     def final_weights(self) -> torch.Tensor:
         self._load_weights()

@@ -11,6 +11,24 @@ reads the gradient from staging, Note [no accumulator for one backward] in
 ``grads/to_host.py``). With several micro-batches (or ``overlap_step``) the fp32 accumulator
 ``a(4k)`` joins, in its own pool, created at the first accumulating step. Plus, once per
 segment of buckets, the tier's I/O buffers: ``B * record_bytes + 4096``.
+
+Note [homes on NVMe]
+~~~~~~~~~~~~~~~~~~~~
+With parameter offload the weight staging of a bucket is its unit's *home*, the only copy
+of its training-dtype weights (Note [a unit's lifecycle] in ``params/unit.py``), and
+``host_budget`` bounds the homes and the master and moments kept in RAM together. The homes
+come first: kept in RAM in bucket order while they fit the budget, that bucket's home and
+every later one in a weight file (``weights/nvme_home.py``); the state then takes what is
+left, placed as above (a bucket whose home is on disk has its state on disk too). Why the
+homes first: a byte of state moved to disk costs two bytes of traffic per step (read,
+written), a byte of a home three or more (read for the forward and again for the backward,
+written by the step). ``host_budget="auto"`` is then the RAM beside the gradient staging,
+the I/O buffers and the two rings (the bounce ring taken as large as the device window).
+A bucket with its home on disk has only its gradient staging in host RAM; its disk bytes
+add the weight file (``weight_file_bytes``), and the segment adds one ring of
+``HOME_TILE_BUFFERS`` aligned weight tiles (``home_ring_bytes``: the step reads and writes
+the weights tile by tile through it). The window's bounce buffers
+(``params/home_store.py``) are the offloader's.
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ from ...config import OffloadConfig
 from ...memory.align import aligned
 from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ...partition import BucketLayout
+from ...weights.nvme_home import home_ring_bytes, weight_file_bytes
 from .placement import Placement, _host_bytes
 
 __all__ = [
@@ -90,8 +109,11 @@ class NvmePlan:
     """Which offloaded buckets keep their state on NVMe, and the bytes of each place.
 
     ``host_pool``: the host pool's capacity (host-resident buckets in full, NVMe buckets'
-    gradients and staging); ``host_state``: of that, the master and moments in host RAM
-    (what ``host_budget`` bounds); ``disk``: bytes of the files; ``record``: the layout.
+    gradients and staging, the weight tile ring); ``host_state``: of that, the master and
+    moments in host RAM (what ``host_budget`` bounds); ``disk``: bytes of the files;
+    ``record``: the layout; ``homes``: the buckets whose home is a weight file (Note
+    [homes on NVMe]); ``home_disk``: of ``disk``, the weight files; ``home_ring``: of
+    ``host_pool``, the weight tile ring (0 without homes on NVMe).
     """
 
     nvme: frozenset[int]
@@ -100,6 +122,9 @@ class NvmePlan:
     disk: int
     record: RecordLayout
     host_budget: int | None
+    homes: frozenset[int] = frozenset()
+    home_disk: int = 0
+    home_ring: int = 0
 
 
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
@@ -143,9 +168,14 @@ def plan_nvme(
     amsgrad: bool,
     rank: int,
     alignment: int,
+    homes_movable: bool = False,
+    window_bytes: int = 0,
 ) -> NvmePlan:
     """Place offloaded buckets whole: in bucket order, on the host while their master and
-    moments fit ``host_budget``; that bucket and every later one on NVMe.
+    moments fit ``host_budget``; that bucket and every later one on NVMe. With
+    ``homes_movable`` (parameter offload: the staging is the unit's home) the budget holds
+    the homes first, then the state (Note [homes on NVMe]); ``window_bytes``, the device
+    window's, bounds the bounce ring that "auto" leaves room for.
 
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
@@ -165,11 +195,31 @@ def plan_nvme(
     budget = resolve_host_budget(
         config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
     )
+    homes: set[int] = set()
+    home_disk = home_ring = 0
+    if homes_movable:  # Note [homes on NVMe]: the homes first, the state in what is left
+        if config.host_budget == "auto":  # the RAM beside the gradient staging and rings
+            grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
+            rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
+            other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
+            budget = resolve_host_budget(config, other_host_bytes=other)
+        kept = 0  # homes in host RAM, bucket order
+        for b, s in offloaded:
+            home = aligned(s * b.shard_numel, alignment)
+            if budget is None or (not homes and kept + home <= budget):
+                kept += home
+                continue
+            homes.add(b.index)
+            real = b.real_in(*b.shard_range(rank))
+            home_disk += weight_file_bytes(real, config.tile_elements, s)
+        if budget is not None:
+            budget -= kept
     nvme: set[int] = set()
     host_pool = host_state = disk = 0
     for b, s in offloaded:
         state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-        if not nvme and (budget is None or host_state + state <= budget):
+        fits = budget is None or host_state + state <= budget
+        if not nvme and fits and b.index not in homes:
             host_state += state
             host_pool += _host_bytes(
                 b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
@@ -177,6 +227,23 @@ def plan_nvme(
             continue
         nvme.add(b.index)
         host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
+        if b.index in homes:
+            host_pool -= aligned(s * b.shard_numel, alignment)  # no weight staging
         tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
         disk += sum(record.bytes_for(n) for n in tiles)
-    return NvmePlan(frozenset(nvme), host_pool, host_state, disk, record, budget)
+    if homes:
+        widest = max(s for b, s in offloaded if b.index in homes)
+        home_ring = home_ring_bytes(config.tile_elements, widest)
+        host_pool += home_ring
+        disk += home_disk
+    return NvmePlan(
+        frozenset(nvme),
+        host_pool,
+        host_state,
+        disk,
+        record,
+        budget,
+        frozenset(homes),
+        home_disk,
+        home_ring,
+    )
