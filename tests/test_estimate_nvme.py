@@ -94,8 +94,9 @@ def test_in_flight_staging_rows_match_a_real_optimizer(
     tmp_path: Path, budget: int | None, dtype: torch.dtype
 ) -> None:
     # ParamInFlight against OffloadAdamW(offload_parameters=True, grad_staging="in_flight"),
-    # the state in RAM (no nvme_dir) or split by a host budget: the host pool (every
-    # bucket's gradient staging left out) and the ring's pool, exactly.
+    # the state in RAM (no nvme_dir) or split by a host budget, which holds the homes first
+    # (Note [homes on NVMe]): the host pool (every bucket's gradient staging left out), the
+    # bounce ring's pool when a home is in a weight file and the ring's pool, exactly.
     model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
     acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
     nvme = {} if budget is None else {"nvme_dir": tmp_path, "host_budget": budget}
@@ -107,16 +108,20 @@ def test_in_flight_staging_rows_match_a_real_optimizer(
     )
     try:
         pools = opt.manager.pool_stats()
-        host_pool = sum(p["capacity_bytes"] for name, p in pools.items() if name.endswith(".host"))
+        host_pool = sum(
+            p["capacity_bytes"] for name, p in pools.items() if name.endswith((".host", ".bounce"))
+        )
         ring = sum(
             p["capacity_bytes"] for name, p in pools.items() if name.endswith(".grad_staging_ring")
         )
+        homes_on_disk = any(getattr(b.store, "home", None) for b in opt.buckets)
         disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
     finally:
         opt.close()
     ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
     subject = ShapeSubject(SHAPE, ctx)
     assert ring == ring_bytes(subject.unit_groups(), ctx)[1] > 0  # type: ignore[arg-type]
+    assert homes_on_disk == (budget is not None and budget < 10**9)
     if budget is None:
         row = ParamInFlight("in flight", ActivationMode.CHECKPOINTED).bytes(
             subject, Limits(device=None, host=None, host_reserve=0)
@@ -126,8 +131,15 @@ def test_in_flight_staging_rows_match_a_real_optimizer(
         own = ring_bytes(subject.unit_groups(), ctx)[0]  # type: ignore[arg-type]
         assert row.host == subject.param_offload_pools()[2] - own + ring  # type: ignore[index]
         return
-    host, disk_estimate = ParamInFlight.tiers(subject, budget)
+    host, disk_estimate = ParamInFlight.tiers(subject, budget, homes=Homes.NVME)
+    if budget == 10**9:  # every home in RAM: the homes-in-RAM row is that placement
+        assert ParamInFlight.tiers(subject, budget) == (host, disk_estimate)
     assert host == host_pool + ring + (io_buffer_bytes() if disk_estimate else 0)
+    # Against ParamNvme's placement of the same budget: less every bucket's own gradient
+    # staging, plus the ring.
+    own = ring_bytes(subject.unit_groups(), ctx)[0]  # type: ignore[arg-type]
+    nvme_host, nvme_disk = ParamNvme.tiers(subject, budget, homes=Homes.NVME)
+    assert (host, disk_estimate) == (nvme_host - own + ring, nvme_disk)
     assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
     assert (disk_estimate == 0) == (budget == 10**9)
 
@@ -137,18 +149,24 @@ def test_in_flight_auto_budget_is_the_estimators(
     tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # host_budget="auto" with in-flight staging: the optimizer resolves the budget less
-    # what is in RAM with a ring (every weight staging, the ring, the I/O buffers), as the
-    # estimator's row does from the host memory. A machine whose RAM is all available, sized
-    # so that about half the state fits: both split the state alike, to the byte.
+    # what is in RAM with a ring whatever the placement (the ring, the I/O buffers, the
+    # weight tile ring and the bounce ring as large as the window), and holds the homes
+    # first (Note [homes on NVMe]), as the estimator's row does from the host memory. A
+    # machine whose RAM is all available, sized so that every home and about half the
+    # state fit: both split the state alike, to the byte.
     from collections import namedtuple
 
     from zero_offload.optim.state import nvme_plan
+    from zero_offload.weights.nvme_home import home_ring_bytes
 
     ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
     subject = ShapeSubject(SHAPE, ctx)
     own, ring = ring_bytes(subject.unit_groups(), ctx)  # type: ignore[arg-type]
-    fixed = own + ring + io_buffer_bytes()  # weight staging is as large as gradient staging
-    ram = 2 * GiB + fixed + 300_000  # the reserve (2 GiB), the fixed part, some state
+    window = subject.param_offload_pools()[0]  # type: ignore[index]
+    fixed = ring + io_buffer_bytes() + home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
+    homes = own  # each home is as large as its bucket's gradient staging
+    # The reserve (2 GiB), the fixed part and the bounce ring, every home, some state.
+    ram = 2 * GiB + fixed + window + homes + 300_000
     Memory = namedtuple("Memory", "total available")
     monkeypatch.setattr(nvme_plan.psutil, "virtual_memory", lambda: Memory(ram, ram))
     model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
@@ -170,10 +188,12 @@ def test_in_flight_auto_budget_is_the_estimators(
         ring_pool = sum(
             p["capacity_bytes"] for name, p in pools.items() if name.endswith(".grad_staging_ring")
         )
+        homes_on_disk = any(getattr(b.store, "home", None) for b in opt.buckets)
     finally:
         opt.close()
     assert locations == {"host", "nvme"}
-    host, disk = ParamInFlight.tiers(subject, 300_000)
+    assert not homes_on_disk
+    host, disk = ParamInFlight.tiers(subject, homes + 300_000, homes=Homes.NVME)
     assert host == host_pool + ring_pool + io_buffer_bytes() and disk > 0
     row = _rows(
         estimate(
@@ -185,7 +205,7 @@ def test_in_flight_auto_budget_is_the_estimators(
             dtype=dtype,
         )
     )
-    in_flight = row["param offload + NVMe state + in-flight staging + ckpt"]
+    in_flight = row["params and state on NVMe + in-flight staging + ckpt"]
     assert (in_flight.host, in_flight.disk) == (host, disk)  # type: ignore[attr-defined]
 
 

@@ -9,6 +9,7 @@ warned); the host pools against a formula."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -135,6 +136,121 @@ def test_with_parameter_offload_and_nvme(tmp_path) -> None:
     _train_gpt(ring, ring_model, 3, announce=True)
     _train_gpt(plain, plain_model, 3, announce=False)
     assert len(_ring(ring).slots) == 2
+    ring.close()
+    plain.close()
+    assert_same(ring_model, plain_model)
+
+
+class _HomeFileWatch:
+    """Every weight-file access of one optimizer, in order: a fetch's reads (issued, then
+    settled in ``PendingFetch.finish``/``drop``) and the step's record writes; ``step()``
+    ends a step. Checks, per file, that the update writes no record while a fetch's reads
+    are outstanding and that no fetch reads the file after the update wrote it, until
+    ``step()`` published it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: str) -> None:
+        from zero_offload.params import home_store
+        from zero_offload.weights import nvme_home
+
+        self.lock = threading.Lock()
+        self.open: dict[str, int] = {}  # file -> fetches whose reads are outstanding
+        self.dirty: set[str] = set()  # files the step wrote, not yet published
+        self.errors: list[str] = []
+        self.writes = self.reads = 0
+        self.writes_in_backward = 0
+        self.in_backward = False
+        watch = self
+        read_all, write = nvme_home.WeightFile.begin_read_all, nvme_home.WeightFile.write
+        finish, drop = home_store.PendingFetch.finish, home_store.PendingFetch.drop
+
+        def begin_read_all(file, manager, area):  # type: ignore[no-untyped-def]
+            if file.path.startswith(root):
+                with watch.lock:
+                    watch.reads += 1
+                    watch.open[file.path] = watch.open.get(file.path, 0) + 1
+                    if file.path in watch.dirty:
+                        watch.errors.append(f"fetch read {file.path} after the step wrote it")
+            return read_all(file, manager, area)
+
+        def settled(method):  # type: ignore[no-untyped-def]
+            def wrapped(fetch):  # type: ignore[no-untyped-def]
+                try:
+                    return method(fetch)
+                finally:
+                    if fetch.home is not None and fetch.home.path.startswith(root):
+                        with watch.lock:
+                            watch.open[fetch.home.path] -= 1
+
+            return wrapped
+
+        def record_write(file, manager, tile, buffer):  # type: ignore[no-untyped-def]
+            if file.path.startswith(root):
+                with watch.lock:
+                    watch.writes += 1
+                    watch.writes_in_backward += watch.in_backward
+                    if watch.open.get(file.path, 0):
+                        watch.errors.append(f"step wrote {file.path} during a fetch's read")
+                    watch.dirty.add(file.path)
+            return write(file, manager, tile, buffer)
+
+        monkeypatch.setattr(nvme_home.WeightFile, "begin_read_all", begin_read_all)
+        monkeypatch.setattr(nvme_home.WeightFile, "write", record_write)
+        monkeypatch.setattr(home_store.PendingFetch, "finish", settled(finish))
+        monkeypatch.setattr(home_store.PendingFetch, "drop", settled(drop))
+
+    def train(self, opt: OffloadAdamW, model: torch.nn.Module, steps: int) -> None:
+        """``_train_gpt`` with announced steps, marking backward and step."""
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+            loss = model(ids, ids)
+            self.in_backward = True
+            opt.backward(loss, step=True)
+            self.in_backward = False
+            opt.step()
+            with self.lock:
+                self.dirty.clear()  # published: the next fetch reads the new weights
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["plain", "strict"])
+@pytest.mark.parametrize(("homes", "tied"), [("all", False), ("some", True)])
+def test_with_parameter_offload_and_homes_on_nvme(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, homes: str, tied: bool, strict: bool
+) -> None:
+    # The issue's ZeRO-Infinity configuration: the host budget holds some homes (or none),
+    # the other buckets' weights in weight files, every bucket's state on NVMe, gradient
+    # staging for the buckets in flight. The step during backward writes each bucket's
+    # weight records (NvmeHomeState) after its unit's last fetch of this backward and marks
+    # the slot stale only in step() (Note [stepping during backward with parameter
+    # offload]): under the race checker, bitwise the per-bucket staging run with the same
+    # placement, whose step runs in step(); and no fetch's disk read of a home overlaps or
+    # follows the update's writes of that file before step() (the race checker sees streams,
+    # not files: _HomeFileWatch does).
+    from zero_offload.optim.state.nvme_weights import NvmeHomeState
+
+    ring_model = gpt(torch.bfloat16, layers=4, tied=tied)
+    plain_model = gpt(torch.bfloat16, layers=4, tied=tied)
+    # Homes-first budget: none, or about half the bf16 homes (2 bytes a parameter).
+    budget = 0 if homes == "all" else sum(p.numel() for p in ring_model.parameters())
+    nvme = {"host_budget": budget}
+    root = str(tmp_path / "r")
+    ring = _po_opt(ring_model, strict=strict, nvme_dir=root, **nvme, **IN_FLIGHT)
+    plain = _po_opt(plain_model, strict=strict, nvme_dir=str(tmp_path / "p"), **nvme)
+    on_disk = [isinstance(b.store, NvmeHomeState) for b in ring.buckets]
+    assert on_disk == [isinstance(b.store, NvmeHomeState) for b in plain.buckets]
+    assert any(on_disk) and (all(on_disk) if homes == "all" else not all(on_disk))
+    assert ring.can_step_during_backward()
+    watch = _HomeFileWatch(monkeypatch, root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.train(ring, ring_model, 3)
+    _train_gpt(plain, plain_model, 3, announce=False)
+    assert watch.errors == []
+    assert watch.reads > 0 and watch.writes > 0 and not any(watch.open.values())
+    assert watch.writes_in_backward > 0  # some records were written before backward returned
+    assert len(_ring(ring).slots) == 2 and not _ring(ring).grown
+    assert ring.share_stepped_during_backward is not None
     ring.close()
     plain.close()
     assert_same(ring_model, plain_model)

@@ -5,25 +5,38 @@ bucket's gradient staging, a ring of ``grad_staging_buffers`` (K) buffers of the
 bucket's shard.
 
 Per rank, over the units' buckets (``Subject.unit_groups``), with ``g = a(s k)`` a bucket's
-gradient staging:
+gradient staging: each placement is the one without the ring (``ParamOffloaded``,
+``ParamNvme``) less every bucket's ``g``, plus the ring ``K max g``:
 
-- state in RAM: the parameter-offload host pool less every bucket's ``g``, plus the ring
-  ``K max g``: with bf16, 14 bytes a parameter (master, two moments, the home) instead of
+- state in RAM: with bf16, 14 bytes a parameter (master, two moments, the home) instead of
   16;
-- state on NVMe beyond the host budget (``nvme``): every home (the weight staging), the
-  ring and the tier's I/O buffers are in RAM whatever the placement, then the state that
-  fits the budget; disk: the spilled state's records. Note [the host budget decides the
-  split] in ``nvme.py``.
+- state on NVMe beyond the host budget (``nvme``), the homes in RAM (``Homes.HOST``): the
+  budget is the state's beside every home, the ring and the tier's I/O buffers; disk: the
+  spilled state's records;
+- the homes on NVMe too (``Homes.NVME``, the issue's ZeRO-Infinity configuration): the
+  budget holds the homes first, those beyond it in weight files, then the state, as
+  ``plan_nvme`` places them (Note [homes on NVMe] in ``optim/state/nvme_plan.py``;
+  ``home_tiers``); ``"auto"`` is the RAM beside the ring, the I/O buffers, the weight tile
+  ring and the bounce ring (as large as the window). Disk: the weight files and the
+  spilled state's records. The step run during backward writes the weight records (Note
+  [stepping during backward with parameter offload] in ``optim/update/eager.py``).
 
-The library runs both on one rank, and only where each step runs during backward:
+The library runs them on one rank, and only where each step runs during backward:
 ``CONDITIONS`` says when, and the table and the north star say it beside the row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .nvme import BucketTiers, bucket_tiers, io_buffer_bytes, split_state
+from .nvme import (
+    Homes,
+    context_tiers,
+    home_tiers,
+    io_buffer_bytes,
+    state_tiers,
+    total_bytes,
+)
 from .pools import BucketGroups
 from .rows import ZERO3_NOT_YET, Configuration, Context, Limits, RowBytes, Status, Subject
 
@@ -37,24 +50,15 @@ CONDITIONS = (
 )
 
 
-def _tiers(ctx: Context, numel: int) -> BucketTiers:
-    return bucket_tiers(
-        numel, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
-    )
-
-
-def _sum(groups: BucketGroups, ctx: Context, attr: str) -> int:
-    return sum(r * sum(getattr(_tiers(ctx, n), attr) for n in ns) for ns, r in groups)
-
-
 def ring_bytes(groups: BucketGroups, ctx: Context) -> tuple[int, int]:
     """``(every bucket's own gradient staging, the ring)`` per rank: ``sum g`` and ``K max
     g`` (K: ``OffloadConfig``'s default ``grad_staging_buffers``)."""
     from ..config import OffloadConfig
 
     own = largest = 0
+    tiers = context_tiers(ctx)
     for numels, repeats in groups:
-        grads = [_tiers(ctx, n).grad for n in numels]
+        grads = [tiers(n).grad for n in numels]
         own += repeats * sum(grads)
         largest = max([largest, *grads])
     return own, OffloadConfig().grad_staging_buffers * largest
@@ -63,9 +67,11 @@ def ring_bytes(groups: BucketGroups, ctx: Context) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ParamInFlight(Configuration):
     """Parameter offload with in-flight gradient staging; ``nvme``: the state beyond the host
-    budget on NVMe (the homes stay in RAM). Device per rank: as ``ParamOffloaded``."""
+    budget on NVMe, the homes in RAM or on NVMe as well (``homes``). Device per rank: as
+    ``ParamOffloaded``."""
 
     nvme: bool = False
+    homes: Homes = field(default=Homes.HOST)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
@@ -78,18 +84,33 @@ class ParamInFlight(Configuration):
         own, ring = ring_bytes(groups, ctx)
         if not self.nvme:
             return RowBytes(window, grad_buffers, device, rpn * (host - own + ring) + act_host)
-        # In RAM whatever the placement: each home (staging as if on NVMe, less its gradient
-        # staging), the ring and the I/O buffers; the budget is what is left.
-        fixed = _sum(groups, ctx, "staging") - own + ring + io_buffer_bytes()
-        host, disk = self.tiers(subject, limits.state_budget(fixed, act_host, rpn))
+        if self.homes is Homes.NVME:
+            # host_budget="auto" as the optimizer resolves it (construction._nvme_config):
+            # the RAM beside the ring, the I/O buffers and the two rings of homes on disk.
+            from ..config import OffloadConfig
+            from ..weights.nvme_home import home_ring_bytes
+
+            homes_ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
+            fixed = ring + io_buffer_bytes() + homes_ring + window
+        else:
+            # Every home in RAM: each one (staging as if on NVMe, less its gradient
+            # staging), the ring and the I/O buffers; the state's budget is what is left.
+            fixed = total_bytes(groups, ctx, "staging") - own + ring + io_buffer_bytes()
+        budget = limits.state_budget(fixed, act_host, rpn)
+        host, disk = self.tiers(subject, budget, homes=self.homes)
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
 
     @staticmethod
-    def tiers(subject: Subject, budget: int | None) -> tuple[int, int]:
+    def tiers(
+        subject: Subject, budget: int | None, *, homes: Homes = Homes.HOST
+    ) -> tuple[int, int]:
         """``(host, disk)`` bytes per rank with ``OffloadConfig(offload_parameters=True,
-        grad_staging="in_flight", nvme_dir=..., host_budget=budget)``: the host pool (every
-        home, the state that fits), the ring, the I/O buffers when a bucket is on NVMe; the
-        state files. Raises ``ValueError`` without units (a bare count, a module)."""
+        grad_staging="in_flight", nvme_dir=..., host_budget=...)``: ``ParamNvme.tiers``
+        less every bucket's gradient staging, plus the ring. ``Homes.HOST``: every home in
+        RAM and ``budget`` the state's beside them; ``Homes.NVME``: ``budget`` is
+        ``host_budget``, holding the homes first, then the state, as the library places
+        them (``home_tiers``). Raises ``ValueError`` without units (a bare count, a
+        module)."""
         groups, ctx = subject.unit_groups(), subject.ctx
         if groups is None:
             raise ValueError(
@@ -97,14 +118,11 @@ class ParamInFlight(Configuration):
                 f"ModelShape), got {type(subject).__name__}"
             )
         own, ring = ring_bytes(groups, ctx)
-        split = split_state(
-            groups,
-            lambda n: _tiers(ctx, n),
-            budget,
-            spilled_bytes=lambda t: t.staging - t.ram_staging,
-        )
-        host = _sum(groups, ctx, "ram_staging") - own + ring + split.spilled + split.host
-        return host + (io_buffer_bytes() if split.disk else 0), split.disk
+        if homes is Homes.NVME:
+            host, disk = home_tiers(groups, ctx, budget)
+        else:
+            host, disk = state_tiers(groups, ctx, budget)
+        return host - own + ring, disk
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         if ctx.world_size > 1:

@@ -25,22 +25,38 @@ pool alignment (512 B), records 4 KiB-aligned per tile:
   the home); on NVMe, ``home_file``: its weight file, one 4 KiB-aligned record per tile
   (Note [a weight file's records] in ``weights/nvme_home.py``).
 
-With parameter offload the homes follow the state to NVMe only when no bucket's state is
-left in RAM (Note [homes on NVMe] in ``optim/state/nvme_plan.py``): kept in RAM in bucket
-order while they fit the same budget, the rest in weight files, with the step's weight
+With parameter offload the budget holds the homes first (Note [homes on NVMe] in
+``optim/state/nvme_plan.py``), the state in what is left: homes kept in RAM in bucket
+order while they fit the budget, the rest in weight files (their state on NVMe too), with the step's weight
 tile ring and the window's bounce ring (one buffer per window slot, as large as the NVMe
 records of the largest unit in it) in RAM.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .pools import BucketGroups
 
-__all__ = ["BucketTiers", "StateSplit", "bucket_tiers", "io_buffer_bytes", "split_state"]
+if TYPE_CHECKING:
+    from .rows import Context
+
+__all__ = [
+    "BucketTiers",
+    "Homes",
+    "StateSplit",
+    "bucket_tiers",
+    "context_tiers",
+    "home_tiers",
+    "io_buffer_bytes",
+    "split_state",
+    "state_tiers",
+    "total_bytes",
+]
 
 #: ``plan_nvme`` reads ``nvme_dir`` only to name files it does not create here.
 _PLANNING_DIR = "/nonexistent/zero-offload-estimate"
@@ -174,3 +190,78 @@ def split_state(
         disk += repeats * sum(t.record for t in each)
         spilled += repeats * sum(spilled_bytes(t) for t in each)
     return StateSplit(host, disk, spilled)
+
+
+def context_tiers(ctx: Context) -> Callable[[int], BucketTiers]:
+    """``bucket_tiers`` at ``ctx``'s training dtype, bucket size and world size."""
+
+    def tiers(numel: int) -> BucketTiers:
+        return bucket_tiers(
+            numel, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
+        )
+
+    return tiers
+
+
+def total_bytes(groups: BucketGroups, ctx: Context, attr: str) -> int:
+    """Field ``attr`` of ``BucketTiers`` summed over the buckets ``groups``, per rank."""
+    tiers = context_tiers(ctx)
+    return sum(repeats * sum(getattr(tiers(n), attr) for n in numels) for numels, repeats in groups)
+
+
+def state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tuple[int, int]:
+    """``(host, disk)`` per rank of buckets ``groups`` placed as ``plan_nvme`` places them:
+    every bucket's staging in RAM, the state up to ``budget`` too, the rest on NVMe with the
+    I/O buffers in RAM."""
+    split = split_state(
+        groups, context_tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
+    )
+    host = total_bytes(groups, ctx, "ram_staging") + split.spilled + split.host
+    return host + (io_buffer_bytes() if split.disk else 0), split.disk
+
+
+def home_tiers(
+    groups: BucketGroups, ctx: Context, budget: int | None, *, prefetch_layers: int = 1
+) -> tuple[int, int]:
+    """``(host, disk)`` per rank of the units' buckets ``groups`` (bucket order) placed as
+    ``plan_nvme`` places them with the homes movable (Note [homes on NVMe]): ``budget``
+    holds the homes first, in bucket order, the rest going to their weight files; the
+    state takes what is left (``state_tiers``). With a home on disk the weight tile ring
+    and the bounce ring (per window slot, the largest unit's NVMe records + 4 KiB) join the
+    host. O(units)."""
+    from ..config import OffloadConfig
+    from ..memory.storage import IO_ALIGNMENT
+    from ..params.window import plan_slots
+    from ..weights.nvme_home import home_ring_bytes
+
+    if budget is None:
+        return state_tiers(groups, ctx, None)
+    tiers = context_tiers(ctx)
+    kept, moved, home_disk = 0, 0, 0
+    records: list[int] = []  # per unit in bucket order: its weight files' bytes
+    for numels, repeats in groups:
+        each = [tiers(n) for n in numels]
+        for _ in range(repeats):
+            unit = 0
+            for t in each:
+                if not moved and kept + t.home <= budget:
+                    kept += t.home
+                    continue
+                moved += t.home
+                unit += t.home_file
+            home_disk += unit
+            records.append(unit)
+    host, disk = state_tiers(groups, ctx, budget - kept)
+    if not moved:
+        return host, disk
+    _, slots = plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch_layers)
+    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
+    host += sum(n + IO_ALIGNMENT for n in slots if n)
+    return host, disk + home_disk
+
+
+class Homes(enum.Enum):
+    """Where the training-dtype weights (each unit's home) live under parameter offload."""
+
+    HOST = "host RAM: pinned, the H2D copies' source"
+    NVME = "NVMe beyond the host budget: read into host bounce buffers, then to the device"

@@ -11,21 +11,19 @@
   in RAM; the host budget holds the homes first (``NVME``: those beyond it in weight
   files, with the step's weight tile ring and the window's bounce ring in RAM), then the
   master and moments, the rest of the state on NVMe. ``HOST`` is that placement where the
-  budget holds every home (``tiers``: the budget given is the state's, beside them). Gradient staging is for the whole model in both (staging only for the
-  buckets in flight is a separate item of the big-models issue).
+  budget holds every home (``tiers``: the budget given is the state's, beside them).
+  Gradient staging is for the whole model in both; ``ParamInFlight`` (``in_flight.py``)
+  is each of them with staging only for the buckets in flight.
 
 See Note [the host budget decides the split] in ``nvme.py``.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .in_flight import ParamInFlight
-from .nvme import BucketTiers, bucket_tiers, io_buffer_bytes, split_state
-from .pools import BucketGroups
+from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
 from .rows import (
     ZERO3_NOT_YET,
     ActivationMode,
@@ -43,20 +41,6 @@ from .rows import (
 __all__ = ["CONFIGURATIONS", "Homes", "NvmeState", "ParamNvme", "home_tiers"]
 
 
-def _tiers(ctx: Context) -> Callable[[int], BucketTiers]:
-    def tiers(numel: int) -> BucketTiers:
-        return bucket_tiers(
-            numel, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
-        )
-
-    return tiers
-
-
-def _total(groups: BucketGroups, ctx: Context, attr: str) -> int:
-    tiers = _tiers(ctx)
-    return sum(repeats * sum(getattr(tiers(n), attr) for n in numels) for numels, repeats in groups)
-
-
 @dataclass(frozen=True)
 class NvmeState(Configuration):
     """ZeRO-Offload with the optimizer state on NVMe beyond the host budget (runs today).
@@ -70,7 +54,7 @@ class NvmeState(Configuration):
         weights, grad_buffers, _ = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-        fixed = _total(subject.bucket_groups(), ctx, "staging") + io_buffer_bytes()
+        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_buffer_bytes()
         budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
         host, disk = self.tiers(subject, budget)
         rpn = ctx.ranks_per_node
@@ -81,65 +65,7 @@ class NvmeState(Configuration):
         """``(host, disk)`` bytes per rank with ``OffloadConfig(host_budget=budget)``: the
         host pool (staging, the state that fits), the I/O buffers when a bucket is on NVMe;
         the state files."""
-        return _state_tiers(subject.bucket_groups(), subject.ctx, budget)
-
-
-def _state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tuple[int, int]:
-    """``(host, disk)`` per rank of buckets ``groups`` placed as ``plan_nvme`` places them:
-    every bucket's staging in RAM, the state up to ``budget`` too, the rest on NVMe with the
-    I/O buffers in RAM."""
-    split = split_state(
-        groups, _tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
-    )
-    host = _total(groups, ctx, "ram_staging") + split.spilled + split.host
-    return host + (io_buffer_bytes() if split.disk else 0), split.disk
-
-
-def home_tiers(
-    groups: BucketGroups, ctx: Context, budget: int | None, *, prefetch_layers: int = 1
-) -> tuple[int, int]:
-    """``(host, disk)`` per rank of the units' buckets ``groups`` (bucket order) placed as
-    ``plan_nvme`` places them with the homes movable (Note [homes on NVMe]): ``budget``
-    holds the homes first, in bucket order, the rest going to their weight files; the
-    state takes what is left (``_state_tiers``). With a home on disk the weight tile ring
-    and the bounce ring (per window slot, the largest unit's NVMe records + 4 KiB) join the
-    host. O(units)."""
-    from ..config import OffloadConfig
-    from ..memory.storage import IO_ALIGNMENT
-    from ..params.window import plan_slots
-    from ..weights.nvme_home import home_ring_bytes
-
-    if budget is None:
-        return _state_tiers(groups, ctx, None)
-    tiers = _tiers(ctx)
-    kept, moved, home_disk = 0, 0, 0
-    records: list[int] = []  # per unit in bucket order: its weight files' bytes
-    for numels, repeats in groups:
-        each = [tiers(n) for n in numels]
-        for _ in range(repeats):
-            unit = 0
-            for t in each:
-                if not moved and kept + t.home <= budget:
-                    kept += t.home
-                    continue
-                moved += t.home
-                unit += t.home_file
-            home_disk += unit
-            records.append(unit)
-    host, disk = _state_tiers(groups, ctx, budget - kept)
-    if not moved:
-        return host, disk
-    _, slots = plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch_layers)
-    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
-    host += sum(n + IO_ALIGNMENT for n in slots if n)
-    return host, disk + home_disk
-
-
-class Homes(enum.Enum):
-    """Where the training-dtype weights (each unit's home) live under parameter offload."""
-
-    HOST = "host RAM: pinned, the H2D copies' source"
-    NVME = "NVMe beyond the host budget: read into host bounce buffers, then to the device"
+        return state_tiers(subject.bucket_groups(), subject.ctx, budget)
 
 
 @dataclass(frozen=True)
@@ -166,14 +92,14 @@ class ParamNvme(Configuration):
         rpn = ctx.ranks_per_node
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
         # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
-        fixed = _total(groups, ctx, "staging") + io_buffer_bytes()
+        fixed = total_bytes(groups, ctx, "staging") + io_buffer_bytes()
         budget = limits.state_budget(fixed, act_host, rpn)
         if self.homes is Homes.NVME:
             from ..config import OffloadConfig
             from ..weights.nvme_home import home_ring_bytes
 
             ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            grads = _total(groups, ctx, "grad") + io_buffer_bytes() + ring + window
+            grads = total_bytes(groups, ctx, "grad") + io_buffer_bytes() + ring + window
             host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
         else:
             host, disk = self.tiers(subject, budget)
@@ -197,7 +123,7 @@ class ParamNvme(Configuration):
             )
         if homes is Homes.NVME:
             return home_tiers(groups, subject.ctx, budget)
-        return _state_tiers(groups, subject.ctx, budget)
+        return state_tiers(groups, subject.ctx, budget)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         if ctx.world_size > 1:
@@ -231,4 +157,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     ParamInFlight("param offload + NVMe state + in-flight staging + act. offload", _ACT, nvme=True),
     ParamNvme("params and state on NVMe + checkpointing", _CKPT, Homes.NVME),
     ParamNvme("params and state on NVMe + activation offload", _ACT, Homes.NVME),
+    ParamInFlight("params and state on NVMe + in-flight staging + ckpt", _CKPT, True, Homes.NVME),
+    ParamInFlight(
+        "params and state on NVMe + in-flight staging + act. offload", _ACT, True, Homes.NVME
+    ),
 )

@@ -14,6 +14,7 @@ from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
+from ..weights.nvme_home import home_ring_bytes
 from ..weights.source import ConstructionPeaks, PeakTracker, tracking
 from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
@@ -178,23 +179,28 @@ class SegmentBuilder:
         params: list[torch.Tensor],
         moments_dtype: torch.dtype,
         amsgrad: bool,
+        window_bytes: int | None,
     ) -> OffloadConfig:
         """The config ``plan_nvme`` places state with. With in-flight staging and
         ``host_budget="auto"`` the budget is resolved here, less what is in RAM whatever the
-        placement: every weight staging, the ring and the I/O buffers, not every bucket's
-        gradient staging, which ``plan_nvme`` would set aside (Note [gradient staging for
-        the buckets in flight])."""
+        placement: the ring and the I/O buffers, not every bucket's gradient staging, which
+        ``plan_nvme`` would set aside (Note [gradient staging for the buckets in flight]);
+        and every weight staging without parameter offload (``window_bytes`` None), or with
+        it (the homes movable: Note [homes on NVMe]) the weight tile ring and the bounce
+        ring, as large as the window, since the budget holds the homes first."""
         config = self.config
         if config.grad_staging != "in_flight" or config.host_budget != "auto":
             return config
         offloaded = [b for b in layouts if b.index not in placement.resident]
         sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
-        # The weight staging is as large as the gradient staging the ring replaces.
-        weights = own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
         ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
         record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
-        other = weights + config.grad_staging_buffers * ring
+        other = config.grad_staging_buffers * ring
         other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        if window_bytes is None:  # the weight staging, as large as the gradient staging
+            other += own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
+        else:
+            other += home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
         budget = resolve_host_budget(config, other_host_bytes=other)
         return dataclasses.replace(config, host_budget=budget)
 
@@ -244,7 +250,14 @@ class SegmentBuilder:
                 plan_nvme(
                     layouts,
                     placement,
-                    config=self._nvme_config(layouts, placement, params, moments_dtype, amsgrad),
+                    config=self._nvme_config(
+                        layouts,
+                        placement,
+                        params,
+                        moments_dtype,
+                        amsgrad,
+                        None if offload is None else offload.window_bytes,
+                    ),
                     itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
                     moments_dtype=moments_dtype,
                     amsgrad=amsgrad,

@@ -42,23 +42,31 @@ __all__ = ["HomeWritten", "NvmeHomeState"]
 
 class HomeWritten(WeightCopies):
     """The publication of a bucket whose home is on NVMe: nothing to copy (the parameters
-    are offloaded, and the next fetch reads the file); each written tile makes the unit's
-    slot stale (``views.home_rewritten``)."""
+    are offloaded, and the next fetch reads the file); a written tile makes the unit's
+    slot stale (``views.home_rewritten``), at once or, for an update run during backward
+    (``publish=False``), in ``publish()`` once every unit was released: Note [stepping
+    during backward with parameter offload] in ``update/eager.py``."""
 
     def prepare(self, *, publish: bool, after: list[Event] | None) -> list[Event]:
         return []
 
     def tile_written(self, lo: int, hi: int, *, publish: bool, after: list[Event]) -> None:
+        if not publish:  # during backward: the unit may be resident, its slot still read
+            self._unpublished.append((lo, hi))
+            return
         self.views.home_rewritten()  # type: ignore[attr-defined]
 
     def mark_unpublished(self, lo: int, hi: int) -> None:
         self.views.home_rewritten()  # type: ignore[attr-defined]
 
     def publish(self) -> list[Event]:
+        if self._unpublished:
+            self.views.home_rewritten()  # type: ignore[attr-defined]
+            self._unpublished = []
         return []
 
     def drop_unpublished(self) -> None:
-        return None
+        self._unpublished = []
 
 
 class NvmeHomeState(NvmeState):

@@ -71,6 +71,11 @@ _ALLOWED = frozenset(
 # issued later in this backward (a unit is fetched ahead of its own backward, and the
 # bucket is complete only after it). A resident slot keeps the weights before the step
 # until the unit is released, exactly what backward reads without a step during it.
+# A home on NVMe (NvmeHomeState) is the same with the weight file for the home: the unit's
+# fetch read the file into its slot's bounce and the CPU waited for those reads before the
+# unit's compute was issued (ParamUnit.use), so the update's record writes follow every
+# read of this backward; the slot is marked stale in land() too (HomeWritten.publish), and
+# the next fetch reads the new records.
 # Taken with OffloadConfig(grad_staging="in_flight") only (policy.eager_refusal), which
 # needs it; per-bucket staging keeps the step in step() under parameter offload.
 
