@@ -65,7 +65,7 @@ from __future__ import annotations
 import enum
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -107,6 +107,10 @@ class _Once:
 
     def __init__(self) -> None:
         self.task = -1  # the graph task that fired it last (-1: none)
+
+
+def _never() -> bool:
+    return False
 
 
 def _inert(*args: Any) -> None:
@@ -271,6 +275,9 @@ class ParamOffloader:
         self._last_trace: list[ParamUnit] = []  # the previous complete forward's uses
         self._backward_plan: list[ParamUnit] = []
         self._backward_pos = 0
+        #: Whether the optimizer's step is writing the homes now (a step run during
+        #: backward, before step()): a forward then is refused, set by the optimizer.
+        self.homes_in_update: Callable[[], bool] = _never
 
     # -- construction (called by the optimizer) ----------------------------------------
 
@@ -430,6 +437,16 @@ class ParamOffloader:
     # -- hooks -------------------------------------------------------------------------
 
     def _begin_forward(self) -> None:
+        if self.homes_in_update():
+            # Its fetches would read homes the host worker is writing: some units' weights
+            # before the step, some after, some torn (Note [stepping during backward with
+            # parameter offload] in optim/update/eager.py).
+            raise RuntimeError(
+                "a forward between a backward whose step ran during it (backward(loss, "
+                "step=True) or announce_step(), with offload_parameters=True) and step(): "
+                "the weights are being updated. Call opt.step() first (opt.zero_grad() if the "
+                "backward raised)"
+            )
         self.phase = Phase.FORWARD
         self._trace = []
         for unit in self.units:  # written through a state dict entry while resident
