@@ -195,6 +195,7 @@ def _state_dict_pre_hook(
 ) -> None:
     offloader = ref()
     if offloader is not None:
+        offloader.check_homes_settled("a state dict")
         released.begin_saving()
         for unit in sorted({unit for _, unit, _, _ in owned}):
             offloader.units[unit].write_back()
@@ -391,8 +392,22 @@ class ParamOffloader:
         parameter]); it stays until the window or a step releases it, exposed."""
         if self.window is None:
             raise RuntimeError(f"{unit!r} is released after close (bug)")
+        self.check_homes_settled("reading a parameter")
         self._fetch(unit, demand=True)
         unit.expose(self.manager)
+
+    def check_homes_settled(self, what: str) -> None:
+        """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)
+        while the optimizer's step run during backward is writing the homes, before step():
+        it would see some units before the step, some after, some torn (Note [stepping
+        during backward with parameter offload] in optim/update/eager.py)."""
+        if self.homes_in_update():
+            raise RuntimeError(
+                f"{what} between a backward whose step ran during it (backward(loss, "
+                "step=True) or announce_step(), with offload_parameters=True) and step(): "
+                "the weights are being updated. Call opt.step() first (opt.zero_grad() if "
+                "the backward raised)"
+            )
 
     # -- the schedule ------------------------------------------------------------------
 
@@ -437,16 +452,7 @@ class ParamOffloader:
     # -- hooks -------------------------------------------------------------------------
 
     def _begin_forward(self) -> None:
-        if self.homes_in_update():
-            # Its fetches would read homes the host worker is writing: some units' weights
-            # before the step, some after, some torn (Note [stepping during backward with
-            # parameter offload] in optim/update/eager.py).
-            raise RuntimeError(
-                "a forward between a backward whose step ran during it (backward(loss, "
-                "step=True) or announce_step(), with offload_parameters=True) and step(): "
-                "the weights are being updated. Call opt.step() first (opt.zero_grad() if the "
-                "backward raised)"
-            )
+        self.check_homes_settled("a forward")
         self.phase = Phase.FORWARD
         self._trace = []
         for unit in self.units:  # written through a state dict entry while resident

@@ -71,9 +71,9 @@ _ALLOWED = frozenset(
 # issued later in this backward (a unit is fetched ahead of its own backward, and the
 # bucket is complete only after it). A resident slot keeps the weights before the step
 # until the unit is released, exactly what backward reads without a step during it.
-# A forward between such a backward and step() would fetch homes being written (some units
-# before the step, some after, some torn): it is refused (ParamOffloader.homes_in_update,
-# StepPolicy.writing_homes). Taken with OffloadConfig(grad_staging="in_flight") only
+# A forward, a released parameter's read or a state dict between such a backward and step()
+# would read homes being written (some units before the step, some after, some torn): each
+# is refused (ParamOffloader.check_homes_settled, StepPolicy.writing_homes). Taken with OffloadConfig(grad_staging="in_flight") only
 # (policy.eager_refusal), which needs it; per-bucket staging keeps the step in step() under
 # parameter offload.
 
