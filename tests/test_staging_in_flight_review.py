@@ -10,6 +10,7 @@ taken mid-window."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from zero_offload import OffloadAdamW
+from zero_offload.memory.manager import TieredMemoryManager
+from zero_offload.memory.traffic import Category
 from zero_offload.optim.grads.staging_ring import SlotState
 
 from ._models import batches, lm_loss, make_pair, offload_opt
@@ -127,6 +130,40 @@ def test_reading_the_weights_between_backward_and_step_with_parameter_offload() 
         assert torch.equal(ring_state[name], value), name
     weight = ring_model.blocks[0].attn.qkv.weight
     assert torch.equal(weight.float(), plain_model.blocks[0].attn.qkv.weight.float())
+    _close_same(ring, plain, ring_model, plain_model)
+
+
+def test_a_flush_whose_copy_fails_gives_its_slot_back(monkeypatch) -> None:
+    """A flush takes its ring slot first; if its gradient copy then fails, zero_grad()
+    leaves no slot HELD (none leaks, the ring does not grow later: the unannounced backward
+    grew it, legitimately), and the training goes on exactly as per-bucket staging's."""
+    ring_model, plain_model, ring, plain = _lm_both()
+    data = batches(3)
+    real = TieredMemoryManager.copy
+    calls = []
+
+    def failing(self, dst, src, *, category, **kwargs):
+        if category is Category.GRADIENTS:
+            calls.append(1)
+            if len(calls) == 4:  # the fourth flush: the other slot holds a gradient
+                raise RuntimeError("injected copy failure")
+        return real(self, dst, src, category=category, **kwargs)
+
+    monkeypatch.setattr(TieredMemoryManager, "copy", failing)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        ring.backward(lm_loss(ring_model, *data[0]))
+    monkeypatch.undo()
+    ring.zero_grad()
+    assert all(s.state is not SlotState.HELD for s in _ring(ring).slots)
+    slots = len(_ring(ring).slots)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no growth
+        for i in (1, 2):
+            for opt, model in ((ring, ring_model), (plain, plain_model)):
+                opt.backward(lm_loss(model, *data[i]), step=opt is ring)
+                opt.step()
+                opt.zero_grad()
+    assert len(_ring(ring).slots) == slots
     _close_same(ring, plain, ring_model, plain_model)
 
 
