@@ -222,3 +222,47 @@ def test_a_state_dict_between_backward_and_step() -> None:
             opt.zero_grad()
     assert len(_ring(ring).slots) == 2
     _close_same(ring, plain, ring_model, plain_model)
+
+
+class _WithUnused(torch.nn.Module):
+    """bf16 layers, each beside a parameter no forward uses: every bucket is incomplete
+    until the backward ends, and then they are all flushed at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for _ in range(4):
+            block = torch.nn.Module()
+            block.linear = torch.nn.Linear(16, 16)
+            block.unused = torch.nn.Parameter(torch.zeros(8))
+            self.layers.append(block.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.bfloat16()
+        for block in self.layers:
+            x = torch.tanh(block.linear(x))
+        return x.float().square().mean()
+
+
+def test_buckets_left_incomplete_by_the_backward_do_not_grow_the_ring() -> None:
+    """The buckets that the backward's end flushes (some parameter got no gradient) are
+    each stepped as it goes, as the complete ones are: more of them than the ring's
+    buffers must not grow it."""
+    torch.manual_seed(0)
+    ring_model = _WithUnused()
+    plain_model = _WithUnused()
+    plain_model.load_state_dict(ring_model.state_dict())
+    ring = offload_opt(ring_model, accelerator=_accelerator(), bucket_bytes=1024, **IN_FLIGHT)
+    plain = offload_opt(plain_model, accelerator=_accelerator(), bucket_bytes=1024)
+    assert len(ring.buckets) > 2
+    gen = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no growth
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=gen)
+            for opt, model in ((ring, ring_model), (plain, plain_model)):
+                opt.backward(model(x), step=opt is ring)
+                opt.step()
+                opt.zero_grad()
+    assert len(_ring(ring).slots) == 2
+    _close_same(ring, plain, ring_model, plain_model)

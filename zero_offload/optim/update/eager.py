@@ -193,11 +193,15 @@ class EagerStep:
         # [gradient staging for the buckets in flight] in grads/staging_ring.py.
         bucket.gradients.update_queued(self._done[index])
 
-    def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
-        """Backward ended: hand over the rest, and measure how much was already done."""
+    def hand_over_rest(self, buckets: Sequence[FlatBucket]) -> None:
+        """Hand over each of ``buckets`` with gradients not handed over yet."""
         for bucket in buckets:
             if bucket.layout.index not in self.plans and bucket.has_gradients:
                 self.hand_over(bucket)
+
+    def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
+        """Backward ended: hand over the rest, and measure how much was already done."""
+        self.hand_over_rest(buckets)
         total = sum(_elements(p) for p in self.plans.values())
         done = sum(_elements(p) for i, p in self.plans.items() if self._done[i].query())
         self.share_before_backward_returned = done / total if total else 1.0
