@@ -340,7 +340,9 @@ class StagingRing:
                 f"every one of the {len(self.slots) - 1} gradient staging buffers holding a "
                 "gradient that no update has read yet (the step runs in step(), not during "
                 "backward: it was not announced with opt.backward(loss, step=True) or "
-                "opt.announce_step(), or micro-batches accumulate). The ring grows by one "
+                "opt.announce_step(), or micro-batches accumulate), or buckets were flushed "
+                "early, half-filled, when the device gradient buffers ran out (backward order "
+                "differs from bucket order, or unused parameters). The ring grows by one "
                 f"buffer ({format_bytes(self.slot_bytes)} pinned) per such flush, kept for "
                 "later steps; the result is exact. Announce each step to keep the host "
                 "memory at the buckets in flight",
