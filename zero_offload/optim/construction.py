@@ -330,6 +330,9 @@ class SegmentBuilder:
         pools = BucketPools(device=device_pool, host=host_pool)
         if offload is not None:
             offload.install(owner)
+            # A forward must not fetch homes a step during backward is writing: Note
+            # [stepping during backward with parameter offload] in update/eager.py.
+            offload.homes_in_update = owner._policy.writing_homes
             self.resources.param_offload = offload
         segment = Segment(buckets, pools, grad_buffers)
         self.resources.segments.append(segment)

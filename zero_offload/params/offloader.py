@@ -70,7 +70,7 @@ from __future__ import annotations
 import enum
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +113,10 @@ class _Once:
 
     def __init__(self) -> None:
         self.task = -1  # the graph task that fired it last (-1: none)
+
+
+def _never() -> bool:
+    return False
 
 
 def _inert(*args: Any) -> None:
@@ -197,6 +201,7 @@ def _state_dict_pre_hook(
 ) -> None:
     offloader = ref()
     if offloader is not None:
+        offloader.check_homes_settled("a state dict")
         offloader.flush_copies()
         released.begin_saving()
         for unit in sorted({unit for _, unit, _, _ in owned}):
@@ -281,6 +286,9 @@ class ParamOffloader:
         self.bounce: Bounce | None = None  # Note [homes on NVMe are fetched through ...]
         # State-dict copies of NVMe homes: (the copy, weakly; its version; views; index).
         self._copies: list[tuple[weakref.ref, int, WindowedViews, int]] = []
+        #: Whether the optimizer's step is writing the homes now (a step run during
+        #: backward, before step()): a forward then is refused, set by the optimizer.
+        self.homes_in_update: Callable[[], bool] = _never
 
     # -- construction (called by the optimizer) ----------------------------------------
 
@@ -427,8 +435,22 @@ class ParamOffloader:
         parameter]); it stays until the window or a step releases it, exposed."""
         if self.window is None:
             raise RuntimeError(f"{unit!r} is released after close (bug)")
+        self.check_homes_settled("reading a parameter")
         self._fetch(unit, demand=True)
         unit.expose(self.manager)
+
+    def check_homes_settled(self, what: str) -> None:
+        """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)
+        while the optimizer's step run during backward is writing the homes, before step():
+        it would see some units before the step, some after, some torn (Note [stepping
+        during backward with parameter offload] in optim/update/eager.py)."""
+        if self.homes_in_update():
+            raise RuntimeError(
+                f"{what} between a backward whose step ran during it (backward(loss, "
+                "step=True) or announce_step(), with offload_parameters=True) and step(): "
+                "the weights are being updated. Call opt.step() first (opt.zero_grad() if "
+                "the backward raised)"
+            )
 
     # -- the schedule ------------------------------------------------------------------
 
@@ -476,6 +498,7 @@ class ParamOffloader:
     # -- hooks -------------------------------------------------------------------------
 
     def _begin_forward(self) -> None:
+        self.check_homes_settled("a forward")
         self.phase = Phase.FORWARD
         self._trace = []
         self.flush_copies()

@@ -79,6 +79,9 @@ class AnnouncedStep(Protocol):
     def hand_over(self, bucket: Any) -> None:
         """A bucket's gradients are on their way: step it when they land."""
 
+    def hand_over_rest(self, buckets: Sequence[Any]) -> None:
+        """Hand over each of ``buckets`` with gradients not handed over yet."""
+
     def end_backward(self, buckets: Sequence[Any]) -> None:
         """The backward ended: step what is left."""
 
@@ -141,11 +144,21 @@ class FreeOrder(BucketOrder):
             router.eager.hand_over(bucket)
 
     def end_backward(self, router: Routing) -> None:
+        eager = router.eager
+        if eager is not None and eager.backward_ended:
+            eager = None
+        if eager is not None:
+            # Each is stepped before the next flush, as a complete bucket is, so its ring
+            # slot goes to that flush (Note [gradient staging for the buckets in flight]):
+            # the buckets flushed early first, then each flushed now as it goes.
+            eager.hand_over_rest([b for b in router.buckets if not b.grads.holds_device_buffer])
         for bucket in router.buckets:
             if bucket.grads.holds_device_buffer:
                 bucket.flush(router.ranks)
-        if router.eager is not None and not router.eager.backward_ended:
-            router.eager.end_backward(router.buckets)
+                if eager is not None:
+                    eager.hand_over(bucket)
+        if eager is not None:
+            eager.end_backward(router.buckets)
 
     def reset(self) -> None:
         """Any order: no position to rewind."""

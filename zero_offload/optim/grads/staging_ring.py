@@ -30,6 +30,9 @@ releases a slot:
   announced step (Note [stepping during backward] in ``update/eager.py``), a fold into the
   accumulator when another flush follows, or the end of the window (``step()``, a skipped
   step, ``zero_grad``), after everything queued on the host worker so far.
+- a flush that fails after taking its slot (its copy, the accumulator's allocation) gives
+  it back at once (``unused``): nothing will read it, and what it queued into the slot is on
+  the d2h stream, before any later copy into it.
 
 So when every step is announced and runs during backward, bucket b+K's flush waits for
 bucket b's update, which was queued when b's copy was, and the host holds K buffers
@@ -52,10 +55,12 @@ step from the loaded state with per-bucket staging) is refused before anything c
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +116,16 @@ class Staging(ABC):
         overwritten (a synchronisation point when it may not yet). ``window_flushes``: the
         flushes of the window so far. A failure changes nothing."""
 
+    @contextlib.contextmanager
+    def acquired(self, overwrite: bool, window_flushes: int) -> Iterator[int]:
+        """``acquire``, and ``unused`` if the flush raises before its pass is queued."""
+        buffer = self.acquire(overwrite=overwrite, window_flushes=window_flushes)
+        try:
+            yield buffer
+        except BaseException:
+            self.unused(buffer)
+            raise
+
     @abstractmethod
     def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
         """Buffer ``buffer``: ``(shard_numel,)`` training dtype, host, and its block."""
@@ -119,6 +134,10 @@ class Staging(ABC):
     def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
         """The host worker's pass over ``buffer`` is queued and ends at ``event``;
         ``kept``: the window's gradient stays there for the step (no accumulator)."""
+
+    def unused(self, buffer: int) -> None:  # noqa: B027 (own buffers stay)
+        """The flush that acquired ``buffer`` failed before its pass was queued: nothing
+        will read it."""
 
     @abstractmethod
     def kept(self) -> int:
@@ -321,7 +340,9 @@ class StagingRing:
                 f"every one of the {len(self.slots) - 1} gradient staging buffers holding a "
                 "gradient that no update has read yet (the step runs in step(), not during "
                 "backward: it was not announced with opt.backward(loss, step=True) or "
-                "opt.announce_step(), or micro-batches accumulate). The ring grows by one "
+                "opt.announce_step(), or micro-batches accumulate), or buckets were flushed "
+                "early, half-filled, when the device gradient buffers ran out (backward order "
+                "differs from bucket order, or unused parameters). The ring grows by one "
                 f"buffer ({format_bytes(self.slot_bytes)} pinned) per such flush, kept for "
                 "later steps; the result is exact. Announce each step to keep the host "
                 "memory at the buckets in flight",
@@ -375,6 +396,8 @@ class RingStaging(Staging):
             the last reader is queued (None otherwise).
         _last: the slot the window's gradient stayed in last; the queued update reads it
             after ``_kept`` let it go.
+        _taken: the slot acquired by a flush whose pass is not queued yet (None otherwise):
+            given back if that flush fails.
         _gone: the window's gradient was stepped during backward and its slot let go: a
             second step from it (``load_state_dict`` superseded the first) would read
             another bucket's gradient, so it is refused until the window ends.
@@ -387,6 +410,7 @@ class RingStaging(Staging):
         self.dtype = dtype
         self._kept: int | None = None
         self._last = 0
+        self._taken: int | None = None
         self._gone = False
         ring.attach()
 
@@ -400,13 +424,19 @@ class RingStaging(Staging):
                 f"bucket {self.index}: a flush while staging still holds the window's "
                 "gradient unread (bug: a fold releases it first)"
             )
-        return self.ring.acquire(self.index)
+        self._taken = self.ring.acquire(self.index)
+        return self._taken
+
+    def unused(self, buffer: int) -> None:
+        if self._taken == buffer:
+            self._taken = None
+            self.ring.release(buffer, None)
 
     def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
         return self.ring.view(buffer, self.dtype, self.numel)
 
     def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
-        self._gone = False
+        self._gone, self._taken = False, None
         if kept:
             self._kept = self._last = buffer
         else:

@@ -348,39 +348,39 @@ class HostGradients(GradientPath):
         grad = self.grad_dev
         if overwrite:  # a new window: the last one's staging, if still held, is free
             self.window_consumed()
-        # Waits until the buffer may be overwritten: Note [staging is reused only once
-        # consumed], Note [gradient staging for the buckets in flight].
-        buffer = self.staging.acquire(overwrite=overwrite, window_flushes=self._window_flushes)
-        index = self.layout.index
-        if self._adopted is not None:
-            self._flush_adopted(overwrite=overwrite, buffer=buffer)
-            return
-        self._zero_unfilled()
-        ready = ranks.reduce_scatter(
-            grad,
-            manager.compute_ready(),
-            what=f"bucket {index} ({self.layout.padded_numel} el)",
-        )
-        start, stop = self.shard
-        if not overwrite or self._first_flush_accumulates():
-            self._ensure_accumulator()  # before anything moves: a failure changes nothing
-        block = self._grad_block
-        if block is None:
-            # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
-            # already handed the buffer on or dropped it.
-            raise RuntimeError(
-                f"bucket {index}: its device gradients were already handed on: a backward "
-                "was interrupted half-way (KeyboardInterrupt) and its window was not "
-                "discarded. Call opt.zero_grad() after an interrupted backward"
+        # Waits until the buffer may be overwritten (given back if this flush fails): Note
+        # [staging is reused only once consumed], Note [gradient staging for the buckets in flight].
+        with self.staging.acquired(overwrite, self._window_flushes) as buffer:
+            index = self.layout.index
+            if self._adopted is not None:
+                self._flush_adopted(overwrite=overwrite, buffer=buffer)
+                return
+            self._zero_unfilled()
+            ready = ranks.reduce_scatter(
+                grad,
+                manager.compute_ready(),
+                what=f"bucket {index} ({self.layout.padded_numel} el)",
             )
-        # The bucket keeps its buffer until the copies are queued: if they fail or are
-        # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
-        staging, staging_block = self.staging.get(buffer)
-        landing = self._copy_to_staging(
-            grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
-        )
-        self._release_grad().free()  # reuse waits on the copies, Note [block reuse waits...]
-        self._after_copy(landing, overwrite=overwrite, buffer=buffer)
+            start, stop = self.shard
+            if not overwrite or self._first_flush_accumulates():
+                self._ensure_accumulator()  # before anything moves: a failure changes nothing
+            block = self._grad_block
+            if block is None:
+                # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
+                # already handed the buffer on or dropped it.
+                raise RuntimeError(
+                    f"bucket {index}: its device gradients were already handed on: a backward "
+                    "was interrupted half-way (KeyboardInterrupt) and its window was not "
+                    "discarded. Call opt.zero_grad() after an interrupted backward"
+                )
+            # The bucket keeps its buffer until the copies are queued: if they fail or are
+            # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
+            staging, staging_block = self.staging.get(buffer)
+            landing = self._copy_to_staging(
+                grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
+            )
+            self._release_grad().free()  # reuse waits on the copies, Note [block reuse waits...]
+            self._after_copy(landing, overwrite=overwrite, buffer=buffer)
 
     def _flush_adopted(self, *, overwrite: bool, buffer: int) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""

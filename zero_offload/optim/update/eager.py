@@ -76,6 +76,9 @@ _ALLOWED = frozenset(
 # unit's compute was issued (ParamUnit.use), so the update's record writes follow every
 # read of this backward; the slot is marked stale in land() too (HomeWritten.publish), and
 # the next fetch reads the new records.
+# A forward, a released parameter's read or a state dict between such a backward and step()
+# would read homes being written (some units before the step, some after, some torn): each
+# is refused (ParamOffloader.check_homes_settled, StepPolicy.writing_homes).
 # Taken with OffloadConfig(grad_staging="in_flight") only (policy.eager_refusal), which
 # needs it; per-bucket staging keeps the step in step() under parameter offload.
 
@@ -195,11 +198,15 @@ class EagerStep:
         # [gradient staging for the buckets in flight] in grads/staging_ring.py.
         bucket.gradients.update_queued(self._done[index])
 
-    def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
-        """Backward ended: hand over the rest, and measure how much was already done."""
+    def hand_over_rest(self, buckets: Sequence[FlatBucket]) -> None:
+        """Hand over each of ``buckets`` with gradients not handed over yet."""
         for bucket in buckets:
             if bucket.layout.index not in self.plans and bucket.has_gradients:
                 self.hand_over(bucket)
+
+    def end_backward(self, buckets: Sequence[FlatBucket]) -> None:
+        """Backward ended: hand over the rest, and measure how much was already done."""
+        self.hand_over_rest(buckets)
         total = sum(_elements(p) for p in self.plans.values())
         done = sum(_elements(p) for i, p in self.plans.items() if self._done[i].query())
         self.share_before_backward_returned = done / total if total else 1.0

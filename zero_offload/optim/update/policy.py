@@ -336,6 +336,13 @@ class StepPolicy:
         self._stats_cache = None
         self.router.consumed()
 
+    def writing_homes(self) -> bool:
+        """Whether an announced step's updates may be writing the parameter homes now (some
+        bucket was handed over during backward, not landed yet): Note [stepping during
+        backward with parameter offload] in eager.py."""
+        eager = self.eager
+        return eager is not None and bool(eager.plans) and not eager.landed
+
     def land_if_ran(self) -> None:
         """Land the announced step if its backward ended (``state_dict``, ``close``)."""
         if self.eager is not None and self.eager.backward_ended:
