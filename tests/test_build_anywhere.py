@@ -12,12 +12,15 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from zero_offload import OffloadAdamW, OffloadConfig, load_pretrained
-from zero_offload.weights import has_source
+from zero_offload.accelerator.strict import MEMORY, MemoryKind
+from zero_offload.weights import has_source, source
+from zero_offload.weights.source import on_device
 
 from ._models import host_accelerator
 
 VOCAB = 128
 SEQ = 16
+GPU = "the caller's model on the GPU"  # the name of its simulated device memory
 
 
 def gpt2_config() -> GPT2Config:
@@ -280,4 +283,133 @@ def test_a_failed_construction_leaves_the_model_loadable_again(tmp_path: Path) -
     opt = make_opt(model)  # and the rest loads now
     for name, param in model.named_parameters():
         assert torch.equal(param, expected[name]), name
+    opt.close()
+
+
+# -- weights already on the device: Note [originals on the device leave first] ----------
+
+
+def on_simulated_gpu(model: torch.nn.Module) -> torch.nn.Module:
+    """Each parameter's weights moved into memory registered as device memory, as the
+    caller's ``model.to("cuda")`` would leave them (the caller's: the ledger does not count
+    it)."""
+    for param in model.parameters():  # a tied weight once
+        memory = torch.empty(param.shape, dtype=param.dtype)
+        MEMORY.register(memory, MemoryKind.DEVICE, GPU)
+        memory.copy_(param.detach())
+        param.data = memory
+    return model
+
+
+def gpt2(dtype: torch.dtype) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(gpt2_config()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
+def test_device_weights_build_within_the_final_footprint_and_train_bitwise(
+    offload: bool, dtype: torch.dtype
+) -> None:
+    reference = gpt2(dtype)  # the same weights, built from the CPU
+    ref_opt = make_opt(reference, offload_parameters=offload)
+    model = on_simulated_gpu(gpt2(dtype))
+    assert all(on_device(p) for p in model.parameters())
+    originals = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = make_opt(model, offload_parameters=offload)
+    peaks = opt.construction_peaks
+    final_device, final_host = _device_pool_bytes(opt), _host_pool_bytes(opt)
+    # Device: the caller's model is on the device when the call starts (the first sample);
+    # each original leaves for the host before any pool is allocated, so the pools (the
+    # final footprint) never meet it. Nothing else.
+    assert peaks.device == max(originals, final_device)
+    # The doubling is gone: the old build held the pools and the model at once.
+    assert peaks.device < final_device + originals
+    if offload:
+        # Host: the homes (host pool) come first, then each unit moves out of its host copy:
+        # at most the final footprint plus the host copies not yet moved.
+        assert final_host <= peaks.host <= final_host + originals
+    else:
+        # Host: the host copies are released bucket by bucket before the host pool is
+        # pinned, so max(the model, the final footprint); every bucket's fp32 master is in
+        # RAM, which is at least the model: the final host footprint, as before.
+        assert originals <= final_host
+        assert peaks.host == final_host
+    # No parameter views the caller's device memory any more (each is in its slot).
+    assert all(MEMORY.lookup(p) is None or MEMORY.lookup(p)[1] != GPU for p in model.parameters())
+    train(reference, ref_opt)
+    train(model, opt)
+    ref_opt.flush_pending_update()
+    opt.flush_pending_update()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(
+            param.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        ), name
+    ref_opt.close()
+    opt.close()
+
+
+def _values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
+def test_a_failed_build_from_device_weights_puts_them_back_on_the_device(
+    offload: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = on_simulated_gpu(gpt2(torch.float32))
+    before = _values(model)
+    config = OffloadConfig(offload_parameters=offload, bucket_bytes=16384)
+    kwargs = {"model": model} if offload else {}
+    with pytest.raises(MemoryError):  # the device pool does not fit, after the move
+        OffloadAdamW(
+            model.parameters(),
+            accelerator=host_accelerator(device_budget=4096),
+            config=config,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    for name, param in model.named_parameters():
+        assert on_device(param) and torch.equal(param, before[name]), name
+    # A failure half-way through the buckets: some built (then unbound), the rest not.
+    calls = {"n": 0}
+    real = source.fill
+
+    def failing(param: torch.Tensor, out: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("injected read failure")
+        real(param, out)
+
+    monkeypatch.setattr(source, "fill", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        make_opt(model, offload_parameters=offload)
+    assert calls["n"] == 6
+    monkeypatch.setattr(source, "fill", real)
+    for name, param in model.named_parameters():
+        assert on_device(param) and torch.equal(param, before[name]), name
+    # And the model builds and trains as one that never failed.
+    reference = gpt2(torch.float32)
+    ref_opt = make_opt(reference, offload_parameters=offload)
+    opt = make_opt(model, offload_parameters=offload)
+    train(reference, ref_opt)
+    train(model, opt)
+    ref_opt.flush_pending_update()
+    opt.flush_pending_update()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(param, ref), name
+    ref_opt.close()
+    opt.close()
+
+
+def test_device_weights_the_caller_still_references_are_reported_and_counted() -> None:
+    model = on_simulated_gpu(gpt2(torch.float32))
+    originals = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = model.transformer.h[0].mlp.c_fc.weight.detach()  # the caller's view of it
+    held = kept.untyped_storage().nbytes()
+    with pytest.warns(UserWarning, match=rf"1 device storages .*\({held} bytes\) are still"):
+        opt = make_opt(model)
+    # Device: the model at the call, or the pools plus the storage the caller kept alive.
+    assert opt.construction_peaks.device == max(originals, _device_pool_bytes(opt) + held)
+    assert torch.equal(kept, model.transformer.h[0].mlp.c_fc.weight)
     opt.close()

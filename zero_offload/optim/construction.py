@@ -15,7 +15,7 @@ from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.nvme_home import home_ring_bytes
-from ..weights.source import ConstructionPeaks, PeakTracker, tracking
+from ..weights.source import ConstructionPeaks, DeviceOriginals, PeakTracker, tracking
 from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
@@ -132,11 +132,16 @@ class SegmentBuilder:
             return
         check_owners(owner, params, [i for family in families for i, _ in family.members])
         self._check_in_flight([params[i] for family in families for i, _ in family.members])
-        tracker = PeakTracker(
-            self.manager, [params[i] for family in families for i, _ in family.members]
-        )
+        trainable = [params[i] for family in families for i, _ in family.members]
+        tracker = PeakTracker(self.manager, trainable)
         with tracking(tracker):
-            self._build(owner, params, families, tracker)
+            # See Note [originals on the device leave first] in weights/source.py.
+            originals = DeviceOriginals(trainable, tracker)
+            try:
+                self._build(owner, params, families, tracker)
+            except BaseException as exc:
+                originals.restore(exc)
+                raise
         self.peaks = tracker.peaks()
 
     def _check_in_flight(self, params: list[torch.Tensor]) -> None:
@@ -354,12 +359,13 @@ class SegmentBuilder:
     # never coexist: host peak = max(the host originals, the final host footprint), plus one
     # checkpoint tensor. With parameter offload the homes live in the host pool, so it comes
     # first and each unit moves in turn: host peak = final + the originals not yet moved.
-    # Originals on a GPU stay until their bucket moves: device peak = final + the model (so
-    # a model larger than the GPU is built from the CPU or from meta plus a checkpoint, and
-    # then the device peak is the final footprint). Both peaks are measured: Note
-    # [construction peaks]. A failure half-way gives the parameters built so far private
-    # copies again (ParamViews.unbind) before the pools are discarded, so the model keeps
-    # its values (on the device).
+    # Originals on the device leave it for the host before anything is allocated, and the
+    # build proceeds as from CPU weights: device peak = max(the model as the caller had it,
+    # the final footprint) (Note [originals on the device leave first] in weights/source.py).
+    # Both peaks are measured: Note [construction peaks]. A failure half-way gives the
+    # parameters built so far private copies again (ParamViews.unbind) before the pools are
+    # discarded, and the originals that had left the device go back to it
+    # (DeviceOriginals.restore), so the model keeps its values where they were.
 
     def _build_buckets(
         self,

@@ -19,17 +19,23 @@ copy, for every kind of original:
   ``__dict__`` attributes are kept).
 
 So the model is never whole anywhere but in its final slots: Note [construction holds one
-copy] in ``optim/construction.py``.
+copy] in ``optim/construction.py``. Originals on the device leave it before any pool is
+allocated (Note [originals on the device leave first]), so ``fill`` reads those from the
+host.
 """
 
 from __future__ import annotations
 
 import contextvars
+import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from ..accelerator.strict import MEMORY, MemoryKind
 
 if TYPE_CHECKING:
     from ..memory.manager import TieredMemoryManager
@@ -38,11 +44,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConstructionPeaks",
+    "DeviceOriginals",
     "PeakTracker",
     "attach",
     "fill",
     "fill_bucket",
     "has_source",
+    "on_device",
     "tracking",
 ]
 
@@ -137,10 +145,14 @@ def fill_bucket(layout: BucketLayout, params: Sequence[torch.Tensor], flat: torc
 #   buffers) plus the originals still on the host that construction has not yet released,
 #   plus the one checkpoint tensor being read.
 # On the host accelerator the device *is* the CPU: there "device" is the ledger only, and a
-# CPU original counts as host memory, as it would beside a GPU. Samples are taken after
-# every allocation and every weight read; memory only falls between them, so the sampled
-# maximum is the peak. An original counts until the bucket that holds it has re-pointed its
-# parameters (the user may hold other references; then it lives on, outside our count).
+# CPU original counts as host memory, as it would beside a GPU, unless it was registered as
+# device memory (``on_device``: the strict accelerator's memory, a test's model "on the
+# GPU"). Samples are taken after every allocation and every weight read; memory only falls
+# between them, so the sampled maximum is the peak. An original counts until the bucket
+# that holds it has re-pointed its parameters (the user may hold other references; then it
+# lives on, outside our count), and one on the device moves to the host count when it
+# leaves the device (Note [originals on the device leave first]); one whose device memory
+# something else still holds then stays in the device count to the end.
 
 
 class ConstructionPeaks(NamedTuple):
@@ -165,7 +177,7 @@ class PeakTracker:
             if param.is_meta or id(param) in self._pending:
                 continue
             nbytes = param.numel() * param.element_size()
-            on_gpu = param.device.type != "cpu"
+            on_gpu = on_device(param)
             self._pending[id(param)] = (nbytes, on_gpu)
             if on_gpu:
                 self._device_pending += nbytes
@@ -198,9 +210,144 @@ class PeakTracker:
             else:
                 self._host_pending -= entry[0]
 
+    def left_device(self, param: torch.Tensor) -> None:
+        """``param``'s device original was copied to the host and ``param`` re-pointed
+        there: its bytes count as host memory from now on."""
+        entry = self._pending.get(id(param))
+        if entry is None or not entry[1]:
+            return
+        self._pending[id(param)] = (entry[0], False)
+        self._device_pending -= entry[0]
+        self._host_pending += entry[0]
+        self.sample()
+
+    def held_on_device(self, nbytes: int) -> None:
+        """``nbytes`` of device originals live on (something else references them): they
+        count as device memory to the end of the construction."""
+        self._device_pending += nbytes
+        self.sample()
+
     def peaks(self) -> ConstructionPeaks:
         """The peaks so far."""
         return ConstructionPeaks(device=self.device, host=self.host)
+
+
+def on_device(param: torch.Tensor) -> bool:
+    """Whether ``param``'s weights are in device memory: a GPU tensor, or on the host
+    accelerator memory registered as device memory (Note [strict: host memory is not device
+    memory] in ``accelerator/strict.py``)."""
+    if param.is_meta:
+        return False
+    if param.device.type != "cpu":
+        return True
+    entry = MEMORY.lookup(param)
+    return entry is not None and entry[0] is MemoryKind.DEVICE
+
+
+# Note [originals on the device leave first]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The device pool is allocated whole before any weight moves (Note [construction holds one
+# copy] in optim/construction.py). Originals already on the device would sit beside it until
+# their bucket moved: device peak = final footprint + the model. So before anything is
+# allocated, ``DeviceOriginals`` copies each trainable original on the device to a host
+# tensor of its own (pageable CPU memory, one parameter at a time; the copy is synchronous,
+# so it is complete when it returns) and re-points the parameter there (``.data``: the same
+# object, its version counter untouched), which frees the device original. The build then
+# runs as from CPU weights, bitwise the same values. Device peak = max(the model on the
+# device at the call, the final footprint); construction adds nothing above what the caller
+# had. Host peak = what the CPU-weights build holds: max(the model, the final host
+# footprint) without parameter offload (the final footprint whenever every bucket's fp32
+# master is in RAM, which is at least the model); with it, the homes come first, so up to
+# final + the model (the gap docs/big-models.md names).
+#
+# A device original is freed only if nothing else holds its storage: a tensor or view the
+# caller kept, or a parameter viewing a shared buffer (freed once all its views moved). Each
+# storage is watched by weak reference; those still alive after every parameter moved are
+# reported (a warning with their size) and stay in the device count (Note [construction
+# peaks]). If the build fails, ``restore`` gives every parameter not in device memory a
+# device tensor with its current values again, so the model is where it was; if that
+# copy fails, the error says how many parameters stay in host memory.
+
+
+class _Moved(NamedTuple):
+    param: torch.Tensor
+    device: torch.device  # where the original was
+    simulated: str | None  # its registered device memory's name (host accelerator), or None
+
+
+class DeviceOriginals:
+    """Moves trainable device originals to the host before construction allocates; see
+    Note [originals on the device leave first].
+
+    Fields: ``moved``: each parameter moved, where it was; ``held_bytes``: device bytes
+    that stayed alive (referenced elsewhere) after the move.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], tracker: PeakTracker) -> None:
+        self.moved: list[_Moved] = []
+        self.held_bytes = 0
+        storages: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        seen: set[int] = set()
+        try:
+            for param in params:
+                if id(param) in seen or not on_device(param):
+                    continue
+                seen.add(id(param))
+                storage = param.untyped_storage()
+                storages[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+                del storage
+                self._to_host(param, tracker)
+        except BaseException as exc:
+            self.restore(exc)
+            raise
+        held = [nbytes for ref, nbytes in storages.values() if ref() is not None]
+        self.held_bytes = sum(held)
+        if held:
+            tracker.held_on_device(self.held_bytes)
+            warnings.warn(
+                f"{len(held)} device storages of the parameters ({self.held_bytes} bytes) are "
+                "still referenced elsewhere (a tensor or view of the weights kept by the "
+                "caller), so building the optimizer could not free them: the device holds "
+                "them beside the optimizer's pools. Drop those references before building "
+                "it (Note [originals on the device leave first])",
+                stacklevel=4,
+            )
+
+    def _to_host(self, param: torch.Tensor, tracker: PeakTracker) -> None:
+        entry = MEMORY.lookup(param)
+        host = torch.empty(param.shape, dtype=param.dtype, device="cpu")  # pageable
+        with torch.no_grad():
+            host.copy_(param.detach())  # synchronous D2H: done when it returns
+        self.moved.append(_Moved(param, param.device, None if entry is None else entry[1]))
+        param.data = host  # drops the parameter's hold on its device original
+        tracker.left_device(param)
+
+    def restore(self, error: BaseException | None) -> None:
+        """A build failed (``error``): every moved parameter not in device memory gets a
+        device tensor with its values again. Raises ``RuntimeError`` (from ``error``)
+        saying how many stay in host memory if that fails."""
+        stuck = 0
+        for moved in self.moved:
+            param = moved.param
+            if on_device(param):  # bound, then given a device copy back (unbind)
+                continue
+            try:
+                back = torch.empty(param.shape, dtype=param.dtype, device=moved.device)
+                if moved.simulated is not None:
+                    MEMORY.register(back, MemoryKind.DEVICE, moved.simulated)
+                with torch.no_grad():
+                    back.copy_(param.detach())
+                param.data = back
+            except Exception:  # counted and reported below
+                stuck += 1
+        self.moved = []
+        if stuck:
+            raise RuntimeError(
+                f"building the optimizer failed ({error!r}), and {stuck} parameters that "
+                "had left the device for it could not go back: they keep their values in "
+                "host memory (CPU tensors). Move the model back (model.to(device)) or free "
+                "device memory and build again"
+            ) from error
 
 
 _TRACKER: contextvars.ContextVar[PeakTracker | None] = contextvars.ContextVar(
