@@ -83,6 +83,7 @@ from ..partition import BucketLayout
 from ..views import Family
 from . import released
 from .home_store import Bounce, bounce_bytes
+from .hook_ref import Hook as _Hook  # the old name: models pickled with it still load
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .views import WindowedViews
@@ -117,31 +118,6 @@ class _Once:
 
 def _never() -> bool:
     return False
-
-
-def _inert(*args: Any) -> None:
-    """What a copy of the model holds in place of the offloader's hooks (``_Hook``)."""
-
-
-class _Hook:
-    """``fn(*args, *hook_args)``, as ``functools.partial`` would call it, for a hook the
-    offloader registers on the model or the optimizer (``args`` hold it weakly). A copy of
-    the model (``copy.deepcopy``, ``AveragedModel``, ``torch.save(model)``) is not what the
-    optimizer trains: it gets an inert hook, so its forwards leave this window alone, and it
-    pickles (a weak reference does not)."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:  # no __slots__: torch marks some hooks
-        self.fn = fn
-        self.args = args
-
-    def __call__(self, *hook_args: Any) -> None:
-        self.fn(*self.args, *hook_args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return _Hook(_inert)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Hook, (_inert,))
 
 
 def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
