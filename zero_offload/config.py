@@ -295,7 +295,9 @@ class OffloadConfig:
             each unit (a block of ``layers``, the embeddings, the head, ...) is fetched
             ``prefetch_layers`` units ahead of its forward and its backward
             (``zero_offload.params``; README, "Parameter offload"). Needs ``model=`` on the
-            optimizer, one rank, ``offload_fraction=1.0`` and no ``overlap_step``. With
+            optimizer, ``offload_fraction=1.0`` and no ``overlap_step``. With several ranks
+            it is ZeRO-3 with offload: each rank's homes hold its shard of each unit, which
+            is all-gathered before use (docs/parameter-offload.md, "Several ranks"). With
             ``nvme_dir`` the master and moments beyond ``host_budget`` go to NVMe and each
             unit's home is its bucket's pinned weight staging, so the weights stay in host
             RAM (docs/nvme.md, "With parameter offload"). Default False.

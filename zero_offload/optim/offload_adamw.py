@@ -86,10 +86,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     parameter one dynamic loss scaler serves them all: ``opt.backward(loss)`` scales the
     whole loss, and every bucket's gradients are unscaled by the same factor at the step.
 
-    Parameter offload (``OffloadConfig(offload_parameters=True)``, ZeRO-3 on several ranks): ``model`` is
-    the module whose forward runs and ``layers`` its repeated blocks (default: the
-    ``nn.ModuleList`` holding the most parameters); only a window of units' weights stays
-    on the device, fetched ahead of each forward and backward (``zero_offload.params``).
+    Parameter offload (``OffloadConfig(offload_parameters=True)``; sharded, ZeRO-3, on several
+    ranks): ``model`` is the module whose forward runs and ``layers`` its repeated blocks
+    (default: the ``nn.ModuleList`` holding the most parameters); only a window of units'
+    weights stays on the device, fetched ahead of each forward and backward.
     """
 
     #: AdamW's decoupled weight decay; ``OffloadAdam`` sets False (torch.optim.Adam's L2).

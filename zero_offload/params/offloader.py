@@ -229,6 +229,9 @@ class ParamOffloader:
         phase: ``Phase``, as the hooks last saw it.
     """
 
+    #: The class of each unit (several ranks: ``sharded_fetch.ShardedParamUnit``).
+    unit_class: type[ParamUnit] = ParamUnit
+
     def __init__(
         self,
         model: nn.Module,
@@ -304,7 +307,7 @@ class ParamOffloader:
         )
         ref = weakref.ref(self)
         self.units = [
-            ParamUnit(
+            self.unit_class(
                 spec,
                 i,
                 self.window.slots[slot_of[i]],

@@ -28,13 +28,16 @@ reverse for a backward. A pass through a phase keeps a cursor into that order; f
 unit at position ``p`` first takes part in the gather of every unit between the cursor and
 ``p`` that its slot does not hold validly (``_pass_through``: gathered into its slot, left
 released), and the end of each forward and backward sweeps the order to its end. A unit
-whose slot holds it validly is fetched without a gather. So each rank issues the same
-gathers in the same order: the slots' contents change only by those gathers (and by a step,
-the same on every rank), so whether a unit needs one is the same everywhere; only their
-timing differs. A prefetch that would evict a unit in use stops (it changes timing, not the
-order). A unit needed again behind the cursor whose slot no longer holds it (a block run
-twice in one forward, a forward that runs the units far out of their registration order)
-would need a gather out of the order: that is refused, naming the unit.
+whose slot holds it validly is fetched without a gather and without moving the cursor (a
+tied unit's own slot keeps it from its forward to its backward). So each rank issues the
+same gathers in the same order: the slots' contents change only by those gathers and by a
+step, which makes every slot stale on every rank (``before_step``: a rank whose shard of a
+bucket is all padding updates nothing there, yet the others' updates arrive with the next
+gather), so whether a unit needs a gather is the same everywhere; only the timing differs.
+A prefetch that would evict a unit in use stops (it changes timing, not the order). A unit
+needed again behind the cursor whose slot no longer holds it (a block run twice in one
+forward, a forward that runs the units far out of their registration order) would need a
+gather out of the order: that is refused, naming the unit.
 
 Outside a forward or backward (``materialize``: user code reading a released parameter,
 ``model.state_dict()``, ``torch.save(model)``, ``close``) a fetch gathers directly: such a
@@ -62,7 +65,7 @@ from .released import restore
 from .unit import ParamUnit
 from .views import WindowedViews
 
-__all__ = ["ShardedParamOffloader", "ShardedWindowedViews", "SlotGather"]
+__all__ = ["ShardedParamOffloader", "ShardedParamUnit", "ShardedWindowedViews", "SlotGather"]
 
 
 class ShardedWindowedViews(WindowedViews):
@@ -125,6 +128,20 @@ class ShardedWindowedViews(WindowedViews):
             if i not in replaced:
                 restore(param, flat[slot.offset : slot.end].view(slot.shape).clone())
         self.unbound = True
+
+
+class ShardedParamUnit(ParamUnit):
+    """A unit whose homes are shards (Note [a sharded unit])."""
+
+    @property
+    def homes_written(self) -> bool:
+        """Never, here: whether a slot needs a gather must be the same on every rank, and a
+        home's version counter is its host pool's (every host-pool view shares the pool
+        tensor's counter), which moves with each rank's own gradient staging. Under ZeRO-3
+        the homes are written by the step (which makes every slot stale, ``before_step``)
+        and by a write-back of the slot itself, which then holds what the home does; state
+        dict entries are copies, not views of the homes."""
+        return False
 
 
 class SlotGather:
@@ -193,6 +210,8 @@ class ShardedParamOffloader(ParamOffloader):
             gathers directly).
         _cursor: how far into ``_order`` this rank has taken part in the gathers.
     """
+
+    unit_class = ShardedParamUnit
 
     def __init__(self, model: nn.Module, *, comm: Comm, stream: Stream, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -336,10 +355,15 @@ class ShardedParamOffloader(ParamOffloader):
         if self._order:
             self._sweep()
         super().before_step()
+        # The step writes the homes on the ranks whose shard holds parameters: a rank whose
+        # shard of a bucket is all padding writes nothing and would keep its slot valid
+        # while the others gather. Every slot is stale on every rank (Note [a sharded unit]).
+        for unit in self.units:
+            unit.content_valid = False
 
 
 def _holds(unit: ParamUnit) -> bool:
     """Whether ``unit``'s slot holds its current weights (a fetch would gather nothing)."""
     if unit.resident:
         return True
-    return unit.slot.occupant is unit and unit.content_valid and not unit.homes_written
+    return unit.slot.occupant is unit and unit.content_valid
