@@ -116,7 +116,13 @@ class SegmentBuilder:
         if gathers is None:
             return ParamOffloader(model, **options)
         # Several ranks: ZeRO-3 with offload (Note [a sharded unit]).
-        return ShardedParamOffloader(model, comm=gathers[0], stream=gathers[1], **options)
+        return ShardedParamOffloader(
+            model,
+            comm=gathers[0],
+            stream=gathers[1],
+            finished=self.resources.router.finished,
+            **options,
+        )
 
     def build(self, owner: torch.optim.Optimizer, group_indices: list[int]) -> None:
         """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets

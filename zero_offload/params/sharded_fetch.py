@@ -39,6 +39,22 @@ needed again behind the cursor whose slot no longer holds it (a block run twice 
 forward, a forward that runs the units far out of their registration order) would need a
 gather out of the order: that is refused, naming the unit.
 
+Note [a unit's gradients are over]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A rank's backward waits for gathers the other ranks issue from their backward, and a
+bucket's reduce-scatter waits for the same bucket on every rank. A bucket that a rank
+completes only at the end of its backward (a parameter unused there: Note [ranks in
+lockstep] in ``optim/grads/order.py``) holds back this rank's reduce-scatters; the other
+ranks' reduce-scatters wait for it, their gradient buffers run out, they stop before their
+next gather, and this rank waits for that gather: a deadlock stage 2 never had. So when a
+unit's output gradient arrives (``_backward_use``), every unit used in this forward only
+after it, and every unit not used at all, has had its whole backward (Note [the parameter
+window] in ``offloader.py``): its buckets are declared finished (``BackwardRouter
+.finished``), completed with zeros where nothing came, and go in their turn. Not done when
+several forwards feed one backward or for a unit user code read during the forward (its
+parameters may be used anywhere): those buckets wait for the end of backward as in stage 2,
+and a parameter unused on one rank inside a unit that ran can still deadlock that way.
+
 Outside a forward or backward (``materialize``: user code reading a released parameter,
 ``model.state_dict()``, ``torch.save(model)``, ``close``) a fetch gathers directly: such a
 read is collective, every rank must make it in the same order (FSDP's full state dict is the
@@ -48,7 +64,7 @@ home (no rank holds the whole parameter); a write to it does not reach the model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,9 +118,9 @@ class ShardedWindowedViews(WindowedViews):
         return out
 
     def _gathered(self) -> torch.Tensor:
-        """The whole bucket on the device, gathered (collective; Note [a sharded unit])."""
-        if not self.unit.resident:
-            self.unit.materialize()
+        """The whole bucket on the device, gathered (collective; Note [a sharded unit]):
+        the unit is fetched if it is not resident, and compute waits for its gather."""
+        self.unit.materialize()
         return self.weights_dev
 
     def home_view(self, index: int) -> torch.Tensor:
@@ -213,12 +229,24 @@ class ShardedParamOffloader(ParamOffloader):
 
     unit_class = ShardedParamUnit
 
-    def __init__(self, model: nn.Module, *, comm: Comm, stream: Stream, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Comm,
+        stream: Stream,
+        finished: Callable[[list[int]], None],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, **kwargs)
         self.comm = comm
         self.gather = SlotGather(comm, stream, self.manager)
+        self.finished = finished  # the optimizer's BackwardRouter.finished
         self._order: list[ParamUnit] = []
         self._cursor = 0
+        self._grad_forwards = 0  # forwards with autograd since the last backward
+        self._touched: set[int] = set()  # units read by user code during a forward
+        self._declared: set[int] = set()  # units whose buckets were declared finished
 
     def _new_views(
         self,
@@ -312,6 +340,8 @@ class ShardedParamOffloader(ParamOffloader):
             super()._advance(current, upcoming)
 
     def materialize(self, unit: ParamUnit) -> None:
+        if self.phase is Phase.FORWARD:
+            self._touched.add(unit.index)  # its parameters may have a gradient anywhere
         with surface_collective_errors():
             super().materialize(unit)
 
@@ -322,6 +352,8 @@ class ShardedParamOffloader(ParamOffloader):
             self._sweep()  # a forward that never ended (a submodule run alone)
         super()._begin_forward()
         self._start_pass(list(self.units))
+        if torch.is_grad_enabled():
+            self._grad_forwards += 1
 
     def _end_forward(self) -> None:
         self._sweep()
@@ -332,10 +364,36 @@ class ShardedParamOffloader(ParamOffloader):
             if self._order:
                 self._sweep()
             self._start_pass(list(reversed(self.units)))
+            self._declared = set()
+        self._declare_finished(unit)
         super()._backward_use(unit)
+
+    def _declare_finished(self, unit: ParamUnit) -> None:
+        """Note [a unit's gradients are over]."""
+        if self._grad_forwards != 1 or unit.index in self._touched:
+            return  # several graphs in one backward, or a unit read outside its forward
+        positions: dict[int, list[int]] = {}
+        for position, used in enumerate(self._trace):
+            positions.setdefault(used.index, []).append(position)
+        if unit.index not in positions:
+            return
+        last = max(positions[unit.index])
+        over = [
+            other
+            for other in self.units
+            if other.index not in self._declared
+            and other.index not in self._touched
+            and (other.index not in positions or min(positions[other.index]) > last)
+        ]
+        self._declared.update(other.index for other in over)
+        indices = sorted(views.layout.index for other in over for views in other.views)
+        if indices:
+            self.finished(indices)
 
     def _end_backward(self) -> None:
         self._sweep()
+        self._grad_forwards = 0
+        self._touched = set()
         super()._end_backward()
 
     def close(self) -> None:
