@@ -73,4 +73,4 @@ def test_rounding_rule_edges() -> None:
 def test_the_table_says_stage_three_is_not_run() -> None:
     text = table1()
     assert "15.6" in text and "4011" in text
-    assert "ZeRO-3 (P_os+g+p, parameters partitioned across ranks) is not implemented" in text
+    assert "ZeRO-3 (P_os+g+p) with the shards on the device is not implemented" in text

@@ -295,10 +295,13 @@ class OffloadConfig:
             each unit (a block of ``layers``, the embeddings, the head, ...) is fetched
             ``prefetch_layers`` units ahead of its forward and its backward
             (``zero_offload.params``; README, "Parameter offload"). Needs ``model=`` on the
-            optimizer, one rank, ``offload_fraction=1.0`` and no ``overlap_step``. With
-            ``nvme_dir`` ``host_budget`` holds the units' homes (the training-dtype weights)
-            first, the homes beyond it in weight files on NVMe, then the master and moments,
-            the rest on NVMe (docs/nvme.md, "With parameter offload"). Default False.
+            optimizer, ``offload_fraction=1.0`` and no ``overlap_step``. With several ranks
+            it is ZeRO-3 with offload: each rank's homes hold its shard of each unit, which
+            is all-gathered before use (docs/parameter-offload.md, "Several ranks"); one
+            rank only with ``nvme_dir``. With ``nvme_dir`` ``host_budget`` holds the units'
+            homes (the training-dtype weights) first, the homes beyond it in weight files on
+            NVMe, then the master and moments, the rest on NVMe (docs/nvme.md, "With
+            parameter offload"). Default False.
         prefetch_layers: with ``offload_parameters``, how many units ahead the H2D copies
             run (0: fetched when needed, nothing hidden). Device weights are then
             ``prefetch_layers + 2`` slots of the largest units. An int >= 0. Default 1.

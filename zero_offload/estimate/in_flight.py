@@ -38,7 +38,10 @@ from .nvme import (
     total_bytes,
 )
 from .pools import BucketGroups
-from .rows import ZERO3_NOT_YET, Configuration, Context, Limits, RowBytes, Status, Subject
+from .rows import Configuration, Context, Limits, RowBytes, Status, Subject
+
+#: Why the in-flight rows are estimates only on several ranks.
+IN_FLIGHT_RANKS_NOT_YET = "in-flight gradient staging on several ranks is refused"
 
 __all__ = ["CONDITIONS", "ParamInFlight", "ring_bytes"]
 
@@ -126,7 +129,7 @@ class ParamInFlight(Configuration):
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         if ctx.world_size > 1:
-            return Status.NOT_YET, ZERO3_NOT_YET
+            return Status.NOT_YET, IN_FLIGHT_RANKS_NOT_YET
         return Status.RUNS, ""
 
     def conditions(self) -> str:

@@ -96,7 +96,7 @@ def table1() -> str:
         "P_os = 4Psi + K Psi/N_d (ZeRO-1), P_os+g = 2Psi + 14Psi/N_d (ZeRO-2), "
         "P_os+g+p = 16Psi/N_d (ZeRO-3)\n\n"
         + format_table(header, rows)
-        + "\n\nthis library runs ZeRO-2 (with offload); ZeRO-3 (P_os+g+p, parameters "
-        "partitioned across ranks) is not implemented yet: its column is the paper's "
-        "accounting only."
+        + "\n\nthis library runs ZeRO-2 (with offload) and ZeRO-3 with parameter offload "
+        "(each rank's shards in host RAM); ZeRO-3 (P_os+g+p) with the shards on the device "
+        "is not implemented yet: its column is the paper's accounting only."
     )

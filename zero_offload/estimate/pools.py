@@ -78,8 +78,8 @@ def _unit_pools(
 ) -> tuple[int, int, int]:
     """``(window bytes, gradient buffers, host per rank)`` of one unit under parameter
     offload: its own buckets (a unit never shares one), planned as the optimizer plans them.
-    With ``world_size`` ranks (ZeRO-3, an estimate: not run yet) the slot still holds the
-    whole unit, gathered, and the host holds this rank's shard."""
+    With ``world_size`` ranks (ZeRO-3 with offload) the slot still holds the whole unit,
+    gathered, and the host holds this rank's shard."""
     from ..memory.align import aligned
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
@@ -107,8 +107,8 @@ def param_offload_bytes(
 ) -> tuple[int, int, int]:
     """``(device window, device gradient buffers, host per rank)`` of ``OffloadAdamW`` with
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units,
-    ``ModelShape.parameter_units``): the exact pool sizes with one rank; with several, the
-    ZeRO-3 estimate of ``_unit_pools``.
+    ``ModelShape.parameter_units``): the exact pool sizes, with one rank or several (ZeRO-3
+    with offload, ``_unit_pools``).
 
     Each unit's buckets are its own, so each distinct unit is planned once (the blocks are
     alike): the host pool and the gradient buffers are a sum and a maximum over buckets

@@ -39,7 +39,8 @@ __all__ = ["SegmentBuilder", "check_param_offload"]
 
 def check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
     """Refuse model=/layers= without parameter offload, and parameter offload without a
-    model or with several ranks."""
+    model or with NVMe on several ranks. Parameter offload with several ranks is ZeRO-3
+    with offload (Note [a sharded unit] in ``params/sharded_fetch.py``)."""
     if config.offload_parameters:
         if model is None:
             raise ValueError(
@@ -47,11 +48,12 @@ def check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: An
                 "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
                 "the nn.ModuleList holding the most parameters)"
             )
-        if comm is not None:
+        if comm is not None and config.nvme_dir is not None:
             raise ValueError(
-                f"{comm.where()}: OffloadConfig.offload_parameters=True runs on one rank "
-                "only for now (ZeRO-3 sharding of the weights is not implemented); set "
-                "offload_parameters=False or run one process"
+                f"{comm.where()}: OffloadConfig(offload_parameters=True, nvme_dir="
+                f"{config.nvme_dir!r}) with several ranks is not supported yet (ZeRO-3 "
+                "shards its weights in host RAM; NVMe state under sharded parameters is "
+                "untested); leave nvme_dir=None with several ranks, or run one process"
             )
     elif model is not None or layers is not None:
         raise ValueError(
@@ -104,16 +106,26 @@ class SegmentBuilder:
                 "add_param_group with OffloadConfig(offload_parameters=True): the window is "
                 "planned once for the model; pass every param group to the constructor"
             )
-        from ..params import ParamOffloader  # params sits beside optim (DESIGN.md)
+        from ..params import ParamOffloader, ShardedParamOffloader  # beside optim (DESIGN.md)
 
         model, layers = self.param_offload_of
-        return ParamOffloader(
+        options: dict[str, Any] = {
+            "layers": layers,
+            "manager": self.manager,
+            "prefetch_layers": self.config.prefetch_layers,
+            "trainable": [params[i] for family in families for i, _ in family.members],
+            "name": f"{self.name}",
+        }
+        gathers = self.ranks.param_gathers()
+        if gathers is None:
+            return ParamOffloader(model, **options)
+        # Several ranks: ZeRO-3 with offload (Note [a sharded unit]).
+        return ShardedParamOffloader(
             model,
-            layers=layers,
-            manager=self.manager,
-            prefetch_layers=self.config.prefetch_layers,
-            trainable=[params[i] for family in families for i, _ in family.members],
-            name=f"{self.name}",
+            comm=gathers[0],
+            stream=gathers[1],
+            finished=self.resources.router.finished,
+            **options,
         )
 
     def build(self, owner: torch.optim.Optimizer, group_indices: list[int]) -> None:

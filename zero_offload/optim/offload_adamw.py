@@ -43,7 +43,7 @@ from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
 from .grads.router import BackwardRouter
 from .lifetime import Resources
-from .ranks import Ranks, ShardedRanks, SingleRank, optimizer_comm
+from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
 from .state import streaming
 from .state.live import OptimizerState
 from .state.state_dict import load_optimizer_state, optimizer_state
@@ -86,10 +86,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     parameter one dynamic loss scaler serves them all: ``opt.backward(loss)`` scales the
     whole loss, and every bucket's gradients are unscaled by the same factor at the step.
 
-    Parameter offload (``OffloadConfig(offload_parameters=True)``, one rank): ``model`` is
-    the module whose forward runs and ``layers`` its repeated blocks (default: the
-    ``nn.ModuleList`` holding the most parameters); only a window of units' weights stays
-    on the device, fetched ahead of each forward and backward (``zero_offload.params``).
+    Parameter offload (``OffloadConfig(offload_parameters=True)``; sharded, ZeRO-3, on several
+    ranks): ``model`` is the module whose forward runs and ``layers`` its repeated blocks
+    (default: the ``nn.ModuleList`` holding the most parameters); only a window of units'
+    weights stays on the device, fetched ahead of each forward and backward.
     """
 
     #: AdamW's decoupled weight decay; ``OffloadAdam`` sets False (torch.optim.Adam's L2).
@@ -171,7 +171,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             # that they overlap backward and stay off the copy streams.
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
-            self._ranks = ShardedRanks(
+            ranks = ShardedParamRanks if config.offload_parameters else ShardedRanks  # ZeRO-3
+            self._ranks = ranks(
                 comm, stream, accelerator=self.accelerator, owns_group=process_group is None
             )
         self._router = BackwardRouter(self._ranks, self.manager)

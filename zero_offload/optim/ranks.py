@@ -34,7 +34,7 @@ from ..memory.traffic import Category
 from ..tracing import phase
 from .grads.order import BucketOrder, FreeOrder, LockstepOrder
 
-__all__ = ["Ranks", "ShardedRanks", "SingleRank", "optimizer_comm"]
+__all__ = ["Ranks", "ShardedParamRanks", "ShardedRanks", "SingleRank", "optimizer_comm"]
 
 
 # Note [a process group of the optimizer's own]
@@ -75,6 +75,11 @@ class Ranks(ABC):
     @property
     def comm(self) -> Comm | None:
         """The process group's ``Comm`` (``None`` with one rank)."""
+        return None
+
+    def param_gathers(self) -> tuple[Comm, Stream] | None:
+        """The group and stream the parameter all-gathers of ZeRO-3 run on (Note
+        [parameter gathers on a group and stream of their own]); None without them."""
         return None
 
     @abstractmethod
@@ -274,3 +279,66 @@ class ShardedRanks(Ranks):
         if live:
             with phase("all_gather", track="comm"):
                 wait_all(live, self._comm)
+
+
+# Note [parameter gathers on a group and stream of their own]
+# Under ZeRO-3 two sequences of collectives run during backward: the units' all-gathers, in
+# the canonical order of Note [a sharded unit] (params/sharded_fetch.py), and the buckets'
+# reduce-scatters, in the lockstep order of Note [ranks in lockstep] (grads/order.py). Each
+# is the same on every rank, but how they interleave is not: a rank's prefetch issues a
+# gather early where another's grad buffers made it issue a reduce-scatter first. On one
+# group and one stream the two ranks would then wait on different collectives forever. So
+# the gathers get a process group of their own (made at construction, by the group's
+# members only) and a stream of their own ("gather"): each sequence matches on its own.
+
+
+class ShardedParamRanks(ShardedRanks):
+    """Several ranks with parameter offload (ZeRO-3 with offload): the step's updated shard
+    stays in this rank's home and the next fetch of its unit all-gathers it (Note [a
+    sharded unit] in ``params/sharded_fetch.py``), so the step gathers nothing. The
+    gathers run on a group and a stream of their own (Note [parameter gathers on a group
+    and stream of their own])."""
+
+    def __init__(
+        self, comm: Comm, stream: Stream, *, accelerator: Accelerator, owns_group: bool = False
+    ) -> None:
+        super().__init__(comm, stream, accelerator=accelerator, owns_group=owns_group)
+        members = [
+            r if comm.group is None else dist.get_global_rank(comm.group, r)
+            for r in range(comm.world_size)
+        ]
+        # A collective of the group's members (every rank builds the optimizer).
+        group = dist.new_group(
+            ranks=members, backend=dist.get_backend(comm.group), use_local_synchronization=True
+        )
+        self._gather_comm = Comm(
+            group=group,
+            rank=comm.rank,
+            world_size=comm.world_size,
+            timeout=comm.timeout,
+            counters=comm.counters,  # one count of the optimizer's traffic
+        )
+        self._gather_stream = accelerator.new_stream("gather")
+
+    def param_gathers(self) -> tuple[Comm, Stream] | None:
+        return self._gather_comm, self._gather_stream
+
+    def gather_weights(
+        self,
+        manager: TieredMemoryManager,
+        weights: torch.Tensor,
+        published: list[Event],
+        *,
+        what: str,
+    ) -> tuple[list[Event], Pending | None]:
+        return published, None  # nothing was published: the home is the source
+
+    def close(self) -> None:
+        """Stop the gather stream (after its work) and destroy its group, then the rest."""
+        try:
+            self._gather_stream.close()
+        finally:
+            if dist.is_available() and dist.is_initialized():
+                with contextlib.suppress(RuntimeError, ValueError):
+                    dist.destroy_process_group(self._gather_comm.group)
+            super().close()

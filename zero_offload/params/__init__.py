@@ -1,7 +1,9 @@
 """Parameter offload: a window of layers' weights on the device, prefetched ahead of forward
-and backward (``OffloadConfig(offload_parameters=True)``; README, "Parameter offload")."""
+and backward (``OffloadConfig(offload_parameters=True)``; README, "Parameter offload"); with
+several ranks each rank holds a shard of each unit and gathers it (ZeRO-3 with offload)."""
 
 from .offloader import ParamOffloader, Phase
+from .sharded_fetch import ShardedParamOffloader
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 
@@ -9,6 +11,7 @@ __all__ = [
     "ParamOffloader",
     "ParamUnit",
     "Phase",
+    "ShardedParamOffloader",
     "UnitSpec",
     "UnitState",
     "default_layers",

@@ -58,11 +58,11 @@ slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest
 plus one slot per tied unit. Everything else on the device is what it was: the optimizer's
 gradient buffers and the activations.
 
-Several ranks (ZeRO-3 with offload) are not implemented: each rank would hold its shard of
-each home, fetch the shard into its slice of the slot and all-gather the slot on the comm
-stream before ``use`` (``ParamUnit.ready`` would become the all-gather's event); the window,
-the lifecycle and the schedule stay as they are. The optimizer refuses several ranks with
-parameter offload for now.
+Several ranks (ZeRO-3 with offload, ``ShardedParamOffloader`` in ``sharded_fetch.py``): each
+rank holds its shard of each home, fetches the shard into its slice of the slot and
+all-gathers the slot on the comm stream before ``use`` (``ParamUnit.ready`` is the
+all-gather's event); the window and the lifecycle stay as they are, and the gathers follow
+one order on every rank (Note [a sharded unit]).
 """
 
 from __future__ import annotations
@@ -217,6 +217,9 @@ class ParamOffloader:
         phase: ``Phase``, as the hooks last saw it.
     """
 
+    #: The class of each unit (several ranks: ``sharded_fetch.ShardedParamUnit``).
+    unit_class: type[ParamUnit] = ParamUnit
+
     def __init__(
         self,
         model: nn.Module,
@@ -298,7 +301,7 @@ class ParamOffloader:
         )
         ref = weakref.ref(self)
         self.units = [
-            ParamUnit(
+            self.unit_class(
                 spec,
                 i,
                 self.window.slots[slot_of[i]],
@@ -313,9 +316,19 @@ class ParamOffloader:
         index, offset = self._place[layout.index]
         unit = self.units[index]
         region = unit.slot.region(offset, layout.padded_numel, params[0].dtype)
-        views = WindowedViews(layout, params, unit, region)
+        views = self._new_views(layout, params, unit, region)
         unit.views.append(views)
         return views
+
+    def _new_views(
+        self,
+        layout: BucketLayout,
+        params: Sequence[nn.Parameter],
+        unit: ParamUnit,
+        region: torch.Tensor,
+    ) -> WindowedViews:
+        """The views of one bucket (the whole bucket's home; several ranks override)."""
+        return WindowedViews(layout, params, unit, region)
 
     def adopt(self, views: WindowedViews, backend: Any) -> None:
         """The bucket's backend is built: its home (``weights_home()``) holds the weights

@@ -114,6 +114,9 @@ class ParamUnit:
         materialize: fetch for user code (``ParamOffloader.materialize``, holding it weakly).
         exposed: per bucket, the slot's fingerprint when user code could first touch it
             (None: not exposed); Note [a write to a resident unit reaches its home].
+        gather: with several ranks, queues the all-gather of the slot after the H2D copies'
+            end event and returns the gather's (Note [a sharded unit] in
+            ``sharded_fetch.py``); None on one rank.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class ParamUnit:
         self.write_backs = 0
         self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
         self.pending: list[PendingFetch] = []  # disk reads of a fetch, copies not queued
+        self.gather: Callable[[ParamUnit, Event], Event] | None = None
 
     def _home_versions_now(self) -> tuple[int, ...]:
         return tuple(views.home_version() for views in self.views)
@@ -192,7 +196,7 @@ class ParamUnit:
                     continue
                 home, home_block = views.home_pair()
                 end = manager.copy(
-                    views.weights_dev,
+                    views.home_slot(),
                     home,
                     direction=Direction.H2D,
                     category=Category.WEIGHTS,  # parameter fetches: label "param ..."
@@ -202,6 +206,8 @@ class ParamUnit:
                     blocks=[slot.block, home_block],
                     label=label,
                 )
+            if self.gather is not None and end is not None:  # several ranks: Note [a sharded unit]
+                end = self.gather(self, end)
             self.ready = self.fetched = end  # one stream, in order: the last end covers all
             self.fetches += 1
         slot.occupant = self
@@ -294,7 +300,7 @@ class ParamUnit:
             home, home_block = views.home_pair()
             end = manager.copy(
                 home,
-                views.weights_dev,
+                views.home_slot(),
                 direction=Direction.D2H,
                 category=Category.WEIGHTS,
                 after=[manager.compute_ready()],  # the writes were issued on compute

@@ -73,8 +73,10 @@ class WindowedViews(ParamViews):
     weights_dev: (padded_numel,) training dtype, the unit's slot at this bucket's offset;
         holds this bucket's weights only while the unit is resident.
     block: the slot's block (copies record their events on it).
-    home: (padded_numel,) training dtype, pinned host; the authoritative weights (None
+    home: training dtype, pinned host; the authoritative weights of ``home_span`` (None
         until ``adopt_home``); ``home_block`` its block.
+    home_span: ``[lo, hi)`` of the bucket the home holds: all of it on one rank; this
+        rank's shard with several (``params.sharded_fetch``, Note [a sharded unit]).
     placeholders: per parameter, its shape and dtype on the device, 0 bytes of storage
         (empty until ``adopt_home``); what a released parameter holds.
     """
@@ -95,6 +97,7 @@ class WindowedViews(ParamViews):
         self.weights_dev = region
         self.home: torch.Tensor | None = None
         self.home_block: Block | None = None
+        self.home_span = (0, layout.padded_numel)
         fill_bucket(layout, self.params, region)  # the window keeps the slot on failure
         self._point_at(region)  # releases the original storage (one copy of the model)
         self.versions: tuple[int, ...] | None = None
@@ -118,10 +121,11 @@ class WindowedViews(ParamViews):
     def adopt_home(self, home: torch.Tensor, home_block: Block) -> None:
         """The backend is built and its home holds the weights: the parameters are released
         onto their placeholders (Note [a released parameter])."""
-        if home.numel() != self.layout.padded_numel or home.dtype != self.dtype:
+        lo, hi = self.home_span
+        if home.numel() != hi - lo or home.dtype != self.dtype:
             raise RuntimeError(
                 f"bucket {self.layout.index}: home {tuple(home.shape)} {home.dtype} does not "
-                f"match ({self.layout.padded_numel},) {self.dtype} (bug)"
+                f"match ({hi - lo},) {self.dtype} (bug)"
             )
         self.home, self.home_block = home, home_block
         self._release_onto_placeholders()
@@ -148,6 +152,11 @@ class WindowedViews(ParamViews):
         if self.home is None or self.home_block is None:
             raise RuntimeError(f"bucket {self.layout.index}: no home yet (bug)")
         return self.home, self.home_block
+
+    def home_slot(self) -> torch.Tensor:
+        """The range of the slot the home is copied into (and written back from)."""
+        lo, hi = self.home_span
+        return self.weights_dev[lo:hi]
 
     def home_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached; a

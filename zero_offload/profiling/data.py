@@ -59,3 +59,8 @@ class ProfileData:
     pools_start: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats()
     pools_end: dict[str, dict[str, Any]] | None = None
     device_budget: int = 0  # bytes, summed over the accelerators
+    # The targets' collective counters (``collectives.CommCounters``: one per optimizer on
+    # several ranks) and their ``snapshot()`` at start and stop: bytes by kind of collective.
+    comm_counters: list[Any] = field(default_factory=list)
+    comm_start: list[dict[str, dict[str, int]]] = field(default_factory=list)
+    comm_end: list[dict[str, dict[str, int]]] | None = None

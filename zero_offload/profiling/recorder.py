@@ -25,6 +25,7 @@ import psutil
 import torch
 
 from ..accelerator import Accelerator
+from ..collectives import CommCounters
 from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Record, StallRecord
@@ -69,6 +70,18 @@ def resolve_managers(targets: Iterable[Any]) -> list[TieredMemoryManager]:
     return managers
 
 
+def resolve_comm_counters(targets: Iterable[Any]) -> list[CommCounters]:
+    """The distinct collective counters of ``targets`` (an optimizer on several ranks has
+    ``.comm.counters``); the others have none."""
+    found: list[CommCounters] = []
+    for target in targets:
+        comm = getattr(target, "comm", None)
+        counters = getattr(comm, "counters", None)
+        if isinstance(counters, CommCounters) and all(counters is not c for c in found):
+            found.append(counters)
+    return found
+
+
 class TrafficProfiler:
     """Records copies, phases and memory of one or more memory managers; see ``profile()``.
 
@@ -92,6 +105,7 @@ class TrafficProfiler:
                 f"link_bandwidth must be bytes per second > 0 or None (measure it), "
                 f"got {link_bandwidth!r}"
             )
+        targets = list(targets)  # read twice: managers and collective counters
         managers = resolve_managers(targets)
         self._accelerators: list[Accelerator] = []
         for manager in managers:
@@ -102,6 +116,7 @@ class TrafficProfiler:
         self._process = psutil.Process()
         self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
         self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
+        self.data.comm_counters = resolve_comm_counters(targets)
         self.state = ProfilerState.READY
         self._detach: list[Any] = []  # unsubscribe / remove callables while recording
         self._lock = threading.Lock()
@@ -124,6 +139,7 @@ class TrafficProfiler:
         data.device_budget = sum(acc.memory_stats()["budget"] for acc in self._accelerators)
         data.exposed_start = [self._exposed(m) for m in data.managers]
         data.pools_start = self._pool_stats()
+        data.comm_start = [counters.snapshot() for counters in data.comm_counters]
         for index, manager in enumerate(data.managers):
             self._detach.append(manager.subscribe(self._copy_listener(index)))
         self._detach.append(add_phase_listener(self._on_phase))
@@ -153,6 +169,7 @@ class TrafficProfiler:
         data.stopped_at = time.perf_counter()
         data.exposed_end = [self._exposed(m) for m in data.managers]
         data.pools_end = self._pool_stats()
+        data.comm_end = [counters.snapshot() for counters in data.comm_counters]
 
     def __enter__(self) -> TrafficProfiler:
         return self.start()

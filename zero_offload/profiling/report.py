@@ -69,7 +69,8 @@ def _transfer_table(summary: dict[str, Any]) -> str:
             ]
         )
     for row in summary["collectives"]:
-        rows.append([row["name"], str(row["count"]), "-", _seconds(row["seconds"]), *"----"])
+        nbytes = _size(row["bytes"]) if row["bytes"] else "-"
+        rows.append([row["name"], str(row["count"]), nbytes, _seconds(row["seconds"]), *"----"])
     defrag = summary["defragmentation"]
     rows.append(["defragmentation", str(defrag["count"]), _size(defrag["bytes"]), *"-----"])
     totals = summary["totals"]

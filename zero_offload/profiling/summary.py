@@ -114,15 +114,28 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
     return shown
 
 
-def _collective_rows(phases: Sequence[PhaseSpan]) -> list[dict[str, Any]]:
+def _collective_bytes(data: ProfileData, op: str) -> int:
+    """Bytes the collectives of kind ``op`` moved while recording, over every target's
+    counters (each call counts its whole flat buffer, ``collectives.CommCounters``)."""
+    end = data.comm_end
+    if end is None:
+        end = [counters.snapshot() for counters in data.comm_counters]
+    total = 0
+    for before, after in zip(data.comm_start, end, strict=True):
+        total += after.get(op, {}).get("bytes", 0) - before.get(op, {}).get("bytes", 0)
+    return total
+
+
+def _collective_rows(data: ProfileData) -> list[dict[str, Any]]:
     rows = []
     for label, phase_name in COLLECTIVE_PHASES:
-        spans = [p for p in phases if p.name == phase_name]
+        spans = [p for p in data.phases if p.name == phase_name]
         rows.append(
             {
                 "name": label,
                 "count": len(spans),
                 "seconds": sum(p.end - p.start for p in spans),
+                "bytes": _collective_bytes(data, phase_name),
             }
         )
     return rows
@@ -213,7 +226,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "source": data.link.source,
         },
         "transfers": transfers,
-        "collectives": _collective_rows(data.phases),
+        "collectives": _collective_rows(data),
         "defragmentation": defrag,
         "totals": {
             "copies": sum(row["count"] for row in transfers),

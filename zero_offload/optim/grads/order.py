@@ -117,6 +117,10 @@ class BucketOrder(ABC):
     def reset(self) -> None:
         """A new backward (or a discarded window) starts from the first bucket."""
 
+    def finished(self, router: Routing, indices: Sequence[int]) -> None:  # noqa: B027
+        """The buckets ``indices`` get no more gradients in this backward (one rank: they
+        went when complete already)."""
+
     def buckets_added(self) -> None:  # noqa: B027 (most orders have nothing to learn)
         """``add_param_group`` appended buckets to the order."""
 
@@ -255,6 +259,23 @@ class LockstepOrder(BucketOrder):
             self.late.clear()
         for bucket in buckets:
             bucket.grads.learn_uses()
+
+    def finished(self, router: Routing, indices: Sequence[int]) -> None:
+        """Complete the buckets ``indices`` now, zeros where nothing came, and send what
+        is ready in order. Under ZeRO-3 a rank's backward waits for gathers the other ranks
+        issue from their backward; a bucket this rank completes only at the end of its
+        backward would hold back its reduce-scatters, the others' would wait for it, and
+        their gradient buffers with them, until they can issue no gather: a deadlock."""
+        buckets = router.buckets
+        for index in indices:
+            bucket = buckets[index]
+            if index < self.next or bucket.grads.state in (GradState.COMPLETE, GradState.IN_FLIGHT):
+                continue  # gone already, or complete and waiting its turn
+            bucket.open_empty(grow=True)
+            bucket.grads.complete()
+        while self.next < len(buckets) and buckets[self.next].grads.state is GradState.COMPLETE:
+            buckets[self.next].flush(router.ranks)
+            self.next += 1
 
     def reset(self) -> None:
         self.next = 0

@@ -180,6 +180,14 @@ class BackwardRouter:
             self._open_window()
         self.order.receive(self, bucket, slot_index, grad)
 
+    def finished(self, indices: list[int]) -> None:
+        """The buckets ``indices`` get no more gradients in this backward on this rank
+        (ZeRO-3: their units' backward is over, Note [a sharded unit] in
+        ``params/sharded_fetch.py``): they go in their turn, not at the end of backward."""
+        if self._window_consumed:
+            self._open_window()
+        self.order.finished(self, indices)
+
     # -- the end of a backward ---------------------------------------------------------
 
     def arm(self) -> None:

@@ -1,0 +1,427 @@
+"""Parameter offload across ranks (ZeRO-3 with offload, ZeRO-Infinity's configuration): each
+rank's homes hold its shard of each bucket, and a fetch all-gathers the slot.
+
+Note [a sharded unit]
+~~~~~~~~~~~~~~~~~~~~~
+With several ranks each bucket of a unit is split into even, padded shards, the partition of
+stage 2 (Note [who owns which shard] in ``partition.py``): rank ``r``'s home holds
+``[r * shard_numel, (r + 1) * shard_numel)`` of the bucket, which is exactly what its CPU
+Adam updates (``HostState`` covers that shard). Host bytes per rank: each bucket's home
+shard and state shard, a ``1/world_size`` share of one rank's.
+
+A fetch copies the home shard H2D into this rank's slice of the unit's slot
+(``WindowedViews.home_slot``), and the slot is then all-gathered on the comm stream, after
+the copies' end event (``SlotGather``); ``ParamUnit.ready`` is the gather's event, which
+compute waits for before the unit's forward or backward. The next fetch into the same slot
+waits for that gather on the ``h2d`` stream (a prefetch nobody used was never waited for by
+compute). The end-of-step all-gather of stage 2 is not done: the step updates the homes and
+the next fetch gathers them (``ShardedParamRanks`` in ``optim/ranks.py``). Per step the wire
+carries the all-gathers of the forward and of the backward and the gradients'
+reduce-scatter: 3Ψ, against stage 2's 2Ψ (a unit still in its slot from the forward is not
+gathered again for its backward, so the measured figure is at most 3Ψ).
+
+Lockstep. All-gathers match by the order each rank issues them, but the window's schedule is
+each rank's own: a rank that skips a block (a router, a conditional branch) would gather
+fewer units, and the others would wait forever or gather the wrong bytes. So gathers follow
+one *canonical order* on every rank: the units in registration order for a forward, in
+reverse for a backward. A pass through a phase keeps a cursor into that order; fetching the
+unit at position ``p`` first takes part in the gather of every unit between the cursor and
+``p`` that its slot does not hold validly (``_pass_through``: gathered into its slot, left
+released), and the end of each forward and backward sweeps the order to its end. A unit
+whose slot holds it validly is fetched without a gather and without moving the cursor (a
+tied unit's own slot keeps it from its forward to its backward). So each rank issues the
+same gathers in the same order: the slots' contents change only by those gathers and by a
+step, which makes every slot stale on every rank (``before_step``: a rank whose shard of a
+bucket is all padding updates nothing there, yet the others' updates arrive with the next
+gather), so whether a unit needs a gather is the same everywhere; only the timing differs.
+A prefetch that would evict a unit in use stops (it changes timing, not the order). A unit
+needed again behind the cursor whose slot no longer holds it (a block run twice in one
+forward, a forward that runs the units far out of their registration order) would need a
+gather out of the order: that is refused, naming the unit.
+
+Note [a unit's gradients are over]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A rank's backward waits for gathers the other ranks issue from their backward, and a
+bucket's reduce-scatter waits for the same bucket on every rank. A bucket that a rank
+completes only at the end of its backward (a parameter unused there: Note [ranks in
+lockstep] in ``optim/grads/order.py``) holds back this rank's reduce-scatters; the other
+ranks' reduce-scatters wait for it, their gradient buffers run out, they stop before their
+next gather, and this rank waits for that gather: a deadlock stage 2 never had. So when a
+unit's output gradient arrives (``_backward_use``), every unit used in this forward only
+after it, and every unit not used at all, has had its whole backward (Note [the parameter
+window] in ``offloader.py``): its buckets are declared finished (``BackwardRouter
+.finished``), completed with zeros where nothing came, and go in their turn. Not done when
+several forwards feed one backward or for a unit user code read during the forward (its
+parameters may be used anywhere): those buckets wait for the end of backward as in stage 2,
+and a parameter unused on one rank inside a unit that ran can still deadlock that way.
+
+Outside a forward or backward (``materialize``: user code reading a released parameter,
+``model.state_dict()``, ``torch.save(model)``, ``close``) a fetch gathers directly: such a
+read is collective, every rank must make it in the same order (FSDP's full state dict is the
+same). A state-dict entry is then a host copy of the gathered parameter, not a view of a
+home (no rank holds the whole parameter); a write to it does not reach the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import xxhash
+from torch import nn
+
+from ..accelerator import Event, Stream
+from ..collectives import Comm, all_gather_flat, surface_collective_errors, wait_all
+from ..memory.manager import TieredMemoryManager
+from ..partition import BucketLayout
+from ..tracing import phase
+from .offloader import ParamOffloader, Phase
+from .released import restore
+from .unit import ParamUnit
+from .views import WindowedViews
+
+__all__ = ["ShardedParamOffloader", "ShardedParamUnit", "ShardedWindowedViews", "SlotGather"]
+
+
+class ShardedWindowedViews(WindowedViews):
+    """A bucket's views whose home holds this rank's shard only (Note [a sharded unit]).
+
+    Fields (beyond ``WindowedViews``'): ``home_span`` is ``layout.shard_range(rank)``."""
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        params: Sequence[nn.Parameter],
+        unit: ParamUnit,
+        region: torch.Tensor,
+        *,
+        shard: tuple[int, int],
+    ) -> None:
+        super().__init__(layout, params, unit, region)
+        self.home_span = shard
+        self.unbound = False  # the parameters hold private copies (``unbind``)
+
+    def _fingerprint(self, flat: torch.Tensor) -> list[int] | torch.Tensor:
+        """The home's fingerprints are of each parameter's piece in this rank's shard (an
+        empty piece hashes as empty); the slot's are the base class's."""
+        if self.home is None or flat.data_ptr() != self.home.data_ptr():
+            return super()._fingerprint(flat)
+        lo, hi = self.home_span
+        raw = flat.detach().view(torch.uint8).numpy()  # pinned host memory: no copy
+        size = flat.element_size()
+        out = []
+        for slot in self.layout.slots:
+            start, stop = max(slot.offset, lo) - lo, min(slot.end, hi) - lo
+            piece = raw[start * size : stop * size] if start < stop else raw[:0]
+            out.append(xxhash.xxh3_64_intdigest(piece))
+        return out
+
+    def _gathered(self) -> torch.Tensor:
+        """The whole bucket on the device, gathered (collective; Note [a sharded unit]):
+        the unit is fetched if it is not resident, and compute waits for its gather."""
+        self.unit.materialize()
+        return self.weights_dev
+
+    def home_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s weights as a host copy of the gathered bucket: no rank's
+        home holds the whole parameter. Collective: every rank must ask in the same order."""
+        slot = self.layout.slots[index]
+        flat = self._gathered()
+        return flat[slot.offset : slot.end].view(slot.shape).detach().to("cpu", copy=True)
+
+    def unbind(self) -> None:
+        """Every parameter still ours gets a private device copy of its gathered weights
+        (collective at close: every rank closes its optimizer)."""
+        if self.home is None:
+            super().unbind()
+            return
+        if self.unbound:
+            return
+        replaced = {i for i, _ in self.detached()}
+        flat = self._gathered()
+        for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
+            if i not in replaced:
+                restore(param, flat[slot.offset : slot.end].view(slot.shape).clone())
+        self.unbound = True
+
+
+class ShardedParamUnit(ParamUnit):
+    """A unit whose homes are shards (Note [a sharded unit])."""
+
+    @property
+    def homes_written(self) -> bool:
+        """Never, here: whether a slot needs a gather must be the same on every rank, and a
+        home's version counter is its host pool's (every host-pool view shares the pool
+        tensor's counter), which moves with each rank's own gradient staging. Under ZeRO-3
+        the homes are written by the step (which makes every slot stale, ``before_step``)
+        and by a write-back of the slot itself, which then holds what the home does; state
+        dict entries are copies, not views of the homes."""
+        return False
+
+
+class SlotGather:
+    """All-gathers of unit slots on the comm stream (``ParamUnit.gather``).
+
+    Fields:
+        last: per slot index, the end event of the last gather into it; the next H2D copy
+            into the slot waits for it (``before_fetch``).
+        gathers: gathers issued (a statistic; the tests count them).
+    """
+
+    def __init__(self, comm: Comm, stream: Stream, manager: TieredMemoryManager) -> None:
+        self.comm = comm
+        self.stream = stream  # the optimizer's comm stream: collectives stay off the copies
+        self.manager = manager
+        self.last: dict[int, Event] = {}
+        self.gathers = 0
+
+    def before_fetch(self, unit: ParamUnit) -> None:
+        """The ``h2d`` stream waits for the slot's last gather (write-after-write)."""
+        event = self.last.get(unit.slot.index)
+        if event is not None:
+            self.manager.h2d.wait_event(event)
+
+    def __call__(self, unit: ParamUnit, copied: Event) -> Event:
+        """Queue the all-gather of every bucket of ``unit``'s slot after ``copied``; its end
+        event (recorded on the slot's block)."""
+        comm = self.comm
+        accelerator = self.manager.accelerator
+        self.stream.wait_event(copied)
+        buckets = list(unit.views)
+        for views in buckets:
+            accelerator.declare_access(
+                views.weights_dev,
+                stream=self.stream,
+                write=True,
+                what=f"all-gather of unit {unit.spec.name}",
+            )
+
+        def run() -> None:
+            with phase("all_gather", track="comm"):
+                pending = [
+                    all_gather_flat(
+                        views.weights_dev,
+                        comm=comm,
+                        what=f"unit {unit.spec.name!r} (bucket {views.layout.index})",
+                    )
+                    for views in buckets
+                ]
+                wait_all(pending, comm)
+
+        self.stream.submit(run)
+        event = self.stream.record_event()
+        unit.slot.block.record_event(event)
+        self.last[unit.slot.index] = event
+        self.gathers += 1
+        return event
+
+
+class ShardedParamOffloader(ParamOffloader):
+    """``ParamOffloader`` over several ranks; see Note [a sharded unit].
+
+    Fields (beyond ``ParamOffloader``'s):
+        gather: the ``SlotGather`` every unit's fetch ends with.
+        _order: the canonical gather order of the current pass (empty: no pass, a fetch
+            gathers directly).
+        _cursor: how far into ``_order`` this rank has taken part in the gathers.
+    """
+
+    unit_class = ShardedParamUnit
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Comm,
+        stream: Stream,
+        finished: Callable[[list[int]], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, **kwargs)
+        self.comm = comm
+        self.gather = SlotGather(comm, stream, self.manager)
+        self.finished = finished  # the optimizer's BackwardRouter.finished
+        self._order: list[ParamUnit] = []
+        self._cursor = 0
+        self._grad_forwards = 0  # forwards with autograd since the last backward
+        self._touched: set[int] = set()  # units read by user code during a forward
+        self._declared: set[int] = set()  # units whose buckets were declared finished
+
+    def _new_views(
+        self,
+        layout: BucketLayout,
+        params: Sequence[nn.Parameter],
+        unit: ParamUnit,
+        region: torch.Tensor,
+    ) -> WindowedViews:
+        shard = layout.shard_range(self.comm.rank)
+        return ShardedWindowedViews(layout, params, unit, region, shard=shard)
+
+    def plan(
+        self, layouts: Sequence[BucketLayout], params: Sequence[Any], *, alignment: int
+    ) -> None:
+        super().plan(layouts, params, alignment=alignment)
+        for unit in self.units:
+            unit.gather = self.gather
+
+    # -- the canonical order -----------------------------------------------------------
+
+    def _start_pass(self, order: list[ParamUnit]) -> None:
+        self._order = order
+        self._cursor = 0
+
+    def _sweep(self) -> None:
+        """Take part in every gather left in this pass (Note [a sharded unit])."""
+        with surface_collective_errors():
+            for unit in self._order[self._cursor :]:
+                if not _holds(unit):
+                    self._pass_through(unit, demand=True)
+        self._order = []
+        self._cursor = 0
+
+    def _pass_through(self, unit: ParamUnit, *, demand: bool) -> bool:
+        """Gather ``unit`` into its slot for the other ranks and leave it released."""
+        if not self._fetch_one(unit, demand=demand):
+            return False
+        unit.release()
+        return True
+
+    def _fetch_one(self, unit: ParamUnit, *, demand: bool) -> bool:
+        occupant = unit.slot.occupant
+        if occupant is not None and occupant is not unit and occupant.resident:
+            if not demand:
+                return False  # its slot holds a unit still in the window
+            occupant.release()
+        if not _holds(unit):
+            self.gather.before_fetch(unit)
+        unit.fetch(self.manager)
+        return True
+
+    def _fetch(self, unit: ParamUnit, *, demand: bool) -> None:
+        if unit.resident:
+            return
+        if _holds(unit) or not self._order:
+            # No gather (the slots are alike on every rank: the others gather nothing
+            # either), or outside a pass: a collective read, in the caller's order.
+            self._fetch_one(unit, demand=demand)
+            return
+        position = self._order.index(unit)
+        if position < self._cursor:
+            if demand:
+                raise RuntimeError(
+                    f"{self.comm.where()}: {unit!r} is needed again after the ranks' "
+                    f"gathers moved past it in this {self.phase.value} (order: "
+                    f"{', '.join(u.spec.name for u in self._order)}), and its slot holds "
+                    f"{unit.slot.occupant!r} now. With several ranks the units are "
+                    "gathered in registration order (reversed for backward) on every rank. "
+                    "Register the modules in the order the forward runs them, do not run "
+                    "a block twice in one forward, or raise OffloadConfig.prefetch_layers"
+                )
+            return
+        for skipped in self._order[self._cursor : position]:
+            if not _holds(skipped) and not self._pass_through(skipped, demand=demand):
+                return  # a prefetch stops here; the demand fetch takes part later
+            self._cursor += 1
+        if self._fetch_one(unit, demand=demand):
+            self._cursor = position + 1
+
+    def _upcoming(
+        self, order: Sequence[ParamUnit], start: int, current: ParamUnit
+    ) -> list[ParamUnit]:
+        """Prefetch in the canonical order: the next units after ``current`` there."""
+        if not self._order:
+            return super()._upcoming(order, start, current)
+        position = self._order.index(current)
+        return super()._upcoming(self._order, position + 1, current)
+
+    def _advance(self, current: ParamUnit, upcoming: list[ParamUnit]) -> None:
+        with surface_collective_errors():  # a failed gather fails the compute stream
+            super()._advance(current, upcoming)
+
+    def materialize(self, unit: ParamUnit) -> None:
+        if self.phase is Phase.FORWARD:
+            self._touched.add(unit.index)  # its parameters may have a gradient anywhere
+        with surface_collective_errors():
+            super().materialize(unit)
+
+    # -- the passes --------------------------------------------------------------------
+
+    def _begin_forward(self) -> None:
+        if self._order:
+            self._sweep()  # a forward that never ended (a submodule run alone)
+        super()._begin_forward()
+        self._start_pass(list(self.units))
+        if torch.is_grad_enabled():
+            self._grad_forwards += 1
+
+    def _end_forward(self) -> None:
+        self._sweep()
+        super()._end_forward()
+
+    def _backward_use(self, unit: ParamUnit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            if self._order:
+                self._sweep()
+            self._start_pass(list(reversed(self.units)))
+            self._declared = set()
+        self._declare_finished(unit)
+        super()._backward_use(unit)
+
+    def _declare_finished(self, unit: ParamUnit) -> None:
+        """Note [a unit's gradients are over]."""
+        if self._grad_forwards != 1 or unit.index in self._touched:
+            return  # several graphs in one backward, or a unit read outside its forward
+        positions: dict[int, list[int]] = {}
+        for position, used in enumerate(self._trace):
+            positions.setdefault(used.index, []).append(position)
+        if unit.index not in positions:
+            return
+        last = max(positions[unit.index])
+        over = [
+            other
+            for other in self.units
+            if other.index not in self._declared
+            and other.index not in self._touched
+            and (other.index not in positions or min(positions[other.index]) > last)
+        ]
+        self._declared.update(other.index for other in over)
+        indices = sorted(views.layout.index for other in over for views in other.views)
+        if indices:
+            self.finished(indices)
+
+    def _end_backward(self) -> None:
+        self._sweep()
+        self._grad_forwards = 0
+        self._touched = set()
+        super()._end_backward()
+
+    def close(self) -> None:
+        """Each unit is gathered once more (collective: every rank closes its optimizer) and
+        its parameters take private copies of the whole weights, before the base class
+        closes the window."""
+        self._order = []
+        with surface_collective_errors():
+            for unit in self.units:
+                if any(views.home is not None for views in unit.views):
+                    for views in unit.views:
+                        views.unbind()  # the first gathers the unit, the others reuse it
+                    unit.release()  # the parameters are private copies now: left alone
+        super().close()
+
+    def before_step(self) -> None:
+        if self._order:
+            self._sweep()
+        super().before_step()
+        # The step writes the homes on the ranks whose shard holds parameters: a rank whose
+        # shard of a bucket is all padding writes nothing and would keep its slot valid
+        # while the others gather. Every slot is stale on every rank (Note [a sharded unit]).
+        for unit in self.units:
+            unit.content_valid = False
+
+
+def _holds(unit: ParamUnit) -> bool:
+    """Whether ``unit``'s slot holds its current weights (a fetch would gather nothing)."""
+    if unit.resident:
+        return True
+    return unit.slot.occupant is unit and unit.content_valid
