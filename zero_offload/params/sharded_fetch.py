@@ -102,11 +102,13 @@ class ShardedWindowedViews(WindowedViews):
         self.home_span = shard
         self.unbound = False  # the parameters hold private copies (``unbind``)
 
-    def _fingerprint(self, flat: torch.Tensor) -> list[int] | torch.Tensor:
+    def _fingerprint(self, flat: torch.Tensor, streamed: Any = None) -> list[int] | torch.Tensor:
         """The home's fingerprints are of each parameter's piece in this rank's shard (an
-        empty piece hashes as empty); the slot's are the base class's."""
+        empty piece hashes as empty), always hashed afresh (``streamed``, the hashes of the
+        published tiles, are of whole slots: Note [one cold hash per step]); the slot's are
+        the base class's."""
         if self.home is None or flat.data_ptr() != self.home.data_ptr():
-            return super()._fingerprint(flat)
+            return super()._fingerprint(flat, streamed)
         lo, hi = self.home_span
         raw = flat.detach().view(torch.uint8).numpy()  # pinned host memory: no copy
         size = flat.element_size()
