@@ -27,6 +27,7 @@ unit whose slot may be stale fetches afresh (``ParamUnit.homes_written``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -210,14 +211,7 @@ class WeightFile:
         """Shard elements ``[lo, hi)`` take ``values`` (read, patched, written; waited)."""
         area, first = self._read_tiles(manager, lo, hi)
         self._gather(area, first, lo, hi, values.reshape(-1).to(self.dtype), scatter=True)
-        last = (hi - 1) // self.tile_elements
-        buffers = []
-        for tile in range(first, last + 1):
-            start = (tile - first) * self.record_bytes
-            buffer = IOBuffer(tile, area[start : start + self.record_bytes])
-            self.write(manager, tile, buffer)
-            buffers.append(buffer)
-        self._settle_all(buffers)
+        self._each_tile(area, first, (hi - 1) // self.tile_elements, manager, self.write)
         self.written += 1
 
     def _read_tiles(
@@ -227,14 +221,26 @@ class WeightFile:
             raise RuntimeError(f"{self.owner}: range [{lo}, {hi}) of {self.real} (bug)")
         first, last = lo // self.tile_elements, (hi - 1) // self.tile_elements
         area = aligned_scratch((last - first + 1) * self.record_bytes)
+        self._each_tile(area, first, last, manager, self.read)
+        return area, first
+
+    def _each_tile(
+        self,
+        area: torch.Tensor,
+        first: int,
+        last: int,
+        manager: TieredMemoryManager,
+        io: Callable[[TieredMemoryManager, int, IOBuffer], object],
+    ) -> None:
+        """``io`` (``read`` or ``write``) each record of tiles ``first..last`` from its piece
+        of ``area`` (``first``'s record at its start), then wait for them all."""
         buffers = []
         for tile in range(first, last + 1):
             start = (tile - first) * self.record_bytes
             buffer = IOBuffer(tile, area[start : start + self.record_bytes])
-            self.read(manager, tile, buffer)
+            io(manager, tile, buffer)
             buffers.append(buffer)
         self._settle_all(buffers)
-        return area, first
 
     def _gather(
         self,
