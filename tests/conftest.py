@@ -8,6 +8,15 @@ memory mixed with device memory (``strict_device_checks``; see ``accelerator/str
 from __future__ import annotations
 
 import os
+
+# The suite runs as docs/threads.md tells users to launch training: with OMP_WAIT_POLICY=PASSIVE,
+# which torch's OpenMP runtime reads once, when torch is loaded (below, unless a plugin already
+# did: then zero_offload.kernels warns, as it would for a user). Without it torch's idle threads
+# spin beside numba's on a 2-core machine and the suite runs slower, and every run printed the
+# warning meant for users. tests/test_thread_budget.py checks the warning itself in
+# subprocesses and under monkeypatch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Iterator
 
 import pytest
