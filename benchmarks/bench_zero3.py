@@ -25,7 +25,8 @@ before it stops, so a sample is the slowest rank's step; p10 / median / p90. Per
 per step: collective bytes (ours: its own counters, ``opt.comm.counters``; the others: what
 their calls to torch.distributed's all-gather, reduce-scatter and all-reduce move, counted
 on the way in; all-gather counts the gathered bytes, reduce-scatter its input, as ours
-does). Per rank: ours' device peak is the accelerator ledger's (library-owned device bytes:
+does), and ours' host-device copies (H2D weights, D2H gradients, its manager's counters;
+FSDP2 on the CPU has no device to copy to). Per rank: ours' device peak is the accelerator ledger's (library-owned device bytes:
 the window of gathered units and the gradient buffers; activations are not counted, and on
 the host accelerator they are ordinary memory); its host bytes are its pinned pools (fp32
 master, moments and gradient staging, its shard). FSDP2 runs on the CPU here, so it has no
@@ -59,6 +60,7 @@ from _runs import BETAS, LR, WEIGHT_DECAY
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
+from zero_offload.memory.traffic import Category, Direction
 
 SIZES = {
     "quick": GPTConfig(vocab_size=512, seq_len=32, layers=8, hidden=96, heads=4),
@@ -69,6 +71,8 @@ GLOBAL_BATCH = 8  # 1, 2 and 4 ranks get equal shares
 BUDGET_FRACTION = 0.5
 BUCKET_BYTES = 256 * 1024
 IMPLS = ("ours", "fsdp2", "fsdp2_cpu_offload", "deepspeed")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COPIES = ("h2d_weights", "d2h_gradients")
 MiB = 1 << 20
 
 
@@ -162,7 +166,9 @@ class Trainer:
     def _train(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
         raise NotImplementedError
 
-    def collective_bytes(self, wire: WireCounter) -> dict[str, int]:
+    def bytes_moved(self, wire: WireCounter) -> dict[str, int]:
+        """Bytes moved so far, by kind: the collectives (``COLLECTIVES``), and where the
+        implementation counts them, host-device copies (``COPIES``)."""
         return wire.snapshot(self.name)
 
     def memory(self) -> dict[str, Any]:
@@ -194,11 +200,16 @@ class Ours(Trainer):
         self.opt.manager.synchronize()  # the step's copies are part of its time
         return loss.item()
 
-    def collective_bytes(self, wire: WireCounter) -> dict[str, int]:
-        comm = self.opt.comm
-        if comm is None:  # one rank: nothing is sharded, nothing moves between ranks
-            return {}
-        return {op: counts["bytes"] for op, counts in comm.counters.snapshot().items()}
+    def bytes_moved(self, wire: WireCounter) -> dict[str, int]:
+        counters = self.opt.manager.counters  # every copy goes through the manager
+        moved = {
+            "h2d_weights": counters.bytes(Direction.H2D, Category.WEIGHTS),
+            "d2h_gradients": counters.bytes(Direction.D2H, Category.GRADIENTS),
+        }
+        comm = self.opt.comm  # None at one rank: nothing is sharded, nothing moves between
+        if comm is not None:
+            moved.update({op: c["bytes"] for op, c in comm.counters.snapshot().items()})
+        return moved
 
     def memory(self) -> dict[str, Any]:
         host = sum(p.capacity for p in self.opt.manager.pools if p.name.endswith(".host"))
@@ -353,17 +364,15 @@ def _rank_main(
     for _ in range(warmup):  # numba, pools, FSDP2's lazy init, ours' forward order
         for fn in fns.values():
             fn()
-    before = {name: t.collective_bytes(wire) for name, t in trainers.items()}
+    before = {name: t.bytes_moved(wire) for name, t in trainers.items()}
     samples = time_samples(fns, rounds=rounds, warmup=0, sync=dist.barrier)
     result: dict[str, Any] = {"world_size": world, "status": status, "impls": {}}
     for name, trainer in trainers.items():
-        after = trainer.collective_bytes(wire)
+        after = trainer.bytes_moved(wire)
         result["impls"][name] = {
             "samples": samples[name],
             "losses": trainer.losses,
-            "collective_bytes_per_step": {
-                op: (after[op] - before[name].get(op, 0)) / rounds for op in after
-            },
+            "bytes_per_step": {op: (after[op] - before[name].get(op, 0)) / rounds for op in after},
             **trainer.memory(),
         }
     for trainer in trainers.values():
@@ -392,7 +401,7 @@ def _combine(ranks: list[dict]) -> dict:
         combined = {
             "spread_s": spread(samples),
             "losses": losses,
-            "collective_bytes_per_step": per[0]["collective_bytes_per_step"],
+            "bytes_per_step": per[0]["bytes_per_step"],
         }
         for key in ("device_peak", "host_bytes", "sharded_state_bytes", "largest_unit"):
             if key in per[0]:
@@ -403,6 +412,10 @@ def _combine(ranks: list[dict]) -> dict:
 
 def _mib(nbytes: float | None) -> str:
     return "—" if nbytes is None else f"{nbytes / MiB:.2f}"
+
+
+def _collectives(moved: dict[str, float]) -> float:
+    return sum(moved.get(op, 0) for op in COLLECTIVES)
 
 
 def _max_dloss(a: list[float], b: list[float]) -> float:
@@ -420,22 +433,26 @@ def _report(rows: list[dict], header: dict) -> None:
     print(
         "| ranks | implementation | step ms p10 / median / p90 | ours ÷ this | "
         "device peak MiB/rank | host or sharded state MiB/rank | "
-        "collectives MiB/step (all-gather + reduce-scatter + all-reduce) | max abs Δloss vs ours |"
+        "collectives MiB/step (all-gather + reduce-scatter + all-reduce) | "
+        "host-device MiB/step (H2D weights + D2H gradients) | max abs Δloss vs ours |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         impls, world = row["impls"], row["world_size"]
         ours = impls["ours"]
         for name in IMPLS:
             if name not in impls:
-                print(f"| {world} | {name} | {row['status'][name]} | | | | | |")
+                print(f"| {world} | {name} | {row['status'][name]} | | | | | | |")
                 continue
             impl = impls[name]
             p = {k: 1e3 * v for k, v in impl["spread_s"].items()}
             ratio = ours["spread_s"]["median"] / impl["spread_s"]["median"]
-            moved = impl["collective_bytes_per_step"]
-            wire = " + ".join(
-                _mib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")
+            moved = impl["bytes_per_step"]
+            wire = " + ".join(_mib(moved.get(op, 0)) for op in COLLECTIVES)
+            copies = (
+                " + ".join(_mib(moved[op]) for op in COPIES)
+                if all(op in moved for op in COPIES)
+                else "not counted (no device)"
             )
             if name == "ours":
                 device, state = _mib(impl["device_peak"]), f"{_mib(impl['host_bytes'])} host"
@@ -448,7 +465,7 @@ def _report(rows: list[dict], header: dict) -> None:
             dloss = _max_dloss(impl["losses"], ours["losses"])
             print(
                 f"| {world} | {name} | {p['p10']:.1f} / {p['median']:.1f} / {p['p90']:.1f} "
-                f"| {ratio:.2f} | {device} | {state} | {wire} | {dloss:.2e} |"
+                f"| {ratio:.2f} | {device} | {state} | {wire} | {copies} | {dloss:.2e} |"
             )
     print("\nRatios, ours / other (median step time; collective bytes per step):")
     for row in rows:
@@ -458,8 +475,8 @@ def _report(rows: list[dict], header: dict) -> None:
         for name in IMPLS[1:]:
             if name in impls:
                 step = ours["spread_s"]["median"] / impls[name]["spread_s"]["median"]
-                theirs = sum(impls[name]["collective_bytes_per_step"].values())
-                mine = sum(ours["collective_bytes_per_step"].values())
+                theirs = _collectives(impls[name]["bytes_per_step"])
+                mine = _collectives(ours["bytes_per_step"])
                 wire = f"{mine / theirs:.2f}" if theirs else "—"
                 parts.append(f"{name}: step {step:.2f}, collectives {wire}")
         print(f"- {row['world_size']} ranks: " + "; ".join(parts))
@@ -482,7 +499,7 @@ def _report(rows: list[dict], header: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 0.9M model, 5 rounds")
+    parser.add_argument("--quick", action="store_true", help="a 1M-parameter model, 5 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 10)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes")
     parser.add_argument("--rank", nargs=7, help=argparse.SUPPRESS)  # a spawned rank's args

@@ -4,27 +4,26 @@ global batch within a tolerance derived from the reduction order, the collective
 paper's 3Ψ within padding, and each rank's device peak is the window plus the gradient
 buffers (the shards are not on the device under offload).
 
-Tolerance (8 ranks against one process). The global batch is 8 sequences, one per rank. A
-rank's gradient is the mean over its sequence's tokens; the reduce-scatter divides each by 8
-(a power of two: exact) and sums the 8 values, in whatever order gloo's ring takes, where
-one process sums the same token contributions inside one matmul. The two differ only in
-rounding: a sum of 8 terms carries at most ``7u`` of ``sum |g_r| / 8`` (``u = 2**-24``,
-sequential summation; a tree does better), against ``u`` for 2 ranks in test_zero3.py. An
-element's relative gradient error is then ``7u * kappa`` where ``kappa = sum |g_r| /
-|sum g_r|`` is its cancellation ratio across ranks; embedding rows of a token one rank alone
-saw, and rows nobody saw (exactly 0 everywhere), have ``kappa = 1`` or no error at all. Adam's
-update ``lr * m / (sqrt(v) + eps)`` is relative to the gradient's own scale, so a relative
-error ``e`` in the gradients moves an update by at most about ``lr * e`` per step (the
-ratio ``m / sqrt(v)`` is homogeneous of degree 0 in the gradients). Over ``STEPS`` steps,
-``|dw| <= STEPS * lr * 7u * kappa``, plus the one process's own rounding of the same sum,
-the same again: with lr 1e-3, 3 steps and ``u = 6e-8``, about ``2.5e-9 * kappa``. The weights
-are O(0.02..1), so their own fp32 ulp (up to 1.2e-7 at 1) adds once per step of the update
-being applied. test_zero3.py's ``FP32_ATOL = 1e-5`` therefore holds for every element whose
-``kappa`` is below ~4000, i.e. unless 8 rank gradients cancel to 1/4000 of their magnitude;
-at a sign flip (an element whose global gradient is below the rounding), the two updates can
-be up to ``2 lr`` apart per step, the same bound test_zero3.py states for bf16. So: every
-element within ``2 lr`` per step (the hard bound), and all but a vanishing fraction within
-``FP32_ATOL`` (the rounding bound), which with these seeds is every element (checked).
+Tolerance (8 ranks against one process). The global batch is 8 sequences of 16 tokens, one
+sequence per rank. A gradient element is a sum of per-token contributions ``t_i``: one
+process adds all 128 inside its matmuls; a rank adds its 16, the reduce-scatter divides by 8
+(a power of two: exact) and gloo adds the 8 partial sums in its ring's order. Both are the
+exact sum rounded differently: sequential fp32 summation of ``n`` terms errs by at most
+``(n - 1) u sum |t_i|`` (``u = 2**-24``), so the two gradients differ by at most
+``(127 + 15 + 7) u sum |t_i|``, about ``150 u kappa |g|``, where ``kappa = sum |t_i| /
+|sum t_i|`` is the element's cancellation ratio (rounding errors are random in sign, so
+``sqrt(128) u kappa`` is typical). Rows of an embedding no token hit are exactly 0 in both.
+Adam's update ``lr * m / (sqrt(v) + eps)`` is homogeneous of degree 0 in the gradients: a
+relative error ``e`` in them moves it by at most about ``2 lr e`` (``e`` from ``m``, ``e``
+from ``sqrt(v)``). Over ``STEPS = 3`` steps with lr 1e-3: ``|dw| <= 6e-3 * 150 u kappa``,
+about ``5e-8 kappa`` worst case (``4e-9 kappa`` typical), plus the weights' own fp32 ulp
+(at most 1.2e-7 a step for these O(0.02..1) weights). test_zero3.py's ``FP32_ATOL = 1e-5``
+thus holds for every element with ``kappa`` below ~200 in the worst case and ~2500
+typically; an element whose contributions cancel further can, at a sign flip of its
+global gradient, see the two updates up to ``2 lr`` apart per step (Adam's update is at
+most about ``lr``), the hard bound test_zero3.py states for bf16. So the test asserts the
+hard bound on every element and ``FP32_ATOL`` on the maximum; measured with these seeds:
+max 1.5e-6, mean 1.6e-7 (against 2 ranks' ~1e-6 in test_zero3.py).
 """
 
 from __future__ import annotations
@@ -116,7 +115,8 @@ def _ring_window(unit_bytes: list[int], ring: int) -> int:
 
 def test_device_peak_per_rank_is_the_window_and_gradient_buffers(eight_ranks: dict) -> None:
     """Under offload the shards live in pinned host memory, so nothing on the device grows
-    with the model but the largest unit and bucket."""
+    with the model but the largest units and bucket. (At this tiny size the padding to
+    multiples of 8 ranks makes the window about the whole model; the formula is the point.)"""
     for result in eight_ranks["ranks"]:
         units = len(result["unit_bytes"])  # tokens, positions, each block, norm, head
         ring = min(PREFETCH + 2, units)  # the computing unit, one prefetched, one draining
@@ -126,6 +126,6 @@ def test_device_peak_per_rank_is_the_window_and_gradient_buffers(eight_ranks: di
         # Each of the GRAD_BUFFERS device gradient buffers holds the largest bucket whole:
         # backward fills one while the other is reduce-scattered and copied to the host.
         grad_buffers = GRAD_BUFFERS * aligned(largest_bucket, POOL_ALIGNMENT)
+        # Nothing else: no shard, master or moment reached the device at any time (the
+        # ledger's peak since construction, which moved the weights home unit by unit).
         assert result["device_peak"] == window + grad_buffers
-        # Well under the whole model's weights (what stage 2 keeps on the device).
-        assert result["device_peak"] < sum(result["unit_bytes"])
