@@ -40,6 +40,7 @@ measure overhead, not speed-up.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib.util
 import itertools
@@ -148,7 +149,7 @@ class WireCounter:
             return dict(self.bytes.get(impl, {}))
 
 
-class Trainer:
+class Trainer(abc.ABC):
     """One implementation on this rank: its model, the step, the losses it saw."""
 
     def __init__(self, name: str, data: list, rank: int, world: int) -> None:
@@ -163,16 +164,18 @@ class Trainer:
         share = slice(self._rank * per, (self._rank + 1) * per)
         self.losses.append(self._train(ids[share], targets[share]))
 
+    @abc.abstractmethod
     def _train(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
-        raise NotImplementedError
+        """One training step on this rank's share; returns its loss."""
 
     def bytes_moved(self, wire: WireCounter) -> dict[str, int]:
         """Bytes moved so far, by kind: the collectives (``COLLECTIVES``), and where the
         implementation counts them, host-device copies (``COPIES``)."""
         return wire.snapshot(self.name)
 
+    @abc.abstractmethod
     def memory(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What this implementation holds per rank (bytes), by kind."""
 
 
 class Ours(Trainer):
@@ -248,7 +251,8 @@ class Fsdp2(Trainer):
         loss = self.model(ids, targets)
         loss.backward()
         self.opt.step()
-        self.state_bytes = self._sharded_state_bytes()  # before zero_grad frees the grads
+        if not self.state_bytes:  # the warm-up step: the sizes never change after it
+            self.state_bytes = self._sharded_state_bytes()  # before zero_grad frees grads
         self.opt.zero_grad()
         return loss.item()
 
@@ -268,9 +272,6 @@ class Fsdp2(Trainer):
 
     def memory(self) -> dict[str, Any]:
         return {"sharded_state_bytes": self.state_bytes, "largest_unit": max(self.unit_bytes)}
-
-    def close(self) -> None:
-        pass
 
 
 class DeepSpeed(Trainer):
@@ -307,10 +308,7 @@ class DeepSpeed(Trainer):
         return loss.item()
 
     def memory(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
+        return {}  # DeepSpeed's own memory report is not wired in: the row says "—"
 
 
 def _stage2_refusal(shape: GPTConfig, budget: int) -> str:
@@ -338,8 +336,9 @@ def _rank_main(
     data = _batches(shape, warmup + rounds)
     wire = WireCounter()
     wire.install()
+    ours = Ours(shape, budget, data, rank, world)
     trainers: dict[str, Trainer] = {
-        "ours": Ours(shape, budget, data, rank, world),
+        "ours": ours,
         "fsdp2": Fsdp2(shape, data, rank, world, offload=False),
         "fsdp2_cpu_offload": Fsdp2(shape, data, rank, world, offload=True),
     }
@@ -375,8 +374,7 @@ def _rank_main(
             "bytes_per_step": {op: (after[op] - before[name].get(op, 0)) / rounds for op in after},
             **trainer.memory(),
         }
-    for trainer in trainers.values():
-        trainer.close()
+    ours.close()  # the others hold nothing a collective must release
     if world == 1:
         result["stage2"] = _stage2_refusal(shape, budget)
     result["params"] = sum(p.numel() for p in _model(shape).parameters())
