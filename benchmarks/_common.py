@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,8 +91,6 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    import os
-
     return {"cpu": model, "logical_cpus": os.cpu_count()}
 
 
@@ -98,3 +100,53 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=True))
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a gloo group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 300.0) -> None:
+    """A spawned rank's start: its share of this machine's cores as torch threads, then the
+    gloo group on 127.0.0.1:``port``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def spawn_ranks(
+    world: int,
+    argv: Callable[[int, int], list[str]],
+    *,
+    what: str,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run ``world`` processes ``python *argv(rank, port)``, ``port`` one free port for
+    their gloo group, and wait for them all; ``env`` is added to this environment.
+
+    Processes of a script, not ``torch.multiprocessing.spawn``: ``zero-offload bench``
+    imports a script under a private name, which a spawned function could not be found by.
+    Raises ``RuntimeError`` naming ``what`` and the exit codes when a rank failed.
+    """
+    port = free_port()
+    child_env = {**os.environ, **(env or {})}
+    procs = [
+        subprocess.Popen([sys.executable, *argv(rank, port)], env=child_env)
+        for rank in range(world)
+    ]
+    codes = [proc.wait() for proc in procs]
+    if any(codes):
+        raise RuntimeError(f"{what}, world size {world}: ranks exited with codes {codes}")

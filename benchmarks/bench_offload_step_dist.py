@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, write_json
+from _common import join_gloo, machine, spawn_ranks, write_json
 
 from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
@@ -43,15 +40,10 @@ GLOBAL_BATCH = 8
 
 
 def _rank_main(rank: int, world: int, port: int, size: str, steps: int, out: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        join_gloo(rank, world, port, timeout_s=120)
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     shape = SIZES[size]
     model = TinyGPT(shape).to(torch.bfloat16)
@@ -106,27 +98,15 @@ def _bytes(opt: OffloadAdamW) -> dict[str, int]:
 
 
 def _spawn(world: int, size: str, steps: int, out: str) -> None:
-    """Run ``world`` ranks of this script as processes (so ``zero-offload bench``, which
-    imports the script under a private name, can start them too) and wait for them."""
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [
-                *(sys.executable, os.path.abspath(__file__), "--steps", str(steps)),
-                *("--rank", str(rank), str(world), port, size, out),
-            ]
-        )
-        for rank in range(world)
-    ]
-    codes = [proc.wait() for proc in procs]
-    if any(codes):
-        raise RuntimeError(f"world size {world}: ranks exited with codes {codes}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """Run ``world`` ranks of this script as processes and wait for them."""
+    spawn_ranks(
+        world,
+        lambda rank, port: [
+            *(os.path.abspath(__file__), "--steps", str(steps)),
+            *("--rank", str(rank), str(world), str(port), size, out),
+        ],
+        what="bench_offload_step_dist",
+    )
 
 
 def _mib(nbytes: float) -> str:

@@ -61,11 +61,13 @@ def gpt(
     return model
 
 
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    steps: int, global_batch: int = GLOBAL_BATCH
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=gen)
         out.append((ids, (ids * 7 + 3) % VOCAB))
     return out
 
@@ -119,12 +121,13 @@ def train(
     *,
     clip: float | None = None,
     uneven: bool = False,
+    global_batch: int = GLOBAL_BATCH,
     norms: list[float],
 ) -> list[dict[str, dict[str, int]]]:
     """Train on this rank's share of each global batch; the collective counters after each
     step (the first entry: before the first). ``norms`` gets each step's gradient norm."""
     counters = [] if opt.comm is None else [opt.comm.counters.snapshot()]
-    for step, (ids, targets) in enumerate(batches(steps)):
+    for step, (ids, targets) in enumerate(batches(steps, global_batch)):
         ids, targets = share(ids, rank, world), share(targets, rank, world)
         if uneven:
             loss = loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
@@ -159,6 +162,7 @@ def scenario_train(
     tied: bool = False,
     uneven: bool = False,
     prefetch: int = 1,
+    global_batch: int = GLOBAL_BATCH,
 ) -> dict:
     model = gpt(dtype, layers=layers, tied=tied, ckpt=ckpt)
     config = {"prefetch_layers": prefetch} if offload else {}
@@ -167,12 +171,24 @@ def scenario_train(
     norms: list[float] = []
     # The profiler counts the collectives' bytes by kind (given a link: nothing to measure).
     with profile(opt, link_bandwidth=1e9) as prof:
-        counters = train(model, opt, steps, rank, world, clip=clip, uneven=uneven, norms=norms)
+        counters = train(
+            model,
+            opt,
+            steps,
+            rank,
+            world,
+            clip=clip,
+            uneven=uneven,
+            global_batch=global_batch,
+            norms=norms,
+        )
     result: dict[str, Any] = {
         "counters": counters,
         "profiled": {row["name"]: row["bytes"] for row in prof.to_dict()["collectives"]},
         "norms": norms,
         "host_pool": host_pool_bytes(opt),
+        # the device ledger's peak since construction began (library-owned device bytes)
+        "device_peak": opt.manager.accelerator.memory_stats()["peak"],
         "buckets": [
             (b.layout.padded_numel, b.layout.shard_numel, b.views.dtype.itemsize)
             for b in opt.buckets
