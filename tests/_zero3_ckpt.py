@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zero_offload import load_pretrained, save_pretrained
+from zero_offload import hf_export, load_pretrained, save_pretrained
 from zero_offload.checkpoint_io import load_consolidated, save_consolidated
 
 from ._dist import free_port, join_gloo
 from ._zero3 import HANG_SECONDS, batches, gpt, make_opt, share
 
 LAYERS = 2
+FP32 = torch.float32
 SAVED_AT = 2  # steps before the checkpoint
 STEPS = 4  # steps in all
 #: The checkpoints the 2-rank world saves (and the one-process run, "one").
@@ -45,10 +46,12 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def origin(out: Path, tag: str, rank: int, world: int, *, offload: bool) -> dict:
+def origin(
+    out: Path, tag: str, rank: int, world: int, *, offload: bool, dtype: torch.dtype = FP32
+) -> dict:
     """Train from scratch; at ``SAVED_AT`` save the model (rank 0) and the consolidated
     optimizer as ``tag``, and a streamed checkpoint; go on to ``STEPS``."""
-    model = gpt(torch.float32, layers=LAYERS)
+    model = gpt(dtype, layers=LAYERS)
     opt = make_opt(model, offload=offload)
     train(model, opt, range(SAVED_AT), rank, world)
     at_save = weights(model)
@@ -62,19 +65,32 @@ def origin(out: Path, tag: str, rank: int, world: int, *, offload: bool) -> dict
     return {"at_save": at_save, "final": final}
 
 
-def fresh(*, offload: bool) -> tuple[torch.nn.Module, Any]:
-    model = gpt(torch.float32, layers=LAYERS)
+def fresh(*, offload: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    model = gpt(dtype, layers=LAYERS)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
     return model, make_opt(model, offload=offload)
 
 
-def resume(out: Path, tag: str, rank: int, world: int, *, offload: bool) -> dict:
-    """Load ``tag`` (model, then the consolidated optimizer) and train to ``STEPS``."""
-    model, opt = fresh(offload=offload)
+def resume(
+    out: Path,
+    tag: str,
+    rank: int,
+    world: int,
+    *,
+    offload: bool,
+    dtype: torch.dtype = FP32,
+    optimizer_first: bool = False,
+) -> dict:
+    """Load ``tag`` (the model and the consolidated optimizer, in either order) and train
+    to ``STEPS``."""
+    model, opt = fresh(offload=offload, dtype=dtype)
+    if optimizer_first:
+        load_consolidated(opt, out / f"{tag}.opt.pt")
     model.load_state_dict(torch.load(out / f"{tag}.model.pt", weights_only=True))
-    load_consolidated(opt, out / f"{tag}.opt.pt")
+    if not optimizer_first:
+        load_consolidated(opt, out / f"{tag}.opt.pt")
     loaded = weights(model)
     train(model, opt, range(SAVED_AT, STEPS), rank, world)
     final = weights(model)
@@ -82,10 +98,12 @@ def resume(out: Path, tag: str, rank: int, world: int, *, offload: bool) -> dict
     return {"loaded": loaded, "final": final}
 
 
-def resume_streaming(out: Path, tag: str, rank: int, world: int) -> dict:
+def resume_streaming(
+    out: Path, tag: str, rank: int, world: int, *, dtype: torch.dtype = FP32
+) -> dict:
     """Load ``tag``'s streamed checkpoint (and its model) under ZeRO-3: the result, or the
     error each rank raised."""
-    model, opt = fresh(offload=True)
+    model, opt = fresh(offload=True, dtype=dtype)
     model.load_state_dict(torch.load(out / f"{tag}.model.pt", weights_only=True))
     try:
         opt.load_streaming(out / f"{tag}.stream")
@@ -120,6 +138,7 @@ def export(out: Path, rank: int, world: int) -> dict:
 
     hf_train(model, opt)
     files = save_pretrained(model, out / "export", optimizer=opt, max_shard_size="20KB")
+    failure = failed_export(model, opt, out / "export", rank)
     trained = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt.close()
     runs = {}
@@ -134,7 +153,30 @@ def export(out: Path, rank: int, world: int) -> dict:
         hf_train(model, opt)
         runs[how] = {name: p.detach().clone() for name, p in model.named_parameters()}
         opt.close()
-    return {"files": [f.name for f in files], "trained": trained, "runs": runs}
+    return {"files": [f.name for f in files], "trained": trained, "runs": runs, "failure": failure}
+
+
+def failed_export(model: torch.nn.Module, opt: Any, directory: Path, rank: int) -> str:
+    """Export again into ``directory`` with rank 0's disk full after its first shard: the
+    error each rank raises (the ranks must stay in step: the caller gathers next)."""
+    real = hf_export._write_shard
+    written = []
+
+    def full_disk(path: Path, entries: list) -> None:
+        if written:
+            raise OSError(28, "No space left on device (test)")
+        real(path, entries)
+        written.append(path)
+
+    if rank == 0:
+        hf_export._write_shard = full_disk
+    try:
+        save_pretrained(model, directory, optimizer=opt, max_shard_size="20KB")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hf_export._write_shard = real
+    return "no error"
 
 
 def scenario_two(rank: int, world: int, out: Path) -> dict:
@@ -146,6 +188,13 @@ def scenario_two(rank: int, world: int, out: Path) -> dict:
     result["s2<-s3"] = resume(out, "s3", rank, world, offload=False)
     result["s3<-s2"] = resume(out, "s2", rank, world, offload=True)
     result["s3<-one"] = resume(out, "one", rank, world, offload=True)
+    # bf16 (the homes apart from the fp32 master), the optimizer loaded first
+    bf16 = torch.bfloat16
+    result["b3"] = origin(out, "b3", rank, world, offload=True, dtype=bf16)
+    result["b3<-b3"] = resume(
+        out, "b3", rank, world, offload=True, dtype=bf16, optimizer_first=True
+    )
+    result["b3<-stream"] = resume_streaming(out, "b3", rank, world, dtype=bf16)
     result["export"] = export(out, rank, world)
     return result
 

@@ -46,7 +46,8 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_same_world_and_stage_resumes_bitwise(worlds: dict) -> None:
     """Saved under ZeRO-3 on 2 ranks: the consolidated and the streamed checkpoint both
-    resume bitwise; so does stage 2 from the ZeRO-3 checkpoint and ZeRO-3 from stage 2's."""
+    resume bitwise (fp32, and bf16 with the optimizer loaded before the model); so does
+    stage 2 from the ZeRO-3 checkpoint and ZeRO-3 from stage 2's."""
     for result in worlds["two"]:
         s3 = result["s3"]
         assert _max_diff(s3["final"], result["s2"]["final"]) == 0.0  # the stages agree
@@ -55,6 +56,10 @@ def test_same_world_and_stage_resumes_bitwise(worlds: dict) -> None:
             assert _max_diff(resumed["loaded"], s3["at_save"]) == 0.0, key  # the homes
             assert _max_diff(resumed["final"], s3["final"]) == 0.0, key
         assert _max_diff(result["s3<-stream"]["final"], s3["final"]) == 0.0
+        b3 = result["b3"]  # bf16, the optimizer loaded before the model
+        assert _max_diff(result["b3<-b3"]["loaded"], b3["at_save"]) == 0.0
+        for key in ("b3<-b3", "b3<-stream"):
+            assert _max_diff(result[key]["final"], b3["final"]) == 0.0, key
 
 
 def test_other_world_sizes_resume_within_tolerance(worlds: dict) -> None:
@@ -91,6 +96,10 @@ def test_the_export_from_sharded_homes_loads_in_transformers_and_on_meta(worlds:
     trained = ranks[0]["trained"]
     for other in ranks[1:]:
         assert _max_diff(other["trained"], trained) == 0.0
+    # A second export failing on rank 0 after its first shard (a full disk): every rank
+    # raises it, and they stay in step (each gathered the trained weights after it).
+    assert ranks[0]["failure"].startswith("OSError: [Errno 28]")
+    assert "failed on rank 0" in ranks[1]["failure"] and "Errno 28" in ranks[1]["failure"]
     for result in ranks:
         assert _max_diff(result["runs"]["meta"], result["runs"]["normal"]) == 0.0
         assert _max_diff(result["runs"]["meta"], trained) > 0.0  # it trained on
@@ -99,7 +108,7 @@ def test_the_export_from_sharded_homes_loads_in_transformers_and_on_meta(worlds:
 def test_the_export_is_what_transformers_reads(worlds: dict) -> None:
     out = worlds["out"]
     trained = worlds["two"][0]["export"]["trained"]
-    model = GPT2LMHeadModel.from_pretrained(out / "export")
+    model = GPT2LMHeadModel.from_pretrained(out / "export")  # the failed export left it
     got = {name: p.detach() for name, p in model.named_parameters()}
     assert _max_diff(got, trained) == 0.0
     assert (out / "export" / "model.safetensors.index.json").is_file()
