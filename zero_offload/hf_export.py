@@ -24,6 +24,19 @@ before the renames removes the staged files and leaves the earlier export as it 
 remains is the renames themselves (no I/O, microseconds): a process killed among them can
 leave shards of both exports. Staged files of a killed export are removed by the next
 export there.
+
+Note [an export from sharded homes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ZeRO-3 (parameter offload on several ranks, Note [a sharded unit] in
+``params/sharded_fetch.py``) no rank holds a whole parameter: each one's weights are read
+by gathering its unit, a collective every rank makes in the same order. So the export is
+collective there: every rank calls ``save_pretrained`` with the same arguments, every rank
+reads the tensors in ``state_dict`` order (one unit gathered at a time, one tensor on the
+host at a time), and rank 0 alone writes the files, in the one layout ``transformers``
+reads (one file, or shards and their index), as a one-rank export would. A write that fails
+on rank 0 stops its writing, not its reads: it takes part in the gathers left, so the other
+ranks finish theirs, and every rank raises the failure (broadcast from rank 0). With stage 2
+every rank holds the whole weights and the export stays a call on one rank.
 """
 
 from __future__ import annotations
@@ -38,7 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from .checkpoint_io import cpu_group
+from .collectives import Comm
 from .config import parse_bytes
 from .fileio import atomic_file, make_private_dirs, write_text
 from .optim import OffloadAdamW
@@ -80,7 +96,9 @@ def _trained(optimizer: OffloadAdamW) -> dict[int, Callable[[], torch.Tensor]]:
     out: dict[int, Callable[[], torch.Tensor]] = {}
     for bucket in optimizer.buckets:
         views = bucket.views
-        if getattr(views, "nvme_home", None) is not None:  # zero_offload.params' views
+        # zero_offload.params' views: a home on NVMe, or a shard (a gathered host copy,
+        # collective: Note [an export from sharded homes])
+        if getattr(views, "nvme_home", None) is not None or _sharded(views):
             for i, param in enumerate(bucket.params):
                 out[id(param)] = functools.partial(views.home_view, i)
             continue
@@ -91,6 +109,12 @@ def _trained(optimizer: OffloadAdamW) -> dict[int, Callable[[], torch.Tensor]]:
             view = flat[slot.offset : slot.end].view(slot.shape)
             out[id(param)] = lambda view=view: view.detach()
     return out
+
+
+def _sharded(views: Any) -> bool:
+    """Whether ``views``' home holds this rank's shard only (Note [a sharded unit])."""
+    span = getattr(views, "home_span", None)
+    return getattr(views, "home", None) is not None and span != (0, views.layout.padded_numel)
 
 
 class _Masters:
@@ -236,7 +260,10 @@ def save_pretrained(
     their buckets (the device block, or the pinned home with parameter offload), after any
     pending ``overlap_step`` update is published. Without it every tensor is read from the
     model. Weights are written in their training dtype, tensor by tensor (Note [an export is
-    streamed]). Call it on one rank.
+    streamed]). Call it on one rank; under ZeRO-3 (``offload_parameters=True`` on several
+    ranks, where no rank holds whole weights) every rank calls it with the same arguments,
+    the weights are gathered unit by unit and rank 0 writes the files (Note [an export from
+    sharded homes]); every rank returns the paths written.
 
     ``master_weights=True`` (with ``optimizer``, one rank): the trained parameters are
     written as their fp32 master weights instead (read from wherever the optimizer keeps
@@ -264,16 +291,29 @@ def save_pretrained(
     entries = _entries(
         model, optimizer, master=master_weights
     )  # refuses a model with meta tensors left
-    directory = make_private_dirs(save_directory)
     if optimizer is not None:
         optimizer.flush_pending_update()
         # Synchronisation point: the step's weight copies into the slots must have landed.
         optimizer.manager.accelerator.synchronize()
-    shards = _shards(entries, limit)
+    comm = optimizer.comm if optimizer is not None else None
+    if comm is not None and any(_sharded(bucket.views) for bucket in optimizer.buckets):
+        return _export_from_shards(model, save_directory, entries, limit, comm)
+    return _export(model, make_private_dirs(save_directory), entries, limit)
+
+
+def _names(shards: list[list[_Entry]]) -> list[str]:
     if len(shards) == 1:
-        names = [SINGLE_NAME]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+
+def _export(
+    model: torch.nn.Module, directory: Path, entries: list[_Entry], limit: int
+) -> list[Path]:
+    """Write ``entries`` to ``directory`` (one file, or shards and their index) and the
+    model's configs; the weight files."""
+    shards = _shards(entries, limit)
+    names = _names(shards)
     index = None
     if len(shards) > 1:
         weight_map = {e.key: n for n, shard in zip(names, shards, strict=True) for e in shard}
@@ -292,3 +332,45 @@ def save_pretrained(
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
     return [directory / name for name in names]
+
+
+def _export_from_shards(
+    model: torch.nn.Module,
+    save_directory: str | os.PathLike[str],
+    entries: list[_Entry],
+    limit: int,
+    comm: Comm,
+) -> list[Path]:
+    """Every rank reads, rank 0 writes: Note [an export from sharded homes]."""
+    began = [0]  # reads begun on this rank, in ``entries`` order
+
+    def counted(read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            began[0] += 1  # before the read: a read that failed mid-gather is not repeated
+            return read()
+
+        return run
+
+    for entry in entries:
+        entry.read = counted(entry.read)
+    failure: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            _export(model, make_private_dirs(save_directory), entries, limit)
+        except Exception as exc:  # still take part in the gathers left
+            failure = exc
+    for entry in entries[began[0] :]:  # every read on the other ranks
+        entry.read()
+    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    group = cpu_group(comm)  # a few bytes; never through the GPU
+    dist.broadcast_object_list(
+        message, src=0 if group is None else dist.get_global_rank(group, 0), group=group
+    )
+    if failure is not None:
+        raise failure
+    if message[0] is not None:
+        raise RuntimeError(
+            f"{comm.where()}: save_pretrained failed on rank 0, which writes the files "
+            f"(Note [an export from sharded homes]): {message[0]}"
+        )
+    return [Path(save_directory) / name for name in _names(_shards(entries, limit))]

@@ -307,9 +307,14 @@ class ShardedParamRanks(ShardedRanks):
             r if comm.group is None else dist.get_global_rank(comm.group, r)
             for r in range(comm.world_size)
         ]
-        # A collective of the group's members (every rank builds the optimizer).
+        # A collective of the group's members (every rank builds the optimizer). Over the
+        # whole world, named by torch's global count like the optimizer's own group: a group
+        # made with use_local_synchronization is named by its ranks and the number of live
+        # groups, so the gather group of a second optimizer built after the first was
+        # closed got the first one's name, met its stale rendezvous keys and hung.
+        local = len(members) != dist.get_world_size()
         group = dist.new_group(
-            ranks=members, backend=dist.get_backend(comm.group), use_local_synchronization=True
+            ranks=members, backend=dist.get_backend(comm.group), use_local_synchronization=local
         )
         self._gather_comm = Comm(
             group=group,

@@ -253,18 +253,13 @@ def _check(
     tile_elements: int,
     directory: Path,
     meta: dict[str, Any],
-    world: int,
 ) -> None:
-    """Everything ``load`` relies on, before anything changes."""
+    """Everything ``load`` relies on, before anything changes (the world size is checked
+    already)."""
     if meta.get("version") != _FORMAT_VERSION:
         raise ValueError(
             f"{directory / _META}: format version {meta.get('version')!r}, expected "
             f"{_FORMAT_VERSION}"
-        )
-    if meta["world_size"] != world:
-        raise ValueError(
-            f"{directory}: saved with {meta['world_size']} ranks, this optimizer has {world}; "
-            "a streamed checkpoint resumes on the same world size"
         )
     saved = meta["buckets"]
     if len(saved) != len(buckets) or len(meta["param_groups"]) != len(param_groups):
@@ -298,6 +293,27 @@ def _check(
                         "torn checkpoint); nothing was loaded"
                     )
     scaler.check_state(meta.get("loss_scaler") or {})
+
+
+def _other_world(where: Path, saved: object, world: int) -> str:
+    """Why a streamed checkpoint of ``saved`` ranks does not load on ``world``, and what
+    would (Note [sharded state dicts] in ``state_dict.py``)."""
+    return (
+        f"{where}: saved with {saved} ranks, this optimizer has {world}: a streamed "
+        f"checkpoint holds each rank's own shard and resumes on {saved} ranks only. To "
+        f"change the world size, load it on {saved} ranks and save a consolidated "
+        "checkpoint (zero_offload.save_consolidated), which loads on any number of ranks "
+        "and stages (zero_offload.load_consolidated); nothing was loaded"
+    )
+
+
+def _saved_world(path: Path) -> int | None:
+    """The world size rank 0's metadata under ``path`` records (None: unreadable)."""
+    try:
+        size = _read_meta(path / "rank0" / _META).get("world_size")
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return size if isinstance(size, int) else None
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -334,17 +350,26 @@ def load(
     try:
         recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
         if not (directory / _META).exists():
+            saved = _saved_world(Path(path))
+            if saved is not None and saved != world:  # a rank the save did not have
+                raise ValueError(_other_world(directory, saved, world))
             raise FileNotFoundError(
                 f"{directory / _META} does not exist: not a streamed checkpoint, or its save "
                 "did not finish (save_streaming writes it last)"
             )
         meta = _read_meta(directory / _META)
+        if meta.get("world_size") != world:
+            raise ValueError(_other_world(directory, meta.get("world_size"), world))
     except (OSError, ValueError) as exc:
         unreadable = exc  # raised after the other ranks learn this one has no save
-    _check_one_save(comm, path, meta.get("save_id") if unreadable is None else None)
-    if unreadable is not None:
+    try:
+        _check_one_save(comm, path, meta.get("save_id") if unreadable is None else None)
+    except ValueError:
+        if unreadable is None:
+            raise
+    if unreadable is not None:  # this rank's own reason, rather than "another save"
         raise unreadable
-    _check(buckets, param_groups, scaler, tile_elements, directory, meta, world)
+    _check(buckets, param_groups, scaler, tile_elements, directory, meta)
 
     # Checked: from here on nothing raises on the checkpoint's data.
     loading = zip(meta["buckets"], buckets, strict=True)
