@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -249,22 +250,33 @@ def _since(began: float) -> float:
 SCENARIOS = {"train": scenario_train, "killed": scenario_killed, "pools": scenario_pools}
 
 
-def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+def _entry(
+    rank: int, world: int, port: int, scenario: str | Callable, out: str, kwargs: dict
+) -> None:
     join_gloo(rank, world, port)
     # A rank that hangs (mismatched collectives) prints its stacks and exits, so the test
     # fails with them instead of blocking the suite.
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    result = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
-    torch.save(result, Path(out) / f"{scenario}.rank{rank}.pt")
-    if scenario == "killed":
+    fn = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    name = _name(scenario)
+    result = fn(rank, world, Path(out), **kwargs)
+    torch.save(result, Path(out) / f"{name}.rank{rank}.pt")
+    if name == "killed" or result.get("exit_now"):
         os._exit(0)  # a failed collective leaves a thread blocked in the backend
     dist.destroy_process_group()
 
 
-def run(world: int, scenario: str, out: Path, **kwargs: Any) -> list[dict]:
-    """Run ``scenario`` on ``world`` spawned gloo ranks; their results in rank order."""
+def _name(scenario: str | Callable) -> str:
+    return scenario if isinstance(scenario, str) else scenario.__name__
+
+
+def run(world: int, scenario: str | Callable, out: Path, **kwargs: Any) -> list[dict]:
+    """Run ``scenario`` (a name in ``SCENARIOS``, or a module-level function of the same
+    signature) on ``world`` spawned gloo ranks; their results in rank order. A rank whose
+    result says ``exit_now`` ends its process at once (a collective failed)."""
     mp.spawn(_entry, args=(world, free_port(), scenario, str(out), kwargs), nprocs=world)
-    return [torch.load(out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(world)]
+    name = _name(scenario)
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def one_process(**kwargs: Any) -> dict:
