@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zero_offload import OffloadConfig
 from zero_offload.estimate import ModelShape, estimate
 from zero_offload.estimate.nvme import io_buffer_bytes, total_bytes
 from zero_offload.estimate.rows import ActivationMode, Context, Limits, ShapeSubject
@@ -175,11 +176,12 @@ def test_the_estimators_stage_three_nvme_rows_are_a_real_builds_per_rank_and_per
         else:
             assert built <= host and result["disk"] <= disk + IO_ALIGNMENT
     # The row, given the node's host that leaves each rank ``budget`` for homes and state
-    # beside its gradient staging, the I/O buffers, the weight tile ring and the window
-    # (Note [homes on NVMe]; tiered.ParamNvme.bytes), is two such ranks.
+    # beside its gradient staging, the I/O buffers, the weight tile ring (at the default
+    # tile_elements, as nvme_pools builds) and the window (Note [homes on NVMe];
+    # tiered.ParamNvme.bytes), is two such ranks.
     window = subject.param_offload_pools()[0]  # type: ignore[index]
     fixed = total_bytes(subject.unit_groups(), ctx, "grad") + io_buffer_bytes()  # type: ignore[arg-type]
-    fixed += home_ring_bytes(TILE, dtype.itemsize) + window
+    fixed += home_ring_bytes(OffloadConfig().tile_elements, dtype.itemsize) + window
     configuration = ParamNvme("nvme", ActivationMode.CHECKPOINTED, Homes.NVME)
     _, act_host = subject.activations(ActivationMode.CHECKPOINTED)
     node = Limits(device=None, host=2 * (budget + fixed) + act_host, host_reserve=0)
