@@ -22,7 +22,7 @@ from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.state.nvme_weights import NvmeHomeState
 
 from ._models import host_accelerator
-from ._zero3 import batches, gpt, make_opt, share
+from ._zero3 import batches, gpt, loss_without, make_opt, share, skipped
 
 #: The disk traffic a step is measured by: (direction, category) -> a short name.
 DISK = {
@@ -49,16 +49,20 @@ def nvme_train(
     *,
     dtype: torch.dtype,
     steps: int,
-    host_budget: int | None,
+    host_budget: int | list[int] | None,
     release: str = "close",
+    uneven: bool = False,
 ) -> dict:
     """Stage 3 with parameter offload, trained ``steps`` steps on this rank's share of the
     global batch; with ``host_budget`` the homes and state beyond it are on NVMe under
-    ``out/nvme/rank{r}`` (None: every home in RAM, no ``nvme_dir``). ``release``: how the
-    optimizer ends, ``"close"`` or ``"gc"`` (dropped and collected)."""
+    ``out/nvme/rank{r}`` (None: every home in RAM, no ``nvme_dir``; a list: each rank's
+    own). ``release``: how the optimizer ends, ``"close"`` or ``"gc"`` (dropped and
+    collected). ``uneven``: the ranks leave different blocks out (``_zero3.skipped``)."""
     model = gpt(dtype, layers=4)
     root = out / "nvme"
     config: dict[str, Any] = {"prefetch_layers": 1}
+    if isinstance(host_budget, list):
+        host_budget = host_budget[rank]
     if host_budget is not None:
         config.update(nvme_dir=str(root), host_budget=host_budget)
     opt = make_opt(model, offload=True, **config)
@@ -86,8 +90,12 @@ def nvme_train(
         "weight_files": [b.store.home.path for b in homes],
     }
     disk, losses = [_disk(opt)], []
-    for ids, targets in batches(steps):
-        loss = model(share(ids, rank, world), share(targets, rank, world))
+    for step, (ids, targets) in enumerate(batches(steps)):
+        ids, targets = share(ids, rank, world), share(targets, rank, world)
+        if uneven:
+            loss = loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
+        else:
+            loss = model(ids, targets)  # through the root module's hooks
         loss.backward()
         opt.step()
         opt.zero_grad()

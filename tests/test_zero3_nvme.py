@@ -106,18 +106,27 @@ def test_disk_bytes_per_step_against_the_formula(two_ranks: dict) -> None:
             assert moved["state_written"] > 0 and moved["state_read"] > 0
 
 
-def test_three_ranks_and_garbage_collection(tmp_path: Path) -> None:
-    """Uneven pieces (parameters straddle three shards); the optimizer dropped and
-    collected instead of closed: each rank's finalizer gathers the weights from disk, on
-    every rank alike, and removes its files."""
-    kwargs = {"dtype": torch.float32, "steps": 2}
+def test_three_ranks_with_their_own_budgets_leaving_blocks_out(tmp_path: Path) -> None:
+    """Three ranks whose budgets differ (rank 0 keeps every home in RAM, rank 1 some, rank 2
+    none: their disk reads come at different times) and which leave different blocks out:
+    the gathers still match (Note [sharded homes on NVMe]) and training is bitwise the run
+    with every home in RAM. Uneven pieces (parameters straddle three shards). The optimizer
+    is dropped and collected instead of closed: each rank's finalizer gathers the weights
+    from disk, on every rank alike, and removes its files."""
+    kwargs = {"dtype": torch.float32, "steps": 3, "uneven": True}
     (tmp_path / "ram").mkdir()
-    nvme = run(3, nvme_train, tmp_path, host_budget=HOST_BUDGET // 2, release="gc", **kwargs)
+    budgets = [10**9, HOST_BUDGET // 2, 1]
+    nvme = run(3, nvme_train, tmp_path, host_budget=budgets, release="gc", **kwargs)
     ram = run(3, nvme_train, tmp_path / "ram", host_budget=None, **kwargs)
+    assert "NvmeHomeState" not in nvme[0]["kinds"]
+    assert set(nvme[2]["kinds"]) == {"NvmeHomeState"}
     for rank in range(3):
-        assert "NvmeHomeState" in nvme[rank]["kinds"]
+        assert nvme[rank]["losses"] == ram[rank]["losses"]
         assert _max_diff(nvme[rank]["weights"], ram[rank]["weights"]) == 0.0
-        assert nvme[rank]["files_before_close"]
+        weights = [f for f in nvme[rank]["files_before_close"] if f.endswith(".weights.zo-state")]
+        assert len([f for f in weights if f.startswith(f"rank{rank}/")]) == len(
+            nvme[rank]["weight_files"]
+        )
         assert not [f for f in nvme[rank]["files_after_close"] if f.startswith(f"rank{rank}/")]
 
 
