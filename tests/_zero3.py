@@ -111,6 +111,24 @@ def make_opt(model: TinyGPT, *, offload: bool, **config: Any) -> OffloadAdamW:
     )
 
 
+def rank_loss(
+    model: TinyGPT,
+    step: int,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    rank: int,
+    world: int,
+    *,
+    uneven: bool,
+) -> torch.Tensor:
+    """This rank's loss on its share of step ``step``'s global batch; ``uneven``: without
+    the blocks it leaves out then (``skipped``)."""
+    ids, targets = share(ids, rank, world), share(targets, rank, world)
+    if uneven:
+        return loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
+    return model(ids, targets)  # through the root module's hooks
+
+
 def train(
     model: TinyGPT,
     opt: OffloadAdamW,
@@ -126,11 +144,7 @@ def train(
     step (the first entry: before the first). ``norms`` gets each step's gradient norm."""
     counters = [] if opt.comm is None else [opt.comm.counters.snapshot()]
     for step, (ids, targets) in enumerate(batches(steps)):
-        ids, targets = share(ids, rank, world), share(targets, rank, world)
-        if uneven:
-            loss = loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
-        else:
-            loss = model(ids, targets)  # through the root module's hooks
+        loss = rank_loss(model, step, ids, targets, rank, world, uneven=uneven)
         loss.backward()
         if clip is not None:
             opt.clip_grad_norm_(clip)

@@ -22,7 +22,7 @@ from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.state.nvme_weights import NvmeHomeState
 
 from ._models import host_accelerator
-from ._zero3 import batches, gpt, loss_without, make_opt, share, skipped
+from ._zero3 import batches, gpt, make_opt, rank_loss, share
 
 #: The disk traffic a step is measured by: (direction, category) -> a short name.
 DISK = {
@@ -91,11 +91,7 @@ def nvme_train(
     }
     disk, losses = [_disk(opt)], []
     for step, (ids, targets) in enumerate(batches(steps)):
-        ids, targets = share(ids, rank, world), share(targets, rank, world)
-        if uneven:
-            loss = loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
-        else:
-            loss = model(ids, targets)  # through the root module's hooks
+        loss = rank_loss(model, step, ids, targets, rank, world, uneven=uneven)
         loss.backward()
         opt.step()
         opt.zero_grad()
