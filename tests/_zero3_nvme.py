@@ -97,6 +97,9 @@ def nvme_train(
         opt.zero_grad()
         losses.append(loss.item())
         disk.append(_disk(opt))
+    # Collective (every rank, in the same order): each entry a copy of the gathered
+    # parameter, its shards read from disk (Note [a sharded unit]).
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     result["files_before_close"] = _files(root) if root.exists() else []
     result["disk"] = disk
     result["losses"] = losses
@@ -107,6 +110,7 @@ def nvme_train(
         del opt, offloader, homes  # collected: the same, on every rank alike
         gc.collect()
     result["weights"] = [p.detach().clone() for p in model.parameters()]
+    result["names"] = [name for name, _ in model.named_parameters()]
     result["files_after_close"] = _files(root) if root.exists() else []
     return result
 

@@ -2,7 +2,8 @@
 and ``nvme_dir``, each rank's home shard of a bucket beyond its ``host_budget`` lives in a
 weight file under ``nvme_dir/rank{r}`` (Note [sharded homes on NVMe] in
 params/sharded_fetch.py). Bitwise parity with the same stage-3 run with every home in RAM,
-and with one process within test_zero3.py's tolerance; the disk bytes of each step against
+and with one process within test_zero3.py's tolerance (and `model.state_dict()` gathered from
+disk); the disk bytes of each step against
 their formula; a corrupted weight tile on one rank, a full disk on one rank (the other rank
 does not hang); the files gone at close and at garbage collection. The disk is real (tmp
 dirs)."""
@@ -60,6 +61,10 @@ def test_homes_on_disk_train_bitwise_like_homes_in_ram_and_like_one_process(
         assert _max_diff(nvme[rank]["weights"], ram[rank]["weights"]) == 0.0
         assert nvme[rank]["gathers"] == ram[rank]["gathers"]  # the same gathers, in lockstep
         _close_to_one_process(nvme[rank]["weights"], one["weights"], STEPS)
+        # model.state_dict() before close: the gathered weights, read from disk.
+        entries = nvme[rank]["state_dict"]
+        for name, weight in zip(nvme[rank]["names"], nvme[rank]["weights"], strict=True):
+            assert torch.equal(entries[name].cpu(), weight.cpu()), name
     assert _max_diff(nvme[0]["weights"], nvme[1]["weights"]) == 0.0
 
 
