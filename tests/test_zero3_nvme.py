@@ -1,12 +1,12 @@
 """ZeRO-3 with parameter offload and NVMe (ZeRO-Infinity across ranks): with several gloo ranks
 and ``nvme_dir``, each rank's home shard of a bucket beyond its ``host_budget`` lives in a
 weight file under ``nvme_dir/rank{r}`` (Note [sharded homes on NVMe] in
-params/sharded_fetch.py). Bitwise parity with the same stage-3 run with every home in RAM,
-and with one process within test_zero3.py's tolerance (and `model.state_dict()` gathered from
-disk); the disk bytes of each step against
-their formula; a corrupted weight tile on one rank, a full disk on one rank (the other rank
-does not hang); the files gone at close and at garbage collection. The disk is real (tmp
-dirs)."""
+params/sharded_fetch.py). Bitwise parity with the same stage-3 run with every home in RAM
+(ranks with budgets of their own and leaving blocks out too), and with one process within
+test_zero3.py's tolerance; ``model.state_dict()`` gathered from disk; the disk bytes of each
+step against their formula; a corrupted weight tile on one rank, a full disk on one rank (the
+other rank does not hang); the files gone at close and at garbage collection; the
+estimator's rows against a real two-rank build. The disk is real (tmp dirs)."""
 
 from __future__ import annotations
 
