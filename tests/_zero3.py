@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,24 @@ def make_opt(model: TinyGPT, *, offload: bool, **config: Any) -> OffloadAdamW:
     )
 
 
+def rank_loss(
+    model: TinyGPT,
+    step: int,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    rank: int,
+    world: int,
+    *,
+    uneven: bool,
+) -> torch.Tensor:
+    """This rank's loss on its share of step ``step``'s global batch; ``uneven``: without
+    the blocks it leaves out then (``skipped``)."""
+    ids, targets = share(ids, rank, world), share(targets, rank, world)
+    if uneven:
+        return loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
+    return model(ids, targets)  # through the root module's hooks
+
+
 def train(
     model: TinyGPT,
     opt: OffloadAdamW,
@@ -128,11 +147,7 @@ def train(
     step (the first entry: before the first). ``norms`` gets each step's gradient norm."""
     counters = [] if opt.comm is None else [opt.comm.counters.snapshot()]
     for step, (ids, targets) in enumerate(batches(steps, global_batch)):
-        ids, targets = share(ids, rank, world), share(targets, rank, world)
-        if uneven:
-            loss = loss_without(model, ids, targets, skipped(step, rank, len(model.blocks)))
-        else:
-            loss = model(ids, targets)  # through the root module's hooks
+        loss = rank_loss(model, step, ids, targets, rank, world, uneven=uneven)
         loss.backward()
         if clip is not None:
             opt.clip_grad_norm_(clip)
@@ -265,22 +280,33 @@ def _since(began: float) -> float:
 SCENARIOS = {"train": scenario_train, "killed": scenario_killed, "pools": scenario_pools}
 
 
-def _entry(rank: int, world: int, port: int, scenario: str, out: str, kwargs: dict) -> None:
+def _entry(
+    rank: int, world: int, port: int, scenario: str | Callable, out: str, kwargs: dict
+) -> None:
     join_gloo(rank, world, port)
     # A rank that hangs (mismatched collectives) prints its stacks and exits, so the test
     # fails with them instead of blocking the suite.
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    result = SCENARIOS[scenario](rank, world, Path(out), **kwargs)
-    torch.save(result, Path(out) / f"{scenario}.rank{rank}.pt")
-    if scenario == "killed":
+    fn = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    name = _name(scenario)
+    result = fn(rank, world, Path(out), **kwargs)
+    torch.save(result, Path(out) / f"{name}.rank{rank}.pt")
+    if name == "killed" or result.get("exit_now"):
         os._exit(0)  # a failed collective leaves a thread blocked in the backend
     dist.destroy_process_group()
 
 
-def run(world: int, scenario: str, out: Path, **kwargs: Any) -> list[dict]:
-    """Run ``scenario`` on ``world`` spawned gloo ranks; their results in rank order."""
+def _name(scenario: str | Callable) -> str:
+    return scenario if isinstance(scenario, str) else scenario.__name__
+
+
+def run(world: int, scenario: str | Callable, out: Path, **kwargs: Any) -> list[dict]:
+    """Run ``scenario`` (a name in ``SCENARIOS``, or a module-level function of the same
+    signature) on ``world`` spawned gloo ranks; their results in rank order. A rank whose
+    result says ``exit_now`` ends its process at once (a collective failed)."""
     mp.spawn(_entry, args=(world, free_port(), scenario, str(out), kwargs), nprocs=world)
-    return [torch.load(out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(world)]
+    name = _name(scenario)
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def one_process(**kwargs: Any) -> dict:

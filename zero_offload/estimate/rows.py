@@ -464,11 +464,6 @@ class Offloaded(Configuration):
         return RowBytes(weights, grad_buffers, device, host * subject.ctx.ranks_per_node + act_host)
 
 
-#: Why rows with parameters offloaded, NVMe and several ranks are estimates only (ZeRO-3
-#: with offload runs; with ``nvme_dir`` on several ranks the optimizer refuses it).
-ZERO3_NOT_YET = "ZeRO-3 with nvme_dir (NVMe state with sharded parameters) is not implemented"
-
-
 @dataclass(frozen=True)
 class ParamOffloaded(Configuration):
     """``OffloadConfig(offload_parameters=True)``: the window's slots instead of the weights

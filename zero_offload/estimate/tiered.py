@@ -15,6 +15,13 @@
   Gradient staging is for the whole model in both; ``ParamInFlight`` (``in_flight.py``)
   is each of them with staging only for the buckets in flight.
 
+With several ranks ``ParamNvme`` is ZeRO-3 with offload and NVMe (ZeRO-Infinity, Note
+[sharded homes on NVMe] in ``params/sharded_fetch.py``), which runs: each rank places its
+shard of every bucket by its own budget, under ``nvme_dir/rank{r}``. Its bytes are per rank
+(``tiers``) and per node (the row: ``ranks_per_node`` of them); a rank's are rank 0's, whose
+shards hold the most real elements (the last ranks' hold the padding), so another rank's
+disk is at most that.
+
 See Note [the host budget decides the split] in ``nvme.py``.
 """
 
@@ -25,16 +32,13 @@ from dataclasses import dataclass, field
 from .in_flight import ParamInFlight
 from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
 from .rows import (
-    ZERO3_NOT_YET,
     ActivationMode,
     Configuration,
-    Context,
     Limits,
     Offloaded,
     ParamOffloaded,
     Replicated,
     RowBytes,
-    Status,
     Subject,
 )
 
@@ -124,11 +128,6 @@ class ParamNvme(Configuration):
         if homes is Homes.NVME:
             return home_tiers(groups, subject.ctx, budget)
         return state_tiers(groups, subject.ctx, budget)
-
-    def status(self, ctx: Context) -> tuple[Status, str]:
-        if ctx.world_size > 1:
-            return Status.NOT_YET, ZERO3_NOT_YET
-        return Status.RUNS, ""
 
 
 _CKPT, _ACT = ActivationMode.CHECKPOINTED, ActivationMode.OFFLOADED

@@ -37,23 +37,18 @@ from .update.policy import StepPolicy
 __all__ = ["SegmentBuilder", "check_param_offload"]
 
 
-def check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
+def check_param_offload(config: OffloadConfig, model: Any, layers: Any) -> None:
     """Refuse model=/layers= without parameter offload, and parameter offload without a
-    model or with NVMe on several ranks. Parameter offload with several ranks is ZeRO-3
-    with offload (Note [a sharded unit] in ``params/sharded_fetch.py``)."""
+    model. Parameter offload with several ranks is ZeRO-3 with offload (Note [a sharded
+    unit] in ``params/sharded_fetch.py``); with ``nvme_dir`` too, each rank's home shards
+    beyond ``host_budget`` live in its own weight files (ZeRO-Infinity, Note [sharded homes
+    on NVMe] there)."""
     if config.offload_parameters:
         if model is None:
             raise ValueError(
                 "OffloadConfig(offload_parameters=True) needs the model whose blocks it "
                 "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
                 "the nn.ModuleList holding the most parameters)"
-            )
-        if comm is not None and config.nvme_dir is not None:
-            raise ValueError(
-                f"{comm.where()}: OffloadConfig(offload_parameters=True, nvme_dir="
-                f"{config.nvme_dir!r}) with several ranks is not supported yet (ZeRO-3 "
-                "shards its weights in host RAM; NVMe state under sharded parameters is "
-                "untested); leave nvme_dir=None with several ranks, or run one process"
             )
     elif model is not None or layers is not None:
         raise ValueError(

@@ -160,7 +160,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"ranks (device-resident optimizer state is not partitioned yet), got "
                 f"{config.offload_fraction!r}"
             )
-        check_param_offload(config, comm, model, layers)
+        check_param_offload(config, model, layers)
         self.serial = next(_serials)
         self.manager = TieredMemoryManager(self.accelerator)
         extra_streams = []

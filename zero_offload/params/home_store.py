@@ -116,7 +116,7 @@ class Bounce:
             lo, hi = home.tile_range(tile)
             end = manager.copy(
                 home.tile_view(area, tile),
-                views.weights_dev[lo:hi],
+                views.home_slot()[lo:hi],
                 direction=Direction.D2H,
                 category=Category.WEIGHTS,
                 after=[manager.compute_ready()],  # the writes were issued on compute
@@ -174,7 +174,7 @@ class PendingFetch:
         for tile in range(home.tiles):
             lo, hi = home.tile_range(tile)
             end = manager.copy(
-                self.views.weights_dev[lo:hi],
+                self.views.home_slot()[lo:hi],
                 home.tile_view(self.area, tile),
                 direction=Direction.H2D,
                 category=Category.WEIGHTS,

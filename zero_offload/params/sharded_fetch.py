@@ -60,6 +60,25 @@ Outside a forward or backward (``materialize``: user code reading a released par
 read is collective, every rank must make it in the same order (FSDP's full state dict is the
 same). A state-dict entry is then a host copy of the gathered parameter, not a view of a
 home (no rank holds the whole parameter); a write to it does not reach the model.
+
+Note [sharded homes on NVMe]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``nvme_dir`` too (ZeRO-Infinity across ranks), a bucket whose home shard does not fit
+this rank's ``host_budget`` keeps it in a weight file of this rank's directory
+(``nvme_dir/rank{r}``, beside its state: Note [homes on NVMe] in
+``optim/state/nvme_plan.py``), the shard's real elements only. A fetch reads the records
+into the slot's bounce and returns (Note [homes on NVMe are fetched through a bounce ring]
+in ``home_store.py``); the H2D copies into this rank's slice (``home_slot``) and then the
+slot's all-gather are queued once the reads are done (``ParamUnit.finish_fetch``). The
+ranks' budgets, and so which buckets are on disk, may differ; the order of the gathers may
+not. So a unit whose reads are pending is *owed* its gather (``SlotGather.owe``), and a
+gather asked for while earlier ones are owed first finishes those fetches, in the order
+they were made (the CPU waits for their disk reads there): each rank issues its gathers in
+the order of its fetches, which is the canonical order above, whatever is on disk. The
+padding of a shard is not on disk; its bytes in the slot are never a parameter's. A record
+that cannot be read raises ``StorageError`` naming the rank, the unit, the bucket and the
+file, and the gather is never issued: the other ranks' gather of that unit fails with a
+``CollectiveError`` at the collective deadline (``collective_timeout``).
 """
 
 from __future__ import annotations
@@ -135,7 +154,7 @@ class ShardedWindowedViews(WindowedViews):
     def unbind(self) -> None:
         """Every parameter still ours gets a private device copy of its gathered weights
         (collective at close: every rank closes its optimizer)."""
-        if self.home is None:
+        if self.home is None and self.nvme_home is None:
             super().unbind()
             return
         if self.unbound:
@@ -146,6 +165,10 @@ class ShardedWindowedViews(WindowedViews):
             if i not in replaced:
                 restore(param, flat[slot.offset : slot.end].view(slot.shape).clone())
         self.unbound = True
+
+    def write_home(self, index: int, values: torch.Tensor) -> None:
+        """Nothing: a state-dict entry is a copy of the gathered parameter, which does not
+        reach the model (Note [a sharded unit]); the weight file holds a shard only."""
 
 
 class ShardedParamUnit(ParamUnit):
@@ -177,6 +200,7 @@ class SlotGather:
         self.manager = manager
         self.last: dict[int, Event] = {}
         self.gathers = 0
+        self.owed: list[ParamUnit] = []  # fetches waiting for disk reads, in fetch order
 
     def before_fetch(self, unit: ParamUnit) -> None:
         """The ``h2d`` stream waits for the slot's last gather (write-after-write)."""
@@ -184,9 +208,23 @@ class SlotGather:
         if event is not None:
             self.manager.h2d.wait_event(event)
 
+    def owe(self, unit: ParamUnit) -> None:
+        """``unit``'s fetch waits for its disk reads (Note [sharded homes on NVMe])."""
+        self.owed.append(unit)
+
+    def withdraw(self, unit: ParamUnit) -> None:
+        """``unit``'s reads failed: its gather is not owed any more."""
+        if unit in self.owed:
+            self.owed.remove(unit)
+
     def __call__(self, unit: ParamUnit, copied: Event) -> Event:
         """Queue the all-gather of every bucket of ``unit``'s slot after ``copied``; its end
-        event (recorded on the slot's block)."""
+        event (recorded on the slot's block). The gathers owed by earlier fetches go first
+        (Note [sharded homes on NVMe])."""
+        mine = self.owed.index(unit) if unit in self.owed else len(self.owed)
+        for earlier in self.owed[:mine]:
+            earlier.finish_fetch()  # its reads, copies and gather (leaving ``owed``)
+        self.withdraw(unit)
         comm = self.comm
         accelerator = self.manager.accelerator
         self.stream.wait_event(copied)
@@ -266,6 +304,11 @@ class ShardedParamOffloader(ParamOffloader):
         super().plan(layouts, params, alignment=alignment)
         for unit in self.units:
             unit.gather = self.gather
+
+    def adopt(self, views: WindowedViews, backend: Any) -> None:
+        super().adopt(views, backend)
+        if views.nvme_home is not None:  # its errors name the rank too
+            views.nvme_home.owner = f"{self.comm.where()} {views.nvme_home.owner}"
 
     # -- the canonical order -----------------------------------------------------------
 
@@ -405,7 +448,7 @@ class ShardedParamOffloader(ParamOffloader):
         self._order = []
         with surface_collective_errors():
             for unit in self.units:
-                if any(views.home is not None for views in unit.views):
+                if any(v.home is not None or v.nvme_home is not None for v in unit.views):
                     for views in unit.views:
                         views.unbind()  # the first gathers the unit, the others reuse it
                     unit.release()  # the parameters are private copies now: left alone

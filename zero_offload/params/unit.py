@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -70,7 +71,7 @@ from .units import UnitSpec
 from .views import WindowedViews
 from .window import Slot
 
-__all__ = ["ParamUnit", "UnitState"]
+__all__ = ["Gatherer", "ParamUnit", "UnitState"]
 
 
 class UnitState(enum.Enum):
@@ -96,6 +97,20 @@ _ALLOWED = frozenset(
 )
 
 
+class Gatherer(Protocol):
+    """What a unit asks of its ranks' gathers (``sharded_fetch.SlotGather``; a protocol, so
+    this module stays below the one that builds it)."""
+
+    def __call__(self, unit: ParamUnit, copied: Event) -> Event:
+        """Queue the all-gather of ``unit``'s slot after ``copied``; its end event."""
+
+    def owe(self, unit: ParamUnit) -> None:
+        """``unit``'s fetch waits for disk reads: its gather comes later, before any other."""
+
+    def withdraw(self, unit: ParamUnit) -> None:
+        """``unit``'s owed gather will not be issued (its reads failed)."""
+
+
 class ParamUnit:
     """One unit; see Note [a unit's lifecycle].
 
@@ -116,7 +131,8 @@ class ParamUnit:
             (None: not exposed); Note [a write to a resident unit reaches its home].
         gather: with several ranks, queues the all-gather of the slot after the H2D copies'
             end event and returns the gather's (Note [a sharded unit] in
-            ``sharded_fetch.py``); None on one rank.
+            ``sharded_fetch.py``), or is owed it until the disk reads are done (Note
+            [sharded homes on NVMe] there); None on one rank.
     """
 
     def __init__(
@@ -145,7 +161,7 @@ class ParamUnit:
         self.write_backs = 0
         self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
         self.pending: list[PendingFetch] = []  # disk reads of a fetch, copies not queued
-        self.gather: Callable[[ParamUnit, Event], Event] | None = None
+        self.gather: Gatherer | None = None
 
     def _home_versions_now(self) -> tuple[int, ...]:
         return tuple(views.home_version() for views in self.views)
@@ -206,8 +222,11 @@ class ParamUnit:
                     blocks=[slot.block, home_block],
                     label=label,
                 )
-            if self.gather is not None and end is not None:  # several ranks: Note [a sharded unit]
-                end = self.gather(self, end)
+            if self.gather is not None:  # several ranks: Note [a sharded unit]
+                if self.pending:  # gathered once read: Note [sharded homes on NVMe]
+                    self.gather.owe(self)
+                elif end is not None:
+                    end = self.gather(self, end)
             self.ready = self.fetched = end  # one stream, in order: the last end covers all
             self.fetches += 1
         slot.occupant = self
@@ -240,6 +259,8 @@ class ParamUnit:
         the reads); Note [homes on NVMe are fetched through a bounce ring]. A failed read
         leaves the slot nobody's and raises, naming the unit and the file."""
         pending, self.pending = self.pending, []
+        if not pending:
+            return
         while pending:
             fetch = pending.pop(0)
             try:
@@ -249,9 +270,13 @@ class ParamUnit:
                     rest.drop()
                 self.content_valid = False
                 self.slot.occupant = None
+                if self.gather is not None:
+                    self.gather.withdraw(self)  # never gathered: the others time out
                 raise
             if end is not None:  # one stream, in order: the last end covers all
                 self.ready = self.fetched = end
+        if self.gather is not None and self.ready is not None:  # Note [sharded homes on NVMe]
+            self.ready = self.fetched = self.gather(self, self.ready)
 
     def use(self, manager: TieredMemoryManager) -> None:
         """FETCHING -> ON_DEVICE: compute waits for the fetch (exposed time, if any)."""
