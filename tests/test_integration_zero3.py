@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from accelerate import Accelerator
 from transformers import GPT2LMHeadModel
 
-from zero_offload import OffloadAdamW
+from zero_offload import OffloadAdamW, load_pretrained
 from zero_offload.integrations.accelerate import OffloadAccelerator
 from zero_offload.params import ShardedParamOffloader
 
@@ -212,9 +212,15 @@ def test_trainer_stage3_from_a_meta_model_and_a_checkpoint_path(
 # -- accelerate ------------------------------------------------------------------------
 
 
-def _accelerate_run(stage3: bool, world: int) -> dict[str, Any]:
+def _accelerate_run(out: Path, name: str, world: int) -> dict[str, Any]:
+    """``name``: "stage3", "stage2", or "meta" (stage 3 on a model built on meta and read
+    from ``out/pretrained`` by the optimizer)."""
+    stage3 = name != "stage2"
     accelerator = OffloadAccelerator(cpu=True, gradient_accumulation_steps=2)
-    model = tiny_gpt2()
+    if name == "meta":
+        model = load_pretrained(_on_meta(), out / "pretrained", accelerator=host_accelerator())
+    else:
+        model = tiny_gpt2()
     opt = OffloadAdamW(
         model.parameters(),
         lr=1e-3,
@@ -232,6 +238,7 @@ def _accelerate_run(stage3: bool, world: int) -> dict[str, Any]:
         "ddp": isinstance(accelerator._models[0], torch.nn.parallel.DistributedDataParallel),
         "weights": weights(model),  # collective under ZeRO-3: every rank reads
     }
+    accelerator.save_model(model, out / name)  # every rank takes the state dict
     opt.close()
     return result
 
@@ -239,7 +246,8 @@ def _accelerate_run(stage3: bool, world: int) -> dict[str, Any]:
 def _accelerate_rank(rank: int, world: int, port: int, out: str) -> None:
     as_torchrun_rank(rank, world, port)
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    result = {name: _accelerate_run(name == "stage3", world) for name in ("stage3", "stage2")}
+    runs = ("stage3", "stage2", "meta")
+    result = {name: _accelerate_run(Path(out), name, world) for name in runs}
     torch.save(result, Path(out) / f"accelerate.rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -248,7 +256,10 @@ def _accelerate_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_accelerate_stage3_equals_stage2_bitwise_and_one_process(tmp_path: Path) -> None:
     """accelerate's documented loop (accumulate, backward, clip_grad_norm_ on sync steps,
     step) on two ranks with ZeRO-3: no DDP wrapper, stage 2's result bitwise, one process's
-    on the global batch to float rounding."""
+    on the global batch to float rounding; then accelerator.save_model on every rank. And
+    the same loop on a model built on meta, loaded from a checkpoint path
+    (``load_pretrained``, then ``OffloadAdamW(model=model)``): bitwise the run from memory."""
+    tiny_gpt2().save_pretrained(tmp_path / "pretrained")
     mp.spawn(_accelerate_rank, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"accelerate.rank{r}.pt", weights_only=False) for r in range(2)]
     ref_model = tiny_gpt2()
@@ -264,6 +275,20 @@ def test_accelerate_stage3_equals_stage2_bitwise_and_one_process(tmp_path: Path)
         assert stage3["sharded"] and not stage2["sharded"] and not stage3["ddp"]
         assert stage3["norms"] == stage2["norms"] and stage3["losses"] == stage2["losses"]
         assert max_weight_diff(stage3["weights"], stage2["weights"]) == 0.0
+        # Built on meta, read from the checkpoint path: the same run as from memory.
+        meta = rank["meta"]
+        assert meta["sharded"] and meta["norms"] == stage3["norms"]
+        assert max_weight_diff(meta["weights"], stage3["weights"]) == 0.0
         torch.testing.assert_close(stage3["norms"], ref["norms"], rtol=1e-6, atol=0)
         assert max_weight_diff(stage3["weights"], weights(ref_model)) < 3e-6
     assert max_weight_diff(ranks[0]["stage3"]["weights"], ranks[1]["stage3"]["weights"]) == 0.0
+    # accelerator.save_model writes every parameter (the tied one once) with its trained
+    # values: Note [state dicts the savers can write].
+    saved = {
+        name: safetensors.torch.load_file(tmp_path / name / "model.safetensors")
+        for name in ("stage3", "stage2")
+    }
+    for name, state in saved.items():
+        trained = ranks[0][name]["weights"]  # named_parameters: the tied weight once
+        assert state.keys() == trained.keys(), name
+        assert all(torch.equal(state[key], trained[key]) for key in trained), name

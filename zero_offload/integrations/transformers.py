@@ -58,7 +58,7 @@ from ..fileio import save_torch
 from ..optim import OffloadAdamW
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
-from ._optim import find_offload_optimizer, pre_clip_norm
+from ._optim import find_offload_optimizer, parameters_sharded, pre_clip_norm, saveable
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
 __all__ = ["OffloadTrainer"]
@@ -360,30 +360,20 @@ class OffloadTrainer(Trainer):
     # every rank takes the state dict, in the same order, and hands it to Trainer's
     # ``_save``, which writes it on rank 0 and drops it on the others (as Trainer does for
     # an FSDP full state dict). Its entries are host copies, so the names of one (tied)
-    # parameter are pointed at one of them again. Hidden cost: each rank holds a host copy of the whole model
+    # parameter are pointed at one of them again (Note [state dicts the savers can write] in
+    # ``_optim.py``). Hidden cost: each rank holds a host copy of the whole model
     # for the moment of the save.
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's ``_save``; under ZeRO-3 the state dict is taken on every rank first
         (Note [the model is saved on every rank under ZeRO-3])."""
-        if state_dict is None and self._parameters_sharded():
-            state_dict = self.model.state_dict()
-            # Each entry is a host copy of its gathered parameter, so a tied parameter (GPT-2's
-            # wte and lm_head) would come back as two tensors, which save_pretrained writes
-            # twice: one tensor under every name of one parameter, as a plain state dict has.
-            first: dict[int, str] = {}
-            for name, param in self.model.named_parameters(remove_duplicate=False):
-                if name in state_dict:
-                    state_dict[name] = state_dict[first.setdefault(id(param), name)]
+        if (
+            state_dict is None
+            and self.optimizer is not None
+            and parameters_sharded(self.offload_optimizer)
+        ):
+            state_dict = saveable(self.model, self.model.state_dict())
         super()._save(output_dir, state_dict=state_dict)
-
-    def _parameters_sharded(self) -> bool:
-        """Whether reading the model's parameters is collective: parameter offload on
-        several ranks (ZeRO-3)."""
-        if self.optimizer is None:
-            return False
-        opt = self.offload_optimizer
-        return opt.param_offloader is not None and opt.comm is not None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``optimizer.pt`` in the consolidated layout (every rank takes part; rank 0 writes
