@@ -1,5 +1,5 @@
-"""What both integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm,
-and take a model's state dict under ZeRO-3.
+"""What the integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm,
+and make its model's state dict one the frameworks' savers write whole.
 
 Note [frameworks clip through the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,17 +80,19 @@ def parameters_sharded(opt: OffloadAdamW) -> bool:
 
 # Note [state dicts the savers can write]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Savers that write safetensors (``save_pretrained``, accelerate's ``save_model`` and
-# ``save_state``) find tied weights by their storage: entries sharing one are taken for one
-# tied weight, and all but one are dropped. Two things about an OffloadAdamW model break that:
+# accelerate's safetensors savers (``save_model``, ``save_state``) take entries that share a
+# storage for one tied weight and keep one of them; transformers' ``save_pretrained`` keeps
+# one name of each tied pair its model declares, and writes two tensors as two. Two things
+# about an OffloadAdamW model break those rules:
 # - without parameter offload each parameter is a view of its bucket's flat device buffer,
-#   so every parameter of a bucket shares one storage: accelerate would write one of them
-#   and drop the rest (with only a logged warning);
+#   so every parameter of a bucket shares one storage: accelerate wrote one of them and
+#   dropped the rest (with only a logged warning);
 # - under ZeRO-3 each entry is a host copy of its gathered parameter, so the two names of a
 #   tied parameter (GPT-2's ``wte`` and ``lm_head``) are two tensors, written twice.
 # ``saveable`` gives the names of one parameter one tensor, and an entry that shares its
 # storage with another parameter's a host copy of its own. Hidden cost: that copy is the
-# whole model in host memory, on the processes that write.
+# whole model in host memory, on the process that writes (none under ZeRO-3, whose entries
+# are copies already).
 
 
 def saveable(

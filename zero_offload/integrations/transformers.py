@@ -361,8 +361,8 @@ class OffloadTrainer(Trainer):
     # ``_save``, which writes it on rank 0 and drops it on the others (as Trainer does for
     # an FSDP full state dict). Its entries are host copies, so the names of one (tied)
     # parameter are pointed at one of them again (Note [state dicts the savers can write] in
-    # ``_optim.py``). Hidden cost: each rank holds a host copy of the whole model
-    # for the moment of the save.
+    # ``_optim.py``). Hidden cost: each rank holds a host copy of the whole model for the
+    # moment of the save.
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's ``_save``; under ZeRO-3 the state dict is taken on every rank first
