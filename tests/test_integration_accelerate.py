@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
 from accelerate import Accelerator
@@ -149,6 +150,20 @@ def test_clipping_other_parameter_sets_is_refused() -> None:
     # Parameters no OffloadAdamW owns go to accelerate's (torch's) clipping as before.
     other(torch.ones(1, 2)).sum().backward()
     assert accelerator.clip_grad_norm_(other.parameters(), 1.0).item() > 0
+
+
+def test_save_model_writes_every_parameter(tmp_path: Path) -> None:
+    """The parameters share their buckets' storage, and accelerate's safetensors save keeps
+    one tensor per storage: without Note [state dicts the savers can write] it wrote one
+    parameter of 28 and dropped the rest with a logged warning."""
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator()
+    accelerate_loop(accelerator, model, offload_adamw(model), loader())
+    accelerator.save_model(model, tmp_path)
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    trained = weights(model)  # named_parameters: the tied wte / lm_head once
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[name], trained[name]) for name in trained)
 
 
 def test_fp16_mixed_precision_is_refused() -> None:

@@ -1,4 +1,5 @@
-"""What both integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm.
+"""What the integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm,
+and make its model's state dict one the frameworks' savers write whole.
 
 Note [frameworks clip through the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -26,7 +27,14 @@ import torch
 
 from ..optim import OffloadAdamW
 
-__all__ = ["NO_CLIP", "clip_norm", "find_offload_optimizer", "pre_clip_norm"]
+__all__ = [
+    "NO_CLIP",
+    "clip_norm",
+    "find_offload_optimizer",
+    "parameters_sharded",
+    "pre_clip_norm",
+    "saveable",
+]
 
 #: A max_norm no gradient norm reaches: ``clip_grad_norm_(NO_CLIP)`` reads the norm only.
 NO_CLIP = sys.float_info.max
@@ -62,3 +70,51 @@ def clip_norm(opt: OffloadAdamW, max_norm: float, norm_type: float = 2.0) -> tor
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
         return pre_clip_norm(opt)
     return opt.clip_grad_norm_(max_norm, norm_type)
+
+
+def parameters_sharded(opt: OffloadAdamW) -> bool:
+    """Whether reading ``opt``'s released parameters is collective: parameter offload on
+    several ranks (ZeRO-3; Note [a sharded unit] in ``params/sharded_fetch.py``)."""
+    return opt.param_offloader is not None and opt.comm is not None
+
+
+# Note [state dicts the savers can write]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# accelerate's safetensors savers (``save_model``, ``save_state``) take entries that share a
+# storage for one tied weight and keep one of them; transformers' ``save_pretrained`` keeps
+# one name of each tied pair its model declares, and writes two tensors as two. Two things
+# about an OffloadAdamW model break those rules:
+# - without parameter offload each parameter is a view of its bucket's flat device buffer,
+#   so every parameter of a bucket shares one storage: accelerate wrote one of them and
+#   dropped the rest (with only a logged warning);
+# - under ZeRO-3 each entry is a host copy of its gathered parameter, so the two names of a
+#   tied parameter (GPT-2's ``wte`` and ``lm_head``) are two tensors, written twice.
+# ``saveable`` gives the names of one parameter one tensor, and an entry that shares its
+# storage with another parameter's a host copy of its own. Hidden cost: that copy is the
+# whole model in host memory, on the process that writes (none under ZeRO-3, whose entries
+# are copies already).
+
+
+def saveable(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` (of ``model``) as the savers can write it: see Note [state dicts the
+    savers can write]. Changed in place, and returned."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in state_dict:
+            state_dict[name] = state_dict[first.setdefault(id(param), name)]
+    holders: dict[tuple[torch.device, int], set[int]] = {}
+    for tensor in state_dict.values():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            key = (tensor.device, tensor.untyped_storage().data_ptr())
+            holders.setdefault(key, set()).add(id(tensor))
+    copies: dict[int, torch.Tensor] = {}  # one copy per tensor, so tied names stay one
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            continue
+        if len(holders[(tensor.device, tensor.untyped_storage().data_ptr())]) > 1:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+            state_dict[name] = copies[id(tensor)]
+    return state_dict

@@ -20,6 +20,11 @@ What it changes, and why:
 - ``clip_grad_norm_`` on the parameters of a prepared ``OffloadAdamW`` clips inside the
   optimizer and returns the true pre-clip norm (Note [frameworks clip through the
   optimizer] in ``_optim.py``). Any other parameters go to accelerate's own.
+- ``get_state_dict`` (so ``save_model`` and ``save_state``) gives the writing process a
+  state dict accelerate's safetensors savers write whole: parameters that share a bucket's
+  storage get copies of their own (accelerate would keep one per storage and drop the rest),
+  and under ZeRO-3 a tied parameter's names share one tensor (Note [state dicts the savers
+  can write] in ``_optim.py``).
 - ``backward`` multiplies the loss by the optimizer's loss scale (1 unless the model is
   fp16: ``OffloadAdamW`` has its own dynamic loss scaler).
 - With several processes, a model whose trainable parameters an ``OffloadAdamW`` owns is
@@ -43,7 +48,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from ..optim import OffloadAdamW
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
-from ._optim import clip_norm
+from ._optim import clip_norm, saveable
 
 __all__ = ["FP16_AMP_MESSAGE", "OffloadAcceleratedOptimizer", "OffloadAccelerator"]
 
@@ -226,6 +231,26 @@ class OffloadAccelerator(Accelerator):
                 "all of model.parameters(), or freeze the others (requires_grad_(False))"
             )
         return True
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """``Accelerator.get_state_dict``, which ``save_model`` and ``save_state`` call on
+        every process (under ZeRO-3 a collective: each entry gathers its unit). For a model
+        an ``OffloadAdamW`` trains, on the process that writes the files, the state dict is
+        made one accelerate's safetensors savers write whole (Note [state dicts the savers
+        can write] in ``_optim.py``: without it every parameter sharing a bucket with
+        another would be dropped)."""
+        state_dict = super().get_state_dict(model, unwrap=unwrap)
+        target = self.unwrap_model(model) if unwrap else model
+        owned = {id(p) for opt in self._offload_optimizers() for p in _params(opt)}
+        if not owned & {id(p) for p in target.parameters()} or not self._writes_files():
+            return state_dict
+        return saveable(target, state_dict)
+
+    def _writes_files(self) -> bool:
+        """Whether accelerate's ``save`` writes from this process."""
+        if self.project_configuration.save_on_each_node:
+            return self.is_local_main_process
+        return self.is_main_process
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward``, with the loss multiplied by ``OffloadAdamW``'s loss

@@ -31,6 +31,9 @@ What it does, in the Trainer methods made for overriding:
   ``OffloadAdamW``'s loss scale during backward (Trainer's own backward does not scale).
 - With several ranks (``torchrun``) the model is not wrapped in DDP: ``OffloadAdamW``
   reduce-scatters the gradients itself.
+- ``_save``: with parameter offload on several ranks (ZeRO-3) every rank takes the model's
+  state dict, which gathers each unit (Note [the model is saved on every rank under
+  ZeRO-3]); rank 0 writes it.
 
 Refused at construction, with a ``ValueError`` saying what to use: ``fp16=True`` (torch's
 GradScaler needs ``param.grad``; use ``bf16=True`` or an fp16 model), an ``optim`` other
@@ -55,7 +58,7 @@ from ..fileio import save_torch
 from ..optim import OffloadAdamW
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
-from ._optim import find_offload_optimizer, pre_clip_norm
+from ._optim import find_offload_optimizer, parameters_sharded, pre_clip_norm, saveable
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
 __all__ = ["OffloadTrainer"]
@@ -73,6 +76,7 @@ _OVERRIDDEN = (
     "_save_optimizer_and_scheduler",
     "_load_optimizer_and_scheduler",
     "compute_loss",
+    "_save",
 )
 
 
@@ -345,6 +349,31 @@ class OffloadTrainer(Trainer):
         return result
 
     # -- checkpoints -------------------------------------------------------------------
+
+    # Note [the model is saved on every rank under ZeRO-3]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Trainer saves the model from the writing rank only (``_save`` returns at once on the
+    # others, and ``save_pretrained`` takes ``model.state_dict()`` on rank 0). With parameter
+    # offload on several ranks each rank's homes hold a shard of each unit, so reading a
+    # released parameter gathers its unit: a collective (Note [a sharded unit] in
+    # ``params/sharded_fetch.py``). Rank 0 alone would wait in the first gather forever. So
+    # every rank takes the state dict, in the same order, and hands it to Trainer's
+    # ``_save``, which writes it on rank 0 and drops it on the others (as Trainer does for
+    # an FSDP full state dict). Its entries are host copies, so the names of one (tied)
+    # parameter are pointed at one of them again (Note [state dicts the savers can write] in
+    # ``_optim.py``). Hidden cost: each rank holds a host copy of the whole model for the
+    # moment of the save.
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's ``_save``; under ZeRO-3 the state dict is taken on every rank first
+        (Note [the model is saved on every rank under ZeRO-3])."""
+        if (
+            state_dict is None
+            and self.optimizer is not None
+            and parameters_sharded(self.offload_optimizer)
+        ):
+            state_dict = saveable(self.model, self.model.state_dict())
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``optimizer.pt`` in the consolidated layout (every rank takes part; rank 0 writes
