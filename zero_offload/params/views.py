@@ -18,23 +18,27 @@ master from them unchanged; ``adopt_home`` then releases the parameters onto the
 placeholders, and the slot is free for the next unit.
 
 Note [a state dict entry owns a storage of its bytes]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A state dict entry is the parameter's weights in its pinned home (Note [state dict entries
 are views of the homes] in ``offloader.py``), but not a view of the home tensor: every home
 is a range of one host pool, whose storage also holds the fp32 master and the moments, and
 ``torch.save`` (like pickling) writes each storage it meets whole. So ``home_view`` gives a
 tensor whose storage is exactly the parameter's bytes (``_storage_of_its_own``: no copy,
 the same address; a NumPy array over those bytes holds the pool's storage, so the memory
-stays valid as long as the entry does, after ``close`` too, when the entry keeps its last
-values and no longer follows the model). Each parameter's such tensor (its *entry base*) is
+stays valid as long as the entry does). Each parameter's such tensor (its *entry base*) is
 made at its first ``home_view`` and kept until ``close``; every entry handed out is a
 ``detach()`` of it, sharing its version counter. A write through an entry moves that counter
 and not the pool's, so ``home_version`` adds the entry bases' counters to the pool's: the
 unit whose home was written sees ``homes_written`` (Note [a unit's lifecycle] in
-``unit.py``), and no other unit does (a write through the pool's counter, a write-back or a
-loaded optimizer state, still makes every unit look written). Kept bases never die, so the
-sum never goes back. Under strict mode an entry base is host memory wherever its home is
-(Note [strict: host memory is not device memory] in ``accelerator/strict.py``).
+``unit.py``), and no other unit does. A write to any other view of the pool (another unit's
+write-back, a loaded optimizer state) still moves the pool's counter and makes every unit
+look written. Kept bases never die, so the sum never goes back. Under strict mode an entry
+base is host memory wherever its home is (Note [strict: host memory is not device memory]
+in ``accelerator/strict.py``).
+
+An entry kept past ``close`` keeps its last values and no longer follows the model; until it
+goes it keeps the whole pool's host memory (pinned on a GPU), as a view of the pool did:
+``clone()`` what is kept longer.
 """
 
 from __future__ import annotations
@@ -91,7 +95,9 @@ def _storage_of_its_own(view: torch.Tensor) -> torch.Tensor:
     raw = view.detach().reshape(-1).view(torch.uint8).numpy()
     out = torch.from_numpy(raw).view(view.dtype).view(view.shape)
     kind = MEMORY.lookup(view)
-    if kind is not None:  # strict mode: the same memory as the home
+    # Strict mode: the same memory as the home. At the pool's own address the pool's entry
+    # already answers (registering ours would replace it, and drop it with our storage).
+    if kind is not None and out.data_ptr() != view.untyped_storage().data_ptr():
         MEMORY.register(out, *kind)
     return out
 
