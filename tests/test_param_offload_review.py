@@ -128,12 +128,6 @@ def test_a_copy_of_the_model_is_not_under_the_optimizer():
     opt.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state dict entries are views of the homes, and torch.save writes a view's whole "
-    "storage: the pinned host pool with the optimizer's master and moments (3.5x the weights "
-    "in fp32, 6x in bf16 here)",
-)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_save_of_the_state_dict_writes_the_weights_only(dtype):
     model = gpt().to(dtype)

@@ -31,8 +31,10 @@ parameter pickles as a plain parameter holding a private copy of its home's weig
 slot may hold another unit); ``copy.deepcopy`` fetches and clones.
 
 ``model.state_dict()`` does not fetch: while a state dict is being taken (``begin_saving``,
-set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns a view of
-its home (Note [state dict entries are views of the homes] in ``offloader.py``).
+set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns its
+weights in its home (Note [state dict entries are views of the homes] in ``offloader.py``),
+in a storage of exactly their bytes (Note [a state dict entry owns a storage of its bytes]
+in ``views.py``).
 
 A placeholder has all-zero strides (it is made from one element whose storage is then
 resized to 0, so making it allocates nothing worth counting and the storage never holds the
@@ -67,7 +69,7 @@ class Binding(NamedTuple):
     """How a released parameter reaches its weights (both hold the offloader weakly)."""
 
     materialize: Callable[[], None]  # fetch the parameter's unit and wait for it
-    home_view: Callable[[], torch.Tensor]  # the parameter's slice of its home (pinned host)
+    home_view: Callable[[], torch.Tensor]  # its weights in its home (pinned host), or a copy
 
 
 #: Released parameters and their bindings (weak keys: a parameter dropped with its model goes).

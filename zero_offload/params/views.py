@@ -16,6 +16,29 @@ Construction copies the model's initial weights into the slot, exactly as ``Para
 copies them into ``weights_dev``, so the backend's ``reconcile_master`` derives the fp32
 master from them unchanged; ``adopt_home`` then releases the parameters onto their
 placeholders, and the slot is free for the next unit.
+
+Note [a state dict entry owns a storage of its bytes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A state dict entry is the parameter's weights in its pinned home (Note [state dict entries
+are views of the homes] in ``offloader.py``), but not a view of the home tensor: every home
+is a range of one host pool, whose storage also holds the fp32 master and the moments, and
+``torch.save`` (like pickling) writes each storage it meets whole. So ``home_view`` gives a
+tensor whose storage is exactly the parameter's bytes (``_storage_of_its_own``: no copy,
+the same address; a NumPy array over those bytes holds the pool's storage, so the memory
+stays valid as long as the entry does). Each parameter's such tensor (its *entry base*) is
+made at its first ``home_view`` and kept until ``close``; every entry handed out is a
+``detach()`` of it, sharing its version counter. A write through an entry moves that counter
+and not the pool's, so ``home_version`` adds the entry bases' counters to the pool's: the
+unit whose home was written sees ``homes_written`` (Note [a unit's lifecycle] in
+``unit.py``), and no other unit does. A write to any other view of the pool (another unit's
+write-back, a loaded optimizer state) still moves the pool's counter and makes every unit
+look written. Kept bases never die, so the sum never goes back. Under strict mode an entry
+base is host memory wherever its home is (Note [strict: host memory is not device memory]
+in ``accelerator/strict.py``).
+
+An entry kept past ``close`` keeps its last values and no longer follows the model; until it
+goes it keeps the whole pool's host memory (pinned on a GPU), as a view of the pool did:
+``clone()`` what is kept longer.
 """
 
 from __future__ import annotations
@@ -28,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..accelerator.strict import MEMORY
 from ..errors import StorageError
 from ..memory.block import Block
 from ..partition import BucketLayout
@@ -61,6 +85,23 @@ class SlotHolder(Protocol):
 __all__ = ["WindowedViews"]
 
 
+def _storage_of_its_own(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, host) as a tensor whose storage covers exactly its bytes, at the
+    same address, keeping ``view``'s storage alive: Note [a state dict entry owns a storage
+    of its bytes]."""
+    if view.numel() == 0:
+        return torch.empty(view.shape, dtype=view.dtype)
+    # No copy: the array views the bytes and holds ``view`` (so the pool's storage).
+    raw = view.detach().reshape(-1).view(torch.uint8).numpy()
+    out = torch.from_numpy(raw).view(view.dtype).view(view.shape)
+    kind = MEMORY.lookup(view)
+    # Strict mode: the same memory as the home. At the pool's own address the pool's entry
+    # already answers (registering ours would replace it, and drop it with our storage).
+    if kind is not None and out.data_ptr() != view.untyped_storage().data_ptr():
+        MEMORY.register(out, *kind)
+    return out
+
+
 def _home_view_of(ref: weakref.ref, index: int) -> torch.Tensor:
     views = ref()
     if views is None:
@@ -79,6 +120,9 @@ class WindowedViews(ParamViews):
         rank's shard with several (``params.sharded_fetch``, Note [a sharded unit]).
     placeholders: per parameter, its shape and dtype on the device, 0 bytes of storage
         (empty until ``adopt_home``); what a released parameter holds.
+    entry_bases: parameter index -> its weights in the home, ``(shape)``, pinned host, with a
+        storage of exactly its bytes; made by the first ``home_view``, kept until
+        ``close`` (Note [a state dict entry owns a storage of its bytes]).
     """
 
     def __init__(
@@ -103,6 +147,7 @@ class WindowedViews(ParamViews):
         self.versions: tuple[int, ...] | None = None
         self.placeholders: list[torch.Tensor] = []
         self._bindings: list[Binding] = []  # per parameter, how it reaches its weights
+        self.entry_bases: dict[int, torch.Tensor] = {}
         # The home on NVMe instead (Note [homes on NVMe are fetched through a bounce ring]
         # in home_store.py): the weight file, this bucket's offset in its slot's bounce,
         # the manager its reads go through, the file's ``written`` at ``remember()``.
@@ -159,14 +204,19 @@ class WindowedViews(ParamViews):
         return self.weights_dev[lo:hi]
 
     def home_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached; a
-        private copy read from disk for a home on NVMe (Note [state dict entries are views
-        of the homes] in ``offloader.py``)."""
+        """Parameter ``index``'s weights in the home: ``(shape)``, pinned host, detached,
+        with a storage of exactly its bytes (Note [a state dict entry owns a storage of its
+        bytes]); a private copy read from disk for a home on NVMe (Note [state dict entries
+        are views of the homes] in ``offloader.py``)."""
         slot = self.layout.slots[index]
         if self.nvme_home is not None and self._manager is not None:
             copy = self.nvme_home.read_range(self._manager, slot.offset, slot.end)
             return copy.view(slot.shape)
-        return self.home_pair()[0][slot.offset : slot.end].view(slot.shape).detach()
+        base = self.entry_bases.get(index)
+        if base is None:
+            home = self.home_pair()[0][slot.offset : slot.end].view(slot.shape)
+            base = self.entry_bases[index] = _storage_of_its_own(home)
+        return base.detach()  # shares the base's version counter
 
     def write_home(self, index: int, values: torch.Tensor) -> None:
         """Parameter ``index``'s weights in an NVMe home take ``values`` (a state dict's
@@ -178,10 +228,12 @@ class WindowedViews(ParamViews):
 
     def home_version(self) -> int:
         """Moves when the home is written outside the optimizer's step: its version
-        counter, or the weight file's ``written``."""
+        counter (the pool's) plus its entry bases' (Note [a state dict entry owns a storage
+        of its bytes]), or the weight file's ``written``."""
         if self.nvme_home is not None:
             return self.nvme_home.written
-        return self.home_pair()[0]._version
+        own = sum(base._version for base in self.entry_bases.values())
+        return self.home_pair()[0]._version + own
 
     def home_rewritten(self) -> None:
         """The step wrote the home: the unit's slot no longer holds its weights."""
@@ -334,3 +386,4 @@ class WindowedViews(ParamViews):
         self.nvme_home = self._manager = None
         self.placeholders = []
         self._bindings = []
+        self.entry_bases = {}  # entries handed out keep their memory alive themselves
