@@ -46,7 +46,9 @@ and on the device the model does not fit. The price: the entries are on the host
 device as the parameters say; ``.to(device)`` them where device tensors are needed. A write
 through an entry reaches the home, which the optimizer reconciles by value at its next step;
 the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
-gives the parameters themselves, as in torch. A home on NVMe (Note [homes on NVMe] in
+gives the parameters themselves, as in torch. Each entry owns a storage of exactly its
+parameter's bytes (Note [a state dict entry owns a storage of its bytes] in ``views.py``), so
+``torch.save`` writes the weights, not the pool. A home on NVMe (Note [homes on NVMe] in
 ``optim/state/nvme_plan.py``) cannot be viewed: its entries are private copies read from
 disk (what a saved checkpoint needs, as FSDP's full state dict gives), and a write to such a
 copy is carried to the file at the next forward, step or ``state_dict()`` while the copy is
