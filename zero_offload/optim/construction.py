@@ -134,7 +134,8 @@ class SegmentBuilder:
     def build(self, owner: torch.optim.Optimizer, group_indices: list[int]) -> None:
         """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets
         of one training dtype each (``plan_dtype_buckets``), one device and one host pool
-        sized for them all (``plan_placement``, per-bucket itemsize)."""
+        sized for them all (``plan_placement``, per-bucket itemsize); with parameter offload
+        one host pool per unit (Note [homes are pinned unit by unit] in unit_pools.py)."""
         params = self._all_params(owner)
         first_index = sum(len(owner.param_groups[g]["params"]) for g in range(group_indices[0]))
         families = check_params(
