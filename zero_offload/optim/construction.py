@@ -300,7 +300,6 @@ class SegmentBuilder:
             raise
         tracker.sample()
         parts = _Parts(
-            owner=owner,
             params=params,
             placement=placement,
             device_pool=device_pool,
@@ -516,7 +515,6 @@ class SegmentBuilder:
 class _Parts:
     """What every bucket of one segment is built from (``SegmentBuilder._build``)."""
 
-    owner: torch.optim.Optimizer
     params: list[torch.Tensor]
     placement: Placement
     device_pool: BlockPool  # weights_dev, gradient buffers, resident state
