@@ -148,8 +148,9 @@ def test_host_peak_is_the_final_footprint_not_final_plus_model(
     # F0: what was pinned before any unit's pool: the NVMe I/O buffers, the in-flight
     # staging ring, the homes' weight tile ring (the bounce ring comes after every unit).
     before_units = final - sum(pools) - bounce
-    # One pool per unit with an offloaded bucket (every unit here).
-    assert len(pools) == len(units)
+    # One pool per unit that needs host bytes: every unit, but those whose homes are all on
+    # NVMe with in-flight staging (their gradient staging is the ring's).
+    assert len(pools) == len(units) or (homes == "nvme-in-flight" and len(pools) < len(units))
     # The formula: the running total falls through the units that pin less than they free
     # and rises through the rest, so its top is where it started or where it ends.
     assert peaks.host == max(before_units + originals, final)
@@ -177,7 +178,7 @@ def test_host_peak_is_the_final_footprint_not_final_plus_model(
     load_pretrained(meta, checkpoint)
     ref_acc = host_accelerator()
     ref = build(meta, ref_acc, **options(homes, tmp_path / "reference", model_bytes))
-    assert len(unit_pool_bytes(ref)) == len(units)
+    assert sorted(unit_pool_bytes(ref)) == sorted(pools)  # built in another order (M = 0)
     train(model, opt)
     train(meta, ref)
     for (name, param), expected in zip(model.named_parameters(), meta.parameters(), strict=True):
@@ -215,8 +216,7 @@ def _layout(index: int, numel: int) -> BucketLayout:
 def test_units_that_free_more_than_they_pin_are_built_first() -> None:
     # Buckets 0-3 in units 0, 0, 1, 2; bucket 3 is resident (no host bytes). Unit 0 pins
     # 4096 and frees 1024 (rises); unit 1 needs 0 bytes (a home on NVMe with in-flight
-    # staging), so it pins the 512-byte floor, and frees 2048 (falls); unit 2 pins nothing
-    # (no pool) and frees 1024 (falls).
+    # staging) and frees 2048 (falls); unit 2 pins nothing (resident) and frees 1024.
     layouts = [_layout(i, 256) for i in range(4)]
     unit = {0: 0, 1: 0, 2: 1, 3: 2}
     host = {0: 2048, 1: 2048, 2: 0}
@@ -229,6 +229,6 @@ def test_units_that_free_more_than_they_pin_are_built_first() -> None:
         alignment=512,
     )
     assert [b.unit for b in builds] == [1, 2, 0]  # falling ones first, in bucket order
-    assert [b.capacity for b in builds] == [512, 0, 4096]
+    assert [b.capacity for b in builds] == [0, 0, 4096]
     assert [b.freed for b in builds] == [2048, 1024, 1024]
     assert [[layout.index for layout in b.layouts] for b in builds] == [[2], [3], [0, 1]]

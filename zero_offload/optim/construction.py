@@ -408,11 +408,13 @@ class SegmentBuilder:
                 if layout.index in bytes_of:
                     itemsize = parts.params[layout.slots[0].index].dtype.itemsize
                     bytes_of[layout.index] -= aligned(itemsize * layout.shard_numel, POOL_ALIGNMENT)
-        if plan.home_ring:  # segment-wide, before any unit (see the Note)
-            host_pools.append(
-                self.manager.create_pool(Tier.HOST, plan.home_ring, name=f"{name}.home_tiles.host")
+        shared = None  # the segment-wide pool of the units that pin none (see the Note)
+        if plan.home_ring:  # segment-wide, before any unit
+            shared = self.manager.create_pool(
+                Tier.HOST, plan.home_ring, name=f"{name}.home_tiles.host"
             )
-            parts.nvme.open_home_tiles(host_pools[-1])
+            host_pools.append(shared)
+            parts.nvme.open_home_tiles(shared)
             tracker.sample()
         builds = plan_units(
             layouts,
@@ -428,7 +430,7 @@ class SegmentBuilder:
                     members = [parts.params[slot.index] for slot in layout.slots]
                     waiting.append(offload.views_for(layout, members))
                     tracker.released(members)
-                pool = None
+                pool = shared
                 if build.capacity:  # pinned now: the unit's originals are released
                     pool = self.manager.create_pool(
                         Tier.HOST, build.capacity, name=f"{name}.unit{build.unit}.host"

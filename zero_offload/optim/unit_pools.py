@@ -10,8 +10,11 @@ memory (or, past ``host_budget``, part of them on NVMe: Note [homes on NVMe] in
 move, would sit beside every original not yet moved: host peak = final + the model. So the
 segment pins one host pool per unit instead, each of exactly its offloaded buckets' bytes
 (``NvmePlan.bucket_host``, less their own gradient staging where the in-flight ring
-replaces it), allocated once and never resized; a unit without an offloaded bucket gets
-none. Segment-wide buffers come first: the NVMe tier's I/O buffers, the in-flight staging
+replaces it), allocated once and never resized. A unit that needs no host bytes pins no
+pool: a unit of resident buckets, or one whose homes are all on NVMe with in-flight
+staging (its gradient paths then take their name and alignment from the weight tile
+ring's pool, which exists exactly then; nothing of theirs is allocated there). Segment-wide
+buffers come first: the NVMe tier's I/O buffers, the in-flight staging
 ring and the weight tile ring of the homes on NVMe (``F0`` below).
 
 A unit is built in three moves (``SegmentBuilder._build_units``): its buckets' originals
@@ -52,7 +55,7 @@ class UnitBuild(NamedTuple):
 
     unit: int  # its index in ParamOffloader.units
     layouts: tuple[BucketLayout, ...]  # its buckets, in bucket order
-    capacity: int  # bytes of its host pool, pinned when it is built; 0: no pool
+    capacity: int  # bytes of its host pool, pinned when it is built; 0: no pool of its own
     freed: int  # host bytes of its originals that its build releases
 
 
@@ -69,14 +72,13 @@ def plan_units(
 
     ``unit_of``: a bucket's unit; ``host_bytes``: per offloaded bucket index, its bytes in
     its unit's pool (a resident bucket is absent: it has none); ``freed``: host bytes of a
-    bucket's originals not yet released. A unit with an offloaded bucket gets at least
-    ``alignment`` bytes (its gradient paths name and align their pools after it)."""
+    bucket's originals not yet released; ``alignment``: the pools' (each bucket's bytes
+    are multiples of it already)."""
     by_unit: dict[int, list[BucketLayout]] = {}
     for layout in layouts:
         by_unit.setdefault(unit_of(layout), []).append(layout)
     builds = []
     for unit, members in by_unit.items():
-        offloaded = [host_bytes[b.index] for b in members if b.index in host_bytes]
-        capacity = max(aligned(sum(offloaded), alignment), alignment) if offloaded else 0
+        capacity = aligned(sum(host_bytes.get(b.index, 0) for b in members), alignment)
         builds.append(UnitBuild(unit, tuple(members), capacity, sum(map(freed, members))))
     return sorted(builds, key=lambda build: build.capacity > build.freed)  # stable
