@@ -441,7 +441,7 @@ class SegmentBuilder:
                     out.append(self._bucket(parts, waiting[0].layout, waiting[0], pool))
                     waiting.pop(0)
             except BaseException:
-                for views in waiting:  # moved views are undone by build()
+                for views in waiting:  # those with a store are undone by build()
                     views.unbind()
                     views.close()
                 raise
