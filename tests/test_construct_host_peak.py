@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from zero_offload import HostAccelerator, OffloadAdamW, OffloadConfig, load_pretrained
 from zero_offload.accelerator.strict import MEMORY, MemoryKind
+from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.optim.unit_pools import plan_units
 from zero_offload.partition import BucketLayout, ParamSlot
 from zero_offload.weights.source import on_device
@@ -232,3 +233,35 @@ def test_units_that_free_more_than_they_pin_are_built_first() -> None:
     assert [b.capacity for b in builds] == [0, 0, 4096]
     assert [b.freed for b in builds] == [2048, 1024, 1024]
     assert [[layout.index for layout in b.layouts] for b in builds] == [[2], [3], [0, 1]]
+
+
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_a_unit_pool_refused_half_way_leaves_the_model_as_it_was(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acc = host_accelerator()
+    model = gpt2(torch.float32)
+    if where == "device":
+        to_device(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    create = TieredMemoryManager.create_pool
+    calls = {"units": 0}  # the manager is built inside OffloadAdamW: patch its class
+
+    def refusing(self: TieredMemoryManager, tier: object, capacity: int, **kw: object) -> object:
+        if str(kw.get("name", "")).endswith(".host") and ".unit" in str(kw["name"]):
+            calls["units"] += 1
+            if calls["units"] == 3:  # two units built, the third refused
+                raise MemoryError("injected: host RAM refused")
+        return create(self, tier, capacity, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TieredMemoryManager, "create_pool", refusing)
+    with pytest.raises(MemoryError, match="injected"):
+        build(model, acc, offload_parameters=True, bucket_bytes=8192)
+    monkeypatch.setattr(TieredMemoryManager, "create_pool", create)
+    assert calls["units"] == 3
+    for name, param in model.named_parameters():
+        assert on_device(param) == (where == "device"), name
+        assert torch.equal(param, before[name]), name
+    assert acc.memory_stats()["in_use"] == 0  # every device pool given back
+    opt = build(model, acc, offload_parameters=True, bucket_bytes=8192)  # and it builds now
+    opt.close()
