@@ -159,8 +159,9 @@ def test_meta_checkpoint_construction_peaks_follow_the_formula(
     # original was ever on the device.
     assert peaks.device == _device_pool_bytes(opt)
     if offload:
-        # Host: the host pool (the homes) comes first and each tensor is read into its
-        # unit's slot while it exists: the final footprint plus the one tensor being read.
+        # Host: each tensor is read into its unit's slot beside the pools of the units
+        # built before it (Note [homes are pinned unit by unit]): at most the final
+        # footprint plus the one tensor being read.
         assert peaks.host <= final_host + largest
         assert peaks.host > final_host - largest  # it is measured, not zero
     else:
@@ -326,9 +327,11 @@ def test_device_weights_build_within_the_final_footprint_and_train_bitwise(
     # The doubling is gone: the old build held the pools and the model at once.
     assert peaks.device < final_device + originals
     if offload:
-        # Host: the homes (host pool) come first, then each unit moves out of its host copy:
-        # at most the final footprint plus the host copies not yet moved.
-        assert final_host <= peaks.host <= final_host + originals
+        # Host: each unit's pool is pinned after its host copies moved into its window slot
+        # and were released, and holds at least their bytes (every home in RAM), so the
+        # final footprint (Note [homes are pinned unit by unit]); it was final + the model.
+        assert originals <= final_host
+        assert peaks.host == final_host
     else:
         # Host: the host copies are released bucket by bucket before the host pool is
         # pinned, so max(the model, the final footprint); every bucket's fp32 master is in

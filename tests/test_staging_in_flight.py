@@ -359,8 +359,10 @@ def test_host_pools_against_the_formula(offload_parameters: bool) -> None:
     model, ring = build(**IN_FLIGHT)
     pools = {p.name: p.capacity for p in ring.manager.pools}
     plain_pools = {p.name: p.capacity for p in plain.manager.pools}
-    host = next(c for name, c in pools.items() if name.endswith(".host"))
-    plain_host = next(c for name, c in plain_pools.items() if name.endswith(".host"))
+    # The host pools: one, or with parameter offload one per unit (Note [homes are pinned
+    # unit by unit] in optim/unit_pools.py).
+    host = sum(c for name, c in pools.items() if name.endswith(".host"))
+    plain_host = sum(c for name, c in plain_pools.items() if name.endswith(".host"))
     ring_bytes = next(c for name, c in pools.items() if name.endswith(".grad_staging_ring"))
     s = 2  # bf16 training dtype: bytes per gradient element
     shards = [b.layout.shard_numel for b in ring.buckets]  # one rank: each bucket whole

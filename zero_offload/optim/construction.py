@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from ..config import OffloadConfig
+from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.pool import BlockPool
 from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
@@ -32,6 +34,7 @@ from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
 from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
+from .unit_pools import plan_units
 from .update.policy import StepPolicy
 
 __all__ = ["SegmentBuilder", "check_param_offload"]
@@ -126,7 +129,8 @@ class SegmentBuilder:
     def build(self, owner: torch.optim.Optimizer, group_indices: list[int]) -> None:
         """Bucket, place and allocate the trainable parameters of ``group_indices``: buckets
         of one training dtype each (``plan_dtype_buckets``), one device and one host pool
-        sized for them all (``plan_placement``, per-bucket itemsize)."""
+        sized for them all (``plan_placement``, per-bucket itemsize); with parameter offload
+        one host pool per unit (Note [homes are pinned unit by unit] in unit_pools.py)."""
         params = self._all_params(owner)
         first_index = sum(len(owner.param_groups[g]["params"]) for g in range(group_indices[0]))
         families = check_params(
@@ -290,10 +294,20 @@ class SegmentBuilder:
                 offload.close()
             raise
         tracker.sample()
-        grad_buffers = GradBuffers(self.manager, name=name)
+        parts = _Parts(
+            params=params,
+            placement=placement,
+            device_pool=device_pool,
+            grad_buffers=GradBuffers(self.manager, name=name),
+            amsgrad=amsgrad,
+            moments_dtype=moments_dtype,
+            nvme=nvme,
+            offload=offload,
+            tracker=tracker,
+        )
         buckets: list[FlatBucket] = []
         moved: list[ParamViews] = []  # views built before the host pool (no param offload)
-        host_pool = ring = None
+        host_pools: list[BlockPool] = []  # one; or, with parameter offload, one per unit
         try:
             if offload is None:  # see Note [construction holds one copy]
                 for layout in layouts:
@@ -301,30 +315,24 @@ class SegmentBuilder:
                     moved.append(ParamViews(layout, members, device_pool))
                     tracker.released(members)
             offloaded = [b for b in layouts if b.index not in placement.resident]
-            ring, own_staging = self._staging_ring(
+            parts.ring, own_staging = self._staging_ring(
                 offloaded, [params[b.slots[0].index].dtype.itemsize for b in offloaded], name
             )
-            host_pool = self.manager.create_pool(
-                Tier.HOST,
-                max(nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
-                name=f"{name}.host",
-            )
             tracker.sample()
-            self._build_buckets(
-                owner,
-                layouts,
-                placement,
-                BucketPools(device=device_pool, host=host_pool),
-                grad_buffers,
-                amsgrad,
-                moments_dtype,
-                buckets,
-                nvme,
-                offload,
-                moved,
-                tracker,
-                ring,
-            )
+            if offload is None:
+                host_pools.append(
+                    self.manager.create_pool(
+                        Tier.HOST,
+                        max(nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
+                        name=f"{name}.host",
+                    )
+                )
+                tracker.sample()
+                for layout, views in zip(layouts, moved, strict=True):
+                    buckets.append(self._bucket(parts, layout, views, host_pools[0]))
+            else:
+                self._build_units(parts, layouts, name, host_pools, buckets)
+                buckets.sort(key=lambda bucket: bucket.layout.index)
         except BaseException:
             # The parameters take private copies of their weights back before the pools go.
             bound = {id(v): v for v in [*moved, *(bucket.views for bucket in buckets)]}
@@ -333,20 +341,20 @@ class SegmentBuilder:
             if offload is not None:
                 offload.close()
             self.manager.discard_pool(device_pool)
-            if host_pool is not None:
-                self.manager.discard_pool(host_pool)
-            if ring is not None:
-                ring.close()
+            for pool in host_pools:
+                self.manager.discard_pool(pool)
+            if parts.ring is not None:
+                parts.ring.close()
             raise
-        tracker.sample()  # the final footprint (gradient staging pools included)
-        pools = BucketPools(device=device_pool, host=host_pool)
+        pools = BucketPools(device=device_pool, host=tuple(host_pools))
         if offload is not None:
-            offload.install(owner)
+            offload.install(owner)  # the bounce ring, with homes on NVMe
             # A forward must not fetch homes a step during backward is writing: Note
             # [stepping during backward with parameter offload] in update/eager.py.
             offload.homes_in_update = owner._policy.writing_homes
             self.resources.param_offload = offload
-        segment = Segment(buckets, pools, grad_buffers)
+        tracker.sample()  # the final footprint (gradient staging pools, bounce ring included)
+        segment = Segment(buckets, pools, parts.grad_buffers)
         self.resources.segments.append(segment)
         self.resources.router.add(buckets)
         self.state_view.add(buckets)
@@ -364,8 +372,10 @@ class SegmentBuilder:
     # (ParamViews), which releases the originals bucket by bucket. Without parameter offload
     # every bucket moves before the host pool is pinned, so host originals and the host pool
     # never coexist: host peak = max(the host originals, the final host footprint), plus one
-    # checkpoint tensor. With parameter offload the homes live in the host pool, so it comes
-    # first and each unit moves in turn: host peak = final + the originals not yet moved.
+    # checkpoint tensor. With parameter offload the homes live in the host pools, one per
+    # unit, each pinned once that unit's originals are in its window slot and released:
+    # host peak = max(the host originals + the segment-wide buffers, the final footprint)
+    # (Note [homes are pinned unit by unit] in unit_pools.py).
     # Originals on the device leave it for the host before anything is allocated, and the
     # build proceeds as from CPU weights: device peak = max(the model as the caller had it,
     # the final footprint) (Note [originals on the device leave first] in weights/source.py).
@@ -374,92 +384,141 @@ class SegmentBuilder:
     # discarded, and the originals that had left the device go back to it
     # (DeviceOriginals.restore), so the model keeps its values where they were.
 
-    def _build_buckets(
+    def _build_units(
         self,
-        owner: torch.optim.Optimizer,
+        parts: _Parts,
         layouts: list[BucketLayout],
-        placement: Placement,
-        pools: BucketPools,
-        grad_buffers: GradBuffers,
-        amsgrad: bool,
-        moments_dtype: torch.dtype,
+        name: str,
+        host_pools: list[BlockPool],
         out: list[FlatBucket],
-        nvme: NvmeBackends,
-        offload: Any,
-        moved: list[ParamViews],
-        tracker: PeakTracker,
-        ring: StagingRing | None,
     ) -> None:
-        """One bucket per layout, resident or offloaded as ``placement`` says, appended to
-        ``out`` as each is built (so a failure can undo the ones before it). Without
-        parameter offload the views are ``moved`` already, one per layout; with it
-        (``offload``) each is built here, in its unit's window slot, and the weights live in
-        the store's home."""
-        params = self._all_params(owner)
-        for i, layout in enumerate(layouts):
-            members = [params[slot.index] for slot in layout.slots]
-            if offload is None:
-                views = moved[i]
-            else:
-                views = offload.views_for(layout, members)
-                tracker.released(members)
-            shard = layout.shard_range(self.ranks.rank)
-            gradients: GradientPath | None = None
+        """Parameter offload: unit by unit, its buckets' views (the originals go to the
+        unit's window slot and are released), its host pool, its buckets' stores; see Note
+        [homes are pinned unit by unit] in ``unit_pools.py``. Pools are appended to
+        ``host_pools`` and buckets to ``out`` as they are made (a failure undoes them)."""
+        offload, tracker, plan = parts.offload, parts.tracker, parts.nvme.plan
+        bytes_of = dict(plan.bucket_host)
+        if parts.ring is not None:  # the ring replaces each bucket's own gradient staging
+            for layout in layouts:
+                if layout.index in bytes_of:
+                    itemsize = parts.params[layout.slots[0].index].dtype.itemsize
+                    bytes_of[layout.index] -= aligned(itemsize * layout.shard_numel, POOL_ALIGNMENT)
+        shared = None  # the segment-wide pool of the units that pin none (see the Note)
+        if plan.home_ring:  # segment-wide, before any unit
+            shared = self.manager.create_pool(
+                Tier.HOST, plan.home_ring, name=f"{name}.home_tiles.host"
+            )
+            host_pools.append(shared)
+            parts.nvme.open_home_tiles(shared)
+            tracker.sample()
+        builds = plan_units(
+            layouts,
+            unit_of=offload.unit_index,
+            host_bytes=bytes_of,
+            freed=lambda b: tracker.pending_host([parts.params[s.index] for s in b.slots]),
+            alignment=POOL_ALIGNMENT,
+        )
+        for build in builds:
+            waiting: list[ParamViews] = []  # views of this unit without a store yet
             try:
-                store: StateStore
-                if layout.index in placement.resident:
-                    gradients = DeviceGradients(layout, device_pool=pools.device)
-                    store = ResidentState(
-                        layout,
-                        views,
-                        device_pool=pools.device,
-                        gradients=gradients,
-                        amsgrad=amsgrad,
-                        tile_elements=self.config.tile_elements,
+                for layout in build.layouts:
+                    members = [parts.params[slot.index] for slot in layout.slots]
+                    waiting.append(offload.views_for(layout, members))
+                    tracker.released(members)
+                pool = shared
+                if build.capacity:  # pinned now: the unit's originals are released
+                    pool = self.manager.create_pool(
+                        Tier.HOST, build.capacity, name=f"{name}.unit{build.unit}.host"
                     )
-                else:
-                    gradients = host_gradients = HostGradients(
-                        layout,
-                        manager=self.manager,
-                        device_pool=pools.device,
-                        host_pool=pools.host,
-                        grad_buffers=grad_buffers,
-                        shard=shard,
-                        dtype=views.dtype,
-                        tile_elements=self.config.tile_elements,
-                        # Note [no accumulator for one backward] in grads/to_host.py
-                        always_accumulate=self.config.overlap_step,
-                        ring=ring,  # Note [gradient staging for the buckets in flight]
-                    )
-                    if nvme.holds(layout.index):
-                        store = nvme.build(
-                            layout,
-                            views,
-                            manager=self.manager,
-                            host_pool=pools.host,
-                            gradients=host_gradients,
-                            shard=shard,
-                        )
-                    else:
-                        store = HostState(
-                            layout,
-                            views,
-                            manager=self.manager,
-                            host_pool=pools.host,
-                            gradients=host_gradients,
-                            shard=shard,
-                            moments_dtype=moments_dtype,
-                            amsgrad=amsgrad,
-                            tile_elements=self.config.tile_elements,
-                        )
-                if offload is not None:
-                    offload.adopt(views, store)
+                    host_pools.append(pool)
+                    tracker.sample()
+                while waiting:
+                    out.append(self._bucket(parts, waiting[0].layout, waiting[0], pool))
+                    waiting.pop(0)
             except BaseException:
-                if gradients is not None:
-                    gradients.close()
-                if offload is not None:  # moved views are undone by build()
+                for views in waiting:  # those with a store are undone by build()
                     views.unbind()
                     views.close()
                 raise
-            views.remember()
-            out.append(FlatBucket(layout, views, gradients, store, shard=shard))
+
+    def _bucket(
+        self, parts: _Parts, layout: BucketLayout, views: ParamViews, host_pool: BlockPool | None
+    ) -> FlatBucket:
+        """The bucket of ``layout`` over ``views``, resident or offloaded as the placement
+        says (offloaded: its host fields from ``host_pool``); with parameter offload its
+        weights live in the store's home (``offload.adopt``)."""
+        shard = layout.shard_range(self.ranks.rank)
+        gradients: GradientPath | None = None
+        try:
+            store: StateStore
+            if layout.index in parts.placement.resident:
+                gradients = DeviceGradients(layout, device_pool=parts.device_pool)
+                store = ResidentState(
+                    layout,
+                    views,
+                    device_pool=parts.device_pool,
+                    gradients=gradients,
+                    amsgrad=parts.amsgrad,
+                    tile_elements=self.config.tile_elements,
+                )
+            else:
+                if host_pool is None:
+                    raise RuntimeError(f"offloaded bucket {layout.index} without a host pool (bug)")
+                gradients = host_gradients = HostGradients(
+                    layout,
+                    manager=self.manager,
+                    device_pool=parts.device_pool,
+                    host_pool=host_pool,
+                    grad_buffers=parts.grad_buffers,
+                    shard=shard,
+                    dtype=views.dtype,
+                    tile_elements=self.config.tile_elements,
+                    # Note [no accumulator for one backward] in grads/to_host.py
+                    always_accumulate=self.config.overlap_step,
+                    ring=parts.ring,  # Note [gradient staging for the buckets in flight]
+                )
+                if parts.nvme.holds(layout.index):
+                    store = parts.nvme.build(
+                        layout,
+                        views,
+                        manager=self.manager,
+                        host_pool=host_pool,
+                        gradients=host_gradients,
+                        shard=shard,
+                    )
+                else:
+                    store = HostState(
+                        layout,
+                        views,
+                        manager=self.manager,
+                        host_pool=host_pool,
+                        gradients=host_gradients,
+                        shard=shard,
+                        moments_dtype=parts.moments_dtype,
+                        amsgrad=parts.amsgrad,
+                        tile_elements=self.config.tile_elements,
+                    )
+            if parts.offload is not None:
+                parts.offload.adopt(views, store)
+        except BaseException:
+            if gradients is not None:
+                gradients.close()
+            raise
+        views.remember()
+        return FlatBucket(layout, views, gradients, store, shard=shard)
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What every bucket of one segment is built from (``SegmentBuilder._build``)."""
+
+    params: list[torch.Tensor]
+    placement: Placement
+    device_pool: BlockPool  # weights_dev, gradient buffers, resident state
+    grad_buffers: GradBuffers
+    amsgrad: bool
+    moments_dtype: torch.dtype
+    nvme: NvmeBackends
+    offload: Any  # a zero_offload.params.ParamOffloader, or None
+    tracker: PeakTracker
+    ring: StagingRing | None = None  # Note [gradient staging for the buckets in flight]

@@ -46,7 +46,8 @@ class Segment:
             bucket.close()
         self.grad_buffers.close()
         self.pools.device.close()
-        self.pools.host.close()
+        for pool in self.pools.host:
+            pool.close()
 
 
 # Note [lifetimes without close]

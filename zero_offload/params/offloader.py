@@ -313,6 +313,10 @@ class ParamOffloader:
             for i, spec in enumerate(self.specs)
         ]
 
+    def unit_index(self, layout: BucketLayout) -> int:
+        """The index in ``units`` of the unit holding bucket ``layout`` (after ``plan``)."""
+        return self._place[layout.index][0]
+
     def views_for(self, layout: BucketLayout, params: Sequence[nn.Parameter]) -> WindowedViews:
         """The bucket's parameter views, at its offset of its unit's slot."""
         index, offset = self._place[layout.index]

@@ -210,6 +210,11 @@ class PeakTracker:
             else:
                 self._host_pending -= entry[0]
 
+    def pending_host(self, params: Iterable[torch.Tensor]) -> int:
+        """Host bytes of ``params``' originals not yet released."""
+        entries = (self._pending.get(id(param)) for param in params)
+        return sum(e[0] for e in entries if e is not None and not e[1])
+
     def left_device(self, param: torch.Tensor) -> None:
         """``param``'s device original was copied to the host and ``param`` re-pointed
         there: its bytes count as host memory from now on."""
@@ -257,8 +262,9 @@ def on_device(param: torch.Tensor) -> bool:
 # device at the call, the final footprint); construction adds nothing above what the caller
 # had. Host peak = what the CPU-weights build holds: max(the model, the final host
 # footprint) without parameter offload (the final footprint whenever every bucket's fp32
-# master is in RAM, which is at least the model); with it, the homes come first, so up to
-# final + the model (the gap docs/big-models.md names).
+# master is in RAM, which is at least the model); with it, max(the model + the segment-wide
+# buffers, the final footprint), the final footprint whenever every home is in RAM (Note
+# [homes are pinned unit by unit] in optim/unit_pools.py).
 #
 # A device original is freed only if nothing else holds its storage: a tensor or view the
 # caller kept, or a parameter viewing a shared buffer (freed once all its views moved). Each

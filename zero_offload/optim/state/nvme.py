@@ -61,6 +61,7 @@ The planning (which buckets, their bytes, the record layout) is in ``nvme_plan.p
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable, Sequence
 
@@ -195,6 +196,10 @@ class NvmeBackends:
             )
             self.group = StreamGroup(tier)
 
+    def open_home_tiles(self, pool: BlockPool) -> None:
+        """The weight tile ring, in ``pool`` (else the first home on NVMe takes it)."""
+        self.home_tiles = HomeTiles(pool, self.plan.home_ring, name=self.name)
+
     def home_on_nvme(self, index: int) -> bool:
         """Whether bucket ``index``'s home (its training-dtype weights) goes to NVMe too."""
         return index in self.plan.homes
@@ -298,7 +303,7 @@ class NvmeState(StateStore):
             )
             self._load_weights()
             self._stream(self._initial_tile, range(self.file.slots), read=False)
-            group.order.append(self)
+            bisect.insort(group.order, self, key=lambda s: s.layout.index)  # bucket order
         except BaseException:
             self.close()
             raise

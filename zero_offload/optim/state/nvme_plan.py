@@ -33,8 +33,8 @@ the weights tile by tile through it). The window's bounce buffers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -113,7 +113,10 @@ class NvmePlan:
     moments in host RAM (what ``host_budget`` bounds); ``disk``: bytes of the files;
     ``record``: the layout; ``homes``: the buckets whose home is a weight file (Note
     [homes on NVMe]); ``home_disk``: of ``disk``, the weight files; ``home_ring``: of
-    ``host_pool``, the weight tile ring (0 without homes on NVMe).
+    ``host_pool``, the weight tile ring (0 without homes on NVMe); ``bucket_host``: per
+    offloaded bucket index, its own bytes of ``host_pool`` (every term above but the ring;
+    with parameter offload each unit's pool is the sum over its buckets, Note [homes are
+    pinned unit by unit] in ``optim/unit_pools.py``).
     """
 
     nvme: frozenset[int]
@@ -125,6 +128,7 @@ class NvmePlan:
     homes: frozenset[int] = frozenset()
     home_disk: int = 0
     home_ring: int = 0
+    bucket_host: Mapping[int, int] = field(default_factory=dict)
 
 
 def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
@@ -190,7 +194,11 @@ def plan_nvme(
             _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
             for b, _ in offloaded
         )
-        return NvmePlan(frozenset(), placement.host_state, state, 0, record, None)
+        each = {
+            b.index: _host_bytes(b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment)
+            for b, s in offloaded
+        }
+        return NvmePlan(frozenset(), placement.host_state, state, 0, record, None, bucket_host=each)
     minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
     budget = resolve_host_budget(
         config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
@@ -215,22 +223,24 @@ def plan_nvme(
         if budget is not None:
             budget -= kept
     nvme: set[int] = set()
-    host_pool = host_state = disk = 0
+    host_state = disk = 0
+    each: dict[int, int] = {}  # NvmePlan.bucket_host
     for b, s in offloaded:
         state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
         fits = budget is None or host_state + state <= budget
         if not nvme and fits and b.index not in homes:
             host_state += state
-            host_pool += _host_bytes(
+            each[b.index] = _host_bytes(
                 b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
             )
             continue
         nvme.add(b.index)
-        host_pool += _nvme_host_bytes(b, itemsize=s, alignment=alignment)
+        each[b.index] = _nvme_host_bytes(b, itemsize=s, alignment=alignment)
         if b.index in homes:
-            host_pool -= aligned(s * b.shard_numel, alignment)  # no weight staging
+            each[b.index] -= aligned(s * b.shard_numel, alignment)  # no weight staging
         tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
         disk += sum(record.bytes_for(n) for n in tiles)
+    host_pool = sum(each.values())
     if homes:
         widest = max(s for b, s in offloaded if b.index in homes)
         home_ring = home_ring_bytes(config.tile_elements, widest)
@@ -246,4 +256,5 @@ def plan_nvme(
         frozenset(homes),
         home_disk,
         home_ring,
+        each,
     )

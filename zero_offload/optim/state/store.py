@@ -51,7 +51,10 @@ class BucketPools:
     """Where a segment's buffers come from."""
 
     device: BlockPool  # weights_dev, gradient buffers, and a resident bucket's fp32 state
-    host: BlockPool  # an offloaded bucket's fp32 state and staging
+    # An offloaded bucket's fp32 state and staging: one pool; with parameter offload one per
+    # unit (Note [homes are pinned unit by unit] in optim/unit_pools.py), and the homes on
+    # NVMe's weight tile ring.
+    host: tuple[BlockPool, ...]
 
 
 def take_written(master: torch.Tensor, weights: torch.Tensor) -> None:
