@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zero_offload import OffloadAdamW, OffloadConfig, profile
+from zero_offload.memory.traffic import Category, Direction
 
 from ._dist import free_port, join_gloo
 from ._models import host_accelerator
@@ -97,6 +98,7 @@ def scenario_train(
     accelerator = opt.accelerator
     construction = accelerator.memory_stats()
     accelerator.ledger.reset_peak()
+    h2d_before = opt.manager.counters.bytes(Direction.H2D, Category.WEIGHTS)
     comm = opt.comm
     counters = [] if comm is None else [comm.counters.snapshot()]
     norms: list[float] = []
@@ -118,6 +120,7 @@ def scenario_train(
             if comm is not None and resume_at is None:
                 counters.append(comm.counters.snapshot())
     stats = accelerator.memory_stats()
+    h2d = opt.manager.counters.bytes(Direction.H2D, Category.WEIGHTS) - h2d_before
     offloader = opt.param_offloader
     result: dict[str, Any] = {
         "counters": counters,
@@ -134,28 +137,20 @@ def scenario_train(
             for b in opt.buckets
         ],
         "offloader": None if offloader is None else type(offloader).__name__,
-        "unit_bytes": []
+        # per unit in registration order: its buckets' padded bytes (the gathered bytes)
+        "unit_buckets": []
         if offloader is None
         else [
-            sum(v.layout.padded_numel * v.dtype.itemsize for v in unit.views)
+            [v.layout.padded_numel * v.dtype.itemsize for v in unit.views]
             for unit in offloader.units
         ],
         "slot_of_unit": [] if offloader is None else [unit.slot.index for unit in offloader.units],
-        "fetch_copies": _fetch_copies(prof),
+        "h2d_weights": h2d,  # H2D weight bytes after construction (fetches, publications)
+        "param_numel": [b.layout.param_numel for b in opt.buckets],
     }
     opt.close()  # collective with several ranks: every parameter gets its gathered weights
     result["weights"] = [p.detach().clone() for p in model.parameters()]
     return result
-
-
-def _fetch_copies(prof: Any) -> int:
-    """Bytes of H2D weight copies the profiler saw (parameter fetches and publications)."""
-    data = prof.to_dict()
-    return sum(
-        row["bytes"]
-        for row in data.get("categories", [])
-        if row.get("category") == "weights" and row.get("direction") == "host_to_device"
-    )
 
 
 def _roundtrip(saved: Any, out: Path, rank: int) -> Path:
