@@ -504,18 +504,16 @@ class ParamOffloaded(Configuration):
 
 
 @dataclass(frozen=True)
-class DeviceShards(Offloaded):
+class DeviceShards(Configuration):
     """``OffloadConfig(partition_parameters=True)`` on several ranks: ZeRO-3 with each
     rank's shards on the device (``params/device_shards.py``; tests/test_zero3_device.py
     checks these pools on two ranks): the shards and the window's slots on the device, the
-    host state as ZeRO-Offload's shards. On one rank a shard is the whole model: the
-    optimizer is built as without partitioning, the ``Offloaded`` row's bytes."""
+    host state as ZeRO-3 with offload's. Not a row on one rank, where a shard is the whole
+    model and the optimizer is built as without partitioning (the ``Offloaded`` rows)."""
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
-        if subject.ctx.world_size == 1:
-            return super().bytes(subject, limits)
         pools, shards = subject.param_offload_pools(), subject.device_shards()
-        if pools is None or shards is None:
+        if subject.ctx.world_size == 1 or pools is None or shards is None:
             return None
         window, grad_buffers, host = pools
         device, act_host = subject.activations(self.activations)
