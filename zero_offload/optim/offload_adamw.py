@@ -171,9 +171,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # that they overlap backward and stay off the copy streams.
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
-            ranks = (
-                ShardedParamRanks if windows_parameters(config, comm) else ShardedRanks
-            )  # ZeRO-3
+            ranks = ShardedParamRanks if windows_parameters(config, comm) else ShardedRanks
             self._ranks = ranks(
                 comm, stream, accelerator=self.accelerator, owns_group=process_group is None
             )
