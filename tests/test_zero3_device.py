@@ -142,11 +142,11 @@ def test_a_resume_from_state_dicts_is_bitwise_the_run_without_it(two_ranks: dict
 
 
 @pytest.mark.parametrize(
-    ("world", "dtype", "micro", "clip", "ckpt"),
+    ("world", "dtype", "micro", "clip", "ckpt", "checked"),
     [
-        pytest.param(2, torch.bfloat16, 2, 0.05, "torch", id="2-bf16-accum-clip-torch"),
-        pytest.param(3, torch.float32, 2, 0.05, "offload", id="3-fp32-accum-clip-offload"),
-        pytest.param(3, torch.bfloat16, 1, 0.05, None, id="3-bf16-clip"),
+        pytest.param(2, torch.bfloat16, 2, 0.05, "torch", False, id="2-bf16-accum-clip-torch"),
+        pytest.param(3, torch.float32, 2, 0.05, "offload", True, id="3-fp32-accum-clip-offload"),
+        pytest.param(3, torch.bfloat16, 1, 0.05, None, False, id="3-bf16-clip"),
     ],
 )
 def test_accumulation_clipping_and_checkpointing(
@@ -155,13 +155,16 @@ def test_accumulation_clipping_and_checkpointing(
     micro: int,
     clip: float,
     ckpt: str | None,
+    checked: bool,
     tmp_path: Path,
 ) -> None:
     """3 ranks give uneven shards (parameters straddle them); micro-batches accumulate into
     each step; the norm is clipped every step; each block recomputes its forward in the
-    backward with its unit gathered from the device shards."""
+    backward with its unit gathered from the device shards. ``checked``: the device-shard
+    run under the race checker and strict mode, with a slow link (a missing wait between
+    the streams that write and gather the device homes raises)."""
     kwargs = {"dtype": dtype, "steps": STEPS, "micro": micro, "clip": clip, "ckpt": ckpt}
-    device = run(world, "train", tmp_path, mode="device", **kwargs)
+    device = run(world, "train", tmp_path, mode="device", checked=checked, **kwargs)
     offload = run(world, "train", tmp_path, mode="offload", **kwargs)
     one = one_process(tmp_path, mode="stage2", **kwargs)
     assert min(one["norms"]) > clip  # every step clips

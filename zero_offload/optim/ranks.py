@@ -307,9 +307,14 @@ class ShardedParamRanks(ShardedRanks):
             r if comm.group is None else dist.get_global_rank(comm.group, r)
             for r in range(comm.world_size)
         ]
-        # A collective of the group's members (every rank builds the optimizer).
+        # A collective of the group's members (every rank builds the optimizer). Over the
+        # whole world it is the plain new_group (a fresh name each time); over a subgroup,
+        # members only (local synchronisation), whose name is a hash of the members: a
+        # second such optimizer in one process would find the first's rendezvous keys in
+        # the store and hang, so a process builds one per subgroup.
+        whole = members == list(range(dist.get_world_size()))
         group = dist.new_group(
-            ranks=members, backend=dist.get_backend(comm.group), use_local_synchronization=True
+            ranks=members, backend=dist.get_backend(comm.group), use_local_synchronization=not whole
         )
         self._gather_comm = Comm(
             group=group,
