@@ -70,7 +70,9 @@ def _step(
     split into ``micro`` micro-batches (the loss divided so the gradient is the mean)."""
     for ids, targets in step_batches:
         ids, targets = share(ids, rank, world), share(targets, rank, world)
-        per = ids.shape[0] // micro
+        per, rest = divmod(ids.shape[0], micro)
+        if rest:
+            raise ValueError(f"micro={micro} does not divide this rank's {ids.shape[0]} sequences")
         for m in range(micro):
             piece = slice(m * per, (m + 1) * per)
             loss = model(ids[piece], targets[piece]) / micro
