@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from zero_offload.estimate import estimate
+from zero_offload.estimate import ModelShape, estimate
 from zero_offload.estimate.paper import (
     TABLE1_DEGREES,
     TABLE1_MODELS,
@@ -70,7 +70,17 @@ def test_rounding_rule_edges() -> None:
     assert paper_rounding(Decimal("30")) == "30"
 
 
-def test_the_table_says_stage_three_is_not_run() -> None:
+def test_the_table_says_which_stage_three_runs() -> None:
+    """Stage 3 runs with the shards on the device (tests/test_zero3_device.py) and in host
+    RAM, the optimizer state offloaded in both; the column (state on the device) is the
+    paper's accounting, and the estimator's rows say so."""
     text = table1()
     assert "15.6" in text and "4011" in text
-    assert "ZeRO-3 (P_os+g+p) with the shards on the device is not implemented" in text
+    assert "not implemented" not in text
+    assert "ZeRO-3 (P_os+g+p) with the shards on the device" in text
+    assert "partition_parameters=True" in text
+    assert "column, which keeps it on the device, is the paper's accounting only" in text
+    shape = ModelShape(layers=4, hidden=64, heads=4, vocab=64, seq_len=16)
+    rows = {row.name: row for row in estimate(shape, world_size=4, device_memory=2**30).rows}
+    assert rows["ZeRO-3"].library == "paper"
+    assert rows["ZeRO-Offload + ZeRO-3 (shards on the device)"].library == "yes"

@@ -270,10 +270,19 @@ def reduce_scatter_avg(flat: torch.Tensor, *, comm: Comm, what: str) -> torch.Te
     return shard
 
 
-def all_gather_flat(flat: torch.Tensor, *, comm: Comm, what: str) -> Pending:
-    """Issue the all-gather of every rank's shard of ``flat`` into ``flat``, in place;
-    the caller waits for the returned handle (``wait_all``) before reading ``flat``."""
-    shard = _shard(flat, comm)
+def all_gather_flat(
+    flat: torch.Tensor, *, comm: Comm, what: str, source: torch.Tensor | None = None
+) -> Pending:
+    """Issue the all-gather of every rank's shard of ``flat`` into ``flat``: in place, or
+    this rank's shard read from ``source`` (``flat.numel() // world_size`` elements of its
+    dtype, e.g. a shard kept elsewhere on the device); the caller waits for the returned
+    handle (``wait_all``) before reading ``flat``."""
+    shard = _shard(flat, comm) if source is None else source
+    if shard.numel() * comm.world_size != flat.numel() or shard.dtype != flat.dtype:
+        raise RuntimeError(
+            f"{comm.where()}: all_gather of {what}: the shard {tuple(shard.shape)} "
+            f"{shard.dtype} is not 1/{comm.world_size} of {tuple(flat.shape)} {flat.dtype} (bug)"
+        )
     work = _all_gather(flat, shard, group=comm.group, async_op=True)
     comm.counters.add("all_gather", flat.numel() * flat.element_size())
     return Pending(work, f"all_gather of {what}", flat.is_cuda)

@@ -302,9 +302,22 @@ class OffloadConfig:
             homes (the training-dtype weights) first, the homes beyond it in weight files on
             NVMe, then the master and moments, the rest on NVMe (docs/nvme.md, "With
             parameter offload"). Default False.
-        prefetch_layers: with ``offload_parameters``, how many units ahead the H2D copies
-            run (0: fetched when needed, nothing hidden). Device weights are then
-            ``prefetch_layers + 2`` slots of the largest units. An int >= 0. Default 1.
+        partition_parameters: ZeRO-3: with several ranks each rank keeps only its shard of
+            each unit's training-dtype weights, and the units are all-gathered
+            ``prefetch_layers`` ahead of their forward and backward into a window of slots
+            (FSDP's configuration). Alone, the shards stay on the device and the shard's
+            master and moments on the host, as in ZeRO-Offload (docs/parameter-offload.md,
+            "Shards on the device"); with ``offload_parameters=True`` the shards live in
+            pinned host homes instead, which is what ``offload_parameters`` alone means on
+            several ranks (ZeRO-3 with offload). Needs ``model=`` on several ranks,
+            ``offload_fraction=1.0``, no ``overlap_step`` and, without
+            ``offload_parameters``, no ``nvme_dir``. On one rank a shard is the whole
+            model: the optimizer is built as without it (``model=``/``layers=`` unused).
+            Default False.
+        prefetch_layers: with ``offload_parameters`` or ``partition_parameters``, how many
+            units ahead the fetches run (0: fetched when needed, nothing hidden). Device
+            weights are then ``prefetch_layers + 2`` slots of the largest units. An int >= 0.
+            Default 1.
         grad_staging: where gradients land on the host. ``"per_bucket"`` (default): a
             pinned staging buffer per bucket, for the whole model (2 bytes a parameter in
             bf16). ``"in_flight"``: a ring of ``grad_staging_buffers`` buffers, each as large
@@ -338,6 +351,7 @@ class OffloadConfig:
     nvme_dir: str | os.PathLike[str] | None = None
     host_budget: int | str | None = None
     offload_parameters: bool = False
+    partition_parameters: bool = False
     prefetch_layers: int = 1
     grad_staging: str = "per_bucket"
     grad_staging_buffers: int = 2
@@ -411,10 +425,9 @@ class OffloadConfig:
                 )
         elif self.nvme_dir is not None:
             object.__setattr__(self, "host_budget", "auto")
-        if not isinstance(self.offload_parameters, bool):
-            raise TypeError(
-                f"OffloadConfig.offload_parameters must be a bool, got {self.offload_parameters!r}"
-            )
+        for name in ("offload_parameters", "partition_parameters"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"OffloadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(
             self,
             "prefetch_layers",
@@ -432,6 +445,37 @@ class OffloadConfig:
                         f"{name}={getattr(self, name)!r} yet (the pinned training-dtype copy "
                         f"must be in host RAM and current before each forward); set {fix}"
                     )
+        if self.partition_parameters:
+            self._check_partition()
+
+    def _check_partition(self) -> None:
+        """What ``partition_parameters=True`` does not combine with (docs/parameter-
+        offload.md, "Shards on the device")."""
+        for name, value, fix, why in (
+            (
+                "offload_fraction",
+                self.offload_fraction != 1.0,
+                "offload_fraction=1.0",
+                "optimizer state on the device is not partitioned",
+            ),
+            (
+                "overlap_step",
+                self.overlap_step,
+                "overlap_step=False",
+                "each shard must be current before the next forward gathers it",
+            ),
+            (
+                "nvme_dir",
+                self.nvme_dir is not None and not self.offload_parameters,
+                "nvme_dir=None, or offload_parameters=True as well (one rank only)",
+                "the optimizer state under device shards is in host RAM only",
+            ),
+        ):
+            if value:
+                raise ValueError(
+                    f"OffloadConfig.partition_parameters=True does not combine with "
+                    f"{name}={getattr(self, name)!r} ({why}); set {fix}"
+                )
 
     def _check_grad_staging(self) -> None:
         """``grad_staging`` and what refuses ``"in_flight"``: settings that need every

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BucketGroups",
+    "device_shard_bytes",
     "module_bucket_numels",
     "offload_adamw_bytes",
     "offload_bytes_of_count",
@@ -140,6 +141,30 @@ def param_offload_bytes(
         prefetch_layers=prefetch_layers,
     )
     return sum(slot_bytes), grad_buffers, host
+
+
+def device_shard_bytes(
+    shape: ModelShape, *, itemsize: int, bucket_bytes: int, world_size: int
+) -> int:
+    """Device bytes per rank of the home shards of ``OffloadConfig(partition_parameters=True)``
+    on ``world_size`` ranks (``params/device_shards.py``'s ``DeviceHomes``): each unit's own
+    buckets planned as the optimizer plans them, ``a(shard_numel * itemsize)`` per bucket."""
+    from ..memory.align import aligned
+    from ..optim.state.placement import POOL_ALIGNMENT
+    from ..partition import plan_buckets
+
+    def unit_bytes(shapes: tuple[Shape, ...]) -> int:
+        layouts = plan_buckets(
+            [list(enumerate(shapes))],
+            bucket_numel=max(1, bucket_bytes // itemsize),
+            world_size=world_size,
+            align_numel=POOL_ALIGNMENT // 2,
+        )
+        return sum(aligned(b.shard_numel * itemsize, POOL_ALIGNMENT) for b in layouts)
+
+    before, after = shape.outer_units()
+    outer = sum(unit_bytes(tuple(shapes)) for shapes, _ in [*before, *after])
+    return outer + shape.layers * unit_bytes(tuple(shape.block_shapes()))
 
 
 def _pack(sizes: Sequence[int], fill: int, limit: int) -> tuple[list[int], int]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .pools import (
     BucketGroups,
+    device_shard_bytes,
     offload_adamw_bytes,
     offload_bytes_of_count,
     param_offload_bytes,
@@ -45,6 +46,7 @@ __all__ = [
     "Configuration",
     "Context",
     "CountSubject",
+    "DeviceShards",
     "Limits",
     "ModuleSubject",
     "RowBytes",
@@ -165,6 +167,10 @@ class Subject(ABC):
         """``param_offload_bytes``, or ``None`` where parameter offload is not estimated."""
         return None
 
+    def device_shards(self) -> int | None:
+        """``device_shard_bytes``, or ``None`` where parameter offload is not estimated."""
+        return None
+
     @abstractmethod
     def _plan_groups(self) -> BucketGroups:
         """OffloadAdamW's buckets in bucket order (``pools.BucketGroups``)."""
@@ -222,6 +228,7 @@ class ShapeSubject(Subject):
         self._shape = shape
         self._members: dict[int, ShapeSubject] = {shape.layers: self}
         self._param_pools: tuple[int, int, int] | None = None
+        self._shards: int | None = None  # device_shards(), planned once
 
     @property
     def params(self) -> int:
@@ -241,7 +248,7 @@ class ShapeSubject(Subject):
         )
 
     def param_offload_pools(self) -> tuple[int, int, int] | None:
-        if self._param_pools is None:  # several ranks: ZeRO-3, an estimate (not run yet)
+        if self._param_pools is None:  # several ranks: ZeRO-3 with offload
             self._param_pools = param_offload_bytes(
                 self._shape,
                 itemsize=self.ctx.itemsize,
@@ -249,6 +256,17 @@ class ShapeSubject(Subject):
                 world_size=self.ctx.world_size,
             )
         return self._param_pools
+
+    def device_shards(self) -> int | None:
+        if self._shards is None:
+            ctx = self.ctx
+            self._shards = device_shard_bytes(
+                self._shape,
+                itemsize=ctx.itemsize,
+                bucket_bytes=ctx.bucket_bytes,
+                world_size=ctx.world_size,
+            )
+        return self._shards
 
     def _plan_groups(self) -> BucketGroups:
         numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
@@ -478,6 +496,24 @@ class ParamOffloaded(Configuration):
         window, grad_buffers, host = pools
         device, act_host = subject.activations(self.activations)
         return RowBytes(window, grad_buffers, device, host * subject.ctx.ranks_per_node + act_host)
+
+
+@dataclass(frozen=True)
+class DeviceShards(Configuration):
+    """``OffloadConfig(partition_parameters=True)`` on several ranks: ZeRO-3 with each
+    rank's shards on the device (``params/device_shards.py``; tests/test_zero3_device.py
+    checks these pools on two ranks): the shards and the window's slots on the device, the
+    host state as ZeRO-3 with offload's. Not a row on one rank, where a shard is the whole
+    model and the optimizer is built as without partitioning (the ``Offloaded`` rows)."""
+
+    def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
+        pools, shards = subject.param_offload_pools(), subject.device_shards()
+        if subject.ctx.world_size == 1 or pools is None or shards is None:
+            return None
+        window, grad_buffers, host = pools
+        device, act_host = subject.activations(self.activations)
+        rpn = subject.ctx.ranks_per_node
+        return RowBytes(window + shards, grad_buffers, device, host * rpn + act_host)
 
 
 def largest_fitting(

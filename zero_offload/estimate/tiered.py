@@ -34,6 +34,7 @@ from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
 from .rows import (
     ActivationMode,
     Configuration,
+    DeviceShards,
     Limits,
     Offloaded,
     ParamOffloaded,
@@ -143,6 +144,9 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     Offloaded("ZeRO-Offload"),
     Offloaded("ZeRO-Offload + checkpointing", _CKPT),
     Offloaded("ZeRO-Offload + activation offload", _ACT),
+    DeviceShards("ZeRO-Offload + ZeRO-3 (shards on the device)"),
+    DeviceShards("ZeRO-Offload + ZeRO-3 + checkpointing", _CKPT),
+    DeviceShards("ZeRO-Offload + ZeRO-3 + activation offload", _ACT),
     NvmeState("ZeRO-Offload + NVMe state + checkpointing", _CKPT),
     NvmeState("ZeRO-Offload + NVMe state + activation offload", _ACT),
     ParamOffloaded("ZeRO-Offload + parameter offload"),

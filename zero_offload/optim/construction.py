@@ -37,26 +37,37 @@ from .state.store import BucketPools, StateStore
 from .unit_pools import plan_units
 from .update.policy import StepPolicy
 
-__all__ = ["SegmentBuilder", "check_param_offload"]
+__all__ = ["SegmentBuilder", "check_param_offload", "windows_parameters"]
 
 
-def check_param_offload(config: OffloadConfig, model: Any, layers: Any) -> None:
-    """Refuse model=/layers= without parameter offload, and parameter offload without a
-    model. Parameter offload with several ranks is ZeRO-3 with offload (Note [a sharded
-    unit] in ``params/sharded_fetch.py``); with ``nvme_dir`` too, each rank's home shards
-    beyond ``host_budget`` live in its own weight files (ZeRO-Infinity, Note [sharded homes
-    on NVMe] there)."""
-    if config.offload_parameters:
+def windows_parameters(config: OffloadConfig, comm: Any) -> bool:
+    """Whether the optimizer keeps a window of units' weights on the device (Note [the
+    parameter window] in ``params/offloader.py``): with ``offload_parameters``, and with
+    ``partition_parameters`` on several ranks (ZeRO-3, Note [shards on the device] in
+    ``params/device_shards.py``); one rank's shard is the whole model, kept on the device
+    as without partitioning."""
+    return config.offload_parameters or (config.partition_parameters and comm is not None)
+
+
+def check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
+    """Refuse model=/layers= without parameter offload or partitioning, and a window
+    without a model. Parameter offload with several ranks is ZeRO-3 with offload (Note [a
+    sharded unit] in ``params/sharded_fetch.py``); with ``nvme_dir`` too, each rank's home
+    shards beyond ``host_budget`` live in its own weight files (ZeRO-Infinity, Note [sharded
+    homes on NVMe] there); partitioning alone there is ZeRO-3 with the shards on the device."""
+    if windows_parameters(config, comm):
         if model is None:
+            switch = "offload_parameters" if config.offload_parameters else "partition_parameters"
             raise ValueError(
-                "OffloadConfig(offload_parameters=True) needs the model whose blocks it "
+                f"OffloadConfig({switch}=True) needs the model whose blocks it "
                 "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
                 "the nn.ModuleList holding the most parameters)"
             )
-    elif model is not None or layers is not None:
+    elif (model is not None or layers is not None) and not config.partition_parameters:
         raise ValueError(
-            "model= and layers= are for parameter offload; set "
-            "OffloadConfig(offload_parameters=True), or leave them None"
+            "model= and layers= are for parameter offload or partitioning; set "
+            "OffloadConfig(offload_parameters=True) or partition_parameters=True, or leave "
+            "them None"
         )
 
 
@@ -104,7 +115,11 @@ class SegmentBuilder:
                 "add_param_group with OffloadConfig(offload_parameters=True): the window is "
                 "planned once for the model; pass every param group to the constructor"
             )
-        from ..params import ParamOffloader, ShardedParamOffloader  # beside optim (DESIGN.md)
+        from ..params import (  # beside optim (DESIGN.md)
+            DeviceShardOffloader,
+            ParamOffloader,
+            ShardedParamOffloader,
+        )
 
         model, layers = self.param_offload_of
         options: dict[str, Any] = {
@@ -117,8 +132,10 @@ class SegmentBuilder:
         gathers = self.ranks.param_gathers()
         if gathers is None:
             return ParamOffloader(model, **options)
-        # Several ranks: ZeRO-3 with offload (Note [a sharded unit]).
-        return ShardedParamOffloader(
+        # Several ranks: ZeRO-3 with offload (Note [a sharded unit]), or with the shards on
+        # the device (Note [shards on the device]).
+        sharded = ShardedParamOffloader if self.config.offload_parameters else DeviceShardOffloader
+        return sharded(
             model,
             comm=gathers[0],
             stream=gathers[1],

@@ -38,7 +38,7 @@ from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import TieredMemoryManager
 from .checks import check_hyper, check_new_params, check_untouched, split_names
-from .construction import SegmentBuilder, check_param_offload
+from .construction import SegmentBuilder, check_param_offload, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
 from .grads.router import BackwardRouter
@@ -160,7 +160,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"ranks (device-resident optimizer state is not partitioned yet), got "
                 f"{config.offload_fraction!r}"
             )
-        check_param_offload(config, model, layers)
+        check_param_offload(config, comm, model, layers)
         self.serial = next(_serials)
         self.manager = TieredMemoryManager(self.accelerator)
         extra_streams = []
@@ -171,7 +171,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # that they overlap backward and stay off the copy streams.
             stream = self.accelerator.new_stream("comm")
             extra_streams.append(stream)
-            ranks = ShardedParamRanks if config.offload_parameters else ShardedRanks  # ZeRO-3
+            ranks = ShardedParamRanks if windows_parameters(config, comm) else ShardedRanks
             self._ranks = ranks(
                 comm, stream, accelerator=self.accelerator, owns_group=process_group is None
             )
@@ -205,7 +205,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 state_view=self._state_view,
                 policy=self._policy,
                 name=f"offload_adamw{self.serial}",
-                param_offload_of=(model, layers) if config.offload_parameters else None,
+                param_offload_of=(model, layers) if windows_parameters(config, comm) else None,
             )
             self._builder.build(self, list(range(len(self.param_groups))))
         except BaseException:

@@ -138,6 +138,11 @@ class ShardedWindowedViews(WindowedViews):
             out.append(xxhash.xxh3_64_intdigest(piece))
         return out
 
+    def gather_source(self) -> torch.Tensor | None:
+        """Where this rank's shard is gathered from: None, its slice of the slot, which the
+        fetch's H2D copy filled (``params/device_shards.py`` gathers from a device home)."""
+        return None
+
     def _gathered(self) -> torch.Tensor:
         """The whole bucket on the device, gathered (collective; Note [a sharded unit]):
         the unit is fetched if it is not resident, and compute waits for its gather."""
@@ -228,14 +233,12 @@ class SlotGather:
         comm = self.comm
         accelerator = self.manager.accelerator
         self.stream.wait_event(copied)
-        buckets = list(unit.views)
-        for views in buckets:
-            accelerator.declare_access(
-                views.weights_dev,
-                stream=self.stream,
-                write=True,
-                what=f"all-gather of unit {unit.spec.name}",
-            )
+        buckets = [(views, views.gather_source()) for views in unit.views]
+        for views, source in buckets:
+            what = f"all-gather of unit {unit.spec.name}"
+            accelerator.declare_access(views.weights_dev, stream=self.stream, write=True, what=what)
+            if source is not None:
+                accelerator.declare_access(source, stream=self.stream, write=False, what=what)
 
         def run() -> None:
             with phase("all_gather", track="comm"):
@@ -244,8 +247,9 @@ class SlotGather:
                         views.weights_dev,
                         comm=comm,
                         what=f"unit {unit.spec.name!r} (bucket {views.layout.index})",
+                        source=source,
                     )
-                    for views in buckets
+                    for views, source in buckets
                 ]
                 wait_all(pending, comm)
 

@@ -199,29 +199,8 @@ class ParamUnit:
         if self.content_valid and self.homes_written:
             self.content_valid = False  # the homes were written through a state dict's views
         if not (slot.occupant is self and self.content_valid):
-            # Write-after-read: the previous occupant's readers were all issued before now.
-            after = [manager.compute_ready()]
-            end = None
             slot.occupant = None  # rewritten from here: a failed read leaves it nobody's
-            for views in self.views:
-                label = f"param {self.spec.name} bucket{views.layout.index}"
-                if views.nvme_home is not None and self.bounce is not None:
-                    # Note [homes on NVMe are fetched through a bounce ring]: reads now,
-                    # the copies to the slot once they are done (``finish_fetch``).
-                    self.pending.append(self.bounce.begin(views, slot, after=after, label=label))
-                    continue
-                home, home_block = views.home_pair()
-                end = manager.copy(
-                    views.home_slot(),
-                    home,
-                    direction=Direction.H2D,
-                    category=Category.WEIGHTS,  # parameter fetches: label "param ..."
-                    after=after,
-                    # The end event on both ends: the slot is not rewritten and the home not
-                    # reused (or updated by a step, ``ParamOffloader.before_step``) before.
-                    blocks=[slot.block, home_block],
-                    label=label,
-                )
+            end = self._fill_slot(manager)
             if self.gather is not None:  # several ranks: Note [a sharded unit]
                 if self.pending:  # gathered once read: Note [sharded homes on NVMe]
                     self.gather.owe(self)
@@ -237,6 +216,37 @@ class ParamUnit:
         self._home_versions = self._home_versions_now()
         self.exposed = None
         self._go(UnitState.FETCHING)
+
+    def _fill_slot(self, manager: TieredMemoryManager) -> Event | None:
+        """Queue the copies of the homes into the slot (H2D, after the compute issued so
+        far); the last copy's end event (None: nothing queued yet, NVMe reads pending)."""
+        # Write-after-read: the previous occupant's readers were all issued before now.
+        after = [manager.compute_ready()]
+        end = None
+        for views in self.views:
+            label = f"param {self.spec.name} bucket{views.layout.index}"
+            if views.nvme_home is not None and self.bounce is not None:
+                # Note [homes on NVMe are fetched through a bounce ring]: reads now, the
+                # copies to the slot once they are done (``finish_fetch``).
+                self.pending.append(self.bounce.begin(views, self.slot, after=after, label=label))
+                continue
+            home, home_block = views.home_pair()
+            end = manager.copy(
+                views.home_slot(),
+                home,
+                direction=Direction.H2D,
+                category=Category.WEIGHTS,  # parameter fetches: label "param ..."
+                after=after,
+                # The end event on both ends: the slot is not rewritten and the home not
+                # reused (or updated by a step, ``ParamOffloader.before_step``) before.
+                blocks=[self.slot.block, home_block],
+                label=label,
+            )
+        return end
+
+    def _home_written(self, views: WindowedViews) -> None:
+        """A written slot range went home (``write_back``): nothing more here; a unit whose
+        homes have a device copy refreshes it (``params/device_shards.py``)."""
 
     def _refuse_replaced(self) -> None:
         """A released parameter whose ``.data`` was replaced is refused before the fetch
@@ -335,6 +345,7 @@ class ParamUnit:
             # Synchronisation point (only after a write outside the optimizer): the home is
             # read by the next fetch and written by the next step.
             end.synchronize()
+            self._home_written(views)
             self.write_backs += 1
             self._home_versions = self._home_versions_now()  # our own write
         self._fetch_versions = [views.current_versions() for views in self.views]
