@@ -1,6 +1,7 @@
 """OffloadTrainer and OffloadAccelerator on two gloo ranks with ZeRO-3
 (``OffloadConfig(offload_parameters=True)`` on several ranks, Note [a sharded unit] in
-params/sharded_fetch.py): a tiny GPT-2 from its config, gradient accumulation, clipping that
+params/sharded_fetch.py; and, under Trainer, ``partition_parameters=True``, the shards on the
+device, bitwise equal to it): a tiny GPT-2 from its config, gradient accumulation, clipping that
 binds every step, Trainer's evaluation between steps, a Trainer checkpoint saved and resumed,
 and a model built on meta loaded from a checkpoint path.
 
@@ -89,6 +90,7 @@ def _trainer_run(
     name: str,
     *,
     stage3: bool,
+    partition: bool = False,
     model: torch.nn.Module | None = None,
     seed: int = 0,
     resume: str | None = None,
@@ -100,7 +102,7 @@ def _trainer_run(
         tiny_gpt2(seed=seed) if model is None else model,
         _args(out / name, ranks=WORLD),
         eval_dataset=_eval_data(),
-        offload_config=offload_config(offload_parameters=stage3),
+        offload_config=offload_config(offload_parameters=stage3, partition_parameters=partition),
         weights=pretrained,
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -129,6 +131,8 @@ def _trainer_rank(rank: int, world: int, port: int, out: str, pretrained: str) -
     result = {
         "stage3": _trainer_run(out_dir, "stage3", stage3=True),
         "stage2": _trainer_run(out_dir, "stage2", stage3=False),
+        # ZeRO-3 with the shards on the device (partition_parameters): the same math.
+        "device": _trainer_run(out_dir, "device", stage3=False, partition=True),
         "resumed": _trainer_run(
             out_dir,
             "resumed",
@@ -174,6 +178,8 @@ def test_trainer_stage3_equals_stage2_bitwise_and_one_process(
         assert not stage3["wrapped"]  # no DDP: OffloadAdamW reduce-scatters
         assert len(stage3["grad_norm"]) == STEPS and len(stage3["eval_loss"]) == STEPS // 2
         _assert_equal_runs(stage3, stage2)
+        assert rank["device"]["sharded"] and not rank["device"]["wrapped"]
+        _assert_equal_runs(rank["device"], stage3)
         assert min(logged(ref, "grad_norm")) > MAX_GRAD_NORM  # clipping binds every step
         torch.testing.assert_close(stage3["loss"], logged(ref, "loss"), rtol=0, atol=1e-6)
         torch.testing.assert_close(stage3["eval_loss"], logged(ref, "eval_loss"), rtol=0, atol=1e-6)

@@ -95,8 +95,8 @@ class OffloadTrainer(Trainer):
             each trainable weight is read into its device slot when the optimizer is built,
             so the model is never whole in host or device memory (docs/big-models.md).
 
-    With ``OffloadConfig(offload_parameters=True)`` the optimizer is given the model and
-    finds its blocks itself.
+    With ``OffloadConfig(offload_parameters=True)`` or ``partition_parameters=True`` the
+    optimizer is given the model and finds its blocks itself.
     """
 
     def __init__(
@@ -256,9 +256,9 @@ class OffloadTrainer(Trainer):
             weight_decay=args.weight_decay,
             config=config,
             accelerator=self.offload_device,
-            # Parameter offload fetches the model's blocks (``layers`` found by OffloadAdamW:
-            # the nn.ModuleList holding the most parameters).
-            model=model if config.offload_parameters else None,
+            # Parameter offload and ZeRO-3 fetch the model's blocks (``layers`` found by
+            # OffloadAdamW: the nn.ModuleList holding the most parameters).
+            model=model if config.offload_parameters or config.partition_parameters else None,
         )
 
     @property
