@@ -178,9 +178,13 @@ def scenario_train(
     uneven: bool = False,
     prefetch: int = 1,
     global_batch: int = GLOBAL_BATCH,
+    host_budget: int | None = None,
 ) -> dict:
+    """``host_budget``: the homes and state beyond it on NVMe under ``out/nvme/rank{r}``."""
     model = gpt(dtype, layers=layers, tied=tied, ckpt=ckpt)
-    config = {"prefetch_layers": prefetch} if offload else {}
+    config: dict[str, Any] = {"prefetch_layers": prefetch} if offload else {}
+    if host_budget is not None:
+        config.update(nvme_dir=str(out / "nvme"), host_budget=host_budget)
     opt = make_opt(model, offload=offload, **config)
     offloader = opt.param_offloader
     norms: list[float] = []
@@ -202,6 +206,7 @@ def scenario_train(
         "profiled": {row["name"]: row["bytes"] for row in prof.to_dict()["collectives"]},
         "norms": norms,
         "host_pool": host_pool_bytes(opt),
+        "kinds": [type(b.store).__name__ for b in opt.buckets],
         # the device ledger's peak since construction began (library-owned device bytes)
         "device_peak": opt.manager.accelerator.memory_stats()["peak"],
         "buckets": [

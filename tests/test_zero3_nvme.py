@@ -68,6 +68,26 @@ def test_homes_on_disk_train_bitwise_like_homes_in_ram_and_like_one_process(
     assert _max_diff(nvme[0]["weights"], nvme[1]["weights"]) == 0.0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clipping_and_checkpointing_with_homes_on_disk(dtype: torch.dtype, tmp_path: Path) -> None:
+    """The norm clipped every step (0.05 is below the gradients' norm) and every block
+    recomputed in the backward with its unit gathered again (ours, the block inputs on the
+    host): with homes and state on disk, bitwise the run with every home in RAM, and one
+    process within test_zero3.py's tolerance."""
+    kwargs = {"dtype": dtype, "steps": STEPS, "clip": 0.05, "ckpt": "offload"}
+    (tmp_path / "ram").mkdir()
+    disk = run(2, "train", tmp_path, host_budget=HOST_BUDGET, **kwargs)
+    ram = run(2, "train", tmp_path / "ram", **kwargs)
+    one = one_process(**kwargs)
+    assert min(one["norms"]) > 0.05  # every step clips
+    for rank in range(2):
+        assert "NvmeHomeState" in disk[rank]["kinds"], disk[rank]["kinds"]  # homes on disk
+        assert "NvmeHomeState" not in ram[rank]["kinds"]
+        assert disk[rank]["norms"] == ram[rank]["norms"]
+        assert _max_diff(disk[rank]["weights"], ram[rank]["weights"]) == 0.0
+        _close_to_one_process(disk[rank]["weights"], one["weights"], STEPS)
+
+
 def test_each_rank_keeps_its_shards_in_its_own_directory_and_removes_them_at_close(
     two_ranks: dict,
 ) -> None:
