@@ -159,6 +159,17 @@ def train(
     return counters
 
 
+def pool_capacity(opt: OffloadAdamW) -> dict[str, int]:
+    """The capacity of the optimizer's pools by the last part of their names, summed: under
+    parameter offload or ZeRO-3 each unit has a host pool of its own (Note [homes are pinned
+    unit by unit] in ``optim/unit_pools.py``), all named ``....host``."""
+    capacity: dict[str, int] = {}
+    for name, stats in opt.manager.pool_stats().items():
+        kind = name.rsplit(".", 1)[-1]
+        capacity[kind] = capacity.get(kind, 0) + stats["capacity_bytes"]
+    return capacity
+
+
 def host_pool_bytes(opt: OffloadAdamW) -> int:
     return sum(p.capacity for p in opt.manager.pools if p.name.endswith(".host"))
 
@@ -236,13 +247,10 @@ def scenario_train(
 def scenario_pools(
     rank: int, world: int, out: Path, *, dtype: torch.dtype, hidden: int, bucket_bytes: int
 ) -> dict:
-    """The capacity of each of the optimizer's pools (by the last part of its name)."""
+    """The capacity of the optimizer's pools (``pool_capacity``)."""
     model = gpt(dtype, layers=4, hidden=hidden)
     opt = make_opt(model, offload=True, bucket_bytes=bucket_bytes)
-    capacity = {
-        name.rsplit(".", 1)[-1]: stats["capacity_bytes"]
-        for name, stats in opt.manager.pool_stats().items()
-    }
+    capacity = pool_capacity(opt)
     opt.close()
     return {"capacity": capacity}
 

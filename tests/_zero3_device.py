@@ -23,7 +23,7 @@ from zero_offload.memory.traffic import Category, Direction
 
 from ._dist import free_port, join_gloo
 from ._models import host_accelerator
-from ._zero3 import HANG_SECONDS, batches, gpt, share
+from ._zero3 import HANG_SECONDS, batches, gpt, pool_capacity, share
 
 #: Device budget of each rank (the host accelerator's ledger counts the library's bytes).
 BUDGET = "256MiB"
@@ -141,10 +141,7 @@ def scenario_train(
         "norms": norms,
         "peak": stats["peak"],
         "construction_peak": construction["peak"],
-        "capacity": {
-            name.rsplit(".", 1)[-1]: pool["capacity_bytes"]
-            for name, pool in opt.manager.pool_stats().items()
-        },
+        "capacity": pool_capacity(opt),
         "buckets": [
             (b.layout.padded_numel, b.layout.shard_numel, b.views.dtype.itemsize)
             for b in opt.buckets
