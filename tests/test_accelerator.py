@@ -171,20 +171,31 @@ def test_simulated_link_slows_a_copy_by_at_least_the_configured_time() -> None:
 
 
 def test_copies_on_two_streams_overlap() -> None:
+    """Two copies on two streams take about one copy's time, not two: measured against the
+    same two copies queued on one stream in the same test, so a loaded machine (or the race
+    checker's bookkeeping, a fixed cost per copy) slows both sides alike; no absolute upper
+    bound on time."""
     nbytes = 4_000_000
-    acc = HostAccelerator(AcceleratorConfig(link_bandwidth=20e6))
-    one_copy = nbytes / 20e6  # 0.2 s each
-    streams = [acc.new_stream("d2h"), acc.new_stream("h2d")]
+    acc = HostAccelerator(AcceleratorConfig(link_bandwidth=10e6))
+    one_copy = nbytes / 10e6  # 0.4 s each on the simulated link
     src = torch.ones(nbytes, dtype=torch.uint8)
-    dsts = [torch.zeros_like(src) for _ in streams]
-    start = time.perf_counter()
-    for dst, stream in zip(dsts, streams, strict=True):
-        acc.copy_(dst, src, stream=stream)
-    acc.synchronize()
-    elapsed = time.perf_counter() - start
-    assert elapsed >= one_copy * 0.95
-    assert elapsed < 2 * one_copy * 0.9  # overlapped: well below the sum
-    assert all(torch.equal(dst, src) for dst in dsts)
+
+    def run(streams: list) -> float:
+        dsts = [torch.zeros_like(src) for _ in streams]
+        start = time.perf_counter()
+        for dst, stream in zip(dsts, streams, strict=True):
+            acc.copy_(dst, src, stream=stream)
+        acc.synchronize()
+        assert all(torch.equal(dst, src) for dst in dsts)
+        return time.perf_counter() - start
+
+    queued = acc.new_stream("d2h")
+    serial = run([queued, queued])
+    overlapped = run([acc.new_stream("d2h"), acc.new_stream("h2d")])
+    assert serial >= 2 * one_copy * 0.95  # one stream runs its copies in order
+    assert overlapped >= one_copy * 0.95
+    # Overlapped: the link time of one copy saved (0.4 s), less than half of it allowed.
+    assert overlapped < serial - one_copy / 2
 
 
 def test_copy_on_the_caller_stream_is_synchronous() -> None:
