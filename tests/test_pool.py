@@ -105,7 +105,9 @@ def test_block_freed_during_slow_copy_is_not_reused_until_the_copy_is_done() -> 
 
     start = time.perf_counter()
     first.free()
-    assert time.perf_counter() - start < 0.02  # freeing never blocks
+    # Freeing never blocks: the block is still in flight (the copy lands ~0.1 s later), and
+    # free returned before the copy could have ended (a bound generous to a loaded machine).
+    assert time.perf_counter() - start < 0.09
     assert first.state is BlockState.IN_FLIGHT
     assert pool.stats()["bytes_in_flight"] == nbytes
 
