@@ -3,8 +3,8 @@ from a lower layer to a higher one.
 
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
-0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``: plain types, settings, the
-   phase hook, atomic file writes, progress bars.
+0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``, ``post_import``: plain
+   types, settings, the phase hook, atomic file writes, progress bars, hooks on import.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``, ``thread_budget``: devices
    and streams, numba kernels, which rank owns which slice, stateless collectives, how many
    threads each team may use.
@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "tracing": 0,
     "fileio": 0,
     "progress": 0,
+    "post_import": 0,
     "accelerator": 1,
     "kernels": 1,
     "partition": 1,

@@ -58,13 +58,4 @@ def test_torch_clipping_on_other_parameters_is_torchs_own() -> None:
     opt.close()
 
 
-def test_a_plain_accelerator_clip_on_our_parameters_is_refused() -> None:
-    accelerate = pytest.importorskip("accelerate")
-    model, _ = make_pair()
-    opt = offload_opt(model)
-    accelerator = accelerate.Accelerator(cpu=True)
-    ((tokens, targets),) = batches(1)
-    opt.backward(lm_loss(model, tokens, targets))
-    with pytest.raises(RuntimeError, match="OffloadAccelerator"):
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-    opt.close()
+# accelerate, Trainer, Lightning and Fabric: tests/test_clipping_guards.py

@@ -1,5 +1,6 @@
 """Offloading optimizers."""
 
+from .framework_clipping import install as _install_framework_guards
 from .offload_adamw import OffloadAdam, OffloadAdamW
 from .torch_clipping import install as _install_clipping_guard
 from .update.modes import StepFailed
@@ -8,3 +9,5 @@ __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
 
 # Note [torch's clipping cannot see our gradients] in torch_clipping.py
 _install_clipping_guard()
+# Note [clipping guarded at each framework's entry point] in framework_clipping.py
+_install_framework_guards()

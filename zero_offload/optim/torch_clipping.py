@@ -5,14 +5,23 @@ Note [torch's clipping cannot see our gradients]
 ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` read ``param.grad``. For a
 parameter a live ``OffloadAdamW`` trains, that is ``None`` after backward (the gradient is
 already in host memory), so torch's clip would clip nothing and return a norm of 0, and
-training would go on unclipped without a word: a plain loop, a plain ``accelerate``
-``Accelerator.clip_grad_norm_``, Lightning's clipping. So importing ``zero_offload`` wraps
-both functions, in ``torch.nn.utils`` and in ``torch.nn.utils.clip_grad``, with a check:
-parameters no live ``OffloadAdamW`` trains go to torch's function unchanged (a dictionary
-lookup each; parameters without ``requires_grad`` are not looked up); if any is ours, it
-raises before anything is clipped, naming the optimizer and what to call instead
-(``opt.clip_grad_norm_``, or the integrations that route clipping there: Note [frameworks
-clip through the optimizer] in ``integrations/_optim.py``).
+training would go on unclipped without a word. So importing ``zero_offload`` wraps every
+torch clipping primitive that takes parameters: ``clip_grad_norm_``, ``clip_grad_value_``
+and ``clip_grads_with_norm_`` (torch >= 2.6), in ``torch.nn.utils`` and in
+``torch.nn.utils.clip_grad`` (where torch's own ``clip_grad_norm_`` looks its parts up, so
+they are wrapped there under their private names too). Parameters no live ``OffloadAdamW``
+trains go to torch's function unchanged (a dictionary lookup each; parameters without
+``requires_grad`` are not looked up); if any is ours, it raises before anything is clipped,
+naming the optimizer and what to call instead (``opt.clip_grad_norm_``, or the integrations
+that route clipping there: Note [frameworks clip through the optimizer] in
+``integrations/_optim.py``).
+
+``get_total_norm`` is not wrapped: it takes tensors, not parameters. Frameworks pass it the
+gradients they found (``[p.grad for p in params if p.grad is not None]``), from which ours
+are already missing, and a user may pass it weights to log their norm, which is right. The
+frameworks that filter that way before calling torch (accelerate >= 1.16, Trainer's
+mixed-mesh path) are guarded at their own entry points instead: Note [clipping guarded at
+each framework's entry point] in ``framework_clipping.py``.
 
 What cannot be seen: a reference to torch's function taken before ``zero_offload`` was
 imported (``from torch.nn.utils import clip_grad_norm_`` first), and clipping code that
@@ -32,12 +41,12 @@ import torch.nn.utils.clip_grad as _clip_module
 from .checks import plain_trainer_calling
 from .lifetime import OWNERS
 
-__all__ = ["install"]
+__all__ = ["install", "optimizer_owner", "owner_of", "refuse_plain_trainer", "trainer_refusal"]
 
 _WRAPPED = "__zero_offload_guarded__"
 
 
-def _owner_of(parameters: list[Any]) -> object | None:
+def owner_of(parameters: Iterable[Any]) -> object | None:
     """The live optimizer that trains one of ``parameters``, or None."""
     for param in parameters:
         if isinstance(param, torch.Tensor) and param.requires_grad:
@@ -75,7 +84,7 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
             passed: Any = parameters
         else:
             listed = passed = list(parameters)  # a generator is read once, here
-        owner = _owner_of(listed)
+        owner = owner_of(listed)
         if owner is not None:
             tail = (
                 "To clip by the global norm call opt.clip_grad_norm_(max_norm) between "
@@ -99,15 +108,64 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
     return guarded
 
 
+#: torch's clipping functions that take parameters: (public name in ``torch.nn.utils``,
+#: its names in ``torch.nn.utils.clip_grad``); absent ones (older torch) are skipped.
+_GUARDED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("clip_grad_norm_", ("clip_grad_norm_",)),
+    ("clip_grad_value_", ("clip_grad_value_",)),
+    ("clip_grads_with_norm_", ("clip_grads_with_norm_", "_clip_grads_with_norm_")),
+)
+
+
+def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    return fn if getattr(fn, _WRAPPED, False) else _guard(fn, name=name)
+
+
 def install() -> None:
     """Wrap torch's clipping functions; idempotent (Note [torch's clipping cannot see our
     gradients])."""
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        original = getattr(_clip_module, name)
-        guarded = original if getattr(original, _WRAPPED, False) else _guard(original, name=name)
-        setattr(_clip_module, name, guarded)
-        if not getattr(getattr(torch.nn.utils, name), _WRAPPED, False):
-            setattr(torch.nn.utils, name, guarded)
+    for public, private in _GUARDED:
+        original = getattr(torch.nn.utils, public, None)
+        if original is None:
+            continue
+        guarded = _guarded(original, public)
+        setattr(torch.nn.utils, public, guarded)
+        for name in private:
+            inner = getattr(_clip_module, name, None)
+            if inner is not None:
+                setattr(
+                    _clip_module, name, guarded if inner is original else _guarded(inner, public)
+                )
+
+
+def optimizer_owner(optimizer: Any) -> object | None:
+    """The live ``OffloadAdamW`` behind ``optimizer`` (unwrapping the frameworks'
+    ``.optimizer`` wrappers: accelerate's, Lightning's, Fabric's), or None."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return None
+    return owner_of(p for group in groups for p in group.get("params", ()))
+
+
+def trainer_refusal(trainer: Any, optimizer: str, what: str) -> str:
+    """Why a plain HF ``Trainer`` (or TRL's) must not clip ``optimizer``'s parameters."""
+    ours = "OffloadTrainer"
+    if type(trainer).__module__.startswith("trl."):
+        ours = "OffloadSFTTrainer or OffloadDPOTrainer (zero_offload.integrations.trl)"
+    return (
+        f"{type(trainer).__name__}.{what} (max_grad_norm="
+        f"{getattr(getattr(trainer, 'args', None), 'max_grad_norm', None)!r}) clips and "
+        "computes the grad_norm it logs from param.grad, which cannot see "
+        f"{optimizer}'s gradients (they live on the host): it would clip nothing and log "
+        f"grad_norm 0. Use {ours} (zero_offload.integrations.transformers.OffloadTrainer for "
+        "a plain Trainer), which clips inside the optimizer and logs the true norm. Nothing "
+        "was clipped or stepped"
+    )
 
 
 def refuse_plain_trainer(optimizer: str, frame: Any) -> None:
@@ -116,14 +174,4 @@ def refuse_plain_trainer(optimizer: str, frame: Any) -> None:
     trainer = plain_trainer_calling(frame)
     if trainer is None:
         return
-    ours = "OffloadTrainer"
-    if type(trainer).__module__.startswith("trl."):
-        ours = "OffloadSFTTrainer or OffloadDPOTrainer (zero_offload.integrations.trl)"
-    raise RuntimeError(
-        f"{type(trainer).__name__} clips (max_grad_norm="
-        f"{getattr(trainer.args, 'max_grad_norm', None)!r}) and computes the grad_norm it "
-        f"logs with torch.nn.utils.clip_grad_norm_, which cannot see {optimizer}'s "
-        "gradients (they live on the host): it would clip nothing and log grad_norm 0. Use "
-        f"{ours} (zero_offload.integrations.transformers.OffloadTrainer for a plain Trainer), "
-        "which clips inside the optimizer and logs the true norm. Nothing was stepped"
-    )
+    raise RuntimeError(trainer_refusal(trainer, optimizer, "training_step"))
