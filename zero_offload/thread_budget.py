@@ -27,13 +27,14 @@ budget divides the cores, and every numba launch asks it:
 - a host-worker pass over a gradient beside CPU Adam: ``max(1, cores // 4)`` (Note [the
   Adam pass gets the cores] in ``optim/grads/buffers.py``).
 
-torch keeps its own count throughout, so while the teams overlap they hold ``cores + k``
-threads, not ``cores``: torch's thread count decides how its reductions are split, hence
-the last bits of backward's gradients, and "every fast path is bitwise equal to the plain
-one" (the announced step against ``step()`` after backward, tests/test_step_during_backward.py)
-rules out cutting torch during the announced backward only. Cutting it for the whole run
-would slow every op of the user's model. The excess is ``k`` threads whose idle waits sleep
-(Note [no spinning team beside another]), not a second full team spinning.
+torch keeps its own count throughout (Note [torch keeps the user's thread count]), so while
+the teams overlap they hold ``cores + k`` threads, not ``cores``: torch's thread count
+decides how its reductions are split, hence the last bits of backward's gradients, and
+"every fast path is bitwise equal to the plain one" (the announced step against ``step()``
+after backward, tests/test_step_during_backward.py) rules out cutting torch during the
+announced backward only. Cutting it for the whole run would slow every op of the user's
+model. The excess is ``k`` threads whose idle waits sleep (Note [no spinning team beside
+another]), not a second full team spinning.
 
 On 2 cores that is numba 1 beside torch's 2, numba 2 after backward. Half the cores is a
 guess that cannot be badly wrong (neither team is starved); the best share depends on the
@@ -44,25 +45,50 @@ Note [no spinning team beside another]
 An OpenMP team whose region ended keeps its threads spinning for a while (libgomp's default,
 ``OMP_WAIT_POLICY`` unset, spins ~300k iterations), so a team that just finished still holds
 the cores the other one needs: torch's ops ran ~10x slower on 2 cores after numba kernels
-(issue 27). torch and numba's ``omp`` layer each load their own libgomp, and each reads
-``OMP_WAIT_POLICY`` once, when it is loaded. numba's is ours: at ``import
-zero_offload.kernels`` its layer is loaded with ``OMP_WAIT_POLICY=PASSIVE`` unless the user
-set a policy, and the environment is restored right after (``load_numba_layer_passive``), so
-nothing leaks to child processes. torch's is loaded by ``import torch``, before we can act,
-so the user must set it at launch (``OMP_WAIT_POLICY=PASSIVE python train.py``);
-``warn_if_torch_spins`` warns once when it is not set. numba's ``workqueue`` layer never
-spins but aborts on concurrent launches (Note [a thread-safe threading layer]); ``tbb``
-does not spin either and is preferred by ``threadsafe`` when installed.
+(issue 27). A libgomp reads ``OMP_WAIT_POLICY`` once, when it is loaded. torch's is loaded by
+``import torch``, before we can act, so the user must set it at launch
+(``OMP_WAIT_POLICY=PASSIVE python train.py``); ``warn_if_torch_spins`` warns once when it is
+not set. numba's ``omp`` layer links its own libgomp, but where torch's is already in the
+global symbol scope (torch's pip wheels) the dynamic linker binds numba's OpenMP calls to
+torch's copy: numba's regions then run in torch's runtime, under torch's policy, and the
+policy at launch is the only fix. Where numba's runtime is its own, it is ours: at ``import
+zero_offload.kernels`` numba's layer is loaded with ``OMP_WAIT_POLICY=PASSIVE`` unless the
+user set a policy, and the environment is restored right after
+(``load_numba_layer_passive``), so nothing leaks to child processes. numba's ``workqueue``
+layer never spins but aborts on concurrent launches (Note [a thread-safe threading layer]);
+``tbb`` does not spin either and is preferred by ``threadsafe`` when installed.
+
+Note [torch keeps the user's thread count]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.set_num_threads(1)`` or ``OMP_NUM_THREADS=1`` (as ``torchrun`` sets it) stays 1
+through import, construction and every step: ranks sharing a host would oversubscribe it,
+and torch's reductions would round differently in a process's first run than in later ones
+(issue 38). The one thing that changed it was loading numba's ``omp`` layer: its loader
+calls ``omp_set_num_threads(NUMBA_NUM_THREADS)`` (all cores) on the loading thread, and that
+call binds to torch's libgomp (Note [no spinning team beside another]), where the calling
+thread's count is torch's count. So ``load_numba_layer_passive`` loads the layer inside
+``torch_threads_kept``: it reads torch's count before and puts it back after, on the loading
+thread, the only one whose count OpenMP's call changes. The guard holds on every layer
+because it does not depend on what the loader does: ``omp`` resets the count and the guard
+undoes it; ``tbb`` and ``workqueue`` start threads of their own without calling OpenMP, and
+the guard finds the count unchanged and sets nothing. The layer loads once per process, at
+``import zero_offload.kernels`` (before any kernel, so never lazily at a launch); after that
+numba's launches size their team from numba's own per-thread count
+(``numba.set_num_threads``), not OpenMP's. Numba code that loads the layer before
+``zero_offload.kernels`` is imported changes the count itself; we cannot know the value it
+replaced. torch's interop count is not touched by any layer. tests/test_thread_count_kept.py
+checks each phase in a fresh process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +106,7 @@ __all__ = [
     "numba_layer_choice",
     "numba_threads_now",
     "thread_budget",
+    "torch_threads_kept",
     "torch_uses_openmp",
     "usable_cores",
     "wait_policy_report",
@@ -283,20 +310,38 @@ def numba_threads_now(torch_threads: int, pool: int) -> int:
 # --- the wait policy (Note [no spinning team beside another]) ---------------------------
 
 
+@contextlib.contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """Give the calling thread back torch's intra-op thread count after the body, whatever
+    the body did to the OpenMP runtime torch shares; Note [torch keeps the user's thread
+    count]."""
+    import torch
+
+    count = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
+
 def load_numba_layer_passive() -> None:
     """Load numba's threading layer now, with ``OMP_WAIT_POLICY=PASSIVE`` unless the user set
-    a policy, then restore the environment. A no-op once numba's layer is loaded."""
-    from numba.np.ufunc import parallel
+    a policy, then restore the environment and torch's thread count (Note [torch keeps the
+    user's thread count]). A no-op once numba's layer is loaded."""
+    import numba
 
-    # numba's private loader (stable since 0.49); without it the layer loads at the first
-    # launch, with whatever policy the environment has then.
-    if getattr(parallel, "_is_initialized", True) or not hasattr(parallel, "_launch_threads"):
-        return
+    try:
+        numba.threading_layer()
+        return  # loaded already, by us or by numba code that ran before us
+    except ValueError:  # "Threading layer is not initialized."
+        pass
     user_set = WAIT_ENV in os.environ
     if not user_set:
         os.environ[WAIT_ENV] = "PASSIVE"  # read once by numba's libgomp as it loads
     try:
-        parallel._launch_threads()
+        with torch_threads_kept():
+            numba.get_num_threads()  # loads the layer (numba's _launch_threads)
     finally:
         if not user_set:
             os.environ.pop(WAIT_ENV, None)

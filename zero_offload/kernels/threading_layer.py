@@ -9,8 +9,10 @@ once abort the whole process. ``omp`` and ``tbb`` are. So, at import of
 ``zero_offload.kernels``, numba's choice is narrowed to ``threadsafe`` (omp or tbb) unless
 the user named a layer: a named thread-safe layer is kept; ``workqueue`` (named, or already
 running because another library launched numba kernels first) is refused with what to do.
-Then the layer is loaded at once, idle threads sleeping rather than spinning, and a spinning
-torch team is warned about: Note [no spinning team beside another] in ``thread_budget.py``.
+Then the layer is loaded at once, before any kernel launches: with torch's thread count put
+back (Note [torch keeps the user's thread count]), asking for a passive wait policy, and a
+spinning torch team is warned about (Note [no spinning team beside another]); both notes are
+in ``thread_budget.py``.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def ensure_threadsafe_layer() -> None:
 
 def configure_threads() -> None:
     """At import of the kernels: a thread-safe layer (Note [a thread-safe threading layer]),
-    loaded now with a passive wait policy, and one warning if torch's team may spin beside
-    it (Note [no spinning team beside another] in ``thread_budget.py``)."""
+    loaded now with a passive wait policy and torch's thread count kept, and one warning if
+    torch's team may spin beside it (Notes [torch keeps the user's thread count] and [no
+    spinning team beside another] in ``thread_budget.py``)."""
     ensure_threadsafe_layer()
     load_numba_layer_passive()
     warn_if_torch_spins(threading_layer_in_use())
