@@ -4,7 +4,7 @@ Hypothesis draws small models (tied weights, frozen and unused parameters, 1-ele
 prime-sized parameters, mixed dtypes), training loops (every way of clearing gradients,
 accumulation, clipping through ``clip_grad_norm_`` or ``max_grad_norm``, LR schedulers,
 param groups, a second step with no backward, weights written between steps with
-``load_state_dict``) and configurations (bucket and tile sizes, ``offload_fraction``,
+``load_state_dict``, and before a checkpoint that a run resumes from) and configurations (bucket and tile sizes, ``offload_fraction``,
 ``overlap_step``, announced and speculative steps, NVMe, activation offload), and checks:
 
 - fp32 runs against ``torch.optim.AdamW`` to within the spread between torch's own
@@ -25,7 +25,7 @@ import copy
 import math
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -385,6 +385,72 @@ def test_bucket_and_tile_sizes_do_not_change_the_weights(
     )
     assert norms_b == norms_a
     assert_bitwise(b, a)
+
+
+def _train_range(model: nn.Module, opt: OffloadAdamW, loop: Loop, data: list, steps: range) -> None:
+    """Steps ``steps`` of ``loop`` (no scheduler, no second step): ``run_offload``'s body."""
+    for step in steps:
+        for tokens in data[step * loop.micro : (step + 1) * loop.micro]:
+            opt.backward(loss_of(model, tokens))
+        if loop.clip == "call":
+            opt.clip_grad_norm_(loop.max_norm)
+        opt.step()
+        if loop.clear in ("opt", "both"):
+            opt.zero_grad()
+        if loop.clear in ("model", "both"):
+            model.zero_grad()
+
+
+@settings(max_examples=scaled(10))
+@given(
+    setup=setups(dtypes=True),
+    loop=loops(),
+    split=st.integers(1, 2),
+    overlap=st.booleans(),
+    kind=st.sampled_from(["consolidated", "streaming"]),
+    model_first=st.booleans(),
+)
+def test_a_write_before_a_checkpoint_survives_the_resume(
+    setup: Setup, loop: Loop, split: int, overlap: bool, kind: str, model_first: bool
+) -> None:
+    """Step, write the weights (``load_state_dict`` or ``p.data``), save model and
+    optimizer, resume into another model in either load order, step on: bitwise the
+    uninterrupted run (Note [a loaded state claims no weights] in optim/state/state_dict.py).
+    """
+    loop = replace(loop, steps=split + 2, scheduler=False, second_step=False)
+    config = {**setup.config, "overlap_step": overlap}
+    data, rest = batches(loop), range(split, split + 2)
+    whole = make_model(setup)
+    opt = offload_optimizer(whole, loop, config)
+    _train_range(whole, opt, loop, data, range(split))
+    write_weights(whole, loop)
+    _train_range(whole, opt, loop, data, rest)
+    opt.close()
+
+    model = make_model(setup)
+    opt = offload_optimizer(model, loop, config)
+    _train_range(model, opt, loop, data, range(split))
+    write_weights(model, loop)
+    model_state = copy.deepcopy(model.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        opt_state = opt.state_dict() if kind == "consolidated" else opt.save_streaming(tmp)
+        opt.close()
+        resumed = make_model(setup)
+        resumed.load_state_dict(perturbed_weights(resumed))  # nothing from the first model
+        ropt = offload_optimizer(resumed, loop, config)
+        loads = [
+            lambda: resumed.load_state_dict(model_state),
+            lambda: (
+                ropt.load_state_dict(opt_state)
+                if kind == "consolidated"
+                else ropt.load_streaming(tmp)
+            ),
+        ]
+        for load in loads if model_first else loads[::-1]:
+            load()
+    _train_range(resumed, ropt, loop, data, rest)
+    ropt.close()
+    assert_bitwise(resumed, whole)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -507,7 +507,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             comm=self.comm,
             scaler=self.scaler,
             skipped_steps=self.skipped_steps,
-            pending_update=self._policy.mode.pending,
+            **self._policy.mode.saved_pending(self.buckets),
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -516,12 +516,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         changes: a mismatch raises and leaves the optimizer as it was."""
         self._check_open("load_state_dict")
         self._policy.mode.drain()
-        if self._policy.eager is not None:
-            # An announced step that ran is superseded by the loaded state; the window's
-            # gradients stay, and the next step() steps from what was loaded.
-            self.manager.host_worker.synchronize()
-            for bucket in self.buckets:
-                bucket.publish()  # collect the copies already issued
+        # An announced step that ran is superseded by the loaded state; the window's
+        # gradients stay, and the next step() steps from what was loaded.
+        self._policy.supersede_eager()
         loaded = load_optimizer_state(
             self.buckets, self.param_groups, state_dict, comm=self.comm, scaler=self.scaler
         )
@@ -541,7 +538,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             comm=self.comm,
             scaler=self.scaler,
             skipped_steps=self.skipped_steps,
-            pending_update=self._policy.mode.pending,
+            **self._policy.mode.saved_pending(self.buckets),
             tile_elements=self.config.tile_elements,
         )
 

@@ -18,6 +18,24 @@ the same world size. ``zero_offload.checkpoint_io`` merges the ranks' dicts into
 one-rank layout (``consolidated_state_dict``), and any world size loads that layout: each
 rank copies its own pieces out of the full tensors, which is how a checkpoint saved with N
 ranks resumes with M.
+
+Note [a loaded state claims no weights]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+After a load the optimizer's master is the checkpoint's, and the model's weights are
+whatever the model holds: the checkpoint's own weights (the model loaded first), the model's
+initialisation (loaded after, or never), or a write made between the last step and the save,
+which the model's checkpoint carries and the optimizer's master does not. So the load does
+not stamp the weights it finds as the optimizer's own (``ParamViews.remember``): it forgets
+its fingerprints (``forget``), and the next step reconciles every bucket by value (Note
+[weights written outside the optimizer] in ``views/param_views.py``). Elements whose weight
+is the training-dtype rounding of the loaded master keep the master's extra bits; the others
+take the weight, as the uninterrupted run and torch's AdamW (whose parameter is its master)
+would. Stamping instead lost such a write whenever the model loaded first (issue 38). The
+cost is one pass over the weights and the master at the first step after a load. A
+checkpoint saved with an ``overlap_step`` update pending is the one case where the weights
+are stale by design: there the update is published from the master, except into the
+parameters it names in ``written_since_step`` and those without a master, which keep their
+weights (Note [delayed parameter update] in ``update/modes.py``).
 """
 
 from __future__ import annotations
@@ -72,12 +90,14 @@ def optimizer_state(
     scaler: LossScaler,
     skipped_steps: int,
     pending_update: bool = False,
+    written: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The state dict; tensors are CPU copies, shaped like their parameters.
 
     ``pending_update``: an ``overlap_step`` update is computed but its weights are not on
     the device yet (Note [delayed parameter update] in ``update/modes.py``); loading the
-    dict makes the next step publish them from the master."""
+    dict makes the next step publish them from the master, except into ``written``, the
+    parameters (by position) written since the last step, which keep their weights."""
     groups = group_entries(param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     pieces: dict[int, tuple[int, int]] = {}
@@ -100,6 +120,7 @@ def optimizer_state(
         "loss_scaler": scaler.state_dict(),
         "skipped_steps": skipped_steps,
         "pending_update": bool(pending_update),
+        "written_since_step": [int(index) for index in written],
     }
     if comm is not None:  # Note [sharded state dicts]
         extra["shard"] = {
@@ -230,13 +251,21 @@ def load_optimizer_state(
                 "without it (no max_exp_avg_sq buffers): build it with amsgrad=True, then load"
             )
 
+    written_ids = list(extra.get("written_since_step", ()))
+    unknown = [i for i in written_ids if i not in to_local or to_local[i] not in slots]
+    if unknown:
+        raise ValueError(
+            f"{rank_prefix}state_dict names parameters written before the save that this "
+            f"optimizer does not train: {unknown}"
+        )
+    written = {to_local[saved_id] for saved_id in written_ids}
+
     # Everything is checked: from here on nothing raises on the caller's data.
     for bucket in buckets:
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
         # never stepped) come from the model's weights (Note [weights written outside the
         # optimizer] in views/param_views.py).
         bucket.store.reconcile_master()
-        bucket.views.remember()
     missing_master: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)
@@ -253,7 +282,12 @@ def load_optimizer_state(
             if name in entry:
                 view.copy_(entry[name])
         bucket.steps[i] = entry["step"]
+    for index in written:
+        bucket, i = slots[index]
+        missing_master[bucket.layout.index].add(i)
     for bucket in buckets:
+        # Note [a loaded state claims no weights]
+        bucket.views.forget()
         bucket.views.masters_from_weights = frozenset(missing_master[bucket.layout.index])
     for saved, group in zip(saved_groups, param_groups, strict=True):
         for key, value in saved.items():

@@ -172,9 +172,10 @@ def save(
     skipped_steps: int,
     pending_update: bool,
     tile_elements: int,
+    written: Sequence[int] = (),
 ) -> None:
     """Write the state of ``buckets`` under ``path/rank{r}/``; the caller made it final
-    (``OffloadAdamW.save_streaming``)."""
+    (``OffloadAdamW.save_streaming``). ``written``: as in ``state_dict.optimizer_state``."""
     directory, rank, world = _rank_dir(comm, path)
     save_id = _new_save_id(comm)  # Note [one save across the ranks]
     nbytes = sum(
@@ -199,6 +200,7 @@ def save(
             "loss_scaler": scaler.state_dict(),
             "skipped_steps": skipped_steps,
             "pending_update": bool(pending_update),
+            "written_since_step": [int(index) for index in written],
             "buckets": entries,
             "save_id": save_id,
         }
@@ -371,6 +373,7 @@ def load(
         raise unreadable
     _check(buckets, param_groups, scaler, tile_elements, directory, meta)
 
+    written = set(meta.get("written_since_step", ()))
     # Checked: from here on nothing raises on the checkpoint's data.
     loading = zip(meta["buckets"], buckets, strict=True)
     for entry, bucket in progress(
@@ -379,7 +382,11 @@ def load(
         _load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
         bucket.store.publication.drop_unpublished()
-        bucket.views.remember()
+        # Note [a loaded state claims no weights] in state_dict.py
+        bucket.views.forget()
+        bucket.views.masters_from_weights = frozenset(
+            i for i, slot in enumerate(bucket.layout.slots) if slot.index in written
+        )
     for saved, group in zip(meta["param_groups"], param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":

@@ -32,6 +32,7 @@ import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -150,15 +151,90 @@ class UpdateMode(ABC):
     def __init__(self, manager: TieredMemoryManager, ranks: Ranks) -> None:
         self.manager = manager
         self.ranks = ranks
+        # Loaded from a checkpoint taken with an update pending: its weights are published
+        # from the master at the next step, and the weights written until then are the
+        # checkpoint's own, not an outside write (Note [delayed parameter update]).
+        self._resumed = False
 
     @property
     def pending(self) -> bool:
         """Whether an update's weights are not on the device yet."""
-        return False
+        return self._resumed
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
         """Put any pending update's weights on the device (weights written since win)."""
-        return None
+        if self._resumed:
+            self._publish_pending(buckets, trust_weights=True)
+            self._resumed = False
+
+    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
+        """A state was loaded; ``pending``: it was saved with a delayed update pending,
+        whose weights the next step publishes from the master (in either update mode)."""
+        if pending:
+            for bucket in buckets:
+                bucket.store.publish_all_from_master()
+        self._resumed = pending
+
+    def saved_pending(self, buckets: Sequence[FlatBucket]) -> dict[str, Any]:
+        """What a checkpoint records of a pending update: ``pending_update``, and
+        ``written``, the parameters written since the last step (Note [delayed parameter
+        update])."""
+        return {"pending_update": self.pending, "written": self.written_since_step(buckets)}
+
+    def written_since_step(self, buckets: Sequence[FlatBucket]) -> list[int]:
+        """The parameters (``ParamSlot.index``) written since the last step while an update
+        is pending, which a checkpoint records so that they keep what was written on resume
+        (Note [delayed parameter update]); empty when nothing is pending."""
+        if not self.pending:
+            return []
+        out: list[int] = []
+        for bucket in buckets:
+            views = bucket.views
+            changed = {id(p) for p in views.changed_params()}
+            if self._resumed:  # not stepped since the load: the checkpoint's own names
+                changed &= {id(views.params[i]) for i in views.masters_from_weights}
+            slots = zip(bucket.layout.slots, views.params, strict=True)
+            out.extend(slot.index for slot, param in slots if id(param) in changed)
+        return sorted(out)
+
+    def _publish_pending(self, buckets: Sequence[FlatBucket], *, trust_weights: bool) -> None:
+        """Publish the pending update's weights; parameters written since the last step keep
+        what was written. ``trust_weights``: the update is a loaded checkpoint's, and only
+        the parameters it names (``ParamViews.masters_from_weights``) count as written
+        (Note [delayed parameter update])."""
+        events: list[Event] = []
+        gathers: list[Pending | None] = []
+        # Parameters written since the last step keep what was written, the others of
+        # their bucket take the pending update: saved before the publication, put back
+        # after it, then the master reconciled element-wise (Note [weights written outside
+        # the optimizer] in views/param_views.py).
+        # Written means new values (a reload of the same weights writes nothing). Resumed
+        # from a checkpoint, the weights loaded since are the checkpoint's own and the
+        # publication wins, except where the checkpoint had no master: there the weights
+        # loaded are the truth, whichever of the model and the optimizer loaded first.
+        written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        for bucket in buckets:
+            views = bucket.views
+            changed = views.changed_params()
+            if trust_weights:
+                ours = {id(views.params[i]) for i in views.masters_from_weights}
+                changed = [p for p in changed if id(p) in ours]
+            if changed:
+                written.append((bucket, [(p, p.detach().clone()) for p in changed]))
+            views.masters_from_weights = frozenset()
+            published = bucket.publish()
+            events.extend(published)
+            gathers.append(self._gather(bucket, published)[1])
+        for event in events:
+            # The next update rewrites the staging these copies read.
+            self.manager.host_worker.wait_event(event)
+        self._land(buckets, events, gathers)
+        with torch.no_grad():
+            for bucket, saved in written:
+                for param, value in saved:
+                    param.copy_(value)
+                bucket.store.reconcile_master()
+                bucket.views.remember()
 
     def drain(self) -> None:
         """Make the optimizer state final for reading (``state_dict``) without publishing."""
@@ -168,10 +244,6 @@ class UpdateMode(ABC):
     def eager_refusal(self) -> str | None:
         """Why an announced step cannot run during backward under this mode, or None
         (Note [stepping during backward] in ``eager.py``)."""
-
-    @abstractmethod
-    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
-        """A state was loaded; ``pending``: it was saved with a delayed update pending."""
 
     @abstractmethod
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
@@ -204,11 +276,9 @@ class ImmediateUpdate(UpdateMode):
     """CPU Adam now, tile by tile, each tile's weights copied as soon as it is written."""
 
     def eager_refusal(self) -> str | None:
+        if self._resumed:
+            return "the loaded checkpoint's pending update is published by step() first"
         return None
-
-    def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
-        """Every update is on the device when step() returns: a pending one of the
-        checkpoint's is in its master and weights already."""
 
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
         events: list[Event] = []
@@ -272,10 +342,13 @@ class ImmediateUpdate(UpdateMode):
 # torch: the bucket's publication is dropped and its master re-derived from them. Reading
 # the state (``state_dict``) waits for the update but publishes nothing, so checkpointing
 # never changes training; the dict records that an update was pending, and loading it makes
-# the next step publish from the master, except for the parameters the dict had no master
-# for (``ParamViews.masters_from_weights``): weights loaded into those before that step win,
-# so both load orders resume alike. "Written" means new values, not a moved version counter
-# (Note [weights written outside the optimizer] in views/param_views.py).
+# the next step publish from the master, in either update mode, except for the parameters
+# the dict had no master for and those written between the last step and the save (it
+# records them: ``UpdateMode.written_since_step``). Together they are
+# ``ParamViews.masters_from_weights``: the weights loaded into those before that step win,
+# so both load orders resume as the uninterrupted run goes on. "Written" means new values,
+# not a moved version counter (Note [weights written outside the optimizer] in
+# views/param_views.py).
 
 
 class DelayedUpdate(UpdateMode):
@@ -283,36 +356,19 @@ class DelayedUpdate(UpdateMode):
 
     def __init__(self, manager: TieredMemoryManager, ranks: Ranks) -> None:
         super().__init__(manager, ranks)
-        self._pending = False
-        # Loaded from a checkpoint taken with an update pending: the weights written until
-        # the next step are the checkpoint's own, not an outside write.
-        self._trust_weights = False
+        self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
 
     @property
     def pending(self) -> bool:
-        return self._pending
+        return self._pending or self._resumed
 
     def eager_refusal(self) -> str | None:
         return "overlap_step delays the update instead"
 
     def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
-        if pending:
-            self.resume_pending(buckets)
-        else:
-            self.forget_pending()
-
-    def resume_pending(self, buckets: Sequence[FlatBucket]) -> None:
-        """A checkpoint had an update pending: publish it from the master at the next step."""
-        for bucket in buckets:
-            bucket.store.publish_all_from_master()
-        self._pending = True
-        self._trust_weights = True
-
-    def forget_pending(self) -> None:
-        """Loaded a checkpoint without a pending update: nothing to publish."""
-        self._pending = False
-        self._trust_weights = False
+        super().loaded(buckets, pending=pending)
+        self._pending = False  # ours was drained; the checkpoint's, if any, is _resumed
 
     def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
         plans = [(plan.bucket, hyper, plan.runs, plan.source) for plan, hyper in work]
@@ -329,6 +385,9 @@ class DelayedUpdate(UpdateMode):
         self._steps_queued += 1
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
+        if self._resumed:
+            super().settle(buckets)
+            return
         if not self._pending:
             return
         # Synchronisation point: the delayed update must be finished before its weights go.
@@ -342,38 +401,5 @@ class DelayedUpdate(UpdateMode):
                 [],
                 None,
             ) from exc
-        events: list[Event] = []
-        gathers: list[Pending | None] = []
-        # Parameters written since the last step keep what was written, the others of
-        # their bucket take the pending update: saved before the publication, put back
-        # after it, then the master reconciled element-wise (Note [weights written outside
-        # the optimizer] in views/param_views.py).
-        # Written means new values (a reload of the same weights writes nothing). Resumed
-        # from a checkpoint, the weights loaded since are the checkpoint's own and the
-        # publication wins, except where the checkpoint had no master: there the weights
-        # loaded are the truth, whichever of the model and the optimizer loaded first.
-        written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for bucket in buckets:
-            views = bucket.views
-            changed = views.changed_params()
-            if self._trust_weights:
-                ours = {id(views.params[i]) for i in views.masters_from_weights}
-                changed = [p for p in changed if id(p) in ours]
-            if changed:
-                written.append((bucket, [(p, p.detach().clone()) for p in changed]))
-            views.masters_from_weights = frozenset()
-            published = bucket.publish()
-            events.extend(published)
-            gathers.append(self._gather(bucket, published)[1])
-        for event in events:
-            # The next update rewrites the staging these copies read.
-            self.manager.host_worker.wait_event(event)
-        self._land(buckets, events, gathers)
-        with torch.no_grad():
-            for bucket, saved in written:
-                for param, value in saved:
-                    param.copy_(value)
-                bucket.store.reconcile_master()
-                bucket.views.remember()
+        self._publish_pending(buckets, trust_weights=False)
         self._pending = False
-        self._trust_weights = False

@@ -32,9 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...accelerator import latest_per_stream
 from ...collectives import surface_collective_errors
 from ...config import OffloadConfig
 from ...memory.manager import TieredMemoryManager
+from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..grads.router import BackwardRouter
@@ -85,6 +87,7 @@ class StepPolicy:
         # scale] in loss_scaler.py.
         self.scaler: LossScaler = NoLossScaler()
         self.eager: EagerStep | None = None
+        self._eager_superseded = False  # a load replaces an announced step that ran
         self._eager_warned = False
         self.last_eager_share: float | None = None
         self._clip: tuple[float, int] | None = None
@@ -389,3 +392,20 @@ class StepPolicy:
             self.skipped_steps = skipped_steps
         self._stats_cache = None
         self.mode.loaded(self.buckets, pending=pending)
+        if self._eager_superseded:  # see supersede_eager
+            self._eager_superseded = False
+            for bucket in self.buckets:
+                bucket.views.remember()
+
+    def supersede_eager(self) -> None:
+        """A state is loaded over an announced step that ran: its weight copies land, and
+        the weights they wrote stay the optimizer's own (``loaded`` stamps them), so the
+        loaded master replaces them at the next step. A write into the model between that
+        backward and the load may have met those copies in flight: the loaded master wins
+        there (Note [a loaded state claims no weights] in ``state/state_dict.py``)."""
+        if self.eager is None:
+            return
+        self.manager.host_worker.synchronize()
+        events = [event for bucket in self.buckets for event in bucket.publish()]
+        self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
+        self._eager_superseded = True
