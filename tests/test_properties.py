@@ -415,7 +415,7 @@ def test_a_write_before_a_checkpoint_survives_the_resume(
 ) -> None:
     """Step, write the weights (``load_state_dict`` or ``p.data``), save model and
     optimizer, resume into another model in either load order, step on: bitwise the
-    uninterrupted run (Note [a loaded state claims no weights] in optim/state/state_dict.py).
+    uninterrupted run (Note [a loaded state claims no weights] in optim/checkpoint/state_dict.py).
     """
     loop = replace(loop, steps=split + 2, scheduler=False, second_step=False)
     config = {**setup.config, "overlap_step": overlap}

@@ -45,13 +45,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ...errors import PoolExhausted
 from ...partition import BucketLayout
 from .lifecycle import BucketGrads, GradState
+
+if TYPE_CHECKING:
+    from ..ranks import Ranks
 
 
 # What an order asks of the buckets and the router it serves (``flat_bucket.FlatBucket``
@@ -92,7 +95,7 @@ class Routing(Protocol):
     eager: AnnouncedStep | None
 
 
-__all__ = ["BucketOrder", "FreeOrder", "LockstepOrder"]
+__all__ = ["BucketOrder", "FreeOrder", "LockstepOrder", "bucket_order"]
 
 
 class BucketOrder(ABC):
@@ -283,3 +286,9 @@ class LockstepOrder(BucketOrder):
 
     def buckets_added(self) -> None:
         self.learning = True
+
+
+def bucket_order(ranks: Ranks) -> BucketOrder:
+    """In what order buckets go to the host during backward: ``LockstepOrder`` where the
+    ranks' collectives must match (Note [ranks in lockstep]), else ``FreeOrder``."""
+    return LockstepOrder(ranks.agree_late) if ranks.lockstep else FreeOrder()

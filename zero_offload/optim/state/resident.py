@@ -18,8 +18,8 @@ from ...partition import BucketLayout
 from ...views import ParamViews
 from ..grads.on_device import DeviceGradients
 from ..grads.path import GradSource
-from ..update.publish import WrittenInPlace
-from ..update.tiles import AdamHyper
+from ..publish import WrittenInPlace
+from ..rule.adamw import AdamHyper
 from .store import StateStore, TileFn, stream_tensors
 
 __all__ = ["ResidentState"]
