@@ -8,8 +8,8 @@ param groups, a second step with no backward, weights written between steps with
 ``overlap_step``, announced and speculative steps, NVMe, activation offload), and checks:
 
 - fp32 runs against ``torch.optim.AdamW`` to within the spread between torch's own
-  for-loop and fused implementations on the same run (the yardstick of DESIGN.md), with
-  ``overlap_step`` against torch stepping one update behind;
+  for-loop and fused implementations on the same run (the yardstick of docs/design.md,
+  "Invariants"), with ``overlap_step`` against torch stepping one update behind;
 - the README's bitwise promises against the library's own plain path: announced and
   speculative steps, NVMe against host RAM, activation offload against none.
 

@@ -115,7 +115,7 @@ class SegmentBuilder:
                 "add_param_group with OffloadConfig(offload_parameters=True): the window is "
                 "planned once for the model; pass every param group to the constructor"
             )
-        from ..params import (  # beside optim (DESIGN.md)
+        from ..params import (  # beside optim (docs/design.md, "The layers")
             DeviceShardOffloader,
             ParamOffloader,
             ShardedParamOffloader,

@@ -1,8 +1,9 @@
 """OffloadAdamW (and OffloadAdam): Adam whose state lives in host memory, updated by the CPU.
 
 A drop-in ``torch.optim.Optimizer``: param groups, ``add_param_group``, LR schedulers,
-``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See DESIGN.md, "How
-data flows", and Note [a bucket's gradient lifecycle] in ``grads/lifecycle.py``.
+``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See docs/design.md,
+"How data flows: the two trips", and Note [a bucket's gradient lifecycle] in
+``grads/lifecycle.py``.
 
 What differs from ``torch.optim.AdamW``, visibly:
 - ``param.grad`` is ``None`` after backward: each gradient leaves the device as soon as it

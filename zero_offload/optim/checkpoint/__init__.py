@@ -1,1 +1,1 @@
-"""checkpoint."""
+"""The optimizer's checkpoints: torch-layout state dicts and streaming checkpoints."""

@@ -12,7 +12,7 @@ contribute zeros). The per-parameter "got a gradient" flags are OR-reduced at th
 uneven gradients give exactly the single-process result on the global batch, like DDP with
 ``find_unused_parameters=True``. The cost: a complete bucket may wait, holding its device
 gradient buffer, behind an earlier one that a rank does not complete (those waiting
-buffers come from extra device pools, ``offloaded.GradBuffers``), and its copy to the host
+buffers come from extra device pools, ``grads.buffers.GradBuffers``), and its copy to the host
 overlaps less of backward. With one rank order does not matter: a bucket goes as soon as it
 is complete, and any bucket may go early when the device pool needs its buffer.
 

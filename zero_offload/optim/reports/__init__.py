@@ -1,1 +1,2 @@
-"""reports."""
+"""What the optimizer shows of itself: the live ``opt.state`` mapping and the placement
+report."""
