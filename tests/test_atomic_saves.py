@@ -18,8 +18,8 @@ import torch
 from zero_offload import OffloadAdamW, OffloadConfig, fileio
 from zero_offload.checkpoint_io import load_consolidated, save_consolidated
 from zero_offload.errors import StorageFull
-from zero_offload.optim.state import streaming as state_stream
-from zero_offload.optim.state.streaming import load_streaming, save_streaming
+from zero_offload.optim.checkpoint import streaming as state_stream
+from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
 
 from ._models import batches, host_accelerator, lm_loss, make_pair, train
@@ -68,7 +68,7 @@ from pathlib import Path
 from tests._models import batches, make_pair, train
 from tests.test_atomic_saves import _opt
 from zero_offload import fileio
-from zero_offload.optim.state.streaming import save_streaming
+from zero_offload.optim.checkpoint.streaming import save_streaming
 root = Path({root!r})
 model, _ = make_pair()
 opt = _opt(model)

@@ -20,10 +20,28 @@ The layers, lowest first (a module may import its own layer's modules and any lo
 Two rules beyond the order: only ``optim`` imports ``kernels``; nothing imports
 ``integrations`` but the package's ``__init__`` (whose exports there are lazy).
 
-Cycles are looked for among module-level imports, those under ``if TYPE_CHECKING:``
-included (a cycle there is a cycle in the design even if Python never runs it). The layer
-rule also covers imports deferred into functions: hiding an upward arrow in a function does
-not make it point down.
+Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest first):
+
+0. ``access``, ``unit_pools``, ``ranks``: who reads pinned memory when, the per-unit host
+   pools, what the optimizer asks of its ranks.
+1. ``grads``, ``publish``: a bucket's gradients from hook to host; the weight copies of an
+   update.
+2. ``rule``: the optimizer's rule, its hyper-parameters and its tile loop.
+3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
+4. ``flat_bucket``: one bucket, a gradient path and a state store composed.
+5. ``checks``, ``router``, ``reports``: checks on the caller's input; the backward's routing
+   of each gradient to its bucket; ``opt.state`` and the placement report.
+6. ``update``: when a planned step runs and how its weights reach the device.
+7. ``checkpoint``: state dicts and streaming checkpoints.
+8. ``lifetime``: which optimizer owns which parameter, and closing.
+9. ``construction``, ``torch_clipping``, ``framework_clipping``: building the buckets; the
+   clipping guards.
+10. ``offload_adamw`` and ``optim``'s ``__init__``: the public optimizer.
+
+Cycles are looked for among every import: module level, under ``if TYPE_CHECKING:``, and
+deferred into a function (a cycle there is a cycle in the design even if Python never runs
+it, or runs it late). The layer rules cover every import too: hiding an upward arrow in a
+function does not make it point down.
 """
 
 from __future__ import annotations
@@ -65,6 +83,27 @@ LAYERS: dict[str, int] = {
     "": 8,  # zero_offload/__init__.py
 }
 ONLY_IMPORTED_BY = {"kernels": {"optim"}, "integrations": {""}}
+OPTIM_FLOORS: dict[str, int] = {
+    "access": 0,
+    "unit_pools": 0,
+    "ranks": 0,
+    "grads": 1,
+    "publish": 1,
+    "rule": 2,
+    "state": 3,
+    "flat_bucket": 4,
+    "checks": 5,
+    "router": 5,
+    "reports": 5,
+    "update": 6,
+    "checkpoint": 7,
+    "lifetime": 8,
+    "construction": 9,
+    "torch_clipping": 9,
+    "framework_clipping": 9,
+    "offload_adamw": 10,
+    "": 10,  # zero_offload/optim/__init__.py
+}
 # The one optim module through which optim reaches params (None: optim imports no params).
 OPTIM_PARAMS_SEAM_MAX = 1
 
@@ -160,6 +199,33 @@ def test_no_import_points_up() -> None:
     assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
 
 
+def _optim_part(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] != "optim":
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_every_optim_part_has_a_floor() -> None:
+    missing = sorted(
+        {p for m in _modules() if (p := _optim_part(m)) is not None} - set(OPTIM_FLOORS)
+    )
+    assert not missing, f"give these parts of zero_offload.optim a floor in OPTIM_FLOORS: {missing}"
+
+
+def test_no_import_inside_optim_points_up() -> None:
+    _, every = _graph()
+    wrong = sorted(
+        f"{source} -> {target} (floor {OPTIM_FLOORS[a]} -> {OPTIM_FLOORS[b]})"
+        for source, target in every
+        if (a := _optim_part(source)) is not None
+        and (b := _optim_part(target)) is not None
+        and a != b
+        and OPTIM_FLOORS[a] < OPTIM_FLOORS[b]
+    )
+    assert not wrong, "imports from a lower floor of optim to a higher one:\n" + "\n".join(wrong)
+
+
 def test_restricted_packages_have_their_only_importers() -> None:
     _, every = _graph()
     wrong = sorted(
@@ -179,7 +245,10 @@ def test_optim_reaches_params_through_one_seam() -> None:
 
 
 def test_no_import_cycle() -> None:
-    graph, _ = _graph()
+    _, every = _graph()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for source, target in every:  # module level, TYPE_CHECKING and in functions alike
+        graph[source].add(target)
     # Tarjan's strongly connected components; any component of more than one module (or a
     # module importing itself) is a cycle.
     index: dict[str, int] = {}

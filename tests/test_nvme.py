@@ -1,5 +1,5 @@
 """The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/state/nvme.py,
-optim/state/streaming.py): parity with the in-RAM optimizer, memory and disk bytes against
+optim/checkpoint/streaming.py): parity with the in-RAM optimizer, memory and disk bytes against
 their formulas, streamed checkpoints, and injected faults. The disk is real (tmp dirs)."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from zero_offload.errors import StorageError, StorageFull
 from zero_offload.memory import storage
 from zero_offload.memory.storage import IO_ALIGNMENT, IOBufferState, StorageTier, aligned
 from zero_offload.memory.traffic import CopyRecord, Direction
+from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
 from zero_offload.optim.state.nvme import NvmeState, StateNotInHostRam
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
-from zero_offload.optim.state.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
 
 from ._dist import data, free_port, train_steps

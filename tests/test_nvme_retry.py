@@ -15,8 +15,8 @@ import torch
 from zero_offload import OffloadAdamW
 from zero_offload.errors import StorageError
 from zero_offload.memory import storage
+from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
 from zero_offload.optim.state.nvme import NvmeState
-from zero_offload.optim.state.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
 
 from ._models import batches, lm_loss, make_pair, train

@@ -83,7 +83,7 @@ def test_streaming_checkpoints_and_kernel_warmup_show_bars(
 
     warmup_module = importlib.import_module("zero_offload.kernels.warmup")  # not the function
     monkeypatch.setattr(warmup_module, "progress", at_once)
-    monkeypatch.setattr("zero_offload.optim.state.streaming.progress", at_once)
+    monkeypatch.setattr("zero_offload.optim.checkpoint.streaming.progress", at_once)
     warmup()
     model = nn.Linear(16, 16)
     opt = OffloadAdamW(model.parameters())

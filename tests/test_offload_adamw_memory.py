@@ -68,7 +68,7 @@ def test_tile_pipelining_hides_the_weight_copies_behind_the_cpu_update(monkeypat
     Structural, not timed (the machine is shared): the order of the updates and the copies'
     issues, and that the first copy (on a slow simulated link, so it is still running)
     started before the CPU finished the last tile."""
-    from zero_offload.optim.update import tiles as offloaded
+    from zero_offload.optim.rule import adamw as offloaded
 
     tiles = 16
     tile_elements = 2**14

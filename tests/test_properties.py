@@ -8,8 +8,8 @@ param groups, a second step with no backward, weights written between steps with
 ``overlap_step``, announced and speculative steps, NVMe, activation offload), and checks:
 
 - fp32 runs against ``torch.optim.AdamW`` to within the spread between torch's own
-  for-loop and fused implementations on the same run (the yardstick of DESIGN.md), with
-  ``overlap_step`` against torch stepping one update behind;
+  for-loop and fused implementations on the same run (the yardstick of docs/design.md,
+  "Invariants"), with ``overlap_step`` against torch stepping one update behind;
 - the README's bitwise promises against the library's own plain path: announced and
   speculative steps, NVMe against host RAM, activation offload against none.
 
@@ -415,7 +415,7 @@ def test_a_write_before_a_checkpoint_survives_the_resume(
 ) -> None:
     """Step, write the weights (``load_state_dict`` or ``p.data``), save model and
     optimizer, resume into another model in either load order, step on: bitwise the
-    uninterrupted run (Note [a loaded state claims no weights] in optim/state/state_dict.py).
+    uninterrupted run (Note [a loaded state claims no weights] in optim/checkpoint/state_dict.py).
     """
     loop = replace(loop, steps=split + 2, scheduler=False, second_step=False)
     config = {**setup.config, "overlap_step": overlap}

@@ -1,6 +1,6 @@
 """A weight write made between a step and a checkpoint survives the resume, in either load
 order (Note [weights written outside the optimizer] in views/param_views.py, and Note
-[a loaded state claims no weights] in optim/state/state_dict.py): step, write under
+[a loaded state claims no weights] in optim/checkpoint/state_dict.py): step, write under
 ``no_grad`` (an EMA swap, a re-init), save model and optimizer, resume, step on; the result
 is bitwise the uninterrupted run's. Consolidated and streaming checkpoints, ``overlap_step``
 on and off, and parameter offload."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zero_offload.optim.grads.to_host as off
-import zero_offload.optim.update.tiles as tiles
+import zero_offload.optim.rule.adamw as tiles
 from zero_offload.tracing import add_phase_listener
 
 from ._models import (
@@ -163,7 +163,7 @@ def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait
 ) -> None:
     # One 128 x 512 weight (65536 elements, a lone gradient) in 16 tiles of 4096, over a
     # simulated link of 5 ms per tile: the gradient takes 80 ms to land.
-    from zero_offload.optim.update import tiles
+    from zero_offload.optim.rule import adamw as tiles
 
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 128, bias=False)

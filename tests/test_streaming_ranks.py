@@ -1,5 +1,5 @@
 """Streamed checkpoints of several ranks belong to one save (Note [one save across the
-ranks] in ``optim/state/streaming.py``): files of another save on some rank are refused on
+ranks] in ``optim/checkpoint/streaming.py``): files of another save on some rank are refused on
 every rank, naming that rank, before anything loads."""
 
 from __future__ import annotations

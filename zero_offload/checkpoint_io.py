@@ -1,7 +1,7 @@
 """Consolidated optimizer checkpoints: save with N ranks, load with any M (M = 1 included).
 
 ``OffloadAdamW.state_dict()`` on each of several ranks holds that rank's shard only
-(Note [sharded state dicts] in ``optim/state/state_dict.py``). These helpers gather the shards to
+(Note [sharded state dicts] in ``optim/checkpoint/state_dict.py``). These helpers gather the shards to
 one rank in the one-rank layout (torch's, shaped like the parameters) and load it back on
 any world size::
 

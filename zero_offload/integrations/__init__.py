@@ -12,7 +12,8 @@
   ``OffloadDDPStrategy`` for several processes without a DDP wrapper.
 
 Nothing here is imported by ``import zero_offload``: neither transformers, accelerate, TRL
-nor Lightning is a dependency of the library (DESIGN.md, "nothing imports integrations").
+nor Lightning is a dependency of the library (docs/design.md, "The layers": nothing
+imports ``integrations``).
 The class names are also attributes of this package, each importing its module (and its
 framework) on first access: ``from zero_offload.integrations import OffloadSFTTrainer``.
 """

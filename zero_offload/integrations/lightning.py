@@ -37,7 +37,8 @@ Note [Lightning's steps are ordinary]
 Automatic optimization calls ``optimizer.step(closure)`` where the closure runs forward,
 backward and the clip; ``OffloadAdamW.step`` runs the closure first, as torch's optimizers
 do. ``accumulate_grad_batches`` runs backward without stepping and clears gradients at
-the window's start: the gradient semantics of ``OffloadAdamW`` (DESIGN.md). bf16-mixed
+the window's start: the gradient semantics of ``OffloadAdamW`` (docs/design.md, "The
+gradient semantics"). bf16-mixed
 autocasts the forward and leaves fp32 gradients: a plain ``loss.backward()`` is right. An
 fp16 model (``precision="16-true"``) needs the optimizer's loss scale on the loss, which
 ``OffloadLightningModule.backward`` applies. fp16 AMP (``precision="16-mixed"``) uses

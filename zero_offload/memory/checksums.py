@@ -9,7 +9,7 @@ this project's machine (39 GiB/s; crc32c 1.5 ms, zlib.crc32 6.1 ms, which would 
 CPU Adam for as long). A torn write (a crash, a full disk that lied), a bit flip or a file
 overwritten from outside is caught on the read that would have fed it into the optimizer,
 as a ``StorageError`` naming the record and file. The checksums are not written to disk: the
-files are scratch, never read by another process (checkpoints go through ``optim/state/streaming.py``).
+files are scratch, never read by another process (checkpoints go through ``optim/checkpoint/streaming.py``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class HostWorker(ThreadStream):
 
     def __init__(self, accelerator: Accelerator, name: str = "host_worker") -> None:
         # Bound to the accelerator's device, whichever thread built the optimizer: Note
-        # [every library thread binds its device] in accelerator/threads.py.
+        # [every library thread binds its device] in accelerator/device_context.py.
         # Its CPU Adam runs beside the caller's torch work: Note [one thread budget].
         bind_device = accelerator.bind_thread
 

@@ -27,9 +27,9 @@ from .grads.staging_ring import StagingRing, own_staging_bytes, ring_slot_bytes
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
+from .reports.live import OptimizerState
 from .state.host import HostState
-from .state.live import OptimizerState
-from .state.nvme import NvmeBackends
+from .state.nvme_backends import NvmeBackends
 from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
 from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
 from .state.resident import ResidentState
@@ -115,7 +115,7 @@ class SegmentBuilder:
                 "add_param_group with OffloadConfig(offload_parameters=True): the window is "
                 "planned once for the model; pass every param group to the constructor"
             )
-        from ..params import (  # beside optim (DESIGN.md)
+        from ..params import (  # beside optim (docs/design.md, "The layers")
             DeviceShardOffloader,
             ParamOffloader,
             ShardedParamOffloader,

@@ -17,8 +17,8 @@ from ..memory.manager import TieredMemoryManager, interpreter_exiting
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
-from .grads.router import BackwardRouter
-from .state.live import OptimizerState
+from .reports.live import OptimizerState
+from .router import BackwardRouter
 from .state.store import BucketPools
 
 __all__ = ["OWNERS", "Resources", "Segment", "check_owners"]

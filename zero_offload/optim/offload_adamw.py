@@ -1,8 +1,9 @@
 """OffloadAdamW (and OffloadAdam): Adam whose state lives in host memory, updated by the CPU.
 
 A drop-in ``torch.optim.Optimizer``: param groups, ``add_param_group``, LR schedulers,
-``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See DESIGN.md, "How
-data flows", and Note [a bucket's gradient lifecycle] in ``grads/lifecycle.py``.
+``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See docs/design.md,
+"How data flows: the two trips", and Note [a bucket's gradient lifecycle] in
+``grads/lifecycle.py``.
 
 What differs from ``torch.optim.AdamW``, visibly:
 - ``param.grad`` is ``None`` after backward: each gradient leaves the device as soon as it
@@ -37,22 +38,22 @@ from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..memory.manager import TieredMemoryManager
+from .checkpoint import streaming
+from .checkpoint.state_dict import load_optimizer_state, optimizer_state
 from .checks import check_hyper, check_new_params, check_untouched, split_names
 from .construction import SegmentBuilder, check_param_offload, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
-from .grads.router import BackwardRouter
 from .lifetime import Resources
 from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
-from .state import streaming
-from .state.live import OptimizerState
-from .state.state_dict import load_optimizer_state, optimizer_state
-from .state.summary import Placement, placement_line, placement_of
+from .reports.live import OptimizerState
+from .reports.summary import Placement, placement_line, placement_of
+from .router import BackwardRouter
+from .rule.adamw import AdamHyper
 from .torch_clipping import refuse_plain_trainer
 from .update.loss_scaler import LossScaler
 from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed
 from .update.policy import StepPolicy
-from .update.tiles import AdamHyper
 
 _log = logging.getLogger("zero_offload")
 
@@ -212,7 +213,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._finalizer()
             raise
         self.state = self._state_view  # type: ignore[assignment]
-        # Note [construction says where the state went] in state/summary.py.
+        # Note [construction says where the state went] in reports/summary.py.
         _log.info(placement_line(repr(self), self.placement, str(self.accelerator.device)))
 
     def __repr__(self) -> str:
@@ -527,7 +528,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def save_streaming(self, path: str | os.PathLike[str]) -> None:
         """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never
-        holding it in host RAM (``state/streaming.py``). Every rank calls it with the same
+        holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
         ``path``. Like ``state_dict()`` it changes nothing about training."""
         self._check_open("save_streaming")
         self._policy.mode.drain()

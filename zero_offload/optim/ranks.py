@@ -32,7 +32,6 @@ from ..collectives import (
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category
 from ..tracing import phase
-from .grads.order import BucketOrder, FreeOrder, LockstepOrder
 
 __all__ = ["Ranks", "ShardedParamRanks", "ShardedRanks", "SingleRank", "optimizer_comm"]
 
@@ -82,11 +81,13 @@ class Ranks(ABC):
         [parameter gathers on a group and stream of their own]); None without them."""
         return None
 
-    @abstractmethod
-    def bucket_order(self) -> BucketOrder:
-        """In what order buckets go to the host during backward: ``LockstepOrder`` where
-        the ranks' collectives must match (Note [ranks in lockstep] in
-        ``grads/order.py``), else ``FreeOrder``."""
+    #: Whether the ranks' collectives must match, so buckets go to the host in one order on
+    #: every rank (``bucket_order`` in ``grads/order.py``; Note [ranks in lockstep]).
+    lockstep = False
+
+    def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
+        """OR the (n_buckets,) float64 ``flags`` over the ranks (only where ``lockstep``)."""
+        raise RuntimeError(f"{type(self).__name__} has no ranks to agree with (bug)")
 
     @abstractmethod
     def eager_refusal(self) -> str | None:
@@ -141,9 +142,6 @@ class SingleRank(Ranks):
     rank = 0
     world_size = 1
 
-    def bucket_order(self) -> BucketOrder:
-        return FreeOrder()
-
     def eager_refusal(self) -> str | None:
         return None
 
@@ -192,8 +190,7 @@ class ShardedRanks(Ranks):
     def comm(self) -> Comm:
         return self._comm
 
-    def bucket_order(self) -> BucketOrder:
-        return LockstepOrder(self.agree_late)
+    lockstep = True
 
     def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
         """OR the (n_buckets,) float64 ``flags`` over the ranks: which buckets got a

@@ -88,7 +88,8 @@ class GradBuffers:
         """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
         ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
         # The compute stream fills the buffer first: its reuse waits there, not on the CPU
-        # (stream-ordered reuse, Note [block reuse waits on events] in pool.py).
+        # (stream-ordered reuse, Note [block reuse waits on events] in
+        # memory/in_flight_blocks.py).
         stream = self.manager.accelerator.current_stream()
         try:
             return pool.alloc(nbytes, owner=owner, stream=stream)

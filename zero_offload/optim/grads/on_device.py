@@ -49,6 +49,10 @@ class DeviceGradients(GradientPath):
     def discard_grad(self) -> None:
         """The accumulator is zeroed when the next window opens: nothing to release."""
 
+    def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
+        """Nothing to wait for: the accumulator is written and read on the compute stream,
+        in order (the resident store's update runs there)."""
+
     def window_source(self) -> GradSource:
         return GradSource.ACCUMULATOR
 

@@ -12,7 +12,7 @@ contribute zeros). The per-parameter "got a gradient" flags are OR-reduced at th
 uneven gradients give exactly the single-process result on the global batch, like DDP with
 ``find_unused_parameters=True``. The cost: a complete bucket may wait, holding its device
 gradient buffer, behind an earlier one that a rank does not complete (those waiting
-buffers come from extra device pools, ``offloaded.GradBuffers``), and its copy to the host
+buffers come from extra device pools, ``grads.buffers.GradBuffers``), and its copy to the host
 overlaps less of backward. With one rank order does not matter: a bucket goes as soon as it
 is complete, and any bucket may go early when the device pool needs its buffer.
 
@@ -45,13 +45,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ...errors import PoolExhausted
 from ...partition import BucketLayout
 from .lifecycle import BucketGrads, GradState
+
+if TYPE_CHECKING:
+    from ..ranks import Ranks
 
 
 # What an order asks of the buckets and the router it serves (``flat_bucket.FlatBucket``
@@ -92,7 +95,7 @@ class Routing(Protocol):
     eager: AnnouncedStep | None
 
 
-__all__ = ["BucketOrder", "FreeOrder", "LockstepOrder"]
+__all__ = ["BucketOrder", "FreeOrder", "LockstepOrder", "bucket_order"]
 
 
 class BucketOrder(ABC):
@@ -283,3 +286,9 @@ class LockstepOrder(BucketOrder):
 
     def buckets_added(self) -> None:
         self.learning = True
+
+
+def bucket_order(ranks: Ranks) -> BucketOrder:
+    """In what order buckets go to the host during backward: ``LockstepOrder`` where the
+    ranks' collectives must match (Note [ranks in lockstep]), else ``FreeOrder``."""
+    return LockstepOrder(ranks.agree_late) if ranks.lockstep else FreeOrder()

@@ -91,6 +91,12 @@ class GradientPath(ABC):
         """Forget the open gradient buffer without using it (``zero_grad``)."""
 
     @abstractmethod
+    def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
+        """Wait until ``grad[lo:hi]`` (``gradient(source)``'s elements) holds the window's
+        gradient, for a CPU kernel to read it next (Note [Adam follows the gradient in] in
+        ``to_host.py``)."""
+
+    @abstractmethod
     def window_source(self) -> GradSource:
         """The field holding the window's gradient now."""
 

@@ -95,7 +95,6 @@ import numpy as np
 import torch
 
 from ...accelerator import Event
-from ...kernels import accumulate_grad, grad_stats
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
@@ -104,16 +103,10 @@ from ...partition import BucketLayout
 from ...tracing import phase
 from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
-from .buffers import (
-    AccumulatorPool,
-    GradBuffers,
-    SpareStaging,
-    accumulator_bytes,
-    host_pass_threads,
-)
+from .buffers import AccumulatorPool, GradBuffers, SpareStaging, accumulator_bytes
+from .host_passes import fold, pass_tile
 from .path import GradientPath, GradSource, SumSqParts
 from .staging_ring import OwnStaging, RingStaging, Staging, StagingRing
-from .stat_cells import Cut, pieces
 
 __all__ = ["HostGradients"]
 
@@ -475,7 +468,7 @@ class HostGradients(GradientPath):
         staging = self.staging.get(buffer)[0]
         self._declare_cpu(staging, write=False, what="fold reads staging")
         self._declare_cpu(acc, write=True, what="fold writes the accumulator")
-        accumulate_grad(acc, staging, overwrite=True, stop=real, num_threads=host_pass_threads())
+        fold(acc, staging, real)
 
     def _host_pass_tile(
         self,
@@ -486,39 +479,24 @@ class HostGradients(GradientPath):
         hi: int,
         partials: list[float],
     ) -> None:
-        # Host worker, once staging[lo:hi] landed. Without an accumulator: the window's only
-        # pass over a lone flush, its statistics; step() needs no pass of its own (Note [no
-        # accumulator for one backward]). With one: Note [a bucket's gradient lifecycle];
-        # the same pass yields the statistics of the accumulated gradient, cut per Note
-        # [the norm does not depend on the bucketing] (stat_cells.py). Staging ``buffer``
-        # is looked up now: a block may have moved since the pass was queued.
+        # Host worker, once staging[lo:hi] landed (host_passes.pass_tile). Staging
+        # ``buffer`` is looked up now: a block may have moved since the pass was queued.
         staging = self.staging.get(buffer)[0]
-        threads = host_pass_threads()
         if acc is None:
             self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
         else:
             self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
             self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        for piece in pieces(self.layout.slots, self.shard, lo, hi):
-            counted = partials if piece.cut is Cut.CELLS else None
-            if acc is not None:
-                accumulate_grad(
-                    acc,
-                    staging,
-                    overwrite=overwrite,
-                    start=piece.lo,
-                    stop=piece.hi,
-                    num_threads=threads,
-                    partials=counted,
-                )
-            elif counted is not None:
-                grad_stats(
-                    staging, start=piece.lo, stop=piece.hi, num_threads=threads, partials=counted
-                )
-            if piece.cut is Cut.LAST and piece.cell is not None:
-                cell_lo, cell_hi = piece.cell
-                source = staging if acc is None else acc
-                grad_stats(source, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
+        pass_tile(
+            self.layout,
+            self.shard,
+            staging,
+            acc,
+            overwrite=overwrite,
+            lo=lo,
+            hi=hi,
+            partials=partials,
+        )
 
     def _sum_partials(self, partials: list[float]) -> None:
         # Host worker, after the last tile: the flush's statistics (float64 sums, added

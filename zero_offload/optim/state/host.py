@@ -1,8 +1,9 @@
 """Host-RAM state: fp32 master and moments in the host pool, updated by CPU Adam.
 
-The CPU Adam kernel updates the master tile by tile (``update/tiles.py``), reading the
-gradient from the bucket's ``grads.to_host.HostGradients``, and each updated tile goes back
-to the device (H2D on the ``h2d`` stream, ``update/publish.py``) while the next tile is
+The CPU Adam kernel updates the master tile by tile (``rule/adamw.py``), reading the
+gradient through the bucket's gradient path (``grads/path.py``; ``HostGradients`` of
+``grads/to_host.py`` here), and each updated tile goes back
+to the device (H2D on the ``h2d`` stream, ``publish.py``) while the next tile is
 computed. With several ranks every field covers this rank's shard of the bucket,
 ``shard_numel`` elements (Note [who owns which shard] in ``partition.py``); after the
 update each rank copies its updated shard into its slice of ``weights_dev`` and the
@@ -20,10 +21,9 @@ from ...memory.pool import BlockPool
 from ...partition import BucketLayout, clip_runs
 from ...views import ParamViews
 from ..access import declare_cpu
-from ..grads.path import GradSource
-from ..grads.to_host import HostGradients
-from ..update.publish import WeightCopies
-from ..update.tiles import AdamHyper, AdamTiles
+from ..grads.path import GradientPath, GradSource
+from ..publish import WeightCopies
+from ..rule.adamw import AdamHyper, AdamTiles
 from .store import (
     StateStore,
     TileFn,
@@ -56,7 +56,7 @@ class HostState(StateStore):
         *,
         manager: TieredMemoryManager,
         host_pool: BlockPool,
-        gradients: HostGradients,
+        gradients: GradientPath,
         shard: tuple[int, int],
         moments_dtype: torch.dtype,
         amsgrad: bool,

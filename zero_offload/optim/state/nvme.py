@@ -18,7 +18,7 @@ own length). A step visits the tiles that hold updated elements in order, over t
 ring of ``B`` I/O buffers (4 by default), taken round robin (``StorageTier.next_buffer``):
 at tile ``i`` the read of tile ``i + B - 2`` is issued, the CPU waits for tile ``i``'s read
 (issued ``B - 2`` tiles ago), runs the same ``adam_step`` kernel on it that
-``host.HostState`` runs (``update/tiles.py``; elementwise, so tile boundaries do not change a bit: bitwise equal
+``host.HostState`` runs (``rule/adamw.py``; elementwise, so tile boundaries do not change a bit: bitwise equal
 to the in-RAM state), writes the training-dtype weights into ``weights_staging`` and issues
 their H2D copy, then issues the write of tile ``i``. A buffer is read into only after the
 write it last carried completed (``IOBuffer.settle``): that write was issued two tiles
@@ -68,27 +68,24 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...accelerator import Event
-from ...config import OffloadConfig, format_bytes
+from ...config import format_bytes
 from ...errors import StorageError
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
-from ...memory.state_dir import check_nvme_dir
 from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState, StorageTier
 from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout, clip_runs
 from ...tracing import phase
 from ...views import ParamViews
-from ...weights.nvme_home import HomeTiles
 from ..access import declare_cpu
-from ..grads.path import GradSource
-from ..grads.to_host import HostGradients
-from ..update.publish import WeightCopies
-from ..update.tiles import AdamHyper, AdamTiles
-from .nvme_plan import NvmePlan, RecordLayout, tile_sizes
+from ..grads.path import GradientPath, GradSource
+from ..publish import WeightCopies
+from ..rule.adamw import AdamHyper, AdamTiles
+from .nvme_plan import RecordLayout, tile_sizes
 from .store import StateStore, TileFn, republish_from_master, weights_into_home
 
-__all__ = ["NvmeBackends", "NvmeState", "StateNotInHostRam", "StreamGroup"]
+__all__ = ["NvmeState", "StateNotInHostRam", "StreamGroup"]
 
 
 class StateNotInHostRam(RuntimeError):
@@ -163,86 +160,6 @@ class StreamGroup:
             self.prefetched.append((after, tile, buffer))
 
 
-class NvmeBackends:
-    """One segment's NVMe placement: which buckets, the tier, and a factory for their
-    backends (what ``OffloadAdamW._build_buckets`` asks). ``tier`` is None without NVMe
-    buckets; the manager owns it (closed with it)."""
-
-    def __init__(
-        self,
-        manager: TieredMemoryManager,
-        plan: NvmePlan,
-        *,
-        config: OffloadConfig,
-        rank: int,
-        name: str,
-    ) -> None:
-        self.plan = plan
-        self.name = name
-        self.group: StreamGroup | None = None
-        self.home_tiles: HomeTiles | None = None  # built with the first NVMe home
-        if config.nvme_dir is not None:
-            # Checked even when every bucket fits host RAM: a wrong path fails now, not on
-            # the run whose state first outgrows host_budget (Note [the directory is
-            # checked and private] in memory/state_dir.py).
-            check_nvme_dir(config.nvme_dir)
-        if plan.nvme and config.nvme_dir is not None:
-            # StorageFull here, before any pool is pinned, when the files cannot fit.
-            tier = manager.open_storage(
-                config.nvme_dir,
-                rank=rank,
-                needed_bytes=plan.disk,
-                buffer_bytes=plan.record.record_bytes,
-            )
-            self.group = StreamGroup(tier)
-
-    def open_home_tiles(self, pool: BlockPool) -> None:
-        """The weight tile ring, in ``pool`` (else the first home on NVMe takes it)."""
-        self.home_tiles = HomeTiles(pool, self.plan.home_ring, name=self.name)
-
-    def home_on_nvme(self, index: int) -> bool:
-        """Whether bucket ``index``'s home (its training-dtype weights) goes to NVMe too."""
-        return index in self.plan.homes
-
-    def holds(self, index: int) -> bool:
-        """Whether bucket ``index``'s state goes to NVMe."""
-        return index in self.plan.nvme
-
-    def build(
-        self,
-        layout: BucketLayout,
-        views: ParamViews,
-        *,
-        manager: TieredMemoryManager,
-        host_pool: BlockPool,
-        gradients: HostGradients,
-        shard: tuple[int, int],
-    ) -> NvmeState:
-        """The bucket's ``NvmeState``; its file is ``{name}.bucket{index}``."""
-        if self.group is None:
-            raise RuntimeError(f"bucket {layout.index} placed on NVMe without a tier (bug)")
-        kind: type[NvmeState] = NvmeState
-        extra: dict[str, object] = {}
-        if self.home_on_nvme(layout.index):
-            from .nvme_weights import NvmeHomeState  # builds on this module
-
-            if self.home_tiles is None or self.home_tiles.block is None:
-                self.home_tiles = HomeTiles(host_pool, self.plan.home_ring, name=self.name)
-            kind, extra = NvmeHomeState, {"home_tiles": self.home_tiles}
-        return kind(
-            layout,
-            views,
-            manager=manager,
-            host_pool=host_pool,
-            gradients=gradients,
-            shard=shard,
-            record=self.plan.record,
-            group=self.group,
-            name=f"{self.name}.bucket{layout.index}",
-            **extra,  # type: ignore[arg-type]
-        )
-
-
 # -- the store -------------------------------------------------------------------------
 
 
@@ -269,7 +186,7 @@ class NvmeState(StateStore):
         *,
         manager: TieredMemoryManager,
         host_pool: BlockPool,
-        gradients: HostGradients,
+        gradients: GradientPath,
         shard: tuple[int, int],
         record: RecordLayout,
         group: StreamGroup,
@@ -432,7 +349,7 @@ class NvmeState(StateStore):
                     f"bucket {self.layout.index}: NVMe I/O failed on {file.path}: {exc}. "
                     f"{changed}; the state of every other bucket is intact. Reload the "
                     "optimizer from its last checkpoint "
-                    "(opt.load_streaming(path), zero_offload.optim.state.streaming)"
+                    "(opt.load_streaming(path), zero_offload.optim.checkpoint.streaming)"
                 ) from exc
             raise
 
@@ -559,7 +476,7 @@ class NvmeState(StateStore):
             f"{format_bytes(self.file.nbytes if self.file is not None else 0)}): it did not fit "
             "OffloadConfig.host_budget, so state_dict(), load_state_dict() and opt.state[p] "
             "cannot hand it out as tensors without exhausting host RAM. Save and load "
-            "bucket by bucket with zero_offload.optim.state.streaming.save_streaming(opt, path) "
+            "bucket by bucket with zero_offload.optim.checkpoint.streaming.save_streaming(opt, path) "
             "and load_streaming(opt, path) (the same as opt.save_streaming(path), "
             "opt.load_streaming(path))"
         )

@@ -32,8 +32,8 @@ from ...memory.pool import BlockPool
 from ...memory.storage import IOBuffer
 from ...weights.nvme_home import HomeTiles, WeightFile
 from ..grads.path import GradSource
-from ..update.publish import WeightCopies
-from ..update.tiles import AdamHyper
+from ..publish import WeightCopies
+from ..rule.adamw import AdamHyper
 from .nvme import NvmeState
 from .store import take_written
 

@@ -1,7 +1,7 @@
 """Device-resident state: fp32 master and moments on the device, torch's fused AdamW (the
 share ``1 - offload_fraction`` of the parameters; nothing crosses a tier). The gradients
 stay on the device too (``grads.on_device.DeviceGradients``), and the update writes
-``weights_dev`` in place (``update.publish.WrittenInPlace``)."""
+``weights_dev`` in place (``optim.publish.WrittenInPlace``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ...partition import BucketLayout
 from ...views import ParamViews
 from ..grads.on_device import DeviceGradients
 from ..grads.path import GradSource
-from ..update.publish import WrittenInPlace
-from ..update.tiles import AdamHyper
+from ..publish import WrittenInPlace
+from ..rule.adamw import AdamHyper
 from .store import StateStore, TileFn, stream_tensors
 
 __all__ = ["ResidentState"]

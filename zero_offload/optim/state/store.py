@@ -5,7 +5,7 @@ gradient path (``grads/path.py``) and one state store, chosen at construction by
 ``placement.plan_placement`` and ``nvme_plan.plan_nvme``:
 
 - ``host.HostState``: fp32 master weights and moments in the host pool, updated tile by
-  tile by the CPU Adam kernel (``update/tiles.py``); gradients come to the host;
+  tile by the CPU Adam kernel (``rule/adamw.py``); gradients come to the host;
 - ``nvme.NvmeState``: the same update, the state streamed from files of the storage tier;
 - ``resident.ResidentState``: the state on the device, updated by torch's fused AdamW;
   gradients stay on the device.
@@ -29,8 +29,8 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...views import ParamViews
 from ..grads.path import GradSource
-from ..update.publish import Publication, WeightCopies
-from ..update.tiles import AdamHyper
+from ..publish import Publication, WeightCopies
+from ..rule.adamw import AdamHyper
 
 __all__ = [
     "BucketPools",

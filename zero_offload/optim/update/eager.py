@@ -16,8 +16,8 @@ from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
+from ..rule.adamw import AdamHyper
 from .modes import ImmediateUpdate, failed, interrupted
-from .tiles import AdamHyper
 
 __all__ = ["EagerPhase", "EagerStep"]
 

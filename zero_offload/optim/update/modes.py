@@ -44,7 +44,7 @@ from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
-from .tiles import AdamHyper
+from ..rule.adamw import AdamHyper
 
 __all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
 

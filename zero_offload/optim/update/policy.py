@@ -39,12 +39,12 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
-from ..grads.router import BackwardRouter
 from ..ranks import Ranks
+from ..router import BackwardRouter
+from ..rule.adamw import AdamHyper
 from .eager import EagerStep
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .modes import StepFailed, UpdateMode
-from .tiles import AdamHyper
 
 __all__ = ["StepPolicy"]
 
@@ -402,7 +402,7 @@ class StepPolicy:
         the weights they wrote stay the optimizer's own (``loaded`` stamps them), so the
         loaded master replaces them at the next step. A write into the model between that
         backward and the load may have met those copies in flight: the loaded master wins
-        there (Note [a loaded state claims no weights] in ``state/state_dict.py``)."""
+        there (Note [a loaded state claims no weights] in ``checkpoint/state_dict.py``)."""
         if self.eager is None:
             return
         self.manager.host_worker.synchronize()

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from ...accelerator import Event
-from ...memory.block import Block
-from ...memory.manager import TieredMemoryManager
-from ...views import ParamViews
-from ..access import declare_compute
+from ..accelerator import Event
+from ..memory.block import Block
+from ..memory.manager import TieredMemoryManager
+from ..views import ParamViews
+from .access import declare_compute
 
 __all__ = ["Publication", "WeightCopies", "WrittenInPlace"]
 

@@ -17,9 +17,8 @@ import torch
 
 from ...accelerator import Event
 from ...kernels import adam_step
-from ..grads.path import GradSource
-from ..grads.to_host import HostGradients
-from .publish import WeightCopies
+from ..grads.path import GradientPath, GradSource
+from ..publish import WeightCopies
 
 __all__ = ["AdamHyper", "AdamTiles"]
 
@@ -49,7 +48,7 @@ class AdamTiles:
 
     def __init__(
         self,
-        gradients: HostGradients,
+        gradients: GradientPath,
         publication: WeightCopies,
         hyper: AdamHyper,
         grad_scale: float,

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from ...collectives import surface_collective_errors
-from ...memory.manager import TieredMemoryManager
-from ..flat_bucket import FlatBucket
-from ..ranks import Ranks
-from .lifecycle import GradState
-from .order import AnnouncedStep, BucketOrder
+from ..collectives import surface_collective_errors
+from ..memory.manager import TieredMemoryManager
+from .flat_bucket import FlatBucket
+from .grads.lifecycle import GradState
+from .grads.order import AnnouncedStep, BucketOrder, bucket_order
+from .ranks import Ranks
 
 __all__ = ["BackwardRouter"]
 
@@ -103,7 +103,7 @@ class BackwardRouter:
         self._hooks: list[Any] = []
         self._armed: set[int] = set()
         self._lock = threading.Lock()
-        self.order: BucketOrder = ranks.bucket_order()
+        self.order: BucketOrder = bucket_order(ranks)
         #: The announced step (Note [stepping during backward] in update/eager.py), from
         #: announce_step() until step() takes it; set and cleared by the optimizer.
         self.eager: AnnouncedStep | None = None  # an update.eager.EagerStep

@@ -1,0 +1,1 @@
+"""The optimizer's checkpoints: torch-layout state dicts and streaming checkpoints."""

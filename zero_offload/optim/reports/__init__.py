@@ -1,0 +1,2 @@
+"""What the optimizer shows of itself: the live ``opt.state`` mapping and the placement
+report."""
