@@ -152,7 +152,7 @@ def _parity_gpt(shape: dict[str, int], target: Target) -> Any:
     """``gpt`` without the attention's qkv bias. The key bias's gradient is zero in exact
     arithmetic (softmax ignores a shift shared by every key), so its float noise, which
     differs as soon as two runs' weights differ by an ulp, would be amplified by Adam into
-    updates near ``lr`` that no two implementations share (tests/_models.py says the same)."""
+    updates near ``lr`` that no two implementations share (tests/helpers/models.py says the same)."""
     model = gpt(shape, target)
     for block in model.blocks:
         block.attn.qkv.bias = None

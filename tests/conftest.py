@@ -29,7 +29,7 @@ from zero_offload.config import AcceleratorConfig
 
 # Hypothesis profiles, chosen with HYPOTHESIS_PROFILE (default "ci"). "ci": derandomized (the
 # same examples on every run, so a failure is reproducible and CI is not flaky) and bounded;
-# tests that set no max_examples get 25, and tests/_properties.py's scaled() sizes the
+# tests that set no max_examples get 25, and tests/helpers/properties.py's scaled() sizes the
 # expensive ones from this budget. "long": fresh random examples, 10x as many, for nightly
 # runs (HYPOTHESIS_PROFILE=long pytest tests/test_properties.py tests/test_kernels_bitwise.py).
 _RELAXED = [HealthCheck.too_slow, HealthCheck.data_too_large]

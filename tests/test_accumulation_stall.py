@@ -20,7 +20,7 @@ from zero_offload.memory.align import aligned
 from zero_offload.optim.grads import buffers
 from zero_offload.thread_budget import ThreadBudget
 
-from ._models import host_accelerator, max_diff, mlp, mlp_batches, mlp_loss, mlp_opt
+from .helpers.models import host_accelerator, max_diff, mlp, mlp_batches, mlp_loss, mlp_opt
 
 MICRO = 4
 LINK_LATENCY = 0.002  # seconds per simulated copy: the D2H tiles land late

@@ -22,7 +22,7 @@ from zero_offload.optim.checkpoint import streaming as state_stream
 from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
 from zero_offload.optim.update.modes import StepFailed
 
-from ._models import batches, host_accelerator, lm_loss, make_pair, train
+from .helpers.models import batches, host_accelerator, lm_loss, make_pair, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ _CHILD = """
 import os, shutil, signal, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from tests._models import batches, make_pair, train
+from tests.helpers.models import batches, make_pair, train
 from tests.test_atomic_saves import _opt
 from zero_offload import fileio
 from zero_offload.optim.checkpoint.streaming import save_streaming

@@ -16,7 +16,7 @@ from zero_offload.accelerator.strict import MEMORY, MemoryKind
 from zero_offload.weights import has_source, source
 from zero_offload.weights.source import on_device
 
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 VOCAB = 128
 SEQ = 16
@@ -235,7 +235,7 @@ def test_frozen_parameters_on_meta_are_loaded_at_once(tmp_path: Path) -> None:
 def test_offload_trainer_loads_a_meta_model_from_a_checkpoint_path(tmp_path: Path) -> None:
     from zero_offload.integrations.transformers import OffloadTrainer
 
-    from ._hf import TokenDataset, training_args
+    from .helpers.hf import TokenDataset, training_args
 
     path = saved(tmp_path, sharded=True)
     runs = {}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
+from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
 
 
 def _backward_once(model: nn.Module, opt) -> None:
@@ -110,8 +110,8 @@ def test_a_plain_trainers_clipping_hooks_are_refused(tmp_path: Path, entry: str)
     pytest.importorskip("transformers")
     from zero_offload import OffloadAdamW
 
-    from ._hf import tiny_gpt2, torch_trainer, training_args
-    from ._models import host_accelerator
+    from .helpers.hf import tiny_gpt2, torch_trainer, training_args
+    from .helpers.models import host_accelerator
 
     model = tiny_gpt2()
     opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=host_accelerator())

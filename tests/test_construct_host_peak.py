@@ -19,7 +19,7 @@ from zero_offload.optim.unit_pools import plan_units
 from zero_offload.partition import BucketLayout, ParamSlot
 from zero_offload.weights.source import on_device
 
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 VOCAB = 128
 SEQ = 16

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 import zero_offload
-from tests._models import batches, lm_loss, make_pair, offload_opt
+from tests.helpers.models import batches, lm_loss, make_pair, offload_opt
 from zero_offload.accelerator import Event, HostAccelerator, latest_per_stream
 from zero_offload.accelerator.cuda import LibraryRanges, foreign_device_tensors
 from zero_offload.accelerator.host import StrictCallerStream

@@ -32,7 +32,7 @@ from zero_offload import (
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.params import UnitState
 
-from ._models import batches, lm_loss, max_diff, torch_adamw, train
+from .helpers.models import batches, lm_loss, max_diff, torch_adamw, train
 
 FP32_ATOL = 1e-5
 STEPS = 6
@@ -46,7 +46,7 @@ def _pair(device: torch.device) -> tuple[TinyGPT, TinyGPT]:
     """Two identical fp32 GPTs on ``device``: ours and torch's. Without the attention's qkv
     bias: the key bias's gradient is zero in exact arithmetic, so its float noise (which
     differs once the two runs' weights differ by an ulp, and on CUDA may differ run to run)
-    would be amplified by Adam into updates near ``lr`` (tests/_models.py, the same)."""
+    would be amplified by Adam into updates near ``lr`` (tests/helpers/models.py, the same)."""
     torch.manual_seed(0)
     with device:
         model = TinyGPT(SHAPE)
@@ -65,7 +65,7 @@ def _data(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _offload_adamw(model: TinyGPT, accel_kind: str, **config: object) -> OffloadAdamW:
-    """``tests/_models.offload_opt``'s hyper-parameters and small buckets and tiles, on a
+    """``tests/helpers/models.offload_opt``'s hyper-parameters and small buckets and tiles, on a
     fresh accelerator of ``accel_kind``; ``model=`` for parameter offload."""
     return OffloadAdamW(
         model.parameters(),

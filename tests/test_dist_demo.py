@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ._dist import free_port
+from .helpers.dist import free_port
 
 
 def test_torchrun_demo_trains_on_two_ranks_and_prints_once(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._dist import data, resume, run_ranks, shard_batch, uneven_loss, uneven_skip
-from ._models import lm_loss, make_pair, offload_opt, torch_adamw, train
+from .helpers.dist import data, resume, run_ranks, shard_batch, uneven_loss, uneven_skip
+from .helpers.models import lm_loss, make_pair, offload_opt, torch_adamw, train
 
 FP32_ATOL = 1e-5
 STEPS = 20

@@ -19,7 +19,7 @@ from zero_offload.optim.ranks import SingleRank
 from zero_offload.optim.update.modes import failed
 from zero_offload.params.window import plan_slots
 
-from ._models import batches, lm_loss, make_pair, offload_opt
+from .helpers.models import batches, lm_loss, make_pair, offload_opt
 
 
 def _break(store: object, monkeypatch: pytest.MonkeyPatch) -> None:

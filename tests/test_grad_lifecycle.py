@@ -20,7 +20,7 @@ from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.lifecycle import GradState
 
-from ._models import (
+from .helpers.models import (
     batches,
     host_accelerator,
     lm_loss,

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 from zero_offload import OffloadAdamW
 from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer, OffloadAccelerator
 
-from ._dist import free_port
-from ._hf import (
+from .helpers.dist import free_port
+from .helpers.hf import (
     TokenDataset,
     as_torchrun_rank,
     count_state_io,
@@ -26,7 +26,7 @@ from ._hf import (
     tiny_gpt2,
     weights,
 )
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 MAX_NORM = 0.5  # the norms here are 1.2 to 1.7: clipping binds
 STEPS = 6  # optimizer steps of 2 micro-batches

@@ -29,9 +29,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from zero_offload import LossScalerConfig, OffloadAdamW
 from zero_offload.integrations.lightning import OffloadDDPStrategy, OffloadLightningModule
 
-from ._dist import free_port
-from ._hf import as_torchrun_rank, offload_config
-from ._models import TinyTransformer, batches, host_accelerator, lm_loss
+from .helpers.dist import free_port
+from .helpers.hf import as_torchrun_rank, offload_config
+from .helpers.models import TinyTransformer, batches, host_accelerator, lm_loss
 
 CLIP = 0.5  # the gradient norms of these runs are 1.3 to 2: clipping binds every step
 STEPS = 6

@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
-from ._hf import logged, offload_trainer, tiny_gpt2, torch_trainer, training_args, weights
+from .helpers.hf import logged, offload_trainer, tiny_gpt2, torch_trainer, training_args, weights
 
 MAX_NORM = 0.02  # the adapters' gradient norms are 0.03 to 0.05
 

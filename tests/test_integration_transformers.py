@@ -22,7 +22,7 @@ from zero_offload import LossScalerConfig, OffloadAdamW
 from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer
 from zero_offload.integrations.transformers import OffloadTrainer
 
-from ._hf import (
+from .helpers.hf import (
     TokenDataset,
     count_state_io,
     logged,
@@ -35,7 +35,7 @@ from ._hf import (
     training_args,
     weights,
 )
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 MAX_GRAD_NORM = 0.5  # the norms of these runs are 1.2 to 1.7: clipping binds every step
 

@@ -25,7 +25,7 @@ from zero_offload import OffloadAdamW
 from zero_offload.integrations.transformers import OffloadTrainer
 from zero_offload.integrations.trl import OffloadDPOTrainer, OffloadSFTTrainer
 
-from ._hf import (
+from .helpers.hf import (
     VOCAB,
     logged,
     max_weight_diff,
@@ -34,7 +34,7 @@ from ._hf import (
     training_args,
     weights,
 )
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 MAX_GRAD_NORM = 0.5  # full fine-tuning: the norms are above 1, clipping binds every step
 STEPS = 6

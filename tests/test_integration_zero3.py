@@ -33,8 +33,8 @@ from zero_offload import OffloadAdamW, load_pretrained
 from zero_offload.integrations.accelerate import OffloadAccelerator
 from zero_offload.params import ShardedParamOffloader
 
-from ._dist import free_port
-from ._hf import (
+from .helpers.dist import free_port
+from .helpers.hf import (
     TokenDataset,
     as_torchrun_rank,
     logged,
@@ -46,7 +46,7 @@ from ._hf import (
     training_args,
     weights,
 )
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 from .test_integration_accelerate import accelerate_loop, loader, torch_adamw
 
 WORLD = 2

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ._dist import free_port
+from .helpers.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,8 @@ torch.set_num_threads(1)
 os.environ["ZERO_OFFLOAD_DEVICE_BUDGET"] = "256MiB"
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world, timeout=timedelta(seconds=60))
-from tests._dist import data, shard_batch
-from tests._models import lm_loss, make_pair, offload_opt
+from tests.helpers.dist import data, shard_batch
+from tests.helpers.models import lm_loss, make_pair, offload_opt
 from zero_offload.errors import CollectiveError, StreamError
 """
 

@@ -20,7 +20,7 @@ from zero_offload.optim.flat_bucket import FlatBucket
 from zero_offload.optim.grads.lifecycle import BucketGrads
 from zero_offload.optim.grads.to_host import HostGradients
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw, train
+from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw, train
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -31,7 +31,7 @@ sys.path.insert(0, {repo!r})
 warnings.simplefilter("ignore")
 import torch
 torch.set_num_threads(1)
-from tests._models import batches, lm_loss, make_pair, offload_opt
+from tests.helpers.models import batches, lm_loss, make_pair, offload_opt
 from zero_offload import StepFailed
 model, _ = make_pair()
 opt = offload_opt(model)

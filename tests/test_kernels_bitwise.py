@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from zero_offload.kernels import accumulate_grad, adam_step, grad_stats
 
-from ._properties import scaled
+from .helpers.properties import scaled
 
 POOL = numba.config.NUMBA_NUM_THREADS
 SIZES = st.one_of(

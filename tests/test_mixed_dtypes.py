@@ -35,8 +35,8 @@ from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT, pla
 from zero_offload.optim.update.loss_scaler import DynamicLossScaler, NoLossScaler
 from zero_offload.views import Family
 
-from ._dist import free_port
-from ._models import (
+from .helpers.dist import free_port
+from .helpers.models import (
     batches,
     host_accelerator,
     max_diff,

@@ -29,8 +29,8 @@ from zero_offload.optim.state.nvme import NvmeState, StateNotInHostRam
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 from zero_offload.optim.update.modes import StepFailed
 
-from ._dist import data, free_port, train_steps
-from ._models import batches, host_accelerator, lm_loss, make_pair, max_diff, train
+from .helpers.dist import data, free_port, train_steps
+from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff, train
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
@@ -252,7 +252,7 @@ def test_full_disk_at_optimizer_construction(
 _KEEP_ALIVE = """
 import sys, time, torch
 sys.path.insert(0, {repo!r})
-from tests._models import make_pair, host_accelerator
+from tests.helpers.models import make_pair, host_accelerator
 from zero_offload import OffloadAdamW, OffloadConfig
 model, _ = make_pair()
 opt = OffloadAdamW(model.parameters(), accelerator=host_accelerator(),

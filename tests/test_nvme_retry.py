@@ -19,7 +19,7 @@ from zero_offload.optim.checkpoint.streaming import load_streaming, save_streami
 from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.update.modes import StepFailed
 
-from ._models import batches, lm_loss, make_pair, train
+from .helpers.models import batches, lm_loss, make_pair, train
 from .test_nvme import _nvme_buckets, _opt
 
 VICTIM = 3  # the NVMe bucket whose file breaks (the 4th: three healthy ones step before it)

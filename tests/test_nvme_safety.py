@@ -19,7 +19,7 @@ from zero_offload.errors import StorageFull
 from zero_offload.memory.state_dir import StateDirectory, check_nvme_dir
 from zero_offload.memory.storage import IO_ALIGNMENT, StorageTier
 
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 
 
 def _tier(root: Path | str, **kwargs: object) -> StorageTier:

@@ -10,14 +10,7 @@ from torch import nn
 
 from zero_offload import DeviceBudgetExceeded, OffloadAdamW, OffloadConfig
 
-from ._models import (
-    batches,
-    host_accelerator,
-    lm_loss,
-    make_pair,
-    offload_opt,
-    train,
-)
+from .helpers.models import batches, host_accelerator, lm_loss, make_pair, offload_opt, train
 
 
 def _opt(params, **kwargs) -> OffloadAdamW:

@@ -9,7 +9,7 @@ import torch
 
 from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
 
-from ._models import (
+from .helpers.models import (
     batches,
     host_accelerator,
     lm_loss,

@@ -11,7 +11,7 @@ from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, Offlo
 from zero_offload.memory.traffic import Category, CopyRecord, Direction
 from zero_offload.optim.state.placement import GRAD_BUFFERS
 
-from ._models import batches, make_pair, offload_opt, train
+from .helpers.models import batches, make_pair, offload_opt, train
 
 ALIGN = 512
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from zero_offload import OffloadAdamW
 
-from ._models import (
+from .helpers.models import (
     batches,
     host_accelerator,
     lm_loss,

@@ -16,7 +16,7 @@ import torch
 
 from zero_offload import OffloadAdam, OffloadAdamW, OffloadConfig
 
-from ._models import batches, host_accelerator, make_pair, max_diff, train
+from .helpers.models import batches, host_accelerator, make_pair, max_diff, train
 
 FP32_ATOL = 1e-5
 

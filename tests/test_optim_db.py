@@ -29,7 +29,7 @@ from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_
 
 from zero_offload import OffloadAdam, OffloadAdamW, OffloadConfig
 
-from ._models import batches, host_accelerator, make_pair, max_diff, train
+from .helpers.models import batches, host_accelerator, make_pair, max_diff, train
 
 OURS = {torch.optim.Adam: OffloadAdam, torch.optim.AdamW: OffloadAdamW}
 INFOS = [info for info in optim_db if info.optim_cls in OURS]

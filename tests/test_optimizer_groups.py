@@ -15,8 +15,8 @@ from torch.distributed import distributed_c10d
 
 from zero_offload import OffloadAdamW
 
-from ._dist import free_port, join_gloo
-from ._models import host_accelerator
+from .helpers.dist import free_port, join_gloo
+from .helpers.models import host_accelerator
 
 
 def _groups() -> int:

@@ -222,7 +222,7 @@ def test_tied_weights_are_one_unit_fetched_for_both_uses(dtype):
 
 def test_hf_gpt2_blocks_default_to_transformer_h():
     pytest.importorskip("transformers")
-    from ._hf import tiny_gpt2  # two blocks, tied lm_head/wte
+    from .helpers.hf import tiny_gpt2
 
     def loss_of(model, ids):
         return model(input_ids=ids, labels=ids).loss

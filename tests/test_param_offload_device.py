@@ -127,7 +127,7 @@ def test_released_parameters_are_zero_byte_device_tensors_of_the_right_shape():
 
 def test_hf_gpt2_model_device_generate_and_an_eval_loop_between_steps():
     pytest.importorskip("transformers")
-    from ._hf import tiny_gpt2
+    from .helpers.hf import tiny_gpt2
 
     def run(model, opt):
         it = batches()

@@ -123,7 +123,7 @@ def test_offload_adamw_parameters_start_on_64_byte_boundaries() -> None:
     # Odd sizes (35, 5, 15, 3 elements): packed tight, most would start mid-vector.
     import torch
 
-    from ._models import offload_opt
+    from .helpers.models import offload_opt
 
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
     opt = offload_opt(model)

@@ -11,7 +11,7 @@ import torch
 from zero_offload.accelerator import HostAccelerator
 from zero_offload.config import AcceleratorConfig
 from zero_offload.errors import StreamRaceError
-from zero_offload.memory.inflight import InFlight
+from zero_offload.memory.buffer_lifetime import InFlight
 
 LATENCY = 0.3
 

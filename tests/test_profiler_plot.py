@@ -68,7 +68,7 @@ def test_the_png_from_a_short_run(tmp_path):
     pytest.importorskip("matplotlib")
     from zero_offload import profile
 
-    from ._models import batches, lm_loss, make_pair, offload_opt
+    from .helpers.models import batches, lm_loss, make_pair, offload_opt
 
     model, _ = make_pair()
     opt = offload_opt(model)

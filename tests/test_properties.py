@@ -44,7 +44,7 @@ from zero_offload import (
 )
 from zero_offload.activations import ActivationOffloadConfig
 
-from ._properties import scaled
+from .helpers.properties import scaled
 
 VOCAB = 11
 LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1

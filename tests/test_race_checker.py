@@ -211,7 +211,7 @@ def test_weight_copies_wait_for_a_kernel_reading_the_weights_after_step(overlap_
     # Without after=[compute_ready()] on those copies the checker names the pair.
     from zero_offload import OffloadAdamW, OffloadConfig
 
-    from ._models import TinyTransformer, batches, lm_loss
+    from .helpers.models import TinyTransformer, batches, lm_loss
 
     acc = HostAccelerator(AcceleratorConfig(check_races=True))
     compute = acc.current_stream()

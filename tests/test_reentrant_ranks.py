@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._dist import GLOBAL_BATCH, free_port, join_gloo, shard_batch
-from ._models import batches, offload_opt, torch_adamw
+from .helpers.dist import GLOBAL_BATCH, free_port, join_gloo, shard_batch
+from .helpers.models import batches, offload_opt, torch_adamw
 
 FP32_ATOL = 1e-5
 STEPS = 4

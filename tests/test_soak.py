@@ -23,7 +23,7 @@ from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.memory.traffic import Category, StallRecord
 
-from ._models import TinyTransformer, batches, host_accelerator, lm_loss
+from .helpers.models import TinyTransformer, batches, host_accelerator, lm_loss
 
 #: Growth allowed per step once warm: live objects, and heap bytes (long form). Before the
 #: bound, stall records alone grew the heap by 12 KiB per step (51 KiB with parameter

@@ -22,7 +22,7 @@ from zero_offload.memory.align import aligned
 from zero_offload.optim.grads.staging_ring import SlotState, StagingRing
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt
+from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt
 from .test_param_offload import SEQ, VOCAB, assert_same, gpt
 
 IN_FLIGHT = {"grad_staging": "in_flight", "grad_staging_buffers": 2}

@@ -1,6 +1,6 @@
 """Saving the state dict under parameter offload: each entry's storage is exactly its
 parameter's bytes of the pinned home (Note [a state dict entry owns a storage of its bytes]
-in params/views.py), so ``torch.save`` and pickling write the weights and not the host pool
+in params/windowed_views.py), so ``torch.save`` and pickling write the weights and not the host pool
 (master, moments, staging) the homes are ranges of. The entries stay the live weights
 (writes through them reach the model, and only the written unit is fetched again), keep
 their memory after ``opt.close()``, and are host memory under strict mode."""
@@ -21,7 +21,7 @@ from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.params import UnitState
 
-from .test_param_offload_review import ids, step
+from .test_param_offload_user_code import ids, step
 
 #: Per saved tensor, the most zip and pickle bytes beyond its storage (a zip record of the
 #: storage, 64-byte aligned, and the pickled rebuild call with its key and shape).

@@ -16,7 +16,7 @@ import zero_offload.optim.grads.to_host as off
 import zero_offload.optim.rule.adamw as tiles
 from zero_offload.tracing import add_phase_listener
 
-from ._models import (
+from .helpers.models import (
     batches,
     host_accelerator,
     lm_loss,

@@ -15,7 +15,7 @@ from torch import nn
 
 from zero_offload import OffloadAdamW, OffloadConfig
 
-from ._models import (
+from .helpers.models import (
     batches,
     host_accelerator,
     lm_loss,
@@ -292,7 +292,7 @@ def test_load_state_dict_between_announced_backward_and_step():
 
 
 def test_add_param_group_after_announce():
-    from ._models import host_accelerator
+    from .helpers.models import host_accelerator
 
     m = mlp()
     ps = list(m.parameters())

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ._dist import data, free_port, join_gloo, train_steps
-from ._models import make_pair, offload_opt
+from .helpers.dist import data, free_port, join_gloo, train_steps
+from .helpers.models import make_pair, offload_opt
 
 
 def _rank_entry(rank: int, world: int, port: int, out: str) -> None:

@@ -34,7 +34,7 @@ def mark(phase):
 import zero_offload
 mark("import")
 sys.path.insert(0, {root!r})
-from tests._models import mlp, mlp_batches, mlp_loss, mlp_opt
+from tests.helpers.models import mlp, mlp_batches, mlp_loss, mlp_opt
 
 model = mlp()
 opt = mlp_opt(model)

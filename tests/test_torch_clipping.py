@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
+from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
 
 
 def test_torch_clip_grad_norm_on_our_parameters_is_refused_and_changes_nothing() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from zero_offload.views import param_views
 
-from ._models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
+from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
 
 
 def _count_streamed(monkeypatch: pytest.MonkeyPatch) -> list[int]:

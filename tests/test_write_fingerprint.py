@@ -10,7 +10,7 @@ import torch
 
 from zero_offload.views import param_views
 
-from ._models import mlp, mlp_batches, mlp_loss, mlp_opt, mlp_torch_adamw
+from .helpers.models import mlp, mlp_batches, mlp_loss, mlp_opt, mlp_torch_adamw
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 

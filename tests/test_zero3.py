@@ -38,21 +38,11 @@ from zero_offload.estimate import ModelShape, estimate, param_offload_bytes
 from zero_offload.memory.align import aligned
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
-from ._zero3 import (
-    SEQ,
-    VOCAB,
-    batches,
-    gpt,
-    loss_without,
-    one_process,
-    run,
-    share,
-    skipped,
-)
+from .helpers.zero3 import SEQ, VOCAB, batches, gpt, loss_without, one_process, run, share, skipped
 
 FP32_ATOL = 1e-5
 STEPS = 4
-LR = 1e-3  # tests/_zero3.py make_opt
+LR = 1e-3  # tests/helpers/zero3.py make_opt
 
 
 def _per_step(counters: list[dict]) -> list[dict[str, int]]:

@@ -6,7 +6,7 @@ from sharded homes loads in ``transformers`` and through ``load_pretrained`` on 
 
 Every run trains the same tiny GPT on the same global batches, saves at step ``SAVED_AT``
 and trains to ``STEPS``; a resume starts from zeroed weights, loads the model's state dict
-and the optimizer's checkpoint, and trains the same remaining steps (tests/_zero3_ckpt.py).
+and the optimizer's checkpoint, and trains the same remaining steps (tests/helpers/zero3_ckpt.py).
 
 Tolerances (tests/test_zero3.py's module docstring): ZeRO-3 and stage 2 on the same two
 ranks compute bitwise the same steps, so a resume on two ranks, either stage, ends bitwise
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
-from ._zero3_ckpt import one_process, one_process_resumes, run
+from .helpers.zero3_ckpt import one_process, one_process_resumes, run
 
 FP32_ATOL = 1e-5  # tests/test_zero3.py
 

@@ -22,8 +22,8 @@ from zero_offload.memory.align import aligned
 from zero_offload.optim.construction import check_param_offload, windows_parameters
 from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 
-from ._zero3 import SEQ, VOCAB
-from ._zero3_device import one_process, run
+from .helpers.zero3 import SEQ, VOCAB
+from .helpers.zero3_device import one_process, run
 from .test_zero3 import _close_to_one_process, _max_diff, _per_step
 
 STEPS = 4

@@ -24,8 +24,8 @@ from zero_offload.estimate.tiered import Homes, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.weights.nvme_home import home_ring_bytes, weight_file_bytes
 
-from ._zero3 import one_process, run
-from ._zero3_nvme import DISK, nvme_corrupted, nvme_full, nvme_pools, nvme_train
+from .helpers.zero3 import one_process, run
+from .helpers.zero3_nvme import DISK, nvme_corrupted, nvme_full, nvme_pools, nvme_train
 from .test_zero3 import DTYPES, _close_to_one_process, _max_diff
 
 STEPS = 3

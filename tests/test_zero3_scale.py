@@ -37,13 +37,13 @@ from zero_offload.memory.align import aligned
 from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 from zero_offload.partition import SLOT_ALIGN_NUMEL
 
-from ._zero3 import one_process, run
+from .helpers.zero3 import one_process, run
 
 WORLD = 8
 STEPS = 3
 LAYERS = 2
 PREFETCH = 1
-LR = 1e-3  # tests/_zero3.py make_opt
+LR = 1e-3  # tests/helpers/zero3.py make_opt
 FP32_ATOL = 1e-5  # test_zero3.py; the module docstring derives it for 8 ranks
 
 

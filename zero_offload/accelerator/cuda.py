@@ -278,7 +278,7 @@ def check_device_free(nbytes: int, *, free: int, cached_unused: int, what: str) 
 # activation autograd drops after packing. Library buffers (pool buffers, and every tensor
 # viewing them, such as a reloaded activation over its own storage slice of a pool buffer,
 # whose storage pointer is *inside* the buffer) stay allocated until their own events
-# complete (Note [block reuse waits on events] in memory/in_flight_blocks.py). So they are
+# complete (Note [block reuse waits on events] in memory/pending_blocks.py). So they are
 # recognised by address range, not by the storage's start: ``record_stream`` on a pointer
 # inside an allocation asserts under ``backend:cudaMallocAsync`` ("ptr not found"), and
 # with the native allocator would only delay the whole pool buffer's eventual free.

@@ -55,7 +55,7 @@ device would misbehave. See Note [every library thread binds its device].
 Block reuse (CUDA's caching-allocator semantics) needs no extra machinery: with compute
 events pending, a block freed with one stays in flight until a stream waits for it or the
 host synchronises, and the race checker (``check_races``) sees which of the two happened
-(Note [block reuse waits on events] in ``memory/in_flight_blocks.py``).
+(Note [block reuse waits on events] in ``memory/pending_blocks.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Note [reloads never block the CPU]
 A device block freed by a dead reloaded tensor carries a compute event that, on a GPU, is
 pending long after the CPU moved on. Reloads allocate with ``stream=h2d`` (the stream that
 fills the block first), so such bytes are reused stream-ordered: ``h2d`` waits for the
-event, the CPU does not (Note [block reuse waits on events] in memory/in_flight_blocks.py).
+event, the CPU does not (Note [block reuse waits on events] in memory/pending_blocks.py).
 A prefetch allocates with ``wait=False``: when nothing fits without a host wait it is
 skipped (``prefetch_skipped``) and the tensor comes as a demand load when backward needs
 it; only a demand load may wait on the host, as the pool's last resort.
@@ -69,8 +69,8 @@ from ..accelerator import Accelerator, Event
 from ..config import format_bytes
 from ..errors import PoolExhausted
 from ..memory.block import Block
-from ..memory.in_flight_blocks import synchronize_completed
 from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.pending_blocks import synchronize_completed
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..tracing import phase
@@ -351,7 +351,7 @@ class ActivationOffloader:
 
     def _settle_out_locked(self, record: OffloadedActivation) -> None:
         """ON_HOST if the copy out is done, the host seeing it so (Note [a completed event
-        is synchronized] in memory/in_flight_blocks.py); LANDING until then. Never blocks."""
+        is synchronized] in memory/pending_blocks.py); LANDING until then. Never blocks."""
         if record.out_event.query():
             synchronize_completed(record.out_event)
             record.state = ActivationState.ON_HOST

@@ -3,7 +3,7 @@
 A block is a handle, not a tensor: the pool may move its bytes (``BlockPool.defragment``),
 so owners take views through ``Block.view`` and re-take them in an ``on_move`` callback.
 See Note [views pin unregistered blocks] in ``pool.py`` and Note [block reuse waits on
-events] in ``in_flight_blocks.py``.
+events] in ``pending_blocks.py``.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Block:
     def record_event(self, event: Event) -> None:
         """Record a pending copy touching this block; reuse waits for it.
 
-        See Note [block reuse waits on events] in in_flight_blocks.py.
+        See Note [block reuse waits on events] in pending_blocks.py.
         """
         self.pool._record_event(self, event)
 

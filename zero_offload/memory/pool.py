@@ -11,10 +11,10 @@ Offload lives or dies by its buffers. A pool makes four failures impossible by c
   ``alloc`` defragments (compacts live blocks) and retries before giving up.
 
 Freed blocks whose copies are still pending wait in ``InFlightBlocks``: see Note [block
-reuse waits on events] in ``in_flight_blocks.py``.
+reuse waits on events] in ``pending_blocks.py``.
 
 A pool dropped without ``close()`` releases its buffer only after its copies: Note [a pool
-outlives its copies] in ``inflight.py``.
+outlives its copies] in ``buffer_lifetime.py``.
 
 Note [views pin unregistered blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -42,10 +42,9 @@ from ..accelerator import Accelerator, Event, Stream
 from ..config import format_bytes
 from ..errors import PoolExhausted
 from .block import Block, BlockState, MoveCallback, view_shape
+from .buffer_lifetime import BufferLifetime, pruned
 from .freelist import FreeList, check_align, check_pool_args
 from .host_ram import check_host_ram
-from .in_flight_blocks import InFlightBlocks, name_range, pending_events, still_pending
-from .inflight import BufferLifetime, pruned
 from .moves import (
     Scratch,
     device_scratch,
@@ -56,6 +55,7 @@ from .moves import (
     refuse_inside_backward,
     staging_bytes,
 )
+from .pending_blocks import InFlightBlocks, name_range, pending_events, still_pending
 
 __all__ = [
     "Block",

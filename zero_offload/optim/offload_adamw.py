@@ -47,7 +47,7 @@ from .grads.lifecycle import GradState
 from .lifetime import Resources
 from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
 from .reports.live import OptimizerState
-from .reports.summary import Placement, placement_line, placement_of
+from .reports.summary import PlacementReport, placement_line, placement_of
 from .router import BackwardRouter
 from .rule.adamw import AdamHyper
 from .torch_clipping import refuse_plain_trainer
@@ -296,7 +296,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     @property
-    def placement(self) -> Placement:
+    def placement(self) -> PlacementReport:
         """Where the optimizer state is: bytes per tier, pinned host bytes, the budget."""
         return placement_of(self.buckets, self.manager, self.accelerator)
 

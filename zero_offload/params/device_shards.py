@@ -59,7 +59,7 @@ from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout
 from .sharded_fetch import ShardedParamOffloader, ShardedParamUnit, ShardedWindowedViews
 from .unit import ParamUnit
-from .views import WindowedViews
+from .windowed_views import WindowedViews
 
 __all__ = ["DeviceHomes", "DeviceShardOffloader", "DeviceShardUnit", "DeviceShardViews"]
 

@@ -46,7 +46,7 @@ from ..memory.traffic import Category, Direction
 from .window import Slot
 
 if TYPE_CHECKING:
-    from .views import WindowedViews
+    from .windowed_views import WindowedViews
 
 __all__ = ["Bounce", "PendingFetch", "bounce_bytes"]
 

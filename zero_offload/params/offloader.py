@@ -47,7 +47,7 @@ device as the parameters say; ``.to(device)`` them where device tensors are need
 through an entry reaches the home, which the optimizer reconciles by value at its next step;
 the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
 gives the parameters themselves, as in torch. Each entry owns a storage of exactly its
-parameter's bytes (Note [a state dict entry owns a storage of its bytes] in ``views.py``), so
+parameter's bytes (Note [a state dict entry owns a storage of its bytes] in ``windowed_views.py``), so
 ``torch.save`` writes the weights, not the pool. A home on NVMe (Note [homes on NVMe] in
 ``optim/state/nvme_plan.py``) cannot be viewed: its entries are private copies read from
 disk (what a saved checkpoint needs, as FSDP's full state dict gives), and a write to such a
@@ -88,8 +88,8 @@ from .home_store import Bounce, bounce_bytes
 from .hook_ref import Hook as _Hook  # the old name: models pickled with it still load
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
-from .views import WindowedViews
 from .window import Window, plan_slots
+from .windowed_views import WindowedViews
 
 __all__ = ["ParamOffloader", "Phase"]
 

@@ -34,7 +34,7 @@ slot may hold another unit); ``copy.deepcopy`` fetches and clones.
 set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns its
 weights in its home (Note [state dict entries are views of the homes] in ``offloader.py``),
 in a storage of exactly their bytes (Note [a state dict entry owns a storage of its bytes]
-in ``views.py``).
+in ``windowed_views.py``).
 
 A placeholder has all-zero strides (it is made from one element whose storage is then
 resized to 0, so making it allocates nothing worth counting and the storage never holds the

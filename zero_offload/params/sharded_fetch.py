@@ -98,7 +98,7 @@ from ..tracing import phase
 from .offloader import ParamOffloader, Phase
 from .released import restore
 from .unit import ParamUnit
-from .views import WindowedViews
+from .windowed_views import WindowedViews
 
 __all__ = ["ShardedParamOffloader", "ShardedParamUnit", "ShardedWindowedViews", "SlotGather"]
 

@@ -68,8 +68,8 @@ from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Direction
 from .home_store import Bounce, PendingFetch
 from .units import UnitSpec
-from .views import WindowedViews
 from .window import Slot
+from .windowed_views import WindowedViews
 
 __all__ = ["Gatherer", "ParamUnit", "UnitState"]
 

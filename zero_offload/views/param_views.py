@@ -377,7 +377,7 @@ class ParamViews:
     ) -> Event | None:
         """Queue the copy of updated training-dtype weights ``source`` (pinned host) into
         ``weights_dev[lo:hi]``; its end event, or None when nothing had to move (the source
-        is the weights' home, ``zero_offload.params.views.WindowedViews``)."""
+        is the weights' home, ``zero_offload.params.windowed_views.WindowedViews``)."""
         return manager.copy(
             self.weights_dev[lo:hi],
             source,

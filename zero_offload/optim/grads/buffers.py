@@ -89,7 +89,7 @@ class GradBuffers:
         ``grow`` and none has room). Raises ``PoolExhausted`` otherwise."""
         # The compute stream fills the buffer first: its reuse waits there, not on the CPU
         # (stream-ordered reuse, Note [block reuse waits on events] in
-        # memory/in_flight_blocks.py).
+        # memory/pending_blocks.py).
         stream = self.manager.accelerator.current_stream()
         try:
             return pool.alloc(nbytes, owner=owner, stream=stream)

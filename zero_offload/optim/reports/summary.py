@@ -19,11 +19,11 @@ from ...config import format_bytes
 from ...memory.manager import TieredMemoryManager
 from ..flat_bucket import FlatBucket
 
-__all__ = ["Placement", "placement_line", "placement_of"]
+__all__ = ["PlacementReport", "placement_line", "placement_of"]
 
 
 @dataclass(frozen=True)
-class Placement:
+class PlacementReport:
     """Bytes of optimizer state (fp32 master and moments) per tier on this rank, and the
     memory the optimizer holds for it."""
 
@@ -40,8 +40,8 @@ class Placement:
 
 def placement_of(
     buckets: Sequence[FlatBucket], manager: TieredMemoryManager, accelerator: Accelerator
-) -> Placement:
-    """The figures of ``Placement`` for ``buckets`` and the pools of ``manager``."""
+) -> PlacementReport:
+    """The figures of ``PlacementReport`` for ``buckets`` and the pools of ``manager``."""
     per_tier = {"device": 0, "host": 0, "nvme": 0}
     parameters = 0
     for bucket in buckets:
@@ -53,7 +53,7 @@ def placement_of(
     for pool in manager.pools:
         pools[pool.kind] = pools.get(pool.kind, 0) + pool.capacity
     ledger = accelerator.memory_stats()
-    return Placement(
+    return PlacementReport(
         device=per_tier["device"],
         host=per_tier["host"],
         nvme=per_tier["nvme"],
@@ -66,7 +66,7 @@ def placement_of(
     )
 
 
-def placement_line(name: str, placement: Placement, device: str) -> str:
+def placement_line(name: str, placement: PlacementReport, device: str) -> str:
     """One line: ``name`` and where its state went; see the Note above."""
     p = placement
     return (

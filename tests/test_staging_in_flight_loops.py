@@ -1,5 +1,5 @@
-"""Review of OffloadConfig(grad_staging="in_flight") (Note [gradient staging for the buckets in
-flight] in optim/grads/staging_ring.py): the loops around a step that reuse, discard or
+"""OffloadConfig(grad_staging="in_flight") in the loops users write (Note [gradient staging
+for the buckets in flight] in optim/grads/staging_ring.py): the loops around a step that reuse, discard or
 re-read a ring slot, each against per-bucket staging, bitwise, under the race checker.
 
 The ring's optimizer announces each step (the step runs during backward); per-bucket staging
@@ -22,7 +22,7 @@ from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.memory.traffic import Category
 from zero_offload.optim.grads.staging_ring import SlotState
 
-from ._models import batches, lm_loss, make_pair, offload_opt
+from .helpers.models import batches, lm_loss, make_pair, offload_opt
 from .test_param_offload import SEQ, VOCAB, assert_same, gpt
 from .test_staging_in_flight import IN_FLIGHT, _accelerator, _po_opt, _ring
 

@@ -25,8 +25,8 @@ from zero_offload.activations import checkpoint as offload_checkpoint
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.params import ShardedParamOffloader
 
-from ._dist import free_port, join_gloo
-from ._models import host_accelerator
+from .dist import free_port, join_gloo
+from .models import host_accelerator
 
 VOCAB, SEQ = 64, 16
 #: Global batch: 6 sequences, so 2 and 3 ranks get equal shares.

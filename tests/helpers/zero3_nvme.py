@@ -21,8 +21,8 @@ from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.state.nvme_weights import NvmeHomeState
 
-from ._models import host_accelerator
-from ._zero3 import batches, gpt, make_opt, rank_loss, share
+from .models import host_accelerator
+from .zero3 import batches, gpt, make_opt, rank_loss, share
 
 #: The disk traffic a step is measured by: (direction, category) -> a short name.
 DISK = {

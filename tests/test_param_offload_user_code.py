@@ -182,7 +182,7 @@ def test_trainer_resumes_a_parameter_offload_run(tmp_path):
     """OffloadTrainer's resume loads the model's weights (bringing units back), then the
     optimizer: that load raised 'weights read off-home (bug)'."""
     pytest.importorskip("transformers")
-    from ._hf import offload_config, offload_trainer, tiny_gpt2, training_args, weights
+    from .helpers.hf import offload_config, offload_trainer, tiny_gpt2, training_args, weights
 
     config = offload_config(offload_parameters=True)
     args = training_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)

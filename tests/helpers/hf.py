@@ -14,8 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.integrations.transformers import OffloadTrainer
 
-from ._dist import free_port
-from ._models import host_accelerator
+from .dist import free_port
+from .models import host_accelerator
 
 VOCAB = 64
 SEQ = 16

@@ -28,7 +28,7 @@ from zero_offload.checkpoint_io import (
 )
 from zero_offload.collectives import make_comm, reduce_scatter_avg
 
-from ._models import batches, host_accelerator, lm_loss, make_pair, offload_opt
+from .models import batches, host_accelerator, lm_loss, make_pair, offload_opt
 
 #: Global batch of every multi-rank test: 6 sequences, so 2 and 3 ranks get equal shares.
 GLOBAL_BATCH = 6

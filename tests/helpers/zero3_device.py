@@ -1,7 +1,7 @@
 """Spawned gloo ranks for tests/test_zero3_device.py: ZeRO-3 with the shards on the device
 (``OffloadConfig(partition_parameters=True)`` on several ranks) and ZeRO-3 with parameter
 offload (``offload_parameters=True``) on the same ranks, and one process, on the same
-global batch (tests/_zero3.py's model, batches and shares).
+global batch (tests/helpers/zero3.py's model, batches and shares).
 
 ``run(world, scenario, out, **kwargs)`` starts ``world`` ranks, each runs
 ``SCENARIOS[scenario]``; the results come back in rank order.
@@ -21,9 +21,9 @@ import torch.multiprocessing as mp
 from zero_offload import OffloadAdamW, OffloadConfig, profile
 from zero_offload.memory.traffic import Category, Direction
 
-from ._dist import free_port, join_gloo
-from ._models import host_accelerator
-from ._zero3 import HANG_SECONDS, batches, gpt, pool_capacity, share
+from .dist import free_port, join_gloo
+from .models import host_accelerator
+from .zero3 import HANG_SECONDS, batches, gpt, pool_capacity, share
 
 #: Device budget of each rank (the host accelerator's ledger counts the library's bytes).
 BUDGET = "256MiB"

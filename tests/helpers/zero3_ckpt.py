@@ -1,7 +1,7 @@
 """Spawned gloo ranks for tests/test_zero3_checkpoints.py: checkpoints saved under ZeRO-3
 (parameter offload on several ranks), stage 2 and one process, loaded into each other.
 
-Every run trains the same tiny GPT on the same global batches (tests/_zero3.py), saves at
+Every run trains the same tiny GPT on the same global batches (tests/helpers/zero3.py), saves at
 step ``SAVED_AT`` and goes on to ``STEPS``; a resume builds a fresh model and optimizer
 (their weights zeroed, so nothing of the fresh build survives a load that works), loads
 a checkpoint and trains the same remaining steps. ``run(world, out)`` runs every scenario
@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from zero_offload import hf_export, load_pretrained, save_pretrained
 from zero_offload.checkpoint_io import load_consolidated, save_consolidated
 
-from ._dist import free_port, join_gloo
-from ._zero3 import HANG_SECONDS, batches, gpt, make_opt, share
+from .dist import free_port, join_gloo
+from .zero3 import HANG_SECONDS, batches, gpt, make_opt, share
 
 LAYERS = 2
 FP32 = torch.float32
@@ -120,9 +120,9 @@ def export(out: Path, rank: int, world: int) -> dict:
     """A tiny GPT-2 trained under ZeRO-3, exported by ``save_pretrained`` from the sharded
     homes (collective), then loaded back by ``load_pretrained`` on meta and by a normal
     load under ZeRO-3, and trained the same steps by both."""
-    from .test_build_anywhere import batches as token_batches
-    from .test_build_anywhere import make_opt as make_hf_opt
-    from .test_build_anywhere import on_meta, saved
+    from ..test_build_anywhere import batches as token_batches
+    from ..test_build_anywhere import make_opt as make_hf_opt
+    from ..test_build_anywhere import on_meta, saved
 
     source = saved(out, sharded=False) if rank == 0 else out / "single"
     dist.barrier()  # rank 0 wrote the source checkpoint

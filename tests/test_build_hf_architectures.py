@@ -1,4 +1,4 @@
-"""Review of building from anywhere and exporting back: what users do with real Hugging Face
+"""Building from anywhere and exporting back, as users do it with real Hugging Face
 architectures (Llama with tied embeddings under ``accelerate.init_empty_weights``, BERT's and
 Llama's non-persistent buffers under ``torch.device("meta")``) and an export into a directory
 that already holds one, failing half-way."""
@@ -17,7 +17,7 @@ from zero_offload import OffloadAdamW, fileio, load_pretrained, save_pretrained
 from zero_offload.errors import StorageFull
 from zero_offload.weights import has_source
 
-from ._models import host_accelerator
+from .helpers.models import host_accelerator
 from .test_build_anywhere import batches, make_opt, on_meta, saved
 
 
