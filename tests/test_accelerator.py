@@ -34,10 +34,18 @@ def _delay(kind: str, seconds: float) -> None:
         time.sleep(seconds)
 
 
+def _after_current(acc, stream) -> None:
+    """``stream`` waits for the work queued on the current stream so far: a tensor made
+    there (``torch.zeros``) and written from ``stream`` races without it, which CUDA's
+    sanitizer reports (issue 36)."""
+    stream.wait_event(acc.current_stream().record_event())
+
+
 def test_work_on_one_stream_runs_in_submission_order(accel_kind: str) -> None:
     acc = make_accelerator(accel_kind)
     stream = acc.new_stream("s")
     x = torch.zeros(1, device=acc.device)
+    _after_current(acc, stream)  # x was zeroed on the current stream
     # ((0 + 1) * 3 - 2) * 5 = 5; any reordering gives another number.
     stream.submit(lambda: _delay(accel_kind, 0.05))
     stream.submit(lambda: x.add_(1))
@@ -63,6 +71,7 @@ def test_stream_waits_on_another_streams_event(accel_kind: str) -> None:
     producer, consumer = acc.new_stream("producer"), acc.new_stream("consumer")
     src = torch.zeros(1000, device=acc.device)
     dst = torch.empty_like(src)
+    _after_current(acc, producer)  # src was zeroed on the current stream
     producer.submit(lambda: _delay(accel_kind, 0.1))
     producer.submit(lambda: src.fill_(7))
     ready = producer.record_event()
@@ -77,6 +86,7 @@ def test_accelerator_synchronize_waits_for_all_streams(accel_kind: str) -> None:
     streams = [acc.new_stream(f"s{i}") for i in range(3)]
     values = torch.zeros(3, device=acc.device)
     for i, stream in enumerate(streams):
+        _after_current(acc, stream)  # values was zeroed on the current stream
         stream.submit(lambda: _delay(accel_kind, 0.05))
         stream.submit(lambda i=i: values[i].fill_(i + 1))
     acc.synchronize()
