@@ -384,7 +384,8 @@ def wait_policy_report(
     said = f"{WAIT_ENV} is unset" if policy == "unset" else f"{WAIT_ENV}={policy}"
     why = (
         f"{said}: torch's OpenMP threads spin after each op and take the cores "
-        f"numba's CPU Adam needs (numba's own team is loaded PASSIVE); {fix}"
+        f"numba's CPU Adam needs (with torch's pip wheels numba's omp team runs in torch's "
+        f"OpenMP runtime, so the policy is both teams'); {fix}"
     )
     return WaitPolicy(policy, numba_layer, True, why)
 
