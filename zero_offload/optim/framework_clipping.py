@@ -47,12 +47,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from ..post_import import when_imported
-from .torch_clipping import optimizer_owner, owner_of, trainer_refusal
+from .torch_clipping import WRAPPED, optimizer_owner, owner_of, trainer_refusal
 
 __all__ = ["install"]
-
-_WRAPPED = "__zero_offload_guarded__"
 
 _NORM_INSTEAD = (
     "call opt.clip_grad_norm_(max_norm) between backward and step (or set "
@@ -73,7 +73,7 @@ def _wrap(cls: type, name: str, check: Callable[..., tuple[Any, ...] | None]) ->
     raises to refuse, or returns the arguments to call the original with (a generator of
     parameters is read once, by the check) or None to pass them on unchanged."""
     original = cls.__dict__.get(name)
-    if original is None or getattr(original, _WRAPPED, False):
+    if original is None or getattr(original, WRAPPED, False):
         return
 
     @functools.wraps(original)
@@ -83,7 +83,7 @@ def _wrap(cls: type, name: str, check: Callable[..., tuple[Any, ...] | None]) ->
             args = replaced
         return original(self, *args, **kwargs)
 
-    setattr(guarded, _WRAPPED, True)
+    setattr(guarded, WRAPPED, True)
     setattr(cls, name, guarded)
 
 
@@ -91,32 +91,25 @@ def _wrap(cls: type, name: str, check: Callable[..., tuple[Any, ...] | None]) ->
 
 
 def _accelerate(module: ModuleType) -> None:
-    cls = module.Accelerator
     ours = "Use zero_offload.integrations.accelerate.OffloadAccelerator in place of Accelerator"
 
-    def norm(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        params = [parameters] if hasattr(parameters, "data_ptr") else list(parameters)
-        owner = owner_of(params)
-        if owner is not None:
-            raise _refusal(
-                "Accelerator.clip_grad_norm_", owner, f"{ours}: it clips inside the optimizer"
-            )
-        return (params, *args)
+    def check(entry: str, instead: str) -> Callable[..., tuple[Any, ...]]:
+        def parameters_check(self: Any, parameters: Any, *args: Any, **kwargs: Any):
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            owner = owner_of(params)
+            if owner is not None:
+                raise _refusal(f"Accelerator.{entry}", owner, instead)
+            return (params, *args)
 
-    def value(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        params = [parameters] if hasattr(parameters, "data_ptr") else list(parameters)
-        owner = owner_of(params)
-        if owner is not None:
-            raise _refusal(
-                "Accelerator.clip_grad_value_",
-                owner,
-                "It clips by the global norm only: accelerator.clip_grad_norm_ under "
-                f"OffloadAccelerator, or {_NORM_INSTEAD}",
-            )
-        return (params, *args)
+        return parameters_check
 
-    _wrap(cls, "clip_grad_norm_", norm)
-    _wrap(cls, "clip_grad_value_", value)
+    norm = f"{ours}: it clips inside the optimizer"
+    value = (
+        "It clips by the global norm only: accelerator.clip_grad_norm_ under "
+        f"OffloadAccelerator, or {_NORM_INSTEAD}"
+    )
+    _wrap(module.Accelerator, "clip_grad_norm_", check("clip_grad_norm_", norm))
+    _wrap(module.Accelerator, "clip_grad_value_", check("clip_grad_value_", value))
 
 
 # -- transformers ----------------------------------------------------------------------

@@ -519,10 +519,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._policy.mode.drain()
         # An announced step that ran is superseded by the loaded state; the window's
         # gradients stay, and the next step() steps from what was loaded.
-        self._policy.supersede_eager()
-        loaded = load_optimizer_state(
-            self.buckets, self.param_groups, state_dict, comm=self.comm, scaler=self.scaler
-        )
+        with self._policy.superseding_eager():
+            loaded = load_optimizer_state(
+                self.buckets, self.param_groups, state_dict, comm=self.comm, scaler=self.scaler
+            )
         self._policy.drop_eager()
         self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
 

@@ -41,9 +41,17 @@ import torch.nn.utils.clip_grad as _clip_module
 from .checks import plain_trainer_calling
 from .lifetime import OWNERS
 
-__all__ = ["install", "optimizer_owner", "owner_of", "refuse_plain_trainer", "trainer_refusal"]
+__all__ = [
+    "WRAPPED",
+    "install",
+    "optimizer_owner",
+    "owner_of",
+    "refuse_plain_trainer",
+    "trainer_refusal",
+]
 
-_WRAPPED = "__zero_offload_guarded__"
+#: Marks a function this package wrapped with a clipping guard (so it is wrapped once).
+WRAPPED = "__zero_offload_guarded__"
 
 
 def owner_of(parameters: Iterable[Any]) -> object | None:
@@ -104,7 +112,7 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
             )
         return fn(passed, *args, **kwargs)
 
-    setattr(guarded, _WRAPPED, True)
+    setattr(guarded, WRAPPED, True)
     return guarded
 
 
@@ -118,7 +126,7 @@ _GUARDED: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    return fn if getattr(fn, _WRAPPED, False) else _guard(fn, name=name)
+    return fn if getattr(fn, WRAPPED, False) else _guard(fn, name=name)
 
 
 def install() -> None:

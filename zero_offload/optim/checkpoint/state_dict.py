@@ -266,12 +266,13 @@ def load_optimizer_state(
         # never stepped) come from the model's weights (Note [weights written outside the
         # optimizer] in views/param_views.py).
         bucket.store.reconcile_master()
-    missing_master: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
+    # Slots whose loaded weights win: no master in the state, or written before the save.
+    weights_win: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
     for index, (bucket, i) in slots.items():
         _, _, views = bucket.state_views(i)
         entry = staged.get(index)
         if entry is None or "master" not in entry:
-            missing_master[bucket.layout.index].add(i)
+            weights_win[bucket.layout.index].add(i)
         if entry is None:
             for name, view in views.items():
                 if name != "master":
@@ -284,11 +285,11 @@ def load_optimizer_state(
         bucket.steps[i] = entry["step"]
     for index in written:
         bucket, i = slots[index]
-        missing_master[bucket.layout.index].add(i)
+        weights_win[bucket.layout.index].add(i)
     for bucket in buckets:
         # Note [a loaded state claims no weights]
         bucket.views.forget()
-        bucket.views.masters_from_weights = frozenset(missing_master[bucket.layout.index])
+        bucket.views.masters_from_weights = frozenset(weights_win[bucket.layout.index])
     for saved, group in zip(saved_groups, param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":

@@ -145,6 +145,18 @@ def interrupted(
     return True
 
 
+def _written(bucket: FlatBucket, *, trust_weights: bool) -> list[torch.Tensor]:
+    """``bucket``'s parameters written since the last step, whose weights win over a
+    pending update: those with new values, and of those, with ``trust_weights`` (a loaded
+    checkpoint's update), only the ones it names (``ParamViews.masters_from_weights``)."""
+    views = bucket.views
+    changed = views.changed_params()
+    if trust_weights:
+        named = {id(views.params[i]) for i in views.masters_from_weights}
+        changed = [p for p in changed if id(p) in named]
+    return changed
+
+
 class UpdateMode(ABC):
     """When an update's weights reach the device."""
 
@@ -177,25 +189,15 @@ class UpdateMode(ABC):
 
     def saved_pending(self, buckets: Sequence[FlatBucket]) -> dict[str, Any]:
         """What a checkpoint records of a pending update: ``pending_update``, and
-        ``written``, the parameters written since the last step (Note [delayed parameter
-        update])."""
-        return {"pending_update": self.pending, "written": self.written_since_step(buckets)}
-
-    def written_since_step(self, buckets: Sequence[FlatBucket]) -> list[int]:
-        """The parameters (``ParamSlot.index``) written since the last step while an update
-        is pending, which a checkpoint records so that they keep what was written on resume
-        (Note [delayed parameter update]); empty when nothing is pending."""
-        if not self.pending:
-            return []
-        out: list[int] = []
-        for bucket in buckets:
-            views = bucket.views
-            changed = {id(p) for p in views.changed_params()}
-            if self._resumed:  # not stepped since the load: the checkpoint's own names
-                changed &= {id(views.params[i]) for i in views.masters_from_weights}
-            slots = zip(bucket.layout.slots, views.params, strict=True)
-            out.extend(slot.index for slot, param in slots if id(param) in changed)
-        return sorted(out)
+        ``written``, the parameters (``ParamSlot.index``) written since the last step, which
+        keep what was written on resume (Note [delayed parameter update])."""
+        written: list[int] = []
+        if self.pending:
+            for bucket in buckets:
+                ours = {id(p) for p in _written(bucket, trust_weights=self._resumed)}
+                slots = zip(bucket.layout.slots, bucket.views.params, strict=True)
+                written.extend(slot.index for slot, param in slots if id(param) in ours)
+        return {"pending_update": self.pending, "written": sorted(written)}
 
     def _publish_pending(self, buckets: Sequence[FlatBucket], *, trust_weights: bool) -> None:
         """Publish the pending update's weights; parameters written since the last step keep
@@ -214,14 +216,10 @@ class UpdateMode(ABC):
         # loaded are the truth, whichever of the model and the optimizer loaded first.
         written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for bucket in buckets:
-            views = bucket.views
-            changed = views.changed_params()
-            if trust_weights:
-                ours = {id(views.params[i]) for i in views.masters_from_weights}
-                changed = [p for p in changed if id(p) in ours]
+            changed = _written(bucket, trust_weights=trust_weights)
             if changed:
                 written.append((bucket, [(p, p.detach().clone()) for p in changed]))
-            views.masters_from_weights = frozenset()
+            bucket.views.masters_from_weights = frozenset()
             published = bucket.publish()
             events.extend(published)
             gathers.append(self._gather(bucket, published)[1])
@@ -344,7 +342,7 @@ class ImmediateUpdate(UpdateMode):
 # never changes training; the dict records that an update was pending, and loading it makes
 # the next step publish from the master, in either update mode, except for the parameters
 # the dict had no master for and those written between the last step and the save (it
-# records them: ``UpdateMode.written_since_step``). Together they are
+# records them: ``UpdateMode.saved_pending``). Together they are
 # ``ParamViews.masters_from_weights``: the weights loaded into those before that step win,
 # so both load orders resume as the uninterrupted run goes on. "Written" means new values,
 # not a moved version counter (Note [weights written outside the optimizer] in

@@ -24,9 +24,10 @@ offloaded buckets only, an immediate update, no parameter offload.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,6 @@ class StepPolicy:
         # scale] in loss_scaler.py.
         self.scaler: LossScaler = NoLossScaler()
         self.eager: EagerStep | None = None
-        self._eager_superseded = False  # a load replaces an announced step that ran
         self._eager_warned = False
         self.last_eager_share: float | None = None
         self._clip: tuple[float, int] | None = None
@@ -392,20 +392,21 @@ class StepPolicy:
             self.skipped_steps = skipped_steps
         self._stats_cache = None
         self.mode.loaded(self.buckets, pending=pending)
-        if self._eager_superseded:  # see supersede_eager
-            self._eager_superseded = False
-            for bucket in self.buckets:
-                bucket.views.remember()
 
-    def supersede_eager(self) -> None:
-        """A state is loaded over an announced step that ran: its weight copies land, and
-        the weights they wrote stay the optimizer's own (``loaded`` stamps them), so the
-        loaded master replaces them at the next step. A write into the model between that
-        backward and the load may have met those copies in flight: the loaded master wins
-        there (Note [a loaded state claims no weights] in ``checkpoint/state_dict.py``)."""
+    @contextlib.contextmanager
+    def superseding_eager(self) -> Iterator[None]:
+        """Around a load: an announced step that ran is superseded by the loaded state. Its
+        weight copies land first, and once the load succeeded the weights they wrote are
+        stamped as the optimizer's own, so the loaded master replaces them at the next
+        step. A write into the model between that backward and the load may have met those
+        copies in flight: the loaded master wins there (Note [a loaded state claims no
+        weights] in ``checkpoint/state_dict.py``). Without an announced step, the body only."""
         if self.eager is None:
+            yield
             return
         self.manager.host_worker.synchronize()
         events = [event for bucket in self.buckets for event in bucket.publish()]
         self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
-        self._eager_superseded = True
+        yield
+        for bucket in self.buckets:
+            bucket.views.remember()
