@@ -26,7 +26,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
    pools, what the optimizer asks of its ranks.
 1. ``grads``, ``publish``: a bucket's gradients from hook to host; the weight copies of an
    update.
-2. ``rule``: the optimizer's rule, its hyper-parameters and its tile loop.
+2. ``rule``: the optimizer's rule (what it keeps, how it steps, its hyper-parameters) and
+   the host tile loop every rule shares.
 3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
 4. ``flat_bucket``: one bucket, a gradient path and a state store composed.
 5. ``checks``, ``router``, ``reports``: checks on the caller's input; the backward's routing
@@ -36,7 +37,9 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 8. ``lifetime``: which optimizer owns which parameter, and closing.
 9. ``construction``, ``torch_clipping``, ``framework_clipping``: building the buckets; the
    clipping guards.
-10. ``offload_adamw`` and ``optim``'s ``__init__``: the public optimizer.
+10. ``offload_optimizer``: the public optimizer's machinery, for any rule.
+11. ``offload_adamw`` and ``optim``'s ``__init__``: the rules' facades (torch-style
+    constructors), the public names.
 
 Cycles are looked for among every import: module level, under ``if TYPE_CHECKING:``, and
 deferred into a function (a cycle there is a cycle in the design even if Python never runs
@@ -101,8 +104,9 @@ OPTIM_FLOORS: dict[str, int] = {
     "construction": 9,
     "torch_clipping": 9,
     "framework_clipping": 9,
-    "offload_adamw": 10,
-    "": 10,  # zero_offload/optim/__init__.py
+    "offload_optimizer": 10,
+    "offload_adamw": 11,
+    "": 11,  # zero_offload/optim/__init__.py
 }
 # The one optim module through which optim reaches params (None: optim imports no params).
 OPTIM_PARAMS_SEAM_MAX = 1

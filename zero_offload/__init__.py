@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
     from .hf_export import save_pretrained
     from .memory.manager import TieredMemoryManager
-    from .optim import OffloadAdam, OffloadAdamW, StepFailed
+    from .optim import OffloadAdam, OffloadAdamW, OffloadOptimizer, StepFailed
     from .profiling import TrafficProfiler, profile
     from .weights import load_pretrained
 
@@ -58,6 +58,7 @@ _LAZY = {
     "TieredMemoryManager": ".memory.manager",
     "OffloadAdam": ".optim",
     "OffloadAdamW": ".optim",
+    "OffloadOptimizer": ".optim",
     "StepFailed": ".optim",
     "TrafficProfiler": ".profiling",
     "load_pretrained": ".weights",
@@ -80,6 +81,7 @@ __all__ = [
     "OffloadAdam",
     "OffloadAdamW",
     "OffloadConfig",
+    "OffloadOptimizer",
     "PoolExhausted",
     "StepFailed",
     "StreamError",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .collectives import Comm, Pending, wait_work
 from .errors import StorageFull
 from .fileio import save_torch
-from .optim import OffloadAdamW
+from .optim import OffloadOptimizer
 
 __all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save_consolidated"]
 
@@ -89,7 +89,7 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": shards[0]["param_groups"], "zero_offload": extra}
 
 
-def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any] | None:
+def consolidated_state_dict(opt: OffloadOptimizer, *, dst: int = 0) -> dict[str, Any] | None:
     """The one-rank layout of ``opt``'s state on rank ``dst`` of the optimizer's process
     group (``None`` on the others).
 
@@ -111,7 +111,7 @@ def consolidated_state_dict(opt: OffloadAdamW, *, dst: int = 0) -> dict[str, Any
     return merge_shards(gathered)
 
 
-def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: int = 0) -> None:
+def save_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str], *, dst: int = 0) -> None:
     """Write the consolidated state dict to ``path`` from rank ``dst``; every rank calls it
     and returns once the file is written (a barrier, so a following load sees it). A failed
     write leaves the previous file at ``path`` as it was."""
@@ -137,7 +137,7 @@ def save_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str], *, dst: i
         ) from failure
 
 
-def load_consolidated(opt: OffloadAdamW, path: str | os.PathLike[str]) -> None:
+def load_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str]) -> None:
     """Load a consolidated (or one-rank, or ``torch.optim.AdamW``) checkpoint on any world
     size; every rank reads ``path`` and keeps the pieces it owns."""
     state = torch.load(path, map_location="cpu", weights_only=True)

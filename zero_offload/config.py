@@ -269,7 +269,8 @@ class OffloadConfig:
             restored and stepped again with the right coefficient; bitwise the ordinary
             step either way. Default False.
         speculation_bytes: host bytes the backups of speculatively stepped buckets may use
-            at once (fp32 master and moments: 12 bytes per parameter, 16 with amsgrad);
+            at once (the fp32 master and the rule's state: 12 bytes per parameter for AdamW,
+            16 with its max-moment option);
             buckets beyond it are stepped in ``step()``. An int or a string such as
             ``"2GiB"``. Default ``"1GiB"``.
         moments_dtype: ``"float32"`` or ``"bfloat16"`` for the host Adam moments

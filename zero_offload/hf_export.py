@@ -57,7 +57,7 @@ from .checkpoint_io import cpu_group
 from .collectives import Comm
 from .config import parse_bytes
 from .fileio import atomic_file, make_private_dirs, write_text
-from .optim import OffloadAdamW
+from .optim import OffloadOptimizer
 from .weights.checkpoint import DTYPE_NAMES, INDEX_NAME, SINGLE_NAME, nbytes_of
 
 __all__ = ["save_pretrained"]
@@ -88,7 +88,7 @@ class _Entry:
         return nbytes_of(self.shape, self.dtype)
 
 
-def _trained(optimizer: OffloadAdamW) -> dict[int, Callable[[], torch.Tensor]]:
+def _trained(optimizer: OffloadOptimizer) -> dict[int, Callable[[], torch.Tensor]]:
     """How to read each trained parameter's weights where they are authoritative, by id:
     its slot of the bucket's device block, or with parameter offload its pinned home (where
     a released unit's parameters have no storage of their own), or a copy read from its
@@ -122,7 +122,7 @@ class _Masters:
     (``stream_fields``, from host RAM, NVMe or the device) when one of its parameters is
     asked for: one bucket's fp32 on the host, whatever the model."""
 
-    def __init__(self, optimizer: OffloadAdamW) -> None:
+    def __init__(self, optimizer: OffloadOptimizer) -> None:
         self._slot = {
             id(param): (bucket, slot)
             for bucket in optimizer.buckets
@@ -150,7 +150,7 @@ class _Masters:
 
 
 def _entries(
-    model: torch.nn.Module, optimizer: OffloadAdamW | None, *, master: bool
+    model: torch.nn.Module, optimizer: OffloadOptimizer | None, *, master: bool
 ) -> list[_Entry]:
     """The model's ``state_dict`` keys once each (a tied weight under its first name, as
     ``save_pretrained`` does), in ``state_dict`` order."""
@@ -247,7 +247,7 @@ def save_pretrained(
     model: torch.nn.Module,
     save_directory: str | os.PathLike[str],
     *,
-    optimizer: OffloadAdamW | None = None,
+    optimizer: OffloadOptimizer | None = None,
     max_shard_size: int | str = "5GB",
     master_weights: bool = False,
 ) -> list[Path]:
@@ -273,7 +273,7 @@ def save_pretrained(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, OffloadAdamW):
+    if optimizer is not None and not isinstance(optimizer, OffloadOptimizer):
         raise TypeError(
             f"optimizer must be the OffloadAdamW training the model, or None, got "
             f"{type(optimizer).__name__}"

@@ -5,8 +5,9 @@ the optimizer's pools does, on the first estimate.
 
 Accounting (per rank, ``P`` parameters, ``s`` bytes per element of the training dtype,
 ``N`` ranks), after the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): weights ``sP``,
-gradients ``sP``, and Adam state ``KP`` with ``K = 12`` in mixed precision (fp32 master,
-exp_avg, exp_avg_sq) and ``K = 8`` in fp32 (the weights are the master copy):
+gradients ``sP``, and optimizer state ``KP``, ``K`` from the optimizer's rule
+(``optim/rule/``): for AdamW ``K = 12`` in mixed precision (fp32 master, two moments) and
+``K = 8`` in fp32 (the weights are the master copy):
 
 - no offload (DDP): device ``(2s + K) P``;
 - ZeRO-1: device ``2sP + KP/N`` (optimizer state partitioned);

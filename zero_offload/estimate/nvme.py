@@ -17,7 +17,7 @@ and the spilled state fits the disk.
 Per bucket of this rank's shard ``k`` elements, training dtype ``s`` bytes, ``a(x)`` the
 pool alignment (512 B), records 4 KiB-aligned per tile:
 
-- state ``a(4k) + 2 a(4k)``: master, exp_avg, exp_avg_sq (fp32 moments);
+- state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32 (``rule_state``);
 - staging ``2 a(sk)``: gradient staging and weight staging (the H2D copies' source); with
   the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
 - record: the bucket's state file records, the state's bytes rounded up per tile;
@@ -81,7 +81,6 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
     ``plan_buckets`` and ``plan_nvme`` as the optimizer plans it, at the default
     ``tile_elements``: once with an unbounded host budget (the state in RAM), once with none
     (on NVMe)."""
-    import torch
 
     from ..config import OffloadConfig
     from ..memory.align import aligned
@@ -89,7 +88,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
     from ..weights.nvme_home import weight_file_bytes
-    from .pools import _full_offload
+    from .pools import _full_offload, rule_state
 
     layouts = plan_buckets(
         [[(0, (numel,))]],
@@ -106,8 +105,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
             placement,
             config=config,
             itemsize=itemsize,
-            moments_dtype=torch.float32,
-            amsgrad=False,
+            state=rule_state(),
             rank=0,
             alignment=POOL_ALIGNMENT,
         )
@@ -135,13 +133,13 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
 def io_buffer_bytes() -> int:
     """Host bytes of the NVMe tier's I/O buffers (one segment): ``IO_BUFFERS`` records of a
     whole tile, and one alignment page (``nvme_plan``)."""
-    import torch
 
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
     from ..optim.state.nvme_plan import RecordLayout
+    from .pools import rule_state
 
-    record = RecordLayout.make(OffloadConfig().tile_elements, torch.float32, False)
+    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state())
     return IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
 
 

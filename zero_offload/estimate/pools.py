@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .shape import ModelShape, Shape, Unit
 
 if TYPE_CHECKING:
+    from ..optim.rule.base import StateFields
     from ..optim.state.placement import Placement
     from ..partition import BucketLayout
 
@@ -50,21 +51,33 @@ def offload_adamw_bytes(
     return placement.device_weights, placement.device_grad_buffers, placement.host_state
 
 
+@functools.lru_cache(maxsize=8)
+def rule_state(rule: str = "adamw") -> StateFields:
+    """The state fields of optimizer ``rule`` with its default options, fp32 (the
+    optimizer's default ``moments_dtype``): what every offloaded row sizes, as the optimizer
+    asks its rule (Note [the rule is the only place that knows the optimizer])."""
+    import torch
+
+    from ..optim.rule import by_name
+
+    return by_name(rule).state_fields(torch.float32, ())
+
+
 def _full_offload(
     layouts: Sequence[BucketLayout],
     *,
     itemsize: int,
     weights_elsewhere: frozenset[int] = frozenset(),
 ) -> Placement:
-    """``plan_placement`` of ``layouts`` with everything offloaded, fp32 moments, no
-    budget."""
+    """``plan_placement`` of ``layouts`` with everything offloaded, AdamW's state in fp32
+    (``rule_state``), no budget."""
     from ..optim.state.placement import POOL_ALIGNMENT, plan_placement
 
     return plan_placement(
         layouts,
         itemsize=itemsize,
-        moment_size=4,
-        amsgrad=False,
+        state=rule_state(),
+        resident_state=rule_state(),
         offload_fraction=1.0,
         device_free=2**62,
         auto_headroom=0.0,

@@ -35,6 +35,7 @@ from .pools import (
     offload_adamw_bytes,
     offload_bytes_of_count,
     param_offload_bytes,
+    rule_state,
     shape_bucket_groups,
     shape_offload_bytes,
     unit_bucket_groups,
@@ -70,12 +71,16 @@ class Context:
     world_size: int
     ranks_per_node: int
     bucket_bytes: int
+    #: The optimizer rule whose state the rows size (``optim/rule/``).
+    rule: str = "adamw"
 
     @property
-    def adam_bytes(self) -> int:
-        """Adam state bytes per parameter (ZeRO paper's ``K``): fp32 master, exp_avg,
-        exp_avg_sq in mixed precision; the weights are the master copy in fp32."""
-        return 8 if self.itemsize == 4 else 12
+    def state_bytes(self) -> int:
+        """Optimizer state bytes per parameter (ZeRO paper's ``K``), from the rule: its
+        fields in fp32 (for AdamW the master and two moments, 12) in mixed precision; in
+        fp32 less the master, since the weights are the master copy (8)."""
+        fields = rule_state(self.rule)
+        return fields.bytes_per_element - (4 if self.itemsize == 4 else 0)
 
 
 @dataclass(frozen=True)
@@ -462,7 +467,7 @@ def model_state_bytes(stage: int, params: int, ctx: Context) -> int:
     """Device bytes of weights, gradients and Adam state per rank at ZeRO ``stage`` (0:
     DDP): ``(2s + K) P``, ``2sP + KP/N``, ``sP + (s + K)P/N``, ``(2s + K)P/N``, each
     partitioned part rounded up to whole bytes."""
-    s, k, n, p = ctx.itemsize, ctx.adam_bytes, ctx.world_size, params
+    s, k, n, p = ctx.itemsize, ctx.state_bytes, ctx.world_size, params
     return {
         0: (2 * s + k) * p,
         1: 2 * s * p + -(-k * p // n),

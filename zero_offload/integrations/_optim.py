@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from ..optim import OffloadAdamW
+from ..optim import OffloadOptimizer
 
 __all__ = [
     "NO_CLIP",
@@ -40,12 +40,12 @@ __all__ = [
 NO_CLIP = sys.float_info.max
 
 
-def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadAdamW:
+def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadOptimizer:
     """``optimizer`` itself, or the ``OffloadAdamW`` inside an accelerate wrapper."""
     inner = optimizer
-    while not isinstance(inner, OffloadAdamW) and hasattr(inner, "optimizer"):
+    while not isinstance(inner, OffloadOptimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer  # AcceleratedOptimizer and its subclasses
-    if not isinstance(inner, OffloadAdamW):
+    if not isinstance(inner, OffloadOptimizer):
         raise TypeError(
             f"{where} needs a zero_offload.OffloadAdamW optimizer, got "
             f"{type(optimizer).__name__}; build one over the model's parameters"
@@ -53,7 +53,7 @@ def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadAdamW:
     return inner
 
 
-def pre_clip_norm(opt: OffloadAdamW) -> torch.Tensor:
+def pre_clip_norm(opt: OffloadOptimizer) -> torch.Tensor:
     """The total gradient norm the next step will see, leaving its clipping unchanged.
 
     See Note [frameworks clip through the optimizer].
@@ -62,7 +62,7 @@ def pre_clip_norm(opt: OffloadAdamW) -> torch.Tensor:
     return opt.clip_grad_norm_(NO_CLIP if max_norm is None else max_norm)
 
 
-def clip_norm(opt: OffloadAdamW, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_norm(opt: OffloadOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` contract on ``opt``'s gradients: clip the next step to
     ``max_norm`` and return the pre-clip norm; ``max_norm=inf`` only reads the norm."""
     if isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0:
@@ -72,7 +72,7 @@ def clip_norm(opt: OffloadAdamW, max_norm: float, norm_type: float = 2.0) -> tor
     return opt.clip_grad_norm_(max_norm, norm_type)
 
 
-def parameters_sharded(opt: OffloadAdamW) -> bool:
+def parameters_sharded(opt: OffloadOptimizer) -> bool:
     """Whether reading ``opt``'s released parameters is collective: parameter offload on
     several ranks (ZeRO-3; Note [a sharded unit] in ``params/sharded_fetch.py``)."""
     return opt.param_offloader is not None and opt.comm is not None

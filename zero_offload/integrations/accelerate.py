@@ -45,7 +45,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from ..optim import OffloadAdamW
+from ..optim import OffloadAdamW, OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
 from ._optim import clip_norm, saveable
@@ -86,8 +86,8 @@ class OffloadAcceleratedOptimizer(AcceleratedOptimizer):
     ``Accelerator.optimizer_step_was_skipped`` hold the LR schedule back as with AMP.
     """
 
-    def __init__(self, optimizer: OffloadAdamW, scaler: Any = None) -> None:
-        if not isinstance(optimizer, OffloadAdamW):
+    def __init__(self, optimizer: OffloadOptimizer, scaler: Any = None) -> None:
+        if not isinstance(optimizer, OffloadOptimizer):
             raise TypeError(
                 "OffloadAcceleratedOptimizer wraps a zero_offload.OffloadAdamW, got "
                 f"{type(optimizer).__name__}; wrap other optimizers with accelerate's own "
@@ -168,7 +168,7 @@ class OffloadAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
         """``Accelerator.prepare``; an ``OffloadAdamW`` comes back as an
         ``OffloadAcceleratedOptimizer`` (Note [no state round trip at prepare])."""
-        self._offload_in_prepare = [arg for arg in args if isinstance(arg, OffloadAdamW)]
+        self._offload_in_prepare = [arg for arg in args if isinstance(arg, OffloadOptimizer)]
         try:
             return super().prepare(*args, device_placement=device_placement)
         finally:
@@ -179,7 +179,7 @@ class OffloadAccelerator(Accelerator):
     ) -> torch.optim.Optimizer:
         """``Accelerator.prepare_optimizer``; an ``OffloadAdamW`` is wrapped without moving
         its state, whatever ``device_placement`` says."""
-        if isinstance(optimizer, OffloadAdamW):
+        if isinstance(optimizer, OffloadOptimizer):
             optimizer = OffloadAcceleratedOptimizer(optimizer, scaler=self.scaler)
             # Listening from now on: the first offload_metrics() covers the first steps.
             self._offload_metrics[id(optimizer)] = (StepMetrics(optimizer.optimizer), 0)
@@ -288,7 +288,7 @@ class OffloadAccelerator(Accelerator):
             )
         super().clip_grad_value_(params, clip_value)
 
-    def _owner(self, params: list[torch.Tensor], *, what: str) -> OffloadAdamW | None:
+    def _owner(self, params: list[torch.Tensor], *, what: str) -> OffloadOptimizer | None:
         """The prepared ``OffloadAdamW`` whose trainable parameters are exactly the
         trainable ones in ``params`` (``None`` if none of them is an ``OffloadAdamW``'s)."""
         passed = {id(p) for p in params if p.requires_grad}
@@ -313,6 +313,6 @@ class OffloadAccelerator(Accelerator):
         return owners[0]
 
 
-def _params(opt: OffloadAdamW) -> list[torch.Tensor]:
+def _params(opt: OffloadOptimizer) -> list[torch.Tensor]:
     """The trainable parameters of ``opt`` (frozen ones get no host state)."""
     return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]

@@ -58,7 +58,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..checkpoint_io import consolidated_state_dict
-from ..optim import OffloadAdamW
+from ..optim import OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from .accelerate import FP16_AMP_MESSAGE
 
@@ -72,10 +72,10 @@ _VALUE_REFUSAL = (
 )
 
 
-def _offload_optimizer(optimizer: object) -> OffloadAdamW | None:
+def _offload_optimizer(optimizer: object) -> OffloadOptimizer | None:
     """``optimizer``, or the one behind Lightning's ``LightningOptimizer``, if it is ours."""
     inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer.optimizer
-    return inner if isinstance(inner, OffloadAdamW) else None
+    return inner if isinstance(inner, OffloadOptimizer) else None
 
 
 class OffloadLightningModule(pl.LightningModule):

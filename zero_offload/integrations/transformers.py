@@ -55,7 +55,7 @@ from ..accelerator import Accelerator as OffloadDevice
 from ..checkpoint_io import load_consolidated, save_consolidated
 from ..config import OffloadConfig
 from ..fileio import save_torch
-from ..optim import OffloadAdamW
+from ..optim import OffloadAdamW, OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
 from ._optim import find_offload_optimizer, parameters_sharded, pre_clip_norm, saveable
@@ -234,7 +234,7 @@ class OffloadTrainer(Trainer):
             self._offload_logged_step = self.state.global_step
         return self.optimizer
 
-    def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadAdamW:
+    def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadOptimizer:
         args = self.args
         decay = set(self.get_decay_parameter_names(model))
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -262,7 +262,7 @@ class OffloadTrainer(Trainer):
         )
 
     @property
-    def offload_optimizer(self) -> OffloadAdamW:
+    def offload_optimizer(self) -> OffloadOptimizer:
         """The ``OffloadAdamW`` behind ``self.optimizer`` (after ``create_optimizer``)."""
         if self.optimizer is None:
             raise RuntimeError(

@@ -2,10 +2,11 @@
 
 from .framework_clipping import install as _install_framework_guards
 from .offload_adamw import OffloadAdam, OffloadAdamW
+from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
 from .update.modes import StepFailed
 
-__all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
+__all__ = ["OffloadAdam", "OffloadAdamW", "OffloadOptimizer", "StepFailed"]
 
 # Note [torch's clipping cannot see our gradients] in torch_clipping.py
 _install_clipping_guard()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,13 +11,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..views.family import Family
 from ..weights.source import has_source
+from .rule.base import OptimizerRule
 
 if TYPE_CHECKING:
     from .flat_bucket import FlatBucket
 
 __all__ = [
     "SUPPORTED_DTYPES",
-    "check_hyper",
     "check_new_params",
     "check_params",
     "check_untouched",
@@ -50,62 +49,6 @@ def param_name(param_groups: Sequence[dict[str, Any]], index: int) -> str | None
             return names[index] if names is not None else None
         index -= count
     return None
-
-
-def _number(where: str, name: str, value: Any, *, low: float, high: float | None = None) -> None:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a Python float, got a tensor ({value!r})")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
-    if value < low or (high is not None and value >= high):
-        allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
-
-
-def _number_or_scalar_tensor(
-    where: str, name: str, value: Any, *, low: float, high: float | None = None
-) -> None:
-    """Like ``_number``, but a 1-element real tensor is accepted too (torch accepts one for
-    ``lr`` and ``betas``: LR schedulers under ``torch.compile`` step a tensor ``lr`` in
-    place, so that a new value is not a recompile). Its value is read where the step reads
-    the hyper-parameters (hidden cost: for a tensor on a GPU, a host sync per group)."""
-    if not isinstance(value, torch.Tensor):
-        _number(where, name, value, low=low, high=high)
-        return
-    if value.numel() != 1:
-        raise ValueError(
-            f"{where}: a tensor {name} must have exactly 1 element, got shape "
-            f"{tuple(value.shape)}; pass a Python float or a 1-element tensor"
-        )
-    if value.is_complex() or not value.is_floating_point() or value.requires_grad:
-        raise TypeError(
-            f"{where}: a tensor {name} must be a real floating-point tensor that does not "
-            f"require grad, got {value.dtype} (requires_grad={value.requires_grad})"
-        )
-    _number(where, name, float(value), low=low, high=high)
-
-
-def check_hyper(group: dict[str, Any], *, where: str) -> None:
-    """Validate one group's (or the defaults') Adam(W) hyper-parameters, as torch does.
-
-    ``lr`` and ``betas`` may be 1-element tensors (both betas or neither), as torch allows.
-    """
-    _number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
-    _number(where, "eps", group["eps"], low=0.0)
-    _number(where, "weight_decay", group["weight_decay"], low=0.0)
-    betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError(
-            f"{where}: betas must be both floats or both 1-element tensors (as torch "
-            f"requires), got {betas!r}"
-        )
-    _number_or_scalar_tensor(where, "betas[0]", betas[0], low=0.0, high=1.0)
-    _number_or_scalar_tensor(where, "betas[1]", betas[1], low=0.0, high=1.0)
-    for flag in ("amsgrad", "maximize"):
-        if not isinstance(group[flag], bool):
-            raise TypeError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
 
 
 def split_names(params: Sequence[Any], *, where: str) -> tuple[list[Any], list[str] | None]:
@@ -281,7 +224,11 @@ def watch_replacement(params: Sequence[torch.Tensor]) -> None:
 
 
 def check_untouched(
-    owner: Any, param_groups: Sequence[dict[str, Any]], buckets: Sequence[FlatBucket]
+    owner: Any,
+    param_groups: Sequence[dict[str, Any]],
+    buckets: Sequence[FlatBucket],
+    *,
+    rule: OptimizerRule,
 ) -> None:
     """Refuse, before anything changes, what happened behind ``owner``'s (the optimizer's)
     back: Notes [parameters replaced behind the optimizer] and [a step is all or nothing]."""
@@ -324,13 +271,11 @@ def check_untouched(
                 "changes (load_state_dict carries the state over): nothing was stepped"
             )
     for g, group in enumerate(param_groups):
-        check_hyper(group, where=f"param group {g}")
+        rule.check_group(group, where=f"param group {g}")
     for bucket in buckets:
-        group = param_groups[bucket.layout.group]
-        if group["amsgrad"] and "max_exp_avg_sq" not in bucket.store.state_names():
+        why = rule.missing_state(param_groups[bucket.layout.group], bucket.store.state_names())
+        if why is not None:
             raise ValueError(
-                f"param group {bucket.layout.group} has amsgrad=True, but {owner!r} was "
-                "built without it (its max_exp_avg_sq buffers do not exist): build the "
-                "optimizer with amsgrad=True (load_state_dict carries the state over). "
+                f"param group {bucket.layout.group} of {owner!r} cannot step: {why}. "
                 "Nothing was stepped"
             )

@@ -28,6 +28,7 @@ from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
 from .reports.live import OptimizerState
+from .rule.base import OptimizerRule, StateFields
 from .state.host import HostState
 from .state.nvme_backends import NvmeBackends
 from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
@@ -86,10 +87,12 @@ class SegmentBuilder:
         resources: Resources,
         state_view: OptimizerState,
         policy: StepPolicy,
+        rule: OptimizerRule,
         name: str,
         param_offload_of: tuple[Any, Any] | None,
     ) -> None:
         self.config = config
+        self.rule = rule  # what the state is and how it steps (optim/rule/)
         self.manager = manager
         self.ranks = ranks
         self.resources = resources
@@ -210,8 +213,7 @@ class SegmentBuilder:
         layouts: list[BucketLayout],
         placement: Placement,
         params: list[torch.Tensor],
-        moments_dtype: torch.dtype,
-        amsgrad: bool,
+        state: StateFields,
         window_bytes: int | None,
     ) -> OffloadConfig:
         """The config ``plan_nvme`` places state with. With in-flight staging and
@@ -227,7 +229,7 @@ class SegmentBuilder:
         offloaded = [b for b in layouts if b.index not in placement.resident]
         sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
         ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
-        record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
+        record = RecordLayout.make(config.tile_elements, state)
         other = config.grad_staging_buffers * ring
         other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
         if window_bytes is None:  # the weight staging, as large as the gradient staging
@@ -254,8 +256,10 @@ class SegmentBuilder:
             align_numel=POOL_ALIGNMENT // 2,
             first_index=len(self.resources.router.buckets),
         )
-        amsgrad = any(owner.param_groups[family.group]["amsgrad"] for family in families)
+        groups = [owner.param_groups[g] for g in sorted({family.group for family in families})]
         moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
+        state = self.rule.state_fields(moments_dtype, groups)  # an offloaded bucket's
+        resident_state = self.rule.state_fields(torch.float32, groups)  # a resident one's
         if offload is not None:
             offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
             tracker.sample()
@@ -264,8 +268,8 @@ class SegmentBuilder:
             placement = plan_placement(
                 layouts,
                 itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                moment_size=moments_dtype.itemsize,
-                amsgrad=amsgrad,
+                state=state,
+                resident_state=resident_state,
                 offload_fraction=self.config.offload_fraction,
                 device_free=stats["budget"] - stats["in_use"],
                 auto_headroom=self.config.auto_headroom,
@@ -287,13 +291,11 @@ class SegmentBuilder:
                         layouts,
                         placement,
                         params,
-                        moments_dtype,
-                        amsgrad,
+                        state,
                         None if offload is None else offload.window_bytes,
                     ),
                     itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                    moments_dtype=moments_dtype,
-                    amsgrad=amsgrad,
+                    state=state,
                     rank=self.ranks.rank,
                     alignment=POOL_ALIGNMENT,
                     homes_movable=offload is not None,  # the staging is each unit's home
@@ -316,8 +318,8 @@ class SegmentBuilder:
             placement=placement,
             device_pool=device_pool,
             grad_buffers=GradBuffers(self.manager, name=name),
-            amsgrad=amsgrad,
-            moments_dtype=moments_dtype,
+            state=state,
+            resident_state=resident_state,
             nvme=nvme,
             offload=offload,
             tracker=tracker,
@@ -475,7 +477,8 @@ class SegmentBuilder:
                     views,
                     device_pool=parts.device_pool,
                     gradients=gradients,
-                    amsgrad=parts.amsgrad,
+                    rule=self.rule,
+                    fields=parts.resident_state,
                     tile_elements=self.config.tile_elements,
                 )
             else:
@@ -502,6 +505,7 @@ class SegmentBuilder:
                         host_pool=host_pool,
                         gradients=host_gradients,
                         shard=shard,
+                        rule=self.rule,
                     )
                 else:
                     store = HostState(
@@ -511,8 +515,8 @@ class SegmentBuilder:
                         host_pool=host_pool,
                         gradients=host_gradients,
                         shard=shard,
-                        moments_dtype=parts.moments_dtype,
-                        amsgrad=parts.amsgrad,
+                        rule=self.rule,
+                        fields=parts.state,
                         tile_elements=self.config.tile_elements,
                     )
             if parts.offload is not None:
@@ -533,8 +537,8 @@ class _Parts:
     placement: Placement
     device_pool: BlockPool  # weights_dev, gradient buffers, resident state
     grad_buffers: GradBuffers
-    amsgrad: bool
-    moments_dtype: torch.dtype
+    state: StateFields  # an offloaded bucket's (the rule's, moments in OffloadConfig's dtype)
+    resident_state: StateFields  # a resident bucket's (all fp32)
     nvme: NvmeBackends
     offload: Any  # a zero_offload.params.ParamOffloader, or None
     tracker: PeakTracker

@@ -163,7 +163,7 @@ class FlatBucket:
     def state_views(self, slot_index: int) -> tuple[int, int, dict[str, torch.Tensor]]:
         """The piece ``[lo, hi)`` of one flattened parameter that this rank owns (all of it
         with one rank; ``lo == hi`` for none) and flat views of its optimizer state there:
-        master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
+        the rule's state fields, the fp32 master first (``store.state_names()``)."""
         slot = self.layout.slots[slot_index]
         start, stop = self.shard
         lo, hi = self.layout.owned_piece(slot, start, stop)

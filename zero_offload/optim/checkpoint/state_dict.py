@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ...collectives import Comm
-from ..checks import check_hyper
 from ..flat_bucket import FlatBucket
+from ..rule.base import OptimizerRule
 from ..update.loss_scaler import LossScaler
 
 __all__ = ["LoadedState", "group_entries", "load_optimizer_state", "optimizer_state"]
@@ -163,6 +163,7 @@ def load_optimizer_state(
     *,
     comm: Comm | None,
     scaler: LossScaler,
+    rule: OptimizerRule,
 ) -> LoadedState:
     """Check everything (the loss scaler's state too), then copy into ``buckets`` and
     ``param_groups``; see ``OffloadAdamW.load_state_dict``. Returns what the caller
@@ -200,8 +201,10 @@ def load_optimizer_state(
     positions = [p for saved in saved_groups for p in saved["params"]]
     to_local = {saved_id: local for local, saved_id in enumerate(positions)}
     slots = _slots(buckets)
-    amsgrad = {
-        index: bool(param_groups[bucket.layout.group]["amsgrad"])
+    # The fields torch's optimizer keeps for each parameter (Note [the rule is the only
+    # place that knows the optimizer] in rule/base.py), by its group.
+    kept = {
+        index: rule.checkpoint_fields(param_groups[bucket.layout.group])
         for index, (bucket, _) in slots.items()
     }
     staged: dict[int, dict[str, Any]] = {}
@@ -214,10 +217,7 @@ def load_optimizer_state(
             raise ValueError(f"{where}: this optimizer does not train that parameter")
         bucket, i = slots[index]
         shape = bucket.layout.slots[i].shape
-        needed = {"exp_avg", "exp_avg_sq", "step"} | (
-            {"max_exp_avg_sq"} if amsgrad[index] else set()
-        )
-        missing = needed - set(entry)
+        missing = ({"step", *kept[index]}) - set(entry)
         if missing:
             raise ValueError(f"{where}: missing {sorted(missing)}")
         lo, hi, _ = bucket.state_views(i)
@@ -229,8 +229,8 @@ def load_optimizer_state(
             )
         checked = {
             name: _check_tensor(where, name, entry[name], shape if shard is None else (hi - lo,))
-            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-            if name in entry and (name != "max_exp_avg_sq" or amsgrad[index])
+            for name in (*kept[index], "master")
+            if name in entry
         }
         if shard is None:  # a whole-parameter layout: keep this rank's piece of it
             checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
@@ -240,16 +240,15 @@ def load_optimizer_state(
     scaler.check_state(scaler_state)
     for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
-        check_hyper(merged, where=f"state_dict param group {g}")
-        if merged["amsgrad"] and any(
-            "max_exp_avg_sq" not in bucket.store.state_names()
-            for bucket in buckets
-            if bucket.layout.group == g
-        ):
-            raise ValueError(
-                f"state_dict param group {g} has amsgrad=True but this optimizer was built "
-                "without it (no max_exp_avg_sq buffers): build it with amsgrad=True, then load"
+        rule.check_group(merged, where=f"state_dict param group {g}")
+        for bucket in buckets:
+            why = (
+                None
+                if bucket.layout.group != g
+                else rule.missing_state(merged, bucket.store.state_names())
             )
+            if why is not None:
+                raise ValueError(f"state_dict param group {g} cannot be loaded: {why}")
 
     written_ids = list(extra.get("written_since_step", ()))
     unknown = [i for i in written_ids if i not in to_local or to_local[i] not in slots]

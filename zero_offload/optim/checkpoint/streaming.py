@@ -10,7 +10,7 @@ Layout, under ``path/rank{r}/`` (each rank writes its own shard, Note [sharded s
 in ``state_dict.py``):
 
 - ``bucket{i}.bin``: bucket ``i``'s tiles in order; each tile is its fields' raw bytes for
-  the tile's elements, field after field (master, exp_avg, exp_avg_sq, max_exp_avg_sq);
+  the tile's elements, field after field, in the rule's order (the master first);
 - ``meta.pt`` (``torch.save`` of plain data, loaded with ``weights_only=True``): the
   format version, rank and world size, ``param_groups`` (as ``state_dict()``), the loss
   scaler, ``skipped_steps``, whether an ``overlap_step`` update was pending, and per bucket

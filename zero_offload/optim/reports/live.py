@@ -4,7 +4,7 @@ torch code reads ``opt.state[p]`` (``torch.distributed.checkpoint.state_dict`` c
 non-empty before deciding to run a fake zero-gradient step to create state; user code
 inspects moments). Every trained parameter therefore has an entry from construction on,
 built on access from its bucket: ``step`` (a 0-d int64 view of the bucket's step counts),
-and ``master``, ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) as views of
+and the rule's state fields (``master`` and, for Adam, its moments) as views of
 the host (or resident device) state, shaped like the parameter with one rank and flat
 pieces of this rank's shard with several (Note [sharded state dicts] in ``state_dict.py``).
 Writing through a view writes the optimizer state; replacing an entry is refused (use

@@ -1,1 +1,26 @@
-"""The optimizer's rule: its hyper-parameters and its tile step (AdamW, ``adamw.py``)."""
+"""The optimizer's rule: what it keeps and how it steps (``base.py``: the protocol; AdamW and
+Adam in ``adamw.py``; the host tile loop every rule shares in ``tiles.py``)."""
+
+from .adamw import ADAM, ADAMW
+from .base import OptimizerRule, StateField, StateFields, require_elementwise
+
+__all__ = [
+    "ADAM",
+    "ADAMW",
+    "OptimizerRule",
+    "StateField",
+    "StateFields",
+    "by_name",
+    "require_elementwise",
+]
+
+#: Every rule by the name users choose it with.
+RULES: dict[str, OptimizerRule] = {rule.name: rule for rule in (ADAMW, ADAM)}
+
+
+def by_name(name: str) -> OptimizerRule:
+    """The rule called ``name``; a clear error listing the known names otherwise."""
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer rule {name!r}; known: {sorted(RULES)}") from None

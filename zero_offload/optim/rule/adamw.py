@@ -1,26 +1,26 @@
-"""The CPU Adam tile loop of the stores whose state lives on the host (RAM or NVMe).
+"""Adam and AdamW as a rule: ``torch.optim.AdamW`` (decoupled decay) and ``torch.optim.Adam``
+(L2 decay), with amsgrad and maximize.
 
-Each tile waits for its gradient (Note [Adam follows the gradient in] in
-``grads/to_host.py``), runs the ``adam_step`` kernel over views of that tile's state, and
-is published (its H2D copy issued at once, or remembered for ``publish()``). The stores
-only say which tiles there are and where each tile's state is: a host-RAM store slices its
-tensors, an NVMe store streams records through its I/O buffers (Note [the step streams the
-state] in ``state/nvme.py``). The kernel is elementwise, so tile boundaries do not change a
-bit.
+State per element: the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (fp32, or bf16 with
+``OffloadConfig(moments_dtype="bfloat16")``), and ``max_exp_avg_sq`` when a group of the
+bucket asks for amsgrad. On the host the step is the ``adam_step`` kernel, one pass per tile;
+on the device, torch's fused AdamW. Elementwise: tile and shard boundaries change no bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.optim.adamw import adamw as torch_adamw
 
-from ...accelerator import Event
 from ...kernels import adam_step
-from ..grads.path import GradientPath, GradSource
-from ..publish import WeightCopies
+from .base import OptimizerRule, StateField, StateFields
+from .values import check_flag, check_number, check_number_or_scalar_tensor
 
-__all__ = ["AdamHyper", "AdamTiles"]
+__all__ = ["ADAM", "ADAMW", "AdamHyper", "AdamRule"]
 
 
 @dataclass(frozen=True)
@@ -38,54 +38,86 @@ class AdamHyper:
     decoupled: bool = True
 
 
-class AdamTiles:
-    """One update of one host-side bucket, tile by tile.
+class AdamRule(OptimizerRule):
+    """Adam(W): ``decoupled`` True for AdamW's decay, False for Adam's L2 term."""
 
-    ``source``: the field holding the gradient (the plan's; the window's now when None).
-    ``publish``: issue each tile's weight copy as soon as it is written, after ``after``
-    (default: the compute issued so far); otherwise ``publish()`` issues them later.
-    """
+    elementwise = True
 
-    def __init__(
+    def __init__(self, *, decoupled: bool) -> None:
+        self.decoupled = decoupled
+        self.name = "adamw" if decoupled else "adam"  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"AdamRule(decoupled={self.decoupled})"
+
+    def hyper(self, group: Mapping[str, Any]) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            amsgrad=bool(group["amsgrad"]),
+            maximize=bool(group["maximize"]),
+            decoupled=self.decoupled,
+        )
+
+    def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
+        """As torch checks them. ``lr`` and ``betas`` may be 1-element tensors (both betas
+        or neither), as torch allows."""
+        check_number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
+        check_number(where, "eps", group["eps"], low=0.0)
+        check_number(where, "weight_decay", group["weight_decay"], low=0.0)
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError(
+                f"{where}: betas must be both floats or both 1-element tensors (as torch "
+                f"requires), got {betas!r}"
+            )
+        check_number_or_scalar_tensor(where, "betas[0]", betas[0], low=0.0, high=1.0)
+        check_number_or_scalar_tensor(where, "betas[1]", betas[1], low=0.0, high=1.0)
+        for flag in ("amsgrad", "maximize"):
+            check_flag(where, flag, group[flag])
+
+    def state_fields(
+        self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]
+    ) -> StateFields:
+        names = ["exp_avg", "exp_avg_sq"]
+        if any(group["amsgrad"] for group in groups):
+            names.append("max_exp_avg_sq")
+        master = StateField("master", torch.float32)
+        return StateFields((master, *(StateField(n, moments_dtype) for n in names)))
+
+    def checkpoint_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        if group["amsgrad"]:
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
+    def missing_state(self, group: Mapping[str, Any], names: Sequence[str]) -> str | None:
+        if group["amsgrad"] and "max_exp_avg_sq" not in names:
+            return (
+                "it has amsgrad=True, but the optimizer was built without it (its "
+                "max_exp_avg_sq buffers do not exist): build the optimizer with amsgrad=True "
+                "(load_state_dict carries the state over)"
+            )
+        return None
+
+    def tile_step(
         self,
-        gradients: GradientPath,
-        publication: WeightCopies,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
         hyper: AdamHyper,
         grad_scale: float,
-        *,
-        source: GradSource | None,
-        publish: bool,
-        after: list[Event] | None,
-    ) -> None:
-        self.gradients = gradients
-        self.publication = publication
-        self.hyper = hyper
-        self.grad_scale = grad_scale
-        self.source = source or gradients.window_source()
-        self.grad = gradients.gradient(self.source)  # (shard_numel,); reads declared per tile
-        self.publish = publish
-        self.after = publication.prepare(publish=publish, after=after)
-
-    def step(
-        self,
-        lo: int,
-        hi: int,
-        step: int,
-        fields: dict[str, torch.Tensor],
-        *,
         out: torch.Tensor | None,
-        copy_master_to: torch.Tensor | None = None,
     ) -> None:
-        """Adam over shard elements ``[lo, hi)``: ``fields`` are that tile's views of the
-        state (master, exp_avg, exp_avg_sq, max_exp_avg_sq); ``out`` receives the
-        training-dtype weights (None for fp32, whose home is a master); ``copy_master_to``
-        receives the fp32 master where the home is not the master itself."""
-        hyper = self.hyper
-        self.gradients.await_grad(self.grad, self.source, lo, hi)
-        master = fields["master"]
         adam_step(
-            master,
-            self.grad[lo:hi],
+            fields["master"],
+            grad,
             fields["exp_avg"],
             fields["exp_avg_sq"],
             step=step,
@@ -96,10 +128,61 @@ class AdamTiles:
             weight_decay=hyper.weight_decay,
             decoupled_weight_decay=hyper.decoupled,
             maximize=hyper.maximize,
-            grad_scale=self.grad_scale,
+            grad_scale=grad_scale,
             max_exp_avg_sq=fields["max_exp_avg_sq"] if hyper.amsgrad else None,
             out=out,
         )
-        if copy_master_to is not None:
-            copy_master_to.copy_(master)
-        self.publication.tile_written(lo, hi, publish=self.publish, after=self.after)
+
+    def device_tile_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        """torch's fused AdamW over the tile."""
+        if grad_scale != 1.0:
+            # A scaled copy: the accumulated gradient must stay as it is (a second step()
+            # on the same gradients, like torch, must see it unscaled); a tile temporary.
+            grad = grad * grad_scale
+        master = fields["master"]
+        maximize = hyper.maximize
+        if not hyper.decoupled and hyper.weight_decay != 0:
+            # Adam's coupled L2 decay (torch.optim.Adam): the sign flip of maximize comes
+            # first, then the decay term; a tile-sized temporary.
+            grad = (-grad if maximize else grad) + hyper.weight_decay * master
+            maximize = False
+        # torch's fused kernel counts the step itself: it adds 1 before using it.
+        step_tensor.fill_(float(step - 1))
+        torch_adamw(
+            [master],
+            [grad],
+            [fields["exp_avg"]],
+            [fields["exp_avg_sq"]],
+            [fields["max_exp_avg_sq"]] if hyper.amsgrad else [],
+            [step_tensor],
+            fused=True,
+            amsgrad=hyper.amsgrad,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            lr=hyper.lr,
+            weight_decay=hyper.weight_decay if hyper.decoupled else 0.0,
+            eps=hyper.eps,
+            maximize=maximize,
+        )
+
+    def device_temporary_bytes(
+        self, hyper: AdamHyper, grad_scale: float, tile_elements: int
+    ) -> int:
+        """Up to two fp32 tiles at once (the scaled gradient, the L2 term)."""
+        scaled = grad_scale != 1.0 or (not hyper.decoupled and hyper.weight_decay != 0)
+        return 8 * tile_elements if scaled else 0
+
+
+#: ``torch.optim.AdamW``'s rule (``OffloadAdamW``).
+ADAMW = AdamRule(decoupled=True)
+#: ``torch.optim.Adam``'s rule (``OffloadAdam``).
+ADAM = AdamRule(decoupled=False)

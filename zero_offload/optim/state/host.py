@@ -1,6 +1,6 @@
-"""Host-RAM state: fp32 master and moments in the host pool, updated by CPU Adam.
+"""Host-RAM state: the fp32 master and the rule's state in the host pool, updated on the CPU.
 
-The CPU Adam kernel updates the master tile by tile (``rule/adamw.py``), reading the
+The rule's CPU kernel updates the master tile by tile (``rule/tiles.py``), reading the
 gradient through the bucket's gradient path (``grads/path.py``; ``HostGradients`` of
 ``grads/to_host.py`` here), and each updated tile goes back
 to the device (H2D on the ``h2d`` stream, ``publish.py``) while the next tile is
@@ -23,7 +23,8 @@ from ...views import ParamViews
 from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
 from ..publish import WeightCopies
-from ..rule.adamw import AdamHyper, AdamTiles
+from ..rule.base import Hyper, OptimizerRule, StateFields
+from ..rule.tiles import RuleTiles
 from .store import (
     StateStore,
     TileFn,
@@ -40,8 +41,8 @@ class HostState(StateStore):
 
     Host fields (all ``(shard_numel,)``, the elements of ``shard``; host pool, pinned where
     available):
-        master: fp32 master weights.
-        exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32 or bf16 moments.
+        the rule's ``fields``: the fp32 master weights first, then the rule's own state
+            (its moments in fp32 or bf16), in ``state``, by name.
         weights_staging: training dtype (absent for fp32: the master is the weights' home),
             the kernel's fused copy-out and the H2D copy's source.
     """
@@ -58,8 +59,8 @@ class HostState(StateStore):
         host_pool: BlockPool,
         gradients: GradientPath,
         shard: tuple[int, int],
-        moments_dtype: torch.dtype,
-        amsgrad: bool,
+        rule: OptimizerRule,
+        fields: StateFields,
         tile_elements: int,
     ) -> None:
         self.layout = layout
@@ -69,47 +70,56 @@ class HostState(StateStore):
         self.shard = shard
         self.dtype = views.dtype
         self.tile_elements = tile_elements
+        self.rule = rule
+        self.fields = fields
         self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
-        self.max_exp_avg_sq: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}  # the rule's fields, master first
         self.weights_staging: torch.Tensor | None = None
         self.publication = WeightCopies(
             manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
         )
-        fields: list[tuple[str, torch.dtype]] = [
-            ("master", torch.float32),
-            ("exp_avg", moments_dtype),
-            ("exp_avg_sq", moments_dtype),
-        ]
-        if amsgrad:
-            fields.append(("max_exp_avg_sq", moments_dtype))
+        blocks = fields.pairs()
         if self.dtype != torch.float32:
-            fields.append(("weights_staging", self.dtype))
+            blocks.append(("weights_staging", self.dtype))
         n = layout.shard_numel
         try:
-            for name, dtype in fields:
+            for name, dtype in blocks:
                 block = host_pool.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.{name}")
                 self._blocks[name] = block
                 block.on_move(
-                    lambda b, name=name, dtype=dtype: setattr(self, name, b.view(dtype, (n,)))
+                    lambda b, name=name, dtype=dtype: self._bind(name, b.view(dtype, (n,)))
                 )
                 tensor = block.view(dtype, (n,))
                 tensor.zero_()
-                setattr(self, name, tensor)
+                self._bind(name, tensor)
             self.reconcile_master()  # fp32 master from the model's initial weights
         except BaseException:
             self.close()
             raise
 
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Point field ``name`` at ``tensor`` (at allocation, and when its block moves)."""
+        if name == "weights_staging":
+            self.weights_staging = tensor
+        else:
+            self.state[name] = tensor
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The fp32 master, ``(shard_numel,)``."""
+        return self.state["master"]
+
     def weights_home(self) -> tuple[torch.Tensor, Block]:
         """The pinned training-dtype copy CPU Adam writes, ``(shard_numel,)``, and its block:
         ``weights_staging``, or the fp32 master itself for an fp32 bucket (with parameter
         offload the weights live there between uses, ``zero_offload.params``)."""
-        name = "master" if self.weights_staging is None else "weights_staging"
-        return getattr(self, name), self._blocks[name]
+        if self.weights_staging is None:
+            return self.master, self._blocks["master"]
+        return self.weights_staging, self._blocks["weights_staging"]
 
     def update(
         self,
-        hyper: AdamHyper,
+        hyper: Hyper,
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
@@ -117,7 +127,8 @@ class HostState(StateStore):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        tiles = AdamTiles(
+        tiles = RuleTiles(
+            self.rule,
             self.gradients,
             self.publication,
             hyper,
@@ -133,12 +144,16 @@ class HostState(StateStore):
                 self.weights_staging,
                 bucket=bucket,
                 write=True,
-                what="CPU Adam writes weights",
+                what="the CPU update writes weights",
             )
         state = self.state_tensors()
         for name, tensor in state.items():
             declare_cpu(
-                self.manager, tensor, bucket=bucket, write=True, what=f"CPU Adam writes {name}"
+                self.manager,
+                tensor,
+                bucket=bucket,
+                write=True,
+                what=f"the CPU update writes {name}",
             )
         out = self.weights_staging
         for start, stop, step in clip_runs(runs, *self.shard):
@@ -151,13 +166,10 @@ class HostState(StateStore):
         return self.shard
 
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
-        return [(name, tensor.dtype) for name, tensor in self.state_tensors().items()]
+        return self.fields.pairs()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.max_exp_avg_sq is not None:
-            out["max_exp_avg_sq"] = self.max_exp_avg_sq
-        return out
+        return dict(self.state)
 
     def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         stream_tensors(

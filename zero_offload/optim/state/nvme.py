@@ -12,13 +12,13 @@ record per tile.
 Note [the step streams the state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The shard's real elements are cut into tiles of ``tile_elements``; record ``t`` of the
-bucket's file holds tile ``t``'s master, exp_avg, exp_avg_sq (and max_exp_avg_sq), each
+bucket's file holds tile ``t``'s state fields (the rule's: the master first), each
 field at a 4 KiB-aligned offset (``RecordLayout``; a short last tile packs its fields at its
 own length). A step visits the tiles that hold updated elements in order, over the tier's
 ring of ``B`` I/O buffers (4 by default), taken round robin (``StorageTier.next_buffer``):
 at tile ``i`` the read of tile ``i + B - 2`` is issued, the CPU waits for tile ``i``'s read
-(issued ``B - 2`` tiles ago), runs the same ``adam_step`` kernel on it that
-``host.HostState`` runs (``rule/adamw.py``; elementwise, so tile boundaries do not change a bit: bitwise equal
+(issued ``B - 2`` tiles ago), runs the same rule kernel on it that
+``host.HostState`` runs (``rule/tiles.py``; elementwise, so tile boundaries do not change a bit: bitwise equal
 to the in-RAM state), writes the training-dtype weights into ``weights_staging`` and issues
 their H2D copy, then issues the write of tile ``i``. A buffer is read into only after the
 write it last carried completed (``IOBuffer.settle``): that write was issued two tiles
@@ -81,7 +81,8 @@ from ...views import ParamViews
 from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
 from ..publish import WeightCopies
-from ..rule.adamw import AdamHyper, AdamTiles
+from ..rule.base import Hyper, OptimizerRule
+from ..rule.tiles import RuleTiles
 from .nvme_plan import RecordLayout, tile_sizes
 from .store import StateStore, TileFn, republish_from_master, weights_into_home
 
@@ -191,8 +192,10 @@ class NvmeState(StateStore):
         record: RecordLayout,
         group: StreamGroup,
         name: str,
+        rule: OptimizerRule,
     ) -> None:
         self.layout = layout
+        self.rule = rule
         self.views = views
         self.manager = manager
         self.gradients = gradients
@@ -401,7 +404,7 @@ class NvmeState(StateStore):
 
     def update(
         self,
-        hyper: AdamHyper,
+        hyper: Hyper,
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
@@ -409,13 +412,13 @@ class NvmeState(StateStore):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        tiles = self._adam_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
+        tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         declare_cpu(
             self.manager,
             self.weights_staging,
             bucket=self.layout.index,
             write=True,
-            what="CPU Adam writes weights",
+            what="the CPU update writes weights",
         )
         pieces = self._pieces(runs)
         fp32 = self.dtype == torch.float32
@@ -436,11 +439,11 @@ class NvmeState(StateStore):
 
         self._stream(step_tile, sorted(pieces), prefetch_next=True)
 
-    def _adam_tiles(self, hyper: AdamHyper, grad_scale: float, **how: object) -> AdamTiles:
+    def _rule_tiles(self, hyper: Hyper, grad_scale: float, **how: object) -> RuleTiles:
         """As HostState.update's (``how``: source, publish, after): the gradient is staging
         or the accumulator (Note [no accumulator for one backward]); the weight copies wait
         for compute issued so far."""
-        return AdamTiles(self.gradients, self.publication, hyper, grad_scale, **how)  # type: ignore[arg-type]
+        return RuleTiles(self.rule, self.gradients, self.publication, hyper, grad_scale, **how)  # type: ignore[arg-type]
 
     def _pieces(self, runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int, int]]]:
         """The updated ``(lo, hi, step)`` shard ranges of each tile that has any."""

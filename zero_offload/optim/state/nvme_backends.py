@@ -14,6 +14,7 @@ from ...partition import BucketLayout
 from ...views import ParamViews
 from ...weights.nvme_home import HomeTiles
 from ..grads.path import GradientPath
+from ..rule.base import OptimizerRule
 from .nvme import NvmeState, StreamGroup
 from .nvme_plan import NvmePlan
 from .nvme_weights import NvmeHomeState
@@ -75,6 +76,7 @@ class NvmeBackends:
         host_pool: BlockPool,
         gradients: GradientPath,
         shard: tuple[int, int],
+        rule: OptimizerRule,
     ) -> NvmeState:
         """The bucket's ``NvmeState``; its file is ``{name}.bucket{index}``."""
         if self.group is None:
@@ -95,5 +97,6 @@ class NvmeBackends:
             record=self.plan.record,
             group=self.group,
             name=f"{self.name}.bucket{layout.index}",
+            rule=rule,
             **extra,  # type: ignore[arg-type]
         )

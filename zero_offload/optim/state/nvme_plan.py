@@ -44,6 +44,7 @@ from ...memory.align import aligned
 from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ...partition import BucketLayout
 from ...weights.nvme_home import home_ring_bytes, weight_file_bytes
+from ..rule.base import StateFields
 from .placement import Placement, _host_bytes
 
 __all__ = [
@@ -73,13 +74,10 @@ class RecordLayout:
     record_bytes: int
 
     @classmethod
-    def make(cls, tile_elements: int, moments_dtype: torch.dtype, amsgrad: bool) -> RecordLayout:
-        names = [("master", torch.float32), ("exp_avg", moments_dtype)]
-        names.append(("exp_avg_sq", moments_dtype))
-        if amsgrad:
-            names.append(("max_exp_avg_sq", moments_dtype))
+    def make(cls, tile_elements: int, state: StateFields) -> RecordLayout:
+        """The record of the rule's ``state`` fields, in their order."""
         fields, offset = [], 0
-        for name, dtype in names:
+        for name, dtype in state.pairs():
             fields.append((name, dtype, offset))
             offset += aligned(tile_elements * dtype.itemsize, IO_ALIGNMENT)
         return cls(tile_elements, tuple(fields), offset)
@@ -131,10 +129,9 @@ class NvmePlan:
     bucket_host: Mapping[int, int] = field(default_factory=dict)
 
 
-def _state_bytes(bucket: BucketLayout, *, moment_size: int, amsgrad: bool, alignment: int) -> int:
-    """Master and moments of this rank's shard in the host pool."""
-    k = bucket.shard_numel
-    return aligned(4 * k, alignment) + (3 if amsgrad else 2) * aligned(moment_size * k, alignment)
+def _state_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) -> int:
+    """The state fields (master and the rule's) of this rank's shard in the host pool."""
+    return state.bytes_for(bucket.shard_numel, alignment)
 
 
 def _nvme_host_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
@@ -168,8 +165,7 @@ def plan_nvme(
     *,
     config: OffloadConfig,
     itemsize: int | Sequence[int],
-    moments_dtype: torch.dtype,
-    amsgrad: bool,
+    state: StateFields,
     rank: int,
     alignment: int,
     homes_movable: bool = False,
@@ -184,21 +180,19 @@ def plan_nvme(
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
     sizes = [itemsize] * len(layouts) if isinstance(itemsize, int) else list(itemsize)
-    record = RecordLayout.make(config.tile_elements, moments_dtype, amsgrad)
+    record = RecordLayout.make(config.tile_elements, state)
     offloaded = [
         (b, s) for b, s in zip(layouts, sizes, strict=True) if b.index not in placement.resident
     ]
-    m = moments_dtype.itemsize
     if config.nvme_dir is None:
-        state = sum(
-            _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-            for b, _ in offloaded
-        )
+        in_ram = sum(_state_bytes(b, state=state, alignment=alignment) for b, _ in offloaded)
         each = {
-            b.index: _host_bytes(b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment)
+            b.index: _host_bytes(b, itemsize=s, state=state, alignment=alignment)
             for b, s in offloaded
         }
-        return NvmePlan(frozenset(), placement.host_state, state, 0, record, None, bucket_host=each)
+        return NvmePlan(
+            frozenset(), placement.host_state, in_ram, 0, record, None, bucket_host=each
+        )
     minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
     budget = resolve_host_budget(
         config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
@@ -226,13 +220,11 @@ def plan_nvme(
     host_state = disk = 0
     each: dict[int, int] = {}  # NvmePlan.bucket_host
     for b, s in offloaded:
-        state = _state_bytes(b, moment_size=m, amsgrad=amsgrad, alignment=alignment)
-        fits = budget is None or host_state + state <= budget
+        own = _state_bytes(b, state=state, alignment=alignment)
+        fits = budget is None or host_state + own <= budget
         if not nvme and fits and b.index not in homes:
-            host_state += state
-            each[b.index] = _host_bytes(
-                b, itemsize=s, moment_size=m, amsgrad=amsgrad, alignment=alignment
-            )
+            host_state += own
+            each[b.index] = _host_bytes(b, itemsize=s, state=state, alignment=alignment)
             continue
         nvme.add(b.index)
         each[b.index] = _nvme_host_bytes(b, itemsize=s, alignment=alignment)

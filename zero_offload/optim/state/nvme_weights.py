@@ -33,7 +33,7 @@ from ...memory.storage import IOBuffer
 from ...weights.nvme_home import HomeTiles, WeightFile
 from ..grads.path import GradSource
 from ..publish import WeightCopies
-from ..rule.adamw import AdamHyper
+from ..rule.base import Hyper
 from .nvme import NvmeState
 from .store import take_written
 
@@ -208,7 +208,7 @@ class NvmeHomeState(NvmeState):
 
     def update(
         self,
-        hyper: AdamHyper,
+        hyper: Hyper,
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
@@ -216,7 +216,7 @@ class NvmeHomeState(NvmeState):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        tiles = self._adam_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
+        tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         pieces = self._pieces(runs)
         fp32 = self.dtype == torch.float32
 

@@ -10,14 +10,15 @@ gaps, Note [slots are aligned] in partition.py, and the sharding padding), ``s``
 bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment:
 
 - device, every bucket: weights ``a(n*s)``;
-- device, resident bucket: fp32 master, exp_avg, exp_avg_sq, grad accumulator ``4*a(4n)``
-  (plus ``a(4n)`` with amsgrad);
+- device, resident bucket: the rule's state fields, all fp32 (``sum a(4n)`` over them: the
+  master and, for Adam, two moments and a third with its max-moment option), and the fp32
+  grad accumulator ``a(4n)``;
 - device, offloaded buckets together: ``GRAD_BUFFERS`` gradient buffers, each of the
   largest offloaded bucket in bytes, ``max a(n*s)`` over the offloaded buckets of every
   dtype (Note [a bucket's gradient lifecycle]);
 - host, offloaded bucket, with ``k = n / world_size`` (this rank's shard, Note [who owns
-  which shard] in partition.py): fp32 master ``a(4k)``, moments ``2*a(k*m)`` (``m`` = 4
-  or 2 for bf16 moments; one more with amsgrad), gradient staging ``a(k*s)``, and weight
+  which shard] in partition.py): the rule's state fields, ``sum a(k*f)`` (``f`` each
+  field's bytes: the fp32 master 4, Adam's two moments 4 each or 2 in bf16), gradient staging ``a(k*s)``, and weight
   staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
   accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
   time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
@@ -40,6 +41,7 @@ from ...errors import DeviceBudgetExceeded
 from ...memory.align import aligned
 from ...partition import BucketLayout, plan_buckets
 from ...views import Family
+from ..rule.base import StateFields
 
 __all__ = [
     "GRAD_BUFFERS",
@@ -75,17 +77,15 @@ class Placement:
         return self.device_weights + self.device_grad_buffers + self.device_resident_state
 
 
-def _resident_bytes(bucket: BucketLayout, *, amsgrad: bool, alignment: int) -> int:
-    return (5 if amsgrad else 4) * aligned(4 * bucket.padded_numel, alignment)
+def _resident_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) -> int:
+    n = bucket.padded_numel
+    return state.bytes_for(n, alignment) + aligned(4 * n, alignment)  # + the accumulator
 
 
-def _host_bytes(
-    bucket: BucketLayout, *, itemsize: int, moment_size: int, amsgrad: bool, alignment: int
-) -> int:
+def _host_bytes(bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int) -> int:
     n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
-    total = aligned(4 * n, alignment)  # the master; no accumulator (accumulator_bytes)
-    total += (3 if amsgrad else 2) * aligned(moment_size * n, alignment)
-    total += aligned(itemsize * n, alignment)
+    total = state.bytes_for(n, alignment)  # no accumulator (accumulator_bytes)
+    total += aligned(itemsize * n, alignment)  # gradient staging
     if itemsize != 4:
         total += aligned(itemsize * n, alignment)
     return total
@@ -131,8 +131,8 @@ def plan_placement(
     buckets: Sequence[BucketLayout],
     *,
     itemsize: int | Sequence[int],
-    moment_size: int,
-    amsgrad: bool,
+    state: StateFields,
+    resident_state: StateFields,
     offload_fraction: float | str,
     device_free: int,
     auto_headroom: float,
@@ -150,7 +150,9 @@ def plan_placement(
     ``itemsize``: training dtype bytes, one for every bucket or one per bucket of
     ``buckets`` (mixed training dtypes, ``plan_dtype_buckets``). ``weights_elsewhere``:
     indices of buckets whose weights are not in the device pool (parameter offload keeps
-    them in a window of its own, ``zero_offload.params``).
+    them in a window of its own, ``zero_offload.params``). ``state``: the rule's fields of an
+    offloaded bucket (its moments in ``OffloadConfig.moments_dtype``); ``resident_state``:
+    of a resident one (all fp32).
     """
     if isinstance(itemsize, int):
         sizes_of = {b.index: itemsize for b in buckets}
@@ -174,15 +176,15 @@ def plan_placement(
         return GRAD_BUFFERS * aligned(max(sizes), alignment) if sizes else 0
 
     resident: set[int] = set()
-    state = 0
+    on_device = 0  # the resident buckets' state and accumulators
     if offload_fraction == "auto":
         limit = int(device_free * (1 - auto_headroom))
         for bucket in reversed(buckets):
-            extra = _resident_bytes(bucket, amsgrad=amsgrad, alignment=alignment)
+            extra = _resident_bytes(bucket, state=resident_state, alignment=alignment)
             trial = resident | {bucket.index}
-            if weights + grad_buffers(trial) + state + extra > limit:
+            if weights + grad_buffers(trial) + on_device + extra > limit:
                 break
-            resident, state = trial, state + extra
+            resident, on_device = trial, on_device + extra
     else:
         want = (1.0 - float(offload_fraction)) * total
         kept = 0
@@ -191,20 +193,14 @@ def plan_placement(
                 break
             resident.add(bucket.index)
             kept += bucket.param_numel
-            state += _resident_bytes(bucket, amsgrad=amsgrad, alignment=alignment)
+            on_device += _resident_bytes(bucket, state=resident_state, alignment=alignment)
     placement = Placement(
         resident=frozenset(resident),
         device_weights=weights,
         device_grad_buffers=grad_buffers(resident),
-        device_resident_state=state,
+        device_resident_state=on_device,
         host_state=sum(
-            _host_bytes(
-                b,
-                itemsize=sizes_of[b.index],
-                moment_size=moment_size,
-                amsgrad=amsgrad,
-                alignment=alignment,
-            )
+            _host_bytes(b, itemsize=sizes_of[b.index], state=state, alignment=alignment)
             for b in buckets
             if b.index not in resident
         ),

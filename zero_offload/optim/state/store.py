@@ -30,7 +30,7 @@ from ...memory.pool import BlockPool
 from ...views import ParamViews
 from ..grads.path import GradSource
 from ..publish import Publication, WeightCopies
-from ..rule.adamw import AdamHyper
+from ..rule.base import Hyper
 
 __all__ = [
     "BucketPools",
@@ -122,7 +122,7 @@ class StateStore(ABC):
     @abstractmethod
     def update(
         self,
-        hyper: AdamHyper,
+        hyper: Hyper,
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
@@ -130,7 +130,7 @@ class StateStore(ABC):
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
-        """One Adam(W) step over ``runs`` (``(start, stop, step)`` bucket ranges), reading
+        """One step of the rule over ``runs`` (``(start, stop, step)`` bucket ranges), reading
         the gradient from ``source`` (``window_source()`` when the step was planned; now
         when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
         as soon as the tile is done, after ``after`` (default: the compute issued so far);
@@ -144,7 +144,7 @@ class StateStore(ABC):
     @abstractmethod
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
         """The state fields this bucket keeps and their dtypes, without touching them:
-        master, exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad."""
+        the rule's ``state_fields``, the fp32 master first."""
 
     def state_names(self) -> tuple[str, ...]:
         """The names of ``field_dtypes()``."""

@@ -16,7 +16,7 @@ from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
-from ..rule.adamw import AdamHyper
+from ..rule.base import Hyper
 from .modes import ImmediateUpdate, failed, interrupted
 
 __all__ = ["EagerPhase", "EagerStep"]
@@ -112,7 +112,7 @@ class EagerStep:
     def __init__(
         self,
         manager: TieredMemoryManager,
-        hypers: dict[int, AdamHyper],
+        hypers: dict[int, Hyper],
         *,
         grad_scale: float = 1.0,
         speculation_bytes: int | None = None,
@@ -311,5 +311,5 @@ class EagerStep:
             bucket.views.remember()
         return sorted(self.plans)
 
-    def _hyper(self, bucket: FlatBucket) -> AdamHyper:
+    def _hyper(self, bucket: FlatBucket) -> Hyper:
         return self.hypers[bucket.layout.group]

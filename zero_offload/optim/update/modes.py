@@ -44,7 +44,7 @@ from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
-from ..rule.adamw import AdamHyper
+from ..rule.base import Hyper
 
 __all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
 
@@ -244,7 +244,7 @@ class UpdateMode(ABC):
         (Note [stepping during backward] in ``eager.py``)."""
 
     @abstractmethod
-    def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
+    def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
         """Apply the planned step to every bucket."""
 
     def _gather(
@@ -278,7 +278,7 @@ class ImmediateUpdate(UpdateMode):
             return "the loaded checkpoint's pending update is published by step() first"
         return None
 
-    def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
+    def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
         events: list[Event] = []
         gathers: list[Pending | None] = []
         stepped: list[int] = []
@@ -368,7 +368,7 @@ class DelayedUpdate(UpdateMode):
         super().loaded(buckets, pending=pending)
         self._pending = False  # ours was drained; the checkpoint's, if any, is _resumed
 
-    def run(self, work: Sequence[tuple[StepPlan, AdamHyper]], grad_scale: float) -> None:
+    def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
         plans = [(plan.bucket, hyper, plan.runs, plan.source) for plan, hyper in work]
 
         def update() -> None:

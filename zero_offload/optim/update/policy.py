@@ -42,14 +42,14 @@ from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
 from ..ranks import Ranks
 from ..router import BackwardRouter
-from ..rule.adamw import AdamHyper
+from ..rule.base import Hyper
 from .eager import EagerStep
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .modes import StepFailed, UpdateMode
 
 __all__ = ["StepPolicy"]
 
-HyperOf = Callable[[FlatBucket], AdamHyper]
+HyperOf = Callable[[FlatBucket], Hyper]
 
 
 class StepPolicy:
@@ -293,7 +293,7 @@ class StepPolicy:
             )
         return True
 
-    def announce(self, hypers: dict[int, AdamHyper]) -> None:
+    def announce(self, hypers: dict[int, Hyper]) -> None:
         """Announce the step (the caller checked ``refuses_announcement`` and what step()
         would refuse): each bucket is stepped as it completes in the next backward."""
         speculative = self.config.speculative_step and (

@@ -1,0 +1,581 @@
+"""OffloadOptimizer: an optimizer whose state lives in host memory, updated by the CPU, for any
+rule (``optim/rule/``); ``OffloadAdamW`` and ``OffloadAdam`` (``offload_adamw.py``) are its
+facades.
+
+A drop-in ``torch.optim.Optimizer``: param groups, ``add_param_group``, LR schedulers,
+``state_dict``/``load_state_dict``, ``zero_grad``, ``opt.state[p]``. See docs/design.md,
+"How data flows: the two trips", and Note [a bucket's gradient lifecycle] in
+``grads/lifecycle.py``.
+
+What differs from the torch optimizer a facade stands for (``torch.optim.AdamW``), visibly:
+- ``param.grad`` is ``None`` after backward: each gradient leaves the device as soon as it
+  is produced and accumulates in fp32 on the host. ``step()`` uses exactly the gradients of
+  the backward passes since the previous ``step()`` or ``zero_grad()``, whatever the loop
+  calls to clear gradients. Clip with ``opt.clip_grad_norm_`` or
+  ``OffloadConfig(max_grad_norm=...)``: ``torch.nn.utils.clip_grad_norm_`` would find no
+  ``.grad`` to clip, so on our parameters it raises (Note [torch's clipping cannot see our
+  gradients] in ``torch_clipping.py``). fp16 models use ``opt.backward(loss)``.
+- Parameters become views into flat per-bucket device buffers (``param.data`` is replaced
+  once, at construction; modules keep working unchanged). Replacing ``param.data`` later,
+  or unfreezing a parameter that was frozen at construction, is refused at the next step.
+
+Several ranks (torch.distributed initialised, or ``process_group=`` given): ZeRO stage 2
+with offload (``ranks.ShardedRanks``); one rank is the same code with no collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..accelerator import Accelerator, get_accelerator
+from ..collectives import surface_collective_errors
+from ..config import OffloadConfig
+from ..memory.manager import TieredMemoryManager
+from .checkpoint import streaming
+from .checkpoint.state_dict import load_optimizer_state, optimizer_state
+from .checks import check_new_params, check_untouched, split_names
+from .construction import SegmentBuilder, check_param_offload, windows_parameters
+from .flat_bucket import FlatBucket
+from .grads.lifecycle import GradState
+from .lifetime import Resources
+from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
+from .reports.live import OptimizerState
+from .reports.summary import PlacementReport, placement_line, placement_of
+from .router import BackwardRouter
+from .rule import OptimizerRule, require_elementwise
+from .rule.base import Hyper
+from .torch_clipping import refuse_plain_trainer
+from .update.loss_scaler import LossScaler
+from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed
+from .update.policy import StepPolicy
+
+_log = logging.getLogger("zero_offload")
+
+__all__ = ["OffloadOptimizer", "StepFailed", "refuse_torch_switches"]
+
+_serials = itertools.count(1)
+
+
+def refuse_torch_switches(name: str, **switches: bool | None) -> None:
+    """Refuse torch's implementation switches that mean nothing here: ``capturable`` and
+    ``differentiable`` (True is refused: the update runs on the CPU outside autograd and
+    CUDA graphs), ``foreach`` and ``fused`` (anything but None: our own kernel always
+    runs). A facade passes those its torch signature takes."""
+    for flag, value in switches.items():
+        if flag in ("capturable", "differentiable"):
+            if value:
+                raise ValueError(
+                    f"{name} does not support {flag}=True: the update runs on the CPU "
+                    f"outside autograd and CUDA graphs; leave {flag}=False"
+                )
+        elif value is not None:
+            raise ValueError(
+                f"{name} ignores torch's {flag}= implementation switch (it always "
+                f"runs its own fused CPU kernel); leave {flag}=None, got {value!r}"
+            )
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """An optimizer whose fp32 master weights, state and gradients are offloaded to host
+    memory, stepped by its ``rule`` (``optim/rule/``). A facade (``OffloadAdamW``) sets
+    ``rule`` and turns its torch-style arguments into ``defaults``, which the rule checks.
+
+    ``config`` (an ``OffloadConfig``) sets bucketing, tiling, ``offload_fraction``,
+    clipping, ``overlap_step`` and loss scaling; ``accelerator`` defaults to
+    ``get_accelerator()``. ``process_group``: the ranks to partition over (default:
+    torch.distributed's default group's ranks, in a group of the optimizer's own, when it
+    is initialised, else none); every rank must construct the optimizer over the same
+    parameters in the same order. A group passed here is used as given: keep other
+    collectives off it while the optimizer runs (Note [a process group of the optimizer's
+    own] in ``ranks.py``).
+
+    Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see no
+    gradients (they are on the host), so on this optimizer's parameters it raises. Use
+    ``opt.clip_grad_norm_(max_norm)``, or ``OffloadConfig(max_grad_norm=...)``, or the
+    integrations (``OffloadTrainer``, ``OffloadAccelerator``).
+
+    As in torch, ``params`` may be ``model.named_parameters()`` (the names are kept as each
+    group's ``param_names``, state dict included). Trainable parameters may mix training
+    dtypes (fp32, bf16, fp16: bf16 layers with fp32 norms, fp32 adapters on a bf16 base);
+    each bucket holds one dtype. With any fp16 parameter one dynamic loss scaler serves them
+    all: ``opt.backward(loss)`` scales the whole loss, and every bucket's gradients are
+    unscaled by the same factor at the step.
+
+    Parameter offload (``OffloadConfig(offload_parameters=True)``; sharded, ZeRO-3, on several
+    ranks): ``model`` is the module whose forward runs and ``layers`` its repeated blocks
+    (default: the ``nn.ModuleList`` holding the most parameters); only a window of units'
+    weights stays on the device, fetched ahead of each forward and backward.
+    """
+
+    #: What the state is and how it steps (``optim/rule/``); each facade sets its own.
+    rule: OptimizerRule
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]]
+        | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        config: OffloadConfig | None = None,
+        accelerator: Accelerator | None = None,
+        process_group: Any = None,
+        model: torch.nn.Module | None = None,
+        layers: Sequence[torch.nn.Module] | None = None,
+    ) -> None:
+        name = type(self).__name__
+        if config is None:
+            config = OffloadConfig()
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        # Every store tiles the state and shards it by flat range (Note [the rule is the
+        # only place that knows the optimizer] in rule/base.py).
+        require_elementwise(self.rule, "tiling its state and sharding it by flat range")
+        self.rule.check_group(defaults, where=name)
+        if config.overlap_step and config.offload_fraction != 1.0:
+            raise ValueError(
+                "OffloadConfig.overlap_step delays the CPU update by one step; it needs all "
+                f"state on the host (offload_fraction=1.0), got {config.offload_fraction!r}"
+            )
+        self.config = config
+        self.accelerator = accelerator if accelerator is not None else get_accelerator()
+        comm = optimizer_comm(process_group, timeout=config.collective_timeout)
+        if comm is not None and config.offload_fraction != 1.0:
+            raise ValueError(
+                f"{comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
+                f"ranks (device-resident optimizer state is not partitioned yet), got "
+                f"{config.offload_fraction!r}"
+            )
+        check_param_offload(config, comm, model, layers)
+        self.serial = next(_serials)
+        self.manager = TieredMemoryManager(self.accelerator)
+        extra_streams = []
+        if comm is None:
+            self._ranks: Ranks = SingleRank()
+        else:
+            # The comm stream exists with several ranks only: reduce-scatters run on it so
+            # that they overlap backward and stay off the copy streams.
+            stream = self.accelerator.new_stream("comm")
+            extra_streams.append(stream)
+            ranks = ShardedParamRanks if windows_parameters(config, comm) else ShardedRanks
+            self._ranks = ranks(
+                comm, stream, accelerator=self.accelerator, owns_group=process_group is None
+            )
+        self._router = BackwardRouter(self._ranks, self.manager)
+        self._resources = Resources(self.manager, self._router)
+        self._resources.extra_streams = extra_streams
+        # See Note [lifetimes without close]: nothing passed here references self.
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        resources = self._resources
+        self._policy = StepPolicy(
+            config=config,
+            manager=self.manager,
+            ranks=self._ranks,
+            router=self._router,
+            mode=DelayedUpdate(self.manager, self._ranks)
+            if config.overlap_step
+            else ImmediateUpdate(self.manager, self._ranks),
+            param_offload=lambda: resources.param_offload is not None,
+        )
+        self._constructing = True
+        try:
+            super().__init__(params, defaults)
+            self._constructing = False
+            self._state_view = OptimizerState(drain=self.manager.host_worker.synchronize)
+            self._resources.state = self._state_view
+            self._builder = SegmentBuilder(
+                config=config,
+                manager=self.manager,
+                ranks=self._ranks,
+                resources=self._resources,
+                state_view=self._state_view,
+                policy=self._policy,
+                rule=self.rule,
+                name=f"offload_{self.rule.name}{self.serial}",
+                param_offload_of=(model, layers) if windows_parameters(config, comm) else None,
+            )
+            self._builder.build(self, list(range(len(self.param_groups))))
+        except BaseException:
+            self._finalizer()
+            raise
+        self.state = self._state_view  # type: ignore[assignment]
+        # Note [construction says where the state went] in reports/summary.py.
+        _log.info(placement_line(repr(self), self.placement, str(self.accelerator.device)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}#{self.serial}"
+
+    # -- construction ------------------------------------------------------------------
+
+    @property
+    def param_offloader(self) -> Any:
+        """The ``zero_offload.params.ParamOffloader`` with ``offload_parameters=True`` (its
+        ``units``, ``fetches``, ``window_bytes``), else None."""
+        return self._resources.param_offload
+
+    @property
+    def construction_peaks(self) -> Any:
+        """``(device, host)`` bytes the last build held at most (``construction.py``'s
+        SegmentBuilder; Notes [construction holds one copy], [construction peaks])."""
+        return self._builder.peaks
+
+    @property
+    def comm(self) -> Any:
+        """The process group's ``Comm`` (``collectives.Comm``), or ``None`` with one rank."""
+        return self._ranks.comm
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does); after construction it gets buckets of its own (and
+        the dynamic loss scaler, if it brings the first fp16 parameters)."""
+        if self._policy.eager is not None:
+            raise RuntimeError(
+                "add_param_group between backward(step=True)/announce_step() and step(): "
+                "the announced step is planned for the current groups; call step() first"
+            )
+        group = dict(param_group)
+        params = group.get("params")
+        where = f"param group {len(self.param_groups)}"
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set) or params is None:
+            raise TypeError(
+                "param group 'params' must be a tensor or an ordered iterable of tensors "
+                f"(not a set), got {type(params).__name__}"
+            )
+        params, names = split_names(list(params), where=where)
+        group["params"] = params
+        if names is not None:
+            group["param_names"] = names
+        if self.param_groups and ("param_names" in group) != (
+            "param_names" in self.param_groups[0]
+        ):
+            raise ValueError(
+                f"{where} is {'with' if names is not None else 'without'} parameter names but "
+                "the optimizer's first group is not; pass every group as named_parameters() "
+                "pairs or none of them (as torch requires)"
+            )
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self.rule.check_group(group, where=where)
+        check_new_params(params, self.param_groups, names=names)
+        if (
+            not self._policy.scaler.skips_overflow
+            and any(p.dtype == torch.float16 and p.requires_grad for p in params)
+            and any(
+                b.grads.state not in (GradState.EMPTY, GradState.CONSUMED) for b in self.buckets
+            )
+        ):
+            raise ValueError(
+                "add_param_group brings the first fp16 parameters, whose loss scaler would "
+                "unscale the gradients already accumulated in this window: add the group "
+                "between steps (after step() or zero_grad())"
+            )
+        super().add_param_group(group)
+        if not self._constructing:
+            try:
+                self._builder.build(self, [len(self.param_groups) - 1])
+            except BaseException:
+                self.param_groups.pop()  # a failed call leaves the optimizer as it was
+                raise
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def placement(self) -> PlacementReport:
+        """Where the optimizer state is: bytes per tier, pinned host bytes, the budget."""
+        return placement_of(self.buckets, self.manager, self.accelerator)
+
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        """Every bucket, in the fixed order (backward order within each segment)."""
+        return self._router.buckets
+
+    # -- backward ----------------------------------------------------------------------
+
+    @property
+    def scaler(self) -> LossScaler:
+        """The loss scaler (Note [one loss scale] in ``update/loss_scaler.py``)."""
+        return self._policy.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale ``backward`` multiplies by (1.0 unless the model is fp16)."""
+        return self._policy.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on overflow (fp16 loss scaling, or ``skip_nonfinite``)."""
+        return self._policy.skipped_steps
+
+    @property
+    def speculation_failures(self) -> int:
+        """Speculative steps restored and redone (Note [speculative steps])."""
+        return self._policy.speculation_failures
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (unscaled), None before one."""
+        return self._policy.last_grad_norm
+
+    def backward(self, loss: torch.Tensor, *, step: bool = False, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by ``loss_scale`` for fp16 models.
+
+        ``step=True`` announces that ``step()`` follows this backward with no clipping or
+        other backward in between (``announce_step``): where that makes the update exact,
+        it runs during backward."""
+        if step:
+            self.announce_step()
+        if self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
+        loss.backward(**kwargs)
+
+    def can_step_during_backward(self) -> bool:
+        """Whether an announced step (``backward(step=True)``, ``announce_step()``) would
+        run during backward here, as opposed to in ``step()``; Note [stepping during
+        backward] in update/eager.py."""
+        self._check_open("can_step_during_backward")
+        return self._policy.eager_refusal() is None
+
+    @property
+    def step_announced(self) -> bool:
+        """Whether a step is announced and not taken yet (``step()`` takes it)."""
+        return self._policy.eager is not None
+
+    def announce_step(self) -> bool:
+        """Announce that the next backward is the window's last and ``step()`` follows it
+        with no clipping or another backward in between (for loops that call
+        ``loss.backward()`` themselves). Returns whether the step will run during that
+        backward; where it cannot be exact (``StepPolicy.eager_refusal``) it runs in
+        ``step()`` as usual. Note [stepping during backward] in update/eager.py."""
+        self._check_open("announce_step")
+        if self._policy.eager is not None:
+            raise RuntimeError(
+                "a step is already announced and not taken yet; call step() after the "
+                "announced backward before announcing another"
+            )
+        if self._policy.refuses_announcement(self):
+            return False
+        check_untouched(
+            self, self.param_groups, self.buckets, rule=self.rule
+        )  # what step() would refuse
+        self._reconcile_written_weights()
+        self._policy.announce(
+            {g: self._group_hyper(g) for g in {b.layout.group for b in self.buckets}}
+        )
+        return True
+
+    @property
+    def share_stepped_during_backward(self) -> float | None:
+        """Of the last announced step's elements, the share whose CPU Adam had finished
+        when its backward returned (None before any announced step)."""
+        return self._policy.last_eager_share
+
+    @property
+    def backwards(self) -> int:
+        """Backward passes completed since construction (each flushed once)."""
+        return self._router.backwards
+
+    def _collect_stray_grads(self) -> None:
+        """Gradients set by hand (not by autograd) are taken in at step time, and a backward
+        that did not end (it raised, or its callback has not run) is closed."""
+        with surface_collective_errors():
+            for bucket in self.buckets:
+                for slot_index, param in enumerate(bucket.params):
+                    if param.grad is not None:
+                        grad, param.grad = param.grad, None
+                        self._router.receive(bucket, slot_index, grad)
+                        self._policy.window_changed()
+            self._router.finish()
+
+    # -- step --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the next step's gradients to ``max_norm``; returns the total norm (as torch's).
+
+        The norm comes from the fused statistics pass over the host gradients and the
+        clipping is folded into the CPU Adam gradient multiplier: no extra pass.
+        """
+        self._check_open("clip_grad_norm_")
+        self._policy.check_clip_allowed()
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
+        if not (
+            isinstance(max_norm, (int, float))
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+            and math.isfinite(max_norm)
+        ):
+            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        norm = self.grad_norm()
+        self._policy.clip_once(float(max_norm))
+        return norm
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients the next step will use (unscaled; the same
+        on every rank), read-only: it sets no clipping. From the fused statistics pass, so
+        it costs no pass over the gradients."""
+        self._check_open("grad_norm")
+        self._collect_stray_grads()
+        return torch.tensor(self._policy.grad_norm())
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Adam step over every parameter that received a gradient since the previous
+        step or ``zero_grad``; see Note [a step is all or nothing] in ``update/modes.py``."""
+        self._check_open("step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._policy.eager is not None:
+            self._policy.land_eager()  # nothing more when state_dict() already landed it
+            self._policy.drop_eager()
+            return loss
+        check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
+        refuse_plain_trainer(type(self).__name__, sys._getframe(1))
+        self._collect_stray_grads()
+        self._policy.mode.settle(self.buckets)
+        self._reconcile_written_weights()
+        self._policy.step(self._hyper)
+        return loss
+
+    def _reconcile_written_weights(self) -> None:
+        """Note [weights written outside the optimizer] in views/param_views.py."""
+        for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
+            bucket.store.check_usable()
+        for bucket in self.buckets:
+            if bucket.views.changed():
+                bucket.store.reconcile_master()
+                bucket.views.remember()
+
+    def _hyper(self, bucket: FlatBucket) -> Hyper:
+        return self._group_hyper(bucket.layout.group)
+
+    def _group_hyper(self, index: int) -> Hyper:
+        return self.rule.hyper(self.param_groups[index])
+
+    def flush_pending_update(self) -> None:
+        """With ``overlap_step``: finish the queued update and publish its weights now."""
+        self._check_open("flush_pending_update")
+        self._policy.mode.settle(self.buckets)
+
+    # -- zero_grad, state_dict -------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget every gradient since the last step, in flight or not (device and host)."""
+        super().zero_grad(set_to_none=True)
+        if self._finalizer.alive:
+            self._policy.discard_window(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
+        per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies.
+
+        Reads the state without changing training: with ``overlap_step`` it waits for the
+        pending update but does not publish it (Note [delayed parameter update])."""
+        self._check_open("state_dict")
+        self._policy.land_if_ran()  # the step has happened; the next step() only takes it
+        self._policy.mode.drain()
+        return optimizer_state(
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            skipped_steps=self.skipped_steps,
+            **self._policy.mode.saved_pending(self.buckets),
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
+        master weights are taken from the parameters). Everything is checked before anything
+        changes: a mismatch raises and leaves the optimizer as it was."""
+        self._check_open("load_state_dict")
+        self._policy.mode.drain()
+        # An announced step that ran is superseded by the loaded state; the window's
+        # gradients stay, and the next step() steps from what was loaded.
+        with self._policy.superseding_eager():
+            loaded = load_optimizer_state(
+                self.buckets,
+                self.param_groups,
+                state_dict,
+                comm=self.comm,
+                scaler=self.scaler,
+                rule=self.rule,
+            )
+        self._policy.drop_eager()
+        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
+
+    def save_streaming(self, path: str | os.PathLike[str]) -> None:
+        """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never
+        holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
+        ``path``. Like ``state_dict()`` it changes nothing about training."""
+        self._check_open("save_streaming")
+        self._policy.mode.drain()
+        streaming.save(
+            path,
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            skipped_steps=self.skipped_steps,
+            **self._policy.mode.saved_pending(self.buckets),
+            tile_elements=self.config.tile_elements,
+        )
+
+    def load_streaming(self, path: str | os.PathLike[str]) -> None:
+        """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile;
+        everything is checked first: a mismatch raises and changes nothing. The master
+        weights come from the checkpoint (the model's weights are the caller's to load)."""
+        self._check_open("load_streaming")
+        self._policy.mode.drain()
+        loaded = streaming.load(
+            path,
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            tile_elements=self.config.tile_elements,
+        )
+        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
+
+    def close(self) -> None:
+        """Publish a pending update, remove the hooks and give every pool back (device
+        pools: to the budget). Optional: an optimizer that is dropped is released the same
+        way (Note [lifetimes without close]).
+
+        The model keeps working (its parameters keep their memory); the optimizer refuses
+        further steps. Calling ``close`` again does nothing.
+        """
+        if not self._finalizer.alive:
+            return
+        try:
+            self._policy.land_if_ran()
+            self._policy.drop_eager()
+            self._policy.mode.settle(self.buckets)
+        finally:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (or construction failed)."""
+        return not self._finalizer.alive
+
+    def _check_open(self, what: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what}() after close(): its pools and streams are "
+                "gone; build a new optimizer (load_state_dict from a state_dict saved before "
+                "close)"
+            )

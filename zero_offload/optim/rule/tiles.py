@@ -1,0 +1,79 @@
+"""The CPU tile loop of the stores whose state lives on the host (RAM or NVMe), for any rule.
+
+Each tile waits for its gradient (Note [Adam follows the gradient in] in
+``grads/to_host.py``), runs the rule's ``tile_step`` over views of that tile's state, and is
+published (its H2D copy issued at once, or remembered for ``publish()``). The stores only
+say which tiles there are and where each tile's state is: a host-RAM store slices its
+tensors, an NVMe store streams records through its I/O buffers (Note [the step streams the
+state] in ``state/nvme.py``). The rule is elementwise, so tile boundaries do not change a
+bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...accelerator import Event
+from ..grads.path import GradientPath, GradSource
+from ..publish import WeightCopies
+from .base import Hyper, OptimizerRule
+
+__all__ = ["RuleTiles"]
+
+
+class RuleTiles:
+    """One update of one host-side bucket, tile by tile.
+
+    ``source``: the field holding the gradient (the plan's; the window's now when None).
+    ``publish``: issue each tile's weight copy as soon as it is written, after ``after``
+    (default: the compute issued so far); otherwise ``publish()`` issues them later.
+    """
+
+    def __init__(
+        self,
+        rule: OptimizerRule,
+        gradients: GradientPath,
+        publication: WeightCopies,
+        hyper: Hyper,
+        grad_scale: float,
+        *,
+        source: GradSource | None,
+        publish: bool,
+        after: list[Event] | None,
+    ) -> None:
+        self.rule = rule
+        self.gradients = gradients
+        self.publication = publication
+        self.hyper = hyper
+        self.grad_scale = grad_scale
+        self.source = source or gradients.window_source()
+        self.grad = gradients.gradient(self.source)  # (shard_numel,); reads declared per tile
+        self.publish = publish
+        self.after = publication.prepare(publish=publish, after=after)
+
+    def step(
+        self,
+        lo: int,
+        hi: int,
+        step: int,
+        fields: dict[str, torch.Tensor],
+        *,
+        out: torch.Tensor | None,
+        copy_master_to: torch.Tensor | None = None,
+    ) -> None:
+        """The rule over shard elements ``[lo, hi)``: ``fields`` are that tile's views of
+        the state (the rule's ``state_fields``); ``out`` receives the training-dtype weights
+        (None for fp32, whose home is a master); ``copy_master_to`` receives the fp32 master
+        where the home is not the master itself."""
+        self.gradients.await_grad(self.grad, self.source, lo, hi)
+        self.rule.tile_step(
+            fields,
+            self.grad[lo:hi],
+            step=step,
+            hyper=self.hyper,
+            grad_scale=self.grad_scale,
+            out=out,
+        )
+        if copy_master_to is not None:
+            copy_master_to.copy_(fields["master"])
+        self.publication.tile_written(lo, hi, publish=self.publish, after=self.after)
