@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py [--gpt-1b] [--skip-tests] [--skip-benchmarks] [--budget-s S]
     python benchmarks/gpu_check.py --only parity --phase-timeout parity-nvme=200  # a part
     python benchmarks/gpu_check.py --cpu-smoke   # every phase on the host accelerator, tiny
+    python benchmarks/gpu_check.py --north-star --skip-tests --skip-benchmarks --budget-s 480
     python benchmarks/gpu_check.py --cpu-smoke --inject-failure pinned  # the guards themselves
 
 It runs from a checkout with nothing installed: the checkout and ``benchmarks/`` go first on
@@ -30,6 +31,9 @@ soon as it is measured (the runs themselves are in ``_runs.py``):
   after construction and one warm-up step.
 - ``step-1b`` (``--gpt-1b``; a few minutes on its own): issue 15's 1.15B GPT, plain,
   announced and ``overlap_step`` against no offload; the target is offloaded <= 1.1x.
+- ``north-star`` (``--north-star``; about 6 minutes): ``north_star.py``, issue 39's table:
+  no offload, OffloadAdamW plain, announced and ``overlap_step`` under a 24 GiB cap, and
+  DeepSpeed ZeRO-2 with CPU offload, at 1.15B and 2.69B, 4 micro-batches and 1.
 - ``cuda-tests``, ``cuda-tests-sanitizer``: the CUDA cases of ``TEST_FILES`` (named, so a
   file that cannot be collected shows), then again under ``TORCH_CUDA_SANITIZER=1``.
 - ``benchmarks``: ``bench_cpu_adam --quick`` and ``bench_offload_step --quick``.
@@ -422,6 +426,15 @@ def step_1b(phase: Phase, target: Target, *, tokens: int, micro: int) -> None:
         )
 
 
+def north_star_phase(phase: Phase, target: Target) -> None:
+    import north_star
+
+    result = north_star.run_for(target, budget_s=330.0, emit=print)
+    phase.data["north_star"] = result
+    for name, value in north_star.report_rows(result["rows"], smoke=not target.cuda):
+        phase.row(name, value)
+
+
 # -- the test suite's CUDA cases, and the benchmarks ---------------------------------------------
 
 
@@ -545,6 +558,11 @@ def plan(args: argparse.Namespace, target: Target, out_dir: Path | None) -> list
             if args.gpt_1b and target.cuda
             else (no_cuda if args.gpt_1b else "not asked for (--gpt-1b)"),
         ),
+        *(  # issue 39's workload (north_star.py); only when asked: about 6 GPU minutes
+            [Planned("north-star", lambda p: north_star_phase(p, target), 420, 120)]
+            if args.north_star
+            else []
+        ),
         Planned(
             "cuda-tests",
             lambda p: cuda_tests(p, target, sanitizer=False, out_dir=out_dir),
@@ -592,6 +610,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpt-1b", action="store_true", help="issue 15's 1.15B GPT comparison")
     parser.add_argument("--gpt-1b-tokens", type=int, default=65536, help="tokens per step")
     parser.add_argument("--gpt-1b-micro", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--north-star", action="store_true", help="issue 39's north_star.py")
     parser.add_argument(
         "--budget-s", type=float, default=320.0, help="seconds for every phase (default 320)"
     )
