@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py [--gpt-1b] [--skip-tests] [--skip-benchmarks] [--budget-s S]
     python benchmarks/gpu_check.py --only parity --phase-timeout parity-nvme=200  # a part
     python benchmarks/gpu_check.py --cpu-smoke   # every phase on the host accelerator, tiny
+    python benchmarks/gpu_check.py --north-star --skip-tests --skip-benchmarks --budget-s 480
     python benchmarks/gpu_check.py --cpu-smoke --inject-failure pinned  # the guards themselves
 
 It runs from a checkout with nothing installed: the checkout and ``benchmarks/`` go first on
@@ -30,6 +31,9 @@ soon as it is measured (the runs themselves are in ``_runs.py``):
   after construction and one warm-up step.
 - ``step-1b`` (``--gpt-1b``; a few minutes on its own): issue 15's 1.15B GPT, plain,
   announced and ``overlap_step`` against no offload; the target is offloaded <= 1.1x.
+- ``north-star`` (``--north-star``; about 6 minutes): ``north_star.py``, issue 39's table:
+  no offload, OffloadAdamW plain, announced and ``overlap_step`` under a 24 GiB cap, and
+  DeepSpeed ZeRO-2 with CPU offload, at 1.15B and 2.69B, 4 micro-batches and 1.
 - ``cuda-tests``, ``cuda-tests-sanitizer``: the CUDA cases of ``TEST_FILES`` (named, so a
   file that cannot be collected shows), then again under ``TORCH_CUDA_SANITIZER=1``.
 - ``benchmarks``: ``bench_cpu_adam --quick`` and ``bench_offload_step --quick``.
@@ -50,7 +54,6 @@ import argparse
 import datetime
 import importlib.util
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -69,7 +72,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _common import machine, time_rounds  # noqa: E402
+from _common import time_rounds  # noqa: E402
+from _environment import environment  # noqa: E402
 from _phases import Faults, Phase, PhaseRunner, Report, Status  # noqa: E402
 from _runs import (  # noqa: E402
     BETAS,
@@ -80,7 +84,6 @@ from _runs import (  # noqa: E402
     STEP_VARIANTS,
     TINY_SIZES,
     WEIGHT_DECAY,
-    MiB,
     Sizes,
     Target,
     parity_run,
@@ -107,123 +110,6 @@ def _fmt_bytes(nbytes: float | None) -> str:
     from zero_offload.config import format_bytes
 
     return format_bytes(nbytes)
-
-
-# -- environment ---------------------------------------------------------------------------
-
-
-def environment(phase: Phase, nvme_dir: Path) -> None:
-    """Everything about the machine that a number below depends on. Imports nothing from
-    zero_offload, so it reports even when the package does not import."""
-    phase.row("python", f"{platform.python_version()} ({sys.executable})")
-    phase.row(
-        "torch",
-        f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}, "
-        f"cuDNN {torch.backends.cudnn.version() if torch.version.cuda else 'none'}, "
-        f"{torch.get_num_threads()} intra-op threads",
-    )
-    phase.data["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        phase.row(
-            "CUDA device",
-            f"{props.name}, compute {props.major}.{props.minor}, "
-            f"{props.total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} visible; "
-            f"driver API {_driver_api()}",
-        )
-        phase.data["gpu"] = props.name
-    else:
-        phase.row("CUDA device", "none visible to torch")
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        phase.row("nvidia-smi", "not on PATH")
-    else:
-        query = "--query-gpu=name,driver_version,memory.total,memory.used,power.limit"
-        what = "nvidia-smi (name, driver, memory, used, power)"
-        seconds = min(20.0, max(1.0, phase.remaining() - 1))
-        try:
-            proc = subprocess.run(
-                [smi, query, "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=seconds,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:  # a wedged driver: say so, report the rest
-            phase.row(what, f"no answer within {seconds:.0f} s", ok=False)
-        else:
-            out = (proc.stdout or proc.stderr).strip().replace("\n", "; ")
-            phase.row(what, out, ok=proc.returncode == 0)
-    try:
-        import numba
-
-        try:
-            layer = numba.threading_layer()
-        except ValueError:  # chosen at the first parallel launch (the kernels phase)
-            layer = f"not chosen yet (configured {numba.config.THREADING_LAYER!r})"
-        phase.row(
-            "numba",
-            f"{numba.__version__}, threading layer {layer}, {numba.get_num_threads()} threads",
-        )
-    except ImportError as exc:
-        phase.row("numba", f"not importable: {exc}", ok=False)
-    phase.row("CPU", _cpu_model())
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    phase.row("nproc (CPU affinity) / logical CPUs", f"{affinity} / {os.cpu_count()}")
-    phase.data["nproc"] = affinity
-    phase.row("host RAM total / available", _host_ram())
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / MiB:.1f} MiB"
-    phase.row("locked-memory limit (ulimit -l)", limit)
-    free = shutil.disk_usage(nvme_dir).free
-    phase.row(f"free disk in {nvme_dir} (the nvme phase, --nvme-dir)", f"{free / 2**30:.1f} GiB")
-
-
-def _driver_api() -> str:
-    """The CUDA version the driver supports, as the runtime reports it (nvidia-smi's
-    driver version is the other row)."""
-    try:
-        version = torch._C._cuda_getDriverVersion()  # e.g. 12040; private, hence the guard
-    except Exception as exc:
-        return f"unknown ({type(exc).__name__}: {exc})"
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
-def _cpu_model() -> str:
-    try:
-        import cpuinfo
-
-        info = cpuinfo.get_cpu_info()
-    except Exception as exc:  # py-cpuinfo missing, or it failed: /proc/cpuinfo instead
-        return f"{machine()['cpu']} (py-cpuinfo: {type(exc).__name__}: {exc})"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    flags = ",".join(f for f in wanted if f in set(info.get("flags", []))) or "none of " + ",".join(
-        wanted
-    )
-    return f"{info.get('brand_raw') or machine()['cpu']} ({info.get('arch', '?')}; {flags})"
-
-
-def _host_ram() -> str:
-    try:
-        import psutil
-
-        memory = psutil.virtual_memory()
-        total, available = memory.total, memory.available
-    except ImportError:  # /proc/meminfo counts in KiB
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        total, available = (int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
-    text = f"{total / 2**30:.1f} / {available / 2**30:.1f} GiB"
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            value = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if value.isdigit() and int(value) < total:
-            text += f" (container limit {int(value) / 2**30:.1f} GiB)"
-        break
-    return text
 
 
 # -- the package and its kernels -------------------------------------------------------------
@@ -422,6 +308,15 @@ def step_1b(phase: Phase, target: Target, *, tokens: int, micro: int) -> None:
         )
 
 
+def north_star_phase(phase: Phase, target: Target) -> None:
+    import north_star
+
+    result = north_star.run_for(target, budget_s=330.0, emit=print)
+    phase.data["north_star"] = result
+    for name, value in north_star.report_rows(result["rows"], smoke=not target.cuda):
+        phase.row(name, value)
+
+
 # -- the test suite's CUDA cases, and the benchmarks ---------------------------------------------
 
 
@@ -545,6 +440,11 @@ def plan(args: argparse.Namespace, target: Target, out_dir: Path | None) -> list
             if args.gpt_1b and target.cuda
             else (no_cuda if args.gpt_1b else "not asked for (--gpt-1b)"),
         ),
+        *(  # issue 39's workload (north_star.py); only when asked: about 6 GPU minutes
+            [Planned("north-star", lambda p: north_star_phase(p, target), 420, 120)]
+            if args.north_star
+            else []
+        ),
         Planned(
             "cuda-tests",
             lambda p: cuda_tests(p, target, sanitizer=False, out_dir=out_dir),
@@ -592,6 +492,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpt-1b", action="store_true", help="issue 15's 1.15B GPT comparison")
     parser.add_argument("--gpt-1b-tokens", type=int, default=65536, help="tokens per step")
     parser.add_argument("--gpt-1b-micro", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--north-star", action="store_true", help="issue 39's north_star.py")
     parser.add_argument(
         "--budget-s", type=float, default=320.0, help="seconds for every phase (default 320)"
     )

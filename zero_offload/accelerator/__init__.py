@@ -12,7 +12,15 @@ import threading
 import torch
 
 from ..config import AcceleratorConfig
-from .base import Accelerator, DeviceBuffer, DeviceLedger, Event, Stream, latest_per_stream
+from .base import (
+    Accelerator,
+    DeviceBuffer,
+    DeviceLedger,
+    Event,
+    PeakWindow,
+    Stream,
+    latest_per_stream,
+)
 from .cuda import CudaAccelerator, resolve_device_index
 from .host import HostAccelerator
 
@@ -24,6 +32,7 @@ __all__ = [
     "DeviceLedger",
     "Event",
     "HostAccelerator",
+    "PeakWindow",
     "Stream",
     "choose_accelerator",
     "get_accelerator",

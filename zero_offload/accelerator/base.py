@@ -64,6 +64,7 @@ __all__ = [
     "DeviceBuffer",
     "DeviceLedger",
     "Event",
+    "PeakWindow",
     "Stream",
     "latest_per_stream",
 ]
@@ -171,12 +172,38 @@ class DeviceBuffer:
         self.tensor = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
 
 
+class PeakWindow:
+    """The largest ``in_use`` of one ledger over a window of time, for one observer.
+
+    ``take()`` returns the peak since the window opened or since the previous ``take()``, and
+    starts the next window from the use at that moment. Unlike ``DeviceLedger.reset_peak``, it
+    leaves the ledger's own ``peak`` (what users read in ``memory_stats()``) alone, so several
+    observers (the profiler, a user's loop) never disturb each other. Written under the
+    ledger's lock, which guards ``_peak``.
+    """
+
+    def __init__(self, ledger: DeviceLedger, in_use: int) -> None:
+        self._ledger = ledger
+        self._peak = in_use  # bytes; guarded by the ledger's _lock
+
+    def take(self) -> int:
+        """Largest library-owned device bytes since the window opened or the last take."""
+        with self._ledger._lock:
+            peak, self._peak = self._peak, self._ledger.in_use
+            return peak
+
+    def close(self) -> None:
+        """Stop tracking; later ``take()`` calls return the current use."""
+        self._ledger._close_window(self)
+
+
 class DeviceLedger:
     """Counts library-owned device bytes against the budget.
 
     Stats, all in bytes: ``budget`` (the limit), ``in_use`` (reserved now), ``peak`` (largest
-    ``in_use`` seen since construction or ``reset_peak()``). ``_lock`` guards all three, since
-    copy-stream workers release memory too.
+    ``in_use`` seen since construction or ``reset_peak()``). ``_lock`` guards all three and the
+    open ``PeakWindow``s (each reservation raises their peaks), since copy-stream workers
+    release memory too.
     """
 
     def __init__(self, budget: int, budget_source: str) -> None:
@@ -184,7 +211,21 @@ class DeviceLedger:
         self.budget_source = budget_source
         self.in_use = 0
         self.peak = 0
+        self._windows: list[PeakWindow] = []  # open windows; usually none
         self._lock = threading.Lock()
+
+    def open_window(self) -> PeakWindow:
+        """A ``PeakWindow`` starting now (close it when done: each open one costs a compare
+        per reservation)."""
+        with self._lock:
+            window = PeakWindow(self, self.in_use)
+            self._windows.append(window)
+            return window
+
+    def _close_window(self, window: PeakWindow) -> None:
+        with self._lock:
+            if window in self._windows:
+                self._windows.remove(window)
 
     def reserve(self, nbytes: int, *, what: str) -> None:
         """Count ``nbytes`` as used, or raise ``DeviceBudgetExceeded`` and count nothing."""
@@ -200,6 +241,8 @@ class DeviceLedger:
                 )
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
+            for window in self._windows:
+                window._peak = max(window._peak, self.in_use)
 
     def release(self, nbytes: int) -> None:
         """Return ``nbytes`` to the budget."""

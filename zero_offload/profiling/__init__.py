@@ -28,6 +28,9 @@ def profile(
     ``prof.step()`` (about 20 us each).
 
     The profiler starts on ``__enter__`` and stops on ``__exit__``, which waits for the
-    copies still in flight so that the timeline is complete.
+    copies still in flight so that the timeline is complete. It reads device memory per step,
+    never per copy; on CUDA, while it records, it resets torch's peak memory statistics at
+    start and at each ``prof.step()`` (Note [the profiler reads memory per step, never per
+    copy] in ``recorder.py``).
     """
     return TrafficProfiler(targets, link_bandwidth=link_bandwidth, sample_rss=sample_rss)

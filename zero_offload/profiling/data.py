@@ -25,19 +25,23 @@ class PhaseSpan:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """Memory at one instant, in bytes.
+    """Memory at one instant, or over the window since the previous step sample, in bytes.
 
-    ``device``: library-owned device bytes (the accelerators' ledgers). ``device_pools`` and
-    ``host_pools``: bytes of blocks in use in the device and host pools (``None`` in samples
-    taken at a copy or a phase, where only the ledger is read). ``device_torch``: all memory torch has
-    allocated on the CUDA device, activations included (``None`` without CUDA).
+    ``device``: library-owned device bytes now (the accelerators' ledgers). The other fields
+    are ``None`` in samples taken when a phase ends, and filled in step samples (start,
+    ``prof.step()``, stop; Note [the profiler reads memory per step, never per copy] in
+    ``recorder.py``): ``device_pools`` and ``host_pools``, bytes of blocks in use in the device
+    and host pools now; ``device_peak``, the ledgers' largest use since the previous step
+    sample; ``device_torch_peak``, the most memory torch had allocated on the CUDA devices
+    since the previous step sample, activations included (``None`` without CUDA).
     """
 
     at: float
     device: int
     device_pools: int | None
     host_pools: int | None
-    device_torch: int | None
+    device_peak: int | None
+    device_torch_peak: int | None
 
 
 @dataclass

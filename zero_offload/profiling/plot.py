@@ -218,8 +218,8 @@ def _tiers(data: ProfileData) -> list[tuple[str, list[tuple[str, float]]]]:
     pools = data.pools_end or data.pools_start
     device = [p for p in pools.values() if p.get("kind") == "device"]
     host = [p for p in pools.values() if p.get("kind") != "device"]
-    torch_peak = max((s.device_torch or 0 for s in data.memory), default=0)
-    ledger_peak = max((s.device for s in data.memory), default=0)
+    torch_peak = max((s.device_torch_peak or 0 for s in data.memory), default=0)
+    ledger_peak = max((max(s.device, s.device_peak or 0) for s in data.memory), default=0)
     tiers = [
         (
             "device",

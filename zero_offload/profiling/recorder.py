@@ -6,6 +6,22 @@ the compute stream]), the ``tracing.phase`` spans, samples of the device
 ledger and the pools, and the managers' ``exposed_seconds`` and pool stats at start and stop.
 Everything it reports is derived from those in ``summary.py``.
 
+Note [the profiler reads memory per step, never per copy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A copy listener runs on the thread that issues the copy, often autograd's, thousands of
+times a step; ``torch.cuda.memory_allocated()`` rebuilds the allocator's stats dict at every
+call (about 0.1-0.2 ms, estimated from the H200 traces of issue 39), and profiled steps
+there ran about a second slower. So a copy only appends its record. Memory is read at three
+rates:
+- per step (``start``, ``prof.step()``, ``stop``): the peaks since the previous step sample,
+  exact rather than sampled: the ledger's through a ``PeakWindow`` (which leaves the ledger's
+  own ``peak`` alone), torch's through ``max_memory_allocated`` followed by
+  ``reset_peak_memory_stats`` (so, while recording, the profiler owns torch's peak
+  statistics on its CUDA devices); and the pools and the process's RSS;
+- per phase (a phase ends at most a few times per bucket): the ledger's current use, one
+  lock and no allocator call, for the trace's memory track;
+- per copy: nothing.
+
 Layering: ``data.py`` holds what is recorded; the recorder writes it, and the writers
 (``summary``, ``report``, ``chrome_trace``, ``plot``) only read it. Nothing imports the
 recorder back.
@@ -24,7 +40,7 @@ from typing import Any
 import psutil
 import torch
 
-from ..accelerator import Accelerator
+from ..accelerator import Accelerator, PeakWindow
 from ..collectives import CommCounters
 from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
@@ -115,6 +131,8 @@ class TrafficProfiler:
         self._sample_rss = sample_rss
         self._process = psutil.Process()
         self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
+        # Open while recording: each accelerator ledger's peak since the last step sample.
+        self._windows: list[PeakWindow] = []
         self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
         self.data.comm_counters = resolve_comm_counters(targets)
         self.state = ProfilerState.READY
@@ -140,11 +158,13 @@ class TrafficProfiler:
         data.exposed_start = [self._exposed(m) for m in data.managers]
         data.pools_start = self._pool_stats()
         data.comm_start = [counters.snapshot() for counters in data.comm_counters]
+        self._windows = [acc.ledger.open_window() for acc in self._accelerators]
+        self._torch_peak()  # starts torch's peak window
         for index, manager in enumerate(data.managers):
             self._detach.append(manager.subscribe(self._copy_listener(index)))
         self._detach.append(add_phase_listener(self._on_phase))
         data.started_at = time.perf_counter()
-        self._sample(pools=True, rss=True)
+        self._sample_step(rss=True)
         return self
 
     def stop(self, *, wait: bool = True) -> None:
@@ -165,7 +185,9 @@ class TrafficProfiler:
             # report and the trace need every one of them finished.
             for manager in data.managers:
                 manager.synchronize()
-        self._sample(pools=True, rss=True)
+        self._sample_step(rss=True)
+        for window in self._windows:
+            window.close()
         data.stopped_at = time.perf_counter()
         data.exposed_end = [self._exposed(m) for m in data.managers]
         data.pools_end = self._pool_stats()
@@ -185,7 +207,7 @@ class TrafficProfiler:
                 f"prof.step() is for a recording profiler; this one is {self.state.value}"
             )
         self.data.step_marks.append(time.perf_counter())
-        self._sample(pools=True, rss=self._sample_rss)
+        self._sample_step(rss=self._sample_rss)
 
     # -- listeners ---------------------------------------------------------------------
 
@@ -193,40 +215,56 @@ class TrafficProfiler:
         copies, stalls = self.data.copies, self.data.stalls
 
         def on_copy(record: Record) -> None:
+            # No memory read here: Note [the profiler reads memory per step, never per copy].
             if isinstance(record, StallRecord):
                 stalls.append((index, record))
-                return
-            copies.append((index, record))
-            self._sample(pools=False, rss=False)
+            else:
+                copies.append((index, record))
 
         return on_copy
 
     def _on_phase(self, name: str, track: str, start: float, end: float) -> None:
         self.data.phases.append(PhaseSpan(name, track, start, end))
-        self._sample(pools=False, rss=False)
-
-    def _sample(self, *, pools: bool, rss: bool) -> None:
+        # The ledger's use only (one lock): Note [the profiler reads memory per step, ...].
         device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
-        device_pools = host_pools = None
-        if pools:
-            device_pools = host_pools = 0
-            for manager in self.data.managers:
-                for pool in manager.pools:
-                    in_use = int(pool.stats()["bytes_in_use"])
-                    if pool.kind == "device":
-                        device_pools += in_use
-                    else:
-                        host_pools += in_use
-        device_torch = (
-            sum(torch.cuda.memory_allocated(d) for d in self._cuda_devices)
-            if self._cuda_devices
-            else None
-        )
+        self.data.memory.append(MemorySample(time.perf_counter(), device, None, None, None, None))
+
+    def _sample_step(self, *, rss: bool) -> None:
+        """The per-step sample: peaks since the previous one, the pools, the RSS."""
+        device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
+        device_peak = sum(window.take() for window in self._windows)
+        device_pools = host_pools = 0
+        for manager in self.data.managers:
+            for pool in manager.pools:
+                in_use = int(pool.stats()["bytes_in_use"])
+                if pool.kind == "device":
+                    device_pools += in_use
+                else:
+                    host_pools += in_use
         self.data.memory.append(
-            MemorySample(time.perf_counter(), device, device_pools, host_pools, device_torch)
+            MemorySample(
+                time.perf_counter(),
+                device,
+                device_pools,
+                host_pools,
+                device_peak,
+                self._torch_peak(),
+            )
         )
         if rss:
             self.data.rss_peak = max(self.data.rss_peak, self._process.memory_info().rss)
+
+    def _torch_peak(self) -> int | None:
+        """Bytes torch allocated at most on the CUDA devices since the previous call, and a
+        new window from now (None without CUDA). Hidden cost: each call builds the
+        allocator's stats twice per device; per step only."""
+        if not self._cuda_devices:
+            return None
+        peak = 0
+        for device in self._cuda_devices:
+            peak += torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
 
     def _exposed(self, manager: TieredMemoryManager) -> dict[Category, float]:
         # dict() of a dict copies it under the GIL in one step: no torn read.

@@ -215,6 +215,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "exposed_seconds": total_exposed / steps,
         }
     host_pools = [p for p in pools if p["kind"] != "device"]
+    peaks = [m.device_peak for m in data.memory]  # exact, from the step samples' windows
     return {
         "duration_seconds": duration,
         "steps": steps,
@@ -239,9 +240,9 @@ def summarize(data: ProfileData) -> dict[str, Any]:
         "phases": _phase_rows(data.phases),
         "memory": {
             "device_budget": data.device_budget,
-            "device_peak_bytes": _peak([m.device for m in data.memory]),
+            "device_peak_bytes": _peak([m.device for m in data.memory] + peaks),
             "device_pools_peak_bytes": _peak([m.device_pools for m in data.memory]),
-            "device_torch_peak_bytes": _peak([m.device_torch for m in data.memory]),
+            "device_torch_peak_bytes": _peak([m.device_torch_peak for m in data.memory]),
             "host_pools_peak_bytes": _peak([m.host_pools for m in data.memory]),
             "host_reserved_bytes": sum(p["capacity_bytes"] for p in host_pools),
             "process_rss_peak_bytes": data.rss_peak or None,
