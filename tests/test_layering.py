@@ -3,8 +3,9 @@ from a lower layer to a higher one.
 
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
-0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``, ``post_import``: plain
-   types, settings, the phase hook, atomic file writes, progress bars, hooks on import.
+0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``, ``post_import``,
+   ``hook_errors``: plain types, settings, the phase hook, atomic file writes, progress
+   bars, hooks on import, errors kept from autograd's hooks.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``, ``thread_budget``: devices
    and streams, numba kernels, which rank owns which slice, stateless collectives, how many
    threads each team may use.
@@ -63,6 +64,7 @@ LAYERS: dict[str, int] = {
     "fileio": 0,
     "progress": 0,
     "post_import": 0,
+    "hook_errors": 0,
     "accelerator": 1,
     "kernels": 1,
     "partition": 1,

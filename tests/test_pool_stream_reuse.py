@@ -15,6 +15,8 @@ from zero_offload.config import AcceleratorConfig
 from zero_offload.errors import StreamRaceError
 from zero_offload.memory.pool import BlockPool
 
+pytestmark = pytest.mark.simulator_only  # a simulated slow link and the race checker
+
 LATENCY = 0.4  # seconds each simulated copy takes
 BLOCK = 4096
 

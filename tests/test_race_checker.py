@@ -16,6 +16,8 @@ from zero_offload.errors import StreamError, StreamRaceError
 from zero_offload.memory.manager import Tier, TieredMemoryManager
 from zero_offload.memory.traffic import Category, Direction
 
+pytestmark = pytest.mark.simulator_only  # the race checker is the host accelerator's
+
 NBYTES = 4096
 
 

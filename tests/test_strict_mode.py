@@ -22,6 +22,8 @@ from zero_offload.config import AcceleratorConfig
 from zero_offload.errors import StreamError
 from zero_offload.memory.pool import BlockPool
 
+pytestmark = pytest.mark.simulator_only  # strict mode is the host accelerator's
+
 MISMATCH = r"Expected all tensors to be on the same device"
 
 

@@ -42,6 +42,19 @@ the compute stream that reads weights or writes gradients (``stream=current_stre
 CPU loop over pinned memory (``stream=None``: the calling thread), a task queued on the host
 worker (``stream=host_worker``). Declaring costs nothing without the checker, and nothing on
 CUDA, where ``TORCH_CUDA_SANITIZER=1`` checks the real kernels instead.
+
+Note [metadata ops are recorded on the current stream]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch's CUDA sanitizer records every op on the stream current when it is dispatched, and
+an op that returns ``Tensor(a!)`` counts as a write of the result's bytes, even when it
+touches no byte: ``tensor.set_(storage, ...)`` building a view is a "write" on the default
+stream. A copy on another stream into those bytes then races in the sanitizer's eyes unless
+that stream waited for the default one. So an op that builds a view of bytes a copy stream
+fills next is issued with that stream current, ``with accelerator.stream_context(stream):``
+(CUDA: ``torch.cuda.stream``), which is also the true order: nothing reads the view before
+the copy's event. On the host accelerator ``current_stream()`` returns ``stream`` inside the
+block, so accesses declared there (Note [declaring stream accesses]) are recorded on it, as
+the sanitizer records them on CUDA; the ops themselves still run inline on the caller.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,6 +333,15 @@ class Accelerator(ABC):
     @abstractmethod
     def current_stream(self) -> Stream:
         """The stream that the caller's compute (forward, backward) runs on."""
+
+    @abstractmethod
+    def stream_context(self, stream: Stream) -> AbstractContextManager[None]:
+        """Make ``stream`` this thread's current stream inside the ``with`` block.
+
+        For ops that build views of bytes ``stream`` writes next, and for accesses declared
+        there: Note [metadata ops are recorded on the current stream]. Work that touches
+        bytes goes through ``stream.submit`` or ``copy_``, never through this block.
+        """
 
     @abstractmethod
     def synchronize(self) -> None:

@@ -37,7 +37,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -407,6 +408,8 @@ class CudaAccelerator(Accelerator):
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._library = LibraryRanges()  # Note [library storages by address range]
         self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self)
+        # Per thread: the stream made current by ``stream_context``, if any (``stream``).
+        self._current = threading.local()
 
     @property
     def pinned_memory_available(self) -> bool:
@@ -423,10 +426,26 @@ class CudaAccelerator(Accelerator):
         return stream
 
     def current_stream(self) -> CudaStream:
+        chosen = getattr(self._current, "stream", None)
+        if chosen is not None:  # inside stream_context: that stream, by its own name
+            return chosen
         current = torch.cuda.current_stream(self.device)
         if current != self._compute.stream:
             self._compute = CudaStream(current, "compute", self)
         return self._compute
+
+    @contextmanager
+    def stream_context(self, stream: Stream) -> Iterator[None]:
+        # Note [metadata ops are recorded on the current stream] in base.py
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            with torch.cuda.stream(stream.stream):
+                yield
+        finally:
+            self._current.stream = previous
 
     def synchronize(self) -> None:
         for stream in list(self._streams):

@@ -15,9 +15,11 @@ See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, 
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -147,6 +149,9 @@ class HostAccelerator(Accelerator):
         self.index = STRICT_DEVICE_INDEX if self.strict else 0
         self._guard: Guard | None = device_guard(self.index) if self.strict else None
         self._streams: weakref.WeakSet[HostStream] = weakref.WeakSet()
+        # Per thread: the stream made current by ``stream_context``, if any (attribute
+        # ``stream``); compute otherwise.
+        self._current = threading.local()
         self._compute: CallerStream
         if self._guard is not None:
             self._compute = StrictCallerStream(checker=self.race_checker, guard=self._guard)
@@ -173,8 +178,21 @@ class HostAccelerator(Accelerator):
         self._streams.add(stream)
         return stream
 
-    def current_stream(self) -> CallerStream:
-        return self._compute
+    def current_stream(self) -> Stream:
+        return getattr(self._current, "stream", None) or self._compute
+
+    @contextmanager
+    def stream_context(self, stream: Stream) -> Iterator[None]:
+        # Note [metadata ops are recorded on the current stream] in base.py: the ops in the
+        # block run inline here; only the stream that declared accesses are recorded on moves.
+        if self._guard is not None:
+            self._guard(f"stream {stream.name!r}")
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
 
     def synchronize(self) -> None:
         for stream in list(self._streams):

@@ -36,11 +36,15 @@ Only buffers the accelerator allocated (pool buffers, device buffers, host alloc
 tracked; their accesses come from the copy primitive automatically, and from
 ``Accelerator.declare_access`` for work the library cannot see (compute kernels, CPU loops,
 host-worker tasks). Tensors the library did not allocate are ignored: their addresses may be
-reused by the CPU allocator, which would make stale records look like races.
+reused by the CPU allocator, which would make stale records look like races. A tensor over
+a storage of its own that lies inside a tracked buffer (a reloaded activation over its
+storage slice of a pool buffer, ``activations/layout.py``) is an access to that buffer: the
+buffer is found by address range, since the slice exists only while the buffer does.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import os
@@ -143,6 +147,7 @@ class RaceChecker:
         self._stream_lanes: weakref.WeakKeyDictionary[object, Lane] = weakref.WeakKeyDictionary()
         self._thread_lanes = threading.local()
         self._buffers: dict[int, _Buffer] = {}  # by storage address
+        self._starts: list[int] = []  # the keys of _buffers, sorted (lookup by range)
         #: Accesses checked against the records so far (tracked buffers only).
         self.accesses_checked = 0
 
@@ -223,6 +228,8 @@ class RaceChecker:
             namer = _weak_namer(weakref.WeakMethod(namer))
         buffer = _Buffer(name, storage.nbytes(), [], namer)
         with self._lock:
+            if storage.data_ptr() not in self._buffers:
+                bisect.insort(self._starts, storage.data_ptr())
             self._buffers[storage.data_ptr()] = buffer
         # The allocation's own tensor: views keep it alive, so it dies with the last of them.
         weakref.finalize(tensor, self._forget, storage.data_ptr(), buffer)
@@ -231,6 +238,19 @@ class RaceChecker:
         with self._lock:
             if self._buffers.get(address) is buffer:  # not a later allocation at that address
                 del self._buffers[address]
+                self._starts.pop(bisect.bisect_left(self._starts, address))
+
+    def _buffer_locked(self, storage: int) -> tuple[int, _Buffer | None]:
+        # The tracked buffer whose bytes hold ``storage`` (its start), and that buffer's start.
+        buffer = self._buffers.get(storage)
+        if buffer is not None:
+            return storage, buffer
+        index = bisect.bisect_right(self._starts, storage) - 1
+        if index < 0:
+            return storage, None
+        start = self._starts[index]
+        buffer = self._buffers[start]
+        return (start, buffer) if storage < start + buffer.nbytes else (storage, None)
 
     def access(
         self, tensor: torch.Tensor, *, stream: object | None, kind: AccessKind, what: str
@@ -244,16 +264,14 @@ class RaceChecker:
             raise TypeError(f"kind must be an AccessKind, got {kind!r}")
         if tensor.numel() == 0:
             return
-        storage = tensor.untyped_storage()
-        base = storage.data_ptr()
-        lo = tensor.data_ptr() - base
         span = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-        hi = lo + span * tensor.element_size()
         where = _caller()
         with self._lock:
-            buffer = self._buffers.get(base)
+            base, buffer = self._buffer_locked(tensor.untyped_storage().data_ptr())
             if buffer is None:
                 return
+            lo = tensor.data_ptr() - base
+            hi = lo + span * tensor.element_size()
             lane = self._issue_locked(stream)
             clock = self._clocks[lane.id]
             self.accesses_checked += 1

@@ -23,6 +23,16 @@ with the saved shape and strides over a device block, placed so that its data po
 the saved one's remainder modulo ``LAYOUT_ALIGN`` bytes (the block is that much longer;
 pool blocks start aligned, so an aligned tensor costs nothing more). The cost: a view with
 gaps (a slice of a fused projection) moves the bytes between its elements too.
+
+Note [a reloaded view is built on the stream that fills it]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The tensor over a block is made with ``set_``, which touches no byte but which CUDA's
+sanitizer records as a write on the current stream (Note [metadata ops are recorded on the
+current stream] in accelerator/base.py). The bytes are written next by the copy back on
+``h2d`` and read by compute only after waiting for that copy's event, so the view is built
+with ``h2d`` current: the order the sanitizer sees is the true one, and nothing is silenced.
+The same "write" is declared to the host race checker on the current stream, so a view
+built on any other stream fails there, before a GPU run.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..accelerator import Accelerator, Stream
 from ..memory.block import Block
 
 __all__ = ["LAYOUT_ALIGN", "span_of", "tensor_over_block"]
@@ -49,9 +60,17 @@ def span_of(tensor: torch.Tensor) -> int:
 
 
 def tensor_over_block(
-    block: Block, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[], None]
+    block: Block,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    on_free: Callable[[], None],
+    *,
+    accelerator: Accelerator,
+    fill_stream: Stream,
 ) -> torch.Tensor:
-    """A contiguous ``dtype`` tensor of ``shape`` over its own storage slice of ``block``.
+    """A contiguous ``dtype`` tensor of ``shape`` over its own storage slice of ``block``,
+    built on ``fill_stream``, the stream that writes the block next (Note [a reloaded view
+    is built on the stream that fills it]).
 
     ``on_free()`` runs when that storage dies; see Note [device blocks live as long as
     their storage].
@@ -59,6 +78,13 @@ def tensor_over_block(
     flat = block.view(torch.uint8)  # pins the block in place; see the Note
     start = flat.storage_offset()
     storage = flat.untyped_storage()[start : start + block.nbytes]
-    tensor = flat.new_empty(0, dtype=dtype).set_(storage, 0, shape)
+    with accelerator.stream_context(fill_stream):
+        tensor = flat.new_empty(0, dtype=dtype).set_(storage, 0, shape)
+        accelerator.declare_access(
+            tensor,
+            stream=accelerator.current_stream(),
+            write=True,
+            what="set_ building a reloaded activation's view (a write to CUDA's sanitizer)",
+        )
     weakref.finalize(storage, on_free)
     return tensor

@@ -383,6 +383,8 @@ class ActivationOffloader:
             functools.partial(
                 self._deferred.put, functools.partial(self._free_device_block, block, record.nbytes)
             ),
+            accelerator=self.accelerator,
+            fill_stream=self.manager.h2d,  # Note [a reloaded view is built on the stream ...]
         )
         # Note [saved layout comes back] (layout.py): the saved strides and pointer alignment
         itemsize = flat.element_size()

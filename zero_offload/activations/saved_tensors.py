@@ -16,6 +16,7 @@ from torch import nn
 
 from ..accelerator.capture import eager_only
 from ..config import parse_bytes
+from ..hook_errors import reported
 from .offloader import ActivationOffloader, default_offloader
 from .policy import excluded_storages, is_offloadable
 from .record import SavedActivation
@@ -45,8 +46,11 @@ def offload_hooks(
     def unpack(saved: torch.Tensor | SavedActivation) -> torch.Tensor:
         return offloader.unpack(saved) if isinstance(saved, SavedActivation) else saved
 
-    # Note [no graph capture of library work] in accelerator/capture.py
-    return torch.autograd.graph.saved_tensors_hooks(eager_only(pack), eager_only(unpack))
+    # Note [no graph capture of library work] in accelerator/capture.py; Note [errors raised
+    # inside autograd hooks] in hook_errors.py
+    return torch.autograd.graph.saved_tensors_hooks(
+        eager_only(reported(pack)), eager_only(reported(unpack))
+    )
 
 
 @contextmanager

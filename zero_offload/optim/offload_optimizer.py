@@ -39,6 +39,7 @@ import torch
 from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
+from ..hook_errors import backward as backward_reporting_hooks
 from ..memory.manager import TieredMemoryManager
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
@@ -337,7 +338,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.announce_step()
         if self.loss_scale != 1.0:
             loss = loss * self.loss_scale
-        loss.backward(**kwargs)
+        backward_reporting_hooks(loss, **kwargs)  # Note [errors raised inside autograd hooks]
 
     def can_step_during_backward(self) -> bool:
         """Whether an announced step (``backward(step=True)``, ``announce_step()``) would

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..collectives import surface_collective_errors
+from ..hook_errors import reported
 from ..memory.manager import TieredMemoryManager
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
@@ -120,7 +121,8 @@ class BackwardRouter:
                 hook: Callable[[torch.Tensor], None] = functools.partial(
                     _on_grad, ref, bucket, slot_index
                 )
-                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                # Note [errors raised inside autograd hooks] in hook_errors.py
+                self._hooks.append(param.register_post_accumulate_grad_hook(reported(hook)))
         self.buckets.extend(buckets)
         self.order.buckets_added()
 
