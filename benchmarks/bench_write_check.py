@@ -86,6 +86,66 @@ def _measure(dtype: torch.dtype, steps: int, scale, *, streamed: bool) -> dict[s
     return out
 
 
+def _slot_by_slot(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The device fingerprints as they were taken before Note [one fingerprint pass per
+    bucket]: each slot's chunks summed apart (the same numbers)."""
+    ints = flat.view(param_views._SAME_SIZE_INT[flat.element_size()])
+    sums = []
+    for start, end in ranges:
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for lo in range(start, end, param_views._DEVICE_CHUNK):
+            hi = min(end, lo + param_views._DEVICE_CHUNK)
+            total += param_views._mixed_terms(ints[lo:hi], lo).sum()
+        sums.append(total)
+    return torch.stack(sums)
+
+
+def _device_path(rounds: int) -> list[str]:
+    """The GPU path's fingerprint of one bucket of many small parameters (a GPT's norms and
+    biases), run on the CPU: ms per bucket, one pass against slot by slot, median of
+    interleaved rounds. On a GPU the cost is the kernels launched, about proportional to
+    the ops dispatched, which the table gives too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    lines = ["| bucket | way | ops dispatched | ms per bucket | slot by slot / one pass |"]
+    lines.append("|---|---|---:|---:|---:|")
+    for count, size in ((400, 1024), (40, 65536)):
+        flat = torch.randn(count * size).to(torch.bfloat16)
+        ranges = [(i * size, i * size + size - 16) for i in range(count)]
+        ways = {
+            "slot by slot (before)": _slot_by_slot,
+            "one pass (now)": param_views._device_fingerprints,
+        }
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        ops = {}
+        for name, fn in ways.items():
+            Count.ops = 0
+            with Count():
+                fn(flat, ranges)
+            ops[name] = Count.ops
+        for _ in range(rounds):  # interleaved, after the warm-up above
+            for name, fn in ways.items():
+                t0 = time.perf_counter()
+                fn(flat, ranges)
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        ratio = med["slot by slot (before)"] / med["one pass (now)"]
+        for name in ways:
+            shown = f"**{ratio:.1f}**" if name.startswith("one") else ""
+            lines.append(
+                f"| {count} x {size} bf16 | {name} | {ops[name]} | {med[name] * 1e3:.2f} | "
+                f"{shown} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
@@ -110,8 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
             )
             print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
             result["rows"].append({"dtype": str(dtype), "streamed": streamed, **r})
+    device = _device_path(3 if args.tiny else 9)
+    result["device_path"] = device
     print()
     print("\n".join(lines))
+    print("\nThe GPU path's fingerprint, on the CPU (Note [one fingerprint pass per bucket]):")
+    print("\n".join(device))
     path = write_json("bench_write_check_tiny" if args.tiny else "bench_write_check", result)
     print(f"\nwrote {path}")
     return result

@@ -41,6 +41,7 @@ from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..hook_errors import backward as backward_reporting_hooks
 from ..memory.manager import TieredMemoryManager
+from ..views.param_views import changed_params_of
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
 from .checks import check_new_params, check_untouched, split_names
@@ -456,8 +457,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Note [weights written outside the optimizer] in views/param_views.py."""
         for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
             bucket.store.check_usable()
-        for bucket in self.buckets:
-            if bucket.views.changed():
+        # Every bucket's check, read once (Note [one fingerprint pass per bucket]).
+        written = changed_params_of([bucket.views for bucket in self.buckets])
+        for bucket, params in zip(self.buckets, written, strict=True):
+            if params:
                 bucket.store.reconcile_master()
                 bucket.views.remember()
 

@@ -248,6 +248,10 @@ class WindowedViews(ParamViews):
         self.versions = self.current_versions()
         self._disk_seen = self.nvme_home.written
 
+    def device_written(self) -> torch.Tensor | None:
+        """None for a home on NVMe (``changed_params`` decides by the file's writes)."""
+        return None if self.nvme_home is not None else super().device_written()
+
     def changed_params(self) -> list[torch.nn.Parameter]:
         """For a home on NVMe: every parameter when the file was written outside the step
         since ``remember()`` (the reconciliation compares by value, tile by tile)."""

@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from ..accelerator import Event
     from ..memory.manager import TieredMemoryManager
 
-__all__ = ["ParamViews"]
+__all__ = ["ParamViews", "changed_params_of"]
 
 #: The integer dtype of each element size, to read a weight's bit pattern.
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -109,10 +109,11 @@ def _host_addressable(flat: torch.Tensor) -> bool:
     return flat.device.type == "cpu"
 
 
-def _mixed_sum(bits: torch.Tensor, first: int) -> torch.Tensor:
-    """The position-mixed sum of ``bits`` (an integer view of weights whose first element
-    sits at position ``first`` of the bucket), an int64 scalar on their device. Integer
-    products and sums wrap modulo 2**64, on the CPU and on CUDA alike."""
+def _mixed_terms(bits: torch.Tensor, first: int) -> torch.Tensor:
+    """The position-mixed term of each element of ``bits`` (an integer view of weights whose
+    first element sits at position ``first`` of the bucket), int64 on their device; the
+    fingerprint of a range is the sum of its terms. Integer products and sums wrap modulo
+    2**64, on the CPU and on CUDA alike."""
     size = bits.element_size()
     mixed = bits.to(torch.int64, copy=True)  # a copy even for 8-byte weights: mixed in place
     if size < 8:
@@ -124,20 +125,51 @@ def _mixed_sum(bits: torch.Tensor, first: int) -> torch.Tensor:
     # Fold the high half into the low (a logical shift: the arithmetic one is masked), so
     # that the terms are not linear in the values (a linear sum cancels some swaps).
     mixed.bitwise_xor_(factor.copy_(mixed).bitwise_right_shift_(32).bitwise_and_(_LOW32))
-    return mixed.sum()
+    return mixed
+
+
+# Note [one fingerprint pass per bucket]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On a GPU the fingerprints were taken slot by slot: about 9 kernels per 4M-element chunk of
+# every parameter, twice per step, so a bucket of 400 small parameters launched thousands
+# of kernels (the H200 run: ~35 ms of a 90 ms step at 27M parameters). Now the terms of a
+# whole chunk of the bucket are computed at once and summed by a running sum (``cumsum``,
+# wrapping modulo 2**64 like the sums it replaces); each slot's piece of the chunk is the
+# difference of the running sum at its two ends, and ``index_add_`` adds the pieces into
+# the slots' fingerprints: a dozen kernels per chunk of the bucket, whatever its number of
+# parameters, and the same numbers as the slot-by-slot sums. The gaps between slots (Note
+# [slots are aligned] in partition.py) are mixed too but fall between the ends, so they
+# count nowhere. The comparison is read on the host once per step for every bucket
+# together (``changed_params_of``), not once per bucket.
 
 
 def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """One position-mixed int64 fingerprint per ``(start, end)`` range of ``flat``, as an
-    int64 tensor on ``flat``'s device; see Note [weights written outside the optimizer]."""
+    """One position-mixed int64 fingerprint per ``(start, end)`` range of ``flat`` (sorted,
+    not overlapping), as an int64 tensor on ``flat``'s device; see Note [weights written
+    outside the optimizer] and Note [one fingerprint pass per bucket]."""
     ints = flat.detach().view(_SAME_SIZE_INT[flat.element_size()])
-    sums = []
-    for start, end in ranges:
-        total = torch.zeros((), dtype=torch.int64, device=flat.device)
-        for lo in range(start, end, _DEVICE_CHUNK):
-            total += _mixed_sum(ints[lo : min(end, lo + _DEVICE_CHUNK)], lo)
-        sums.append(total)
-    return torch.stack(sums)
+    device = flat.device
+    out = torch.zeros(len(ranges), dtype=torch.int64, device=device)
+    if not ranges:
+        return out
+    first, last = ranges[0][0], max(end for _, end in ranges)
+    for lo in range(first, last, _DEVICE_CHUNK):
+        hi = min(last, lo + _DEVICE_CHUNK)
+        pieces = [
+            (i, max(start, lo) - lo, min(end, hi) - lo)
+            for i, (start, end) in enumerate(ranges)
+            if start < hi and end > lo
+        ]
+        if not pieces:
+            continue
+        running = torch.zeros(hi - lo + 1, dtype=torch.int64, device=device)
+        torch.cumsum(_mixed_terms(ints[lo:hi], lo), 0, out=running[1:])
+        # One small host-to-device copy of the pieces' indices (pinned memory is not worth
+        # it for a few hundred int64s; non_blocking from pageable memory is synchronous).
+        index = torch.tensor(pieces, dtype=torch.int64).to(device)
+        sums = running.index_select(0, index[:, 2]).sub_(running.index_select(0, index[:, 1]))
+        out.index_add_(0, index[:, 0], sums)
+    return out
 
 
 class _StreamedHashes:
@@ -327,9 +359,24 @@ class ParamViews:
             return None
         now = self._fingerprint(flat)
         if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):
-            # Synchronisation point (GPU): the comparison's result is read on the host.
+            # Synchronisation point (GPU): the comparison's result is read on the host
+            # (``changed_params_of`` reads every bucket's at once).
             return torch.nonzero(now != before).flatten().tolist()
         return [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a != b]  # type: ignore[arg-type]
+
+    def device_written(self) -> torch.Tensor | None:
+        """``changed_params()`` as a comparison still on the device, one bool per slot, or
+        None where the check is not one (host-addressable weights, nothing remembered): then
+        ``changed_params()`` decides. Starts a new check like ``changed_params()``."""
+        if self._stamp is None or self.versions is None:
+            return None
+        flat = self.bound_to()
+        ptr, before = self._stamp
+        if flat.data_ptr() != ptr or not isinstance(before, torch.Tensor):
+            return None
+        self._streamed = None  # a new check (Note [one cold hash per step])
+        now = self._fingerprint(flat)
+        return now != before if isinstance(now, torch.Tensor) else None
 
     def changed(self) -> bool:
         """Whether something wrote new values into a parameter since ``remember()``."""
@@ -416,3 +463,22 @@ class ParamViews:
         """Return ``weights_dev`` to its pool (the parameters keep pointing at it: only for
         an optimizer whose model is going away or was unbound)."""
         self.block.free()
+
+
+def changed_params_of(all_views: Sequence[ParamViews]) -> list[list[torch.nn.Parameter]]:
+    """``changed_params()`` of each of ``all_views``, reading every device comparison on the
+    host at once (Note [one fingerprint pass per bucket])."""
+    masks = [views.device_written() for views in all_views]
+    on_device = [mask for mask in masks if mask is not None]
+    # Synchronisation point (GPU): the one read of every bucket's comparison.
+    flags = torch.cat(on_device).tolist() if on_device else []
+    out: list[list[torch.nn.Parameter]] = []
+    at = 0
+    for views, mask in zip(all_views, masks, strict=True):
+        if mask is None:
+            out.append(views.changed_params())
+            continue
+        written = flags[at : at + mask.numel()]
+        at += mask.numel()
+        out.append([p for p, flag in zip(views.params, written, strict=True) if flag])
+    return out
