@@ -25,21 +25,35 @@ from .state.store import StateStore
 __all__ = ["FlatBucket", "StepPlan"]
 
 
+# Note [a run spans the gaps between its slots]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The alignment gaps between slots (Note [slots are aligned] in partition.py) are zero in
+# every field and receive zero gradients, so an update leaves them zero (Note [padding
+# stays at the end]). A run that stopped at each gap cut a bucket of many small parameters
+# into one run, one kernel launch and one weight copy per parameter (201 copies for a
+# bucket of 400); spanning the gaps makes it one run per bucket in the usual case, so its
+# tiles and copies follow the bucket's size, not its parameter count (issue 39's copies per
+# bucket). A slot without a gradient, or with another step count, still ends the run.
+
+
 def _runs(
     layout: BucketLayout, steps: np.ndarray, arrived: np.ndarray
 ) -> Iterator[tuple[int, int, int]]:
-    """Maximal ``(start, stop, step)`` element ranges of adjacent slots that have a gradient
-    and share a step count (each parameter keeps its own step, as torch does)."""
+    """Maximal ``(start, stop, step)`` element ranges of consecutive slots that have a
+    gradient and share a step count (each parameter keeps its own step, as torch does),
+    with the alignment gaps between them (Note [a run spans the gaps between its slots])."""
     start = stop = step = -1
+    previous = -2  # the index of the last slot in the run
     for i, slot in enumerate(layout.slots):
         if not arrived[i]:
             continue
-        if slot.offset == stop and steps[i] == step:
+        if previous == i - 1 and steps[i] == step:
             stop = slot.end
+            previous = i
             continue
         if start >= 0:
             yield start, stop, step
-        start, stop, step = slot.offset, slot.end, int(steps[i])
+        start, stop, step, previous = slot.offset, slot.end, int(steps[i]), i
     if start >= 0:
         yield start, stop, step
 
