@@ -1,6 +1,7 @@
-"""The NVMe storage tier (memory/storage.py) and optimizer state on it (optim/state/nvme.py,
-optim/checkpoint/streaming.py): parity with the in-RAM optimizer, memory and disk bytes against
-their formulas, streamed checkpoints, and injected faults. The disk is real (tmp dirs)."""
+"""The NVMe storage tier (memory/storage.py, with storage_file.py, io_engine.py and
+io_buffers.py) and optimizer state on it (optim/state/nvme.py, optim/checkpoint/streaming.py):
+parity with the in-RAM optimizer, memory and disk bytes against their formulas, streamed
+checkpoints, and injected faults. The disk is real (tmp dirs)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.errors import StorageError, StorageFull
-from zero_offload.memory import storage
+from zero_offload.memory import io_engine
 from zero_offload.memory.storage import IO_ALIGNMENT, IOBufferState, StorageTier, aligned
 from zero_offload.memory.traffic import CopyRecord, Direction
 from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
@@ -591,7 +592,7 @@ def test_write_error_mid_step_names_bucket_and_file_and_leaves_others_intact(
     before = {b.layout.index: _nvme_state(b) for b in nvme}
 
     calls = {"n": 0}
-    real = storage._pwritev
+    real = io_engine._pwritev
     fail_at = 3 * len(nvme)  # a few buckets into the step (4 chunks... of 1 MiB: 1 each)
 
     def flaky(fd: int, buffers: list, offset: int) -> int:
@@ -600,11 +601,11 @@ def test_write_error_mid_step_names_bucket_and_file_and_leaves_others_intact(
             raise OSError(5, "Input/output error (injected)")
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(storage, "_pwritev", flaky)
+    monkeypatch.setattr(io_engine, "_pwritev", flaky)
     lm_loss(model, *data[2]).backward()
     with pytest.raises(StepFailed) as caught:
         opt.step()
-    monkeypatch.setattr(storage, "_pwritev", real)
+    monkeypatch.setattr(io_engine, "_pwritev", real)
     cause = caught.value.__cause__
     assert isinstance(cause, StorageError)
     failed = next(b for b in nvme if b.file is not None and b.file.state.value == "failed")

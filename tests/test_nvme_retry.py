@@ -14,7 +14,7 @@ import torch
 
 from zero_offload import OffloadAdamW
 from zero_offload.errors import StorageError
-from zero_offload.memory import storage
+from zero_offload.memory import io_engine
 from zero_offload.optim.checkpoint.streaming import load_streaming, save_streaming
 from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.update.modes import StepFailed
@@ -140,14 +140,14 @@ def test_a_failed_read_ahead_nobody_uses_is_not_the_next_callers_failure(
     for _, _, buffer in group.prefetched:  # the step's own read-ahead, read already
         buffer.settle()
     group.prefetched.clear()
-    real = storage._preadv
+    real = io_engine._preadv
 
     def broken(fd: int, buffers: list, offset: int) -> int:
         if fd == first.file.fd:
             raise OSError(5, "Input/output error (injected)")
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(storage, "_preadv", broken)
+    monkeypatch.setattr(io_engine, "_preadv", broken)
     group.prefetch_after(last, 2)  # the first bucket's tiles 0 and 1, failing
     assert [store for store, _, _ in group.prefetched] == [first, first]
     _disk_state_of(other)  # used to raise the first bucket's error in this bucket's stream

@@ -115,7 +115,7 @@ def test_nvme_preallocation_goes_through_a_bar(
         seen.append(desc)
         return iter(items)
 
-    monkeypatch.setattr("zero_offload.memory.storage.progress", record)
+    monkeypatch.setattr("zero_offload.memory.storage_file.progress", record)
     model = nn.Linear(512, 512)
     opt = OffloadAdamW(
         model.parameters(), config=OffloadConfig(nvme_dir=str(tmp_path), host_budget="1MiB")

@@ -1,4 +1,7 @@
-"""ActivationOffloader: pools, copies out and back, and the prefetch queue for activations.
+"""ActivationOffloader: copies out and back, and the prefetch queue for activations.
+
+Its two pools and what to do when they are full are ``pools.py``; the device tensors held
+for their copies out, ``outgoing.py``.
 
 Note [activation lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,33 +61,24 @@ import itertools
 import queue
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
 import torch
 
-from ..accelerator import Accelerator, Event
-from ..config import format_bytes
-from ..errors import PoolExhausted
+from ..accelerator import Accelerator
 from ..memory.block import Block
-from ..memory.manager import Tier, TieredMemoryManager
-from ..memory.pending_blocks import synchronize_completed
+from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..tracing import phase
 from .config import ActivationOffloadConfig
 from .layout import LAYOUT_ALIGN, span_of, tensor_over_block
+from .outgoing import OutgoingCopies
+from .pools import ActivationPools
 from .record import ActivationState, OffloadedActivation, SavedActivation
 
 __all__ = ["LAYOUT_ALIGN", "ActivationOffloader", "default_offloader"]
-
-
-class _Outgoing(NamedTuple):
-    record: OffloadedActivation
-    source: torch.Tensor  # the device tensor autograd saved, held until `event` completes
-    event: Event  # end of the copy to the host
 
 
 @dataclass
@@ -142,28 +136,28 @@ class ActivationOffloader:
         self.manager = manager
         self.accelerator = manager.accelerator
         self.device = self.accelerator.device
-        self.host_pool: BlockPool = manager.create_pool(
-            Tier.HOST, config.host_pool_bytes, name="activations.host"
-        )
-        try:
-            self.device_pool: BlockPool = manager.create_pool(
-                Tier.DEVICE, config.device_pool_bytes, name="activations.device"
-            )
-        except BaseException:
-            self.host_pool.close()
-            raise
-        self._lock = threading.Lock()  # guards everything below and every record's fields
         # Note [finalizers only enqueue]: work handed over by finalizers, run by _reap.
         self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.pools = ActivationPools(manager, config, run_deferred=self._run_deferred)
+        self._lock = threading.Lock()  # guards everything below and every record's fields
         self._group_ids = itertools.count()
         # Prefetch queue: group id -> its records not yet unpacked, in pack order.
         self._groups: dict[int, list[OffloadedActivation]] = {}
-        self._outgoing: deque[_Outgoing] = deque()  # pending copies out, in issue order
-        self._landing: list[OffloadedActivation] = []  # LANDING records, oldest first
+        self._outgoing = OutgoingCopies()  # Note [holding, not record_stream]
         self._stats = _Stats()
 
     def __repr__(self) -> str:
         return f"ActivationOffloader(device={self.device}, config={self.config})"
+
+    @property
+    def host_pool(self) -> BlockPool:
+        """The host pool offloaded activations are copied to (``ActivationPools.host``)."""
+        return self.pools.host
+
+    @property
+    def device_pool(self) -> BlockPool:
+        """The device pool activations are reloaded into (``ActivationPools.device``)."""
+        return self.pools.device
 
     # -- public ------------------------------------------------------------------------
 
@@ -178,13 +172,13 @@ class ActivationOffloader:
         """
         span = span_of(tensor)  # Note [saved layout comes back] in layout.py
         nbytes = span * tensor.element_size()
-        self._check_fits(tensor, nbytes)
+        self.pools.check_fits(tensor, nbytes)
         # The copy runs on another thread (host accelerator), outside this grad mode.
         source = tensor.detach().as_strided((span,), (1,))  # the span, over the same storage
         with phase("act_offload", track="copy"):
             self._reap()
             self._bound_outgoing()
-            host_block = self._alloc_host(nbytes, group)
+            host_block = self.pools.alloc_host(nbytes, group)
             host_view = host_block.view(tensor.dtype, (span,))
             end = self.manager.copy(
                 host_view,
@@ -208,7 +202,7 @@ class ActivationOffloader:
                 out_event=end,
             )
             with self._lock:
-                self._outgoing.append(_Outgoing(record, source, end))
+                self._outgoing.add(record, source, end)
                 self._groups.setdefault(group, []).append(record)
                 self._add_device_bytes_locked(nbytes)
                 self._stats.offloaded_tensors += 1
@@ -260,8 +254,7 @@ class ActivationOffloader:
         """Start ``device_bytes_peak`` and the pools' peaks afresh from current use."""
         with self._lock:
             self._stats.device_bytes_peak = self._stats.device_bytes
-        self.device_pool.reset_peak()
-        self.host_pool.reset_peak()
+        self.pools.reset_peak()
 
     def synchronize(self) -> None:
         """Wait for every pending copy out and release the device tensors they held.
@@ -277,8 +270,7 @@ class ActivationOffloader:
         self.manager.h2d.synchronize()
         gc.collect()  # hidden cost: collects graphs kept alive only by reference cycles
         self._run_deferred()
-        self.device_pool.close()
-        self.host_pool.close()
+        self.pools.close()
 
     # -- copies out --------------------------------------------------------------------
 
@@ -302,14 +294,9 @@ class ActivationOffloader:
         """Run deferred frees, and drop the device tensors whose copy out has completed
         (never blocks)."""
         self._run_deferred()
-        released = []
         with self._lock:
-            while self._outgoing and self._outgoing[0].event.query():
-                released.append(self._release_oldest_locked())
-            landing, self._landing = self._landing, []
-            for record in landing:
-                if record.state is ActivationState.LANDING:
-                    self._settle_out_locked(record)
+            released = self._outgoing.release_completed()
+            self._count_released_locked(released)
         del released  # the device memory returns to the allocator here, outside the lock
 
     def _bound_outgoing(self) -> None:
@@ -318,46 +305,24 @@ class ActivationOffloader:
             with self._lock:
                 if len(self._outgoing) <= limit:
                     return
-                oldest = self._outgoing[0]
+                record, event = self._outgoing.oldest()
                 self._stats.forward_waits += 1
             # Synchronisation point: compute waits for the oldest copy out, bounding the device
             # memory held by outgoing activations (on CUDA the GPU waits, not the caller;
             # dropping the tensor then is safe, its memory is reused only by later compute).
-            self.manager.wait_for([oldest.event], category=Category.ACTIVATIONS)
-            self._release_through(oldest.record)
+            self.manager.wait_for([event], category=Category.ACTIVATIONS)
+            self._release_through(record)
 
     def _release_through(self, record: OffloadedActivation) -> None:
-        """Drop the outgoing tensors up to ``record``'s, after compute waited for its copy.
-
-        The ``d2h`` stream runs copies in issue order, so the earlier ones are done too.
-        """
-        released = []
+        """Drop the outgoing tensors up to ``record``'s, after compute waited for its copy."""
         with self._lock:
-            if not any(item.record is record for item in self._outgoing):
-                return
-            while self._outgoing:
-                item = self._release_oldest_locked()
-                released.append(item)
-                if item is record:
-                    break
+            released = self._outgoing.release_through(record)
+            self._count_released_locked(released)
         del released
 
-    def _release_oldest_locked(self) -> OffloadedActivation:
-        item = self._outgoing.popleft()
-        self._stats.device_bytes -= item.record.nbytes
-        if item.record.state is ActivationState.MOVING_OUT:
-            self._settle_out_locked(item.record)
-        return item.record
-
-    def _settle_out_locked(self, record: OffloadedActivation) -> None:
-        """ON_HOST if the copy out is done, the host seeing it so (Note [a completed event
-        is synchronized] in memory/pending_blocks.py); LANDING until then. Never blocks."""
-        if record.out_event.query():
-            synchronize_completed(record.out_event)
-            record.state = ActivationState.ON_HOST
-        else:
-            record.state = ActivationState.LANDING
-            self._landing.append(record)
+    def _count_released_locked(self, released: list[OffloadedActivation]) -> None:
+        for record in released:
+            self._stats.device_bytes -= record.nbytes
 
     # -- copies back -------------------------------------------------------------------
 
@@ -373,9 +338,13 @@ class ActivationOffloader:
             self._release_through(record)
         elif state not in (ActivationState.ON_HOST, ActivationState.LANDING):
             return True  # MOVING_IN already; FREED cannot be unpacked
-        block = self._alloc_device(record, demand=demand)
-        if block is None:
-            return False
+        # Note [reloads never block the CPU]: h2d fills the block first
+        block = self.pools.alloc_device(record, stream=self.manager.h2d, demand=demand)
+        with self._lock:
+            if block is None:
+                self._stats.prefetch_skipped += 1
+                return False
+            self._add_device_bytes_locked(record.nbytes)
         flat = tensor_over_block(
             block,
             record.dtype,
@@ -437,68 +406,11 @@ class ActivationOffloader:
                 raise RuntimeError(f"unpacking {record!r}, which was not reloaded (bug)")
             record.device_tensor = None
             record.in_event = None
-            self._settle_out_locked(record)
+            self._outgoing.settle(record)
             self._forget_locked(record)
         return tensor
 
     # -- blocks ------------------------------------------------------------------------
-
-    def _alloc_host(self, nbytes: int, group: int) -> Block:
-        owner = f"activation group {group}"
-        try:
-            return self.host_pool.alloc(nbytes, owner=owner)
-        except PoolExhausted:
-            # Only when the pool is full, on the forward path: frees handed over since the
-            # last reap, and the youngest generation's garbage (a graph dropped in a reference
-            # cycle this step). Never a full collection here: it would walk every object of
-            # the process in the middle of forward.
-            self._run_deferred()
-            gc.collect(0)
-        try:
-            return self.host_pool.alloc(nbytes, owner=owner)
-        except PoolExhausted as exc:
-            held = self.host_pool.stats()
-            raise PoolExhausted(
-                f"the host pool for offloaded activations is full: cannot hold another "
-                f"{format_bytes(nbytes)} ({nbytes} bytes) with {held['bytes_in_use']} bytes held "
-                f"by {held['live_blocks']} activations not yet used by backward. Raise "
-                f"ActivationOffloadConfig.host_pool_bytes (now {self.config.host_pool_bytes}) to "
-                f"the offloaded bytes of one forward pass (of all forwards before a backward, "
-                f"when accumulating gradients), or raise min_bytes to offload less. If graphs "
-                f"of earlier steps are kept alive by reference cycles (an output stored on a "
-                f"module that holds it), break the cycle or call gc.collect() between steps."
-            ) from exc
-
-    def _alloc_device(self, record: OffloadedActivation, *, demand: bool) -> Block | None:
-        owner = f"activation group {record.group}"
-        # Note [reloads never block the CPU]: h2d fills the block first; a prefetch never waits
-        alloc = functools.partial(
-            self.device_pool.alloc, owner=owner, stream=self.manager.h2d, wait=demand
-        )
-        try:
-            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back] (layout.py)
-            try:
-                block = alloc(nbytes)
-            except PoolExhausted:
-                self._run_deferred()  # frees handed over by finalizers since the last reap
-                block = alloc(nbytes)
-        except PoolExhausted as exc:
-            if not demand:
-                with self._lock:
-                    self._stats.prefetch_skipped += 1
-                return None
-            held = self.device_pool.stats()
-            raise PoolExhausted(
-                f"the device pool for reloaded activations is full: cannot reload "
-                f"{record!r} with {held['bytes_in_use']} bytes held by {held['live_blocks']} "
-                f"reloaded activations still alive. Raise "
-                f"ActivationOffloadConfig.device_pool_bytes (now {self.config.device_pool_bytes}) "
-                f"to hold prefetch_depth + 1 = {self.config.prefetch_depth + 1} layers' saved "
-                f"activations, or lower prefetch_depth."
-            ) from exc
-        with self._lock:
-            self._add_device_bytes_locked(record.nbytes)
-        return block
 
     def _free_device_block(self, block: Block, nbytes: int) -> None:
         # See Note [device blocks live as long as their storage] (layout.py); runs on the
@@ -516,23 +428,6 @@ class ActivationOffloader:
             device_tensor, record.device_tensor = record.device_tensor, None
         record.host_block.free()  # reused only after its copies end (pool Note)
         del device_tensor  # a prefetched, never used block returns via its storage finalizer
-
-    def _check_fits(self, tensor: torch.Tensor, nbytes: int) -> None:
-        # the device block has room to restore the pointer's alignment (Note [saved layout
-        # comes back]); nbytes is the span's, more than numel's for a view with gaps
-        for field, pool, need in (
-            ("host_pool_bytes", self.host_pool, nbytes),
-            ("device_pool_bytes", self.device_pool, nbytes + tensor.data_ptr() % LAYOUT_ALIGN),
-        ):
-            if need > pool.usable:
-                raise PoolExhausted(
-                    f"a saved activation of shape {tuple(tensor.shape)} and strides "
-                    f"{tuple(tensor.stride())} ({tensor.dtype}, {format_bytes(nbytes)}, {nbytes} "
-                    f"bytes spanned) cannot fit the activation pool {pool.name!r} of "
-                    f"{pool.usable} usable bytes. Raise ActivationOffloadConfig.{field} to at "
-                    f"least {need} bytes (more to hold several), or raise min_bytes above "
-                    f"{tensor.numel() * tensor.element_size()} to keep such tensors on the device."
-                )
 
     def _forget_locked(self, record: OffloadedActivation) -> None:
         members = self._groups.get(record.group)

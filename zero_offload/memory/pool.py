@@ -43,19 +43,11 @@ from ..config import format_bytes
 from ..errors import PoolExhausted
 from .block import Block, BlockState, MoveCallback, view_shape
 from .buffer_lifetime import BufferLifetime, pruned
+from .compaction import compact_locked
 from .freelist import FreeList, check_align, check_pool_args
 from .host_ram import check_host_ram
-from .moves import (
-    Scratch,
-    device_scratch,
-    free_gaps,
-    move_within,
-    no_scratch,
-    plan_compaction,
-    refuse_inside_backward,
-    staging_bytes,
-)
-from .pending_blocks import InFlightBlocks, name_range, pending_events, still_pending
+from .moves import Scratch, device_scratch, no_scratch, refuse_inside_backward
+from .pending_blocks import InFlightBlocks, name_range, pending_events
 
 __all__ = [
     "Block",
@@ -95,9 +87,10 @@ class BlockPool:
         - coalescing: a freed range is merged with free neighbours at once, so no two free
           ranges touch.
         - reuse: see Note [block reuse waits on events].
-        - compaction: ``defragment()`` slides movable blocks toward the start; see Note
-          [views pin unregistered blocks] and Note [overlap-safe moves] in moves.py. It runs
-          automatically when a request fits the free bytes but not the largest free range.
+        - compaction: ``defragment()`` slides movable blocks toward the start
+          (``compact_locked`` in compaction.py); see Note [views pin unregistered blocks]
+          and Note [overlap-safe moves] in moves.py. It runs automatically when a request
+          fits the free bytes but not the largest free range.
 
     Lock: ``_lock`` (a plain ``threading.Lock``) guards the free list, the live and in-flight
     sets, every block's ``offset``/``state``/events/callbacks, and ``_counters``; copy-stream
@@ -403,67 +396,22 @@ class BlockPool:
         self._wait(pending)
         with self._lock:
             self._reclaim_locked()
-            moved_blocks, moved_bytes = self._compact_locked()
+            moved_blocks = compact_locked(
+                self._buffer,
+                chain(self._live, self._in_flight),
+                free=self._free,
+                usable=self.usable,
+                scratch=self._scratch,
+                accelerator=self.accelerator,
+                name=self.name,
+                counters=self._counters,
+            )
             block = None if request is None else self._try_alloc_locked(*request)
         for moved in moved_blocks:
             for callback in list(moved._callbacks):
                 if moved.state is BlockState.IN_USE:
                     callback(moved)
-        return moved_bytes, block
-
-    def _compact_locked(self) -> tuple[list[Block], int]:
-        occupied = sorted(chain(self._live, self._in_flight), key=lambda b: b.offset)
-        for block in occupied:
-            block._events = still_pending(block._events)
-        plan = plan_compaction(
-            [
-                (
-                    block,
-                    block.offset,
-                    block.size,
-                    block.align,
-                    block.state is BlockState.IN_USE
-                    and not block._pinned_in_place
-                    and not block._events,
-                )
-                for block in occupied
-            ]
-        )
-        self._counters.defragmentations += 1
-        try:
-            moved_bytes = self._move_locked(plan)
-        finally:
-            # Rebuilt even if a copy failed midway: each block's offset is where its bytes are.
-            self._free.clear()
-            for offset, size in free_gaps([(b.offset, b.end) for b in occupied], self.usable):
-                self._free.insert(offset, size)
-        return [block for block, _ in plan], moved_bytes
-
-    def _move_locked(self, plan: list[tuple[Block, int]]) -> int:
-        if not plan:
-            return 0
-        acc, compute = self.accelerator, self.accelerator.current_stream()
-        for block, dest in plan:  # all checked before any byte moves (race checker only)
-            what = f"defragmentation moving {block.owner or 'a block'} of pool {self.name!r}"
-            # The old bytes go back to the free list, to be overwritten by anyone: a write.
-            source = self._buffer[block.offset : block.offset + block.nbytes]
-            acc.declare_access(source, stream=compute, write=True, what=what)
-            target = self._buffer[dest : dest + block.nbytes]
-            acc.declare_access(target, stream=compute, write=True, what=what)
-        need = staging_bytes(self._buffer, [(dest, b.offset, b.nbytes) for b, dest in plan])
-        scratch = self._scratch(need) if need else None
-        staging, release = scratch if scratch is not None else (None, _noop)
-        try:
-            for block, dest in plan:
-                move_within(self._buffer, dest, block.offset, block.nbytes, staging=staging)
-                block.offset = dest
-                self._counters.bytes_moved += block.nbytes
-            # Synchronisation point: the moves were queued on the current stream; owners use
-            # their views on any stream after the callbacks, so the moves must be done.
-            self.accelerator.current_stream().synchronize()
-        finally:
-            release()
-        return sum(block.nbytes for block, _ in plan)
+        return sum(moved.nbytes for moved in moved_blocks), block
 
     def stats(self) -> dict[str, int | float]:
         """The pool's stats (blocks whose copies completed count as free); units above."""

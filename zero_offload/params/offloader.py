@@ -32,28 +32,9 @@ window exactly like a training forward; the units still resident when a forward 
 User code that reads a released parameter outside the window brings its unit back through
 ``materialize`` (Note [a released parameter] in ``released.py``).
 
-Note [state dict entries are views of the homes]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Torch's ``state_dict()`` entries alias the parameters: they show the live weights and a write
-to one writes the parameter. Under parameter offload the live weights are the homes, so the
-state-dict hooks on every module that registers an offloaded parameter make each entry a
-view of the parameter's home (pinned host memory), never of a window slot, which holds
-another unit after the next move (issue 29 item 4). The pre-hook first copies a written
-resident slot home (Note [a write to a resident unit reaches its home]); a released
-parameter's ``detach()`` gives its home view without fetching. Views rather than copies:
-copies would not follow training (torch's entries do), would cost a model's worth of memory,
-and on the device the model does not fit. The price: the entries are on the host, not on the
-device as the parameters say; ``.to(device)`` them where device tensors are needed. A write
-through an entry reaches the home, which the optimizer reconciles by value at its next step;
-the unit's next fetch sees the home's version move and copies it afresh. ``keep_vars=True``
-gives the parameters themselves, as in torch. Each entry owns a storage of exactly its
-parameter's bytes (Note [a state dict entry owns a storage of its bytes] in ``windowed_views.py``), so
-``torch.save`` writes the weights, not the pool. A home on NVMe (Note [homes on NVMe] in
-``optim/state/nvme_plan.py``) cannot be viewed: its entries are private copies read from
-disk (what a saved checkpoint needs, as FSDP's full state dict gives), and a write to such a
-copy is carried to the file at the next forward, step or ``state_dict()`` while the copy is
-alive (``flush_copies``); one written and dropped before then is lost (write through the
-parameters or ``load_state_dict``, which reach the home, instead).
+Hooks register the uses (``hooks.py``); the state-dict entries of offloaded parameters are
+views of their homes (Note [state dict entries are views of the homes] in
+``state_dict_entries.py``).
 
 Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns to its
 slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
@@ -70,22 +51,20 @@ one order on every rank (Note [a sharded unit]).
 from __future__ import annotations
 
 import enum
-import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import Family
-from . import released
+from . import hooks
 from .home_store import Bounce, bounce_bytes
-from .hook_ref import Hook as _Hook  # the old name: models pickled with it still load
+from .hook_ref import Hook as _Hook  # noqa: F401  the old name: models pickled with it load
+from .state_dict_entries import StateDictEntries, owners
 from .unit import ParamUnit, UnitState
 from .units import UnitSpec, default_layers, find_units
 from .window import Window, plan_slots
@@ -102,108 +81,8 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (recompute included)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _Once:
-    """One forward use's backward trigger: the first output gradient of each backward
-    through the graph fires it (a graph kept with ``retain_graph=True`` is run again with
-    the unit released)."""
-
-    __slots__ = ("task",)
-
-    def __init__(self) -> None:
-        self.task = -1  # the graph task that fired it last (-1: none)
-
-
 def _never() -> bool:
     return False
-
-
-def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
-    offloader = ref()
-    if offloader is not None:
-        offloader._before_forward(offloader.units[index])
-
-
-def _post_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any, output: Any) -> None:
-    offloader = ref()
-    if offloader is not None:
-        offloader._after_forward(offloader.units[index], output)
-
-
-def _grad_hook(ref: weakref.ref, index: int, once: _Once, grad: torch.Tensor) -> None:
-    offloader = ref()
-    task = torch._C._current_graph_task_id()
-    if offloader is not None and once.task != task:
-        once.task = task
-        offloader._backward_use(offloader.units[index])
-
-
-def _end_of_backward(ref: weakref.ref) -> None:
-    offloader = ref()
-    if offloader is not None:
-        offloader._end_backward()
-
-
-def _root_pre_hook(ref: weakref.ref, module: nn.Module, args: Any) -> None:
-    offloader = ref()
-    if offloader is not None and not _in_backward():
-        offloader._begin_forward()
-
-
-def _root_post_hook(ref: weakref.ref, module: nn.Module, args: Any, output: Any) -> None:
-    offloader = ref()
-    if offloader is not None and not _in_backward():
-        offloader._end_forward()
-
-
-def _materialize(ref: weakref.ref, index: int) -> None:
-    offloader = ref()
-    if offloader is None:
-        raise RuntimeError(
-            "a released parameter was read after its optimizer was collected without close() "
-            "(a bug in zero-offload: the optimizer's finalizer restores every parameter)"
-        )
-    offloader.materialize(offloader.units[index])
-
-
-# (name in its module, unit index, bucket of the unit, parameter index in the bucket)
-_Owned = tuple[str, int, int, int]
-
-
-def _state_dict_pre_hook(
-    ref: weakref.ref, owned: list[_Owned], module: nn.Module, prefix: str, keep_vars: bool
-) -> None:
-    offloader = ref()
-    if offloader is not None:
-        offloader.check_homes_settled("a state dict")
-        offloader.flush_copies()
-        released.begin_saving()
-        for unit in sorted({unit for _, unit, _, _ in owned}):
-            offloader.units[unit].write_back()
-
-
-def _state_dict_post_hook(
-    ref: weakref.ref,
-    owned: list[_Owned],
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-) -> None:
-    offloader = ref()
-    if offloader is not None:
-        released.end_saving()
-        offloader._entries_to_homes(owned, module, state_dict, prefix)
-
-
-def _step_pre_hook(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:
-    offloader = ref()
-    if offloader is not None:
-        offloader.before_step()
 
 
 class ParamOffloader:
@@ -217,6 +96,7 @@ class ParamOffloader:
         units: ``ParamUnit`` per unit, in forward (registration) order.
         window: the device window (``Window``), from ``plan``.
         phase: ``Phase``, as the hooks last saw it.
+        entries: the state-dict entries handed out (``StateDictEntries``).
     """
 
     #: The class of each unit (several ranks: ``sharded_fetch.ShardedParamUnit``).
@@ -265,8 +145,7 @@ class ParamOffloader:
         self._backward_plan: list[ParamUnit] = []
         self._backward_pos = 0
         self.bounce: Bounce | None = None  # Note [homes on NVMe are fetched through ...]
-        # State-dict copies of NVMe homes: (the copy, weakly; its version; views; index).
-        self._copies: list[tuple[weakref.ref, int, WindowedViews, int]] = []
+        self.entries = StateDictEntries()  # Note [state dict entries are views of the homes]
         #: Whether the optimizer's step is writing the homes now (a step run during
         #: backward, before step()): a forward then is refused, set by the optimizer.
         self.homes_in_update: Callable[[], bool] = _never
@@ -301,14 +180,13 @@ class ParamOffloader:
         self.window = Window(
             self.manager, slot_bytes, name=f"{self.name}.window", alignment=alignment
         )
-        ref = weakref.ref(self)
         self.units = [
             self.unit_class(
                 spec,
                 i,
                 self.window.slots[slot_of[i]],
                 manager=self.manager,
-                materialize=functools.partial(_materialize, ref, i),
+                materialize=hooks.materializer(self, i),
             )
             for i, spec in enumerate(self.specs)
         ]
@@ -348,24 +226,10 @@ class ParamOffloader:
         views.adopt_home(*backend.weights_home())
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
-        """Register the hooks (each holds the offloader weakly, Note [lifetimes without
-        close] in ``optim/lifetime.py``)."""
+        """Register the hooks (``hooks.py``; each holds the offloader weakly, Note
+        [lifetimes without close] in ``optim/lifetime.py``)."""
         self._open_bounce()
-        ref = weakref.ref(self)
-        add = self._handles.append
-        add(self.model.register_forward_pre_hook(_Hook(_root_pre_hook, ref)))
-        add(self.model.register_forward_hook(_Hook(_root_post_hook, ref)))
-        for unit in self.units:
-            for module in unit.spec.modules:
-                add(module.register_forward_pre_hook(_Hook(_pre_hook, ref, unit.index)))
-                add(module.register_forward_hook(_Hook(_post_hook, ref, unit.index)))
-        add(optimizer.register_step_pre_hook(_Hook(_step_pre_hook, ref)))
-        add(optimizer.register_load_state_dict_pre_hook(_Hook(_step_pre_hook, ref)))
-        for module, owned in self._owners():
-            pre = _Hook(_state_dict_pre_hook, ref, owned)
-            add(module.register_state_dict_pre_hook(pre))
-            post = _Hook(_state_dict_post_hook, ref, owned)
-            add(module.register_state_dict_post_hook(post))
+        self._handles.extend(hooks.install(self, optimizer, owners(self.model, self.units)))
 
     def _open_bounce(self) -> None:
         """The bounce ring, when a bucket's home is on NVMe (Note [homes on NVMe are
@@ -377,53 +241,10 @@ class ParamOffloader:
         for unit in self.units:
             unit.bounce = self.bounce
 
-    def _owners(self) -> list[tuple[nn.Module, list[_Owned]]]:
-        """Each module that registers offloaded parameters, with where each of them lives."""
-        where: dict[int, tuple[int, int, int]] = {}
-        for unit in self.units:
-            for b, views in enumerate(unit.views):
-                for i, param in enumerate(views.params):
-                    where[id(param)] = (unit.index, b, i)
-        out = []
-        for module in self.model.modules():
-            owned = [
-                (name, *where[id(param)])
-                for name, param in module._parameters.items()
-                if param is not None and id(param) in where
-            ]
-            if owned:
-                out.append((module, owned))
-        return out
-
-    def _entries_to_homes(
-        self, owned: list[_Owned], module: nn.Module, state_dict: dict[str, Any], prefix: str
-    ) -> None:
-        """Note [state dict entries are views of the homes]."""
-        for name, unit, bucket, index in owned:
-            key = prefix + name
-            param = module._parameters.get(name)
-            if key not in state_dict or state_dict[key] is param:  # keep_vars=True
-                continue
-            views = self.units[unit].views[bucket]
-            if views.params[index] is not param or any(p is param for _, p in views.detached()):
-                continue  # replaced: its entry is what the module holds now
-            state_dict[key] = entry = views.home_view(index)
-            if views.nvme_home is not None:  # a copy: its writes are carried home later
-                self._copies.append((weakref.ref(entry), entry._version, views, index))
-
     def flush_copies(self) -> None:
         """Carry the writes made to state-dict copies of NVMe homes home (Note [state dict
         entries are views of the homes]); forget the copies that are gone."""
-        alive = []
-        for ref, version, views, index in self._copies:
-            entry = ref()
-            if entry is None or views.nvme_home is None:
-                continue
-            if entry._version != version:
-                views.write_home(index, entry)
-                version = entry._version
-            alive.append((ref, version, views, index))
-        self._copies = alive
+        self.entries.flush()
 
     def materialize(self, unit: ParamUnit) -> None:
         """Bring ``unit`` onto the device for user code and wait for it (Note [a released
@@ -508,7 +329,7 @@ class ParamOffloader:
             unit.expose(self.manager)
 
     def _before_forward(self, unit: ParamUnit) -> None:
-        if _in_backward():  # recompute under activation checkpointing
+        if hooks.in_backward():  # recompute under activation checkpointing
             if unit.state is not UnitState.ON_DEVICE:
                 self._backward_use(unit)
             return
@@ -519,24 +340,16 @@ class ParamOffloader:
         self._advance(unit, self._upcoming(self._expected_forward(), position + 1, unit))
 
     def _after_forward(self, unit: ParamUnit, output: Any) -> None:
-        if _in_backward() or not torch.is_grad_enabled():
+        if hooks.in_backward() or not torch.is_grad_enabled():
             return
-        once = _Once()
-        for leaf in pytree.tree_leaves(output):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.grad_fn is not None:
-                leaf.register_hook(
-                    functools.partial(_grad_hook, weakref.ref(self), unit.index, once)
-                )
+        hooks.watch(self, unit.index, output)
 
     def _backward_use(self, unit: ParamUnit) -> None:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             self._backward_plan = list(reversed(self._trace or self._last_trace or self.units))
             self._backward_pos = 0
-            # Runs when this backward's graph task ends (after the router's flushes).
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_end_of_backward, weakref.ref(self))
-            )
+            hooks.queue_end_of_backward(self)  # _end_backward, after the router's flushes
         plan = self._backward_plan
         try:
             position = plan.index(unit, self._backward_pos)
@@ -597,4 +410,4 @@ class ParamOffloader:
         if self.bounce is not None:
             self.bounce.close()
             self.bounce = None
-        self._copies = []
+        self.entries = StateDictEntries()

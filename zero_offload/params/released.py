@@ -32,8 +32,8 @@ slot may hold another unit); ``copy.deepcopy`` fetches and clones.
 
 ``model.state_dict()`` does not fetch: while a state dict is being taken (``begin_saving``,
 set by the offloader's state-dict hooks) ``detach()`` of a released parameter returns its
-weights in its home (Note [state dict entries are views of the homes] in ``offloader.py``),
-in a storage of exactly their bytes (Note [a state dict entry owns a storage of its bytes]
+weights in its home (Note [state dict entries are views of the homes] in
+``state_dict_entries.py``), in a storage of exactly their bytes (Note [a state dict entry owns a storage of its bytes]
 in ``windowed_views.py``).
 
 A placeholder has all-zero strides (it is made from one element whose storage is then

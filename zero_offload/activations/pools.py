@@ -1,0 +1,143 @@
+"""Where an offloaded activation's bytes live (one host pool, one device pool, sized by the
+config), and what to change when they do not fit.
+
+``ActivationPools`` allocates both pools once, at construction (pinned memory is never
+taken on the fly), and turns a full pool into an error that names the setting to raise.
+Which activation takes which block, and when, is the offloader's (``offloader.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+
+import torch
+
+from ..accelerator import Stream
+from ..config import format_bytes
+from ..errors import PoolExhausted
+from ..memory.block import Block
+from ..memory.manager import Tier, TieredMemoryManager
+from ..memory.pool import BlockPool
+from .config import ActivationOffloadConfig
+from .layout import LAYOUT_ALIGN
+from .record import OffloadedActivation
+
+__all__ = ["ActivationPools"]
+
+
+class ActivationPools:
+    """The host pool offloaded activations are copied to and the device pool they are
+    reloaded into, built through ``manager`` at ``config``'s sizes.
+
+    ``run_deferred`` runs the frees that finalizers handed over (Note [finalizers only
+    enqueue] in ``offloader.py``): a full pool tries it before giving up.
+
+    Fields: ``host``: ``BlockPool``, host (pinned where available), ``config.host_pool_bytes``.
+    ``device``: ``BlockPool``, device, ``config.device_pool_bytes``.
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        config: ActivationOffloadConfig,
+        *,
+        run_deferred: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self._run_deferred = run_deferred
+        self.host: BlockPool = manager.create_pool(
+            Tier.HOST, config.host_pool_bytes, name="activations.host"
+        )
+        try:
+            self.device: BlockPool = manager.create_pool(
+                Tier.DEVICE, config.device_pool_bytes, name="activations.device"
+            )
+        except BaseException:
+            self.host.close()
+            raise
+
+    def check_fits(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Refuse ``tensor`` (``nbytes`` spanned) when either pool could never hold it."""
+        # the device block has room to restore the pointer's alignment (Note [saved layout
+        # comes back]); nbytes is the span's, more than numel's for a view with gaps
+        for field, pool, need in (
+            ("host_pool_bytes", self.host, nbytes),
+            ("device_pool_bytes", self.device, nbytes + tensor.data_ptr() % LAYOUT_ALIGN),
+        ):
+            if need > pool.usable:
+                raise PoolExhausted(
+                    f"a saved activation of shape {tuple(tensor.shape)} and strides "
+                    f"{tuple(tensor.stride())} ({tensor.dtype}, {format_bytes(nbytes)}, {nbytes} "
+                    f"bytes spanned) cannot fit the activation pool {pool.name!r} of "
+                    f"{pool.usable} usable bytes. Raise ActivationOffloadConfig.{field} to at "
+                    f"least {need} bytes (more to hold several), or raise min_bytes above "
+                    f"{tensor.numel() * tensor.element_size()} to keep such tensors on the device."
+                )
+
+    def alloc_host(self, nbytes: int, group: int) -> Block:
+        """A host block for a copy out of ``nbytes`` of activation group ``group``."""
+        owner = f"activation group {group}"
+        try:
+            return self.host.alloc(nbytes, owner=owner)
+        except PoolExhausted:
+            # Only when the pool is full, on the forward path: frees handed over since the
+            # last reap, and the youngest generation's garbage (a graph dropped in a reference
+            # cycle this step). Never a full collection here: it would walk every object of
+            # the process in the middle of forward.
+            self._run_deferred()
+            gc.collect(0)
+        try:
+            return self.host.alloc(nbytes, owner=owner)
+        except PoolExhausted as exc:
+            held = self.host.stats()
+            raise PoolExhausted(
+                f"the host pool for offloaded activations is full: cannot hold another "
+                f"{format_bytes(nbytes)} ({nbytes} bytes) with {held['bytes_in_use']} bytes held "
+                f"by {held['live_blocks']} activations not yet used by backward. Raise "
+                f"ActivationOffloadConfig.host_pool_bytes (now {self.config.host_pool_bytes}) to "
+                f"the offloaded bytes of one forward pass (of all forwards before a backward, "
+                f"when accumulating gradients), or raise min_bytes to offload less. If graphs "
+                f"of earlier steps are kept alive by reference cycles (an output stored on a "
+                f"module that holds it), break the cycle or call gc.collect() between steps."
+            ) from exc
+
+    def alloc_device(
+        self, record: OffloadedActivation, *, stream: Stream, demand: bool
+    ) -> Block | None:
+        """A device block to reload ``record`` into, first used by ``stream``; None when a
+        prefetch (``demand=False``) finds the pool full."""
+        owner = f"activation group {record.group}"
+        # Note [reloads never block the CPU] (offloader.py): a prefetch never waits
+        alloc = functools.partial(self.device.alloc, owner=owner, stream=stream, wait=demand)
+        try:
+            nbytes = record.nbytes + record.ptr_mod  # Note [saved layout comes back] (layout.py)
+            try:
+                block = alloc(nbytes)
+            except PoolExhausted:
+                self._run_deferred()  # frees handed over by finalizers since the last reap
+                block = alloc(nbytes)
+        except PoolExhausted as exc:
+            if not demand:
+                return None
+            held = self.device.stats()
+            raise PoolExhausted(
+                f"the device pool for reloaded activations is full: cannot reload "
+                f"{record!r} with {held['bytes_in_use']} bytes held by {held['live_blocks']} "
+                f"reloaded activations still alive. Raise "
+                f"ActivationOffloadConfig.device_pool_bytes (now {self.config.device_pool_bytes}) "
+                f"to hold prefetch_depth + 1 = {self.config.prefetch_depth + 1} layers' saved "
+                f"activations, or lower prefetch_depth."
+            ) from exc
+        return block
+
+    def reset_peak(self) -> None:
+        """Start both pools' peaks afresh from current use."""
+        self.device.reset_peak()
+        self.host.reset_peak()
+
+    def close(self) -> None:
+        """Give both pools back; every block must have been freed."""
+        self.device.close()
+        self.host.close()
