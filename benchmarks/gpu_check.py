@@ -111,6 +111,11 @@ TEST_FILES = (
     "tests/test_rule_seam.py",
     "tests/test_atomic_saves.py",
     "tests/test_optim_db.py",
+    "tests/test_offload_adamw_errors.py",
+    "tests/test_nvme.py",
+    "tests/test_resume_keeps_writes.py",
+    "tests/test_errors_clear.py",
+    "tests/test_properties.py",
 )
 #: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
 #: head, 2048 positions.

@@ -137,10 +137,23 @@ def _reached(forms: list[ast.FunctionDef], defs: dict[str, ast.AST]) -> list[ast
     return list(seen.values())
 
 
+def _names_a_device(arg: ast.AST) -> bool:
+    """Whether an argument of ``.to(...)`` can be a device: not ``torch.<dtype>`` nor an
+    ``x.dtype``."""
+    if isinstance(arg, ast.Attribute):
+        return not (arg.attr == "dtype" or getattr(arg.value, "id", None) == "torch")
+    return not isinstance(arg, ast.Constant) or isinstance(arg.value, str)
+
+
 def _moved(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
+    """``on_device(call)``, or ``call.to(...)`` with something that can be a device."""
     parent = parents.get(call)
     if isinstance(parent, ast.Attribute) and parent.attr == "to":
-        return True
+        to = parents.get(parent)
+        if isinstance(to, ast.Call):
+            if any(k.arg == "device" for k in to.keywords):
+                return True
+            return any(_names_a_device(arg) for arg in to.args)
     return isinstance(parent, ast.Call) and getattr(parent.func, "id", None) == "on_device"
 
 
@@ -187,10 +200,11 @@ def test_the_grep_sees_a_form_that_builds_on_the_host(tmp_path: Path) -> None:
         "pytestmark = pytest.mark." + "cuda_form\n"  # split: not a form of this file
         "def _acc():\n    return HostAccelerator(None)\n"
         "def test_x():\n    _acc()\n    torch.randn(3)\n    torch.randn(3).to('cuda')\n"
+        "    torch.randn(3).to(torch.bfloat16)\n    torch.randn(3).to(x.device, x.dtype)\n"
         "@pytest.mark.simulator_only\ndef test_y():\n    HostAccelerator(None)\n"
     )
     found = _findings(bad)
-    assert len(found) == 2, found
+    assert len(found) == 3, found  # the accelerator, the CPU tensor, the one cast only
     assert any("HostAccelerator" in f for f in found) and any("torch.randn" in f for f in found)
 
 
