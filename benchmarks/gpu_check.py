@@ -117,6 +117,21 @@ TEST_FILES = (
     "tests/test_errors_clear.py",
     "tests/test_properties.py",
 )
+#: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
+#: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the
+#: files with their own streams and events (the accelerator, the pool, activations, the CUDA
+#: path) and the modes that order copies across streams (parity in every mode, announced and
+#: speculative steps, overlap_step, parameter offload on resume). docs/gpu.md: the cut.
+SANITIZER_FILES = (
+    "tests/test_cuda_parity.py",
+    "tests/test_cuda_path.py",
+    "tests/test_accelerator.py",
+    "tests/test_pool.py",
+    "tests/test_activations.py",
+    "tests/test_offload_adamw_parity.py",
+    "tests/test_step_during_backward.py",
+    "tests/test_resume_keeps_writes.py",
+)
 #: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
 #: head, 2048 positions.
 GPT_1B = {"vocab_size": 32768, "seq_len": 2048, "layers": 20, "hidden": 2048, "heads": 16}
@@ -340,12 +355,14 @@ def north_star_phase(phase: Phase, target: Target) -> None:
 
 def cuda_tests(phase: Phase, target: Target, *, sanitizer: bool, out_dir: Path | None) -> None:
     """``cuda_suite.py``'s selection (``pytest --accelerator=cuda -m cuda_form``) on
-    ``TEST_FILES``, inside the phase's budget; on the host accelerator, collection only (the
-    forms skip without a GPU, but a file that fails to import still shows)."""
-    missing = [name for name in TEST_FILES if not (ROOT / name).is_file()]
+    ``TEST_FILES`` (``SANITIZER_FILES`` under the sanitizer), inside the phase's budget; on
+    the host accelerator, collection only (the forms skip without a GPU, but a file that
+    fails to import still shows)."""
+    names = SANITIZER_FILES if sanitizer else TEST_FILES
+    missing = [name for name in names if not (ROOT / name).is_file()]
     if missing:
         phase.row("test files", f"missing from this checkout: {', '.join(missing)}", ok=False)
-    files = [name for name in TEST_FILES if name not in missing]
+    files = [name for name in names if name not in missing]
     if importlib.util.find_spec("pytest") is None or not files:
         phase.row("pytest", "not installed (pip install pytest)" if files else "no files", ok=False)
         return
@@ -430,15 +447,15 @@ def plan(args: argparse.Namespace, target: Target, out_dir: Path | None) -> list
         Planned(
             "cuda-tests",
             lambda p: cuda_tests(p, target, sanitizer=False, out_dir=out_dir),
-            180,
-            30,
+            300,  # estimated 2-4 GPU minutes (docs/gpu.md)
+            60,
             skip="--skip-tests" if args.skip_tests else None,
         ),
         Planned(
             "cuda-tests-sanitizer",
             lambda p: cuda_tests(p, target, sanitizer=True, out_dir=out_dir),
-            150,
-            30,
+            300,  # estimated 3-5 GPU minutes (docs/gpu.md)
+            60,
             skip="--skip-tests" if args.skip_tests else (None if target.cuda else no_cuda),
         ),
         Planned(
