@@ -4,9 +4,13 @@
 (tests/conftest.py says which tests have one); with ``sanitizer=True`` it runs under
 ``TORCH_CUDA_SANITIZER=1``. Without a GPU the phase collects only, so a test that cannot be
 collected on CUDA still shows. ``run`` takes a ``_phases.Phase`` (rows, ``remaining()``,
-``data``), for ``gpu_check.py`` to call as two phases with budgets of their own; run alone::
+``data``), for ``gpu_check.py`` to call as two phases with budgets of their own, on the files
+it names (``gpu_check.TEST_FILES``: named, so a file missing from the checkout shows); run
+alone, on every file::
 
     python benchmarks/cuda_suite.py [--sanitizer] [--budget-s 300]
+
+docs/gpu.md has the estimated GPU minutes of the selection and how it was cut.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +29,25 @@ ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["command", "run"]
 
 
-def command(*, cuda: bool) -> list[str]:
-    """The pytest command line of the selection (collection only without a GPU)."""
+def command(*, cuda: bool, files: Sequence[str] = ()) -> list[str]:
+    """The pytest command line of the selection (collection only without a GPU), on
+    ``files`` (every test file when empty)."""
     base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     base += ["--accelerator=cuda", "-m", "cuda_form"]
-    return [*base, "-rfEs"] if cuda else [*base, "--collect-only"]
+    base += ["-rfEs", "--durations=15"] if cuda else ["--collect-only"]
+    return [*base, *files]
 
 
-def run(phase: Any, *, sanitizer: bool, cuda: bool, out_dir: Path | None = None) -> int:
-    """Run the selection inside ``phase``'s remaining time; a row with pytest's last line.
+def run(
+    phase: Any,
+    *,
+    sanitizer: bool,
+    cuda: bool,
+    files: Sequence[str] = (),
+    log: Path | None = None,
+) -> int:
+    """Run the selection inside ``phase``'s remaining time; a row with pytest's last line,
+    the whole output in ``log`` and its tail on stdout.
 
     Returns pytest's exit status (124 when it ran out of time, as ``timeout`` says).
     """
@@ -42,7 +57,7 @@ def run(phase: Any, *, sanitizer: bool, cuda: bool, out_dir: Path | None = None)
     }
     if sanitizer:
         env["TORCH_CUDA_SANITIZER"] = "1"
-    argv = command(cuda=cuda)
+    argv = command(cuda=cuda, files=files)
     try:
         proc = subprocess.run(
             argv,
@@ -60,12 +75,14 @@ def run(phase: Any, *, sanitizer: bool, cuda: bool, out_dir: Path | None = None)
             for part in (exc.stdout, exc.stderr)
         )
         code = 124
-    if out_dir is not None:
-        (out_dir / f"cuda_suite{'_sanitizer' if sanitizer else ''}.log").write_text(output)
+    print("\n".join(output.splitlines()[-25:]), flush=True)
+    if log is not None:
+        log.write_text(output)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = lines[-1] if lines else "(no output)"
-    phase.data.update(returncode=code, summary=summary, command=" ".join(argv))
+    phase.data.update(returncode=code, summary=summary, command=" ".join(argv), log=str(log))
     what = "pytest --accelerator=cuda -m cuda_form"
+    what += f", {len(files)} files" if files else ""
     what += " (TORCH_CUDA_SANITIZER=1)" if sanitizer else ""
     what += "" if cuda else " (collect only: no GPU)"
     status = "out of time" if code == 124 else f"exit {code}"

@@ -34,8 +34,9 @@ soon as it is measured (the runs themselves are in ``_runs.py``):
 - ``north-star`` (``--north-star``; about 6 minutes): ``north_star.py``, issue 39's table:
   no offload, OffloadAdamW plain, announced and ``overlap_step`` under a 24 GiB cap, and
   DeepSpeed ZeRO-2 with CPU offload, at 1.15B and 2.69B, 4 micro-batches and 1.
-- ``cuda-tests``, ``cuda-tests-sanitizer``: the CUDA cases of ``TEST_FILES`` (named, so a
-  file that cannot be collected shows), then again under ``TORCH_CUDA_SANITIZER=1``.
+- ``cuda-tests``, ``cuda-tests-sanitizer``: ``cuda_suite.py``'s selection, the CUDA forms
+  of ``TEST_FILES`` (named, so a file that cannot be collected shows), then again under
+  ``TORCH_CUDA_SANITIZER=1``, each inside its own budget (docs/gpu.md: the estimate).
 - ``benchmarks``: ``bench_cpu_adam --quick`` and ``bench_offload_step --quick``.
 
 Each phase runs under ``_phases.PhaseRunner`` (Note [a phase never takes the script down]):
@@ -55,7 +56,6 @@ import datetime
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +72,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+import cuda_suite  # noqa: E402
 from _common import time_rounds  # noqa: E402
 from _environment import environment  # noqa: E402
 from _phases import Faults, Phase, PhaseRunner, Report, Status  # noqa: E402
@@ -91,13 +92,45 @@ from _runs import (  # noqa: E402
     torch_spread,
 )
 
-#: The test files holding CUDA cases, run by name (``pytest -m cuda``).
+#: The test files with CUDA forms (``accel_kind``, the ``cuda`` mark, or a declared
+#: ``cuda_form``: tests/conftest.py), run by name under ``--accelerator=cuda -m cuda_form``;
+#: tests/test_gpu_check.py keeps the list complete. docs/gpu.md: the forms by file, the
+#: estimated GPU minutes, how the selection was cut.
 TEST_FILES = (
     "tests/test_cuda_parity.py",
     "tests/test_cuda_path.py",
     "tests/test_accelerator.py",
     "tests/test_pool.py",
     "tests/test_activations.py",
+    "tests/test_offload_adamw_parity.py",
+    "tests/test_offload_adamw_features.py",
+    "tests/test_grad_lifecycle.py",
+    "tests/test_step_during_backward.py",
+    "tests/test_interrupts_step.py",
+    "tests/test_optim_conventions.py",
+    "tests/test_rule_seam.py",
+    "tests/test_atomic_saves.py",
+    "tests/test_optim_db.py",
+    "tests/test_offload_adamw_errors.py",
+    "tests/test_nvme.py",
+    "tests/test_resume_keeps_writes.py",
+    "tests/test_errors_clear.py",
+    "tests/test_properties.py",
+)
+#: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
+#: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the
+#: files with their own streams and events (the accelerator, the pool, activations, the CUDA
+#: path) and the modes that order copies across streams (parity in every mode, announced and
+#: speculative steps, overlap_step, parameter offload on resume). docs/gpu.md: the cut.
+SANITIZER_FILES = (
+    "tests/test_cuda_parity.py",
+    "tests/test_cuda_path.py",
+    "tests/test_accelerator.py",
+    "tests/test_pool.py",
+    "tests/test_activations.py",
+    "tests/test_offload_adamw_parity.py",
+    "tests/test_step_during_backward.py",
+    "tests/test_resume_keeps_writes.py",
 )
 #: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
 #: head, 2048 positions.
@@ -321,56 +354,22 @@ def north_star_phase(phase: Phase, target: Target) -> None:
 
 
 def cuda_tests(phase: Phase, target: Target, *, sanitizer: bool, out_dir: Path | None) -> None:
-    """``pytest -m cuda`` on ``TEST_FILES``; on the host accelerator, collection only (the
-    cases skip without a GPU, but a file that fails to import still shows)."""
-    missing = [name for name in TEST_FILES if not (ROOT / name).is_file()]
+    """``cuda_suite.py``'s selection (``pytest --accelerator=cuda -m cuda_form``) on
+    ``TEST_FILES`` (``SANITIZER_FILES`` under the sanitizer), inside the phase's budget; on
+    the host accelerator, collection only (the forms skip without a GPU, but a file that
+    fails to import still shows)."""
+    names = SANITIZER_FILES if sanitizer else TEST_FILES
+    missing = [name for name in names if not (ROOT / name).is_file()]
     if missing:
         phase.row("test files", f"missing from this checkout: {', '.join(missing)}", ok=False)
-    files = [name for name in TEST_FILES if name not in missing]
+    files = [name for name in names if name not in missing]
     if importlib.util.find_spec("pytest") is None or not files:
         phase.row("pytest", "not installed (pip install pytest)" if files else "no files", ok=False)
         return
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
-    command += ["-rfEs", *files] if target.cuda else ["--collect-only", *files]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    if sanitizer:
-        env["TORCH_CUDA_SANITIZER"] = "1"
     log = None if out_dir is None else out_dir / f"{phase.name}.log"
-    try:
-        proc = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=max(1.0, phase.remaining() - 5),  # leave time to report
-            check=False,
-        )
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = "".join(
-            part.decode(errors="replace") if isinstance(part, bytes) else part or ""
-            for part in (exc.stdout, exc.stderr)
-        )
-        _keep_log(output, log)
-        raise
-    _keep_log(output, log)
-    lines = [line for line in output.splitlines() if line.strip()]
-    summary = lines[-1] if lines else "(no output)"
-    phase.data.update(returncode=code, summary=summary, command=" ".join(command), log=str(log))
-    what = "pytest -m cuda" + (" (collect only: no GPU)" if not target.cuda else "")
-    phase.row(f"{what}, {len(files)} files", f"{summary} (exit {code})", ok=code == 0)
-
-
-def _keep_log(output: str, log: Path | None) -> None:
-    """The tail on stdout, the whole log in ``$OUT``."""
-    tail = output.splitlines()[-25:]
-    print("\n".join(tail), flush=True)
-    if log is not None:
-        log.write_text(output)
+    code = cuda_suite.run(phase, sanitizer=sanitizer, cuda=target.cuda, files=files, log=log)
+    if code == 124:
+        raise TimeoutError(f"{phase.name}: the selection ran past its budget (log: {log})")
 
 
 def benchmarks(phase: Phase) -> None:
@@ -448,15 +447,15 @@ def plan(args: argparse.Namespace, target: Target, out_dir: Path | None) -> list
         Planned(
             "cuda-tests",
             lambda p: cuda_tests(p, target, sanitizer=False, out_dir=out_dir),
-            180,
-            30,
+            300,  # estimated 2-4 GPU minutes (docs/gpu.md)
+            60,
             skip="--skip-tests" if args.skip_tests else None,
         ),
         Planned(
             "cuda-tests-sanitizer",
             lambda p: cuda_tests(p, target, sanitizer=True, out_dir=out_dir),
-            150,
-            30,
+            300,  # estimated 3-5 GPU minutes (docs/gpu.md)
+            60,
             skip="--skip-tests" if args.skip_tests else (None if target.cuda else no_cuda),
         ),
         Planned(

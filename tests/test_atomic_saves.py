@@ -1,6 +1,10 @@
 """Saves that fail or are killed leave the previous checkpoint loadable, bitwise (Note
 [atomic replacement] in ``zero_offload/fileio.py``); ``meta.pt`` is never unpickled as code;
-a full disk raises ``StorageFull`` naming the bytes."""
+a full disk raises ``StorageFull`` naming the bytes.
+
+CUDA form (``cuda_form``): the in-process tests build through tests/helpers, so their model,
+data, accelerator and optimizer are on ``cuda:0`` under ``--accelerator=cuda``; the test that
+kills a child mid-save builds on the host accelerator in the child, and stays host only."""
 
 from __future__ import annotations
 
@@ -129,6 +133,7 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(
 # -- failed saves -----------------------------------------------------------------------------
 
 
+@pytest.mark.cuda_form
 def test_an_emergency_save_after_a_failed_step_keeps_the_last_good_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -166,6 +171,7 @@ def _fake_statvfs(monkeypatch: pytest.MonkeyPatch, *, blocks: int | None, avail:
     monkeypatch.setattr(os, "statvfs", fake)
 
 
+@pytest.mark.cuda_form
 def test_a_full_disk_refuses_the_save_naming_the_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,6 +193,7 @@ def test_a_full_disk_refuses_the_save_naming_the_bytes(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_enospc_mid_save_raises_storage_full_and_keeps_the_old_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +229,7 @@ def test_enospc_mid_save_raises_storage_full_and_keeps_the_old_checkpoint(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_filesystem_reporting_no_size_is_not_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,6 +244,7 @@ def test_a_filesystem_reporting_no_size_is_not_full(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_failed_consolidated_save_keeps_the_previous_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -264,6 +273,7 @@ def test_a_failed_consolidated_save_keeps_the_previous_file(
 # -- files and directories are private ----------------------------------------------------------
 
 
+@pytest.mark.cuda_form
 def test_checkpoints_are_private_whatever_the_umask(tmp_path: Path) -> None:
     model, _ = make_pair()
     opt = _opt(model)
@@ -293,6 +303,7 @@ class _Payload:
         return (os.mkdir, (str(self.marker),))
 
 
+@pytest.mark.cuda_form
 def test_a_pickle_payload_in_meta_is_refused_and_never_runs(tmp_path: Path) -> None:
     model, _ = make_pair()
     opt = _opt(model)
@@ -315,6 +326,7 @@ def test_a_pickle_payload_in_meta_is_refused_and_never_runs(tmp_path: Path) -> N
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_swap_that_fails_half_way_is_undone_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -341,6 +353,7 @@ def test_a_swap_that_fails_half_way_is_undone_at_once(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_previous_version_that_cannot_be_removed_warns_and_the_save_stands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,10 @@
 """Errors that say what happened and what to do (issue 29 "Nothing lost"): ``StepFailed``
 names the recovery that fits where the state lives and, with several ranks, the rank that
-died; a ``prefetch_layers`` larger than the model plans the model's window."""
+died; a ``prefetch_layers`` larger than the model plans the model's window.
+
+CUDA form (``cuda_form``): the tests that train build their model, data and accelerator
+through tests/helpers, so under ``--accelerator=cuda`` they run on ``cuda:0``; the planner and
+the error-message tests have no device."""
 
 from __future__ import annotations
 
@@ -11,14 +15,13 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig, StepFailed
-from zero_offload.accelerator.host import HostAccelerator
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import CollectiveError, StreamError
 from zero_offload.optim.ranks import SingleRank
 from zero_offload.optim.update.modes import failed
 from zero_offload.params.window import plan_slots
 
+from .helpers.device import on_device, run_accelerator, run_device
 from .helpers.models import batches, lm_loss, make_pair, offload_opt
 
 
@@ -29,6 +32,7 @@ def _break(store: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store, "update", broken)
 
 
+@pytest.mark.cuda_form
 def test_step_failed_in_host_ram_says_zero_grad_then_load_state_dict(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -46,6 +50,7 @@ def test_step_failed_in_host_ram_says_zero_grad_then_load_state_dict(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_step_failed_with_state_on_nvme_says_load_streaming(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,15 +99,16 @@ def test_a_ring_never_has_more_slots_than_untied_units(prefetch: object) -> None
 def _gpt_steps(prefetch: object) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=64, seq_len=16, layers=3, hidden=32, heads=4))
+    model = model.to(run_device())
     opt = OffloadAdamW(
         model.parameters(),
         config=OffloadConfig(offload_parameters=True, prefetch_layers=prefetch, bucket_bytes=16384),
-        accelerator=HostAccelerator(AcceleratorConfig(device_budget="64MiB")),
+        accelerator=run_accelerator(device_budget="64MiB"),
         model=model,
     )
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
-        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        ids = on_device(torch.randint(0, 64, (2, 16), generator=gen))
         model(ids, ids).backward()
         opt.step()
         opt.zero_grad()
@@ -111,6 +117,7 @@ def _gpt_steps(prefetch: object) -> list[torch.Tensor]:
     return weights
 
 
+@pytest.mark.cuda_form
 def test_prefetch_layers_past_the_model_trains_as_prefetching_every_unit() -> None:
     huge = _gpt_steps(10**12)
     every = _gpt_steps(8)  # 3 blocks plus the embedding and head units: all of them
@@ -120,12 +127,13 @@ def test_prefetch_layers_past_the_model_trains_as_prefetching_every_unit() -> No
 # -- parameters replaced in their module --------------------------------------------------
 
 
+@pytest.mark.cuda_form
 def test_load_state_dict_assign_true_is_refused_at_the_next_step_naming_the_parameter() -> None:
     model, _ = make_pair()
     opt = OffloadAdamW(
         model.named_parameters(),
         config=OffloadConfig(bucket_bytes=8192),
-        accelerator=HostAccelerator(AcceleratorConfig(device_budget="256MiB")),
+        accelerator=run_accelerator(),
     )
     data = batches(2)
     lm_loss(model, *data[0]).backward()
@@ -142,6 +150,7 @@ def test_load_state_dict_assign_true_is_refused_at_the_next_step_naming_the_para
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_plain_load_state_dict_keeps_training() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)

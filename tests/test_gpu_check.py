@@ -231,8 +231,9 @@ def test_without_a_gpu_it_reports_the_environment_and_exits_0(
 
 
 def test_the_named_test_files_are_every_file_with_cuda_cases() -> None:
-    """A new file with CUDA cases (the ``accel_kind`` fixture or the ``cuda`` mark) must be
-    named in gpu_check.TEST_FILES, or the GPU run would never run it."""
+    """A new file with CUDA cases (the ``accel_kind`` fixture, the ``cuda`` mark or a
+    declared ``cuda_form``, which the last pattern also finds) must be named in
+    gpu_check.TEST_FILES, or the GPU run would never run it."""
     marks = ("accel_kind", "ACCELERATOR_KINDS", "pytest.mark.cuda")
     with_cuda = {
         f"tests/{path.name}"

@@ -3,6 +3,10 @@
 Every parity check compares against ``torch.optim.AdamW`` on an identical model with the
 same batches. Tolerance: 1e-5 on the weights after a few steps (fp32), the spread between
 torch's own for-loop and fused AdamW on this model; "bitwise" means ``torch.equal``.
+
+CUDA form: every test builds through tests/helpers (``_TwoLayers`` is moved to the test's
+device), so under ``--accelerator=cuda`` it runs on ``cuda:0`` with the same tolerances (TF32
+off, Note [no TF32 in the CUDA forms] in conftest.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.lifecycle import GradState
 
+from .helpers.device import run_device
 from .helpers.models import (
     batches,
     host_accelerator,
@@ -35,6 +40,8 @@ from .helpers.models import (
     offload_opt,
     torch_adamw,
 )
+
+pytestmark = pytest.mark.cuda_form
 
 TOL = 1e-5
 
@@ -91,7 +98,7 @@ class _TwoLayers(nn.Module):
 
 def test_bucket_without_gradient_in_new_backward_is_not_restepped():
     torch.manual_seed(0)
-    m = _TwoLayers()
+    m = _TwoLayers().to(run_device())
     r = copy.deepcopy(m)
     o = mlp_opt(m, bucket_bytes=1024)
     ro = mlp_torch_adamw(r)

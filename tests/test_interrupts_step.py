@@ -4,6 +4,10 @@ A Ctrl-C or a ``sys.exit`` inside ``step()`` leaves as itself, with what was ste
 note (Note [an interrupt is not a failure] in ``optim/update/modes.py``); a Ctrl-C anywhere
 on the gradient path leaves an optimizer that ``zero_grad()`` makes clean, training like
 torch afterwards (Note [an interrupted gradient path] in ``optim/grads/to_host.py``).
+
+CUDA form: the in-process tests build through tests/helpers (``cuda_form``: ``cuda:0`` under
+``--accelerator=cuda``, TF32 off); the two that interrupt a subprocess build on the host
+accelerator there, and stay host only.
 """
 
 from __future__ import annotations
@@ -157,6 +161,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, opt: Any, where: str, nth: int) -> 
         raise AssertionError(where)
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize(("where", "nth"), POINTS)
 def test_ctrl_c_on_the_gradient_path_then_zero_grad_trains_like_torch(
@@ -183,6 +188,7 @@ def test_ctrl_c_on_the_gradient_path_then_zero_grad_trains_like_torch(
     assert opt.closed
 
 
+@pytest.mark.cuda_form
 def test_ctrl_c_on_the_gradient_path_and_no_zero_grad_close_still_works(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -199,6 +205,7 @@ def test_ctrl_c_on_the_gradient_path_and_no_zero_grad_close_still_works(
     assert opt.closed
 
 
+@pytest.mark.cuda_form
 def test_an_interrupt_while_a_delayed_update_settles_stays_an_interrupt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

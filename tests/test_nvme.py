@@ -1,7 +1,13 @@
 """The NVMe storage tier (memory/storage.py, with storage_file.py, io_engine.py and
 io_buffers.py) and optimizer state on it (optim/state/nvme.py, optim/checkpoint/streaming.py):
 parity with the in-RAM optimizer, memory and disk bytes against their formulas, streamed
-checkpoints, and injected faults. The disk is real (tmp dirs)."""
+checkpoints, and injected faults. The disk is real (tmp dirs).
+
+CUDA form (``cuda_form``): the optimizer-level tests build through tests/helpers, so under
+``--accelerator=cuda`` the model, data, accelerator and optimizer are on ``cuda:0`` and the
+state on disk; bitwise stays bitwise. Host only: the storage tier's own tests, the host memory
+and RSS formulas, the children and gloo ranks (they build on the host accelerator), the
+event timing of the profiler's records and the simulated link."""
 
 from __future__ import annotations
 
@@ -164,6 +170,7 @@ def test_tmpfs_with_o_direct_or_the_buffered_fallback(monkeypatch: pytest.Monkey
     root.rmdir()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.skipif(not SHM.is_dir(), reason="needs a tmpfs at /dev/shm")
 def test_optimizer_on_a_buffered_fallback_trains_like_in_ram(
     monkeypatch: pytest.MonkeyPatch,
@@ -236,6 +243,7 @@ def test_full_disk_is_refused_with_the_numbers(
     assert not (tmp_path / "rank0").exists()  # the lock went with the refusal
 
 
+@pytest.mark.cuda_form
 def test_full_disk_at_optimizer_construction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -311,6 +319,7 @@ def test_a_lock_from_another_host_is_refused(tmp_path: Path) -> None:
 # -- the optimizer on NVMe ---------------------------------------------------------------
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_state_four_times_the_host_budget_trains_bitwise_like_in_ram(
     tmp_path: Path, dtype: torch.dtype
@@ -345,6 +354,7 @@ def test_state_four_times_the_host_budget_trains_bitwise_like_in_ram(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("moments", "amsgrad"),
     [("bfloat16", False), ("float32", True)],
@@ -374,6 +384,7 @@ def test_other_state_layouts_on_nvme_are_bitwise(
         o.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("mode", ["overlap_step", "step_during_backward"])
 def test_update_modes_on_nvme_are_bitwise_the_in_ram_ones(tmp_path: Path, mode: str) -> None:
     """The delayed update (on the host worker) and the step announced in backward (each
@@ -476,6 +487,7 @@ def test_rss_grows_by_the_host_formula_not_by_the_state(tmp_path: Path) -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_disk_bytes_per_step_are_read_once_and_written_once(tmp_path: Path) -> None:
     _, budget = _quarter_budget(torch.float32)
     model, _ = make_pair()
@@ -528,6 +540,7 @@ def test_the_profilers_listeners_see_every_nvme_transfer(tmp_path: Path) -> None
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_state_dict_names_the_streaming_calls(tmp_path: Path) -> None:
     model, _ = make_pair()
     opt = _opt(model, nvme_dir=tmp_path, host_budget=1)
@@ -539,6 +552,7 @@ def test_state_dict_names_the_streaming_calls(tmp_path: Path) -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("resume_budget", [1, None], ids=["resume-on-nvme", "resume-in-ram"])
 def test_streamed_checkpoint_resumes_bitwise(tmp_path: Path, resume_budget: int | None) -> None:
     _, budget = _quarter_budget(torch.bfloat16)
@@ -561,6 +575,7 @@ def test_streamed_checkpoint_resumes_bitwise(tmp_path: Path, resume_budget: int 
     ropt.close()
 
 
+@pytest.mark.cuda_form
 def test_streamed_checkpoint_refuses_a_corrupted_tile_before_loading(tmp_path: Path) -> None:
     model, _ = make_pair()
     opt = _opt(model, nvme_dir=tmp_path / "nvme", host_budget=1)
@@ -578,6 +593,7 @@ def test_streamed_checkpoint_refuses_a_corrupted_tile_before_loading(tmp_path: P
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_write_error_mid_step_names_bucket_and_file_and_leaves_others_intact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -639,6 +655,7 @@ def test_write_error_mid_step_names_bucket_and_file_and_leaves_others_intact(
     ropt.close()
 
 
+@pytest.mark.cuda_form
 def test_corrupted_tile_on_disk_fails_the_step_by_its_checksum(tmp_path: Path) -> None:
     model, _ = make_pair()
     opt = _opt(model, nvme_dir=tmp_path, host_budget=1)
@@ -657,6 +674,7 @@ def test_corrupted_tile_on_disk_fails_the_step_by_its_checksum(tmp_path: Path) -
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_host_budget_auto_and_validation(tmp_path: Path) -> None:
     config = OffloadConfig(nvme_dir=tmp_path)
     assert config.host_budget == "auto"
@@ -767,6 +785,7 @@ def test_the_profiler_report_has_nvme_rows(tmp_path: Path) -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_speculative_step_steps_nvme_buckets_in_step(tmp_path: Path) -> None:
     # NVMe buckets cannot be backed up: a speculative step leaves them to step(), where
     # the coefficient is known; the result is bitwise the ordinary step.

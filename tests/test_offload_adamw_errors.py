@@ -1,4 +1,9 @@
-"""Bad input gets a clear error naming the parameter, and a failed call changes nothing."""
+"""Bad input gets a clear error naming the parameter, and a failed call changes nothing.
+
+CUDA form (``cuda_form``): the tests whose parameters come from tests/helpers or are moved
+with ``on_device`` run on ``cuda:0`` under ``--accelerator=cuda``; the meta-device refusals
+are about the meta device, and stay host only. A state dict's tensors are host tensors, as a
+user's checkpoint holds them (``# host:``)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from torch import nn
 
 from zero_offload import DeviceBudgetExceeded, OffloadAdamW, OffloadConfig
 
+from .helpers.device import on_device, run_device
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, offload_opt, train
 
 
@@ -18,13 +24,25 @@ def _opt(params, **kwargs) -> OffloadAdamW:
     return OffloadAdamW(params, **kwargs)
 
 
+@pytest.mark.cuda_form
 def test_complex_and_integer_parameters_are_refused() -> None:
     with pytest.raises(TypeError, match=r"parameter 1 \(shape \(3,\), torch.complex64\)"):
-        _opt([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+        _opt(
+            [
+                nn.Parameter(torch.zeros(2, device=run_device())),
+                nn.Parameter(torch.zeros(3, dtype=torch.complex64, device=run_device())),
+            ]
+        )
     with pytest.raises(TypeError, match=r"parameter 0 .*int64"):
-        _opt([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
+        _opt(
+            [
+                nn.Parameter(
+                    torch.zeros(2, dtype=torch.int64, device=run_device()), requires_grad=False
+                )
+            ]
+        )
     with pytest.raises(TypeError, match="float64 is not supported"):
-        _opt([nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+        _opt([nn.Parameter(torch.zeros(2, dtype=torch.float64, device=run_device()))])
 
 
 def test_parameter_on_another_device_is_refused() -> None:
@@ -33,19 +51,22 @@ def test_parameter_on_another_device_is_refused() -> None:
         _opt([nn.Parameter(torch.zeros(2, device="meta"))])
 
 
+@pytest.mark.cuda_form
 def test_non_leaf_is_refused() -> None:
     # Mixed training dtypes are accepted: tests/test_mixed_dtypes.py.
-    leaf = nn.Parameter(torch.ones(3))
+    leaf = nn.Parameter(on_device(torch.ones(3)))
     with pytest.raises(ValueError, match=r"parameter 0 .* not a leaf"):
         _opt([leaf * 2])
 
 
+@pytest.mark.cuda_form
 def test_the_same_parameter_in_two_groups_is_refused() -> None:
-    p = nn.Parameter(torch.ones(3))
+    p = nn.Parameter(on_device(torch.ones(3)))
     with pytest.raises(ValueError, match="more than one parameter group"):
         _opt([{"params": [p]}, {"params": [p]}])
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -62,17 +83,19 @@ def test_the_same_parameter_in_two_groups_is_refused() -> None:
 )
 def test_unsupported_options_and_bad_hyper_parameters(kwargs: dict, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
-        _opt([nn.Parameter(torch.ones(3))], **kwargs)
+        _opt([nn.Parameter(on_device(torch.ones(3)))], **kwargs)
 
 
+@pytest.mark.cuda_form
 def test_sparse_gradient_is_a_clear_error() -> None:
-    emb = nn.Embedding(10, 4, sparse=True)
+    emb = nn.Embedding(10, 4, sparse=True).to(run_device())
     opt = _opt(emb.parameters())
     with pytest.raises((ValueError, RuntimeError), match="sparse gradient"):
-        emb(torch.tensor([1, 2])).sum().backward()
+        emb(on_device(torch.tensor([1, 2]))).sum().backward()
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_budget_too_small_fails_at_construction_and_leaks_nothing() -> None:
     model, _ = make_pair()
     acc = host_accelerator(device_budget=20_000)
@@ -83,6 +106,7 @@ def test_budget_too_small_fails_at_construction_and_leaks_nothing() -> None:
     assert acc.memory_stats()["in_use"] == 0
 
 
+@pytest.mark.cuda_form
 def test_failed_construction_leaves_the_model_and_budget_as_they_were(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -114,12 +138,15 @@ def test_failed_construction_leaves_the_model_and_budget_as_they_were(
     offload_opt(model, accelerator=acc).close()
 
 
+@pytest.mark.cuda_form
 def test_failed_add_param_group_leaves_the_optimizer_as_it_was() -> None:
     model, _ = make_pair()
     opt = offload_opt(model.blocks)
     groups = len(opt.param_groups)
     with pytest.raises(TypeError, match="float64 is not supported"):
-        opt.add_param_group({"params": [nn.Parameter(torch.ones(3, dtype=torch.float64))]})
+        opt.add_param_group(
+            {"params": [nn.Parameter(on_device(torch.ones(3, dtype=torch.float64)))]}
+        )
     assert len(opt.param_groups) == groups
     with pytest.raises(ValueError, match="lr"):
         opt.add_param_group({"params": list(model.head.parameters()), "lr": -2.0})
@@ -137,15 +164,16 @@ def _state_equal(a: dict, b: dict) -> bool:
     )
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
         (lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0])), "groups"),
         (lambda sd: sd["param_groups"][0]["params"].pop(), "parameters"),
-        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3)), "shape"),
+        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3)), "shape"),  # host: a state dict
         (lambda sd: sd["state"][0].pop("exp_avg_sq"), "missing"),
         (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].long()), "dtype"),
-        (lambda sd: sd["state"][0].update(step=torch.tensor(0.0)), "step"),
+        (lambda sd: sd["state"][0].update(step=torch.tensor(0.0)), "step"),  # host: a state dict
         (lambda sd: sd["state"].update({999: {}}), "unknown parameter"),
     ],
 )
@@ -163,6 +191,7 @@ def test_bad_load_state_dict_raises_and_changes_nothing(mutate, match: str) -> N
     assert _state_equal(before, opt.state_dict())
 
 
+@pytest.mark.cuda_form
 def test_failed_load_state_dict_changes_nothing_even_late() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)
@@ -177,6 +206,7 @@ def test_failed_load_state_dict_changes_nothing_even_late() -> None:
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
 
 
+@pytest.mark.cuda_form
 def test_clip_grad_norm_rejects_bad_arguments() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)
@@ -186,6 +216,7 @@ def test_clip_grad_norm_rejects_bad_arguments() -> None:
         opt.clip_grad_norm_(-1.0)
 
 
+@pytest.mark.cuda_form
 def test_config_validation_names_each_field() -> None:
     for field, value in (
         ("bucket_bytes", 10),
@@ -202,7 +233,7 @@ def test_config_validation_names_each_field() -> None:
         OffloadConfig(overlap_step=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="overlap_step"):
         _opt(
-            [nn.Parameter(torch.ones(3))],
+            [nn.Parameter(on_device(torch.ones(3)))],
             config=OffloadConfig(overlap_step=True, offload_fraction=0.5),
         )
 
@@ -214,6 +245,7 @@ def test_meta_parameters_are_told_to_use_to_empty() -> None:
         OffloadAdamW(layer.parameters(), accelerator=host_accelerator())
 
 
+@pytest.mark.cuda_form
 def test_step_and_close_after_close() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)

@@ -1,4 +1,8 @@
-"""fp16 loss scaling, offload_fraction, overlap_step, checkpoints, non-finite gradients."""
+"""fp16 loss scaling, offload_fraction, overlap_step, checkpoints, non-finite gradients.
+
+CUDA form: every test builds through tests/helpers, so under ``--accelerator=cuda`` it runs
+on ``cuda:0`` with the same tolerances (Note [no TF32 in the CUDA forms] in conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from .helpers.models import (
     torch_adamw,
     train,
 )
+
+pytestmark = pytest.mark.cuda_form
 
 FP32_ATOL = 1e-5
 

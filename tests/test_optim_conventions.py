@@ -4,6 +4,11 @@
 Tolerance: fp32 everywhere, so the yardstick of tests/test_offload_adamw_parity.py: the CPU
 kernel (offloaded buckets) and torch's fused kernel (resident buckets) evaluate Adam in
 another order than torch's for-loop, a few ulp per step; 1e-5 absolute over 12 steps.
+
+CUDA form (``cuda_form``): the tests that build through tests/helpers (and the tiny GPT-2,
+moved to the test's device) run on ``cuda:0`` under ``--accelerator=cuda``, at the same
+tolerance (TF32 off, Note [no TF32 in the CUDA forms] in conftest.py). The tensor-``lr`` and
+tensor-``betas`` tests hold CPU tensors, as a user's scheduler does: host only.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import torch
 
 from zero_offload import OffloadAdam, OffloadAdamW, OffloadConfig
 
+from .helpers.device import on_device, run_device
 from .helpers.models import batches, host_accelerator, make_pair, max_diff, train
 
 FP32_ATOL = 1e-5
 
 
 def _opt(params: Any, cls: type = OffloadAdamW, offload_fraction: float = 1.0, **hyper: Any) -> Any:
-    """``cls`` with small buckets and tiles on a host accelerator."""
+    """``cls`` with small buckets and tiles on the test's accelerator."""
     config = OffloadConfig(bucket_bytes=8192, tile_elements=1024, offload_fraction=offload_fraction)
     return cls(params, **hyper, config=config, accelerator=host_accelerator())
 
@@ -30,6 +36,7 @@ def _opt(params: Any, cls: type = OffloadAdamW, offload_fraction: float = 1.0, *
 # -- named_parameters ------------------------------------------------------------------
 
 
+@pytest.mark.cuda_form
 def test_named_parameters_keep_their_names_like_torch() -> None:
     model, ref = make_pair()
     opt = _opt(model.named_parameters(), lr=1e-3)
@@ -47,6 +54,7 @@ def test_named_parameters_keep_their_names_like_torch() -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_named_groups_round_trip_through_the_state_dict() -> None:
     data = batches(8)
     model, _ = make_pair()
@@ -85,6 +93,7 @@ def test_named_groups_round_trip_through_the_state_dict() -> None:
         opt.close()
 
 
+@pytest.mark.cuda_form
 def test_add_param_group_takes_names_and_refuses_a_mix() -> None:
     model, _ = make_pair()
     opt = _opt(model.blocks.named_parameters())
@@ -160,6 +169,7 @@ def test_tensor_betas_both_or_neither() -> None:
 # -- OffloadAdam: torch.optim.Adam's coupled L2 decay ----------------------------------
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("offload_fraction", [1.0, 0.0])
 @pytest.mark.parametrize(
     "hyper",
@@ -185,6 +195,7 @@ def test_offload_adam_matches_torch_adam(hyper: dict, offload_fraction: float) -
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_offload_adam_decay_is_coupled_not_decoupled() -> None:
     """With a large weight decay the two rules visibly part: OffloadAdam follows
     torch.optim.Adam and not AdamW (so the test above cannot pass by accident)."""
@@ -224,14 +235,14 @@ def _tiny_gpt2(vocab: int = 64) -> torch.nn.Module:
         attn_pdrop=0.0,
         tie_word_embeddings=True,
     )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config).to(run_device())
 
 
 def _gpt2_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 64, (2, 16), generator=gen)
+        tokens = on_device(torch.randint(0, 64, (2, 16), generator=gen))
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         losses.append(loss.item())
@@ -240,6 +251,7 @@ def _gpt2_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) 
     return losses
 
 
+@pytest.mark.cuda_form
 def test_tied_gpt2_embeddings_train_like_torch_and_stay_tied() -> None:
     model = _tiny_gpt2()
     ref = copy.deepcopy(model)
@@ -256,13 +268,14 @@ def test_tied_gpt2_embeddings_train_like_torch_and_stay_tied() -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_resize_token_embeddings_after_construction_is_refused_at_the_next_step() -> None:
     model = _tiny_gpt2()
     opt = _opt(model.parameters())
     _gpt2_steps(model, opt, 1)
     before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
     model.resize_token_embeddings(72)
-    tokens = torch.randint(0, 72, (2, 16))
+    tokens = on_device(torch.randint(0, 72, (2, 16)))
     model(input_ids=tokens, labels=tokens).loss.backward()
     with pytest.raises(ValueError, match=r"its \.data was replaced .*resize_token_embeddings"):
         opt.step()
@@ -271,6 +284,7 @@ def test_resize_token_embeddings_after_construction_is_refused_at_the_next_step(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_refusals_name_a_named_parameter() -> None:
     model, _ = make_pair()
     with torch.no_grad():

@@ -9,6 +9,12 @@ Every error input raises ``ValueError`` or ``TypeError`` from our constructor, n
 argument. The configs of every device type are taken (the CUDA ones bring tensor ``lr`` and
 ``betas``), since the host accelerator stands in for any device.
 
+CUDA form (``--accelerator=cuda``): the parity and refusal tests build through tests/helpers,
+so their model, data, accelerator and optimizer are on ``cuda:0``, with the same tolerance
+(TF32 off, Note [no TF32 in the CUDA forms] in conftest.py: ours and torch's run the same
+forward and backward kernels, and differ only by the optimizer's rounding). The error inputs
+are torch's CPU tensors, made at collection: host only.
+
 Tolerance: fp32 everywhere, as tests/test_offload_adamw_parity.py: a few ulp per step from
 the kernel's evaluation order; 1e-5 absolute over 6 steps at lr 1e-3, scaled with the lr
 (the spread of each step is proportional to the update).
@@ -122,6 +128,7 @@ def _copy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.cuda_form  # everything through tests/helpers: on cuda:0 under --accelerator=cuda
 @pytest.mark.parametrize(("torch_cls", "kwargs"), _parity_cases())
 def test_config_trains_to_parity_with_torch(torch_cls: type, kwargs: dict[str, Any]) -> None:
     model, ref = make_pair(layers=1, dim=16, vocab=32)
@@ -141,6 +148,7 @@ def test_config_trains_to_parity_with_torch(torch_cls: type, kwargs: dict[str, A
     opt.close()
 
 
+@pytest.mark.cuda_form  # the model and the accelerator of tests/helpers: cuda:0 under cuda
 @pytest.mark.parametrize(("torch_cls", "kwargs"), _refused_cases())
 def test_refused_configs_raise(torch_cls: type, kwargs: dict[str, Any]) -> None:
     model, _ = make_pair(layers=1, dim=16, vocab=32)

@@ -3,7 +3,11 @@ order (Note [weights written outside the optimizer] in views/param_views.py, and
 [a loaded state claims no weights] in optim/checkpoint/state_dict.py): step, write under
 ``no_grad`` (an EMA swap, a re-init), save model and optimizer, resume, step on; the result
 is bitwise the uninterrupted run's. Consolidated and streaming checkpoints, ``overlap_step``
-on and off, and parameter offload."""
+on and off, and parameter offload.
+
+CUDA form (``cuda_form``): the model, the data and the accelerator come from
+tests/helpers/device.py, so under ``--accelerator=cuda`` all of it runs on ``cuda:0``,
+bitwise as on the host (Note [no TF32 in the CUDA forms] in conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +15,20 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
+
+from .helpers.device import on_device, run_accelerator, run_device
 
 VOCAB, SEQ = 64, 16
 MODES = ["plain", "overlap", "param_offload"]
+
+pytestmark = pytest.mark.cuda_form
 
 
 def _model(seed: int) -> TinyGPT:
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=3, hidden=32, heads=4)
-    return TinyGPT(config).to(torch.bfloat16)
+    return TinyGPT(config).to(run_device(), torch.bfloat16)
 
 
 def _opt(model: TinyGPT, mode: str) -> OffloadAdamW:
@@ -38,14 +44,15 @@ def _opt(model: TinyGPT, mode: str) -> OffloadAdamW:
             overlap_step=mode == "overlap",
             offload_parameters=mode == "param_offload",
         ),
-        accelerator=HostAccelerator(AcceleratorConfig(device_budget="64MiB")),
+        accelerator=run_accelerator(device_budget="64MiB"),
         **extra,
     )
 
 
 def _steps(model: TinyGPT, opt: OffloadAdamW, seeds: range) -> None:
     for seed in seeds:
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        ids = on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
         model(ids, ids).backward()
         opt.step()
         opt.zero_grad()
@@ -57,7 +64,7 @@ def _write(model: TinyGPT) -> None:
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         first = model.blocks[0].mlp[0].weight
-        first.copy_(torch.randn(first.shape, generator=gen).to(first.dtype))
+        first.copy_(torch.randn(first.shape, generator=gen).to(first.device, first.dtype))
     model.blocks[2].mlp[2].weight.data.mul_(-0.5)
 
 

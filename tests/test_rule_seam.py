@@ -10,6 +10,10 @@ that knows the optimizer]).
    field more in the host pool, the NVMe record and the estimator.
 
 Tolerance: fp32; SGD's update is one multiply-add per element, evaluated in torch's order.
+
+CUDA form (``cuda_form``): the SGD rule's training, resume and refusal tests build through
+tests/helpers (``cuda:0`` under ``--accelerator=cuda``, the half-resident case then running the
+rule's device step on the GPU); the greps and the planners' sizes are host only.
 """
 
 from __future__ import annotations
@@ -151,6 +155,7 @@ def _sgd(model: torch.nn.Module, **config: Any) -> OffloadSgd:
     )
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     "where",
     [
@@ -187,6 +192,7 @@ def test_a_new_rule_matches_torch_sgd(where: dict[str, Any], tmp_path: pathlib.P
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_a_new_rule_resumes_bitwise_from_its_state_dict() -> None:
     data = batches(8)
     model, twin = make_pair()
@@ -207,6 +213,7 @@ def test_a_new_rule_resumes_bitwise_from_its_state_dict() -> None:
     opt2.close()
 
 
+@pytest.mark.cuda_form
 def test_a_new_rule_checks_its_own_hyper_parameters() -> None:
     model, _ = make_pair()
     with pytest.raises(ValueError, match=r"OffloadSgd: momentum must be in \[0.0, 1.0\), got 1.5"):

@@ -2,7 +2,12 @@
 goes on, bitwise equal to the ordinary step; a call between the announcement and step() (a
 backward that raises, a second backward, state_dict, load_state_dict, add_param_group, a
 gradient set by hand) either keeps training equal to torch.optim.AdamW (1e-5, fp32, as in
-the parity tests) or is refused."""
+the parity tests) or is refused.
+
+CUDA form (``cuda_form``): the tests that build through tests/helpers run on ``cuda:0`` under
+``--accelerator=cuda`` (Note [no TF32 in the CUDA forms] in conftest.py: bitwise stays
+bitwise). The eager-step test slows the host accelerator's simulated link and the profiler
+test times it: host only."""
 
 from __future__ import annotations
 
@@ -83,6 +88,7 @@ def test_a_step_during_backward_is_bitwise_the_ordinary_step(
     assert max(shares) > 0.0, shares
 
 
+@pytest.mark.cuda_form
 def test_clipping_after_an_announced_step_is_refused() -> None:
     model, _ = make_pair()
     opt = offload_opt(model)
@@ -92,6 +98,7 @@ def test_clipping_after_an_announced_step_is_refused() -> None:
     opt.step()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("config", "reason"),
     [
@@ -124,6 +131,7 @@ def _speculative_pair(dtype: torch.dtype, **config: object):
     return spec_model, spec, plain_model, plain
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("max_grad_norm", "speculation_bytes", "failures"),
     [
@@ -150,6 +158,7 @@ def test_speculative_steps_are_bitwise_the_ordinary_step(
     assert spec.share_stepped_during_backward is not None
 
 
+@pytest.mark.cuda_form
 def test_a_speculative_step_that_overflows_is_restored_and_skipped() -> None:
     spec_model, spec, plain_model, plain = _speculative_pair(torch.float16)
     poisoned = {"on": False}
@@ -202,6 +211,7 @@ def _forward(model, x, boom=False):
     return h
 
 
+@pytest.mark.cuda_form
 def test_announced_backward_that_raises_then_zero_grad_recovers():
     # An exact announced step keeps no backup: the buckets it stepped before the backward
     # raised stay stepped (counted, with a warning naming them), the others are not, and
@@ -223,6 +233,7 @@ def test_announced_backward_that_raises_then_zero_grad_recovers():
     assert {int(o.state[p]["step"]) for p in m.parameters()} == {2, 3}
 
 
+@pytest.mark.cuda_form
 def test_second_backward_after_announced_one_is_refused_or_counted():
     m = mlp()
     r = copy.deepcopy(m)
@@ -241,6 +252,7 @@ def test_second_backward_after_announced_one_is_refused_or_counted():
     assert max_diff(m, r) < 1e-5, "the second backward's gradients were silently dropped"
 
 
+@pytest.mark.cuda_form
 def test_state_dict_between_announced_backward_and_step_does_not_double_step():
     m = mlp()
     r = copy.deepcopy(m)
@@ -256,6 +268,7 @@ def test_state_dict_between_announced_backward_and_step_does_not_double_step():
     assert max_diff(m, r) < 1e-5
 
 
+@pytest.mark.cuda_form
 def test_load_state_dict_between_announced_backward_and_step():
     m = mlp()
     r = copy.deepcopy(m)
@@ -291,6 +304,7 @@ def test_load_state_dict_between_announced_backward_and_step():
     assert max_diff(m, r) < 1e-5
 
 
+@pytest.mark.cuda_form
 def test_add_param_group_after_announce():
     from .helpers.models import host_accelerator
 
@@ -313,6 +327,7 @@ def test_add_param_group_after_announce():
     o.step()  # KeyError(1) today, forever after
 
 
+@pytest.mark.cuda_form
 def test_refused_eager_step_leaves_state_unchanged():
     m = mlp()
     r = copy.deepcopy(m)

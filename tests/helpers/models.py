@@ -1,4 +1,10 @@
-"""Small models and training loops shared by the optimizer tests."""
+"""Small models and training loops shared by the optimizer tests.
+
+Models, data and accelerators are built for the running test's accelerator kind
+(``tests/helpers/device.py``): the host accelerator and the CPU by default, ``cuda:0`` for a
+test with a CUDA form under ``--accelerator=cuda``. Data is drawn on the CPU from a seeded
+generator and then moved, so both kinds train on the same numbers.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zero_offload import AcceleratorConfig, HostAccelerator, OffloadAdamW, OffloadConfig
+from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload.accelerator import Accelerator
+
+from .device import run_accelerator, run_device
 
 
 class TinyTransformer(nn.Module):
@@ -49,7 +58,8 @@ def batches(n: int, *, vocab: int = 64, batch: int = 4, seq: int = 8, seed: int 
     out = []
     for _ in range(n):
         tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
-        out.append((tokens, (tokens * 7 + 3) % vocab))  # learnable: the loss can fall
+        targets = (tokens * 7 + 3) % vocab  # learnable: the loss can fall
+        out.append((tokens.to(run_device()), targets.to(run_device())))
     return out
 
 
@@ -61,21 +71,24 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
 def make_pair(
     dtype: torch.dtype = torch.float32, seed: int = 0, **model_kwargs: object
 ) -> tuple[nn.Module, nn.Module]:
-    """Two identical models: one for zero-offload, one for the torch reference."""
+    """Two identical models on the test's device: one for zero-offload, one for the torch
+    reference. Built on the CPU from ``seed`` and then moved, so every kind starts from the
+    same weights."""
     torch.manual_seed(seed)
-    model = TinyTransformer(**model_kwargs).to(dtype)  # type: ignore[arg-type]
+    model = TinyTransformer(**model_kwargs).to(run_device(), dtype)  # type: ignore[arg-type]
     return model, copy.deepcopy(model)
 
 
-def host_accelerator(**config: object) -> HostAccelerator:
-    config.setdefault("device_budget", "256MiB")
-    return HostAccelerator(AcceleratorConfig(**config))  # type: ignore[arg-type]
+#: The running test's accelerator (``device.run_accelerator``); the old name, which tests still
+#: use, is kept: it is the host accelerator unless the test has a CUDA form under
+#: ``--accelerator=cuda``.
+host_accelerator = run_accelerator
 
 
 def offload_opt(
     model: nn.Module,
     *,
-    accelerator: HostAccelerator | None = None,
+    accelerator: Accelerator | None = None,
     lr: float = 1e-3,
     weight_decay: float = 0.1,
     **config: object,
@@ -89,7 +102,7 @@ def offload_opt(
         betas=(0.9, 0.95),
         weight_decay=weight_decay,
         config=OffloadConfig(**config),  # type: ignore[arg-type]
-        accelerator=accelerator or host_accelerator(),
+        accelerator=accelerator or run_accelerator(),
     )
 
 
@@ -131,22 +144,23 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
 def mlp(
     seed: int = 0, dims: tuple[int, ...] = (16, 32, 32, 8), dtype: torch.dtype = torch.float32
 ) -> nn.Sequential:
-    """Linear layers of widths ``dims`` with Tanh between them."""
+    """Linear layers of widths ``dims`` with Tanh between them, on the test's device."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for a, b in itertools.pairwise(dims):
         layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1]).to(dtype)
+    return nn.Sequential(*layers[:-1]).to(run_device(), dtype)
 
 
 def mlp_batches(
     n: int, seed: int = 1, d_in: int = 16, d_out: int = 8
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` deterministic (inputs, targets) pairs of 4 rows for ``mlp``."""
+    """``n`` deterministic (inputs, targets) pairs of 4 rows for ``mlp``, on the test's device."""
     g = torch.Generator().manual_seed(seed)
-    return [
+    pairs = [
         (torch.randn(4, d_in, generator=g), torch.randn(4, d_out, generator=g)) for _ in range(n)
     ]
+    return [(x.to(run_device()), y.to(run_device())) for x, y in pairs]
 
 
 def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
