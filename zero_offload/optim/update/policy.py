@@ -40,6 +40,7 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
+from ..publish import Publish
 from ..ranks import Ranks
 from ..router import BackwardRouter
 from ..rule.base import Hyper
@@ -306,7 +307,7 @@ class StepPolicy:
             hypers,
             grad_scale=1.0 / self.scaler.scale,
             speculation_bytes=self.config.speculation_bytes if speculative else None,
-            publish_during_backward=not self._param_offload(),
+            publish=Publish.LATER if self._param_offload() else Publish.NOW,
         )
         self.router.eager = self.eager
 
