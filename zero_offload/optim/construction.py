@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..config import OffloadConfig
+from ..config import GradStaging, OffloadConfig
 from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -178,7 +178,7 @@ class SegmentBuilder:
     def _check_in_flight(self, params: list[torch.Tensor]) -> None:
         """Refuse ``grad_staging="in_flight"`` where no step could run during backward
         whatever the loop does (Note [gradient staging for the buckets in flight])."""
-        if self.config.grad_staging != "in_flight":
+        if self.config.grad_staging is not GradStaging.IN_FLIGHT:
             return
         reason = self.ranks.eager_refusal()
         if reason is None and any(p.dtype == torch.float16 for p in params):
@@ -196,7 +196,7 @@ class SegmentBuilder:
         """With ``grad_staging="in_flight"``, the segment's ring (Note [gradient staging
         for the buckets in flight]) and the host pool bytes it replaces: every offloaded
         bucket's own staging, ``a(k*s)`` each, which the plans count in the host pool."""
-        if self.config.grad_staging != "in_flight" or not layouts:
+        if self.config.grad_staging is not GradStaging.IN_FLIGHT or not layouts:
             return None, 0
         own = own_staging_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT)
         ring = StagingRing(
@@ -224,7 +224,7 @@ class SegmentBuilder:
         it (the homes movable: Note [homes on NVMe]) the weight tile ring and the bounce
         ring, as large as the window, since the budget holds the homes first."""
         config = self.config
-        if config.grad_staging != "in_flight" or config.host_budget != "auto":
+        if config.grad_staging is not GradStaging.IN_FLIGHT or config.host_budget != "auto":
             return config
         offloaded = [b for b in layouts if b.index not in placement.resident]
         sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
