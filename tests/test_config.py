@@ -1,10 +1,21 @@
-"""AcceleratorConfig and byte parsing: each field's validation names field, value, range."""
+"""AcceleratorConfig, byte parsing and OffloadConfig's modes: each field's validation names
+field, value, range."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from zero_offload.config import DEVICE_BUDGET_ENV, AcceleratorConfig, format_bytes, parse_bytes
+from zero_offload.config import (
+    DEVICE_BUDGET_ENV,
+    AcceleratorConfig,
+    GradStaging,
+    OffloadConfig,
+    format_bytes,
+    parse_bytes,
+)
 
 
 @pytest.mark.parametrize(
@@ -87,3 +98,25 @@ def test_an_infinite_byte_count_is_a_value_error_not_an_overflow(monkeypatch) ->
     monkeypatch.setenv("ZERO_OFFLOAD_DEVICE_BUDGET", "1e400")
     with pytest.raises(ValueError, match="ZERO_OFFLOAD_DEVICE_BUDGET='1e400' is not a finite"):
         AcceleratorConfig().resolved_device_budget(1, "default")
+
+
+@pytest.mark.parametrize("given", ["in_flight", GradStaging.IN_FLIGHT])
+def test_grad_staging_is_normalised_to_its_member(given: object) -> None:
+    config = OffloadConfig(grad_staging=given)
+    assert config.grad_staging is GradStaging.IN_FLIGHT
+    # Backwards compatible: equal to, hashed, printed and serialised as the spelling.
+    assert config.grad_staging == "in_flight"
+    assert hash(config.grad_staging) == hash("in_flight")
+    assert f"{config.grad_staging}" == str(config.grad_staging) == "in_flight"
+    assert json.dumps({"grad_staging": config.grad_staging}) == '{"grad_staging": "in_flight"}'
+    assert dataclasses.replace(config).grad_staging is GradStaging.IN_FLIGHT
+    assert OffloadConfig().grad_staging is GradStaging.PER_BUCKET
+
+
+@pytest.mark.parametrize("bad", ["ring", "IN_FLIGHT", None, 1, ["in_flight"]])
+def test_grad_staging_refuses_other_values_naming_them_and_the_choices(bad: object) -> None:
+    with pytest.raises(ValueError) as raised:
+        OffloadConfig(grad_staging=bad)
+    assert str(raised.value) == (
+        f"OffloadConfig.grad_staging must be 'per_bucket' or 'in_flight', got {bad!r}"
+    )

@@ -30,7 +30,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 2. ``rule``: the optimizer's rule (what it keeps, how it steps, its hyper-parameters) and
    the host tile loop every rule shares.
 3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
-4. ``flat_bucket``: one bucket, a gradient path and a state store composed.
+4. ``flat_bucket``, ``segment_plan``: one bucket, a gradient path and a state store
+   composed; the plan both construction routes share (placement, NVMe, the device pool).
 5. ``checks``, ``router``, ``reports``: checks on the caller's input; the backward's routing
    of each gradient to its bucket; ``opt.state`` and the placement report.
 6. ``update``: when a planned step runs and how its weights reach the device.
@@ -97,6 +98,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "rule": 2,
     "state": 3,
     "flat_bucket": 4,
+    "segment_plan": 4,
     "checks": 5,
     "router": 5,
     "reports": 5,

@@ -7,6 +7,7 @@ deep inside a training step.
 
 from __future__ import annotations
 
+import enum
 import math
 import operator
 import os
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEVICE_BUDGET_ENV",
     "AcceleratorConfig",
+    "GradStaging",
     "LossScalerConfig",
     "OffloadConfig",
     "format_bytes",
@@ -237,6 +239,37 @@ class LossScalerConfig:
             )
 
 
+class GradStaging(str, enum.Enum):
+    """Where gradients land on the host (``OffloadConfig.grad_staging``). A ``str`` whose
+    value is the setting's spelling: ``OffloadConfig(grad_staging="in_flight")`` is
+    ``GradStaging.IN_FLIGHT``, equal to ``"in_flight"`` and printed as it."""
+
+    #: One pinned staging buffer per bucket, for the whole model (each bucket's shard in the
+    #: training dtype); it holds the bucket's gradient until ``step()`` consumes it.
+    PER_BUCKET = "per_bucket"
+    #: A ring of ``grad_staging_buffers`` pinned buffers, each the largest bucket's shard,
+    #: shared by every bucket; a bucket's buffer is free again once its CPU update is done
+    #: (each step runs during backward: Note [gradient staging for the buckets in flight] in
+    #: ``optim/grads/staging_ring.py``).
+    IN_FLIGHT = "in_flight"
+
+    def __str__(self) -> str:
+        return self.value  # the spelling, as ``str.__str__`` on every Python version
+
+    # Equal to its spelling (``str.__eq__``), so it hashes as its spelling too.
+    __hash__ = str.__hash__
+
+    @classmethod
+    def parse(cls, value: object, *, name: str) -> GradStaging:
+        """``value`` (a member, or its spelling) as a member; ``ValueError`` naming ``name``,
+        the value and the choices otherwise."""
+        try:
+            return cls(value)
+        except (ValueError, TypeError):  # TypeError: an unhashable value
+            choices = " or ".join(repr(member.value) for member in cls)
+            raise ValueError(f"{name} must be {choices}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """How ``OffloadAdamW`` places and streams optimizer state.
@@ -319,7 +352,8 @@ class OffloadConfig:
             units ahead the fetches run (0: fetched when needed, nothing hidden). Device
             weights are then ``prefetch_layers + 2`` slots of the largest units. An int >= 0.
             Default 1.
-        grad_staging: where gradients land on the host. ``"per_bucket"`` (default): a
+        grad_staging: where gradients land on the host, a ``GradStaging`` or its spelling
+            (normalised to the member). ``"per_bucket"`` (default): a
             pinned staging buffer per bucket, for the whole model (2 bytes a parameter in
             bf16). ``"in_flight"``: a ring of ``grad_staging_buffers`` buffers, each as large
             as the largest bucket's shard, shared by every bucket; each step must then run
@@ -354,7 +388,7 @@ class OffloadConfig:
     offload_parameters: bool = False
     partition_parameters: bool = False
     prefetch_layers: int = 1
-    grad_staging: str = "per_bucket"
+    grad_staging: GradStaging | str = GradStaging.PER_BUCKET
     grad_staging_buffers: int = 2
 
     def __post_init__(self) -> None:
@@ -481,17 +515,14 @@ class OffloadConfig:
     def _check_grad_staging(self) -> None:
         """``grad_staging`` and what refuses ``"in_flight"``: settings that need every
         gradient before any update (Note [gradient staging for the buckets in flight])."""
-        if self.grad_staging not in ("per_bucket", "in_flight"):
-            raise ValueError(
-                f"OffloadConfig.grad_staging must be 'per_bucket' or 'in_flight', "
-                f"got {self.grad_staging!r}"
-            )
+        staging = GradStaging.parse(self.grad_staging, name="OffloadConfig.grad_staging")
+        object.__setattr__(self, "grad_staging", staging)
         object.__setattr__(
             self,
             "grad_staging_buffers",
             _check_int("OffloadConfig.grad_staging_buffers", self.grad_staging_buffers, low=1),
         )
-        if self.grad_staging != "in_flight":
+        if staging is not GradStaging.IN_FLIGHT:
             return
         for name, value, why in (
             ("max_grad_norm", self.max_grad_norm is not None, "clipping needs the global norm"),

@@ -1,38 +1,34 @@
-"""Building an OffloadAdamW's buckets: plan, place, allocate, bind, hook (one segment per
-call: the constructor's param groups, or one ``add_param_group``)."""
+"""Building an optimizer's buckets: plan, place, allocate, bind, hook (one segment per
+call: the constructor's param groups, or one ``add_param_group``), by one of two routes
+(the weights on the device, or offloaded to homes) over the plan they share
+(``segment_plan.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
 import torch
 
-from ..config import OffloadConfig
+from ..config import GradStaging, OffloadConfig
 from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
-from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ..partition import BucketLayout
 from ..views import ParamViews
-from ..weights.nvme_home import home_ring_bytes
 from ..weights.source import ConstructionPeaks, DeviceOriginals, PeakTracker, tracking
 from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
-from .grads.buffers import GradBuffers
 from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
-from .grads.staging_ring import StagingRing, own_staging_bytes, ring_slot_bytes
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .ranks import Ranks
 from .reports.live import OptimizerState
-from .rule.base import OptimizerRule, StateFields
+from .rule.base import OptimizerRule
+from .segment_plan import SegmentPlan, open_staging_ring, plan_layouts, plan_segment
 from .state.host import HostState
-from .state.nvme_backends import NvmeBackends
-from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
-from .state.placement import POOL_ALIGNMENT, Placement, plan_dtype_buckets, plan_placement
+from .state.placement import POOL_ALIGNMENT
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
 from .unit_pools import plan_units
@@ -178,7 +174,7 @@ class SegmentBuilder:
     def _check_in_flight(self, params: list[torch.Tensor]) -> None:
         """Refuse ``grad_staging="in_flight"`` where no step could run during backward
         whatever the loop does (Note [gradient staging for the buckets in flight])."""
-        if self.config.grad_staging != "in_flight":
+        if self.config.grad_staging is not GradStaging.IN_FLIGHT:
             return
         reason = self.ranks.eager_refusal()
         if reason is None and any(p.dtype == torch.float16 for p in params):
@@ -190,55 +186,6 @@ class SegmentBuilder:
                 "grad_staging='per_bucket' (the default)"
             )
 
-    def _staging_ring(
-        self, layouts: list[BucketLayout], itemsize: list[int], name: str
-    ) -> tuple[StagingRing | None, int]:
-        """With ``grad_staging="in_flight"``, the segment's ring (Note [gradient staging
-        for the buckets in flight]) and the host pool bytes it replaces: every offloaded
-        bucket's own staging, ``a(k*s)`` each, which the plans count in the host pool."""
-        if self.config.grad_staging != "in_flight" or not layouts:
-            return None, 0
-        own = own_staging_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT)
-        ring = StagingRing(
-            self.manager,
-            buffers=self.config.grad_staging_buffers,
-            slot_bytes=ring_slot_bytes(layouts, itemsize, alignment=POOL_ALIGNMENT),
-            name=f"{name}.grad_staging_ring",
-            alignment=POOL_ALIGNMENT,
-        )
-        return ring, own
-
-    def _nvme_config(
-        self,
-        layouts: list[BucketLayout],
-        placement: Placement,
-        params: list[torch.Tensor],
-        state: StateFields,
-        window_bytes: int | None,
-    ) -> OffloadConfig:
-        """The config ``plan_nvme`` places state with. With in-flight staging and
-        ``host_budget="auto"`` the budget is resolved here, less what is in RAM whatever the
-        placement: the ring and the I/O buffers, not every bucket's gradient staging, which
-        ``plan_nvme`` would set aside (Note [gradient staging for the buckets in flight]);
-        and every weight staging without parameter offload (``window_bytes`` None), or with
-        it (the homes movable: Note [homes on NVMe]) the weight tile ring and the bounce
-        ring, as large as the window, since the budget holds the homes first."""
-        config = self.config
-        if config.grad_staging != "in_flight" or config.host_budget != "auto":
-            return config
-        offloaded = [b for b in layouts if b.index not in placement.resident]
-        sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
-        ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
-        record = RecordLayout.make(config.tile_elements, state)
-        other = config.grad_staging_buffers * ring
-        other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
-        if window_bytes is None:  # the weight staging, as large as the gradient staging
-            other += own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
-        else:
-            other += home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
-        budget = resolve_host_budget(config, other_host_bytes=other)
-        return dataclasses.replace(config, host_budget=budget)
-
     def _build(
         self,
         owner: torch.optim.Optimizer,
@@ -246,133 +193,149 @@ class SegmentBuilder:
         families: list[Any],
         tracker: PeakTracker,
     ) -> None:
+        """One segment, by one of two routes over one shared plan (``_plan``): the
+        weights stay on the device, in the device pool (``_build_weights_on_device``), or
+        with parameter offload live in homes and visit a window (``_build_weights_offloaded``).
+        See Note [construction holds one copy]."""
         offload = self._param_offloader(params, families)
-        if offload is not None:  # no bucket spans two units (zero_offload.params)
-            families = offload.split_families(families, params)
-        layouts = plan_dtype_buckets(
+        if offload is None:
+            self._build_weights_on_device(owner, params, families, tracker)
+        else:
+            self._build_weights_offloaded(owner, params, families, tracker, offload)
+
+    def _build_weights_on_device(
+        self,
+        owner: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        families: list[Any],
+        tracker: PeakTracker,
+    ) -> None:
+        """Without parameter offload: every bucket's views over the device pool first (the
+        originals released), then the one host pool, then the stores."""
+        parts = self._plan(owner, params, families, self._layouts(families), tracker, None)
+        moved: list[ParamViews] = []  # the views, built before the host pool
+        host_pools: list[BlockPool] = []
+        buckets: list[FlatBucket] = []
+        try:
+            for layout in parts.layouts:  # see Note [construction holds one copy]
+                members = [params[slot.index] for slot in layout.slots]
+                moved.append(ParamViews(layout, members, parts.device_pool))
+                tracker.released(members)
+            own_staging = open_staging_ring(parts, config=self.config, manager=self.manager)
+            tracker.sample()
+            host_pools.append(
+                self.manager.create_pool(
+                    Tier.HOST,
+                    max(parts.nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
+                    name=f"{parts.name}.host",
+                )
+            )
+            tracker.sample()
+            for layout, views in zip(parts.layouts, moved, strict=True):
+                buckets.append(self._bucket(parts, layout, views, host_pools[0]))
+        except BaseException:
+            self._undo(parts, [*moved, *(bucket.views for bucket in buckets)], host_pools)
+            raise
+        self._register(owner, parts, buckets, host_pools)
+
+    def _build_weights_offloaded(
+        self,
+        owner: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        families: list[Any],
+        tracker: PeakTracker,
+        offload: Any,
+    ) -> None:
+        """With parameter offload (``offload``, a ``ParamOffloader``): no bucket spans two
+        units; the window is planned on the device before the state is placed, and the
+        buckets are built unit by unit (``_build_units``)."""
+        families = offload.split_families(families, params)
+        layouts = self._layouts(families)
+        offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
+        tracker.sample()
+        try:
+            parts = self._plan(owner, params, families, layouts, tracker, offload)
+        except BaseException:
+            offload.close()
+            raise
+        host_pools: list[BlockPool] = []  # one per unit that pins (and the shared one)
+        buckets: list[FlatBucket] = []
+        try:
+            # _build_units takes the ring's bytes off each unit's host pool
+            open_staging_ring(parts, config=self.config, manager=self.manager)
+            tracker.sample()
+            self._build_units(parts, host_pools, buckets)
+            buckets.sort(key=lambda bucket: bucket.layout.index)
+        except BaseException:
+            self._undo(parts, [bucket.views for bucket in buckets], host_pools)
+            raise
+        offload.install(owner)  # the bounce ring, with homes on NVMe
+        # A forward must not fetch homes a step during backward is writing: Note
+        # [stepping during backward with parameter offload] in update/eager.py.
+        offload.homes_in_update = self.policy.writing_homes
+        self.resources.param_offload = offload
+        self._register(owner, parts, buckets, host_pools)
+
+    def _layouts(self, families: list[Any]) -> list[BucketLayout]:
+        """``plan_layouts`` for this optimizer's next segment (numbered after its buckets)."""
+        return plan_layouts(
             families,
-            bucket_bytes=self.config.bucket_bytes,
+            config=self.config,
             world_size=self.ranks.world_size,
-            align_numel=POOL_ALIGNMENT // 2,
             first_index=len(self.resources.router.buckets),
         )
+
+    def _plan(
+        self,
+        owner: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        families: list[Any],
+        layouts: list[BucketLayout],
+        tracker: PeakTracker,
+        offload: Any,
+    ) -> SegmentPlan:
+        """``plan_segment`` for this optimizer's next segment (its groups, its name)."""
         groups = [owner.param_groups[g] for g in sorted({family.group for family in families})]
-        moments_dtype = torch.bfloat16 if self.config.moments_dtype == "bfloat16" else torch.float32
-        state = self.rule.state_fields(moments_dtype, groups)  # an offloaded bucket's
-        resident_state = self.rule.state_fields(torch.float32, groups)  # a resident one's
-        if offload is not None:
-            offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
-            tracker.sample()
-        stats = self.manager.accelerator.memory_stats()
-        try:
-            placement = plan_placement(
-                layouts,
-                itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                state=state,
-                resident_state=resident_state,
-                offload_fraction=self.config.offload_fraction,
-                device_free=stats["budget"] - stats["in_use"],
-                auto_headroom=self.config.auto_headroom,
-                alignment=POOL_ALIGNMENT,
-                weights_elsewhere=frozenset(b.index for b in layouts if offload is not None),
-            )
-        except BaseException:
-            if offload is not None:
-                offload.close()
-            raise
-        name = f"{self.name}.{len(self.resources.segments)}"
-        try:  # a refusal here (StorageFull) gives the window back too
-            nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
-                self.manager,
-                plan_nvme(
-                    layouts,
-                    placement,
-                    config=self._nvme_config(
-                        layouts,
-                        placement,
-                        params,
-                        state,
-                        None if offload is None else offload.window_bytes,
-                    ),
-                    itemsize=[params[layout.slots[0].index].dtype.itemsize for layout in layouts],
-                    state=state,
-                    rank=self.ranks.rank,
-                    alignment=POOL_ALIGNMENT,
-                    homes_movable=offload is not None,  # the staging is each unit's home
-                    window_bytes=0 if offload is None else offload.window_bytes,
-                ),
-                config=self.config,
-                rank=self.ranks.rank,
-                name=name,
-            )
-            device_pool = self.manager.create_pool(
-                Tier.DEVICE, max(placement.device_total, POOL_ALIGNMENT), name=f"{name}.device"
-            )
-        except BaseException:
-            if offload is not None:
-                offload.close()
-            raise
-        tracker.sample()
-        parts = _Parts(
-            params=params,
-            placement=placement,
-            device_pool=device_pool,
-            grad_buffers=GradBuffers(self.manager, name=name),
-            state=state,
-            resident_state=resident_state,
-            nvme=nvme,
-            offload=offload,
+        return plan_segment(
+            groups,
+            params,
+            layouts,
+            config=self.config,
+            rule=self.rule,
+            manager=self.manager,
+            rank=self.ranks.rank,
+            name=f"{self.name}.{len(self.resources.segments)}",
             tracker=tracker,
+            offload=offload,
         )
-        buckets: list[FlatBucket] = []
-        moved: list[ParamViews] = []  # views built before the host pool (no param offload)
-        host_pools: list[BlockPool] = []  # one; or, with parameter offload, one per unit
-        try:
-            if offload is None:  # see Note [construction holds one copy]
-                for layout in layouts:
-                    members = [params[slot.index] for slot in layout.slots]
-                    moved.append(ParamViews(layout, members, device_pool))
-                    tracker.released(members)
-            offloaded = [b for b in layouts if b.index not in placement.resident]
-            parts.ring, own_staging = self._staging_ring(
-                offloaded, [params[b.slots[0].index].dtype.itemsize for b in offloaded], name
-            )
-            tracker.sample()
-            if offload is None:
-                host_pools.append(
-                    self.manager.create_pool(
-                        Tier.HOST,
-                        max(nvme.plan.host_pool - own_staging, POOL_ALIGNMENT),
-                        name=f"{name}.host",
-                    )
-                )
-                tracker.sample()
-                for layout, views in zip(layouts, moved, strict=True):
-                    buckets.append(self._bucket(parts, layout, views, host_pools[0]))
-            else:
-                self._build_units(parts, layouts, name, host_pools, buckets)
-                buckets.sort(key=lambda bucket: bucket.layout.index)
-        except BaseException:
-            # The parameters take private copies of their weights back before the pools go.
-            bound = {id(v): v for v in [*moved, *(bucket.views for bucket in buckets)]}
-            for views in bound.values():
-                views.unbind()
-            if offload is not None:
-                offload.close()
-            self.manager.discard_pool(device_pool)
-            for pool in host_pools:
-                self.manager.discard_pool(pool)
-            if parts.ring is not None:
-                parts.ring.close()
-            raise
-        pools = BucketPools(device=device_pool, host=tuple(host_pools))
-        if offload is not None:
-            offload.install(owner)  # the bounce ring, with homes on NVMe
-            # A forward must not fetch homes a step during backward is writing: Note
-            # [stepping during backward with parameter offload] in update/eager.py.
-            offload.homes_in_update = owner._policy.writing_homes
-            self.resources.param_offload = offload
-        tracker.sample()  # the final footprint (gradient staging pools, bounce ring included)
+
+    def _undo(
+        self, parts: SegmentPlan, views: list[ParamViews], host_pools: list[BlockPool]
+    ) -> None:
+        """A build failed half-way: the parameters take private copies of their weights
+        back before the pools go (Note [construction holds one copy])."""
+        bound = {id(v): v for v in views}
+        for each in bound.values():
+            each.unbind()
+        if parts.offload is not None:
+            parts.offload.close()
+        self.manager.discard_pool(parts.device_pool)
+        for pool in host_pools:
+            self.manager.discard_pool(pool)
+        if parts.ring is not None:
+            parts.ring.close()
+
+    def _register(
+        self,
+        owner: torch.optim.Optimizer,
+        parts: SegmentPlan,
+        buckets: list[FlatBucket],
+        host_pools: list[BlockPool],
+    ) -> None:
+        """The built segment joins the optimizer: its pools, the router, ``opt.state``, the
+        owners of its parameters, the loss scaler."""
+        pools = BucketPools(device=parts.device_pool, host=tuple(host_pools))
+        parts.tracker.sample()  # the final footprint (gradient staging pools, bounce ring included)
         segment = Segment(buckets, pools, parts.grad_buffers)
         self.resources.segments.append(segment)
         self.resources.router.add(buckets)
@@ -405,9 +368,7 @@ class SegmentBuilder:
 
     def _build_units(
         self,
-        parts: _Parts,
-        layouts: list[BucketLayout],
-        name: str,
+        parts: SegmentPlan,
         host_pools: list[BlockPool],
         out: list[FlatBucket],
     ) -> None:
@@ -416,6 +377,7 @@ class SegmentBuilder:
         [homes are pinned unit by unit] in ``unit_pools.py``. Pools are appended to
         ``host_pools`` and buckets to ``out`` as they are made (a failure undoes them)."""
         offload, tracker, plan = parts.offload, parts.tracker, parts.nvme.plan
+        layouts, name = parts.layouts, parts.name
         bytes_of = dict(plan.bucket_host)
         if parts.ring is not None:  # the ring replaces each bucket's own gradient staging
             for layout in layouts:
@@ -461,7 +423,11 @@ class SegmentBuilder:
                 raise
 
     def _bucket(
-        self, parts: _Parts, layout: BucketLayout, views: ParamViews, host_pool: BlockPool | None
+        self,
+        parts: SegmentPlan,
+        layout: BucketLayout,
+        views: ParamViews,
+        host_pool: BlockPool | None,
     ) -> FlatBucket:
         """The bucket of ``layout`` over ``views``, resident or offloaded as the placement
         says (offloaded: its host fields from ``host_pool``); with parameter offload its
@@ -527,19 +493,3 @@ class SegmentBuilder:
             raise
         views.remember()
         return FlatBucket(layout, views, gradients, store, shard=shard)
-
-
-@dataclasses.dataclass
-class _Parts:
-    """What every bucket of one segment is built from (``SegmentBuilder._build``)."""
-
-    params: list[torch.Tensor]
-    placement: Placement
-    device_pool: BlockPool  # weights_dev, gradient buffers, resident state
-    grad_buffers: GradBuffers
-    state: StateFields  # an offloaded bucket's (the rule's, moments in OffloadConfig's dtype)
-    resident_state: StateFields  # a resident bucket's (all fp32)
-    nvme: NvmeBackends
-    offload: Any  # a zero_offload.params.ParamOffloader, or None
-    tracker: PeakTracker
-    ring: StagingRing | None = None  # Note [gradient staging for the buckets in flight]

@@ -2,14 +2,16 @@
 
 A store whose state lives on the host writes each updated tile's weights into a pinned home
 (``weights_staging``, or the fp32 master itself) and its copy to the device is issued as
-soon as the tile is written (``publish=True``), or later, all at once (``publish()``: a
-delayed update, Note [delayed parameter update] in ``modes.py``): ``WeightCopies``. A store
-on the device writes ``weights_dev`` in place as it updates: ``WrittenInPlace``. The update
-modes ask only ``publish()`` for the events the next forward waits on.
+soon as the tile is written (``Publish.NOW``), or later, all at once (``Publish.LATER``,
+then ``publish()``: a delayed update, Note [delayed parameter update] in ``modes.py``):
+``WeightCopies``. A store on the device writes ``weights_dev`` in place as it updates:
+``WrittenInPlace``. The update modes ask only ``publish()`` for the events the next forward
+waits on.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -21,7 +23,23 @@ from ..memory.manager import TieredMemoryManager
 from ..views import ParamViews
 from .access import declare_compute
 
-__all__ = ["Publication", "WeightCopies", "WrittenInPlace"]
+__all__ = ["Publication", "Publish", "WeightCopies", "WrittenInPlace"]
+
+
+class Publish(enum.Enum):
+    """When an update's weight copies to ``weights_dev`` are issued (the update's caller
+    decides; the stores, ``RuleTiles`` and the publications carry it)."""
+
+    #: Each tile's H2D copy is issued as soon as the tile's weights are written into the
+    #: pinned home, ordered after the update's ``after`` events; the copies' end events wait
+    #: in ``_issued`` for ``publish()``. ``weights_dev`` is rewritten while the update runs.
+    NOW = "now"
+    #: The updated tiles are only remembered (``_unpublished``): the home holds the new
+    #: weights and ``weights_dev`` keeps the old ones until ``publish()`` copies them all.
+    #: The delayed update (Note [delayed parameter update] in ``update/modes.py``) and a step
+    #: run during backward with parameter offload (Note [stepping during backward with
+    #: parameter offload] in ``update/eager.py``).
+    LATER = "later"
 
 
 class Publication(ABC):
@@ -87,7 +105,7 @@ class WeightCopies(Publication):
         self._unpublished: list[tuple[int, int]] = []
         self._source_readers: list[Event] = []
 
-    def prepare(self, *, publish: bool, after: list[Event] | None) -> list[Event]:
+    def prepare(self, *, publish: Publish, after: list[Event] | None) -> list[Event]:
         """Before an update rewrites the home: the last step's copies out of it are done;
         returns the events the new copies wait for (``after``, or compute issued so far)."""
         for event in self._source_readers:
@@ -98,7 +116,8 @@ class WeightCopies(Publication):
         self._source_readers = []
         # Note [one cold hash per step] in views/param_views.py: fingerprint the tiles as
         # they are published, while they are in cache.
-        if publish:
+        now = publish is Publish.NOW
+        if now:
             self.views.begin_published()
         else:
             self.views.drop_published()
@@ -106,14 +125,14 @@ class WeightCopies(Publication):
         # (a forward or a weight-reading kernel still queued), write-after-read; a step
         # run during backward passes the event recorded when the bucket was complete.
         if after is None:
-            if publish:
+            if now:
                 self.declare_weight_readers()
-            after = [self.manager.compute_ready()] if publish else []
+            after = [self.manager.compute_ready()] if now else []
         return after
 
-    def tile_written(self, lo: int, hi: int, *, publish: bool, after: list[Event]) -> None:
+    def tile_written(self, lo: int, hi: int, *, publish: Publish, after: list[Event]) -> None:
         """Tile ``[lo, hi)`` of the home holds new weights: copy it now, or remember it."""
-        if not publish:
+        if publish is Publish.LATER:
             self._unpublished.append((lo, hi))
             return
         event = self._copy_tile(lo, hi, after)

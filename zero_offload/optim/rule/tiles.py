@@ -15,7 +15,7 @@ import torch
 
 from ...accelerator import Event
 from ..grads.path import GradientPath, GradSource
-from ..publish import WeightCopies
+from ..publish import Publish, WeightCopies
 from .base import Hyper, OptimizerRule
 
 __all__ = ["RuleTiles"]
@@ -25,8 +25,9 @@ class RuleTiles:
     """One update of one host-side bucket, tile by tile.
 
     ``source``: the field holding the gradient (the plan's; the window's now when None).
-    ``publish``: issue each tile's weight copy as soon as it is written, after ``after``
-    (default: the compute issued so far); otherwise ``publish()`` issues them later.
+    ``publish``: ``Publish.NOW`` issues each tile's weight copy as soon as it is written,
+    after ``after`` (default: the compute issued so far); with ``Publish.LATER``
+    ``publish()`` issues them later.
     """
 
     def __init__(
@@ -38,7 +39,7 @@ class RuleTiles:
         grad_scale: float,
         *,
         source: GradSource | None,
-        publish: bool,
+        publish: Publish,
         after: list[Event] | None,
     ) -> None:
         self.rule = rule

@@ -22,7 +22,7 @@ from ...partition import BucketLayout, clip_runs
 from ...views import ParamViews
 from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
-from ..publish import WeightCopies
+from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from ..rule.tiles import RuleTiles
 from .store import (
@@ -123,7 +123,7 @@ class HostState(StateStore):
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
-        publish: bool,
+        publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:

@@ -80,7 +80,7 @@ from ...tracing import phase
 from ...views import ParamViews
 from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
-from ..publish import WeightCopies
+from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper, OptimizerRule
 from ..rule.tiles import RuleTiles
 from .nvme_plan import RecordLayout, tile_sizes
@@ -408,7 +408,7 @@ class NvmeState(StateStore):
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
-        publish: bool,
+        publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:

@@ -32,7 +32,7 @@ from ...memory.pool import BlockPool
 from ...memory.storage import IOBuffer
 from ...weights.nvme_home import HomeTiles, WeightFile
 from ..grads.path import GradSource
-from ..publish import WeightCopies
+from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper
 from .nvme import NvmeState
 from .store import take_written
@@ -44,14 +44,16 @@ class HomeWritten(WeightCopies):
     """The publication of a bucket whose home is on NVMe: nothing to copy (the parameters
     are offloaded, and the next fetch reads the file); a written tile makes the unit's
     slot stale (``views.home_rewritten``), at once or, for an update run during backward
-    (``publish=False``), in ``publish()`` once every unit was released: Note [stepping
+    (``Publish.LATER``), in ``publish()`` once every unit was released: Note [stepping
     during backward with parameter offload] in ``update/eager.py``."""
 
-    def prepare(self, *, publish: bool, after: list[Event] | None) -> list[Event]:
+    def prepare(self, *, publish: Publish, after: list[Event] | None) -> list[Event]:
         return []
 
-    def tile_written(self, lo: int, hi: int, *, publish: bool, after: list[Event]) -> None:
-        if not publish:  # during backward: the unit may be resident, its slot still read
+    def tile_written(self, lo: int, hi: int, *, publish: Publish, after: list[Event]) -> None:
+        if (
+            publish is Publish.LATER
+        ):  # during backward: the unit may be resident, its slot still read
             self._unpublished.append((lo, hi))
             return
         self.views.home_rewritten()  # type: ignore[attr-defined]
@@ -212,7 +214,7 @@ class NvmeHomeState(NvmeState):
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
-        publish: bool,
+        publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:

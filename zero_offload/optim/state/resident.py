@@ -18,7 +18,7 @@ from ...partition import BucketLayout
 from ...views import ParamViews
 from ..grads.on_device import DeviceGradients
 from ..grads.path import GradSource
-from ..publish import WrittenInPlace
+from ..publish import Publish, WrittenInPlace
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from .store import StateStore, TileFn, stream_tensors
 
@@ -109,7 +109,7 @@ class ResidentState(StateStore):
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
-        publish: bool,
+        publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:

@@ -29,7 +29,7 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...views import ParamViews
 from ..grads.path import GradSource
-from ..publish import Publication, WeightCopies
+from ..publish import Publication, Publish, WeightCopies
 from ..rule.base import Hyper
 
 __all__ = [
@@ -126,15 +126,15 @@ class StateStore(ABC):
         grad_scale: float,
         runs: list[tuple[int, int, int]],
         *,
-        publish: bool,
+        publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
     ) -> None:
         """One step of the rule over ``runs`` (``(start, stop, step)`` bucket ranges), reading
         the gradient from ``source`` (``window_source()`` when the step was planned; now
-        when None). With ``publish`` each updated tile's copy to ``weights_dev`` is issued
-        as soon as the tile is done, after ``after`` (default: the compute issued so far);
-        otherwise ``publication.publish()`` issues them later."""
+        when None). With ``Publish.NOW`` each updated tile's copy to ``weights_dev`` is
+        issued as soon as the tile is done, after ``after`` (default: the compute issued so
+        far); with ``Publish.LATER`` ``publication.publish()`` issues them later."""
 
     @abstractmethod
     def span(self) -> tuple[int, int]:

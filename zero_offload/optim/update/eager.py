@@ -15,6 +15,7 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
+from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
 from .modes import ImmediateUpdate, failed, interrupted
@@ -62,7 +63,7 @@ _ALLOWED = frozenset(
 # fp32 master), which the window's fetches read, and publishing is a mark on the unit ("the
 # slot no longer holds the home's weights", WindowedViews.copy_in) that may be made only
 # while the unit is released. So a bucket's update still runs on the host worker as soon as
-# its gradients are queued, but with publish=False: its tiles are published in land()
+# its gradients are queued, but with Publish.LATER: its tiles are published in land()
 # (step()), after the optimizer's step pre-hook waited for every fetch and released every
 # unit (ParamOffloader.before_step). The update writes the home only after its bucket is
 # complete, i.e. after every kernel of this backward that reads the unit's weights, and it
@@ -116,12 +117,12 @@ class EagerStep:
         *,
         grad_scale: float = 1.0,
         speculation_bytes: int | None = None,
-        publish_during_backward: bool = True,
+        publish: Publish = Publish.NOW,
     ) -> None:
         self.manager = manager
-        # False with parameter offload: Note [stepping during backward with parameter
+        # LATER with parameter offload: Note [stepping during backward with parameter
         # offload]; the weights are published in land().
-        self.publish_during_backward = publish_during_backward
+        self.publish = publish
         self.hypers = hypers  # by param group index, read when the step was announced
         self.grad_scale = grad_scale
         self.speculation_bytes = speculation_bytes
@@ -177,7 +178,7 @@ class EagerStep:
         store.publication.declare_weight_readers()  # the copies below wait for these readers
         ready = [self.manager.compute_ready()]
         scale = self.grad_scale
-        publish = self.publish_during_backward
+        publish = self.publish
 
         def update() -> None:
             if speculative:

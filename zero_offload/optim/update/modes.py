@@ -43,6 +43,7 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
+from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
 
@@ -288,7 +289,7 @@ class ImmediateUpdate(UpdateMode):
                 bucket = plan.bucket
                 try:
                     bucket.store.update(
-                        hyper, grad_scale, plan.runs, publish=True, source=plan.source
+                        hyper, grad_scale, plan.runs, publish=Publish.NOW, source=plan.source
                     )
                     published = bucket.publish()
                     # this bucket's all-gather overlaps the next bucket's CPU Adam
@@ -374,7 +375,9 @@ class DelayedUpdate(UpdateMode):
         def update() -> None:
             with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
                 for bucket, hyper, runs, source in plans:
-                    bucket.store.update(hyper, grad_scale, runs, publish=False, source=source)
+                    bucket.store.update(
+                        hyper, grad_scale, runs, publish=Publish.LATER, source=source
+                    )
 
         self.manager.host_worker.submit(update)
         for plan, _ in work:  # the counts are the snapshot the queued update works from

@@ -35,11 +35,12 @@ import torch
 
 from ...accelerator import latest_per_stream
 from ...collectives import surface_collective_errors
-from ...config import OffloadConfig
+from ...config import GradStaging, OffloadConfig
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ..flat_bucket import FlatBucket, StepPlan
+from ..publish import Publish
 from ..ranks import Ranks
 from ..router import BackwardRouter
 from ..rule.base import Hyper
@@ -133,7 +134,7 @@ class StepPolicy:
             return reason
         if any(bucket.resident for bucket in self.buckets):
             return "some optimizer state is resident on the device (offload_fraction < 1)"
-        if self._param_offload() and self.config.grad_staging != "in_flight":
+        if self._param_offload() and self.config.grad_staging is not GradStaging.IN_FLIGHT:
             # Note [stepping during backward with parameter offload] in eager.py: taken
             # with in-flight staging, which needs it; per-bucket staging steps in step().
             return "parameter offload (the step writes the pinned weights the fetches read)"
@@ -306,7 +307,7 @@ class StepPolicy:
             hypers,
             grad_scale=1.0 / self.scaler.scale,
             speculation_bytes=self.config.speculation_bytes if speculative else None,
-            publish_during_backward=not self._param_offload(),
+            publish=Publish.LATER if self._param_offload() else Publish.NOW,
         )
         self.router.eager = self.eager
 
