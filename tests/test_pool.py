@@ -347,3 +347,21 @@ def test_concurrent_alloc_from_many_threads(acc: HostAccelerator) -> None:
     assert not errors
     assert pool.stats()["bytes_in_use"] == 0
     assert pool.stats()["free_blocks"] == 1
+
+
+def test_only_the_block_touches_its_events_and_callbacks() -> None:
+    """The pool, its compaction and its in-flight set use ``Block``'s methods for the
+    block's events, callbacks and pin (issue 35): no module but block.py names the fields."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "zero_offload"
+    fields = re.compile(r"\b\w+\.(_events|_callbacks|_pinned_in_place)\b")
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted((root / "memory").glob("*.py"))
+        if path.name != "block.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if fields.search(line) and "self._events" not in line
+    ]
+    assert not found, "\n".join(found)

@@ -140,6 +140,47 @@ class Block:
         """Same as ``self.pool.free(self)``."""
         self.pool.free(self)
 
+    # -- the pool's side: called by the pool (and its compaction and in-flight set) with its
+    # lock held. Owners use view, on_move, record_event and free above.
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        """The copies recorded on the block that may still touch its bytes."""
+        return tuple(self._events)
+
+    def keep_events(self, keep: Callable[[list[Event]], list[Event]]) -> bool:
+        """Keep only ``keep(events)`` (those still pending, as a rule); whether any remain."""
+        if self._events:
+            self._events = keep(self._events)
+        return bool(self._events)
+
+    def add_event(self, event: Event, keep: Callable[[list[Event]], list[Event]]) -> None:
+        """Record ``event``, keeping only ``keep(events)`` of those recorded before."""
+        self._events = [*keep(self._events), event]
+
+    def inherit_events(self, other: Block) -> None:
+        """Take ``other``'s events: these bytes were ``other``'s, and reuse waits for its
+        copies (Note [block reuse waits on events] in pending_blocks.py)."""
+        self._events = list(other._events)
+
+    @property
+    def move_callbacks(self) -> tuple[MoveCallback, ...]:
+        """The owner's ``on_move`` callbacks, in registration order."""
+        return tuple(self._callbacks)
+
+    def add_move_callback(self, callback: MoveCallback) -> None:
+        """Register an ``on_move`` callback (checked by the pool)."""
+        self._callbacks.append(callback)
+
+    def drop_move_callbacks(self) -> None:
+        """Forget the owner's callbacks (the block was freed: nobody re-points views)."""
+        self._callbacks.clear()
+
+    def pin_in_place(self) -> None:
+        """A view was handed out with no callback: the block never moves again (Note
+        [views pin unregistered blocks] in pool.py)."""
+        self._pinned_in_place = True
+
 
 def view_shape(
     block: Block, dtype: torch.dtype, shape: tuple[int, ...] | None

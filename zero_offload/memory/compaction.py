@@ -54,7 +54,7 @@ def compact_locked(
     """
     occupied = sorted(blocks, key=lambda b: b.offset)
     for block in occupied:
-        block._events = still_pending(block._events)
+        block.keep_events(still_pending)
     plan = plan_compaction(
         [
             (
@@ -62,9 +62,7 @@ def compact_locked(
                 block.offset,
                 block.size,
                 block.align,
-                block.state is BlockState.IN_USE
-                and not block._pinned_in_place
-                and not block._events,
+                block.state is BlockState.IN_USE and not block.pinned_in_place and not block.events,
             )
             for block in occupied
         ]

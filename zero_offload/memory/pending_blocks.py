@@ -81,7 +81,7 @@ def name_range(blocks: Iterable[Block], lo: int, hi: int) -> str:
 
 def pending_events(blocks: Iterable[Block]) -> list[Event]:
     """Every pending event of every block in ``blocks``."""
-    return [event for block in blocks for event in still_pending(block._events)]
+    return [event for block in blocks for event in still_pending(list(block.events))]
 
 
 class InFlightBlocks:
@@ -121,8 +121,7 @@ class InFlightBlocks:
             return []
         done, still = [], []
         for block in self._blocks:
-            block._events = self.settle(block._events)
-            (still if block._events else done).append(block)
+            (still if block.keep_events(self.settle) else done).append(block)
         for block in done:
             block.state = BlockState.FREE
             self.nbytes -= block.size
@@ -149,7 +148,7 @@ class InFlightBlocks:
         """The pending events of the oldest block in flight that has any (the first to
         complete, in stream order, as a rule); empty when none is pending."""
         for block in self._blocks:
-            events = still_pending(block._events)
+            events = still_pending(list(block.events))
             if events:
                 return events
         return []

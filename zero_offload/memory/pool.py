@@ -293,7 +293,7 @@ class BlockPool:
         if block is not None:
             if stream is not None:
                 # A stream-side wait, no host sync: see Note [block reuse waits on events].
-                for event in block._events:
+                for event in block.events:
                     stream.wait_event(event)
             return block
         if not wait:  # the caller would rather go without than block (a prefetch)
@@ -308,10 +308,10 @@ class BlockPool:
         if old is None:
             return None
         block = self._new_block_locked(old.offset, size, nbytes, align, owner)
-        block._events = list(old._events)  # inherited: Note [block reuse waits on events]
+        block.inherit_events(old)  # Note [block reuse waits on events]
         if old.size > size:  # the tail stays IN_FLIGHT, behind the same copies
             tail = Block(self, old.offset + size, old.size - size, 0, self.alignment, old.owner)
-            tail._events = list(old._events)
+            tail.inherit_events(old)
             self._in_flight.add(tail)
         self._counters.stream_reuses += 1
         return block
@@ -357,11 +357,8 @@ class BlockPool:
             counters.bytes_in_use -= block.size
             counters.bytes_requested -= block.nbytes
             counters.frees += 1
-            if block._callbacks:
-                block._callbacks.clear()
-            if block._events:
-                block._events = self._in_flight.settle(block._events)
-            if block._events:
+            block.drop_move_callbacks()
+            if block.keep_events(self._in_flight.settle):
                 self._in_flight.add(block)
             else:
                 block.state = BlockState.FREE
@@ -408,7 +405,7 @@ class BlockPool:
             )
             block = None if request is None else self._try_alloc_locked(*request)
         for moved in moved_blocks:
-            for callback in list(moved._callbacks):
+            for callback in moved.move_callbacks:
                 if moved.state is BlockState.IN_USE:
                     callback(moved)
         return sum(moved.nbytes for moved in moved_blocks), block
@@ -493,8 +490,8 @@ class BlockPool:
                     f"{block!r} starts at offset {block.offset}, not a multiple of {dtype}'s "
                     f"{itemsize} bytes; use a pool alignment or align= of at least {itemsize}"
                 )
-            if not block._callbacks:
-                block._pinned_in_place = True  # Note [views pin unregistered blocks]
+            if not block.move_callbacks:
+                block.pin_in_place()  # Note [views pin unregistered blocks]
             flat = self._buffer[block.offset : block.offset + numel * itemsize]
         return flat.view(dtype).view(shape)
 
@@ -502,7 +499,7 @@ class BlockPool:
         with self._lock:
             if block.state is not BlockState.IN_USE:
                 raise ValueError(f"cannot register on_move on {block!r}: it was freed")
-            block._callbacks.append(callback)
+            block.add_move_callback(callback)
 
     def _record_event(self, block: Block, event: Event) -> None:
         if not isinstance(event, Event):
@@ -513,7 +510,7 @@ class BlockPool:
                     f"cannot record an event on {block!r}: it was freed; record the copy's "
                     f"event before freeing the block"
                 )
-            block._events = [*pruned(block._events), event]
+            block.add_event(event, pruned)
             self._lifetime.add(event)
 
     def _name_range(self, lo: int, hi: int) -> str:
@@ -522,7 +519,7 @@ class BlockPool:
 
     def _exhausted_message(self, nbytes: int, size: int, align: int, owner: str) -> str:
         free = self._free.free_bytes
-        pinned = sum(b.size for b in self._live if b._pinned_in_place)
+        pinned = sum(b.size for b in self._live if b.pinned_in_place)
         hint = (
             "after defragmentation"
             if self.auto_defragment and free >= size
