@@ -13,6 +13,11 @@ paused, the longest pause, objects collected). The profiler takes one window per
 ``prof.step()`` (``ProfileData.gc_steps``, the report's ``gc`` line); the benchmarks take
 them around what they time.
 
+A pause is timed in the CPU time of the thread that collects (``time.thread_time``), not
+on the wall clock: the callback is Python, so at its start the interpreter may hand the GIL
+to another thread, and a wall clock would count that thread's work (milliseconds, when a
+stream worker is busy) as the collector's. The collector itself never lets go of the GIL.
+
 Totals are kept as one tuple replaced whole, so ``take()`` reads a consistent sum without
 a lock (a lock here could deadlock: a collection can start on the thread that holds it).
 The longest pause is the one figure reset per window: a collection that finishes on
@@ -30,7 +35,8 @@ __all__ = ["GcPauses", "GcWindow"]
 
 
 class GcWindow(NamedTuple):
-    """The collections in one window of time (seconds on ``time.perf_counter``'s clock)."""
+    """The collections in one window of time (seconds of the collecting thread's CPU time,
+    see Note [GC pauses per step])."""
 
     gen0: int  # collections of generation 0 only
     gen1: int  # of generations 0 and 1
@@ -64,14 +70,14 @@ class GcPauses:
     per step]. Usable as a context manager."""
 
     def __init__(self) -> None:
-        self._began = 0.0  # perf_counter at the running collection's start
+        self._began = 0.0  # thread_time at the running collection's start
         self._totals = EMPTY  # since construction, longest since the last take()
         self._mark = EMPTY  # _totals at the last take()
         self._open = True
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        now = time.perf_counter()
+        now = time.thread_time()  # a collection starts and stops on one thread
         if phase == "start":
             self._began = now
             return
