@@ -213,7 +213,8 @@ class TieredMemoryManager:
             stream.wait_event(event)
         nbytes = src.nbytes
         listeners = self._listeners  # one read: a tuple, replaced whole on (un)subscribe
-        issued_at = start = None
+        issued_at = 0.0
+        start: Event | None = None
         if listeners:
             # The start only places the copy on a timeline: stamped for listeners only.
             issued_at = time.perf_counter()
@@ -224,16 +225,17 @@ class TieredMemoryManager:
             block.record_event(end)
         self.counters.add(direction, category, nbytes)
         if start is not None:
+            # Positional: half the cost of keywords, at every listened copy.
             record = CopyRecord(
-                seq=next(self._seq),
-                direction=direction,
-                category=category,
-                nbytes=nbytes,
-                stream=stream.name,
-                issued_at=issued_at,
-                start=start,
-                end=end,
-                label=label,
+                next(self._seq),  # seq
+                direction,
+                category,
+                nbytes,
+                stream.name,  # stream
+                issued_at,
+                start,
+                end,
+                label,
             )
             for listener in listeners:
                 listener(record)
