@@ -106,8 +106,9 @@ class TrafficProfiler:
     """Records copies, phases and memory of one or more memory managers; see ``profile()``.
 
     Listeners run on the caller's thread (phases, copies issued there) and on stream worker
-    threads; they only append to lists (atomic under the GIL) and take the device ledgers'
-    locks. The pools (their locks contend with the copy streams) are read only at start,
+    threads; they append phases to lists (atomic under the GIL), hand records to the
+    timelines (each under its own lock, settling now and then: Note [the profiler keeps
+    numbers, not events]) and take the device ledgers' locks. The pools (their locks contend with the copy streams) are read only at start,
     ``step()`` and stop. ``_lock`` guards ``state``.
     """
 
