@@ -5,10 +5,12 @@ one ``manager.copy`` costs under 20 µs of Python with the profiler on, within 1
 with the profiler off (issue 39). The copy rows issue small copies through one
 ``TieredMemoryManager`` in interleaved rounds, with and without a recording profiler (timing
 only the copies and their synchronisation, not the profiler's start and stop); the ratio is
-of median per-copy times. The step rows: both variants train the demo's TinyGPT with OffloadAdamW (and activation offload) on the
+of median per-copy times, and each variant's cyclic-GC collections and pauses per 1000 copies
+(``GcPauses``, Note [GC pauses per step]) are summed over its rounds. The step rows: both variants train the demo's TinyGPT with OffloadAdamW (and activation offload) on the
 host accelerator, in interleaved rounds that alternate which goes first (so drift in the
 machine hits both alike); the profiled variant runs its steps inside one ``profile()`` with
-``prof.step()`` each step and writes nothing. The ratio is of median step times from the same run.
+``prof.step()`` each step and writes nothing. The ratio is of median step times from the same run;
+GC pauses per step are counted over each variant's rounds (issue 39 asks for them).
 
 Usage: ``python benchmarks/bench_profiler.py [--quick]``; prints a markdown table and writes
 ``benchmarks/results/bench_profiler.json``.
@@ -34,6 +36,7 @@ from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim import OffloadAdamW
 from zero_offload.profiling import profile
+from zero_offload.profiling.gc_pauses import GcPauses, GcWindow
 
 
 class _Trainer:
@@ -85,11 +88,23 @@ class _Trainer:
         self.opt.close()
 
 
-def copy_seconds(*, copies: int, rounds: int) -> dict[str, list[float]]:
+def _gc_row(window: GcWindow, per: float) -> dict[str, float]:
+    """Collections, full collections and milliseconds paused in ``window``, divided by
+    ``per``."""
+    return {
+        "collections": window.collections / per,
+        "full_collections": window.gen2 / per,
+        "ms": window.seconds * 1e3 / per,
+    }
+
+
+def copy_seconds(
+    *, copies: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Seconds per ``manager.copy`` (issue, then one synchronisation per round, amortised),
     off and on a recording profiler (and on with the cyclic GC paused, to tell the
     profiler's Python from the collector's passes over its records), in interleaved rounds
-    whose order rotates."""
+    whose order rotates; and each variant's GC pauses per 1000 copies."""
     manager = TieredMemoryManager(HostAccelerator(AcceleratorConfig(device_budget="64MiB")))
     src, dst = torch.ones(256), torch.empty(256)  # 1 KiB: the Python path, not the bytes
 
@@ -119,14 +134,23 @@ def copy_seconds(*, copies: int, rounds: int) -> dict[str, list[float]]:
             gc.enable()
 
     samples: dict[str, list[float]] = {"off": [], "on": [], "on_gc_paused": []}
+    pauses = {name: GcWindow(0, 0, 0, 0.0, 0.0, 0) for name in samples}
     variants = [("off", off), ("on", on), ("on_gc_paused", on_gc_paused)]
     off(), on()  # warm-up
-    for round_index in range(rounds):
-        shift = round_index % len(variants)
-        for name, run in variants[shift:] + variants[:shift]:
-            samples[name].append(run() / copies)
+    with GcPauses() as gc_pauses:
+        for round_index in range(rounds):
+            shift = round_index % len(variants)
+            for name, run in variants[shift:] + variants[:shift]:
+                gc_pauses.take()
+                samples[name].append(run() / copies)
+                pauses[name] += gc_pauses.take()
     manager.close()
-    return samples
+    gc_rows = {name: _gc_row(window, rounds * copies / 1000) for name, window in pauses.items()}
+    return samples, gc_rows
+
+
+def _gc_text(row: dict[str, float]) -> str:
+    return f"{row['collections']:.1f} ({row['full_collections']:.2f} full), {row['ms']:.2f} ms"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -144,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copies_per_round": 2000,
         "copy_rounds": 9 if args.quick else 21,
     }
-    copy_samples = copy_seconds(copies=config["copies_per_round"], rounds=config["copy_rounds"])
+    copy_samples, copy_gc = copy_seconds(
+        copies=config["copies_per_round"], rounds=config["copy_rounds"]
+    )
     copy_off, copy_on, copy_on_nogc = (
         statistics.median(copy_samples[k]) for k in ("off", "on", "on_gc_paused")
     )
@@ -156,16 +182,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     count = config["steps_per_round"]
     samples: dict[str, list[float]] = {"off": [], "on": []}
+    step_pauses = {name: GcWindow(0, 0, 0, 0.0, 0.0, 0) for name in samples}
     try:
         trainer.steps(3)
         prof = trainer.profiled(1)  # warm-up: kernels compiled, the link probed once
         variants = [("off", trainer.steps), ("on", trainer.profiled)]
-        for round_index in range(config["rounds"]):
-            # Alternate which variant goes first, so neither always follows the other.
-            for name, run in variants[:: 1 if round_index % 2 == 0 else -1]:
-                began = time.perf_counter()
-                prof = run(count) or prof
-                samples[name].append((time.perf_counter() - began) / count)
+        with GcPauses() as gc_pauses:
+            for round_index in range(config["rounds"]):
+                # Alternate which variant goes first, so neither always follows the other.
+                for name, run in variants[:: 1 if round_index % 2 == 0 else -1]:
+                    gc_pauses.take()
+                    began = time.perf_counter()
+                    prof = run(count) or prof
+                    samples[name].append((time.perf_counter() - began) / count)
+                    step_pauses[name] += gc_pauses.take()
         summary = prof.to_dict()  # the last profiled round's, outside the timing
     finally:
         trainer.close()
@@ -184,21 +214,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copy_ratio": copy_on / copy_off,
         "copy_seconds_on_gc_paused": copy_on_nogc,
         "copy_samples": copy_samples,
+        "copy_gc_per_1000": copy_gc,
+        "step_gc": {
+            name: _gc_row(window, config["rounds"] * count) for name, window in step_pauses.items()
+        },
     }
-    print("| manager.copy | median µs per copy | ratio on/off |")
-    print("|---|---|---|")
-    print(f"| profiler off | {copy_off * 1e6:.1f} | |")
-    print(f"| profiler on | {copy_on * 1e6:.1f} | {copy_on / copy_off:.3f} |")
-    print(f"| profiler on, GC paused | {copy_on_nogc * 1e6:.1f} | {copy_on_nogc / copy_off:.3f} |")
+    print("| manager.copy | median µs per copy | ratio on/off | GC per 1000 copies |")
+    print("|---|---|---|---|")
+    for label, key, seconds in (
+        ("profiler off", "off", copy_off),
+        ("profiler on", "on", copy_on),
+        ("profiler on, GC paused", "on_gc_paused", copy_on_nogc),
+    ):
+        ratio = "" if key == "off" else f"{seconds / copy_off:.3f}"
+        print(f"| {label} | {seconds * 1e6:.1f} | {ratio} | {_gc_text(copy_gc[key])} |")
     copy_verdict = "within" if copy_on / copy_off < 1.10 and copy_on < 20e-6 else "NOT within"
     print(
         f"\nper-copy profiler overhead {copy_on / copy_off - 1:+.1%} ({copy_verdict} the "
         "10% and 20 µs claims)\n"
     )
-    print("| profiling | median step | copies/step | ratio on/off |")
-    print("|---|---|---|---|")
-    print(f"| off | {off * 1e3:.1f} ms | {copies_per_step:.0f} | |")
-    print(f"| on | {on * 1e3:.1f} ms | {copies_per_step:.0f} | {on / off:.3f} |")
+    print("| profiling | median step | copies/step | ratio on/off | GC pauses per step |")
+    print("|---|---|---|---|---|")
+    step_gc = results["step_gc"]
+    print(f"| off | {off * 1e3:.1f} ms | {copies_per_step:.0f} | | {_gc_text(step_gc['off'])} |")
+    print(
+        f"| on | {on * 1e3:.1f} ms | {copies_per_step:.0f} | {on / off:.3f} | "
+        f"{_gc_text(step_gc['on'])} |"
+    )
     change = on / off - 1
     if abs(change) < 0.03:
         verdict = "within the 3% claim"

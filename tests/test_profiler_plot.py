@@ -28,7 +28,8 @@ def _stall(began: float, ended: float) -> StallRecord:
 def _data() -> ProfileData:
     data = ProfileData(managers=[], link=LinkBandwidth(None, None, 0, "test"), started_at=0.0)
     data.step_marks = [1.0, 1.5, 2.2, 2.7]  # walls: 1.0 (warm-up), 0.5, 0.7, 0.5
-    data.stalls = [(0, _stall(1.1, 1.2)), (0, _stall(1.45, 1.6))]  # the second spans a mark
+    data.stalls.append(0, _stall(1.1, 1.2))
+    data.stalls.append(0, _stall(1.45, 1.6))  # spans a mark
     data.phases = [
         PhaseSpan("cpu_adam", "cpu_optimizer", 1.3, 1.4),
         PhaseSpan("wait_weights", "compute", 1.1, 1.2),  # not the optimizer

@@ -87,6 +87,8 @@ __all__ = [
 class Event(ABC):
     """A point in a stream's work; see Note [stream semantics]."""
 
+    __slots__ = ()  # subclasses may be slotted (Note [a thread event is a held lock])
+
     #: The recording stream's vector clock when a race checker is on, else None
     #: (Note [race checking with vector clocks] in race_checker.py).
     race_stamp: dict[int, int] | None = None
@@ -142,7 +144,10 @@ class Stream(ABC):
     def _next_order(self) -> tuple[int, int]:
         """The ``Event.order`` of the next event recorded here; call it where the event
         takes its place in the stream's queue, under the lock that orders records."""
-        key, numbers = self.__dict__.setdefault("_orders", (next(_stream_keys), itertools.count()))
+        orders = self.__dict__.get("_orders")
+        if orders is None:  # the first record: numbered from here (once, not per call)
+            orders = self.__dict__.setdefault("_orders", (next(_stream_keys), itertools.count()))
+        key, numbers = orders
         return key, next(numbers)
 
     @abstractmethod
@@ -152,6 +157,14 @@ class Stream(ABC):
     @abstractmethod
     def record_event(self) -> Event:
         """An event that completes when all work submitted so far has finished."""
+
+    def record_timestamp(self) -> Event:
+        """An event only for ``completed_at()``: when the stream got to this point. Nothing
+        may wait for it (``synchronize``/``wait_event``); it places work on a timeline (a
+        copy's start, for a profiler). The default is ``record_event()``; a stream that can
+        stamp a time more cheaply than it can make a waitable event does (``ThreadStream``).
+        """
+        return self.record_event()
 
     @abstractmethod
     def wait_event(self, event: Event) -> None:

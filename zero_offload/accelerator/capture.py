@@ -32,15 +32,20 @@ def capturing() -> str | None:
     library work]."""
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    # Every copy asks: ``is_initialized`` is a flag read, where ``is_available`` costs a
+    # microsecond or more; a capture can only be under way once CUDA is initialized.
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is capturing the current stream"
     return None
 
 
-def check_not_capturing(what: str) -> None:
-    """Raise ``CaptureRefused`` naming ``what`` when work is being captured."""
+def check_not_capturing(what: str, *, label: str = "") -> None:
+    """Raise ``CaptureRefused`` naming ``what`` (and ``label``, when given) when work is
+    being captured. Called at every copy: the message is built only when it raises."""
     who = capturing()
     if who is not None:
+        if label:
+            what = f"{what} {label!r}"
         raise CaptureRefused(
             f"{what} was issued while {who}: zero-offload's copies, streams and pool blocks "
             f"cannot be captured into a graph (Note [no graph capture of library work] in "

@@ -485,7 +485,7 @@ class CudaAccelerator(Accelerator):
     ) -> None:
         if not isinstance(stream, CudaStream):
             raise TypeError(f"stream must be a CUDA stream of this accelerator, got {stream!r}")
-        check_not_capturing(f"the copy {label!r}" if label else "a copy")
+        check_not_capturing("the copy" if label else "a copy", label=label)
         # Which device tensors the caching allocator must keep from other streams until this
         # copy is done: none when the caller holds them (Note [holding, not record_stream] in
         # activations/offloader.py), else those it owns (Note [library storages by address

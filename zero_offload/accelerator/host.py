@@ -15,6 +15,7 @@ See Note [stream semantics] and Note [stream errors are sticky] in ``base.py``, 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -233,10 +234,12 @@ class HostAccelerator(Accelerator):
         held: bool = False,
     ) -> None:
         # ``held`` changes nothing here: there is no caching allocator to tell.
-        check_not_capturing(f"the copy {label!r}" if label else "a copy")
+        check_not_capturing("the copy" if label else "a copy", label=label)
         self._check_copy(dst, src, stream=stream, label=label)
-        nbytes = src.numel() * src.element_size()
-        delay = self.link_seconds(nbytes)
+        delay = self.link_seconds(src.nbytes)
+        if delay <= 0:  # no simulated link: the copy alone (no clock read on the worker)
+            stream.submit(functools.partial(dst.copy_, src))
+            return
 
         def run() -> None:
             start = time.perf_counter()

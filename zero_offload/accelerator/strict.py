@@ -162,10 +162,10 @@ class PendingComputeEvent(ThreadEvent):
     def completed_at(self) -> float | None:
         # When the work before it finished (the profiler's timeline), not when someone
         # noticed: a GPU's event timestamp is taken when the stream reaches it.
-        return self._ran_at if self._done.is_set() else None
+        return self._ran_at if self.is_complete() else None
 
     def query(self) -> bool:
-        if not self._done.is_set() and time.perf_counter() >= self._due:
+        if not self.is_complete() and time.perf_counter() >= self._due:
             self._completer.complete_through(self)
         return super().query()
 
@@ -191,7 +191,7 @@ class ComputeEvents:
     def complete_through(self, event: PendingComputeEvent | None) -> None:
         """Complete ``event`` and every earlier one (all of them when ``event`` is None)."""
         with self._lock:
-            if event is not None and event._done.is_set():
+            if event is not None and event.is_complete():
                 return
             while self._pending:
                 first = self._pending.popleft()

@@ -112,7 +112,9 @@ class TieredMemoryManager:
         self._stalls: list[StallRecord] = []
         #: Stalls dropped unmeasured because more than ``MAX_PENDING_STALLS`` were pending.
         self.stalls_dropped = 0
-        self._listeners: list[RecordListener] = []
+        # Replaced whole under ``_lock`` (copy on write), read without it: a copy reads one
+        # attribute, not a lock and a list copy, to learn who listens.
+        self._listeners: tuple[RecordListener, ...] = ()
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -162,12 +164,14 @@ class TieredMemoryManager:
         unsubscribe. While subscribed, the accelerator's events carry timing."""
         release_timing = self.accelerator.hold_timing()
         with self._lock:
-            self._listeners.append(listener)
+            self._listeners = (*self._listeners, listener)
 
         def unsubscribe() -> None:
             with self._lock:
                 if listener in self._listeners:
-                    self._listeners.remove(listener)
+                    kept = list(self._listeners)
+                    kept.remove(listener)
+                    self._listeners = tuple(kept)
             release_timing()
 
         return unsubscribe
@@ -207,28 +211,31 @@ class TieredMemoryManager:
             stream = self.d2h if direction is Direction.D2H else self.h2d
         for event in after:
             stream.wait_event(event)
-        nbytes = src.numel() * src.element_size()
-        with self._lock:
-            listeners = list(self._listeners)
-        issued_at = time.perf_counter()
-        # The start event only places the copy on a timeline: record it for listeners only.
-        start = stream.record_event() if listeners else None
+        nbytes = src.nbytes
+        listeners = self._listeners  # one read: a tuple, replaced whole on (un)subscribe
+        issued_at = 0.0
+        start: Event | None = None
+        if listeners:
+            # The start only places the copy on a timeline: stamped for listeners only.
+            issued_at = time.perf_counter()
+            start = stream.record_timestamp()
         self.accelerator.copy_(dst, src, stream=stream, label=label or category.value, held=held)
         end = stream.record_event()
         for block in blocks:
             block.record_event(end)
         self.counters.add(direction, category, nbytes)
         if start is not None:
+            # Positional: half the cost of keywords, at every listened copy.
             record = CopyRecord(
-                seq=next(self._seq),
-                direction=direction,
-                category=category,
-                nbytes=nbytes,
-                stream=stream.name,
-                issued_at=issued_at,
-                start=start,
-                end=end,
-                label=label,
+                next(self._seq),  # seq
+                direction,
+                category,
+                nbytes,
+                stream.name,  # stream
+                issued_at,
+                start,
+                end,
+                label,
             )
             for listener in listeners:
                 listener(record)
@@ -277,8 +284,7 @@ class TieredMemoryManager:
             )
         nbytes = file.length(slot)
         self.counters.add(direction, category, nbytes)
-        with self._lock:
-            listeners = list(self._listeners)
+        listeners = self._listeners
         if listeners:
             record = CopyRecord(
                 seq=next(self._seq),
@@ -338,8 +344,7 @@ class TieredMemoryManager:
         with self._lock:
             self._stalls.append(stall)
             self._fold_completed()  # Note [stall records are bounded]
-            listeners = list(self._listeners)
-        for listener in listeners:
+        for listener in self._listeners:
             listener(stall)
 
     # Note [stall records are bounded]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..accelerator import Event
 
@@ -47,12 +47,13 @@ class Category(enum.Enum):
     ACTIVATIONS = "activations"
 
 
-@dataclass(frozen=True)
-class CopyRecord:
+class CopyRecord(NamedTuple):
     """One copy issued through the memory manager.
 
     ``start`` completes when the copy begins on its stream (everything queued before it is
     done) and ``end`` when it has finished; their ``completed_at()`` give the timeline.
+    A named tuple, not a frozen dataclass: built at every listened copy, and a tuple is
+    built in half the time (no ``object.__setattr__`` per field).
     """
 
     seq: int  # issue order, from 0, per manager
@@ -66,13 +67,13 @@ class CopyRecord:
     label: str  # free-form: which bucket, which layer
 
 
-@dataclass(frozen=True)
-class StallRecord:
+class StallRecord(NamedTuple):
     """Compute made to wait for copies (``TieredMemoryManager.wait_for``), on its own clock.
 
     ``before`` is recorded on the compute stream just before the waits and ``after`` just
     after them, so ``after.completed_at() - before.completed_at()`` is how long the compute
     stream stood still: on CUDA that is the GPU's stall, not the (instant) host call.
+    A named tuple, as ``CopyRecord``.
     """
 
     seq: int  # issue order, shared with the copies' numbering, per manager
@@ -109,8 +110,11 @@ class TrafficCounters:
 
     def add(self, direction: Direction, category: Category, nbytes: int) -> None:
         """Count one copy of ``nbytes``."""
+        key = (direction, category)
         with self._lock:
-            entry = self._counts.setdefault((direction, category), [0, 0])
+            entry = self._counts.get(key)
+            if entry is None:  # the pair's first copy (no list built per call)
+                entry = self._counts[key] = [0, 0]
             entry[0] += 1
             entry[1] += nbytes
 

@@ -37,11 +37,11 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
         return round((at - origin) * 1e6, 3)
 
     events: list[dict[str, Any]] = []
-    for manager_index, record in data.copies:
-        began, ended = record.start.completed_at(), record.end.completed_at()
+    for record in data.copies:
+        began, ended = record.began, record.ended
         if began is None or ended is None:
             continue
-        track = record.stream if manager_index == 0 else f"{record.stream} ({manager_index})"
+        track = record.stream if record.manager == 0 else f"{record.stream} ({record.manager})"
         direction = {
             Direction.D2H: "d2h",
             Direction.H2D: "h2d",
@@ -65,11 +65,11 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
                 },
             }
         )
-    for manager_index, stall in data.stalls:
+    for stall in data.stalls:
         seconds = stall.seconds()
         if not seconds:
             continue
-        track = stall.stream if manager_index == 0 else f"{stall.stream} ({manager_index})"
+        track = stall.stream if stall.manager == 0 else f"{stall.stream} ({stall.manager})"
         events.append(
             {
                 "name": f"zero_offload::stall_{stall.category.value}",
@@ -77,7 +77,7 @@ def chrome_trace_events(data: ProfileData) -> list[dict[str, Any]]:
                 "ph": "X",
                 "pid": _PID,
                 "tid": tid(track),
-                "ts": micros(stall.before.completed_at() or origin),
+                "ts": micros(stall.began or origin),
                 "dur": round(seconds * 1e6, 3),
                 "args": {"waited_for": stall.waited_for, "seq": stall.seq},
             }

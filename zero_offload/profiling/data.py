@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category, CopyRecord, StallRecord
+from ..memory.traffic import Category
+from .gc_pauses import GcWindow
 from .link import LinkBandwidth
+from .timeline import CopyTimeline, StallTimeline
 
 __all__ = ["MemorySample", "PhaseSpan", "ProfileData"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PhaseSpan:
     """One ``tracing.phase`` that ended while recording (times on ``perf_counter``)."""
 
@@ -23,7 +25,7 @@ class PhaseSpan:
     end: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemorySample:
     """Memory at one instant, or over the window since the previous step sample, in bytes.
 
@@ -52,11 +54,15 @@ class ProfileData:
     link: LinkBandwidth
     started_at: float = 0.0
     stopped_at: float | None = None
-    copies: list[tuple[int, CopyRecord]] = field(default_factory=list)  # (manager index, record)
-    stalls: list[tuple[int, StallRecord]] = field(default_factory=list)  # (manager index, record)
+    # Note [the profiler keeps numbers, not events] (timeline.py): plain rows once settled.
+    copies: CopyTimeline = field(default_factory=CopyTimeline)
+    stalls: StallTimeline = field(default_factory=StallTimeline)
     phases: list[PhaseSpan] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
     step_marks: list[float] = field(default_factory=list)  # perf_counter at each prof.step()
+    # The cyclic GC's collections in each step window (one per prof.step(), then one from
+    # the last step to stop): Note [GC pauses per step] in gc_pauses.py.
+    gc_steps: list[GcWindow] = field(default_factory=list)
     rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
     exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
     exposed_end: list[dict[Category, float]] | None = None

@@ -86,10 +86,9 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def step_times(data: ProfileData) -> list[StepTime]:
     """Each ``prof.step()`` window with its exposed and optimizer seconds."""
     stalls = []
-    for _, stall in data.stalls:
-        began, ended = stall.before.completed_at(), stall.after.completed_at()
-        if began is not None and ended is not None:
-            stalls.append((began, ended))
+    for stall in data.stalls:
+        if stall.began is not None and stall.ended is not None:
+            stalls.append((stall.began, stall.ended))
     optimizer = _union([(s.start, s.end) for s in data.phases if s.track == "cpu_optimizer"])
     steps = []
     start = data.started_at
@@ -119,11 +118,11 @@ def representative_step(steps: list[StepTime]) -> StepTime | None:
 def _timeline_rows(data: ProfileData, lo: float, hi: float) -> dict[str, list[tuple]]:
     """``row -> [(start, width, colour, hatch)]`` inside [lo, hi], seconds from ``lo``."""
     rows: dict[str, list[tuple]] = {"compute": []}
-    for manager_index, record in data.copies:
-        began, ended = record.start.completed_at(), record.end.completed_at()
+    for record in data.copies:
+        began, ended = record.began, record.ended
         if began is None or ended is None or ended < lo or began > hi:
             continue
-        row = record.stream if manager_index == 0 else f"{record.stream} ({manager_index})"
+        row = record.stream if record.manager == 0 else f"{record.stream} ({record.manager})"
         colour = _CATEGORY_COLOURS[record.category]
         rows.setdefault(row, []).append((began - lo, max(ended - began, 1e-6), colour, None))
     for span in data.phases:
@@ -131,8 +130,8 @@ def _timeline_rows(data: ProfileData, lo: float, hi: float) -> dict[str, list[tu
             continue
         width = max(span.end - span.start, 1e-6)
         rows.setdefault(span.track, []).append((span.start - lo, width, _PHASE_COLOUR, None))
-    for _, stall in data.stalls:
-        began, ended = stall.before.completed_at(), stall.after.completed_at()
+    for stall in data.stalls:
+        began, ended = stall.began, stall.ended
         if began is None or ended is None or ended < lo or began > hi or ended <= began:
             continue
         rows["compute"].append((began - lo, ended - began, _STALL_FILL, "////"))

@@ -11,7 +11,8 @@ Note [the profiler reads memory per step, never per copy]
 A copy listener runs on the thread that issues the copy, often autograd's, thousands of
 times a step; ``torch.cuda.memory_allocated()`` rebuilds the allocator's stats dict at every
 call (about 0.1-0.2 ms, estimated from the H200 traces of issue 39), and profiled steps
-there ran about a second slower. So a copy only appends its record. Memory is read at three
+there ran about a second slower. So a copy only hands its record to the timeline
+(Note [the profiler keeps numbers, not events] in ``timeline.py``). Memory is read at three
 rates:
 - per step (``start``, ``prof.step()``, ``stop``): the peaks since the previous step sample,
   exact rather than sampled: the ledger's through a ``PeakWindow`` (which leaves the ledger's
@@ -21,6 +22,8 @@ rates:
 - per phase (a phase ends at most a few times per bucket): the ledger's current use, one
   lock and no allocator call, for the trace's memory track;
 - per copy: nothing.
+The cyclic GC's pauses are taken per step too (Note [GC pauses per step] in
+``gc_pauses.py``).
 
 Layering: ``data.py`` holds what is recorded; the recorder writes it, and the writers
 (``summary``, ``report``, ``chrome_trace``, ``plot``) only read it. Nothing imports the
@@ -48,6 +51,7 @@ from ..memory.traffic import Category, Record, StallRecord
 from ..tracing import add_phase_listener
 from .chrome_trace import write_chrome_trace
 from .data import MemorySample, PhaseSpan, ProfileData
+from .gc_pauses import GcPauses
 from .link import LinkBandwidth, measure_link
 from .plot import plot_profile
 from .report import format_report
@@ -102,8 +106,9 @@ class TrafficProfiler:
     """Records copies, phases and memory of one or more memory managers; see ``profile()``.
 
     Listeners run on the caller's thread (phases, copies issued there) and on stream worker
-    threads; they only append to lists (atomic under the GIL) and take the device ledgers'
-    locks. The pools (their locks contend with the copy streams) are read only at start,
+    threads; they append phases to lists (atomic under the GIL), hand records to the
+    timelines (each under its own lock, settling now and then: Note [the profiler keeps
+    numbers, not events]) and take the device ledgers' locks. The pools (their locks contend with the copy streams) are read only at start,
     ``step()`` and stop. ``_lock`` guards ``state``.
     """
 
@@ -133,6 +138,7 @@ class TrafficProfiler:
         self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
         # Open while recording: each accelerator ledger's peak since the last step sample.
         self._windows: list[PeakWindow] = []
+        self._gc: GcPauses | None = None  # listening to the collector while recording
         self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
         self.data.comm_counters = resolve_comm_counters(targets)
         self.state = ProfilerState.READY
@@ -163,6 +169,7 @@ class TrafficProfiler:
         for index, manager in enumerate(data.managers):
             self._detach.append(manager.subscribe(self._copy_listener(index)))
         self._detach.append(add_phase_listener(self._on_phase))
+        self._gc = GcPauses()
         data.started_at = time.perf_counter()
         self._sample_step(rss=True)
         return self
@@ -186,6 +193,9 @@ class TrafficProfiler:
             for manager in data.managers:
                 manager.synchronize()
         self._sample_step(rss=True)
+        self._take_gc()  # from the last step to stop
+        if self._gc is not None:
+            self._gc.close()
         for window in self._windows:
             window.close()
         data.stopped_at = time.perf_counter()
@@ -207,6 +217,7 @@ class TrafficProfiler:
                 f"prof.step() is for a recording profiler; this one is {self.state.value}"
             )
         self.data.step_marks.append(time.perf_counter())
+        self._take_gc()
         self._sample_step(rss=self._sample_rss)
 
     # -- listeners ---------------------------------------------------------------------
@@ -217,9 +228,9 @@ class TrafficProfiler:
         def on_copy(record: Record) -> None:
             # No memory read here: Note [the profiler reads memory per step, never per copy].
             if isinstance(record, StallRecord):
-                stalls.append((index, record))
+                stalls.append(index, record)
             else:
-                copies.append((index, record))
+                copies.append(index, record)
 
         return on_copy
 
@@ -230,7 +241,11 @@ class TrafficProfiler:
         self.data.memory.append(MemorySample(time.perf_counter(), device, None, None, None, None))
 
     def _sample_step(self, *, rss: bool) -> None:
-        """The per-step sample: peaks since the previous one, the pools, the RSS."""
+        """The per-step sample: peaks since the previous one, the pools, the RSS; and the
+        records whose events completed become plain rows (Note [the profiler keeps
+        numbers, not events])."""
+        self.data.copies.settle()
+        self.data.stalls.settle()
         device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
         device_peak = sum(window.take() for window in self._windows)
         device_pools = host_pools = 0
@@ -253,6 +268,11 @@ class TrafficProfiler:
         )
         if rss:
             self.data.rss_peak = max(self.data.rss_peak, self._process.memory_info().rss)
+
+    def _take_gc(self) -> None:
+        """The collector's pauses since the previous step (Note [GC pauses per step])."""
+        if self._gc is not None:
+            self.data.gc_steps.append(self._gc.take())
 
     def _torch_peak(self) -> int | None:
         """Bytes torch allocated at most on the CUDA devices since the previous call, and a

@@ -145,6 +145,24 @@ def _pool_table(summary: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
+def _gc_line(gc: dict[str, Any] | None) -> str | None:
+    """The collector's pauses (Note [GC pauses per step] in gc_pauses.py), per step when
+    there are steps."""
+    if gc is None:
+        return None
+    per_step = gc["per_step"]
+    if per_step is None:
+        return (
+            f"gc: {gc['collections']} collections ({gc['by_generation'][2]} full), "
+            f"{_seconds(gc['seconds'])} paused, longest {_seconds(gc['longest_seconds'])}"
+        )
+    return (
+        f"gc: {per_step['collections']:.1f} collections per step "
+        f"({per_step['full_collections']:.2f} full), {_seconds(per_step['seconds'])} paused "
+        f"per step, longest {_seconds(gc['longest_seconds'])}"
+    )
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The whole report: header, transfers, phases, memory, pools, per-step averages."""
     parts = [_header(summary), _transfer_table(summary), _phase_table(summary)]
@@ -156,6 +174,9 @@ def format_report(summary: dict[str, Any]) -> str:
             f"copying, {_seconds(per_step['exposed_seconds'])} exposed, "
             f"{_seconds(per_step['seconds'])} wall"
         )
+    gc_line = _gc_line(summary.get("gc"))
+    if gc_line:
+        parts.append(gc_line)
     notes = summary.get("step_notes") or {}
     if notes:
         parts.append(

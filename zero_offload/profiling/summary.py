@@ -19,8 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..memory.traffic import Category, CopyRecord, Direction
+from ..memory.traffic import Category, Direction
 from .data import PhaseSpan, ProfileData
+from .gc_pauses import EMPTY, GcWindow
 
 __all__ = ["COLLECTIVE_PHASES", "TRANSFER_ROWS", "summarize"]
 
@@ -42,13 +43,6 @@ TRANSFER_ROWS: tuple[tuple[str, Direction, Category], ...] = (
 _ALWAYS_SHOWN = ("gradients D2H", "weights H2D", "activations out", "activations in")
 #: Phase names that are collectives (timed by ``tracing.phase`` on the comm track).
 COLLECTIVE_PHASES = (("reduce-scatter", "reduce_scatter"), ("all-gather", "all_gather"))
-
-
-def _duration(record: CopyRecord) -> float | None:
-    began, ended = record.start.completed_at(), record.end.completed_at()
-    if began is None or ended is None:
-        return None
-    return max(0.0, ended - began)
 
 
 def _exposed_by_category(data: ProfileData) -> dict[Category, float]:
@@ -73,7 +67,7 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
             "seconds": 0.0,
             "pending": 0,
         }
-    for _, record in data.copies:
+    for record in data.copies:
         row = rows.get((record.direction, record.category))
         if row is None:  # a pair no row names: counted under its own name
             name = f"{record.category.value} {record.direction.value}"
@@ -88,7 +82,7 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
             }
         row["count"] += 1
         row["bytes"] += record.nbytes
-        seconds = _duration(record)
+        seconds = record.seconds()
         if seconds is None:
             row["pending"] += 1
         else:
@@ -182,6 +176,27 @@ def _phase_rows(phases: Sequence[PhaseSpan]) -> list[dict[str, Any]]:
     ]
 
 
+def _gc_summary(windows: Sequence[GcWindow], steps: int) -> dict[str, Any]:
+    """The collector's pauses while recording (Note [GC pauses per step] in gc_pauses.py):
+    totals, and per step over ``steps``."""
+    total = sum(windows, EMPTY)
+    summary: dict[str, Any] = {
+        "collections": total.collections,
+        "by_generation": [total.gen0, total.gen1, total.gen2],
+        "seconds": total.seconds,
+        "longest_seconds": total.longest,
+        "collected": total.collected,
+        "per_step": None,
+    }
+    if steps:
+        summary["per_step"] = {
+            "collections": total.collections / steps,
+            "full_collections": total.gen2 / steps,
+            "seconds": total.seconds / steps,
+        }
+    return summary
+
+
 def _peak(values: Sequence[int | None]) -> int | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
@@ -248,6 +263,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "process_rss_peak_bytes": data.rss_peak or None,
         },
         "pools": pools,
+        "gc": _gc_summary(data.gc_steps, steps),
         # The managers' owners' step notes (TieredMemoryManager.step_notes), merged.
         "step_notes": {k: v for m in data.managers for k, v in m.step_notes.items()},
     }
