@@ -99,6 +99,9 @@ _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 #: Elements the device fingerprint mixes at a time (bounds its int64 temporaries).
 _DEVICE_CHUNK = 1 << 22
+#: Up to this many parameters in a chunk are summed one by one; more take the running sum
+#: (Note [one fingerprint pass per bucket]).
+_FEW_PIECES = 2
 #: The odd 64-bit golden-ratio constant (2**64 / phi), as a signed int64, to spread positions.
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)
 _LOW32 = (1 << 32) - 1
@@ -137,7 +140,9 @@ def _mixed_terms(bits: torch.Tensor, first: int) -> torch.Tensor:
 # wrapping modulo 2**64 like the sums it replaces); each slot's piece of the chunk is the
 # difference of the running sum at its two ends, and ``index_add_`` adds the pieces into
 # the slots' fingerprints: a dozen kernels per chunk of the bucket, whatever its number of
-# parameters, and the same numbers as the slot-by-slot sums. The gaps between slots (Note
+# parameters, and the same numbers as the slot-by-slot sums. A chunk of one or two
+# parameters (a large weight's) is summed directly, as before: the running sum would only
+# add a pass over the chunk there. The gaps between slots (Note
 # [slots are aligned] in partition.py) are mixed too but fall between the ends, so they
 # count nowhere. The comparison is read on the host once per step for every bucket
 # together (``changed_params_of``), not once per bucket.
@@ -161,6 +166,10 @@ def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> t
             if start < hi and end > lo
         ]
         if not pieces:
+            continue
+        if len(pieces) <= _FEW_PIECES:  # a large parameter's chunk: sum it directly
+            for i, a, b in pieces:
+                out[i : i + 1].add_(_mixed_terms(ints[lo + a : lo + b], lo + a).sum())
             continue
         running = torch.zeros(hi - lo + 1, dtype=torch.int64, device=device)
         torch.cumsum(_mixed_terms(ints[lo:hi], lo), 0, out=running[1:])
