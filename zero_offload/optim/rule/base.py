@@ -52,11 +52,14 @@ Hyper = Any
 
 @dataclass(frozen=True)
 class StateField:
-    """One per-element state field: its name (as ``opt.state`` and checkpoints show it)
-    and its dtype."""
+    """One per-element state field: its name (as ``opt.state`` and checkpoints show it),
+    its dtype, and the value every element starts from (before the first step, and where a
+    loaded ``state_dict`` has no state for a parameter; Adagrad's ``sum`` starts from
+    ``initial_accumulator_value``)."""
 
     name: str
     dtype: torch.dtype
+    initial: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,13 @@ class StateFields:
     def names(self) -> tuple[str, ...]:
         """The fields' names, master first."""
         return tuple(f.name for f in self.fields)
+
+    def initial(self, name: str) -> float:
+        """The value field ``name`` starts from (the master's is the model's weights)."""
+        for f in self.fields:
+            if f.name == name:
+                return f.initial
+        raise KeyError(f"no state field {name!r} in {self.names}")
 
     def pairs(self) -> list[tuple[str, torch.dtype]]:
         """``(name, dtype)`` of each field, master first."""

@@ -1,0 +1,284 @@
+"""OffloadLion and OffloadAdagrad (issue 37): two elementwise rules, each one rule, one kernel
+and a thin facade.
+
+1. Parity over 20 steps in fp32: Adagrad against ``torch.optim.Adagrad`` (lr_decay,
+   weight_decay, initial_accumulator_value, maximize), Lion against the paper's update
+   written below (``LionReference``); state offloaded to the host (``offload_fraction`` 1.0)
+   and half resident on the device (0.5, the rule's device step), with clipping
+   (``OffloadConfig(max_grad_norm=...)`` against ``clip_grad_norm_`` on the reference) and
+   with 4 micro-batches of accumulation; on NVMe too (Adagrad's ``sum`` starts from
+   ``initial_accumulator_value``, written tile by tile into the records). A state dict
+   without state restarts ``sum`` from that value.
+2. A resumed run is bitwise equal to an uninterrupted one, by the rules' field names.
+3. Host state bytes per parameter, measured from ``opt.placement``: Lion 8 (AdamW's 12 less
+   one moment), Adagrad 8.
+4. A bad hyper-parameter is refused with a ValueError naming it.
+
+Tolerance: fp32. Lion's reference does the kernel's operations in the kernel's order (Note
+[Lion's operation order] in kernels/lion.py), so without clipping it agrees bitwise; with
+clipping the two sides' norms (hence coefficients) differ in the last bits, which moves a
+weight only if it flips a sign (an lr-sized step, caught by the bound). Adagrad's kernel
+follows torch's single-tensor order; torch's vectorised addcmul/addcdiv may round a few ulp
+differently, which stays below 1e-5 over 20 steps on O(1) weights.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+from zero_offload import OffloadAdagrad, OffloadAdamW, OffloadConfig, OffloadLion
+from zero_offload.estimate.pools import rule_state
+
+from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
+
+FP32_ATOL = 1e-5
+STEPS = 20
+LION_HYPER = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
+
+
+class LionReference(torch.optim.Optimizer):
+    """Lion from the paper (Chen et al. 2023, Algorithm 2; lucidrains' lion-pytorch):
+    ``c = b1*m + (1-b1)*g; p = p*(1-lr*wd) - lr*sign(c); m = b2*m + (1-b2)*g``, each
+    product and sum a separate fp32 torch op."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], weight_decay: float,
+                 maximize: bool = False) -> None:  # fmt: skip
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = m * b1 + g * (1 - b1)
+                p.mul_(1 - lr * wd)
+                p.add_(torch.sign(c), alpha=-lr)
+                m.mul_(b2).add_(g * (1 - b2))
+
+
+def _config(**config: Any) -> OffloadConfig:
+    return OffloadConfig(bucket_bytes=8192, tile_elements=1024, **config)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, *, micro: int, clip: float | None,
+           ours: bool) -> None:  # fmt: skip
+    data = batches(STEPS * micro)
+    for i in range(0, len(data), micro):
+        for tokens, targets in data[i : i + micro]:
+            lm_loss(model, tokens, targets).backward()
+        if clip is not None and not ours:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+ADAGRAD_VARIANTS = {
+    "defaults": {},
+    "lr_decay": {"lr_decay": 0.05},
+    "weight_decay": {"weight_decay": 0.1},
+    "initial_accumulator_value": {"initial_accumulator_value": 0.1},
+    "all": {"lr_decay": 0.05, "weight_decay": 0.1, "initial_accumulator_value": 0.1,
+            "maximize": False},
+    "maximize": {"maximize": True, "weight_decay": 0.1},
+}  # fmt: skip
+
+CASES = [
+    # (rule, Adagrad variant or Lion's maximize, where, micro-batches, clip)
+    *[("adagrad", v, "host", 1, None) for v in ADAGRAD_VARIANTS],
+    ("adagrad", "all", "half-resident", 1, None),
+    ("adagrad", "all", "host", 1, 0.5),
+    ("adagrad", "all", "half-resident", 1, 0.5),
+    ("adagrad", "all", "host", 4, None),
+    ("adagrad", "all", "half-resident", 4, None),
+    ("adagrad", "all", "nvme", 1, None),
+    ("lion", "plain", "host", 1, None),
+    ("lion", "maximize", "host", 1, None),
+    ("lion", "plain", "half-resident", 1, None),
+    ("lion", "maximize", "half-resident", 1, None),
+    ("lion", "plain", "host", 1, 0.5),
+    ("lion", "plain", "half-resident", 1, 0.5),
+    ("lion", "plain", "host", 4, None),
+    ("lion", "plain", "half-resident", 4, None),
+    ("lion", "plain", "nvme", 1, None),
+]
+
+
+#: Where the buckets' state lives in each case.
+PLACES = {"host": {"host"}, "half-resident": {"host", "device"}, "nvme": {"nvme"}}
+
+
+def _where(where: str, tmp_path: pathlib.Path) -> dict[str, Any]:
+    if where == "half-resident":
+        return {"offload_fraction": 0.5}
+    if where == "nvme":
+        return {"nvme_dir": str(tmp_path), "host_budget": 1}
+    return {}
+
+
+def _build(rule: str, variant: str, model: torch.nn.Module, **config: Any) -> torch.optim.Optimizer:
+    if rule == "lion":
+        return OffloadLion(model.parameters(), **LION_HYPER, maximize=variant == "maximize",
+                           config=_config(**config), accelerator=host_accelerator())  # fmt: skip
+    return OffloadAdagrad(model.parameters(), lr=1e-2, **ADAGRAD_VARIANTS[variant],
+                          config=_config(**config), accelerator=host_accelerator())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rule", "variant", "where", "micro", "clip"),
+    CASES,
+    ids=[f"{r}-{v}-{w}-micro{m}-clip{c}" for r, v, w, m, c in CASES],
+)
+def test_matches_the_reference_over_20_steps(
+    rule: str, variant: str, where: str, micro: int, clip: float | None, tmp_path: pathlib.Path
+) -> None:
+    model, ref = make_pair()
+    config = _where(where, tmp_path)
+    if clip is not None:
+        config["max_grad_norm"] = clip
+    opt = _build(rule, variant, model, **config)
+    if rule == "lion":
+        ropt: torch.optim.Optimizer = LionReference(
+            ref.parameters(), **LION_HYPER, maximize=variant == "maximize"
+        )
+    else:
+        ropt = torch.optim.Adagrad(ref.parameters(), lr=1e-2, **ADAGRAD_VARIANTS[variant])
+    _train(model, opt, micro=micro, clip=clip, ours=True)
+    _train(ref, ropt, micro=micro, clip=clip, ours=False)
+    diff = max_diff(model, ref)
+    if rule == "lion" and clip is None:
+        assert diff == 0.0  # the same operations in the same order
+    else:
+        assert diff < FP32_ATOL
+    places = {b.store.location for b in opt.buckets}
+    assert places == PLACES[where]
+    if where != "nvme":  # opt.state cannot hand out NVMe state as tensors
+        field = "exp_avg" if rule == "lion" else "sum"
+        for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+            ours = opt.state[p][field].reshape(rp.shape)
+            assert torch.allclose(ours, ropt.state[rp][field], atol=FP32_ATOL, rtol=0)
+    opt.close()
+
+
+@pytest.mark.parametrize("where", ["host", "half-resident"])  # NVMe: no state_dict()
+def test_a_state_dict_without_state_restarts_adagrad_from_its_initial_value(
+    where: str, tmp_path: pathlib.Path
+) -> None:
+    """Loading a state dict that holds no state for the parameters resets each store's
+    ``sum`` to ``initial_accumulator_value`` (not to 0) and the step count to 0: the run
+    then matches a fresh ``torch.optim.Adagrad`` from the same weights."""
+    hyper = {"lr": 1e-2, "lr_decay": 0.05, "initial_accumulator_value": 0.25}
+    data = batches(4)
+    model, ref = make_pair()
+    opt = OffloadAdagrad(model.parameters(), **hyper, config=_config(**_where(where, tmp_path)),
+                         accelerator=host_accelerator())  # fmt: skip
+
+    def run(m: torch.nn.Module, o: torch.optim.Optimizer, part: list) -> None:
+        for tokens, targets in part:
+            lm_loss(m, tokens, targets).backward()
+            o.step()
+            o.zero_grad()
+
+    run(model, opt, data[:2])
+    opt.load_state_dict({**opt.state_dict(), "state": {}})
+    ref.load_state_dict(model.state_dict())
+    ropt = torch.optim.Adagrad(ref.parameters(), **hyper)
+    run(model, opt, data[2:])
+    run(ref, ropt, data[2:])
+    assert max_diff(model, ref) < FP32_ATOL
+    opt.close()
+
+
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+@pytest.mark.parametrize("where", ["host", "half-resident"])
+def test_a_resumed_run_is_bitwise_equal(rule: str, where: str, tmp_path: pathlib.Path) -> None:
+    variant = "plain" if rule == "lion" else "all"
+    field = "exp_avg" if rule == "lion" else "sum"
+    data = batches(8)
+    model, twin = make_pair()
+    config = _where(where, tmp_path)
+    opt = _build(rule, variant, model, **config)
+
+    def run(m: torch.nn.Module, o: torch.optim.Optimizer, part: list) -> None:
+        for tokens, targets in part:
+            lm_loss(m, tokens, targets).backward()
+            o.step()
+            o.zero_grad()
+
+    run(model, opt, data[:4])
+    saved = opt.state_dict()
+    assert set(next(iter(saved["state"].values()))) == {"master", field, "step"}
+    twin.load_state_dict(model.state_dict())
+    opt2 = _build(rule, variant, twin, **config)
+    opt2.load_state_dict(saved)
+    run(model, opt, data[4:])
+    run(twin, opt2, data[4:])
+    assert max_diff(model, twin) == 0.0
+    opt.close()
+    opt2.close()
+
+
+def test_host_state_bytes_per_parameter() -> None:
+    """Measured from the pools' report: every real parameter's state on the host is its
+    fields' bytes: AdamW 12 (master, two moments), Lion 8 (master, one moment: 4 less),
+    Adagrad 8 (master, sum); the estimator sizes the same from the rule."""
+    builds = {
+        "adamw": lambda m: OffloadAdamW(m.parameters(), config=_config(),
+                                        accelerator=host_accelerator()),
+        "lion": lambda m: OffloadLion(m.parameters(), config=_config(),
+                                      accelerator=host_accelerator()),
+        "adagrad": lambda m: OffloadAdagrad(m.parameters(), config=_config(),
+                                            accelerator=host_accelerator()),
+    }  # fmt: skip
+    per_param = {}
+    for name, build in builds.items():
+        model, _ = make_pair()
+        opt = build(model)
+        report = opt.placement
+        assert report.host % report.parameters == 0, name
+        per_param[name] = report.host // report.parameters
+        assert per_param[name] == rule_state(name).bytes_per_element, name
+        opt.close()
+    assert per_param == {"adamw": 12, "lion": 8, "adagrad": 8}
+    assert per_param["adamw"] - per_param["lion"] == 4
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda p: OffloadLion(p, lr=-1.0), r"OffloadLion\b.*lr must be >= 0.0, got -1.0"),
+        (
+            lambda p: OffloadLion(p, betas=(1.5, 0.99)),
+            r"betas\[0\] must be in \[0.0, 1.0\), got 1.5",
+        ),
+        (lambda p: OffloadLion(p, betas=(0.9,)), r"betas must be a pair"),
+        (lambda p: OffloadLion(p, weight_decay=-0.1), r"weight_decay must be >= 0.0, got -0.1"),
+        (lambda p: OffloadLion(p, foreach=True), r"OffloadLion ignores torch's foreach="),
+        (lambda p: OffloadAdagrad(p, lr_decay=-0.1), r"lr_decay must be >= 0.0, got -0.1"),
+        (lambda p: OffloadAdagrad(p, eps=-1e-10), r"eps must be >= 0.0, got -1e-10"),
+        (
+            lambda p: OffloadAdagrad(p, initial_accumulator_value=-1.0),
+            r"initial_accumulator_value must be >= 0.0, got -1.0",
+        ),
+        (lambda p: OffloadAdagrad(p, fused=True), r"OffloadAdagrad ignores torch's fused="),
+        (
+            lambda p: OffloadAdagrad(
+                [{"params": p[:2]}, {"params": p[2:], "initial_accumulator_value": 0.5}]
+            ),
+            r"every param group must have the same initial_accumulator_value, got \[0.0, 0.5\]",
+        ),
+    ],
+)
+def test_a_bad_hyper_parameter_is_refused_by_name(build: Any, message: str) -> None:
+    model, _ = make_pair()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=message):
+        build(params)
