@@ -13,6 +13,9 @@ and a thin facade.
 3. Host state bytes per parameter, measured from ``opt.placement``: Lion 8 (AdamW's 12 less
    one moment), Adagrad 8.
 4. A bad hyper-parameter is refused with a ValueError naming it.
+5. The kernels: their tile loops vectorise and fuse no multiply-add; the host kernel (bf16
+   gradient and out, two tiles) and the rule's device step give the same bits; a bad
+   argument is named before anything is written.
 
 Tolerance: fp32. Lion's reference does the kernel's operations in the kernel's order (Note
 [Lion's operation order] in kernels/lion.py), so without clipping it agrees bitwise; with
@@ -25,13 +28,17 @@ differently, which stays below 1e-5 over 20 steps on O(1) weights.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 import pytest
 import torch
+from numba import njit, types
 
 from zero_offload import OffloadAdagrad, OffloadAdamW, OffloadConfig, OffloadLion
 from zero_offload.estimate.pools import rule_state
+from zero_offload.kernels import adagrad, adagrad_step, convert, lion, lion_step
+from zero_offload.optim.rule import ADAGRAD, LION
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
 
@@ -282,3 +289,88 @@ def test_a_bad_hyper_parameter_is_refused_by_name(build: Any, message: str) -> N
     params = list(model.parameters())
     with pytest.raises(ValueError, match=message):
         build(params)
+
+
+# -- the kernels ---------------------------------------------------------------------------
+
+F32 = types.Array(types.float32, 1, "C")
+U16 = types.Array(types.uint16, 1, "C")  # bf16 bits
+NONE = types.Array(types.uint8, 1, "C")  # an absent out
+VECTOR_LOAD = re.compile(r"= load <\d+ x (?:float|i16)>")
+FUSED = re.compile(r"llvm\.(?:fma|fmuladd)\.")
+TILES = {
+    # the tile loop, and its scalars after the arrays (all fp32)
+    "lion": (lion._lion_tile, 7),
+    "adagrad": (adagrad._adagrad_tile, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(TILES))
+@pytest.mark.parametrize(("grad", "out"), [(F32, NONE), (U16, U16)], ids=["fp32", "bf16"])
+def test_the_tile_loop_vectorises_and_fuses_nothing(name: str, grad: Any, out: Any) -> None:
+    """As tests/test_kernels_vectorised.py checks Adam's loop: whole-vector loads, no
+    gather, no fused multiply-add (Note [every specialisation rounds alike])."""
+    tile, scalars = TILES[name]
+    signature = (F32, grad, types.int64, F32, out, *[types.float32] * scalars)
+    dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(tile.py_func)
+    dispatcher.compile(signature)
+    ir = dispatcher.inspect_llvm(signature)
+    assert VECTOR_LOAD.search(ir) is not None and "masked.gather" not in ir
+    assert FUSED.search(ir) is None
+
+
+def _kernel_case(seed: int = 0, n: int = 5000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16).float()  # exact in bf16
+    state = torch.rand(n, generator=gen)
+    return master, grad, state
+
+
+@pytest.mark.parametrize("rule", [LION, ADAGRAD], ids=["lion", "adagrad"])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_host_kernel_and_device_step_agree_bitwise(rule: Any, maximize: bool) -> None:
+    """One tile through the CPU kernel (``tile_step``: bf16 gradient, bf16 out, in two tiles)
+    and through the device step (``device_tile_step``: torch ops, fp32 gradient): the same
+    bits, so a bucket's result does not depend on where its state lives. Adagrad's device
+    step is torch's own operations (its vectorised addcmul fuses), so it is held to a few
+    ulp."""
+    group = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "maximize": maximize,
+             "lr_decay": 0.05, "eps": 1e-10, "initial_accumulator_value": 0.0}  # fmt: skip
+    hyper = rule.hyper(group)
+    name = rule.state_fields(torch.float32, [group]).names[1]
+    master, grad, state = _kernel_case()
+    host = {"master": master.clone(), name: state.clone()}
+    dev = {"master": master.clone(), name: state.clone()}
+    out = torch.empty(master.numel(), dtype=torch.bfloat16)
+    half = master.numel() // 2
+    for lo, hi in ((0, half), (half, master.numel())):
+        rule.tile_step({k: v[lo:hi] for k, v in host.items()}, grad.bfloat16()[lo:hi], step=3,
+                       hyper=hyper, grad_scale=0.5, out=out[lo:hi])  # fmt: skip
+    rule.device_tile_step(dev, grad, step=3, hyper=hyper, grad_scale=0.5,
+                          step_tensor=torch.zeros(()))  # fmt: skip
+    assert torch.equal(out, host["master"].bfloat16())
+    for key in host:
+        if rule is LION:
+            assert torch.equal(host[key], dev[key]), key
+        else:
+            assert torch.allclose(host[key], dev[key], rtol=1e-6, atol=0), key
+
+
+def test_the_kernels_name_a_bad_argument_before_writing() -> None:
+    master, grad, state = _kernel_case()
+    before = master.clone()
+    with pytest.raises(ValueError, match=r"exp_avg has 4999 elements but param has 5000"):
+        lion_step(master, grad, state[:-1], lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"beta2=1.5 is out of range"):
+        lion_step(master, grad, state, lr=1e-3, beta1=0.9, beta2=1.5, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"lr_decay=-1.0 is out of range"):
+        adagrad_step(master, grad, state, step=1, lr=1e-2, lr_decay=-1.0, weight_decay=0.0,
+                     eps=1e-10)  # fmt: skip
+    with pytest.raises(TypeError, match=r"state_sum has dtype torch.float16"):
+        adagrad_step(master, grad, state.half(), step=1, lr=1e-2, lr_decay=0.0,
+                     weight_decay=0.0, eps=1e-10)  # fmt: skip
+    with pytest.raises(ValueError, match=r"step=0 is invalid"):
+        adagrad_step(master, grad, state, step=0, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                     eps=1e-10)  # fmt: skip
+    assert torch.equal(master, before)

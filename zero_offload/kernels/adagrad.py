@@ -12,18 +12,9 @@ import numbers
 import numpy as np
 from numba import njit, prange
 
-from ._validate import (
-    BF16,
-    FP16,
-    FP32,
-    as_kernel_array,
-    check_float,
-    check_range,
-    check_same_length,
-    chunking,
-    run_with_threads,
-)
-from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
+from ._validate import BF16, check_float
+from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32
+from .step_arrays import step_arrays
 
 # Note [Adagrad's operation order]
 # torch.optim.Adagrad's single-tensor path (torch/optim/adagrad.py, `_single_tensor_adagrad`)
@@ -92,32 +83,15 @@ def adagrad_step(
     [Adagrad's operation order]). Fold loss-scale unscaling and the clipping coefficient
     into ``grad_scale``.
 
-    Arrays are 1-D, contiguous, of equal length, on the CPU, as for ``adam_step``:
-
-    - ``param``: fp32 master weights, updated in place.
-    - ``grad``: fp32, bf16 or fp16; read only.
-    - ``state_sum``: the running sum of squared gradients, fp32 or bf16; updated in place.
-    - ``out``: optional bf16/fp16 array that receives the updated weights, rounded to
-      nearest even exactly as ``param.to(out.dtype)``.
-    - ``start``, ``stop``: update only the tile ``[start, stop)``; tiles compose bitwise.
-    - ``num_threads``: defaults to the thread budget's share for the calling thread.
+    ``param`` (fp32 master) and ``state_sum`` (the running sum of squared gradients, fp32
+    or bf16) are updated in place; ``grad`` (fp32, bf16 or fp16) is read; ``out`` (bf16/fp16
+    or None) receives the weights; only the tile ``[start, stop)`` is stepped (tiles compose
+    bitwise); all as ``step_arrays`` checks them. ``num_threads``: the thread budget's share
+    when None.
 
     Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
     """
-    param_a, _ = as_kernel_array(param, "param", (FP32,), writable=True)
-    grad_a, grad_kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
-    s_a, _ = as_kernel_array(state_sum, "state_sum", (FP32, BF16), writable=True)
-    n = param_a.shape[0]
-    arrays = {"grad": grad_a, "state_sum": s_a}
-    if out is None:
-        out_a = out_view(None, FP32)
-    else:
-        out_a, out_kind = as_kernel_array(out, "out", (BF16, FP16), writable=True)
-        arrays["out"] = out_a
-        out_a = out_view(out_a, out_kind)
-    check_same_length(n, arrays, "param")
-    start, stop = check_range(start, stop, n)
-
+    arrays = step_arrays(param, grad, {"state_sum": state_sum}, out, start, stop)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step={step!r} is invalid; pass the 1-based step count (an int >= 1)")
     lr = check_float("lr", lr, lo=0.0)
@@ -133,10 +107,4 @@ def adagrad_step(
         f32(-(lr / (1 + (step - 1) * lr_decay))),
         f32(eps),
     )
-
-    def launch(threads: int) -> None:
-        _adagrad_kernel(
-            param_a, grad_a, grad_kind, s_a, out_a, start, stop, chunking(stop - start, threads), *scalars,
-        )  # fmt: skip
-
-    run_with_threads(num_threads, launch)
+    arrays.launch(_adagrad_kernel, scalars, num_threads)

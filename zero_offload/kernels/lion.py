@@ -12,18 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._validate import (
-    BF16,
-    FP16,
-    FP32,
-    as_kernel_array,
-    check_float,
-    check_range,
-    check_same_length,
-    chunking,
-    run_with_threads,
-)
-from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
+from ._validate import BF16, check_float
+from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32
+from .step_arrays import step_arrays
 
 # Note [Lion's operation order]
 # In fp32, each Python scalar rounded to fp32 once, each operation rounded as written (no
@@ -94,32 +85,14 @@ def lion_step(
     gradient ``grad.float() * grad_scale`` (negated when ``maximize``). Fold loss-scale
     unscaling and the clipping coefficient into ``grad_scale``.
 
-    Arrays are 1-D, contiguous, of equal length, on the CPU, as for ``adam_step``:
-
-    - ``param``: fp32 master weights, updated in place.
-    - ``grad``: fp32, bf16 or fp16; read only.
-    - ``exp_avg``: fp32 or bf16 (math in fp32, stored rounded to nearest even); updated.
-    - ``out``: optional bf16/fp16 array that receives the updated weights, rounded to
-      nearest even exactly as ``param.to(out.dtype)``.
-    - ``start``, ``stop``: update only the tile ``[start, stop)``; tiles compose bitwise.
-    - ``num_threads``: defaults to the thread budget's share for the calling thread.
+    ``param`` (fp32 master) and ``exp_avg`` (fp32 or bf16) are updated in place; ``grad``
+    (fp32, bf16 or fp16) is read; ``out`` (bf16/fp16 or None) receives the weights; only
+    the tile ``[start, stop)`` is stepped (tiles compose bitwise); all as ``step_arrays``
+    checks them. ``num_threads``: the thread budget's share when None.
 
     Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
     """
-    param_a, _ = as_kernel_array(param, "param", (FP32,), writable=True)
-    grad_a, grad_kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
-    m_a, _ = as_kernel_array(exp_avg, "exp_avg", (FP32, BF16), writable=True)
-    n = param_a.shape[0]
-    arrays = {"grad": grad_a, "exp_avg": m_a}
-    if out is None:
-        out_a = out_view(None, FP32)
-    else:
-        out_a, out_kind = as_kernel_array(out, "out", (BF16, FP16), writable=True)
-        arrays["out"] = out_a
-        out_a = out_view(out_a, out_kind)
-    check_same_length(n, arrays, "param")
-    start, stop = check_range(start, stop, n)
-
+    arrays = step_arrays(param, grad, {"exp_avg": exp_avg}, out, start, stop)
     lr = check_float("lr", lr, lo=0.0)
     beta1 = check_float("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
     beta2 = check_float("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
@@ -136,10 +109,4 @@ def lion_step(
         f32(beta2),
         f32(1.0 - beta2),
     )
-
-    def launch(threads: int) -> None:
-        _lion_kernel(
-            param_a, grad_a, grad_kind, m_a, out_a, start, stop, chunking(stop - start, threads), *scalars,
-        )  # fmt: skip
-
-    run_with_threads(num_threads, launch)
+    arrays.launch(_lion_kernel, scalars, num_threads)

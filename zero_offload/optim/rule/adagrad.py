@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...kernels import adagrad_step
-from .base import OptimizerRule, StateField, StateFields
+from .base import OptimizerRule, StateField, StateFields, scaled_gradient
 from .values import check_flag, check_number
 
 __all__ = ["ADAGRAD", "AdagradHyper", "AdagradRule"]
@@ -113,10 +113,7 @@ class AdagradRule(OptimizerRule):
     ) -> None:
         """torch's single-tensor Adagrad over the tile."""
         master, state_sum = fields["master"], fields["sum"]
-        grad_mul = -grad_scale if hyper.maximize else grad_scale
-        if grad_mul != 1.0:
-            # A scaled copy: the accumulated gradient must stay as it is; a tile temporary.
-            grad = grad * grad_mul
+        grad = scaled_gradient(grad, -grad_scale if hyper.maximize else grad_scale)
         if hyper.weight_decay != 0:
             grad = grad.add(master, alpha=hyper.weight_decay)  # a tile temporary
         clr = hyper.lr / (1 + (step - 1) * hyper.lr_decay)

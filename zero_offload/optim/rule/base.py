@@ -35,7 +35,14 @@ import torch
 
 from ...memory.align import aligned
 
-__all__ = ["Hyper", "OptimizerRule", "StateField", "StateFields", "require_elementwise"]
+__all__ = [
+    "Hyper",
+    "OptimizerRule",
+    "StateField",
+    "StateFields",
+    "require_elementwise",
+    "scaled_gradient",
+]
 
 #: One param group's hyper-parameters for a step, as the rule reads them (an immutable
 #: value; only its rule looks inside).
@@ -186,3 +193,11 @@ def require_elementwise(rule: OptimizerRule, feature: str) -> None:
             f"the {rule.name} rule is not elementwise, so {feature} would change its "
             "result; this combination is not supported"
         )
+
+
+def scaled_gradient(grad: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """``grad * multiplier`` for a device step (``grad_scale``, negated for maximize): a new
+    tensor, a tile temporary, since the accumulated gradient must stay as it is (a second
+    ``step()`` on the same gradients, like torch, reads it unscaled); ``grad`` itself when
+    ``multiplier`` is 1."""
+    return grad if multiplier == 1.0 else grad * multiplier

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...kernels import lion_step
-from .base import OptimizerRule, StateField, StateFields
+from .base import OptimizerRule, StateField, StateFields, scaled_gradient
 from .values import check_flag, check_number
 
 __all__ = ["LION", "LionHyper", "LionRule"]
@@ -106,11 +106,7 @@ class LionRule(OptimizerRule):
     ) -> None:
         """The kernel's operations in torch ops, each rounded as the kernel rounds it."""
         master, exp_avg = fields["master"], fields["exp_avg"]
-        grad_mul = -grad_scale if hyper.maximize else grad_scale
-        if grad_mul != 1.0:
-            # A scaled copy: the accumulated gradient must stay as it is (a second step()
-            # reads it again); a tile temporary.
-            grad = grad * grad_mul
+        grad = scaled_gradient(grad, -grad_scale if hyper.maximize else grad_scale)
         direction = exp_avg * hyper.beta1  # a tile temporary
         direction.add_(grad * (1.0 - hyper.beta1))  # and one more while it is added
         direction.sign_()
