@@ -37,6 +37,7 @@ from numba import njit, types
 
 from zero_offload import OffloadAdagrad, OffloadAdamW, OffloadConfig, OffloadLion
 from zero_offload.estimate.pools import rule_state
+from zero_offload.estimate.rows import Context
 from zero_offload.kernels import adagrad, adagrad_step, convert, lion, lion_step
 from zero_offload.optim.rule import ADAGRAD, LION
 
@@ -256,6 +257,9 @@ def test_host_state_bytes_per_parameter() -> None:
         opt.close()
     assert per_param == {"adamw": 12, "lion": 8, "adagrad": 8}
     assert per_param["adamw"] - per_param["lion"] == 4
+    for name, measured in per_param.items():  # the estimator's rows, bf16 training
+        ctx = Context(itemsize=2, world_size=1, ranks_per_node=1, bucket_bytes=1, rule=name)
+        assert ctx.state_bytes == measured, name
 
 
 @pytest.mark.parametrize(
