@@ -75,6 +75,14 @@ class LionReference(torch.optim.Optimizer):
                 m.mul_(b2).add_(g * (1 - b2))
 
 
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, part: list) -> None:
+    """One step per (tokens, targets) pair."""
+    for tokens, targets in part:
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _config(**config: Any) -> OffloadConfig:
     return OffloadConfig(bucket_bytes=8192, tile_elements=1024, **config)
 
@@ -225,49 +233,67 @@ def test_a_state_dict_without_state_restarts_adagrad_from_its_initial_value(
     opt = OffloadAdagrad(model.parameters(), **hyper, config=_config(**_where(where, tmp_path)),
                          accelerator=host_accelerator())  # fmt: skip
 
-    def run(m: torch.nn.Module, o: torch.optim.Optimizer, part: list) -> None:
-        for tokens, targets in part:
-            lm_loss(m, tokens, targets).backward()
-            o.step()
-            o.zero_grad()
-
-    run(model, opt, data[:2])
+    _steps(model, opt, data[:2])
     opt.load_state_dict({**opt.state_dict(), "state": {}})
     ref.load_state_dict(model.state_dict())
     ropt = torch.optim.Adagrad(ref.parameters(), **hyper)
-    run(model, opt, data[2:])
-    run(ref, ropt, data[2:])
+    _steps(model, opt, data[2:])
+    _steps(ref, ropt, data[2:])
     assert max_diff(model, ref) < FP32_ATOL
     opt.close()
 
 
 @pytest.mark.parametrize("rule", ["lion", "adagrad"])
-@pytest.mark.parametrize("where", ["host", "half-resident"])
+@pytest.mark.parametrize("where", ["host", "half-resident", "nvme"])
 def test_a_resumed_run_is_bitwise_equal(rule: str, where: str, tmp_path: pathlib.Path) -> None:
+    """From ``state_dict()`` (whose per-parameter keys are torch's: the rule's field, the
+    step, and our master), or on NVMe from ``save_streaming``/``load_streaming``."""
     variant = "plain" if rule == "lion" else "all"
     field = "exp_avg" if rule == "lion" else "sum"
     data = batches(8)
     model, twin = make_pair()
-    config = _where(where, tmp_path)
-    opt = _build(rule, variant, model, **config)
-
-    def run(m: torch.nn.Module, o: torch.optim.Optimizer, part: list) -> None:
-        for tokens, targets in part:
-            lm_loss(m, tokens, targets).backward()
-            o.step()
-            o.zero_grad()
-
-    run(model, opt, data[:4])
-    saved = opt.state_dict()
-    assert set(next(iter(saved["state"].values()))) == {"master", field, "step"}
+    opt = _build(rule, variant, model, **_where(where, tmp_path / "a"))
+    _steps(model, opt, data[:4])
     twin.load_state_dict(model.state_dict())
-    opt2 = _build(rule, variant, twin, **config)
-    opt2.load_state_dict(saved)
-    run(model, opt, data[4:])
-    run(twin, opt2, data[4:])
+    opt2 = _build(rule, variant, twin, **_where(where, tmp_path / "b"))
+    if where == "nvme":
+        opt.save_streaming(tmp_path / "ckpt")
+        opt2.load_streaming(tmp_path / "ckpt")
+    else:
+        saved = opt.state_dict()
+        assert set(next(iter(saved["state"].values()))) == {"master", field, "step"}
+        opt2.load_state_dict(saved)
+    _steps(model, opt, data[4:])
+    _steps(twin, opt2, data[4:])
     assert max_diff(model, twin) == 0.0
     opt.close()
     opt2.close()
+
+
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+@pytest.mark.parametrize("where", ["host", "half-resident"])
+def test_bf16_training_with_bf16_state(rule: str, where: str, tmp_path: pathlib.Path) -> None:
+    """Mixed precision: bf16 weights, the fp32 master, the offloaded buckets' state in bf16
+    (``moments_dtype``; resident buckets keep fp32). The weights the model holds are the master rounded (the kernel's
+    ``out``, or the device step's copy), and the loss falls."""
+    model, _ = make_pair(torch.bfloat16)
+    config = {"moments_dtype": "bfloat16", **_where(where, tmp_path)}
+    opt = _build(rule, "plain" if rule == "lion" else "defaults", model, **config)
+    losses = []
+    for tokens, targets in batches(12):
+        loss = lm_loss(model, tokens, targets)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert sum(losses[-3:]) < sum(losses[:3])
+    state = opt.state_dict()["state"]
+    field = "exp_avg" if rule == "lion" else "sum"
+    dtypes = {entry[field].dtype for entry in state.values()}
+    assert dtypes == ({torch.bfloat16} if where == "host" else {torch.bfloat16, torch.float32})
+    for index, p in enumerate(model.parameters()):
+        assert torch.equal(p.detach(), state[index]["master"].reshape(p.shape).bfloat16())
+    opt.close()
 
 
 def test_host_state_bytes_per_parameter() -> None:
