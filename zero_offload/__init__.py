@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from .checkpoint_io import consolidated_state_dict, load_consolidated, save_consolidated
     from .hf_export import save_pretrained
     from .memory.manager import TieredMemoryManager
-    from .optim import OffloadAdam, OffloadAdamW, OffloadOptimizer, StepFailed
+    from .optim import (
+        OffloadAdagrad,
+        OffloadAdam,
+        OffloadAdamW,
+        OffloadLion,
+        OffloadOptimizer,
+        StepFailed,
+    )
     from .profiling import TrafficProfiler, profile
     from .weights import load_pretrained
 
@@ -56,8 +63,10 @@ _LAZY = {
     "load_consolidated": ".checkpoint_io",
     "save_consolidated": ".checkpoint_io",
     "TieredMemoryManager": ".memory.manager",
+    "OffloadAdagrad": ".optim",
     "OffloadAdam": ".optim",
     "OffloadAdamW": ".optim",
+    "OffloadLion": ".optim",
     "OffloadOptimizer": ".optim",
     "StepFailed": ".optim",
     "TrafficProfiler": ".profiling",
@@ -78,9 +87,11 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelShape",
+    "OffloadAdagrad",
     "OffloadAdam",
     "OffloadAdamW",
     "OffloadConfig",
+    "OffloadLion",
     "OffloadOptimizer",
     "PoolExhausted",
     "StepFailed",

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zero_offload import CollectiveError, OffloadAdamW
+from zero_offload import (
+    CollectiveError,
+    OffloadAdagrad,
+    OffloadAdamW,
+    OffloadConfig,
+    OffloadLion,
+)
 from zero_offload.checkpoint_io import (
     consolidated_state_dict,
     load_consolidated,
@@ -82,6 +88,20 @@ def scenario_train(rank: int, world: int, out: Path, *, steps: int, clip: float 
     }
     norms += train_steps(model, opt, pairs[1:], rank, world)
     result = {"weights": _weights(model), "norms": norms, "traffic": traffic}
+    opt.close()
+    return result
+
+
+def scenario_rule_train(
+    rank: int, world: int, out: Path, *, rule: str, hyper: dict, steps: int, clip: float | None
+) -> dict:
+    """``scenario_train`` for another rule's facade ("lion", "adagrad") with ``hyper``."""
+    model, _ = make_pair()
+    facade = {"lion": OffloadLion, "adagrad": OffloadAdagrad}[rule]
+    config = OffloadConfig(bucket_bytes=8192, tile_elements=1024, max_grad_norm=clip)
+    opt = facade(model.parameters(), **hyper, config=config, accelerator=host_accelerator())
+    norms = train_steps(model, opt, data(steps), rank, world)
+    result = {"weights": _weights(model), "norms": norms}
     opt.close()
     return result
 
@@ -279,6 +299,7 @@ def scenario_user_collectives(rank: int, world: int, out: Path, *, steps: int) -
 
 SCENARIOS: dict[str, Callable[..., dict]] = {
     "train": scenario_train,
+    "rule_train": scenario_rule_train,
     "overflow": scenario_overflow,
     "save": scenario_save,
     "resume": scenario_resume,

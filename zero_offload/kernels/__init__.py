@@ -12,9 +12,19 @@ from .threading_layer import configure_threads
 configure_threads()
 
 from .accumulate import accumulate_grad  # noqa: E402
+from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
+from .lion import lion_step  # noqa: E402
 from .stats import grad_stats  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
-__all__ = ["accumulate_grad", "adam_step", "cast_fp32", "grad_stats", "warmup"]
+__all__ = [
+    "accumulate_grad",
+    "adagrad_step",
+    "adam_step",
+    "cast_fp32",
+    "grad_stats",
+    "lion_step",
+    "warmup",
+]

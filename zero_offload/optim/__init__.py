@@ -1,12 +1,21 @@
 """Offloading optimizers."""
 
 from .framework_clipping import install as _install_framework_guards
+from .offload_adagrad import OffloadAdagrad
 from .offload_adamw import OffloadAdam, OffloadAdamW
+from .offload_lion import OffloadLion
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
 from .update.modes import StepFailed
 
-__all__ = ["OffloadAdam", "OffloadAdamW", "OffloadOptimizer", "StepFailed"]
+__all__ = [
+    "OffloadAdagrad",
+    "OffloadAdam",
+    "OffloadAdamW",
+    "OffloadLion",
+    "OffloadOptimizer",
+    "StepFailed",
+]
 
 # Note [torch's clipping cannot see our gradients] in torch_clipping.py
 _install_clipping_guard()

@@ -275,7 +275,7 @@ def load_optimizer_state(
         if entry is None:
             for name, view in views.items():
                 if name != "master":
-                    view.zero_()
+                    view.fill_(bucket.store.field_initial(name))
             bucket.steps[i] = 0
             continue
         for name, view in views.items():

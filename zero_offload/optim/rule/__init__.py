@@ -1,12 +1,17 @@
 """The optimizer's rule: what it keeps and how it steps (``base.py``: the protocol; AdamW and
-Adam in ``adamw.py``; the host tile loop every rule shares in ``tiles.py``)."""
+Adam in ``adamw.py``, Lion in ``lion.py``, Adagrad in ``adagrad.py``; the host tile loop every
+rule shares in ``tiles.py``)."""
 
+from .adagrad import ADAGRAD
 from .adamw import ADAM, ADAMW
 from .base import OptimizerRule, StateField, StateFields, require_elementwise
+from .lion import LION
 
 __all__ = [
+    "ADAGRAD",
     "ADAM",
     "ADAMW",
+    "LION",
     "OptimizerRule",
     "StateField",
     "StateFields",
@@ -15,7 +20,7 @@ __all__ = [
 ]
 
 #: Every rule by the name users choose it with.
-RULES: dict[str, OptimizerRule] = {rule.name: rule for rule in (ADAMW, ADAM)}
+RULES: dict[str, OptimizerRule] = {rule.name: rule for rule in (ADAMW, ADAM, LION, ADAGRAD)}
 
 
 def by_name(name: str) -> OptimizerRule:

@@ -35,7 +35,14 @@ import torch
 
 from ...memory.align import aligned
 
-__all__ = ["Hyper", "OptimizerRule", "StateField", "StateFields", "require_elementwise"]
+__all__ = [
+    "Hyper",
+    "OptimizerRule",
+    "StateField",
+    "StateFields",
+    "require_elementwise",
+    "scaled_gradient",
+]
 
 #: One param group's hyper-parameters for a step, as the rule reads them (an immutable
 #: value; only its rule looks inside).
@@ -52,11 +59,14 @@ Hyper = Any
 
 @dataclass(frozen=True)
 class StateField:
-    """One per-element state field: its name (as ``opt.state`` and checkpoints show it)
-    and its dtype."""
+    """One per-element state field: its name (as ``opt.state`` and checkpoints show it),
+    its dtype, and the value every element starts from (before the first step, and where a
+    loaded ``state_dict`` has no state for a parameter; Adagrad's ``sum`` starts from
+    ``initial_accumulator_value``)."""
 
     name: str
     dtype: torch.dtype
+    initial: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,13 @@ class StateFields:
     def names(self) -> tuple[str, ...]:
         """The fields' names, master first."""
         return tuple(f.name for f in self.fields)
+
+    def initial(self, name: str) -> float:
+        """The value field ``name`` starts from (the master's is the model's weights)."""
+        for f in self.fields:
+            if f.name == name:
+                return f.initial
+        raise KeyError(f"no state field {name!r} in {self.names}")
 
     def pairs(self) -> list[tuple[str, torch.dtype]]:
         """``(name, dtype)`` of each field, master first."""
@@ -176,3 +193,11 @@ def require_elementwise(rule: OptimizerRule, feature: str) -> None:
             f"the {rule.name} rule is not elementwise, so {feature} would change its "
             "result; this combination is not supported"
         )
+
+
+def scaled_gradient(grad: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """``grad * multiplier`` for a device step (``grad_scale``, negated for maximize): a new
+    tensor, a tile temporary, since the accumulated gradient must stay as it is (a second
+    ``step()`` on the same gradients, like torch, reads it unscaled); ``grad`` itself when
+    ``multiplier`` is 1."""
+    return grad if multiplier == 1.0 else grad * multiplier

@@ -90,7 +90,7 @@ class HostState(StateStore):
                     lambda b, name=name, dtype=dtype: self._bind(name, b.view(dtype, (n,)))
                 )
                 tensor = block.view(dtype, (n,))
-                tensor.zero_()
+                tensor.fill_(fields.initial(name) if name in fields.names else 0.0)
                 self._bind(name, tensor)
             self.reconcile_master()  # fp32 master from the model's initial weights
         except BaseException:
@@ -167,6 +167,9 @@ class HostState(StateStore):
 
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
         return self.fields.pairs()
+
+    def field_initial(self, name: str) -> float:
+        return self.fields.initial(name)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.state)

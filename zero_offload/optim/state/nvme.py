@@ -398,7 +398,7 @@ class NvmeState(StateStore):
             if name == "master":
                 view.copy_(self.weights_staging[lo:hi])
             else:
-                view.zero_()
+                view.fill_(self.record.initial(name))
 
     # -- update ------------------------------------------------------------------------
 
@@ -487,6 +487,9 @@ class NvmeState(StateStore):
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
         """The state fields this bucket keeps (on disk), without reading them."""
         return [(name, dtype) for name, dtype, _ in self.record.fields]
+
+    def field_initial(self, name: str) -> float:
+        return self.record.initial(name)
 
     def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         """``fn(lo, hi, fields)`` for every tile in order (shard-local ``[lo, hi)``, the

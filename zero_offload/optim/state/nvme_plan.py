@@ -72,6 +72,8 @@ class RecordLayout:
     tile_elements: int
     fields: tuple[tuple[str, torch.dtype, int], ...]
     record_bytes: int
+    #: ``(name, value)`` each field starts from (``StateField.initial``), in field order.
+    initials: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def make(cls, tile_elements: int, state: StateFields) -> RecordLayout:
@@ -80,7 +82,12 @@ class RecordLayout:
         for name, dtype in state.pairs():
             fields.append((name, dtype, offset))
             offset += aligned(tile_elements * dtype.itemsize, IO_ALIGNMENT)
-        return cls(tile_elements, tuple(fields), offset)
+        initials = tuple((f.name, f.initial) for f in state.fields)
+        return cls(tile_elements, tuple(fields), offset, initials)
+
+    def initial(self, name: str) -> float:
+        """The value field ``name`` starts from."""
+        return dict(self.initials)[name]
 
     def offsets(self, count: int) -> list[int]:
         """Byte offset of each field in the record of a tile of ``count`` elements."""

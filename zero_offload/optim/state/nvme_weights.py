@@ -142,7 +142,7 @@ class NvmeHomeState(NvmeState):
             if name == "master":
                 view.copy_(weights)
             else:
-                view.zero_()
+                view.fill_(self.record.initial(name))
         home.write(self.manager, tile, buffer)
 
     def _ring_block(self) -> Block:

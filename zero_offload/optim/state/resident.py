@@ -69,7 +69,7 @@ class ResidentState(StateStore):
                     )
                 )
                 tensor = block.view(dtype, (n,))
-                tensor.zero_()
+                tensor.fill_(fields.initial(name))
                 self.state[name] = tensor
         except BaseException:
             self.close()
@@ -153,6 +153,9 @@ class ResidentState(StateStore):
 
     def field_dtypes(self) -> list[tuple[str, torch.dtype]]:
         return self.fields.pairs()
+
+    def field_initial(self, name: str) -> float:
+        return self.fields.initial(name)
 
     def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         stream_tensors(

@@ -146,6 +146,10 @@ class StateStore(ABC):
         """The state fields this bucket keeps and their dtypes, without touching them:
         the rule's ``state_fields``, the fp32 master first."""
 
+    @abstractmethod
+    def field_initial(self, name: str) -> float:
+        """The value state field ``name`` starts from (the rule's ``StateField.initial``)."""
+
     def state_names(self) -> tuple[str, ...]:
         """The names of ``field_dtypes()``."""
         return tuple(name for name, _ in self.field_dtypes())

@@ -1,0 +1,75 @@
+"""``OffloadAdagrad``: the facade of the Adagrad rule (``rule/adagrad.py``) over
+``OffloadOptimizer``, with ``torch.optim.Adagrad``'s signature.
+
+A thin facade, as ``offload_adamw.py``'s: the torch-style constructor and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..accelerator import Accelerator
+from ..config import OffloadConfig
+from .offload_optimizer import OffloadOptimizer, refuse_torch_switches
+from .rule import ADAGRAD, OptimizerRule
+
+__all__ = ["OffloadAdagrad"]
+
+
+class OffloadAdagrad(OffloadOptimizer):
+    """Adagrad with fp32 master weights, the sum of squared gradients and the gradients
+    offloaded to host memory: 8 bytes of host state per parameter.
+
+    Args follow ``torch.optim.Adagrad``; every param group must have the same
+    ``initial_accumulator_value``. ``foreach`` and ``fused`` other than None and
+    ``differentiable`` are refused, as ``OffloadAdamW`` refuses them; sparse gradients are
+    not supported. ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``:
+    see ``OffloadOptimizer``.
+    """
+
+    rule: OptimizerRule = ADAGRAD
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]]
+        | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        foreach: bool | None = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        config: OffloadConfig | None = None,
+        accelerator: Accelerator | None = None,
+        process_group: Any = None,
+        model: torch.nn.Module | None = None,
+        layers: Sequence[torch.nn.Module] | None = None,
+    ) -> None:
+        refuse_torch_switches(
+            type(self).__name__, differentiable=differentiable, foreach=foreach, fused=fused
+        )
+        defaults = {
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "weight_decay": weight_decay,
+            "initial_accumulator_value": initial_accumulator_value,
+            "eps": eps,
+            "maximize": maximize,
+        }
+        super().__init__(
+            params,
+            defaults,
+            config=config,
+            accelerator=accelerator,
+            process_group=process_group,
+            model=model,
+            layers=layers,
+        )
