@@ -27,9 +27,11 @@ __all__ = ["FlatBucket", "StepPlan"]
 
 # Note [a run spans the gaps between its slots]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The alignment gaps between slots (Note [slots are aligned] in partition.py) are zero in
-# every field and receive zero gradients, so an update leaves them zero (Note [padding
-# stays at the end]). A run that stopped at each gap cut a bucket of many small parameters
+# The alignment gaps between slots (Note [slots are aligned] in partition.py) hold zero
+# weights and receive zero gradients, and every rule leaves a zero weight with a zero
+# gradient at zero (Adam's moments stay zero; Lion's sign is 0; Adagrad's sum keeps its
+# initial value and divides a zero), so updating them changes nothing anyone reads (Note
+# [padding stays at the end]). A run that stopped at each gap cut a bucket of many small parameters
 # into one run, one kernel launch and one weight copy per parameter (201 copies for a
 # bucket of 400); spanning the gaps makes it one run per bucket in the usual case, so its
 # tiles and copies follow the bucket's size, not its parameter count (issue 39's copies per
