@@ -107,7 +107,9 @@ def test_what_profiling_keeps_alive_does_not_grow_with_copies(
 
 def test_a_thread_event_is_a_lock_not_a_threading_event() -> None:
     # Note [a thread event is a held lock]: two tracked objects per pending event, not ten.
-    acc = HostAccelerator()
+    # The race checker and strict mode off whatever the environment says (CI's race pass):
+    # a race stamp reaches the checker, which is shared, not kept per event.
+    acc = HostAccelerator(AcceleratorConfig(check_races=False, strict=False))
     stream = acc.new_stream("d2h")
     gate = threading.Event()
     stream.submit(gate.wait)
