@@ -33,6 +33,7 @@ then the records still pending (their times ``None`` where an event has not comp
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator
 from typing import Generic, NamedTuple, TypeVar
@@ -91,7 +92,7 @@ R = TypeVar("R", CopyRecord, StallRecord)
 S = TypeVar("S", CopySpan, StallSpan)
 
 
-class _Timeline(Generic[R, S]):
+class _Timeline(ABC, Generic[R, S]):
     """Pending records and settled rows; see Note [the profiler keeps numbers, not events].
 
     A settled row is four ints (manager, seq, kind, and bytes or events waited for) in
@@ -117,19 +118,19 @@ class _Timeline(Generic[R, S]):
     # -- what a subclass says about its records -----------------------------------------
 
     @staticmethod
+    @abstractmethod
     def _times(record: R) -> tuple[float | None, float | None]:
-        raise NotImplementedError
+        """(began, ended) of the record's work, None while not known."""
 
     @staticmethod
+    @abstractmethod
     def _fields(record: R) -> tuple[Direction | None, int, str]:
         """(direction or None, bytes or events waited for, label)."""
-        raise NotImplementedError
 
     @staticmethod
-    def _span(
-        manager: int, seq: int, kind: tuple, count: int, times: tuple, label: str
-    ) -> S:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abstractmethod
+    def _span(manager: int, seq: int, kind: tuple, count: int, times: tuple, label: str) -> S:
+        """The public row of a settled record."""
 
     # -- writing ------------------------------------------------------------------------
 

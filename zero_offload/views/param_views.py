@@ -75,6 +75,7 @@ a fresh tensor may have the same version.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -148,6 +149,32 @@ def _mixed_terms(bits: torch.Tensor, first: int) -> torch.Tensor:
 # together (``changed_params_of``), not once per bucket.
 
 
+@functools.lru_cache(maxsize=1024)
+def _chunk_plan(
+    ranges: tuple[tuple[int, int], ...], chunk: int, device: torch.device
+) -> tuple[tuple[int, int, tuple[tuple[int, int, int], ...], torch.Tensor | None], ...]:
+    """Per chunk of ``ranges``: ``(lo, hi, pieces, index)``, each piece ``(range, start,
+    end)`` chunk-local, and ``index`` the pieces on ``device`` where the chunk takes the
+    running sum (None where it sums them directly). A bucket's slots never change, so the
+    index is copied to the device once, not at every check: a copy from pageable memory
+    waits for the stream, which would be a synchronisation per chunk per check."""
+    plan = []
+    first, last = ranges[0][0], max(end for _, end in ranges)
+    for lo in range(first, last, chunk):
+        hi = min(last, lo + chunk)
+        pieces = tuple(
+            (i, max(start, lo) - lo, min(end, hi) - lo)
+            for i, (start, end) in enumerate(ranges)
+            if start < hi and end > lo
+        )
+        if pieces:
+            index = None
+            if len(pieces) > _FEW_PIECES:
+                index = torch.tensor(pieces, dtype=torch.int64).to(device)
+            plan.append((lo, hi, pieces, index))
+    return tuple(plan)
+
+
 def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """One position-mixed int64 fingerprint per ``(start, end)`` range of ``flat`` (sorted,
     not overlapping), as an int64 tensor on ``flat``'s device; see Note [weights written
@@ -157,25 +184,13 @@ def _device_fingerprints(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> t
     out = torch.zeros(len(ranges), dtype=torch.int64, device=device)
     if not ranges:
         return out
-    first, last = ranges[0][0], max(end for _, end in ranges)
-    for lo in range(first, last, _DEVICE_CHUNK):
-        hi = min(last, lo + _DEVICE_CHUNK)
-        pieces = [
-            (i, max(start, lo) - lo, min(end, hi) - lo)
-            for i, (start, end) in enumerate(ranges)
-            if start < hi and end > lo
-        ]
-        if not pieces:
-            continue
-        if len(pieces) <= _FEW_PIECES:  # a large parameter's chunk: sum it directly
+    for lo, hi, pieces, index in _chunk_plan(tuple(ranges), _DEVICE_CHUNK, device):
+        if index is None:  # a large parameter's chunk: sum it directly
             for i, a, b in pieces:
                 out[i : i + 1].add_(_mixed_terms(ints[lo + a : lo + b], lo + a).sum())
             continue
         running = torch.zeros(hi - lo + 1, dtype=torch.int64, device=device)
         torch.cumsum(_mixed_terms(ints[lo:hi], lo), 0, out=running[1:])
-        # One small host-to-device copy of the pieces' indices (pinned memory is not worth
-        # it for a few hundred int64s; non_blocking from pageable memory is synchronous).
-        index = torch.tensor(pieces, dtype=torch.int64).to(device)
         sums = running.index_select(0, index[:, 2]).sub_(running.index_select(0, index[:, 1]))
         out.index_add_(0, index[:, 0], sums)
     return out
@@ -360,32 +375,37 @@ class ParamViews:
         """Indices of the slots whose values differ from ``remember()``'s fingerprints; None
         when they cannot be compared (never taken, forgotten, or the parameters now view
         another tensor)."""
+        written = self.device_written()
+        if written is not None:
+            # Synchronisation point (GPU): the comparison's result is read on the host
+            # (``changed_params_of`` reads every bucket's at once).
+            return torch.nonzero(written).flatten().tolist()
+        stamped = self._stamped()
+        if stamped is None:
+            return None
+        flat, before = stamped
+        now = self._fingerprint(flat)
+        return [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a != b]  # type: ignore[arg-type]
+
+    def _stamped(self) -> tuple[torch.Tensor, list[int] | torch.Tensor] | None:
+        """``(bound_to(), remember()'s fingerprints)`` when they can be compared: taken, not
+        forgotten, and the parameters still view the tensor they were taken of."""
         if self._stamp is None or self.versions is None:
             return None
         flat = self.bound_to()
         ptr, before = self._stamp
-        if flat.data_ptr() != ptr:
-            return None
-        now = self._fingerprint(flat)
-        if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):
-            # Synchronisation point (GPU): the comparison's result is read on the host
-            # (``changed_params_of`` reads every bucket's at once).
-            return torch.nonzero(now != before).flatten().tolist()
-        return [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a != b]  # type: ignore[arg-type]
+        return None if flat.data_ptr() != ptr else (flat, before)
 
     def device_written(self) -> torch.Tensor | None:
         """``changed_params()`` as a comparison still on the device, one bool per slot, or
         None where the check is not one (host-addressable weights, nothing remembered): then
         ``changed_params()`` decides. Starts a new check like ``changed_params()``."""
-        if self._stamp is None or self.versions is None:
-            return None
-        flat = self.bound_to()
-        ptr, before = self._stamp
-        if flat.data_ptr() != ptr or not isinstance(before, torch.Tensor):
+        stamped = self._stamped()
+        if stamped is None or not isinstance(stamped[1], torch.Tensor):
             return None
         self._streamed = None  # a new check (Note [one cold hash per step])
-        now = self._fingerprint(flat)
-        return now != before if isinstance(now, torch.Tensor) else None
+        now = self._fingerprint(stamped[0])
+        return now != stamped[1] if isinstance(now, torch.Tensor) else None
 
     def changed(self) -> bool:
         """Whether something wrote new values into a parameter since ``remember()``."""
