@@ -45,7 +45,9 @@ class _Gate:
 
 def _opt(model: nn.Module):
     accelerator = host_accelerator(link_latency=LINK_LATENCY, check_races=True)
-    return mlp_opt(model, accelerator=accelerator)
+    # The host's accumulation passes are what these tests watch (on the device: Note
+    # [micro-batches add up on the device], tests/test_device_accumulation.py).
+    return mlp_opt(model, accelerator=accelerator, grad_accumulation="host")
 
 
 def _window(model, opt, data, *, lag: int | None) -> tuple[list[int], list[_Gate]]:

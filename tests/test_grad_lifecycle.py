@@ -230,7 +230,8 @@ def _failing_alloc(self, nbytes, *, owner):
 @pytest.mark.parametrize("where", ["fold_in_open_grad", "flush_overlap_step"])
 def test_accumulator_allocation_failure_leaves_nothing_behind(monkeypatch, where):
     m = mlp()
-    o = mlp_opt(m, overlap_step=(where == "flush_overlap_step"))
+    # The host accumulator's allocation is what fails (grad_accumulation="host").
+    o = mlp_opt(m, overlap_step=(where == "flush_overlap_step"), grad_accumulation="host")
     acc = o.accelerator
     D = mlp_batches(3)
     if where == "fold_in_open_grad":

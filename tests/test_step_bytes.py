@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-import zero_offload.optim.grads.to_host as off
 import zero_offload.optim.rule.adamw as tiles
 from zero_offload.tracing import add_phase_listener
 
@@ -129,6 +128,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
     import time
 
     from zero_offload.errors import StreamError
+    from zero_offload.optim.grads.host_passes import HostPasses
     from zero_offload.optim.update.modes import StepFailed
 
     model = mlp()
@@ -139,7 +139,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
     opt.step()
     opt.zero_grad()
     last = opt.buckets[0].layout.index  # backward reaches the first layer's bucket last
-    real = off.HostGradients._sum_partials
+    real = HostPasses.summed
 
     def failing(self, partials):
         if self.layout.index == last:
@@ -147,7 +147,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
             raise MemoryError("injected")
         return real(self, partials)
 
-    monkeypatch.setattr(off.HostGradients, "_sum_partials", failing)
+    monkeypatch.setattr(HostPasses, "summed", failing)
     before = [p.detach().clone() for p in model.parameters()]
     mlp_loss(model, x2, y2).backward()
     with pytest.raises(StepFailed, match=r"step\(\) was applied to buckets .*rebuild"):
@@ -244,8 +244,10 @@ def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -
     # window's first flush straight into the accumulator (no statistics pass, no fold);
     # when it stops accumulating, the next window is stepped from the accumulator and the
     # one after reads staging again. Bitwise the always-accumulating path throughout.
+    # On the host (on the device: tests/test_device_accumulation.py).
     model, plain_model = make_pair()
-    opt, plain = offload_opt(model), offload_opt(plain_model)
+    opt = offload_opt(model, grad_accumulation="host")
+    plain = offload_opt(plain_model, grad_accumulation="host")
     for bucket in plain.buckets:
         bucket.gradients.always_accumulate = True
     data = batches(9)

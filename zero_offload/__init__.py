@@ -17,7 +17,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import AcceleratorConfig, LossScalerConfig, OffloadConfig
+from .config import (
+    AcceleratorConfig,
+    GradAccumulation,
+    GradStaging,
+    LossScalerConfig,
+    OffloadConfig,
+)
 from .errors import (
     CollectiveError,
     DeviceBudgetExceeded,
@@ -83,6 +89,8 @@ __all__ = [
     "CollectiveError",
     "CudaAccelerator",
     "DeviceBudgetExceeded",
+    "GradAccumulation",
+    "GradStaging",
     "HostAccelerator",
     "LossScalerConfig",
     "MemoryEstimate",

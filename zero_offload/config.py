@@ -13,6 +13,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DEVICE_BUDGET_ENV",
@@ -239,10 +240,29 @@ class LossScalerConfig:
             )
 
 
-class GradStaging(str, enum.Enum):
-    """Where gradients land on the host (``OffloadConfig.grad_staging``). A ``str`` whose
-    value is the setting's spelling: ``OffloadConfig(grad_staging="in_flight")`` is
-    ``GradStaging.IN_FLIGHT``, equal to ``"in_flight"`` and printed as it."""
+class SpelledSetting(str, enum.Enum):
+    """A setting whose value is its spelling: a ``str``, so ``OffloadConfig(x="name")`` is the
+    member, equal to ``"name"`` and printed as it. The base of the settings' enums below."""
+
+    def __str__(self) -> str:
+        return self.value  # the spelling, as ``str.__str__`` on every Python version
+
+    # Equal to its spelling (``str.__eq__``), so it hashes as its spelling too.
+    __hash__ = str.__hash__
+
+    @classmethod
+    def parse(cls, value: object, *, name: str) -> Any:
+        """``value`` (a member, or its spelling) as a member; ``ValueError`` naming ``name``,
+        the value and the choices otherwise."""
+        try:
+            return cls(value)
+        except (ValueError, TypeError):  # TypeError: an unhashable value
+            choices = " or ".join(repr(member.value) for member in cls)
+            raise ValueError(f"{name} must be {choices}, got {value!r}") from None
+
+
+class GradStaging(SpelledSetting):
+    """Where gradients land on the host (``OffloadConfig.grad_staging``)."""
 
     #: One pinned staging buffer per bucket, for the whole model (each bucket's shard in the
     #: training dtype); it holds the bucket's gradient until ``step()`` consumes it.
@@ -253,21 +273,16 @@ class GradStaging(str, enum.Enum):
     #: ``optim/grads/staging_ring.py``).
     IN_FLIGHT = "in_flight"
 
-    def __str__(self) -> str:
-        return self.value  # the spelling, as ``str.__str__`` on every Python version
 
-    # Equal to its spelling (``str.__eq__``), so it hashes as its spelling too.
-    __hash__ = str.__hash__
+class GradAccumulation(SpelledSetting):
+    """Where micro-batches' gradients add up (``OffloadConfig.grad_accumulation``): Note
+    [micro-batches add up on the device] in ``optim/grads/device_acc.py``."""
 
-    @classmethod
-    def parse(cls, value: object, *, name: str) -> GradStaging:
-        """``value`` (a member, or its spelling) as a member; ``ValueError`` naming ``name``,
-        the value and the choices otherwise."""
-        try:
-            return cls(value)
-        except (ValueError, TypeError):  # TypeError: an unhashable value
-            choices = " or ".join(repr(member.value) for member in cls)
-            raise ValueError(f"{name} must be {choices}, got {value!r}") from None
+    #: On the device, in an fp32 accumulator per bucket, when the device budget has room for
+    #: it (checked per bucket at its first accumulating window); on the host otherwise.
+    AUTO = "auto"
+    #: Always on the host, in the pinned fp32 accumulator.
+    HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -369,6 +384,13 @@ class OffloadConfig:
         grad_staging_buffers: with ``grad_staging="in_flight"``, the ring's buffers (K). An
             int >= 1. Default 2: one bucket's copy lands while the previous one's CPU Adam
             runs.
+        grad_accumulation: where micro-batches' gradients add up, a ``GradAccumulation`` or
+            its spelling. ``"auto"`` (default): in an fp32 accumulator on the device (4
+            device bytes a parameter of the offloaded buckets, taken at the first window
+            that accumulates, bucket by bucket while the device budget has room; the rest,
+            logged, on the host), landing on the host once per step. ``"host"``: always in
+            the pinned fp32 accumulator on the host. The results are bitwise the same
+            (docs/gradient-semantics.md, "Accumulation on the device").
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -390,6 +412,7 @@ class OffloadConfig:
     prefetch_layers: int = 1
     grad_staging: GradStaging | str = GradStaging.PER_BUCKET
     grad_staging_buffers: int = 2
+    grad_accumulation: GradAccumulation | str = GradAccumulation.AUTO
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -517,6 +540,10 @@ class OffloadConfig:
         gradient before any update (Note [gradient staging for the buckets in flight])."""
         staging = GradStaging.parse(self.grad_staging, name="OffloadConfig.grad_staging")
         object.__setattr__(self, "grad_staging", staging)
+        accumulation = GradAccumulation.parse(
+            self.grad_accumulation, name="OffloadConfig.grad_accumulation"
+        )
+        object.__setattr__(self, "grad_accumulation", accumulation)
         object.__setattr__(
             self,
             "grad_staging_buffers",

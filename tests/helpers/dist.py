@@ -106,6 +106,28 @@ def scenario_rule_train(
     return result
 
 
+def scenario_accumulate(
+    rank: int, world: int, out: Path, *, windows: list[int], accumulation: str, clip: float | None
+) -> dict:
+    """Micro-batches of ``windows`` (per step) with ``grad_accumulation=accumulation``."""
+    model, _ = make_pair()
+    opt = offload_opt(model, max_grad_norm=clip, grad_accumulation=accumulation)
+    pairs = data(sum(windows))
+    norms, i = [], 0
+    for micro in windows:
+        for tokens, targets in pairs[i : i + micro]:
+            share = shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
+            opt.backward(lm_loss(model, *share))
+        i += micro
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+    on_device = [b.gradients.device_sum is not None for b in opt.buckets]
+    result = {"weights": _weights(model), "norms": norms, "on_device": on_device}
+    opt.close()
+    return result
+
+
 def scenario_overflow(rank: int, world: int, out: Path, *, steps: int, bad_step: int) -> dict:
     """fp16: rank 1 alone produces an inf in one gradient element at ``bad_step``."""
     model, _ = make_pair(torch.float16)
@@ -300,6 +322,7 @@ def scenario_user_collectives(rank: int, world: int, out: Path, *, steps: int) -
 SCENARIOS: dict[str, Callable[..., dict]] = {
     "train": scenario_train,
     "rule_train": scenario_rule_train,
+    "accumulate": scenario_accumulate,
     "overflow": scenario_overflow,
     "save": scenario_save,
     "resume": scenario_resume,

@@ -98,15 +98,37 @@ RecordListener = Callable[[Record], None]
 
 
 class TrafficCounters:
-    """Copies and bytes per (direction, category) since construction.
+    """Copies and bytes per (direction, category) since construction, and the host bytes
+    of the passes over gradients on the host (``add_pass``).
 
-    ``_lock`` guards ``_counts`` (copies are issued from the caller's thread and from
-    stream workers).
+    ``_lock`` guards ``_counts`` and ``_passes`` (copies are issued from the caller's
+    thread and from stream workers; passes run on the host worker).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[Direction, Category], list[int]] = {}
+        self._passes: dict[str, list[int]] = {}  # name -> [calls, bytes read, bytes written]
+
+    def add_pass(self, name: str, *, read: int, written: int) -> None:
+        """Count one host pass ``name`` (statistics, accumulation) over host memory: bytes
+        it read and wrote. What host bytes per parameter a step costs beside its copies
+        and its optimizer kernel (issue 39)."""
+        with self._lock:
+            entry = self._passes.get(name)
+            if entry is None:
+                entry = self._passes[name] = [0, 0, 0]
+            entry[0] += 1
+            entry[1] += read
+            entry[2] += written
+
+    def passes(self) -> dict[str, dict[str, int]]:
+        """``{name: {"calls": n, "read": r, "written": w}}`` for every pass seen."""
+        with self._lock:
+            return {
+                name: {"calls": c, "read": r, "written": w}
+                for name, (c, r, w) in sorted(self._passes.items())
+            }
 
     def add(self, direction: Direction, category: Category, nbytes: int) -> None:
         """Count one copy of ``nbytes``."""

@@ -72,6 +72,7 @@ class StepPlan:
         self.bucket = bucket
         self.steps = bucket.steps + arrived.astype(np.int64)
         self.runs = list(_runs(bucket.layout, self.steps, arrived))
+        bucket.gradients.land()  # an announced step's bucket lands here
         self.source = bucket.gradients.window_source()
 
 

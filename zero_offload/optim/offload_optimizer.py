@@ -398,6 +398,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         self._router.receive(bucket, slot_index, grad)
                         self._policy.window_changed()
             self._router.finish()
+            self._router.land()
 
     # -- step --------------------------------------------------------------------------
 

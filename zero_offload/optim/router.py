@@ -162,6 +162,12 @@ class BackwardRouter:
         with surface_collective_errors():
             self.receive(bucket, slot_index, grad)
 
+    def land(self) -> None:
+        """Every window summed on the device lands on the host (the step, or its norm, is
+        next): Note [micro-batches add up on the device] in ``grads/device_acc.py``."""
+        for bucket in self.buckets:
+            bucket.gradients.land()
+
     def consumed(self) -> None:
         """A step consumed the window (the next gradient opens a new one); its staging may
         be reused once the host worker's queue is done (Note [gradient staging for the

@@ -19,7 +19,8 @@ from ..partition import BucketLayout
 from ..weights.nvme_home import home_ring_bytes
 from ..weights.source import PeakTracker
 from .grads.buffers import GradBuffers
-from .grads.staging_ring import StagingRing, own_staging_bytes, ring_slot_bytes
+from .grads.staging import own_staging_bytes
+from .grads.staging_ring import StagingRing, ring_slot_bytes
 from .rule.base import OptimizerRule, StateFields
 from .state.nvme_backends import NvmeBackends
 from .state.nvme_plan import RecordLayout, plan_nvme, resolve_host_budget
@@ -124,7 +125,7 @@ def plan_segment(
         name=name,
         placement=placement,
         device_pool=device_pool,
-        grad_buffers=GradBuffers(manager, name=name),
+        grad_buffers=GradBuffers(manager, name=name, accumulation=config.grad_accumulation),
         state=state,
         resident_state=resident_state,
         nvme=nvme,

@@ -11,7 +11,7 @@ import warnings
 import numba
 import torch
 
-from ...config import format_bytes
+from ...config import GradAccumulation, format_bytes
 from ...errors import PoolExhausted
 from ...memory.align import aligned
 from ...memory.block import Block
@@ -19,6 +19,7 @@ from ...memory.manager import Tier, TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ...thread_budget import thread_budget
+from .device_acc import DeviceAccumulators
 
 __all__ = [
     "AccumulatorPool",
@@ -79,10 +80,18 @@ class GradBuffers:
     lockstep] in ``order.py``). Overflow pools are kept and reused by later backwards;
     each is counted against the device budget like any pool."""
 
-    def __init__(self, manager: TieredMemoryManager, *, name: str) -> None:
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        *,
+        name: str,
+        accumulation: GradAccumulation = GradAccumulation.AUTO,
+    ) -> None:
         self.manager = manager
         self.name = name
         self.overflow: list[BlockPool] = []  # each one largest-bucket buffer, device
+        #: The buckets' fp32 device accumulators (Note [micro-batches add up on the device]).
+        self.accumulators = DeviceAccumulators(manager, setting=accumulation, name=name)
 
     def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
         """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when
@@ -121,6 +130,7 @@ class GradBuffers:
         for extra in self.overflow:
             extra.close()
         self.overflow.clear()
+        self.accumulators.close()
 
 
 class LazyHostPool:

@@ -11,14 +11,20 @@ every bucket and tile size.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from ...kernels import accumulate_grad, grad_stats
+from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
+from ..access import declare_cpu
 from .buffers import host_pass_threads
+from .path import SumSqParts
 from .stat_cells import Cut, pieces
 
-__all__ = ["fold", "pass_tile"]
+__all__ = ["HostPasses", "fold", "pass_tile"]
 
 
 def fold(acc: torch.Tensor, staging: torch.Tensor, real: int) -> None:
@@ -64,3 +70,88 @@ def pass_tile(
             cell_lo, cell_hi = piece.cell
             source = staging if acc is None else acc
             grad_stats(source, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
+
+
+class HostPasses:
+    """One bucket's passes on the host worker (``fold``, ``pass_tile``), each declaring
+    what it reads and writes and counting its host bytes (``TrafficCounters.add_pass``),
+    and the statistics of the window's last flush or landing.
+
+    Fields (host worker):
+        stats: ``(sum of squares, non-finite)`` of the window.
+        partials: the float64 partial sums of that sum, per cell (Note [the norm does not
+            depend on the bucketing] in ``stat_cells.py``).
+    """
+
+    def __init__(
+        self, manager: TieredMemoryManager, layout: BucketLayout, shard: tuple[int, int]
+    ) -> None:
+        self.manager = manager
+        self.layout = layout
+        self.shard = shard
+        self.stats = (0.0, False)
+        self.partials: list[float] = []
+
+    def _declare(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
+        declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
+
+    def _count(self, name: str, *, read: int, written: int) -> None:
+        self.manager.counters.add_pass(name, read=read, written=written)
+
+    def fold(self, acc: torch.Tensor, staging: Callable[[], torch.Tensor], real: int) -> None:
+        """The window's first gradient, from staging into the accumulator."""
+        src = staging()  # looked up now: a block may have moved since the pass was queued
+        self._declare(src, write=False, what="fold reads staging")
+        self._declare(acc, write=True, what="fold writes the accumulator")
+        fold(acc, src, real)
+        self._count("fold", read=real * src.element_size(), written=4 * real)
+
+    def staging_tile(
+        self,
+        staging: Callable[[], torch.Tensor],
+        acc: torch.Tensor | None,
+        overwrite: bool,
+        lo: int,
+        hi: int,
+        *,
+        partials: list[float],
+    ) -> None:
+        """Once ``staging[lo:hi]`` landed: its statistics, or its accumulation (``pass_tile``)."""
+        src = staging()  # looked up now, as in ``fold``
+        if acc is None:
+            self._declare(src[lo:hi], write=False, what="statistics read staging")
+        else:
+            self._declare(src[lo:hi], write=False, what="accumulation reads staging")
+            self._declare(acc[lo:hi], write=True, what="accumulation writes the accumulator")
+        pass_tile(
+            self.layout, self.shard, src, acc, overwrite=overwrite, lo=lo, hi=hi, partials=partials
+        )
+        n, k = hi - lo, src.element_size()
+        if acc is None:
+            self._count("statistics", read=k * n, written=0)
+        else:
+            self._count("accumulation", read=(k if overwrite else k + 4) * n, written=4 * n)
+
+    def landed_tile(
+        self, acc: Callable[[], torch.Tensor | None], lo: int, hi: int, *, partials: list[float]
+    ) -> None:
+        """Once ``acc[lo:hi]`` landed from the device: the statistics of the window's sum
+        (Note [micro-batches add up on the device] in ``device_acc.py``)."""
+        landed = acc()
+        if landed is None:
+            raise RuntimeError(f"bucket {self.layout.index}: no accumulator (bug)")
+        self._declare(landed[lo:hi], write=False, what="statistics read the landed sum")
+        pass_tile(
+            self.layout, self.shard, landed, None, overwrite=True, lo=lo, hi=hi, partials=partials
+        )
+        self._count("statistics", read=4 * (hi - lo), written=0)
+
+    def summed(self, partials: list[float]) -> None:
+        """After the last tile: the window's statistics (float64 sums, added exactly; the
+        policy adds every bucket's partials the same way)."""
+        total = math.fsum(partials) if partials else 0.0
+        self.partials = list(partials)
+        self.stats = (total, not math.isfinite(total))
+
+    def sumsq(self) -> SumSqParts:
+        return SumSqParts(self.partials, self.stats[1])

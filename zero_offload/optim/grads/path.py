@@ -46,6 +46,10 @@ class GradSource(enum.Enum):
     STAGING = "grad_staging"
     #: The fp32 accumulator (host, or device for a resident bucket).
     ACCUMULATOR = "grad_acc"
+    #: An offloaded bucket's fp32 accumulator on the device, not landed on the host since
+    #: its last flush (Note [micro-batches add up on the device] in ``device_acc.py``): no
+    #: step reads it; ``land`` makes it ``ACCUMULATOR``.
+    DEVICE = "grad_acc_dev"
 
 
 class GradientPath(ABC):
@@ -82,6 +86,11 @@ class GradientPath(ABC):
         """The bucket's update, run during backward, is queued on the host worker and
         ends at ``event`` (Note [gradient staging for the buckets in flight] in
         ``staging_ring.py``)."""
+
+    def land(self) -> None:  # noqa: B027 (most paths hold the window where it is read)
+        """Bring the window's gradient to where a step reads it, if it is not there (Note
+        [micro-batches add up on the device] in ``device_acc.py``); before
+        ``window_source``."""
 
     def window_consumed(self) -> None:  # noqa: B027 (no staging to let go)
         """A step consumed the window (or it was discarded)."""

@@ -1,17 +1,6 @@
-"""Where a bucket's flushes land on the host: its own staging buffers, or a ring of a few
-buffers shared by every bucket (``OffloadConfig(grad_staging="in_flight")``).
-
-``HostGradients`` (``to_host.py``) asks its ``Staging`` for a buffer at each flush
-(``acquire``), tells it when the host worker's pass over that buffer is queued (``passed``)
-and when the last reader of the window's gradient in staging is queued (``read_by``: a fold
-into the accumulator, or the bucket's update run during backward), and lets the window go
-(``release``).
-
-- ``OwnStaging``: one buffer per bucket for the whole model, ``a(ks)`` pinned bytes in the
-  host pool, plus the spare pinned on first need (Note [two staging buffers for
-  accumulation] in ``to_host.py``).
-- ``RingStaging``: a slot of the segment's ``StagingRing`` per flush, released as soon as
-  what reads it is done: Note [gradient staging for the buckets in flight].
+"""A ring of a few gradient staging buffers shared by every bucket
+(``OffloadConfig(grad_staging="in_flight")``): the ``Staging`` (``staging.py``) of a bucket
+whose flushes take a slot each.
 
 Note [gradient staging for the buckets in flight]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -20,7 +9,7 @@ for a segment's offloaded buckets, each as large as the largest bucket's shard i
 instead of one per bucket. A flush takes the slot released longest ago (FREE, or RELEASING:
 its last reader is queued on the host worker, and the flush waits for that reader's event on
 the caller's thread before its copy is issued, as Note [staging is reused only once
-consumed] says and for its reason: a CUDA stream cannot wait on host-thread work). What
+consumed] in ``staging.py`` says and for its reason: a CUDA stream cannot wait on host-thread work). What
 releases a slot:
 
 - the host worker's pass over it, when the gradient goes on into the fp32 accumulator (a
@@ -55,12 +44,9 @@ step from the loaded state with per-bucket staging) is refused before anything c
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import warnings
-from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,25 +59,9 @@ from ...memory.manager import Tier, TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ...tracing import phase
-from .buffers import SpareStaging
+from .staging import Staging
 
-__all__ = [
-    "OwnStaging",
-    "RingStaging",
-    "SlotState",
-    "Staging",
-    "StagingRing",
-    "own_staging_bytes",
-    "ring_slot_bytes",
-]
-
-
-def own_staging_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
-    """Bytes of every bucket's own gradient staging, ``sum a(k*s)``: what a ring replaces
-    in the host pool (and, as weight staging, what stays beside it)."""
-    return sum(
-        aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)
-    )
+__all__ = ["RingStaging", "SlotState", "StagingRing", "ring_slot_bytes"]
 
 
 def ring_slot_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
@@ -99,149 +69,6 @@ def ring_slot_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignme
     ``max a(k*s)`` (0 for no bucket)."""
     sizes = [aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)]
     return max(sizes, default=0)
-
-
-class Staging(ABC):
-    """Where one bucket's flushes land; see the module docstring."""
-
-    #: Flushes that waited on the caller's thread for a buffer's last reader.
-    waits: int = 0
-    #: The bucket's second own buffer (Note [two staging buffers for accumulation]); None
-    #: with a ring.
-    spare: SpareStaging | None = None
-
-    @abstractmethod
-    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
-        """The buffer this flush copies into (an id for ``get``), once it may be
-        overwritten (a synchronisation point when it may not yet). ``window_flushes``: the
-        flushes of the window so far. A failure changes nothing."""
-
-    @contextlib.contextmanager
-    def acquired(self, overwrite: bool, window_flushes: int) -> Iterator[int]:
-        """``acquire``, and ``unused`` if the flush raises before its pass is queued."""
-        buffer = self.acquire(overwrite=overwrite, window_flushes=window_flushes)
-        try:
-            yield buffer
-        except BaseException:
-            self.unused(buffer)
-            raise
-
-    @abstractmethod
-    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
-        """Buffer ``buffer``: ``(shard_numel,)`` training dtype, host, and its block."""
-
-    @abstractmethod
-    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
-        """The host worker's pass over ``buffer`` is queued and ends at ``event``;
-        ``kept``: the window's gradient stays there for the step (no accumulator)."""
-
-    def unused(self, buffer: int) -> None:  # noqa: B027 (own buffers stay)
-        """The flush that acquired ``buffer`` failed before its pass was queued: nothing
-        will read it."""
-
-    @abstractmethod
-    def kept(self) -> int:
-        """The buffer holding the window's gradient when it stayed in staging."""
-
-    @abstractmethod
-    def read_by(self, event: Event) -> None:
-        """The last reader of the window's gradient in staging (a fold) is queued on the
-        host worker and ends at ``event``."""
-
-    def stepped(self, event: Event) -> None:
-        """The bucket's update, run during backward, read the window's gradient in staging
-        (queued on the host worker, ending at ``event``)."""
-        self.read_by(event)
-
-    def check_kept(self, bucket: int, *, staged: bool) -> None:  # noqa: B027 (own: kept)
-        """Refuse to plan a step from the window's gradient in staging (``staged``) once
-        it is gone."""
-
-    @property
-    def holding(self) -> bool:
-        """Whether ``release`` has anything to give back (a slot) or forget."""
-        return False
-
-    def release(self, event: Event | None) -> None:  # noqa: B027 (own buffers stay)
-        """The window is over (consumed or discarded); ``event``: the host worker's last
-        queued work, which any reader still pending is before."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Give the bucket's memory back."""
-
-
-class OwnStaging(Staging):
-    """A bucket's own staging buffer (block 0, in the host pool) and its spare (block 1),
-    Note [two staging buffers for accumulation] in ``to_host.py``.
-
-    Fields:
-        block: the own buffer's block, ``(shard_numel,)`` training dtype, host pool.
-        spare: the second buffer, pinned on first need.
-        _consumed: per buffer, the host worker's last pass over it (Note [staging is reused
-            only once consumed]).
-    """
-
-    def __init__(
-        self,
-        manager: TieredMemoryManager,
-        layout: BucketLayout,
-        *,
-        host_pool: BlockPool,
-        dtype: torch.dtype,
-    ) -> None:
-        self.numel = n = layout.shard_numel
-        self.dtype = dtype
-        self.index = layout.index
-        self.spare = SpareStaging(
-            manager,
-            layout,
-            dtype=dtype,
-            alignment=host_pool.alignment,
-            name=f"{host_pool.name}.bucket{layout.index}.grad_staging_spare",
-        )
-        self.waits = 0
-        self._consumed: list[Event | None] = [None, None]
-        self.block = host_pool.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.grad_staging")
-        self.block.on_move(self._bind)
-        self._bind(self.block)
-        self.tensor.zero_()
-
-    def _bind(self, block: Block) -> None:
-        self.tensor = block.view(self.dtype, (self.numel,))
-
-    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
-        # Note [two staging buffers for accumulation]: odd flushes to 0, even ones to 1.
-        buffer = 0 if overwrite else window_flushes % 2
-        consumed = self._consumed[buffer]
-        if consumed is not None and not consumed.query():
-            # Note [staging is reused only once consumed]. Synchronisation point: the caller
-            # waits, since a CUDA stream cannot wait on host-thread work; only when the host
-            # worker is two flushes behind.
-            self.waits += 1
-            with phase("wait_staging"):
-                consumed.synchronize()
-        if buffer == 1:
-            self.spare.ensure()  # before anything moves: a failure changes nothing
-        return buffer
-
-    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
-        if buffer == 0:
-            return self.tensor, self.block
-        return self.spare.get(self.index)
-
-    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
-        self._consumed[buffer] = event
-
-    def kept(self) -> int:
-        return 0
-
-    def read_by(self, event: Event) -> None:
-        self._consumed[0] = event
-
-    def close(self) -> None:
-        self.block.free()
-        self.spare.close()
 
 
 class SlotState(enum.Enum):

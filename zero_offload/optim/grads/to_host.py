@@ -29,37 +29,6 @@ accumulation, at the cost of one pinned allocation at the first accumulating ste
 the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
 update] in ``update/modes.py``).
 
-Note [staging is reused only once consumed]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A flush's copy into a staging buffer must not start before the host worker has passed over
-the previous flush into that buffer (added it into the accumulator, or taken its
-statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
-or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
-buffer records an event on the host worker after it (``OwnStaging._consumed``), and the
-next flush into that buffer waits for it, on the caller's thread: a CUDA stream cannot wait
-on host-thread work. Which buffer a flush uses: Note [two staging buffers for accumulation];
-with a ring: Note [gradient staging for the buckets in flight] in ``staging_ring.py``.
-
-Note [two staging buffers for accumulation]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With one staging buffer, micro-batch k+1's flush of a bucket waited for the host worker's
-pass over micro-batch k's: on a GPU, where the autograd thread runs ahead of the device, a
-host sync per bucket per micro-batch that drains the launch queue (issue 22). So a window's
-flushes alternate: the odd ones (the first) go to ``grad_staging``, the even ones to
-``spare_staging``. Flush k+1 waits only for the pass over flush k-1, which had a whole
-micro-batch to finish: the autograd thread waits only when the host is two micro-batches
-behind, both buffers busy (tests/test_accumulation_stall.py). Results are bitwise
-unchanged: the host worker runs the passes in flush order, so the fp32 accumulator adds the
-micro-batches in the same order with the same kernel; only the buffer a pass reads
-changes. A lone flush still goes to ``grad_staging`` and is read there (Note [no
-accumulator for one backward]).
-The cost: ``a(ks)`` more pinned host bytes per bucket (shard of ``s`` elements, ``k``-byte
-training dtype: 2 bytes a parameter in bf16, 4 in fp32), in a pool of its own created at
-the first window with a second flush (``SpareStaging``), like the accumulator: a loop that
-never accumulates pays nothing. The estimator does not model accumulation, so neither.
-Not an fp32 accumulator on the device: ``4s`` device bytes per bucket, in the memory
-offloading spares (docs/gradient-semantics.md weighs the two).
-
 Note [an interrupted gradient path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A ``KeyboardInterrupt`` may leave backward between any two calls of a hook or a flush: a
@@ -71,25 +40,13 @@ is fine), and ``open_grad`` drops one an interrupted open left. ``zero_grad`` af
 backward that did not end waits for what that backward queued before it forgets the window
 (``BackwardRouter.discard``), so the next window starts clean.
 
-Note [Adam follows the gradient in]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A flush copies its gradient into staging in tiles of ``tile_elements``, one copy and one
-end event each (``_landing``), and the host worker's pass (statistics, or accumulation
-with statistics) follows tile by tile as each lands, so it ends one tile after the copy
-does. When the step's decision needs no statistics (Note [a step that needs no
-statistics] in ``update/policy.py``), ``step()`` does not wait for the host worker at all:
-the CPU Adam tile loop waits for the copy of each tile just before it reads it (``await_grad``),
-so CPU Adam starts on the first tile while the rest is still on the way. Events of one
-stream complete in order, so a tile's event covers every tile before it. A gradient in
-the accumulator waits for the host worker's last pass over the bucket
-(``_staging_consumed``), which follows every tile of the window's last flush.
+How the tiles land and what follows them: Note [Adam follows the gradient in] in
+``landing.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
-import math
 
 import numpy as np
 import torch
@@ -98,15 +55,17 @@ from ...accelerator import Event
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
-from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout
 from ...tracing import phase
 from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
 from .buffers import AccumulatorPool, GradBuffers, SpareStaging, accumulator_bytes
-from .host_passes import fold, pass_tile
+from .device_acc import DeviceSum
+from .host_passes import HostPasses
+from .landing import Landing
 from .path import GradientPath, GradSource, SumSqParts
-from .staging_ring import OwnStaging, RingStaging, Staging, StagingRing
+from .staging import OwnStaging, Staging
+from .staging_ring import RingStaging, StagingRing
 
 __all__ = ["HostGradients"]
 
@@ -125,6 +84,9 @@ class HostGradients(GradientPath):
             accumulator for one backward]).
         grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
             second flush (None before).
+        device_sum: the fp32 accumulator on the device, once a window accumulated and the
+            budget had room (Note [micro-batches add up on the device] in
+            ``device_acc.py``); None before, and for good when it had none.
     """
 
     def __init__(
@@ -179,15 +141,22 @@ class HostGradients(GradientPath):
         # (Note [a lone gradient is its own buffer]); None otherwise.
         self._adopted: torch.Tensor | None = None
         self.grad_dev = torch.empty(0, dtype=dtype, device=manager.accelerator.device)
-        self._stats = (0.0, False)  # (sum of squares, non-finite) of the window; host worker
-        # The float64 partial sums of that sum, per cell (Note [the norm does not depend on
-        # the bucketing] in stat_cells.py); host worker.
-        self._partials: list[float] = []
+        self.passes = HostPasses(manager, layout, shard)  # the host worker's passes
         self._staging_consumed: Event | None = None  # the host worker's last pass, any buffer
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
-        # Note [Adam follows the gradient in].
-        self._landing: list[tuple[int, Event]] = []
-        self._landing_ends: list[int] = []  # the end offsets of _landing, for bisect
+        # Note [Adam follows the gradient in] (landing.py).
+        self._landing = Landing()
+        # Note [micro-batches add up on the device] (device_acc.py): the accumulator, asked
+        # for once; whether this window adds up there; whether grad_acc holds what landed
+        # from it (CPU Adam then follows _landing into grad_acc); the previous window's
+        # flushes (the early landing's prediction); the host worker's event after the last
+        # step that read grad_acc (a landing overwrites it after that).
+        self.device_sum: DeviceSum | None = None
+        self._device_asked = False
+        self._device_window = False
+        self._acc_landed = False
+        self._expected_flushes = 0
+        self._acc_free: Event | None = None
 
     @property
     def staging_waits(self) -> int:
@@ -268,7 +237,9 @@ class HostGradients(GradientPath):
         acc = self._ensure_accumulator()
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
-        worker.submit(functools.partial(self._fold_on_host, acc, real, self.staging.kept()))
+        staging = functools.partial(self._staging_tensor, self.staging.kept())
+        worker.submit(functools.partial(self.passes.fold, acc, staging, real))
+        self._acc_landed = False
         self._staging_consumed = worker.record_event()
         self.staging.read_by(self._staging_consumed)
         self._source = GradSource.ACCUMULATOR
@@ -341,6 +312,11 @@ class HostGradients(GradientPath):
         grad = self.grad_dev
         if overwrite:  # a new window: the last one's staging, if still held, is free
             self.window_consumed()
+            self._expected_flushes = self._window_flushes
+            self._device_window = self._first_flush_accumulates() and self._take_device_sum()
+        if self._device_window:
+            self._flush_to_device(overwrite=overwrite, ranks=ranks)
+            return
         # Waits until the buffer may be overwritten (given back if this flush fails): Note
         # [staging is reused only once consumed], Note [gradient staging for the buckets in flight].
         with self.staging.acquired(overwrite, self._window_flushes) as buffer:
@@ -394,51 +370,103 @@ class HostGradients(GradientPath):
         the previous window's."""
         return self.always_accumulate or self._window_flushes > 1
 
+    # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
+
+    def _take_device_sum(self) -> bool:
+        """Whether this bucket has a device accumulator (asked of the budget once)."""
+        if not self._device_asked:
+            self._device_asked = True
+            self.device_sum = self.grad_buffers.accumulators.take(
+                self.layout, itemsize=self.dtype.itemsize
+            )
+        return self.device_sum is not None
+
+    def _flush_to_device(self, *, overwrite: bool, ranks: Ranks) -> None:
+        """Add this backward's device gradients into the device accumulator; land the sum
+        when this is the window's predicted last flush and the host accumulator is free."""
+        device_sum = self.device_sum
+        if device_sum is None:
+            raise RuntimeError(f"bucket {self.layout.index}: no device accumulator (bug)")
+        after = None
+        if self._adopted is not None:
+            src = self._adopted
+        else:
+            if self._grad_block is None:
+                raise RuntimeError(
+                    f"bucket {self.layout.index}: its device gradients were already handed "
+                    "on: a backward was interrupted half-way (KeyboardInterrupt) and its "
+                    "window was not discarded. Call opt.zero_grad() after an interrupted "
+                    "backward"
+                )
+            self._zero_unfilled()
+            compute = self.manager.compute_ready()
+            ready = ranks.reduce_scatter(
+                self.grad_dev,
+                compute,
+                what=f"bucket {self.layout.index} ({self.layout.padded_numel} el)",
+            )
+            after = ready if ready is not compute else None
+            start, stop = self.shard
+            src = self.grad_dev[start:stop]
+        device_sum.add(src, overwrite=overwrite, after=after)
+        self._drop_open()  # reuse is stream-ordered after the add
+        self._source = GradSource.ACCUMULATOR
+        self._acc_landed = False
+        self._window_flushes = 1 if overwrite else self._window_flushes + 1
+        if self._window_flushes == self._expected_flushes and self._acc_is_free():
+            self.land()  # the predicted last micro-batch: land during this backward
+
+    def _acc_readers(self) -> list[Event]:
+        """The host worker's events after the last readers of ``grad_acc``: a step's
+        update, the statistics of the last landing."""
+        return [e for e in (self._acc_free, self._staging_consumed) if e is not None]
+
+    def _acc_is_free(self) -> bool:
+        return all(event.query() for event in self._acc_readers())
+
+    def land(self) -> None:
+        """Bring a window summed on the device to the host accumulator, in tiles CPU Adam
+        follows, with the host worker's statistics pass behind each; nothing to do when it
+        landed already or the window is on the host (Note [micro-batches add up on the
+        device])."""
+        device_sum = self.device_sum
+        if device_sum is None or not device_sum.unlanded:
+            return
+        acc = self._ensure_accumulator()
+        acc_block = self._acc_block
+        if acc_block is None:
+            raise RuntimeError(f"bucket {self.layout.index}: no accumulator block (bug)")
+        landing = device_sum.land(
+            acc, acc_block, readers=self._acc_readers(), tile_elements=self.tile_elements
+        )
+        self._acc_landed = True
+        self._landing = landing
+        worker = self.manager.host_worker
+        partials: list[float] = []
+        task = functools.partial(self.passes.landed_tile, lambda: self.grad_acc, partials=partials)
+        landing.follow(worker, self.layout.real_in(*self.shard), task)
+        worker.submit(functools.partial(self.passes.summed, partials))
+        self._staging_consumed = worker.record_event()
+
     def _copy_to_staging(
         self, src: torch.Tensor, dst: torch.Tensor, *, after: list[Event], blocks: list[Block]
-    ) -> list[tuple[int, Event]]:
-        """Queue ``dst[:n] = src`` (a staging buffer) in tiles; Note [Adam follows the
-        gradient in]."""
-        landing: list[tuple[int, Event]] = []
-        try:
-            self._queue_tiles(src, dst, landing, after=after, blocks=blocks)
-        except BaseException:
-            for block in blocks if landing else ():  # what was queued still uses them
-                block.record_event(landing[-1][1])
-            raise
-        return landing
+    ) -> Landing:
+        """Queue ``dst[:n] = src`` (a staging buffer, or the accumulator) in tiles; Note
+        [Adam follows the gradient in] in ``landing.py``."""
+        return Landing.queue(
+            self.manager,
+            src,
+            dst,
+            tile_elements=self.tile_elements,
+            label=f"bucket{self.layout.index}",
+            after=after,
+            blocks=blocks,
+        )
 
-    def _queue_tiles(
-        self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        landing: list[tuple[int, Event]],
-        *,
-        after: list[Event],
-        blocks: list[Block],
-    ) -> None:
-        """Queue the tile copies one by one, appending each to ``landing``."""
-        n, step, index = src.numel(), self.tile_elements, self.layout.index
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            event = self.manager.copy(
-                dst[lo:hi],
-                src[lo:hi],
-                direction=Direction.D2H,
-                category=Category.GRADIENTS,
-                # The stream is in order: the first copy waits, the last one's end event
-                # (recorded on the blocks) is every copy's end.
-                after=after if lo == 0 else (),
-                blocks=blocks if hi == n else (),
-                label=f"bucket{index}" if n <= step else f"bucket{index}[{lo}:{hi}]",
-            )
-            landing.append((hi, event))
-
-    def _after_copy(
-        self, landing: list[tuple[int, Event]], *, overwrite: bool, buffer: int
-    ) -> None:
+    def _after_copy(self, landing: Landing, *, overwrite: bool, buffer: int) -> None:
         """Queue the host worker's pass over each tile of staging ``buffer`` as it lands."""
         worker = self.manager.host_worker
+        self._acc_landed = False
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
             acc = None
@@ -446,74 +474,28 @@ class HostGradients(GradientPath):
             self._source = GradSource.ACCUMULATOR
             acc = self._ensure_accumulator()
         self._landing = landing
-        self._landing_ends = [end for end, _ in landing]
         # Counted once the flush is queued: a flush that failed before it is not counted.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
-        real = self.layout.real_in(*self.shard)
         partials: list[float] = []
-        lo = 0
-        for hi, event in landing:
-            worker.wait_event(event)
-            if min(hi, real) > lo:  # a tile of padding only has nothing to add or count
-                task = self._host_pass_tile
-                args = (buffer, acc, overwrite, lo, min(hi, real), partials)
-                worker.submit(functools.partial(task, *args))
-            lo = hi
-        worker.submit(functools.partial(self._sum_partials, partials))
+        staging = functools.partial(self._staging_tensor, buffer)
+        task = functools.partial(
+            self.passes.staging_tile, staging, acc, overwrite, partials=partials
+        )
+        landing.follow(worker, self.layout.real_in(*self.shard), task)
+        worker.submit(functools.partial(self.passes.summed, partials))
         self._staging_consumed = worker.record_event()
         self.staging.passed(buffer, self._staging_consumed, kept=acc is None)
 
-    def _fold_on_host(self, acc: torch.Tensor, real: int, buffer: int) -> None:
-        # Host worker: the window's first gradient, from staging into the accumulator.
-        staging = self.staging.get(buffer)[0]
-        self._declare_cpu(staging, write=False, what="fold reads staging")
-        self._declare_cpu(acc, write=True, what="fold writes the accumulator")
-        fold(acc, staging, real)
-
-    def _host_pass_tile(
-        self,
-        buffer: int,
-        acc: torch.Tensor | None,
-        overwrite: bool,
-        lo: int,
-        hi: int,
-        partials: list[float],
-    ) -> None:
-        # Host worker, once staging[lo:hi] landed (host_passes.pass_tile). Staging
-        # ``buffer`` is looked up now: a block may have moved since the pass was queued.
-        staging = self.staging.get(buffer)[0]
-        if acc is None:
-            self._declare_cpu(staging[lo:hi], write=False, what="statistics read staging")
-        else:
-            self._declare_cpu(staging[lo:hi], write=False, what="accumulation reads staging")
-            self._declare_cpu(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        pass_tile(
-            self.layout,
-            self.shard,
-            staging,
-            acc,
-            overwrite=overwrite,
-            lo=lo,
-            hi=hi,
-            partials=partials,
-        )
-
-    def _sum_partials(self, partials: list[float]) -> None:
-        # Host worker, after the last tile: the flush's statistics (float64 sums, added
-        # exactly; the policy adds every bucket's partials the same way).
-        total = math.fsum(partials) if partials else 0.0
-        self._partials = list(partials)
-        self._stats = (total, not math.isfinite(total))
+    def _staging_tensor(self, buffer: int) -> torch.Tensor:
+        return self.staging.get(buffer)[0]
 
     def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
         """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
         gradient; Note [Adam follows the gradient in]. Instant when the host worker
         drained."""
         event = None
-        if source is GradSource.STAGING and self._landing:
-            # The first tile copy ending at or past hi (the last one past the copied part).
-            ends = self._landing_ends
-            event = self._landing[min(bisect.bisect_left(ends, hi), len(ends) - 1)][1]
+        if (source is GradSource.STAGING or self._acc_landed) and self._landing:
+            event = self._landing.covering(hi)
         elif not self.manager.host_worker.is_current():
             # On the host worker (a delayed or announced update) the update is queued behind
             # the passes over its window, and a later window's event may already be queued
@@ -540,6 +522,8 @@ class HostGradients(GradientPath):
         """Forget the window: the open device buffer, and its staging once what the host
         worker queued is done (Note [gradient staging for the buckets in flight])."""
         self._drop_open()
+        if self.device_sum is not None:
+            self.device_sum.unlanded = False
         self.window_consumed()
 
     def update_queued(self, event: Event) -> None:
@@ -549,25 +533,35 @@ class HostGradients(GradientPath):
             self.staging.stepped(event)
 
     def window_consumed(self) -> None:
-        """The window is over: staging may be reused after the host worker's queue."""
+        """The window is over: staging may be reused after the host worker's queue, and the
+        accumulator landed into again (Note [micro-batches add up on the device])."""
         if self.staging.holding:
             self.staging.release(self.manager.host_worker.record_event())
+        if self.device_sum is not None:
+            self._acc_free = self.manager.host_worker.record_event()
 
     def window_source(self) -> GradSource:
+        if self.device_sum is not None and self.device_sum.unlanded:
+            return GradSource.DEVICE
         self.staging.check_kept(self.layout.index, staged=self._source is GradSource.STAGING)
         return self._source
 
     def gradient(self, source: GradSource) -> torch.Tensor:
+        if source is GradSource.DEVICE:
+            raise RuntimeError(f"bucket {self.layout.index}: its gradient has not landed (bug)")
         grad = self.grad_staging if source is GradSource.STAGING else self.grad_acc
         if grad is None:
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
         return grad
 
     def grad_sumsq(self) -> SumSqParts:
-        return SumSqParts(self._partials, self._stats[1])
+        return self.passes.sumsq()
 
     def close(self) -> None:
         self._adopted = None
+        if self.device_sum is not None:
+            self.device_sum.close()
+            self.device_sum = None
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None

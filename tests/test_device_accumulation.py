@@ -1,0 +1,192 @@
+"""Micro-batches that add up on the device (Note [micro-batches add up on the device] in
+zero_offload/optim/grads/device_acc.py): bitwise the host accumulator's results, one landing
+per bucket per step, the host passes it saves, the budget's fallback, and the prediction of
+a window's last micro-batch (right or wrong)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zero_offload.optim.grads.device_acc as device_acc
+from zero_offload.memory.traffic import Category, Direction
+from zero_offload.optim.grads.path import GradSource
+
+from .helpers.dist import run_ranks
+from .helpers.models import batches, lm_loss, make_pair, offload_opt
+
+pytestmark = pytest.mark.cuda_form
+
+
+def _train(accumulation: str, windows: list[int], *, dtype=torch.float32, announce=False, **cfg):
+    """Steps of ``windows`` micro-batches each; the model, optimizer and grad norms."""
+    model, _ = make_pair(dtype)
+    opt = offload_opt(model, grad_accumulation=accumulation, **cfg)
+    data = batches(sum(windows))
+    norms, i = [], 0
+    for micro in windows:
+        for j in range(micro):
+            loss = lm_loss(model, *data[i])
+            i += 1
+            if announce and j == micro - 1:
+                opt.backward(loss, step=True)  # Note [stepping during backward]
+            else:
+                opt.backward(loss)
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+    return model, opt, norms
+
+
+def _same(a, b) -> None:
+    (model_a, opt_a, norms_a), (model_b, opt_b, norms_b) = a, b
+    assert norms_a == norms_b
+    for x, y in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    opt_a.close()
+    opt_b.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [None, 1e-3], ids=["unclipped", "clipped"])
+def test_device_sum_is_bitwise_the_host_sum(dtype, clip) -> None:
+    # An fp32 add of the training-dtype gradient, in the same order, on either side; the
+    # statistics of the landed sum are the host pass's partials (binding clip: same norm).
+    windows = [4, 4, 4, 4]
+    device = _train("auto", windows, dtype=dtype, max_grad_norm=clip)
+    assert all(b.gradients.device_sum is not None for b in device[1].buckets)
+    host = _train("host", windows, dtype=dtype, max_grad_norm=clip)
+    assert all(b.gradients.device_sum is None for b in host[1].buckets)
+    _same(device, host)
+
+
+def test_a_wrong_prediction_lands_again_and_stays_exact() -> None:
+    # Longer and shorter windows than the one before: a backward past the predicted last
+    # adds on the device again and step() lands the sum again; a shorter one lands there.
+    windows = [4, 2, 5, 3, 1, 3, 6]
+    _same(_train("auto", windows), _train("host", windows))
+
+
+@pytest.mark.parametrize("announce", [False, True], ids=["overlap_step", "announced"])
+def test_delayed_and_announced_steps_are_exact(announce: bool) -> None:
+    windows = [3, 3, 3, 3]
+    cfg = {"announce": True} if announce else {"overlap_step": True}
+    _same(_train("auto", windows, **cfg), _train("host", windows, **cfg))
+
+
+def test_the_last_micro_batch_lands_during_its_backward() -> None:
+    model, _ = make_pair()
+    opt = offload_opt(model, tile_elements=1 << 20)
+    data = batches(12)
+    seen = []
+    for step in range(3):
+        for j in range(4):
+            opt.backward(lm_loss(model, *data[4 * step + j]))
+            seen.append({b.gradients.window_source() for b in opt.buckets})
+        opt.step()
+        opt.zero_grad()
+    # Window 1 accumulates on the host (nothing predicted it); window 2 on the device,
+    # landing after its 4th backward (window 1 had 4), before step(); so does window 3.
+    assert seen[:4] == [{GradSource.STAGING}] + [{GradSource.ACCUMULATOR}] * 3
+    assert seen[4:] == 2 * ([{GradSource.DEVICE}] * 3 + [{GradSource.ACCUMULATOR}])
+    opt.close()
+
+
+def _step_traffic(accumulation: str, micro: int) -> tuple[dict, dict, int, int]:
+    """The D2H gradient copies and bytes, and the host passes, of the third step."""
+    model, _ = make_pair()
+    opt = offload_opt(model, tile_elements=1 << 20, grad_accumulation=accumulation)
+    data = batches(3 * micro)
+    for step in range(3):
+        if step == 2:
+            copies0 = opt.manager.counters.snapshot()
+            passes0 = opt.manager.counters.passes()
+        for j in range(micro):
+            opt.backward(lm_loss(model, *data[micro * step + j]))
+        opt.step()
+        opt.zero_grad()
+    key = f"{Direction.D2H.value}/{Category.GRADIENTS.value}"
+    copies = {k: opt.manager.counters.snapshot()[key][k] - copies0[key][k] for k in copies0[key]}
+    passes = {
+        name: {k: v - passes0.get(name, {}).get(k, 0) for k, v in counts.items()}
+        for name, counts in opt.manager.counters.passes().items()
+        if counts["calls"] > passes0.get(name, {}).get("calls", 0)  # passes of this step
+    }
+    buckets = len(opt.buckets)
+    params = sum(b.layout.real_in(*b.shard) for b in opt.buckets)
+    opt.close()
+    return copies, passes, buckets, params
+
+
+def test_a_step_lands_once_per_bucket_and_the_host_only_reads_it_once() -> None:
+    # Four micro-batches of an fp32 model, one tile per bucket. On the device: one D2H per
+    # bucket per step (the fp32 sum: 4 bytes per element), and the host's only pass is the
+    # statistics of what landed (4 bytes read per parameter). On the host: a D2H per
+    # micro-batch, and an accumulation pass over each (the first overwrites).
+    copies, passes, buckets, params = _step_traffic("auto", 4)
+    assert copies["copies"] == buckets
+    assert passes == {"statistics": {"calls": buckets, "read": 4 * params, "written": 0}}
+    host_copies, host_passes, _, _ = _step_traffic("host", 4)
+    assert host_copies["copies"] == 4 * buckets
+    acc = host_passes["accumulation"]
+    # 4 flushes of fp32 gradients: each reads its staging (4 B), the last three the
+    # accumulator too (4 B), and each writes the accumulator (4 B).
+    assert (acc["read"], acc["written"]) == ((4 + 3 * 8) * params, 4 * 4 * params)
+    host_bytes = (acc["read"] + acc["written"]) / params
+    device_bytes = 4  # statistics
+    assert (host_bytes, device_bytes) == (44.0, 4)
+
+
+def test_no_room_in_the_budget_accumulates_on_the_host_and_says_so(monkeypatch, caplog) -> None:
+    # A reserve the size of the whole budget: no bucket's accumulator fits.
+    monkeypatch.setattr(device_acc, "RESERVE_FRACTION", 1.0)
+    with caplog.at_level(logging.WARNING, logger="zero_offload"):
+        device = _train("auto", [3, 3, 3])
+    assert all(b.gradients.device_sum is None for b in device[1].buckets)
+    messages = [r.getMessage() for r in caplog.records if "accumulates its micro" in r.message]
+    assert len(messages) == 1 and "device budget" in messages[0]
+    notes = device[1].manager.step_notes
+    assert [v for k, v in notes.items() if k.endswith("host_accumulating_buckets")] == [
+        len(device[1].buckets)
+    ]
+    _same(device, _train("host", [3, 3, 3]))
+
+
+def test_zero_grad_mid_window_forgets_the_device_sum() -> None:
+    def run(accumulation: str):
+        model, _ = make_pair()
+        opt = offload_opt(model, grad_accumulation=accumulation)
+        data = batches(16)
+        for i, plan in enumerate([4, 4, -2, 4, 2]):  # -2: two backwards, then zero_grad
+            for j in range(abs(plan)):
+                opt.backward(lm_loss(model, *data[(3 * i + j) % 16]))
+            if plan > 0:
+                opt.step()
+            opt.zero_grad()
+        return model, opt, [opt.last_grad_norm]
+
+    _same(run("auto"), run("host"))
+
+
+@pytest.mark.simulator_only("spawns gloo ranks on the host accelerator")
+def test_two_ranks_sum_their_shards_on_the_device_bitwise(tmp_path) -> None:
+    for acc in ("auto", "host"):
+        (tmp_path / acc).mkdir()
+    runs = {
+        acc: run_ranks(
+            2,
+            "accumulate",
+            tmp_path / acc,
+            windows=[3, 3, 2, 3],
+            accumulation=acc,
+            clip=0.5,
+        )
+        for acc in ("auto", "host")
+    }
+    for device, host in zip(runs["auto"], runs["host"], strict=True):
+        assert all(device["on_device"]) and not any(host["on_device"])
+        assert device["norms"] == host["norms"]
+        for x, y in zip(device["weights"], host["weights"], strict=True):
+            assert torch.equal(x, y)

@@ -1,0 +1,216 @@
+"""Where a bucket's flushes land on the host: the ``Staging`` interface, and the bucket's own
+buffers (``OwnStaging``); a ring shared by every bucket is ``staging_ring.py``.
+
+``HostGradients`` (``to_host.py``) asks its ``Staging`` for a buffer at each flush
+(``acquire``), tells it when the host worker's pass over that buffer is queued (``passed``)
+and when the last reader of the window's gradient in staging is queued (``read_by``: a fold
+into the accumulator, or the bucket's update run during backward), and lets the window go
+(``release``).
+
+- ``OwnStaging``: one buffer per bucket for the whole model, ``a(ks)`` pinned bytes in the
+  host pool, plus the spare pinned on first need (Note [two staging buffers for
+  accumulation]).
+- ``RingStaging`` (``staging_ring.py``): a slot of the segment's ``StagingRing`` per flush,
+  released as soon as what reads it is done.
+
+Note [staging is reused only once consumed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A flush's copy into a staging buffer must not start before the host worker has passed over
+the previous flush into that buffer (added it into the accumulator, or taken its
+statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
+or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
+buffer records an event on the host worker after it (``OwnStaging._consumed``), and the
+next flush into that buffer waits for it, on the caller's thread: a CUDA stream cannot wait
+on host-thread work. Which buffer a flush uses: Note [two staging buffers for accumulation];
+with a ring: Note [gradient staging for the buckets in flight] in ``staging_ring.py``.
+
+Note [two staging buffers for accumulation]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With one staging buffer, micro-batch k+1's flush of a bucket waited for the host worker's
+pass over micro-batch k's: on a GPU, where the autograd thread runs ahead of the device, a
+host sync per bucket per micro-batch that drains the launch queue (issue 22). So a window's
+flushes alternate: the odd ones (the first) go to ``grad_staging``, the even ones to
+``spare_staging``. Flush k+1 waits only for the pass over flush k-1, which had a whole
+micro-batch to finish: the autograd thread waits only when the host is two micro-batches
+behind, both buffers busy (tests/test_accumulation_stall.py). Results are bitwise
+unchanged: the host worker runs the passes in flush order, so the fp32 accumulator adds the
+micro-batches in the same order with the same kernel; only the buffer a pass reads
+changes. A lone flush still goes to ``grad_staging`` and is read there (Note [no
+accumulator for one backward]).
+The cost: ``a(ks)`` more pinned host bytes per bucket (shard of ``s`` elements, ``k``-byte
+training dtype: 2 bytes a parameter in bf16, 4 in fp32), in a pool of its own created at
+the first window with a second flush (``SpareStaging``), like the accumulator: a loop that
+never accumulates pays nothing. The estimator does not model accumulation, so neither.
+Not an fp32 accumulator on the device: ``4s`` device bytes per bucket, in the memory
+offloading spares (docs/gradient-semantics.md weighs the two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import torch
+
+from ...accelerator import Event
+from ...memory.align import aligned
+from ...memory.block import Block
+from ...memory.manager import TieredMemoryManager
+from ...memory.pool import BlockPool
+from ...partition import BucketLayout
+from ...tracing import phase
+from .buffers import SpareStaging
+
+__all__ = ["OwnStaging", "Staging", "own_staging_bytes"]
+
+
+def own_staging_bytes(layouts: list[BucketLayout], itemsize: list[int], *, alignment: int) -> int:
+    """Bytes of every bucket's own gradient staging, ``sum a(k*s)``: what a ring replaces
+    in the host pool (and, as weight staging, what stays beside it)."""
+    return sum(
+        aligned(s * b.shard_numel, alignment) for b, s in zip(layouts, itemsize, strict=True)
+    )
+
+
+class Staging(ABC):
+    """Where one bucket's flushes land; see the module docstring."""
+
+    #: Flushes that waited on the caller's thread for a buffer's last reader.
+    waits: int = 0
+    #: The bucket's second own buffer (Note [two staging buffers for accumulation]); None
+    #: with a ring.
+    spare: SpareStaging | None = None
+
+    @abstractmethod
+    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
+        """The buffer this flush copies into (an id for ``get``), once it may be
+        overwritten (a synchronisation point when it may not yet). ``window_flushes``: the
+        flushes of the window so far. A failure changes nothing."""
+
+    @contextlib.contextmanager
+    def acquired(self, overwrite: bool, window_flushes: int) -> Iterator[int]:
+        """``acquire``, and ``unused`` if the flush raises before its pass is queued."""
+        buffer = self.acquire(overwrite=overwrite, window_flushes=window_flushes)
+        try:
+            yield buffer
+        except BaseException:
+            self.unused(buffer)
+            raise
+
+    @abstractmethod
+    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        """Buffer ``buffer``: ``(shard_numel,)`` training dtype, host, and its block."""
+
+    @abstractmethod
+    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        """The host worker's pass over ``buffer`` is queued and ends at ``event``;
+        ``kept``: the window's gradient stays there for the step (no accumulator)."""
+
+    def unused(self, buffer: int) -> None:  # noqa: B027 (own buffers stay)
+        """The flush that acquired ``buffer`` failed before its pass was queued: nothing
+        will read it."""
+
+    @abstractmethod
+    def kept(self) -> int:
+        """The buffer holding the window's gradient when it stayed in staging."""
+
+    @abstractmethod
+    def read_by(self, event: Event) -> None:
+        """The last reader of the window's gradient in staging (a fold) is queued on the
+        host worker and ends at ``event``."""
+
+    def stepped(self, event: Event) -> None:
+        """The bucket's update, run during backward, read the window's gradient in staging
+        (queued on the host worker, ending at ``event``)."""
+        self.read_by(event)
+
+    def check_kept(self, bucket: int, *, staged: bool) -> None:  # noqa: B027 (own: kept)
+        """Refuse to plan a step from the window's gradient in staging (``staged``) once
+        it is gone."""
+
+    @property
+    def holding(self) -> bool:
+        """Whether ``release`` has anything to give back (a slot) or forget."""
+        return False
+
+    def release(self, event: Event | None) -> None:  # noqa: B027 (own buffers stay)
+        """The window is over (consumed or discarded); ``event``: the host worker's last
+        queued work, which any reader still pending is before."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Give the bucket's memory back."""
+
+
+class OwnStaging(Staging):
+    """A bucket's own staging buffer (block 0, in the host pool) and its spare (block 1),
+    Note [two staging buffers for accumulation].
+
+    Fields:
+        block: the own buffer's block, ``(shard_numel,)`` training dtype, host pool.
+        spare: the second buffer, pinned on first need.
+        _consumed: per buffer, the host worker's last pass over it (Note [staging is reused
+            only once consumed]).
+    """
+
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        layout: BucketLayout,
+        *,
+        host_pool: BlockPool,
+        dtype: torch.dtype,
+    ) -> None:
+        self.numel = n = layout.shard_numel
+        self.dtype = dtype
+        self.index = layout.index
+        self.spare = SpareStaging(
+            manager,
+            layout,
+            dtype=dtype,
+            alignment=host_pool.alignment,
+            name=f"{host_pool.name}.bucket{layout.index}.grad_staging_spare",
+        )
+        self.waits = 0
+        self._consumed: list[Event | None] = [None, None]
+        self.block = host_pool.alloc(n * dtype.itemsize, owner=f"bucket{layout.index}.grad_staging")
+        self.block.on_move(self._bind)
+        self._bind(self.block)
+        self.tensor.zero_()
+
+    def _bind(self, block: Block) -> None:
+        self.tensor = block.view(self.dtype, (self.numel,))
+
+    def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
+        # Note [two staging buffers for accumulation]: odd flushes to 0, even ones to 1.
+        buffer = 0 if overwrite else window_flushes % 2
+        consumed = self._consumed[buffer]
+        if consumed is not None and not consumed.query():
+            # Note [staging is reused only once consumed]. Synchronisation point: the caller
+            # waits, since a CUDA stream cannot wait on host-thread work; only when the host
+            # worker is two flushes behind.
+            self.waits += 1
+            with phase("wait_staging"):
+                consumed.synchronize()
+        if buffer == 1:
+            self.spare.ensure()  # before anything moves: a failure changes nothing
+        return buffer
+
+    def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
+        if buffer == 0:
+            return self.tensor, self.block
+        return self.spare.get(self.index)
+
+    def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
+        self._consumed[buffer] = event
+
+    def kept(self) -> int:
+        return 0
+
+    def read_by(self, event: Event) -> None:
+        self._consumed[0] = event
+
+    def close(self) -> None:
+        self.block.free()
+        self.spare.close()
