@@ -1,6 +1,14 @@
 """Build from anywhere: OffloadAdamW over CPU weights and over a model on the meta device
 loaded from a safetensors checkpoint (zero_offload.load_pretrained); peaks against a formula;
-bad checkpoints refused before anything changes."""
+bad checkpoints refused before anything changes.
+
+CUDA form (``cuda_form``, docs/gpu.md): the accelerator and the batches come from
+tests/helpers/device.py, so under ``--accelerator=cuda`` the weights built from the CPU, from
+the meta device or from the caller's device weights go to ``cuda:0``. "The caller's model on
+the GPU" is then ``model.to("cuda:0")`` (``on_simulated_gpu``), a real device original; on
+the host accelerator it is host memory registered as device memory. The construction peaks
+are the library's own counts (the ledger, the host pools, the originals), the same on either
+kind. Host only: the checkpoint-file refusals (no accelerator) and the Trainer run."""
 
 from __future__ import annotations
 
@@ -14,9 +22,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from zero_offload import OffloadAdamW, OffloadConfig, load_pretrained
 from zero_offload.accelerator.strict import MEMORY, MemoryKind
 from zero_offload.weights import has_source, source
-from zero_offload.weights.source import on_device
+from zero_offload.weights.source import on_device as in_device_memory
 
-from .helpers.models import host_accelerator
+from .helpers.device import on_device, run_accelerator, run_device, run_kind
 
 VOCAB = 128
 SEQ = 16
@@ -54,7 +62,7 @@ def on_meta() -> GPT2LMHeadModel:
 
 def batches(n: int = 3) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(n)]
+    return [on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen)) for _ in range(n)]
 
 
 def make_opt(model: torch.nn.Module, **config: object) -> OffloadAdamW:
@@ -66,7 +74,7 @@ def make_opt(model: torch.nn.Module, **config: object) -> OffloadAdamW:
     return OffloadAdamW(
         model.parameters(),
         lr=1e-2,
-        accelerator=host_accelerator(),
+        accelerator=run_accelerator(),
         config=OffloadConfig(**config),  # type: ignore[arg-type]
         **kwargs,  # type: ignore[arg-type]
     )
@@ -79,6 +87,7 @@ def train(model: torch.nn.Module, opt: OffloadAdamW) -> None:
         opt.zero_grad()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize(
     "config",
@@ -121,6 +130,7 @@ def _device_pool_bytes(opt: OffloadAdamW) -> int:
     return sum(p.capacity for p in opt.manager.pools if p.kind == "device")
 
 
+@pytest.mark.cuda_form
 def test_cpu_weights_construction_peaks_follow_the_formula() -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config())
@@ -142,6 +152,7 @@ def test_cpu_weights_construction_peaks_follow_the_formula() -> None:
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
 def test_meta_checkpoint_construction_peaks_follow_the_formula(
     tmp_path: Path, offload: bool
@@ -207,9 +218,10 @@ def test_bad_checkpoints_are_refused_and_leave_the_model_untouched(
     assert all(p.is_meta and not has_source(p) for p in model.parameters())
 
 
+@pytest.mark.cuda_form
 def test_meta_parameters_without_a_source_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"meta device .*load_pretrained"):
-        OffloadAdamW(on_meta().named_parameters(), accelerator=host_accelerator())
+        OffloadAdamW(on_meta().named_parameters(), accelerator=run_accelerator())
 
 
 def test_a_missing_checkpoint_names_what_would_work(tmp_path: Path) -> None:
@@ -217,6 +229,7 @@ def test_a_missing_checkpoint_names_what_would_work(tmp_path: Path) -> None:
         load_pretrained(on_meta(), tmp_path)
 
 
+@pytest.mark.cuda_form
 def test_frozen_parameters_on_meta_are_loaded_at_once(tmp_path: Path) -> None:
     path = saved(tmp_path, sharded=True)
     reference = GPT2LMHeadModel.from_pretrained(path)
@@ -248,7 +261,7 @@ def test_offload_trainer_loads_a_meta_model_from_a_checkpoint_path(tmp_path: Pat
             args=training_args(tmp_path / name, max_steps=3),
             train_dataset=TokenDataset(n=24),
             offload_config=config,
-            offload_device=host_accelerator(),
+            offload_device=run_accelerator(),
             weights=weights,
         )
         trainer.train()
@@ -262,12 +275,13 @@ def test_offload_trainer_loads_a_meta_model_from_a_checkpoint_path(tmp_path: Pat
         assert torch.equal(runs["meta"][name], value), name
 
 
+@pytest.mark.cuda_form
 def test_a_failed_construction_leaves_the_model_loadable_again(tmp_path: Path) -> None:
     path = saved(tmp_path, sharded=True)
     reference = GPT2LMHeadModel.from_pretrained(path)
     model = load_pretrained(on_meta(), path)
     with pytest.raises(MemoryError):  # the device pool does not fit: nothing was read
-        OffloadAdamW(model.parameters(), accelerator=host_accelerator(device_budget=4096))
+        OffloadAdamW(model.parameters(), accelerator=run_accelerator(device_budget=4096))
     assert all(p.is_meta and has_source(p) for p in model.parameters())
     # A shard that went missing half-way: the buckets read so far keep their values.
     shards = sorted(path.glob("model-*.safetensors"))
@@ -279,11 +293,11 @@ def test_a_failed_construction_leaves_the_model_loadable_again(tmp_path: Path) -
     assert any(meta) and not all(meta)  # half-way: some buckets were read
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        if not param.is_meta:
-            assert torch.equal(param, expected[name]), name
+        if not param.is_meta:  # the reference is a CPU model
+            assert torch.equal(param, expected[name].to(param.device)), name
     opt = make_opt(model)  # and the rest loads now
     for name, param in model.named_parameters():
-        assert torch.equal(param, expected[name]), name
+        assert torch.equal(param, expected[name].to(param.device)), name
     opt.close()
 
 
@@ -293,9 +307,11 @@ def test_a_failed_construction_leaves_the_model_loadable_again(tmp_path: Path) -
 def on_simulated_gpu(model: torch.nn.Module) -> torch.nn.Module:
     """Each parameter's weights moved into memory registered as device memory, as the
     caller's ``model.to("cuda")`` would leave them (the caller's: the ledger does not count
-    it)."""
+    it). In a CUDA form, the model moved to ``cuda:0``: real device memory."""
+    if run_kind() == "cuda":
+        return model.to(run_device())
     for param in model.parameters():  # a tied weight once
-        memory = torch.empty(param.shape, dtype=param.dtype)
+        memory = torch.empty(param.shape, dtype=param.dtype)  # host: simulated device memory
         MEMORY.register(memory, MemoryKind.DEVICE, GPU)
         memory.copy_(param.detach())
         param.data = memory
@@ -307,6 +323,7 @@ def gpt2(dtype: torch.dtype) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(gpt2_config()).to(dtype)
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
 def test_device_weights_build_within_the_final_footprint_and_train_bitwise(
@@ -315,7 +332,7 @@ def test_device_weights_build_within_the_final_footprint_and_train_bitwise(
     reference = gpt2(dtype)  # the same weights, built from the CPU
     ref_opt = make_opt(reference, offload_parameters=offload)
     model = on_simulated_gpu(gpt2(dtype))
-    assert all(on_device(p) for p in model.parameters())
+    assert all(in_device_memory(p) for p in model.parameters())
     originals = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = make_opt(model, offload_parameters=offload)
     peaks = opt.construction_peaks
@@ -357,6 +374,7 @@ def _values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("offload", [False, True], ids=["resident-weights", "param-offload"])
 def test_a_failed_build_from_device_weights_puts_them_back_on_the_device(
     offload: bool, monkeypatch: pytest.MonkeyPatch
@@ -368,12 +386,12 @@ def test_a_failed_build_from_device_weights_puts_them_back_on_the_device(
     with pytest.raises(MemoryError):  # the device pool does not fit, after the move
         OffloadAdamW(
             model.parameters(),
-            accelerator=host_accelerator(device_budget=4096),
+            accelerator=run_accelerator(device_budget=4096),
             config=config,
             **kwargs,  # type: ignore[arg-type]
         )
     for name, param in model.named_parameters():
-        assert on_device(param) and torch.equal(param, before[name]), name
+        assert in_device_memory(param) and torch.equal(param, before[name]), name
     # A failure half-way through the buckets: some built (then unbound), the rest not.
     calls = {"n": 0}
     real = source.fill
@@ -390,7 +408,7 @@ def test_a_failed_build_from_device_weights_puts_them_back_on_the_device(
     assert calls["n"] == 6
     monkeypatch.setattr(source, "fill", real)
     for name, param in model.named_parameters():
-        assert on_device(param) and torch.equal(param, before[name]), name
+        assert in_device_memory(param) and torch.equal(param, before[name]), name
     # And the model builds and trains as one that never failed.
     reference = gpt2(torch.float32)
     ref_opt = make_opt(reference, offload_parameters=offload)
@@ -405,6 +423,7 @@ def test_a_failed_build_from_device_weights_puts_them_back_on_the_device(
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_device_weights_the_caller_still_references_are_reported_and_counted() -> None:
     model = on_simulated_gpu(gpt2(torch.float32))
     originals = sum(p.numel() * p.element_size() for p in model.parameters())

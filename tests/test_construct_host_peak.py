@@ -2,7 +2,15 @@
 device weights, homes in RAM or on NVMe: the host peak the ledger records against a formula
 (Note [homes are pinned unit by unit] in optim/unit_pools.py), below what one pool pinned
 whole would hold, and training afterwards bitwise equal to a build from the meta device
-plus the checkpoint (zero_offload.load_pretrained)."""
+plus the checkpoint (zero_offload.load_pretrained).
+
+CUDA form (``cuda_form``, docs/gpu.md): the accelerator and the batches come from
+tests/helpers/device.py, so under ``--accelerator=cuda`` the window is on ``cuda:0``, the
+"pinned" originals are pinned by the CUDA accelerator and the caller's "device" weights are
+the model moved to ``cuda:0`` (``to_device``; on the host accelerator, host memory registered
+as device memory). The peaks are the library's own counts (its pools, the originals it has
+not released), the same on either kind. Host only: the unit planner's arithmetic (no
+accelerator)."""
 
 from __future__ import annotations
 
@@ -12,14 +20,15 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from zero_offload import HostAccelerator, OffloadAdamW, OffloadConfig, load_pretrained
+from zero_offload import OffloadAdamW, OffloadConfig, load_pretrained
+from zero_offload.accelerator import Accelerator
 from zero_offload.accelerator.strict import MEMORY, MemoryKind
 from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.optim.unit_pools import plan_units
 from zero_offload.partition import BucketLayout, ParamSlot
-from zero_offload.weights.source import on_device
+from zero_offload.weights.source import on_device as in_device_memory
 
-from .helpers.models import host_accelerator
+from .helpers.device import on_device, run_accelerator, run_device, run_kind
 
 VOCAB = 128
 SEQ = 16
@@ -46,7 +55,7 @@ def gpt2(dtype: torch.dtype) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config(dtype)).to(dtype)
 
 
-def to_pinned(model: torch.nn.Module, acc: HostAccelerator) -> None:
+def to_pinned(model: torch.nn.Module, acc: Accelerator) -> None:
     """Each weight moved into host memory the accelerator pinned (the caller's, not the
     optimizer's: the ledger does not count it)."""
     for param in model.parameters():
@@ -58,9 +67,12 @@ def to_pinned(model: torch.nn.Module, acc: HostAccelerator) -> None:
 
 def to_device(model: torch.nn.Module) -> None:
     """Each weight moved into memory registered as device memory, as the caller's
-    ``model.to("cuda")`` would leave it."""
+    ``model.to("cuda")`` would leave it. In a CUDA form, that: the model on ``cuda:0``."""
+    if run_kind() == "cuda":
+        model.to(run_device())
+        return
     for param in model.parameters():
-        memory = torch.empty(param.shape, dtype=param.dtype)
+        memory = torch.empty(param.shape, dtype=param.dtype)  # host: simulated device memory
         MEMORY.register(memory, MemoryKind.DEVICE, "the caller's model on the GPU")
         memory.copy_(param.detach())
         param.data = memory
@@ -79,7 +91,7 @@ def options(homes: str, tmp: Path, model_bytes: int) -> dict[str, object]:
     return out
 
 
-def build(model: torch.nn.Module, acc: HostAccelerator, **kwargs: object) -> OffloadAdamW:
+def build(model: torch.nn.Module, acc: Accelerator, **kwargs: object) -> OffloadAdamW:
     return OffloadAdamW(
         model.parameters(),
         lr=1e-2,
@@ -92,7 +104,7 @@ def build(model: torch.nn.Module, acc: HostAccelerator, **kwargs: object) -> Off
 def train(model: torch.nn.Module, opt: OffloadAdamW) -> None:
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        tokens = on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -117,6 +129,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+@pytest.mark.cuda_form
 # In-flight staging: training steps in step(), so the ring grows (a warning, after the build).
 @pytest.mark.filterwarnings("ignore:OffloadConfig.grad_staging='in_flight'.:UserWarning")
 @pytest.mark.parametrize("homes", ["ram", "nvme", "nvme-in-flight"])
@@ -125,14 +138,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_host_peak_is_the_final_footprint_not_final_plus_model(
     tmp_path: Path, where: str, dtype: torch.dtype, homes: str
 ) -> None:
-    acc = host_accelerator()
+    acc = run_accelerator()
     model = gpt2(dtype)
     model_bytes = nbytes(model.parameters())  # every parameter is trainable (M below)
     if where == "pinned":
         to_pinned(model, acc)
     elif where == "device":
         to_device(model)
-        assert all(on_device(p) for p in model.parameters())
+        assert all(in_device_memory(p) for p in model.parameters())
     opt = build(model, acc, **options(homes, tmp_path / "built", model_bytes))
     peaks = opt.construction_peaks
     units = opt.param_offloader.units
@@ -177,7 +190,7 @@ def test_host_peak_is_the_final_footprint_not_final_plus_model(
     with torch.device("meta"):
         meta = GPT2LMHeadModel(config(dtype)).to(dtype)
     load_pretrained(meta, checkpoint)
-    ref_acc = host_accelerator()
+    ref_acc = run_accelerator()
     ref = build(meta, ref_acc, **options(homes, tmp_path / "reference", model_bytes))
     assert sorted(unit_pool_bytes(ref)) == sorted(pools)  # built in another order (M = 0)
     train(model, opt)
@@ -188,6 +201,7 @@ def test_host_peak_is_the_final_footprint_not_final_plus_model(
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_meta_build_peak_is_the_final_footprint_plus_one_tensor(
     tmp_path: Path, dtype: torch.dtype
@@ -198,7 +212,7 @@ def test_meta_build_peak_is_the_final_footprint_plus_one_tensor(
     with torch.device("meta"):
         meta = GPT2LMHeadModel(config(dtype)).to(dtype)
     model = load_pretrained(meta, checkpoint)
-    opt = build(model, host_accelerator(), offload_parameters=True, bucket_bytes=8192)
+    opt = build(model, run_accelerator(), offload_parameters=True, bucket_bytes=8192)
     final = host_bytes(opt)
     # No original in host memory (M = 0): the running total only rises, to F, and the one
     # tensor being read sits beside a unit's slot (device), not beside its pool: at most
@@ -235,11 +249,12 @@ def test_units_that_free_more_than_they_pin_are_built_first() -> None:
     assert [[layout.index for layout in b.layouts] for b in builds] == [[2], [3], [0, 1]]
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("where", ["cpu", "device"])
 def test_a_unit_pool_refused_half_way_leaves_the_model_as_it_was(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    acc = host_accelerator()
+    acc = run_accelerator()
     model = gpt2(torch.float32)
     if where == "device":
         to_device(model)
@@ -260,7 +275,7 @@ def test_a_unit_pool_refused_half_way_leaves_the_model_as_it_was(
     monkeypatch.setattr(TieredMemoryManager, "create_pool", create)
     assert calls["units"] == 3
     for name, param in model.named_parameters():
-        assert on_device(param) == (where == "device"), name
+        assert in_device_memory(param) == (where == "device"), name
         assert torch.equal(param, before[name]), name
     assert acc.memory_stats()["in_use"] == 0  # every device pool given back
     opt = build(model, acc, offload_parameters=True, bucket_bytes=8192)  # and it builds now

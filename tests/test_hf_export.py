@@ -1,6 +1,12 @@
 """zero_offload.save_pretrained: trained weights as an HF safetensors checkpoint (one file or
 sharded with its index), streamed from where they live, loaded back by transformers'
-from_pretrained (in a process without zero-offload, too)."""
+from_pretrained (in a process without zero-offload, too).
+
+CUDA form (``cuda_form``, docs/gpu.md): the optimizer tests train through test_build_anywhere's
+device-aware builders, so under ``--accelerator=cuda`` the weights are streamed to the files
+from ``cuda:0``, pinned homes or NVMe; what transformers loads back is on the CPU, and the
+trained weights are moved there to compare. Host only: the exports of a plain model (no
+optimizer, no accelerator) and the refusals."""
 
 from __future__ import annotations
 
@@ -29,10 +35,11 @@ def trained(path: Path, *, meta: bool, **config: object) -> tuple[GPT2LMHeadMode
 def assert_same_weights(loaded: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
     got = dict(loaded.named_parameters())
     assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
+    for name, value in expected.items():  # got: loaded on the CPU
+        assert torch.equal(got[name], value.to(got[name].device)), name
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize(
     "config",
@@ -65,12 +72,14 @@ def test_export_round_trips_through_from_pretrained(
     assert_same_weights(GPT2LMHeadModel.from_pretrained(out), expected)
 
 
+@pytest.mark.cuda_form
 def test_export_loads_in_a_process_without_zero_offload(tmp_path: Path) -> None:
     path = saved(tmp_path, sharded=False)
     model, opt = trained(path, meta=True)
     out = tmp_path / "export"
     save_pretrained(model, out, optimizer=opt, max_shard_size="20KB")
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, tmp_path / "w.pt")
+    weights = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    torch.save(weights, tmp_path / "w.pt")  # loaded beside a CPU model
     opt.close()
     script = textwrap.dedent(
         f"""
@@ -117,6 +126,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("nvme", [False, True], ids=["host-state", "nvme-state"])
 def test_master_weights_export_the_fp32_master(tmp_path: Path, nvme: bool) -> None:
     path = saved(tmp_path, sharded=False)
@@ -133,7 +143,7 @@ def test_master_weights_export_the_fp32_master(tmp_path: Path, nvme: bool) -> No
     out = tmp_path / "export"
     save_pretrained(model, out, optimizer=opt, master_weights=True, max_shard_size="20KB")
     loaded = dict(GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).named_parameters())
-    trained = dict(model.named_parameters())
+    trained = {n: p.detach().cpu() for n, p in model.named_parameters()}  # beside loaded
     for (name, param), master in zip(model.named_parameters(), masters, strict=True):
         assert torch.equal(loaded[name], master.view(param.shape)), name
         assert torch.equal(loaded[name].to(torch.bfloat16), trained[name]), name

@@ -25,6 +25,16 @@ clipping the two sides' norms (hence coefficients) differ in the last bits, whic
 weight only if it flips a sign (an lr-sized step, caught by the bound). Adagrad's kernel
 follows torch's single-tensor order; torch's vectorised addcmul/addcdiv may round a few ulp
 differently, which stays below 1e-5 over 20 steps on O(1) weights.
+
+CUDA form (``cuda_form``, docs/gpu.md): the optimizer tests build their model, data and
+accelerator through tests/helpers, so under ``--accelerator=cuda`` they run on ``cuda:0`` with
+the same tolerances. Lion stays bitwise there: its reference and its device step are separate
+fp32 torch ops (one kernel each, nothing to fuse), the host kernel fuses nothing, and sign
+makes ``add_(..., alpha=-lr)`` exact. Torch's Adagrad takes its foreach path on CUDA, a few ulp
+from the single-tensor order, inside FP32_ATOL. State read back (``opt.state``, a state dict)
+lives on the host and is moved to the parameter's device before it is compared. Host only:
+the gloo ranks (tests/helpers/dist.py spawns them on the host accelerator), and the kernels'
+own tests (numba on the CPU).
 """
 
 from __future__ import annotations
@@ -45,9 +55,10 @@ from zero_offload.estimate.rows import Context
 from zero_offload.kernels import adagrad, adagrad_step, convert, lion, lion_step
 from zero_offload.optim.rule import ADAGRAD, LION
 
+from .helpers.device import on_device, run_accelerator
 from .helpers.dist import data as dist_data
 from .helpers.dist import run_ranks
-from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
+from .helpers.models import batches, lm_loss, make_pair, max_diff
 from .helpers.properties import scaled
 
 FP32_ATOL = 1e-5
@@ -150,11 +161,12 @@ def _where(where: str, tmp_path: pathlib.Path) -> dict[str, Any]:
 def _build(rule: str, variant: str, model: torch.nn.Module, **config: Any) -> torch.optim.Optimizer:
     if rule == "lion":
         return OffloadLion(model.parameters(), **LION_HYPER, maximize=variant == "maximize",
-                           config=_config(**config), accelerator=host_accelerator())  # fmt: skip
+                           config=_config(**config), accelerator=run_accelerator())  # fmt: skip
     return OffloadAdagrad(model.parameters(), lr=1e-2, **ADAGRAD_VARIANTS[variant],
-                          config=_config(**config), accelerator=host_accelerator())  # fmt: skip
+                          config=_config(**config), accelerator=run_accelerator())  # fmt: skip
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("rule", "variant", "where", "micro", "clip"),
     CASES,
@@ -186,7 +198,7 @@ def test_matches_the_reference_over_20_steps(
     if where != "nvme":  # opt.state cannot hand out NVMe state as tensors
         field = "exp_avg" if rule == "lion" else "sum"
         for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
-            ours = opt.state[p][field].reshape(rp.shape)
+            ours = opt.state[p][field].reshape(rp.shape).to(rp.device)  # host state: moved
             assert torch.allclose(ours, ropt.state[rp][field], atol=FP32_ATOL, rtol=0)
     opt.close()
 
@@ -203,7 +215,7 @@ def test_two_gloo_ranks_with_clipping_match_one_process_and_the_reference(
     model, ref = make_pair()
     facade = OffloadLion if rule == "lion" else OffloadAdagrad
     opt = facade(model.parameters(), **hyper, config=_config(max_grad_norm=0.5),
-                 accelerator=host_accelerator())  # fmt: skip
+                 accelerator=run_accelerator())  # fmt: skip
     reference = LionReference if rule == "lion" else torch.optim.Adagrad
     ropt = reference(ref.parameters(), **hyper)
     for m, o, ours in ((model, opt, True), (ref, ropt, False)):
@@ -225,6 +237,7 @@ def test_two_gloo_ranks_with_clipping_match_one_process_and_the_reference(
     assert max(results[0]["norms"]) > 0.5  # clipping was active
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("where", ["host", "half-resident"])  # NVMe: no state_dict()
 def test_a_state_dict_without_state_restarts_adagrad_from_its_initial_value(
     where: str, tmp_path: pathlib.Path
@@ -236,7 +249,7 @@ def test_a_state_dict_without_state_restarts_adagrad_from_its_initial_value(
     data = batches(4)
     model, ref = make_pair()
     opt = OffloadAdagrad(model.parameters(), **hyper, config=_config(**_where(where, tmp_path)),
-                         accelerator=host_accelerator())  # fmt: skip
+                         accelerator=run_accelerator())  # fmt: skip
 
     _steps(model, opt, data[:2])
     opt.load_state_dict({**opt.state_dict(), "state": {}})
@@ -248,6 +261,7 @@ def test_a_state_dict_without_state_restarts_adagrad_from_its_initial_value(
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("rule", ["lion", "adagrad"])
 @pytest.mark.parametrize("where", ["host", "half-resident", "nvme"])
 def test_a_resumed_run_is_bitwise_equal(rule: str, where: str, tmp_path: pathlib.Path) -> None:
@@ -275,6 +289,7 @@ def test_a_resumed_run_is_bitwise_equal(rule: str, where: str, tmp_path: pathlib
     opt2.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("rule", ["lion", "adagrad"])
 @pytest.mark.parametrize("where", ["host", "half-resident"])
 def test_bf16_training_with_bf16_state(rule: str, where: str, tmp_path: pathlib.Path) -> None:
@@ -297,21 +312,23 @@ def test_bf16_training_with_bf16_state(rule: str, where: str, tmp_path: pathlib.
     dtypes = {entry[field].dtype for entry in state.values()}
     assert dtypes == ({torch.bfloat16} if where == "host" else {torch.bfloat16, torch.float32})
     for index, p in enumerate(model.parameters()):
-        assert torch.equal(p.detach(), state[index]["master"].reshape(p.shape).bfloat16())
+        master = state[index]["master"].reshape(p.shape).to(p.device)  # a state dict: host
+        assert torch.equal(p.detach(), master.bfloat16())
     opt.close()
 
 
+@pytest.mark.cuda_form
 def test_host_state_bytes_per_parameter() -> None:
     """Measured from the pools' report: every real parameter's state on the host is its
     fields' bytes: AdamW 12 (master, two moments), Lion 8 (master, one moment: 4 less),
     Adagrad 8 (master, sum); the estimator sizes the same from the rule."""
     builds = {
         "adamw": lambda m: OffloadAdamW(m.parameters(), config=_config(),
-                                        accelerator=host_accelerator()),
+                                        accelerator=run_accelerator()),
         "lion": lambda m: OffloadLion(m.parameters(), config=_config(),
-                                      accelerator=host_accelerator()),
+                                      accelerator=run_accelerator()),
         "adagrad": lambda m: OffloadAdagrad(m.parameters(), config=_config(),
-                                            accelerator=host_accelerator()),
+                                            accelerator=run_accelerator()),
     }  # fmt: skip
     per_param = {}
     for name, build in builds.items():
@@ -329,6 +346,7 @@ def test_host_state_bytes_per_parameter() -> None:
         assert ctx.state_bytes == measured, name
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -484,6 +502,7 @@ def rule_runs(draw: st.DrawFn) -> dict[str, Any]:
     }  # fmt: skip
 
 
+@pytest.mark.cuda_form
 @settings(max_examples=scaled(8), deadline=None)
 @given(run=rule_runs())
 def test_random_shapes_groups_and_hyper_parameters_match_the_reference(run: dict) -> None:
@@ -491,8 +510,8 @@ def test_random_shapes_groups_and_hyper_parameters_match_the_reference(run: dict
     loss, 6 steps: Lion bitwise against the paper's update, Adagrad within FP32_ATOL of
     torch's."""
     gen = torch.Generator().manual_seed(len(run["sizes"]))
-    init = [torch.randn(n, generator=gen) for n in run["sizes"]]
-    scale = [torch.randn(n, generator=gen) for n in run["sizes"]]
+    init = [on_device(torch.randn(n, generator=gen)) for n in run["sizes"]]
+    scale = [on_device(torch.randn(n, generator=gen)) for n in run["sizes"]]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     theirs = [torch.nn.Parameter(t.clone()) for t in init]
     split = min(run["split"], len(init) - 1)
@@ -504,7 +523,7 @@ def test_random_shapes_groups_and_hyper_parameters_match_the_reference(run: dict
     facade = OffloadLion if run["rule"] == "lion" else OffloadAdagrad
     config = OffloadConfig(bucket_bytes=run["bucket_bytes"], tile_elements=1024,
                            offload_fraction=run["fraction"])  # fmt: skip
-    opt = facade(groups(ours), config=config, accelerator=host_accelerator())
+    opt = facade(groups(ours), config=config, accelerator=run_accelerator())
     reference = LionReference if run["rule"] == "lion" else torch.optim.Adagrad
     ropt = reference(groups(theirs), **run["groups"][0])
     for step in range(6):

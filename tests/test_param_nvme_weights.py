@@ -5,7 +5,13 @@ bounce ring and written by the step tile by tile (Notes [homes on NVMe] in
 ``optim/state/nvme_plan.py``, [homes on NVMe are fetched through a bounce ring] in
 ``params/home_store.py``). Bitwise parity against a resident build, the disk actually read,
 host memory against the formula, a corrupted weight tile, a full disk, the files' cleanup,
-state-dict copies, and a safetensors round trip. The disk is real (tmp dirs)."""
+state-dict copies, and a safetensors round trip. The disk is real (tmp dirs).
+
+CUDA form (``cuda_form``, docs/gpu.md): the models, batches and accelerators come from the
+device-aware builders of test_param_offload_nvme, test_param_offload and test_build_anywhere,
+so under ``--accelerator=cuda`` the window is on ``cuda:0`` and each fetch reads the disk into
+the bounce ring and copies it to the GPU. State dict entries of NVMe homes are host copies,
+compared with the parameters on the entries' device."""
 
 from __future__ import annotations
 
@@ -30,10 +36,12 @@ from zero_offload.optim.state.placement import POOL_ALIGNMENT
 from zero_offload.params import UnitState
 from zero_offload.weights.nvme_home import home_ring_bytes
 
+from .helpers.device import on_device
 from .test_build_anywhere import make_opt, on_meta, saved, train
 from .test_param_offload import SEQ, VOCAB, gpt
 from .test_param_offload_nvme import STEPS, _assert_same, _opt, _train, _weights
 
+pytestmark = pytest.mark.cuda_form
 TILE = 1024  # tile_elements of every build here (_opt's default)
 
 
@@ -152,7 +160,7 @@ def test_a_corrupted_weight_tile_names_the_unit_and_the_file(tmp_path: Path) -> 
     os.pwrite(fd, np.full(8, 0x7F, dtype=np.uint8).tobytes(), home.file.offset(1) + 8)
     os.fsync(fd)
     os.close(fd)
-    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
     with pytest.raises(StorageError) as caught:
         model(ids, ids)  # the forward fetches the unit from its file
     message = str(caught.value)
@@ -201,7 +209,7 @@ def test_weight_files_go_at_close_and_at_garbage_collection(tmp_path: Path, clos
         gc.collect()
     assert not list(tmp_path.iterdir())
     _assert_same(_weights(model), expected)  # the model keeps its weights from the files
-    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
     assert torch.isfinite(model(ids, ids))
 
 
@@ -216,7 +224,7 @@ def test_state_dict_entries_are_copies_whose_writes_reach_the_home(tmp_path: Pat
         _train(model, opt, 1)
         entries = model.state_dict()
         for name, param in model.named_parameters():
-            assert torch.equal(entries[name], param.detach()), name
+            assert torch.equal(entries[name], param.detach().to(entries[name].device)), name
         key = "blocks.1.mlp.0.weight" if "blocks.1.mlp.0.weight" in entries else next(iter(entries))
         with torch.no_grad():
             if via_entry:
@@ -248,4 +256,4 @@ def test_load_pretrained_into_nvme_homes_and_save_pretrained_back(tmp_path: Path
     got = dict(loaded.named_parameters())
     assert got.keys() == expected.keys()
     for name, value in expected.items():
-        assert torch.equal(got[name], value), name
+        assert torch.equal(got[name], value.to(got[name].device)), name  # got: read from files

@@ -1,7 +1,13 @@
 """Parameter offload (OffloadConfig(offload_parameters=True)): a window of units' weights on
 the device. Parity against the same model trained with its weights resident, the device
 peak against its formula, prefetch hiding the copies on a slow link, activation
-checkpointing, tied weights, a Hugging Face GPT-2, and the errors."""
+checkpointing, tied weights, a Hugging Face GPT-2, and the errors.
+
+CUDA form (``cuda_form``, docs/gpu.md): the model, its batches and the accelerator come from
+tests/helpers/device.py, so under ``--accelerator=cuda`` the window, the homes' copies and the
+bitwise comparisons run on ``cuda:0`` (both sides run the same kernels there); the device
+peaks are the accelerator's ledger of library bytes, the same pools on either kind. Simulator
+only: the tests that time copies over a simulated link."""
 
 from __future__ import annotations
 
@@ -13,15 +19,18 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
 from zero_offload.activations import checkpoint as offload_checkpoint
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
 from zero_offload.estimate import ModelShape, estimate, param_offload_bytes
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 from zero_offload.params import UnitState
+
+from .helpers.device import on_device, run_accelerator, run_device
+
+pytestmark = pytest.mark.cuda_form
+SLOW_LINK = pytest.mark.simulator_only(reason="copies timed over a simulated link")
 
 VOCAB, SEQ = 64, 16
 
@@ -31,7 +40,7 @@ def gpt(dtype: torch.dtype, *, layers: int = 12, hidden: int = 64, tied: bool = 
     model = TinyGPT(
         GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=layers, hidden=hidden, heads=4),
         runner=runner,
-    ).to(dtype)
+    ).to(run_device(), dtype)
     if tied:
         model.head.weight = model.tokens.weight
     return model
@@ -42,7 +51,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def make_opt(model, budget, *, offload: bool, prefetch: int = 1, link=None, **config):
-    accelerator = HostAccelerator(AcceleratorConfig(device_budget=budget, link_bandwidth=link))
+    link_config = {} if link is None else {"link_bandwidth": link}  # the host's only
+    accelerator = run_accelerator(device_budget=budget, **link_config)
     config.setdefault("bucket_bytes", 16384)
     config.setdefault("tile_elements", 1024)
     extra = {"model": model} if offload else {}
@@ -61,7 +71,7 @@ def train(model, opt, steps: int, *, batch: int = 2, seq: int = SEQ, loss_of=Non
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+        ids = on_device(torch.randint(0, VOCAB, (batch, seq), generator=gen))
         loss = model(ids, ids) if loss_of is None else loss_of(model, ids)
         loss.backward()
         opt.step()
@@ -164,6 +174,7 @@ def _exposed_and_copy_seconds(prefetch: int, link: float) -> tuple[float, float]
     return exposed, copied / link
 
 
+@SLOW_LINK
 def test_prefetch_hides_the_parameter_copies_on_a_slow_link():
     # bytes/s: a block (12 x 96^2 fp32 ~ 0.44 MB) crosses in ~4.4 ms, about a third of its
     # forward + backward compute at 64 x 16 tokens on two cores; each step moves ~70 MB.
@@ -222,7 +233,10 @@ def test_tied_weights_are_one_unit_fetched_for_both_uses(dtype):
 
 def test_hf_gpt2_blocks_default_to_transformer_h():
     pytest.importorskip("transformers")
-    from .helpers.hf import tiny_gpt2
+    from .helpers.hf import tiny_gpt2 as tiny_gpt2_host
+
+    def tiny_gpt2():
+        return tiny_gpt2_host().to(run_device())
 
     def loss_of(model, ids):
         return model(input_ids=ids, labels=ids).loss
@@ -248,7 +262,7 @@ def test_gradient_accumulation_and_eval_forwards():
         gen = torch.Generator().manual_seed(3)
         for _ in range(3):
             for _ in range(2):  # two micro-batches
-                ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+                ids = on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
                 model(ids, ids).backward()
             with torch.no_grad():  # an eval forward between backward and step
                 model(ids, ids)
@@ -277,13 +291,13 @@ def test_model_keeps_its_weights_after_close_and_writes_between_steps_count():
     weight = model.blocks[1].mlp[0].weight
     # The write was the starting point of the step (not overwritten by the old master).
     assert (weight - 0.5).abs().max() < 0.01
-    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
     assert torch.isfinite(model(ids, ids))  # the model works without the optimizer
 
 
 def test_errors_name_the_fix():
     model = gpt(torch.float32, layers=2)
-    accelerator = HostAccelerator(AcceleratorConfig(device_budget="64MiB"))
+    accelerator = run_accelerator(device_budget="64MiB")
     with pytest.raises(ValueError, match="model="):
         OffloadAdamW(
             model.parameters(),
@@ -312,7 +326,7 @@ def test_errors_name_the_fix():
     with pytest.warns(UserWarning, match="parameter offload"):
         assert opt.announce_step() is False
     with pytest.raises(ValueError, match="add_param_group"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
+        opt.add_param_group({"params": [torch.nn.Parameter(on_device(torch.zeros(4)))]})
     opt.close()
 
 
@@ -320,7 +334,7 @@ def test_root_parameters_beside_units_are_refused():
     class WithRootParam(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(4))
+            self.scale = torch.nn.Parameter(torch.ones(4))  # host: moved with the module
             self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
 
         def forward(self, x):
@@ -328,7 +342,7 @@ def test_root_parameters_beside_units_are_refused():
                 x = block(x)
             return x * self.scale
 
-    model = WithRootParam()
+    model = WithRootParam().to(run_device())
     with pytest.raises(ValueError, match="Move them into a submodule"):
         make_opt(model, "64MiB", offload=True)
 
@@ -356,6 +370,7 @@ def test_estimator_pools_equal_the_optimizers(dtype):
     assert rows["ZeRO-Offload + parameter offload"].device_model_states == window
 
 
+@SLOW_LINK
 def test_profiler_reports_the_parameter_fetches_with_their_exposed_time():
     from zero_offload import profile
 
@@ -455,9 +470,9 @@ def test_state_dict_resume_continues_bitwise(dtype):
     opt.load_state_dict(opt_state)
     gen_skip = torch.Generator().manual_seed(1)  # the same batches as the uninterrupted run
     for _ in range(3):
-        torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip)
+        torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip)  # host: only advances gen_skip
     for _ in range(3):
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip)
+        ids = on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen_skip))
         loss = resumed(ids, ids)
         loss.backward()
         opt.step()

@@ -5,7 +5,14 @@ Each test compares with the same model and loop with its weights resident: the d
 identity of released parameters, HF GPT-2's ``model.device``/``generate()`` and an eval loop
 between steps, state dict entries that follow training, ``load_state_dict`` and in-place
 writes reaching the homes (released or resident units), ``.data`` replacement refused,
-and a weight tied across two blocks refused."""
+and a weight tied across two blocks refused.
+
+CUDA form (``cuda_form``, docs/gpu.md): the model, its batches and the accelerator are the
+running test's (tests/helpers/device.py), so under ``--accelerator=cuda`` released parameters
+are zero-byte ``cuda:0`` tensors and the window is on the GPU. State dict entries are views of
+the pinned homes (host memory) with parameter offload and device tensors without it, so the
+two runs' entries are compared on one device. Simulator only: the two tests that check every
+op under strict mode (the host accelerator's)."""
 
 from __future__ import annotations
 
@@ -13,25 +20,27 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
 from zero_offload.accelerator.strict import host_memory_name, strict_device_checks
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.params import UnitState
 
+from .helpers.device import on_device, run_accelerator, run_device
+
+pytestmark = pytest.mark.cuda_form
+STRICT = pytest.mark.simulator_only(reason="strict mode")
 VOCAB, SEQ = 64, 16
 
 
 def gpt(layers: int = 4) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=layers, hidden=32, heads=4))
+    config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=layers, hidden=32, heads=4)
+    return TinyGPT(config).to(run_device())
 
 
 def make_opt(model, *, offload: bool, strict: bool = False, layers=None) -> OffloadAdamW:
-    accelerator = HostAccelerator(
-        AcceleratorConfig(device_budget="64MiB" if offload else "1GiB", strict=strict)
-    )
+    strict_mode = {"strict": True} if strict else {}  # the host's (simulator_only)
+    accelerator = run_accelerator(device_budget="64MiB" if offload else "1GiB", **strict_mode)
     extra = {"model": model, "layers": layers} if offload else {}
     return OffloadAdamW(
         model.parameters(),
@@ -48,7 +57,7 @@ def make_opt(model, *, offload: bool, strict: bool = False, layers=None) -> Offl
 def batches(seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     while True:
-        yield torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        yield on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
 
 
 def step(model, opt, ids, loss_of=None) -> float:
@@ -66,8 +75,8 @@ def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    for name in a:  # an entry of a home is host memory, of a resident weight device memory
+        assert torch.equal(a[name], b[name].to(a[name].device)), name
 
 
 def both(run, make=gpt, **kw):
@@ -92,6 +101,7 @@ def _raw(param: torch.Tensor) -> torch.Tensor:
 # -- device identity -------------------------------------------------------------------------
 
 
+@STRICT
 def test_released_parameters_are_zero_byte_device_tensors_of_the_right_shape():
     model = gpt()
     shapes = {n: (p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()}
@@ -125,6 +135,7 @@ def test_released_parameters_are_zero_byte_device_tensors_of_the_right_shape():
         opt.close()
 
 
+@STRICT
 def test_hf_gpt2_model_device_generate_and_an_eval_loop_between_steps():
     pytest.importorskip("transformers")
     from .helpers.hf import tiny_gpt2
@@ -295,7 +306,7 @@ def test_in_place_writes_to_released_parameters_between_steps_count():
     [
         lambda model: model.half(),
         lambda model: model.to(torch.float64),
-        lambda model: model.blocks[1].to_empty(device="cpu"),
+        lambda model: model.blocks[1].to_empty(device=run_device()),
     ],
     ids=["half", "double", "to_empty"],
 )

@@ -2,7 +2,12 @@
 nvme_dir=...)): each unit's training-dtype home is its bucket's pinned ``weights_staging``,
 the master and moments stream from the storage tier. Bitwise parity against the same model
 trained with its weights resident and with parameter offload alone, writes between steps,
-the files' cleanup, and a corrupted state tile. The disk is real (tmp dirs)."""
+the files' cleanup, and a corrupted state tile. The disk is real (tmp dirs).
+
+CUDA form (``cuda_form``, docs/gpu.md): the model (test_param_offload's ``gpt``), its batches
+and the accelerator are the running test's (tests/helpers/device.py), so under
+``--accelerator=cuda`` the window is on ``cuda:0`` and the homes and state stream between the
+GPU, pinned RAM and the disk."""
 
 from __future__ import annotations
 
@@ -16,30 +21,32 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
-from zero_offload.config import AcceleratorConfig
+from zero_offload.accelerator import Accelerator
 from zero_offload.errors import StorageFull
 from zero_offload.optim.state.nvme import NvmeState
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 from zero_offload.optim.update.modes import StepFailed
 from zero_offload.params import UnitState
 
+from .helpers.device import on_device, run_accelerator
 from .test_param_offload import SEQ, VOCAB, gpt
+
+pytestmark = pytest.mark.cuda_form
 
 STEPS = 3
 MICRO = 2  # micro-batches per step: the fp32 accumulator path
 CLIP = 0.05  # below the gradients' norm: every step clips
 
 
-def _accelerator() -> HostAccelerator:
-    return HostAccelerator(AcceleratorConfig(device_budget="64MiB"))
+def _accelerator() -> Accelerator:
+    return run_accelerator(device_budget="64MiB")
 
 
 def _opt(
     model: torch.nn.Module,
     *,
     offload: bool,
-    accelerator: HostAccelerator | None = None,
+    accelerator: Accelerator | None = None,
     **config: object,
 ) -> OffloadAdamW:
     config.setdefault("bucket_bytes", 16384)
@@ -62,7 +69,7 @@ def _train(
     losses = []
     for _ in range(steps):
         for _ in range(MICRO):
-            ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+            ids = on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
             loss = model(ids, ids)
             loss.backward()
             losses.append(loss.item())
@@ -168,7 +175,7 @@ def test_files_go_at_close_and_at_garbage_collection(tmp_path: Path) -> None:
             del opt
             gc.collect()
         assert not list(root.iterdir()), close
-        ids = torch.randint(0, VOCAB, (2, SEQ))
+        ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
         assert torch.isfinite(model(ids, ids))  # the model works without the optimizer
 
 
@@ -183,7 +190,7 @@ def test_a_corrupted_state_tile_names_the_bucket_and_the_file(tmp_path: Path) ->
     os.pwrite(fd, np.full(8, 0x7F, dtype=np.uint8).tobytes(), victim.store.file.offset(1) + 8)
     os.fsync(fd)
     os.close(fd)
-    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
     model(ids, ids).backward()
     with pytest.raises(StepFailed) as caught:
         opt.step()
@@ -200,7 +207,7 @@ def test_streamed_checkpoint_resumes_bitwise(tmp_path: Path) -> None:
     model, opt = _nvme_opt(make, tmp_path / "nvme")
     _train(model, opt, 2)
     with torch.no_grad():
-        ids = torch.randint(0, VOCAB, (2, SEQ))
+        ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
         model(ids, ids)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     opt.save_streaming(tmp_path / "ckpt")

@@ -1,6 +1,13 @@
 """Parameter offload as user code meets it: saving parameters and whole models with torch,
 copies of the model (``copy.deepcopy``, ``AveragedModel``), and loading optimizer state while
-a unit is on the device. Each test compares with the same loop with the weights resident."""
+a unit is on the device. Each test compares with the same loop with the weights resident.
+
+CUDA form (``cuda_form``, docs/gpu.md): the model, its batches and the accelerator are the
+running test's (tests/helpers/device.py), so under ``--accelerator=cuda`` the window, the
+fetches and the copies of the model are on ``cuda:0`` (a released parameter pickles and
+deep-copies as a device copy; the state dict entries are views of the pinned homes, host
+memory on either kind). Host only: the Trainer resume (tests/helpers/hf.py builds on the
+host)."""
 
 from __future__ import annotations
 
@@ -11,21 +18,22 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.params import UnitState
+
+from .helpers.device import on_device, run_accelerator, run_device
 
 VOCAB, SEQ = 64, 16
 
 
 def gpt() -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=4, hidden=32, heads=4))
+    model = TinyGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=4, hidden=32, heads=4))
+    return model.to(run_device())
 
 
 def make_opt(model: torch.nn.Module, *, offload: bool) -> OffloadAdamW:
-    accelerator = HostAccelerator(AcceleratorConfig(device_budget="64MiB" if offload else "1GiB"))
+    accelerator = run_accelerator(device_budget="64MiB" if offload else "1GiB")
     return OffloadAdamW(
         model.parameters(),
         lr=1e-3,
@@ -38,7 +46,8 @@ def make_opt(model: torch.nn.Module, *, offload: bool) -> OffloadAdamW:
 
 
 def ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    return on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
 
 
 def step(model: torch.nn.Module, opt: OffloadAdamW, seed: int) -> float:
@@ -57,6 +66,7 @@ def saved_and_loaded(obj: object) -> object:
     return torch.load(buffer, weights_only=False)
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimizer_load_state_dict_while_a_unit_is_on_the_device(dtype):
     """Trainer's resume loads the model (fetching units) then the optimizer: the load used to
@@ -81,6 +91,7 @@ def test_optimizer_load_state_dict_while_a_unit_is_on_the_device(dtype):
     assert out[0] == out[1]
 
 
+@pytest.mark.cuda_form
 def test_torch_save_of_parameters_saves_their_values():
     """torch.save writes a tensor's storage after pickling everything; a released parameter
     brought back into a slot another unit then took was saved with that unit's bytes."""
@@ -99,6 +110,7 @@ def test_torch_save_of_parameters_saves_their_values():
         assert got.untyped_storage().nbytes() == value.numel() * value.element_size(), i
 
 
+@pytest.mark.cuda_form
 def test_a_copy_of_the_model_is_not_under_the_optimizer():
     """copy.deepcopy (AveragedModel, an EMA teacher) copied the offloader's hooks: each
     forward of the copy pulled the trained model's units through the link; torch.save(model)
@@ -128,6 +140,7 @@ def test_a_copy_of_the_model_is_not_under_the_optimizer():
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_save_of_the_state_dict_writes_the_weights_only(dtype):
     model = gpt().to(dtype)
@@ -142,6 +155,7 @@ def test_torch_save_of_the_state_dict_writes_the_weights_only(dtype):
     assert len(buffer.getvalue()) <= weights + 4096 * len(state)
 
 
+@pytest.mark.cuda_form
 def test_deepcopy_values_are_the_live_weights():
     model = gpt()
     opt = make_opt(model, offload=True)
@@ -153,6 +167,7 @@ def test_deepcopy_values_are_the_live_weights():
     opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("first", ["backward", "autograd_grad"])
 def test_a_graph_run_twice_fetches_its_units_each_time(first):
     """A second backward through a graph kept with retain_graph=True ran with every unit

@@ -5,7 +5,12 @@ re-read a ring slot, each against per-bucket staging, bitwise, under the race ch
 The ring's optimizer announces each step (the step runs during backward); per-bucket staging
 steps in step(). Activation checkpointing, an eval forward between backward and step, a
 raising backward retried, two backwards of one graph, ``model.zero_grad()``, and a state dict
-taken mid-window."""
+taken mid-window.
+
+CUDA form (``cuda_form``, docs/gpu.md): the models, batches and accelerators come from
+tests/helpers and test_staging_in_flight's ``_accelerator``, so under ``--accelerator=cuda``
+every loop runs on ``cuda:0`` (the real link; the race checker and the slow link are the host
+accelerator's), and each is still bitwise per-bucket staging."""
 
 from __future__ import annotations
 
@@ -22,14 +27,17 @@ from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.memory.traffic import Category
 from zero_offload.optim.grads.staging_ring import SlotState
 
+from .helpers.device import on_device, run_device
 from .helpers.models import batches, lm_loss, make_pair, offload_opt
 from .test_param_offload import SEQ, VOCAB, assert_same, gpt
 from .test_staging_in_flight import IN_FLIGHT, _accelerator, _po_opt, _ring
 
+pytestmark = pytest.mark.cuda_form
+
 
 def _ids(step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    return on_device(torch.randint(0, VOCAB, (2, SEQ), generator=gen))
 
 
 def _checkpointed(reentrant: bool):
@@ -234,7 +242,7 @@ class _WithUnused(torch.nn.Module):
         for _ in range(layers):
             block = torch.nn.Module()
             block.linear = torch.nn.Linear(16, 16)
-            block.unused = torch.nn.Parameter(torch.zeros(8))
+            block.unused = torch.nn.Parameter(torch.zeros(8))  # host: moved with the module
             self.layers.append(block.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,15 +256,15 @@ def _train_with_unused(layers: int) -> int:
     """Three steps of ``_WithUnused(layers)`` on both (announced on the ring), bitwise
     equal; returns the ring's slots."""
     torch.manual_seed(0)
-    ring_model = _WithUnused(layers)
-    plain_model = _WithUnused(layers)
+    ring_model = _WithUnused(layers).to(run_device())
+    plain_model = _WithUnused(layers).to(run_device())
     plain_model.load_state_dict(ring_model.state_dict())
     ring = offload_opt(ring_model, accelerator=_accelerator(), bucket_bytes=1024, **IN_FLIGHT)
     plain = offload_opt(plain_model, accelerator=_accelerator(), bucket_bytes=1024)
     assert len(ring.buckets) > 2
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
-        x = torch.randn(4, 16, generator=gen)
+        x = on_device(torch.randn(4, 16, generator=gen))
         for opt, model in ((ring, ring_model), (plain, plain_model)):
             opt.backward(model(x), step=opt is ring)
             opt.step()

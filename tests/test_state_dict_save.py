@@ -3,7 +3,13 @@ parameter's bytes of the pinned home (Note [a state dict entry owns a storage of
 in params/windowed_views.py), so ``torch.save`` and pickling write the weights and not the host pool
 (master, moments, staging) the homes are ranges of. The entries stay the live weights
 (writes through them reach the model, and only the written unit is fetched again), keep
-their memory after ``opt.close()``, and are host memory under strict mode."""
+their memory after ``opt.close()``, and are host memory under strict mode.
+
+CUDA form (``cuda_form``, docs/gpu.md): the model, its batches and the accelerator are the
+running test's (tests/helpers/device.py), so under ``--accelerator=cuda`` the window is on
+``cuda:0`` and the entries are views of pinned homes beside it: a parameter read is a device
+tensor, an entry a host one, and each comparison moves the device side to the entry's. Simulator
+only: strict mode (the host accelerator's)."""
 
 from __future__ import annotations
 
@@ -15,13 +21,14 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdamW, OffloadConfig
-from zero_offload.accelerator.host import HostAccelerator
 from zero_offload.accelerator.strict import host_memory_name, strict_device_checks
-from zero_offload.config import AcceleratorConfig
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.params import UnitState
 
+from .helpers.device import run_accelerator, run_device
 from .test_param_offload_user_code import ids, step
+
+pytestmark = pytest.mark.cuda_form
 
 #: Per saved tensor, the most zip and pickle bytes beyond its storage (a zip record of the
 #: storage, 64-byte aligned, and the pickled rebuild call with its key and shape).
@@ -31,15 +38,14 @@ OVERHEAD = 4096
 def gpt(dtype: torch.dtype = torch.float32) -> TinyGPT:
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=64, seq_len=16, layers=4, hidden=32, heads=4))
-    return model.to(dtype)
+    return model.to(run_device(), dtype)
 
 
 def make_opt(
     model: torch.nn.Module, *, offload: bool = True, prefetch: int = 1, strict: bool = False
 ) -> OffloadAdamW:
-    accelerator = HostAccelerator(
-        AcceleratorConfig(device_budget="64MiB" if offload else "1GiB", strict=strict)
-    )
+    strict_mode = {"strict": True} if strict else {}  # the host's (simulator_only)
+    accelerator = run_accelerator(device_budget="64MiB" if offload else "1GiB", **strict_mode)
     return OffloadAdamW(
         model.parameters(),
         lr=1e-3,
@@ -76,7 +82,8 @@ def assert_saves_the_weights(state: dict[str, torch.Tensor], want: dict[str, tor
     back = loaded(data)
     assert back.keys() == want.keys()
     for name, value in want.items():
-        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+        assert back[name].dtype == value.dtype, name
+        assert torch.equal(back[name], value.to(back[name].device)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,7 +108,8 @@ def test_one_saved_entry_is_its_parameter_only():
     entry = state["blocks.2.attn.qkv.weight"]
     assert len(saved(entry)) <= nbytes(entry) + OVERHEAD  # its bytes, not its bucket's
     assert len(pickle.dumps(entry)) <= nbytes(entry) + OVERHEAD  # plain pickling too
-    assert torch.equal(loaded(saved(entry)), model.blocks[2].attn.qkv.weight.detach())
+    weight = model.blocks[2].attn.qkv.weight.detach()
+    assert torch.equal(loaded(saved(entry)), weight.to(entry.device))
     opt.close()
 
 
@@ -118,7 +126,7 @@ def test_tied_entries_are_saved_once_and_load_tied():
     assert len(data) <= sum(distinct.values()) + OVERHEAD * len(state)
     back = loaded(data)
     assert back["head.weight"].data_ptr() == back["tokens.weight"].data_ptr()
-    assert torch.equal(back["tokens.weight"], model.tokens.weight.detach())
+    assert torch.equal(back["tokens.weight"], model.tokens.weight.detach().to(tied.device))
     opt.close()
 
 
@@ -158,7 +166,8 @@ def test_a_write_through_an_entry_fetches_only_its_unit_again():
     written = next(i for i, u in enumerate(offloader.units) if u.spec.name == "blocks.1")
     after = [unit.fetches for unit in offloader.units]
     assert after == [n + (i == written) for i, n in enumerate(before)]
-    assert torch.equal(model.blocks[1].mlp[0].weight.detach(), state["blocks.1.mlp.0.weight"])
+    entry = state["blocks.1.mlp.0.weight"]
+    assert torch.equal(model.blocks[1].mlp[0].weight.detach().to(entry.device), entry)
     opt.close()
     with torch.no_grad():
         assert torch.equal(model(x), got)  # the forward used the written weights
@@ -179,11 +188,12 @@ def test_entries_kept_after_close_hold_the_final_weights(dtype):
     other_opt = make_opt(other)
     step(other, other_opt, 3)
     for name, value in want.items():
-        assert torch.equal(state[name], value), name
+        assert torch.equal(state[name], value.to(state[name].device)), name
     assert_saves_the_weights(state, want)
     other_opt.close()
 
 
+@pytest.mark.simulator_only(reason="strict mode")
 def test_entries_are_host_memory_under_strict_mode():
     model = gpt()
     opt = make_opt(model, strict=True)

@@ -3,6 +3,11 @@ lone flush's gradient from staging, the accumulator exists only once a window ac
 
 Each fast path is compared bitwise (``torch.equal``) with the fp32-accumulator path, forced
 with ``require_accumulator()``; accumulation is compared with torch (1e-5, as elsewhere).
+
+CUDA form (``cuda_form``, docs/gpu.md): the models, batches and optimizers come from
+tests/helpers, so under ``--accelerator=cuda`` they run on ``cuda:0``, bitwise where they are
+bitwise here. Simulator only: the tests that time tiles over a simulated link and count the
+host accelerator's thread events.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from .helpers.models import (
     offload_opt,
     torch_adamw,
 )
+
+pytestmark = pytest.mark.cuda_form
 
 
 def _train(model, opt, data, *, micro: int = 1, clip: float | None = None) -> None:
@@ -157,6 +164,7 @@ def test_a_host_worker_failure_after_a_fast_step_says_the_step_was_applied(monke
         opt.close()
 
 
+@pytest.mark.simulator_only(reason="tiles timed over a simulated link")
 @pytest.mark.parametrize("clip", [None, 1e30])
 def test_cpu_adam_starts_before_the_last_gradient_tile_lands_unless_it_must_wait(
     clip: float | None,
@@ -266,6 +274,7 @@ def test_a_window_after_an_accumulating_one_accumulates_from_its_first_flush() -
     assert opt.last_grad_norm == plain.last_grad_norm
 
 
+@pytest.mark.simulator_only(reason="the host accelerator's thread events, a simulated latency")
 def test_a_flush_in_many_tiles_records_its_blocks_once(monkeypatch) -> None:
     # Note [Adam follows the gradient in]: a lone gradient of 256 tiles is 256 copies, and
     # the step's weights go back in 256 more. Only a flush's last copy records its end on
