@@ -116,6 +116,7 @@ TEST_FILES = (
     "tests/test_resume_keeps_writes.py",
     "tests/test_errors_clear.py",
     "tests/test_properties.py",
+    "tests/test_adafactor.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the
