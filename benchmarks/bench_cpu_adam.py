@@ -1,5 +1,5 @@
-"""CPU optimizer throughput: our numba kernels (Adam, Lion, Adagrad) vs torch, against a
-measured bandwidth roofline for each access pattern.
+"""CPU optimizer throughput: our numba kernels (Adam, Lion, Adagrad, Adafactor) vs torch,
+against a measured bandwidth roofline for each access pattern.
 
     python benchmarks/bench_cpu_adam.py [--quick | --large] [--rounds N]
 
@@ -10,6 +10,7 @@ torch's fused AdamW) and writes benchmarks/results/bench_cpu_adam.json.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -20,13 +21,52 @@ from numba import njit, prange
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, time_rounds, write_json
 
-from zero_offload.kernels import adagrad_step, adam_step, lion_step, warmup
+from zero_offload.kernels import adafactor_step, adagrad_step, adam_step, lion_step, warmup
 
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # bytes moved per parameter by each access pattern
 BYTES = {"fp32": 28, "mixed": 28, "bf16_moments": 20, "one_state_fp32": 20}
 #: The rows measured against the one-state roofline (Lion, Adagrad: read p, g, s; write p, s).
 ONE_STATE = ("Lion", "Adagrad")
+#: Adafactor's row: one square matrix of the size's parameters, against the streams of its
+#: three passes (Note [Adafactor's three passes] in kernels/adafactor.py: read p, g; read g;
+#: read p, g, write p: 24 B/param; its factors, 8 B per row, stay in cache).
+ADAFACTOR_ROOF = "roofline Adafactor fp32 (3 passes, 24 B/param)"
+
+
+@njit(parallel=True, fastmath=True)
+def _roofline_sum(a, b, partial, nchunks):
+    """One reading pass (Adafactor's passes 1 and 2): sum of a + b, per chunk."""
+    n = a.shape[0]
+    for c in prange(nchunks):
+        lo, hi = n * c // nchunks, n * (c + 1) // nchunks
+        a_t, b_t = a[lo:hi], b[lo:hi]
+        s = np.float32(0.0)
+        for i in range(hi - lo):
+            s += a_t[i] + b_t[i]
+        partial[c] = s
+    return 0
+
+
+def _roofline_three_passes(p, g, nchunks):
+    """The streams of Adafactor's three passes (read p, g; read g; read p, g, write p),
+    trivial arithmetic."""
+    partial = np.empty(nchunks, np.float32)
+    _roofline_sum(p, g, partial, nchunks)
+    _roofline_sum(g, g, partial, nchunks)  # g twice: one stream, as pass 2 reads it
+    _roofline_update(p, g, nchunks)
+
+
+@njit(parallel=True)
+def _roofline_update(p, g, nchunks):
+    """Adafactor's third pass's streams: read p, g; write p."""
+    n = p.shape[0]
+    for c in prange(nchunks):
+        lo, hi = n * c // nchunks, n * (c + 1) // nchunks
+        p_t, g_t = p[lo:hi], g[lo:hi]
+        for i in range(hi - lo):
+            p_t[i] = p_t[i] + g_t[i]
+    return 0
 
 
 @njit(parallel=True)
@@ -134,6 +174,20 @@ def bench_size(n: int, rounds: int) -> dict[str, float]:
     fns["ours Lion fp32"] = ours_lion
     fns["ours Adagrad fp32"] = ours_adagrad
     fns["torch Adagrad (for-loop)"] = torch.optim.Adagrad([adagrad_p], lr=1e-2).step
+    side = math.isqrt(n)  # a side x side matrix: n is a power of 4 here
+    row_var, col_var = np.zeros(side, np.float32), np.zeros(side, np.float32)
+
+    def ours_adafactor():
+        step["n"] += 1
+        adafactor_step(p, g, shape=(side, side), row_var=row_var, col_var=col_var,
+                       step=step["n"], lr=1e-2, beta2_decay=-0.8, eps1=1.2e-7, eps2=1e-3,
+                       d=1.0, weight_decay=0.0)  # fmt: skip
+
+    adafactor_p = torch.nn.Parameter(torch.randn(side, side, generator=gen))
+    adafactor_p.grad = g.view(side, side).clone()
+    fns[ADAFACTOR_ROOF] = lambda: _roofline_three_passes(arrays[0], arrays[1], threads)
+    fns["ours Adafactor fp32"] = ours_adafactor
+    fns["torch Adafactor (for-loop)"] = torch.optim.Adafactor([adafactor_p], lr=1e-2).step
     ds = _deepspeed_adam()
     if ds is None:
         print("DeepSpeedCPUAdam: skipped (deepspeed not importable)")
@@ -154,6 +208,7 @@ def _table(n: int, rates: dict[str, float]) -> str:
         roof = roof_mixed if ("bf16 grad" in name or "mixed" in name) else roof_fp32
         one_state = name.startswith("roofline one state") or any(k in name for k in ONE_STATE)
         roof = roof_one if one_state else roof
+        roof = rates[ADAFACTOR_ROOF] if "Adafactor" in name else roof
         lines.append(f"| {name} | {r / 1e6:.0f} | {r / roof:.2f} | {r / fused:.2f} |")
     return "\n".join(lines)
 
@@ -177,6 +232,10 @@ def _targets(rates: dict[str, float]) -> dict[str, tuple[float, float]]:
             )
             for rule in ONE_STATE
         },
+        "Adafactor fp32 / its roofline": (
+            rates["ours Adafactor fp32"] / rates[ADAFACTOR_ROOF],
+            0.9,
+        ),
     }
 
 

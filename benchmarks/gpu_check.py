@@ -130,6 +130,8 @@ TEST_FILES = (
     "tests/test_mixed_dtypes.py",
     "tests/test_state_dict_save.py",
     "tests/test_hf_export.py",
+    "tests/test_adafactor.py",
+    "tests/test_device_accumulation.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the

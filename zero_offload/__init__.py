@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .hf_export import save_pretrained
     from .memory.manager import TieredMemoryManager
     from .optim import (
+        OffloadAdafactor,
         OffloadAdagrad,
         OffloadAdam,
         OffloadAdamW,
@@ -69,6 +70,7 @@ _LAZY = {
     "load_consolidated": ".checkpoint_io",
     "save_consolidated": ".checkpoint_io",
     "TieredMemoryManager": ".memory.manager",
+    "OffloadAdafactor": ".optim",
     "OffloadAdagrad": ".optim",
     "OffloadAdam": ".optim",
     "OffloadAdamW": ".optim",
@@ -95,6 +97,7 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelShape",
+    "OffloadAdafactor",
     "OffloadAdagrad",
     "OffloadAdam",
     "OffloadAdamW",

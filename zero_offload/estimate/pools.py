@@ -25,6 +25,7 @@ __all__ = [
     "offload_adamw_bytes",
     "offload_bytes_of_count",
     "param_offload_bytes",
+    "rule_state_bytes",
     "shape_bucket_groups",
     "shape_bucket_numels",
     "shape_offload_bytes",
@@ -61,6 +62,19 @@ def rule_state(rule: str = "adamw") -> StateFields:
     from ..optim.rule import by_name
 
     return by_name(rule).state_fields(torch.float32, ())
+
+
+def rule_state_bytes(rule: str, shapes: Sequence[Shape]) -> int:
+    """Host state bytes of optimizer ``rule`` (default options, fp32) over parameters of
+    ``shapes``, alignment aside: every element's fields, and the shaped state of a rule
+    that reads whole parameters (Adafactor's factors: ``4 (m + n)`` bytes per ``(m, n)``
+    matrix, 4 per element below two dims; Note [rules that read a whole parameter]). The
+    rows by parameter count (``Context.state_bytes``) size the per-element part only."""
+    fields = rule_state(rule)
+    numel = sum(math.prod(shape) for shape in shapes)
+    return fields.bytes_per_element * numel + 4 * fields.param_state_numel(
+        tuple(shape) for shape in shapes
+    )
 
 
 def _full_offload(

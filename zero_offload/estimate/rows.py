@@ -78,7 +78,9 @@ class Context:
     def state_bytes(self) -> int:
         """Optimizer state bytes per parameter (ZeRO paper's ``K``), from the rule: its
         fields in fp32 (for AdamW the master and two moments, 12) in mixed precision; in
-        fp32 less the master, since the weights are the master copy (8)."""
+        fp32 less the master, since the weights are the master copy (8). Per element only:
+        Adafactor's shaped state (its factors) depends on the shapes, not the count
+        (``pools.rule_state_bytes``)."""
         fields = rule_state(self.rule)
         return fields.bytes_per_element - (4 if self.itemsize == 4 else 0)
 

@@ -1,6 +1,7 @@
 """Offloading optimizers."""
 
 from .framework_clipping import install as _install_framework_guards
+from .offload_adafactor import OffloadAdafactor
 from .offload_adagrad import OffloadAdagrad
 from .offload_adamw import OffloadAdam, OffloadAdamW
 from .offload_lion import OffloadLion
@@ -9,6 +10,7 @@ from .torch_clipping import install as _install_clipping_guard
 from .update.modes import StepFailed
 
 __all__ = [
+    "OffloadAdafactor",
     "OffloadAdagrad",
     "OffloadAdam",
     "OffloadAdamW",

@@ -24,6 +24,7 @@ __all__ = [
     "describe_param",
     "param_name",
     "plain_trainer_calling",
+    "refuse_whole_parameter_features",
     "split_names",
     "watch_replacement",
 ]
@@ -279,3 +280,41 @@ def check_untouched(
                 f"param group {bucket.layout.group} of {owner!r} cannot step: {why}. "
                 "Nothing was stepped"
             )
+
+
+def refuse_whole_parameter_features(
+    name: str, rule: OptimizerRule, config: Any, *, ranks: int
+) -> None:
+    """Refuse, for a rule that reads whole parameters (Note [rules that read a whole
+    parameter] in ``rule/base.py``), each feature that would step part of a parameter or
+    keep its state where the rule's shaped state has no place; nothing for an elementwise
+    rule. ``name``: the optimizer's class; ``ranks``: the process group's size (1 alone)."""
+    if rule.elementwise:
+        return
+    refused = []
+    if ranks > 1:
+        refused.append(
+            f"{ranks} ranks (ZeRO-2 shards each bucket by flat range, which cuts parameters "
+            "whose row and column statistics need all of them); train it on one rank"
+        )
+    if config.offload_fraction != 1.0:
+        refused.append(
+            f"offload_fraction={config.offload_fraction!r} (state resident on the device is "
+            "stepped tile by tile there); use offload_fraction=1.0"
+        )
+    if config.nvme_dir is not None:
+        refused.append(
+            f"nvme_dir={config.nvme_dir!r} (NVMe state streams in per-element tiles of "
+            "tile_elements, with no place for the shaped state); leave nvme_dir=None"
+        )
+    if config.offload_parameters or config.partition_parameters:
+        switch = "offload_parameters" if config.offload_parameters else "partition_parameters"
+        refused.append(
+            f"{switch}=True (parameter offload sizes each unit's host state in pools of "
+            f"its own, without the shaped state); leave {switch}=False"
+        )
+    if refused:
+        raise ValueError(
+            f"{name}: the {rule.name} rule reads whole parameters (its second moment is "
+            "factored over rows and columns), so it does not support " + "; nor ".join(refused)
+        )

@@ -31,6 +31,7 @@ from .state.host import HostState
 from .state.placement import POOL_ALIGNMENT
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
+from .state.whole import WholeParameterHostState
 from .unit_pools import plan_units
 from .update.policy import StepPolicy
 
@@ -474,7 +475,9 @@ class SegmentBuilder:
                         rule=self.rule,
                     )
                 else:
-                    store = HostState(
+                    # Note [rules that read a whole parameter] in rule/base.py.
+                    host = HostState if self.rule.elementwise else WholeParameterHostState
+                    store = host(
                         layout,
                         views,
                         manager=self.manager,

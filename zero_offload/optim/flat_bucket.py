@@ -194,6 +194,11 @@ class FlatBucket:
             },
         )
 
+    def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
+        """One parameter's shaped state by name (a rule that reads whole parameters; Note
+        [rules that read a whole parameter] in ``rule/base.py``), empty for the others."""
+        return self.store.param_state(slot_index)
+
     def close(self) -> None:
         """Return every block to its pool."""
         self.gradients.discard_grad()

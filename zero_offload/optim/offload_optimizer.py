@@ -44,7 +44,12 @@ from ..memory.manager import TieredMemoryManager
 from ..views.param_views import changed_params_of
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
-from .checks import check_new_params, check_untouched, split_names
+from .checks import (
+    check_new_params,
+    check_untouched,
+    refuse_whole_parameter_features,
+    split_names,
+)
 from .construction import SegmentBuilder, check_param_offload, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
@@ -139,9 +144,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             config = OffloadConfig()
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
-        # Every store tiles the state and shards it by flat range (Note [the rule is the
-        # only place that knows the optimizer] in rule/base.py).
-        require_elementwise(self.rule, "tiling its state and sharding it by flat range")
         self.rule.check_group(defaults, where=name)
         if config.overlap_step and config.offload_fraction != 1.0:
             raise ValueError(
@@ -151,6 +153,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
         comm = optimizer_comm(process_group, timeout=config.collective_timeout)
+        # Note [rules that read a whole parameter] in rule/base.py.
+        refuse_whole_parameter_features(
+            name, self.rule, config, ranks=1 if comm is None else comm.world_size
+        )
         if comm is not None and config.offload_fraction != 1.0:
             raise ValueError(
                 f"{comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
@@ -527,6 +533,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
         ``path``. Like ``state_dict()`` it changes nothing about training."""
         self._check_open("save_streaming")
+        # Note [rules that read a whole parameter] in rule/base.py: per-element records only.
+        require_elementwise(self.rule, "save_streaming (its records hold per-element state)")
         self._policy.mode.drain()
         streaming.save(
             path,
@@ -544,6 +552,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         everything is checked first: a mismatch raises and changes nothing. The master
         weights come from the checkpoint (the model's weights are the caller's to load)."""
         self._check_open("load_streaming")
+        require_elementwise(self.rule, "load_streaming (its records hold per-element state)")
         self._policy.mode.drain()
         loaded = streaming.load(
             path,

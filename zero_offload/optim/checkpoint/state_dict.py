@@ -112,6 +112,10 @@ def optimizer_state(
             name: (view.view(shape) if whole else view).detach().to("cpu", copy=True)
             for name, view in views.items()
         }
+        # Shaped state (Note [rules that read a whole parameter] in rule/base.py), as torch
+        # keeps it; only with one rank, so always whole.
+        for name, view in bucket.param_state(i).items():
+            entry[name] = view.detach().to("cpu", copy=True)
         entry["step"] = torch.tensor(float(bucket.steps[i]))
         state[index] = entry
         pieces[index], shapes[index] = (lo, hi), shape
@@ -234,6 +238,13 @@ def load_optimizer_state(
         }
         if shard is None:  # a whole-parameter layout: keep this rank's piece of it
             checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
+        # Shaped state, each field with its own shape (one rank only: never a shard).
+        shaped = {name: tuple(view.shape) for name, view in bucket.param_state(i).items()}
+        lacking = sorted(set(shaped) - set(entry))
+        if lacking:
+            raise ValueError(f"{where}: missing {lacking}")
+        for name, field_shape in shaped.items():
+            checked[name] = _check_tensor(where, name, entry[name], field_shape)
         checked["step"] = _check_step(where, entry["step"])
         staged[index] = checked
     scaler_state = extra.get("loss_scaler") or {}
@@ -272,15 +283,20 @@ def load_optimizer_state(
         entry = staged.get(index)
         if entry is None or "master" not in entry:
             weights_win[bucket.layout.index].add(i)
+        shaped = bucket.param_state(i)  # starts at 0 (ParamField)
         if entry is None:
             for name, view in views.items():
                 if name != "master":
                     view.fill_(bucket.store.field_initial(name))
+            for view in shaped.values():
+                view.zero_()
             bucket.steps[i] = 0
             continue
         for name, view in views.items():
             if name in entry:
                 view.copy_(entry[name])
+        for name, view in shaped.items():
+            view.copy_(entry[name])
         bucket.steps[i] = entry["step"]
     for index in written:
         bucket, i = slots[index]

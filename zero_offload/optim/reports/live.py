@@ -54,6 +54,7 @@ class OptimizerState(MutableMapping):
         out: dict[str, torch.Tensor] = {"step": torch.from_numpy(bucket.steps)[i]}
         for name, view in views.items():
             out[name] = view.view(shape) if whole else view
+        out.update(bucket.param_state(i))  # shaped state, as torch's (Adafactor's factors)
         return out
 
     def __setitem__(self, param: torch.Tensor, value: Any) -> None:

@@ -1,18 +1,21 @@
 """The optimizer's rule: what it keeps and how it steps (``base.py``: the protocol; AdamW and
-Adam in ``adamw.py``, Lion in ``lion.py``, Adagrad in ``adagrad.py``; the host tile loop every
-rule shares in ``tiles.py``)."""
+Adam in ``adamw.py``, Lion in ``lion.py``, Adagrad in ``adagrad.py``, Adafactor, which reads
+whole parameters, in ``adafactor.py``; the host tile loop every rule shares in ``tiles.py``)."""
 
+from .adafactor import ADAFACTOR
 from .adagrad import ADAGRAD
 from .adamw import ADAM, ADAMW
-from .base import OptimizerRule, StateField, StateFields, require_elementwise
+from .base import OptimizerRule, ParamField, StateField, StateFields, require_elementwise
 from .lion import LION
 
 __all__ = [
+    "ADAFACTOR",
     "ADAGRAD",
     "ADAM",
     "ADAMW",
     "LION",
     "OptimizerRule",
+    "ParamField",
     "StateField",
     "StateFields",
     "by_name",
@@ -20,7 +23,9 @@ __all__ = [
 ]
 
 #: Every rule by the name users choose it with.
-RULES: dict[str, OptimizerRule] = {rule.name: rule for rule in (ADAMW, ADAM, LION, ADAGRAD)}
+RULES: dict[str, OptimizerRule] = {
+    rule.name: rule for rule in (ADAMW, ADAM, LION, ADAGRAD, ADAFACTOR)
+}
 
 
 def by_name(name: str) -> OptimizerRule:

@@ -16,9 +16,10 @@ the optimizer]):
   the update of one tile of a device-resident store, on the device;
 - ``elementwise``: whether each element's update reads only that element. Then tile
   boundaries change no bit, a bucket shards by flat range over ranks, and a bucket can step
-  as soon as its gradients arrive. Every rule the stores run today is elementwise; one that
-  is not (a factored second moment, an orthogonalized update) must be refused by the
-  optimizer that would shard or tile it (``require_elementwise``).
+  as soon as its gradients arrive. A rule that is not (Adafactor's factored second moment)
+  steps one whole parameter at a time (``parameter_step``) and may keep state shaped by the
+  parameter (``param_state``): Note [rules that read a whole parameter]. What needs tiles
+  or flat-range shards refuses such a rule (``require_elementwise``).
 
 A new elementwise optimizer is one rule (a subclass here), one kernel (``kernels/``) and a
 thin facade over ``OffloadAdamW``'s machinery.
@@ -27,8 +28,8 @@ thin facade over ``OffloadAdamW``'s machinery.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -38,6 +39,7 @@ from ...memory.align import aligned
 __all__ = [
     "Hyper",
     "OptimizerRule",
+    "ParamField",
     "StateField",
     "StateFields",
     "require_elementwise",
@@ -55,6 +57,48 @@ Hyper = Any
 # of Adam's state and hyper-parameters outside rule/, the kernels and the facade's
 # torch-style signature, so a planner that hard-codes "two moments" fails there, not when
 # the next optimizer's state is sized wrong.
+
+# Note [rules that read a whole parameter]
+# An elementwise rule's state is per element: one flat field per name over the bucket,
+# tiled with the weights and sharded by flat range over ranks. Adafactor's update reads a
+# whole parameter (the RMS of its weights and of its update, the row and column means of
+# its squared gradient), and its second moment is shaped by the parameter, not by its
+# elements: a (..., m, 1) row factor and a (..., 1, n) column factor for two dims or more.
+# The seam takes such a rule in the simplest way that is sound:
+# - the rule says ``elementwise = False``, keeps per-element fields as any rule does (the
+#   fp32 master at least), and declares its shaped state per parameter (``param_state``:
+#   names and shapes, fp32, starting at 0). ``StateFields.param_state`` carries it to the
+#   planners, which size the host pool with it (``param_state_numel``);
+# - a host store keeps a bucket's shaped state in one fp32 block of its host pool, the
+#   slots' fields one after another in slot order (``state/whole.py``), and checkpoints and
+#   ``opt.state`` show each field with its own shape, as torch's state holds it;
+# - the host tile loop steps such a rule one whole parameter per call
+#   (``RuleTiles.step_parameter``, the rule's ``parameter_step``), whatever
+#   ``tile_elements``: the state is in RAM, so a parameter larger than a tile is stepped
+#   whole and no buffer grows with it but the kernel's float64 partial sums.
+# What needs tiles of a bounded size (NVMe records, the device step of resident state),
+# cuts a parameter (ZeRO-2's flat-range shards over ranks) or sizes the host state in pools
+# of its own (parameter offload's unit pools) is refused at construction, naming the rule
+# and the feature (``refuse_whole_parameter_features`` in ``checks.py``); so is a streaming
+# checkpoint, whose records are per-element tiles, at the call. A bucket thus never runs a
+# whole-parameter rule over part of a parameter, and no shaped state goes unsaved.
+
+
+@dataclass(frozen=True)
+class ParamField:
+    """One field of a parameter's shaped state (Note [rules that read a whole parameter]):
+    its name (as ``opt.state`` and checkpoints show it) and shape; fp32, starting at 0."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Its elements."""
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
 
 
 @dataclass(frozen=True)
@@ -74,6 +118,11 @@ class StateFields:
     """The per-element state of one bucket, in order; the fp32 ``master`` is first."""
 
     fields: tuple[StateField, ...]
+    #: The shaped state of a parameter of a given shape, for a rule that reads whole
+    #: parameters (Note [rules that read a whole parameter]); None: per-element state only.
+    param_state: Callable[[tuple[int, ...]], tuple[ParamField, ...]] | None = field(
+        default=None, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.fields or self.fields[0] != StateField("master", torch.float32):
@@ -109,6 +158,19 @@ class StateFields:
         """Bytes of ``numel`` elements of every field, each field its own block of
         ``alignment``-rounded bytes."""
         return sum(aligned(numel * f.dtype.itemsize, alignment) for f in self.fields)
+
+    def fields_of(self, shape: tuple[int, ...]) -> tuple[ParamField, ...]:
+        """The shaped state of a parameter of ``shape`` (none for an elementwise rule)."""
+        return () if self.param_state is None else self.param_state(tuple(shape))
+
+    def param_state_numel(self, shapes: Iterable[tuple[int, ...]]) -> int:
+        """fp32 elements of the shaped state of parameters of ``shapes``, all together."""
+        return sum(f.numel for shape in shapes for f in self.fields_of(shape))
+
+    def param_state_bytes(self, shapes: Iterable[tuple[int, ...]], alignment: int) -> int:
+        """Bytes of the one block holding the shaped state of ``shapes`` (0 if none)."""
+        numel = self.param_state_numel(shapes)
+        return aligned(4 * numel, alignment) if numel else 0
 
 
 class OptimizerRule(ABC):
@@ -178,6 +240,32 @@ class OptimizerRule(ABC):
         ``grad`` must not be changed (a second ``step()`` reads it again); ``step_tensor``
         is a 0-d fp32 device tensor the rule may use as its step count."""
 
+    def param_state(self, shape: tuple[int, ...]) -> tuple[ParamField, ...]:
+        """The shaped state of one parameter of ``shape`` (Note [rules that read a whole
+        parameter]); none for an elementwise rule."""
+        return ()
+
+    def parameter_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        param_state: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        shape: tuple[int, ...],
+        step: int,
+        hyper: Hyper,
+        grad_scale: float,
+        out: torch.Tensor | None,
+    ) -> None:
+        """One step of one whole parameter of ``shape`` on the host, for a rule that is not
+        elementwise: ``fields`` its flat per-element state, ``param_state`` its shaped
+        state (``param_state``'s fields, shaped), ``grad`` and ``out`` as in
+        ``tile_step``."""
+        raise RuntimeError(
+            f"the {self.name} rule is elementwise and is stepped by tiles (tile_step); "
+            "parameter_step was called on it (a bug)"
+        )
+
     def device_temporary_bytes(self, hyper: Hyper, grad_scale: float, tile_elements: int) -> int:
         """Device bytes ``device_tile_step`` allocates beyond the state, at most, for a tile
         of ``tile_elements`` (Note [resident temporaries are counted] in
@@ -186,12 +274,13 @@ class OptimizerRule(ABC):
 
 
 def require_elementwise(rule: OptimizerRule, feature: str) -> None:
-    """Refuse ``feature`` (tiles, flat-range shards, stepping as gradients arrive) for a rule
-    whose update reads more than its own element."""
+    """Refuse ``feature`` (one that tiles, shards by flat range or keeps per-element state
+    only) for a rule whose update reads more than its own element (Note [rules that read a
+    whole parameter])."""
     if not rule.elementwise:
         raise ValueError(
-            f"the {rule.name} rule is not elementwise, so {feature} would change its "
-            "result; this combination is not supported"
+            f"the {rule.name} rule reads whole parameters (it is not elementwise), so it "
+            f"does not support {feature}; this combination is refused"
         )
 
 

@@ -5,8 +5,9 @@ Each tile waits for its gradient (Note [Adam follows the gradient in] in
 published (its H2D copy issued at once, or remembered for ``publish()``). The stores only
 say which tiles there are and where each tile's state is: a host-RAM store slices its
 tensors, an NVMe store streams records through its I/O buffers (Note [the step streams the
-state] in ``state/nvme.py``). The rule is elementwise, so tile boundaries do not change a
-bit.
+state] in ``state/nvme.py``). An elementwise rule's tile boundaries do not change a bit;
+a rule that reads whole parameters is stepped one whole parameter per call
+(``step_parameter``; Note [rules that read a whole parameter] in ``base.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,38 @@ class RuleTiles:
             grad_scale=self.grad_scale,
             out=out,
         )
+        self._written(lo, hi, fields, copy_master_to)
+
+    def step_parameter(
+        self,
+        lo: int,
+        hi: int,
+        step: int,
+        fields: dict[str, torch.Tensor],
+        param_state: dict[str, torch.Tensor],
+        *,
+        shape: tuple[int, ...],
+        out: torch.Tensor | None,
+    ) -> None:
+        """The rule over one whole parameter of ``shape``, shard elements ``[lo, hi)``
+        (Note [rules that read a whole parameter]): ``fields`` its per-element state,
+        ``param_state`` its shaped state; published as one tile."""
+        self.gradients.await_grad(self.grad, self.source, lo, hi)
+        self.rule.parameter_step(
+            fields,
+            param_state,
+            self.grad[lo:hi],
+            shape=shape,
+            step=step,
+            hyper=self.hyper,
+            grad_scale=self.grad_scale,
+            out=out,
+        )
+        self._written(lo, hi, fields, None)
+
+    def _written(
+        self, lo: int, hi: int, fields: dict[str, torch.Tensor], copy_master_to: torch.Tensor | None
+    ) -> None:
         if copy_master_to is not None:
             copy_master_to.copy_(fields["master"])
         self.publication.tile_written(lo, hi, publish=self.publish, after=self.after)

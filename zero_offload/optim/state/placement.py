@@ -19,7 +19,9 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
 - host, offloaded bucket, with ``k = n / world_size`` (this rank's shard, Note [who owns
   which shard] in partition.py): the rule's state fields, ``sum a(k*f)`` (``f`` each
   field's bytes: the fp32 master 4, Adam's two moments 4 each or 2 in bf16), gradient staging ``a(k*s)``, and weight
-  staging ``a(k*s)`` unless the bucket's training dtype is fp32. The fp32 gradient
+  staging ``a(k*s)`` unless the bucket's training dtype is fp32; for a rule that reads
+  whole parameters (Adafactor), its shaped state too, ``a(4r)`` with ``r`` the fp32
+  elements of every slot's ``param_state``. The fp32 gradient
   accumulator, ``a(4k)``, is not in the pool: it is allocated in a pool of its own the first
   time a window accumulates (a second micro-batch), Note [no accumulator for one backward]
   in grads/to_host.py; ``grads.buffers.accumulator_bytes`` gives it. So does a second gradient
@@ -85,6 +87,9 @@ def _resident_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int)
 def _host_bytes(bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int) -> int:
     n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
     total = state.bytes_for(n, alignment)  # no accumulator (accumulator_bytes)
+    # A whole-parameter rule's shaped state, one block (Note [rules that read a whole
+    # parameter] in rule/base.py; one rank only, so the shard is the bucket).
+    total += state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
     total += aligned(itemsize * n, alignment)  # gradient staging
     if itemsize != 4:
         total += aligned(itemsize * n, alignment)

@@ -158,6 +158,16 @@ class StateStore(ABC):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The flat state fields by name, each over ``span()`` from its start."""
 
+    def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
+        """Slot ``slot_index``'s shaped state by name, each view shaped as the rule's
+        ``param_state`` says (Note [rules that read a whole parameter] in
+        ``rule/base.py``); none for an elementwise rule."""
+        return {}
+
+    def param_state_bytes(self) -> int:
+        """Host bytes of the shaped state (0 for an elementwise rule)."""
+        return 0
+
     @abstractmethod
     def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         """``fn(lo, hi, fields)`` over the real elements of ``span()`` in tiles of

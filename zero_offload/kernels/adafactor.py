@@ -1,0 +1,405 @@
+"""Adafactor over one whole parameter's fp32 master, in place, in three passes.
+
+``torch.optim.Adafactor``'s update (its single-tensor path, ``_single_tensor_adafactor``)
+reads whole-parameter statistics: the RMS of the weights (the step size), the row and column
+means of the squared gradient over the last two dimensions (the factored second moment of a
+parameter of two or more dimensions), and the RMS of the update (update clipping). So it
+cannot run tile by tile: the kernel takes one parameter, flat, with its shape, and makes
+three passes over it (Note [Adafactor's three passes]). The factored state is sublinear: a
+``(..., m, n)`` parameter keeps ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 1, n)``;
+a parameter of fewer than two dimensions keeps a full ``variance``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from numba import njit, prange
+
+from ._validate import (
+    BF16,
+    FP16,
+    FP32,
+    MIN_ELEMENTS_PER_THREAD,
+    as_kernel_array,
+    check_float,
+    chunking,
+    run_with_threads,
+)
+from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
+from .stats import SUM_CHUNK, _sumsq_f32
+
+__all__ = ["adafactor_step", "factored"]
+
+# Note [Adafactor's three passes]
+# torch computes, for one parameter p with gradient G (negated when maximize), step t:
+#   w = t ** beta2_decay;  rho = min(lr, 1 / sqrt(t))            (Python floats)
+#   alpha = max(eps2, ||p|| / sqrt(numel)) * rho                 (||p|| rounded to fp32)
+#   p = p * (1 - lr * wd)                                        (wd != 0)
+#   factored (dim >= 2):  R = lerp(R, ||G_row||^2 / n, w);  C = lerp(C, ||G_col||^2 / m, w)
+#                         V = (R @ C) / max(mean_rows(R), eps1)
+#   else:                 V = lerp(V, G * G, w)
+#   U = rsqrt(max(V, eps1^2)) * G
+#   p = p + (-alpha / max(1, ||U|| / (sqrt(numel) * d))) * U
+# The kernel makes three passes over the parameter:
+#   1. statistics: the sum of squares of p, and (factored) of G by row and by column;
+#      then the factors are updated (small vectors, serially);
+#   2. the sum of squares of U (unfactored: V is updated here, the pass writes it);
+#   3. the update, U recomputed from the final factors as in pass 2 (the same operations,
+#      the same bits), written to p and ``out``.
+# Every sum is a float64 sum over fixed blocks of rows or elements, added in block order: a
+# function of the shape alone, not of the threads (Note [sums do not depend on the threads]
+# in _validate.py), each through stats.py's one reduction loop over fp32 chunks (Note [one
+# loop shape for every sum]; U is written into a scratch chunk first), and each elementwise operation is one fp32 operation rounded as written
+# (Note [every specialisation rounds alike] in convert.py; torch's vectorised lerp and
+# add(alpha=) fuse a multiply-add, so a weight may differ from torch's in its last bit).
+# A norm is rounded to fp32 before it is used, as torch's ``norm().item()`` is.
+
+#: At most this many blocks of rows per factored parameter; each keeps its own float64
+#: column sums, so their memory is bounded by MAX_BLOCKS * columns * 8 bytes (and by
+#: COLUMN_PARTIALS elements in all).
+MAX_BLOCKS = 64
+COLUMN_PARTIALS = 1 << 22
+
+
+def factored(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` keeps a factored second moment (two or more dims)."""
+    return len(shape) >= 2
+
+
+def _row_blocks(rows: int, n: int, columns: int) -> int:
+    """Blocks of rows for pass 1 of a factored parameter: a function of its shape only."""
+    by_size = -(-(rows * n) // MIN_ELEMENTS_PER_THREAD)
+    by_memory = max(1, COLUMN_PARTIALS // max(columns, 1))
+    return max(1, min(MAX_BLOCKS, rows, by_size, by_memory))
+
+
+def _element_blocks(numel: int) -> int:
+    """Fixed blocks of MIN_ELEMENTS_PER_THREAD elements for the other sums."""
+    return max(1, -(-numel // MIN_ELEMENTS_PER_THREAD))
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _scaled(g_t, grad_kind, grad_mul, scratch, cp_t):
+    """``g_t * grad_mul`` as fp32 into ``scratch`` (returned, its length), and its squares
+    added to the column sums ``cp_t`` (float64). Slices, so the loop vectorises."""
+    for j in range(g_t.shape[0]):
+        g = load_f32(g_t, j, grad_kind) * grad_mul
+        scratch[j] = g
+        x = np.float64(g)
+        cp_t[j] += x * x
+    return scratch[: g_t.shape[0]]
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
+def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colpart, psq):
+    """Pass 1: ``rowsq[r]`` = sum_j g[r, j]^2; ``colpart[blk, b*n + j]`` = that block's rows'
+    g^2 in column j of batch b; ``psq[blk]`` = that block's sum of p^2 (all float64). Each
+    row's sums go through the one reduction loop (Note [one loop shape for every sum] in
+    stats.py) in chunks of SUM_CHUNK from the row's start."""
+    rows = rowsq.shape[0]
+    for blk in prange(nblocks):
+        r0 = rows * blk // nblocks
+        r1 = rows * (blk + 1) // nblocks
+        cp = colpart[blk]
+        scratch = np.empty(min(n, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) fp32
+        pacc = 0.0
+        for r in range(r0, r1):
+            base = r * n
+            cb = (r // m) * n
+            acc = 0.0
+            for lo in range(0, n, SUM_CHUNK):
+                hi = min(lo + SUM_CHUNK, n)
+                g = _scaled(grad[base + lo : base + hi], grad_kind, grad_mul, scratch,
+                            cp[cb + lo : cb + hi])  # fmt: skip
+                acc += _sumsq_f32(g)
+                pacc += _sumsq_f32(param[base + lo : base + hi])
+            rowsq[r] = acc
+        psq[blk] = pacc
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _lerp(start, end, weight):
+    """torch's lerp, one fp32 value (``weight`` fp32)."""
+    if weight < np.float32(0.5):
+        return start + weight * (end - start)
+    return end - (end - start) * (np.float32(1.0) - weight)
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _update_factors(rowsq, colpart, row_var, col_var, rmean, m, n, weight, eps1):
+    """Between passes 1 and 2: the row and column means of g^2 into ``row_var`` and
+    ``col_var`` (lerp by ``weight``), and ``rmean[b]`` = max(mean of batch b's row_var,
+    eps1), all fp32 as torch rounds them."""
+    for r in range(rowsq.shape[0]):
+        norm = np.float32(np.sqrt(rowsq[r]))
+        row_var[r] = _lerp(row_var[r], norm * norm / np.float32(n), weight)
+    for c in range(col_var.shape[0]):
+        total = 0.0
+        for blk in range(colpart.shape[0]):
+            total += colpart[blk, c]
+        norm = np.float32(np.sqrt(total))
+        col_var[c] = _lerp(col_var[c], norm * norm / np.float32(m), weight)
+    for b in range(rmean.shape[0]):
+        total = 0.0
+        for i in range(m):
+            total += np.float64(row_var[b * m + i])
+        mean = np.float32(total / m)
+        rmean[b] = mean if mean > eps1 else eps1
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _factored_u(g, rv, cv, rm, eps1sq):
+    v = rv * cv
+    v = v / rm
+    v = v if v > eps1sq else eps1sq
+    return (np.float32(1.0) / np.sqrt(v)) * g
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _u_row(g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, scratch):
+    """U over one row's chunk into ``scratch`` (returned, the chunk's length)."""
+    for j in range(g_t.shape[0]):
+        scratch[j] = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], rm, eps1sq)
+    return scratch[: g_t.shape[0]]
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _apply_row(p_t, g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, decay, coef, out_t):
+    """Pass 3 over one row: ``p = p * decay + coef * U``, and ``out``."""
+    for j in range(p_t.shape[0]):
+        u = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], rm, eps1sq)
+        p = p_t[j] * decay
+        p = p + coef * u
+        p_t[j] = p
+        store_f32(out_t, j, p)
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
+def _factored_usq(grad, grad_kind, grad_mul, m, n, row_var, col_var, rmean, eps1sq, nblocks, usq):
+    """Pass 2: ``usq[blk]`` = the block's sum of U^2 (float64), U written chunk by chunk
+    into a scratch buffer and summed by the one reduction loop."""
+    rows = row_var.shape[0]
+    for blk in prange(nblocks):
+        r0 = rows * blk // nblocks
+        r1 = rows * (blk + 1) // nblocks
+        scratch = np.empty(min(n, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) fp32: U
+        acc = 0.0
+        for r in range(r0, r1):
+            base = r * n
+            b = r // m
+            cb = b * n
+            rv = row_var[r]
+            rm = rmean[b]
+            for lo in range(0, n, SUM_CHUNK):
+                hi = min(lo + SUM_CHUNK, n)
+                u = _u_row(grad[base + lo : base + hi], grad_kind, grad_mul,
+                           col_var[cb + lo : cb + hi], rv, rm, eps1sq, scratch)  # fmt: skip
+                acc += _sumsq_f32(u)
+        usq[blk] = acc
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
+def _factored_apply(param, grad, grad_kind, grad_mul, m, n, row_var, col_var, rmean, eps1sq,
+                    decay, coef, out, nchunks):  # fmt: skip
+    """Pass 3: ``p = p * decay + coef * U``, and ``out``."""
+    rows = row_var.shape[0]
+    for c in prange(nchunks):
+        r0 = rows * c // nchunks
+        r1 = rows * (c + 1) // nchunks
+        for r in range(r0, r1):
+            base = r * n
+            b = r // m
+            cb = b * n
+            o = out[base : base + n] if out.shape[0] else out
+            _apply_row(param[base : base + n], grad[base : base + n], grad_kind, grad_mul,
+                       col_var[cb : cb + n], row_var[r], rmean[b], eps1sq, decay, coef, o)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _vector_u(g_t, grad_kind, grad_mul, v_t, weight, eps1sq, scratch):
+    """V = lerp(V, g*g, weight) written, U into ``scratch`` (returned, the chunk's length)."""
+    one = np.float32(1.0)
+    for j in range(g_t.shape[0]):
+        g = load_f32(g_t, j, grad_kind) * grad_mul
+        v = _lerp(v_t[j], g * g, weight)
+        v_t[j] = v
+        v = v if v > eps1sq else eps1sq
+        scratch[j] = (one / np.sqrt(v)) * g
+    return scratch[: g_t.shape[0]]
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
+def _vector_usq(param, grad, grad_kind, grad_mul, variance, weight, eps1sq, nblocks, usq, psq):
+    """Pass 2 of an unfactored parameter (pass 1 is folded in): V = lerp(V, g*g, weight)
+    written, ``usq[blk]``/``psq[blk]`` the block's sums of U^2 and p^2 (float64, by the
+    one reduction loop)."""
+    numel = param.shape[0]
+    for blk in prange(nblocks):
+        lo = numel * blk // nblocks
+        hi = numel * (blk + 1) // nblocks
+        scratch = np.empty(min(hi - lo, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) fp32: U
+        ua = 0.0
+        pa = 0.0
+        for c0 in range(lo, hi, SUM_CHUNK):
+            c1 = min(c0 + SUM_CHUNK, hi)
+            u = _vector_u(grad[c0:c1], grad_kind, grad_mul, variance[c0:c1], weight, eps1sq,
+                          scratch)  # fmt: skip
+            ua += _sumsq_f32(u)
+            pa += _sumsq_f32(param[c0:c1])
+        usq[blk] = ua
+        psq[blk] = pa
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _vector_apply_tile(p_t, g_t, grad_kind, grad_mul, v_t, eps1sq, decay, coef, out_t):
+    one = np.float32(1.0)
+    for i in range(p_t.shape[0]):
+        g = load_f32(g_t, i, grad_kind) * grad_mul
+        v = v_t[i]
+        v = v if v > eps1sq else eps1sq
+        u = (one / np.sqrt(v)) * g
+        p = p_t[i] * decay
+        p = p + coef * u
+        p_t[i] = p
+        store_f32(out_t, i, p)
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
+def _vector_apply(param, grad, grad_kind, grad_mul, variance, eps1sq, decay, coef, out, nchunks):
+    """Pass 3 of an unfactored parameter: ``p = p * decay + coef * U``, and ``out``."""
+    numel = param.shape[0]
+    for c in prange(nchunks):
+        lo = numel * c // nchunks
+        hi = numel * (c + 1) // nchunks
+        o = out[lo:hi] if out.shape[0] else out
+        _vector_apply_tile(param[lo:hi], grad[lo:hi], grad_kind, grad_mul, variance[lo:hi],
+                           eps1sq, decay, coef, o)  # fmt: skip
+
+
+def _f32_norm(sumsq: float) -> float:
+    """A norm from a float64 sum of squares, rounded to fp32 as torch's ``norm()`` is."""
+    return float(np.float32(math.sqrt(sumsq)))
+
+
+def _state(x: object, name: str, numel: int) -> np.ndarray:
+    array, _ = as_kernel_array(x, name, (FP32,), writable=True)
+    if array.shape[0] != numel:
+        raise ValueError(f"{name} has {array.shape[0]} elements but needs {numel} for the shape")
+    return array
+
+
+def adafactor_step(
+    param,
+    grad,
+    *,
+    shape: tuple[int, ...],
+    row_var=None,
+    col_var=None,
+    variance=None,
+    step: int,
+    lr: float,
+    beta2_decay: float,
+    eps1: float,
+    eps2: float,
+    d: float,
+    weight_decay: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    out=None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adafactor step of one whole parameter of ``shape``, matching
+    ``torch.optim.Adafactor`` (``step`` counted from 1) on the gradient ``grad.float() *
+    grad_scale`` (negated when ``maximize``; Note [Adafactor's three passes]).
+
+    ``param``: the flat fp32 master (updated in place); ``grad``: flat fp32, bf16 or fp16;
+    ``out``: flat bf16/fp16 receiving the weights, or None. With two or more dims,
+    ``row_var`` (``prod(shape[:-1])`` elements) and ``col_var`` (``prod(shape[:-2]) *
+    shape[-1]``) are the factors, else ``variance`` (every element): flat fp32, updated in
+    place. ``eps1``: a number (torch's ``None`` is resolved by the caller). ``num_threads``:
+    the thread budget's share when None.
+
+    Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
+    """
+    if not isinstance(shape, tuple) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise TypeError(f"shape must be a tuple of ints >= 0, got {shape!r}")
+    numel = math.prod(shape)
+    param_a, _ = as_kernel_array(param, "param", (FP32,), writable=True)
+    grad_a, grad_kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
+    for name, array in (("param", param_a), ("grad", grad_a)):
+        if array.shape[0] != numel:
+            raise ValueError(f"{name} has {array.shape[0]} elements but shape {shape} has {numel}")
+    if out is None:
+        out_a = out_view(None, FP32)
+    else:
+        raw, out_kind = as_kernel_array(out, "out", (BF16, FP16), writable=True)
+        if raw.shape[0] != numel:
+            raise ValueError(f"out has {raw.shape[0]} elements but shape {shape} has {numel}")
+        out_a = out_view(raw, out_kind)
+    if factored(shape):
+        m, n = shape[-2], shape[-1]
+        batches = numel // (m * n) if m * n else 0
+        row_a = _state(row_var, "row_var", batches * m)
+        col_a = _state(col_var, "col_var", batches * n)
+        if variance is not None:
+            raise ValueError(f"variance must be None for a factored parameter of shape {shape}")
+    else:
+        var_a = _state(variance, "variance", numel)
+        if row_var is not None or col_var is not None:
+            raise ValueError(f"row_var and col_var must be None for a parameter of shape {shape}")
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step={step!r} is invalid; pass the 1-based step count (an int >= 1)")
+    lr = check_float("lr", lr, lo=0.0)
+    beta2_decay = check_float("beta2_decay", beta2_decay, hi=0.0)
+    eps1 = check_float("eps1", eps1, lo=0.0)
+    eps2 = check_float("eps2", eps2, lo=0.0)
+    d = check_float("d", d, lo=1.0)
+    weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
+    grad_scale = check_float("grad_scale", grad_scale)
+    if numel == 0:
+        return
+
+    f32 = np.float32
+    t = float(step)
+    weight = f32(t**beta2_decay)
+    rho = min(lr, 1 / (t**0.5))
+    grad_mul = f32(-grad_scale if maximize else grad_scale)
+    eps1sq = f32(eps1 * eps1)
+    decay = f32(1 - lr * weight_decay)
+
+    def run(threads: int) -> None:
+        if factored(shape):
+            rows = batches * m
+            nblocks = _row_blocks(rows, n, batches * n)
+            rowsq = np.empty(rows, dtype=np.float64)  # (rows,) float64
+            colpart = np.zeros((nblocks, batches * n), dtype=np.float64)  # column partials
+            psq = np.empty(nblocks, dtype=np.float64)
+            _factored_stats(param_a, grad_a, grad_kind, grad_mul, m, n, nblocks, rowsq,
+                            colpart, psq)  # fmt: skip
+            rmean = np.empty(batches, dtype=np.float32)  # (batches,) max(mean row_var, eps1)
+            _update_factors(rowsq, colpart, row_a, col_a, rmean, m, n, weight, f32(eps1))
+            usq = np.empty(nblocks, dtype=np.float64)
+            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_a, col_a, rmean, eps1sq,
+                          nblocks, usq)  # fmt: skip
+        else:
+            nblocks = _element_blocks(numel)
+            usq = np.empty(nblocks, dtype=np.float64)
+            psq = np.empty(nblocks, dtype=np.float64)
+            _vector_usq(param_a, grad_a, grad_kind, grad_mul, var_a, weight, eps1sq, nblocks,
+                        usq, psq)  # fmt: skip
+        root = numel**0.5
+        alpha = max(eps2, _f32_norm(math.fsum(psq)) / root) * rho
+        denom = max(1.0, _f32_norm(math.fsum(usq)) / (root * d))
+        coef = f32(-alpha / denom)
+        nchunks = chunking(numel, threads)
+        if factored(shape):
+            _factored_apply(param_a, grad_a, grad_kind, grad_mul, m, n, row_a, col_a, rmean,
+                            eps1sq, decay, coef, out_a, min(nchunks, batches * m))  # fmt: skip
+        else:
+            _vector_apply(param_a, grad_a, grad_kind, grad_mul, var_a, eps1sq, decay, coef,
+                          out_a, nchunks)  # fmt: skip
+
+    run_with_threads(num_threads, run)

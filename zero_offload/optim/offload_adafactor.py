@@ -1,0 +1,77 @@
+"""``OffloadAdafactor``: the facade of the Adafactor rule (``rule/adafactor.py``) over
+``OffloadOptimizer``, with ``torch.optim.Adafactor``'s signature.
+
+A thin facade, as ``offload_adamw.py``'s: the torch-style constructor and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..accelerator import Accelerator
+from ..config import OffloadConfig
+from .offload_optimizer import OffloadOptimizer, refuse_torch_switches
+from .rule import ADAFACTOR, OptimizerRule
+
+__all__ = ["OffloadAdafactor"]
+
+
+class OffloadAdafactor(OffloadOptimizer):
+    """Adafactor with fp32 master weights, its second moment and the gradients offloaded to
+    host memory: 4 bytes of host state per parameter for the master, plus ``4 (m + n)``
+    bytes per ``(m, n)`` matrix (its row and column factors) and 4 per element of a
+    parameter of fewer than two dimensions (its full second moment).
+
+    Args follow ``torch.optim.Adafactor`` (``lr=1e-2`` caps the relative step,
+    ``beta2_decay=-0.8``, ``eps=(None, 1e-3)``, ``d=1.0``, ``weight_decay=0.0``,
+    ``maximize``); ``foreach`` other than None is refused, as ``OffloadAdamW`` refuses it.
+    ``eps1=None`` is the fp32 master's machine epsilon. The factored statistics need whole
+    parameters, so construction refuses several ranks, ``offload_fraction`` below 1,
+    ``nvme_dir`` and parameter offload, and ``save_streaming``/``load_streaming`` refuse
+    (Note [rules that read a whole parameter] in ``rule/base.py``); ``state_dict`` holds
+    torch's ``row_var``/``col_var``/``variance``. ``config``, ``accelerator``,
+    ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
+    """
+
+    rule: OptimizerRule = ADAFACTOR
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]]
+        | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        config: OffloadConfig | None = None,
+        accelerator: Accelerator | None = None,
+        process_group: Any = None,
+        model: torch.nn.Module | None = None,
+        layers: Sequence[torch.nn.Module] | None = None,
+    ) -> None:
+        refuse_torch_switches(type(self).__name__, foreach=foreach)
+        defaults = {
+            "lr": lr,
+            "beta2_decay": beta2_decay,
+            "eps": eps,
+            "d": d,
+            "weight_decay": weight_decay,
+            "maximize": maximize,
+        }
+        super().__init__(
+            params,
+            defaults,
+            config=config,
+            accelerator=accelerator,
+            process_group=process_group,
+            model=model,
+            layers=layers,
+        )
