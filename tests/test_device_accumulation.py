@@ -14,6 +14,7 @@ import zero_offload.optim.grads.device_acc as device_acc
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.path import GradSource
 
+from .helpers.device import on_device, run_device
 from .helpers.dist import run_ranks
 from .helpers.models import batches, lm_loss, make_pair, offload_opt
 
@@ -190,3 +191,38 @@ def test_two_ranks_sum_their_shards_on_the_device_bitwise(tmp_path) -> None:
         assert device["norms"] == host["norms"]
         for x, y in zip(device["weights"], host["weights"], strict=True):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("accumulation", ["auto", "host"])
+def test_the_estimator_rows_hold_the_built_accumulators(accumulation: str) -> None:
+    # The rows "micro-batches summed on the device / on the host" against the pools an
+    # accumulating optimizer built (estimate/accumulation.py): exact, pool by pool.
+    from zero_offload.demo.model import GPTConfig, TinyGPT
+    from zero_offload.estimate import estimate
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, seq_len=16, layers=2, hidden=64, heads=4)
+    model = TinyGPT(cfg).to(run_device(), torch.bfloat16)
+    opt = offload_opt(model, bucket_bytes=64 * 1024, grad_accumulation=accumulation)
+    tokens = on_device(torch.randint(0, 50, (2, 16)))
+    for _ in range(2):  # the first window accumulates on the host, the second where asked
+        for _ in range(2):
+            opt.backward(model(tokens).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    pools = {p.name: p for p in opt.manager.pools}
+    device_acc = sum(p.capacity for n, p in pools.items() if n.endswith(".grad_acc_dev"))
+    host_acc = sum(p.capacity for n, p in pools.items() if n.endswith(".grad_acc"))
+    spare = sum(p.capacity for n, p in pools.items() if n.endswith(".grad_staging_spare"))
+    opt.close()
+    rows = {r.name: r for r in estimate(model, dtype=torch.bfloat16, bucket_bytes=64 * 1024).rows}
+    base = rows["ZeRO-Offload + checkpointing"]
+    device_row = rows["ZeRO-Offload + ckpt, micro-batches summed on the device"]
+    host_row = rows["ZeRO-Offload + ckpt, micro-batches summed on the host"]
+    # The first (host) window built the host accumulator and the spare in both runs.
+    assert device_row.host - base.host == host_acc
+    assert host_row.host - base.host == host_acc + spare
+    if accumulation == "auto":
+        assert device_row.device_buffers - base.device_buffers == device_acc > 0
+    else:
+        assert device_acc == 0

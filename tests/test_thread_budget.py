@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload import CudaAccelerator, OffloadAdamW, OffloadConfig
 from zero_offload import thread_budget as tb
 from zero_offload.accelerator import get_accelerator
 from zero_offload.cli import main
@@ -173,16 +173,31 @@ def test_the_kernels_default_follows_the_budget(budget_of) -> None:
     assert resolve_threads(1) == 1  # an explicit count is kept
 
 
-def test_the_host_worker_launches_beside_torch() -> None:
-    worker = HostWorker(get_accelerator(), name="test_budget_worker")
+def _worker_phase(accelerator: object) -> tb.LaunchPhase:
+    """The launch phase of a host worker built for ``accelerator``."""
+    worker = HostWorker(accelerator, name="test_budget_worker")  # type: ignore[arg-type]
     seen: list[tb.LaunchPhase] = []
     try:
         worker.submit(lambda: seen.append(tb.launch_phase()))
         worker.synchronize()
     finally:
         worker.close()
-    assert seen == [tb.LaunchPhase.BESIDE]
+    return seen[0]
+
+
+def test_the_host_worker_launches_beside_torch() -> None:
+    assert _worker_phase(get_accelerator()) is tb.LaunchPhase.BESIDE
     assert tb.launch_phase() is tb.LaunchPhase.ALONE  # the caller's thread is unchanged
+
+
+def test_the_host_worker_has_the_cores_when_the_gpu_computes() -> None:
+    # On CUDA the caller's forward and backward run on the GPU: the host worker's CPU Adam
+    # (a delayed or announced update) takes the cores (issue 39). The accelerator says so.
+    class GpuComputes(type(get_accelerator())):  # type: ignore[misc]
+        computes_on_host = False
+
+    assert _worker_phase(GpuComputes()) is tb.LaunchPhase.ALONE
+    assert CudaAccelerator.computes_on_host is False
 
 
 def test_an_announced_backward_keeps_torch_at_its_count(budget_of) -> None:

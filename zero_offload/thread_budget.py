@@ -19,9 +19,12 @@ budget divides the cores, and every numba launch asks it:
   ``ZERO_OFFLOAD_CORES`` overrides it (to leave cores to a data loader, say).
 - ALONE (CPU Adam in ``step()`` on the caller's thread, after backward): numba takes the
   cores.
-- BESIDE (CPU Adam on the host worker while the caller's thread may run torch: the announced
-  step, the delayed update): numba takes ``k = max(1, cores // 2)``
-  (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it).
+- BESIDE (CPU Adam on the host worker while the caller's thread may run torch on the host's
+  cores: the announced step, the delayed update, on the host accelerator): numba takes
+  ``k = max(1, cores // 2)`` (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it). On CUDA
+  the caller's forward and backward run on the GPU, its thread only launching kernels
+  (``Accelerator.computes_on_host`` is False): the host worker's CPU Adam is ALONE and takes
+  the cores (issue 39: the delayed update ran on half the H200 host's cores).
 - either way, at most ``torch.get_num_threads()``: a process told to use fewer threads (a
   rank sharing a host with others) keeps to it, as before the budget.
 - a host-worker pass over a gradient beside CPU Adam: ``max(1, cores // 4)`` (Note [the

@@ -302,6 +302,10 @@ class Accelerator(ABC):
     ledger: DeviceLedger
     #: The race checker when one is on (host accelerator, ``check_races``), else None.
     race_checker: RaceChecker | None = None
+    #: Whether the model's compute (the caller's forward and backward) runs on the host's
+    #: cores: the host accelerator's does, CUDA's does not (Note [one thread budget] in
+    #: ``thread_budget.py``: CPU Adam beside it takes a share of the cores, or all of them).
+    computes_on_host: bool = True
     #: How many holders want timed events (``hold_timing``); guarded by ``_timing_lock``.
     _timing_holders = 0
     _timing_lock = threading.Lock()

@@ -373,6 +373,7 @@ class CudaAccelerator(Accelerator):
     """See the module docstring."""
 
     name = "cuda"
+    computes_on_host = False  # the GPU computes: CPU Adam may take every core
 
     def __init__(
         self, config: AcceleratorConfig | None = None, *, index: int | None = None

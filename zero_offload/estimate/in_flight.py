@@ -49,7 +49,8 @@ __all__ = ["CONDITIONS", "ParamInFlight", "ring_bytes"]
 CONDITIONS = (
     "each step announced and run during backward (opt.backward(loss, step=True)): no "
     "gradient clipping (max_grad_norm), no skip_nonfinite or fp16 loss scaling, one "
-    "micro-batch per step; OffloadConfig(grad_staging='in_flight')"
+    "micro-batch per step; OffloadConfig(grad_staging='in_flight'). A fine-tune that "
+    "clips gradients cannot"
 )
 
 

@@ -73,6 +73,7 @@ class BucketTiers:
     home: int  # training-dtype weights in host RAM, a(s k)
     record: int  # the state on NVMe: its records, 4 KiB-aligned per tile
     home_file: int  # the training-dtype weights on NVMe, 4 KiB-aligned
+    accumulator: int  # an fp32 gradient accumulator of the shard, a(4s), host or device
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,6 +127,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
             OffloadConfig().tile_elements,
             itemsize,
         ),
+        accumulator=aligned(4 * shard, POOL_ALIGNMENT),
     )
 
 

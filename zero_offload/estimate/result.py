@@ -82,6 +82,9 @@ class MemoryEstimate:
             f" host memory {_size(self.host_memory)} per node ({self.host_memory_source});"
             f" NVMe {_size(self.disk_memory) if self.disk_memory else 'none'} per node"
         )
+        # One mark per distinct condition: *, **, ...
+        conditions = dict.fromkeys(row.conditions for row in self.rows if row.conditions)
+        marks = {text: "*" * (i + 1) for i, text in enumerate(conditions)}
         rows = [
             [
                 row.name,
@@ -93,7 +96,7 @@ class MemoryEstimate:
                 _size(row.disk),
                 {True: "yes", False: "no", None: "?"}[row.fits],
                 _largest_text(row),
-                row.library + ("*" if row.conditions else ""),
+                row.library + marks.get(row.conditions, ""),
             ]
             for row in self.rows
         ]
@@ -122,8 +125,8 @@ class MemoryEstimate:
             + ("; ".join(reasons) or "none here")
             + ")."
         )
-        for conditions in dict.fromkeys(row.conditions for row in self.rows if row.conditions):
-            note += f"\n*: only where {conditions}; a fine-tune that clips gradients cannot."
+        for conditions, mark in marks.items():
+            note += f"\n{mark}: only where {conditions}."
 
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 
