@@ -132,6 +132,7 @@ TEST_FILES = (
     "tests/test_hf_export.py",
     "tests/test_adafactor.py",
     "tests/test_device_accumulation.py",
+    "tests/test_overlap_queue.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the

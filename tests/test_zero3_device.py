@@ -48,7 +48,10 @@ def _device_formula(result: dict) -> int:
     # The gradient buffers: GRAD_BUFFERS of the largest bucket's padded bytes (one filling
     # while the previous one is reduce-scattered and copied to the host).
     grads = GRAD_BUFFERS * _a(max(padded * itemsize for padded, _, itemsize in buckets))
-    return shards + window + grads
+    # Micro-batches summed on the device: an fp32 accumulator of each bucket's shard (Note
+    # [micro-batches add up on the device]), taken at the second accumulating step.
+    sums = sum(_a(4 * shard) for _, shard, _ in buckets) if result["device_sums"] else 0
+    return shards + window + grads + sums
 
 
 @pytest.fixture(scope="module", params=DTYPES)
@@ -172,6 +175,7 @@ def test_accumulation_clipping_and_checkpointing(
         assert _max_diff(device[rank]["weights"], offload[rank]["weights"]) == 0.0
         assert device[rank]["norms"] == offload[rank]["norms"]
         _close_to_one_process(device[rank]["weights"], one["weights"])
+        assert device[rank]["device_sums"] == (micro > 1)
         assert device[rank]["peak"] == _device_formula(device[rank])
         rel = 1e-4 if dtype == torch.float32 else 1e-2
         assert device[rank]["norms"] == pytest.approx(one["norms"], rel=rel)

@@ -146,6 +146,9 @@ def scenario_train(
             (b.layout.padded_numel, b.layout.shard_numel, b.views.dtype.itemsize)
             for b in opt.buckets
         ],
+        # Micro-batches summed on the device (Note [micro-batches add up on the device]):
+        # whether every bucket took its accumulator.
+        "device_sums": all(getattr(b.gradients, "device_sum", None) for b in opt.buckets),
         "offloader": None if offloader is None else type(offloader).__name__,
         # per unit in registration order: its buckets' padded bytes (the gathered bytes)
         "unit_buckets": []
