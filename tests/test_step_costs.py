@@ -22,6 +22,7 @@ from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.memory import manager as manager_module
 from zero_offload.memory.traffic import Direction
 
+from .helpers.device import on_device, run_accelerator, run_device
 from .helpers.models import host_accelerator
 
 #: Ops that only make views or metadata (no kernel on a GPU).
@@ -91,3 +92,61 @@ def test_step_dispatches_ops_per_bucket_not_per_parameter() -> None:
         counts[layers] = sum(ops.kernels.values())
         opt.close()
     assert counts[50] == counts[200] <= 16, counts
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The elements of each CPU Adam launch (``adam_step`` through the AdamW rule)."""
+    import zero_offload.optim.rule.adamw as adamw_rule
+
+    sizes: list[int] = []
+    kernel = adamw_rule.adam_step
+
+    def counting(param: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(param.numel())
+        return kernel(param, *args, **kwargs)
+
+    monkeypatch.setattr(adamw_rule, "adam_step", counting)
+    return sizes
+
+
+@pytest.mark.cuda_form
+def test_a_bucket_whose_gradient_landed_is_one_launch_and_one_weight_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [a launch spans the tiles that landed]: 64 tiles of 1024 elements, all landed
+    # when step() runs, make one Adam launch and one weight copy (before: 64 and 64).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False).to(run_device())  # 65536 elements
+    config = OffloadConfig(tile_elements=1024)
+    opt = OffloadAdamW(model.parameters(), config=config, accelerator=run_accelerator())
+    launches, copies = _launches(monkeypatch), _copies(monkeypatch)
+    x = on_device(torch.randn(4, 256))
+    for _ in range(2):
+        model(x).square().sum().backward()
+        opt.manager.synchronize()  # every gradient tile on the host
+        launches.clear()
+        copies.clear()
+        opt.step()
+        opt.zero_grad()
+        assert launches == [256 * 256]
+        assert copies[Direction.H2D] == 1, copies
+    opt.close()
+
+
+@pytest.mark.simulator_only("a slow simulated link keeps the gradient's copies in flight")
+def test_adam_still_follows_a_gradient_that_is_landing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # While the tiles are still on their way (a slow link), a launch takes what landed:
+    # several launches, the first before the last tile landed (Note [Adam follows the
+    # gradient in]).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = OffloadAdamW(
+        model.parameters(),
+        config=OffloadConfig(tile_elements=1024),
+        accelerator=host_accelerator(link_latency=2e-3),
+    )
+    launches = _launches(monkeypatch)
+    model(torch.randn(4, 256)).square().sum().backward()
+    opt.step()
+    assert len(launches) > 1 and sum(launches) == 256 * 256
+    opt.close()

@@ -97,6 +97,21 @@ class Landing(Sequence[tuple[int, Event]]):
         ends = self._ends
         return self._tiles[min(bisect.bisect_left(ends, hi), len(ends) - 1)][1]
 
+    def landed_through(self, lo: int, limit: int) -> int:
+        """How far past ``lo`` (up to ``limit``) the copies have landed now, without waiting:
+        the end of the last tile whose copy is done, in order (``lo`` when the tile holding
+        ``lo`` is still on its way)."""
+        end = lo
+        tiles = self._tiles
+        k = bisect.bisect_right(self._ends, lo)
+        while k < len(tiles) and end < limit:
+            tile_end, event = tiles[k]
+            if not event.query():
+                break
+            end = tile_end
+            k += 1
+        return min(end, limit) if end > lo else lo
+
     def follow(self, worker: HostWorker, real: int, task: Callable[[int, int], None]) -> None:
         """Queue ``task(lo, hi)`` on the host worker behind each tile's copy, over the
         first ``real`` elements (a tile of padding only has nothing to pass over)."""

@@ -105,6 +105,12 @@ class GradientPath(ABC):
         gradient, for a CPU kernel to read it next (Note [Adam follows the gradient in] in
         ``to_host.py``)."""
 
+    def landed_through(self, source: GradSource, lo: int, limit: int) -> int:
+        """How far past ``lo`` (up to ``limit``) ``gradient(source)`` holds the window's
+        gradient now, without waiting (Note [a launch spans the tiles that landed] in
+        ``rule/tiles.py``); ``lo`` when nothing is known to have landed."""
+        return lo
+
     @abstractmethod
     def window_source(self) -> GradSource:
         """The field holding the window's gradient now."""

@@ -512,6 +512,14 @@ class HostGradients(GradientPath):
                     event.synchronize()
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
+    def landed_through(self, source: GradSource, lo: int, limit: int) -> int:
+        if (source is GradSource.STAGING or self._acc_landed) and self._landing:
+            return self._landing.landed_through(lo, limit)
+        if self.manager.host_worker.is_current():
+            return limit  # queued behind every pass over the window (see await_grad)
+        done = self._staging_consumed
+        return limit if done is None or done.query() else lo
+
     def _drop_open(self) -> None:
         """Drop the open device buffer, if any: Note [an interrupted gradient path]."""
         self._adopted = None  # autograd's tensor: dropping it is all

@@ -8,6 +8,22 @@ tensors, an NVMe store streams records through its I/O buffers (Note [the step s
 state] in ``state/nvme.py``). An elementwise rule's tile boundaries do not change a bit;
 a rule that reads whole parameters is stepped one whole parameter per call
 (``step_parameter``; Note [rules that read a whole parameter] in ``base.py``).
+
+Note [a launch spans the tiles that landed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A tile is the unit the gradient lands in and CPU Adam may follow, not the unit Adam must be
+launched in. Launched per 2M-element tile, the kernel's thread team stood idle between tiles
+while Python checked the next launch's arguments, waited for its gradient and issued its
+weight copy: on the H200 run's 16-core host a tile's Adam takes about 0.4 ms, about as long
+as that turn (issue 39: CPU Adam at a quarter of the bare kernel's rate). So a launch takes
+the tile it needs and every following tile of the run whose gradient has *already* landed
+(``GradientPath.landed_through``, which never waits), up to ``LAUNCH_ELEMENTS``: after
+backward, when every gradient is on the host, a bucket's run is one launch, one weight copy
+and one streamed hash; during an announced backward, or while the copies are still
+arriving, Adam still starts on the first tile that landed. An elementwise rule gives the
+same bits for any launch boundaries (``adam_step`` is elementwise), so nothing else changes.
+``LAUNCH_ELEMENTS`` bounds the delay before a launch's weight copy starts (about 10 ms of
+the bare kernel on that host).
 """
 
 from __future__ import annotations
@@ -19,7 +35,10 @@ from ..grads.path import GradientPath, GradSource
 from ..publish import Publish, WeightCopies
 from .base import Hyper, OptimizerRule
 
-__all__ = ["RuleTiles"]
+__all__ = ["LAUNCH_ELEMENTS", "RuleTiles"]
+
+#: The most elements one launch takes: Note [a launch spans the tiles that landed].
+LAUNCH_ELEMENTS = 1 << 25
 
 
 class RuleTiles:
@@ -52,6 +71,16 @@ class RuleTiles:
         self.grad = gradients.gradient(self.source)  # (shard_numel,); reads declared per tile
         self.publish = publish
         self.after = publication.prepare(publish=publish, after=after)
+
+    def launch_end(self, lo: int, stop: int, tile_elements: int) -> int:
+        """Where the launch starting at ``lo`` (of a run ending at ``stop``) ends: its first
+        tile, and the tiles after it whose gradient landed; Note [a launch spans the tiles
+        that landed]."""
+        first = min(lo + tile_elements, stop)
+        limit = min(lo + max(LAUNCH_ELEMENTS, tile_elements), stop)
+        if limit <= first or not self.rule.elementwise:
+            return first
+        return max(first, self.gradients.landed_through(self.source, lo, limit))
 
     def step(
         self,

@@ -157,10 +157,12 @@ class HostState(StateStore):
             )
         out = self.weights_staging
         for start, stop, step in clip_runs(runs, *self.shard):
-            for lo in range(start, stop, self.tile_elements):
-                hi = min(lo + self.tile_elements, stop)
+            lo = start
+            while lo < stop:  # Note [a launch spans the tiles that landed] (rule/tiles.py)
+                hi = tiles.launch_end(lo, stop, self.tile_elements)
                 fields = {name: tensor[lo:hi] for name, tensor in state.items()}
                 tiles.step(lo, hi, step, fields, out=None if out is None else out[lo:hi])
+                lo = hi
 
     def span(self) -> tuple[int, int]:
         return self.shard
