@@ -131,6 +131,7 @@ TEST_FILES = (
     "tests/test_state_dict_save.py",
     "tests/test_hf_export.py",
     "tests/test_adafactor.py",
+    "tests/test_muon.py",
     "tests/test_device_accumulation.py",
     "tests/test_overlap_queue.py",
 )

@@ -40,8 +40,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 9. ``construction``, ``torch_clipping``, ``framework_clipping``: building the buckets; the
    clipping guards.
 10. ``offload_optimizer``: the public optimizer's machinery, for any rule.
-11. ``offload_adamw``, ``offload_lion``, ``offload_adagrad``, ``offload_adafactor`` and
-    ``optim``'s ``__init__``: the rules' facades (torch-style constructors), the public
+11. ``offload_adamw``, ``offload_lion``, ``offload_adagrad``, ``offload_adafactor``,
+    ``offload_muon`` and ``optim``'s ``__init__``: the rules' facades (torch-style constructors), the public
     names.
 
 Cycles are looked for among every import: module level, under ``if TYPE_CHECKING:``, and
@@ -114,6 +114,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "offload_lion": 11,
     "offload_adagrad": 11,
     "offload_adafactor": 11,
+    "offload_muon": 11,
     "": 11,  # zero_offload/optim/__init__.py
 }
 # The one optim module through which optim reaches params (None: optim imports no params).

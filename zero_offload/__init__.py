@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         OffloadAdam,
         OffloadAdamW,
         OffloadLion,
+        OffloadMuon,
         OffloadOptimizer,
         StepFailed,
     )
@@ -75,6 +76,7 @@ _LAZY = {
     "OffloadAdam": ".optim",
     "OffloadAdamW": ".optim",
     "OffloadLion": ".optim",
+    "OffloadMuon": ".optim",
     "OffloadOptimizer": ".optim",
     "StepFailed": ".optim",
     "TrafficProfiler": ".profiling",
@@ -103,6 +105,7 @@ __all__ = [
     "OffloadAdamW",
     "OffloadConfig",
     "OffloadLion",
+    "OffloadMuon",
     "OffloadOptimizer",
     "PoolExhausted",
     "StepFailed",

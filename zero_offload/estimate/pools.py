@@ -68,8 +68,10 @@ def rule_state_bytes(rule: str, shapes: Sequence[Shape]) -> int:
     """Host state bytes of optimizer ``rule`` (default options, fp32) over parameters of
     ``shapes``, alignment aside: every element's fields, and the shaped state of a rule
     that reads whole parameters (Adafactor's factors: ``4 (m + n)`` bytes per ``(m, n)``
-    matrix, 4 per element below two dims; Note [rules that read a whole parameter]). The
-    rows by parameter count (``Context.state_bytes``) size the per-element part only."""
+    matrix, 4 per element below two dims; Muon's momentum buffer, 4 per matrix element, and
+    AdamW's moments beside it, 8 per other element; Note [rules that read a whole
+    parameter]). The rows by parameter count (``Context.state_bytes``) size the per-element
+    part only."""
     fields = rule_state(rule)
     numel = sum(math.prod(shape) for shape in shapes)
     return fields.bytes_per_element * numel + 4 * fields.param_state_numel(

@@ -1,4 +1,6 @@
-"""Numba CPU kernels (shipped as zero_offload.kernels): pure functions over arrays.
+"""Numba CPU kernels (shipped as zero_offload.kernels): pure functions over arrays. Muon's
+step (``muon.py``) is the one built from torch's own CPU operations: its work is matrix
+products.
 
 Every kernel takes 1-D contiguous CPU arrays (torch tensors or numpy arrays; a numpy uint16
 array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, keeps no state,
@@ -17,6 +19,7 @@ from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
 from .lion import lion_step  # noqa: E402
+from .muon import muon_step, newton_schulz  # noqa: E402
 from .stats import grad_stats  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
@@ -28,5 +31,7 @@ __all__ = [
     "cast_fp32",
     "grad_stats",
     "lion_step",
+    "muon_step",
+    "newton_schulz",
     "warmup",
 ]

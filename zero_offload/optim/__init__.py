@@ -5,6 +5,7 @@ from .offload_adafactor import OffloadAdafactor
 from .offload_adagrad import OffloadAdagrad
 from .offload_adamw import OffloadAdam, OffloadAdamW
 from .offload_lion import OffloadLion
+from .offload_muon import OffloadMuon
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
 from .update.modes import StepFailed
@@ -15,6 +16,7 @@ __all__ = [
     "OffloadAdam",
     "OffloadAdamW",
     "OffloadLion",
+    "OffloadMuon",
     "OffloadOptimizer",
     "StepFailed",
 ]

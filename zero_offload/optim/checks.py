@@ -295,7 +295,7 @@ def refuse_whole_parameter_features(
     if ranks > 1:
         refused.append(
             f"{ranks} ranks (ZeRO-2 shards each bucket by flat range, which cuts parameters "
-            "whose row and column statistics need all of them); train it on one rank"
+            "that the rule reads whole); train it on one rank"
         )
     if config.offload_fraction != 1.0:
         refused.append(
@@ -315,6 +315,6 @@ def refuse_whole_parameter_features(
         )
     if refused:
         raise ValueError(
-            f"{name}: the {rule.name} rule reads whole parameters (its second moment is "
-            "factored over rows and columns), so it does not support " + "; nor ".join(refused)
+            f"{name}: the {rule.name} rule reads whole parameters ({rule.reads_whole}), so "
+            "it does not support " + "; nor ".join(refused)
         )

@@ -1,12 +1,14 @@
 """The optimizer's rule: what it keeps and how it steps (``base.py``: the protocol; AdamW and
 Adam in ``adamw.py``, Lion in ``lion.py``, Adagrad in ``adagrad.py``, Adafactor, which reads
-whole parameters, in ``adafactor.py``; the host tile loop every rule shares in ``tiles.py``)."""
+whole parameters, in ``adafactor.py``; Muon, with AdamW for what is not a matrix, in
+``muon.py``; the host tile loop every rule shares in ``tiles.py``)."""
 
 from .adafactor import ADAFACTOR
 from .adagrad import ADAGRAD
 from .adamw import ADAM, ADAMW
 from .base import OptimizerRule, ParamField, StateField, StateFields, require_elementwise
 from .lion import LION
+from .muon import MUON
 
 __all__ = [
     "ADAFACTOR",
@@ -14,6 +16,7 @@ __all__ = [
     "ADAM",
     "ADAMW",
     "LION",
+    "MUON",
     "OptimizerRule",
     "ParamField",
     "StateField",
@@ -24,7 +27,7 @@ __all__ = [
 
 #: Every rule by the name users choose it with.
 RULES: dict[str, OptimizerRule] = {
-    rule.name: rule for rule in (ADAMW, ADAM, LION, ADAGRAD, ADAFACTOR)
+    rule.name: rule for rule in (ADAMW, ADAM, LION, ADAGRAD, ADAFACTOR, MUON)
 }
 
 

@@ -49,6 +49,7 @@ class AdafactorRule(OptimizerRule):
 
     name = "adafactor"
     elementwise = False
+    reads_whole = "its second moment is factored over rows and columns"
 
     def __repr__(self) -> str:
         return "AdafactorRule()"

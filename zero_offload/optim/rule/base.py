@@ -180,6 +180,9 @@ class OptimizerRule(ABC):
     name: ClassVar[str]
     #: Whether each element's update reads only that element (the module docstring).
     elementwise: ClassVar[bool]
+    #: For a rule that is not elementwise: what its update reads of a whole parameter, as
+    #: the refusals of Note [rules that read a whole parameter] say it.
+    reads_whole: ClassVar[str] = ""
 
     @abstractmethod
     def hyper(self, group: Mapping[str, Any]) -> Hyper:

@@ -1,0 +1,233 @@
+"""Muon as a rule: ``torch.optim.Muon`` for every 2-D parameter, ``torch.optim.AdamW`` for
+every other one, in one optimizer (Note [Muon routes by shape]).
+
+Not elementwise: Newton–Schulz orthogonalizes a matrix's whole update (Note [rules that
+read a whole parameter] in ``base.py``). State: the fp32 master per element; per
+parameter, shaped like it and fp32, ``momentum_buffer`` for a matrix (torch's Muon's name)
+and ``exp_avg``/``exp_avg_sq`` for the rest (torch's AdamW's). Host bytes per parameter:
+8 for a matrix (master, buffer), 12 for the rest (master, two moments).
+``OffloadConfig.moments_dtype`` does not apply: the shaped state is fp32. On the host a
+matrix steps through ``kernels.muon_step`` (torch's bf16 Newton–Schulz on the CPU), the
+rest through ``kernels.adam_step``; there is no device step (resident state is refused at
+construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...kernels import adam_step, muon_step
+from .base import OptimizerRule, ParamField, StateField, StateFields
+from .values import check_flag, check_number, check_number_or_scalar_tensor
+
+__all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule"]
+
+# Note [Muon routes by shape]
+# torch.optim.Muon takes 2-D parameters only and its documentation sends the rest (biases,
+# norms) to AdamW. One OffloadMuon holds both, and a parameter's shape alone decides: two
+# dims, Muon; any other, AdamW with the group's ``adamw_*`` hyper-parameters. The shape and
+# not a group flag, because the shaped state is declared per shape (``param_state``) and
+# sized before any group is read; a group flag that could disagree with the shape would be
+# a second source of truth. A 2-D parameter meant for AdamW (an embedding, an output head,
+# as Keller Jordan's recipe trains them) goes to its own OffloadAdamW; a group that says
+# ``use_muon`` (that recipe's flag) is refused with this advice, not silently ignored.
+
+#: torch's ``adjust_lr_fn`` values.
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+@dataclass(frozen=True)
+class MuonHyper:
+    """One param group's hyper-parameters for a step: Muon's for its matrices, AdamW's
+    (``adamw_*``) for its other parameters."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    ns_coefficients: tuple[float, float, float]
+    eps: float
+    ns_steps: int
+    adjust_lr_fn: str | None
+    adamw_lr: float
+    adamw_beta1: float
+    adamw_beta2: float
+    adamw_eps: float
+    adamw_weight_decay: float
+
+
+def is_muon_shape(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` steps by Muon (Note [Muon routes by shape])."""
+    return len(shape) == 2
+
+
+class MuonRule(OptimizerRule):
+    """Muon for matrices, AdamW for the rest, as torch's two optimizers step them."""
+
+    name = "muon"
+    elementwise = False
+    reads_whole = "Newton-Schulz orthogonalizes each matrix's whole update"
+
+    def __repr__(self) -> str:
+        return "MuonRule()"
+
+    def hyper(self, group: Mapping[str, Any]) -> MuonHyper:
+        beta1, beta2 = group["adamw_betas"]
+        a, b, c = group["ns_coefficients"]
+        return MuonHyper(
+            lr=float(group["lr"]),
+            weight_decay=float(group["weight_decay"]),
+            momentum=float(group["momentum"]),
+            nesterov=bool(group["nesterov"]),
+            ns_coefficients=(float(a), float(b), float(c)),
+            eps=float(group["eps"]),
+            ns_steps=int(group["ns_steps"]),
+            adjust_lr_fn=group["adjust_lr_fn"],
+            adamw_lr=float(group["adamw_lr"]),
+            adamw_beta1=float(beta1),
+            adamw_beta2=float(beta2),
+            adamw_eps=float(group["adamw_eps"]),
+            adamw_weight_decay=float(group["adamw_weight_decay"]),
+        )
+
+    def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
+        """As torch's Muon checks them (``lr``, ``momentum``, ``weight_decay`` >= 0,
+        ``adjust_lr_fn``), and beyond (``ns_steps`` an int in [1, 100), which torch checks
+        at its first step; ``ns_coefficients`` three numbers; ``eps`` >= 0; ``nesterov`` a
+        bool); ``adamw_*`` as torch's AdamW checks its own. A ``use_muon`` key is refused
+        (Note [Muon routes by shape])."""
+        if "use_muon" in group:
+            raise ValueError(
+                f"{where}: use_muon={group['use_muon']!r} is not an OffloadMuon option: a "
+                "parameter's shape decides (2-D: Muon; any other: AdamW with the adamw_* "
+                "hyper-parameters). Give a 2-D parameter that should train with AdamW (an "
+                "embedding, an output head) to a separate OffloadAdamW, and drop use_muon"
+            )
+        check_number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
+        check_number(where, "weight_decay", group["weight_decay"], low=0.0)
+        check_number(where, "momentum", group["momentum"], low=0.0)
+        check_flag(where, "nesterov", group["nesterov"])
+        coefficients = group["ns_coefficients"]
+        if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3):
+            raise ValueError(
+                f"{where}: ns_coefficients must be three floats (a, b, c), got {coefficients!r}"
+            )
+        for i, value in enumerate(coefficients):
+            check_number(where, f"ns_coefficients[{i}]", value, low=-float("inf"))
+        check_number(where, "eps", group["eps"], low=0.0)
+        ns_steps = group["ns_steps"]
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 < ns_steps < 100:
+            raise ValueError(f"{where}: ns_steps must be an int in [1, 100), got {ns_steps!r}")
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"{where}: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got "
+                f"{group['adjust_lr_fn']!r}"
+            )
+        check_number(where, "adamw_lr", group["adamw_lr"], low=0.0)
+        check_number(where, "adamw_eps", group["adamw_eps"], low=0.0)
+        check_number(where, "adamw_weight_decay", group["adamw_weight_decay"], low=0.0)
+        betas = group["adamw_betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
+        check_number(where, "adamw_betas[0]", betas[0], low=0.0, high=1.0)
+        check_number(where, "adamw_betas[1]", betas[1], low=0.0, high=1.0)
+
+    def state_fields(
+        self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]
+    ) -> StateFields:
+        """The fp32 master per element; the rest is shaped (``param_state``)."""
+        return StateFields((StateField("master", torch.float32),), param_state=self.param_state)
+
+    def param_state(self, shape: tuple[int, ...]) -> tuple[ParamField, ...]:
+        if is_muon_shape(shape):
+            return (ParamField("momentum_buffer", tuple(shape)),)
+        return (ParamField("exp_avg", tuple(shape)), ParamField("exp_avg_sq", tuple(shape)))
+
+    def checkpoint_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        """None per element: torch's per-parameter state is shaped (``param_state``)."""
+        return ()
+
+    def tile_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
+        hyper: MuonHyper,
+        grad_scale: float,
+        out: torch.Tensor | None,
+    ) -> None:
+        raise RuntimeError(
+            "the muon rule reads whole parameters and is stepped by parameter_step; a tile "
+            "loop reached it (a bug: Note [rules that read a whole parameter])"
+        )
+
+    def device_tile_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
+        hyper: MuonHyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        raise RuntimeError(
+            "the muon rule has no device step: resident state is refused at construction "
+            "(a bug: Note [rules that read a whole parameter])"
+        )
+
+    def parameter_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        param_state: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        shape: tuple[int, ...],
+        step: int,
+        hyper: MuonHyper,
+        grad_scale: float,
+        out: torch.Tensor | None,
+    ) -> None:
+        """Muon for a matrix, AdamW for any other shape (Note [Muon routes by shape])."""
+        master = fields["master"]
+        if is_muon_shape(shape):
+            muon_step(
+                master,
+                grad,
+                param_state["momentum_buffer"].reshape(-1),
+                shape=tuple(shape),
+                lr=hyper.lr,
+                weight_decay=hyper.weight_decay,
+                momentum=hyper.momentum,
+                nesterov=hyper.nesterov,
+                ns_coefficients=hyper.ns_coefficients,
+                ns_steps=hyper.ns_steps,
+                eps=hyper.eps,
+                adjust_lr_fn=hyper.adjust_lr_fn,
+                grad_scale=grad_scale,
+                out=out,
+            )
+            return
+        adam_step(
+            master,
+            grad,
+            param_state["exp_avg"].reshape(-1),
+            param_state["exp_avg_sq"].reshape(-1),
+            step=step,
+            lr=hyper.adamw_lr,
+            beta1=hyper.adamw_beta1,
+            beta2=hyper.adamw_beta2,
+            eps=hyper.adamw_eps,
+            weight_decay=hyper.adamw_weight_decay,
+            grad_scale=grad_scale,
+            out=out,
+        )
+
+
+#: ``torch.optim.Muon``'s rule with AdamW beside it (``OffloadMuon``).
+MUON = MuonRule()
