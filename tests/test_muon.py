@@ -265,19 +265,22 @@ def test_a_resumed_run_is_bitwise_equal() -> None:
 
 
 def test_a_state_dict_without_state_restarts_from_zero() -> None:
-    """No state: the buffers and moments restart at 0 and the step count at 0, as a fresh
-    torch pair from the loaded weights."""
+    """No state: the buffers and moments restart at 0 and the step count at 0, bitwise a
+    fresh OffloadMuon from the loaded weights (which matches torch's pair: the parity
+    tests). Against torch directly the bound would be torch's own chaotic bf16
+    Newton-Schulz drift, which moves with torch's thread count."""
     data = batches(4)
-    model, ref = make_pair()
+    model, fresh_model = make_pair()
     opt = _build(model)
     _steps(model, opt, data[:2])
     opt.load_state_dict({**opt.state_dict(), "state": {}})
-    ref.load_state_dict(model.state_dict())
-    torch_pair = _TorchPair(ref, "recipe")
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = _build(fresh_model)
     _steps(model, opt, data[2:])
-    _steps(ref, torch_pair, data[2:])
-    assert max_diff(model, ref) < 1e-6
+    _steps(fresh_model, fresh, data[2:])
+    assert max_diff(model, fresh_model) == 0.0
     opt.close()
+    fresh.close()
 
 
 @pytest.mark.cuda_form
