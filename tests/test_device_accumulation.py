@@ -41,11 +41,18 @@ def _train(accumulation: str, windows: list[int], *, dtype=torch.float32, announ
     return model, opt, norms
 
 
-def _same(a, b) -> None:
+def _same(a, b, *, clipped: bool = False) -> None:
+    """Two runs agree: the same weights, bitwise, unless a clip binds; then within one ulp
+    of the training dtype (the norms are equal to about 1e-16, Note [micro-batches add up
+    on the device])."""
     (model_a, opt_a, norms_a), (model_b, opt_b, norms_b) = a, b
-    assert norms_a == norms_b
+    assert norms_a == pytest.approx(norms_b, rel=1e-14)
     for x, y in zip(model_a.parameters(), model_b.parameters(), strict=True):
-        assert torch.equal(x, y)
+        if clipped:
+            ulp = torch.finfo(x.dtype).eps * y.detach().float().abs()
+            assert bool(((x.detach().float() - y.detach().float()).abs() <= ulp).all())
+        else:
+            assert torch.equal(x, y)
     opt_a.close()
     opt_b.close()
 
@@ -53,14 +60,15 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clip", [None, 1e-3], ids=["unclipped", "clipped"])
 def test_device_sum_is_bitwise_the_host_sum(dtype, clip) -> None:
-    # An fp32 add of the training-dtype gradient, in the same order, on either side; the
-    # statistics of the landed sum are the host pass's partials (binding clip: same norm).
+    # An fp32 add of the training-dtype gradient, in the same order, on either side: the
+    # same sum, bitwise. Its norm is taken on the device per parameter (the host adds its
+    # cells exactly): equal to about 1e-16, so a binding clip may move a last bit.
     windows = [4, 4, 4, 4]
     device = _train("auto", windows, dtype=dtype, max_grad_norm=clip)
     assert all(b.gradients.device_sum is not None for b in device[1].buckets)
     host = _train("host", windows, dtype=dtype, max_grad_norm=clip)
     assert all(b.gradients.device_sum is None for b in host[1].buckets)
-    _same(device, host)
+    _same(device, host, clipped=clip is not None)
 
 
 def test_a_wrong_prediction_lands_again_and_stays_exact() -> None:
@@ -121,23 +129,21 @@ def _step_traffic(accumulation: str, micro: int) -> tuple[dict, dict, int, int]:
     return copies, passes, buckets, params
 
 
-def test_a_step_lands_once_per_bucket_and_the_host_only_reads_it_once() -> None:
+def test_a_step_lands_once_per_bucket_and_the_host_makes_no_pass() -> None:
     # Four micro-batches of an fp32 model, one tile per bucket. On the device: one D2H per
-    # bucket per step (the fp32 sum: 4 bytes per element), and the host's only pass is the
-    # statistics of what landed (4 bytes read per parameter). On the host: a D2H per
+    # bucket per step (the fp32 sum: 4 bytes per element), and no host pass over the
+    # gradient (its statistics are taken on the device). On the host: a D2H per
     # micro-batch, and an accumulation pass over each (the first overwrites).
     copies, passes, buckets, params = _step_traffic("auto", 4)
     assert copies["copies"] == buckets
-    assert passes == {"statistics": {"calls": buckets, "read": 4 * params, "written": 0}}
+    assert passes == {}
     host_copies, host_passes, _, _ = _step_traffic("host", 4)
     assert host_copies["copies"] == 4 * buckets
     acc = host_passes["accumulation"]
     # 4 flushes of fp32 gradients: each reads its staging (4 B), the last three the
     # accumulator too (4 B), and each writes the accumulator (4 B).
     assert (acc["read"], acc["written"]) == ((4 + 3 * 8) * params, 4 * 4 * params)
-    host_bytes = (acc["read"] + acc["written"]) / params
-    device_bytes = 4  # statistics
-    assert (host_bytes, device_bytes) == (44.0, 4)
+    assert (acc["read"] + acc["written"]) / params == 44.0
 
 
 def test_no_room_in_the_budget_accumulates_on_the_host_and_says_so(monkeypatch, caplog) -> None:
@@ -172,7 +178,10 @@ def test_zero_grad_mid_window_forgets_the_device_sum() -> None:
 
 
 @pytest.mark.simulator_only("spawns gloo ranks on the host accelerator")
-def test_two_ranks_sum_their_shards_on_the_device_bitwise(tmp_path) -> None:
+def test_two_ranks_sum_their_shards_on_the_device(tmp_path) -> None:
+    # Each rank sums its shard of the reduce-scattered micro-batches: the host's sum; the
+    # clip binds (0.5), so the weights agree to one ulp (the norm: Note [micro-batches add
+    # up on the device]).
     for acc in ("auto", "host"):
         (tmp_path / acc).mkdir()
     runs = {
@@ -188,9 +197,9 @@ def test_two_ranks_sum_their_shards_on_the_device_bitwise(tmp_path) -> None:
     }
     for device, host in zip(runs["auto"], runs["host"], strict=True):
         assert all(device["on_device"]) and not any(host["on_device"])
-        assert device["norms"] == host["norms"]
+        assert device["norms"] == pytest.approx(host["norms"], rel=1e-14)
         for x, y in zip(device["weights"], host["weights"], strict=True):
-            assert torch.equal(x, y)
+            assert bool(((x - y).abs() <= torch.finfo(x.dtype).eps * y.abs()).all())
 
 
 @pytest.mark.parametrize("accumulation", ["auto", "host"])

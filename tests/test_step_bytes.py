@@ -54,7 +54,7 @@ def test_adam_from_staging_is_bitwise_the_accumulator_path(
 ) -> None:
     fast_model, plain_model = make_pair(dtype)
     fast = offload_opt(fast_model)
-    plain = offload_opt(plain_model)
+    plain = offload_opt(plain_model, grad_accumulation="host")  # the host accumulator's path
     for bucket in plain.buckets:
         bucket.gradients.always_accumulate = True
     data = batches(4)

@@ -13,10 +13,15 @@ backward's device buffer into it on the compute stream (the first flush of a win
 copies, the next ones add: ``acc.add_(grad)``, one fp32 add of the training-dtype value,
 exactly the host accumulator's ``acc + float(g)`` in the same order, so the sum is bitwise
 the host's), and the window's sum lands in the host accumulator once, in fp32 tiles that
-CPU Adam follows (Note [Adam follows the gradient in]); the host worker's only pass is the
-statistics of what landed (``grad_stats`` over fp32, bitwise the partials the host
-accumulation pass yields: Note [one loop shape for every sum] in ``kernels/stats.py``). A
-step's host bytes per parameter, whatever k: 4 landed + 4 statistics + Adam's own.
+CPU Adam follows (Note [Adam follows the gradient in]). The statistics are taken on the
+device too, before the sum leaves: each parameter's float64 norm (``DeviceSum.norms``, one
+``_foreach_norm`` per bucket, read with every bucket's in one copy when the step needs
+them), as for a bucket whose state stays on the device. The host makes no pass over the
+gradient at all: a step's host bytes per parameter, whatever k, are the 4 that land and
+Adam's own. The price: a binding clip's norm is the float64 sum of per-parameter norms
+squared, not the host's exactly added cells (Note [the norm does not depend on the
+bucketing] in ``stat_cells.py``): equal to about 1e-16, so a clipped step may differ from
+the host accumulator's in the last bit of a few weights; an unclipped one is bitwise equal.
 
 When it lands. A window's flushes are not announced, so the bucket predicts: it lands
 right after the flush that makes the window as long as the previous one (the last
@@ -115,6 +120,24 @@ class DeviceSum:
         else:
             dst.add_(src)
         self.unlanded = True
+
+    def norms(self, shard: tuple[int, int]) -> torch.Tensor | None:
+        """(pieces,) float64 on the device, left there: the L2 norm of each parameter's
+        piece of ``shard`` in the sum (None for none), one ``_foreach_norm`` per bucket on
+        the compute stream (Note [micro-batches add up on the device])."""
+        start, stop = shard
+        views = []
+        for slot in self.layout.slots:
+            lo, hi = self.layout.owned_piece(slot, start, stop)
+            if hi > lo:
+                first = slot.offset + lo - start
+                views.append(self.tensor[first : first + hi - lo])
+        if not views:
+            return None
+        declare_compute(
+            self.manager, self.tensor, bucket=self.layout.index, write=False, what="norms"
+        )
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64))
 
     def land(
         self, acc: torch.Tensor, acc_block: Block, *, readers: list[Event], tile_elements: int

@@ -132,20 +132,6 @@ class HostPasses:
         else:
             self._count("accumulation", read=(k if overwrite else k + 4) * n, written=4 * n)
 
-    def landed_tile(
-        self, acc: Callable[[], torch.Tensor | None], lo: int, hi: int, *, partials: list[float]
-    ) -> None:
-        """Once ``acc[lo:hi]`` landed from the device: the statistics of the window's sum
-        (Note [micro-batches add up on the device] in ``device_acc.py``)."""
-        landed = acc()
-        if landed is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no accumulator (bug)")
-        self._declare(landed[lo:hi], write=False, what="statistics read the landed sum")
-        pass_tile(
-            self.layout, self.shard, landed, None, overwrite=True, lo=lo, hi=hi, partials=partials
-        )
-        self._count("statistics", read=4 * (hi - lo), written=0)
-
     def summed(self, partials: list[float]) -> None:
         """After the last tile: the window's statistics (float64 sums, added exactly; the
         policy adds every bucket's partials the same way)."""

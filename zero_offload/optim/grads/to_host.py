@@ -152,6 +152,8 @@ class HostGradients(GradientPath):
         # flushes (the early landing's prediction); the host worker's event after the last
         # step that read grad_acc (a landing overwrites it after that).
         self.device_sum: DeviceSum | None = None
+        # The landed window's per-parameter norms, on the device (None: host statistics).
+        self._device_norms: torch.Tensor | None = None
         self._device_asked = False
         self._device_window = False
         self._acc_landed = False
@@ -240,6 +242,7 @@ class HostGradients(GradientPath):
         staging = functools.partial(self._staging_tensor, self.staging.kept())
         worker.submit(functools.partial(self.passes.fold, acc, staging, real))
         self._acc_landed = False
+        self._device_norms = None
         self._staging_consumed = worker.record_event()
         self.staging.read_by(self._staging_consumed)
         self._source = GradSource.ACCUMULATOR
@@ -409,9 +412,11 @@ class HostGradients(GradientPath):
             start, stop = self.shard
             src = self.grad_dev[start:stop]
         device_sum.add(src, overwrite=overwrite, after=after)
+        self._device_norms = None  # of a sum that grew: taken again when it lands
         self._drop_open()  # reuse is stream-ordered after the add
         self._source = GradSource.ACCUMULATOR
-        self._acc_landed = False
+        # _acc_landed and _landing stay: grad_acc still holds the last landing, which a
+        # delayed update queued before this backward may be reading, following its tiles.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
         if self._window_flushes == self._expected_flushes and self._acc_is_free():
             self.land()  # the predicted last micro-batch: land during this backward
@@ -441,12 +446,7 @@ class HostGradients(GradientPath):
         )
         self._acc_landed = True
         self._landing = landing
-        worker = self.manager.host_worker
-        partials: list[float] = []
-        task = functools.partial(self.passes.landed_tile, lambda: self.grad_acc, partials=partials)
-        landing.follow(worker, self.layout.real_in(*self.shard), task)
-        worker.submit(functools.partial(self.passes.summed, partials))
-        self._staging_consumed = worker.record_event()
+        self._device_norms = device_sum.norms(self.shard)  # the statistics: no host pass
 
     def _copy_to_staging(
         self, src: torch.Tensor, dst: torch.Tensor, *, after: list[Event], blocks: list[Block]
@@ -467,6 +467,7 @@ class HostGradients(GradientPath):
         """Queue the host worker's pass over each tile of staging ``buffer`` as it lands."""
         worker = self.manager.host_worker
         self._acc_landed = False
+        self._device_norms = None
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
             acc = None
@@ -563,6 +564,8 @@ class HostGradients(GradientPath):
         return grad
 
     def grad_sumsq(self) -> SumSqParts:
+        if self._device_norms is not None:
+            return SumSqParts([], False, self._device_norms)
         return self.passes.sumsq()
 
     def close(self) -> None:
