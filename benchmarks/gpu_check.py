@@ -134,6 +134,13 @@ TEST_FILES = (
     "tests/test_muon.py",
     "tests/test_device_accumulation.py",
     "tests/test_overlap_queue.py",
+    "tests/test_step_costs.py",
+    # the integrations: Trainer, accelerate, PEFT, TRL and Lightning on cuda:0 (issue 36)
+    "tests/test_integration_transformers.py",
+    "tests/test_integration_accelerate.py",
+    "tests/test_integration_peft.py",
+    "tests/test_integration_trl.py",
+    "tests/test_integration_lightning.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the

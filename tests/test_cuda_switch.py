@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import tests.helpers.device as device
+import tests.helpers.hf as hf
 import tests.helpers.models as models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,29 @@ def test_models_data_and_accelerators_follow_the_kind(monkeypatch: pytest.Monkey
     monkeypatch.setattr(models, "OffloadAdamW", lambda params, **kw: built.update(kw))
     models.offload_opt(model)
     assert isinstance(built["accelerator"], _FakeCuda)
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_the_framework_helpers_follow_the_kind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The integrations' helpers (tests/helpers/hf.py) under "cuda": the model on the
+    device, the Trainer without ``use_cpu``, accelerate with ``cpu=False``, Lightning on
+    ``accelerator="gpu"`` (cuda:0), OffloadAdamW on ``CudaAccelerator(index=0)``. The
+    frameworks themselves are not started: on the stand-in they would pick the CPU."""
+    meta = torch.device("meta")
+    assert {p.device for p in hf.tiny_gpt2().parameters()} == {meta}
+    assert hf.training_args(tmp_path).use_cpu is False
+    assert hf.accelerate_device() == {"cpu": False}
+    assert hf.lightning_device() == {"accelerator": "gpu", "devices": [0]}
+    built = {}
+    monkeypatch.setattr(hf, "OffloadTrainer", lambda **kw: built.update(kw))
+    hf.offload_trainer(hf.tiny_gpt2(), hf.training_args(tmp_path))
+    assert isinstance(built["offload_device"], _FakeCuda) and built["offload_device"].index == 0
+    with device.running_on("host"):  # and on the host, as before the switch
+        assert hf.training_args(tmp_path).use_cpu is True
+        assert hf.accelerate_device() == {"cpu": True}
+        assert hf.lightning_device() == {"accelerator": "cpu", "devices": 1}
 
 
 # -- what the declared forms run --------------------------------------------------------------

@@ -16,9 +16,11 @@ from torch.utils.data import DataLoader
 from zero_offload import OffloadAdamW
 from zero_offload.integrations.accelerate import OffloadAcceleratedOptimizer, OffloadAccelerator
 
+from .helpers.device import on_device, run_device
 from .helpers.dist import free_port
 from .helpers.hf import (
     TokenDataset,
+    accelerate_device,
     as_torchrun_rank,
     count_state_io,
     max_weight_diff,
@@ -53,6 +55,12 @@ def loader(batch: int = 2) -> DataLoader:
     return DataLoader(TokenDataset(n=4 * STEPS), batch_size=batch, shuffle=False)
 
 
+def first_batch() -> dict[str, torch.Tensor]:
+    """The loader's first micro-batch on the running test's device, for a test that feeds
+    the model by hand (accelerate moves only the batches of a prepared loader)."""
+    return {name: on_device(t) for name, t in next(iter(loader())).items()}
+
+
 def accelerate_loop(accelerator: Accelerator, model, opt, data) -> dict[str, list[float]]:
     """accelerate's documented loop: accumulate, backward, clip on sync steps, step."""
     model, opt, data = accelerator.prepare(model, opt, data)
@@ -69,13 +77,21 @@ def accelerate_loop(accelerator: Accelerator, model, opt, data) -> dict[str, lis
     return {"losses": losses, "norms": norms, "opt": opt, "accelerator": accelerator}
 
 
+@pytest.mark.cuda_form
 def test_loop_with_clipping_matches_torch() -> None:
     ref_model, model = tiny_gpt2(), tiny_gpt2()
+    device = accelerate_device()  # cpu=True on the host, cuda:0 in a CUDA form
     ref = accelerate_loop(
-        Accelerator(gradient_accumulation_steps=2), ref_model, torch_adamw(ref_model), loader()
+        Accelerator(**device, gradient_accumulation_steps=2),
+        ref_model,
+        torch_adamw(ref_model),
+        loader(),
     )
     ours = accelerate_loop(
-        OffloadAccelerator(gradient_accumulation_steps=2), model, offload_adamw(model), loader()
+        OffloadAccelerator(**device, gradient_accumulation_steps=2),
+        model,
+        offload_adamw(model),
+        loader(),
     )
     assert len(ours["norms"]) == STEPS and min(ref["norms"]) > MAX_NORM
     torch.testing.assert_close(ours["losses"], ref["losses"], rtol=0, atol=1e-6)
@@ -94,23 +110,24 @@ def test_prepare_costs_no_state_round_trip(monkeypatch: pytest.MonkeyPatch) -> N
     model = tiny_gpt2()
     opt = offload_adamw(model)
     calls = count_state_io(monkeypatch)
-    Accelerator().prepare(opt)  # accelerate's own: the full round trip
+    Accelerator(**accelerate_device()).prepare(opt)  # accelerate's own: the full round trip
     assert calls == ["state_dict", "load_state_dict"]
     calls.clear()
-    accelerator = OffloadAccelerator()
+    accelerator = OffloadAccelerator(**accelerate_device())
     _, prepared = accelerator.prepare(model, opt)
     assert calls == []
     assert accelerator._optimizers == [prepared] and prepared.optimizer is opt
 
 
+@pytest.mark.cuda_form
 def test_fp16_model_backward_applies_the_loss_scale() -> None:
     """accelerate's backward does not scale; for an fp16 model OffloadAccelerator does. A
     missing scale would give a norm 2**16 times too small."""
     ref_model, model = tiny_gpt2(), tiny_gpt2(dtype=torch.float16)
-    batch = next(iter(loader()))
+    batch = first_batch()
     ref_model(**batch).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf")).item()
-    accelerator = OffloadAccelerator()
+    accelerator = OffloadAccelerator(**accelerate_device())
     model, opt = accelerator.prepare(model, offload_adamw(model))
     assert opt.optimizer.loss_scale == 2.0**16
     accelerator.backward(model(**batch).loss)
@@ -118,13 +135,14 @@ def test_fp16_model_backward_applies_the_loss_scale() -> None:
     assert norm == pytest.approx(expected, rel=1e-3)
 
 
+@pytest.mark.cuda_form
 def test_skipped_step_is_reported() -> None:
     """A step OffloadAdamW skips (non-finite gradients) is what accelerate's
     optimizer_step_was_skipped says, as with AMP; Trainer then holds the LR schedule."""
     model = tiny_gpt2()
-    accelerator = OffloadAccelerator()
+    accelerator = OffloadAccelerator(**accelerate_device())
     model, opt = accelerator.prepare(model, offload_adamw(model, skip_nonfinite=True))
-    batch = next(iter(loader()))
+    batch = first_batch()
     accelerator.backward(model(**batch).loss * float("nan"))
     opt.step()
     assert accelerator.optimizer_step_was_skipped
@@ -134,12 +152,13 @@ def test_skipped_step_is_reported() -> None:
     assert not accelerator.optimizer_step_was_skipped
 
 
+@pytest.mark.cuda_form
 def test_clipping_other_parameter_sets_is_refused() -> None:
     model = tiny_gpt2()
-    other = torch.nn.Linear(2, 2)
-    accelerator = OffloadAccelerator()
+    other = torch.nn.Linear(2, 2).to(run_device())
+    accelerator = OffloadAccelerator(**accelerate_device())
     model, _ = accelerator.prepare(model, offload_adamw(model))
-    accelerator.backward(model(**next(iter(loader()))).loss)
+    accelerator.backward(model(**first_batch()).loss)
     some = list(model.parameters())[:3]
     with pytest.raises(ValueError, match="pass exactly its parameters"):
         accelerator.clip_grad_norm_(some, 1.0)
@@ -148,22 +167,23 @@ def test_clipping_other_parameter_sets_is_refused() -> None:
     with pytest.raises(ValueError, match="clip_grad_norm_"):
         accelerator.clip_grad_value_(model.parameters(), 0.1)
     # Parameters no OffloadAdamW owns go to accelerate's (torch's) clipping as before.
-    other(torch.ones(1, 2)).sum().backward()
+    other(on_device(torch.ones(1, 2))).sum().backward()
     assert accelerator.clip_grad_norm_(other.parameters(), 1.0).item() > 0
 
 
+@pytest.mark.cuda_form
 def test_save_model_writes_every_parameter(tmp_path: Path) -> None:
     """The parameters share their buckets' storage, and accelerate's safetensors save keeps
     one tensor per storage: without Note [state dicts the savers can write] it wrote one
     parameter of 28 and dropped the rest with a logged warning."""
     model = tiny_gpt2()
-    accelerator = OffloadAccelerator()
+    accelerator = OffloadAccelerator(**accelerate_device())
     accelerate_loop(accelerator, model, offload_adamw(model), loader())
     accelerator.save_model(model, tmp_path)
-    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")  # host: loaded there
     trained = weights(model)  # named_parameters: the tied wte / lm_head once
     assert saved.keys() == trained.keys()
-    assert all(torch.equal(saved[name], trained[name]) for name in trained)
+    assert all(torch.equal(saved[name], trained[name].to(saved[name].device)) for name in trained)
 
 
 def test_fp16_mixed_precision_is_refused() -> None:

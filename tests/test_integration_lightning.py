@@ -29,8 +29,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from zero_offload import LossScalerConfig, OffloadAdamW
 from zero_offload.integrations.lightning import OffloadDDPStrategy, OffloadLightningModule
 
+from .helpers.device import run_device
 from .helpers.dist import free_port
-from .helpers.hf import as_torchrun_rank, offload_config
+from .helpers.hf import as_torchrun_rank, lightning_device, offload_config
 from .helpers.models import TinyTransformer, batches, host_accelerator, lm_loss
 
 CLIP = 0.5  # the gradient norms of these runs are 1.3 to 2: clipping binds every step
@@ -46,7 +47,7 @@ class _Body:
     def __init__(self, kind: str, *, seed: int = 0, ranks: int = 1, **config: Any) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.net = TinyTransformer()
+        self.net = TinyTransformer().to(run_device())
         self.kind = kind
         self.config = config
         self.ranks = ranks  # processes sharing each batch of 4
@@ -101,8 +102,7 @@ class PlainNet(_Body, pl.LightningModule):
 
 def trainer(**overrides: Any) -> pl.Trainer:
     kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
+        **lightning_device(),  # the CPU on the host, cuda:0 in a CUDA form
         "max_steps": STEPS,
         "gradient_clip_val": CLIP,
         "accumulate_grad_batches": ACCUMULATE,
@@ -141,6 +141,7 @@ def test_importing_zero_offload_imports_neither_lightning_nor_trl() -> None:
         integrations.OffloadNothing  # noqa: B018
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("precision", "loss_tol", "weight_tol"),
     [("32-true", 1e-6, 1e-6), ("bf16-mixed", 1e-4, 1e-5)],
@@ -191,6 +192,7 @@ def whole_and_resumed(out: Path, *, ranks: int = 1) -> tuple[OffloadNet, Offload
     return whole, resumed
 
 
+@pytest.mark.cuda_form
 @pytest.mark.filterwarnings("ignore:The dirpath has changed")
 def test_checkpoint_resume_is_bitwise(tmp_path: Path) -> None:
     whole, resumed = whole_and_resumed(tmp_path)
@@ -217,6 +219,7 @@ def test_refused_before_the_first_backward(overrides: dict, match: str) -> None:
     assert max_diff(weights(module), before) == 0.0
 
 
+@pytest.mark.cuda_form
 def test_fp16_model_scales_the_loss_by_the_optimizers_loss_scale() -> None:
     """precision="16-true" trains an fp16 model: backward must carry OffloadAdamW's loss
     scale (2**10 here), or the norm it unscales would be 2**10 times too small. Measured:
@@ -255,6 +258,7 @@ class ManualNet(OffloadNet):
         self.lr_schedulers().step()  # manual optimization steps its schedules itself
 
 
+@pytest.mark.cuda_form
 def test_manual_optimization_clips_like_automatic() -> None:
     """One micro-batch per step, clipped by hand: the automatic run without accumulation."""
     manual = ManualNet("offload")

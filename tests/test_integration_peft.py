@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
+from .helpers.device import on_device
 from .helpers.hf import logged, offload_trainer, tiny_gpt2, torch_trainer, training_args, weights
 
 MAX_NORM = 0.02  # the adapters' gradient norms are 0.03 to 0.05
@@ -67,6 +69,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // POOL_ALIGNMENT) * POOL_ALIGNMENT
 
 
+@pytest.mark.cuda_form
 def test_lora_bf16_base_fp32_adapters(tmp_path: Path) -> None:
     ref_model, model = lora_gpt2(), lora_gpt2()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -113,7 +116,7 @@ def test_lora_bf16_base_fp32_adapters(tmp_path: Path) -> None:
 
     # merge_and_unload after training: the merged bf16 model computes what the adapted one
     # did (to bf16 rounding of the merged weights).
-    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = on_device(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)))
     with torch.no_grad():
         adapted = model(input_ids=batch).logits.float()
         merged = model.merge_and_unload()
@@ -127,6 +130,7 @@ def test_lora_bf16_base_fp32_adapters(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.cuda_form
 def test_lora_with_a_bf16_module_to_save_mixes_training_dtypes(tmp_path: Path) -> None:
     """fp32 adapters and a trainable bf16 copy of ln_f (PEFT modules_to_save) in one
     optimizer, against the torch mixed-precision reference (``MasterAdamW``). Measured:

@@ -57,6 +57,7 @@ def test_import_zero_offload_does_not_import_the_frameworks() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -85,6 +86,7 @@ def test_parity_with_torch_adamw_trainer(tmp_path: Path, overrides: dict) -> Non
     assert not logged(ref, "offload/cpu_adam_ms")
 
 
+@pytest.mark.cuda_form
 def test_parity_bf16(tmp_path: Path) -> None:
     ref, ours = _run_pair(tmp_path, bf16=True)
     torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=0, atol=2e-4)
@@ -93,6 +95,7 @@ def test_parity_bf16(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.cuda_form
 def test_optimizer_is_built_from_training_arguments(tmp_path: Path) -> None:
     trainer = offload_trainer(tiny_gpt2(), training_args(tmp_path, adam_epsilon=1e-7))
     wrapper = trainer.create_optimizer()
@@ -111,6 +114,7 @@ def test_optimizer_is_built_from_training_arguments(tmp_path: Path) -> None:
     assert opt.config.bucket_bytes == 8192  # offload_config is used
 
 
+@pytest.mark.cuda_form
 def test_prepare_does_not_round_trip_the_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -122,6 +126,7 @@ def test_prepare_does_not_round_trip_the_state(
     assert trainer.accelerator._optimizers == [trainer.optimizer]  # registered once
 
 
+@pytest.mark.cuda_form
 def test_user_optimizer_trains_like_the_built_one(tmp_path: Path) -> None:
     built = offload_trainer(tiny_gpt2(), training_args(tmp_path / "a", max_steps=4))
     built.train()
@@ -165,6 +170,7 @@ def test_plain_trainer_with_offload_adamw_names_the_integration(
         trainer.train()
 
 
+@pytest.mark.cuda_form
 def test_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
     args = {"save_strategy": "steps", "save_steps": 6, "save_only_model": False}
     whole = offload_trainer(tiny_gpt2(), training_args(tmp_path / "whole", **args))
@@ -180,6 +186,7 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
     assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
 
 
+@pytest.mark.cuda_form
 def test_a_torch_adamw_checkpoint_resumes_under_offload_trainer(tmp_path: Path) -> None:
     """Switching a running fine-tune over: Trainer's groups are ours, and a torch AdamW
     state dict loads (the fp32 master comes from the fp32 weights), so steps 7 to 12 are
@@ -195,6 +202,7 @@ def test_a_torch_adamw_checkpoint_resumes_under_offload_trainer(tmp_path: Path) 
     assert max_weight_diff(weights(ours.model), weights(ref.model)) < 3e-6
 
 
+@pytest.mark.cuda_form
 def test_fp16_model_uses_the_optimizers_loss_scaler(tmp_path: Path) -> None:
     """Trainer's backward does not scale the loss; for an fp16 model OffloadTrainer does.
     A missing scale would show as a grad norm 2**10 times too small."""
@@ -213,6 +221,7 @@ def test_fp16_model_uses_the_optimizers_loss_scaler(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.cuda_form
 def test_overflow_skips_hold_the_lr_schedule_back(tmp_path: Path) -> None:
     """fp16 model, a loss scale too large at first: the overflowing steps are skipped and,
     as with GradScaler, Trainer does not advance the schedule for them."""
@@ -281,6 +290,7 @@ def test_two_ranks_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
     assert ranks[0]["whole"]["grad_norms"] == ranks[1]["whole"]["grad_norms"]
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize(
     ("max_grad_norm", "speculative", "failures", "checkpointing"),
     [

@@ -8,6 +8,7 @@ relative, weights 3e-6.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from zero_offload import OffloadAdamW
 from zero_offload.integrations.transformers import OffloadTrainer
 from zero_offload.integrations.trl import OffloadDPOTrainer, OffloadSFTTrainer
 
+from .helpers.device import run_kind
 from .helpers.hf import (
     VOCAB,
     logged,
@@ -56,8 +58,8 @@ def dataset(n: int = 48) -> Dataset:
     gen = torch.Generator().manual_seed(0)
     texts = []
     for _ in range(n):
-        length = int(torch.randint(6, 13, (1,), generator=gen))
-        ids = torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+        length = int(torch.randint(6, 13, (1,), generator=gen))  # host: text
+        ids = torch.randint(3, VOCAB, (length,), generator=gen).tolist()  # host: text
         texts.append(" ".join(f"w{i}" for i in ids))
     return Dataset.from_dict({"text": texts})
 
@@ -74,7 +76,7 @@ def trl_config(kind: type, out: Path, **overrides: Any) -> Any:
 def preferences(n: int = 24) -> Dataset:
     """``n`` prompts of 4 words, each with a chosen and a rejected 4-word answer."""
     gen = torch.Generator().manual_seed(1)
-    words = torch.randint(3, VOCAB, (n, 3, 4), generator=gen).tolist()
+    words = torch.randint(3, VOCAB, (n, 3, 4), generator=gen).tolist()  # host: text
     prompt, chosen, rejected = (
         [" ".join(f"w{i}" for i in row[part]) for row in words] for part in range(3)
     )
@@ -113,15 +115,32 @@ def assert_parity(ours: Trainer, ref: Trainer) -> None:
 
 
 @pytest.fixture(scope="module")
-def sft_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Trainer, Path]:
-    """TRL with torch's AdamW, and ours saving a checkpoint at step 3."""
-    out = tmp_path_factory.mktemp("sft")
-    ref = run(SFTTrainer, out / "torch")
-    saving = {"save_strategy": "steps", "save_steps": STEPS // 2}
-    ours = run(OffloadSFTTrainer, out / "offload", overrides=saving)
-    return ref, ours, out
+def _sft_pairs() -> Iterator[dict[str, tuple[Trainer, Trainer, Path]]]:
+    """``sft_pair``'s runs by kind, kept for the module's tests."""
+    pairs: dict[str, tuple[Trainer, Trainer, Path]] = {}
+    yield pairs
+    pairs.clear()
 
 
+@pytest.fixture
+def sft_pair(
+    _sft_pairs: dict[str, tuple[Trainer, Trainer, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Trainer, Trainer, Path]:
+    """TRL with torch's AdamW, and ours saving a checkpoint at step 3: trained once per
+    kind, by the first test that asks. Function-scoped, so that it trains on the test's
+    device: a module-scoped fixture is set up before the per-test device switch
+    (tests/conftest.py's ``_run_device``) and would train on the host in a CUDA form."""
+    kind = run_kind()
+    if kind not in _sft_pairs:
+        out = tmp_path_factory.mktemp("sft")
+        ref = run(SFTTrainer, out / "torch")
+        saving = {"save_strategy": "steps", "save_steps": STEPS // 2}
+        ours = run(OffloadSFTTrainer, out / "offload", overrides=saving)
+        _sft_pairs[kind] = (ref, ours, out)
+    return _sft_pairs[kind]
+
+
+@pytest.mark.cuda_form
 def test_sft_parity_with_torch_adamw(sft_pair: tuple[Trainer, Trainer, Path]) -> None:
     ref, ours, _ = sft_pair
     assert min(logged(ref, "grad_norm")) > MAX_GRAD_NORM  # clipping binds every step
@@ -129,6 +148,7 @@ def test_sft_parity_with_torch_adamw(sft_pair: tuple[Trainer, Trainer, Path]) ->
     assert isinstance(ours.offload_optimizer, OffloadAdamW)
 
 
+@pytest.mark.cuda_form
 def test_sft_resume_is_bitwise(sft_pair: tuple[Trainer, Trainer, Path]) -> None:
     _, whole, out = sft_pair
     checkpoint = out / "offload" / f"checkpoint-{STEPS // 2}"
@@ -141,6 +161,7 @@ def test_sft_resume_is_bitwise(sft_pair: tuple[Trainer, Trainer, Path]) -> None:
     assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
 
 
+@pytest.mark.cuda_form
 def test_sft_lora_parity_with_torch_adamw(tmp_path: Path) -> None:
     """SFTTrainer applies the peft_config itself; OffloadAdamW trains the adapters only."""
 
@@ -161,6 +182,7 @@ def test_sft_lora_parity_with_torch_adamw(tmp_path: Path) -> None:
     assert_parity(ours, ref)
 
 
+@pytest.mark.cuda_form
 def test_dpo_parity_with_torch_adamw(tmp_path: Path) -> None:
     """DPO: the policy trains, the reference model (passed in) does not."""
     clip = {"overrides": {"max_grad_norm": DPO_MAX_GRAD_NORM}}

@@ -1,4 +1,13 @@
-"""Tiny Hugging Face models and Trainer runs shared by the integration tests (no downloads)."""
+"""Tiny Hugging Face models and Trainer runs shared by the integration tests (no downloads).
+
+The frameworks follow the running test's kind (tests/helpers/device.py): on the host, as
+always, the Trainer and accelerate run on the CPU (``use_cpu``, ``cpu=True``) and Lightning
+on ``accelerator="cpu"``, with the host accelerator under OffloadAdamW; in a declared CUDA
+form under ``--accelerator=cuda`` they run on ``cuda:0`` (``use_cpu=False``, ``cpu=False``,
+``accelerator="gpu"``), the model is built there, and OffloadAdamW gets the
+``CudaAccelerator`` of ``cuda:0`` (``run_accelerator``). Data sets stay host memory, as a
+user's do: each framework moves its batches to its device.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +18,22 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from accelerate.state import AcceleratorState, PartialState
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.integrations.transformers import OffloadTrainer
 
+from .device import CUDA_INDEX, run_accelerator, run_device, run_kind
 from .dist import free_port
-from .models import host_accelerator
 
 VOCAB = 64
 SEQ = 16
 
 
 def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
-    """Two layers of width 32, tied lm_head/wte, no dropout (so runs are deterministic)."""
+    """Two layers of width 32, tied lm_head/wte, no dropout (so runs are deterministic); on
+    the running test's device."""
     torch.manual_seed(seed)
     config = GPT2Config(
         n_layer=2,
@@ -36,7 +47,7 @@ def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadMo
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(config).to(dtype)
+    return GPT2LMHeadModel(config).to(dtype).to(run_device())
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -44,6 +55,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __init__(self, n: int = 48, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
+        # host: a data set; the framework moves each batch to its device
         self.tokens = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
 
     def __len__(self) -> int:
@@ -73,10 +85,36 @@ def training_args(out: Path, **overrides: Any) -> TrainingArguments:
         "disable_tqdm": True,
         "seed": 0,
         "dataloader_num_workers": 0,
-        "use_cpu": True,  # the host accelerator keeps "device" tensors in CPU memory
+        # On the host, the host accelerator keeps "device" tensors in CPU memory; in a CUDA
+        # form the Trainer runs on cuda:0.
+        "use_cpu": run_kind() != "cuda",
     }
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
+
+
+def accelerate_device() -> dict[str, Any]:
+    """``Accelerator(...)``'s device arguments for the running test's kind: ``cpu=True`` on
+    the host, ``cpu=False`` (``cuda:0``, one GPU) in a CUDA form.
+
+    accelerate keeps one process-wide state and refuses ``cpu=True`` once it was set up on
+    a GPU; a state set up for the other kind (a CUDA form before a host test in a cuda run)
+    is reset first, as ``TrainingArguments`` does for every Trainer. A host run never
+    resets: its state is always the CPU's.
+    """
+    cpu = run_kind() != "cuda"
+    built = PartialState._shared_state.get("device")
+    if built is not None and (built.type == "cpu") != cpu:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return {"cpu": cpu}
+
+
+def lightning_device() -> dict[str, Any]:
+    """``lightning.pytorch.Trainer(...)``'s device arguments for the running test's kind:
+    the CPU on the host, ``cuda:0`` in a CUDA form."""
+    if run_kind() == "cuda":
+        return {"accelerator": "gpu", "devices": [CUDA_INDEX]}
+    return {"accelerator": "cpu", "devices": 1}
 
 
 def offload_config(**fields: Any) -> OffloadConfig:
@@ -89,7 +127,7 @@ def offload_config(**fields: Any) -> OffloadConfig:
 def offload_trainer(model: torch.nn.Module, args: TrainingArguments, **kwargs: Any) -> Trainer:
     kwargs.setdefault("train_dataset", TokenDataset())
     kwargs.setdefault("offload_config", offload_config())
-    kwargs.setdefault("offload_device", host_accelerator())
+    kwargs.setdefault("offload_device", run_accelerator())
     return OffloadTrainer(model=model, args=args, **kwargs)
 
 
