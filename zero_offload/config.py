@@ -389,7 +389,8 @@ class OffloadConfig:
             device bytes a parameter of the offloaded buckets, taken at the first window
             that accumulates, bucket by bucket while the device budget has room; the rest,
             logged, on the host), landing on the host once per step. ``"host"``: always in
-            the pinned fp32 accumulator on the host. The results are bitwise the same
+            the pinned fp32 accumulator on the host. The sum is bitwise the same; on the
+            device its norm is taken per parameter, equal to the host's to about 1e-16
             (docs/gradient-semantics.md, "Accumulation on the device").
     """
 
