@@ -415,3 +415,42 @@ def test_a_bad_hyper_parameter_is_refused_by_name(kwargs: dict, error: type, mes
     model, _ = make_pair()
     with pytest.raises(error, match=message):
         OffloadMuon(model.parameters(), **kwargs)
+
+
+def test_newton_schulz_runs_where_the_model_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [Newton-Schulz where the matmuls are fast]: with an accelerator whose model
+    # computes off the host (CUDA), each matrix's Newton-Schulz is sent to its device; the
+    # host accelerator keeps it on the CPU. Here the "device" is the host accelerator's
+    # (the CPU), so the results are bitwise the same either way, and the route is what is
+    # checked: every matrix step names the device, no other step does.
+    import zero_offload.kernels.muon as muon_kernels
+
+    seen: list[torch.device | None] = []
+    real = muon_kernels.newton_schulz
+
+    def recording(update: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs.get("device"))
+        return real(update, **kwargs)
+
+    monkeypatch.setattr(muon_kernels, "newton_schulz", recording)
+    accelerator = host_accelerator()
+
+    class GpuComputes(type(accelerator)):  # type: ignore[misc]
+        computes_on_host = False
+
+    results = []
+    for acc in (accelerator, GpuComputes(accelerator.config)):
+        seen.clear()
+        model, _ = make_pair()
+        opt = OffloadMuon(model.parameters(), lr=0.02, adamw_lr=3e-3, accelerator=acc)
+        for tokens, targets in batches(2):
+            lm_loss(model, tokens, targets).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        results.append((model, set(seen), len(seen)))
+    (host_model, host_devices, n), (gpu_model, gpu_devices, m) = results
+    assert n == m > 0
+    assert host_devices == {None}
+    assert gpu_devices == {accelerator.device}
+    assert max_diff(host_model, gpu_model) == 0.0

@@ -6,6 +6,7 @@ A thin facade, as ``offload_adamw.py``'s: the torch-style constructor and nothin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..accelerator import Accelerator
 from ..config import OffloadConfig
 from .offload_optimizer import OffloadOptimizer
 from .rule import MUON, OptimizerRule
+from .rule.muon import MuonHyper
 
 __all__ = ["OffloadMuon"]
 
@@ -103,3 +105,12 @@ class OffloadMuon(OffloadOptimizer):
             model=model,
             layers=layers,
         )
+
+    def _group_hyper(self, index: int) -> MuonHyper:
+        """The group's hyper-parameters, with Newton-Schulz on the GPU when the model
+        computes there (Note [Newton-Schulz where the matmuls are fast] in
+        ``kernels/muon.py``)."""
+        hyper = super()._group_hyper(index)
+        if not isinstance(hyper, MuonHyper) or self.accelerator.computes_on_host:
+            return hyper
+        return dataclasses.replace(hyper, ns_device=self.accelerator.device)

@@ -58,6 +58,9 @@ class MuonHyper:
     adamw_beta2: float
     adamw_eps: float
     adamw_weight_decay: float
+    #: Where Newton-Schulz runs (Note [Newton-Schulz where the matmuls are fast] in
+    #: ``kernels/muon.py``): the GPU on CUDA (``OffloadMuon`` sets it), else the host CPU.
+    ns_device: torch.device | None = None
 
 
 def is_muon_shape(shape: tuple[int, ...]) -> bool:
@@ -211,6 +214,7 @@ class MuonRule(OptimizerRule):
                 adjust_lr_fn=hyper.adjust_lr_fn,
                 grad_scale=grad_scale,
                 out=out,
+                ns_device=hyper.ns_device,
             )
             return
         adam_step(
