@@ -47,7 +47,10 @@ def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadMo
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(config).to(dtype).to(run_device())
+    model = GPT2LMHeadModel(config).to(dtype)
+    # Built under a ``torch.device("meta")`` context (a caller that wants only the config),
+    # it stays there: a meta tensor has no data to move.
+    return model if model.device.type == "meta" else model.to(run_device())
 
 
 class TokenDataset(torch.utils.data.Dataset):
