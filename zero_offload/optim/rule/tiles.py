@@ -28,6 +28,8 @@ the bare kernel on that host).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...accelerator import Event
@@ -72,6 +74,11 @@ class RuleTiles:
         self.publish = publish
         self.after = publication.prepare(publish=publish, after=after)
 
+    def wait(self, lo: int, hi: int) -> None:
+        """Wait until the gradient of shard elements ``[lo, hi)`` is where the step reads it
+        (``GradientPath.await_grad``)."""
+        self.gradients.await_grad(self.grad, self.source, lo, hi)
+
     def launch_end(self, lo: int, stop: int, tile_elements: int) -> int:
         """Where the launch starting at ``lo`` (of a run ending at ``stop``) ends: its first
         tile, and the tiles after it whose gradient landed; Note [a launch spans the tiles
@@ -91,12 +98,17 @@ class RuleTiles:
         *,
         out: torch.Tensor | None,
         copy_master_to: torch.Tensor | None = None,
+        declare: Callable[[int, int], None] | None = None,
     ) -> None:
         """The rule over shard elements ``[lo, hi)``: ``fields`` are that tile's views of
         the state (the rule's ``state_fields``); ``out`` receives the training-dtype weights
         (None for fp32, whose home is a master); ``copy_master_to`` receives the fp32 master
-        where the home is not the master itself."""
+        where the home is not the master itself. ``declare(lo, hi)``, once the gradient is
+        waited for: the store declares what the launch writes (for the race checker, after
+        the wait that orders it)."""
         self.gradients.await_grad(self.grad, self.source, lo, hi)
+        if declare is not None:
+            declare(lo, hi)
         self.rule.tile_step(
             fields,
             self.grad[lo:hi],

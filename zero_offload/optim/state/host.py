@@ -138,30 +138,29 @@ class HostState(StateStore):
             after=after,
         )
         bucket = self.layout.index
-        if self.weights_staging is not None:
-            declare_cpu(
-                self.manager,
-                self.weights_staging,
-                bucket=bucket,
-                write=True,
-                what="the CPU update writes weights",
-            )
         state = self.state_tensors()
-        for name, tensor in state.items():
-            declare_cpu(
-                self.manager,
-                tensor,
-                bucket=bucket,
-                write=True,
-                what=f"the CPU update writes {name}",
-            )
         out = self.weights_staging
+        written = {**state, **({} if out is None else {"weights": out})}
+
+        def declare(lo: int, hi: int) -> None:
+            # What the launch writes, once its gradient was waited for: that wait orders
+            # it after the copies before it (the master's refresh at construction, too).
+            for name, tensor in written.items():
+                declare_cpu(
+                    self.manager,
+                    tensor[lo:hi],
+                    bucket=bucket,
+                    write=True,
+                    what=f"the CPU update writes {name}",
+                )
+
         for start, stop, step in clip_runs(runs, *self.shard):
             lo = start
             while lo < stop:  # Note [a launch spans the tiles that landed] (rule/tiles.py)
                 hi = tiles.launch_end(lo, stop, self.tile_elements)
                 fields = {name: tensor[lo:hi] for name, tensor in state.items()}
-                tiles.step(lo, hi, step, fields, out=None if out is None else out[lo:hi])
+                view = None if out is None else out[lo:hi]
+                tiles.step(lo, hi, step, fields, out=view, declare=declare)
                 lo = hi
 
     def span(self) -> tuple[int, int]:

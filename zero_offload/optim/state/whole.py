@@ -131,6 +131,9 @@ class WholeParameterHostState(HostState):
             after=after,
         )
         bucket = self.layout.index
+        spans = clip_runs(runs, *self.shard)
+        if spans:  # the gradient first: that wait orders the writes declared next
+            tiles.wait(min(lo for lo, _, _ in spans), max(hi for _, hi, _ in spans))
         written = dict(self.state_tensors())
         if self.weights_staging is not None:
             written["weights"] = self.weights_staging
@@ -146,7 +149,7 @@ class WholeParameterHostState(HostState):
             )
         state = self.state_tensors()
         out = self.weights_staging
-        for start, stop, step in clip_runs(runs, *self.shard):
+        for start, stop, step in spans:
             for index, slot in enumerate(self.layout.slots):
                 lo, hi = slot.offset, slot.end
                 if lo < start or hi > stop:
