@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ...kernels import adafactor_step
-from .base import OptimizerRule, ParamField, StateField, StateFields
+from .base import ParamField, StateField, StateFields, WholeParameterRule
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["ADAFACTOR", "AdafactorHyper", "AdafactorRule"]
@@ -44,11 +44,10 @@ class AdafactorHyper:
     maximize: bool
 
 
-class AdafactorRule(OptimizerRule):
+class AdafactorRule(WholeParameterRule):
     """Adafactor as ``torch.optim.Adafactor``'s single-tensor path steps it."""
 
     name = "adafactor"
-    elementwise = False
     reads_whole = "its second moment is factored over rows and columns"
 
     def __repr__(self) -> str:
@@ -100,40 +99,6 @@ class AdafactorRule(OptimizerRule):
                 ParamField("col_var", (*shape[:-2], 1, shape[-1])),
             )
         return (ParamField("variance", tuple(shape)),)
-
-    def checkpoint_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
-        """None per element: torch's per-parameter state is shaped (``param_state``)."""
-        return ()
-
-    def tile_step(
-        self,
-        fields: Mapping[str, torch.Tensor],
-        grad: torch.Tensor,
-        *,
-        step: int,
-        hyper: AdafactorHyper,
-        grad_scale: float,
-        out: torch.Tensor | None,
-    ) -> None:
-        raise RuntimeError(
-            "the adafactor rule reads whole parameters and is stepped by parameter_step; "
-            "a tile loop reached it (a bug: Note [rules that read a whole parameter])"
-        )
-
-    def device_tile_step(
-        self,
-        fields: Mapping[str, torch.Tensor],
-        grad: torch.Tensor,
-        *,
-        step: int,
-        hyper: AdafactorHyper,
-        grad_scale: float,
-        step_tensor: torch.Tensor,
-    ) -> None:
-        raise RuntimeError(
-            "the adafactor rule has no device step: resident state is refused at "
-            "construction (a bug: Note [rules that read a whole parameter])"
-        )
 
     def parameter_step(
         self,

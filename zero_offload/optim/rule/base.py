@@ -42,6 +42,7 @@ __all__ = [
     "ParamField",
     "StateField",
     "StateFields",
+    "WholeParameterRule",
     "require_elementwise",
     "scaled_gradient",
 ]
@@ -274,6 +275,49 @@ class OptimizerRule(ABC):
         of ``tile_elements`` (Note [resident temporaries are counted] in
         ``state/resident.py``)."""
         return 0
+
+
+class WholeParameterRule(OptimizerRule):
+    """A rule that is not elementwise (Note [rules that read a whole parameter]): it keeps
+    its state shaped (``param_state``) and is stepped by ``parameter_step`` only, so it has
+    no per-element checkpoint fields, no tile step and no device step (resident state is
+    refused at construction)."""
+
+    elementwise = False
+
+    def checkpoint_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        """None per element: torch's per-parameter state is shaped (``param_state``)."""
+        return ()
+
+    def tile_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
+        hyper: Hyper,
+        grad_scale: float,
+        out: torch.Tensor | None,
+    ) -> None:
+        raise RuntimeError(
+            f"the {self.name} rule reads whole parameters and is stepped by parameter_step; "
+            "a tile loop reached it (a bug: Note [rules that read a whole parameter])"
+        )
+
+    def device_tile_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        step: int,
+        hyper: Hyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        raise RuntimeError(
+            f"the {self.name} rule has no device step: resident state is refused at "
+            "construction (a bug: Note [rules that read a whole parameter])"
+        )
 
 
 def require_elementwise(rule: OptimizerRule, feature: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...kernels import adam_step, muon_step
-from .base import OptimizerRule, ParamField, StateField, StateFields
+from .base import ParamField, StateField, StateFields, WholeParameterRule
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule"]
@@ -68,11 +68,10 @@ def is_muon_shape(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2
 
 
-class MuonRule(OptimizerRule):
+class MuonRule(WholeParameterRule):
     """Muon for matrices, AdamW for the rest, as torch's two optimizers step them."""
 
     name = "muon"
-    elementwise = False
     reads_whole = "Newton-Schulz orthogonalizes each matrix's whole update"
 
     def __repr__(self) -> str:
@@ -149,40 +148,6 @@ class MuonRule(OptimizerRule):
         if is_muon_shape(shape):
             return (ParamField("momentum_buffer", tuple(shape)),)
         return (ParamField("exp_avg", tuple(shape)), ParamField("exp_avg_sq", tuple(shape)))
-
-    def checkpoint_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
-        """None per element: torch's per-parameter state is shaped (``param_state``)."""
-        return ()
-
-    def tile_step(
-        self,
-        fields: Mapping[str, torch.Tensor],
-        grad: torch.Tensor,
-        *,
-        step: int,
-        hyper: MuonHyper,
-        grad_scale: float,
-        out: torch.Tensor | None,
-    ) -> None:
-        raise RuntimeError(
-            "the muon rule reads whole parameters and is stepped by parameter_step; a tile "
-            "loop reached it (a bug: Note [rules that read a whole parameter])"
-        )
-
-    def device_tile_step(
-        self,
-        fields: Mapping[str, torch.Tensor],
-        grad: torch.Tensor,
-        *,
-        step: int,
-        hyper: MuonHyper,
-        grad_scale: float,
-        step_tensor: torch.Tensor,
-    ) -> None:
-        raise RuntimeError(
-            "the muon rule has no device step: resident state is refused at construction "
-            "(a bug: Note [rules that read a whole parameter])"
-        )
 
     def parameter_step(
         self,
