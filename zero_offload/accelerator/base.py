@@ -71,6 +71,7 @@ import torch
 
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
+from .host_syncs import count_sync
 from .race_checker import AccessKind, RaceChecker
 
 __all__ = [
@@ -471,6 +472,7 @@ class Accelerator(ABC):
         """
         with self._reads_lock:
             self.blocking_reads += 1
+        count_sync("read_to_host")  # Note [host syncs are counted where they can block]
         return tensor.detach().to("cpu")
 
     def memory_stats(self) -> dict[str, int]:

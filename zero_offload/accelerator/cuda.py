@@ -48,6 +48,7 @@ from ..errors import DeviceBudgetExceeded, StreamError
 from .base import Accelerator, DeviceLedger, Event, Stream
 from .capture import check_not_capturing
 from .device_context import on_cuda_device
+from .host_syncs import count_sync, one_sync
 from .pinned import memlock_limit, page_aligned_buffer
 
 __all__ = [
@@ -199,6 +200,7 @@ class CudaEvent(Event):
         return bool(self.event.query())
 
     def synchronize(self) -> None:
+        count_sync(self.stream_name)  # Note [host syncs are counted where they can block]
         self.event.synchronize()  # blocking event: the thread sleeps, no core spins
 
     def completed_at(self) -> float | None:
@@ -251,6 +253,7 @@ class CudaStream(Stream):
     def synchronize(self) -> None:
         if self._error is not None:
             raise self._error
+        count_sync(self.name)
         self.stream.synchronize()
 
 
@@ -449,9 +452,10 @@ class CudaAccelerator(Accelerator):
             self._current.stream = previous
 
     def synchronize(self) -> None:
-        for stream in list(self._streams):
-            stream.synchronize()
-        torch.cuda.synchronize(self.device)
+        with one_sync():  # Note [host syncs are counted where they can block]
+            for stream in list(self._streams):
+                stream.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         if not pinned or nbytes == 0:

@@ -30,6 +30,7 @@ from ..config import AcceleratorConfig, format_bytes
 from .base import Accelerator, DeviceLedger, Event, Stream
 from .capture import check_not_capturing
 from .device_context import set_simulated_device
+from .host_syncs import count_sync, one_sync
 from .race_checker import RaceChecker, races_enabled_by_env
 from .strict import (
     COMPUTE_LATENCY,
@@ -86,6 +87,8 @@ class CallerStream(Stream):
             event.synchronize()
 
     def synchronize(self) -> None:
+        # Nothing to wait for here (the work ran inline), but on a GPU this blocks: counted.
+        count_sync(self.name)
         if self._checker is not None:  # the host now knows compute's work is done
             self._checker.observed(self._checker.stamp(self))
 
@@ -196,10 +199,11 @@ class HostAccelerator(Accelerator):
             self._current.stream = previous
 
     def synchronize(self) -> None:
-        for stream in list(self._streams):
-            if not stream.closed:
-                stream.synchronize()
-        self._compute.synchronize()
+        with one_sync():  # Note [host syncs are counted where they can block]
+            for stream in list(self._streams):
+                if not stream.closed:
+                    stream.synchronize()
+            self._compute.synchronize()
 
     def allocate_host(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         # Ordinary pageable memory: there is no device to pin for.

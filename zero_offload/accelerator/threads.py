@@ -39,6 +39,7 @@ from typing import Any
 from ..errors import StreamError
 from .base import Event, Stream
 from .device_context import capture_thread_device
+from .host_syncs import count_sync
 from .race_checker import RaceChecker, VectorClock
 
 __all__ = ["Guard", "ThreadEvent", "ThreadStream", "ThreadTimestamp"]
@@ -153,6 +154,7 @@ class ThreadEvent(Event):
             raise self._error
 
     def synchronize(self) -> None:
+        count_sync(self.stream_name)  # Note [host syncs are counted where they can block]
         self.wait_unobserved()
         if self._checker is not None:
             self._checker.observed(self.race_stamp)

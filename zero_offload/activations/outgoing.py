@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..accelerator import Event
-from ..memory.pending_blocks import synchronize_completed
+from ..accelerator.host_syncs import synchronize_completed
 from .record import ActivationState, OffloadedActivation
 
 __all__ = ["OutgoingCopies"]
@@ -86,7 +86,7 @@ class OutgoingCopies:
         """ON_HOST if the copy out is done, the host seeing it so (Note [a completed event
         is synchronized] in memory/pending_blocks.py); LANDING until then. Never blocks."""
         if record.out_event.query():
-            synchronize_completed(record.out_event)
+            synchronize_completed(record.out_event, quiet=True)
             record.state = ActivationState.ON_HOST
         else:
             record.state = ActivationState.LANDING

@@ -14,7 +14,11 @@ see Note [when a thread stream's clock moves] in ``accelerator/threads.py``.
 
 from __future__ import annotations
 
-from ..accelerator import Accelerator
+from collections.abc import Callable
+from typing import Any
+
+from ..accelerator import Accelerator, Event
+from ..accelerator.host_syncs import synchronize_completed
 from ..accelerator.threads import ThreadStream
 from ..thread_budget import mark_thread_beside
 
@@ -43,3 +47,29 @@ class HostWorker(ThreadStream):
                 mark_thread_beside()
 
         super().__init__(name, checker=accelerator.race_checker, bind=bind)
+        # The event recorded by the last synchronize(), and whether work was queued after
+        # it: an idle worker is not waited for (synchronize).
+        self._tail: Event | None = None
+        self._since_tail = False
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._since_tail = True  # before the task is queued: a synchronize() must wait
+        super().submit(fn)
+
+    def synchronize(self) -> None:
+        """Block until the queued work is done. With nothing queued since the last wait it
+        is no wait, and counted as none (Note [host syncs are counted where they can
+        block]): unlike a simulated device stream's, a CPU worker's queue is as empty on a
+        GPU machine. The event that ended the last wait still orders this one."""
+        tail = self._tail
+        if tail is not None and not self._since_tail and tail.query():
+            self._check()
+            synchronize_completed(tail)
+            return
+        self._since_tail = False
+        tail = self._tail = self.record_event()
+        if tail.query():
+            synchronize_completed(tail)
+        else:
+            tail.synchronize()
+        self._check()

@@ -32,9 +32,11 @@ Handing a block's bytes to any stream because ``query()`` said its copies are do
 host-side ordering, but neither PyTorch's CUDA sanitizer (CSAN) nor our race checker
 counts a query as one: CSAN tracks ``cudaEventSynchronize``, not ``cudaEventQuery``, and
 would report the next user's access as racing with the old copy. So an event that a query
-found complete is then synchronized (``synchronize_completed``): it returns at once, and
-both checkers see the host wait that orders the reuse. The same holds wherever a query's
-"done" hands memory on (the activation offloader's released tensors).
+found complete is then synchronized (``accelerator.host_syncs.synchronize_completed``): it
+returns at once, both checkers see the host wait that orders the reuse, and it is counted
+apart from the waits that can block (Note [host syncs are counted where they can block]).
+The same holds wherever a query's "done" hands memory on (the activation offloader's
+released tensors).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from ..accelerator import Event
+from ..accelerator.host_syncs import synchronize_completed
 from .block import Block, BlockState
 
 __all__ = [
@@ -49,17 +52,7 @@ __all__ = [
     "name_range",
     "pending_events",
     "still_pending",
-    "synchronize_completed",
 ]
-
-
-def synchronize_completed(event: Event) -> None:
-    """Synchronize ``event``, which ``query()`` found complete: free, and a host wait that
-    CSAN and the race checker see (Note [a completed event is synchronized])."""
-    try:
-        event.synchronize()
-    except Exception:  # a failed copy's error is its stream's to raise, at that stream's
-        return  # own synchronisation points (Note [stream errors are sticky])
 
 
 def still_pending(events: list[Event]) -> list[Event]:
@@ -111,7 +104,7 @@ class InFlightBlocks:
         if len(pending) < len(events):
             for event in events:
                 if event not in pending:
-                    synchronize_completed(event)
+                    synchronize_completed(event, quiet=True)
         return pending
 
     def reclaim(self) -> list[Block]:

@@ -161,10 +161,15 @@ class FlatBucket:
         other ranks, or zeros)."""
         return self.grads.state is not GradState.EMPTY
 
+    def stats_on_host(self) -> bool:
+        """Whether ``grad_sumsq`` needs the host worker drained first
+        (``GradientPath.stats_on_host``)."""
+        return self.has_gradients and self.gradients.stats_on_host()
+
     def grad_sumsq(self) -> SumSqParts:
         """Partial sums of squares of the window's gradient on this rank's shard (see
         ``GradientPath.grad_sumsq``), and the overflow flag; the caller drained the host
-        worker."""
+        worker when ``stats_on_host()``."""
         return self.gradients.grad_sumsq() if self.has_gradients else SumSqParts([], False)
 
     def commit(self, plan: StepPlan) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Event
+from ..accelerator.host_syncs import synchronize_completed
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..views import ParamViews
@@ -111,8 +112,11 @@ class WeightCopies(Publication):
         for event in self._source_readers:
             # Synchronisation point (rare: two steps with no backward between, or a device
             # far behind): the last step's weight copies read the staging about to be
-            # rewritten. Usually long done.
-            event.synchronize()
+            # rewritten. Usually long done, and then no wait.
+            if event.query():
+                synchronize_completed(event)
+            else:
+                event.synchronize()
         self._source_readers = []
         # Note [one cold hash per step] in views/param_views.py: fingerprint the tiles as
         # they are published, while they are in cache.

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..accelerator.host_syncs import SyncKey
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category
 from .gc_pauses import GcWindow
@@ -63,6 +65,9 @@ class ProfileData:
     # The cyclic GC's collections in each step window (one per prof.step(), then one from
     # the last step to stop): Note [GC pauses per step] in gc_pauses.py.
     gc_steps: list[GcWindow] = field(default_factory=list)
+    # Host synchronisations counted between start and stop (``accelerator.host_syncs``:
+    # Note [host syncs are counted where they can block]), by thread, stream and kind.
+    host_syncs: Counter[SyncKey] = field(default_factory=Counter)
     rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
     exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
     exposed_end: list[dict[Category, float]] | None = None

@@ -23,7 +23,8 @@ rates:
   lock and no allocator call, for the trace's memory track;
 - per copy: nothing.
 The cyclic GC's pauses are taken per step too (Note [GC pauses per step] in
-``gc_pauses.py``).
+``gc_pauses.py``), and the host synchronisations counted between start and stop (Note
+[host syncs are counted where they can block] in ``accelerator/host_syncs.py``).
 
 Layering: ``data.py`` holds what is recorded; the recorder writes it, and the writers
 (``summary``, ``report``, ``chrome_trace``, ``plot``) only read it. Nothing imports the
@@ -36,6 +37,7 @@ import enum
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ import psutil
 import torch
 
 from ..accelerator import Accelerator, PeakWindow
+from ..accelerator.host_syncs import SyncKey, host_syncs
 from ..collectives import CommCounters
 from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
@@ -139,6 +142,7 @@ class TrafficProfiler:
         # Open while recording: each accelerator ledger's peak since the last step sample.
         self._windows: list[PeakWindow] = []
         self._gc: GcPauses | None = None  # listening to the collector while recording
+        self._syncs_start: Counter[SyncKey] = Counter()  # host_syncs() at start
         self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
         self.data.comm_counters = resolve_comm_counters(targets)
         self.state = ProfilerState.READY
@@ -170,6 +174,7 @@ class TrafficProfiler:
             self._detach.append(manager.subscribe(self._copy_listener(index)))
         self._detach.append(add_phase_listener(self._on_phase))
         self._gc = GcPauses()
+        self._syncs_start = host_syncs()
         data.started_at = time.perf_counter()
         self._sample_step(rss=True)
         return self
@@ -187,6 +192,7 @@ class TrafficProfiler:
         for detach in self._detach:
             detach()
         self._detach.clear()
+        data.host_syncs = host_syncs() - self._syncs_start  # not stop()'s own waits
         if wait:
             # Synchronisation point: copies still in flight have no end time yet; the
             # report and the trace need every one of them finished.

@@ -163,6 +163,23 @@ def _gc_line(gc: dict[str, Any] | None) -> str | None:
     )
 
 
+def _sync_line(syncs: dict[str, Any] | None) -> str | None:
+    """The training threads' host synchronisations (Note [host syncs are counted where they
+    can block] in accelerator/host_syncs.py), per step when there are steps."""
+    if syncs is None:
+        return None
+    per_step = syncs["per_step"]
+    counts = per_step if per_step is not None else syncs["by_kind"]
+    waits = per_step["waits_by_stream"] if per_step is not None else syncs["waits_by_stream"]
+    streams = ", ".join(f"{name} {n:g}" for name, n in sorted(waits.items()))
+    return (
+        f"host syncs (training threads){' per step' if per_step is not None else ''}: "
+        f"{counts['wait']:g} waits"
+        + (f" ({streams})" if streams else "")
+        + f", {counts['input']:g} CPU-optimizer input waits, {counts['completed']:g} found done"
+    )
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The whole report: header, transfers, phases, memory, pools, per-step averages."""
     parts = [_header(summary), _transfer_table(summary), _phase_table(summary)]
@@ -177,6 +194,9 @@ def format_report(summary: dict[str, Any]) -> str:
     gc_line = _gc_line(summary.get("gc"))
     if gc_line:
         parts.append(gc_line)
+    sync_line = _sync_line(summary.get("host_syncs"))
+    if sync_line:
+        parts.append(sync_line)
     notes = summary.get("step_notes") or {}
     if notes:
         parts.append(

@@ -16,9 +16,11 @@ copies both ways (activations) shows it on its busier row.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from ..accelerator.host_syncs import SyncKey, SyncKind, training_thread
 from ..memory.traffic import Category, Direction
 from .data import PhaseSpan, ProfileData
 from .gc_pauses import EMPTY, GcWindow
@@ -197,6 +199,24 @@ def _gc_summary(windows: Sequence[GcWindow], steps: int) -> dict[str, Any]:
     return summary
 
 
+def _sync_summary(counts: Counter[SyncKey], steps: int) -> dict[str, Any]:
+    """The host synchronisations of the training loop's threads (Note [host syncs are
+    counted where they can block] in accelerator/host_syncs.py): by kind, the waits by
+    stream, and per step over ``steps``."""
+    mine = {k: n for k, n in counts.items() if training_thread(k.thread)}
+    by_kind = {kind.value: 0 for kind in SyncKind}
+    waits: dict[str, int] = {}
+    for key, n in mine.items():
+        by_kind[key.kind.value] += n
+        if key.kind is SyncKind.WAIT:
+            waits[key.stream] = waits.get(key.stream, 0) + n
+    per_step = None
+    if steps:
+        per_step = {kind: n / steps for kind, n in by_kind.items()}
+        per_step["waits_by_stream"] = {name: n / steps for name, n in waits.items()}
+    return {"by_kind": by_kind, "waits_by_stream": waits, "per_step": per_step}
+
+
 def _peak(values: Sequence[int | None]) -> int | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
@@ -264,6 +284,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
         },
         "pools": pools,
         "gc": _gc_summary(data.gc_steps, steps),
+        "host_syncs": _sync_summary(data.host_syncs, steps),
         # The managers' owners' step notes (TieredMemoryManager.step_notes), merged.
         "step_notes": {k: v for m in data.managers for k, v in m.step_notes.items()},
     }

@@ -49,6 +49,7 @@ import logging
 import torch
 
 from ...accelerator import Event
+from ...accelerator.host_syncs import synchronize_completed
 from ...config import GradAccumulation
 from ...errors import DeviceBudgetExceeded
 from ...memory.align import aligned
@@ -110,7 +111,7 @@ class DeviceSum:
             manager.wait_for(pending, category=Category.GRADIENTS)
         for event in waits:
             if event not in pending:
-                event.synchronize()  # done: orders the access for the race checker
+                synchronize_completed(event)  # done: orders the access for the race checker
         dst = self.tensor[: src.numel()]
         declare_compute(
             manager, dst, bucket=self.layout.index, write=True, what="device accumulation"
@@ -148,7 +149,7 @@ class DeviceSum:
             # Synchronisation point, only while a delayed update still reads ``acc``;
             # otherwise done, and it orders the access for the race checker.
             if event.query():
-                event.synchronize()
+                synchronize_completed(event)
             else:
                 with phase("wait_grads"):
                     event.synchronize()

@@ -59,6 +59,9 @@ class DeviceGradients(GradientPath):
     def gradient(self, source: GradSource) -> torch.Tensor:
         return self.grad_acc
 
+    def stats_on_host(self) -> bool:
+        return False  # the norms are taken on the device, below
+
     def grad_sumsq(self) -> SumSqParts:
         # One partial per parameter (a function of its values only, whatever the bucket:
         # Note [the norm does not depend on the bucketing] in stat_cells.py), its float64

@@ -119,12 +119,18 @@ class GradientPath(ABC):
     def gradient(self, source: GradSource) -> torch.Tensor:
         """The flat gradient tensor of ``source`` (this rank's shard's elements)."""
 
+    def stats_on_host(self) -> bool:
+        """Whether the window's statistics come from the host worker's passes, so that
+        ``grad_sumsq`` needs the worker drained first (default), or were taken on the
+        device (Note [micro-batches add up on the device] in ``device_acc.py``)."""
+        return True
+
     @abstractmethod
     def grad_sumsq(self) -> SumSqParts:
         """Partial sums of squares of the window's accumulated gradient (this rank's shard;
         ``math.fsum`` of all buckets' partials is the global sum, Note [the norm does not
         depend on the bucketing] in ``stat_cells.py``) and whether any is non-finite; the
-        caller drained the host worker."""
+        caller drained the host worker when ``stats_on_host()``."""
 
     @abstractmethod
     def close(self) -> None:

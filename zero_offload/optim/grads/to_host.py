@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ...accelerator import Event
+from ...accelerator.host_syncs import synchronize_completed, wait_input
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
@@ -507,10 +508,10 @@ class HostGradients(GradientPath):
             # query that says done orders nothing for the race checker); a wait that blocks
             # is timed as waiting for gradients, not as CPU Adam.
             if event.query():
-                event.synchronize()
+                synchronize_completed(event)
             else:
                 with phase("wait_grads", track="cpu_optimizer"):
-                    event.synchronize()
+                    wait_input(event)
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def landed_through(self, source: GradSource, lo: int, limit: int) -> int:
@@ -562,6 +563,9 @@ class HostGradients(GradientPath):
         if grad is None:
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
         return grad
+
+    def stats_on_host(self) -> bool:
+        return self._device_norms is None  # landed from the device: taken there
 
     def grad_sumsq(self) -> SumSqParts:
         if self._device_norms is not None:

@@ -149,10 +149,15 @@ class StepPolicy:
         """Global sum of squares of the (scaled) gradients, the overflow flag, and each
         bucket's per-parameter "got a gradient" flags (OR over the ranks)."""
         generation = self.router.backwards
-        # Synchronisation point: the CPU must see every gradient copied so far.
-        with phase("wait_grads"), surface_collective_errors():
-            self.manager.host_worker.synchronize()
-        for bucket in self.buckets:
+        on_host = [bucket for bucket in self.buckets if bucket.stats_on_host()]
+        if on_host:
+            # Synchronisation point: the CPU must see every gradient copied so far. Not for
+            # windows summed on the device: their statistics were taken there, and CPU Adam
+            # follows their landing tile by tile (Note [host syncs are counted where they
+            # can block] in accelerator/host_syncs.py).
+            with phase("wait_grads"), surface_collective_errors():
+                self.manager.host_worker.synchronize()
+        for bucket in on_host:
             bucket.grads.settled()
         with phase("grad_stats", track="cpu_optimizer"):
             shares = [bucket.grad_sumsq() for bucket in self.buckets]
