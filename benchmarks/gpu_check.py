@@ -142,6 +142,8 @@ TEST_FILES = (
     "tests/test_integration_peft.py",
     "tests/test_integration_trl.py",
     "tests/test_integration_lightning.py",
+    # every rule through them: Trainer by optim name, accelerate and Lightning given one
+    "tests/test_integration_rules.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -77,7 +78,12 @@ class LionReference(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step; ``closure`` (forward and backward, as Lightning passes) runs first."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:
@@ -89,6 +95,7 @@ class LionReference(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
                 p.add_(torch.sign(c), alpha=-lr)
                 m.mul_(b2).add_(g * (1 - b2))
+        return loss
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, part: list) -> None:

@@ -1,7 +1,8 @@
 """Framework integrations, each in its own module and imported only when asked for.
 
 - ``zero_offload.integrations.transformers``: ``OffloadTrainer``, a ``transformers.Trainer``
-  that builds, clips, checkpoints and resumes ``OffloadAdamW``.
+  that builds (the rule ``TrainingArguments.optim`` names), clips, checkpoints and resumes an
+  offload optimizer.
 - ``zero_offload.integrations.accelerate``: ``OffloadAccelerator``, an
   ``accelerate.Accelerator`` whose ``prepare``, ``backward`` and ``clip_grad_norm_`` know
   that ``OffloadAdamW`` keeps the gradients on the host.

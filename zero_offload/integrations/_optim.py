@@ -41,14 +41,15 @@ NO_CLIP = sys.float_info.max
 
 
 def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadOptimizer:
-    """``optimizer`` itself, or the ``OffloadAdamW`` inside an accelerate wrapper."""
+    """``optimizer`` itself, or the offload optimizer inside an accelerate wrapper."""
     inner = optimizer
     while not isinstance(inner, OffloadOptimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer  # AcceleratedOptimizer and its subclasses
     if not isinstance(inner, OffloadOptimizer):
         raise TypeError(
-            f"{where} needs a zero_offload.OffloadAdamW optimizer, got "
-            f"{type(optimizer).__name__}; build one over the model's parameters"
+            f"{where} needs a zero_offload offload optimizer (OffloadAdamW, OffloadAdagrad, "
+            f"OffloadLion, OffloadAdafactor, OffloadMuon), got {type(optimizer).__name__}; "
+            "build one over the model's parameters"
         )
     return inner
 

@@ -31,6 +31,9 @@ What it changes, and why:
   not wrapped in ``DistributedDataParallel``: the optimizer reduce-scatters the gradients
   itself, and DDP's all-reduce would come on top (of gradients that are already gone).
 
+``OffloadAdamW`` stands for any offload optimizer here (``OffloadLion``, ``OffloadAdagrad``,
+``OffloadAdafactor``, ``OffloadMuon``): each is prepared, clipped and scaled the same way.
+
 ``mixed_precision="fp16"`` is refused: torch's ``GradScaler`` unscales ``param.grad``,
 which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 (``model.half()``) with ``mixed_precision="no"``, whose loss ``backward`` scales.
@@ -89,7 +92,7 @@ class OffloadAcceleratedOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: OffloadOptimizer, scaler: Any = None) -> None:
         if not isinstance(optimizer, OffloadOptimizer):
             raise TypeError(
-                "OffloadAcceleratedOptimizer wraps a zero_offload.OffloadAdamW, got "
+                "OffloadAcceleratedOptimizer wraps a zero_offload offload optimizer, got "
                 f"{type(optimizer).__name__}; wrap other optimizers with accelerate's own "
                 "AcceleratedOptimizer"
             )

@@ -13,6 +13,9 @@ Two lines change in a Lightning program: the module's base class and the optimiz
 
     pl.Trainer(gradient_clip_val=1.0, accumulate_grad_batches=4, precision="bf16-mixed").fit(Net())
 
+``OffloadAdamW`` stands for any offload optimizer here (``OffloadLion``, ``OffloadAdagrad``,
+``OffloadAdafactor``, ``OffloadMuon``): each is clipped and scaled the same way.
+
 Several processes (``torchrun`` or Lightning's own launcher) add a third:
 ``Trainer(strategy=OffloadDDPStrategy())`` instead of ``strategy="ddp"``.
 

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` with ``OffloadAdamW``: ``OffloadTrainer``.
+"""Hugging Face ``Trainer`` with an offload optimizer: ``OffloadTrainer``.
 
 A drop-in ``transformers.Trainer`` (so also a base for TRL's trainers)::
 
@@ -15,12 +15,15 @@ A drop-in ``transformers.Trainer`` (so also a base for TRL's trainers)::
 
 What it does, in the Trainer methods made for overriding:
 
-- ``create_optimizer`` builds ``OffloadAdamW`` from the ``TrainingArguments`` (learning
-  rate, Adam betas and epsilon, weight decay) with Trainer's own two parameter groups
-  (``get_decay_parameter_names``: no decay for biases and norms), and wraps it for
-  accelerate without the state round trip (Note [no state round trip at prepare] in
-  ``accelerate.py``). An ``OffloadAdamW`` passed as ``optimizers=(opt, scheduler)`` is
-  used as it is.
+- ``create_optimizer`` builds the offload optimizer ``TrainingArguments.optim`` names
+  (``adamw_torch``/``adamw_torch_fused``: ``OffloadAdamW``; ``adagrad``: ``OffloadAdagrad``;
+  ``lion_32bit``/``paged_lion_32bit``: ``OffloadLion``; Note [Trainer's optim names] in
+  ``_optim_names.py``) from the arguments Trainer would give that optimizer, with Trainer's
+  own two parameter groups (``get_decay_parameter_names``: no decay for biases and norms),
+  and wraps it for accelerate without the state round trip (Note [no state round trip at
+  prepare] in ``accelerate.py``). An offload optimizer passed as ``optimizers=(opt,
+  scheduler)`` (any rule: ``OffloadAdafactor`` and ``OffloadMuon`` on one rank) is used as
+  it is.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` clip at ``args.max_grad_norm`` inside the
   optimizer and return the true pre-clip norm, which Trainer logs as ``grad_norm``
   (Note [frameworks clip through the optimizer] in ``_optim.py``).
@@ -28,17 +31,18 @@ What it does, in the Trainer methods made for overriding:
   ``optimizer.pt`` in the consolidated layout (``zero_offload.checkpoint_io``): with several
   ranks every rank's shard is in it, and it resumes on any number of ranks.
 - ``compute_loss``: for an fp16 model, the gradient of the loss is multiplied by
-  ``OffloadAdamW``'s loss scale during backward (Trainer's own backward does not scale).
-- With several ranks (``torchrun``) the model is not wrapped in DDP: ``OffloadAdamW``
+  the optimizer's loss scale during backward (Trainer's own backward does not scale).
+- With several ranks (``torchrun``) the model is not wrapped in DDP: the optimizer
   reduce-scatters the gradients itself.
 - ``_save``: with parameter offload on several ranks (ZeRO-3) every rank takes the model's
   state dict, which gathers each unit (Note [the model is saved on every rank under
   ZeRO-3]); rank 0 writes it.
 
 Refused at construction, with a ``ValueError`` saying what to use: ``fp16=True`` (torch's
-GradScaler needs ``param.grad``; use ``bf16=True`` or an fp16 model), an ``optim`` other
-than AdamW, DeepSpeed, FSDP, several GPUs in one process, and a clipping threshold in
-``offload_config`` (clipping is ``TrainingArguments.max_grad_norm``'s job).
+GradScaler needs ``param.grad``; use ``bf16=True`` or an fp16 model), an ``optim`` no offload
+rule reproduces (``adafactor`` among them: transformers' Adafactor is not torch's), DeepSpeed,
+FSDP, several GPUs in one process, and a clipping threshold in ``offload_config`` (clipping is
+``TrainingArguments.max_grad_norm``'s job).
 """
 
 from __future__ import annotations
@@ -55,16 +59,14 @@ from ..accelerator import Accelerator as OffloadDevice
 from ..checkpoint_io import load_consolidated, save_consolidated
 from ..config import OffloadConfig
 from ..fileio import save_torch
-from ..optim import OffloadAdamW, OffloadOptimizer
+from ..optim import OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
 from ._optim import find_offload_optimizer, parameters_sharded, pre_clip_norm, saveable
+from ._optim_names import optimizer_cls_and_kwargs
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
 __all__ = ["OffloadTrainer"]
-
-#: ``TrainingArguments.optim`` values whose semantics OffloadAdamW reproduces.
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 #: The Trainer methods OffloadTrainer overrides; a transformers without them would bypass
 #: the clipping and checkpoint routes silently, so construction checks they exist.
@@ -81,7 +83,9 @@ _OVERRIDDEN = (
 
 
 class OffloadTrainer(Trainer):
-    """``transformers.Trainer`` training with ``OffloadAdamW``; see the module docstring.
+    """``transformers.Trainer`` training with an offload optimizer (``OffloadAdamW``,
+    ``OffloadAdagrad`` or ``OffloadLion`` by ``TrainingArguments.optim``, or the one passed
+    in ``optimizers=``); see the module docstring.
 
     Takes ``Trainer``'s arguments, plus keyword-only:
         offload_config: bucketing, tiling, ``offload_fraction``, loss scaling and the other
@@ -176,27 +180,21 @@ class OffloadTrainer(Trainer):
             )
         if self.optimizer_cls_and_kwargs is not None:
             raise ValueError(
-                "OffloadTrainer builds OffloadAdamW itself: drop optimizer_cls_and_kwargs and set "
-                "the hyper-parameters in TrainingArguments (learning_rate, adam_beta1/2, "
-                "adam_epsilon, weight_decay) and the offload settings in offload_config"
+                "OffloadTrainer builds its offload optimizer itself: drop "
+                "optimizer_cls_and_kwargs and set the rule and its hyper-parameters in "
+                "TrainingArguments (optim, learning_rate, adam_beta1/2, adam_epsilon, "
+                "weight_decay, optim_args) and the offload settings in offload_config, or pass "
+                "an offload optimizer in optimizers=(opt, None)"
             )
         if self.optimizer is None:
-            if str(getattr(args.optim, "value", args.optim)) not in ADAMW_OPTIMS:
-                raise ValueError(
-                    f"TrainingArguments.optim={str(args.optim)!r}: OffloadTrainer trains with "
-                    f"OffloadAdamW (AdamW semantics); use optim in {ADAMW_OPTIMS}"
-                )
-            if args.optim_args:
-                raise ValueError(
-                    f"TrainingArguments.optim_args={args.optim_args!r} is not read by "
-                    "OffloadTrainer; put offload settings in offload_config=OffloadConfig(...)"
-                )
+            optimizer_cls_and_kwargs(args)  # refuses a name or optim_args no rule reproduces
             return
         opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer(optimizers=...)")
         limit = opt.config.max_grad_norm
         if limit is not None and limit != args.max_grad_norm:
             raise ValueError(
-                f"the OffloadAdamW passed in optimizers= clips at OffloadConfig.max_grad_norm="
+                f"the {type(opt).__name__} passed in optimizers= clips at "
+                "OffloadConfig.max_grad_norm="
                 f"{limit!r} but TrainingArguments.max_grad_norm={args.max_grad_norm!r}; set "
                 "TrainingArguments.max_grad_norm to the same value, or build the optimizer "
                 "with OffloadConfig(max_grad_norm=None) and let Trainer's setting clip"
@@ -213,10 +211,11 @@ class OffloadTrainer(Trainer):
     # -- the optimizer -----------------------------------------------------------------
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """Build ``OffloadAdamW`` from the ``TrainingArguments`` (or take the one passed in
-        ``optimizers=``) and wrap it for accelerate (Note [no state round trip at prepare])."""
+        """Build the offload optimizer ``TrainingArguments.optim`` names (or take the one
+        passed in ``optimizers=``) and wrap it for accelerate (Note [no state round trip at
+        prepare])."""
         if self.accelerator.num_processes > 1:
-            # Several ranks: OffloadAdamW reduce-scatters the gradients itself. Preparing the
+            # Several ranks: the optimizer reduce-scatters the gradients itself. Preparing the
             # model here in evaluation mode (mixed precision, compile; no DDP) marks it
             # prepared, so the prepare() that Trainer calls next leaves it unwrapped. No
             # placement: Trainer placed the model at construction, and accelerate's device
@@ -224,7 +223,7 @@ class OffloadTrainer(Trainer):
             # storage.
             self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
         if self.optimizer is None:
-            self.optimizer = self._build_offload_adamw(self.model if model is None else model)
+            self.optimizer = self._build_offload_optimizer(self.model if model is None else model)
         if not isinstance(self.optimizer, OffloadAcceleratedOptimizer):
             opt = find_offload_optimizer(self.optimizer, where="OffloadTrainer")
             self.optimizer = OffloadAcceleratedOptimizer(opt, scaler=self.accelerator.scaler)
@@ -234,12 +233,15 @@ class OffloadTrainer(Trainer):
             self._offload_logged_step = self.state.global_step
         return self.optimizer
 
-    def _build_offload_adamw(self, model: torch.nn.Module) -> OffloadOptimizer:
+    def _build_offload_optimizer(self, model: torch.nn.Module) -> OffloadOptimizer:
+        """The rule ``args.optim`` names (Note [Trainer's optim names] in ``_optim_names.py``)
+        over Trainer's two parameter groups."""
         args = self.args
+        cls, kwargs = optimizer_cls_and_kwargs(args)
         decay = set(self.get_decay_parameter_names(model))
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         # Trainer's own grouping (create_optimizer), so a checkpoint of a Trainer run with
-        # torch's AdamW has the same groups.
+        # the torch optimizer of the same name has the same groups.
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -248,22 +250,19 @@ class OffloadTrainer(Trainer):
             self.offload_config,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
         )
-        return OffloadAdamW(
+        return cls(
             groups,
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
+            **kwargs,
             config=config,
             accelerator=self.offload_device,
             # Parameter offload and ZeRO-3 fetch the model's blocks (``layers`` found by
-            # OffloadAdamW: the nn.ModuleList holding the most parameters).
+            # the optimizer: the nn.ModuleList holding the most parameters).
             model=model if config.offload_parameters or config.partition_parameters else None,
         )
 
     @property
     def offload_optimizer(self) -> OffloadOptimizer:
-        """The ``OffloadAdamW`` behind ``self.optimizer`` (after ``create_optimizer``)."""
+        """The offload optimizer behind ``self.optimizer`` (after ``create_optimizer``)."""
         if self.optimizer is None:
             raise RuntimeError(
                 "OffloadTrainer.offload_optimizer before the optimizer exists; call "
@@ -331,7 +330,7 @@ class OffloadTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Trainer's loss; for an fp16 model its gradient is scaled by the optimizer's loss
-        scale during backward, as ``OffloadAdamW.backward`` would (the value returned, and
+        scale during backward, as ``OffloadOptimizer.backward`` would (the value returned, and
         logged, stays unscaled)."""
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
