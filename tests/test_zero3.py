@@ -29,6 +29,7 @@ which the mean bound, a twentieth of one step's ``lr``, checks.
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -228,8 +229,10 @@ def test_a_rank_killed_mid_gather_stops_the_others_within_the_timeout(tmp_path: 
     survivor = results[0]
     assert survivor["type"] == "CollectiveError", survivor
     error = survivor["error"]
-    assert "rank 0/2" in error and "all_gather of unit" in error, error
-    assert "blocks." in error, error  # the unit it was gathering
+    assert "rank 0/2" in error, error
+    # The unit it was gathering, named: which one depends on how far the prefetches ran
+    # ahead before rank 1 died (a later block's, or under load the final norm's).
+    assert re.search(r"all_gather of unit '(blocks\.\d+|norm|[a-z_]*head)'", error), error
     assert "Rank(s) 1 did not report" in error, error  # Note [naming the absent rank]
     assert survivor["seconds"] < timeout + 5.0 + 2.0  # + the roll call's grace
 
