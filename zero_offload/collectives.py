@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .accelerator.host_syncs import count_sync
 from .errors import CollectiveError, StreamError
 
 __all__ = [
@@ -297,6 +298,9 @@ def all_reduce_stats(stats: torch.Tensor, *, comm: Comm, device: torch.device) -
     Synchronisation point: the result is read on the host.
     """
     stats = stats.to(device=device, dtype=torch.float64)
+    # One host wait, for the other ranks and (NCCL) the read: Note [host syncs are counted
+    # where they can block] in accelerator/host_syncs.py.
+    count_sync("all_reduce_stats")
     work = dist.all_reduce(stats, group=comm.group, async_op=True)
     comm.counters.add("all_reduce", stats.numel() * stats.element_size())
     wait_work(

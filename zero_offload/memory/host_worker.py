@@ -14,6 +14,7 @@ see Note [when a thread stream's clock moves] in ``accelerator/threads.py``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,25 +52,29 @@ class HostWorker(ThreadStream):
         # it: an idle worker is not waited for (synchronize).
         self._tail: Event | None = None
         self._since_tail = False
+        self._tail_lock = threading.Lock()  # guards the two above and each submit's queuing
 
     def submit(self, fn: Callable[[], Any]) -> None:
-        self._since_tail = True  # before the task is queued: a synchronize() must wait
-        super().submit(fn)
+        with self._tail_lock:  # marked and queued together: synchronize() sees both or none
+            self._since_tail = True
+            super().submit(fn)
 
     def synchronize(self) -> None:
         """Block until the queued work is done. With nothing queued since the last wait it
         is no wait, and counted as none (Note [host syncs are counted where they can
         block]): unlike a simulated device stream's, a CPU worker's queue is as empty on a
-        GPU machine. The event that ended the last wait still orders this one."""
-        tail = self._tail
-        if tail is not None and not self._since_tail and tail.query():
+        GPU machine. The event that ended the last wait still orders this one. A fresh
+        wait counts as one even when the worker gets there first: the count depends on
+        what was queued, not on timing."""
+        with self._tail_lock:
+            tail = self._tail
+            fresh = tail is None or self._since_tail
+            if fresh:
+                tail = self.record_event()  # if this raises, the flag still says "queued"
+                self._tail, self._since_tail = tail, False
+        if not fresh and tail.query():
             self._check()
             synchronize_completed(tail)
             return
-        self._since_tail = False
-        tail = self._tail = self.record_event()
-        if tail.query():
-            synchronize_completed(tail)
-        else:
-            tail.synchronize()
+        tail.synchronize()
         self._check()

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from ..accelerator import Event
+from ..accelerator.host_syncs import count_sync
 from ..errors import StorageError
 
 __all__ = ["IOEngine", "IOEvent", "RecordFile"]
@@ -102,6 +103,7 @@ class IOEvent(Event):
         return self._done.is_set()
 
     def synchronize(self) -> None:
+        count_sync("nvme")  # Note [host syncs are counted where they can block]
         self._done.wait()
         if self._error is not None:
             raise self._error

@@ -465,7 +465,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
             bucket.store.check_usable()
         # Every bucket's check, read once (Note [one fingerprint pass per bucket]).
-        written = changed_params_of([bucket.views for bucket in self.buckets])
+        written = changed_params_of([bucket.views for bucket in self.buckets], self.accelerator)
         for bucket, params in zip(self.buckets, written, strict=True):
             if params:
                 bucket.store.reconcile_master()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..accelerator import Event
+from ..accelerator.host_syncs import synchronize_completed
 from ..errors import StorageError
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
@@ -90,7 +91,10 @@ class Bounce:
         window earlier, normally done)."""
         event = self.last[slot.index]
         if event is not None:
-            event.synchronize()
+            if event.query():
+                synchronize_completed(event)
+            else:
+                event.synchronize()
             self.last[slot.index] = None
 
     def begin(

@@ -90,7 +90,7 @@ from ..partition import BucketLayout, ParamSlot
 from ..weights.source import fill_bucket
 
 if TYPE_CHECKING:
-    from ..accelerator import Event
+    from ..accelerator import Accelerator, Event
     from ..memory.manager import TieredMemoryManager
 
 __all__ = ["ParamViews", "changed_params_of"]
@@ -494,13 +494,18 @@ class ParamViews:
         self.block.free()
 
 
-def changed_params_of(all_views: Sequence[ParamViews]) -> list[list[torch.nn.Parameter]]:
+def changed_params_of(
+    all_views: Sequence[ParamViews], accelerator: Accelerator
+) -> list[list[torch.nn.Parameter]]:
     """``changed_params()`` of each of ``all_views``, reading every device comparison on the
-    host at once (Note [one fingerprint pass per bucket])."""
+    host at once, through ``accelerator`` (Note [one fingerprint pass per bucket])."""
     masks = [views.device_written() for views in all_views]
     on_device = [mask for mask in masks if mask is not None]
-    # Synchronisation point (GPU): the one read of every bucket's comparison.
-    flags = torch.cat(on_device).tolist() if on_device else []
+    flags: list[bool] = []
+    if on_device:
+        # Synchronisation point (GPU): the one read of every bucket's comparison, counted
+        # (Note [host syncs are counted where they can block] in accelerator/host_syncs.py).
+        flags = accelerator.read_to_host(torch.cat(on_device)).tolist()
     out: list[list[torch.nn.Parameter]] = []
     at = 0
     for views, mask in zip(all_views, masks, strict=True):
