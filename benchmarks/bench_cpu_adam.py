@@ -30,7 +30,11 @@ BYTES = {"fp32": 28, "mixed": 28, "bf16_moments": 20, "one_state_fp32": 20}
 ONE_STATE = ("Lion", "Adagrad")
 #: Adafactor's row: one square matrix of the size's parameters, against the streams of its
 #: three passes (Note [Adafactor's three passes] in kernels/adafactor.py: read p, g; read g;
-#: read p, g, write p: 24 B/param; its factors, 8 B per row, stay in cache).
+#: read p, g, write p: 24 B/param; its factors, 8 B per row, stay in cache). Each pass needs
+#: the one before it whole (the factors, then the clipping norm), so none of the streams can
+#: be shared; the kernel's arithmetic is not counted: on few cores the square root and the
+#: reciprocal that U costs per element, in passes 2 and 3, take longer than the streams
+#: (Note [dividing by the row mean]).
 ADAFACTOR_ROOF = "roofline Adafactor fp32 (3 passes, 24 B/param)"
 
 

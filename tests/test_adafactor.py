@@ -14,6 +14,9 @@ whole parameter] in zero_offload/optim/rule/base.py).
 6. Every unsupported combination is refused at construction (or at the call, for a
    streaming checkpoint), naming the rule and the feature; bad hyper-parameters by name.
 7. The kernel against torch on odd shapes (3-D, 1-wide, 0-D).
+8. The kernel's fast paths give the plain path's bits: the division by the row mean taken as
+   a float64 product, pass 1's four rows at a time and its uncopied fp32 gradient, on any
+   number of threads.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import math
 import pathlib
 from typing import Any
 
+import numba
+import numpy as np
 import pytest
 import torch
 
 from zero_offload import OffloadAdafactor, OffloadConfig
 from zero_offload.estimate.pools import rule_state, rule_state_bytes
-from zero_offload.kernels import adafactor_step
+from zero_offload.kernels import adafactor, adafactor_step
 from zero_offload.optim.checks import refuse_whole_parameter_features
 from zero_offload.optim.rule import ADAFACTOR
 
@@ -333,3 +338,123 @@ def test_the_kernel_names_a_bad_argument_before_writing() -> None:
         adafactor_step(master, grad, shape=(12,), variance=torch.zeros(12),
                        **{**common, "beta2_decay": 0.5})  # fmt: skip
     assert torch.equal(master, before)
+
+
+def test_dividing_by_the_row_mean_is_a_float64_product() -> None:
+    """Note [dividing by the row mean]: fp32(t / r) == fp32(float64(t) * (1 / float64(r)))
+    whenever t / r >= 2**-126, and both are <= 2**-126 otherwise; over random bit patterns
+    (subnormals included), all-ones and near-power-of-two mantissas, and the extremes."""
+    gen = np.random.default_rng(0)
+    n = 1 << 20
+    tiny = float(np.finfo(np.float32).tiny)
+    mantissas = {
+        "random": gen.integers(0, 1 << 23, n, dtype=np.uint32),
+        "all ones": np.full(n, (1 << 23) - 1, dtype=np.uint32),
+        "near 1": gen.integers(0, 64, n, dtype=np.uint32),
+    }
+    for name, r_bits in mantissas.items():
+        for exponents in ((0, 255), (100, 160)):  # any, and quotients mostly normal
+            t_bits = gen.integers(0, 1 << 23, n, dtype=np.uint32)
+            t_exp, r_exp = gen.integers(*exponents, (2, n), dtype=np.uint32)
+            t = ((t_exp << 23) | t_bits).view(np.float32)
+            r = ((r_exp << 23) | r_bits).view(np.float32)
+            keep = np.isfinite(t) & np.isfinite(r) & (r > 0)
+            t, r = t[keep], r[keep]
+            with np.errstate(all="ignore"):
+                quotient = t / r
+                product = (t.astype(np.float64) * (1.0 / r.astype(np.float64))).astype(np.float32)
+            ok = (quotient.view(np.uint32) == product.view(np.uint32)) | (
+                (quotient < tiny) & (product <= tiny)
+            )
+            assert np.all(ok), (name, t[~ok][:4], r[~ok][:4])
+    f32 = np.finfo(np.float32)
+    edges = np.array([f32.max, f32.tiny, f32.smallest_subnormal, 1.0, 1.0 - f32.epsneg, 3.0],
+                     dtype=np.float32)  # fmt: skip
+    t, r = (a.ravel() for a in np.meshgrid(edges, edges))
+    with np.errstate(all="ignore"):
+        quotient = t / r
+        product = (t.astype(np.float64) * (1.0 / r.astype(np.float64))).astype(np.float32)
+    same = quotient.view(np.uint32) == product.view(np.uint32)
+    assert np.all(same | ((quotient < tiny) & (product <= tiny)))
+
+
+#: Shapes for the fast-path checks: batches whose rows are not a multiple of four, rows
+#: wider than a reduction chunk, several row blocks, a single row.
+FAST_PATH_SHAPES = [(2, 7, 2050), (513, 4097), (6, 33), (1, 300), (37, 1)]
+
+
+@pytest.mark.parametrize("shape", FAST_PATH_SHAPES, ids=str)
+def test_fast_paths_give_the_plain_bits(shape: tuple[int, ...], monkeypatch) -> None:
+    """The same gradient values as fp32 (pass 1 sums it uncopied), as bf16 (copied, scaled),
+    as negated fp32 under maximize (copied, scaled by -1), on one thread and on all, and
+    with the row mean divided instead of multiplied by its reciprocal: equal bits of the
+    master, the factors and ``out`` after three steps."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    numel = math.prod(shape)
+    p0 = torch.randn(numel, generator=gen)
+    grads = [torch.randn(numel, generator=gen).bfloat16() for _ in range(3)]
+
+    def run(variant: str, threads: int) -> list[torch.Tensor]:
+        master = p0.clone()
+        state = {f.name: torch.zeros(f.shape).view(-1) for f in ADAFACTOR.param_state(shape)}
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        for step, g in enumerate(grads, start=1):
+            grad = {"fp32": g.float(), "bf16": g, "maximize": -g.float()}[variant]
+            adafactor_step(master, grad, shape=shape, step=step, lr=1e-2, beta2_decay=-0.8,
+                           eps1=1.2e-7, eps2=1e-3, d=1.0, weight_decay=0.1,
+                           maximize=variant == "maximize", out=out, num_threads=threads,
+                           **state)  # fmt: skip
+        return [master, out, *state.values()]
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    plain = run("fp32", 1)
+    runs = [
+        run(variant, threads) for variant in ("fp32", "bf16", "maximize") for threads in (1, pool)
+    ]
+    monkeypatch.setattr(adafactor, "SMALLEST_NORMAL", math.inf)  # divide by the row mean
+    runs.append(run("fp32", pool))
+    for other in runs:
+        for a, b in zip(plain, other, strict=True):
+            assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                               b.view(torch.int16 if b.element_size() == 2 else torch.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["fp32-uncopied", "scaled-copy"])
+@pytest.mark.parametrize("shape", [(2, 7, 2050), (9, 4100)], ids=str)
+def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
+    """Note [pass 1 four rows at a time]: the column partials are each block's rows' squares
+    added row by row, the row sums and p's sum the reduction loop over each row's chunks in
+    order: bit for bit what a row-by-row walk gives."""
+    from zero_offload.kernels.stats import SUM_CHUNK, _sumsq_f32
+
+    gen = np.random.default_rng(len(shape))
+    *batch, m, n = shape
+    rows = math.prod(batch) * m
+    grad = gen.standard_normal(rows * n, dtype=np.float32)
+    param = gen.standard_normal(rows * n, dtype=np.float32)
+    nblocks = 2  # a block of each shape holds four rows of one batch
+    rowsq = np.empty(rows)
+    colpart = np.zeros((nblocks, rows // m * n))
+    psq = np.empty(nblocks)
+    adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
+                              psq, direct)  # fmt: skip
+    squares = grad.astype(np.float64).reshape(rows, n) ** 2
+    for blk in range(nblocks):
+        r0, r1 = rows * blk // nblocks, rows * (blk + 1) // nblocks
+        expect = np.zeros(rows // m * n)
+        p_sum = 0.0
+        for r in range(r0, r1):
+            cb = r // m * n
+            expect[cb : cb + n] += squares[r]
+            for lo in range(0, n, SUM_CHUNK):
+                p_sum += _sumsq_f32(param[r * n + lo : r * n + min(lo + SUM_CHUNK, n)])
+        assert np.array_equal(colpart[blk], expect)
+        assert psq[blk] == p_sum
+    for r in range(rows):
+        chunks = [
+            grad[r * n + lo : r * n + min(lo + SUM_CHUNK, n)] for lo in range(0, n, SUM_CHUNK)
+        ]
+        total = 0.0
+        for chunk in chunks:
+            total += _sumsq_f32(chunk)
+        assert rowsq[r] == total

@@ -16,7 +16,7 @@ import re
 import pytest
 from numba import njit, types
 
-from zero_offload.kernels import accumulate, adam, convert, stats
+from zero_offload.kernels import accumulate, adafactor, adam, convert, stats
 
 F32 = types.Array(types.float32, 1, "C")
 U16 = types.Array(types.uint16, 1, "C")  # bf16 bits
@@ -78,4 +78,38 @@ def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out)
     assert "fdiv" in ir and "fmul" in ir  # the arithmetic is there to be checked
     assert FAST_MATH_FLAG.search(ir) is None
     assert FUSED.search(ir) is None
+    assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
+
+
+F64 = types.Array(types.float64, 1, "C")
+
+
+@pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scratch", [NONE, F32], ids=["uncopied", "copied"])
+def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad, scratch) -> None:
+    """Pass 1's four-row loop (Note [pass 1 four rows at a time] in adafactor.py)."""
+    f32 = types.float32
+    signature = (grad, grad, grad, grad, types.int64, f32, F64, scratch, scratch, scratch, scratch)
+    fn = adafactor._squares_4rows
+    assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
+    dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
+    dispatcher.compile(signature)
+    ir = dispatcher.inspect_llvm(signature)
+    assert FAST_MATH_FLAG.search(ir) is None
+    assert FUSED.search(ir) is None
+    assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
+
+
+@pytest.mark.parametrize("scale", [types.float32, types.float64], ids=["divide", "multiply"])
+def test_adafactor_update_loop_vectorises_and_fuses_nothing(scale) -> None:
+    """U over a row chunk, dividing by the row mean or multiplying by its float64 reciprocal
+    (Note [dividing by the row mean] in adafactor.py)."""
+    f32 = types.float32
+    signature = (U16, types.int64, f32, F32, f32, scale, f32, F32)
+    fn = adafactor._u_row
+    assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
+    dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
+    dispatcher.compile(signature)
+    assert "fdiv" in dispatcher.inspect_llvm(signature)  # the reciprocal of the square root
+    assert FAST_MATH_FLAG.search(dispatcher.inspect_llvm(signature)) is None
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
