@@ -62,6 +62,7 @@ from ..access import declare_compute, declare_cpu
 from ..ranks import Ranks
 from .buffers import AccumulatorPool, GradBuffers, SpareStaging, accumulator_bytes
 from .device_acc import DeviceSum
+from .device_window import DeviceWindow
 from .host_passes import HostPasses
 from .landing import Landing
 from .path import GradientPath, GradSource, SumSqParts
@@ -85,9 +86,9 @@ class HostGradients(GradientPath):
             accumulator for one backward]).
         grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
             second flush (None before).
-        device_sum: the fp32 accumulator on the device, once a window accumulated and the
-            budget had room (Note [micro-batches add up on the device] in
-            ``device_acc.py``); None before, and for good when it had none.
+        device: the windows summed on the device (``device_window.py``; its ``sum`` is the
+            fp32 accumulator there, once a window accumulated and the budget had room: Note
+            [micro-batches add up on the device] in ``device_acc.py``).
     """
 
     def __init__(
@@ -147,19 +148,22 @@ class HostGradients(GradientPath):
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in] (landing.py).
         self._landing = Landing()
-        # Note [micro-batches add up on the device] (device_acc.py): the accumulator, asked
-        # for once; whether this window adds up there; whether grad_acc holds what landed
-        # from it (CPU Adam then follows _landing into grad_acc); the previous window's
-        # flushes (the early landing's prediction); the host worker's event after the last
-        # step that read grad_acc (a landing overwrites it after that).
-        self.device_sum: DeviceSum | None = None
-        # The landed window's per-parameter norms, on the device (None: host statistics).
-        self._device_norms: torch.Tensor | None = None
-        self._device_asked = False
-        self._device_window = False
+        # Note [micro-batches add up on the device] (device_acc.py): the window's facts
+        # (device_window.py), and whether grad_acc holds what landed from the device sum
+        # (CPU Adam then follows _landing into grad_acc).
+        self.device = DeviceWindow(
+            layout,
+            grad_buffers.accumulators,
+            itemsize=dtype.itemsize,
+            shard=shard,
+            tile_elements=tile_elements,
+        )
         self._acc_landed = False
-        self._expected_flushes = 0
-        self._acc_free: Event | None = None
+
+    @property
+    def device_sum(self) -> DeviceSum | None:
+        """The bucket's fp32 accumulator on the device, once taken (``DeviceWindow.sum``)."""
+        return self.device.sum
 
     @property
     def staging_waits(self) -> int:
@@ -243,7 +247,7 @@ class HostGradients(GradientPath):
         staging = functools.partial(self._staging_tensor, self.staging.kept())
         worker.submit(functools.partial(self.passes.fold, acc, staging, real))
         self._acc_landed = False
-        self._device_norms = None
+        self.device.norms = None
         self._staging_consumed = worker.record_event()
         self.staging.read_by(self._staging_consumed)
         self._source = GradSource.ACCUMULATOR
@@ -316,9 +320,10 @@ class HostGradients(GradientPath):
         grad = self.grad_dev
         if overwrite:  # a new window: the last one's staging, if still held, is free
             self.window_consumed()
-            self._expected_flushes = self._window_flushes
-            self._device_window = self._first_flush_accumulates() and self._take_device_sum()
-        if self._device_window:
+            self.device.begin(
+                accumulates=self._first_flush_accumulates(), previous_flushes=self._window_flushes
+            )
+        if self.device.active:
             self._flush_to_device(overwrite=overwrite, ranks=ranks)
             return
         # Waits until the buffer may be overwritten (given back if this flush fails): Note
@@ -376,21 +381,9 @@ class HostGradients(GradientPath):
 
     # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
 
-    def _take_device_sum(self) -> bool:
-        """Whether this bucket has a device accumulator (asked of the budget once)."""
-        if not self._device_asked:
-            self._device_asked = True
-            self.device_sum = self.grad_buffers.accumulators.take(
-                self.layout, itemsize=self.dtype.itemsize
-            )
-        return self.device_sum is not None
-
     def _flush_to_device(self, *, overwrite: bool, ranks: Ranks) -> None:
         """Add this backward's device gradients into the device accumulator; land the sum
         when this is the window's predicted last flush and the host accumulator is free."""
-        device_sum = self.device_sum
-        if device_sum is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no device accumulator (bug)")
         after = None
         if self._adopted is not None:
             src = self._adopted
@@ -412,20 +405,19 @@ class HostGradients(GradientPath):
             after = ready if ready is not compute else None
             start, stop = self.shard
             src = self.grad_dev[start:stop]
-        device_sum.add(src, overwrite=overwrite, after=after)
-        self._device_norms = None  # of a sum that grew: taken again when it lands
+        self.device.add(src, overwrite=overwrite, after=after)
         self._drop_open()  # reuse is stream-ordered after the add
         self._source = GradSource.ACCUMULATOR
         # _acc_landed and _landing stay: grad_acc still holds the last landing, which a
         # delayed update queued before this backward may be reading, following its tiles.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
-        if self._window_flushes == self._expected_flushes and self._acc_is_free():
+        if self._window_flushes == self.device.expected and self._acc_is_free():
             self.land()  # the predicted last micro-batch: land during this backward
 
     def _acc_readers(self) -> list[Event]:
         """The host worker's events after the last readers of ``grad_acc``: a step's
         update, the statistics of the last landing."""
-        return [e for e in (self._acc_free, self._staging_consumed) if e is not None]
+        return [e for e in (self.device.acc_free, self._staging_consumed) if e is not None]
 
     def _acc_is_free(self) -> bool:
         return all(event.query() for event in self._acc_readers())
@@ -435,19 +427,14 @@ class HostGradients(GradientPath):
         follows, with the host worker's statistics pass behind each; nothing to do when it
         landed already or the window is on the host (Note [micro-batches add up on the
         device])."""
-        device_sum = self.device_sum
-        if device_sum is None or not device_sum.unlanded:
+        if not self.device.unlanded:
             return
         acc = self._ensure_accumulator()
         acc_block = self._acc_block
         if acc_block is None:
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator block (bug)")
-        landing = device_sum.land(
-            acc, acc_block, readers=self._acc_readers(), tile_elements=self.tile_elements
-        )
+        self._landing = self.device.land(acc, acc_block, readers=self._acc_readers())
         self._acc_landed = True
-        self._landing = landing
-        self._device_norms = device_sum.norms(self.shard)  # the statistics: no host pass
 
     def _copy_to_staging(
         self, src: torch.Tensor, dst: torch.Tensor, *, after: list[Event], blocks: list[Block]
@@ -468,7 +455,7 @@ class HostGradients(GradientPath):
         """Queue the host worker's pass over each tile of staging ``buffer`` as it lands."""
         worker = self.manager.host_worker
         self._acc_landed = False
-        self._device_norms = None
+        self.device.norms = None
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
             acc = None
@@ -532,8 +519,7 @@ class HostGradients(GradientPath):
         """Forget the window: the open device buffer, and its staging once what the host
         worker queued is done (Note [gradient staging for the buckets in flight])."""
         self._drop_open()
-        if self.device_sum is not None:
-            self.device_sum.unlanded = False
+        self.device.discard()
         self.window_consumed()
 
     def update_queued(self, event: Event) -> None:
@@ -547,11 +533,10 @@ class HostGradients(GradientPath):
         accumulator landed into again (Note [micro-batches add up on the device])."""
         if self.staging.holding:
             self.staging.release(self.manager.host_worker.record_event())
-        if self.device_sum is not None:
-            self._acc_free = self.manager.host_worker.record_event()
+        self.device.consumed(self.manager.host_worker)
 
     def window_source(self) -> GradSource:
-        if self.device_sum is not None and self.device_sum.unlanded:
+        if self.device.unlanded:
             return GradSource.DEVICE
         self.staging.check_kept(self.layout.index, staged=self._source is GradSource.STAGING)
         return self._source
@@ -565,18 +550,16 @@ class HostGradients(GradientPath):
         return grad
 
     def stats_on_host(self) -> bool:
-        return self._device_norms is None  # landed from the device: taken there
+        return self.device.norms is None  # landed from the device: taken there
 
     def grad_sumsq(self) -> SumSqParts:
-        if self._device_norms is not None:
-            return SumSqParts([], False, self._device_norms)
+        if self.device.norms is not None:
+            return SumSqParts([], False, self.device.norms)
         return self.passes.sumsq()
 
     def close(self) -> None:
         self._adopted = None
-        if self.device_sum is not None:
-            self.device_sum.close()
-            self.device_sum = None
+        self.device.close()
         if self._grad_block is not None:
             self._grad_block.free()
             self._grad_block = None
