@@ -1,4 +1,5 @@
-"""Argument checks for OffloadAdamW: every refusal names the parameter and what would work."""
+"""Argument checks for the offload optimizers: every refusal names the parameter and what
+would work."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ __all__ = [
     "describe_param",
     "param_name",
     "plain_trainer_calling",
+    "refuse_torch_switches",
     "refuse_whole_parameter_features",
     "split_names",
     "watch_replacement",
@@ -318,3 +320,22 @@ def refuse_whole_parameter_features(
             f"{name}: the {rule.name} rule reads whole parameters ({rule.reads_whole}), so "
             "it does not support " + "; nor ".join(refused)
         )
+
+
+def refuse_torch_switches(name: str, **switches: bool | None) -> None:
+    """Refuse torch's implementation switches that mean nothing here: ``capturable`` and
+    ``differentiable`` (True is refused: the update runs on the CPU outside autograd and
+    CUDA graphs), ``foreach`` and ``fused`` (anything but None: our own kernel always
+    runs). A facade passes those its torch signature takes."""
+    for flag, value in switches.items():
+        if flag in ("capturable", "differentiable"):
+            if value:
+                raise ValueError(
+                    f"{name} does not support {flag}=True: the update runs on the CPU "
+                    f"outside autograd and CUDA graphs; leave {flag}=False"
+                )
+        elif value is not None:
+            raise ValueError(
+                f"{name} ignores torch's {flag}= implementation switch (it always "
+                f"runs its own fused CPU kernel); leave {flag}=None, got {value!r}"
+            )

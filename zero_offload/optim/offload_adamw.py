@@ -17,7 +17,8 @@ import torch
 
 from ..accelerator import Accelerator
 from ..config import OffloadConfig
-from .offload_optimizer import OffloadOptimizer, StepFailed, refuse_torch_switches
+from .checks import refuse_torch_switches
+from .offload_optimizer import OffloadOptimizer, StepFailed
 from .rule import ADAM, ADAMW, OptimizerRule
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]

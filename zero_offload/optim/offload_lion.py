@@ -13,7 +13,8 @@ import torch
 
 from ..accelerator import Accelerator
 from ..config import OffloadConfig
-from .offload_optimizer import OffloadOptimizer, refuse_torch_switches
+from .checks import refuse_torch_switches
+from .offload_optimizer import OffloadOptimizer
 from .rule import LION, OptimizerRule
 
 __all__ = ["OffloadLion"]

@@ -67,28 +67,9 @@ from .update.policy import StepPolicy
 
 _log = logging.getLogger("zero_offload")
 
-__all__ = ["OffloadOptimizer", "StepFailed", "refuse_torch_switches"]
+__all__ = ["OffloadOptimizer", "StepFailed"]
 
 _serials = itertools.count(1)
-
-
-def refuse_torch_switches(name: str, **switches: bool | None) -> None:
-    """Refuse torch's implementation switches that mean nothing here: ``capturable`` and
-    ``differentiable`` (True is refused: the update runs on the CPU outside autograd and
-    CUDA graphs), ``foreach`` and ``fused`` (anything but None: our own kernel always
-    runs). A facade passes those its torch signature takes."""
-    for flag, value in switches.items():
-        if flag in ("capturable", "differentiable"):
-            if value:
-                raise ValueError(
-                    f"{name} does not support {flag}=True: the update runs on the CPU "
-                    f"outside autograd and CUDA graphs; leave {flag}=False"
-                )
-        elif value is not None:
-            raise ValueError(
-                f"{name} ignores torch's {flag}= implementation switch (it always "
-                f"runs its own fused CPU kernel); leave {flag}=None, got {value!r}"
-            )
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
