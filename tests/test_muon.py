@@ -359,13 +359,6 @@ def test_unsupported_features_are_refused_at_construction(config: dict, message:
         _build(model, **config)
 
 
-def test_parameter_offload_is_refused_at_construction() -> None:
-    model, _ = make_pair()
-    with pytest.raises(ValueError, match=r"muon rule .* offload_parameters=True"):
-        OffloadMuon(model.parameters(), config=_config(offload_parameters=True),
-                    accelerator=host_accelerator(), model=model)  # fmt: skip
-
-
 def test_several_ranks_are_refused_naming_the_rule() -> None:
     """The check every construction runs, with the world size the process group gives."""
     with pytest.raises(ValueError, match=r"OffloadMuon: the muon rule .* 2 ranks "

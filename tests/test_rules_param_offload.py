@@ -1,13 +1,19 @@
-"""Lion and Adagrad with parameter offload and streaming checkpoints (issue 37: "every rule
-works with NVMe state, parameter offload, checkpoints (consolidated and streaming, bitwise
-resume)"). NVMe state, consolidated checkpoints, 2 gloo ranks and parity against torch are
-in tests/test_lion_adagrad.py; here:
+"""Lion, Adagrad, Adafactor and Muon with parameter offload, and Lion and Adagrad with
+streaming checkpoints (issue 37: "every rule works with NVMe state, parameter offload,
+checkpoints (consolidated and streaming, bitwise resume)"). NVMe state, consolidated
+checkpoints, 2 gloo ranks and parity against torch are in tests/test_lion_adagrad.py,
+tests/test_adafactor.py and tests/test_muon.py; here:
 
 1. Weights three times the device budget, fetched unit by unit (``offload_parameters``),
    train bitwise like the same rule with its weights resident: the rule sees the same
-   gradients and writes the same pinned weights, whatever fetches them.
+   gradients and writes the same pinned weights, whatever fetches them. For Adafactor and
+   Muon, which read whole parameters, each unit's host pool holds exactly its buckets'
+   state, the shaped state (the factors, the momentum buffers) included (Note [rules that
+   read a whole parameter] in optim/rule/base.py).
 2. A run resumed from ``save_streaming``/``load_streaming`` with host state (and with
-   parameter offload) is bitwise equal to the uninterrupted one.
+   parameter offload) is bitwise equal to the uninterrupted one (elementwise rules: the
+   others refuse streaming checkpoints, tests/test_adafactor.py, tests/test_muon.py).
+3. ``partition_parameters`` is still refused for Adafactor and Muon, naming the feature.
 
 CUDA form: the models, data and accelerators come from tests/helpers, so under
 ``--accelerator=cuda`` they run on ``cuda:0``, bitwise as on the host (both sides run the
@@ -23,9 +29,10 @@ from typing import Any
 import pytest
 import torch
 
-from zero_offload import OffloadAdagrad, OffloadConfig, OffloadLion
+from zero_offload import OffloadAdafactor, OffloadAdagrad, OffloadConfig, OffloadLion, OffloadMuon
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
+from zero_offload.estimate.pools import rule_state_bytes
 from zero_offload.params import UnitState
 
 from .helpers.device import on_device, run_accelerator, run_device
@@ -38,6 +45,12 @@ RULES = {
     "adagrad": (OffloadAdagrad, {"lr": 1e-2, "lr_decay": 0.05, "weight_decay": 0.1,
                                  "initial_accumulator_value": 0.1}),
 }  # fmt: skip
+#: Rules that read whole parameters (Muon: the 2-D weights, embeddings included; the
+#: norms' and biases' vectors go to its AdamW, Note [Muon routes by shape]).
+WHOLE = {
+    "adafactor": (OffloadAdafactor, {"lr": 1e-2, "weight_decay": 0.1}),
+    "muon": (OffloadMuon, {"lr": 0.02, "adamw_lr": 3e-3}),
+}
 
 
 def _gpt() -> torch.nn.Module:
@@ -51,7 +64,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _opt(rule: str, model: torch.nn.Module, budget: str | int, *, offload: bool, **config: Any):
-    facade, hyper = RULES[rule]
+    facade, hyper = {**RULES, **WHOLE}[rule]
     return facade(
         model.parameters(),
         **hyper,
@@ -81,7 +94,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x.detach(), y.detach()), name
 
 
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("rule", [*RULES, *WHOLE])
 def test_weights_three_times_the_budget_train_bitwise_like_resident(rule: str) -> None:
     budget = _weight_bytes(_gpt()) // 3
     with pytest.raises(DeviceBudgetExceeded):  # without parameter offload it cannot fit
@@ -92,6 +105,8 @@ def test_weights_three_times_the_budget_train_bitwise_like_resident(rule: str) -
     opt.close()
     model = _gpt()
     opt = _opt(rule, model, budget, offload=True)
+    if rule in WHOLE:
+        _assert_unit_pools_hold_the_shaped_state(rule, model, opt)
     losses = _train(model, opt, 8)
     peak = opt.accelerator.memory_stats()["peak"]
     assert all(unit.state is UnitState.ON_HOST for unit in opt.param_offloader.units)
@@ -99,6 +114,31 @@ def test_weights_three_times_the_budget_train_bitwise_like_resident(rule: str) -
     assert losses == want_losses
     _same(model, want)
     assert peak <= budget
+
+
+def _assert_unit_pools_hold_the_shaped_state(rule: str, model: torch.nn.Module, opt: Any) -> None:
+    """Every unit's host pool is full (sized exactly: the shaped state counted, not more),
+    and the host state is the estimator's ``rule_state_bytes``: the per-element fields
+    (the fp32 master; Muon's AdamW moments) and the shaped state, alignment aside."""
+    units = {
+        n: s for n, s in opt.manager.pool_stats().items() if ".unit" in n and n.endswith(".host")
+    }
+    assert len(units) == len(opt.param_offloader.units)  # one pool per unit
+    for name, stats in units.items():
+        assert stats["bytes_in_use"] == stats["capacity_bytes"], name
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert opt.placement.host == rule_state_bytes(rule, shapes)
+
+
+@pytest.mark.parametrize("rule", list(WHOLE))
+def test_partition_parameters_is_still_refused_for_whole_parameter_rules(rule: str) -> None:
+    """ZeRO-3's flat-range shards would cut the parameters these rules read whole; the
+    refusal names the rule, the feature and what works instead."""
+    model = _gpt()
+    with pytest.raises(ValueError, match=rf"the {rule} rule reads whole parameters .* "
+                       r"partition_parameters=True \(ZeRO-3 shards .*\(offload_parameters=True"
+                       r" on one rank"):  # fmt: skip
+        _opt(rule, model, "1GiB", offload=False, partition_parameters=True)
 
 
 @pytest.mark.parametrize("rule", list(RULES))

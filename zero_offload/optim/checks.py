@@ -290,7 +290,9 @@ def refuse_whole_parameter_features(
     """Refuse, for a rule that reads whole parameters (Note [rules that read a whole
     parameter] in ``rule/base.py``), each feature that would step part of a parameter or
     keep its state where the rule's shaped state has no place; nothing for an elementwise
-    rule. ``name``: the optimizer's class; ``ranks``: the process group's size (1 alone)."""
+    rule. Parameter offload on one rank passes: each unit's host pool holds its buckets'
+    shaped state. ``name``: the optimizer's class; ``ranks``: the process group's size (1
+    alone)."""
     if rule.elementwise:
         return
     refused = []
@@ -309,11 +311,12 @@ def refuse_whole_parameter_features(
             f"nvme_dir={config.nvme_dir!r} (NVMe state streams in per-element tiles of "
             "tile_elements, with no place for the shaped state); leave nvme_dir=None"
         )
-    if config.offload_parameters or config.partition_parameters:
-        switch = "offload_parameters" if config.offload_parameters else "partition_parameters"
+    if config.partition_parameters:
         refused.append(
-            f"{switch}=True (parameter offload sizes each unit's host state in pools of "
-            f"its own, without the shaped state); leave {switch}=False"
+            "partition_parameters=True (ZeRO-3 shards each unit's buckets by flat range over "
+            "ranks, which cuts parameters that the rule reads whole); leave "
+            "partition_parameters=False (offload_parameters=True on one rank keeps the "
+            "weights off the device, each parameter whole)"
         )
     if refused:
         raise ValueError(

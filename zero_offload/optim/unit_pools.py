@@ -10,12 +10,13 @@ memory (or, past ``host_budget``, part of them on NVMe: Note [homes on NVMe] in
 move, would sit beside every original not yet moved: host peak = final + the model. So the
 segment pins one host pool per unit instead, each of exactly its offloaded buckets' bytes
 (``NvmePlan.bucket_host``, less their own gradient staging where the in-flight ring
-replaces it), allocated once and never resized. A unit that needs no host bytes pins no
-pool: a unit of resident buckets, or one whose homes are all on NVMe with in-flight
-staging (its gradient paths then take their name and alignment from the weight tile
-ring's pool, which exists exactly then; nothing of theirs is allocated there). Segment-wide
-buffers come first: the NVMe tier's I/O buffers, the in-flight staging
-ring and the weight tile ring of the homes on NVMe (``F0`` below).
+replaces it; with a rule that reads whole parameters, its shaped state too: Note [rules
+that read a whole parameter] in ``rule/base.py``), allocated once and never resized. A
+unit that needs no host bytes pins no pool: a unit of resident buckets, or one whose homes
+are all on NVMe with in-flight staging (its gradient paths then take their name and
+alignment from the weight tile ring's pool, which exists exactly then; nothing of theirs
+is allocated there). Segment-wide buffers come first: the NVMe tier's I/O buffers, the
+in-flight staging ring and the weight tile ring of the homes on NVMe (``F0`` below).
 
 A unit is built in three moves (``SegmentBuilder._build_units``): its buckets' originals
 are copied into its window slot on the device and released (``ParamOffloader.views_for``),

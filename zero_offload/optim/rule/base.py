@@ -76,11 +76,16 @@ Hyper = Any
 # - the host tile loop steps such a rule one whole parameter per call
 #   (``RuleTiles.step_parameter``, the rule's ``parameter_step``), whatever
 #   ``tile_elements``: the state is in RAM, so a parameter larger than a tile is stepped
-#   whole and no buffer grows with it but the kernel's float64 partial sums.
-# What needs tiles of a bounded size (NVMe records, the device step of resident state),
-# cuts a parameter (ZeRO-2's flat-range shards over ranks) or sizes the host state in pools
-# of its own (parameter offload's unit pools) is refused at construction, naming the rule
-# and the feature (``refuse_whole_parameter_features`` in ``checks.py``); so is a streaming
+#   whole and no buffer grows with it but the kernel's float64 partial sums;
+# - parameter offload on one rank (``offload_parameters``) keeps it too: no bucket spans
+#   two units and no parameter spans two buckets, and each unit's host pool is sized per
+#   bucket by the same ``_host_bytes`` (``state/placement.py``) that sizes the one pool
+#   without it, shaped state included (Note [homes are pinned unit by unit] in
+#   ``unit_pools.py``), so the block lands in the unit's pool with the bucket's fields.
+# What needs tiles of a bounded size (NVMe records, the device step of resident state) or
+# cuts a parameter (ZeRO-2's and ZeRO-3's flat-range shards over ranks, so
+# ``partition_parameters`` too) is refused at construction, naming the rule and the
+# feature (``refuse_whole_parameter_features`` in ``checks.py``); so is a streaming
 # checkpoint, whose records are per-element tiles, at the call. A bucket thus never runs a
 # whole-parameter rule over part of a parameter, and no shaped state goes unsaved.
 

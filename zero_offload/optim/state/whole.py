@@ -3,7 +3,8 @@ plus the parameters' shaped state, stepped one whole parameter at a time.
 
 Note [rules that read a whole parameter] in ``rule/base.py`` says why; this store is where
 it is kept. It runs with one rank only (a bucket's shard is the whole bucket), so every
-parameter of the bucket is whole here.
+parameter of the bucket is whole here; with parameter offload the host pool is its unit's,
+sized with the shaped state as the segment's one pool is without it.
 """
 
 from __future__ import annotations
