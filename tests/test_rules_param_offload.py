@@ -30,16 +30,18 @@ import pytest
 import torch
 
 from zero_offload import OffloadAdafactor, OffloadAdagrad, OffloadConfig, OffloadLion, OffloadMuon
-from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.errors import DeviceBudgetExceeded
 from zero_offload.estimate.pools import rule_state_bytes
 from zero_offload.params import UnitState
 
-from .helpers.device import on_device, run_accelerator, run_device
+from .helpers.device import on_device, run_accelerator
+from .test_param_offload import SEQ, VOCAB, assert_same, gpt, weight_bytes
 
 pytestmark = pytest.mark.cuda_form
 
-VOCAB, SEQ = 64, 16
+#: The float32 TinyGPT of tests/test_param_offload.py (12 blocks of 64).
+_gpt = functools.partial(gpt, torch.float32)
+
 RULES = {
     "lion": (OffloadLion, {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}),
     "adagrad": (OffloadAdagrad, {"lr": 1e-2, "lr_decay": 0.05, "weight_decay": 0.1,
@@ -51,16 +53,6 @@ WHOLE = {
     "adafactor": (OffloadAdafactor, {"lr": 1e-2, "weight_decay": 0.1}),
     "muon": (OffloadMuon, {"lr": 0.02, "adamw_lr": 3e-3}),
 }
-
-
-def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=12, hidden=64, heads=4)
-    return TinyGPT(config).to(run_device())
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _opt(rule: str, model: torch.nn.Module, budget: str | int, *, offload: bool, **config: Any):
@@ -89,14 +81,9 @@ def _train(model: torch.nn.Module, opt: Any, steps: int, *, seed: int = 1) -> li
     return losses
 
 
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert torch.equal(x.detach(), y.detach()), name
-
-
 @pytest.mark.parametrize("rule", [*RULES, *WHOLE])
 def test_weights_three_times_the_budget_train_bitwise_like_resident(rule: str) -> None:
-    budget = _weight_bytes(_gpt()) // 3
+    budget = weight_bytes(_gpt()) // 3
     with pytest.raises(DeviceBudgetExceeded):  # without parameter offload it cannot fit
         _opt(rule, _gpt(), budget, offload=False)
     want = _gpt()
@@ -112,7 +99,7 @@ def test_weights_three_times_the_budget_train_bitwise_like_resident(rule: str) -
     assert all(unit.state is UnitState.ON_HOST for unit in opt.param_offloader.units)
     opt.close()
     assert losses == want_losses
-    _same(model, want)
+    assert_same(model, want)
     assert peak <= budget
 
 
@@ -146,7 +133,7 @@ def test_partition_parameters_is_still_refused_for_whole_parameter_rules(rule: s
 def test_a_streaming_resume_with_host_state_is_bitwise(
     rule: str, offload: bool, tmp_path: pathlib.Path
 ) -> None:
-    budget = _weight_bytes(_gpt()) // 3 if offload else "1GiB"
+    budget = weight_bytes(_gpt()) // 3 if offload else "1GiB"
     build = functools.partial(_opt, rule, budget=budget, offload=offload)
     model = _gpt()
     opt = build(model)
@@ -162,4 +149,4 @@ def test_a_streaming_resume_with_host_state_is_bitwise(
     _train(twin, twin_opt, 4, seed=2)
     opt.close()
     twin_opt.close()
-    _same(model, twin)
+    assert_same(model, twin)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accelerator.host_syncs import count_sync
+from .accelerator.host_syncs import LIBRARY_THREAD_PREFIX, count_sync
 from .errors import CollectiveError, StreamError
 
 __all__ = [
@@ -146,7 +146,9 @@ def wait_work(pending: Pending, comm: Comm) -> None:
             failure.append(exc)
         done.set()
 
-    threading.Thread(target=waiter, name="zero_offload:collective_wait", daemon=True).start()
+    threading.Thread(
+        target=waiter, name=f"{LIBRARY_THREAD_PREFIX}collective_wait", daemon=True
+    ).start()
     if not done.wait(comm.timeout):
         raise CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "

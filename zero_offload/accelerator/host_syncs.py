@@ -43,6 +43,7 @@ __all__ = [
     "count_sync",
     "host_syncs",
     "one_sync",
+    "synchronize",
     "synchronize_completed",
     "training_thread",
     "wait_input",
@@ -70,6 +71,7 @@ class Event(Protocol):
     """What is waited for: ``base.Event`` (which this module may not import: ``base``
     counts its own waits here)."""
 
+    def query(self) -> bool: ...
     def synchronize(self) -> None: ...
 
 
@@ -119,6 +121,15 @@ def synchronize_completed(event: Event, *, quiet: bool = False) -> None:
         except Exception:
             if not quiet:
                 raise
+
+
+def synchronize(event: Event) -> None:
+    """``event.synchronize()``: counted as ``COMPLETED`` (free) when a ``query()`` finds it
+    done first, else as a ``WAIT``."""
+    if event.query():
+        synchronize_completed(event)
+    else:
+        event.synchronize()
 
 
 def wait_input(event: Event) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import StreamError
 from .base import Event, Stream
 from .device_context import capture_thread_device
-from .host_syncs import count_sync
+from .host_syncs import LIBRARY_THREAD_PREFIX, count_sync
 from .race_checker import RaceChecker, VectorClock
 
 __all__ = ["Guard", "ThreadEvent", "ThreadStream", "ThreadTimestamp"]
@@ -195,7 +195,9 @@ class _Worker:
         self.error: StreamError | None = None
         self.lock = threading.Lock()
         self._on_start = on_start
-        self.thread = threading.Thread(target=self._run, name=f"zero_offload:{name}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"{LIBRARY_THREAD_PREFIX}{name}", daemon=True
+        )
         self.thread.start()
 
     def _run(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Event
-from ..accelerator.host_syncs import synchronize_completed
+from ..accelerator.host_syncs import synchronize
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..views import ParamViews
@@ -113,10 +113,7 @@ class WeightCopies(Publication):
             # Synchronisation point (rare: two steps with no backward between, or a device
             # far behind): the last step's weight copies read the staging about to be
             # rewritten. Usually long done, and then no wait.
-            if event.query():
-                synchronize_completed(event)
-            else:
-                event.synchronize()
+            synchronize(event)
         self._source_readers = []
         # Note [one cold hash per step] in views/param_views.py: fingerprint the tiles as
         # they are published, while they are in cache.

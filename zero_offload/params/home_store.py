@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..accelerator import Event
-from ..accelerator.host_syncs import synchronize_completed
+from ..accelerator.host_syncs import synchronize
 from ..errors import StorageError
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
@@ -91,10 +91,7 @@ class Bounce:
         window earlier, normally done)."""
         event = self.last[slot.index]
         if event is not None:
-            if event.query():
-                synchronize_completed(event)
-            else:
-                event.synchronize()
+            synchronize(event)
             self.last[slot.index] = None
 
     def begin(

@@ -203,10 +203,11 @@ def _sync_summary(counts: Counter[SyncKey], steps: int) -> dict[str, Any]:
     """The host synchronisations of the training loop's threads (Note [host syncs are
     counted where they can block] in accelerator/host_syncs.py): by kind, the waits by
     stream, and per step over ``steps``."""
-    mine = {k: n for k, n in counts.items() if training_thread(k.thread)}
     by_kind = {kind.value: 0 for kind in SyncKind}
     waits: dict[str, int] = {}
-    for key, n in mine.items():
+    for key, n in counts.items():
+        if not training_thread(key.thread):
+            continue
         by_kind[key.kind.value] += n
         if key.kind is SyncKind.WAIT:
             waits[key.stream] = waits.get(key.stream, 0) + n

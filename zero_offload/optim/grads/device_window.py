@@ -74,20 +74,24 @@ class DeviceWindow:
         """Whether a flush added into the device sum since it last landed."""
         return self.sum is not None and self.sum.unlanded
 
-    def add(self, src: torch.Tensor, *, overwrite: bool, after: Event | None) -> None:
-        """``DeviceSum.add``; the norms of the sum before it are stale."""
+    def _taken(self) -> DeviceSum:
         if self.sum is None:
             raise RuntimeError(f"bucket {self.layout.index}: no device accumulator (bug)")
-        self.sum.add(src, overwrite=overwrite, after=after)
+        return self.sum
+
+    def add(self, src: torch.Tensor, *, overwrite: bool, after: Event | None) -> None:
+        """``DeviceSum.add``; the norms of the sum before it are stale."""
+        self._taken().add(src, overwrite=overwrite, after=after)
         self.norms = None  # of a sum that grew: taken again when it lands
 
     def land(self, acc: torch.Tensor, acc_block: Block, *, readers: list[Event]) -> Landing:
         """Queue the sum's landing into ``acc`` (after ``readers``), and take its norms on
         the device: the window's statistics, no host pass."""
-        if self.sum is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no device accumulator (bug)")
-        landing = self.sum.land(acc, acc_block, readers=readers, tile_elements=self._tile_elements)
-        self.norms = self.sum.norms(self._shard)
+        device_sum = self._taken()
+        landing = device_sum.land(
+            acc, acc_block, readers=readers, tile_elements=self._tile_elements
+        )
+        self.norms = device_sum.norms(self._shard)
         return landing
 
     def consumed(self, worker: HostWorker) -> None:
