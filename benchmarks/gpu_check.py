@@ -136,6 +136,7 @@ TEST_FILES = (
     "tests/test_host_syncs.py",
     "tests/test_rules_param_offload.py",
     "tests/test_overlap_queue.py",
+    "tests/test_overlap_shadow.py",
     "tests/test_step_costs.py",
     # the integrations: Trainer, accelerate, PEFT, TRL and Lightning on cuda:0 (issue 36)
     "tests/test_integration_transformers.py",

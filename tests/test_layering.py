@@ -25,8 +25,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 
 0. ``access``, ``unit_pools``, ``ranks``: who reads pinned memory when, the per-unit host
    pools, what the optimizer asks of its ranks.
-1. ``grads``, ``publish``: a bucket's gradients from hook to host; the weight copies of an
-   update.
+1. ``grads``, ``publish``, ``shadow``: a bucket's gradients from hook to host; the weight
+   copies of an update, and the device shadow a delayed update lands in.
 2. ``rule``: the optimizer's rule (what it keeps, how it steps, its hyper-parameters) and
    the host tile loop every rule shares.
 3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
@@ -96,6 +96,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "ranks": 0,
     "grads": 1,
     "publish": 1,
+    "shadow": 1,
     "rule": 2,
     "state": 3,
     "flat_bucket": 4,

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .accumulation import Accumulating
+from .delayed import Shadowed
 from .in_flight import ParamInFlight
 from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
 from .rows import (
@@ -147,6 +148,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     Offloaded("ZeRO-Offload + activation offload", _ACT),
     Accumulating("ZeRO-Offload + ckpt, micro-batches summed on the device", _CKPT),
     Accumulating("ZeRO-Offload + ckpt, micro-batches summed on the host", _CKPT, False),
+    Shadowed("ZeRO-Offload + ckpt + overlap_step, weight shadow on the device", _CKPT),
     DeviceShards("ZeRO-Offload + ZeRO-3 (shards on the device)"),
     DeviceShards("ZeRO-Offload + ZeRO-3 + checkpointing", _CKPT),
     DeviceShards("ZeRO-Offload + ZeRO-3 + activation offload", _ACT),

@@ -208,5 +208,6 @@ class FlatBucket:
         """Return every block to its pool."""
         self.gradients.discard_grad()
         self.gradients.close()
+        self.store.publication.close()
         self.store.close()
         self.views.close()

@@ -62,13 +62,31 @@ from ...tracing import phase
 from ..access import declare_compute
 from .landing import Landing
 
-__all__ = ["DeviceAccumulators", "DeviceSum"]
+__all__ = ["DeviceAccumulators", "DeviceSum", "pool_if_room"]
 
 _log = logging.getLogger("zero_offload")
 
 #: The budget share kept free beside the accumulators (Note [micro-batches add up on the
 #: device]).
 RESERVE_FRACTION = 0.1
+
+
+def pool_if_room(
+    manager: TieredMemoryManager, nbytes: int, *, buffer_bytes: int, name: str
+) -> tuple[BlockPool | None, int, int]:
+    """A device pool of ``nbytes`` named ``name`` when the budget has them plus a reserve
+    (a tenth of the budget, or two gradient buffers of ``buffer_bytes`` if more) left, else
+    None; with the reserve and the bytes left, for the message that says why not."""
+    stats = manager.accelerator.memory_stats()
+    reserve = max(int(stats["budget"] * RESERVE_FRACTION), 2 * buffer_bytes)
+    left = stats["budget"] - stats["in_use"]
+    if nbytes + reserve > left:
+        return None, reserve, left
+    try:
+        pool = manager.create_pool(Tier.DEVICE, aligned(max(nbytes, 1), 512), name=name)
+    except DeviceBudgetExceeded:  # another thread took the room meanwhile
+        return None, reserve, left
+    return pool, reserve, left
 
 
 class DeviceSum:
@@ -194,19 +212,12 @@ class DeviceAccumulators:
         if self.setting is GradAccumulation.HOST:
             return None
         nbytes = 4 * layout.shard_numel
-        stats = self.manager.accelerator.memory_stats()
-        reserve = max(int(stats["budget"] * RESERVE_FRACTION), 2 * layout.padded_numel * itemsize)
-        left = stats["budget"] - stats["in_use"]
-        pool = None
-        if nbytes + reserve <= left:
-            try:
-                pool = self.manager.create_pool(
-                    Tier.DEVICE,
-                    aligned(nbytes, 512),
-                    name=f"{self.name}.bucket{layout.index}.grad_acc_dev",
-                )
-            except DeviceBudgetExceeded:  # another thread took the room meanwhile
-                pool = None
+        pool, reserve, left = pool_if_room(
+            self.manager,
+            nbytes,
+            buffer_bytes=layout.padded_numel * itemsize,
+            name=f"{self.name}.bucket{layout.index}.grad_acc_dev",
+        )
         if pool is None:
             self._refused(layout, nbytes, reserve, left)
             return None

@@ -47,6 +47,8 @@ class HomeWritten(WeightCopies):
     (``Publish.LATER``), in ``publish()`` once every unit was released: Note [stepping
     during backward with parameter offload] in ``update/eager.py``."""
 
+    can_shadow = False  # nothing crosses the link: the next fetch reads the file
+
     def prepare(self, *, publish: Publish, after: list[Event] | None) -> list[Event]:
         return []
 

@@ -46,6 +46,7 @@ from ..flat_bucket import FlatBucket, StepPlan
 from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
+from ..shadow import WeightShadows
 
 __all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
 
@@ -224,9 +225,10 @@ class UpdateMode(ABC):
             published = bucket.publish()
             events.extend(published)
             gathers.append(self._gather(bucket, published)[1])
-        for event in events:
-            # The next update rewrites the staging these copies read.
-            self.manager.host_worker.wait_event(event)
+        for bucket in buckets:
+            for event in bucket.store.publication.home_readers():
+                # The next update rewrites the staging these copies read.
+                self.manager.host_worker.wait_event(event)
         self._land(buckets, events, gathers)
         with torch.no_grad():
             for bucket, saved in written:
@@ -347,7 +349,9 @@ class ImmediateUpdate(UpdateMode):
 # ``ParamViews.masters_from_weights``: the weights loaded into those before that step win,
 # so both load orders resume as the uninterrupted run goes on. "Written" means new values,
 # not a moved version counter (Note [weights written outside the optimizer] in
-# views/param_views.py).
+# views/param_views.py). Where the device budget has room, the update's tiles cross the link
+# as they are written, into a device shadow, and step() k+1 copies them on the device
+# instead (Note [the delayed update lands in a shadow] in optim/shadow.py).
 
 
 class DelayedUpdate(UpdateMode):
@@ -357,6 +361,7 @@ class DelayedUpdate(UpdateMode):
         super().__init__(manager, ranks)
         self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
+        self.shadows = WeightShadows(manager)
 
     @property
     def pending(self) -> bool:
@@ -370,20 +375,29 @@ class DelayedUpdate(UpdateMode):
         self._pending = False  # ours was drained; the checkpoint's, if any, is _resumed
 
     def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
-        plans = [(plan.bucket, hyper, plan.runs, plan.source) for plan, hyper in work]
+        plans = [
+            (plan.bucket, hyper, plan.runs, plan.source, self._publish(plan.bucket))
+            for plan, hyper in work
+        ]
 
         def update() -> None:
             with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
-                for bucket, hyper, runs, source in plans:
-                    bucket.store.update(
-                        hyper, grad_scale, runs, publish=Publish.LATER, source=source
-                    )
+                for bucket, hyper, runs, source, publish in plans:
+                    bucket.store.update(hyper, grad_scale, runs, publish=publish, source=source)
 
         self.manager.host_worker.submit(update)
         for plan, _ in work:  # the counts are the snapshot the queued update works from
             plan.bucket.commit(plan)
         self._pending = True
         self._steps_queued += 1
+
+    def _publish(self, bucket: FlatBucket) -> Publish:
+        """Into the bucket's shadow where it has one (taken at its first update), else
+        later from the home: Note [the delayed update lands in a shadow]."""
+        buffer_bytes = bucket.layout.padded_numel * bucket.dtype.itemsize
+        if bucket.store.publication.shadowed(self.shadows, buffer_bytes=buffer_bytes):
+            return Publish.SHADOW
+        return Publish.LATER
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
         if self._resumed:

@@ -1,0 +1,158 @@
+"""``overlap_step`` with and without the device weight shadow, over a simulated link.
+
+    python benchmarks/bench_overlap_shadow.py [--tiny] [--rounds N] [--link-gbps G]
+
+Note [the delayed update lands in a shadow] (optim/shadow.py): with a shadow, the delayed
+update's weights cross the link while the next forward and backward run, and ``step()``
+copies them on the device; without one, ``step()`` copies the whole model's weights across
+the link before the next forward may start. This script trains ``bench_offload_step``'s
+bf16 GPT (20M parameters; ``--tiny``: a small one) with ``overlap_step`` both ways, in one
+run, on the host accelerator with a link of ``--link-gbps`` GB/s (the copy threads sleep
+for each copy's bytes at that rate, so the link's time overlaps compute as a DMA's would).
+It reports, per variant, the median over interleaved rounds after a warm-up of: the time
+``step()`` blocks the caller, the whole step (backward + ``step()``), and the weight bytes
+``step()`` itself sends across the link; and the ratio shadow / no shadow. Host-accelerator
+figures on this machine's cores, not GPU figures: the GPU's are ``gpu_check.py
+--north-star``'s ``offload_overlap_step`` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_offload_step.py
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine, write_json
+from bench_offload_step import FULL, LR, TINY, _batches, _make_model
+
+import zero_offload.optim.shadow as shadow_mod
+from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload.accelerator import AcceleratorConfig, HostAccelerator
+from zero_offload.memory.traffic import Category, Direction
+
+VARIANTS = ("shadow", "no shadow")
+
+
+class _Run:
+    """One variant's model, optimizer and counters."""
+
+    def __init__(self, name: str, scale, link: float) -> None:
+        self.name = name
+        self.model = _make_model("gpt", torch.bfloat16, torch.device("cpu"), scale)
+        acc = HostAccelerator(AcceleratorConfig(link_bandwidth=link, device_budget="8GiB"))
+        take = shadow_mod.WeightShadows.take
+        if name == "no shadow":
+            shadow_mod.WeightShadows.take = lambda self, **_: None  # type: ignore[method-assign]
+        try:
+            self.opt = OffloadAdamW(
+                self.model.parameters(),
+                lr=LR,
+                accelerator=acc,
+                config=OffloadConfig(overlap_step=True),
+            )
+            self.batch = _batches("gpt", 1, torch.device("cpu"), scale)[0]
+            self.step_once()  # the first update's shadows are taken here
+        finally:
+            shadow_mod.WeightShadows.take = take  # type: ignore[method-assign]
+        self.in_step = False
+        self.sent = 0  # H2D weight bytes the caller's thread queued inside step()
+        main = threading.main_thread()
+
+        def listen(record) -> None:
+            direction = getattr(record, "direction", None)
+            if (
+                self.in_step
+                and direction is Direction.H2D
+                and record.category is Category.WEIGHTS
+                and threading.current_thread() is main
+            ):
+                self.sent += record.nbytes
+
+        self.opt.manager.subscribe(listen)
+        self.blocked: list[float] = []
+        self.whole: list[float] = []
+        self.bytes: list[int] = []
+
+    def step_once(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.model(*self.batch).backward()
+        self.in_step = True
+        t1 = time.perf_counter()
+        self.opt.step()
+        t2 = time.perf_counter()
+        self.in_step = False
+        self.opt.zero_grad()
+        return t2 - t1, t2 - t0
+
+    def measure(self) -> None:
+        self.sent = 0
+        blocked, whole = self.step_once()
+        self.blocked.append(blocked)
+        self.whole.append(whole)
+        self.bytes.append(self.sent)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--link-gbps", type=float, default=1.0, help="simulated link, GB/s")
+    args = parser.parse_args(argv)
+    scale = TINY if args.tiny else FULL
+    runs = {name: _Run(name, scale, args.link_gbps * 1e9) for name in VARIANTS}
+    for run in runs.values():  # warm-up: the second update publishes the first
+        run.step_once()
+    for _ in range(args.rounds):  # interleaved rounds
+        for run in runs.values():
+            run.measure()
+    numel = sum(p.numel() for p in runs["shadow"].model.parameters())
+    rows = {}
+    for name, run in runs.items():
+        rows[name] = {
+            "step_blocks_s": statistics.median(run.blocked),
+            "whole_step_s": statistics.median(run.whole),
+            "h2d_bytes_in_step": statistics.median(run.bytes),
+            "shadowed_buckets": run.opt.manager.step_notes.get(
+                "delayed_update.shadowed_buckets", 0
+            ),
+        }
+        run.opt.close()
+    ratio = {
+        key: rows["shadow"][key] / rows["no shadow"][key]
+        for key in ("step_blocks_s", "whole_step_s")
+    }
+    lines = [
+        f"{numel / 1e6:.1f}M bf16 parameters, link {args.link_gbps:g} GB/s (simulated), "
+        f"median of {args.rounds} interleaved rounds",
+        "",
+        "| overlap_step | step() blocks ms | backward + step() ms | weight bytes step() sends "
+        "| shadowed buckets |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['step_blocks_s'] * 1e3:.1f} | {r['whole_step_s'] * 1e3:.1f} | "
+            f"{r['h2d_bytes_in_step'] / 1e6:.1f} MB | {r['shadowed_buckets']} |"
+        )
+    lines.append(
+        f"| **shadow / no shadow** | **{ratio['step_blocks_s']:.2f}** | "
+        f"**{ratio['whole_step_s']:.2f}** | | |"
+    )
+    print("\n".join(lines))
+    result = {"machine": machine(), "link_gbps": args.link_gbps, "rows": rows, "ratio": ratio}
+    path = write_json("bench_overlap_shadow_tiny" if args.tiny else "bench_overlap_shadow", result)
+    print(f"\nwrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
