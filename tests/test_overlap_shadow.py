@@ -16,6 +16,7 @@ import zero_offload.optim.shadow as shadow_mod
 from zero_offload.memory.traffic import Category, Direction
 
 from .helpers.device import on_device, run_accelerator, run_device
+from .helpers.dist import run_ranks
 from .helpers.models import batches, lm_loss, make_pair, offload_opt
 
 pytestmark = pytest.mark.cuda_form
@@ -164,3 +165,17 @@ def test_the_estimator_row_holds_the_built_shadows() -> None:
     row = rows["ZeRO-Offload + ckpt + overlap_step, weight shadow on the device"]
     assert row.device_buffers - base.device_buffers == shadows > 0
     assert row.host == base.host
+
+
+@pytest.mark.simulator_only("spawns gloo ranks on the host accelerator")
+def test_two_ranks_land_their_shards_in_shadows(tmp_path) -> None:
+    # Each rank's shadow holds its shard; the all-gather follows the device copy out of
+    # it. The bits are those without a shadow, on every rank.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shadowed = run_ranks(2, "overlap", tmp_path / "a", steps=4, shadow=True)
+    plain = run_ranks(2, "overlap", tmp_path / "b", steps=4, shadow=False)
+    assert all(r["shadowed"] > 0 for r in shadowed) and all(r["shadowed"] == 0 for r in plain)
+    for a, b in zip(shadowed, plain, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(*(r["weights"] for r in shadowed), strict=True))

@@ -128,6 +128,32 @@ def scenario_accumulate(
     return result
 
 
+def scenario_overlap(rank: int, world: int, out: Path, *, steps: int, shadow: bool) -> dict:
+    """``overlap_step`` with 2 micro-batches a step, with the delayed update's device weight
+    shadows or (``shadow=False``) without (Note [the delayed update lands in a shadow])."""
+    import zero_offload.optim.shadow as shadow_mod
+
+    if not shadow:
+        shadow_mod.WeightShadows.take = lambda self, **_: None  # type: ignore[method-assign]
+    model, _ = make_pair()
+    opt = offload_opt(model, overlap_step=True)
+    pairs = data(2 * steps)
+    for i in range(0, len(pairs), 2):
+        for tokens, targets in pairs[i : i + 2]:
+            share = shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
+            opt.backward(lm_loss(model, *share))
+        opt.step()
+        opt.zero_grad()
+    opt.flush_pending_update()
+    notes = dict(opt.manager.step_notes)
+    result = {
+        "weights": _weights(model),
+        "shadowed": notes.get("delayed_update.shadowed_buckets", 0),
+    }
+    opt.close()
+    return result
+
+
 def scenario_overflow(rank: int, world: int, out: Path, *, steps: int, bad_step: int) -> dict:
     """fp16: rank 1 alone produces an inf in one gradient element at ``bad_step``."""
     model, _ = make_pair(torch.float16)
@@ -323,6 +349,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
     "train": scenario_train,
     "rule_train": scenario_rule_train,
     "accumulate": scenario_accumulate,
+    "overlap": scenario_overlap,
     "overflow": scenario_overflow,
     "save": scenario_save,
     "resume": scenario_resume,
