@@ -11,8 +11,9 @@ whole parameter] in zero_offload/optim/rule/base.py).
 3. A step announced during backward is bitwise the plain step.
 4. bf16 weights: the model holds the master rounded, and the loss falls.
 5. Host state bytes per parameter from the pools' report, against the estimator.
-6. Every unsupported combination is refused at construction (or at the call, for a
-   streaming checkpoint), naming the rule and the feature; bad hyper-parameters by name.
+6. Every unsupported combination is refused at construction, naming the rule and
+   the feature; bad hyper-parameters by name. Streaming checkpoints work:
+   tests/test_whole_rules_streaming.py.
 7. The kernel against torch on odd shapes (3-D, 1-wide, 0-D).
 8. The kernel's fast paths give the plain path's bits: the division by the row mean taken as
    a float64 product, pass 1's four rows at a time and its uncopied fp32 gradient, on any
@@ -22,7 +23,6 @@ whole parameter] in zero_offload/optim/rule/base.py).
 from __future__ import annotations
 
 import math
-import pathlib
 from typing import Any
 
 import numba
@@ -259,17 +259,6 @@ def test_several_ranks_are_refused_naming_the_rule() -> None:
 
     refuse_whole_parameter_features("OffloadLion", LION, OffloadConfig(offload_fraction=0.5),
                                     ranks=2)  # fmt: skip
-
-
-def test_streaming_checkpoints_are_refused(tmp_path: pathlib.Path) -> None:
-    model, _ = make_pair()
-    opt = _build(model)
-    with pytest.raises(ValueError, match=r"adafactor rule reads whole parameters .* "
-                       r"save_streaming"):  # fmt: skip
-        opt.save_streaming(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"load_streaming"):
-        opt.load_streaming(tmp_path / "ckpt")
-    opt.close()
 
 
 @pytest.mark.parametrize(

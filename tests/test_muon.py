@@ -16,8 +16,9 @@ zero_offload/optim/rule/muon.py, Note [rules that read a whole parameter] in rul
    bitwise equal to an uninterrupted one; a step announced during backward is bitwise the
    plain step; bf16 weights train.
 4. Host state bytes per parameter from the pools' report: 8 per matrix element, 12 per other.
-5. Every unsupported combination is refused at construction (or at the call, for a
-   streaming checkpoint), naming the rule and the feature; bad hyper-parameters by name.
+5. Every unsupported combination is refused at construction, naming the rule and
+   the feature; bad hyper-parameters by name. Streaming checkpoints work:
+   tests/test_whole_rules_streaming.py.
 
 CUDA forms: only the tests comparing ours with ours (resume, announced step, bf16). Under
 ``--accelerator=cuda`` torch's reference would orthogonalize on the GPU (cuBLAS bf16) while
@@ -27,7 +28,6 @@ ours does on the host CPU, which is not the same arithmetic: the parity tests st
 from __future__ import annotations
 
 import math
-import pathlib
 from typing import Any
 
 import pytest
@@ -364,16 +364,6 @@ def test_several_ranks_are_refused_naming_the_rule() -> None:
     with pytest.raises(ValueError, match=r"OffloadMuon: the muon rule .* 2 ranks "
                        r"\(ZeRO-2 shards each bucket by flat range"):  # fmt: skip
         refuse_whole_parameter_features("OffloadMuon", MUON, OffloadConfig(), ranks=2)
-
-
-def test_streaming_checkpoints_are_refused(tmp_path: pathlib.Path) -> None:
-    model, _ = make_pair()
-    opt = _build(model)
-    with pytest.raises(ValueError, match=r"muon rule reads whole parameters .* save_streaming"):
-        opt.save_streaming(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"load_streaming"):
-        opt.load_streaming(tmp_path / "ckpt")
-    opt.close()
 
 
 def test_a_use_muon_group_is_refused_with_the_routing() -> None:

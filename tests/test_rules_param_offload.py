@@ -1,5 +1,5 @@
-"""Lion, Adagrad, Adafactor and Muon with parameter offload, and Lion and Adagrad with
-streaming checkpoints (issue 37: "every rule works with NVMe state, parameter offload,
+"""Lion, Adagrad, Adafactor and Muon with parameter offload and with streaming checkpoints
+(issue 37: "every rule works with NVMe state, parameter offload,
 checkpoints (consolidated and streaming, bitwise resume)"). NVMe state, consolidated
 checkpoints, 2 gloo ranks and parity against torch are in tests/test_lion_adagrad.py,
 tests/test_adafactor.py and tests/test_muon.py; here:
@@ -11,8 +11,10 @@ tests/test_adafactor.py and tests/test_muon.py; here:
    state, the shaped state (the factors, the momentum buffers) included (Note [rules that
    read a whole parameter] in optim/rule/base.py).
 2. A run resumed from ``save_streaming``/``load_streaming`` with host state (and with
-   parameter offload) is bitwise equal to the uninterrupted one (elementwise rules: the
-   others refuse streaming checkpoints, tests/test_adafactor.py, tests/test_muon.py).
+   parameter offload) is bitwise equal to the uninterrupted one, for every rule (Adafactor's
+   and Muon's shaped state: Note [shaped state in a streamed checkpoint] in
+   optim/checkpoint/bucket_file.py; without parameter offload, fp32 and bf16 and
+   ``overlap_step``: tests/test_whole_rules_streaming.py).
 3. ``partition_parameters`` is still refused for Adafactor and Muon, naming the feature.
 
 CUDA form: the models, data and accelerators come from tests/helpers, so under
@@ -128,7 +130,7 @@ def test_partition_parameters_is_still_refused_for_whole_parameter_rules(rule: s
         _opt(rule, model, "1GiB", offload=False, partition_parameters=True)
 
 
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("rule", [*RULES, *WHOLE])
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "param-offload"])
 def test_a_streaming_resume_with_host_state_is_bitwise(
     rule: str, offload: bool, tmp_path: pathlib.Path

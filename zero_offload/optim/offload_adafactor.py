@@ -31,10 +31,10 @@ class OffloadAdafactor(OffloadOptimizer):
     ``maximize``); ``foreach`` other than None is refused, as ``OffloadAdamW`` refuses it.
     ``eps1=None`` is the fp32 master's machine epsilon. The factored statistics need whole
     parameters, so construction refuses several ranks, ``offload_fraction`` below 1,
-    ``nvme_dir`` and ``partition_parameters``, and ``save_streaming``/``load_streaming``
-    refuse (Note [rules that read a whole parameter] in ``rule/base.py``); parameter
-    offload (``offload_parameters``) works on one rank. ``state_dict`` holds
-    torch's ``row_var``/``col_var``/``variance``. ``config``, ``accelerator``,
+    ``nvme_dir`` and ``partition_parameters`` (Note [rules that read a whole parameter] in
+    ``rule/base.py``); parameter offload (``offload_parameters``) works on one rank.
+    ``state_dict`` holds torch's ``row_var``/``col_var``/``variance``; ``save_streaming``
+    saves them too (Note [shaped state in a streamed checkpoint]). ``config``, ``accelerator``,
     ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
     """
 

@@ -58,7 +58,7 @@ from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer
 from .reports.live import OptimizerState
 from .reports.summary import PlacementReport, placement_line, placement_of
 from .router import BackwardRouter
-from .rule import OptimizerRule, require_elementwise
+from .rule import OptimizerRule
 from .rule.base import Hyper
 from .torch_clipping import refuse_plain_trainer
 from .update.loss_scaler import LossScaler
@@ -514,8 +514,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
         ``path``. Like ``state_dict()`` it changes nothing about training."""
         self._check_open("save_streaming")
-        # Note [rules that read a whole parameter] in rule/base.py: per-element records only.
-        require_elementwise(self.rule, "save_streaming (its records hold per-element state)")
         self._policy.mode.drain()
         streaming.save(
             path,
@@ -526,6 +524,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             skipped_steps=self.skipped_steps,
             **self._policy.mode.saved_pending(self.buckets),
             tile_elements=self.config.tile_elements,
+            rule=self.rule.name,
         )
 
     def load_streaming(self, path: str | os.PathLike[str]) -> None:
@@ -533,7 +532,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         everything is checked first: a mismatch raises and changes nothing. The master
         weights come from the checkpoint (the model's weights are the caller's to load)."""
         self._check_open("load_streaming")
-        require_elementwise(self.rule, "load_streaming (its records hold per-element state)")
         self._policy.mode.drain()
         loaded = streaming.load(
             path,
@@ -542,6 +540,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             comm=self.comm,
             scaler=self.scaler,
             tile_elements=self.config.tile_elements,
+            rule=self.rule.name,
         )
         self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
 

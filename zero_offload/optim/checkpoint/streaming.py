@@ -9,13 +9,15 @@ they use is one tile of every field at a time, whatever the model.
 Layout, under ``path/rank{r}/`` (each rank writes its own shard, Note [sharded state dicts]
 in ``state_dict.py``):
 
-- ``bucket{i}.bin``: bucket ``i``'s tiles in order; each tile is its fields' raw bytes for
-  the tile's elements, field after field, in the rule's order (the master first);
+- ``bucket{i}.bin``: bucket ``i``'s tiles in order, then, for a rule that reads whole
+  parameters, its shaped state (``bucket_file.py``, Note [shaped state in a streamed
+  checkpoint] there);
 - ``meta.pt`` (``torch.save`` of plain data, loaded with ``weights_only=True``): the
-  format version, rank and world size, ``param_groups`` (as ``state_dict()``), the loss
-  scaler, ``skipped_steps``, whether an ``overlap_step`` update was pending, and per bucket
-  its fingerprint (index, shard, parameter sizes, fields and dtypes, tile size), step counts
-  and each tile's ``(lo, hi, xxh3-64)``.
+  format version, the rule's name, rank and world size, ``param_groups`` (as
+  ``state_dict()``), the loss scaler, ``skipped_steps``, whether an ``overlap_step`` update
+  was pending, and per bucket its fingerprint (index, shard, parameter sizes, fields and
+  dtypes, the shaped state's names and shapes, tile size), step counts, each tile's
+  ``(lo, hi, xxh3-64)`` and each shaped record's xxh3-64.
 
 Each rank's directory is replaced whole (Note [atomic replacement] in ``fileio.py``): a save
 that fails or is killed leaves the previous checkpoint at ``path`` loadable.
@@ -35,7 +37,9 @@ A checkpoint loads back into an optimizer built the same way (the same parameter
 size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
 bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
 and back. Everything is checked first, every tile's checksum included (a pass over the
-files): a mismatch raises and leaves the optimizer as it was.
+files): a mismatch raises and leaves the optimizer as it was. A checkpoint that records
+the rule's name loads only into an optimizer with that rule (those written before the name
+was recorded load as before, by their fields).
 """
 
 from __future__ import annotations
@@ -50,13 +54,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 
 from ...collectives import Comm, all_reduce_stats
 from ...fileio import atomic_directory, private_file, recover_directory
 from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
+from .bucket_file import check_bucket_file, load_bucket, save_bucket, shaped_layout
 from .state_dict import LoadedState, group_entries
 
 
@@ -88,7 +92,7 @@ def load_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
 
 def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
     store = bucket.store
-    return {
+    fingerprint = {
         "index": bucket.layout.index,
         "shard": tuple(store.span()),
         # Elements of this rank's state that hold parameters (before the sharding padding).
@@ -97,6 +101,15 @@ def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
         "fields": [(name, str(dtype)) for name, dtype in store.field_dtypes()],
         "tile_elements": tile_elements,
     }
+    shaped = shaped_layout(bucket)
+    if any(shaped):  # Note [shaped state in a streamed checkpoint] in bucket_file.py
+        fingerprint["param_state"] = shaped
+    return fingerprint
+
+
+#: Fingerprint keys that only some buckets have (Note [shaped state in a streamed
+#: checkpoint] in ``bucket_file.py``): compared when either side has them.
+_OPTIONAL_KEYS = ("param_state",)
 
 
 #: Bits in each of the save id's two halves (exact in a float64 all-reduce).
@@ -172,14 +185,17 @@ def save(
     skipped_steps: int,
     pending_update: bool,
     tile_elements: int,
+    rule: str,
     written: Sequence[int] = (),
 ) -> None:
     """Write the state of ``buckets`` under ``path/rank{r}/``; the caller made it final
-    (``OffloadAdamW.save_streaming``). ``written``: as in ``state_dict.optimizer_state``."""
+    (``OffloadAdamW.save_streaming``). ``rule``: the rule's name, which ``load`` checks;
+    ``written``: as in ``state_dict.optimizer_state``."""
     directory, rank, world = _rank_dir(comm, path)
     save_id = _new_save_id(comm)  # Note [one save across the ranks]
     nbytes = sum(
         b.layout.real_in(*b.store.span()) * sum(d.itemsize for _, d in b.store.field_dtypes())
+        + b.store.param_state_bytes()
         for b in buckets
     )
     # Written aside and swapped in whole: see Note [atomic replacement] in fileio.py.
@@ -187,13 +203,17 @@ def save(
         entries = []
         for bucket in progress(buckets, desc="save_streaming", unit="bucket"):
             target = staging / f"bucket{bucket.layout.index}.bin"
-            checksums = _save_bucket(bucket, target)
+            with private_file(target) as out:
+                checksums, shaped = save_bucket(bucket, out)
             entry = _fingerprint(bucket, tile_elements)
             entry["steps"] = bucket.steps.tolist()
             entry["tiles"] = checksums
+            if shaped:
+                entry["shaped"] = shaped
             entries.append(entry)
         meta = {
             "version": _FORMAT_VERSION,
+            "rule": rule,
             "rank": rank,
             "world_size": world,
             "param_groups": group_entries(param_groups),
@@ -208,51 +228,12 @@ def save(
             torch.save(meta, out)
 
 
-def _save_bucket(bucket: FlatBucket, target: Path) -> list[tuple[int, int, int]]:
-    """Write one bucket's tiles to ``target``; each tile's ``(lo, hi, xxh3-64)``."""
-    checksums: list[tuple[int, int, int]] = []
-    with private_file(target) as out:
-
-        def save(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
-            digest = xxhash.xxh3_64()
-            for view in fields.values():
-                data = view.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-                digest.update(memoryview(data))
-                out.write(memoryview(data))
-            checksums.append((lo, hi, digest.intdigest()))
-
-        bucket.store.stream_fields(save, read=True, write=False)
-    return checksums
-
-
-def _load_bucket(bucket: FlatBucket, source: Path) -> None:
-    """Stream ``source``'s tiles (checked already) into the bucket's state."""
-    fields = bucket.store.field_dtypes()
-    with open(source, "rb") as handle:
-
-        def load(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-            arrays = _read_tile(handle, fields, hi - lo)
-            for (name, dtype), data in zip(fields, arrays, strict=True):
-                views[name].copy_(torch.from_numpy(data).view(dtype))
-
-        bucket.store.stream_fields(load, read=False, write=True)
-
-
-def _read_tile(handle: Any, fields: list[tuple[str, torch.dtype]], count: int) -> list[np.ndarray]:
-    arrays = []
-    for _, dtype in fields:
-        data = np.empty(count * dtype.itemsize, dtype=np.uint8)
-        if handle.readinto(memoryview(data)) != data.nbytes:
-            raise ValueError(f"{handle.name} ends early: truncated checkpoint")
-        arrays.append(data)
-    return arrays
-
-
 def _check(
     buckets: Sequence[FlatBucket],
     param_groups: Sequence[dict[str, Any]],
     scaler: LossScaler,
     tile_elements: int,
+    rule: str,
     directory: Path,
     meta: dict[str, Any],
 ) -> None:
@@ -263,6 +244,12 @@ def _check(
             f"{directory / _META}: format version {meta.get('version')!r}, expected "
             f"{_FORMAT_VERSION}"
         )
+    if "rule" in meta and meta["rule"] != rule:  # saved before the name was recorded: none
+        raise ValueError(
+            f"{directory / _META}: saved by an optimizer with the {meta['rule']!r} rule, this "
+            f"one steps with the {rule!r} rule: load it into an optimizer of the rule that "
+            "saved it; nothing was loaded"
+        )
     saved = meta["buckets"]
     if len(saved) != len(buckets) or len(meta["param_groups"]) != len(param_groups):
         raise ValueError(
@@ -272,29 +259,48 @@ def _check(
         )
     checking = zip(saved, buckets, strict=True)
     for entry, bucket in progress(checking, desc="checking the checkpoint", total=len(buckets)):
-        mine = _fingerprint(bucket, tile_elements)
-        theirs = {key: entry[key] for key in mine}
-        theirs["shard"] = tuple(theirs["shard"])
-        if theirs != mine:
-            diff = sorted(key for key in mine if theirs[key] != mine[key])
-            raise ValueError(
-                f"{directory}: bucket {bucket.layout.index} was saved with different {diff} "
-                f"({[theirs[k] for k in diff]} vs {[mine[k] for k in diff]} here): build the "
-                "optimizer over the same parameters with the same bucket_bytes, "
-                "tile_elements and moments_dtype"
-            )
-        fields = bucket.store.field_dtypes()
-        with open(directory / f"bucket{bucket.layout.index}.bin", "rb") as handle:
-            for lo, hi, expected in entry["tiles"]:
-                digest = xxhash.xxh3_64()
-                for data in _read_tile(handle, fields, hi - lo):
-                    digest.update(memoryview(data))
-                if digest.intdigest() != expected:
-                    raise ValueError(
-                        f"{handle.name}: tile [{lo}, {hi}) fails its checksum (corrupted or "
-                        "torn checkpoint); nothing was loaded"
-                    )
+        _check_fingerprint(directory, entry, bucket, tile_elements)
+        source = directory / f"bucket{bucket.layout.index}.bin"
+        check_bucket_file(source, bucket, entry["tiles"], entry.get("shaped", []))
     scaler.check_state(meta.get("loss_scaler") or {})
+
+
+def _check_fingerprint(
+    directory: Path, entry: dict[str, Any], bucket: FlatBucket, tile_elements: int
+) -> None:
+    """Refuse a bucket saved from other parameters, fields or shaped state."""
+    mine = _fingerprint(bucket, tile_elements)
+    keys = [*mine, *(key for key in _OPTIONAL_KEYS if key in entry and key not in mine)]
+    theirs = {key: entry.get(key) for key in keys}
+    theirs["shard"] = tuple(theirs["shard"])
+    diff = sorted(key for key in keys if theirs[key] != mine.get(key))
+    if diff:
+        shown = "; ".join(
+            f"{k}: {_shown(k, theirs[k], mine.get(k))} saved, {_shown(k, mine.get(k), theirs[k])} "
+            "here"
+            for k in diff
+        )
+        raise ValueError(
+            f"{directory}: bucket {bucket.layout.index} was saved with different {diff} "
+            f"({shown}): build the optimizer "
+            "with the same rule over the same parameters (the same shapes) with the same "
+            "bucket_bytes, tile_elements and moments_dtype; nothing was loaded"
+        )
+
+
+def _shown(key: str, value: Any, other: Any) -> Any:
+    """``value`` for a mismatch message; for the shaped state, only the first parameter of
+    the bucket where ``value`` and ``other`` differ (the whole list is long)."""
+    if key != "param_state":
+        return value
+    if value is None:
+        return "no shaped state"
+    other = other or []
+    for j in range(max(len(value), len(other))):
+        mine = value[j] if j < len(value) else None
+        if mine != (other[j] if j < len(other) else None):
+            return f"parameter {j} of the bucket: {mine}"
+    return value
 
 
 def _other_world(where: Path, saved: object, world: int) -> str:
@@ -341,11 +347,12 @@ def load(
     comm: Comm | None,
     scaler: LossScaler,
     tile_elements: int,
+    rule: str,
 ) -> LoadedState:
     """Load what ``save`` wrote under ``path/rank{r}/`` into ``buckets`` and
-    ``param_groups``, tile by tile; checks everything first (the loss scaler's state
-    too): a mismatch raises and changes nothing. Returns what the caller applies, as
-    ``state_dict.load_optimizer_state`` does."""
+    ``param_groups``, tile by tile; checks everything first (the loss scaler's state too,
+    and that ``rule``, the rule's name, saved it): a mismatch raises and changes nothing.
+    Returns what the caller applies, as ``state_dict.load_optimizer_state`` does."""
     directory, _, world = _rank_dir(comm, path)
     meta: dict[str, Any] = {}
     unreadable: BaseException | None = None
@@ -371,7 +378,7 @@ def load(
             raise
     if unreadable is not None:  # this rank's own reason, rather than "another save"
         raise unreadable
-    _check(buckets, param_groups, scaler, tile_elements, directory, meta)
+    _check(buckets, param_groups, scaler, tile_elements, rule, directory, meta)
 
     written = set(meta.get("written_since_step", ()))
     # Checked: from here on nothing raises on the checkpoint's data.
@@ -379,7 +386,7 @@ def load(
     for entry, bucket in progress(
         loading, desc="load_streaming", total=len(buckets), unit="bucket"
     ):
-        _load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
+        load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
         bucket.store.publication.drop_unpublished()
         # Note [a loaded state claims no weights] in state_dict.py

@@ -6,7 +6,7 @@ whole parameters, in ``adafactor.py``; Muon, with AdamW for what is not a matrix
 from .adafactor import ADAFACTOR
 from .adagrad import ADAGRAD
 from .adamw import ADAM, ADAMW
-from .base import OptimizerRule, ParamField, StateField, StateFields, require_elementwise
+from .base import OptimizerRule, ParamField, StateField, StateFields
 from .lion import LION
 from .muon import MUON
 
@@ -22,7 +22,6 @@ __all__ = [
     "StateField",
     "StateFields",
     "by_name",
-    "require_elementwise",
 ]
 
 #: Every rule by the name users choose it with.

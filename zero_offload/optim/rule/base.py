@@ -19,7 +19,7 @@ the optimizer]):
   as soon as its gradients arrive. A rule that is not (Adafactor's factored second moment)
   steps one whole parameter at a time (``parameter_step``) and may keep state shaped by the
   parameter (``param_state``): Note [rules that read a whole parameter]. What needs tiles
-  or flat-range shards refuses such a rule (``require_elementwise``).
+  or flat-range shards refuses such a rule at construction.
 
 A new elementwise optimizer is one rule (a subclass here), one kernel (``kernels/``) and a
 thin facade over ``OffloadAdamW``'s machinery.
@@ -43,7 +43,6 @@ __all__ = [
     "StateField",
     "StateFields",
     "WholeParameterRule",
-    "require_elementwise",
     "scaled_gradient",
 ]
 
@@ -77,6 +76,9 @@ Hyper = Any
 #   (``RuleTiles.step_parameter``, the rule's ``parameter_step``), whatever
 #   ``tile_elements``: the state is in RAM, so a parameter larger than a tile is stepped
 #   whole and no buffer grows with it but the kernel's float64 partial sums;
+# - a streaming checkpoint saves it after the bucket's per-element tiles, one record per
+#   parameter, its names and shapes in the bucket's fingerprint (Note [shaped state in a
+#   streamed checkpoint] in ``checkpoint/bucket_file.py``);
 # - parameter offload on one rank (``offload_parameters``) keeps it too: no bucket spans
 #   two units and no parameter spans two buckets, and each unit's host pool is sized per
 #   bucket by the same ``_host_bytes`` (``state/placement.py``) that sizes the one pool
@@ -85,9 +87,8 @@ Hyper = Any
 # What needs tiles of a bounded size (NVMe records, the device step of resident state) or
 # cuts a parameter (ZeRO-2's and ZeRO-3's flat-range shards over ranks, so
 # ``partition_parameters`` too) is refused at construction, naming the rule and the
-# feature (``refuse_whole_parameter_features`` in ``checks.py``); so is a streaming
-# checkpoint, whose records are per-element tiles, at the call. A bucket thus never runs a
-# whole-parameter rule over part of a parameter, and no shaped state goes unsaved.
+# feature (``refuse_whole_parameter_features`` in ``checks.py``). A bucket thus never runs
+# a whole-parameter rule over part of a parameter, and no shaped state goes unsaved.
 
 
 @dataclass(frozen=True)
@@ -322,17 +323,6 @@ class WholeParameterRule(OptimizerRule):
         raise RuntimeError(
             f"the {self.name} rule has no device step: resident state is refused at "
             "construction (a bug: Note [rules that read a whole parameter])"
-        )
-
-
-def require_elementwise(rule: OptimizerRule, feature: str) -> None:
-    """Refuse ``feature`` (one that tiles, shards by flat range or keeps per-element state
-    only) for a rule whose update reads more than its own element (Note [rules that read a
-    whole parameter])."""
-    if not rule.elementwise:
-        raise ValueError(
-            f"the {rule.name} rule reads whole parameters (it is not elementwise), so it "
-            f"does not support {feature}; this combination is refused"
         )
 
 
