@@ -237,3 +237,28 @@ def test_a_truncated_shaped_record_is_refused(tmp_path: pathlib.Path) -> None:
     model, opt = _trained("adafactor")
     _refused(opt, model, path, r"bucket0.bin ends early: truncated checkpoint")
     opt.close()
+
+
+def test_adam_and_adamw_load_each_others_checkpoints(tmp_path) -> None:
+    # One family of state (OptimizerRule.state_family): the moments mean the same, as
+    # torch's Adam and AdamW load each other's state dicts.
+    from zero_offload import OffloadAdam
+
+    model, _ = make_pair()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=host_accelerator())
+    for tokens, targets in batches(2):
+        opt.backward(lm_loss(model, tokens, targets))
+        opt.step()
+        opt.zero_grad()
+    opt.save_streaming(tmp_path / "ckpt")
+    saved = opt.state_dict()
+    opt.close()
+    other = OffloadAdam(model.parameters(), lr=1e-3, accelerator=host_accelerator())
+    other.load_streaming(tmp_path / "ckpt")
+    loaded = other.state_dict()
+    other.close()
+    for index, state in saved["state"].items():
+        for name, value in state.items():
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(loaded["state"][index][name])
+            )

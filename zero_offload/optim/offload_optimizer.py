@@ -525,6 +525,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             **self._policy.mode.saved_pending(self.buckets),
             tile_elements=self.config.tile_elements,
             rule=self.rule.name,
+            family=self.rule.state_family,
         )
 
     def load_streaming(self, path: str | os.PathLike[str]) -> None:
@@ -541,6 +542,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             scaler=self.scaler,
             tile_elements=self.config.tile_elements,
             rule=self.rule.name,
+            family=self.rule.state_family,
         )
         self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
 

@@ -38,8 +38,9 @@ size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the place
 bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
 and back. Everything is checked first, every tile's checksum included (a pass over the
 files): a mismatch raises and leaves the optimizer as it was. A checkpoint that records
-the rule's name loads only into an optimizer with that rule (those written before the name
-was recorded load as before, by their fields).
+the rule's name loads only into an optimizer whose rule is of the same state family
+(``OptimizerRule.state_family``: Adam and AdamW load each other's, as torch's do; those
+written before the name was recorded load as before, by their fields).
 """
 
 from __future__ import annotations
@@ -186,10 +187,12 @@ def save(
     pending_update: bool,
     tile_elements: int,
     rule: str,
+    family: str,
     written: Sequence[int] = (),
 ) -> None:
     """Write the state of ``buckets`` under ``path/rank{r}/``; the caller made it final
-    (``OffloadAdamW.save_streaming``). ``rule``: the rule's name, which ``load`` checks;
+    (``OffloadAdamW.save_streaming``). ``rule``: the rule's name, ``family`` its state's
+    (``OptimizerRule.state_family``), which ``load`` checks;
     ``written``: as in ``state_dict.optimizer_state``."""
     directory, rank, world = _rank_dir(comm, path)
     save_id = _new_save_id(comm)  # Note [one save across the ranks]
@@ -214,6 +217,7 @@ def save(
         meta = {
             "version": _FORMAT_VERSION,
             "rule": rule,
+            "family": family,
             "rank": rank,
             "world_size": world,
             "param_groups": group_entries(param_groups),
@@ -234,6 +238,7 @@ def _check(
     scaler: LossScaler,
     tile_elements: int,
     rule: str,
+    family: str,
     directory: Path,
     meta: dict[str, Any],
 ) -> None:
@@ -244,7 +249,9 @@ def _check(
             f"{directory / _META}: format version {meta.get('version')!r}, expected "
             f"{_FORMAT_VERSION}"
         )
-    if "rule" in meta and meta["rule"] != rule:  # saved before the name was recorded: none
+    # Saved before the rule was recorded: no check here (the fingerprints still compare the
+    # state's fields). Adam and AdamW load each other's, as torch's optimizers do.
+    if "rule" in meta and meta.get("family", meta["rule"]) != family:
         raise ValueError(
             f"{directory / _META}: saved by an optimizer with the {meta['rule']!r} rule, this "
             f"one steps with the {rule!r} rule: load it into an optimizer of the rule that "
@@ -348,10 +355,11 @@ def load(
     scaler: LossScaler,
     tile_elements: int,
     rule: str,
+    family: str,
 ) -> LoadedState:
     """Load what ``save`` wrote under ``path/rank{r}/`` into ``buckets`` and
     ``param_groups``, tile by tile; checks everything first (the loss scaler's state too,
-    and that ``rule``, the rule's name, saved it): a mismatch raises and changes nothing.
+    and that a rule of ``family`` saved it, ``rule`` naming ours in the message): a mismatch raises and changes nothing.
     Returns what the caller applies, as ``state_dict.load_optimizer_state`` does."""
     directory, _, world = _rank_dir(comm, path)
     meta: dict[str, Any] = {}
@@ -378,7 +386,7 @@ def load(
             raise
     if unreadable is not None:  # this rank's own reason, rather than "another save"
         raise unreadable
-    _check(buckets, param_groups, scaler, tile_elements, rule, directory, meta)
+    _check(buckets, param_groups, scaler, tile_elements, rule, family, directory, meta)
 
     written = set(meta.get("written_since_step", ()))
     # Checked: from here on nothing raises on the checkpoint's data.

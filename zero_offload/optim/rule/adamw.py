@@ -50,6 +50,10 @@ class AdamRule(OptimizerRule):
     def __repr__(self) -> str:
         return f"AdamRule(decoupled={self.decoupled})"
 
+    @property
+    def state_family(self) -> str:
+        return "adam"  # the decay's form changes the step, not what the moments mean
+
     def hyper(self, group: Mapping[str, Any]) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(

@@ -191,6 +191,12 @@ class OptimizerRule(ABC):
     #: the refusals of Note [rules that read a whole parameter] say it.
     reads_whole: ClassVar[str] = ""
 
+    @property
+    def state_family(self) -> str:
+        """What its saved state means: rules of one family (Adam and AdamW: the same moments)
+        load each other's checkpoints, as torch's do; the name by default."""
+        return self.name
+
     @abstractmethod
     def hyper(self, group: Mapping[str, Any]) -> Hyper:
         """One param group's hyper-parameters for a step."""
