@@ -47,6 +47,10 @@ def test_cpu_smoke_runs_every_variant_and_says_it_is_no_gpu_figure(tmp_path: Pat
             assert row["step_s"] > 0 and row["tflops"] > 0, row
             assert row["tokens"] == micro * 2 * north_star.SMOKE_SIZES["tiny-a"]["seq_len"]
             assert row["vs_no_offload"] > 0 and row["vs_deepspeed"] is None
+            # Where the budget left room (the optimizer's step notes): the micro-batches of
+            # the first (4 micro-batch) steps summed on the device; overlap_step's shadows.
+            assert "sums on device 1/1" in row["placement"], row
+            assert ("shadows 1/1" in row["placement"]) == (variant == "offload_overlap_step")
         assert "needs CUDA" in rows[("deepspeed", micro)]["skipped"]
 
 
