@@ -180,6 +180,7 @@ def test_host_pass_threads_follow_the_budget_and_torch(
         cores_reason="test",
         numba_alone=4 * share,
         numba_beside=2 * share,
+        numba_beside_launcher=4 * share - 1,
         host_pass=share,
         split_reason="test",
     )

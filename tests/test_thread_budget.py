@@ -107,16 +107,15 @@ def test_the_cores_override_wins_and_bad_values_name_the_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cores", "beside", "host_pass"),
-    [(1, 1, 1), (2, 1, 1), (3, 1, 1), (8, 4, 2), (16, 8, 4)],
+    ("cores", "beside", "launcher", "host_pass"),
+    [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 2, 1), (8, 4, 7, 2), (16, 8, 15, 4)],
 )
-def test_each_phase_gets_its_share_of_the_cores(cores: int, beside: int, host_pass: int) -> None:
+def test_each_phase_gets_its_share_of_the_cores(
+    cores: int, beside: int, launcher: int, host_pass: int
+) -> None:
     budget = tb.compute_budget(cores, "test", {})
-    assert (budget.numba_alone, budget.numba_beside, budget.host_pass) == (
-        cores,
-        beside,
-        host_pass,
-    )
+    shares = (budget.numba_alone, budget.numba_beside, budget.numba_beside_launcher)
+    assert (*shares, budget.host_pass) == (cores, beside, launcher, host_pass)
 
 
 def test_the_beside_share_can_be_overridden_within_the_cores() -> None:
@@ -190,14 +189,28 @@ def test_the_host_worker_launches_beside_torch() -> None:
     assert tb.launch_phase() is tb.LaunchPhase.ALONE  # the caller's thread is unchanged
 
 
-def test_the_host_worker_has_the_cores_when_the_gpu_computes() -> None:
+def test_the_host_worker_has_all_cores_but_the_launchers_when_the_gpu_computes(
+    budget_of,
+) -> None:
     # On CUDA the caller's forward and backward run on the GPU: the host worker's CPU Adam
-    # (a delayed or announced update) takes the cores (issue 39). The accelerator says so.
+    # (a delayed or announced update) takes every core but one, which the thread launching
+    # the GPU's kernels keeps (issue 39). The accelerator says so.
     class GpuComputes(type(get_accelerator())):  # type: ignore[misc]
         computes_on_host = False
 
-    assert _worker_phase(GpuComputes()) is tb.LaunchPhase.ALONE
+    assert _worker_phase(GpuComputes()) is tb.LaunchPhase.BESIDE_LAUNCHER
     assert CudaAccelerator.computes_on_host is False
+    budget_of(16)
+    seen: list[int] = []
+
+    def on_a_worker() -> None:
+        tb.mark_thread_beside(launcher=True)
+        seen.append(tb.numba_threads_now(torch_threads=32, pool=64))
+
+    worker = threading.Thread(target=on_a_worker)
+    worker.start()
+    worker.join()
+    assert seen == [15]
 
 
 def test_an_announced_backward_keeps_torch_at_its_count(budget_of) -> None:

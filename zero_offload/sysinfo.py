@@ -121,6 +121,7 @@ def collect_thread_info() -> dict[str, Any]:
         "thread_cores_reason": budget.cores_reason,
         "thread_numba_alone": budget.numba_alone,
         "thread_numba_beside_torch": budget.numba_beside,
+        "thread_numba_beside_gpu_launches": budget.numba_beside_launcher,
         "thread_host_pass": budget.host_pass,
         "thread_split_reason": budget.split_reason,
         "omp_wait_policy": wait.torch_policy,

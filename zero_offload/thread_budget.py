@@ -21,10 +21,14 @@ budget divides the cores, and every numba launch asks it:
   cores.
 - BESIDE (CPU Adam on the host worker while the caller's thread may run torch on the host's
   cores: the announced step, the delayed update, on the host accelerator): numba takes
-  ``k = max(1, cores // 2)`` (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it). On CUDA
-  the caller's forward and backward run on the GPU, its thread only launching kernels
-  (``Accelerator.computes_on_host`` is False): the host worker's CPU Adam is ALONE and takes
-  the cores (issue 39: the delayed update ran on half the H200 host's cores).
+  ``k = max(1, cores // 2)`` (``ZERO_OFFLOAD_ADAM_THREADS_BESIDE`` overrides it).
+- BESIDE_LAUNCHER (the same work on CUDA): the caller's forward and backward run on the GPU,
+  its thread (or autograd's) only launching kernels (``Accelerator.computes_on_host`` is
+  False), so the host worker's CPU Adam takes every core but one: ``max(1, cores - 1)``.
+  Half the cores left the H200 host idle (issue 39: the delayed update ran on 8 of 16);
+  every core would leave the thread that feeds the GPU waiting for a core, and a GPU fed
+  late idles whatever the host computes. One core is that thread's: the forward's and the
+  backward's launches never run at once.
 - either way, at most ``torch.get_num_threads()``: a process told to use fewer threads (a
   rank sharing a host with others) keeps to it, as before the budget.
 - a host-worker pass over a gradient beside CPU Adam: ``max(1, cores // 4)`` (Note [the
@@ -131,6 +135,9 @@ class LaunchPhase(enum.Enum):
     ALONE = "alone"
     #: torch computes on another thread at the same time: numba takes its share ``k``.
     BESIDE = "beside"
+    #: another thread launches device kernels at the same time (CUDA): numba takes every
+    #: core but that thread's.
+    BESIDE_LAUNCHER = "beside_launcher"
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,8 @@ class ThreadBudget:
     numba_alone: int
     #: numba's threads for CPU Adam beside torch's work (torch keeps its own count).
     numba_beside: int
+    #: numba's threads for CPU Adam beside a thread launching device kernels.
+    numba_beside_launcher: int
     #: numba's threads for one host-worker pass over a gradient.
     host_pass: int
     #: how the shares were chosen.
@@ -264,9 +273,10 @@ def compute_budget(cores: int, cores_reason: str, env: Mapping[str, str]) -> Thr
         cores_reason=cores_reason,
         numba_alone=cores,
         numba_beside=k,
+        numba_beside_launcher=max(1, cores - 1),
         host_pass=max(1, cores // 4),
         split_reason=why + ", torch keeps its count (bitwise results); after backward CPU "
-        "Adam takes all",
+        "Adam takes all; beside a GPU's kernel launches all but one",
     )
 
 
@@ -294,10 +304,11 @@ def launch_phase() -> LaunchPhase:
     return getattr(_local, "phase", LaunchPhase.ALONE)
 
 
-def mark_thread_beside() -> None:
-    """Make every launch from the calling thread BESIDE (the host worker calls this once at
-    start: its CPU Adam always runs while the caller's thread may be running torch)."""
-    _local.phase = LaunchPhase.BESIDE
+def mark_thread_beside(*, launcher: bool = False) -> None:
+    """Make every launch from the calling thread BESIDE, or BESIDE_LAUNCHER with
+    ``launcher`` (the host worker calls this once at start: its CPU Adam always runs while
+    the caller's thread may be running torch on the host, or launching a GPU's kernels)."""
+    _local.phase = LaunchPhase.BESIDE_LAUNCHER if launcher else LaunchPhase.BESIDE
 
 
 def numba_threads_now(torch_threads: int, pool: int) -> int:
@@ -305,8 +316,11 @@ def numba_threads_now(torch_threads: int, pool: int) -> int:
     torch's count (a process told to use fewer threads, a rank sharing a host, keeps to it)
     and numba's ``pool``."""
     budget = thread_budget()
-    beside = launch_phase() is LaunchPhase.BESIDE
-    share = budget.numba_beside if beside else budget.numba_alone
+    share = {
+        LaunchPhase.ALONE: budget.numba_alone,
+        LaunchPhase.BESIDE: budget.numba_beside,
+        LaunchPhase.BESIDE_LAUNCHER: budget.numba_beside_launcher,
+    }[launch_phase()]
     return max(1, min(share, torch_threads, pool))
 
 

@@ -37,15 +37,15 @@ class HostWorker(ThreadStream):
     def __init__(self, accelerator: Accelerator, name: str = "host_worker") -> None:
         # Bound to the accelerator's device, whichever thread built the optimizer: Note
         # [every library thread binds its device] in accelerator/device_context.py.
-        # Its CPU Adam runs beside the caller's torch work, which takes host cores only when
-        # the accelerator computes on the host: Note [one thread budget].
+        # Its CPU Adam runs beside the caller's torch work, which takes host cores when the
+        # accelerator computes on the host, else one, to launch kernels: Note [one thread
+        # budget].
         bind_device = accelerator.bind_thread
-        beside = accelerator.computes_on_host
+        launcher = not accelerator.computes_on_host
 
         def bind() -> None:
             bind_device()
-            if beside:
-                mark_thread_beside()
+            mark_thread_beside(launcher=launcher)
 
         super().__init__(name, checker=accelerator.race_checker, bind=bind)
         # The event recorded by the last synchronize(), and whether work was queued after
