@@ -13,6 +13,7 @@ import torch
 
 import zero_offload.optim.grads.device_acc as device_acc
 import zero_offload.optim.shadow as shadow_mod
+from zero_offload import OffloadConfig
 from zero_offload.memory.traffic import Category, Direction
 
 from .helpers.device import on_device, run_accelerator, run_device
@@ -179,3 +180,16 @@ def test_two_ranks_land_their_shards_in_shadows(tmp_path) -> None:
     for a, b in zip(shadowed, plain, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
     assert all(torch.equal(x, y) for x, y in zip(*(r["weights"] for r in shadowed), strict=True))
+
+
+def test_overlap_shadow_off_keeps_the_weights_in_the_home() -> None:
+    # OffloadConfig(overlap_shadow="off"): no shadow is asked for, nothing is logged or
+    # counted, and step() copies the weights across the link as without room for one.
+    copies: list[tuple[str, int, bool]] = []
+    off, notes, _ = _train(copies=copies, overlap_shadow="off")
+    assert not any(key.endswith("shadowed_buckets") for key in notes)
+    main = threading.main_thread().name
+    assert {c[1] for c in copies if c[0] == main and c[2]} == set(range(1, STEPS))
+    assert torch.equal(off, _train()[0])
+    with pytest.raises(ValueError, match=r"overlap_shadow must be 'auto' or 'off', got 'yes'"):
+        OffloadConfig(overlap_step=True, overlap_shadow="yes")

@@ -23,6 +23,7 @@ from .config import (
     GradStaging,
     LossScalerConfig,
     OffloadConfig,
+    OverlapShadow,
 )
 from .errors import (
     CollectiveError,
@@ -107,6 +108,7 @@ __all__ = [
     "OffloadLion",
     "OffloadMuon",
     "OffloadOptimizer",
+    "OverlapShadow",
     "PoolExhausted",
     "StepFailed",
     "StreamError",

@@ -285,6 +285,19 @@ class GradAccumulation(SpelledSetting):
     HOST = "host"
 
 
+class OverlapShadow(SpelledSetting):
+    """Where ``overlap_step``'s delayed update leaves its weights until the next step
+    (``OffloadConfig.overlap_shadow``): Note [the delayed update lands in a shadow] in
+    ``optim/shadow.py``."""
+
+    #: In a device shadow per bucket (its shard in the training dtype), filled while the
+    #: next forward and backward run, when the device budget has room (checked per bucket
+    #: at its first update); in the pinned home otherwise.
+    AUTO = "auto"
+    #: Always in the pinned home, copied to the device by the next ``step()``.
+    OFF = "off"
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """How ``OffloadAdamW`` places and streams optimizer state.
@@ -392,6 +405,13 @@ class OffloadConfig:
             the pinned fp32 accumulator on the host. The sum is bitwise the same; on the
             device its norm is taken per parameter, equal to the host's to about 1e-16
             (docs/gradient-semantics.md, "Accumulation on the device").
+        overlap_shadow: with ``overlap_step``, where the delayed update's weights wait for
+            the next step, an ``OverlapShadow`` or its spelling. ``"auto"`` (default): in a
+            device shadow per bucket (2 device bytes a bf16 parameter, taken at the bucket's
+            first update while the device budget has room; the rest, logged, in the pinned
+            home), filled during the next forward and backward, so ``step()`` copies on the
+            device. ``"off"``: in the pinned home, copied across the link by the next
+            ``step()``. The weights are bitwise the same.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -414,6 +434,7 @@ class OffloadConfig:
     grad_staging: GradStaging | str = GradStaging.PER_BUCKET
     grad_staging_buffers: int = 2
     grad_accumulation: GradAccumulation | str = GradAccumulation.AUTO
+    overlap_shadow: OverlapShadow | str = OverlapShadow.AUTO
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -545,6 +566,8 @@ class OffloadConfig:
             self.grad_accumulation, name="OffloadConfig.grad_accumulation"
         )
         object.__setattr__(self, "grad_accumulation", accumulation)
+        shadow = OverlapShadow.parse(self.overlap_shadow, name="OffloadConfig.overlap_shadow")
+        object.__setattr__(self, "overlap_shadow", shadow)
         object.__setattr__(
             self,
             "grad_staging_buffers",

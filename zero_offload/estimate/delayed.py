@@ -32,6 +32,6 @@ class Shadowed(Configuration):
     def conditions(self) -> str:
         return (
             "OffloadConfig(overlap_step=True), each bucket's weight shadow on the device "
-            "(where the device budget has room: else the ZeRO-Offload row of the same "
-            "activations)"
+            "(overlap_shadow='auto', the default, where the device budget has room: else "
+            "the ZeRO-Offload row of the same activations)"
         )

@@ -170,7 +170,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             manager=self.manager,
             ranks=self._ranks,
             router=self._router,
-            mode=DelayedUpdate(self.manager, self._ranks)
+            mode=DelayedUpdate(self.manager, self._ranks, shadow=config.overlap_shadow)
             if config.overlap_step
             else ImmediateUpdate(self.manager, self._ranks),
             param_offload=lambda: resources.param_offload is not None,

@@ -43,6 +43,7 @@ import logging
 import torch
 
 from ..accelerator import Event
+from ..config import OverlapShadow
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -93,8 +94,15 @@ class WeightShadows:
         shadowed: how many buckets took one; refused: how many had no room.
     """
 
-    def __init__(self, manager: TieredMemoryManager, *, name: str = "delayed_update") -> None:
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        *,
+        setting: OverlapShadow = OverlapShadow.AUTO,
+        name: str = "delayed_update",
+    ) -> None:
         self.manager = manager
+        self.setting = setting
         self.name = name
         self.shadowed = 0
         self.refused = 0
@@ -104,7 +112,9 @@ class WeightShadows:
     ) -> WeightShadow | None:
         """A shadow of ``numel`` elements of ``dtype`` for bucket ``bucket``, or None when
         the device budget has no room for it and its reserve (``buffer_bytes``: one of the
-        bucket's gradient buffers)."""
+        bucket's gradient buffers); None, unasked, with ``OverlapShadow.OFF``."""
+        if self.setting is OverlapShadow.OFF:
+            return None
         nbytes = numel * dtype.itemsize
         pool, reserve, left = pool_if_room(
             self.manager,

@@ -38,6 +38,7 @@ import torch
 
 from ...accelerator import Event, latest_per_stream
 from ...collectives import Pending
+from ...config import OverlapShadow
 from ...errors import CollectiveError
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
@@ -357,11 +358,17 @@ class ImmediateUpdate(UpdateMode):
 class DelayedUpdate(UpdateMode):
     """``overlap_step``: the update runs on the host worker, published at the next step."""
 
-    def __init__(self, manager: TieredMemoryManager, ranks: Ranks) -> None:
+    def __init__(
+        self,
+        manager: TieredMemoryManager,
+        ranks: Ranks,
+        *,
+        shadow: OverlapShadow = OverlapShadow.AUTO,
+    ) -> None:
         super().__init__(manager, ranks)
         self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
-        self.shadows = WeightShadows(manager)
+        self.shadows = WeightShadows(manager, setting=shadow)
 
     @property
     def pending(self) -> bool:
