@@ -7,8 +7,8 @@ rank, its owner (Note [a whole parameter has one owner] in zero_offload/partitio
    ranks computed it; one rank keeps the plain layout.
 2. The same gradients give one rank's bits: when every rank backs the whole global batch,
    the averaged gradient is the one-rank gradient exactly, the owner runs the same kernel
-   on it, and the weights after 6 steps are bitwise those of one rank (the parent runs on
-   one thread, as the spawned ranks do, so the backward's own sums agree too).
+   on it, and the weights after 6 steps are bitwise those of one rank, fp32 and bf16 (the
+   parent runs on one thread, as the spawned ranks do, so the backward's own sums agree).
 3. Checkpoints: each rank's ``state_dict()`` (the shaped state on the owner only) and a
    consolidated checkpoint (``save_consolidated``/``load_consolidated``) resume bitwise,
    and the consolidated dict is the one-rank ``state_dict()``, bit for bit.
@@ -42,7 +42,6 @@ from .test_adafactor import FLOOR
 from .test_muon import DRIFT_FACTOR, _TorchPair
 
 STEPS = 20
-RULES = ["adafactor", "muon"]
 
 
 @pytest.fixture
@@ -136,20 +135,25 @@ def test_offload_parameters_on_several_ranks_is_refused_by_name() -> None:
 # -- 2 and 3. the same gradients give one rank's bits; checkpoints -----------------------------
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize(
+    ("rule", "dtype"),
+    [("adafactor", torch.float32), ("muon", torch.float32), ("muon", torch.bfloat16)],
+)
 def test_the_same_gradients_give_one_ranks_bits_and_checkpoints_resume(
-    rule: str, tmp_path: pathlib.Path, one_thread: None
+    rule: str, dtype: torch.dtype, tmp_path: pathlib.Path, one_thread: None
 ) -> None:
+    """bf16: the owner rounds the master into the bf16 weights the all-gather hands out."""
     steps = 6
-    results = run_ranks(2, "whole_resume", tmp_path, rule=rule, steps=steps)
-    model, _ = make_pair()
+    results = run_ranks(2, "whole_resume", tmp_path, rule=rule, steps=steps, dtype=dtype)
+    model, _ = make_pair(dtype)
     opt = whole_ranks.build(rule, model)
     plan = whole_ranks.data(steps, 1)
     whole_ranks.train(model, opt, plan[: steps // 2], 0, 1)
     one_rank_state = opt.state_dict()
     whole_ranks.train(model, opt, plan[steps // 2 :], 0, 1)
     opt.close()
-    assert results[0]["owners"] == results[1]["owners"] == _owners(_layouts(2))
+    owners = _owners(_layouts(2, bucket_numel=8192 // dtype.itemsize))
+    assert results[0]["owners"] == results[1]["owners"] == owners
     for rank, result in enumerate(results):
         for ours, theirs in zip(result["weights"], model.parameters(), strict=True):
             assert torch.equal(ours, theirs.detach()), rank
@@ -162,7 +166,6 @@ def test_the_same_gradients_give_one_ranks_bits_and_checkpoints_resume(
         assert merged["state"][index].keys() == entry.keys(), index
         for name, value in entry.items():
             assert torch.equal(merged["state"][index][name], value), (index, name)
-    owners = results[0]["owners"]
     for index in one_rank_state["state"]:  # the shaped state lives on the owner only
         shaped = [set(r["sharded"]["state"][index]) - {"master", "step"} for r in results]
         assert shaped[owners[index]] and not shaped[1 - owners[index]], (index, shaped)

@@ -84,13 +84,15 @@ def scenario_whole_train(
     return result
 
 
-def scenario_whole_resume(rank: int, world: int, out: Path, *, rule: str, steps: int) -> dict:
+def scenario_whole_resume(
+    rank: int, world: int, out: Path, *, rule: str, steps: int, dtype: torch.dtype
+) -> dict:
     """Every rank backs the whole global batch (so the averaged gradient is exactly the
     one-rank one): an uninterrupted run, and runs resumed halfway from this rank's
-    ``state_dict()`` and from a consolidated checkpoint."""
+    ``state_dict()`` and from a consolidated checkpoint; weights in ``dtype``."""
     plan, half = data(steps, 1), steps // 2
-    model, twin = make_pair()
-    _, third = make_pair()
+    model, twin = make_pair(dtype)
+    _, third = make_pair(dtype)
     opt = build(rule, model)
     train(model, opt, plan[:half], 0, 1)
     sharded = opt.state_dict()
