@@ -8,7 +8,8 @@ rank, its owner (Note [a whole parameter has one owner] in zero_offload/partitio
 2. The same gradients give one rank's bits: when every rank backs the whole global batch,
    the averaged gradient is the one-rank gradient exactly, the owner runs the same kernel
    on it, and the weights after 6 steps are bitwise those of one rank, fp32 and bf16 (the
-   parent runs on one thread, as the spawned ranks do, so the backward's own sums agree).
+   parent runs on one thread, as the spawned ranks do, so the backward's own sums agree);
+   with ``overlap_step`` too.
 3. Checkpoints: each rank's ``state_dict()`` (the shaped state on the owner only) and a
    consolidated checkpoint (``save_consolidated``/``load_consolidated``) resume bitwise,
    and the consolidated dict is the one-rank ``state_dict()``, bit for bit.
@@ -169,6 +170,24 @@ def test_the_same_gradients_give_one_ranks_bits_and_checkpoints_resume(
     for index in one_rank_state["state"]:  # the shaped state lives on the owner only
         shaped = [set(r["sharded"]["state"][index]) - {"master", "step"} for r in results]
         assert shaped[owners[index]] and not shaped[1 - owners[index]], (index, shaped)
+
+
+@pytest.mark.parametrize("rule", ["adafactor", "muon"])
+def test_the_same_gradients_give_one_ranks_bits_with_overlap_step(
+    rule: str, tmp_path: pathlib.Path, one_thread: None
+) -> None:
+    """The delayed update (``overlap_step``): the owner's update runs beside the next
+    backward and its weights are all-gathered at the next step, as for any rule."""
+    kwargs = {"rule": rule, "steps": 6, "micro": 1, "clip": None, "overlap": True}
+    results = run_ranks(2, "whole_train", tmp_path, **kwargs, same_batch=True)
+    model, _ = make_pair()
+    opt = whole_ranks.build(rule, model, overlap=True)
+    whole_ranks.train(model, opt, whole_ranks.data(6, 1), 0, 1)
+    opt.flush_pending_update()
+    opt.close()
+    for rank, result in enumerate(results):
+        for ours, theirs in zip(result["weights"], model.parameters(), strict=True):
+            assert torch.equal(ours, theirs.detach()), rank
 
 
 # -- 4. parity with clipping and micro-batches -------------------------------------------------

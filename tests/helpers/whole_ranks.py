@@ -26,11 +26,16 @@ HYPER = {
 }
 
 
-def build(rule: str, model: nn.Module, *, clip: float | None = None) -> torch.optim.Optimizer:
+def build(
+    rule: str, model: nn.Module, *, clip: float | None = None, overlap: bool = False
+) -> torch.optim.Optimizer:
     """``rule``'s facade over ``model`` with small buckets (several per model, several
-    parameters per bucket, so the owners differ within a bucket)."""
+    parameters per bucket, so the owners differ within a bucket); ``overlap``: with
+    ``overlap_step``."""
     facade = {"adafactor": OffloadAdafactor, "muon": OffloadMuon}[rule]
-    config = OffloadConfig(bucket_bytes=8192, tile_elements=1024, max_grad_norm=clip)
+    config = OffloadConfig(
+        bucket_bytes=8192, tile_elements=1024, max_grad_norm=clip, overlap_step=overlap
+    )
     return facade(model.parameters(), **HYPER[rule], config=config,
                   accelerator=host_accelerator())  # fmt: skip
 
@@ -73,12 +78,23 @@ def owners(opt: Any) -> dict[int, int | None]:
 
 
 def scenario_whole_train(
-    rank: int, world: int, out: Path, *, rule: str, steps: int, micro: int, clip: float | None
+    rank: int,
+    world: int,
+    out: Path,
+    *,
+    rule: str,
+    steps: int,
+    micro: int,
+    clip: float | None,
+    overlap: bool = False,
+    same_batch: bool = False,
 ) -> dict:
-    """Each rank trains on its share of every global micro-batch."""
+    """Each rank trains on its share of every global micro-batch (``same_batch``: on all of
+    it); ``overlap``: with ``overlap_step``, the last update flushed."""
     model, _ = make_pair()
-    opt = build(rule, model, clip=clip)
-    norms = train(model, opt, data(steps, micro), rank, world)
+    opt = build(rule, model, clip=clip, overlap=overlap)
+    norms = train(model, opt, data(steps, micro), *((0, 1) if same_batch else (rank, world)))
+    opt.flush_pending_update()
     result = {"weights": weights(model), "norms": norms, "owners": owners(opt)}
     opt.close()
     return result
