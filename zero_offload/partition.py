@@ -48,7 +48,7 @@ parameters sit at the start of ``[r * shard_numel, (r + 1) * shard_numel)``, in 
 the bucket had them, and the rest of that shard is a gap of zeros (as between slots, Note
 [padding stays at the end]: no view covers it, its gradient is zeroed with the other gaps).
 So every rank-level path stays as it is and is exact: the reduce-scatter leaves each
-parameter's summed gradient with its owner, the owner steps it with the host kernel, and
+parameter's averaged gradient with its owner, the owner steps it with the host kernel, and
 the all-gather of the shards hands every rank the owner's weights.
 
 Balance: within a bucket the parameters go, largest first, each to the rank with the least
@@ -61,11 +61,11 @@ work so far, so the owners rotate. The cost is the padding: a bucket of one para
 holds ``world_size`` times its elements on each device and every rank keeps host state for
 a shard of that size, of which one rank uses any. Smaller ``bucket_bytes`` than the largest
 parameters mean more such buckets. The pools are sized from these shards (the estimator's
-rows count ``1 / world_size`` of the parameters and miss this padding). The
-map is a pure function of the layouts, so every rank computes the same one and none is
-sent. Work is balanced by elements: Adafactor's step is linear in them; Newton-Schulz on
-an ``m x n`` matrix costs ``m n min(m, n)``, so a model whose matrices differ widely in
-shape balances Muon's time less evenly than its memory.
+rows count ``1 / world_size`` of the parameters and miss this padding). The map is a pure
+function of the layouts, so every rank computes the same one and none is sent. Work is
+balanced by elements: Adafactor's step is linear in them; Newton-Schulz on an ``m x n``
+matrix costs ``m n min(m, n)``, so a model whose matrices differ widely in shape balances
+Muon's time less evenly than its memory.
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ class OffloadAdafactor(OffloadOptimizer):
     ``partition_parameters``, and ``save_streaming``/``load_streaming`` refuse (Note
     [rules that read a whole parameter] in ``rule/base.py``); parameter offload
     (``offload_parameters``) works on one rank. On several ranks each parameter is stepped
-    whole by one rank (Note [a whole parameter has one owner] in ``partition.py``). ``state_dict`` holds
-    torch's ``row_var``/``col_var``/``variance``. ``config``, ``accelerator``,
-    ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
+    whole by one rank (Note [a whole parameter has one owner] in ``partition.py``).
+    ``state_dict`` holds torch's ``row_var``/``col_var``/``variance``. ``config``,
+    ``accelerator``, ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
     """
 
     rule: OptimizerRule = ADAFACTOR
