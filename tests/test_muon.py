@@ -37,8 +37,6 @@ from torch import nn
 from zero_offload import OffloadConfig, OffloadMuon
 from zero_offload.estimate.pools import rule_state, rule_state_bytes
 from zero_offload.kernels import muon_step
-from zero_offload.optim.checks import refuse_whole_parameter_features
-from zero_offload.optim.rule import MUON
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
 
@@ -357,13 +355,6 @@ def test_unsupported_features_are_refused_at_construction(config: dict, message:
     with pytest.raises(ValueError, match=r"OffloadMuon: the muon rule reads whole parameters "
                        r"\(Newton-Schulz .*\), so it does not support " + message):  # fmt: skip
         _build(model, **config)
-
-
-def test_several_ranks_are_refused_naming_the_rule() -> None:
-    """The check every construction runs, with the world size the process group gives."""
-    with pytest.raises(ValueError, match=r"OffloadMuon: the muon rule .* 2 ranks "
-                       r"\(ZeRO-2 shards each bucket by flat range"):  # fmt: skip
-        refuse_whole_parameter_features("OffloadMuon", MUON, OffloadConfig(), ranks=2)
 
 
 def test_a_use_muon_group_is_refused_with_the_routing() -> None:

@@ -79,8 +79,12 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
             shape = tuple(info["shapes"][index])
             lo, hi = info["pieces"][index]
             merged = state.setdefault(index, {"step": entry["step"]})
+            shaped = info.get("shaped", {}).get(index, ())  # whole, from the owner
             for name, piece in entry.items():
                 if name == "step":
+                    continue
+                if name in shaped:
+                    merged[name] = piece.clone()
                     continue
                 if name not in merged:
                     merged[name] = torch.zeros(shape, dtype=piece.dtype)

@@ -35,14 +35,53 @@ on them. Shards tile the padded bucket exactly once, in rank order, so the paddi
 end, Note [padding stays at the end]) falls in the last ranks' shards, and a parameter may
 straddle two or more shards; each rank then holds a contiguous piece of it
 (``owned_piece``). Every rank keeps the whole bucket's training-dtype weights on its device.
+A rule that reads whole parameters gets another layout of the same shape, where no
+parameter straddles two shards: Note [a whole parameter has one owner].
+
+Note [a whole parameter has one owner]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Adafactor and Muon read a whole parameter per update (Note [rules that read a whole
+parameter] in ``optim/rule/base.py``), so on several ranks each parameter is stepped whole,
+by one rank, its owner. ``own_whole`` lays each planned bucket out again so that the flat
+range shards of Note [who owns which shard] fall on parameter boundaries: rank ``r``'s
+parameters sit at the start of ``[r * shard_numel, (r + 1) * shard_numel)``, in the order
+the bucket had them, and the rest of that shard is a gap of zeros (as between slots, Note
+[padding stays at the end]: no view covers it, its gradient is zeroed with the other gaps).
+So every rank-level path stays as it is and is exact: the reduce-scatter leaves each
+parameter's averaged gradient with its owner, the owner steps it with the host kernel, and
+the all-gather of the shards hands every rank the owner's weights.
+
+Balance: within a bucket the parameters go, largest first, each to the rank with the least
+of that bucket so far (ties: the least over every bucket so far, then the lowest rank), and
+the shard is the most any rank got, rounded up to ``align_numel``. Largest-first keeps the
+bucket's padding, and so every rank's device and host bytes for it (``shard_numel`` each,
+as for any layout), near the bucket's ``1 / world_size``; the tie-break moves a bucket
+that holds one parameter (one larger than ``bucket_numel``) to the rank with the least
+work so far, so the owners rotate. The cost is the padding: a bucket of one parameter
+holds ``world_size`` times its elements on each device and every rank keeps host state for
+a shard of that size, of which one rank uses any. Smaller ``bucket_bytes`` than the largest
+parameters mean more such buckets. The pools are sized from these shards (the estimator's
+rows count ``1 / world_size`` of the parameters and miss this padding). The map is a pure
+function of the layouts, so every rank computes the same one and none is sent. Work is
+balanced by elements: Adafactor's step is linear in them; Newton-Schulz on an ``m x n``
+matrix costs ``m n min(m, n)``, so a model whose matrices differ widely in shape balances
+Muon's time less evenly than its memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SLOT_ALIGN_NUMEL", "BucketLayout", "ParamSlot", "clip_runs", "plan_buckets"]
+__all__ = [
+    "SLOT_ALIGN_NUMEL",
+    "BucketLayout",
+    "ParamSlot",
+    "clip_runs",
+    "own_whole",
+    "plan_buckets",
+]
 
 #: Default alignment of each parameter's slot in its bucket, elements; Note [slots are aligned].
 SLOT_ALIGN_NUMEL = 16
@@ -102,6 +141,12 @@ class BucketLayout:
         if lo >= hi:
             return 0, 0
         return lo - slot.offset, hi - slot.offset
+
+    def owner(self, slot: ParamSlot) -> int | None:
+        """The rank whose shard holds all of ``slot``, or None when it straddles shards
+        (Note [a whole parameter has one owner])."""
+        first, last = slot.offset // self.shard_numel, (slot.end - 1) // self.shard_numel
+        return first if first == last else None
 
     def slots_in(self, start: int, stop: int) -> list[tuple[ParamSlot, int, int]]:
         """The parameter pieces inside ``[start, stop)``: ``(slot, lo, hi)`` in bucket elements."""
@@ -187,3 +232,53 @@ def plan_buckets(
             numel = offset + size
         close(group, slots, numel)
     return buckets
+
+
+def own_whole(
+    layouts: Sequence[BucketLayout],
+    *,
+    align_numel: int,
+    slot_align_numel: int = SLOT_ALIGN_NUMEL,
+) -> list[BucketLayout]:
+    """``layouts`` laid out again so that each parameter lies whole in one rank's shard,
+    the ranks' loads balanced; index, group and parameters unchanged. See Note [a whole
+    parameter has one owner]. One rank: the layouts as they were."""
+    if not layouts or layouts[0].world_size == 1:
+        return list(layouts)
+    world = layouts[0].world_size
+    total = [0] * world  # elements each rank owns over the buckets so far
+    result = []
+    for layout in layouts:
+        owner, load = _balance(layout, total, slot_align_numel)
+        shard = _round_up(max(load), align_numel)
+        slots: list[ParamSlot] = []
+        for rank in range(world):
+            offset = rank * shard
+            for position, slot in enumerate(layout.slots):
+                if owner[position] == rank:
+                    slots.append(dataclasses.replace(slot, offset=offset))
+                    offset = _round_up(offset + slot.numel, slot_align_numel)
+        result.append(
+            dataclasses.replace(
+                layout, slots=tuple(slots), numel=slots[-1].end, padded_numel=world * shard
+            )
+        )
+    return result
+
+
+def _balance(
+    layout: BucketLayout, total: list[int], slot_align_numel: int
+) -> tuple[list[int], list[int]]:
+    """The owner of each of ``layout``'s slots (by position) and each rank's aligned
+    elements in it; ``total`` (each rank's elements over the buckets so far) is updated.
+    Largest first, to the least loaded: Note [a whole parameter has one owner]."""
+    world = len(total)
+    load = [0] * world
+    owner = [0] * len(layout.slots)
+    order = sorted(range(len(layout.slots)), key=lambda i: (-layout.slots[i].numel, i))
+    for position in order:
+        rank = min(range(world), key=lambda r: (load[r], total[r], r))
+        owner[position] = rank
+        load[rank] += _round_up(layout.slots[position].numel, slot_align_numel)
+        total[rank] += layout.slots[position].numel
+    return owner, load

@@ -291,15 +291,19 @@ def refuse_whole_parameter_features(
     parameter] in ``rule/base.py``), each feature that would step part of a parameter or
     keep its state where the rule's shaped state has no place; nothing for an elementwise
     rule. Parameter offload on one rank passes: each unit's host pool holds its buckets'
-    shaped state. ``name``: the optimizer's class; ``ranks``: the process group's size (1
-    alone)."""
+    shaped state. Several ranks pass (each parameter is stepped whole by one rank: Note [a
+    whole parameter has one owner] in ``partition.py``), but not with parameter offload,
+    which is ZeRO-3 there. ``name``: the optimizer's class; ``ranks``: the process group's
+    size (1 alone)."""
     if rule.elementwise:
         return
     refused = []
-    if ranks > 1:
+    if ranks > 1 and config.offload_parameters and not config.partition_parameters:
         refused.append(
-            f"{ranks} ranks (ZeRO-2 shards each bucket by flat range, which cuts parameters "
-            "that the rule reads whole); train it on one rank"
+            f"offload_parameters=True on {ranks} ranks (that is ZeRO-3 with offload, whose "
+            "units' homes are sharded by flat range, which cuts parameters that the rule "
+            "reads whole); leave offload_parameters=False on several ranks (each parameter "
+            "is then stepped whole by one rank), or use one rank"
         )
     if config.offload_fraction != 1.0:
         refused.append(

@@ -282,6 +282,7 @@ class SegmentBuilder:
         return plan_layouts(
             families,
             config=self.config,
+            rule=self.rule,
             world_size=self.ranks.world_size,
             first_index=len(self.resources.router.buckets),
         )

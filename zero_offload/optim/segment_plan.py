@@ -15,7 +15,7 @@ from ..config import GradStaging, OffloadConfig
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
-from ..partition import BucketLayout
+from ..partition import BucketLayout, own_whole
 from ..weights.nvme_home import home_ring_bytes
 from ..weights.source import PeakTracker
 from .grads.buffers import GradBuffers
@@ -52,16 +52,26 @@ class SegmentPlan:
 
 
 def plan_layouts(
-    families: list[Any], *, config: OffloadConfig, world_size: int, first_index: int
+    families: list[Any],
+    *,
+    config: OffloadConfig,
+    rule: OptimizerRule,
+    world_size: int,
+    first_index: int,
 ) -> list[BucketLayout]:
-    """The segment's buckets, one training dtype each, numbered from ``first_index``."""
-    return plan_dtype_buckets(
+    """The segment's buckets, one training dtype each, numbered from ``first_index``; for a
+    rule that reads whole parameters, each parameter in one rank's shard (Note [a whole
+    parameter has one owner] in ``partition.py``)."""
+    layouts = plan_dtype_buckets(
         families,
         bucket_bytes=config.bucket_bytes,
         world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
         first_index=first_index,
     )
+    if rule.elementwise:
+        return layouts
+    return own_whole(layouts, align_numel=POOL_ALIGNMENT // 2)
 
 
 def plan_segment(

@@ -13,7 +13,11 @@ With several ranks, ``state_dict()`` on each rank holds only the state that rank
 (Note [who owns which shard] in ``partition.py``): per parameter, the flat piece
 ``[lo, hi)`` of the flattened parameter in this rank's shards, under the same names, and
 ``zero_offload["shard"]`` = ``{"rank", "world_size", "pieces": {index: (lo, hi)},
-"shapes": {index: shape}}`` to place it. Such a dict loads back only on the same rank of
+"shapes": {index: shape}, "shaped": {index: names}}`` to place it. A rule that reads whole
+parameters keeps each parameter's state on its owner (Note [a whole parameter has one
+owner] in ``partition.py``): its piece there is the whole parameter, its shaped state is
+whole too and listed under ``"shaped"`` (merged as it is), and the other ranks hold an
+empty piece and no shaped state. Such a dict loads back only on the same rank of
 the same world size. ``zero_offload.checkpoint_io`` merges the ranks' dicts into the
 one-rank layout (``consolidated_state_dict``), and any world size loads that layout: each
 rank copies its own pieces out of the full tensors, which is how a checkpoint saved with N
@@ -102,6 +106,7 @@ def optimizer_state(
     state: dict[int, dict[str, torch.Tensor]] = {}
     pieces: dict[int, tuple[int, int]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
+    whole_names: dict[int, list[str]] = {}  # shaped state, by parameter
     for index, (bucket, i) in sorted(_slots(buckets).items()):
         if bucket.steps[i] == 0:
             continue  # never stepped: torch has no entry either
@@ -113,9 +118,10 @@ def optimizer_state(
             for name, view in views.items()
         }
         # Shaped state (Note [rules that read a whole parameter] in rule/base.py), as torch
-        # keeps it; only with one rank, so always whole.
+        # keeps it: whole, on the parameter's owner only (Note [sharded state dicts]).
         for name, view in bucket.param_state(i).items():
             entry[name] = view.detach().to("cpu", copy=True)
+            whole_names.setdefault(index, []).append(name)
         entry["step"] = torch.tensor(float(bucket.steps[i]))
         state[index] = entry
         pieces[index], shapes[index] = (lo, hi), shape
@@ -132,6 +138,7 @@ def optimizer_state(
             "world_size": comm.world_size,
             "pieces": pieces,
             "shapes": shapes,
+            "shaped": whole_names,
         }
     return {"state": state, "param_groups": groups, "zero_offload": extra}
 
@@ -238,7 +245,7 @@ def load_optimizer_state(
         }
         if shard is None:  # a whole-parameter layout: keep this rank's piece of it
             checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
-        # Shaped state, each field with its own shape (one rank only: never a shard).
+        # Shaped state, each field with its own shape: whole, on the parameter's owner only.
         shaped = {name: tuple(view.shape) for name, view in bucket.param_state(i).items()}
         lacking = sorted(set(shaped) - set(entry))
         if lacking:

@@ -18,8 +18,9 @@ the optimizer]):
   boundaries change no bit, a bucket shards by flat range over ranks, and a bucket can step
   as soon as its gradients arrive. A rule that is not (Adafactor's factored second moment)
   steps one whole parameter at a time (``parameter_step``) and may keep state shaped by the
-  parameter (``param_state``): Note [rules that read a whole parameter]. What needs tiles
-  or flat-range shards refuses such a rule at construction.
+  parameter (``param_state``), and on several ranks each parameter has one owner: Note
+  [rules that read a whole parameter]. What needs tiles, or flat-range shards that cut a
+  parameter, refuses such a rule at construction.
 
 A new elementwise optimizer is one rule (a subclass here), one kernel (``kernels/``) and a
 thin facade over ``OffloadAdamW``'s machinery.
@@ -84,11 +85,16 @@ Hyper = Any
 #   bucket by the same ``_host_bytes`` (``state/placement.py``) that sizes the one pool
 #   without it, shaped state included (Note [homes are pinned unit by unit] in
 #   ``unit_pools.py``), so the block lands in the unit's pool with the bucket's fields.
+# - several ranks (ZeRO-2) keep it too: each bucket is laid out so that the flat-range
+#   shards fall on parameter boundaries, each parameter whole in its owner's shard (Note
+#   [a whole parameter has one owner] in ``partition.py``); the owner keeps and steps it,
+#   the others keep no shaped state for it;
 # What needs tiles of a bounded size (NVMe records, the device step of resident state) or
-# cuts a parameter (ZeRO-2's and ZeRO-3's flat-range shards over ranks, so
-# ``partition_parameters`` too) is refused at construction, naming the rule and the
-# feature (``refuse_whole_parameter_features`` in ``checks.py``). A bucket thus never runs
-# a whole-parameter rule over part of a parameter, and no shaped state goes unsaved.
+# cuts a parameter (ZeRO-3's flat-range shards of each unit over ranks:
+# ``partition_parameters``, and ``offload_parameters`` on several ranks) is refused at
+# construction, naming the rule and the feature (``refuse_whole_parameter_features`` in
+# ``checks.py``). A bucket thus never runs a whole-parameter rule over part of a
+# parameter, and no shaped state goes unsaved.
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,22 @@ def _resident_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int)
 def _host_bytes(bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int) -> int:
     n = bucket.shard_numel  # this rank's shard only, Note [who owns which shard]
     total = state.bytes_for(n, alignment)  # no accumulator (accumulator_bytes)
-    # A whole-parameter rule's shaped state, one block (Note [rules that read a whole
-    # parameter] in rule/base.py; one rank only, so the shard is the bucket).
-    total += state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
+    total += _shaped_bytes(bucket, state=state, alignment=alignment)
     total += aligned(itemsize * n, alignment)  # gradient staging
     if itemsize != 4:
         total += aligned(itemsize * n, alignment)
     return total
+
+
+def _shaped_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) -> int:
+    """The block of a whole-parameter rule's shaped state (Note [rules that read a whole
+    parameter] in rule/base.py) on the rank that keeps the most of it: each rank keeps its
+    own parameters' (Note [a whole parameter has one owner] in partition.py), and every
+    rank's pool is sized alike, as the shards are. 0 for an elementwise rule."""
+    owned: dict[int, list[tuple[int, ...]]] = {}
+    for slot in bucket.slots:
+        owned.setdefault(bucket.owner(slot) or 0, []).append(slot.shape)
+    return max(state.param_state_bytes(shapes, alignment) for shapes in owned.values())
 
 
 def plan_dtype_buckets(

@@ -2,9 +2,11 @@
 plus the parameters' shaped state, stepped one whole parameter at a time.
 
 Note [rules that read a whole parameter] in ``rule/base.py`` says why; this store is where
-it is kept. It runs with one rank only (a bucket's shard is the whole bucket), so every
-parameter of the bucket is whole here; with parameter offload the host pool is its unit's,
-sized with the shaped state as the segment's one pool is without it.
+it is kept. Every parameter of the bucket lies whole in this rank's shard or wholly outside
+it (one rank: the shard is the whole bucket; several: Note [a whole parameter has one
+owner] in ``partition.py``), and the store keeps and steps the shaped state of the ones
+inside, its own. With parameter offload (one rank) the host pool is its unit's, sized with
+the shaped state as the segment's one pool is without it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ class WholeParameterHostState(HostState):
     """``HostState`` for a rule that is not elementwise; see the module docstring.
 
     Host fields beyond ``HostState``'s:
-        param_state_flat: (param_state_numel,) fp32, host pool: every slot's shaped state
-            (the rule's ``param_state``), slot after slot, each slot's fields in order.
-        _param_offsets: per slot, ``(name, offset, shape)`` of each of its fields there.
+        param_state_flat: (param_state_numel,) fp32, host pool: the shaped state (the
+            rule's ``param_state``) of the slots in this rank's shard, slot after slot,
+            each slot's fields in order.
+        _param_offsets: per slot, ``(name, offset, shape)`` of each of its fields there
+            (none for another rank's slot).
     """
 
     # The shaped state is not in state_tensors(): a speculative step's copy would miss it
@@ -53,17 +57,20 @@ class WholeParameterHostState(HostState):
         fields: StateFields,
         tile_elements: int,
     ) -> None:
-        if shard != (0, layout.padded_numel):
-            raise RuntimeError(
-                f"bucket {layout.index}: the {rule.name} rule reads whole parameters but this "
-                f"store holds the shard {shard} of {layout.padded_numel} elements (a bug: "
-                "several ranks are refused at construction)"
-            )
+        start, stop = shard
         self._param_offsets: list[tuple[tuple[str, int, tuple[int, ...]], ...]] = []
         offset = 0
         for slot in layout.slots:
+            inside = start <= slot.offset and slot.end <= stop
+            if not inside and slot.offset < stop and slot.end > start:
+                raise RuntimeError(
+                    f"bucket {layout.index}: the {rule.name} rule reads whole parameters but "
+                    f"parameter {slot.index} ({slot.offset}, {slot.end}) straddles this "
+                    f"rank's shard {shard} (a bug: Note [a whole parameter has one owner] "
+                    "in partition.py)"
+                )
             entries = []
-            for f in fields.fields_of(slot.shape):
+            for f in fields.fields_of(slot.shape) if inside else ():
                 entries.append((f.name, offset, f.shape))
                 offset += f.numel
             self._param_offsets.append(tuple(entries))
@@ -150,10 +157,11 @@ class WholeParameterHostState(HostState):
             )
         state = self.state_tensors()
         out = self.weights_staging
+        first = self.shard[0]
         for start, stop, step in spans:
             for index, slot in enumerate(self.layout.slots):
-                lo, hi = slot.offset, slot.end
-                if lo < start or hi > stop:
+                lo, hi = slot.offset - first, slot.end - first  # shard elements
+                if lo < start or hi > stop:  # another rank's, or not in this run
                     continue
                 tiles.step_parameter(
                     lo,
