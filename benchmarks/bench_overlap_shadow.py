@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
             "step_blocks_s": statistics.median(run.blocked),
             "whole_step_s": statistics.median(run.whole),
             "h2d_bytes_in_step": statistics.median(run.bytes),
-            "shadowed_buckets": run.opt.manager.step_notes.get(
-                "delayed_update.shadowed_buckets", 0
+            "shadowed_buckets": sum(
+                v
+                for k, v in run.opt.manager.step_notes.items()
+                if k.endswith(".delayed_update.shadowed_buckets")
             ),
         }
         run.opt.close()

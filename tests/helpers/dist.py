@@ -149,7 +149,7 @@ def scenario_overlap(rank: int, world: int, out: Path, *, steps: int, shadow: bo
     notes = dict(opt.manager.step_notes)
     result = {
         "weights": _weights(model),
-        "shadowed": notes.get("delayed_update.shadowed_buckets", 0),
+        "shadowed": sum(v for k, v in notes.items() if k.endswith(".shadowed_buckets")),
     }
     opt.close()
     return result

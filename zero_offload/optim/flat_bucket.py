@@ -205,9 +205,21 @@ class FlatBucket:
         return self.store.param_state(slot_index)
 
     def close(self) -> None:
-        """Return every block to its pool."""
-        self.gradients.discard_grad()
-        self.gradients.close()
-        self.store.publication.close()
-        self.store.close()
-        self.views.close()
+        """Return every block to its pool: each part is closed even when one before it
+        fails (a gradient path left half-way by a failed update), the first error raised at
+        the end."""
+        errors: list[BaseException] = []
+        parts = (
+            self.gradients.discard_grad,
+            self.gradients.close,
+            self.store.publication.close,
+            self.store.close,
+            self.views.close,
+        )
+        for part in parts:
+            try:
+                part()
+            except BaseException as exc:  # collected, the first raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]

@@ -170,7 +170,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             manager=self.manager,
             ranks=self._ranks,
             router=self._router,
-            mode=DelayedUpdate(self.manager, self._ranks, shadow=config.overlap_shadow)
+            mode=DelayedUpdate(
+                self.manager,
+                self._ranks,
+                shadow=config.overlap_shadow,
+                name=f"offload_{self.rule.name}{self.serial}.delayed_update",
+            )
             if config.overlap_step
             else ImmediateUpdate(self.manager, self._ranks),
             param_offload=lambda: resources.param_offload is not None,

@@ -5,9 +5,9 @@ A store whose state lives on the host writes each updated tile's weights into a 
 soon as the tile is written (``Publish.NOW``), or later, all at once (``Publish.LATER``,
 then ``publish()``: a delayed update, Note [delayed parameter update] in ``modes.py``), or
 into a device shadow at once and from there at ``publish()`` (``Publish.SHADOW``: Note [the
-delayed update lands in a shadow] in ``shadow.py``): ``WeightCopies``. A store on the device writes ``weights_dev`` in place as it updates:
-``WrittenInPlace``. The update modes ask only ``publish()`` for the events the next forward
-waits on.
+delayed update lands in a shadow] in ``shadow.py``): ``WeightCopies``. A store on the
+device writes ``weights_dev`` in place as it updates: ``WrittenInPlace``. The update modes
+ask only ``publish()`` for the events the next forward waits on.
 """
 
 from __future__ import annotations
@@ -231,7 +231,9 @@ class WeightCopies(Publication):
             declare_compute(manager, target, bucket=bucket, write=True, what="shadow landing")
             target.copy_(shadow.tensor[lo:hi])
         shadow.read = manager.compute_ready()
+        # Both ends, as a copy's: neither block is reused or moved while it is pending.
         shadow.block.record_event(shadow.read)
+        self.views.block.record_event(shadow.read)
         self._shadowed = []
         return shadow.read
 
@@ -288,11 +290,12 @@ class WeightCopies(Publication):
         fills, landed = self._fills, []
         if self._shadowed:
             landed.append(self._land_shadow())
-        if self._unpublished:
+        if self._unpublished or landed:
             self.views.drop_published()  # copies of tiles never fed
+        if self._unpublished:
             self.declare_weight_readers()
             after = [self.manager.compute_ready()]
-        else:
+        elif not landed:
             self.views.finish_published()
         copies = [self._copy_tile(lo, hi, after) for lo, hi in self._unpublished]
         events = self._issued + [event for event in copies if event is not None]

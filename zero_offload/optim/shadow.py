@@ -23,8 +23,12 @@ Order. A fill writes the shadow after the last device-to-device copy out of it (
 its ``after``); the publishing copy runs on the compute stream after every fill (a stream
 wait, not a host wait), and after every kernel issued so far, which read the old weights;
 the next update rewrites the home once the fills that read it are done
-(``WeightCopies.home_readers``). A publication dropped (weights written between the steps
-win) leaves the shadow's bytes unused, and the next fills overwrite them in stream order.
+(``WeightCopies.home_readers``). Weights written between the steps still win: the shadow
+lands whole and the written parameters are put back after it, as without a shadow (Note
+[delayed parameter update]). A publication dropped (a loaded state re-derives the master)
+leaves the shadow's bytes unused, and the next fills overwrite them in stream order. A new
+shadow's first fills wait for the compute issued before it was taken: on CUDA its bytes may
+come from the caching allocator, still read by queued kernels.
 
 Which buckets. The delayed update asks for a bucket's shadow at its first run, when the
 backward has already taken its gradient buffers and accumulators: the shadow is taken when
@@ -99,7 +103,7 @@ class WeightShadows:
         manager: TieredMemoryManager,
         *,
         setting: OverlapShadow = OverlapShadow.AUTO,
-        name: str = "delayed_update",
+        name: str,
     ) -> None:
         self.manager = manager
         self.setting = setting
@@ -127,6 +131,8 @@ class WeightShadows:
             return None
         block = pool.alloc(max(nbytes, 1), owner=f"bucket{bucket}.weight_shadow")
         shadow = WeightShadow(self.manager, pool, block, numel=numel, dtype=dtype)
+        # Its first fills wait for the compute issued so far (see the Note).
+        shadow.read = self.manager.compute_ready()
         self.shadowed += 1
         self._note()
         return shadow

@@ -364,11 +364,12 @@ class DelayedUpdate(UpdateMode):
         ranks: Ranks,
         *,
         shadow: OverlapShadow = OverlapShadow.AUTO,
+        name: str = "delayed_update",
     ) -> None:
         super().__init__(manager, ranks)
         self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
-        self.shadows = WeightShadows(manager, setting=shadow)
+        self.shadows = WeightShadows(manager, setting=shadow, name=name)
 
     @property
     def pending(self) -> bool:
