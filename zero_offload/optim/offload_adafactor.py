@@ -31,9 +31,10 @@ class OffloadAdafactor(OffloadOptimizer):
     ``maximize``); ``foreach`` other than None is refused, as ``OffloadAdamW`` refuses it.
     ``eps1=None`` is the fp32 master's machine epsilon. The factored statistics need whole
     parameters, so construction refuses several ranks, ``offload_fraction`` below 1,
-    ``nvme_dir`` and ``partition_parameters``, and ``save_streaming``/``load_streaming``
-    refuse (Note [rules that read a whole parameter] in ``rule/base.py``); parameter
-    offload (``offload_parameters``) works on one rank. ``state_dict`` holds
+    ``partition_parameters`` and ``nvme_dir`` with ``offload_parameters``, and
+    ``save_streaming``/``load_streaming`` refuse (Note [rules that read a whole
+    parameter] in ``rule/base.py``); parameter offload (``offload_parameters``) and NVMe
+    state (``nvme_dir``, Note [NVMe tiles follow whole parameters]) each work on one rank. ``state_dict`` holds
     torch's ``row_var``/``col_var``/``variance``. ``config``, ``accelerator``,
     ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
     """

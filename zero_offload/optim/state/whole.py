@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ...accelerator import Event
-from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout, clip_runs
@@ -23,17 +22,17 @@ from ..publish import Publish
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from ..rule.tiles import RuleTiles
 from .host import HostState
+from .shaped import KeepsShapedState, ShapedState
 
 __all__ = ["WholeParameterHostState"]
 
 
-class WholeParameterHostState(HostState):
+class WholeParameterHostState(KeepsShapedState, HostState):
     """``HostState`` for a rule that is not elementwise; see the module docstring.
 
     Host fields beyond ``HostState``'s:
-        param_state_flat: (param_state_numel,) fp32, host pool: every slot's shaped state
-            (the rule's ``param_state``), slot after slot, each slot's fields in order.
-        _param_offsets: per slot, ``(name, offset, shape)`` of each of its fields there.
+        shaped: every slot's shaped state (the rule's ``param_state``) in one fp32 block of
+            the host pool, ``ShapedState``; None until allocated.
     """
 
     # The shaped state is not in state_tensors(): a speculative step's copy would miss it
@@ -59,17 +58,7 @@ class WholeParameterHostState(HostState):
                 f"store holds the shard {shard} of {layout.padded_numel} elements (a bug: "
                 "several ranks are refused at construction)"
             )
-        self._param_offsets: list[tuple[tuple[str, int, tuple[int, ...]], ...]] = []
-        offset = 0
-        for slot in layout.slots:
-            entries = []
-            for f in fields.fields_of(slot.shape):
-                entries.append((f.name, offset, f.shape))
-                offset += f.numel
-            self._param_offsets.append(tuple(entries))
-        self._param_numel = offset
-        self.param_state_flat: torch.Tensor | None = None
-        self._param_block: Block | None = None
+        self.shaped: ShapedState | None = None
         super().__init__(
             layout,
             views,
@@ -81,32 +70,16 @@ class WholeParameterHostState(HostState):
             fields=fields,
             tile_elements=tile_elements,
         )
-        if offset == 0:
-            return
         try:
-            block = host_pool.alloc(4 * offset, owner=f"bucket{layout.index}.param_state")
-            self._param_block = block
-            block.on_move(lambda b: self._bind_param_state(b.view(torch.float32, (offset,))))
-            self._bind_param_state(block.view(torch.float32, (offset,)))
-            self.param_state_flat.zero_()  # type: ignore[union-attr]
+            self.shaped = ShapedState(layout, fields.fields_of, host_pool)
         except BaseException:
             self.close()
             raise
 
-    def _bind_param_state(self, tensor: torch.Tensor) -> None:
-        self.param_state_flat = tensor
-
-    def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
-        flat = self.param_state_flat
-        if flat is None:
-            return {}
-        return {
-            name: flat[offset : offset + _numel(shape)].view(shape)
-            for name, offset, shape in self._param_offsets[slot_index]
-        }
-
-    def param_state_bytes(self) -> int:
-        return 4 * self._param_numel
+    @property
+    def param_state_flat(self) -> torch.Tensor | None:
+        """``(param_state_numel,)`` fp32, host pool: the shaped state, every slot's."""
+        return None if self.shaped is None else self.shaped.flat
 
     def update(
         self,
@@ -166,14 +139,5 @@ class WholeParameterHostState(HostState):
                 )
 
     def close(self) -> None:
-        if self._param_block is not None:
-            self._param_block.free()
-            self._param_block = None
+        self.close_shaped()
         super().close()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
