@@ -62,15 +62,19 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
 
 
 def _state(store: Any) -> dict[str, torch.Tensor]:
-    """A bucket's per-element fields (read back from disk for NVMe) and shaped state, flat."""
+    """A bucket's per-element fields (read back from disk for NVMe) and shaped state, flat,
+    and the tiles ``stream_fields`` walks (the same in either placement)."""
     parts: dict[str, list[torch.Tensor]] = {}
+    tiles: list[tuple[int, int]] = []
 
     def take(lo: int, hi: int, fields: dict[str, torch.Tensor]) -> None:
+        tiles.append((lo, hi))
         for name, view in fields.items():
             parts.setdefault(name, []).append(view.detach().cpu().clone())
 
     store.stream_fields(take)
     out = {name: torch.cat(chunks) for name, chunks in parts.items()}
+    out["tiles"] = torch.tensor(tiles)
     for i in range(len(store.layout.slots)):
         for name, view in store.param_state(i).items():
             out[f"{i}.{name}"] = view.detach().cpu().clone()

@@ -22,7 +22,9 @@ from ..publish import Publish
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from ..rule.tiles import RuleTiles
 from .host import HostState
+from .nvme_plan import whole_parameter_tiles
 from .shaped import KeepsShapedState, ShapedState
+from .store import TileFn
 
 __all__ = ["WholeParameterHostState"]
 
@@ -137,6 +139,17 @@ class WholeParameterHostState(KeepsShapedState, HostState):
                     shape=slot.shape,
                     out=None if out is None else out[lo:hi],
                 )
+
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        """As ``HostState.stream_fields``, in the tiles the NVMe store keeps (runs of whole
+        parameters, Note [NVMe tiles follow whole parameters] in ``nvme_plan.py``), so a
+        bucket streams the same tiles in either placement (a streamed checkpoint moves
+        between them)."""
+        state, real, lo = self.state_tensors(), self.layout.real_in(*self.shard), 0
+        for count in whole_parameter_tiles(self.layout, self.tile_elements):
+            hi = min(lo + count, real)
+            fn(lo, hi, {name: tensor[lo:hi] for name, tensor in state.items()})
+            lo = hi
 
     def close(self) -> None:
         self.close_shaped()
