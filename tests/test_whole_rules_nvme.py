@@ -11,7 +11,8 @@ zero_offload/optim/state/nvme_plan.py.
    keeps some buckets in RAM and puts the rest on NVMe, the same; and with the delayed
    update (``overlap_step``) and steps announced during backward.
 3. ``state_dict()`` refuses NVMe state as for every rule, naming the streaming calls.
-4. What stays refused is refused at construction, naming the rule and the feature.
+4. With parameter offload the homes stay in host RAM, the state on NVMe past the budget:
+   bitwise; a budget that would put homes on NVMe is refused, naming the bytes that work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from zero_offload.optim.state.whole_nvme import WholeParameterNvmeState
 from zero_offload.partition import plan_buckets
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair
+from .test_rules_param_offload import _gpt, assert_same, weight_bytes
+from .test_rules_param_offload import _opt as _offload_opt
+from .test_rules_param_offload import _train as _offload_train
 
 STEPS = 4
 MICRO = 2
@@ -196,6 +200,27 @@ def test_under_the_race_checker_over_a_slow_link(rule: str, tmp_path: pathlib.Pa
     ref.close()
 
 
+@pytest.mark.cuda_form
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_with_parameter_offload_bitwise(rule: str, tmp_path: pathlib.Path) -> None:
+    """``offload_parameters`` with ``nvme_dir``: the homes in host RAM (the budget holds
+    them first, Note [homes on NVMe]), the state beside them where it fits and on NVMe
+    past that; bitwise the same run with all of it in RAM."""
+    budget = weight_bytes(_gpt()) // 3
+    want = _gpt()
+    opt = _offload_opt(rule, want, budget, offload=True)
+    want_losses = _offload_train(want, opt, STEPS)
+    opt.close()
+    model = _gpt()
+    homes = weight_bytes(model) + (64 << 10)  # every home, aligned, and a little state
+    opt = _offload_opt(rule, model, budget, offload=True, nvme_dir=str(tmp_path),
+                       host_budget=homes)  # fmt: skip
+    assert {b.store.location for b in opt.buckets} == {"host", "nvme"}
+    assert _offload_train(model, opt, STEPS) == want_losses
+    opt.close()
+    assert_same(model, want)
+
+
 # -- 3. checkpoints ----------------------------------------------------------------------
 
 
@@ -214,9 +239,14 @@ def test_state_dict_names_the_streaming_calls(rule: str, tmp_path: pathlib.Path)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_homes_on_nvme_are_refused_naming_the_rule(rule: str, tmp_path: pathlib.Path) -> None:
-    model, _ = make_pair()
-    facade = RULES[rule][0].__name__
-    with pytest.raises(ValueError, match=rf"{facade}: the {rule} rule reads whole parameters "
-                       r".* nvme_dir='.*' with offload_parameters=True"):  # fmt: skip
-        _build(rule, model, nvme_dir=str(tmp_path), host_budget=1, offload_parameters=True)
+def test_homes_on_nvme_are_refused_naming_the_budget_that_works(
+    rule: str, tmp_path: pathlib.Path
+) -> None:
+    """With parameter offload every home stays in host RAM; a budget too small for them is
+    refused at construction, naming the bytes that would do."""
+    budget = weight_bytes(_gpt()) // 3
+    with pytest.raises(ValueError, match=r"host_budget=1 leaves 1 bytes .* homes of only 0 of "
+                       r"\d+ buckets; this optimizer's rule reads whole parameters, so with "
+                       r"offload_parameters=True every home stays in host RAM .* Give "
+                       r"host_budget at least \d+ bytes"):  # fmt: skip
+        _offload_opt(rule, _gpt(), budget, offload=True, nvme_dir=str(tmp_path), host_budget=1)

@@ -306,13 +306,6 @@ def refuse_whole_parameter_features(
             f"offload_fraction={config.offload_fraction!r} (state resident on the device is "
             "stepped tile by tile there); use offload_fraction=1.0"
         )
-    if config.nvme_dir is not None and config.offload_parameters:
-        refused.append(
-            f"nvme_dir={config.nvme_dir!r} with offload_parameters=True (the weights' homes "
-            "on NVMe stream in tiles of tile_elements, which cut parameters; NVMe state "
-            "alone follows whole parameters, Note [NVMe tiles follow whole parameters]); "
-            "leave nvme_dir=None, or offload_parameters=False"
-        )
     if config.partition_parameters:
         refused.append(
             "partition_parameters=True (ZeRO-3 shards each unit's buckets by flat range over "

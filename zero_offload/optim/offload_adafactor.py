@@ -30,11 +30,11 @@ class OffloadAdafactor(OffloadOptimizer):
     ``beta2_decay=-0.8``, ``eps=(None, 1e-3)``, ``d=1.0``, ``weight_decay=0.0``,
     ``maximize``); ``foreach`` other than None is refused, as ``OffloadAdamW`` refuses it.
     ``eps1=None`` is the fp32 master's machine epsilon. The factored statistics need whole
-    parameters, so construction refuses several ranks, ``offload_fraction`` below 1,
-    ``partition_parameters`` and ``nvme_dir`` with ``offload_parameters``, and
-    ``save_streaming``/``load_streaming`` refuse (Note [rules that read a whole
-    parameter] in ``rule/base.py``); parameter offload (``offload_parameters``) and NVMe
-    state (``nvme_dir``, Note [NVMe tiles follow whole parameters]) each work on one rank. ``state_dict`` holds
+    parameters, so construction refuses several ranks, ``offload_fraction`` below 1 and
+    ``partition_parameters``, and ``save_streaming``/``load_streaming`` refuse (Note
+    [rules that read a whole parameter] in ``rule/base.py``); parameter offload
+    (``offload_parameters``) and NVMe state (``nvme_dir``, Note [NVMe tiles follow whole
+    parameters]) work on one rank, together too (the weights' homes then stay in RAM). ``state_dict`` holds
     torch's ``row_var``/``col_var``/``variance``. ``config``, ``accelerator``,
     ``process_group``, ``model`` and ``layers``: see ``OffloadOptimizer``.
     """

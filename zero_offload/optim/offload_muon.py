@@ -50,12 +50,12 @@ class OffloadMuon(OffloadOptimizer):
     ``torch.optim.AdamW``'s defaults (``adamw_lr=1e-3``, ``adamw_betas=(0.9, 0.999)``,
     ``adamw_eps=1e-8``, ``adamw_weight_decay=1e-2``; AdamW's other switches are off). The
     orthogonalization needs whole matrices, so construction refuses several ranks,
-    ``offload_fraction`` below 1, ``partition_parameters`` and ``nvme_dir`` with
-    ``offload_parameters``, and ``save_streaming``/``load_streaming`` refuse (Note [rules
-    that read a whole parameter] in ``rule/base.py``); parameter offload
-    (``offload_parameters``) and NVMe state (``nvme_dir``: the master on NVMe, the
-    momentum buffer and moments in host RAM, Note [NVMe tiles follow whole parameters])
-    each work on one rank.
+    ``offload_fraction`` below 1 and ``partition_parameters``, and
+    ``save_streaming``/``load_streaming`` refuse (Note [rules that read a whole parameter]
+    in ``rule/base.py``); parameter offload (``offload_parameters``) and NVMe state
+    (``nvme_dir``: the master on NVMe, the momentum buffer and moments in host RAM, Note
+    [NVMe tiles follow whole parameters]) work on one rank, together too (the weights'
+    homes then stay in RAM).
     ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``: see
     ``OffloadOptimizer``.
     """

@@ -85,10 +85,11 @@ Hyper = Any
 # - NVMe state (``nvme_dir``) on one rank keeps it too: the per-element fields go to
 #   records whose tiles follow whole parameters, sized for the largest, and the shaped
 #   state stays in host RAM as above (Note [NVMe tiles follow whole parameters] in
-#   ``state/nvme_plan.py``, ``state/whole_nvme.py``).
-# What needs tiles of a bounded size (the device step of resident state, the weights'
-# homes on NVMe) or cuts a parameter (ZeRO-2's and ZeRO-3's flat-range shards over ranks,
-# so ``partition_parameters`` too) is refused at construction, naming the rule and the
+#   ``state/nvme_plan.py``, ``state/whole_nvme.py``); with parameter offload beside it the
+#   weights' homes stay in host RAM (a budget too small for them is refused there).
+# What needs tiles of a bounded size (the device step of resident state) or cuts a
+# parameter (ZeRO-2's and ZeRO-3's flat-range shards over ranks, so
+# ``partition_parameters`` too) is refused at construction, naming the rule and the
 # feature (``refuse_whole_parameter_features`` in ``checks.py``); so is a streaming
 # checkpoint, whose records are per-element tiles, at the call. A bucket thus never runs a
 # whole-parameter rule over part of a parameter, and no shaped state goes unsaved.

@@ -168,13 +168,41 @@ def _state_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) ->
     return state.bytes_for(bucket.shard_numel, alignment)
 
 
+def _shaped_bytes(bucket: BucketLayout, state: StateFields, alignment: int) -> int:
+    """A whole-parameter rule's shaped state of the bucket, in host RAM wherever its
+    per-element state is (Note [NVMe tiles follow whole parameters]); 0 for the others."""
+    return state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
+
+
 def _nvme_host_bytes(
     bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int
 ) -> int:
     """An NVMe bucket's bytes in the host pool: gradient staging and weight staging, and a
-    whole-parameter rule's shaped state (Note [NVMe tiles follow whole parameters])."""
-    shaped = state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
+    whole-parameter rule's shaped state."""
+    shaped = _shaped_bytes(bucket, state, alignment)
     return 2 * aligned(itemsize * bucket.shard_numel, alignment) + shaped
+
+
+def _refuse_homes_on_nvme(
+    config: OffloadConfig,
+    budget: int | None,
+    on_disk: int,
+    offloaded: Sequence[tuple[BucketLayout, int]],
+    alignment: int,
+) -> None:
+    """A rule that reads whole parameters keeps every home in host RAM (Note [NVMe tiles
+    follow whole parameters]): refuse a budget that would put some on NVMe."""
+    homes = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
+    raise ValueError(
+        f"OffloadConfig.host_budget={config.host_budget!r} leaves {budget} bytes of host RAM "
+        f"for the weights' homes and the optimizer state, which hold the homes of only "
+        f"{len(offloaded) - on_disk} of {len(offloaded)} buckets; this optimizer's rule "
+        "reads whole parameters, so with offload_parameters=True every home stays in host "
+        "RAM (a home on NVMe streams in tiles of tile_elements, which cut parameters; Note "
+        f"[NVMe tiles follow whole parameters]). Give host_budget at least {homes} bytes "
+        "(the homes; the state goes to NVMe where it does not fit beside them), or leave "
+        "nvme_dir=None"
+    )
 
 
 # Note [NVMe tiles follow whole parameters]
@@ -197,8 +225,11 @@ def _nvme_host_bytes(
 # the host pool beside the staging (``_nvme_host_bytes``): ``opt.state``, checkpoints and
 # the step find it where they find the host store's. It is small for Adafactor; for Muon it
 # is as large as the master (NVMe then holds 4 of its 8 bytes per parameter). One rank
-# only, so a bucket's shard is all of it; homes on NVMe (``offload_parameters`` with
-# ``nvme_dir``) are refused for these rules (``refuse_whole_parameter_features``).
+# only, so a bucket's shard is all of it. With parameter offload (``offload_parameters``)
+# the weights' homes stay in host RAM: a home on NVMe is a weight file of tiles of
+# ``tile_elements`` (``weights/nvme_home.py``), which would cut parameters, so a
+# ``host_budget`` too small for every home is refused (``_refuse_homes_on_nvme``); the
+# state takes what the homes leave, as Note [homes on NVMe] places it.
 
 
 def whole_parameter_tiles(bucket: BucketLayout, tile_elements: int) -> list[int]:
@@ -285,6 +316,7 @@ def plan_nvme(
             grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
             rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
             other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
+            other += sum(_shaped_bytes(b, state, alignment) for b, _ in offloaded)
             budget = resolve_host_budget(config, other_host_bytes=other)
         kept = 0  # homes in host RAM, bucket order
         for b, s in offloaded:
@@ -295,6 +327,8 @@ def plan_nvme(
             homes.add(b.index)
             real = b.real_in(*b.shard_range(rank))
             home_disk += weight_file_bytes(real, config.tile_elements, s)
+        if homes and state.param_state is not None:
+            _refuse_homes_on_nvme(config, budget, len(homes), offloaded, alignment)
         if budget is not None:
             budget -= kept
     nvme: set[int] = set()
