@@ -178,6 +178,11 @@ def _nvme_config(
     record = RecordLayout.for_buckets(offloaded, config.tile_elements, state)
     other = config.grad_staging_buffers * ring
     other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+    # A whole-parameter rule's shaped state is in RAM wherever the rest of its state is
+    # (Note [NVMe tiles follow whole parameters] in state/nvme_plan.py).
+    other += sum(
+        state.param_state_bytes((slot.shape for slot in b.slots), POOL_ALIGNMENT) for b in offloaded
+    )
     if window_bytes is None:  # the weight staging, as large as the gradient staging
         other += own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
     else:

@@ -224,7 +224,10 @@ def _refuse_homes_on_nvme(
 # one block per bucket as ``WholeParameterHostState`` keeps it (``state/shaped.py``), in
 # the host pool beside the staging (``_nvme_host_bytes``): ``opt.state``, checkpoints and
 # the step find it where they find the host store's. It is small for Adafactor; for Muon it
-# is as large as the master (NVMe then holds 4 of its 8 bytes per parameter). One rank
+# is as large as the master (NVMe then holds 4 of its 8 bytes per parameter). Like the
+# staging it is RAM whatever the placement: ``host_budget`` bounds the per-element state,
+# and ``"auto"`` sets the shaped state aside before placing (here and in
+# ``segment_plan._nvme_config``). One rank
 # only, so a bucket's shard is all of it. With parameter offload (``offload_parameters``)
 # the weights' homes stay in host RAM: a home on NVMe is a weight file of tiles of
 # ``tile_elements`` (``weights/nvme_home.py``), which would cut parameters, so a
