@@ -132,6 +132,7 @@ TEST_FILES = (
     "tests/test_hf_export.py",
     "tests/test_adafactor.py",
     "tests/test_muon.py",
+    "tests/test_whole_rules_nvme.py",
     "tests/test_device_accumulation.py",
     "tests/test_host_syncs.py",
     "tests/test_rules_param_offload.py",

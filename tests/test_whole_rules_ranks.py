@@ -129,6 +129,12 @@ def test_offload_parameters_on_several_ranks_is_refused_by_name() -> None:
             refuse_whole_parameter_features(name, rule, config, ranks=2)
         refuse_whole_parameter_features(name, rule, OffloadConfig(), ranks=2)
         refuse_whole_parameter_features(name, rule, config, ranks=1)
+        # NVMe state is planned over one rank's whole bucket (Note [NVMe tiles follow
+        # whole parameters]): on one rank it passes, on several it is refused by name.
+        nvme = OffloadConfig(nvme_dir="/tmp/nvme", host_budget=1)
+        with pytest.raises(ValueError, match=rf"{name}: .* nvme_dir='/tmp/nvme' on 2 ranks"):
+            refuse_whole_parameter_features(name, rule, nvme, ranks=2)
+        refuse_whole_parameter_features(name, rule, nvme, ranks=1)
     refuse_whole_parameter_features("OffloadLion", LION, OffloadConfig(offload_fraction=0.5),
                                     ranks=2)  # fmt: skip
 

@@ -262,3 +262,41 @@ def test_adam_and_adamw_load_each_others_checkpoints(tmp_path) -> None:
             assert torch.equal(
                 torch.as_tensor(value), torch.as_tensor(loaded["state"][index][name])
             )
+
+
+@pytest.mark.cuda_form
+@pytest.mark.parametrize("rule", list(RULES))
+def test_nvme_state_resumes_bitwise_and_moves_to_host_ram(
+    rule: str, tmp_path: pathlib.Path
+) -> None:
+    # NVMe state (Note [NVMe tiles follow whole parameters]) streams the same tiles as the
+    # host-RAM store, the shaped state from host RAM: a streamed checkpoint of a run with
+    # its master on NVMe resumes bitwise, into NVMe state and into host RAM.
+    cls, hyper = RULES[rule]
+
+    def build(model: nn.Module, nvme: pathlib.Path | None) -> OffloadOptimizer:
+        extra = {} if nvme is None else {"nvme_dir": nvme, "host_budget": 1}
+        config = OffloadConfig(bucket_bytes=8192, tile_elements=1024, **extra)
+        return cls(model.parameters(), **hyper, config=config, accelerator=host_accelerator())
+
+    data = batches(STEPS)
+    uninterrupted, _ = make_pair()
+    opt = build(uninterrupted, None)
+    _steps(uninterrupted, opt, data)
+    want = [p.detach().clone() for p in uninterrupted.parameters()]
+    opt.close()
+    model, _ = make_pair()
+    opt = build(model, tmp_path / "nvme-a")
+    _steps(model, opt, data[:SAVE_AT])
+    opt.save_streaming(tmp_path / "ckpt")
+    model_state = {name: value.clone() for name, value in model.state_dict().items()}
+    opt.close()
+    for where in (tmp_path / "nvme-b", None):
+        resumed, _ = make_pair(seed=1)
+        ropt = build(resumed, where)
+        resumed.load_state_dict(model_state)
+        ropt.load_streaming(tmp_path / "ckpt")
+        _steps(resumed, ropt, data[SAVE_AT:])
+        ropt.close()
+        for got, expected in zip(resumed.parameters(), want, strict=True):
+            assert torch.equal(got.detach(), expected), where

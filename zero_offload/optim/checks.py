@@ -293,7 +293,7 @@ def refuse_whole_parameter_features(
     rule. Parameter offload on one rank passes: each unit's host pool holds its buckets'
     shaped state. Several ranks pass (each parameter is stepped whole by one rank: Note [a
     whole parameter has one owner] in ``partition.py``), but not with parameter offload,
-    which is ZeRO-3 there. ``name``: the optimizer's class; ``ranks``: the process group's
+    which is ZeRO-3 there, nor with NVMe state, planned for one rank. ``name``: the optimizer's class; ``ranks``: the process group's
     size (1 alone)."""
     if rule.elementwise:
         return
@@ -305,15 +305,18 @@ def refuse_whole_parameter_features(
             "reads whole); leave offload_parameters=False on several ranks (each parameter "
             "is then stepped whole by one rank), or use one rank"
         )
+    if ranks > 1 and config.nvme_dir is not None:
+        refused.append(
+            f"nvme_dir={str(config.nvme_dir)!r} on {ranks} ranks (the records of a rule that "
+            "reads whole parameters are planned over one rank's whole bucket, Note [NVMe "
+            "tiles follow whole parameters]); leave nvme_dir=None on several ranks (each "
+            "parameter is then stepped whole by one rank, its state in host RAM), or use "
+            "one rank"
+        )
     if config.offload_fraction != 1.0:
         refused.append(
             f"offload_fraction={config.offload_fraction!r} (state resident on the device is "
             "stepped tile by tile there); use offload_fraction=1.0"
-        )
-    if config.nvme_dir is not None:
-        refused.append(
-            f"nvme_dir={config.nvme_dir!r} (NVMe state streams in per-element tiles of "
-            "tile_elements, with no place for the shaped state); leave nvme_dir=None"
         )
     if config.partition_parameters:
         refused.append(

@@ -50,11 +50,14 @@ class OffloadMuon(OffloadOptimizer):
     ``torch.optim.AdamW``'s defaults (``adamw_lr=1e-3``, ``adamw_betas=(0.9, 0.999)``,
     ``adamw_eps=1e-8``, ``adamw_weight_decay=1e-2``; AdamW's other switches are off). The
     orthogonalization needs whole matrices, so construction refuses ``offload_fraction``
-    below 1, ``nvme_dir`` and ``partition_parameters`` (Note [rules that read a whole
-    parameter] in ``rule/base.py``); parameter offload (``offload_parameters``) works on one
-    rank, and ``save_streaming`` saves the shaped state (Note [shaped state in a streamed
-    checkpoint]). On several ranks each matrix is orthogonalized whole by one rank and the
-    others receive its weights (Note [a whole parameter has one owner] in ``partition.py``).
+    below 1 and ``partition_parameters`` (Note [rules that read a whole parameter] in
+    ``rule/base.py``); parameter offload (``offload_parameters``) and NVMe state
+    (``nvme_dir``: the master on NVMe, the momentum buffer and moments in host RAM, Note
+    [NVMe tiles follow whole parameters]) work on one rank, together too (the weights'
+    homes then stay in RAM), and ``save_streaming`` saves the shaped state (Note [shaped
+    state in a streamed checkpoint]). On several ranks each matrix is orthogonalized whole
+    by one rank and the others receive its weights (Note [a whole parameter has one owner]
+    in ``partition.py``).
     ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``: see
     ``OffloadOptimizer``.
     """

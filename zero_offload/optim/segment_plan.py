@@ -185,9 +185,14 @@ def _nvme_config(
     offloaded = [b for b in layouts if b.index not in placement.resident]
     sizes = [params[b.slots[0].index].dtype.itemsize for b in offloaded]
     ring = ring_slot_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
-    record = RecordLayout.make(config.tile_elements, state)
+    record = RecordLayout.for_buckets(offloaded, config.tile_elements, state)
     other = config.grad_staging_buffers * ring
     other += IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+    # A whole-parameter rule's shaped state is in RAM wherever the rest of its state is
+    # (Note [NVMe tiles follow whole parameters] in state/nvme_plan.py).
+    other += sum(
+        state.param_state_bytes((slot.shape for slot in b.slots), POOL_ALIGNMENT) for b in offloaded
+    )
     if window_bytes is None:  # the weight staging, as large as the gradient staging
         other += own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
     else:

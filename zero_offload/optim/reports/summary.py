@@ -49,7 +49,9 @@ def placement_of(
         real = bucket.layout.real_in(*store.span())
         parameters += real
         per_tier[store.location] += real * sum(dtype.itemsize for _, dtype in store.field_dtypes())
-        per_tier[store.location] += store.param_state_bytes()
+        # Shaped state is in host RAM wherever the per-element fields are (Note [NVMe
+        # tiles follow whole parameters] in state/nvme_plan.py).
+        per_tier["host"] += store.param_state_bytes()
     pools = {"host, pinned": 0, "host, pageable": 0, "device": 0}
     for pool in manager.pools:
         pools[pool.kind] = pools.get(pool.kind, 0) + pool.capacity

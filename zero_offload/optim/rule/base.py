@@ -84,17 +84,22 @@ Hyper = Any
 #   two units and no parameter spans two buckets, and each unit's host pool is sized per
 #   bucket by the same ``_host_bytes`` (``state/placement.py``) that sizes the one pool
 #   without it, shaped state included (Note [homes are pinned unit by unit] in
-#   ``unit_pools.py``), so the block lands in the unit's pool with the bucket's fields.
+#   ``unit_pools.py``), so the block lands in the unit's pool with the bucket's fields;
 # - several ranks (ZeRO-2) keep it too: each bucket is laid out so that the flat-range
 #   shards fall on parameter boundaries, each parameter whole in its owner's shard (Note
 #   [a whole parameter has one owner] in ``partition.py``); the owner keeps and steps it,
 #   the others keep no shaped state for it;
-# What needs tiles of a bounded size (NVMe records, the device step of resident state) or
-# cuts a parameter (ZeRO-3's flat-range shards of each unit over ranks:
-# ``partition_parameters``, and ``offload_parameters`` on several ranks) is refused at
-# construction, naming the rule and the feature (``refuse_whole_parameter_features`` in
-# ``checks.py``). A bucket thus never runs a whole-parameter rule over part of a
-# parameter, and no shaped state goes unsaved.
+# - NVMe state (``nvme_dir``) on one rank keeps it too: the per-element fields go to
+#   records whose tiles follow whole parameters, sized for the largest, and the shaped
+#   state stays in host RAM as above (Note [NVMe tiles follow whole parameters] in
+#   ``state/nvme_plan.py``, ``state/whole_nvme.py``); with parameter offload beside it the
+#   weights' homes stay in host RAM (a budget too small for them is refused there).
+# What needs tiles of a bounded size (the device step of resident state) or cuts a
+# parameter (ZeRO-3's flat-range shards of each unit over ranks: ``partition_parameters``,
+# and ``offload_parameters`` on several ranks) is refused at construction, naming the rule
+# and the feature (``refuse_whole_parameter_features`` in ``checks.py``). A bucket thus
+# never runs a whole-parameter rule over part of a parameter, and no shaped state goes
+# unsaved.
 
 
 @dataclass(frozen=True)

@@ -129,10 +129,12 @@ class RuleTiles:
         *,
         shape: tuple[int, ...],
         out: torch.Tensor | None,
+        copy_master_to: torch.Tensor | None = None,
     ) -> None:
         """The rule over one whole parameter of ``shape``, shard elements ``[lo, hi)``
         (Note [rules that read a whole parameter]): ``fields`` its per-element state,
-        ``param_state`` its shaped state; published as one tile."""
+        ``param_state`` its shaped state, ``out`` and ``copy_master_to`` as in ``step``;
+        published as one tile."""
         self.gradients.await_grad(self.grad, self.source, lo, hi)
         self.rule.parameter_step(
             fields,
@@ -144,7 +146,7 @@ class RuleTiles:
             grad_scale=self.grad_scale,
             out=out,
         )
-        self._written(lo, hi, fields, None)
+        self._written(lo, hi, fields, copy_master_to)
 
     def _written(
         self, lo: int, hi: int, fields: dict[str, torch.Tensor], copy_master_to: torch.Tensor | None

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -214,7 +215,14 @@ class NvmeState(StateStore):
         self.weights_staging: torch.Tensor | None = None
         try:
             self._make_staging(host_pool, name)
-            sizes = tile_sizes(layout, shard, self.tile_elements)
+            sizes = tile_sizes(layout, shard, record)
+            if max(sizes) > record.capacity:
+                raise RuntimeError(
+                    f"bucket {layout.index}: a tile of {max(sizes)} elements does not fit "
+                    f"the record of {record.capacity} (a bug: RecordLayout.for_buckets)"
+                )
+            self._starts = [0, *itertools.accumulate(sizes[:-1])]  # each tile's first element
+            self._sizes = sizes
             self.file = tier.create_file(
                 name,
                 slots=len(sizes),
@@ -265,8 +273,9 @@ class NvmeState(StateStore):
         return self.file.slots if self.file is not None else 0
 
     def _tile_range(self, tile: int) -> tuple[int, int]:
-        lo = tile * self.tile_elements
-        return lo, min(lo + self.tile_elements, self.real)
+        """Shard elements ``[lo, hi)`` of ``tile`` (``tile_sizes``)."""
+        lo = self._starts[tile]
+        return lo, min(lo + self._sizes[tile], self.real)
 
     # -- streaming -------------------------------------------------------------------------
 
@@ -424,7 +433,7 @@ class NvmeState(StateStore):
         fp32 = self.dtype == torch.float32
 
         def step_tile(tile: int, fields: dict[str, torch.Tensor]) -> None:
-            base = tile * self.tile_elements
+            base = self._starts[tile]
             for lo, hi, step in pieces[tile]:
                 a, b = lo - base, hi - base
                 staging = self.weights_staging[lo:hi]
@@ -449,8 +458,8 @@ class NvmeState(StateStore):
         """The updated ``(lo, hi, step)`` shard ranges of each tile that has any."""
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for start, stop, step in clip_runs(runs, *self.shard):
-            first = start // self.tile_elements
-            for tile in range(first, -(-stop // self.tile_elements)):
+            first = bisect.bisect_right(self._starts, start) - 1
+            for tile in range(first, bisect.bisect_left(self._starts, stop)):
                 lo, hi = self._tile_range(tile)
                 lo, hi = max(lo, start), min(hi, stop)
                 if lo < hi:

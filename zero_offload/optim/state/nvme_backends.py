@@ -1,6 +1,7 @@
 """The NVMe backends of one segment: which buckets' state (and homes) go to NVMe, the
 storage tier they share, and the factory that builds each bucket's store (``NvmeState``,
-or ``NvmeHomeState`` where its weights' home is on NVMe too). It sits above both stores, so
+``NvmeHomeState`` where its weights' home is on NVMe too, ``WholeParameterNvmeState`` for
+a rule that reads whole parameters). It sits above both stores, so
 neither imports the other's builder (``nvme_weights`` builds on ``nvme``).
 """
 
@@ -18,6 +19,7 @@ from ..rule.base import OptimizerRule
 from .nvme import NvmeState, StreamGroup
 from .nvme_plan import NvmePlan
 from .nvme_weights import NvmeHomeState
+from .whole_nvme import WholeParameterNvmeState
 
 __all__ = ["NvmeBackends"]
 
@@ -81,9 +83,15 @@ class NvmeBackends:
         """The bucket's ``NvmeState``; its file is ``{name}.bucket{index}``."""
         if self.group is None:
             raise RuntimeError(f"bucket {layout.index} placed on NVMe without a tier (bug)")
-        kind: type[NvmeState] = NvmeState
+        # Note [NVMe tiles follow whole parameters] in nvme_plan.py.
+        kind: type[NvmeState] = NvmeState if rule.elementwise else WholeParameterNvmeState
         extra: dict[str, object] = {}
         if self.home_on_nvme(layout.index):
+            if not rule.elementwise:
+                raise RuntimeError(
+                    f"bucket {layout.index}: the {rule.name} rule reads whole parameters and "
+                    "its home would be on NVMe (a bug: refused at construction)"
+                )
             if self.home_tiles is None or self.home_tiles.block is None:
                 self.home_tiles = HomeTiles(host_pool, self.plan.home_ring, name=self.name)
             kind, extra = NvmeHomeState, {"home_tiles": self.home_tiles}

@@ -33,7 +33,8 @@ the weights tile by tile through it). The window's bounce buffers
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -54,6 +55,7 @@ __all__ = [
     "plan_nvme",
     "resolve_host_budget",
     "tile_sizes",
+    "whole_parameter_tiles",
 ]
 
 #: ``host_budget="auto"`` leaves max(10% of total RAM, this) free, for activations, the data
@@ -65,25 +67,50 @@ AUTO_HOST_HEADROOM_FRACTION = 0.10
 @dataclass(frozen=True)
 class RecordLayout:
     """Where each state field of one tile sits in its record: ``fields`` is ``(name, dtype,
-    byte offset)`` for a whole tile; each field starts 4 KiB-aligned. A short tile (the last
-    of a shard) packs its fields the same way at its own length (``offsets``), so its record
-    is only its own bytes, aligned."""
+    byte offset)`` for a record of ``capacity`` elements; each field starts 4 KiB-aligned.
+    A shorter tile (the last of a shard; any tile of a rule that reads whole parameters)
+    packs its fields the same way at its own length (``offsets``), so its record is only
+    its own bytes, aligned.
+
+    ``tile_elements``: the tile the shard is cut into (``OffloadConfig.tile_elements``);
+    ``whole``: tiles follow parameters instead (Note [NVMe tiles follow whole parameters]);
+    ``capacity``: the elements of the largest record, ``tile_elements`` unless ``whole``
+    made a tile larger (the I/O buffers are ``record_bytes``, that record's bytes)."""
 
     tile_elements: int
     fields: tuple[tuple[str, torch.dtype, int], ...]
     record_bytes: int
     #: ``(name, value)`` each field starts from (``StateField.initial``), in field order.
     initials: tuple[tuple[str, float], ...] = ()
+    whole: bool = False
+    capacity: int = 0  # 0: tile_elements
 
     @classmethod
-    def make(cls, tile_elements: int, state: StateFields) -> RecordLayout:
-        """The record of the rule's ``state`` fields, in their order."""
+    def make(cls, tile_elements: int, state: StateFields, *, capacity: int = 0) -> RecordLayout:
+        """The record of the rule's ``state`` fields, in their order, ``capacity`` elements
+        at most (``tile_elements`` when 0)."""
+        capacity = max(capacity, tile_elements)
         fields, offset = [], 0
         for name, dtype in state.pairs():
             fields.append((name, dtype, offset))
-            offset += aligned(tile_elements * dtype.itemsize, IO_ALIGNMENT)
+            offset += aligned(capacity * dtype.itemsize, IO_ALIGNMENT)
         initials = tuple((f.name, f.initial) for f in state.fields)
-        return cls(tile_elements, tuple(fields), offset, initials)
+        whole = state.param_state is not None
+        return cls(tile_elements, tuple(fields), offset, initials, whole, capacity)
+
+    @classmethod
+    def for_buckets(
+        cls, layouts: Iterable[BucketLayout], tile_elements: int, state: StateFields
+    ) -> RecordLayout:
+        """The record that holds every tile of ``layouts``' buckets: of ``tile_elements``,
+        or for a rule that reads whole parameters of the largest of their tiles (Note
+        [NVMe tiles follow whole parameters])."""
+        if state.param_state is None:
+            return cls.make(tile_elements, state)
+        largest = max(
+            (n for b in layouts for n in whole_parameter_tiles(b, tile_elements)), default=0
+        )
+        return cls.make(tile_elements, state, capacity=largest)
 
     def initial(self, name: str) -> float:
         """The value field ``name`` starts from."""
@@ -141,16 +168,95 @@ def _state_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) ->
     return state.bytes_for(bucket.shard_numel, alignment)
 
 
-def _nvme_host_bytes(bucket: BucketLayout, *, itemsize: int, alignment: int) -> int:
-    """An NVMe bucket's bytes in the host pool: gradient staging and weight staging."""
-    return 2 * aligned(itemsize * bucket.shard_numel, alignment)
+def _shaped_bytes(bucket: BucketLayout, state: StateFields, alignment: int) -> int:
+    """A whole-parameter rule's shaped state of the bucket, in host RAM wherever its
+    per-element state is (Note [NVMe tiles follow whole parameters]); 0 for the others."""
+    return state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
 
 
-def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], tile_elements: int) -> list[int]:
+def _nvme_host_bytes(
+    bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int
+) -> int:
+    """An NVMe bucket's bytes in the host pool: gradient staging and weight staging, and a
+    whole-parameter rule's shaped state."""
+    shaped = _shaped_bytes(bucket, state, alignment)
+    return 2 * aligned(itemsize * bucket.shard_numel, alignment) + shaped
+
+
+def _refuse_homes_on_nvme(
+    config: OffloadConfig,
+    budget: int | None,
+    on_disk: int,
+    offloaded: Sequence[tuple[BucketLayout, int]],
+    alignment: int,
+) -> None:
+    """A rule that reads whole parameters keeps every home in host RAM (Note [NVMe tiles
+    follow whole parameters]): refuse a budget that would put some on NVMe."""
+    homes = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
+    raise ValueError(
+        f"OffloadConfig.host_budget={config.host_budget!r} leaves {budget} bytes of host RAM "
+        f"for the weights' homes and the optimizer state, which hold the homes of only "
+        f"{len(offloaded) - on_disk} of {len(offloaded)} buckets; this optimizer's rule "
+        "reads whole parameters, so with offload_parameters=True every home stays in host "
+        "RAM (a home on NVMe streams in tiles of tile_elements, which cut parameters; Note "
+        f"[NVMe tiles follow whole parameters]). Give host_budget at least {homes} bytes "
+        "(the homes; the state goes to NVMe where it does not fit beside them), or leave "
+        "nvme_dir=None"
+    )
+
+
+# Note [NVMe tiles follow whole parameters]
+# A rule that reads whole parameters (Note [rules that read a whole parameter] in
+# rule/base.py) steps one whole parameter per call, so the tile that holds a parameter's
+# per-element state (the fp32 master) in an I/O buffer must hold all of it. Its buckets'
+# tiles therefore follow parameters (``whole_parameter_tiles``): a tile is a run of whole
+# slots, a new one starting at a slot that would take the tile past ``tile_elements``; a
+# slot larger than that is a tile of its own, as large as the slot (with the alignment gap
+# after it). The record (``RecordLayout.for_buckets``) and so each of the tier's I/O
+# buffers is sized for the largest tile of the segment's buckets: ``B`` buffers of the
+# largest parameter, at least of ``tile_elements``, are the host RAM this costs (the
+# planner counts them, ``plan_nvme``'s ``other_host_bytes``; the records are packed, so the
+# file is no larger). The step streams these tiles as any other (Note [the step streams
+# the state] in nvme.py), and each parameter in a tile is stepped whole, reading and
+# writing its state where the record lies in the buffer: no scratch copy, and the same
+# kernel on the same bytes as the host-RAM store, so the bits are the same. The shaped
+# state (Adafactor's factors, Muon's momentum buffer and AdamW moments) stays in host RAM,
+# one block per bucket as ``WholeParameterHostState`` keeps it (``state/shaped.py``), in
+# the host pool beside the staging (``_nvme_host_bytes``): ``opt.state``, checkpoints and
+# the step find it where they find the host store's. It is small for Adafactor; for Muon it
+# is as large as the master (NVMe then holds 4 of its 8 bytes per parameter). Like the
+# staging it is RAM whatever the placement: ``host_budget`` bounds the per-element state,
+# and ``"auto"`` sets the shaped state aside before placing (here and in
+# ``segment_plan._nvme_config``). One rank
+# only, so a bucket's shard is all of it. With parameter offload (``offload_parameters``)
+# the weights' homes stay in host RAM: a home on NVMe is a weight file of tiles of
+# ``tile_elements`` (``weights/nvme_home.py``), which would cut parameters, so a
+# ``host_budget`` too small for every home is refused (``_refuse_homes_on_nvme``); the
+# state takes what the homes leave, as Note [homes on NVMe] places it.
+
+
+def whole_parameter_tiles(bucket: BucketLayout, tile_elements: int) -> list[int]:
+    """Elements of each tile of a bucket of a rule that reads whole parameters, with one
+    rank (its shard is the bucket): runs of whole slots, Note [NVMe tiles follow whole
+    parameters] (one tile at least)."""
+    real = bucket.real_in(0, bucket.padded_numel)
+    starts = [0]
+    for slot in bucket.slots:
+        if slot.offset > starts[-1] and slot.end - starts[-1] > tile_elements:
+            starts.append(slot.offset)
+    sizes = [hi - lo for lo, hi in itertools.pairwise([*starts, real]) if hi > lo]
+    return sizes or [1]
+
+
+def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], record: RecordLayout) -> list[int]:
     """Elements of each tile of a bucket's shard: its real elements in ``tile_elements``
-    pieces (one tile at least)."""
+    pieces, or for a rule that reads whole parameters runs of whole slots (Note [NVMe tiles
+    follow whole parameters]); one tile at least."""
+    if record.whole:
+        return whole_parameter_tiles(bucket, record.tile_elements)
     real = bucket.real_in(*shard)
-    sizes = [min(tile_elements, real - lo) for lo in range(0, real, tile_elements)]
+    step = record.tile_elements
+    sizes = [min(step, real - lo) for lo in range(0, real, step)]
     return sizes or [1]
 
 
@@ -187,10 +293,10 @@ def plan_nvme(
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
     sizes = [itemsize] * len(layouts) if isinstance(itemsize, int) else list(itemsize)
-    record = RecordLayout.make(config.tile_elements, state)
     offloaded = [
         (b, s) for b, s in zip(layouts, sizes, strict=True) if b.index not in placement.resident
     ]
+    record = RecordLayout.for_buckets((b for b, _ in offloaded), config.tile_elements, state)
     if config.nvme_dir is None:
         in_ram = sum(_state_bytes(b, state=state, alignment=alignment) for b, _ in offloaded)
         each = {
@@ -200,7 +306,9 @@ def plan_nvme(
         return NvmePlan(
             frozenset(), placement.host_state, in_ram, 0, record, None, bucket_host=each
         )
-    minimum = sum(_nvme_host_bytes(b, itemsize=s, alignment=alignment) for b, s in offloaded)
+    minimum = sum(
+        _nvme_host_bytes(b, itemsize=s, state=state, alignment=alignment) for b, s in offloaded
+    )
     budget = resolve_host_budget(
         config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
     )
@@ -211,6 +319,7 @@ def plan_nvme(
             grads = sum(aligned(s * b.shard_numel, alignment) for b, s in offloaded)
             rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
             other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
+            other += sum(_shaped_bytes(b, state, alignment) for b, _ in offloaded)
             budget = resolve_host_budget(config, other_host_bytes=other)
         kept = 0  # homes in host RAM, bucket order
         for b, s in offloaded:
@@ -221,6 +330,8 @@ def plan_nvme(
             homes.add(b.index)
             real = b.real_in(*b.shard_range(rank))
             home_disk += weight_file_bytes(real, config.tile_elements, s)
+        if homes and state.param_state is not None:
+            _refuse_homes_on_nvme(config, budget, len(homes), offloaded, alignment)
         if budget is not None:
             budget -= kept
     nvme: set[int] = set()
@@ -234,10 +345,10 @@ def plan_nvme(
             each[b.index] = _host_bytes(b, itemsize=s, state=state, alignment=alignment)
             continue
         nvme.add(b.index)
-        each[b.index] = _nvme_host_bytes(b, itemsize=s, alignment=alignment)
+        each[b.index] = _nvme_host_bytes(b, itemsize=s, state=state, alignment=alignment)
         if b.index in homes:
             each[b.index] -= aligned(s * b.shard_numel, alignment)  # no weight staging
-        tiles = tile_sizes(b, b.shard_range(rank), config.tile_elements)
+        tiles = tile_sizes(b, b.shard_range(rank), record)
         disk += sum(record.bytes_for(n) for n in tiles)
     host_pool = sum(each.values())
     if homes:

@@ -7,6 +7,8 @@ gradient path (``grads/path.py``) and one state store, chosen at construction by
 - ``host.HostState``: fp32 master weights and moments in the host pool, updated tile by
   tile by the CPU Adam kernel (``rule/adamw.py``); gradients come to the host;
 - ``nvme.NvmeState``: the same update, the state streamed from files of the storage tier;
+- ``whole.WholeParameterHostState`` and ``whole_nvme.WholeParameterNvmeState``: the same
+  two, for a rule that reads whole parameters (its shaped state in host RAM beside);
 - ``resident.ResidentState``: the state on the device, updated by torch's fused AdamW;
   gradients stay on the device.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ...accelerator import Event
-from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout, clip_runs
@@ -25,19 +24,20 @@ from ..publish import Publish
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from ..rule.tiles import RuleTiles
 from .host import HostState
+from .nvme_plan import whole_parameter_tiles
+from .shaped import KeepsShapedState, ShapedState
+from .store import TileFn
 
 __all__ = ["WholeParameterHostState"]
 
 
-class WholeParameterHostState(HostState):
+class WholeParameterHostState(KeepsShapedState, HostState):
     """``HostState`` for a rule that is not elementwise; see the module docstring.
 
     Host fields beyond ``HostState``'s:
-        param_state_flat: (param_state_numel,) fp32, host pool: the shaped state (the
-            rule's ``param_state``) of the slots in this rank's shard, slot after slot,
-            each slot's fields in order.
-        _param_offsets: per slot, ``(name, offset, shape)`` of each of its fields there
-            (none for another rank's slot).
+        shaped: the shaped state (the rule's ``param_state``) of the slots in this rank's
+            shard, in one fp32 block of the host pool, ``ShapedState``; None until
+            allocated.
     """
 
     # The shaped state is not in state_tensors(): a speculative step's copy would miss it
@@ -57,26 +57,7 @@ class WholeParameterHostState(HostState):
         fields: StateFields,
         tile_elements: int,
     ) -> None:
-        start, stop = shard
-        self._param_offsets: list[tuple[tuple[str, int, tuple[int, ...]], ...]] = []
-        offset = 0
-        for slot in layout.slots:
-            inside = start <= slot.offset and slot.end <= stop
-            if not inside and slot.offset < stop and slot.end > start:
-                raise RuntimeError(
-                    f"bucket {layout.index}: the {rule.name} rule reads whole parameters but "
-                    f"parameter {slot.index} ({slot.offset}, {slot.end}) straddles this "
-                    f"rank's shard {shard} (a bug: Note [a whole parameter has one owner] "
-                    "in partition.py)"
-                )
-            entries = []
-            for f in fields.fields_of(slot.shape) if inside else ():
-                entries.append((f.name, offset, f.shape))
-                offset += f.numel
-            self._param_offsets.append(tuple(entries))
-        self._param_numel = offset
-        self.param_state_flat: torch.Tensor | None = None
-        self._param_block: Block | None = None
+        self.shaped: ShapedState | None = None
         super().__init__(
             layout,
             views,
@@ -88,32 +69,18 @@ class WholeParameterHostState(HostState):
             fields=fields,
             tile_elements=tile_elements,
         )
-        if offset == 0:
-            return
         try:
-            block = host_pool.alloc(4 * offset, owner=f"bucket{layout.index}.param_state")
-            self._param_block = block
-            block.on_move(lambda b: self._bind_param_state(b.view(torch.float32, (offset,))))
-            self._bind_param_state(block.view(torch.float32, (offset,)))
-            self.param_state_flat.zero_()  # type: ignore[union-attr]
+            self.shaped = ShapedState(
+                layout, fields.fields_of, host_pool, shard=shard, rule=rule.name
+            )
         except BaseException:
             self.close()
             raise
 
-    def _bind_param_state(self, tensor: torch.Tensor) -> None:
-        self.param_state_flat = tensor
-
-    def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
-        flat = self.param_state_flat
-        if flat is None:
-            return {}
-        return {
-            name: flat[offset : offset + _numel(shape)].view(shape)
-            for name, offset, shape in self._param_offsets[slot_index]
-        }
-
-    def param_state_bytes(self) -> int:
-        return 4 * self._param_numel
+    @property
+    def param_state_flat(self) -> torch.Tensor | None:
+        """``(param_state_numel,)`` fp32, host pool: the shaped state, every slot's."""
+        return None if self.shaped is None else self.shaped.flat
 
     def update(
         self,
@@ -173,15 +140,21 @@ class WholeParameterHostState(HostState):
                     out=None if out is None else out[lo:hi],
                 )
 
+    def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
+        """As ``HostState.stream_fields``, in the tiles the NVMe store keeps (runs of whole
+        parameters, Note [NVMe tiles follow whole parameters] in ``nvme_plan.py``), so a
+        bucket streams the same tiles in either placement (a streamed checkpoint moves
+        between them). On several ranks (no NVMe there) in ``tile_elements`` tiles, as
+        ``HostState``."""
+        if self.shard != (0, self.layout.padded_numel):
+            super().stream_fields(fn, read=read, write=write)
+            return
+        state, real, lo = self.state_tensors(), self.layout.real_in(*self.shard), 0
+        for count in whole_parameter_tiles(self.layout, self.tile_elements):
+            hi = min(lo + count, real)
+            fn(lo, hi, {name: tensor[lo:hi] for name, tensor in state.items()})
+            lo = hi
+
     def close(self) -> None:
-        if self._param_block is not None:
-            self._param_block.free()
-            self._param_block = None
+        self.close_shaped()
         super().close()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
