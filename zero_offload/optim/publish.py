@@ -245,7 +245,7 @@ class WeightCopies(Publication):
     def shadowed(self, shadows: WeightShadows, *, buffer_bytes: int) -> bool:
         if not self._shadow_asked:
             self._shadow_asked = True
-            if self.can_shadow and self.views.publishes_by_copy:
+            if self.can_shadow and self.views.weights_cross_the_link:
                 home, _ = self.home()
                 self.shadow = shadows.take(
                     bucket=self.bucket,

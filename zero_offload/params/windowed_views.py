@@ -125,7 +125,7 @@ class WindowedViews(ParamViews):
         ``close`` (Note [a state dict entry owns a storage of its bytes]).
     """
 
-    publishes_by_copy = False  # the step writes the home; the next fetch brings it
+    weights_cross_the_link = False  # the step writes the home; the next fetch brings it
 
     def __init__(
         self,

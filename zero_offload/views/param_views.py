@@ -270,7 +270,7 @@ class ParamViews:
     #: Whether an update's weights reach ``weights_dev`` by a copy from the host (so a
     #: device shadow can take them early: Note [the delayed update lands in a shadow] in
     #: ``optim/shadow.py``); not where the host home is where they live between uses.
-    publishes_by_copy = True
+    weights_cross_the_link = True
 
     def __init__(
         self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], pool: BlockPool
