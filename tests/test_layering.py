@@ -62,6 +62,7 @@ PACKAGE = "zero_offload"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "config": 0,
+    "settings": 0,
     "tracing": 0,
     "fileio": 0,
     "progress": 0,
