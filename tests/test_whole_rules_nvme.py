@@ -80,7 +80,7 @@ def _state(store: Any) -> dict[str, torch.Tensor]:
 
     store.stream_fields(take)
     out = {name: torch.cat(chunks) for name, chunks in parts.items()}
-    out["tiles"] = torch.tensor(tiles)
+    out["tiles"] = torch.tensor(tiles)  # host: the tile boundaries, bookkeeping
     for i in range(len(store.layout.slots)):
         for name, view in store.param_state(i).items():
             out[f"{i}.{name}"] = view.detach().cpu().clone()
