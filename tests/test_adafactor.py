@@ -236,8 +236,6 @@ def test_host_state_bytes_per_parameter() -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"offload_fraction": 0.5}, r"offload_fraction=0.5 \(state resident on the device"),
-        ({"offload_fraction": "auto"}, r"offload_fraction='auto'"),
         ({"nvme_dir": "/tmp/x", "host_budget": 1}, r"nvme_dir='/tmp/x' \(NVMe state"),
     ],
 )
