@@ -385,6 +385,27 @@ def test_resident_state_on_several_ranks_is_still_refused(
         cls(model.parameters(), **hyper, config=config, accelerator=host_accelerator())
 
 
+@pytest.mark.parametrize("rule", list(RULES))
+def test_device_accumulators_leave_the_resident_step_its_room(rule: str) -> None:
+    """``"auto"`` under budgets from tight to loose, 4 micro-batches: the device
+    accumulators, taken at the first window that accumulates, keep the largest resident
+    step's temporaries free beside their reserve, so every step fits (before, Muon's step
+    failed at 224 to 240 KiB, its accumulators having taken that room)."""
+    stepped = 0
+    for kib in range(200, 320, 8):
+        model, _ = make_pair()
+        cls, hyper = RULES[rule]
+        config = OffloadConfig(bucket_bytes=8192, tile_elements=1024, offload_fraction="auto",
+                               max_grad_norm=0.5)  # fmt: skip
+        opt = cls(model.parameters(), **hyper, config=config,
+                  accelerator=host_accelerator(device_budget=f"{kib}KiB"))  # fmt: skip
+        if any(bucket.resident for bucket in opt.buckets):
+            train(model, opt, batches(8), micro_steps=4)
+            stepped += 1
+        opt.close()
+    assert stepped >= 5
+
+
 def _placement(fraction: float | str, device_free: int, temporaries: int) -> Any:
     """Four buckets of 1024 fp32 elements, one (32, 32) matrix each, under Adafactor's
     resident state; each bucket's step needs ``temporaries`` device bytes beyond the pool."""

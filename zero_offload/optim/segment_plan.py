@@ -136,7 +136,12 @@ def plan_segment(
         name=name,
         placement=placement,
         device_pool=device_pool,
-        grad_buffers=GradBuffers(manager, name=name, accumulation=config.grad_accumulation),
+        grad_buffers=GradBuffers(
+            manager,
+            name=name,
+            accumulation=config.grad_accumulation,
+            step_reserve=placement.device_step_temporaries,
+        ),
         state=state,
         resident_state=resident_state,
         nvme=nvme,

@@ -73,6 +73,8 @@ class Placement:
     device_grad_buffers: int
     device_resident_state: int
     host_state: int
+    #: The largest resident step's temporaries, beside the pool (``step_temporaries``).
+    device_step_temporaries: int = 0
 
     @property
     def device_total(self) -> int:
@@ -232,8 +234,9 @@ def plan_placement(
             for b in buckets
             if b.index not in resident
         ),
+        device_step_temporaries=largest_step(resident),
     )
-    step = largest_step(resident)
+    step = placement.device_step_temporaries
     if placement.device_total + step > device_free:
         steps = f", and {format_bytes(step)} of step temporaries beside them" if step else ""
         raise DeviceBudgetExceeded(

@@ -31,8 +31,12 @@ for such a rule:
   (Adafactor's variance estimate is as large as its parameter; Newton-Schulz's iterates as
   large as its matrix): the rule says how many bytes (``device_parameter_temporary_bytes``)
   and the store reserves the largest in the device ledger for the update (Note [resident
-  temporaries are counted] in ``resident.py``). ``"auto"`` placement leaves
-  ``auto_headroom`` of the budget for them, as for any rule's temporaries.
+  temporaries are counted] in ``resident.py``). So that the library does not take that
+  room before a step runs, placement keeps it beside the pool (``step_temporaries`` in
+  ``placement.py``: ``"auto"`` keeps fewer buckets, a fraction that leaves no room is
+  refused at construction), and the device accumulators of micro-batches, taken later,
+  leave it free beside their reserve (Note [micro-batches add up on the device] in
+  ``grads/device_acc.py``).
 
 What is refused stays refused: resident state on several ranks (for every rule, since it is
 not partitioned), and with ``overlap_step`` or parameter offload (``OffloadConfig``).
