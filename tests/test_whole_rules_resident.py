@@ -14,10 +14,13 @@ zero_offload/optim/state/whole_resident.py).
 3. bf16 weights: the mixed run against the all-host run within torch's own spread at bf16,
    and the model holds the master rounded.
 4. A resumed run is bitwise the uninterrupted one with a resident bucket: ``state_dict`` and
-   ``save_streaming``/``load_streaming``; a state saved from a mixed run loads into an
-   all-host optimizer with the same state.
+   ``save_streaming``/``load_streaming``; either, saved from a mixed run, loads into an
+   all-host and an all-resident optimizer with the same state.
 5. The device pool holds the shaped state (the report's device bytes against the formula),
-   and each step reserves the rule's temporaries for its largest parameter in the ledger.
+   and each step reserves the rule's temporaries for its largest parameter in the ledger;
+   placement keeps room for them beside the pool ("auto" keeps fewer buckets, a fraction
+   without room is refused), and so do the device accumulators of micro-batches.
+6. What stays refused: resident state with ``overlap_step``, and on several ranks.
 
 CUDA forms: the resume tests (ours against ours), and Adafactor's parity in fp32 and bf16
 (torch's reference runs on the same GPU). Muon's parity stays host only, as in
@@ -298,6 +301,14 @@ def test_a_streamed_resume_is_bitwise_with_resident_buckets(
     _same_state(ropt.state_dict()["state"], want_state)
     assert max_diff(resumed, uninterrupted) == 0.0
     ropt.close()
+    # The checkpoint loads into another placement too: all on the host, all resident.
+    for fraction in ("1.0", "0.0"):
+        other, _ = make_pair(seed=1)
+        other.load_state_dict(model_state)
+        opt3 = _build(rule, other, fraction)
+        opt3.load_streaming(tmp_path / "ckpt")
+        _same_state(opt3.state_dict()["state"], saved)
+        opt3.close()
 
 
 # -- 5. the device pool and the temporaries --------------------------------------------------------
