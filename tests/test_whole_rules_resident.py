@@ -193,6 +193,37 @@ def test_adafactor_on_the_device_keeps_torchs_factors() -> None:
     opt.close()
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("shape", [(37,), (), (3, 5, 7), (1, 9), (9, 1), (30, 20)])
+def test_adafactor_device_step_follows_torch_on_odd_shapes(
+    shape: tuple[int, ...], maximize: bool
+) -> None:
+    """20 steps of one parameter, the rule's device step on CPU tensors against torch's
+    for-loop given the same gradients: the factors bitwise, the weights within an ulp of
+    their size per step (the last add: Note [Adafactor on the device, without a host
+    sync])."""
+    gen = torch.Generator().manual_seed(len(shape))
+    p0 = torch.randn(shape, generator=gen)
+    ref = nn.Parameter(p0.clone())
+    hyper = {"lr": 1e-2, "weight_decay": 0.1, "maximize": maximize}
+    opt = torch.optim.Adafactor([ref], **hyper, foreach=False)
+    rule = OffloadAdafactor.rule
+    group = {"beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, **hyper}
+    master = p0.clone().reshape(-1)
+    state = {f.name: torch.zeros(f.shape) for f in rule.param_state(shape)}
+    for step in range(1, STEPS + 1):
+        grad = torch.randn(shape, generator=gen)
+        ref.grad = grad.clone()
+        opt.step()
+        rule.device_parameter_step({"master": master}, state, grad.reshape(-1), shape=shape,
+                                   step=step, hyper=rule.hyper(group), grad_scale=1.0,
+                                   step_tensor=torch.zeros(()))  # fmt: skip
+    ulp = torch.finfo(torch.float32).eps * max(1.0, p0.abs().max().item())
+    assert (master - ref.detach().reshape(-1)).abs().max().item() <= STEPS * ulp
+    for name, value in state.items():
+        assert torch.equal(value, opt.state[ref][name]), name
+
+
 # -- 3. bf16 -----------------------------------------------------------------------------------
 
 
