@@ -137,6 +137,7 @@ TEST_FILES = (
     "tests/test_host_syncs.py",
     "tests/test_rules_param_offload.py",
     "tests/test_whole_rules_streaming.py",
+    "tests/test_whole_rules_resident.py",
     "tests/test_overlap_queue.py",
     "tests/test_overlap_shadow.py",
     "tests/test_step_costs.py",

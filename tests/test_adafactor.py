@@ -235,10 +235,7 @@ def test_host_state_bytes_per_parameter() -> None:
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [
-        ({"offload_fraction": 0.5}, r"offload_fraction=0.5 \(state resident on the device"),
-        ({"offload_fraction": "auto"}, r"offload_fraction='auto'"),
-    ],
+    [({"partition_parameters": True}, r"partition_parameters=True \(ZeRO-3 shards")],
 )
 def test_unsupported_features_are_refused_at_construction(config: dict, message: str) -> None:
     model, _ = make_pair()

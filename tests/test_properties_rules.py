@@ -81,7 +81,7 @@ class Run:
     micro: int
     steps: int
     seed: int
-    fraction: float = 1.0  # offload_fraction (elementwise rules only)
+    fraction: float = 1.0  # offload_fraction
     accumulation: str = "auto"  # grad_accumulation: "auto" (sums on the device) or "host"
     kwargs: dict[str, Any] = field(default_factory=dict)  # the constructor's, both sides
 
@@ -153,8 +153,9 @@ def runs(draw: st.DrawFn, rule: str) -> Run:
         micro=draw(st.integers(1, 3)),
         steps=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**16)),
-        # Whole-parameter rules refuse resident state; Lion and Adagrad step it on the device.
-        fraction=draw(st.sampled_from([1.0, 0.5])) if rule in ("lion", "adagrad") else 1.0,
+        # Resident buckets step on the device: Lion and Adagrad by tiles, Adafactor and Muon
+        # one whole parameter at a time (Note [whole parameters stepped on the device]).
+        fraction=draw(st.sampled_from([1.0, 0.5])),
         accumulation=draw(st.sampled_from(["auto", "host"])),
         kwargs={} if start is None else {"initial_accumulator_value": start},
     )

@@ -118,14 +118,18 @@ def train(
     *,
     backward: Callable[[torch.Tensor], None] | None = None,
     micro_steps: int = 1,
+    clip: float | None = None,
 ) -> list[float]:
-    """Plain training loop; returns the losses."""
+    """Plain training loop; returns the losses. ``clip``: torch's ``clip_grad_norm_`` to that
+    norm before each step (a torch reference's clipping; ours is configured)."""
     losses = []
     for i in range(0, len(data), micro_steps):
         for tokens, targets in data[i : i + micro_steps]:
             loss = lm_loss(model, tokens, targets)
             (backward or (lambda value: value.backward()))(loss)
             losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return losses

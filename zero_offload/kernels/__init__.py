@@ -4,7 +4,8 @@ products.
 
 Every kernel takes 1-D contiguous CPU arrays (torch tensors or numpy arrays; a numpy uint16
 array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, keeps no state,
-and validates all arguments before writing anything.
+and validates all arguments before writing anything; ``muon_step`` alone takes tensors on
+any one device (a resident bucket's too).
 """
 
 from .threading_layer import configure_threads

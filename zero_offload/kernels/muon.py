@@ -1,4 +1,5 @@
-"""Muon's step over one whole matrix: ``torch.optim.Muon``'s update, on CPU tensors.
+"""Muon's step over one whole matrix: ``torch.optim.Muon``'s update, on CPU tensors (or a
+resident bucket's device tensors).
 
 Not a numba kernel: the work is Newton–Schulz's five pairs of matrix products, which
 torch's CPU matmul does well, so the step is torch's own operations in torch's order (see
@@ -40,6 +41,9 @@ __all__ = ["adjusted_lr", "muon_step", "newton_schulz"]
 # round trip is synchronous on the thread that steps it (the momentum, the master and the
 # rest of the step stay on the host). It is torch's own Newton-Schulz on the same device
 # torch's Muon would use for a CUDA parameter. On the host accelerator it runs on the CPU.
+# A matrix whose state is resident on the device steps there whole (``muon_step`` over
+# device tensors), Newton-Schulz included, and nothing crosses PCIe (Note [whole
+# parameters stepped on the device] in optim/state/whole_resident.py).
 
 
 def newton_schulz(
@@ -110,7 +114,11 @@ def muon_step(
     it]); its Newton-Schulz on ``ns_device`` when given (Note [Newton-Schulz where the
     matmuls are fast]).
 
-    - ``param``: (rows * cols,) fp32 master weights, contiguous, CPU; updated.
+    Every tensor contiguous on ``param``'s device: the CPU for a host-side store, the device
+    for a resident bucket's (Note [whole parameters stepped on the device] in
+    ``optim/state/whole_resident.py``), where the same operations run on the device.
+
+    - ``param``: (rows * cols,) fp32 master weights; updated.
     - ``grad``: (rows * cols,) fp32, bf16 or fp16; read only, used as ``grad.float() *
       grad_scale``.
     - ``momentum_buffer``: (rows * cols,) or ``shape``, fp32; updated.
@@ -126,8 +134,11 @@ def muon_step(
     for name, array in arrays.items():
         if array.numel() != numel:
             raise ValueError(f"{name} has {array.numel()} elements but shape {shape} has {numel}")
-        if array.device.type != "cpu" or not array.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
+        if array.device != param.device or not array.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous and on param's device ({param.device}), got one "
+                f"on {array.device}{'' if array.is_contiguous() else ', not contiguous'}"
+            )
     for name in ("param", "momentum_buffer"):
         if arrays[name].dtype != torch.float32:
             raise ValueError(f"{name} must be fp32, got {arrays[name].dtype}")

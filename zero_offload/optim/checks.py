@@ -291,9 +291,12 @@ def refuse_whole_parameter_features(
     parameter] in ``rule/base.py``), each feature that would step part of a parameter or
     keep its state where the rule's shaped state has no place; nothing for an elementwise
     rule. Parameter offload on one rank passes: each unit's host pool holds its buckets'
-    shaped state. Several ranks pass (each parameter is stepped whole by one rank: Note [a
-    whole parameter has one owner] in ``partition.py``), but not with parameter offload,
-    which is ZeRO-3 there, nor with NVMe state, planned for one rank. ``name``: the optimizer's class; ``ranks``: the process group's
+    shaped state. So does ``offload_fraction`` below 1 or ``"auto"``: resident buckets keep
+    it in the device pool and step each parameter whole there (Note [whole parameters
+    stepped on the device] in ``state/whole_resident.py``). Several ranks pass (each
+    parameter is stepped whole by one rank: Note [a whole parameter has one owner] in
+    ``partition.py``), but not with parameter offload, which is ZeRO-3 there, nor with NVMe
+    state, planned for one rank. ``name``: the optimizer's class; ``ranks``: the process group's
     size (1 alone)."""
     if rule.elementwise:
         return
@@ -312,11 +315,6 @@ def refuse_whole_parameter_features(
             "tiles follow whole parameters]); leave nvme_dir=None on several ranks (each "
             "parameter is then stepped whole by one rank, its state in host RAM), or use "
             "one rank"
-        )
-    if config.offload_fraction != 1.0:
-        refused.append(
-            f"offload_fraction={config.offload_fraction!r} (state resident on the device is "
-            "stepped tile by tile there); use offload_fraction=1.0"
         )
     if config.partition_parameters:
         refused.append(

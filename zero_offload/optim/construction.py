@@ -32,6 +32,7 @@ from .state.placement import POOL_ALIGNMENT
 from .state.resident import ResidentState
 from .state.store import BucketPools, StateStore
 from .state.whole import WholeParameterHostState
+from .state.whole_resident import WholeParameterResidentState
 from .unit_pools import plan_units
 from .update.policy import StepPolicy
 
@@ -440,7 +441,9 @@ class SegmentBuilder:
             store: StateStore
             if layout.index in parts.placement.resident:
                 gradients = DeviceGradients(layout, device_pool=parts.device_pool)
-                store = ResidentState(
+                # Note [whole parameters stepped on the device] in state/whole_resident.py.
+                resident = ResidentState if self.rule.elementwise else WholeParameterResidentState
+                store = resident(
                     layout,
                     views,
                     device_pool=parts.device_pool,

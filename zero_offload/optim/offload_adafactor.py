@@ -30,15 +30,18 @@ class OffloadAdafactor(OffloadOptimizer):
     ``beta2_decay=-0.8``, ``eps=(None, 1e-3)``, ``d=1.0``, ``weight_decay=0.0``,
     ``maximize``); ``foreach`` other than None is refused, as ``OffloadAdamW`` refuses it.
     ``eps1=None`` is the fp32 master's machine epsilon. The factored statistics need whole
-    parameters, so construction refuses ``offload_fraction`` below 1 and
-    ``partition_parameters`` (Note [rules that read a whole parameter] in ``rule/base.py``);
-    parameter offload (``offload_parameters``) and NVMe state (``nvme_dir``, Note [NVMe tiles
-    follow whole parameters]) work on one rank, together too (the weights' homes then stay
-    in RAM). On several ranks each parameter is stepped whole by one rank (Note [a whole
-    parameter has one owner] in ``partition.py``). ``state_dict`` holds torch's
-    ``row_var``/``col_var``/``variance``; ``save_streaming`` saves them too (Note [shaped
-    state in a streamed checkpoint]). ``config``, ``accelerator``, ``process_group``,
-    ``model`` and ``layers``: see ``OffloadOptimizer``.
+    parameters, so construction refuses ``partition_parameters`` (Note [rules that read a
+    whole parameter] in ``rule/base.py``); parameter offload (``offload_parameters``) and
+    NVMe state (``nvme_dir``, Note [NVMe tiles follow whole parameters]) work on one rank,
+    together too (the weights' homes then stay in RAM), and so do ``offload_fraction`` below
+    1 and ``"auto"``: a resident bucket keeps the master and the factors on the device and
+    steps each parameter whole there with torch's operations (Note [whole parameters
+    stepped on the device] in ``state/whole_resident.py``). On several ranks each parameter
+    is stepped whole by one rank (Note [a whole parameter has one owner] in
+    ``partition.py``). ``state_dict`` holds torch's ``row_var``/``col_var``/``variance``;
+    ``save_streaming`` saves them too (Note [shaped state in a streamed checkpoint]).
+    ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``: see
+    ``OffloadOptimizer``.
     """
 
     rule: OptimizerRule = ADAFACTOR

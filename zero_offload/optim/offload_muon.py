@@ -26,7 +26,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 class OffloadMuon(OffloadOptimizer):
     """Muon for every 2-D parameter and AdamW for every other one, with the fp32 master
-    weights, the state and the gradients offloaded to host memory.
+    weights, the state and the gradients offloaded to host memory (or kept on the device:
+    ``offload_fraction``).
 
     A parameter's shape decides its rule (Note [Muon routes by shape] in
     ``rule/muon.py``): a matrix steps as ``torch.optim.Muon`` steps it (Nesterov momentum,
@@ -49,15 +50,17 @@ class OffloadMuon(OffloadOptimizer):
     ``ns_steps=5``, ``adjust_lr_fn`` None, ``"original"`` or ``"match_rms_adamw"``) and
     ``torch.optim.AdamW``'s defaults (``adamw_lr=1e-3``, ``adamw_betas=(0.9, 0.999)``,
     ``adamw_eps=1e-8``, ``adamw_weight_decay=1e-2``; AdamW's other switches are off). The
-    orthogonalization needs whole matrices, so construction refuses ``offload_fraction``
-    below 1 and ``partition_parameters`` (Note [rules that read a whole parameter] in
-    ``rule/base.py``); parameter offload (``offload_parameters``) and NVMe state
-    (``nvme_dir``: the master on NVMe, the momentum buffer and moments in host RAM, Note
-    [NVMe tiles follow whole parameters]) work on one rank, together too (the weights'
-    homes then stay in RAM), and ``save_streaming`` saves the shaped state (Note [shaped
-    state in a streamed checkpoint]). On several ranks each matrix is orthogonalized whole
-    by one rank and the others receive its weights (Note [a whole parameter has one owner]
-    in ``partition.py``).
+    orthogonalization needs whole matrices, so construction refuses ``partition_parameters``
+    (Note [rules that read a whole parameter] in ``rule/base.py``); parameter offload
+    (``offload_parameters``) and NVMe state (``nvme_dir``: the master on NVMe, the momentum
+    buffer and moments in host RAM, Note [NVMe tiles follow whole parameters]) work on one
+    rank, together too (the weights' homes then stay in RAM), and so do ``offload_fraction``
+    below 1 and ``"auto"``: a resident bucket keeps its state on the device and steps each
+    parameter whole there, Newton–Schulz included (Note [whole parameters stepped on the
+    device] in ``state/whole_resident.py``); ``save_streaming`` saves the shaped state (Note
+    [shaped state in a streamed checkpoint]). On several ranks each matrix is orthogonalized
+    whole by one rank and the others receive its weights (Note [a whole parameter has one
+    owner] in ``partition.py``).
     ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``: see
     ``OffloadOptimizer``.
     """

@@ -106,6 +106,7 @@ def plan_segment(
         auto_headroom=config.auto_headroom,
         alignment=POOL_ALIGNMENT,
         weights_elsewhere=frozenset(b.index for b in layouts if window_bytes is not None),
+        step_temporaries=_step_temporaries(rule, groups, layouts),
     )
     nvme_config = _nvme_config(config, layouts, placement, params, state, window_bytes)
     nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
@@ -135,13 +136,39 @@ def plan_segment(
         name=name,
         placement=placement,
         device_pool=device_pool,
-        grad_buffers=GradBuffers(manager, name=name, accumulation=config.grad_accumulation),
+        grad_buffers=GradBuffers(
+            manager,
+            name=name,
+            accumulation=config.grad_accumulation,
+            step_reserve=placement.device_step_temporaries,
+        ),
         state=state,
         resident_state=resident_state,
         nvme=nvme,
         offload=offload,
         tracker=tracker,
     )
+
+
+def _step_temporaries(
+    rule: OptimizerRule, groups: list[dict[str, Any]], layouts: list[BucketLayout]
+) -> dict[int, int]:
+    """Per bucket, the most device bytes its step would allocate at once if it were
+    resident, for a rule that reads whole parameters (Note [whole parameters stepped on the
+    device] in ``state/whole_resident.py``): its largest parameter's, with a scaled
+    gradient and the hyper-parameters of any of ``groups`` that need the most. None for an
+    elementwise rule: its temporaries are bounded by a tile, within ``auto_headroom``."""
+    if rule.elementwise:
+        return {}
+    hypers = [rule.hyper(group) for group in groups]
+    return {
+        layout.index: max(
+            rule.device_parameter_temporary_bytes(slot.shape, hyper, 0.5)
+            for slot in layout.slots
+            for hyper in hypers
+        )
+        for layout in layouts
+    }
 
 
 def open_staging_ring(

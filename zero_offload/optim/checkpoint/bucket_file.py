@@ -18,8 +18,9 @@ reads it. After a bucket's tiles, its file holds one record per slot that has su
 in slot order: its fields' raw fp32 bytes, field after field in the rule's order. The
 bucket's fingerprint lists each slot's ``[name, shape]`` pairs (``shaped_layout``), so a
 checkpoint of another rule or of other shapes is refused naming the first parameter that
-differs, and each record carries its own checksum. The shaped state lives in host RAM only
-(such a rule refuses NVMe state), so a record is read and written whole: the RAM a save or
+differs, and each record carries its own checksum. The shaped state lives in memory, host
+RAM or a resident bucket's device pool (such a rule refuses NVMe state), so a record is read
+and written whole: the RAM a save or
 load adds is one parameter's shaped state, at most the parameter's size in fp32 (Muon's
 momentum buffer). An elementwise rule's fingerprint has no shaped-state entry and its file
 no records, as before the records existed.

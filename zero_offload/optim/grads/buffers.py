@@ -86,12 +86,16 @@ class GradBuffers:
         *,
         name: str,
         accumulation: GradAccumulation = GradAccumulation.AUTO,
+        step_reserve: int = 0,
     ) -> None:
         self.manager = manager
         self.name = name
         self.overflow: list[BlockPool] = []  # each one largest-bucket buffer, device
-        #: The buckets' fp32 device accumulators (Note [micro-batches add up on the device]).
-        self.accumulators = DeviceAccumulators(manager, setting=accumulation, name=name)
+        #: The buckets' fp32 device accumulators (Note [micro-batches add up on the device]);
+        #: ``step_reserve``: see ``DeviceAccumulators``.
+        self.accumulators = DeviceAccumulators(
+            manager, setting=accumulation, name=name, step_reserve=step_reserve
+        )
 
     def alloc(self, pool: BlockPool, nbytes: int, *, owner: str, grow: bool) -> Block:
         """A block of ``nbytes`` from ``pool``, else from an overflow pool (created when

@@ -35,7 +35,9 @@ autograd thread never waits for the host; ``step()`` lands it then.
 Which buckets. ``GradAccumulation.AUTO`` (the default) takes a bucket's accumulator at its
 first window that accumulates, when the device budget has its bytes plus a reserve (a
 tenth of the budget, or two of the bucket's gradient buffers if more) left for what the
-library allocates later (overflow gradient buffers, activation pools); otherwise the
+library allocates later (overflow gradient buffers, activation pools), and beside it the
+resident step's temporaries where they grow with a parameter (Note [whole parameters
+stepped on the device] in ``state/whole_resident.py``); otherwise the
 bucket accumulates on the host, and the first such bucket is logged (``zero_offload``
 logger) and counted in the profiler's step notes. ``GradAccumulation.HOST`` keeps every
 bucket on the host. Windows of one micro-batch need no accumulator, on either side (Note
@@ -72,13 +74,19 @@ RESERVE_FRACTION = 0.1
 
 
 def pool_if_room(
-    manager: TieredMemoryManager, nbytes: int, *, buffer_bytes: int, name: str
+    manager: TieredMemoryManager,
+    nbytes: int,
+    *,
+    buffer_bytes: int,
+    name: str,
+    keep_free: int = 0,
 ) -> tuple[BlockPool | None, int, int]:
     """A device pool of ``nbytes`` named ``name`` when the budget has them plus a reserve
-    (a tenth of the budget, or two gradient buffers of ``buffer_bytes`` if more) left, else
-    None; with the reserve and the bytes left, for the message that says why not."""
+    (a tenth of the budget, or two gradient buffers of ``buffer_bytes`` if more, and
+    ``keep_free`` beside it) left, else None; with the reserve and the bytes left, for the
+    message that says why not."""
     stats = manager.accelerator.memory_stats()
-    reserve = max(int(stats["budget"] * RESERVE_FRACTION), 2 * buffer_bytes)
+    reserve = max(int(stats["budget"] * RESERVE_FRACTION), 2 * buffer_bytes) + keep_free
     left = stats["budget"] - stats["in_use"]
     if nbytes + reserve > left:
         return None, reserve, left
@@ -193,16 +201,25 @@ class DeviceAccumulators:
 
     Fields:
         setting: ``OffloadConfig.grad_accumulation``.
+        step_reserve: device bytes the resident buckets' step allocates beside the pools at
+            once, kept free beside the reserve (Note [whole parameters stepped on the
+            device] in ``state/whole_resident.py``; 0 for an elementwise rule).
         pools: one per bucket that accumulates on the device.
         on_host: buckets refused for lack of budget (they accumulate on the host).
     """
 
     def __init__(
-        self, manager: TieredMemoryManager, *, setting: GradAccumulation, name: str
+        self,
+        manager: TieredMemoryManager,
+        *,
+        setting: GradAccumulation,
+        name: str,
+        step_reserve: int = 0,
     ) -> None:
         self.manager = manager
         self.setting = setting
         self.name = name
+        self.step_reserve = step_reserve
         self.pools: list[BlockPool] = []
         self.on_host: set[int] = set()
 
@@ -217,6 +234,7 @@ class DeviceAccumulators:
             nbytes,
             buffer_bytes=layout.padded_numel * itemsize,
             name=f"{self.name}.bucket{layout.index}.grad_acc_dev",
+            keep_free=self.step_reserve,
         )
         if pool is None:
             self._refused(layout, nbytes, reserve, left)

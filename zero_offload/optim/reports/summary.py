@@ -49,9 +49,10 @@ def placement_of(
         real = bucket.layout.real_in(*store.span())
         parameters += real
         per_tier[store.location] += real * sum(dtype.itemsize for _, dtype in store.field_dtypes())
-        # Shaped state is in host RAM wherever the per-element fields are (Note [NVMe
-        # tiles follow whole parameters] in state/nvme_plan.py).
-        per_tier["host"] += store.param_state_bytes()
+        # Shaped state is on the device with a resident bucket's fields (Note [whole
+        # parameters stepped on the device] in state/whole_resident.py), else in host RAM,
+        # the NVMe store's too (Note [NVMe tiles follow whole parameters] in nvme_plan.py).
+        per_tier["device" if store.resident else "host"] += store.param_state_bytes()
     pools = {"host, pinned": 0, "host, pageable": 0, "device": 0}
     for pool in manager.pools:
         pools[pool.kind] = pools.get(pool.kind, 0) + pool.capacity

@@ -8,8 +8,9 @@ it, fp32 as torch keeps it: ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 
 two dims or more (a factored second moment: ``m + n`` numbers for ``m * n`` weights), else
 ``variance`` like the parameter. ``OffloadConfig.moments_dtype`` does not apply: the shaped
 state stays fp32 (for matrices it is already sublinear). On the host the step is the
-``adafactor_step`` kernel over one whole parameter; there is no device step (resident
-state is refused at construction).
+``adafactor_step`` kernel over one whole parameter; state resident on the device steps
+there, with torch's own operations in torch's order (``device_parameter_step``, Note
+[whole parameters stepped on the device] in ``state/whole_resident.py``).
 
 ``eps1=None`` means the machine epsilon of the dtype the update runs in, as in torch: the
 fp32 master's (torch takes the parameter's dtype, which is the master's when it holds fp32
@@ -18,6 +19,7 @@ weights).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +27,26 @@ from typing import Any
 import torch
 
 from ...kernels import adafactor_step
-from .base import ParamField, StateField, StateFields, WholeParameterRule
+from .base import ParamField, StateField, StateFields, WholeParameterRule, scaled_gradient
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["ADAFACTOR", "AdafactorHyper", "AdafactorRule"]
+
+# Note [Adafactor on the device, without a host sync]
+# torch's single-tensor Adafactor reads two norms back to the CPU per parameter
+# (``param.norm(2).item()``, ``update.norm(2).item()``) and makes its step size in Python
+# floats. On a GPU that would be two host syncs per parameter per step, each waiting for
+# every kernel queued before it. ``device_parameter_step`` keeps that arithmetic on the
+# device: each fp32 norm is widened to a float64 0-d tensor and divided, clamped (torch's
+# ``max``) and multiplied in float64, the IEEE operations torch's Python floats perform, so
+# the step size ``alpha`` and the clipping denominator are torch's to the bit. Only the last
+# operation differs: torch adds the update with ``alpha=-alpha / denom`` (that scalar
+# rounded to fp32, and a fused multiply-add on vectorised CPU code and on CUDA); here the
+# update is multiplied by the fp32 scalar and then added, two roundings, so a weight may
+# differ from torch's in its last bit, as the host kernel's may (Note [Adafactor's three
+# passes] in ``kernels/adafactor.py``). Every other operation is torch's own in torch's
+# order, so for the same gradient the factors (``row_var``, ``col_var``, ``variance``) are
+# torch's bits on the same device.
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,61 @@ class AdafactorRule(WholeParameterRule):
             grad_scale=grad_scale,
             out=out,
         )
+
+    def device_parameter_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        param_state: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        shape: tuple[int, ...],
+        step: int,
+        hyper: AdafactorHyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        """``torch.optim.Adafactor``'s single-tensor update, its operations in its order, on
+        the device (Note [Adafactor on the device, without a host sync])."""
+        param = fields["master"].view(shape)
+        g = scaled_gradient(grad, -grad_scale if hyper.maximize else grad_scale).view(shape)
+        one_minus_beta2_t = step**hyper.beta2_decay
+        rho_t = min(hyper.lr, 1 / (step**0.5))
+        root_numel = param.numel() ** 0.5
+        alpha = (param.norm(2).double() / root_numel).clamp_(min=hyper.eps2) * rho_t
+        if hyper.weight_decay != 0:
+            param.mul_(1 - hyper.lr * hyper.weight_decay)
+        if len(shape) >= 2:
+            row_var, col_var = param_state["row_var"], param_state["col_var"]
+            row_mean = torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+            row_var.lerp_(row_mean, one_minus_beta2_t)
+            col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+            col_var.lerp_(col_mean, one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=hyper.eps1))
+        else:
+            variance = param_state["variance"]
+            variance.lerp_(g * g, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=hyper.eps1 * hyper.eps1).rsqrt_()
+        update.mul_(g)
+        denom = (update.norm(2).double() / (root_numel * hyper.d)).clamp_(min=1.0)
+        update.mul_((-alpha / denom).float())
+        param.add_(update)
+
+    def device_parameter_temporary_bytes(
+        self, shape: tuple[int, ...], hyper: AdafactorHyper, grad_scale: float
+    ) -> int:
+        """A parameter of ``n`` elements, at most: the scaled or negated gradient (``4n``,
+        when there is one), the variance estimate that becomes the update (``4n``), and
+        beside it a vector's ``g * g`` (``4n``) or a matrix's row and column means (one
+        number per row and per column of each matrix); 256 bytes for the 0-d norms."""
+        n = math.prod(shape)
+        scaled = 4 * n if grad_scale != 1.0 or hyper.maximize else 0
+        if len(shape) >= 2:
+            beside = 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
+        else:
+            beside = 4 * n
+        return scaled + 4 * n + beside + 256
 
 
 #: ``torch.optim.Adafactor``'s rule (``OffloadAdafactor``).

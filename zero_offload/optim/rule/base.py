@@ -17,8 +17,9 @@ the optimizer]):
 - ``elementwise``: whether each element's update reads only that element. Then tile
   boundaries change no bit, a bucket shards by flat range over ranks, and a bucket can step
   as soon as its gradients arrive. A rule that is not (Adafactor's factored second moment)
-  steps one whole parameter at a time (``parameter_step``) and may keep state shaped by the
-  parameter (``param_state``), and on several ranks each parameter has one owner: Note
+  steps one whole parameter at a time (``parameter_step`` on the host,
+  ``device_parameter_step`` for state resident on the device) and may keep state shaped by
+  the parameter (``param_state``), and on several ranks each parameter has one owner: Note
   [rules that read a whole parameter]. What needs tiles, or flat-range shards that cut a
   parameter, refuses such a rule at construction.
 
@@ -93,13 +94,17 @@ Hyper = Any
 #   records whose tiles follow whole parameters, sized for the largest, and the shaped
 #   state stays in host RAM as above (Note [NVMe tiles follow whole parameters] in
 #   ``state/nvme_plan.py``, ``state/whole_nvme.py``); with parameter offload beside it the
-#   weights' homes stay in host RAM (a budget too small for them is refused there).
-# What needs tiles of a bounded size (the device step of resident state) or cuts a
-# parameter (ZeRO-3's flat-range shards of each unit over ranks: ``partition_parameters``,
-# and ``offload_parameters`` on several ranks) is refused at construction, naming the rule
-# and the feature (``refuse_whole_parameter_features`` in ``checks.py``). A bucket thus
-# never runs a whole-parameter rule over part of a parameter, and no shaped state goes
-# unsaved.
+#   weights' homes stay in host RAM (a budget too small for them is refused there);
+# - state resident on the device (``offload_fraction`` below 1, or "auto") keeps it too,
+#   in the device pool, and steps each parameter whole there with torch's operations
+#   (``device_parameter_step``): Note [whole parameters stepped on the device] in
+#   ``state/whole_resident.py``.
+# What cuts a parameter (ZeRO-3's flat-range shards of each unit over ranks:
+# ``partition_parameters``, and ``offload_parameters`` on several ranks) is refused at
+# construction, naming the rule and the feature (``refuse_whole_parameter_features`` in
+# ``checks.py``), and so is NVMe state on several ranks (planned per whole bucket). A
+# bucket thus never runs a whole-parameter rule over part of a parameter, and no shaped
+# state goes unsaved.
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,36 @@ class OptimizerRule(ABC):
             "parameter_step was called on it (a bug)"
         )
 
+    def device_parameter_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        param_state: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        shape: tuple[int, ...],
+        step: int,
+        hyper: Hyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        """One step of one whole parameter of ``shape`` whose state is resident on the
+        device, on the device, for a rule that is not elementwise (Note [whole parameters
+        stepped on the device] in ``state/whole_resident.py``): ``fields`` its flat fp32
+        per-element state, ``param_state`` its shaped state, ``grad`` its fp32 gradient
+        (not to be changed), ``step_tensor`` as in ``device_tile_step``."""
+        raise RuntimeError(
+            f"the {self.name} rule is elementwise and is stepped on the device by tiles "
+            "(device_tile_step); device_parameter_step was called on it (a bug)"
+        )
+
+    def device_parameter_temporary_bytes(
+        self, shape: tuple[int, ...], hyper: Hyper, grad_scale: float
+    ) -> int:
+        """Device bytes ``device_parameter_step`` allocates beyond the state, at most, for
+        a parameter of ``shape`` (Note [resident temporaries are counted] in
+        ``state/resident.py``)."""
+        return 0
+
     def device_temporary_bytes(self, hyper: Hyper, grad_scale: float, tile_elements: int) -> int:
         """Device bytes ``device_tile_step`` allocates beyond the state, at most, for a tile
         of ``tile_elements`` (Note [resident temporaries are counted] in
@@ -302,9 +337,9 @@ class OptimizerRule(ABC):
 
 class WholeParameterRule(OptimizerRule):
     """A rule that is not elementwise (Note [rules that read a whole parameter]): it keeps
-    its state shaped (``param_state``) and is stepped by ``parameter_step`` only, so it has
-    no per-element checkpoint fields, no tile step and no device step (resident state is
-    refused at construction)."""
+    its state shaped (``param_state``) and is stepped one whole parameter at a time, by
+    ``parameter_step`` on the host and ``device_parameter_step`` on the device, so it has
+    no per-element checkpoint fields and no tile steps."""
 
     elementwise = False
 
@@ -338,8 +373,9 @@ class WholeParameterRule(OptimizerRule):
         step_tensor: torch.Tensor,
     ) -> None:
         raise RuntimeError(
-            f"the {self.name} rule has no device step: resident state is refused at "
-            "construction (a bug: Note [rules that read a whole parameter])"
+            f"the {self.name} rule reads whole parameters and is stepped on the device by "
+            "device_parameter_step; a device tile loop reached it (a bug: Note [whole "
+            "parameters stepped on the device] in state/whole_resident.py)"
         )
 
 

@@ -7,9 +7,12 @@ parameter, shaped like it and fp32, ``momentum_buffer`` for a matrix (torch's Mu
 and ``exp_avg``/``exp_avg_sq`` for the rest (torch's AdamW's). Host bytes per parameter:
 8 for a matrix (master, buffer), 12 for the rest (master, two moments).
 ``OffloadConfig.moments_dtype`` does not apply: the shaped state is fp32. On the host a
-matrix steps through ``kernels.muon_step`` (torch's bf16 Newton–Schulz on the CPU), the
-rest through ``kernels.adam_step``; there is no device step (resident state is refused at
-construction).
+matrix steps through ``kernels.muon_step`` (torch's bf16 Newton–Schulz on the CPU, or on
+the GPU: Note [Newton-Schulz where the matmuls are fast]), the rest through
+``kernels.adam_step``. State resident on the device steps there (Note [whole parameters
+stepped on the device] in ``state/whole_resident.py``): a matrix through
+``kernels.muon_step`` over the device's tensors, the rest through torch's fused AdamW as
+``OffloadAdamW``'s resident buckets are.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from ...kernels import adam_step, muon_step
+from .adamw import ADAMW, AdamHyper
 from .base import ParamField, StateField, StateFields, WholeParameterRule
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
@@ -196,6 +200,79 @@ class MuonRule(WholeParameterRule):
             grad_scale=grad_scale,
             out=out,
         )
+
+    def device_parameter_step(
+        self,
+        fields: Mapping[str, torch.Tensor],
+        param_state: Mapping[str, torch.Tensor],
+        grad: torch.Tensor,
+        *,
+        shape: tuple[int, ...],
+        step: int,
+        hyper: MuonHyper,
+        grad_scale: float,
+        step_tensor: torch.Tensor,
+    ) -> None:
+        """On the device: Muon for a matrix (Newton-Schulz there too), torch's fused AdamW
+        for any other shape, as ``OffloadAdamW``'s resident buckets step it."""
+        if is_muon_shape(shape):
+            # The host step's operations on the device's tensors (Newton-Schulz where they
+            # are: ns_device is the accelerator's device or None).
+            self.parameter_step(
+                fields,
+                param_state,
+                grad,
+                shape=shape,
+                step=step,
+                hyper=hyper,
+                grad_scale=grad_scale,
+                out=None,
+            )
+            return
+        ADAMW.device_tile_step(
+            {
+                "master": fields["master"],
+                "exp_avg": param_state["exp_avg"].reshape(-1),
+                "exp_avg_sq": param_state["exp_avg_sq"].reshape(-1),
+            },
+            grad,
+            step=step,
+            hyper=_adamw_hyper(hyper),
+            grad_scale=grad_scale,
+            step_tensor=step_tensor,
+        )
+
+    def device_parameter_temporary_bytes(
+        self, shape: tuple[int, ...], hyper: MuonHyper, grad_scale: float
+    ) -> int:
+        """A matrix of ``n`` elements, at most: the scaled gradient (``4n``, when scaled),
+        the Nesterov update (``4n``), two bf16 iterates of Newton-Schulz (``4n``), an fp32
+        copy of the last where adding it into the fp32 master casts it (``4n``), and the
+        Gram matrix with its update, ``k x k`` bf16 each (``k`` the shorter side). Any other
+        shape: AdamW's (``ADAMW.device_temporary_bytes``)."""
+        n = 1
+        for dim in shape:
+            n *= dim
+        if not is_muon_shape(shape):
+            return ADAMW.device_temporary_bytes(_adamw_hyper(hyper), grad_scale, n)
+        k = min(shape)
+        scaled = 4 * n if grad_scale != 1.0 else 0
+        nesterov = 4 * n if hyper.nesterov else 0
+        return scaled + nesterov + 8 * n + 4 * k * k
+
+
+def _adamw_hyper(hyper: MuonHyper) -> AdamHyper:
+    """The ``adamw_*`` hyper-parameters as AdamW's rule takes them (torch's AdamW defaults
+    for the switches Muon's group does not have)."""
+    return AdamHyper(
+        lr=hyper.adamw_lr,
+        beta1=hyper.adamw_beta1,
+        beta2=hyper.adamw_beta2,
+        eps=hyper.adamw_eps,
+        weight_decay=hyper.adamw_weight_decay,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
 #: ``torch.optim.Muon``'s rule with AdamW beside it (``OffloadMuon``).

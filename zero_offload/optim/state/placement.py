@@ -12,7 +12,8 @@ bucket's training dtype bytes, ``a(x)`` = ``x`` rounded up to the pool alignment
 - device, every bucket: weights ``a(n*s)``;
 - device, resident bucket: the rule's state fields, all fp32 (``sum a(4n)`` over them: the
   master and, for Adam, two moments and a third with its max-moment option), and the fp32
-  grad accumulator ``a(4n)``;
+  grad accumulator ``a(4n)``; for a rule that reads whole parameters, its shaped state
+  too, ``a(4r)`` with ``r`` the fp32 elements of every slot's ``param_state``;
 - device, offloaded buckets together: ``GRAD_BUFFERS`` gradient buffers, each of the
   largest offloaded bucket in bytes, ``max a(n*s)`` over the offloaded buckets of every
   dtype (Note [a bucket's gradient lifecycle]);
@@ -35,7 +36,7 @@ Frozen parameters (``requires_grad=False``) are in no bucket, so they count nowh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ...config import format_bytes
@@ -72,6 +73,8 @@ class Placement:
     device_grad_buffers: int
     device_resident_state: int
     host_state: int
+    #: The largest resident step's temporaries, beside the pool (``step_temporaries``).
+    device_step_temporaries: int = 0
 
     @property
     def device_total(self) -> int:
@@ -81,7 +84,10 @@ class Placement:
 
 def _resident_bytes(bucket: BucketLayout, *, state: StateFields, alignment: int) -> int:
     n = bucket.padded_numel
-    return state.bytes_for(n, alignment) + aligned(4 * n, alignment)  # + the accumulator
+    total = state.bytes_for(n, alignment) + aligned(4 * n, alignment)  # + the accumulator
+    # A whole-parameter rule's shaped state, every slot's (one rank: Note [whole
+    # parameters stepped on the device] in whole_resident.py); 0 for an elementwise rule.
+    return total + state.param_state_bytes((slot.shape for slot in bucket.slots), alignment)
 
 
 def _host_bytes(bucket: BucketLayout, *, itemsize: int, state: StateFields, alignment: int) -> int:
@@ -152,6 +158,7 @@ def plan_placement(
     auto_headroom: float,
     alignment: int,
     weights_elsewhere: frozenset[int] = frozenset(),
+    step_temporaries: Mapping[int, int] | None = None,
 ) -> Placement:
     """Choose the resident buckets and size the pools.
 
@@ -166,8 +173,17 @@ def plan_placement(
     indices of buckets whose weights are not in the device pool (parameter offload keeps
     them in a window of its own, ``zero_offload.params``). ``state``: the rule's fields of an
     offloaded bucket (its moments in ``OffloadConfig.moments_dtype``); ``resident_state``:
-    of a resident one (all fp32).
+    of a resident one (all fp32). ``step_temporaries``: by bucket index, the device bytes a
+    resident bucket's step allocates beyond the pool at once, where they grow with a
+    parameter rather than a tile (a rule that reads whole parameters: Note [whole
+    parameters stepped on the device] in ``whole_resident.py``); the largest over the
+    resident buckets must fit beside the pool, within ``"auto"``'s limit too.
     """
+    temporaries = step_temporaries or {}
+
+    def largest_step(resident: set[int]) -> int:
+        return max((temporaries.get(index, 0) for index in resident), default=0)
+
     if isinstance(itemsize, int):
         sizes_of = {b.index: itemsize for b in buckets}
     else:
@@ -196,7 +212,7 @@ def plan_placement(
         for bucket in reversed(buckets):
             extra = _resident_bytes(bucket, state=resident_state, alignment=alignment)
             trial = resident | {bucket.index}
-            if weights + grad_buffers(trial) + on_device + extra > limit:
+            if weights + grad_buffers(trial) + on_device + extra + largest_step(trial) > limit:
                 break
             resident, on_device = trial, on_device + extra
     else:
@@ -218,11 +234,14 @@ def plan_placement(
             for b in buckets
             if b.index not in resident
         ),
+        device_step_temporaries=largest_step(resident),
     )
-    if placement.device_total > device_free:
+    step = placement.device_step_temporaries
+    if placement.device_total + step > device_free:
+        steps = f", and {format_bytes(step)} of step temporaries beside them" if step else ""
         raise DeviceBudgetExceeded(
             f"OffloadAdamW needs {format_bytes(placement.device_total)} "
-            f"({placement.device_total} bytes) on the device but only "
+            f"({placement.device_total} bytes) on the device{steps} but only "
             f"{format_bytes(device_free)} of the device budget is free: "
             f"weights {format_bytes(placement.device_weights)}, gradient buffers "
             f"{format_bytes(placement.device_grad_buffers)} ({GRAD_BUFFERS} x the largest "

@@ -89,6 +89,9 @@ class ResidentState(StateStore):
     # master allocate device temporaries that no pool holds. They are bounded to one tile (tile_elements) at
     # a time and reserved in the device ledger while they live, so the budget sees them and
     # a step near the budget fails with the ledger's error, not the caching allocator's OOM.
+    # A rule that reads whole parameters is bounded by its largest parameter instead, which
+    # placement leaves room for (Note [whole parameters stepped on the device] in
+    # whole_resident.py).
 
     @contextlib.contextmanager
     def _temporaries(self, nbytes: int, what: str) -> Iterator[None]:

@@ -1,51 +1,49 @@
-"""One bucket's shaped state, for a rule that reads whole parameters: every slot's
-``param_state`` fields (Adafactor's factors, Muon's momentum buffer) in one fp32 block of a
-host pool, slot after slot (Note [rules that read a whole parameter] in ``rule/base.py``).
+"""Where a bucket's shaped state lies in its one fp32 block, and which whole parameters a step
+takes: shared by the stores of a rule that reads whole parameters, on the host
+(``whole.py``) and on the device (``whole_resident.py``).
 
-Both stores of such a rule keep it so: ``whole.WholeParameterHostState`` beside its
-per-element fields in RAM, ``whole_nvme.WholeParameterNvmeState`` beside its records on
-NVMe (Note [NVMe tiles follow whole parameters] in ``nvme_plan.py``).
+Note [rules that read a whole parameter] in ``rule/base.py`` says why such state exists; a
+store keeps a bucket's shaped state in one fp32 block of its pool, the fields of the slots
+it owns one after another in slot order, each slot's fields in the rule's order. The NVMe
+store (``whole_nvme.py``) keeps it in host RAM the same way.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ...memory.block import Block
 from ...memory.pool import BlockPool
-from ...partition import BucketLayout
+from ...partition import BucketLayout, ParamSlot
 from ..rule.base import ParamField
 
-__all__ = ["KeepsShapedState", "ShapedState"]
+__all__ = ["KeepsShapedState", "ShapedState", "whole_parameters"]
 
 
 class ShapedState:
-    """A bucket's shaped state in one block of ``host_pool``, starting at 0 (``ParamField``),
-    of the slots in this rank's ``shard`` (each lies whole inside it or outside it: Note [a
-    whole parameter has one owner] in ``partition.py``).
+    """A bucket's shaped state: where each slot's fields lie, and the one fp32 block of a
+    pool that holds them (``allocate``).
 
-    Host fields:
-        flat: (numel,) fp32, host pool (None without shaped state, or once closed): the
-            fields of the slots in the shard, slot after slot, each slot's in the rule's
-            order.
-        _offsets: per slot, ``(name, offset, shape)`` of each of its fields in ``flat``
-            (none for another rank's slot).
+    Fields:
+        entries[slot]: ``(name, offset, shape)`` of each field of that slot's shaped state
+            (none for a slot outside ``shard``, another rank's).
+        numel: the block's fp32 elements (0: no block).
+        flat: (numel,) fp32, the block's view (host pool or device pool), re-pointed when
+            the block moves; None before ``allocate`` or with no block.
     """
 
     def __init__(
         self,
         layout: BucketLayout,
         fields_of: Callable[[tuple[int, ...]], tuple[ParamField, ...]],
-        host_pool: BlockPool,
         *,
         shard: tuple[int, int],
         rule: str,
     ) -> None:
         start, stop = shard
-        self._offsets: list[tuple[tuple[str, int, tuple[int, ...]], ...]] = []
+        entries: list[tuple[tuple[str, int, tuple[int, ...]], ...]] = []
         offset = 0
         for slot in layout.slots:
             inside = start <= slot.offset and slot.end <= stop
@@ -56,38 +54,45 @@ class ShapedState:
                     f"rank's shard {shard} (a bug: Note [a whole parameter has one owner] "
                     "in partition.py)"
                 )
-            entries = []
+            slot_entries = []
             for f in fields_of(tuple(slot.shape)) if inside else ():
-                entries.append((f.name, offset, f.shape))
+                slot_entries.append((f.name, offset, f.shape))
                 offset += f.numel
-            self._offsets.append(tuple(entries))
+            entries.append(tuple(slot_entries))
+        self.entries = tuple(entries)
         self.numel = offset
         self.flat: torch.Tensor | None = None
         self._block: Block | None = None
-        if offset == 0:
+
+    def allocate(self, pool: BlockPool, *, owner: str) -> None:
+        """Take the block from ``pool`` (nothing when there is no shaped state), zeroed: every
+        field starts at 0 (``ParamField``)."""
+        numel = self.numel
+        if numel == 0:
             return
-        block = host_pool.alloc(4 * offset, owner=f"bucket{layout.index}.param_state")
+        block = pool.alloc(4 * numel, owner=owner)
         self._block = block
-        block.on_move(lambda b: self._bind(b.view(torch.float32, (offset,))))
-        self._bind(block.view(torch.float32, (offset,)))
-        self.flat.zero_()  # type: ignore[union-attr]
+        block.on_move(lambda b: self._bind(b.view(torch.float32, (numel,))))
+        self._bind(block.view(torch.float32, (numel,)))
+        block.view(torch.float32, (numel,)).zero_()
 
     def _bind(self, tensor: torch.Tensor) -> None:
         self.flat = tensor
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the fields (the block's alignment aside)."""
+        """Bytes of the shaped state."""
         return 4 * self.numel
 
-    def of(self, slot_index: int) -> dict[str, torch.Tensor]:
-        """Slot ``slot_index``'s fields by name, each a view shaped as the rule declares."""
+    def views(self, slot_index: int) -> dict[str, torch.Tensor]:
+        """Slot ``slot_index``'s shaped state by name, views of the block shaped as the rule
+        says (none without a block)."""
         flat = self.flat
         if flat is None:
             return {}
         return {
-            name: flat[offset : offset + math.prod(shape)].view(shape)
-            for name, offset, shape in self._offsets[slot_index]
+            name: flat[offset : offset + _numel(shape)].view(shape)
+            for name, offset, shape in self.entries[slot_index]
         }
 
     def close(self) -> None:
@@ -99,19 +104,47 @@ class ShapedState:
 
 
 class KeepsShapedState:
-    """What a store of such a rule answers from its ``ShapedState`` (``shaped``, None until
-    allocated and once closed); mixed in before the store's base class."""
+    """What a store of a rule that reads whole parameters adds to its base store (put first
+    in its bases): the slots' shaped state from ``_shaped`` (set before the base's
+    ``__init__``), its block returned on ``close``, and no speculative steps."""
 
-    shaped: ShapedState | None
+    _shaped: ShapedState
+
+    # The shaped state is not in state_tensors(): a speculative step's copy would miss it
+    # (Note [speculative steps] in update/eager.py), so such a bucket steps in step().
+    supports_speculation = False
 
     def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
-        return {} if self.shaped is None else self.shaped.of(slot_index)
+        """See ``StateStore.param_state``."""
+        return self._shaped.views(slot_index)
 
     def param_state_bytes(self) -> int:
-        return 0 if self.shaped is None else self.shaped.nbytes
+        """See ``StateStore.param_state_bytes``."""
+        return self._shaped.nbytes
 
-    def close_shaped(self) -> None:
-        """Return the shaped state's block to its pool (the store's ``close`` calls it)."""
-        if self.shaped is not None:
-            self.shaped.close()
-            self.shaped = None
+    def close(self) -> None:
+        """The block, then the base store's."""
+        self._shaped.close()
+        super().close()  # type: ignore[misc]
+
+
+def whole_parameters(
+    layout: BucketLayout, spans: list[tuple[int, int, int]], first: int
+) -> Iterator[tuple[int, ParamSlot, int, int, int]]:
+    """``(index, slot, lo, hi, step)`` of each slot lying whole in one of ``spans``
+    (``(start, stop, step)`` in elements from ``first``, the store's span start): each
+    parameter a step takes, in span then slot order. The alignment gaps between slots are
+    not stepped: they hold zeros that no one reads (Note [a run spans the gaps between its
+    slots])."""
+    for start, stop, step in spans:
+        for index, slot in enumerate(layout.slots):
+            lo, hi = slot.offset - first, slot.end - first
+            if lo >= start and hi <= stop:  # else another rank's, or not in this run
+                yield index, slot, lo, hi, step
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n

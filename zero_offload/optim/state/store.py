@@ -167,7 +167,8 @@ class StateStore(ABC):
         return {}
 
     def param_state_bytes(self) -> int:
-        """Host bytes of the shaped state (0 for an elementwise rule)."""
+        """Bytes of the shaped state where the store keeps it, host RAM or the device pool
+        (0 for an elementwise rule)."""
         return 0
 
     @abstractmethod

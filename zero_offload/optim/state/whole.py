@@ -11,8 +11,6 @@ the shaped state as the segment's one pool is without it.
 
 from __future__ import annotations
 
-import torch
-
 from ...accelerator import Event
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
@@ -25,7 +23,7 @@ from ..rule.base import Hyper, OptimizerRule, StateFields
 from ..rule.tiles import RuleTiles
 from .host import HostState
 from .nvme_plan import whole_parameter_tiles
-from .shaped import KeepsShapedState, ShapedState
+from .shaped import KeepsShapedState, ShapedState, whole_parameters
 from .store import TileFn
 
 __all__ = ["WholeParameterHostState"]
@@ -35,14 +33,10 @@ class WholeParameterHostState(KeepsShapedState, HostState):
     """``HostState`` for a rule that is not elementwise; see the module docstring.
 
     Host fields beyond ``HostState``'s:
-        shaped: the shaped state (the rule's ``param_state``) of the slots in this rank's
-            shard, in one fp32 block of the host pool, ``ShapedState``; None until
-            allocated.
+        _shaped: the shaped state (the rule's ``param_state``) of the slots in this rank's
+            shard, slot after slot, each slot's fields in order, in one fp32 block of the
+            host pool (``ShapedState``; none for another rank's slot).
     """
-
-    # The shaped state is not in state_tensors(): a speculative step's copy would miss it
-    # (Note [speculative steps] in update/eager.py), so such a bucket steps in step().
-    supports_speculation = False
 
     def __init__(
         self,
@@ -57,7 +51,7 @@ class WholeParameterHostState(KeepsShapedState, HostState):
         fields: StateFields,
         tile_elements: int,
     ) -> None:
-        self.shaped: ShapedState | None = None
+        self._shaped = ShapedState(layout, fields.fields_of, shard=shard, rule=rule.name)
         super().__init__(
             layout,
             views,
@@ -70,17 +64,10 @@ class WholeParameterHostState(KeepsShapedState, HostState):
             tile_elements=tile_elements,
         )
         try:
-            self.shaped = ShapedState(
-                layout, fields.fields_of, host_pool, shard=shard, rule=rule.name
-            )
+            self._shaped.allocate(host_pool, owner=f"bucket{layout.index}.param_state")
         except BaseException:
             self.close()
             raise
-
-    @property
-    def param_state_flat(self) -> torch.Tensor | None:
-        """``(param_state_numel,)`` fp32, host pool: the shaped state, every slot's."""
-        return None if self.shaped is None else self.shaped.flat
 
     def update(
         self,
@@ -93,8 +80,7 @@ class WholeParameterHostState(KeepsShapedState, HostState):
         after: list[Event] | None = None,
     ) -> None:
         """As ``HostState.update``, one whole parameter per call of the rule: each slot in
-        the runs (the alignment gaps between them are not stepped: they hold zeros that no
-        one reads, Note [a run spans the gaps between its slots])."""
+        the runs (``whole_parameters``)."""
         tiles = RuleTiles(
             self.rule,
             self.gradients,
@@ -112,8 +98,8 @@ class WholeParameterHostState(KeepsShapedState, HostState):
         written = dict(self.state_tensors())
         if self.weights_staging is not None:
             written["weights"] = self.weights_staging
-        if self.param_state_flat is not None:
-            written["param_state"] = self.param_state_flat
+        if self._shaped.flat is not None:
+            written["param_state"] = self._shaped.flat
         for name, tensor in written.items():
             declare_cpu(
                 self.manager,
@@ -124,21 +110,16 @@ class WholeParameterHostState(KeepsShapedState, HostState):
             )
         state = self.state_tensors()
         out = self.weights_staging
-        first = self.shard[0]
-        for start, stop, step in spans:
-            for index, slot in enumerate(self.layout.slots):
-                lo, hi = slot.offset - first, slot.end - first  # shard elements
-                if lo < start or hi > stop:  # another rank's, or not in this run
-                    continue
-                tiles.step_parameter(
-                    lo,
-                    hi,
-                    step,
-                    {name: tensor[lo:hi] for name, tensor in state.items()},
-                    self.param_state(index),
-                    shape=slot.shape,
-                    out=None if out is None else out[lo:hi],
-                )
+        for index, slot, lo, hi, step in whole_parameters(self.layout, spans, self.shard[0]):
+            tiles.step_parameter(
+                lo,
+                hi,
+                step,
+                {name: tensor[lo:hi] for name, tensor in state.items()},
+                self.param_state(index),
+                shape=slot.shape,
+                out=None if out is None else out[lo:hi],
+            )
 
     def stream_fields(self, fn: TileFn, *, read: bool = True, write: bool = False) -> None:
         """As ``HostState.stream_fields``, in the tiles the NVMe store keeps (runs of whole
@@ -154,7 +135,3 @@ class WholeParameterHostState(KeepsShapedState, HostState):
             hi = min(lo + count, real)
             fn(lo, hi, {name: tensor[lo:hi] for name, tensor in state.items()})
             lo = hi
-
-    def close(self) -> None:
-        self.close_shaped()
-        super().close()

@@ -34,8 +34,8 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
     """``NvmeState`` for a rule that is not elementwise; see the module docstring.
 
     Host fields beyond ``NvmeState``'s:
-        shaped: every slot's shaped state (the rule's ``param_state``) in one fp32 block of
-            the host pool, ``ShapedState``; None until allocated.
+        _shaped: every slot's shaped state (the rule's ``param_state``) in one fp32 block of
+            the host pool, ``ShapedState``.
         _slots_of: per tile, the indices of the slots it holds (whole, in order).
     """
 
@@ -60,7 +60,7 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
                 f"records whole={record.whole} (a bug: several ranks are refused at "
                 "construction, and the plan's record follows parameters for such a rule)"
             )
-        self.shaped: ShapedState | None = None
+        self._shaped = ShapedState(layout, rule.param_state, shard=shard, rule=rule.name)
         super().__init__(
             layout,
             views,
@@ -85,9 +85,7 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
                         "whole parameters])"
                     )
                 self._slots_of[tile].append(index)
-            self.shaped = ShapedState(
-                layout, rule.param_state, host_pool, shard=shard, rule=rule.name
-            )
+            self._shaped.allocate(host_pool, owner=f"bucket{layout.index}.param_state")
         except BaseException:
             self.close()
             raise
@@ -111,8 +109,8 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
         stepped, as in ``WholeParameterHostState.update``)."""
         tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         written = {"weights": self.weights_staging}
-        if self.shaped is not None and self.shaped.flat is not None:
-            written["param_state"] = self.shaped.flat
+        if self._shaped.flat is not None:
+            written["param_state"] = self._shaped.flat
         for what, tensor in written.items():
             declare_cpu(
                 self.manager,
@@ -146,9 +144,3 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
                     )
 
         self._stream(step_tile, sorted(pieces), prefetch_next=True)
-
-    def close(self) -> None:
-        try:
-            self.close_shaped()
-        finally:
-            super().close()
