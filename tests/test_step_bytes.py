@@ -233,6 +233,9 @@ def test_a_delayed_update_behind_the_next_backward_does_not_wait_for_it(monkeypa
     done = threading.Event()
 
     def train():
+        # A thread of the user's: bound to the optimizer's device first, as on CUDA
+        # (torch.cuda.set_device); strict mode refuses an unbound one.
+        opt.accelerator.bind_thread()
         for x, y in batches:
             mlp_loss(model, x, y).backward()
             opt.step()
