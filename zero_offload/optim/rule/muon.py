@@ -17,6 +17,7 @@ stepped on the device] in ``state/whole_resident.py``): a matrix through
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -250,9 +251,7 @@ class MuonRule(WholeParameterRule):
         copy of the last where adding it into the fp32 master casts it (``4n``), and the
         Gram matrix with its update, ``k x k`` bf16 each (``k`` the shorter side). Any other
         shape: AdamW's (``ADAMW.device_temporary_bytes``)."""
-        n = 1
-        for dim in shape:
-            n *= dim
+        n = math.prod(shape)
         if not is_muon_shape(shape):
             return ADAMW.device_temporary_bytes(_adamw_hyper(hyper), grad_scale, n)
         k = min(shape)

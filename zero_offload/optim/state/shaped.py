@@ -10,6 +10,7 @@ store (``whole_nvme.py``) keeps it in host RAM the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -91,7 +92,7 @@ class ShapedState:
         if flat is None:
             return {}
         return {
-            name: flat[offset : offset + _numel(shape)].view(shape)
+            name: flat[offset : offset + math.prod(shape)].view(shape)
             for name, offset, shape in self.entries[slot_index]
         }
 
@@ -113,6 +114,15 @@ class KeepsShapedState:
     # The shaped state is not in state_tensors(): a speculative step's copy would miss it
     # (Note [speculative steps] in update/eager.py), so such a bucket steps in step().
     supports_speculation = False
+
+    def allocate_shaped(self, pool: BlockPool, *, bucket: int) -> None:
+        """Take the shaped state's block from ``pool`` once the base store is built; if that
+        fails the whole store is closed (every block back to its pool) and it raises."""
+        try:
+            self._shaped.allocate(pool, owner=f"bucket{bucket}.param_state")
+        except BaseException:
+            self.close()
+            raise
 
     def param_state(self, slot_index: int) -> dict[str, torch.Tensor]:
         """See ``StateStore.param_state``."""
@@ -141,10 +151,3 @@ def whole_parameters(
             lo, hi = slot.offset - first, slot.end - first
             if lo >= start and hi <= stop:  # else another rank's, or not in this run
                 yield index, slot, lo, hi, step
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n

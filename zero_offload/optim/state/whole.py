@@ -63,11 +63,7 @@ class WholeParameterHostState(KeepsShapedState, HostState):
             fields=fields,
             tile_elements=tile_elements,
         )
-        try:
-            self._shaped.allocate(host_pool, owner=f"bucket{layout.index}.param_state")
-        except BaseException:
-            self.close()
-            raise
+        self.allocate_shaped(host_pool, bucket=layout.index)
 
     def update(
         self,

@@ -90,11 +90,7 @@ class WholeParameterResidentState(KeepsShapedState, ResidentState):
             fields=fields,
             tile_elements=tile_elements,
         )
-        try:
-            self._shaped.allocate(device_pool, owner=f"bucket{layout.index}.param_state")
-        except BaseException:
-            self.close()
-            raise
+        self.allocate_shaped(device_pool, bucket=layout.index)
 
     def update(
         self,
