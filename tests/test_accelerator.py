@@ -239,6 +239,21 @@ def test_forcing_cuda_without_a_gpu_is_a_clear_error(monkeypatch: pytest.MonkeyP
         CudaAccelerator()
 
 
+def test_close_joins_the_stream_worker() -> None:
+    """``close()`` returns after the worker thread has ended (the old code only queued its
+    stop, and the thread left later)."""
+    import threading
+
+    acc = HostAccelerator()
+    stream = acc.new_stream("joined")
+    stream.submit(lambda: None)
+    stream.synchronize()
+    workers = [t for t in threading.enumerate() if t.name.endswith("joined")]
+    assert len(workers) == 1
+    stream.close()
+    assert not workers[0].is_alive()
+
+
 def test_closed_stream_refuses_work_instead_of_hanging() -> None:
     acc = HostAccelerator()
     stream = acc.new_stream("worker")

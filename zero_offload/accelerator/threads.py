@@ -331,9 +331,12 @@ class ThreadStream(Stream):
         return self._closed
 
     def close(self) -> None:
-        """Finish the work already queued, then stop the worker; later calls are no-ops.
+        """Finish the work already queued, stop the worker and wait for its thread to end;
+        later calls are no-ops.
 
         Synchronisation point: waits for the queued work, and raises its error if it failed.
+        The thread is joined (it has only ``_STOP`` left to take), so a closed owner leaves no
+        library thread behind.
         """
         if self._closed:
             return
@@ -342,6 +345,7 @@ class ThreadStream(Stream):
         finally:
             self._closed = True
             self._worker.tasks.put(_STOP)
+            self._worker.thread.join()
 
 
 def _after_issuer(checker: RaceChecker, clock: VectorClock, fn: Callable[[], Any]):
