@@ -468,8 +468,8 @@ def test_optimizers_dropped_without_close_release_everything() -> None:
         opt.step()
         del opt  # like a Trainer or a notebook cell: no close()
     gc.collect()
-    # A stopped stream's worker exits on its own after its stop task (close() does not
-    # join it): on a loaded machine the last few may still be leaving. Wait for them.
+    # A dropped stream's finalizer only queues its worker's stop (close() joins; nothing
+    # here calls it): on a loaded machine the last few may still be leaving. Wait for them.
     deadline = time.monotonic() + 30
     while _threads() > threads + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
