@@ -274,6 +274,7 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
     samples: dict[str, list[float]] = defaultdict(list)
     reference: Reference | None = None
     threads = 0
+    probe_dtypes: tuple[str, ...] = ()
     try:
         for r in range(rounds + 2):
             work.train()
@@ -282,6 +283,7 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
             if reference is None and probe.launches and name != "400 small":
                 reference = Reference(list(probe.launches))
                 threads = probe.threads[0]
+                probe_dtypes = probe.launches[0][1:]
             if r < 2:  # warm-up: compilation, first allocations
                 if reference is not None:
                     reference.bare(threads)
@@ -312,7 +314,7 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
     finally:
         probe.close()
         work.close()
-    med = {key: statistics.median(v) for key, v in samples.items()}
+    med: dict[str, Any] = {key: statistics.median(v) for key, v in samples.items()}
     # Split of step() - cpu_adam: the parts timed outside the phase. remember() runs after
     # cpu_adam (in the landing); the copies issued inside it are CPU Adam's, the others
     # (the reconcile's D2H) are counted in "reconcile".
@@ -323,6 +325,8 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
         med["cpu_adam"] - med["adam_launch"] - med["hash_streamed"] - med["copy_issue"]
     ) / max(1, med["launches"])
     med["numel"] = work.numel
+    if reference is not None:  # master fp32; the gradient, moments and weights as read
+        med["dtypes"] = "grad {}, moments {}, out {}".format(*probe_dtypes)
     med["micro"] = micro
     med["steps"] = rounds
     return med

@@ -131,6 +131,35 @@ def test_the_replaced_parameter_check_makes_no_tensor_per_parameter() -> None:
     opt.close()
 
 
+def test_the_statistics_of_a_tile_of_many_parameters_are_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [one launch for many ranges] (kernels/stats.py): the host pass over a landed tile
+    # of 400 parameters sums every parameter's cells in one launch (before: one grad_stats
+    # launch per parameter, 400 a tile on the host worker, which step() waited for).
+    from zero_offload.optim.grads import host_passes
+
+    calls: collections.Counter[str] = collections.Counter()
+    for name in ("grad_stats", "grad_stats_ranges"):
+        kernel = getattr(host_passes, name, None)
+
+        def counting(*args: Any, _name: str = name, _kernel: Any = kernel, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(host_passes, name, counting, raising=False)
+    model = _model(200)  # 400 parameters, one bucket, one tile
+    opt = OffloadAdamW(model.parameters(), accelerator=host_accelerator())
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        calls.clear()
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert calls == {"grad_stats_ranges": 1}, calls
+    opt.close()
+
+
 def _launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The elements of each CPU Adam launch (``adam_step`` through the AdamW rule)."""
     import zero_offload.optim.rule.adamw as adamw_rule
