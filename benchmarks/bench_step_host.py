@@ -46,13 +46,14 @@ What is reported, median over the rounds after a warm-up:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 if __name__ == "__main__":
@@ -70,12 +71,13 @@ from _common import machine, write_json
 import zero_offload.kernels.adam as adam_module
 import zero_offload.optim.offload_optimizer as optimizer_module
 import zero_offload.optim.rule.adamw as rule_module
+import zero_offload.optim.update.modes as modes_module
+import zero_offload.optim.update.policy as policy_module
 from zero_offload import OffloadAdamW
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.kernels import adam_step
 from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.optim.state.store import StateStore
-from zero_offload.tracing import add_phase_listener
 from zero_offload.views.param_views import ParamViews
 
 LR = 1e-4
@@ -107,7 +109,9 @@ class Probe:
         self._wrap(TieredMemoryManager, "copy", "copy_issue")
         self._wrap(rule_module, "adam_step", "adam_launch", self._note_launch)
         self._wrap(adam_module, "_adam_kernel", "kernel", self._note_threads)
-        self._remove = add_phase_listener(self._phase)
+        for module in (modes_module, policy_module):  # where step() opens its phases
+            self._saved.append((module, "phase", module.phase))
+            module.phase = self._phase(module.phase)
 
     def _note_launch(self, args: tuple, kwargs: dict) -> None:
         p, g, m = args[0], args[1], args[2]
@@ -145,10 +149,26 @@ class Probe:
 
         setattr(owner, name, timed)
 
-    def _phase(self, name: str, track: str, start: float, end: float) -> None:
-        if threading.get_ident() == self.thread and name in PHASES:
-            self.wall[name] += end - start
-            self.count[name] += 1
+    def _phase(self, phase: Callable[..., Any]) -> Callable[..., Any]:
+        """``tracing.phase``, timed (wall and thread CPU) on the training thread."""
+        probe = self
+
+        @contextlib.contextmanager
+        def timed(name: str, **kwargs: Any) -> Iterator[None]:
+            if threading.get_ident() != probe.thread or name not in PHASES:
+                with phase(name, **kwargs):
+                    yield
+                return
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                with phase(name, **kwargs):
+                    yield
+            finally:
+                probe.wall[name] += time.perf_counter() - w0
+                probe.cpu[name] += time.thread_time() - c0
+                probe.count[name] += 1
+
+        return timed
 
     def reset(self) -> None:
         self.wall.clear()
@@ -158,7 +178,6 @@ class Probe:
         self.threads.clear()
 
     def close(self) -> None:
-        self._remove()
         for owner, name, fn in reversed(self._saved):
             setattr(owner, name, fn)
 
@@ -296,6 +315,8 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
             samples["step_process_cpu"].append(proc)
             samples["cpu_adam"].append(adam)
             samples["outside"].append(wall - adam)
+            samples["cpu_adam_cpu"].append(probe.cpu["cpu_adam"])
+            samples["outside_cpu"].append(cpu - probe.cpu["cpu_adam"])
             for key in ("kernel", "adam_launch", "hash_streamed", "copy_issue", "changed",
                         "remember", "reconcile", "grad_stats", "wait_grads",
                         "wait_weights"):  # fmt: skip
@@ -320,6 +341,7 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
     # (the reconcile's D2H) are counted in "reconcile".
     named = ("changed", "remember", "reconcile", "grad_stats", "wait_grads", "wait_weights")
     med["others"] = med["outside"] - sum(med[key] for key in named)
+    med["others_cpu"] = med["outside_cpu"] - sum(med[f"{key}_cpu"] for key in named)
     med["python_per_launch"] = (med["adam_launch"] - med["kernel"]) / max(1, med["launches"])
     med["rest_per_launch"] = (
         med["cpu_adam"] - med["adam_launch"] - med["hash_streamed"] - med["copy_issue"]
@@ -378,11 +400,32 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {_ms(m['grad_stats'])} | {_ms(m['wait_grads'])} | {_ms(m['wait_weights'])} "
             f"| {_ms(m['others'])} | {_ms(m['hash_streamed'])}, {_ms(m['copy_issue'])} |"
         )
+    outside_cpu = [
+        "| workload | step CPU ms | cpu_adam CPU ms | **step - cpu_adam CPU ms** "
+        "| changed() | remember() | grad_stats | wait_grads | wait_weights | others "
+        "| step, all threads CPU ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, m in rows.items():
+        outside_cpu.append(
+            f"| {label} | {_ms(m['step_cpu'])} | {_ms(m['cpu_adam_cpu'])} "
+            f"| **{_ms(m['outside_cpu'])}** | {_ms(m['changed_cpu'])} "
+            f"| {_ms(m['remember_cpu'])} | {_ms(m['grad_stats_cpu'])} "
+            f"| {_ms(m['wait_grads_cpu'])} | {_ms(m['wait_weights_cpu'])} "
+            f"| {_ms(m['others_cpu'])} | {_ms(m['step_process_cpu'])} |"
+        )
     print("\nCPU Adam in the step against the bare kernel (same elements, dtypes, threads):")
     print("\n".join(rate))
     print("\nstep() outside CPU Adam, by phase (ms, wall, calling thread):")
     print("\n".join(outside))
-    result = {"machine": machine(), "rounds": rounds, "rows": rows, "tables": [rate, outside]}
+    print("\nThe same in CPU time of the calling thread (ms; the last column all threads):")
+    print("\n".join(outside_cpu))
+    result = {
+        "machine": machine(),
+        "rounds": rounds,
+        "rows": rows,
+        "tables": [rate, outside, outside_cpu],
+    }
     path = write_json("bench_step_host_quick" if args.quick else "bench_step_host", result)
     print(f"\nwrote {path}")
     return result
