@@ -30,7 +30,9 @@ What is reported, median over the rounds after a warm-up:
 - ``cpu_adam``: the step's ``cpu_adam`` phase (wall); ``kernel``: the wall time inside the
   compiled kernel of the step's launches; the in-step rate against ``bare`` as ``bare /
   cpu_adam`` (1.0 means the step updates at the bare kernel's rate) and ``bare / kernel``
-  (the launches alone); ``floor / cpu_adam``.
+  (the launches alone); ``floor / cpu_adam``; and ``CPU: bare / cpu_adam``, the same ratio
+  in CPU time of the calling thread (one of the kernel's team), which the machine's load
+  moves much less than wall time.
 - Python per launch: the time in ``adam_step`` outside its compiled kernel (checks,
   scalars, the thread count), and the rest of the phase per launch (tile loop, waits).
 - ``step() - cpu_adam``: absolute and as a share of ``cpu_adam``, with the CPU time of the
@@ -331,6 +333,7 @@ def measure(name: str, *, micro: int, rounds: int, quick: bool) -> dict[str, Any
                 samples["copies"].append(copies[0])
                 samples["bare"].append(bare[0])
                 samples["bare_process_cpu"].append(bare[2])
+                samples["bare_cpu"].append(bare[1])
                 samples["floor"].append(floor[0])
     finally:
         probe.close()
@@ -373,9 +376,9 @@ def main(argv: list[str] | None = None) -> dict:
     rate = [
         "| workload | elements | threads | launches | cpu_adam ms | kernel ms | bare ms "
         "| + copies ms | + hash (floor) ms | **bare / cpu_adam** | bare / kernel "
-        "| bare / floor | floor / cpu_adam "
+        "| bare / floor | floor / cpu_adam | CPU: bare / cpu_adam "
         "| µs Python per launch | µs rest per launch |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     outside = [
         "| workload | step ms | cpu_adam ms | **step - cpu_adam ms** | / cpu_adam "
@@ -391,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"| {_ms(m['bare'])} | {_ms(m['copies'])} | {_ms(m['floor'])} "
                 f"| **{m['bare'] / m['cpu_adam']:.2f}** | {m['bare'] / m['kernel']:.2f} "
                 f"| {m['bare'] / m['floor']:.2f} | {m['floor'] / m['cpu_adam']:.2f} "
+                f"| {m['bare_cpu'] / m['cpu_adam_cpu']:.2f} "
                 f"| {m['python_per_launch'] * 1e6:.0f} | {m['rest_per_launch'] * 1e6:.0f} |"
             )
         outside.append(
