@@ -12,9 +12,10 @@ Three workloads, each trained with ``OffloadAdamW`` in bf16, everything offloade
 - ``gpt21M x4``: the same, 4 micro-batches per step;
 - ``400 small``: 200 ``Linear(8, 8)`` layers, 400 parameters in one bucket.
 
-Each round is one training step (``step()`` timed alone, ``zero_grad()`` outside), then, for the GPT rows, the two
-references over the same elements, in the same dtypes and at the same thread count the
-step's kernel launches ran with (read inside the launch: ``numba.get_num_threads()``):
+Each round is one training step (``step()`` timed alone, ``zero_grad()`` outside), then,
+for the GPT rows, the references over the same elements, in the same dtypes and at the
+same thread count the step's kernel launches ran with (read inside the launch:
+``numba.get_num_threads()``):
 
 - ``bare``: ONE ``adam_step`` call over all of the step's elements;
 - ``+ copies``: the kernel per launch of the step, each launch's bf16 weights copied by a
