@@ -49,3 +49,29 @@ def test_bad_range_names_argument() -> None:
         grad_stats(torch.ones(4), start=5, stop=3)
     with pytest.raises(TypeError, match=r"grad has dtype torch.int64"):
         grad_stats(torch.ones(4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_many_ranges_in_one_launch_are_bitwise_each_range_alone(dtype) -> None:
+    # Note [one launch for many ranges]: the same block sums, in the same order, as one
+    # grad_stats call per range (empty, short, exactly a block, several blocks, overlaps).
+    from zero_offload.kernels import grad_stats_ranges
+    from zero_offload.kernels._validate import REDUCTION_BLOCK
+
+    rng = np.random.default_rng(3)
+    g = torch.from_numpy(rng.standard_normal(300_000).astype(np.float32) * 5).to(dtype)
+    ranges = [(0, 0), (5, 17), (17, 17 + REDUCTION_BLOCK), (40_000, 250_001), (7, 9)]
+    ranges += [(int(a), int(a + b)) for a, b in zip(rng.integers(0, 200_000, 40),
+                                                    rng.integers(0, 90_000, 40), strict=True)]  # fmt: skip
+    one_by_one: list[float] = []
+    for start, stop in ranges:
+        grad_stats(g, start=start, stop=stop, partials=one_by_one)
+    together: list[float] = []
+    total, nonfinite = grad_stats_ranges(g, ranges, num_threads=2, partials=together)
+    assert together == one_by_one  # bitwise, in order
+    assert total == math.fsum(one_by_one) and not nonfinite
+    assert grad_stats_ranges(g, [], partials=together) == (0.0, False)
+    with pytest.raises(ValueError, match="start=10, stop=5"):
+        grad_stats_ranges(g, [(0, 3), (10, 5)])
+    g[123] = float("nan")
+    assert grad_stats_ranges(g, [(0, 3), (100, 200)])[1]

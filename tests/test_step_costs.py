@@ -98,6 +98,68 @@ def test_step_dispatches_ops_per_bucket_not_per_parameter() -> None:
     assert counts[50] == counts[200] <= 16, counts
 
 
+class _AllOps(TorchDispatchMode):
+    """Every op dispatched, views included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_replaced_parameter_check_makes_no_tensor_per_parameter() -> None:
+    # ``ParamViews.detached()`` runs at every step() (check_untouched): it finds where each
+    # slot starts by arithmetic, not by slicing the bucket per parameter (before: one
+    # aten.slice per parameter, 400 here, a large share of step() for small parameters).
+    model = _model(200)  # 400 parameters, one bucket
+    opt = OffloadAdamW(model.parameters(), accelerator=host_accelerator())
+    views = opt.buckets[0].views
+    with _AllOps() as ops:
+        assert views.detached() == []
+    assert ops.count == 0
+    # Still seen: a parameter given other storage, and one viewing the wrong slot.
+    first, second = views.params[0], views.params[2]
+    kept = second.data
+    first.data = first.data.clone()
+    second.data = views.weights_dev[1 : 1 + second.numel()].view(second.shape)
+    assert [i for i, _ in views.detached()] == [0, 2]
+    second.data = kept
+    assert [i for i, _ in views.detached()] == [0]
+    opt.close()
+
+
+def test_the_statistics_of_a_tile_of_many_parameters_are_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [one launch for many ranges] (kernels/stats.py): the host pass over a landed tile
+    # of 400 parameters sums every parameter's cells in one launch (before: one grad_stats
+    # launch per parameter, 400 a tile on the host worker, which step() waited for).
+    from zero_offload.optim.grads import host_passes
+
+    calls: collections.Counter[str] = collections.Counter()
+    for name in ("grad_stats", "grad_stats_ranges"):
+        kernel = getattr(host_passes, name, None)
+
+        def counting(*args: Any, _name: str = name, _kernel: Any = kernel, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(host_passes, name, counting, raising=False)
+    model = _model(200)  # 400 parameters, one bucket, one tile
+    opt = OffloadAdamW(model.parameters(), accelerator=host_accelerator())
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        calls.clear()
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert calls == {"grad_stats_ranges": 1}, calls
+    opt.close()
+
+
 def _launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The elements of each CPU Adam launch (``adam_step`` through the AdamW rule)."""
     import zero_offload.optim.rule.adamw as adamw_rule

@@ -361,3 +361,34 @@ def test_info_refuses_a_bad_core_count(
     monkeypatch.setattr(tb, "_budget", None)
     assert main(["info"]) == 2
     assert "ZERO_OFFLOAD_CORES='none' is not a thread count" in capsys.readouterr().err
+
+
+def test_cpu_adam_in_step_runs_on_the_threads_a_bare_call_gets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The in-step rate is measured against one bare adam_step call at the same thread count
+    # (benchmarks/bench_step_host.py): step()'s launches, on the caller's thread after
+    # backward (ALONE), run on the threads a bare call from that thread defaults to.
+    import numba
+
+    import zero_offload.kernels.adam as adam_kernels
+
+    seen: list[int] = []
+    kernel = adam_kernels._adam_kernel
+
+    def counting(*args: object) -> None:
+        seen.append(numba.get_num_threads())
+        kernel(*args)
+
+    monkeypatch.setattr(adam_kernels, "_adam_kernel", counting)
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512).to(torch.bfloat16)  # 262,656 elements: several per thread
+    opt = OffloadAdamW(model.parameters(), accelerator=get_accelerator())
+    for _ in range(2):
+        seen.clear()
+        model(torch.randn(4, 512, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert seen and set(seen) == {resolve_threads(None)}, seen
+    assert tb.launch_phase() is tb.LaunchPhase.ALONE
+    opt.close()

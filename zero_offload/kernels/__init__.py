@@ -21,7 +21,7 @@ from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
 from .lion import lion_step  # noqa: E402
 from .muon import muon_step, newton_schulz  # noqa: E402
-from .stats import grad_stats  # noqa: E402
+from .stats import grad_stats, grad_stats_ranges  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "adam_step",
     "cast_fp32",
     "grad_stats",
+    "grad_stats_ranges",
     "lion_step",
     "muon_step",
     "newton_schulz",

@@ -120,3 +120,57 @@ def grad_stats(
         partials.extend(partial.tolist())
     total = math.fsum(partial)
     return total, not math.isfinite(total)
+
+
+@njit(fastmath=FASTMATH_REDUCTION, **KERNEL_OPTIONS)
+def _sumsq_blocks_kernel(grad, grad_kind, block_lo, block_hi):
+    partial = np.zeros(block_lo.shape[0], dtype=np.float64)  # one float64 sum per block
+    for b in prange(block_lo.shape[0]):
+        # The same block sums as _sumsq_kernel's: Note [sums do not depend on the threads]
+        partial[b] = _sumsq_tile(grad[block_lo[b] : block_hi[b]], grad_kind)
+    return partial
+
+
+# Note [one launch for many ranges]
+# The host pass over a landed tile sums each parameter's cells apart (Note [the norm does
+# not depend on the bucketing] in optim/grads/stat_cells.py). One ``grad_stats`` call per
+# piece made a bucket of 400 small parameters 400 launches on the host worker, each
+# checking its arguments and waking the thread team (about 30 µs each: 13 ms a tile, which
+# step() then waited for). ``grad_stats_ranges`` takes every range of a tile in one call:
+# each range is cut into the blocks ``grad_stats`` would cut it into (REDUCTION_BLOCK
+# elements counted from the range's start, an empty range one empty block), and each block
+# is summed by the same loop, so the partials are bitwise ``grad_stats``' partials of the
+# ranges one by one, in the same order.
+
+
+def grad_stats_ranges(
+    grad,
+    ranges: list[tuple[int, int]],
+    *,
+    num_threads: int | None = None,
+    partials: list[float] | None = None,
+) -> tuple[float, bool]:
+    """``grad_stats`` over each ``(start, stop)`` of ``ranges`` in one launch: the same
+    block sums, appended to ``partials`` range by range in order, and ``(sum of squares,
+    any non-finite)`` of them all. See Note [one launch for many ranges]."""
+    grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
+    n = grad_a.shape[0]
+    if not ranges:
+        return 0.0, False
+    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    starts, stops = bounds[:, 0], bounds[:, 1]
+    bad = (starts < 0) | (starts > stops) | (stops > n)
+    if bad.any():
+        start, stop = (int(x) for x in bounds[int(np.argmax(bad))])
+        check_range(start, stop, n)  # raises, naming the range
+    counts = np.maximum(1, -(-(stops - starts) // REDUCTION_BLOCK))
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    block_lo = np.repeat(starts, counts) + (np.arange(first.shape[0]) - first) * REDUCTION_BLOCK
+    block_hi = np.minimum(block_lo + REDUCTION_BLOCK, np.repeat(stops, counts))
+    partial = run_with_threads(
+        num_threads, lambda threads: _sumsq_blocks_kernel(grad_a, kind, block_lo, block_hi)
+    )
+    if partials is not None:
+        partials.extend(partial.tolist())
+    total = math.fsum(partial)
+    return total, not math.isfinite(total)

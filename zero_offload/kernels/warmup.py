@@ -11,7 +11,7 @@ from ..progress import progress
 from .accumulate import accumulate_grad
 from .adam import adam_step
 from .convert import cast_fp32
-from .stats import grad_stats
+from .stats import grad_stats, grad_stats_ranges
 
 
 def warmup() -> dict[str, float]:
@@ -58,6 +58,9 @@ def warmup() -> dict[str, float]:
         t0 = time.perf_counter()
         grad_stats(np.zeros(n, grad_dtype), num_threads=1)
         times[f"grad_stats[grad={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        grad_stats_ranges(np.zeros(n, grad_dtype), [(0, n)], num_threads=1)
+        times[f"grad_stats_ranges[grad={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         accumulate_grad(np.zeros(n, np.float32), np.zeros(n, grad_dtype), overwrite=True)
         times[f"accumulate_grad[src={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels import accumulate_grad, grad_stats
+from ...kernels import accumulate_grad, grad_stats, grad_stats_ranges
 from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
 from ..access import declare_cpu
@@ -50,26 +50,32 @@ def pass_tile(
     window's first flush), and the same pass yields the statistics of the accumulated
     gradient. Each cell's float64 sum of squares is appended to ``partials``."""
     threads = host_pass_threads()
+    if acc is None:
+        # Statistics only: every counted range of the tile in one launch, the partials in
+        # the order the pieces give them (Note [one launch for many ranges] in
+        # kernels/stats.py). A cell's last piece counts the whole cell (begun in an
+        # earlier tile), as below.
+        ranges = []
+        for piece in pieces(layout.slots, shard, lo, hi):
+            if piece.cut is Cut.CELLS:
+                ranges.append((piece.lo, piece.hi))
+            elif piece.cut is Cut.LAST and piece.cell is not None:
+                ranges.append(piece.cell)
+        grad_stats_ranges(staging, ranges, num_threads=threads, partials=partials)
+        return
     for piece in pieces(layout.slots, shard, lo, hi):
-        counted = partials if piece.cut is Cut.CELLS else None
-        if acc is not None:
-            accumulate_grad(
-                acc,
-                staging,
-                overwrite=overwrite,
-                start=piece.lo,
-                stop=piece.hi,
-                num_threads=threads,
-                partials=counted,
-            )
-        elif counted is not None:
-            grad_stats(
-                staging, start=piece.lo, stop=piece.hi, num_threads=threads, partials=counted
-            )
+        accumulate_grad(
+            acc,
+            staging,
+            overwrite=overwrite,
+            start=piece.lo,
+            stop=piece.hi,
+            num_threads=threads,
+            partials=partials if piece.cut is Cut.CELLS else None,
+        )
         if piece.cut is Cut.LAST and piece.cell is not None:
             cell_lo, cell_hi = piece.cell
-            source = staging if acc is None else acc
-            grad_stats(source, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
+            grad_stats(acc, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
 
 
 class HostPasses:
