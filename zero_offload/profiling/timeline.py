@@ -126,15 +126,14 @@ class _Timeline(ABC, Generic[R, S]):
     _KIND: tuple[int, ...]
     _COUNT: int
     _ISSUED: int
+    _END: int  # the event whose completion ends the record
     _LABEL: int
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # Records handed in and not yet looked at, flattened, per manager index.
+        # Records not yet settled, flattened, oldest first, per manager index.
         self._inboxes: dict[int, list] = {}
-        # Records looked at whose events had not completed, flattened, per manager index.
-        self._held: dict[int, list] = {}
-        self._settle_at = SETTLE_EVERY * self._WIDTH  # in inbox items
+        self._settle_at = SETTLE_EVERY * self._WIDTH  # in inbox items, across inboxes
         self._kind_codes = _KindCodes()
         self._managers = array("q")
         self._seqs = array("q")
@@ -167,17 +166,26 @@ class _Timeline(ABC, Generic[R, S]):
     # the builtin itself, no Python function in between), and a call of ``tick`` every
     # ``TICK_EVERY`` copies. The fields stay, the tuple does not: a copy in flight leaves
     # the collector one tracked object, its end event, which lives until the stream gets to
-    # it anyway, rather than a record as well. ``list.extend`` of a tuple runs no Python
-    # code, so under the GIL it is atomic: no lock, and records never interleave. Settling
-    # takes ``_lock`` (one settler at a time) and removes from an inbox only the prefix it
-    # read, ``del inbox[:n]`` after reading ``inbox[:n]``: records added meanwhile land
-    # after ``n`` and stay for the next settle, so none is lost and none is settled twice.
-    # A settle works a column at a time (``flat[i::width]`` slices, ``map``, ``fromlist``,
-    # all in C), at about a third of the cost of a loop over records.
+    # it anyway, rather than a record as well; and the inbox is one long-lived list, which
+    # the young collections do not walk. ``list.extend`` of a tuple runs no Python code, so
+    # under the GIL it is atomic: no lock, and records never interleave.
+    #
+    # Settling takes ``_lock`` (one settler at a time) and replaces only the prefix of an
+    # inbox it read, ``inbox[:n] = kept`` after reading ``inbox[:n]`` (one C operation that
+    # runs no Python code): records added meanwhile land after ``n`` and stay for the next
+    # settle, so none is lost and none is settled twice. It works a column at a time
+    # (``flat[i::width]`` slices, ``map``, ``fromlist``, all in C), a third of the cost of
+    # a loop over records.
+    #
+    # A tick settles the oldest records up to the first still pending (found by bisection,
+    # ``_completed_prefix``): a copy in flight holds nothing the stream does not (its end
+    # event is queued there), so only completed records are worth settling, and the ones in
+    # flight, hundreds deep when the issuing thread runs ahead of the workers, are not read
+    # again and again. ``prof.step()`` and stop settle every completed record, wherever it
+    # is.
 
     def _inbox(self, manager: int) -> list:
         with self._lock:
-            self._held.setdefault(manager, [])
             return self._inboxes.setdefault(manager, [])
 
     def keeper(self, manager: int) -> Callable[[tuple], None]:
@@ -186,47 +194,77 @@ class _Timeline(ABC, Generic[R, S]):
         return self._inbox(manager).extend
 
     def tick(self) -> None:
-        """Settle when the records handed in reach ``_settle_at`` (see the Notes)."""
+        """Settle the completed oldest records once the records kept reach
+        ``_settle_at`` (see the Notes)."""
         if sum(map(len, self._inboxes.values())) >= self._settle_at:
-            self.settle()
+            with self._lock:
+                self._settle(whole=False)
 
     def append(self, manager: int, record: R) -> None:
         """Keep ``record``, as ``keeper(manager)`` then ``tick()`` do."""
         self.keeper(manager)(record)
         self.tick()
 
+    def _codes_of(self, kinds: list[list]) -> list[int]:
+        """The kind code of each record, from its kind's columns. A batch of one kind (a run
+        of gradient copies in a backward, of weight copies in a step) is coded once:
+        ``list.count`` compares by identity first, and the members and stream names are
+        the same objects copy after copy."""
+        count = len(kinds[0])
+        if all(column.count(column[0]) == count for column in kinds):
+            return [self._kind_codes[tuple(column[0] for column in kinds)]] * count
+        return list(map(self._kind_codes.__getitem__, zip(*kinds, strict=True)))
+
+    def _completed_prefix(self, inbox: list, records: int) -> int:
+        """How many of the oldest ``records`` in ``inbox`` have completed, found by
+        bisection as if they completed in order (they do, stream by stream); a straggler
+        inside the prefix is put back when settled. A handful of event reads, however many
+        copies are in flight."""
+        low, high, width, end = 0, records, self._WIDTH, self._END
+        while low < high:
+            middle = (low + high) // 2
+            if inbox[middle * width + end].completed_at() is None:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
     def settle(self) -> None:
         """Turn every record whose events have completed into a row (at step and stop)."""
         with self._lock:
-            self._settle()
+            self._settle(whole=True)
 
-    def _settle(self) -> None:
+    def _settle(self, *, whole: bool) -> None:
         width = self._WIDTH
         still = 0
         for manager, inbox in self._inboxes.items():
             taken = len(inbox)  # Note [appending to the profiler takes no lock]
-            flat = self._held[manager] + inbox[:taken]
-            del inbox[:taken]
+            if not whole:  # the oldest records up to the first pending: see the Note
+                taken = self._completed_prefix(inbox, taken // width) * width
+                still += len(inbox) - taken
+                if not taken:
+                    continue
+            flat = inbox[:taken]
             columns = [flat[field::width] for field in range(width)]
             began, ended = self._times(columns)
-            held: list = []
+            kept: list = []
             if not (all(began) and all(ended)):  # some still pending (None): set them apart
                 done = [b is not None and e is not None for b, e in zip(began, ended, strict=True)]
                 pending = [not d for d in done]
-                held_columns = [list(compress(column, pending)) for column in columns]
-                held = list(chain.from_iterable(zip(*held_columns, strict=True)))
+                kept_columns = [list(compress(column, pending)) for column in columns]
+                kept = list(chain.from_iterable(zip(*kept_columns, strict=True)))
                 columns = [list(compress(column, done)) for column in columns]
                 began = list(compress(began, done))
                 ended = list(compress(ended, done))
-            self._held[manager] = held
-            still += len(held)
+            inbox[:taken] = kept
+            if whole:
+                still += len(inbox)
             if not began:
                 continue
             # fromlist: twice as fast as extend (no iterator); each column is a list here.
             self._managers.fromlist([manager] * len(began))
             self._seqs.fromlist(columns[self._SEQ])
-            kinds = zip(*(columns[field] for field in self._KIND), strict=True)
-            self._codes.fromlist(list(map(self._kind_codes.__getitem__, kinds)))
+            self._codes.fromlist(self._codes_of([columns[field] for field in self._KIND]))
             self._counts.fromlist(columns[self._COUNT])
             self._issued.fromlist(columns[self._ISSUED])
             self._began.fromlist(began)  # type: ignore[arg-type]
@@ -240,8 +278,7 @@ class _Timeline(ABC, Generic[R, S]):
     # -- reading ------------------------------------------------------------------------
 
     def _pending_count(self) -> int:
-        items = sum(len(self._held[m]) + len(inbox) for m, inbox in self._inboxes.items())
-        return items // self._WIDTH
+        return sum(map(len, self._inboxes.values())) // self._WIDTH
 
     @property
     def pending(self) -> int:
@@ -266,7 +303,7 @@ class _Timeline(ABC, Generic[R, S]):
                 list(self._labels),
             )
             kinds = list(self._kind_codes)  # in code order: a dict keeps insertion order
-            pending = [(m, [*self._held[m], *inbox]) for m, inbox in self._inboxes.items()]
+            pending = [(m, inbox[:]) for m, inbox in self._inboxes.items()]
         for manager, seq, code, count, issued, began, ended, label in zip(*rows, strict=True):
             yield self._span(manager, seq, kinds[code], count, (issued, began, ended), label)
         width = self._WIDTH
@@ -290,6 +327,7 @@ class CopyTimeline(_Timeline[CopyRecord, CopySpan]):
     _KIND = (1, 2, 4)  # direction, category, stream
     _COUNT = 3  # nbytes
     _ISSUED = 5
+    _END = 7
     _LABEL = 8
 
     @staticmethod
@@ -323,6 +361,7 @@ class StallTimeline(_Timeline[StallRecord, StallSpan]):
     _KIND = (1, 2)  # category, stream
     _COUNT = 6  # waited_for
     _ISSUED = 3
+    _END = 5  # after
     _LABEL = -1
 
     @staticmethod
