@@ -121,9 +121,8 @@ class _Timeline(ABC, Generic[R, S]):
     to the profiler takes no lock]).
     """
 
-    #: The record type, and its fields by position: seq, the kind's fields, the count, the
-    #: issue time, the two events (began, ended), and the label (-1: none).
-    _RECORD: type
+    #: The record's fields, by position in its named tuple: how many, seq, the kind's
+    #: fields, the count, the issue time, the ending event, and the label (-1: none).
     _WIDTH: int
     _SEQ = 0
     _KIND: tuple[int, ...]
@@ -325,7 +324,6 @@ class _Timeline(ABC, Generic[R, S]):
 class CopyTimeline(_Timeline[CopyRecord, CopySpan]):
     """The copies heard (``CopySpan`` when iterated)."""
 
-    _RECORD = CopyRecord
     _WIDTH = len(CopyRecord._fields)
     _KIND = (1, 2, 4)  # direction, category, stream
     _COUNT = 3  # nbytes
@@ -359,7 +357,6 @@ class CopyTimeline(_Timeline[CopyRecord, CopySpan]):
 class StallTimeline(_Timeline[StallRecord, StallSpan]):
     """The compute stalls heard (``StallSpan`` when iterated)."""
 
-    _RECORD = StallRecord
     _WIDTH = len(StallRecord._fields)
     _KIND = (1, 2)  # category, stream
     _COUNT = 6  # waited_for
