@@ -5,7 +5,8 @@ one ``manager.copy`` costs under 20 µs of Python with the profiler on, within 1
 with the profiler off (issue 39). The copy rows issue small copies through one
 ``TieredMemoryManager`` in interleaved rounds, with and without a recording profiler (timing
 only the copies and their synchronisation, not the profiler's start and stop); the ratio is
-of median per-copy times, and each variant's cyclic-GC collections and pauses per 1000 copies
+of median per-copy times (wall, and the process's CPU time, steadier on a shared machine),
+and each variant's cyclic-GC collections and pauses per 1000 copies
 (``GcPauses``, Note [GC pauses per step]) are summed over its rounds. The step rows: both variants train the demo's TinyGPT with OffloadAdamW (and activation offload) on the
 host accelerator, in interleaved rounds that alternate which goes first (so drift in the
 machine hits both alike); the profiled variant runs its steps inside one ``profile()`` with
@@ -100,11 +101,13 @@ def _gc_row(window: GcWindow, per: float) -> dict[str, float]:
 
 def copy_seconds(
     *, copies: int, rounds: int
-) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict[str, float]]]:
     """Seconds per ``manager.copy`` (issue, then one synchronisation per round, amortised),
     off and on a recording profiler (and on with the cyclic GC paused, to tell the
     profiler's Python from the collector's passes over its records), in interleaved rounds
-    whose order rotates; and each variant's GC pauses per 1000 copies."""
+    whose order rotates: wall time, and the process's CPU time (all its threads: the
+    stream workers' too), which other jobs on a shared machine disturb less; and each
+    variant's GC pauses per 1000 copies."""
     manager = TieredMemoryManager(HostAccelerator(AcceleratorConfig(device_budget="64MiB")))
     src, dst = torch.ones(256), torch.empty(256)  # 1 KiB: the Python path, not the bytes
 
@@ -113,18 +116,22 @@ def copy_seconds(
             manager.copy(dst, src, direction=Direction.D2H, category=Category.GRADIENTS)
         manager.synchronize()
 
-    def off() -> float:
-        began = time.perf_counter()
+    def timed() -> tuple[float, float]:
+        began, cpu = time.perf_counter(), time.process_time()
         issue()
-        return time.perf_counter() - began
+        return time.perf_counter() - began, time.process_time() - cpu
 
-    def on() -> float:
-        with profile(manager, link_bandwidth=1e9):  # given: no link probe
-            began = time.perf_counter()
+    def off() -> tuple[float, float]:
+        return timed()
+
+    def on() -> tuple[float, float]:
+        with profile(manager, link_bandwidth=1e9) as prof:  # given: no link probe
+            began, cpu = time.perf_counter(), time.process_time()
             issue()
-            return time.perf_counter() - began
+            prof.data.copies.settle()  # the records' last rows: the profiler's, so counted
+            return time.perf_counter() - began, time.process_time() - cpu
 
-    def on_gc_paused() -> float:
+    def on_gc_paused() -> tuple[float, float]:
         # The profiler's own Python, apart from the collector: its records (each with two
         # events) survive the round and make the cyclic GC run over them.
         gc.disable()
@@ -134,6 +141,7 @@ def copy_seconds(
             gc.enable()
 
     samples: dict[str, list[float]] = {"off": [], "on": [], "on_gc_paused": []}
+    cpu: dict[str, list[float]] = {name: [] for name in samples}
     pauses = {name: GcWindow(0, 0, 0, 0.0, 0.0, 0) for name in samples}
     variants = [("off", off), ("on", on), ("on_gc_paused", on_gc_paused)]
     off(), on()  # warm-up
@@ -142,11 +150,13 @@ def copy_seconds(
             shift = round_index % len(variants)
             for name, run in variants[shift:] + variants[:shift]:
                 gc_pauses.take()
-                samples[name].append(run() / copies)
+                wall, process = run()
+                samples[name].append(wall / copies)
+                cpu[name].append(process / copies)
                 pauses[name] += gc_pauses.take()
     manager.close()
     gc_rows = {name: _gc_row(window, rounds * copies / 1000) for name, window in pauses.items()}
-    return samples, gc_rows
+    return samples, cpu, gc_rows
 
 
 def _gc_text(row: dict[str, float]) -> str:
@@ -168,12 +178,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copies_per_round": 2000,
         "copy_rounds": 9 if args.quick else 21,
     }
-    copy_samples, copy_gc = copy_seconds(
+    copy_samples, copy_cpu, copy_gc = copy_seconds(
         copies=config["copies_per_round"], rounds=config["copy_rounds"]
     )
     copy_off, copy_on, copy_on_nogc = (
         statistics.median(copy_samples[k]) for k in ("off", "on", "on_gc_paused")
     )
+    cpu_median = {name: statistics.median(values) for name, values in copy_cpu.items()}
     trainer = _Trainer(
         layers=config["layers"],
         hidden=config["hidden"],
@@ -214,20 +225,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copy_ratio": copy_on / copy_off,
         "copy_seconds_on_gc_paused": copy_on_nogc,
         "copy_samples": copy_samples,
+        "copy_cpu_seconds": cpu_median,
+        "copy_cpu_ratio": cpu_median["on"] / cpu_median["off"],
+        "copy_cpu_samples": copy_cpu,
         "copy_gc_per_1000": copy_gc,
         "step_gc": {
             name: _gc_row(window, config["rounds"] * count) for name, window in step_pauses.items()
         },
     }
-    print("| manager.copy | median µs per copy | ratio on/off | GC per 1000 copies |")
-    print("|---|---|---|---|")
+    print(
+        "| manager.copy | median µs per copy | ratio on/off | CPU µs per copy | CPU ratio "
+        "| GC per 1000 copies |"
+    )
+    print("|---|---|---|---|---|---|")
     for label, key, seconds in (
         ("profiler off", "off", copy_off),
         ("profiler on", "on", copy_on),
         ("profiler on, GC paused", "on_gc_paused", copy_on_nogc),
     ):
         ratio = "" if key == "off" else f"{seconds / copy_off:.3f}"
-        print(f"| {label} | {seconds * 1e6:.1f} | {ratio} | {_gc_text(copy_gc[key])} |")
+        cpu_ratio = "" if key == "off" else f"{cpu_median[key] / cpu_median['off']:.3f}"
+        print(
+            f"| {label} | {seconds * 1e6:.1f} | {ratio} | {cpu_median[key] * 1e6:.1f} | "
+            f"{cpu_ratio} | {_gc_text(copy_gc[key])} |"
+        )
     copy_verdict = "within" if copy_on / copy_off < 1.10 and copy_on < 20e-6 else "NOT within"
     print(
         f"\nper-copy profiler overhead {copy_on / copy_off - 1:+.1%} ({copy_verdict} the "

@@ -111,7 +111,7 @@ def test_tile_pipelining_hides_the_weight_copies_behind_the_cpu_update(monkeypat
     assert all(record.category is Category.WEIGHTS for record in copies)
     assert [record.nbytes for record in copies] == [4 * tile_elements] * tiles
     last_update = log[-2][1]
-    first_copy_started = copies[0].start.completed_at()
+    first_copy_started = copies[0].began()
     assert first_copy_started is not None and first_copy_started < last_update
     opt.close()
 

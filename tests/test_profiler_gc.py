@@ -69,7 +69,8 @@ def test_records_settled_at_step_hold_no_events(manager: TieredMemoryManager) ->
         assert data.copies.pending == 0  # every record became a row at the step ...
         held = _reachable([data.copies, data.stalls])
         assert not [obj for obj in held if isinstance(obj, Event)]  # ... and let its events go
-        assert len(held) < 20  # a few lists, arrays and the kinds: not a few per copy
+        # Per timeline its columns, its inbox and held lists, the kinds: not a few per copy.
+        assert len(held) < 40
         assert len(data.copies) == 300
     assert prof.to_dict()["totals"]["copies"] == 300  # the report still counts every one
     trace = [e for e in _trace_events(prof) if e.get("cat") == "copy"]
@@ -99,8 +100,9 @@ def test_what_profiling_keeps_alive_does_not_grow_with_copies(
         gc.enable()
     # Before: about 18 tracked objects kept per copy (a record, two events of eight
     # objects each), 36,000 here. Now the pending records (at most SETTLE_EVERY plus the
-    # copies in flight, about six objects each) and, after a step, a constant.
-    assert recording < 8 * (SETTLE_EVERY + BATCH) + 500
+    # copies in flight, one or two objects each: the end event, and its race stamp under
+    # the race checker) and, after a step, a constant.
+    assert recording < 4 * (SETTLE_EVERY + BATCH) + 500
     assert stepped < COPIES // 10
     assert len(prof.data.copies) == COPIES
 

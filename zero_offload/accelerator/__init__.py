@@ -19,6 +19,8 @@ from .base import (
     Event,
     PeakWindow,
     Stream,
+    completion_times,
+    event_times,
     latest_per_stream,
 )
 from .cuda import CudaAccelerator, resolve_device_index
@@ -35,6 +37,8 @@ __all__ = [
     "PeakWindow",
     "Stream",
     "choose_accelerator",
+    "completion_times",
+    "event_times",
     "get_accelerator",
     "latest_per_stream",
     "set_accelerator",

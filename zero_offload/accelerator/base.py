@@ -81,6 +81,8 @@ __all__ = [
     "Event",
     "PeakWindow",
     "Stream",
+    "completion_times",
+    "event_times",
     "latest_per_stream",
 ]
 
@@ -113,6 +115,49 @@ class Event(ABC):
         The profiler places copies on a timeline with this. Never blocks.
         """
 
+    @classmethod
+    def completions_of(cls, events: list[Event]) -> list[float | None]:
+        """``[e.completed_at() for e in events]``, all of type ``cls``; a subclass may read
+        them faster in bulk (``completion_times``)."""
+        return [event.completed_at() for event in events]
+
+    @classmethod
+    def starts_of(cls, events: list[Event], completed: list[float | None]) -> list[float | None]:
+        """``[e.started_at() for e in events]``, all of type ``cls``, read after
+        ``completed`` (their ``completions_of``); a subclass may read them faster."""
+        return [event.started_at() for event in events]
+
+    def started_at(self) -> float | None:
+        """When the stream began the work queued just before this event, where the stream
+        knows it (a ``ThreadStream``'s worker does); None where it does not (CUDA: its
+        copies record a start event, ``Stream.end_carries_start``) or while pending. Never blocks.
+        """
+        return None
+
+
+def _one_type(events: list[Event]) -> type[Event]:
+    """The events' class where they share one, else ``Event`` (read one by one)."""
+    types = set(map(type, events))
+    if len(types) == 1:
+        (kind,) = types
+        if issubclass(kind, Event):
+            return kind
+    return Event
+
+
+def completion_times(events: list[Event]) -> list[float | None]:
+    """Each event's ``completed_at()``, in bulk where they are of one type: what a
+    profiler reads when it settles its records."""
+    return _one_type(events).completions_of(events)
+
+
+def event_times(events: list[Event]) -> tuple[list[float | None], list[float | None]]:
+    """``(started_at, completed_at)`` of each event, as ``completion_times``; completions
+    first, so a start read for a completed event is final."""
+    kind = _one_type(events)
+    completed = kind.completions_of(events)
+    return kind.starts_of(events, completed), completed
+
 
 def latest_per_stream(events: Iterable[Event]) -> list[Event]:
     """The events whose completion implies all of ``events``: the last recorded of each
@@ -141,6 +186,10 @@ class Stream(ABC):
     """An ordered queue of work; see Note [stream semantics]."""
 
     name: str
+    #: Whether an event recorded right after some work carries when that work began
+    #: (``Event.started_at``), so a profiler needs no event before it: a ``ThreadStream``'s
+    #: do; CUDA's do not (Note [a copy's start is its end event's] in memory/manager.py).
+    end_carries_start = False
 
     def _next_order(self) -> tuple[int, int]:
         """The ``Event.order`` of the next event recorded here; call it where the event

@@ -70,6 +70,7 @@ class ThreadEvent(Event):
     """
 
     __slots__ = (
+        "_began",
         "_checker",
         "_completed_at",
         "_error",
@@ -99,6 +100,9 @@ class ThreadEvent(Event):
         self._query_observes = query_observes
         self._error: StreamError | None = None
         self._completed_at: float | None = None
+        # When the worker began the task queued just before this event, written by the
+        # worker before completing it: Note [a copy's start is its end event's].
+        self._began: float | None = None
         # Held until the event completes: Note [a thread event is a held lock].
         self._pending: threading.Lock | None = None
         if done:
@@ -122,6 +126,32 @@ class ThreadEvent(Event):
 
     def completed_at(self) -> float | None:
         return self._completed_at
+
+    @classmethod
+    def completions_of(cls, events: list[Event]) -> list[float | None]:
+        if cls is not ThreadEvent:  # a subclass may time itself otherwise (strict compute)
+            return super().completions_of(events)
+        return list(map(_COMPLETED_SLOT, events))  # the slot, read in C
+
+    @classmethod
+    def starts_of(cls, events: list[Event], completed: list[float | None]) -> list[float | None]:
+        if cls is not ThreadEvent:
+            return super().starts_of(events, completed)
+        # ``_began`` is final once ``_completed_at`` is set, and ``completed`` was read first.
+        began = list(map(_BEGAN_SLOT, events))
+        if not all(began):  # None where no task ran before the event (times are > 0)
+            began = [b if b is not None else c for b, c in zip(began, completed, strict=True)]
+        return began
+
+    def started_at(self) -> float | None:
+        """When the worker began the task queued just before this event (a copy, for the
+        copy's end event: Note [a copy's start is its end event's] in ``memory/manager.py``);
+        the completion time if no task ran since the previous event; None while pending."""
+        completed = self._completed_at  # first: ``_began`` is final once it is set
+        if completed is None:
+            return None
+        began = self._began
+        return began if began is not None else completed
 
     def _touch(self) -> None:
         if self._guard is not None:
@@ -158,6 +188,10 @@ class ThreadEvent(Event):
         self.wait_unobserved()
         if self._checker is not None:
             self._checker.observed(self.race_stamp)
+
+
+_COMPLETED_SLOT = ThreadEvent._completed_at.__get__  # type: ignore[attr-defined]
+_BEGAN_SLOT = ThreadEvent._began.__get__  # type: ignore[attr-defined]
 
 
 class ThreadTimestamp(Event):
@@ -206,18 +240,23 @@ class _Worker:
         except BaseException as exc:  # e.g. binding the device failed: every task fails with it
             self._fail(exc)
         self._on_start = _noop  # drop the reference (it may name the stream)
+        clock = time.perf_counter
+        began = None  # when the last task since the previous event began; None if none ran
         while True:
             item = self.tasks.get()
             if item is _STOP:
                 return
             if isinstance(item, ThreadEvent):
+                item._began = began  # before completing it: Note [a copy's start is ...]
+                began = None
                 item._complete(self.error)
                 continue
             if isinstance(item, ThreadTimestamp):
-                item._completed_at = time.perf_counter()
+                item._completed_at = clock()
                 continue
             if self.error is not None:
                 continue  # drained: the stream failed, see Note [stream errors are sticky]
+            began = clock()
             try:
                 item()
             except BaseException as exc:
@@ -236,6 +275,9 @@ class _Worker:
 class ThreadStream(Stream):
     """A worker thread that runs submitted work in order (``checker``: see the module doc)."""
 
+    #: Each event's ``started_at`` is when the task before it began: Note [a copy's start is
+    #: its end event's] in memory/manager.py.
+    end_carries_start = True
     #: Whether the race checker's clock for this stream moves when work runs rather than
     #: when it is issued: see Note [when a thread stream's clock moves].
     clock_at_execution = False

@@ -6,11 +6,58 @@ Every byte the library moves between device and host goes through ``TieredMemory
 (which alone calls ``Accelerator.copy_``), and every byte between host and the NVMe tier
 (``memory/storage.py``) through ``TieredMemoryManager.disk_copy``, which alone queues its
 reads and writes. There each copy is counted (``counters``), given a ``CopyRecord`` with
-start and end events (handed to listeners such as the profiler), ordered after the events it
-depends on, and its end event is recorded on the pool blocks it touches (a disk copy's on its
+its end event and, where that event cannot tell when the copy began, a start event (handed to
+listeners such as the profiler: Note [a copy's start is its end event's]), ordered after the
+events it depends on, and its end event is recorded on the pool blocks it touches (a disk copy's on its
 I/O buffer) so they are not reused while it is pending (Note [block reuse waits on events] in
 ``pool.py``). Nothing else in the library copies across tiers, so the profiler's counts are
 complete by construction; a test counts them independently.
+
+Note [a copy's start is its end event's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A profiler needs of each copy its bytes (by direction, category and stream) and its place on
+the timeline: when it began on its stream and when it ended, for the Chrome trace and the
+report's time and rate columns (the exposed time is the stalls', ``wait_for``). The end is
+the copy's end event. The start used to be a second, timing-only event queued before the
+copy (``Stream.record_timestamp``): on the host accelerator an object, a queue put and a
+trip through the worker's loop, per copy. Measured on the 2-core VM (issue 39), of the
+2.6-2.9 us a listened copy cost beyond an unlistened one's 6.2-6.4 us: the start timestamp
+0.6 us on the issuing thread plus its turn on the worker, the ``CopyRecord`` 0.3, the
+listener and the timeline's locked append 0.3, settling records into rows 0.7, and the
+cyclic GC's extra passes over records kept alive about 0.9 (median of 9 interleaved rounds
+of 2000 copies; ``prof`` against ``prof`` with the GC paused).
+
+So where the stream can tell, the end event carries the start: a ``ThreadStream``'s worker
+reads the clock as it begins each task and writes the last such time into the next event
+it completes (``Event.started_at``; ``Stream.end_carries_start``). The manager queues the
+``after`` waits, then the copy, then its end event, so the task just before the end event
+is the copy itself, and ``started_at`` is when the worker got past everything queued before
+it: the waits for ``after``, and whatever else shares the stream. That is what the
+timestamp measured, for one clock read per task on the worker (paid unlistened too: 0.05
+us). Another thread queuing a task between the copy and its end event would lend the copy
+its start, as it could come between the timestamp and the copy before.
+
+Deriving the start instead from the stream's previous end and the copy's issue time (a
+FIFO stream starts a copy when both have passed) was rejected: the copy streams carry
+work the manager does not see, each of which would make the copy seem to start early and
+take longer than it did: a pool block's reuse waits (``alloc(stream=h2d)``), the sharded
+fetch's write-after-write wait, the device shards' ``wait_event`` on ``h2d``, and on CUDA
+any kernel issued under ``stream_context``. It would also need a stamp wherever ``after``
+made the stream wait. The end event's own start needs neither.
+
+On CUDA an event is a timestamp the GPU writes when it gets there; nothing records when the
+work before it began. So a CUDA copy still records a timed start event before it
+(``end_carries_start`` is False): a ``cudaEventRecord`` and a wrapper, a few microseconds of
+host time beside a copy whose own dispatch and ``cudaMemcpyAsync`` cost about as much, and
+a timestamp write on the GPU. Dropping it would make every CUDA span wrong; nothing here
+changed for CUDA but the listener's cost, below. (No GPU was lent to measure it.)
+
+The rest of the cost is the listener's. A recorder that only stores subscribes with
+``fields=True`` and a ``tick``: the manager hands the copy's fields, a plain tuple, to the
+recorder's ``list.extend`` (no ``CopyRecord``, no Python call between), and calls ``tick``
+every ``TICK_EVERY`` copies to settle (Note [appending to the profiler takes no lock] in
+``profiling/timeline.py``). Listeners that want records (``StepMetrics``, tests) still get
+a ``CopyRecord``, built only when one is subscribed.
 """
 
 from __future__ import annotations
@@ -22,7 +69,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,7 +87,27 @@ from .traffic import (
     TrafficCounters,
 )
 
-__all__ = ["Tier", "TieredMemoryManager", "interpreter_exiting"]
+__all__ = ["TICK_EVERY", "Tier", "TieredMemoryManager", "interpreter_exiting"]
+
+_clock = time.perf_counter
+_new_tuple = tuple.__new__
+
+#: Copies between two calls of a subscriber's ``tick`` (``TieredMemoryManager.subscribe``).
+TICK_EVERY = 64
+
+#: Called with a copy's fields, in ``CopyRecord``'s order (``subscribe(fields=True)``).
+FieldListener = Callable[[tuple], None]
+Tick = Callable[[], None]
+
+
+class _Subscription(NamedTuple):
+    """One ``subscribe`` call: who hears copies (records, or fields) and stalls."""
+
+    copies: Callable[[Any], None]
+    stalls: RecordListener
+    fields: bool
+    tick: Tick | None
+
 
 # Note [a quiet exit after a failed stream]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -112,9 +179,14 @@ class TieredMemoryManager:
         self._stalls: list[StallRecord] = []
         #: Stalls dropped unmeasured because more than ``MAX_PENDING_STALLS`` were pending.
         self.stalls_dropped = 0
-        # Replaced whole under ``_lock`` (copy on write), read without it: a copy reads one
-        # attribute, not a lock and a list copy, to learn who listens.
-        self._listeners: tuple[RecordListener, ...] = ()
+        # Who listens: replaced whole under ``_lock`` (copy on write), read without it, so a
+        # copy reads one attribute, not a lock and a list copy, to learn who listens. None
+        # while nobody does; else (record listeners, field listeners, ticks).
+        self._subscriptions: tuple[_Subscription, ...] = ()
+        self._hooks: (
+            tuple[tuple[RecordListener, ...], tuple[FieldListener, ...], tuple[Tick, ...]] | None
+        ) = None
+        self._stall_listeners: tuple[RecordListener, ...] = ()
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -159,22 +231,49 @@ class TieredMemoryManager:
 
     # -- copies ------------------------------------------------------------------------
 
-    def subscribe(self, listener: RecordListener) -> Callable[[], None]:
+    def subscribe(
+        self,
+        listener: RecordListener,
+        *,
+        stalls: RecordListener | None = None,
+        fields: bool = False,
+        tick: Tick | None = None,
+    ) -> Callable[[], None]:
         """Call ``listener(record)`` for every copy and stall from now on; returns an
-        unsubscribe. While subscribed, the accelerator's events carry timing."""
+        unsubscribe. While subscribed, the accelerator's events carry timing.
+
+        ``stalls``: called for the stalls instead, so neither listener asks which it got.
+        ``fields``: ``listener`` gets a copy's fields as a plain tuple, in ``CopyRecord``'s
+        order, rather than the record (a third of the cost to build: for a recorder that
+        only stores them, e.g. ``list.extend``). ``tick``: called on the issuing thread
+        about every ``TICK_EVERY`` copies, so such a recorder can tidy up without a Python
+        call per copy. See Note [a copy's start is its end event's].
+        """
         release_timing = self.accelerator.hold_timing()
+        subscription = _Subscription(
+            listener, stalls if stalls is not None else listener, fields, tick
+        )
         with self._lock:
-            self._listeners = (*self._listeners, listener)
+            self._set_subscriptions((*self._subscriptions, subscription))
 
         def unsubscribe() -> None:
             with self._lock:
-                if listener in self._listeners:
-                    kept = list(self._listeners)
-                    kept.remove(listener)
-                    self._listeners = tuple(kept)
+                if subscription in self._subscriptions:
+                    kept = list(self._subscriptions)
+                    kept.remove(subscription)
+                    self._set_subscriptions(tuple(kept))
             release_timing()
 
         return unsubscribe
+
+    def _set_subscriptions(self, subscriptions: tuple[_Subscription, ...]) -> None:
+        """Replace the listeners whole; the caller holds ``_lock``."""
+        self._subscriptions = subscriptions
+        records = tuple(s.copies for s in subscriptions if not s.fields)
+        fields = tuple(s.copies for s in subscriptions if s.fields)
+        ticks = tuple(s.tick for s in subscriptions if s.tick is not None)
+        self._stall_listeners = tuple(s.stalls for s in subscriptions)
+        self._hooks = (records, fields, ticks) if subscriptions else None
 
     def copy(
         self,
@@ -212,33 +311,36 @@ class TieredMemoryManager:
         for event in after:
             stream.wait_event(event)
         nbytes = src.nbytes
-        listeners = self._listeners  # one read: a tuple, replaced whole on (un)subscribe
-        issued_at = 0.0
-        start: Event | None = None
-        if listeners:
-            # The start only places the copy on a timeline: stamped for listeners only.
-            issued_at = time.perf_counter()
-            start = stream.record_timestamp()
+        hooks = self._hooks  # one read: replaced whole on (un)subscribe
+        if hooks is None:
+            self.accelerator.copy_(
+                dst, src, stream=stream, label=label or category.value, held=held
+            )
+            end = stream.record_event()
+            for block in blocks:
+                block.record_event(end)
+            self.counters.add(direction, category, nbytes)
+            return end
+        # Listened: Note [a copy's start is its end event's].
+        issued_at = _clock()
+        start = None if stream.end_carries_start else stream.record_timestamp()
         self.accelerator.copy_(dst, src, stream=stream, label=label or category.value, held=held)
         end = stream.record_event()
         for block in blocks:
             block.record_event(end)
         self.counters.add(direction, category, nbytes)
-        if start is not None:
-            # Positional: half the cost of keywords, at every listened copy.
-            record = CopyRecord(
-                next(self._seq),  # seq
-                direction,
-                category,
-                nbytes,
-                stream.name,  # stream
-                issued_at,
-                start,
-                end,
-                label,
-            )
-            for listener in listeners:
+        records, keepers, ticks = hooks
+        seq = next(self._seq)
+        fields = (seq, direction, category, nbytes, stream.name, issued_at, start, end, label)
+        for keep in keepers:
+            keep(fields)
+        if records:
+            record = _new_tuple(CopyRecord, fields)  # half the cost of CopyRecord(*fields)
+            for listener in records:
                 listener(record)
+        if not seq % TICK_EVERY:
+            for tick in ticks:
+                tick()
         return end
 
     def open_storage(
@@ -284,8 +386,8 @@ class TieredMemoryManager:
             )
         nbytes = file.length(slot)
         self.counters.add(direction, category, nbytes)
-        listeners = self._listeners
-        if listeners:
+        hooks = self._hooks
+        if hooks is not None:
             record = CopyRecord(
                 seq=next(self._seq),
                 direction=direction,
@@ -297,7 +399,8 @@ class TieredMemoryManager:
                 end=end,
                 label=label,
             )
-            for listener in listeners:
+            records, keepers, _ = hooks  # rare enough: no ticks here
+            for listener in (*keepers, *records):  # a record is a tuple of the fields too
                 listener(record)
         return end
 
@@ -344,7 +447,7 @@ class TieredMemoryManager:
         with self._lock:
             self._stalls.append(stall)
             self._fold_completed()  # Note [stall records are bounded]
-        for listener in self._listeners:
+        for listener in self._stall_listeners:
             listener(stall)
 
     # Note [stall records are bounded]

@@ -37,6 +37,11 @@ class Direction(enum.Enum):
     #: Host to NVMe tier.
     NVME_WRITE = "host_to_nvme"
 
+    # A member is equal only to itself, so the identity hash (C) agrees with ``==``; Enum's
+    # own hashes the name in Python, at every dict lookup keyed by a member (the counters at
+    # each copy, the profiler's kinds at each settle).
+    __hash__ = object.__hash__
+
 
 class Category(enum.Enum):
     """What a copy carries; the profiler groups its report by this."""
@@ -46,14 +51,18 @@ class Category(enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"
 
+    __hash__ = object.__hash__  # as Direction's
+
 
 class CopyRecord(NamedTuple):
     """One copy issued through the memory manager.
 
-    ``start`` completes when the copy begins on its stream (everything queued before it is
-    done) and ``end`` when it has finished; their ``completed_at()`` give the timeline.
-    A named tuple, not a frozen dataclass: built at every listened copy, and a tuple is
-    built in half the time (no ``object.__setattr__`` per field).
+    ``began()`` is when the copy began on its stream (everything queued before it done),
+    ``ended()`` when it finished; None while pending. ``start`` is an event recorded before
+    the copy for that purpose, or None where ``end`` carries the start itself
+    (``end.started_at()``, a thread stream's): Note [a copy's start is its end event's] in
+    ``manager.py``. A named tuple, not a frozen dataclass: built at every listened copy, and
+    a tuple is built in half the time (no ``object.__setattr__`` per field).
     """
 
     seq: int  # issue order, from 0, per manager
@@ -62,9 +71,18 @@ class CopyRecord(NamedTuple):
     nbytes: int
     stream: str  # the stream's name
     issued_at: float  # time.perf_counter() when the copy was queued
-    start: Event
+    start: Event | None  # None where ``end`` carries the start
     end: Event
     label: str  # free-form: which bucket, which layer
+
+    def began(self) -> float | None:
+        """When the copy began on its stream; None while pending (or untimed)."""
+        start = self.start
+        return self.end.started_at() if start is None else start.completed_at()
+
+    def ended(self) -> float | None:
+        """When the copy finished; None while pending (or untimed)."""
+        return self.end.completed_at()
 
 
 class StallRecord(NamedTuple):

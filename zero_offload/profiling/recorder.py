@@ -50,7 +50,7 @@ from ..accelerator.host_syncs import SyncKey, host_syncs
 from ..collectives import CommCounters
 from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category, Record, StallRecord
+from ..memory.traffic import Category
 from ..tracing import add_phase_listener
 from .chrome_trace import write_chrome_trace
 from .data import MemorySample, PhaseSpan, ProfileData
@@ -171,7 +171,7 @@ class TrafficProfiler:
         self._windows = [acc.ledger.open_window() for acc in self._accelerators]
         self._torch_peak()  # starts torch's peak window
         for index, manager in enumerate(data.managers):
-            self._detach.append(manager.subscribe(self._copy_listener(index)))
+            self._subscribe(index, manager)
         self._detach.append(add_phase_listener(self._on_phase))
         self._gc = GcPauses()
         self._syncs_start = host_syncs()
@@ -228,17 +228,21 @@ class TrafficProfiler:
 
     # -- listeners ---------------------------------------------------------------------
 
-    def _copy_listener(self, index: int) -> Any:
+    def _subscribe(self, index: int, manager: TieredMemoryManager) -> None:
+        # No memory read here: Note [the profiler reads memory per step, never per copy]. The
+        # listeners are the timelines' inboxes' ``extend`` itself, no Python call per copy
+        # (Note [appending to the profiler takes no lock] in timeline.py).
         copies, stalls = self.data.copies, self.data.stalls
 
-        def on_copy(record: Record) -> None:
-            # No memory read here: Note [the profiler reads memory per step, never per copy].
-            if isinstance(record, StallRecord):
-                stalls.append(index, record)
-            else:
-                copies.append(index, record)
+        def tick() -> None:
+            copies.tick()
+            stalls.tick()
 
-        return on_copy
+        self._detach.append(
+            manager.subscribe(
+                copies.keeper(index), stalls=stalls.keeper(index), fields=True, tick=tick
+            )
+        )
 
     def _on_phase(self, name: str, track: str, start: float, end: float) -> None:
         self.data.phases.append(PhaseSpan(name, track, start, end))
