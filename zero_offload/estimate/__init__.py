@@ -40,10 +40,10 @@ fits when its host bytes leave ``host_reserve`` free. "Largest that fits": Note 
 that fits grows the row's own family] in ``rows.py``.
 """
 
-from .api import DEFAULT_BUCKET_BYTES, estimate, host_reserve, parse_size
+from .api import DEFAULT_BUCKET_BYTES, OPTIMIZERS, estimate, host_reserve, parse_size
 from .configs import KNOWN_MODELS, SUPPORTED_MODEL_TYPES, load_config, shape_from_config
-from .pools import offload_adamw_bytes, param_offload_bytes
-from .result import ConfigEstimate, MemoryEstimate
+from .pools import offload_adamw_bytes, offload_bytes, param_offload_bytes
+from .result import ConfigEstimate, LeftOutRow, MemoryEstimate
 from .rows import ActivationMode, Configuration
 from .shape import ARCHITECTURES, Architecture, ModelShape
 from .tiered import CONFIGURATIONS
@@ -53,17 +53,20 @@ __all__ = [
     "CONFIGURATIONS",
     "DEFAULT_BUCKET_BYTES",
     "KNOWN_MODELS",
+    "OPTIMIZERS",
     "SUPPORTED_MODEL_TYPES",
     "ActivationMode",
     "Architecture",
     "ConfigEstimate",
     "Configuration",
+    "LeftOutRow",
     "MemoryEstimate",
     "ModelShape",
     "estimate",
     "host_reserve",
     "load_config",
     "offload_adamw_bytes",
+    "offload_bytes",
     "param_offload_bytes",
     "parse_size",
     "shape_from_config",

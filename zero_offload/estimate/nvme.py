@@ -17,7 +17,8 @@ and the spilled state fits the disk.
 Per bucket of this rank's shard ``k`` elements, training dtype ``s`` bytes, ``a(x)`` the
 pool alignment (512 B), records 4 KiB-aligned per tile:
 
-- state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32 (``rule_state``);
+- state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32, or the fields of
+  the rule the estimate names (``rule_state``: Lion's and Adagrad's ``a(4k) + a(4k)``);
 - staging ``2 a(sk)``: gradient staging and weight staging (the H2D copies' source); with
   the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
 - record: the bucket's state file records, the state's bytes rounded up per tile;
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .pools import BucketGroups
+from .buckets import BucketGroups
 
 if TYPE_CHECKING:
     from .rows import Context
@@ -77,11 +78,14 @@ class BucketTiers:
 
 
 @functools.lru_cache(maxsize=4096)
-def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: int) -> BucketTiers:
+def bucket_tiers(
+    numel: int, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
+) -> BucketTiers:
     """``BucketTiers`` of a bucket of ``numel`` elements (gaps included), planned by
     ``plan_buckets`` and ``plan_nvme`` as the optimizer plans it, at the default
     ``tile_elements``: once with an unbounded host budget (the state in RAM), once with none
-    (on NVMe)."""
+    (on NVMe). ``rule``'s per-element fields (``rule_state``): its shaped state, for a rule
+    that reads whole parameters, is not here (``nvme_refusal`` leaves those rows out)."""
 
     from ..config import OffloadConfig
     from ..memory.align import aligned
@@ -89,7 +93,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
     from ..weights.nvme_home import weight_file_bytes
-    from .pools import _full_offload, rule_state
+    from .planners import full_offload, rule_state
 
     layouts = plan_buckets(
         [[(0, (numel,))]],
@@ -97,7 +101,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
         world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
     )
-    placement = _full_offload(layouts, itemsize=itemsize)
+    placement = full_offload(layouts, itemsize=itemsize, rule=rule)
 
     def plan(budget: int) -> tuple[int, int, int]:
         config = OffloadConfig(nvme_dir=_PLANNING_DIR, host_budget=budget)
@@ -106,7 +110,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
             placement,
             config=config,
             itemsize=itemsize,
-            state=rule_state(),
+            state=rule_state(rule),
             rank=0,
             alignment=POOL_ALIGNMENT,
         )
@@ -131,17 +135,17 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
     )
 
 
-@functools.lru_cache(maxsize=1)
-def io_buffer_bytes() -> int:
+@functools.lru_cache(maxsize=8)
+def io_buffer_bytes(rule: str = "adamw") -> int:
     """Host bytes of the NVMe tier's I/O buffers (one segment): ``IO_BUFFERS`` records of a
-    whole tile, and one alignment page (``nvme_plan``)."""
+    whole tile of ``rule``'s fields, and one alignment page (``nvme_plan``)."""
 
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
     from ..optim.state.nvme_plan import RecordLayout
-    from .pools import rule_state
+    from .planners import rule_state
 
-    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state())
+    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state(rule))
     return IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
 
 
@@ -197,7 +201,11 @@ def context_tiers(ctx: Context) -> Callable[[int], BucketTiers]:
 
     def tiers(numel: int) -> BucketTiers:
         return bucket_tiers(
-            numel, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
+            numel,
+            itemsize=ctx.itemsize,
+            bucket_bytes=ctx.bucket_bytes,
+            world_size=ctx.world_size,
+            rule=ctx.rule,
         )
 
     return tiers
@@ -217,7 +225,7 @@ def state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tuple
         groups, context_tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
     )
     host = total_bytes(groups, ctx, "ram_staging") + split.spilled + split.host
-    return host + (io_buffer_bytes() if split.disk else 0), split.disk
+    return host + (io_buffer_bytes(ctx.rule) if split.disk else 0), split.disk
 
 
 def home_tiers(
