@@ -7,7 +7,8 @@ buckets, everything offloaded).
    module (its parameters' shapes) and from its ``ModelShape`` (O(1) in the layers).
 2. Two gloo ranks, Adafactor and Muon (each parameter whole in one rank's shard, the
    shard the bucket's largest rank share: Note [a whole parameter has one owner]) and
-   Lion (flat-range shards): the same, the host per node both ranks' pools.
+   Lion (flat-range shards): the same, the host per node both ranks' pools. Muon's weight
+   shadows (``overlap_step``) and gradient accumulators, per shard, on one rank and two.
 3. The shape's buckets, planned once each with the owners' history replayed (Note [a
    whole-parameter rule's buckets are planned one by one]), give what planning every
    parameter gives, over rules, ranks, bucket sizes, dtypes and shapes; the bucket lengths
@@ -37,7 +38,7 @@ from zero_offload.estimate.pools import (
 from zero_offload.optim.rule import RULES
 
 from .helpers.dist import run_ranks
-from .helpers.rule_pools import BUCKET_BYTES, FACADES, SHAPE, built_pools, model
+from .helpers.rule_pools import BUCKET_BYTES, FACADES, SHAPE, built_extras, built_pools, model
 
 GiB = 2**30
 WHOLE = ("adafactor", "muon")
@@ -93,6 +94,33 @@ def test_two_rank_rows_are_each_ranks_built_pools(rule: str, tmp_path: Path) -> 
         assert row.host == results[0]["host"] + results[1]["host"], source  # type: ignore[attr-defined]
     if rule in WHOLE:  # the shards' padding: more than half of one rank's weights each
         assert results[0]["device"] > _row(SHAPE, "lion", world=2).device_model_states  # type: ignore[attr-defined]
+
+
+_ACC = "ZeRO-Offload + ckpt, micro-batches summed on the "
+_SHADOW = "ZeRO-Offload + ckpt + overlap_step, weight shadow on the device"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shadow_and_accumulator_rows_hold_the_built_pools(world: int, tmp_path: Path) -> None:
+    """Muon: the weight shadows and the accumulators are per shard, so on two ranks they
+    are ``own_whole``'s shards (the buckets' padded lengths), not ``1/N`` of a bucket."""
+    if world == 1:
+        ranks = [built_extras("muon")]
+    else:
+        ranks = run_ranks(world, "rule_extras", tmp_path, rule="muon")
+    assert all(r == ranks[0] for r in ranks)  # every rank's pools are alike
+    built = ranks[0]
+    rows = {
+        name: _row(SHAPE, "muon", world, name)
+        for name in ("ZeRO-Offload + checkpointing", _ACC + "device", _ACC + "host", _SHADOW)
+    }
+    base = rows["ZeRO-Offload + checkpointing"]
+    shadow, on_device, on_host = rows[_SHADOW], rows[_ACC + "device"], rows[_ACC + "host"]
+    assert shadow.device_buffers - base.device_buffers == built[".weight_shadow"] > 0  # type: ignore[attr-defined]
+    assert on_device.device_buffers - base.device_buffers == built[".grad_acc_dev"] > 0  # type: ignore[attr-defined]
+    assert on_device.host - base.host == world * built[".grad_acc"]  # type: ignore[attr-defined]
+    spare = built[".grad_acc"] + built[".grad_staging_spare"]
+    assert on_host.host - base.host == world * spare  # type: ignore[attr-defined]
 
 
 # -- 3. the shape's planning ------------------------------------------------------------------

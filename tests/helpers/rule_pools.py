@@ -69,8 +69,48 @@ def built_pools(rule: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, int
         opt.close()
 
 
+def built_extras(rule: str) -> dict[str, int]:
+    """The pools beyond the state that ``rule``'s optimizer builds over ``model()`` as it
+    trains: with ``overlap_step``, each bucket's weight shadow on the device; with two
+    micro-batches a step (``grad_accumulation="auto"``: the first window on the host, the
+    second on the device), the device and host accumulators and the spare staging."""
+    facade, hyper = FACADES[rule]
+    tokens = torch.randint(0, _CONFIG.vocab_size, (2, _CONFIG.seq_len), generator=_gen())
+    sizes: dict[str, int] = {}
+    runs = (  # (config, micro-batches a step, the pools it is measured by)
+        (OffloadConfig(bucket_bytes=BUCKET_BYTES, overlap_step=True), 1, (".weight_shadow",)),
+        (OffloadConfig(bucket_bytes=BUCKET_BYTES), 2, (".grad_acc_dev", ".grad_acc", ".grad_staging_spare")),
+    )  # fmt: skip
+    for config, micro, suffixes in runs:
+        net = model()
+        opt = facade(net.parameters(), **hyper, config=config, accelerator=host_accelerator())
+        try:
+            for _ in range(2):
+                for _ in range(micro):
+                    opt.backward(net(tokens).float().square().mean())
+                opt.step()
+                opt.zero_grad()
+            if config.overlap_step:
+                opt.flush_pending_update()
+            for suffix in suffixes:
+                sizes[suffix] = sum(
+                    p.capacity for p in opt.manager.pools if p.name.endswith(suffix)
+                )
+        finally:
+            opt.close()
+    return sizes
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1)
+
+
 def scenario_rule_pools(rank: int, world: int, out: Path, *, rule: str) -> dict:
     return built_pools(rule)
 
 
-SCENARIOS = {"rule_pools": scenario_rule_pools}
+def scenario_rule_extras(rank: int, world: int, out: Path, *, rule: str) -> dict:
+    return built_extras(rule)
+
+
+SCENARIOS = {"rule_pools": scenario_rule_pools, "rule_extras": scenario_rule_extras}
