@@ -4,7 +4,9 @@ buckets, everything offloaded).
 
 1. One rank, each of the six rules: the "ZeRO-Offload" row's device bytes (the weights and
    the gradient buffers) and host bytes are the built pools exactly, estimated from the
-   module (its parameters' shapes) and from its ``ModelShape`` (O(1) in the layers).
+   module (its parameters' shapes) and from its ``ModelShape`` (O(1) in the layers); the
+   parameter offload row's window, gradient buffers and units' host pools for Lion,
+   Adafactor and Muon.
 2. Two gloo ranks, Adafactor and Muon (each parameter whole in one rank's shard, the
    shard the bucket's largest rank share: Note [a whole parameter has one owner]) and
    Lion (flat-range shards): the same, the host per node both ranks' pools. Muon's weight
@@ -38,7 +40,15 @@ from zero_offload.estimate.pools import (
 from zero_offload.optim.rule import RULES
 
 from .helpers.dist import run_ranks
-from .helpers.rule_pools import BUCKET_BYTES, FACADES, SHAPE, built_extras, built_pools, model
+from .helpers.rule_pools import (
+    BUCKET_BYTES,
+    FACADES,
+    SHAPE,
+    built_extras,
+    built_param_pools,
+    built_pools,
+    model,
+)
 
 GiB = 2**30
 WHOLE = ("adafactor", "muon")
@@ -78,6 +88,18 @@ def test_one_rank_rows_are_the_built_pools(rule: str) -> None:
         assert per_element * numel < built["state"] < 12 * numel
     else:
         assert built["state"] == per_element * numel
+
+
+@pytest.mark.parametrize("rule", ["lion", "adafactor", "muon"])
+def test_one_rank_parameter_offload_rows_are_the_built_pools(rule: str) -> None:
+    """With ``offload_parameters=True`` each unit's host pool holds its buckets' state,
+    Adafactor's and Muon's shaped state included (Note [rules that read a whole
+    parameter])."""
+    built = built_param_pools(rule)
+    row = _row(SHAPE, rule, name="ZeRO-Offload + parameter offload")  # units: a shape's
+    assert row.device_model_states == built["window"]  # type: ignore[attr-defined]
+    assert row.device_buffers == built["device"]  # type: ignore[attr-defined]
+    assert row.host == built["host"]  # type: ignore[attr-defined]
 
 
 # -- 2. two ranks -----------------------------------------------------------------------------

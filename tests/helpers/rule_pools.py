@@ -69,6 +69,29 @@ def built_pools(rule: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, int
         opt.close()
 
 
+def built_param_pools(rule: str) -> dict[str, int]:
+    """The pools ``rule``'s optimizer builds over ``model()`` with parameter offload (one
+    rank): the window's slots, the optimizer's device pool (the gradient buffers), and the
+    units' host pools (Note [homes are pinned unit by unit]) together."""
+    facade, hyper = FACADES[rule]
+    net = model()
+    opt = facade(
+        net.parameters(),
+        **hyper,
+        config=OffloadConfig(bucket_bytes=BUCKET_BYTES, offload_parameters=True),
+        accelerator=host_accelerator(),
+        model=net,
+    )
+    try:
+        pools = opt.manager.pool_stats()
+        return {
+            kind: sum(s["capacity_bytes"] for name, s in pools.items() if name.endswith(suffix))
+            for kind, suffix in (("window", ".window"), ("device", ".device"), ("host", ".host"))
+        }
+    finally:
+        opt.close()
+
+
 def built_extras(rule: str) -> dict[str, int]:
     """The pools beyond the state that ``rule``'s optimizer builds over ``model()`` as it
     trains: with ``overlap_step``, each bucket's weight shadow on the device; with two
