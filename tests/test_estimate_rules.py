@@ -6,7 +6,7 @@ buckets, everything offloaded).
    the gradient buffers) and host bytes are the built pools exactly, estimated from the
    module (its parameters' shapes) and from its ``ModelShape`` (O(1) in the layers); the
    parameter offload row's window, gradient buffers and units' host pools for Lion,
-   Adafactor and Muon.
+   Adafactor and Muon; Lion's and Adagrad's NVMe split (host pool, I/O buffers, records).
 2. Two gloo ranks, Adafactor and Muon (each parameter whole in one rank's shard, the
    shard the bucket's largest rank share: Note [a whole parameter has one owner]) and
    Lion (flat-range shards): the same, the host per node both ranks' pools. Muon's weight
@@ -29,17 +29,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_offload import cli
+from zero_offload import OffloadConfig, cli
 from zero_offload.estimate import OPTIMIZERS, ModelShape, estimate, offload_bytes
+from zero_offload.estimate.nvme import io_buffer_bytes
 from zero_offload.estimate.pools import (
     module_bucket_numels,
     rule_state,
     shape_bucket_groups,
     shape_offload_bytes,
 )
+from zero_offload.estimate.rows import Context
+from zero_offload.estimate.subjects import ShapeSubject
+from zero_offload.estimate.tiered import NvmeState
+from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim.rule import RULES
 
 from .helpers.dist import run_ranks
+from .helpers.models import host_accelerator
 from .helpers.rule_pools import (
     BUCKET_BYTES,
     FACADES,
@@ -100,6 +106,28 @@ def test_one_rank_parameter_offload_rows_are_the_built_pools(rule: str) -> None:
     assert row.device_model_states == built["window"]  # type: ignore[attr-defined]
     assert row.device_buffers == built["device"]  # type: ignore[attr-defined]
     assert row.host == built["host"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("budget", [0, 300_000, 10**9])
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+def test_one_rank_nvme_tiers_are_the_built_split(rule: str, budget: int, tmp_path: Path) -> None:
+    """``nvme_dir`` with ``host_budget``: the state records hold the rule's two fields, so
+    the split, the host pool and the I/O buffers are the rule's (as in
+    tests/test_estimate_nvme.py for AdamW)."""
+    facade, hyper = FACADES[rule]
+    config = OffloadConfig(bucket_bytes=BUCKET_BYTES, nvme_dir=tmp_path, host_budget=budget)
+    opt = facade(model().parameters(), **hyper, config=config, accelerator=host_accelerator())
+    try:
+        pools = opt.manager.pool_stats()
+        host_pool = sum(p["capacity_bytes"] for n, p in pools.items() if n.endswith(".host"))
+        disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    finally:
+        opt.close()
+    ctx = Context(itemsize=2, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET_BYTES, rule=rule)
+    host, disk_estimate = NvmeState.tiers(ShapeSubject(SHAPE, ctx), budget)
+    assert host == host_pool + (io_buffer_bytes(rule) if disk_estimate else 0)
+    assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
+    assert (disk_estimate == 0) == (budget == 10**9)
 
 
 # -- 2. two ranks -----------------------------------------------------------------------------
