@@ -14,10 +14,12 @@ gradients ``sP``, and optimizer state ``KP``, ``K`` from the optimizer's rule
 - ZeRO-2: device ``sP + (s + K) P/N`` (gradients partitioned too);
 - ZeRO-3: device ``(2s + K) P/N`` (weights partitioned too); with ``s = 2``, ``K = 12`` these
   are the paper's Table 1 (``paper.py``, ``zero-offload estimate --zero-table``);
-- ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
+- ZeRO-Offload (this library): the exact pool sizes of the optimizer ``estimate`` names
+  (``optimizer=``: AdamW by default; ``OPTIMIZERS``) from
   ``optim.state.placement.plan_placement`` with everything offloaded: device weights plus the
-  gradient buffers, host fp32 master, gradient staging, moments and weight staging; the
-  host part is partitioned over ``N`` (each rank updates its own shard). Given the
+  gradient buffers, host fp32 master, gradient staging, the rule's state and weight staging;
+  the host part is partitioned over ``N`` (each rank updates its own shard; for Adafactor
+  and Muon each parameter whole in one rank's shard, ``whole.py``). Given the
   parameters' shapes (a ``ModelShape``, a config or a model), the buckets are planned as the
   optimizer plans them, each slot aligned (Note [slots are aligned] in ``partition.py``);
   from a bare parameter count, buckets are taken as full and gap-free.

@@ -158,7 +158,8 @@ class Subject(ABC):
 
     @abstractmethod
     def _plan_offload(self) -> tuple[int, int, int]:
-        """``(device weights, device gradient buffers, host per rank)`` of OffloadAdamW."""
+        """``(device weights, device gradient buffers, host per rank)`` of the optimizer of
+        ``ctx.rule``."""
 
     def offload_pools(self) -> tuple[int, int, int]:
         """``_plan_offload``, planned once."""
@@ -263,7 +264,7 @@ def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = No
 class Status(enum.Enum):
     """Whether this library trains a configuration today."""
 
-    RUNS = "yes"  # OffloadAdamW runs it; its pools are the library's exact sizes
+    RUNS = "yes"  # the optimizer runs it; its pools are the library's exact sizes
     PAPER = "paper"  # the ZeRO paper's accounting of another system (DDP, ZeRO-1/2/3)
     NOT_YET = "not yet"  # an estimate of what the library does not run yet (reason given)
     # Left out of the table (``Configuration.refusal``): the library refuses it for the
@@ -336,7 +337,7 @@ def model_state_bytes(stage: int, params: int, ctx: Context, *, shaped: int = 0)
 
 @dataclass(frozen=True)
 class Offloaded(Configuration):
-    """ZeRO-Offload with this library: ``OffloadAdamW``'s exact pools, everything offloaded;
+    """ZeRO-Offload with this library: the optimizer's exact pools, everything offloaded;
     the host part per node (each rank's shards, times the ranks on a node)."""
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:

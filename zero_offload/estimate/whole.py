@@ -23,7 +23,7 @@ __all__ = ["whole_bucket", "whole_groups_bytes"]
 # of its slots (``placement._shaped_bytes``), and on several ranks ``own_whole`` lays the
 # bucket out again: each parameter in one rank's shard, the shard the most any rank got
 # (its padding), and the shaped block the most any rank keeps. The estimator plans each
-# distinct bucket (its shapes) once, as the optimizer plans it (``_whole_bucket``): its
+# distinct bucket (its shapes) once, as the optimizer plans it (``whole_bucket``): its
 # weights, gradient buffers, padded length and host pool do not depend on the buckets
 # before it. The greedy balance gives each parameter, largest first, to a rank least
 # loaded in the bucket, and which of several such ranks takes it (the tie-break: the
