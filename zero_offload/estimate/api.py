@@ -220,7 +220,7 @@ def estimate(
     for configuration in CONFIGURATIONS:
         refused = configuration.refusal(ctx)
         if refused is not None:
-            left_out.append(LeftOutRow(configuration.name, refused[0].value, refused[1]))
+            left_out.append(LeftOutRow(configuration.name, refused))
             continue
         row = configuration.bytes(subject, limits)
         if row is None:

@@ -11,6 +11,7 @@ from .shape import ModelShape, Shape, Unit
 
 __all__ = [
     "BucketGroups",
+    "BucketKey",
     "ShapeGroups",
     "bucket_numel_of",
     "shape_bucket_numels",
@@ -48,11 +49,14 @@ def _shapes_last_first(units: Sequence[Unit]) -> list[Shape]:
 #: sequence ``repeats`` times over.
 ShapeGroups = list[tuple[tuple[tuple[Shape, ...], ...], int]]
 
-#: Buckets in bucket order (backward order) as runs: ``(numels, repeats)`` is the buckets
-#: of ``numels`` (elements, alignment gaps included; for a rule that reads whole
-#: parameters on several ranks, ``own_whole``'s padded length), that sequence ``repeats``
-#: times over.
-BucketGroups = list[tuple[tuple[int, ...], int]]
+#: A bucket as the tiers of ``nvme.py`` plan it: for an elementwise rule its length
+#: (elements, alignment gaps included), all its state is per element; for a rule that reads
+#: whole parameters its parameters' shapes in packing order (``ShapeGroups``' buckets).
+BucketKey = int | tuple[Shape, ...]
+
+#: Buckets in bucket order (backward order) as runs: ``(keys, repeats)`` is the buckets
+#: ``keys`` (``BucketKey``), that sequence ``repeats`` times over.
+BucketGroups = list[tuple[tuple[BucketKey, ...], int]]
 
 
 def shape_bucket_shapes(shape: ModelShape, *, bucket_numel: int) -> ShapeGroups:

@@ -34,7 +34,7 @@ from .nvme import (
     Homes,
     context_tiers,
     home_tiers,
-    io_buffer_bytes,
+    io_bytes,
     state_tiers,
     total_bytes,
 )
@@ -77,7 +77,7 @@ def ring_bytes(groups: BucketGroups, ctx: Context) -> tuple[int, int]:
     return own, OffloadConfig().grad_staging_buffers * largest
 
 
-def param_nvme_refusal(ctx: Context, homes: Homes) -> tuple[Status, str] | None:
+def param_nvme_refusal(ctx: Context, homes: Homes) -> str | None:
     """Parameter offload with NVMe state, homes ``homes``, for ``ctx``'s rule: a rule that
     reads whole parameters keeps every home in host RAM (``nvme_plan``), so homes on NVMe
     are refused; several ranks as ``param_offload_refusal``, the rest as
@@ -86,9 +86,7 @@ def param_nvme_refusal(ctx: Context, homes: Homes) -> tuple[Status, str] | None:
     if ranks is not None:
         return ranks
     if ctx.whole and homes is Homes.NVME:
-        return Status.REFUSED, (
-            f"homes on NVMe: {ctx.rule} reads whole parameters, so every home stays in host RAM"
-        )
+        return f"homes on NVMe: {ctx.rule} reads whole parameters, so every home stays in host RAM"
     return nvme_refusal(ctx)
 
 
@@ -119,11 +117,11 @@ class ParamInFlight(Configuration):
             from ..weights.nvme_home import home_ring_bytes
 
             homes_ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            fixed = ring + io_buffer_bytes(ctx.rule) + homes_ring + window
+            fixed = ring + io_bytes(groups, ctx) + homes_ring + window
         else:
             # Every home in RAM: each one (staging as if on NVMe, less its gradient
             # staging), the ring and the I/O buffers; the state's budget is what is left.
-            fixed = total_bytes(groups, ctx, "staging") - own + ring + io_buffer_bytes(ctx.rule)
+            fixed = total_bytes(groups, ctx, "staging") - own + ring + io_bytes(groups, ctx)
         budget = limits.state_budget(fixed, act_host, rpn)
         host, disk = self.tiers(subject, budget, homes=self.homes)
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
@@ -152,7 +150,7 @@ class ParamInFlight(Configuration):
             host, disk = state_tiers(groups, ctx, budget)
         return host - own + ring, disk
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
+    def refusal(self, ctx: Context) -> str | None:
         if self.nvme:
             return param_nvme_refusal(ctx, self.homes)
         return param_offload_refusal(ctx)

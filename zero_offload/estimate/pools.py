@@ -9,10 +9,16 @@ import functools
 import math
 from collections.abc import Sequence
 
-from .buckets import BucketGroups, bucket_numel_of, shape_bucket_numels, shape_bucket_shapes
+from .buckets import (
+    BucketGroups,
+    BucketKey,
+    bucket_numel_of,
+    shape_bucket_numels,
+    shape_bucket_shapes,
+)
 from .planners import full_offload, plan_layouts, reads_whole, rule_state
 from .shape import ModelShape, Shape, Unit
-from .whole import whole_bucket, whole_groups_bytes
+from .whole import whole_groups_bytes
 
 __all__ = [
     "device_shard_bytes",
@@ -174,44 +180,21 @@ def device_shard_bytes(
     return outer + shape.layers * unit_bytes(tuple(shape.block_shapes()))
 
 
-def shape_bucket_groups(
-    shape: ModelShape,
-    *,
-    bucket_numel: int,
-    itemsize: int = 2,
-    world_size: int = 1,
-    rule: str = "adamw",
-) -> BucketGroups:
-    """``shape_bucket_shapes`` by bucket length (``BucketGroups``); ``itemsize`` and
-    ``world_size`` matter only for a rule that reads whole parameters on several ranks."""
-    whole = world_size > 1 and reads_whole(rule)
-
-    def numel(shapes: tuple[Shape, ...]) -> int:
-        if whole:
-            return whole_bucket(shapes, itemsize, bucket_numel * itemsize, world_size, rule)[3]
-        return bucket_numel_of(shapes)
-
+def shape_bucket_groups(shape: ModelShape, *, bucket_numel: int) -> BucketGroups:
+    """``shape_bucket_shapes`` by bucket length (``BucketGroups`` of an elementwise rule)."""
     return [
-        (tuple(numel(b) for b in buckets), repeats)
+        (tuple(bucket_numel_of(b) for b in buckets), repeats)
         for buckets, repeats in shape_bucket_shapes(shape, bucket_numel=bucket_numel)
     ]
 
 
 @functools.lru_cache(maxsize=64)
 def module_bucket_numels(
-    shapes: tuple[Shape, ...],
-    itemsize: int,
-    bucket_bytes: int,
-    world_size: int = 1,
-    rule: str = "adamw",
+    shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int
 ) -> tuple[int, ...]:
     """Elements (gaps included) of each bucket ``plan_buckets`` makes of ``shapes``, in
-    bucket order; for a rule that reads whole parameters on several ranks, ``own_whole``'s
-    padded length (``BucketGroups``)."""
-    layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, world_size, rule)
-    if world_size > 1 and reads_whole(rule):
-        return tuple(layout.padded_numel for layout in layouts)
-    return tuple(layout.numel for layout in layouts)
+    bucket order."""
+    return tuple(bucket_numel_of(b) for b in module_bucket_shapes(shapes, itemsize, bucket_bytes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -224,17 +207,22 @@ def module_bucket_shapes(
     return tuple(tuple(slot.shape for slot in layout.slots) for layout in layouts)
 
 
-def unit_bucket_groups(shape: ModelShape, *, itemsize: int, bucket_bytes: int) -> BucketGroups:
+def unit_bucket_groups(
+    shape: ModelShape, *, itemsize: int, bucket_bytes: int, by_shape: bool = False
+) -> BucketGroups:
     """The buckets of ``shape`` under parameter offload, in bucket order (the units last
-    to first, each unit's own buckets as ``plan_buckets`` orders them)."""
+    to first, each unit's own buckets as ``plan_buckets`` orders them); ``by_shape``: each
+    bucket its shapes, as a rule that reads whole parameters plans it (``BucketKey``)."""
 
-    def numels(shapes: list[Shape]) -> tuple[int, ...]:
+    def keys(shapes: list[Shape]) -> tuple[BucketKey, ...]:
+        if by_shape:
+            return module_bucket_shapes(tuple(shapes), itemsize, bucket_bytes)
         return module_bucket_numels(tuple(shapes), itemsize, bucket_bytes)
 
     before, after = shape.outer_units()
-    groups: BucketGroups = [(numels(shapes), 1) for shapes, _ in after[::-1]]
-    groups.append((numels(shape.block_shapes()), shape.layers))
-    groups += [(numels(shapes), 1) for shapes, _ in before[::-1]]
+    groups: BucketGroups = [(keys(shapes), 1) for shapes, _ in after[::-1]]
+    groups.append((keys(shape.block_shapes()), shape.layers))
+    groups += [(keys(shapes), 1) for shapes, _ in before[::-1]]
     return groups
 
 

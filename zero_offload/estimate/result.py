@@ -44,11 +44,10 @@ class ConfigEstimate:
 
 @dataclass(frozen=True)
 class LeftOutRow:
-    """A configuration that is no row for the estimate's optimizer and ranks
-    (``Configuration.refusal``)."""
+    """A configuration the library refuses for the estimate's optimizer and ranks, and so
+    no row (``Configuration.refusal``): its name and why."""
 
     name: str
-    why: str  # "refused": the library refuses it for the rule; "not estimated": not sized yet
     reason: str
 
 
@@ -140,11 +139,11 @@ class MemoryEstimate:
         )
         for conditions, mark in marks.items():
             note += f"\n{mark}: only where {conditions}."
-        by_reason: dict[tuple[str, str], list[str]] = {}
+        by_reason: dict[str, list[str]] = {}
         for left in self.left_out:
-            by_reason.setdefault((left.why, left.reason), []).append(left.name)
-        for (why, reason), names in by_reason.items():
-            note += f"\nno row for {self.optimizer} ({why}: {reason}): {'; '.join(names)}."
+            by_reason.setdefault(left.reason, []).append(left.name)
+        for reason, names in by_reason.items():
+            note += f"\nrefused for {self.optimizer} ({reason}): {'; '.join(names)}."
 
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 

@@ -267,10 +267,6 @@ class Status(enum.Enum):
     RUNS = "yes"  # the optimizer runs it; its pools are the library's exact sizes
     PAPER = "paper"  # the ZeRO paper's accounting of another system (DDP, ZeRO-1/2/3)
     NOT_YET = "not yet"  # an estimate of what the library does not run yet (reason given)
-    # Left out of the table (``Configuration.refusal``): the library refuses it for the
-    # rule, or the estimator does not size it for the rule yet (reason given).
-    REFUSED = "refused"
-    UNSIZED = "not estimated"
 
 
 @dataclass(frozen=True)
@@ -289,11 +285,10 @@ class Configuration(ABC):
         """Whether the library runs it with ``ctx``'s ranks, and if not yet, why."""
         return Status.RUNS, ""
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
-        """Why this is no row for ``ctx``'s rule and ranks: ``REFUSED`` where the optimizer's
-        construction refuses it for the rule (``optim/checks.py``,
-        ``refuse_whole_parameter_features``), ``UNSIZED`` where it runs but the estimator
-        does not size it for the rule yet; None: a row, sized for the rule."""
+    def refusal(self, ctx: Context) -> str | None:
+        """Why the optimizer's construction refuses this configuration for ``ctx``'s rule and
+        ranks (``optim/checks.py``, ``refuse_whole_parameter_features``), so that it is no
+        row but a ``MemoryEstimate.left_out`` line; None: a row, sized for the rule."""
         return None
 
     def conditions(self) -> str:
@@ -353,7 +348,7 @@ class ParamOffloaded(Configuration):
     holds its shard of the host state; the slots hold gathered units), which runs
     (``params/sharded_fetch.py``; tests/test_zero3.py checks these pools on two ranks)."""
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
+    def refusal(self, ctx: Context) -> str | None:
         return param_offload_refusal(ctx)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
@@ -373,9 +368,9 @@ class DeviceShards(Configuration):
     host state as ZeRO-3 with offload's. Not a row on one rank, where a shard is the whole
     model and the optimizer is built as without partitioning (the ``Offloaded`` rows)."""
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
+    def refusal(self, ctx: Context) -> str | None:
         if ctx.whole and ctx.world_size > 1:
-            return Status.REFUSED, (
+            return (
                 f"partition_parameters=True: ZeRO-3's flat-range shards cut the parameters "
                 f"that {ctx.rule} reads whole"
             )
@@ -391,32 +386,28 @@ class DeviceShards(Configuration):
         return RowBytes(window + shards, grad_buffers, device, host * rpn + act_host)
 
 
-def param_offload_refusal(ctx: Context) -> tuple[Status, str] | None:
+def param_offload_refusal(ctx: Context) -> str | None:
     """``offload_parameters=True`` on several ranks (ZeRO-3 with offload) for a rule that
     reads whole parameters: refused, as construction refuses it."""
     if ctx.whole and ctx.world_size > 1:
-        return Status.REFUSED, (
+        return (
             f"offload_parameters=True on {ctx.world_size} ranks: ZeRO-3 with offload shards "
             f"each unit by flat range, which cuts the parameters that {ctx.rule} reads whole"
         )
     return None
 
 
-def nvme_refusal(ctx: Context) -> tuple[Status, str] | None:
+def nvme_refusal(ctx: Context) -> str | None:
     """NVMe state (``nvme_dir``) for a rule that reads whole parameters: refused on several
-    ranks, as construction refuses it; on one rank it runs, its records following whole
-    parameters (Note [NVMe tiles follow whole parameters] in ``optim/state/nvme_plan.py``),
-    which the estimator's per-length buckets do not size yet."""
-    if not ctx.whole:
-        return None
-    if ctx.world_size > 1:
-        return Status.REFUSED, (
+    ranks, as construction refuses it (on one rank its records follow whole parameters,
+    Note [NVMe tiles follow whole parameters] in ``optim/state/nvme_plan.py``, and the
+    tiers plan them so: ``nvme.whole_bucket_tiers``)."""
+    if ctx.whole and ctx.world_size > 1:
+        return (
             f"nvme_dir on {ctx.world_size} ranks: {ctx.rule}'s records are planned over one "
             "rank's whole bucket"
         )
-    return Status.UNSIZED, (
-        f"NVMe state for {ctx.rule}: its records follow whole parameters, not sized here yet"
-    )
+    return None
 
 
 def largest_fitting(

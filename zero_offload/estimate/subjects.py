@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .buckets import BucketGroups, BucketKey, shape_bucket_shapes
 from .pools import (
-    BucketGroups,
     device_shard_bytes,
     module_bucket_numels,
     module_bucket_shapes,
@@ -83,17 +83,16 @@ class ShapeSubject(Subject):
 
     def _plan_groups(self) -> BucketGroups:
         ctx = self.ctx
-        return shape_bucket_groups(
-            self._shape,
-            bucket_numel=max(1, ctx.bucket_bytes // ctx.itemsize),
-            itemsize=ctx.itemsize,
-            world_size=ctx.world_size,
-            rule=ctx.rule,
-        )
+        bucket_numel = max(1, ctx.bucket_bytes // ctx.itemsize)
+        if ctx.whole:  # buckets by their shapes (``buckets.BucketKey``)
+            return list(shape_bucket_shapes(self._shape, bucket_numel=bucket_numel))
+        return shape_bucket_groups(self._shape, bucket_numel=bucket_numel)
 
     def unit_groups(self) -> BucketGroups | None:
         ctx = self.ctx
-        return unit_bucket_groups(self._shape, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes)
+        return unit_bucket_groups(
+            self._shape, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, by_shape=ctx.whole
+        )
 
     @property
     def size(self) -> int:
@@ -132,8 +131,10 @@ class CountSubject(Subject):
     def _plan_groups(self) -> BucketGroups:
         bucket_numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
         full, rest = divmod(self._params, bucket_numel)
-        groups = [((_one_param(bucket_numel, self.ctx),), full), ((_one_param(rest, self.ctx),), 1)]
-        return [(numels, repeats) for numels, repeats in groups if repeats and numels[0]]
+        groups = [((_one_param(bucket_numel, self.ctx),), full)]
+        if rest:
+            groups.append(((_one_param(rest, self.ctx),), 1))
+        return [(keys, repeats) for keys, repeats in groups if repeats]
 
     @property
     def size(self) -> int:
@@ -204,8 +205,11 @@ class ModuleSubject(Subject):
     def _plan_groups(self) -> BucketGroups:
         # The extra parameters, registered last, fill the first buckets.
         ctx = self.ctx
-        own = module_bucket_numels(
-            tuple(self._shapes), ctx.itemsize, ctx.bucket_bytes, ctx.world_size, ctx.rule
+        shapes = tuple(self._shapes)
+        own: tuple[BucketKey, ...] = (
+            module_bucket_shapes(shapes, ctx.itemsize, ctx.bucket_bytes)
+            if ctx.whole
+            else module_bucket_numels(shapes, ctx.itemsize, ctx.bucket_bytes)
         )
         extra = _one_param(self._bucket_numel, ctx)
         return [((extra,), self._extra)] * bool(self._extra) + [(own, 1)]
@@ -226,12 +230,7 @@ class ModuleSubject(Subject):
         return ModuleSubject(module._shapes, self.ctx, base=module, extra_buckets=extra)
 
 
-def _one_param(numel: int, ctx: Context) -> int:
-    """A bucket of one 1-D parameter of ``numel`` elements in ``BucketGroups``: its length,
-    or for a rule that reads whole parameters on several ranks ``own_whole``'s padded
-    length (the whole parameter in one rank's shard, each rank's shard that large)."""
-    if not numel or ctx.world_size == 1 or not ctx.whole:
-        return numel
-    return module_bucket_numels(
-        ((numel,),), ctx.itemsize, ctx.bucket_bytes, ctx.world_size, ctx.rule
-    )[0]
+def _one_param(numel: int, ctx: Context) -> BucketKey:
+    """A bucket of one 1-D parameter of ``numel`` elements as ``BucketGroups`` holds it:
+    its length, or for a rule that reads whole parameters its shape."""
+    return ((numel,),) if ctx.whole else numel

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from .accumulation import Accumulating
 from .delayed import Shadowed
 from .in_flight import ParamInFlight, param_nvme_refusal
-from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
+from .nvme import Homes, home_tiers, io_bytes, state_tiers, total_bytes
 from .rows import (
     ActivationMode,
     Configuration,
@@ -43,7 +43,6 @@ from .rows import (
     ParamOffloaded,
     Replicated,
     RowBytes,
-    Status,
     Subject,
     nvme_refusal,
 )
@@ -59,7 +58,7 @@ class NvmeState(Configuration):
     budget, the I/O buffers when a bucket is on NVMe; disk per rank: the other buckets'
     state records. Device: as ``Offloaded``."""
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
+    def refusal(self, ctx: Context) -> str | None:
         return nvme_refusal(ctx)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
@@ -67,7 +66,9 @@ class NvmeState(Configuration):
         weights, grad_buffers, _ = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_buffer_bytes(ctx.rule)
+        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_bytes(
+            subject.bucket_groups(), ctx
+        )
         budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
         host, disk = self.tiers(subject, budget)
         rpn = ctx.ranks_per_node
@@ -95,7 +96,7 @@ class ParamNvme(Configuration):
 
     homes: Homes = field(default=Homes.HOST)
 
-    def refusal(self, ctx: Context) -> tuple[Status, str] | None:
+    def refusal(self, ctx: Context) -> str | None:
         return param_nvme_refusal(ctx, self.homes)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
@@ -108,14 +109,14 @@ class ParamNvme(Configuration):
         rpn = ctx.ranks_per_node
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
         # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
-        fixed = total_bytes(groups, ctx, "staging") + io_buffer_bytes(ctx.rule)
+        fixed = total_bytes(groups, ctx, "staging") + io_bytes(groups, ctx)
         budget = limits.state_budget(fixed, act_host, rpn)
         if self.homes is Homes.NVME:
             from ..config import OffloadConfig
             from ..weights.nvme_home import home_ring_bytes
 
             ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            grads = total_bytes(groups, ctx, "grad") + io_buffer_bytes(ctx.rule) + ring + window
+            grads = total_bytes(groups, ctx, "grad") + io_bytes(groups, ctx) + ring + window
             host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
         else:
             host, disk = self.tiers(subject, budget)

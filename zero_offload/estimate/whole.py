@@ -14,7 +14,7 @@ from .shape import Shape
 if TYPE_CHECKING:
     from ..partition import BucketLayout
 
-__all__ = ["whole_bucket", "whole_groups_bytes"]
+__all__ = ["planned_bucket", "whole_bucket", "whole_groups_bytes"]
 
 
 # Note [a whole-parameter rule's buckets are planned one by one]
@@ -24,7 +24,7 @@ __all__ = ["whole_bucket", "whole_groups_bytes"]
 # bucket out again: each parameter in one rank's shard, the shard the most any rank got
 # (its padding), and the shaped block the most any rank keeps. The estimator plans each
 # distinct bucket (its shapes) once, as the optimizer plans it (``whole_bucket``): its
-# weights, gradient buffers, padded length and host pool do not depend on the buckets
+# weights, gradient buffers, padding and host pool do not depend on the buckets
 # before it. The greedy balance gives each parameter, largest first, to a rank least
 # loaded in the bucket, and which of several such ranks takes it (the tie-break: the
 # ranks' elements over the buckets before, ``total``) changes which rank holds what, not
@@ -50,7 +50,7 @@ def whole_groups_bytes(
     weights = grad_buffers = host = 0
     for buckets, repeats in groups:
         for bucket in buckets:
-            w, g, h, _, shaped = whole_bucket(bucket, itemsize, bucket_bytes, world_size, rule)
+            w, g, h, shaped = whole_bucket(bucket, itemsize, bucket_bytes, world_size, rule)
             if world_size > 1:
                 h -= shaped  # its share of the shaped state is replayed below
             weights, grad_buffers, host = (
@@ -117,7 +117,7 @@ def _shaped_block(
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import SLOT_ALIGN_NUMEL, balance_owners
 
-    layout = _planned_bucket(shapes, itemsize, bucket_bytes, len(total))
+    layout = planned_bucket(shapes, itemsize, bucket_bytes, len(total))
     after = list(total)
     owner, _ = balance_owners(layout, after, SLOT_ALIGN_NUMEL)
     owned: dict[int, list[Shape]] = {}
@@ -129,7 +129,7 @@ def _shaped_block(
 
 
 @functools.lru_cache(maxsize=4096)
-def _planned_bucket(
+def planned_bucket(
     shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int, world_size: int
 ) -> BucketLayout:
     """The one bucket ``plan_buckets`` makes of ``shapes`` (in packing order), before
@@ -151,8 +151,8 @@ def _planned_bucket(
 @functools.lru_cache(maxsize=4096)
 def whole_bucket(
     shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int, world_size: int, rule: str
-) -> tuple[int, int, int, int, int]:
-    """``(weights, gradient buffers, host per rank, padded length, shaped block)`` of one
+) -> tuple[int, int, int, int]:
+    """``(weights, gradient buffers, host per rank, shaped block)`` of one
     bucket of ``shapes`` (in packing order) for a rule that reads whole parameters, laid
     out by ``own_whole`` after no other bucket; the shaped block is in the host bytes. See
     Note [a whole-parameter rule's buckets are planned one by one]."""
@@ -160,7 +160,7 @@ def whole_bucket(
     from ..partition import own_whole
 
     layout = own_whole(
-        [_planned_bucket(shapes, itemsize, bucket_bytes, world_size)],
+        [planned_bucket(shapes, itemsize, bucket_bytes, world_size)],
         align_numel=POOL_ALIGNMENT // 2,
     )[0]
     placement = full_offload([layout], itemsize=itemsize, rule=rule)
@@ -178,6 +178,5 @@ def whole_bucket(
         placement.device_weights,
         placement.device_grad_buffers,
         placement.host_state,
-        layout.padded_numel,
         placement.host_state - no_shaped.host_state,
     )
