@@ -37,7 +37,7 @@ from zero_offload.estimate.buckets import shape_bucket_shapes
 from zero_offload.estimate.nvme import io_bytes, total_bytes
 from zero_offload.estimate.pools import module_bucket_shapes, rule_state, shape_offload_bytes
 from zero_offload.estimate.rows import Context
-from zero_offload.estimate.subjects import ShapeSubject
+from zero_offload.estimate.subjects import ModuleSubject, ShapeSubject
 from zero_offload.estimate.tiered import NvmeState, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim.rule import RULES
@@ -238,6 +238,29 @@ def test_the_shape_plans_what_every_parameter_plans(shape: ModelShape, rule: str
                 buckets = shape_bucket_shapes(shape, bucket_numel=bucket_bytes // itemsize)
                 flat = tuple(b for run, repeats in buckets for _ in range(repeats) for b in run)
                 assert flat == module_bucket_shapes(tuple(params), itemsize, bucket_bytes)
+
+
+@pytest.mark.parametrize("rule", ["lion", "adafactor", "muon"])
+def test_a_modules_larger_members_plan_what_their_parameters_plan(rule: str) -> None:
+    """The search's members of a module (it plus whole buckets of 1-D parameters, packed
+    first): with a rule that reads whole parameters on several ranks the extra buckets move
+    ``own_whole``'s owners of the module's, and the pools still equal planning them all."""
+    params = SHAPE.parameter_shapes()
+    for world in (1, 2, 3):
+        ctx = Context(
+            itemsize=2, world_size=world, ranks_per_node=world, bucket_bytes=8192, rule=rule
+        )
+        module = ModuleSubject(params, ctx)
+        for extra in (1, 2, 5):
+            member = module.member(module.params + extra * 4096)
+            want = offload_bytes(
+                params + [(4096,)] * extra,
+                itemsize=2,
+                bucket_bytes=8192,
+                world_size=world,
+                rule=rule,
+            )
+            assert member.offload_pools() == want, (world, extra)
 
 
 def test_a_long_model_is_planned_in_o1_layers() -> None:
