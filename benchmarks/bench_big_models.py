@@ -242,8 +242,9 @@ def _roofline(root: Path, total: int) -> float:
 def north_star(args: argparse.Namespace, root: Path) -> dict[str, object]:
     """Issue 23's scaled proof: state 8x the host budget, weights 20x the device budget."""
     from zero_offload.estimate.pools import param_offload_bytes
-    from zero_offload.estimate.rows import Context, ShapeSubject
+    from zero_offload.estimate.rows import Context
     from zero_offload.estimate.shape import ModelShape
+    from zero_offload.estimate.subjects import ShapeSubject
     from zero_offload.estimate.tiered import home_tiers
 
     layers, hidden = (120, 64) if args.quick else (120, 192)

@@ -49,6 +49,14 @@ EXAMPLES: list[tuple[str, str]] = [
         "--hf-config mixtral-8x7b --seq-len 4096 --world-size 8 --device-memory 80GiB "
         "--host-memory 1TiB",
     ),
+    (
+        "Llama-3-8B trained with Muon on 2 GPUs of 24 GiB and a 256 GiB node: the rows size "
+        "Muon's state (the master and, for matrices, the momentum; AdamW's moments for the "
+        "rest), each parameter in one rank's shard with its padding, and list the rows the "
+        "library refuses for Muon",
+        "--hf-config llama-3-8b --seq-len 4096 --world-size 2 --optimizer muon "
+        "--device-memory 24GiB --host-memory 256GiB",
+    ),
 ]
 
 

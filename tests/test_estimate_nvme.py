@@ -17,13 +17,8 @@ from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.estimate import ModelShape, estimate
 from zero_offload.estimate.in_flight import IN_FLIGHT_RANKS_NOT_YET, ParamInFlight, ring_bytes
 from zero_offload.estimate.nvme import bucket_tiers, io_buffer_bytes
-from zero_offload.estimate.rows import (
-    ActivationMode,
-    Context,
-    CountSubject,
-    Limits,
-    ShapeSubject,
-)
+from zero_offload.estimate.rows import ActivationMode, Context, Limits
+from zero_offload.estimate.subjects import CountSubject, ShapeSubject
 from zero_offload.estimate.tiered import Homes, NvmeState, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.optim import OffloadAdamW

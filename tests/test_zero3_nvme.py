@@ -19,7 +19,8 @@ import torch
 from zero_offload import OffloadConfig
 from zero_offload.estimate import ModelShape, estimate
 from zero_offload.estimate.nvme import io_buffer_bytes, total_bytes
-from zero_offload.estimate.rows import ActivationMode, Context, Limits, ShapeSubject
+from zero_offload.estimate.rows import ActivationMode, Context, Limits
+from zero_offload.estimate.subjects import ShapeSubject
 from zero_offload.estimate.tiered import Homes, ParamNvme
 from zero_offload.memory.storage import IO_ALIGNMENT
 from zero_offload.weights.nvme_home import home_ring_bytes, weight_file_bytes

@@ -199,6 +199,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         bucket_bytes=args.bucket_bytes,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
+        optimizer=args.optimizer,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
@@ -278,7 +279,7 @@ def _add_demo(commands: Any) -> None:
 
 
 def _add_estimate(commands: Any) -> None:
-    from .estimate import ARCHITECTURES, SUPPORTED_MODEL_TYPES  # torch-free
+    from .estimate import ARCHITECTURES, OPTIMIZERS, SUPPORTED_MODEL_TYPES  # torch-free
 
     est = commands.add_parser(
         "estimate",
@@ -325,6 +326,13 @@ def _add_estimate(commands: Any) -> None:
     est.add_argument("--world-size", type=_positive_int, default=1)
     est.add_argument("--ranks-per-node", type=_positive_int, default=None)
     est.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    est.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="the optimizer whose state the rows size (Adafactor and Muon: by each "
+        "parameter's shape); rows it refuses are listed under the table; default adamw",
+    )
     est.add_argument(
         "--device-memory",
         type=_byte_size("--device-memory", least=2**20),

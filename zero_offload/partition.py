@@ -61,8 +61,9 @@ work so far, so the owners rotate. The cost is the padding: a bucket of one para
 holds ``world_size`` times its elements on each device and every rank keeps host state for
 a shard of that size, of which one rank uses any. Smaller ``bucket_bytes`` than the largest
 parameters mean more such buckets. The pools are sized from these shards (the estimator's
-rows count ``1 / world_size`` of the parameters and miss this padding). The map is a pure
-function of the layouts, so every rank computes the same one and none is sent. Work is
+rows plan the same shards: Note [a whole-parameter rule's buckets are planned one by one]
+in ``estimate/pools.py``). The map is a pure function of the layouts, so every rank
+computes the same one and none is sent. Work is
 balanced by elements: Adafactor's step is linear in them; Newton-Schulz on an ``m x n``
 matrix costs ``m n min(m, n)``, so a model whose matrices differ widely in shape balances
 Muon's time less evenly than its memory.
@@ -78,6 +79,7 @@ __all__ = [
     "SLOT_ALIGN_NUMEL",
     "BucketLayout",
     "ParamSlot",
+    "balance_owners",
     "clip_runs",
     "own_whole",
     "plan_buckets",
@@ -249,7 +251,7 @@ def own_whole(
     total = [0] * world  # elements each rank owns over the buckets so far
     result = []
     for layout in layouts:
-        owner, load = _balance(layout, total, slot_align_numel)
+        owner, load = balance_owners(layout, total, slot_align_numel)
         shard = _round_up(max(load), align_numel)
         slots: list[ParamSlot] = []
         for rank in range(world):
@@ -266,7 +268,7 @@ def own_whole(
     return result
 
 
-def _balance(
+def balance_owners(
     layout: BucketLayout, total: list[int], slot_align_numel: int
 ) -> tuple[list[int], list[int]]:
     """The owner of each of ``layout``'s slots (by position) and each rank's aligned

@@ -35,6 +35,7 @@ from zero_offload.checkpoint_io import (
 from zero_offload.collectives import make_comm, reduce_scatter_avg
 
 from .models import batches, host_accelerator, lm_loss, make_pair, offload_opt
+from .rule_pools import SCENARIOS as RULE_POOL_SCENARIOS
 from .whole_ranks import SCENARIOS as WHOLE_SCENARIOS
 
 #: Global batch of every multi-rank test: 6 sequences, so 2 and 3 ranks get equal shares.
@@ -359,6 +360,7 @@ SCENARIOS: dict[str, Callable[..., dict]] = {
     "uneven": scenario_uneven,
     "user_collectives": scenario_user_collectives,
     **WHOLE_SCENARIOS,
+    **RULE_POOL_SCENARIOS,
 }
 
 

@@ -14,10 +14,12 @@ gradients ``sP``, and optimizer state ``KP``, ``K`` from the optimizer's rule
 - ZeRO-2: device ``sP + (s + K) P/N`` (gradients partitioned too);
 - ZeRO-3: device ``(2s + K) P/N`` (weights partitioned too); with ``s = 2``, ``K = 12`` these
   are the paper's Table 1 (``paper.py``, ``zero-offload estimate --zero-table``);
-- ZeRO-Offload (this library): the exact pool sizes of ``OffloadAdamW`` from
+- ZeRO-Offload (this library): the exact pool sizes of the optimizer ``estimate`` names
+  (``optimizer=``: AdamW by default; ``OPTIMIZERS``) from
   ``optim.state.placement.plan_placement`` with everything offloaded: device weights plus the
-  gradient buffers, host fp32 master, gradient staging, moments and weight staging; the
-  host part is partitioned over ``N`` (each rank updates its own shard). Given the
+  gradient buffers, host fp32 master, gradient staging, the rule's state and weight staging;
+  the host part is partitioned over ``N`` (each rank updates its own shard; for Adafactor
+  and Muon each parameter whole in one rank's shard, ``whole.py``). Given the
   parameters' shapes (a ``ModelShape``, a config or a model), the buckets are planned as the
   optimizer plans them, each slot aligned (Note [slots are aligned] in ``partition.py``);
   from a bare parameter count, buckets are taken as full and gap-free.
@@ -40,10 +42,10 @@ fits when its host bytes leave ``host_reserve`` free. "Largest that fits": Note 
 that fits grows the row's own family] in ``rows.py``.
 """
 
-from .api import DEFAULT_BUCKET_BYTES, estimate, host_reserve, parse_size
+from .api import DEFAULT_BUCKET_BYTES, OPTIMIZERS, estimate, host_reserve, parse_size
 from .configs import KNOWN_MODELS, SUPPORTED_MODEL_TYPES, load_config, shape_from_config
-from .pools import offload_adamw_bytes, param_offload_bytes
-from .result import ConfigEstimate, MemoryEstimate
+from .pools import offload_adamw_bytes, offload_bytes, param_offload_bytes
+from .result import ConfigEstimate, LeftOutRow, MemoryEstimate
 from .rows import ActivationMode, Configuration
 from .shape import ARCHITECTURES, Architecture, ModelShape
 from .tiered import CONFIGURATIONS
@@ -53,17 +55,20 @@ __all__ = [
     "CONFIGURATIONS",
     "DEFAULT_BUCKET_BYTES",
     "KNOWN_MODELS",
+    "OPTIMIZERS",
     "SUPPORTED_MODEL_TYPES",
     "ActivationMode",
     "Architecture",
     "ConfigEstimate",
     "Configuration",
+    "LeftOutRow",
     "MemoryEstimate",
     "ModelShape",
     "estimate",
     "host_reserve",
     "load_config",
     "offload_adamw_bytes",
+    "offload_bytes",
     "param_offload_bytes",
     "parse_size",
     "shape_from_config",

@@ -10,24 +10,20 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import parse_bytes
 from .configs import load_config, shape_from_config
-from .result import ConfigEstimate, MemoryEstimate
-from .rows import (
-    Context,
-    CountSubject,
-    Limits,
-    ModuleSubject,
-    ShapeSubject,
-    Status,
-    Subject,
-    largest_fitting,
-)
+from .result import ConfigEstimate, LeftOutRow, MemoryEstimate
+from .rows import Context, Limits, Status, Subject, largest_fitting
 from .shape import ModelShape, Shape
+from .subjects import CountSubject, ModuleSubject, ShapeSubject
 from .tiered import CONFIGURATIONS
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "estimate", "host_reserve", "parse_size"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "OPTIMIZERS", "estimate", "host_reserve", "parse_size"]
+
+#: The optimizers the estimate sizes, by the names of their rules (``optim.rule.RULES``;
+#: named here so that choosing one imports no torch).
+OPTIMIZERS = ("adamw", "adam", "lion", "adagrad", "adafactor", "muon")
 
 #: Default bucket size of ``OffloadConfig.bucket_bytes`` (32 MiB).
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -149,6 +145,7 @@ def estimate(
     seq_len: int = 1024,
     micro_batch: int = 1,
     disk_memory: int | str | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Estimate training memory per tier for each configuration; returns the estimate (its
     ``table()`` is what ``zero-offload estimate`` prints). See ``docs/estimator.md``.
@@ -163,8 +160,13 @@ def estimate(
     (``"80GiB"``, ``"24GB"``) or an int of bytes (at least 1 MiB); default this machine's GPU
     and RAM. ``disk_memory``: NVMe bytes per node for ``nvme_dir`` (default none: rows with
     NVMe then fit only what needs no disk). ``bucket_bytes``: ``OffloadConfig.bucket_bytes``,
-    the same forms.
+    the same forms. ``optimizer``: the rule whose state the rows size, one of ``OPTIMIZERS``
+    (``"adamw"`` default): its fields, and for Adafactor and Muon the state shaped by each
+    parameter and, on several ranks, each parameter in one rank's shard; rows the library
+    refuses for that rule are left out, with the reason (``MemoryEstimate.left_out``).
     """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     for name, value in (
         ("world_size", world_size),
         ("seq_len", seq_len),
@@ -204,6 +206,7 @@ def estimate(
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         bucket_bytes=bucket,
+        rule=optimizer,
     )
     subject: Subject
     if isinstance(what, ModelShape):
@@ -213,8 +216,12 @@ def estimate(
     else:
         subject = CountSubject(what, ctx)
     limits = Limits(device=device, host=host, host_reserve=host_reserve(host), disk=disk)
-    rows = []
+    rows, left_out = [], []
     for configuration in CONFIGURATIONS:
+        refused = configuration.refusal(ctx)
+        if refused is not None:
+            left_out.append(LeftOutRow(configuration.name, refused))
+            continue
         row = configuration.bytes(subject, limits)
         if row is None:
             continue
@@ -255,4 +262,6 @@ def estimate(
         shape=subject.shape,
         rows=rows,
         disk_memory=disk,
+        optimizer=optimizer,
+        left_out=left_out,
     )

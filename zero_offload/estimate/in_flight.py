@@ -29,21 +29,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .buckets import BucketGroups
 from .nvme import (
     Homes,
     context_tiers,
     home_tiers,
-    io_buffer_bytes,
+    io_bytes,
     state_tiers,
     total_bytes,
 )
-from .pools import BucketGroups
-from .rows import Configuration, Context, Limits, RowBytes, Status, Subject
+from .rows import (
+    Configuration,
+    Context,
+    Limits,
+    RowBytes,
+    Status,
+    Subject,
+    nvme_refusal,
+    param_offload_refusal,
+)
 
 #: Why the in-flight rows are estimates only on several ranks.
 IN_FLIGHT_RANKS_NOT_YET = "in-flight gradient staging on several ranks is refused"
 
-__all__ = ["CONDITIONS", "ParamInFlight", "ring_bytes"]
+__all__ = ["CONDITIONS", "ParamInFlight", "param_nvme_refusal", "ring_bytes"]
 
 #: When a row with in-flight staging runs: what lets every step run during backward.
 CONDITIONS = (
@@ -66,6 +75,19 @@ def ring_bytes(groups: BucketGroups, ctx: Context) -> tuple[int, int]:
         own += repeats * sum(grads)
         largest = max([largest, *grads])
     return own, OffloadConfig().grad_staging_buffers * largest
+
+
+def param_nvme_refusal(ctx: Context, homes: Homes) -> str | None:
+    """Parameter offload with NVMe state, homes ``homes``, for ``ctx``'s rule: a rule that
+    reads whole parameters keeps every home in host RAM (``nvme_plan``), so homes on NVMe
+    are refused; several ranks as ``param_offload_refusal``, the rest as
+    ``nvme_refusal``."""
+    ranks = param_offload_refusal(ctx)
+    if ranks is not None:
+        return ranks
+    if ctx.whole and homes is Homes.NVME:
+        return f"homes on NVMe: {ctx.rule} reads whole parameters, so every home stays in host RAM"
+    return nvme_refusal(ctx)
 
 
 @dataclass(frozen=True)
@@ -95,11 +117,11 @@ class ParamInFlight(Configuration):
             from ..weights.nvme_home import home_ring_bytes
 
             homes_ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            fixed = ring + io_buffer_bytes() + homes_ring + window
+            fixed = ring + io_bytes(groups, ctx) + homes_ring + window
         else:
             # Every home in RAM: each one (staging as if on NVMe, less its gradient
             # staging), the ring and the I/O buffers; the state's budget is what is left.
-            fixed = total_bytes(groups, ctx, "staging") - own + ring + io_buffer_bytes()
+            fixed = total_bytes(groups, ctx, "staging") - own + ring + io_bytes(groups, ctx)
         budget = limits.state_budget(fixed, act_host, rpn)
         host, disk = self.tiers(subject, budget, homes=self.homes)
         return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
@@ -127,6 +149,11 @@ class ParamInFlight(Configuration):
         else:
             host, disk = state_tiers(groups, ctx, budget)
         return host - own + ring, disk
+
+    def refusal(self, ctx: Context) -> str | None:
+        if self.nvme:
+            return param_nvme_refusal(ctx, self.homes)
+        return param_offload_refusal(ctx)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         if ctx.world_size > 1:

@@ -17,7 +17,8 @@ and the spilled state fits the disk.
 Per bucket of this rank's shard ``k`` elements, training dtype ``s`` bytes, ``a(x)`` the
 pool alignment (512 B), records 4 KiB-aligned per tile:
 
-- state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32 (``rule_state``);
+- state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32, or the fields of
+  the rule the estimate names (``rule_state``: Lion's and Adagrad's ``a(4k) + a(4k)``);
 - staging ``2 a(sk)``: gradient staging and weight staging (the H2D copies' source); with
   the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
 - record: the bucket's state file records, the state's bytes rounded up per tile;
@@ -40,9 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .pools import BucketGroups
+from .buckets import BucketGroups, BucketKey
+from .shape import Shape
 
 if TYPE_CHECKING:
+    from ..partition import BucketLayout
     from .rows import Context
 
 __all__ = [
@@ -53,9 +56,11 @@ __all__ = [
     "context_tiers",
     "home_tiers",
     "io_buffer_bytes",
+    "io_bytes",
     "split_state",
     "state_tiers",
     "total_bytes",
+    "whole_bucket_tiers",
 ]
 
 #: ``plan_nvme`` reads ``nvme_dir`` only to name files it does not create here.
@@ -77,19 +82,16 @@ class BucketTiers:
 
 
 @functools.lru_cache(maxsize=4096)
-def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: int) -> BucketTiers:
+def bucket_tiers(
+    numel: int, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
+) -> BucketTiers:
     """``BucketTiers`` of a bucket of ``numel`` elements (gaps included), planned by
     ``plan_buckets`` and ``plan_nvme`` as the optimizer plans it, at the default
     ``tile_elements``: once with an unbounded host budget (the state in RAM), once with none
-    (on NVMe)."""
-
-    from ..config import OffloadConfig
-    from ..memory.align import aligned
-    from ..optim.state.nvme_plan import plan_nvme
+    (on NVMe). ``rule``: an elementwise one (its state is per element); a rule that reads
+    whole parameters has ``whole_bucket_tiers``."""
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
-    from ..weights.nvme_home import weight_file_bytes
-    from .pools import _full_offload, rule_state
 
     layouts = plan_buckets(
         [[(0, (numel,))]],
@@ -97,16 +99,45 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
         world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
     )
-    placement = _full_offload(layouts, itemsize=itemsize)
+    return _tiers(layouts[0], itemsize, rule)
+
+
+@functools.lru_cache(maxsize=4096)
+def whole_bucket_tiers(
+    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int, world_size: int, rule: str
+) -> BucketTiers:
+    """``BucketTiers`` of a bucket of parameters of ``shapes`` (in packing order) for a rule
+    that reads whole parameters: laid out by ``own_whole`` (each rank's shard the bucket's
+    largest rank share), its shaped state in RAM with the staging wherever the rest of its
+    state is, its records following whole parameters (Note [NVMe tiles follow whole
+    parameters]; NVMe on one rank only, as the library runs it)."""
+    from ..optim.state.placement import POOL_ALIGNMENT
+    from ..partition import own_whole
+    from .whole import planned_bucket
+
+    planned = planned_bucket(shapes, itemsize, bucket_bytes, world_size)
+    return _tiers(own_whole([planned], align_numel=POOL_ALIGNMENT // 2)[0], itemsize, rule)
+
+
+def _tiers(layout: BucketLayout, itemsize: int, rule: str) -> BucketTiers:
+    """``BucketTiers`` of the bucket ``layout`` (see ``bucket_tiers``)."""
+    from ..config import OffloadConfig
+    from ..memory.align import aligned
+    from ..optim.state.nvme_plan import plan_nvme
+    from ..optim.state.placement import POOL_ALIGNMENT
+    from ..weights.nvme_home import weight_file_bytes
+    from .planners import full_offload, rule_state
+
+    placement = full_offload([layout], itemsize=itemsize, rule=rule)
 
     def plan(budget: int) -> tuple[int, int, int]:
         config = OffloadConfig(nvme_dir=_PLANNING_DIR, host_budget=budget)
         nvme = plan_nvme(
-            layouts,
+            [layout],
             placement,
             config=config,
             itemsize=itemsize,
-            state=rule_state(),
+            state=rule_state(rule),
             rank=0,
             alignment=POOL_ALIGNMENT,
         )
@@ -114,7 +145,7 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
 
     in_ram, state, _ = plan(2**62)
     staging, _, record = plan(0)
-    shard = layouts[0].shard_numel
+    shard = layout.shard_numel
     return BucketTiers(
         state=state,
         staging=staging,
@@ -123,26 +154,51 @@ def bucket_tiers(numel: int, *, itemsize: int, bucket_bytes: int, world_size: in
         home=aligned(itemsize * shard, POOL_ALIGNMENT),
         record=record,
         home_file=weight_file_bytes(
-            layouts[0].real_in(*layouts[0].shard_range(0)),
-            OffloadConfig().tile_elements,
-            itemsize,
+            layout.real_in(*layout.shard_range(0)), OffloadConfig().tile_elements, itemsize
         ),
         accumulator=aligned(4 * shard, POOL_ALIGNMENT),
     )
 
 
-@functools.lru_cache(maxsize=1)
-def io_buffer_bytes() -> int:
+@functools.lru_cache(maxsize=64)
+def io_buffer_bytes(rule: str = "adamw", capacity: int = 0) -> int:
     """Host bytes of the NVMe tier's I/O buffers (one segment): ``IO_BUFFERS`` records of a
-    whole tile, and one alignment page (``nvme_plan``)."""
+    whole tile of ``rule``'s fields (of ``capacity`` elements where a rule that reads whole
+    parameters has a larger one: ``io_bytes``), and one alignment page (``nvme_plan``)."""
 
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
     from ..optim.state.nvme_plan import RecordLayout
-    from .pools import rule_state
+    from .planners import rule_state
 
-    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state())
+    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state(rule), capacity=capacity)
     return IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+
+
+def io_bytes(groups: BucketGroups, ctx: Context) -> int:
+    """``io_buffer_bytes`` of the buckets ``groups``: for a rule that reads whole parameters
+    each record holds the largest tile of their whole-parameter tiles
+    (``RecordLayout.for_buckets``)."""
+    if not ctx.whole:
+        return io_buffer_bytes(ctx.rule)
+    from ..config import OffloadConfig
+    from ..optim.state.nvme_plan import whole_parameter_tiles
+    from .whole import planned_bucket
+
+    tile = OffloadConfig().tile_elements
+    largest = max(
+        (
+            n
+            for keys, _ in groups
+            for key in keys
+            if not isinstance(key, int)
+            for n in whole_parameter_tiles(
+                planned_bucket(key, ctx.itemsize, ctx.bucket_bytes, ctx.world_size), tile
+            )
+        ),
+        default=0,
+    )
+    return io_buffer_bytes(ctx.rule, largest)
 
 
 @dataclass(frozen=True)
@@ -157,7 +213,7 @@ class StateSplit:
 
 def split_state(
     groups: BucketGroups,
-    tiers: Callable[[int], BucketTiers],
+    tiers: Callable[[BucketKey], BucketTiers],
     budget: int | None,
     *,
     spilled_bytes: Callable[[BucketTiers], int] = lambda t: 0,
@@ -192,13 +248,20 @@ def split_state(
     return StateSplit(host, disk, spilled)
 
 
-def context_tiers(ctx: Context) -> Callable[[int], BucketTiers]:
-    """``bucket_tiers`` at ``ctx``'s training dtype, bucket size and world size."""
+def context_tiers(ctx: Context) -> Callable[[BucketKey], BucketTiers]:
+    """``bucket_tiers`` (a bucket's length) or ``whole_bucket_tiers`` (its shapes) at
+    ``ctx``'s training dtype, bucket size, world size and rule."""
 
-    def tiers(numel: int) -> BucketTiers:
-        return bucket_tiers(
-            numel, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes, world_size=ctx.world_size
-        )
+    def tiers(key: BucketKey) -> BucketTiers:
+        kwargs = {
+            "itemsize": ctx.itemsize,
+            "bucket_bytes": ctx.bucket_bytes,
+            "world_size": ctx.world_size,
+            "rule": ctx.rule,
+        }
+        if isinstance(key, int):
+            return bucket_tiers(key, **kwargs)  # type: ignore[arg-type]
+        return whole_bucket_tiers(key, **kwargs)  # type: ignore[arg-type]
 
     return tiers
 
@@ -217,7 +280,7 @@ def state_tiers(groups: BucketGroups, ctx: Context, budget: int | None) -> tuple
         groups, context_tiers(ctx), budget, spilled_bytes=lambda t: t.staging - t.ram_staging
     )
     host = total_bytes(groups, ctx, "ram_staging") + split.spilled + split.host
-    return host + (io_buffer_bytes() if split.disk else 0), split.disk
+    return host + (io_bytes(groups, ctx) if split.disk else 0), split.disk
 
 
 def home_tiers(

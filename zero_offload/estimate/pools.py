@@ -1,5 +1,5 @@
-"""The exact pool sizes of ``OffloadAdamW`` for given parameter shapes, planned as the
-optimizer plans them (``partition.plan_buckets``, ``optim.state.placement.plan_placement``,
+"""The exact pool sizes of an offloading optimizer of a given rule for given parameter
+shapes, planned as the optimizer plans them (``partition.plan_buckets``, ``optim.state.placement.plan_placement``,
 ``params.window.plan_slots``). The planners live in packages that import torch, so they are
 imported when first called, never when the estimator is imported."""
 
@@ -7,61 +7,59 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from .buckets import (
+    BucketGroups,
+    BucketKey,
+    bucket_numel_of,
+    shape_bucket_numels,
+    shape_bucket_shapes,
+)
+from .planners import full_offload, plan_layouts, reads_whole, rule_state
 from .shape import ModelShape, Shape, Unit
-
-if TYPE_CHECKING:
-    from ..optim.rule.base import StateFields
-    from ..optim.state.placement import Placement
-    from ..partition import BucketLayout
+from .whole import whole_groups_bytes
 
 __all__ = [
-    "BucketGroups",
     "device_shard_bytes",
     "module_bucket_numels",
+    "module_bucket_shapes",
     "offload_adamw_bytes",
+    "offload_bytes",
     "offload_bytes_of_count",
     "param_offload_bytes",
+    "rule_state",
     "rule_state_bytes",
     "shape_bucket_groups",
-    "shape_bucket_numels",
     "shape_offload_bytes",
-    "unit_bucket_groups",
 ]
+
+
+def offload_bytes(
+    shapes: Sequence[Shape],
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int = 1,
+    rule: str = "adamw",
+) -> tuple[int, int, int]:
+    """``(device weights, device gradient buffers, host per rank)`` of a fully offloaded
+    optimizer of ``rule`` over parameters of ``shapes``: its exact pool sizes, in bytes,
+    the buckets laid out as the optimizer lays them out (``plan_layouts``: for a rule that
+    reads whole parameters, ``own_whole``)."""
+    layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, world_size, rule)
+    placement = full_offload(layouts, itemsize=itemsize, rule=rule)
+    # plan_placement sizes the host pool for this rank's shards already.
+    return placement.device_weights, placement.device_grad_buffers, placement.host_state
 
 
 def offload_adamw_bytes(
     shapes: Sequence[Shape], *, itemsize: int, bucket_bytes: int, world_size: int = 1
 ) -> tuple[int, int, int]:
-    """``(device weights, device gradient buffers, host per rank)`` of a fully offloaded
-    ``OffloadAdamW`` over parameters of ``shapes``: its exact pool sizes, in bytes."""
-    from ..optim.state.placement import POOL_ALIGNMENT
-    from ..partition import plan_buckets
-
-    layouts = plan_buckets(
-        [[(i, shape) for i, shape in enumerate(shapes)]],
-        bucket_numel=max(1, bucket_bytes // itemsize),
-        world_size=world_size,
-        align_numel=POOL_ALIGNMENT // 2,
+    """``offload_bytes`` of ``OffloadAdamW``."""
+    return offload_bytes(
+        shapes, itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
     )
-    placement = _full_offload(layouts, itemsize=itemsize)
-    # plan_placement sizes the host pool for this rank's shards already.
-    return placement.device_weights, placement.device_grad_buffers, placement.host_state
-
-
-@functools.lru_cache(maxsize=8)
-def rule_state(rule: str = "adamw") -> StateFields:
-    """The state fields of optimizer ``rule`` with its default options, fp32 (the
-    optimizer's default ``moments_dtype``): what every offloaded row sizes, as the optimizer
-    asks its rule (Note [the rule is the only place that knows the optimizer])."""
-    import torch
-
-    from ..optim.rule import by_name
-
-    return by_name(rule).state_fields(torch.float32, ())
 
 
 def rule_state_bytes(rule: str, shapes: Sequence[Shape]) -> int:
@@ -79,50 +77,30 @@ def rule_state_bytes(rule: str, shapes: Sequence[Shape]) -> int:
     )
 
 
-def _full_offload(
-    layouts: Sequence[BucketLayout],
-    *,
-    itemsize: int,
-    weights_elsewhere: frozenset[int] = frozenset(),
-) -> Placement:
-    """``plan_placement`` of ``layouts`` with everything offloaded, AdamW's state in fp32
-    (``rule_state``), no budget."""
-    from ..optim.state.placement import POOL_ALIGNMENT, plan_placement
-
-    return plan_placement(
-        layouts,
-        itemsize=itemsize,
-        state=rule_state(),
-        resident_state=rule_state(),
-        offload_fraction=1.0,
-        device_free=2**62,
-        auto_headroom=0.0,
-        alignment=POOL_ALIGNMENT,
-        weights_elsewhere=weights_elsewhere,
-    )
-
-
 @functools.lru_cache(maxsize=1024)
 def _unit_pools(
-    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int, world_size: int = 1
+    shapes: tuple[Shape, ...],
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int = 1,
+    rule: str = "adamw",
 ) -> tuple[int, int, int]:
     """``(window bytes, gradient buffers, host per rank)`` of one unit under parameter
     offload: its own buckets (a unit never shares one), planned as the optimizer plans them.
     With ``world_size`` ranks (ZeRO-3 with offload) the slot still holds the whole unit,
-    gathered, and the host holds this rank's shard."""
+    gathered, and the host holds this rank's shard (a rule that reads whole parameters is
+    refused there: ``Configuration.refusal``)."""
     from ..memory.align import aligned
     from ..optim.state.placement import POOL_ALIGNMENT
-    from ..partition import plan_buckets
 
-    layouts = plan_buckets(
-        [list(enumerate(shapes))],
-        bucket_numel=max(1, bucket_bytes // itemsize),
-        world_size=world_size,
-        align_numel=POOL_ALIGNMENT // 2,
-    )
+    layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, world_size, rule)
     nbytes = sum(aligned(layout.padded_numel * itemsize, POOL_ALIGNMENT) for layout in layouts)
-    placement = _full_offload(
-        layouts, itemsize=itemsize, weights_elsewhere=frozenset(b.index for b in layouts)
+    placement = full_offload(
+        layouts,
+        itemsize=itemsize,
+        rule=rule,
+        weights_elsewhere=frozenset(b.index for b in layouts),
     )
     return nbytes, placement.device_grad_buffers, placement.host_state
 
@@ -134,8 +112,10 @@ def param_offload_bytes(
     bucket_bytes: int,
     prefetch_layers: int = 1,
     world_size: int = 1,
+    rule: str = "adamw",
 ) -> tuple[int, int, int]:
-    """``(device window, device gradient buffers, host per rank)`` of ``OffloadAdamW`` with
+    """``(device window, device gradient buffers, host per rank)`` of an optimizer of
+    ``rule`` with
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units,
     ``ModelShape.parameter_units``): the exact pool sizes, with one rank or several (ZeRO-3
     with offload, ``_unit_pools``).
@@ -153,7 +133,11 @@ def param_offload_bytes(
     block: Unit = (shape.block_shapes(), False)
     planned = {
         tuple(shapes): _unit_pools(
-            tuple(shapes), itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
+            tuple(shapes),
+            itemsize=itemsize,
+            bucket_bytes=bucket_bytes,
+            world_size=world_size,
+            rule=rule,
         )
         for shapes, _ in [*before, block, *after]
     }
@@ -196,77 +180,12 @@ def device_shard_bytes(
     return outer + shape.layers * unit_bytes(tuple(shape.block_shapes()))
 
 
-def _pack(sizes: Sequence[int], fill: int, limit: int) -> tuple[list[int], int]:
-    """``partition.plan_buckets``' packing loop over parameters of ``sizes`` elements (in
-    the order it packs them), from an open bucket of ``fill`` elements (0: none): the
-    elements of each bucket it closes, and the open bucket's after. Note [slots are
-    aligned]: each slot starts at a multiple of ``SLOT_ALIGN_NUMEL``."""
-    from ..partition import SLOT_ALIGN_NUMEL
-
-    closed = []
-    for size in sizes:
-        offset = -(-fill // SLOT_ALIGN_NUMEL) * SLOT_ALIGN_NUMEL
-        if fill and offset + size > limit:
-            closed.append(fill)
-            offset = 0
-        fill = offset + size
-    return closed, fill
-
-
-def _sizes_last_first(units: Sequence[Unit]) -> list[int]:
-    return [math.prod(shape) for shapes, _ in units[::-1] for shape in shapes[::-1]]
-
-
-#: Buckets in bucket order (backward order) as runs: ``(numels, repeats)`` is the buckets
-#: of ``numels`` (elements, alignment gaps included), that sequence ``repeats`` times over.
-BucketGroups = list[tuple[tuple[int, ...], int]]
-
-
 def shape_bucket_groups(shape: ModelShape, *, bucket_numel: int) -> BucketGroups:
-    """The buckets ``plan_buckets`` makes of ``shape``'s parameters, in bucket order, in
-    O(1) in the layers.
-
-    The packer walks the parameters last to first, and at a block's edge its only state is
-    how full the open bucket is. The blocks are alike, so once that fill repeats, the
-    buckets repeat with it: the cycle is one group, repeated, not walked.
-    """
-    before, after = shape.outer_units()
-    block = [math.prod(s) for s in shape.block_shapes()][::-1]
-    groups: BucketGroups = []
-    closed, fill = _pack(_sizes_last_first(after), 0, bucket_numel)
-    groups.append((tuple(closed), 1))
-    seen: dict[int, int] = {}  # fill at a block's edge -> the block
-    fills: list[int] = []  # fills[k]: the fill before block k (walked blocks only)
-    history: list[list[int]] = []  # history[k]: the buckets block k closed
-    done = 0
-    while done < shape.layers:
-        if fill in seen:  # blocks seen[fill] .. done - 1 repeat from here on
-            start = seen[fill]
-            whole, rest = divmod(shape.layers - done, done - start)
-            cycle = tuple(numel for closed in history[start:done] for numel in closed)
-            groups.append((cycle, whole))
-            groups.append((tuple(n for closed in history[start : start + rest] for n in closed), 1))
-            fill = fills[start + rest]
-            break
-        seen[fill] = done
-        fills.append(fill)
-        closed, fill = _pack(block, fill, bucket_numel)
-        history.append(closed)
-        groups.append((tuple(closed), 1))
-        done += 1
-    closed, fill = _pack(_sizes_last_first(before), fill, bucket_numel)
-    groups.append((tuple(closed) + ((fill,) if fill else ()), 1))
-    return [(numels, repeats) for numels, repeats in groups if numels and repeats]
-
-
-def shape_bucket_numels(shape: ModelShape, *, bucket_numel: int) -> Counter[int]:
-    """How many buckets of each size (elements, alignment gaps included) ``plan_buckets``
-    makes of ``shape``'s parameters (``shape_bucket_groups``, counted)."""
-    counts: Counter[int] = Counter()
-    for numels, repeats in shape_bucket_groups(shape, bucket_numel=bucket_numel):
-        for numel in numels:
-            counts[numel] += repeats
-    return counts
+    """``shape_bucket_shapes`` by bucket length (``BucketGroups`` of an elementwise rule)."""
+    return [
+        (tuple(bucket_numel_of(b) for b in buckets), repeats)
+        for buckets, repeats in shape_bucket_shapes(shape, bucket_numel=bucket_numel)
+    ]
 
 
 @functools.lru_cache(maxsize=64)
@@ -275,59 +194,89 @@ def module_bucket_numels(
 ) -> tuple[int, ...]:
     """Elements (gaps included) of each bucket ``plan_buckets`` makes of ``shapes``, in
     bucket order."""
-    from ..optim.state.placement import POOL_ALIGNMENT
-    from ..partition import plan_buckets
-
-    layouts = plan_buckets(
-        [list(enumerate(shapes))],
-        bucket_numel=max(1, bucket_bytes // itemsize),
-        align_numel=POOL_ALIGNMENT // 2,
-    )
-    return tuple(layout.numel for layout in layouts)
+    return tuple(bucket_numel_of(b) for b in module_bucket_shapes(shapes, itemsize, bucket_bytes))
 
 
-def unit_bucket_groups(shape: ModelShape, *, itemsize: int, bucket_bytes: int) -> BucketGroups:
+@functools.lru_cache(maxsize=64)
+def module_bucket_shapes(
+    shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int
+) -> tuple[tuple[Shape, ...], ...]:
+    """Each bucket ``plan_buckets`` makes of ``shapes``, its parameters' shapes in packing
+    order (``ShapeGroups``' buckets), in bucket order."""
+    layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, 1, "adamw")
+    return tuple(tuple(slot.shape for slot in layout.slots) for layout in layouts)
+
+
+def unit_bucket_groups(
+    shape: ModelShape, *, itemsize: int, bucket_bytes: int, by_shape: bool = False
+) -> BucketGroups:
     """The buckets of ``shape`` under parameter offload, in bucket order (the units last
-    to first, each unit's own buckets as ``plan_buckets`` orders them)."""
+    to first, each unit's own buckets as ``plan_buckets`` orders them); ``by_shape``: each
+    bucket its shapes, as a rule that reads whole parameters plans it (``BucketKey``)."""
 
-    def numels(shapes: list[Shape]) -> tuple[int, ...]:
+    def keys(shapes: list[Shape]) -> tuple[BucketKey, ...]:
+        if by_shape:
+            return module_bucket_shapes(tuple(shapes), itemsize, bucket_bytes)
         return module_bucket_numels(tuple(shapes), itemsize, bucket_bytes)
 
     before, after = shape.outer_units()
-    groups: BucketGroups = [(numels(shapes), 1) for shapes, _ in after[::-1]]
-    groups.append((numels(shape.block_shapes()), shape.layers))
-    groups += [(numels(shapes), 1) for shapes, _ in before[::-1]]
+    groups: BucketGroups = [(keys(shapes), 1) for shapes, _ in after[::-1]]
+    groups.append((keys(shape.block_shapes()), shape.layers))
+    groups += [(keys(shapes), 1) for shapes, _ in before[::-1]]
     return groups
 
 
 def shape_offload_bytes(
-    shape: ModelShape, *, itemsize: int, bucket_bytes: int, world_size: int = 1
+    shape: ModelShape,
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int = 1,
+    rule: str = "adamw",
 ) -> tuple[int, int, int]:
-    """``offload_adamw_bytes`` of ``shape``'s parameters, exact, in O(1) in the layers:
-    each distinct bucket size planned once (``shape_bucket_numels``); ``plan_placement``'s
-    weights and host pool are sums over buckets, its gradient buffers a maximum."""
+    """``offload_bytes`` of ``shape``'s parameters, exact, in O(1) in the layers: each
+    distinct bucket planned once; ``plan_placement``'s weights and host pool are sums over
+    buckets, its gradient buffers a maximum. An elementwise rule's bucket is its length
+    (``shape_bucket_numels``); a rule that reads whole parameters keeps shaped state by
+    shape, so its bucket is its shapes (``shape_bucket_shapes``): Note [a whole-parameter
+    rule's buckets are planned one by one]."""
+    bucket_numel = max(1, bucket_bytes // itemsize)
     weights = grad_buffers = host = 0
-    counts = shape_bucket_numels(shape, bucket_numel=max(1, bucket_bytes // itemsize))
-    for numel, count in counts.items():
-        w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size)
-        weights, grad_buffers, host = weights + count * w, max(grad_buffers, g), host + count * h
-    return weights, grad_buffers, host
+    if not reads_whole(rule):
+        counts = shape_bucket_numels(shape, bucket_numel=bucket_numel)
+        for numel, count in counts.items():
+            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
+            weights, grad_buffers, host = (
+                weights + count * w,
+                max(grad_buffers, g),
+                host + count * h,
+            )
+        return weights, grad_buffers, host
+    groups = shape_bucket_shapes(shape, bucket_numel=bucket_numel)
+    return whole_groups_bytes(
+        groups, itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size, rule=rule
+    )
 
 
 @functools.lru_cache(maxsize=4096)
 def _one_bucket(
-    numel: int, itemsize: int, bucket_bytes: int, world_size: int
+    numel: int, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
 ) -> tuple[int, int, int]:
-    """``offload_adamw_bytes`` of one bucket of ``numel`` elements."""
-    return offload_adamw_bytes(
-        [(numel,)], itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size
+    """``offload_bytes`` of one bucket of one parameter of ``numel`` elements."""
+    return offload_bytes(
+        [(numel,)],
+        itemsize=itemsize,
+        bucket_bytes=bucket_bytes,
+        world_size=world_size,
+        rule=rule,
     )
 
 
 def offload_bytes_of_count(
-    params: int, *, itemsize: int, bucket_bytes: int, world_size: int
+    params: int, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
 ) -> tuple[int, int, int]:
-    """``offload_adamw_bytes`` of ``params`` elements in full buckets plus one partial bucket.
+    """``offload_bytes`` of ``params`` elements in full buckets plus one partial bucket,
+    each one 1-D parameter (a count has no shapes).
 
     Full buckets are identical, so one is planned and multiplied: exact, and O(1) in
     ``params`` (the search for the largest model calls this dozens of times).
@@ -337,7 +286,7 @@ def offload_bytes_of_count(
     weights = grad_buffers = host = 0
     for count, numel in ((full, bucket_numel), (1, rest)):
         if count and numel:
-            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size)
+            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
             weights, grad_buffers, host = (
                 weights + count * w,
                 max(grad_buffers, g),

@@ -8,7 +8,7 @@ from typing import Any
 from ..config import format_bytes
 from .shape import ModelShape
 
-__all__ = ["ConfigEstimate", "MemoryEstimate", "format_count"]
+__all__ = ["ConfigEstimate", "LeftOutRow", "MemoryEstimate", "format_count"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,15 @@ class ConfigEstimate:
 
 
 @dataclass(frozen=True)
+class LeftOutRow:
+    """A configuration the library refuses for the estimate's optimizer and ranks, and so
+    no row (``Configuration.refusal``): its name and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """The estimate: inputs and one row per configuration. ``table()`` is the text that
     ``zero-offload estimate`` prints; ``to_dict()`` the JSON."""
@@ -59,6 +68,8 @@ class MemoryEstimate:
     shape: ModelShape | None
     rows: list[ConfigEstimate] = field(default_factory=list)
     disk_memory: int | None = None  # NVMe per node; None: not given (holds nothing)
+    optimizer: str = "adamw"  # the rule whose state the rows size (``estimate.OPTIMIZERS``)
+    left_out: list[LeftOutRow] = field(default_factory=list)  # no rows for this optimizer
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data, with each row's ``device_total``."""
@@ -70,7 +81,7 @@ class MemoryEstimate:
         """The estimate as text: a header, one line per configuration, what the columns
         mean."""
         head = f"zero-offload memory estimate: {format_count(self.params)} parameters"
-        head += f" ({self.dtype}), world size {self.world_size}"
+        head += f" ({self.dtype}), world size {self.world_size}, optimizer {self.optimizer}"
         if self.world_size != self.ranks_per_node:
             head += f", {self.ranks_per_node} ranks per node"
         if self.shape is not None:
@@ -111,22 +122,28 @@ class MemoryEstimate:
             else "more or fewer parameters in full buckets"
         )
         note = (
-            "\n\nmodel states: weights, gradients and Adam state on the device (ZeRO paper, "
-            "2 + 2 + 12 bytes per parameter in mixed precision); buffers: OffloadAdamW's "
-            "gradient buffers; host: OffloadAdamW's pools per node (with NVMe: the staging, "
+            "\n\nmodel states: weights, gradients and optimizer state on the device (ZeRO "
+            "paper, 2 + 2 + 12 bytes per parameter for AdamW in mixed precision; the rule's "
+            "per-element state for the others); buffers: the optimizer's gradient buffers; "
+            f"host: the {self.optimizer} optimizer's pools per node (with NVMe: the staging, "
             "I/O buffers and the state that fits the host budget); disk: NVMe per node, the "
             "state beyond the host budget (and the weights, with params on NVMe)."
             f"\nfits: device total <= device memory, and host <= host memory less "
             f"{_size(self.host_reserve)} kept free (max(10% of RAM, 2 GiB), the reserve of "
             f'OffloadConfig(host_budget="auto")), and disk <= NVMe.'
             f"\nlargest that fits: the most parameters each configuration holds, with {grows}."
-            "\nlibrary runs it: yes (OffloadAdamW's exact pools); paper (the ZeRO paper's "
+            "\nlibrary runs it: yes (the optimizer's exact pools); paper (the ZeRO paper's "
             "accounting of other systems); not yet (an estimate: "
             + ("; ".join(reasons) or "none here")
             + ")."
         )
         for conditions, mark in marks.items():
             note += f"\n{mark}: only where {conditions}."
+        by_reason: dict[str, list[str]] = {}
+        for left in self.left_out:
+            by_reason.setdefault(left.reason, []).append(left.name)
+        for reason, names in by_reason.items():
+            note += f"\nrefused for {self.optimizer} ({reason}): {'; '.join(names)}."
 
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 

@@ -26,35 +26,25 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .pools import (
-    BucketGroups,
-    device_shard_bytes,
-    offload_adamw_bytes,
-    offload_bytes_of_count,
-    param_offload_bytes,
-    rule_state,
-    shape_bucket_groups,
-    shape_offload_bytes,
-    unit_bucket_groups,
-)
-from .shape import ModelShape, Shape, shapes_numel
+from .buckets import BucketGroups
+from .planners import reads_whole, rule_state, shaped_state_bytes
+from .shape import ModelShape, Shape
 
 __all__ = [
     "ActivationMode",
     "Configuration",
     "Context",
-    "CountSubject",
     "DeviceShards",
     "Limits",
-    "ModuleSubject",
     "RowBytes",
-    "ShapeSubject",
     "Status",
     "Subject",
     "largest_fitting",
+    "nvme_refusal",
+    "param_offload_refusal",
 ]
 
 #: Activation checkpoints held on the device by activation offload (prefetch depth 1 + 1).
@@ -71,8 +61,14 @@ class Context:
     world_size: int
     ranks_per_node: int
     bucket_bytes: int
-    #: The optimizer rule whose state the rows size (``optim/rule/``).
+    #: The optimizer rule whose state the rows size (``optim/rule/``, ``by_name``).
     rule: str = "adamw"
+
+    @property
+    def whole(self) -> bool:
+        """Whether the rule reads whole parameters (Adafactor, Muon: Note [rules that read
+        a whole parameter] in ``optim/rule/base.py``)."""
+        return reads_whole(self.rule)
 
     @property
     def state_bytes(self) -> int:
@@ -162,7 +158,8 @@ class Subject(ABC):
 
     @abstractmethod
     def _plan_offload(self) -> tuple[int, int, int]:
-        """``(device weights, device gradient buffers, host per rank)`` of OffloadAdamW."""
+        """``(device weights, device gradient buffers, host per rank)`` of the optimizer of
+        ``ctx.rule``."""
 
     def offload_pools(self) -> tuple[int, int, int]:
         """``_plan_offload``, planned once."""
@@ -178,9 +175,23 @@ class Subject(ABC):
         """``device_shard_bytes``, or ``None`` where parameter offload is not estimated."""
         return None
 
+    def shaped_state(self) -> int:
+        """fp32 bytes of the rule's shaped state over every parameter (Adafactor's factors,
+        Muon's momentum and its AdamW moments), alignment aside: what the paper's rows add
+        to ``K P``; 0 for an elementwise rule."""
+        if not self.ctx.whole:
+            return 0
+        return shaped_state_bytes(self.ctx.rule, self._shape_counts())
+
+    def _shape_counts(self) -> list[tuple[Shape, int]]:
+        """``(shape, how many parameters of it)`` over the subject's parameters."""
+        bucket_numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
+        full, rest = divmod(self.params, bucket_numel)  # a count: 1-D, bucket by bucket
+        return [((bucket_numel,), full), ((rest,), 1 if rest else 0)]
+
     @abstractmethod
     def _plan_groups(self) -> BucketGroups:
-        """OffloadAdamW's buckets in bucket order (``pools.BucketGroups``)."""
+        """The optimizer's buckets in bucket order (``buckets.BucketGroups``)."""
 
     def bucket_groups(self) -> BucketGroups:
         """``_plan_groups``, planned once."""
@@ -227,174 +238,6 @@ class Subject(ABC):
         return None if size is None else self.member(size)
 
 
-class ShapeSubject(Subject):
-    """A ``ModelShape``; its family: the same widths, any number of layers."""
-
-    def __init__(self, shape: ModelShape, ctx: Context) -> None:
-        super().__init__(ctx)
-        self._shape = shape
-        self._members: dict[int, ShapeSubject] = {shape.layers: self}
-        self._param_pools: tuple[int, int, int] | None = None
-        self._shards: int | None = None  # device_shards(), planned once
-
-    @property
-    def params(self) -> int:
-        return self._shape.params
-
-    @property
-    def shape(self) -> ModelShape:
-        return self._shape
-
-    def _plan_offload(self) -> tuple[int, int, int]:
-        ctx = self.ctx
-        return shape_offload_bytes(
-            self._shape,
-            itemsize=ctx.itemsize,
-            bucket_bytes=ctx.bucket_bytes,
-            world_size=ctx.world_size,
-        )
-
-    def param_offload_pools(self) -> tuple[int, int, int] | None:
-        if self._param_pools is None:  # several ranks: ZeRO-3 with offload
-            self._param_pools = param_offload_bytes(
-                self._shape,
-                itemsize=self.ctx.itemsize,
-                bucket_bytes=self.ctx.bucket_bytes,
-                world_size=self.ctx.world_size,
-            )
-        return self._param_pools
-
-    def device_shards(self) -> int | None:
-        if self._shards is None:
-            ctx = self.ctx
-            self._shards = device_shard_bytes(
-                self._shape,
-                itemsize=ctx.itemsize,
-                bucket_bytes=ctx.bucket_bytes,
-                world_size=ctx.world_size,
-            )
-        return self._shards
-
-    def _plan_groups(self) -> BucketGroups:
-        numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
-        return shape_bucket_groups(self._shape, bucket_numel=numel)
-
-    def unit_groups(self) -> BucketGroups | None:
-        ctx = self.ctx
-        return unit_bucket_groups(self._shape, itemsize=ctx.itemsize, bucket_bytes=ctx.bucket_bytes)
-
-    @property
-    def size(self) -> int:
-        return self._shape.layers
-
-    def member(self, size: int) -> ShapeSubject:
-        """The same widths with ``size`` layers (members are shared: each planned once)."""
-        if size not in self._members:
-            member = ShapeSubject(self._shape.with_layers(size), self.ctx)
-            member._members = self._members
-            self._members[size] = member
-        return self._members[size]
-
-
-class CountSubject(Subject):
-    """A bare parameter count, in full buckets; its family: every count."""
-
-    def __init__(self, params: int, ctx: Context) -> None:
-        super().__init__(ctx)
-        self._params = params
-
-    @property
-    def params(self) -> int:
-        return self._params
-
-    def _plan_offload(self) -> tuple[int, int, int]:
-        ctx = self.ctx
-        return offload_bytes_of_count(
-            self._params,
-            itemsize=ctx.itemsize,
-            bucket_bytes=ctx.bucket_bytes,
-            world_size=ctx.world_size,
-        )
-
-    def _plan_groups(self) -> BucketGroups:
-        bucket_numel = max(1, self.ctx.bucket_bytes // self.ctx.itemsize)
-        full, rest = divmod(self._params, bucket_numel)
-        groups = [((bucket_numel,), full), ((rest,), 1)]
-        return [(numels, repeats) for numels, repeats in groups if repeats and numels[0]]
-
-    @property
-    def size(self) -> int:
-        return self._params
-
-    def member(self, size: int) -> CountSubject:
-        return CountSubject(size, self.ctx)
-
-
-class ModuleSubject(Subject):
-    """A module's trainable parameters by shape; its family: the module plus whole buckets
-    of extra parameters, and below it, bare counts."""
-
-    def __init__(
-        self,
-        shapes: Sequence[Shape],
-        ctx: Context,
-        *,
-        base: ModuleSubject | None = None,
-        extra_buckets: int = 0,
-    ) -> None:
-        super().__init__(ctx)
-        self._shapes = list(shapes)
-        self._base = base  # the module itself, when this is it plus extra buckets
-        self._extra = extra_buckets  # whole buckets of parameters added after the module
-        self._bucket_numel = max(1, ctx.bucket_bytes // ctx.itemsize)
-
-    @property
-    def params(self) -> int:
-        return shapes_numel(self._shapes) + self._extra * self._bucket_numel
-
-    def _plan_offload(self) -> tuple[int, int, int]:
-        # The extra parameters, registered last, are packed first, a full bucket each, and
-        # leave the module's own buckets as they were: the pools add up.
-        ctx, extra = self.ctx, self._extra
-        if self._base is not None:
-            weights, grad_buffers, host = self._base.offload_pools()
-            full = offload_bytes_of_count(
-                self._bucket_numel,
-                itemsize=ctx.itemsize,
-                bucket_bytes=ctx.bucket_bytes,
-                world_size=ctx.world_size,
-            )
-            return weights + extra * full[0], max(grad_buffers, full[1]), host + extra * full[2]
-        return offload_adamw_bytes(
-            self._shapes,
-            itemsize=ctx.itemsize,
-            bucket_bytes=ctx.bucket_bytes,
-            world_size=ctx.world_size,
-        )
-
-    def _plan_groups(self) -> BucketGroups:
-        # The extra parameters, registered last, fill the first buckets.
-        from .pools import module_bucket_numels
-
-        own = module_bucket_numels(tuple(self._shapes), self.ctx.itemsize, self.ctx.bucket_bytes)
-        return [((self._bucket_numel,), self._extra)] * bool(self._extra) + [(own, 1)]
-
-    @property
-    def size(self) -> int:
-        return self.params
-
-    def member(self, size: int) -> Subject:
-        """Below the module: a bare count; from it up: the module plus whole buckets (a
-        size between two of those is the smaller)."""
-        module = self if self._base is None else self._base
-        if size < module.params:
-            return CountSubject(size, self.ctx)
-        extra = (size - module.params) // self._bucket_numel
-        if not extra:
-            return module
-        return ModuleSubject(module._shapes, self.ctx, base=module, extra_buckets=extra)
-
-
 def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = None) -> int | None:
     """The largest ``n`` in ``[low, high]`` (``high`` unbounded: up to ``_SEARCH_CAP``) with
     ``fits(n)``, for ``fits`` true up to some ``n`` and false beyond; ``None`` if
@@ -421,7 +264,7 @@ def _largest_int(fits: Callable[[int], bool], *, low: int, high: int | None = No
 class Status(enum.Enum):
     """Whether this library trains a configuration today."""
 
-    RUNS = "yes"  # OffloadAdamW runs it; its pools are the library's exact sizes
+    RUNS = "yes"  # the optimizer runs it; its pools are the library's exact sizes
     PAPER = "paper"  # the ZeRO paper's accounting of another system (DDP, ZeRO-1/2/3)
     NOT_YET = "not yet"  # an estimate of what the library does not run yet (reason given)
 
@@ -442,6 +285,12 @@ class Configuration(ABC):
         """Whether the library runs it with ``ctx``'s ranks, and if not yet, why."""
         return Status.RUNS, ""
 
+    def refusal(self, ctx: Context) -> str | None:
+        """Why the optimizer's construction refuses this configuration for ``ctx``'s rule and
+        ranks (``optim/checks.py``, ``refuse_whole_parameter_features``), so that it is no
+        row but a ``MemoryEstimate.left_out`` line; None: a row, sized for the rule."""
+        return None
+
     def conditions(self) -> str:
         """What a training loop must keep to for the row to hold (empty: nothing)."""
         return ""
@@ -459,28 +308,31 @@ class Replicated(Configuration):
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx, p = subject.ctx, subject.params
         device, host = subject.activations(self.activations)
-        return RowBytes(model_state_bytes(self.stage, p, ctx), 0, device, host)
+        states = model_state_bytes(self.stage, p, ctx, shaped=subject.shaped_state())
+        return RowBytes(states, 0, device, host)
 
     def status(self, ctx: Context) -> tuple[Status, str]:
         return Status.PAPER, "the ZeRO paper's accounting (model states on the device)"
 
 
-def model_state_bytes(stage: int, params: int, ctx: Context) -> int:
-    """Device bytes of weights, gradients and Adam state per rank at ZeRO ``stage`` (0:
-    DDP): ``(2s + K) P``, ``2sP + KP/N``, ``sP + (s + K)P/N``, ``(2s + K)P/N``, each
-    partitioned part rounded up to whole bytes."""
+def model_state_bytes(stage: int, params: int, ctx: Context, *, shaped: int = 0) -> int:
+    """Device bytes of weights, gradients and optimizer state per rank at ZeRO ``stage``
+    (0: DDP): ``(2s + K) P``, ``2sP + KP/N``, ``sP + (s + K)P/N``, ``(2s + K)P/N``, each
+    partitioned part rounded up to whole bytes; ``shaped``: the rule's shaped state
+    (``Subject.shaped_state``), with ``KP`` wherever it is."""
     s, k, n, p = ctx.itemsize, ctx.state_bytes, ctx.world_size, params
+    state = k * p + shaped
     return {
-        0: (2 * s + k) * p,
-        1: 2 * s * p + -(-k * p // n),
-        2: s * p + -(-(s + k) * p // n),
-        3: -(-(2 * s + k) * p // n),
+        0: 2 * s * p + state,
+        1: 2 * s * p + -(-state // n),
+        2: s * p + -(-(s * p + state) // n),
+        3: -(-(2 * s * p + state) // n),
     }[stage]
 
 
 @dataclass(frozen=True)
 class Offloaded(Configuration):
-    """ZeRO-Offload with this library: ``OffloadAdamW``'s exact pools, everything offloaded;
+    """ZeRO-Offload with this library: the optimizer's exact pools, everything offloaded;
     the host part per node (each rank's shards, times the ranks on a node)."""
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
@@ -495,6 +347,9 @@ class ParamOffloaded(Configuration):
     on the device; a shape needed. With several ranks it is ZeRO-3 with offload (each rank
     holds its shard of the host state; the slots hold gathered units), which runs
     (``params/sharded_fetch.py``; tests/test_zero3.py checks these pools on two ranks)."""
+
+    def refusal(self, ctx: Context) -> str | None:
+        return param_offload_refusal(ctx)
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         pools = subject.param_offload_pools()
@@ -513,6 +368,14 @@ class DeviceShards(Configuration):
     host state as ZeRO-3 with offload's. Not a row on one rank, where a shard is the whole
     model and the optimizer is built as without partitioning (the ``Offloaded`` rows)."""
 
+    def refusal(self, ctx: Context) -> str | None:
+        if ctx.whole and ctx.world_size > 1:
+            return (
+                f"partition_parameters=True: ZeRO-3's flat-range shards cut the parameters "
+                f"that {ctx.rule} reads whole"
+            )
+        return None
+
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         pools, shards = subject.param_offload_pools(), subject.device_shards()
         if subject.ctx.world_size == 1 or pools is None or shards is None:
@@ -521,6 +384,30 @@ class DeviceShards(Configuration):
         device, act_host = subject.activations(self.activations)
         rpn = subject.ctx.ranks_per_node
         return RowBytes(window + shards, grad_buffers, device, host * rpn + act_host)
+
+
+def param_offload_refusal(ctx: Context) -> str | None:
+    """``offload_parameters=True`` on several ranks (ZeRO-3 with offload) for a rule that
+    reads whole parameters: refused, as construction refuses it."""
+    if ctx.whole and ctx.world_size > 1:
+        return (
+            f"offload_parameters=True on {ctx.world_size} ranks: ZeRO-3 with offload shards "
+            f"each unit by flat range, which cuts the parameters that {ctx.rule} reads whole"
+        )
+    return None
+
+
+def nvme_refusal(ctx: Context) -> str | None:
+    """NVMe state (``nvme_dir``) for a rule that reads whole parameters: refused on several
+    ranks, as construction refuses it (on one rank its records follow whole parameters,
+    Note [NVMe tiles follow whole parameters] in ``optim/state/nvme_plan.py``, and the
+    tiers plan them so: ``nvme.whole_bucket_tiers``)."""
+    if ctx.whole and ctx.world_size > 1:
+        return (
+            f"nvme_dir on {ctx.world_size} ranks: {ctx.rule}'s records are planned over one "
+            "rank's whole bucket"
+        )
+    return None
 
 
 def largest_fitting(

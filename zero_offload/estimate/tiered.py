@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 from .accumulation import Accumulating
 from .delayed import Shadowed
-from .in_flight import ParamInFlight
-from .nvme import Homes, home_tiers, io_buffer_bytes, state_tiers, total_bytes
+from .in_flight import ParamInFlight, param_nvme_refusal
+from .nvme import Homes, home_tiers, io_bytes, state_tiers, total_bytes
 from .rows import (
     ActivationMode,
     Configuration,
+    Context,
     DeviceShards,
     Limits,
     Offloaded,
@@ -43,6 +44,7 @@ from .rows import (
     Replicated,
     RowBytes,
     Subject,
+    nvme_refusal,
 )
 
 __all__ = ["CONFIGURATIONS", "Homes", "NvmeState", "ParamNvme", "home_tiers"]
@@ -56,12 +58,17 @@ class NvmeState(Configuration):
     budget, the I/O buffers when a bucket is on NVMe; disk per rank: the other buckets'
     state records. Device: as ``Offloaded``."""
 
+    def refusal(self, ctx: Context) -> str | None:
+        return nvme_refusal(ctx)
+
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
         weights, grad_buffers, _ = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_buffer_bytes()
+        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_bytes(
+            subject.bucket_groups(), ctx
+        )
         budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
         host, disk = self.tiers(subject, budget)
         rpn = ctx.ranks_per_node
@@ -89,6 +96,9 @@ class ParamNvme(Configuration):
 
     homes: Homes = field(default=Homes.HOST)
 
+    def refusal(self, ctx: Context) -> str | None:
+        return param_nvme_refusal(ctx, self.homes)
+
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
         pools, groups = subject.param_offload_pools(), subject.unit_groups()
@@ -99,14 +109,14 @@ class ParamNvme(Configuration):
         rpn = ctx.ranks_per_node
         # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
         # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
-        fixed = total_bytes(groups, ctx, "staging") + io_buffer_bytes()
+        fixed = total_bytes(groups, ctx, "staging") + io_bytes(groups, ctx)
         budget = limits.state_budget(fixed, act_host, rpn)
         if self.homes is Homes.NVME:
             from ..config import OffloadConfig
             from ..weights.nvme_home import home_ring_bytes
 
             ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            grads = total_bytes(groups, ctx, "grad") + io_buffer_bytes() + ring + window
+            grads = total_bytes(groups, ctx, "grad") + io_bytes(groups, ctx) + ring + window
             host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
         else:
             host, disk = self.tiers(subject, budget)
