@@ -100,16 +100,18 @@ def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad, scratch) -> N
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
 
 
-@pytest.mark.parametrize("scale", [types.float32, types.float64], ids=["divide", "multiply"])
-def test_adafactor_update_loop_vectorises_and_fuses_nothing(scale) -> None:
-    """U over a row chunk, dividing by the row mean or multiplying by its float64 reciprocal
-    (Note [dividing by the row mean] in adafactor.py)."""
+@pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
+def test_adafactor_update_loop_vectorises_and_fuses_nothing(grad) -> None:
+    """U over a row chunk from the row's and the columns' factors: two multiplies and a
+    select, no division (Note [the update from the factors] in adafactor.py)."""
     f32 = types.float32
-    signature = (U16, types.int64, f32, F32, f32, scale, f32, F32)
+    signature = (grad, types.int64, f32, F32, f32, f32, F32)
     fn = adafactor._u_row
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
     dispatcher.compile(signature)
-    assert "fdiv" in dispatcher.inspect_llvm(signature)  # the reciprocal of the square root
-    assert FAST_MATH_FLAG.search(dispatcher.inspect_llvm(signature)) is None
+    ir = dispatcher.inspect_llvm(signature)
+    assert "fmul" in ir and "fdiv" not in ir and "sqrt" not in ir
+    assert FAST_MATH_FLAG.search(ir) is None
+    assert FUSED.search(ir) is None
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None

@@ -16,8 +16,7 @@ import math
 import numbers
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from ._validate import (
     BF16,
@@ -32,7 +31,7 @@ from ._validate import (
 from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
 from .stats import SUM_CHUNK, _as_f32, _sumsq_f32
 
-__all__ = ["adafactor_step", "factored"]
+__all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 
 # Note [Adafactor's three passes]
 # torch computes, for one parameter p with gradient G (negated when maximize), step t:
@@ -46,10 +45,11 @@ __all__ = ["adafactor_step", "factored"]
 #   p = p + (-alpha / max(1, ||U|| / (sqrt(numel) * d))) * U
 # The kernel makes three passes over the parameter:
 #   1. statistics: the sum of squares of p, and (factored) of G by row and by column;
-#      then the factors are updated (small vectors, serially);
+#      then the factors are updated, and from them one number per row and per column
+#      (small vectors, serially; Note [the update from the factors]);
 #   2. the sum of squares of U (unfactored: V is updated here, the pass writes it);
-#   3. the update, U recomputed from the final factors as in pass 2 (the same operations,
-#      the same bits), written to p and ``out``.
+#   3. the update, U recomputed as in pass 2 (the same operations, the same bits), written
+#      to p and ``out``.
 # Every sum is a float64 sum over fixed blocks of rows or elements, added in block order: a
 # function of the shape alone, not of the threads (Note [sums do not depend on the threads]
 # in _validate.py), each through stats.py's one reduction loop over fp32 chunks (Note [one
@@ -57,7 +57,9 @@ __all__ = ["adafactor_step", "factored"]
 # operation is one fp32 operation rounded as written
 # (Note [every specialisation rounds alike] in convert.py; torch's vectorised lerp and
 # add(alpha=) fuse a multiply-add, so a weight may differ from torch's in its last bit).
-# A norm is rounded to fp32 before it is used, as torch's ``norm().item()`` is.
+# A norm is rounded to fp32 before it is used, as torch's ``norm().item()`` is. The factors
+# R, C and V are torch's to the rounding of their sums; a factored U is computed in another
+# form than torch's (Note [the update from the factors]).
 
 # Note [pass 1 four rows at a time]
 # Pass 1 adds each row's squares to its block's float64 column partials. Row by row, every
@@ -68,35 +70,50 @@ __all__ = ["adafactor_step", "factored"]
 # through the one reduction loop over a chunk of its scaled values; an fp32 gradient with
 # grad_mul 1 is its own scaled values and is summed where it lies, without the copy.
 
-# Note [dividing by the row mean]
-# Factored, U costs a division by the batch's row mean r, a square root and a reciprocal
-# per element, in pass 2 and again in pass 3. Pass 2 reads only G, so on a few cores the
-# divider, not memory, bounds it; there the division is a multiplication, which gives the
-# same bits: fp32(t / r) == fp32(t * y), the product taken in float64 with y = 1 / r
-# rounded to float64, for all fp32 t, r with t / r >= 2**-126. Proof: write t = A * 2**a,
-# r = B * 2**b (integers 1 <= A, B < 2**24, subnormals too) and let M = K * 2**k be a
-# midpoint next to t / r between two fp32 values (K odd, 2**24 < K < 2**25, as t / r is
-# normal). Then t - r * M = A * 2**a - B * K * 2**(b + k); as t / r > M / 2, a >= b + k
-# (else A >= B * K > 2**24), so t - r * M is a multiple of 2**(b + k), and not zero (A's
-# odd part would be a multiple of K > A): |t / r - M| >= 2**k / B > 2**(k - 24) >
-# M * 2**-49. The float64 product is within (t / r) * 2**-51.9 of t / r (two roundings;
-# every product of fp32 t and y is a normal float64), so no midpoint lies between them and
-# both round to the same fp32. A quotient below 2**-126 rounds to at most 2**-126 either
-# way (the midpoint above 2**-126 has K = 2**24 + 1), and max(v, eps1**2) makes them equal
-# when eps1**2 >= 2**-126: pass 2 multiplies then (torch's default eps1 is 1.2e-7) and
-# divides otherwise. NaN and inf quotients agree too (r >= eps1 > 0). Pass 2 ran about 10%
-# faster so (a quarter of its divider work gone). Pass 3 divides: it also streams p in and
-# out, and the product's conversions, more instructions per element, left fewer loads in
-# flight (10% slower). Its U has pass 2's bits either way; tests/test_adafactor.py checks the
-# identity on random and extreme bits, and the kernel's results with and without it.
+# Note [the update from the factors]
+# torch's factored U_ij = rsqrt(max(fp32(R_i * C_j) / r, eps1^2)) * G_ij (r: the batch's
+# max(mean of R, eps1)) costs a division, a square root and a reciprocal per element, in
+# pass 2 and again in pass 3: on two cores those, not memory, bounded both passes (the step
+# ran at 0.64x its roofline). As optax's ``scale_by_factored_rms`` does, the kernel takes the
+# square root once per row and per column instead: between passes 1 and 2 it computes, in
+# float64 rounded once to fp32, a_i = 1 / sqrt(R_i / r) per row and b_j = 1 / sqrt(C_j) per
+# column (O(m + n)), and per element
+#   U_ij = min(a_i * b_j, cap) * G_ij,   cap = fp32(1 / fp32(sqrt(fp32(eps1^2))))
+# two multiplies and a select. In exact arithmetic a_i * b_j = rsqrt(R_i C_j / r), and
+# max(V, eps1^2) is min(rsqrt(V), 1 / eps1) after the rsqrt, so this is torch's U; cap is
+# the value torch's rsqrt gives a clamped element, so a clamped U is torch's bits. The
+# clamp keeps its meaning where a factor is 0, inf or NaN (torch's clamp passes NaN):
+#   - a zero row or column (R_i = 0 or C_j = 0: V = 0, clamped to cap): a_i or b_j is
+#     inf, the product inf, min gives cap (NaN when the other factor is 0, below);
+#   - an inf column (C_j = inf: V = inf, U = rsqrt(inf) * G = 0 * G): b_j = 0, U = 0 * G,
+#     and NaN where torch's fp32(R_i * C_j) is NaN too (R_i = 0: a_i = inf, inf * 0);
+#   - an inf R_i makes its batch's row mean r inf: torch's V is inf / inf = NaN on that row
+#     and 0 (clamped) on the others; a_i = 1 / sqrt(inf / inf) is NaN there, and
+#     1 / sqrt(R_i / inf) = inf (cap) elsewhere;
+#   - NaN in R_i, C_j or r reaches U, as in torch: the select is ``cap if x > cap else x``
+#     and r's clamp ``eps1 if mean < eps1 else mean``, both false for NaN (the kernel
+#     before this form clamped a NaN V to eps1^2 and a NaN mean to eps1);
+#   - eps1 = 0 gives cap = inf, the min a no-op, as torch's clamp at 0 is.
+# Where they part: torch rounds R_i * C_j to fp32, which overflows to inf (U = 0) or
+# underflows to 0 (U = G / eps1 when clamped) for factors whose product leaves fp32's range
+# (|R_i C_j| past 3.4e38, or below 1.2e-38 with eps1 below 1.1e-19); the factored form
+# follows exact arithmetic there, its a_i and b_j staying in range while R_i / r and C_j do.
+# And the rounding: a_i and b_j are each within half an ulp of exact, the product and the
+# multiply by G add half an ulp each, so U is within about 2 ulp of the exact value, as
+# torch's (four fp32 roundings) is; the two differ by at most a few ulp of U per element
+# (elements within an ulp of the clamp may fall on either side of it, both then within an
+# ulp of cap * G). The update scales U by alpha / denom (the weights' RMS times rho, about
+# lr for unit weights), so a few ulp of U are far below an ulp of a weight; the clipping
+# norm's sum moves by as little. The device-resident step (``device_parameter_step`` in
+# optim/rule/adafactor.py) computes U in this same form with the same operations, so the
+# host and device buckets of one model round U alike. The unfactored U keeps torch's form:
+# its V is per element, there is nothing to share.
 
 #: At most this many blocks of rows per factored parameter; each keeps its own float64
 #: column sums, so their memory is bounded by MAX_BLOCKS * columns * 8 bytes (and by
 #: COLUMN_PARTIALS elements in all).
 MAX_BLOCKS = 64
 COLUMN_PARTIALS = 1 << 22
-#: The smallest normal fp32 (2**-126): Note [dividing by the row mean].
-SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
 def factored(shape: tuple[int, ...]) -> bool:
@@ -222,10 +239,10 @@ def _lerp(start, end, weight):
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _update_factors(rowsq, colpart, row_var, col_var, rmean, m, n, weight, eps1):
+def _update_factors(rowsq, colpart, row_var, col_var, m, n, weight):
     """Between passes 1 and 2: the row and column means of g^2 into ``row_var`` and
-    ``col_var`` (lerp by ``weight``), and ``rmean[b]`` = max(mean of batch b's row_var,
-    eps1), all fp32 as torch rounds them. A column's partials are added in block order."""
+    ``col_var`` (lerp by ``weight``), fp32 as torch rounds them. A column's partials are
+    added in block order."""
     for r in range(rowsq.shape[0]):
         norm = np.float32(np.sqrt(rowsq[r]))
         row_var[r] = _lerp(row_var[r], norm * norm / np.float32(n), weight)
@@ -238,47 +255,47 @@ def _update_factors(rowsq, colpart, row_var, col_var, rmean, m, n, weight, eps1)
     for c in range(cols):
         norm = np.float32(np.sqrt(total[c]))
         col_var[c] = _lerp(col_var[c], norm * norm / np.float32(m), weight)
-    for b in range(rmean.shape[0]):
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _rsqrt_factors(row_var, col_var, m, eps1, row_f, col_f):
+    """The factors of U (Note [the update from the factors]): ``row_f[r]`` = 1 / sqrt(
+    row_var[r] / r_b), r_b = max(mean of batch b's row_var, eps1) rounded to fp32 as torch
+    rounds its mean (a NaN mean stays NaN, as under torch's clamp), and ``col_f[c]`` = 1 /
+    sqrt(col_var[c]); each in float64, rounded once to fp32."""
+    for c in range(col_var.shape[0]):
+        col_f[c] = np.float32(1.0 / np.sqrt(np.float64(col_var[c])))
+    for b in range(row_var.shape[0] // m):
         acc = 0.0
         for i in range(m):
             acc += np.float64(row_var[b * m + i])
         mean = np.float32(acc / m)
-        rmean[b] = mean if mean > eps1 else eps1
-
-
-def _over_mean(v, scale):
-    """``v / r`` for the batch's row mean r (fp32), given as ``scale``: r itself (fp32), or
-    its float64 reciprocal, then multiplied (Note [dividing by the row mean])."""
-
-
-@overload(_over_mean)
-def _over_mean_impl(v, scale):
-    if scale == types.float64:
-        return lambda v, scale: np.float32(np.float64(v) * scale)
-    return lambda v, scale: v / scale
+        rmean = np.float64(eps1 if mean < eps1 else mean)
+        for i in range(m):
+            row_f[b * m + i] = np.float32(1.0 / np.sqrt(np.float64(row_var[b * m + i]) / rmean))
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _factored_u(g, rv, cv, scale, eps1sq):
-    v = _over_mean(rv * cv, scale)
-    v = v if v > eps1sq else eps1sq
-    return (np.float32(1.0) / np.sqrt(v)) * g
+def _factored_u(g, a, b, cap):
+    """U = min(a * b, cap) * g, NaN passed through (Note [the update from the factors])."""
+    x = a * b
+    x = cap if x > cap else x
+    return x * g
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _u_row(g_t, grad_kind, grad_mul, cv_t, rv, scale, eps1sq, scratch):
+def _u_row(g_t, grad_kind, grad_mul, cf_t, a, cap, scratch):
     """U over one row's chunk into ``scratch`` (returned, the chunk's length)."""
     for j in range(g_t.shape[0]):
-        scratch[j] = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], scale,
-                                 eps1sq)  # fmt: skip
+        scratch[j] = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, a, cf_t[j], cap)
     return scratch[: g_t.shape[0]]
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _apply_row(p_t, g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, decay, coef, out_t):
+def _apply_row(p_t, g_t, grad_kind, grad_mul, cf_t, a, cap, decay, coef, out_t):
     """Pass 3 over one row: ``p = p * decay + coef * U``, and ``out``."""
     for j in range(p_t.shape[0]):
-        u = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], rm, eps1sq)
+        u = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, a, cf_t[j], cap)
         p = p_t[j] * decay
         p = p + coef * u
         p_t[j] = p
@@ -286,12 +303,11 @@ def _apply_row(p_t, g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, decay, coef,
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _factored_usq(grad, grad_kind, grad_mul, m, n, row_var, col_var, scales, eps1sq, nblocks,
-                  usq):  # fmt: skip
+def _factored_usq(grad, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks, usq):
     """Pass 2: ``usq[blk]`` = the block's sum of U^2 (float64), U written chunk by chunk
-    into a scratch buffer and summed by the one reduction loop. ``scales[b]``: batch b's
-    row mean or its reciprocal (Note [dividing by the row mean])."""
-    rows = row_var.shape[0]
+    into a scratch buffer and summed by the one reduction loop. ``row_f``/``col_f``: the
+    per-row and per-column factors (Note [the update from the factors])."""
+    rows = row_f.shape[0]
     for blk in prange(nblocks):
         r0 = rows * blk // nblocks
         r1 = rows * (blk + 1) // nblocks
@@ -299,34 +315,30 @@ def _factored_usq(grad, grad_kind, grad_mul, m, n, row_var, col_var, scales, eps
         acc = 0.0
         for r in range(r0, r1):
             base = r * n
-            b = r // m
-            cb = b * n
-            rv = row_var[r]
-            scale = scales[b]
+            cb = (r // m) * n
+            a = row_f[r]
             for lo in range(0, n, SUM_CHUNK):
                 hi = min(lo + SUM_CHUNK, n)
                 u = _u_row(grad[base + lo : base + hi], grad_kind, grad_mul,
-                           col_var[cb + lo : cb + hi], rv, scale, eps1sq, scratch)  # fmt: skip
+                           col_f[cb + lo : cb + hi], a, cap, scratch)  # fmt: skip
                 acc += _sumsq_f32(u)
         usq[blk] = acc
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _factored_apply(param, grad, grad_kind, grad_mul, m, n, row_var, col_var, rmean, eps1sq,
-                    decay, coef, out, nchunks):  # fmt: skip
-    """Pass 3: ``p = p * decay + coef * U``, and ``out``; ``rmean[b]``: batch b's row mean,
-    divided by (Note [dividing by the row mean])."""
-    rows = row_var.shape[0]
+def _factored_apply(param, grad, grad_kind, grad_mul, m, n, row_f, col_f, cap, decay, coef,
+                    out, nchunks):  # fmt: skip
+    """Pass 3: ``p = p * decay + coef * U``, and ``out``; U as in pass 2."""
+    rows = row_f.shape[0]
     for c in prange(nchunks):
         r0 = rows * c // nchunks
         r1 = rows * (c + 1) // nchunks
         for r in range(r0, r1):
             base = r * n
-            b = r // m
-            cb = b * n
+            cb = (r // m) * n
             o = out[base : base + n] if out.shape[0] else out
             _apply_row(param[base : base + n], grad[base : base + n], grad_kind, grad_mul,
-                       col_var[cb : cb + n], row_var[r], rmean[b], eps1sq, decay, coef, o)  # fmt: skip
+                       col_f[cb : cb + n], row_f[r], cap, decay, coef, o)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
@@ -388,6 +400,15 @@ def _vector_apply(param, grad, grad_kind, grad_mul, variance, eps1sq, decay, coe
         o = out[lo:hi] if out.shape[0] else out
         _vector_apply_tile(param[lo:hi], grad[lo:hi], grad_kind, grad_mul, variance[lo:hi],
                            eps1sq, decay, coef, o)  # fmt: skip
+
+
+def adafactor_update_cap(eps1: float) -> float:
+    """The largest factored U / G: ``rsqrt(eps1^2)`` as torch's clamp and rsqrt round it,
+    fp32(1 / fp32(sqrt(fp32(eps1 * eps1)))) (inf for eps1 = 0; Note [the update from the
+    factors])."""
+    eps1sq = np.float32(eps1 * eps1)
+    with np.errstate(divide="ignore"):
+        return float(np.float32(1.0) / np.sqrt(eps1sq))
 
 
 def _f32_norm(sumsq: float) -> float:
@@ -479,6 +500,7 @@ def adafactor_step(
     rho = min(lr, 1 / (t**0.5))
     grad_mul = f32(-grad_scale if maximize else grad_scale)
     eps1sq = f32(eps1 * eps1)
+    cap = f32(adafactor_update_cap(eps1))
     decay = f32(1 - lr * weight_decay)
 
     def run(threads: int) -> None:
@@ -491,13 +513,12 @@ def adafactor_step(
             direct = grad_kind == FP32 and grad_mul == 1
             _factored_stats(param_a, grad_a, grad_kind, grad_mul, m, n, nblocks, rowsq,
                             colpart, psq, direct)  # fmt: skip
-            rmean = np.empty(batches, dtype=np.float32)  # (batches,) max(mean row_var, eps1)
-            _update_factors(rowsq, colpart, row_a, col_a, rmean, m, n, weight, f32(eps1))
-            # Note [dividing by the row mean]: (batches,) float64 reciprocals, or rmean
-            scales = 1.0 / rmean.astype(np.float64) if eps1sq >= SMALLEST_NORMAL else rmean
+            row_f = np.empty(rows, dtype=np.float32)  # (rows,) 1 / sqrt(R_i / r_b)
+            col_f = np.empty(batches * n, dtype=np.float32)  # (batches * n,) 1 / sqrt(C_j)
+            _update_factors(rowsq, colpart, row_a, col_a, m, n, weight)
+            _rsqrt_factors(row_a, col_a, m, f32(eps1), row_f, col_f)
             usq = np.empty(nblocks, dtype=np.float64)
-            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_a, col_a, scales, eps1sq,
-                          nblocks, usq)  # fmt: skip
+            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks, usq)
         else:
             nblocks = _element_blocks(numel)
             usq = np.empty(nblocks, dtype=np.float64)
@@ -510,8 +531,8 @@ def adafactor_step(
         coef = f32(-alpha / denom)
         nchunks = chunking(numel, threads)
         if factored(shape):
-            _factored_apply(param_a, grad_a, grad_kind, grad_mul, m, n, row_a, col_a, rmean,
-                            eps1sq, decay, coef, out_a, min(nchunks, batches * m))  # fmt: skip
+            _factored_apply(param_a, grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap,
+                            decay, coef, out_a, min(nchunks, batches * m))  # fmt: skip
         else:
             _vector_apply(param_a, grad_a, grad_kind, grad_mul, var_a, eps1sq, decay, coef,
                           out_a, nchunks)  # fmt: skip
