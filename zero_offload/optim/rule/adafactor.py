@@ -45,16 +45,17 @@ __all__ = ["ADAFACTOR", "AdafactorHyper", "AdafactorRule"]
 # size ``alpha`` and the clipping denominator are torch's to the bit. The clamp is Python's
 # ``max(lo, x)``, ``x if x > lo else lo``, not ``clamp_``: a NaN norm (a NaN weight, or a NaN
 # in U) gives ``lo`` there, as in torch and the host kernel, where ``clamp_`` would spread
-# the NaN to every weight of the parameter. The factors
-# (``row_var``, ``col_var``, ``variance``) are torch's operations in torch's order, so for
-# the same gradient they are torch's bits on the same device. A matrix's U is not torch's
+# the NaN to every weight of the parameter. The factors (``row_var``, ``col_var``,
+# ``variance``) are torch's operations in torch's order, so for the same gradient they are
+# torch's bits on the same device. A matrix's U is not torch's
 # ``rsqrt(max((R @ C) / r, eps1^2)) * G`` but the host kernel's factored form, with its
 # operations (Note [the update from the factors] in ``kernels/adafactor.py``): a row factor
 # and a column factor in float64 rounded to fp32 (the row mean r summed in float64 and
 # rounded once, as the kernel does), their product clamped at the kernel's cap, times G.
-# So a parameter's U rounds alike whether its bucket steps on the host or on the device
-# (within a few ulp of torch's, not its bits), and only the norms (summed in another
-# order) tell them apart. A vector's U is torch's. The last operation differs from torch's
+# So a parameter's U is computed alike whether its bucket steps on the host or on the
+# device (within a few ulp of torch's, not its bits); what tells them apart is what the
+# kernel cannot share with torch: its sums (the norms, the row and column sums of g^2) in
+# another order, and torch's lerp, fused on vectorised code. A vector's U is torch's. The last operation differs from torch's
 # too: torch adds the update with ``alpha=-alpha / denom`` (that scalar rounded to fp32,
 # and a fused multiply-add on vectorised CPU code and on CUDA); here the update is
 # multiplied by the fp32 scalar and then added, two roundings, as the host kernel does.
