@@ -94,10 +94,11 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 #     and r's clamp ``eps1 if mean < eps1 else mean``, both false for NaN (the kernel
 #     before this form clamped a NaN V to eps1^2 and a NaN mean to eps1);
 #   - eps1 = 0 gives cap = inf, the min a no-op, as torch's clamp at 0 is.
-# Where they part: torch rounds R_i * C_j to fp32, which overflows to inf (U = 0) or
-# underflows to 0 (U = G / eps1 when clamped) for factors whose product leaves fp32's range
-# (|R_i C_j| past 3.4e38, or below 1.2e-38 with eps1 below 1.1e-19); the factored form
-# follows exact arithmetic there, its a_i and b_j staying in range while R_i / r and C_j do.
+# Where they part: torch rounds R_i * C_j to fp32, which overflows past 3.4e38 (V = inf,
+# U = 0) and loses bits below 1.2e-38 (subnormal, or 0 and clamped); the latter matters
+# only where V = R_i C_j / r still exceeds eps1^2, so with eps1 below about 2e-13 (r >=
+# eps1). The factored form follows exact arithmetic there, its a_i and b_j in range while
+# R_i / r and C_j are.
 # And the rounding: a_i and b_j are each within half an ulp of exact, the product and the
 # multiply by G add half an ulp each, so U is within about 2 ulp of the exact value, as
 # torch's (four fp32 roundings) is; the two differ by at most a few ulp of U per element
