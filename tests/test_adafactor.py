@@ -17,8 +17,8 @@ whole parameter] in zero_offload/optim/rule/base.py).
 7. The kernel against torch on odd shapes (3-D, 1-wide, 0-D).
 8. The kernel's factored U (Note [the update from the factors]) against torch's, elementwise:
    NaN, inf, 0 and clamped values where torch has them, the rest within a few ulp.
-9. The kernel's fast paths give the plain path's bits: pass 1's four rows at a time and its
-   uncopied fp32 gradient, on any number of threads.
+9. The kernel's fast paths give the plain path's bits: pass 1's four rows at a time (its
+   fp32 runs of rows) and its uncopied fp32 gradient, on any number of threads.
 """
 
 from __future__ import annotations
@@ -405,11 +405,12 @@ def test_fast_paths_give_the_plain_bits(shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["fp32-uncopied", "scaled-copy"])
-@pytest.mark.parametrize("shape", [(2, 7, 2050), (9, 4100)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 7, 2050), (9, 4100), (40, 2050)], ids=str)
 def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
-    """Note [pass 1 four rows at a time]: the column partials are each block's rows' squares
-    added row by row, the row sums and p's sum the reduction loop over each row's chunks in
-    order: bit for bit what a row-by-row walk gives."""
+    """Note [pass 1 four rows at a time]: a column's squares are added in fp32 row by row
+    over runs of COLUMN_ROWS rows of one batch counted from the block's first row, each
+    run's sum added in float64 in run order; the row sums and p's sum are the reduction
+    loop over each row's chunks in order: bit for bit what a row-by-row walk gives."""
     from zero_offload.kernels.stats import SUM_CHUNK, _sumsq_f32
 
     gen = np.random.default_rng(len(shape))
@@ -417,20 +418,24 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
     rows = math.prod(batch) * m
     grad = gen.standard_normal(rows * n, dtype=np.float32)
     param = gen.standard_normal(rows * n, dtype=np.float32)
-    nblocks = 2  # a block of each shape holds four rows of one batch
+    nblocks = 2  # blocks of 7 rows (one batch each), of 4 and 5 rows, of 20 rows (16 + 4)
     rowsq = np.empty(rows)
     colpart = np.zeros((nblocks, rows // m * n))
     psq = np.empty(nblocks)
     adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
                               psq, direct)  # fmt: skip
-    squares = grad.astype(np.float64).reshape(rows, n) ** 2
+    squares = grad.reshape(rows, n) * grad.reshape(rows, n)  # fp32, rounded as the kernel
     for blk in range(nblocks):
         r0, r1 = rows * blk // nblocks, rows * (blk + 1) // nblocks
         expect = np.zeros(rows // m * n)
         p_sum = 0.0
+        run = np.zeros(n, dtype=np.float32)
         for r in range(r0, r1):
             cb = r // m * n
-            expect[cb : cb + n] += squares[r]
+            run += squares[r]  # fp32, in row order
+            if (r - r0 + 1) % adafactor.COLUMN_ROWS == 0 or r + 1 == r1 or (r + 1) % m == 0:
+                expect[cb : cb + n] += run.astype(np.float64)
+                run[:] = 0.0
             for lo in range(0, n, SUM_CHUNK):
                 p_sum += _sumsq_f32(param[r * n + lo : r * n + min(lo + SUM_CHUNK, n)])
         assert np.array_equal(colpart[blk], expect)

@@ -53,7 +53,9 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 # Every sum is a float64 sum over fixed blocks of rows or elements, added in block order: a
 # function of the shape alone, not of the threads (Note [sums do not depend on the threads]
 # in _validate.py), each through stats.py's one reduction loop over fp32 chunks (Note [one
-# loop shape for every sum]; U is written into a scratch chunk first), and each elementwise
+# loop shape for every sum]; U is written into a scratch chunk first), but the column sums
+# of pass 1, fp32 over runs of a few rows before float64 (Note [pass 1 four rows at a
+# time]: elementwise additions in row order, no reduction loop); and each elementwise
 # operation is one fp32 operation rounded as written
 # (Note [every specialisation rounds alike] in convert.py; torch's vectorised lerp and
 # add(alpha=) fuse a multiply-add, so a weight may differ from torch's in its last bit).
@@ -62,13 +64,26 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 # form than torch's (Note [the update from the factors]).
 
 # Note [pass 1 four rows at a time]
-# Pass 1 adds each row's squares to its block's float64 column partials. Row by row, every
-# partial (8 bytes a column: 32 KiB for 4096 columns, past L1) was loaded and stored once
-# per row: at 4096 x 4096 on two cores pass 1 took 7.1 ms, its streams 2.3 ms. Four rows of
-# one batch are taken at once (4.1 ms): a partial is loaded, the four squares added in row
-# order, and stored once; the same additions in the same order, so the same bits. Each row's own sum still goes
-# through the one reduction loop over a chunk of its scaled values; an fp32 gradient with
-# grad_mul 1 is its own scaled values and is summed where it lies, without the copy.
+# Pass 1 sums each column's squares over a block of rows. Row by row into float64
+# partials (8 bytes a column: 32 KiB for 4096 columns, past L1), every partial was loaded
+# and stored once per row: at 4096 x 4096 on two cores pass 1 took 7.1 ms, its streams
+# 2.3 ms. So four rows of one batch are taken at once: a column's sum is loaded, the four
+# squares added in row order, and stored once. And the sum is fp32 over a run of
+# COLUMN_ROWS rows of one batch (runs counted from the block's first row, so a function of
+# the shape), each run's sum then added to the column's float64 partial in run order: fp32
+# vectors hold twice the lanes of float64 and need no convert per element. The same
+# additions in the same order whatever the threads or the gradient's dtype: the same bits.
+# The error: a run's sum of k <= COLUMN_ROWS squares of fp32 values (each square rounded,
+# then k - 1 additions of non-negative terms) is within about k * 2^-24 of exact relative
+# to itself, under 1e-6 for 16 rows (about sqrt(k) * 2^-24 for random roundings), and the
+# float64 sum of the runs adds nothing that shows in fp32; so C_j is within about 16 ulp
+# of the exact mean, typically a few (torch sums ``norm(G, dim=-2)`` in fp32 too, and
+# rounds the norm to fp32 before squaring it, which alone costs an ulp of C_j). U moves by
+# half that (through the rsqrt), far below an ulp of a weight (Note [the update from the
+# factors]); the parity tests measure no change. Each row's own sum still goes through
+# the one reduction loop over a chunk of its scaled values (an L1 read of the chunk just
+# loaded, not a second pass over memory); an fp32 gradient with grad_mul 1 is its own
+# scaled values and is summed where it lies, without the copy.
 
 # Note [the update from the factors]
 # torch's factored U_ij = rsqrt(max(fp32(R_i * C_j) / r, eps1^2)) * G_ij (r: the batch's
@@ -115,6 +130,9 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 #: COLUMN_PARTIALS elements in all).
 MAX_BLOCKS = 64
 COLUMN_PARTIALS = 1 << 22
+#: Rows of one batch whose squares pass 1 adds per column in fp32 before adding that sum
+#: to the column's float64 partial (Note [pass 1 four rows at a time]).
+COLUMN_ROWS = 16
 
 
 def factored(shape: tuple[int, ...]) -> bool:
@@ -135,22 +153,21 @@ def _element_blocks(numel: int) -> int:
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_1row(g_t, grad_kind, grad_mul, cp_t, s_t):
-    """``cp_t[j] += (g_t[j] * grad_mul)^2`` in float64, the scaled values into ``s_t``
-    (a no-op when absent: Note [what is compile-time, what is a select] in convert.py)."""
-    for j in range(cp_t.shape[0]):
+def _squares_1row(g_t, grad_kind, grad_mul, cf_t, s_t):
+    """``cf_t[j] += (g_t[j] * grad_mul)^2`` in fp32, the scaled values into ``s_t`` (a
+    no-op when absent: Note [what is compile-time, what is a select] in convert.py)."""
+    for j in range(cf_t.shape[0]):
         x = load_f32(g_t, j, grad_kind) * grad_mul
         store_f32(s_t, j, x)
-        d = np.float64(x)
-        cp_t[j] += d * d
+        cf_t[j] += x * x
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, s0, s1, s2, s3):
-    """``_squares_1row`` of four consecutive rows at once, added to each column's partial in
-    row order: one load and store of the partial per four rows (Note [pass 1 four rows at
-    a time])."""
-    for j in range(cp_t.shape[0]):
+def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t, s0, s1, s2, s3):
+    """``_squares_1row`` of four consecutive rows at once, added to each column's fp32 sum
+    in row order: one load and store of the sum per four rows (Note [pass 1 four rows at a
+    time])."""
+    for j in range(cf_t.shape[0]):
         x0 = load_f32(g0, j, grad_kind) * grad_mul
         x1 = load_f32(g1, j, grad_kind) * grad_mul
         x2 = load_f32(g2, j, grad_kind) * grad_mul
@@ -159,32 +176,37 @@ def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, s0, s1, s2, s3):
         store_f32(s1, j, x1)
         store_f32(s2, j, x2)
         store_f32(s3, j, x3)
-        acc = cp_t[j]
-        d = np.float64(x0)
-        acc += d * d
-        d = np.float64(x1)
-        acc += d * d
-        d = np.float64(x2)
-        acc += d * d
-        d = np.float64(x3)
-        acc += d * d
-        cp_t[j] = acc
+        acc = cf_t[j]
+        acc += x0 * x0
+        acc += x1 * x1
+        acc += x2 * x2
+        acc += x3 * x3
+        cf_t[j] = acc
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _add_columns(cf_t, cp_t):
+    """``cp_t[j] += cf_t[j]`` (a run's fp32 sum into the float64 partial), ``cf_t[j] = 0``."""
+    for j in range(cp_t.shape[0]):
+        cp_t[j] += np.float64(cf_t[j])
+        cf_t[j] = np.float32(0.0)
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
 def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colpart, psq, direct):
     """Pass 1: ``rowsq[r]`` = sum_j g[r, j]^2; ``colpart[blk, b*n + j]`` = that block's rows'
-    g^2 in column j of batch b; ``psq[blk]`` = that block's sum of p^2 (all float64). Each
-    row's sums go through the one reduction loop (Note [one loop shape for every sum] in
-    stats.py) in chunks of SUM_CHUNK from the row's start: the gradient's over its scaled
-    values, copied into a scratch chunk, or over the chunk itself when ``direct`` (an fp32
-    gradient and ``grad_mul`` 1: the same values). Rows are taken four at a time (Note
-    [pass 1 four rows at a time])."""
+    g^2 in column j of batch b, summed in fp32 over runs of COLUMN_ROWS rows and the runs in
+    float64 (Note [pass 1 four rows at a time]); ``psq[blk]`` = that block's sum of p^2
+    (float64). Each row's own sums go through the one reduction loop (Note [one loop shape
+    for every sum] in stats.py) in chunks of SUM_CHUNK from the row's start: the
+    gradient's over its scaled values, copied into a scratch chunk, or over the chunk
+    itself when ``direct`` (an fp32 gradient and ``grad_mul`` 1: the same values)."""
     rows = rowsq.shape[0]
     for blk in prange(nblocks):
         r0 = rows * blk // nblocks
         r1 = rows * (blk + 1) // nblocks
         cp = colpart[blk]
+        cf = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's column sums
         w = min(n, SUM_CHUNK)
         scratch = (np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32),
                    np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32))  # fmt: skip
@@ -192,42 +214,46 @@ def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colp
         pacc = 0.0
         r = r0
         while r < r1:
-            four = r + 4 <= r1 and r // m == (r + 3) // m  # four rows of one batch
-            k = 4 if four else 1
-            base = r * n
+            run_end = min(r + COLUMN_ROWS, r1, (r // m + 1) * m)  # a run: rows of one batch
             cb = (r // m) * n
-            for i in range(k):
-                rowsq[r + i] = 0.0
-            for lo in range(0, n, SUM_CHUNK):
-                hi = min(lo + SUM_CHUNK, n)
-                c = hi - lo
-                cp_t = cp[cb + lo : cb + hi]
-                g0 = grad[base + lo : base + hi]
-                if four:
-                    g1 = grad[base + n + lo : base + n + hi]
-                    g2 = grad[base + 2 * n + lo : base + 2 * n + hi]
-                    g3 = grad[base + 3 * n + lo : base + 3 * n + hi]
-                    if direct:
-                        _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, absent, absent,
-                                       absent, absent)  # fmt: skip
-                    else:
-                        _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, scratch[0][:c],
-                                       scratch[1][:c], scratch[2][:c], scratch[3][:c])  # fmt: skip
-                elif direct:
-                    _squares_1row(g0, grad_kind, grad_mul, cp_t, absent)
-                else:
-                    _squares_1row(g0, grad_kind, grad_mul, cp_t, scratch[0][:c])
+            while r < run_end:
+                four = r + 4 <= run_end
+                k = 4 if four else 1
+                base = r * n
                 for i in range(k):
-                    if direct:
-                        g_i = grad[base + i * n + lo : base + i * n + hi]
-                        rowsq[r + i] += _sumsq_f32(_as_f32(g_i, grad_kind, scratch[i][:c]))
-                    else:
-                        rowsq[r + i] += _sumsq_f32(scratch[i][:c])
-            for i in range(k):
-                row = base + i * n
+                    rowsq[r + i] = 0.0
                 for lo in range(0, n, SUM_CHUNK):
-                    pacc += _sumsq_f32(param[row + lo : row + min(lo + SUM_CHUNK, n)])
-            r += k
+                    hi = min(lo + SUM_CHUNK, n)
+                    c = hi - lo
+                    cf_t = cf[lo:hi]
+                    g0 = grad[base + lo : base + hi]
+                    if four:
+                        g1 = grad[base + n + lo : base + n + hi]
+                        g2 = grad[base + 2 * n + lo : base + 2 * n + hi]
+                        g3 = grad[base + 3 * n + lo : base + 3 * n + hi]
+                        if direct:
+                            _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t, absent,
+                                           absent, absent, absent)  # fmt: skip
+                        else:
+                            _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t,
+                                           scratch[0][:c], scratch[1][:c], scratch[2][:c],
+                                           scratch[3][:c])  # fmt: skip
+                    elif direct:
+                        _squares_1row(g0, grad_kind, grad_mul, cf_t, absent)
+                    else:
+                        _squares_1row(g0, grad_kind, grad_mul, cf_t, scratch[0][:c])
+                    for i in range(k):
+                        if direct:
+                            g_i = grad[base + i * n + lo : base + i * n + hi]
+                            rowsq[r + i] += _sumsq_f32(_as_f32(g_i, grad_kind, scratch[i][:c]))
+                        else:
+                            rowsq[r + i] += _sumsq_f32(scratch[i][:c])
+                for i in range(k):
+                    row = base + i * n
+                    for lo in range(0, n, SUM_CHUNK):
+                        pacc += _sumsq_f32(param[row + lo : row + min(lo + SUM_CHUNK, n)])
+                r += k
+            _add_columns(cf, cp[cb : cb + n])
         psq[blk] = pacc
 
 
