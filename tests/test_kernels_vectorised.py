@@ -82,12 +82,11 @@ def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out)
 
 
 @pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("scratch", [NONE, F32], ids=["uncopied", "copied"])
-def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad, scratch) -> None:
+def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad) -> None:
     """Pass 1's four-row loop into fp32 column sums (Note [pass 1 four rows at a time] in
     adafactor.py)."""
     f32 = types.float32
-    signature = (grad, grad, grad, grad, types.int64, f32, F32, scratch, scratch, scratch, scratch)
+    signature = (grad, grad, grad, grad, types.int64, f32, F32)
     fn = adafactor._squares_4rows
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
