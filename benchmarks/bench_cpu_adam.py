@@ -34,7 +34,7 @@ ONE_STATE = ("Lion", "Adagrad")
 #: the one before it whole (the factors, then the clipping norm), so none of the streams can
 #: be shared; the kernel's arithmetic is not counted (U costs two multiplies and a select per
 #: element: Note [the update from the factors]; what still exceeds the streams, pass 1's
-#: float64 column sums and the sums of squares over scratch chunks: docs/benchmarks.md).
+#: arithmetic between its streams and pass 2's column factors from L2: docs/benchmarks.md).
 ADAFACTOR_ROOF = "roofline Adafactor fp32 (3 passes, 24 B/param)"
 
 
