@@ -86,8 +86,9 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 # fp32 gradient with grad_mul 1, which is its own scaled values), reading the rows from
 # memory as one stream; then their column sums, reading the four rows again from L2 (64
 # KiB at 4096 columns); then p's sums. The other order, the column sums first and each
-# row's sum over the chunk just loaded, was 15% slower at 4096 x 4096 (3.8 against 4.4 ms
-# on two cores): the streams from memory then carried the column loop's work between them.
+# row's sum over the chunk just loaded, was about 15% slower at 4096 x 4096 (4.4 ms against
+# 3.8 on two cores): the streams from memory then carried the column loop's stores between
+# them.
 
 # Note [the update from the factors]
 # torch's factored U_ij = rsqrt(max(fp32(R_i * C_j) / r, eps1^2)) * G_ij (r: the batch's
