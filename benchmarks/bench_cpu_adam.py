@@ -32,9 +32,9 @@ ONE_STATE = ("Lion", "Adagrad")
 #: three passes (Note [Adafactor's three passes] in kernels/adafactor.py: read p, g; read g;
 #: read p, g, write p: 24 B/param; its factors, 8 B per row, stay in cache). Each pass needs
 #: the one before it whole (the factors, then the clipping norm), so none of the streams can
-#: be shared; the kernel's arithmetic is not counted: on few cores the square root and the
-#: reciprocal that U costs per element, in passes 2 and 3, take longer than the streams
-#: (Note [dividing by the row mean]).
+#: be shared; the kernel's arithmetic is not counted (U costs two multiplies and a select per
+#: element: Note [the update from the factors]; what still exceeds the streams, pass 1's
+#: arithmetic between its streams and pass 2's column factors from L2: docs/benchmarks.md).
 ADAFACTOR_ROOF = "roofline Adafactor fp32 (3 passes, 24 B/param)"
 
 

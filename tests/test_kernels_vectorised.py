@@ -81,15 +81,12 @@ def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out)
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
 
 
-F64 = types.Array(types.float64, 1, "C")
-
-
 @pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("scratch", [NONE, F32], ids=["uncopied", "copied"])
-def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad, scratch) -> None:
-    """Pass 1's four-row loop (Note [pass 1 four rows at a time] in adafactor.py)."""
+def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad) -> None:
+    """Pass 1's four-row loop into fp32 column sums (Note [pass 1 four rows at a time] in
+    adafactor.py)."""
     f32 = types.float32
-    signature = (grad, grad, grad, grad, types.int64, f32, F64, scratch, scratch, scratch, scratch)
+    signature = (grad, grad, grad, grad, types.int64, f32, F32)
     fn = adafactor._squares_4rows
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
@@ -100,16 +97,18 @@ def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad, scratch) -> N
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
 
 
-@pytest.mark.parametrize("scale", [types.float32, types.float64], ids=["divide", "multiply"])
-def test_adafactor_update_loop_vectorises_and_fuses_nothing(scale) -> None:
-    """U over a row chunk, dividing by the row mean or multiplying by its float64 reciprocal
-    (Note [dividing by the row mean] in adafactor.py)."""
+@pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
+def test_adafactor_update_loop_vectorises_and_fuses_nothing(grad) -> None:
+    """U over a row chunk from the row's and the columns' factors: two multiplies and a
+    select, no division (Note [the update from the factors] in adafactor.py)."""
     f32 = types.float32
-    signature = (U16, types.int64, f32, F32, f32, scale, f32, F32)
+    signature = (grad, types.int64, f32, F32, f32, f32, F32)
     fn = adafactor._u_row
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
     dispatcher.compile(signature)
-    assert "fdiv" in dispatcher.inspect_llvm(signature)  # the reciprocal of the square root
-    assert FAST_MATH_FLAG.search(dispatcher.inspect_llvm(signature)) is None
+    ir = dispatcher.inspect_llvm(signature)
+    assert "fmul" in ir and "fdiv" not in ir and "sqrt" not in ir
+    assert FAST_MATH_FLAG.search(ir) is None
+    assert FUSED.search(ir) is None
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None

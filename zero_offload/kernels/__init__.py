@@ -15,7 +15,7 @@ from .threading_layer import configure_threads
 configure_threads()
 
 from .accumulate import accumulate_grad  # noqa: E402
-from .adafactor import adafactor_step  # noqa: E402
+from .adafactor import adafactor_step, adafactor_update_cap  # noqa: E402
 from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
@@ -27,6 +27,7 @@ from .warmup import warmup  # noqa: E402
 __all__ = [
     "accumulate_grad",
     "adafactor_step",
+    "adafactor_update_cap",
     "adagrad_step",
     "adam_step",
     "cast_fp32",

@@ -16,8 +16,7 @@ import math
 import numbers
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from ._validate import (
     BF16,
@@ -32,7 +31,7 @@ from ._validate import (
 from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
 from .stats import SUM_CHUNK, _as_f32, _sumsq_f32
 
-__all__ = ["adafactor_step", "factored"]
+__all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 
 # Note [Adafactor's three passes]
 # torch computes, for one parameter p with gradient G (negated when maximize), step t:
@@ -46,57 +45,101 @@ __all__ = ["adafactor_step", "factored"]
 #   p = p + (-alpha / max(1, ||U|| / (sqrt(numel) * d))) * U
 # The kernel makes three passes over the parameter:
 #   1. statistics: the sum of squares of p, and (factored) of G by row and by column;
-#      then the factors are updated (small vectors, serially);
+#      then the factors are updated, and from them one number per row and per column
+#      (small vectors, serially; Note [the update from the factors]);
 #   2. the sum of squares of U (unfactored: V is updated here, the pass writes it);
-#   3. the update, U recomputed from the final factors as in pass 2 (the same operations,
-#      the same bits), written to p and ``out``.
+#   3. the update, U recomputed as in pass 2 (the same operations, the same bits), written
+#      to p and ``out``.
 # Every sum is a float64 sum over fixed blocks of rows or elements, added in block order: a
 # function of the shape alone, not of the threads (Note [sums do not depend on the threads]
 # in _validate.py), each through stats.py's one reduction loop over fp32 chunks (Note [one
-# loop shape for every sum]; U is written into a scratch chunk first), and each elementwise
+# loop shape for every sum]; U is written into a scratch chunk first), but the column sums
+# of pass 1, fp32 over runs of a few rows before float64 (Note [pass 1 four rows at a
+# time]: elementwise additions in row order, no reduction loop); and each elementwise
 # operation is one fp32 operation rounded as written
 # (Note [every specialisation rounds alike] in convert.py; torch's vectorised lerp and
 # add(alpha=) fuse a multiply-add, so a weight may differ from torch's in its last bit).
-# A norm is rounded to fp32 before it is used, as torch's ``norm().item()`` is.
+# A norm is rounded to fp32 before it is used, as torch's ``norm().item()`` is. The factors
+# R, C and V are torch's to the rounding of their sums; a factored U is computed in another
+# form than torch's (Note [the update from the factors]).
 
 # Note [pass 1 four rows at a time]
-# Pass 1 adds each row's squares to its block's float64 column partials. Row by row, every
-# partial (8 bytes a column: 32 KiB for 4096 columns, past L1) was loaded and stored once
-# per row: at 4096 x 4096 on two cores pass 1 took 7.1 ms, its streams 2.3 ms. Four rows of
-# one batch are taken at once (4.1 ms): a partial is loaded, the four squares added in row
-# order, and stored once; the same additions in the same order, so the same bits. Each row's own sum still goes
-# through the one reduction loop over a chunk of its scaled values; an fp32 gradient with
-# grad_mul 1 is its own scaled values and is summed where it lies, without the copy.
+# Pass 1 sums each column's squares over a block of rows. Row by row into float64
+# partials (8 bytes a column: 32 KiB for 4096 columns, past L1), every partial was loaded
+# and stored once per row: at 4096 x 4096 on two cores pass 1 took 7.1 ms, its streams
+# 2.3 ms. So four rows of one batch are taken at once: a column's sum is loaded, the four
+# squares added in row order, and stored once. And the sum is fp32 over a run of
+# COLUMN_ROWS rows of one batch (runs counted from the block's first row, so a function of
+# the shape), each run's sum then added to the column's float64 partial in run order: fp32
+# vectors hold twice the lanes of float64 and need no convert per element. The same
+# additions in the same order whatever the threads or the gradient's dtype: the same bits.
+# The error: a run's sum of k <= COLUMN_ROWS squares of fp32 values (each square rounded,
+# then k - 1 additions of non-negative terms) is within about k * 2^-24 of exact relative
+# to itself, under 1e-6 for 16 rows (about sqrt(k) * 2^-24 for random roundings), and the
+# float64 sum of the runs adds nothing that shows in fp32; so C_j is within about 16 ulp
+# of the exact mean, typically a few (torch sums ``norm(G, dim=-2)`` in fp32 too, and
+# rounds the norm to fp32 before squaring it, which alone costs an ulp of C_j). U moves by
+# half that (through the rsqrt), far below an ulp of a weight (Note [the update from the
+# factors]); against torch over 20 steps the weights stay within torch's own for-loop vs
+# foreach spread (two cases moved from 3.6e-7 to 2.4e-7, by chance of the last bits).
+# The order within a run: each row's own sum first, through the one reduction loop over
+# its chunks (of its scaled values, copied into a scratch chunk, or where it lies for an
+# fp32 gradient with grad_mul 1, which is its own scaled values), reading the run's rows
+# from memory as one stream; then their column sums, four rows at a time, reading the rows
+# again from L2 (256 KiB for 16 rows of 4096 columns); then p's sums. The order before, four
+# rows' column sums first and each row's sum over the chunk just loaded, was about 15%
+# slower at 4096 x 4096 (4.4 ms against 3.8 on two cores, with the row sums of four rows
+# first; a whole run's first gained 4% more): the streams from memory then carried the
+# column loop's stores between them.
 
-# Note [dividing by the row mean]
-# Factored, U costs a division by the batch's row mean r, a square root and a reciprocal
-# per element, in pass 2 and again in pass 3. Pass 2 reads only G, so on a few cores the
-# divider, not memory, bounds it; there the division is a multiplication, which gives the
-# same bits: fp32(t / r) == fp32(t * y), the product taken in float64 with y = 1 / r
-# rounded to float64, for all fp32 t, r with t / r >= 2**-126. Proof: write t = A * 2**a,
-# r = B * 2**b (integers 1 <= A, B < 2**24, subnormals too) and let M = K * 2**k be a
-# midpoint next to t / r between two fp32 values (K odd, 2**24 < K < 2**25, as t / r is
-# normal). Then t - r * M = A * 2**a - B * K * 2**(b + k); as t / r > M / 2, a >= b + k
-# (else A >= B * K > 2**24), so t - r * M is a multiple of 2**(b + k), and not zero (A's
-# odd part would be a multiple of K > A): |t / r - M| >= 2**k / B > 2**(k - 24) >
-# M * 2**-49. The float64 product is within (t / r) * 2**-51.9 of t / r (two roundings;
-# every product of fp32 t and y is a normal float64), so no midpoint lies between them and
-# both round to the same fp32. A quotient below 2**-126 rounds to at most 2**-126 either
-# way (the midpoint above 2**-126 has K = 2**24 + 1), and max(v, eps1**2) makes them equal
-# when eps1**2 >= 2**-126: pass 2 multiplies then (torch's default eps1 is 1.2e-7) and
-# divides otherwise. NaN and inf quotients agree too (r >= eps1 > 0). Pass 2 ran about 10%
-# faster so (a quarter of its divider work gone). Pass 3 divides: it also streams p in and
-# out, and the product's conversions, more instructions per element, left fewer loads in
-# flight (10% slower). Its U has pass 2's bits either way; tests/test_adafactor.py checks the
-# identity on random and extreme bits, and the kernel's results with and without it.
+# Note [the update from the factors]
+# torch's factored U_ij = rsqrt(max(fp32(R_i * C_j) / r, eps1^2)) * G_ij (r: the batch's
+# max(mean of R, eps1)) costs a division, a square root and a reciprocal per element, in
+# pass 2 and again in pass 3: on two cores those, not memory, bounded both passes (the step
+# ran at 0.64x its roofline). As optax's ``scale_by_factored_rms`` does, the kernel takes the
+# square root once per row and per column instead: between passes 1 and 2 it computes, in
+# float64 rounded once to fp32, a_i = 1 / sqrt(R_i / r) per row and b_j = 1 / sqrt(C_j) per
+# column (O(m + n)), and per element
+#   U_ij = min(a_i * b_j, cap) * G_ij,   cap = fp32(1 / fp32(sqrt(fp32(eps1^2))))
+# two multiplies and a select. In exact arithmetic a_i * b_j = rsqrt(R_i C_j / r), and
+# max(V, eps1^2) is min(rsqrt(V), 1 / eps1) after the rsqrt, so this is torch's U; cap is
+# the value torch's rsqrt gives a clamped element, so a clamped U is torch's bits. The
+# clamp keeps its meaning where a factor is 0, inf or NaN (torch's clamp passes NaN):
+#   - a zero row or column (R_i = 0 or C_j = 0: V = 0, clamped to cap): a_i or b_j is
+#     inf, the product inf, min gives cap (NaN when the other factor is 0, below);
+#   - an inf column (C_j = inf: V = inf, U = rsqrt(inf) * G = 0 * G): b_j = 0, U = 0 * G,
+#     and NaN where torch's fp32(R_i * C_j) is NaN too (R_i = 0: a_i = inf, inf * 0);
+#   - an inf R_i makes its batch's row mean r inf: torch's V is inf / inf = NaN on that row
+#     and 0 (clamped) on the others; a_i = 1 / sqrt(inf / inf) is NaN there, and
+#     1 / sqrt(R_i / inf) = inf (cap) elsewhere;
+#   - NaN in R_i, C_j or r reaches U, as in torch: the select is ``cap if x > cap else x``
+#     and r's clamp ``eps1 if mean < eps1 else mean``, both false for NaN (the kernel
+#     before this form clamped a NaN V to eps1^2 and a NaN mean to eps1);
+#   - eps1 = 0 gives cap = inf, the min a no-op, as torch's clamp at 0 is.
+# Where they part: torch rounds R_i * C_j to fp32, which overflows past 3.4e38 (V = inf,
+# U = 0) and loses bits below 1.2e-38 (subnormal, or 0 and clamped); the latter matters
+# only where V = R_i C_j / r still exceeds eps1^2, so with eps1 below about 2e-13 (r >=
+# eps1). The factored form follows exact arithmetic there, its a_i and b_j in range while
+# R_i / r and C_j are.
+# And the rounding: a_i and b_j are each within half an ulp of exact, the product and the
+# multiply by G add half an ulp each, so U is within about 2 ulp of the exact value, as
+# torch's (four fp32 roundings) is; the two differ by at most a few ulp of U per element
+# (elements within an ulp of the clamp may fall on either side of it, both then within an
+# ulp of cap * G). The update scales U by alpha / denom (the weights' RMS times rho, about
+# lr for unit weights), so a few ulp of U are far below an ulp of a weight; the clipping
+# norm's sum moves by as little. The device-resident step (``device_parameter_step`` in
+# optim/rule/adafactor.py) computes U in this same form with the same operations, so the
+# host and device buckets of one model round U alike. The unfactored U keeps torch's form:
+# its V is per element, there is nothing to share.
 
 #: At most this many blocks of rows per factored parameter; each keeps its own float64
 #: column sums, so their memory is bounded by MAX_BLOCKS * columns * 8 bytes (and by
 #: COLUMN_PARTIALS elements in all).
 MAX_BLOCKS = 64
 COLUMN_PARTIALS = 1 << 22
-#: The smallest normal fp32 (2**-126): Note [dividing by the row mean].
-SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+#: Rows of one batch whose squares pass 1 adds per column in fp32 before adding that sum
+#: to the column's float64 partial (Note [pass 1 four rows at a time]).
+COLUMN_ROWS = 16
 
 
 def factored(shape: tuple[int, ...]) -> bool:
@@ -117,99 +160,99 @@ def _element_blocks(numel: int) -> int:
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_1row(g_t, grad_kind, grad_mul, cp_t, s_t):
-    """``cp_t[j] += (g_t[j] * grad_mul)^2`` in float64, the scaled values into ``s_t``
-    (a no-op when absent: Note [what is compile-time, what is a select] in convert.py)."""
-    for j in range(cp_t.shape[0]):
-        x = load_f32(g_t, j, grad_kind) * grad_mul
-        store_f32(s_t, j, x)
-        d = np.float64(x)
-        cp_t[j] += d * d
+def _scaled(g_t, grad_kind, grad_mul, s_t):
+    """``s_t[j] = g_t[j] * grad_mul`` in fp32 (returned, the chunk's length)."""
+    for j in range(g_t.shape[0]):
+        s_t[j] = load_f32(g_t, j, grad_kind) * grad_mul
+    return s_t[: g_t.shape[0]]
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, s0, s1, s2, s3):
-    """``_squares_1row`` of four consecutive rows at once, added to each column's partial in
-    row order: one load and store of the partial per four rows (Note [pass 1 four rows at
-    a time])."""
-    for j in range(cp_t.shape[0]):
+def _squares_1row(g_t, grad_kind, grad_mul, cf_t):
+    """``cf_t[j] += (g_t[j] * grad_mul)^2`` in fp32."""
+    for j in range(cf_t.shape[0]):
+        x = load_f32(g_t, j, grad_kind) * grad_mul
+        cf_t[j] += x * x
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t):
+    """``_squares_1row`` of four consecutive rows at once, added to each column's fp32 sum
+    in row order: one load and store of the sum per four rows (Note [pass 1 four rows at a
+    time])."""
+    for j in range(cf_t.shape[0]):
         x0 = load_f32(g0, j, grad_kind) * grad_mul
         x1 = load_f32(g1, j, grad_kind) * grad_mul
         x2 = load_f32(g2, j, grad_kind) * grad_mul
         x3 = load_f32(g3, j, grad_kind) * grad_mul
-        store_f32(s0, j, x0)
-        store_f32(s1, j, x1)
-        store_f32(s2, j, x2)
-        store_f32(s3, j, x3)
-        acc = cp_t[j]
-        d = np.float64(x0)
-        acc += d * d
-        d = np.float64(x1)
-        acc += d * d
-        d = np.float64(x2)
-        acc += d * d
-        d = np.float64(x3)
-        acc += d * d
-        cp_t[j] = acc
+        acc = cf_t[j]
+        acc += x0 * x0
+        acc += x1 * x1
+        acc += x2 * x2
+        acc += x3 * x3
+        cf_t[j] = acc
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _add_columns(cf_t, cp_t):
+    """``cp_t[j] += cf_t[j]`` (a run's fp32 sum into the float64 partial), ``cf_t[j] = 0``."""
+    for j in range(cp_t.shape[0]):
+        cp_t[j] += np.float64(cf_t[j])
+        cf_t[j] = np.float32(0.0)
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
 def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colpart, psq, direct):
     """Pass 1: ``rowsq[r]`` = sum_j g[r, j]^2; ``colpart[blk, b*n + j]`` = that block's rows'
-    g^2 in column j of batch b; ``psq[blk]`` = that block's sum of p^2 (all float64). Each
-    row's sums go through the one reduction loop (Note [one loop shape for every sum] in
-    stats.py) in chunks of SUM_CHUNK from the row's start: the gradient's over its scaled
-    values, copied into a scratch chunk, or over the chunk itself when ``direct`` (an fp32
-    gradient and ``grad_mul`` 1: the same values). Rows are taken four at a time (Note
-    [pass 1 four rows at a time])."""
+    g^2 in column j of batch b, summed in fp32 over runs of COLUMN_ROWS rows and the runs in
+    float64; ``psq[blk]`` = that block's sum of p^2 (float64). A run's rows' own sums
+    first, then their columns four rows at a time, then p's (Note [pass 1 four rows at a
+    time]). A row's sum goes through the one reduction loop (Note [one loop shape for every
+    sum] in stats.py) in chunks of SUM_CHUNK from the row's start: over its scaled values,
+    copied into a scratch chunk, or over the chunk itself when ``direct`` (an fp32 gradient
+    and ``grad_mul`` 1: the same values)."""
     rows = rowsq.shape[0]
     for blk in prange(nblocks):
         r0 = rows * blk // nblocks
         r1 = rows * (blk + 1) // nblocks
         cp = colpart[blk]
-        w = min(n, SUM_CHUNK)
-        scratch = (np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32),
-                   np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32))  # fmt: skip
-        absent = np.empty(0, dtype=np.uint8)  # no scaled copy (direct)
+        cf = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's column sums
+        scratch = np.empty(min(n, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) scaled g
         pacc = 0.0
         r = r0
         while r < r1:
-            four = r + 4 <= r1 and r // m == (r + 3) // m  # four rows of one batch
-            k = 4 if four else 1
-            base = r * n
+            run_end = min(r + COLUMN_ROWS, r1, (r // m + 1) * m)  # a run: rows of one batch
             cb = (r // m) * n
-            for i in range(k):
-                rowsq[r + i] = 0.0
-            for lo in range(0, n, SUM_CHUNK):
-                hi = min(lo + SUM_CHUNK, n)
-                c = hi - lo
-                cp_t = cp[cb + lo : cb + hi]
-                g0 = grad[base + lo : base + hi]
-                if four:
-                    g1 = grad[base + n + lo : base + n + hi]
-                    g2 = grad[base + 2 * n + lo : base + 2 * n + hi]
-                    g3 = grad[base + 3 * n + lo : base + 3 * n + hi]
+            for i in range(r, run_end):  # each row's own sum, reading the rows from memory
+                acc = 0.0
+                for lo in range(0, n, SUM_CHUNK):
+                    hi = min(lo + SUM_CHUNK, n)
+                    g_i = grad[i * n + lo : i * n + hi]
                     if direct:
-                        _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, absent, absent,
-                                       absent, absent)  # fmt: skip
+                        acc += _sumsq_f32(_as_f32(g_i, grad_kind, scratch[: hi - lo]))
                     else:
-                        _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cp_t, scratch[0][:c],
-                                       scratch[1][:c], scratch[2][:c], scratch[3][:c])  # fmt: skip
-                elif direct:
-                    _squares_1row(g0, grad_kind, grad_mul, cp_t, absent)
-                else:
-                    _squares_1row(g0, grad_kind, grad_mul, cp_t, scratch[0][:c])
-                for i in range(k):
-                    if direct:
-                        g_i = grad[base + i * n + lo : base + i * n + hi]
-                        rowsq[r + i] += _sumsq_f32(_as_f32(g_i, grad_kind, scratch[i][:c]))
+                        acc += _sumsq_f32(_scaled(g_i, grad_kind, grad_mul, scratch))
+                rowsq[i] = acc
+            i = r
+            while i < run_end:  # their column sums, four rows at a time, the rows from L2
+                k = 4 if i + 4 <= run_end else 1
+                base = i * n
+                for lo in range(0, n, SUM_CHUNK):
+                    hi = min(lo + SUM_CHUNK, n)
+                    g0 = grad[base + lo : base + hi]
+                    if k == 4:
+                        _squares_4rows(g0, grad[base + n + lo : base + n + hi],
+                                       grad[base + 2 * n + lo : base + 2 * n + hi],
+                                       grad[base + 3 * n + lo : base + 3 * n + hi], grad_kind,
+                                       grad_mul, cf[lo:hi])  # fmt: skip
                     else:
-                        rowsq[r + i] += _sumsq_f32(scratch[i][:c])
-            for i in range(k):
-                row = base + i * n
+                        _squares_1row(g0, grad_kind, grad_mul, cf[lo:hi])
+                i += k
+            _add_columns(cf, cp[cb : cb + n])
+            for row in range(r * n, run_end * n, n):  # p's sums
                 for lo in range(0, n, SUM_CHUNK):
                     pacc += _sumsq_f32(param[row + lo : row + min(lo + SUM_CHUNK, n)])
-            r += k
+            r = run_end
         psq[blk] = pacc
 
 
@@ -222,10 +265,10 @@ def _lerp(start, end, weight):
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _update_factors(rowsq, colpart, row_var, col_var, rmean, m, n, weight, eps1):
+def _update_factors(rowsq, colpart, row_var, col_var, m, n, weight):
     """Between passes 1 and 2: the row and column means of g^2 into ``row_var`` and
-    ``col_var`` (lerp by ``weight``), and ``rmean[b]`` = max(mean of batch b's row_var,
-    eps1), all fp32 as torch rounds them. A column's partials are added in block order."""
+    ``col_var`` (lerp by ``weight``), fp32 as torch rounds them. A column's partials are
+    added in block order."""
     for r in range(rowsq.shape[0]):
         norm = np.float32(np.sqrt(rowsq[r]))
         row_var[r] = _lerp(row_var[r], norm * norm / np.float32(n), weight)
@@ -238,47 +281,47 @@ def _update_factors(rowsq, colpart, row_var, col_var, rmean, m, n, weight, eps1)
     for c in range(cols):
         norm = np.float32(np.sqrt(total[c]))
         col_var[c] = _lerp(col_var[c], norm * norm / np.float32(m), weight)
-    for b in range(rmean.shape[0]):
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _rsqrt_factors(row_var, col_var, m, eps1, row_f, col_f):
+    """The factors of U (Note [the update from the factors]): ``row_f[r]`` = 1 / sqrt(
+    row_var[r] / r_b), r_b = max(mean of batch b's row_var, eps1) rounded to fp32 as torch
+    rounds its mean (a NaN mean stays NaN, as under torch's clamp), and ``col_f[c]`` = 1 /
+    sqrt(col_var[c]); each in float64, rounded once to fp32."""
+    for c in range(col_var.shape[0]):
+        col_f[c] = np.float32(1.0 / np.sqrt(np.float64(col_var[c])))
+    for b in range(row_var.shape[0] // m):
         acc = 0.0
         for i in range(m):
             acc += np.float64(row_var[b * m + i])
         mean = np.float32(acc / m)
-        rmean[b] = mean if mean > eps1 else eps1
-
-
-def _over_mean(v, scale):
-    """``v / r`` for the batch's row mean r (fp32), given as ``scale``: r itself (fp32), or
-    its float64 reciprocal, then multiplied (Note [dividing by the row mean])."""
-
-
-@overload(_over_mean)
-def _over_mean_impl(v, scale):
-    if scale == types.float64:
-        return lambda v, scale: np.float32(np.float64(v) * scale)
-    return lambda v, scale: v / scale
+        rmean = np.float64(eps1 if mean < eps1 else mean)
+        for i in range(m):
+            row_f[b * m + i] = np.float32(1.0 / np.sqrt(np.float64(row_var[b * m + i]) / rmean))
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _factored_u(g, rv, cv, scale, eps1sq):
-    v = _over_mean(rv * cv, scale)
-    v = v if v > eps1sq else eps1sq
-    return (np.float32(1.0) / np.sqrt(v)) * g
+def _factored_u(g, a, b, cap):
+    """U = min(a * b, cap) * g, NaN passed through (Note [the update from the factors])."""
+    x = a * b
+    x = cap if x > cap else x
+    return x * g
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _u_row(g_t, grad_kind, grad_mul, cv_t, rv, scale, eps1sq, scratch):
+def _u_row(g_t, grad_kind, grad_mul, cf_t, a, cap, scratch):
     """U over one row's chunk into ``scratch`` (returned, the chunk's length)."""
     for j in range(g_t.shape[0]):
-        scratch[j] = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], scale,
-                                 eps1sq)  # fmt: skip
+        scratch[j] = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, a, cf_t[j], cap)
     return scratch[: g_t.shape[0]]
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _apply_row(p_t, g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, decay, coef, out_t):
+def _apply_row(p_t, g_t, grad_kind, grad_mul, cf_t, a, cap, decay, coef, out_t):
     """Pass 3 over one row: ``p = p * decay + coef * U``, and ``out``."""
     for j in range(p_t.shape[0]):
-        u = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, rv, cv_t[j], rm, eps1sq)
+        u = _factored_u(load_f32(g_t, j, grad_kind) * grad_mul, a, cf_t[j], cap)
         p = p_t[j] * decay
         p = p + coef * u
         p_t[j] = p
@@ -286,12 +329,11 @@ def _apply_row(p_t, g_t, grad_kind, grad_mul, cv_t, rv, rm, eps1sq, decay, coef,
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _factored_usq(grad, grad_kind, grad_mul, m, n, row_var, col_var, scales, eps1sq, nblocks,
-                  usq):  # fmt: skip
+def _factored_usq(grad, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks, usq):
     """Pass 2: ``usq[blk]`` = the block's sum of U^2 (float64), U written chunk by chunk
-    into a scratch buffer and summed by the one reduction loop. ``scales[b]``: batch b's
-    row mean or its reciprocal (Note [dividing by the row mean])."""
-    rows = row_var.shape[0]
+    into a scratch buffer and summed by the one reduction loop. ``row_f``/``col_f``: the
+    per-row and per-column factors (Note [the update from the factors])."""
+    rows = row_f.shape[0]
     for blk in prange(nblocks):
         r0 = rows * blk // nblocks
         r1 = rows * (blk + 1) // nblocks
@@ -299,34 +341,30 @@ def _factored_usq(grad, grad_kind, grad_mul, m, n, row_var, col_var, scales, eps
         acc = 0.0
         for r in range(r0, r1):
             base = r * n
-            b = r // m
-            cb = b * n
-            rv = row_var[r]
-            scale = scales[b]
+            cb = (r // m) * n
+            a = row_f[r]
             for lo in range(0, n, SUM_CHUNK):
                 hi = min(lo + SUM_CHUNK, n)
                 u = _u_row(grad[base + lo : base + hi], grad_kind, grad_mul,
-                           col_var[cb + lo : cb + hi], rv, scale, eps1sq, scratch)  # fmt: skip
+                           col_f[cb + lo : cb + hi], a, cap, scratch)  # fmt: skip
                 acc += _sumsq_f32(u)
         usq[blk] = acc
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _factored_apply(param, grad, grad_kind, grad_mul, m, n, row_var, col_var, rmean, eps1sq,
-                    decay, coef, out, nchunks):  # fmt: skip
-    """Pass 3: ``p = p * decay + coef * U``, and ``out``; ``rmean[b]``: batch b's row mean,
-    divided by (Note [dividing by the row mean])."""
-    rows = row_var.shape[0]
+def _factored_apply(param, grad, grad_kind, grad_mul, m, n, row_f, col_f, cap, decay, coef,
+                    out, nchunks):  # fmt: skip
+    """Pass 3: ``p = p * decay + coef * U``, and ``out``; U as in pass 2."""
+    rows = row_f.shape[0]
     for c in prange(nchunks):
         r0 = rows * c // nchunks
         r1 = rows * (c + 1) // nchunks
         for r in range(r0, r1):
             base = r * n
-            b = r // m
-            cb = b * n
+            cb = (r // m) * n
             o = out[base : base + n] if out.shape[0] else out
             _apply_row(param[base : base + n], grad[base : base + n], grad_kind, grad_mul,
-                       col_var[cb : cb + n], row_var[r], rmean[b], eps1sq, decay, coef, o)  # fmt: skip
+                       col_f[cb : cb + n], row_f[r], cap, decay, coef, o)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
@@ -388,6 +426,15 @@ def _vector_apply(param, grad, grad_kind, grad_mul, variance, eps1sq, decay, coe
         o = out[lo:hi] if out.shape[0] else out
         _vector_apply_tile(param[lo:hi], grad[lo:hi], grad_kind, grad_mul, variance[lo:hi],
                            eps1sq, decay, coef, o)  # fmt: skip
+
+
+def adafactor_update_cap(eps1: float) -> float:
+    """The largest factored U / G: ``rsqrt(eps1^2)`` as torch's clamp and rsqrt round it,
+    fp32(1 / fp32(sqrt(fp32(eps1 * eps1)))) (inf for eps1 = 0; Note [the update from the
+    factors])."""
+    eps1sq = np.float32(eps1 * eps1)
+    with np.errstate(divide="ignore"):
+        return float(np.float32(1.0) / np.sqrt(eps1sq))
 
 
 def _f32_norm(sumsq: float) -> float:
@@ -479,6 +526,7 @@ def adafactor_step(
     rho = min(lr, 1 / (t**0.5))
     grad_mul = f32(-grad_scale if maximize else grad_scale)
     eps1sq = f32(eps1 * eps1)
+    cap = f32(adafactor_update_cap(eps1))
     decay = f32(1 - lr * weight_decay)
 
     def run(threads: int) -> None:
@@ -491,13 +539,12 @@ def adafactor_step(
             direct = grad_kind == FP32 and grad_mul == 1
             _factored_stats(param_a, grad_a, grad_kind, grad_mul, m, n, nblocks, rowsq,
                             colpart, psq, direct)  # fmt: skip
-            rmean = np.empty(batches, dtype=np.float32)  # (batches,) max(mean row_var, eps1)
-            _update_factors(rowsq, colpart, row_a, col_a, rmean, m, n, weight, f32(eps1))
-            # Note [dividing by the row mean]: (batches,) float64 reciprocals, or rmean
-            scales = 1.0 / rmean.astype(np.float64) if eps1sq >= SMALLEST_NORMAL else rmean
+            row_f = np.empty(rows, dtype=np.float32)  # (rows,) 1 / sqrt(R_i / r_b)
+            col_f = np.empty(batches * n, dtype=np.float32)  # (batches * n,) 1 / sqrt(C_j)
+            _update_factors(rowsq, colpart, row_a, col_a, m, n, weight)
+            _rsqrt_factors(row_a, col_a, m, f32(eps1), row_f, col_f)
             usq = np.empty(nblocks, dtype=np.float64)
-            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_a, col_a, scales, eps1sq,
-                          nblocks, usq)  # fmt: skip
+            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks, usq)
         else:
             nblocks = _element_blocks(numel)
             usq = np.empty(nblocks, dtype=np.float64)
@@ -510,8 +557,8 @@ def adafactor_step(
         coef = f32(-alpha / denom)
         nchunks = chunking(numel, threads)
         if factored(shape):
-            _factored_apply(param_a, grad_a, grad_kind, grad_mul, m, n, row_a, col_a, rmean,
-                            eps1sq, decay, coef, out_a, min(nchunks, batches * m))  # fmt: skip
+            _factored_apply(param_a, grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap,
+                            decay, coef, out_a, min(nchunks, batches * m))  # fmt: skip
         else:
             _vector_apply(param_a, grad_a, grad_kind, grad_mul, var_a, eps1sq, decay, coef,
                           out_a, nchunks)  # fmt: skip

@@ -9,8 +9,11 @@ two dims or more (a factored second moment: ``m + n`` numbers for ``m * n`` weig
 ``variance`` like the parameter. ``OffloadConfig.moments_dtype`` does not apply: the shaped
 state stays fp32 (for matrices it is already sublinear). On the host the step is the
 ``adafactor_step`` kernel over one whole parameter; state resident on the device steps
-there, with torch's own operations in torch's order (``device_parameter_step``, Note
-[whole parameters stepped on the device] in ``state/whole_resident.py``).
+there, with torch's operations in the kernel's form (``device_parameter_step``, Note
+[whole parameters stepped on the device] in ``state/whole_resident.py``). A matrix's update
+is computed from a factor per row and per column, as optax's ``scale_by_factored_rms``
+does, within a few ulp of torch's (Note [the update from the factors] in
+``kernels/adafactor.py``).
 
 ``eps1=None`` means the machine epsilon of the dtype the update runs in, as in torch: the
 fp32 master's (torch takes the parameter's dtype, which is the master's when it holds fp32
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import adafactor_step
+from ...kernels import adafactor_step, adafactor_update_cap
 from .base import ParamField, StateField, StateFields, WholeParameterRule, scaled_gradient
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
@@ -37,16 +40,25 @@ __all__ = ["ADAFACTOR", "AdafactorHyper", "AdafactorRule"]
 # (``param.norm(2).item()``, ``update.norm(2).item()``) and makes its step size in Python
 # floats. On a GPU that would be two host syncs per parameter per step, each waiting for
 # every kernel queued before it. ``device_parameter_step`` keeps that arithmetic on the
-# device: each fp32 norm is widened to a float64 0-d tensor and divided, clamped (torch's
-# ``max``) and multiplied in float64, the IEEE operations torch's Python floats perform, so
-# the step size ``alpha`` and the clipping denominator are torch's to the bit. Only the last
-# operation differs: torch adds the update with ``alpha=-alpha / denom`` (that scalar
-# rounded to fp32, and a fused multiply-add on vectorised CPU code and on CUDA); here the
-# update is multiplied by the fp32 scalar and then added, two roundings, so a weight may
-# differ from torch's in its last bit, as the host kernel's may (Note [Adafactor's three
-# passes] in ``kernels/adafactor.py``). Every other operation is torch's own in torch's
-# order, so for the same gradient the factors (``row_var``, ``col_var``, ``variance``) are
-# torch's bits on the same device.
+# device: each fp32 norm is widened to a float64 0-d tensor and divided, clamped and
+# multiplied in float64, the IEEE operations torch's Python floats perform, so the step
+# size ``alpha`` and the clipping denominator are torch's to the bit. The clamp is Python's
+# ``max(lo, x)``, ``x if x > lo else lo``, not ``clamp_``: a NaN norm (a NaN weight, or a NaN
+# in U) gives ``lo`` there, as in torch and the host kernel, where ``clamp_`` would spread
+# the NaN to every weight of the parameter. The factors (``row_var``, ``col_var``,
+# ``variance``) are torch's operations in torch's order, so for the same gradient they are
+# torch's bits on the same device. A matrix's U is not torch's
+# ``rsqrt(max((R @ C) / r, eps1^2)) * G`` but the host kernel's factored form, with its
+# operations (Note [the update from the factors] in ``kernels/adafactor.py``): a row factor
+# and a column factor in float64 rounded to fp32 (the row mean r summed in float64 and
+# rounded once, as the kernel does), their product clamped at the kernel's cap, times G.
+# So a parameter's U is computed alike whether its bucket steps on the host or on the
+# device (within a few ulp of torch's, not its bits); what tells them apart is what the
+# kernel cannot share with torch: its sums (the norms, the row and column sums of g^2) in
+# another order, and torch's lerp, fused on vectorised code. A vector's U is torch's. The last operation differs from torch's
+# too: torch adds the update with ``alpha=-alpha / denom`` (that scalar rounded to fp32,
+# and a fused multiply-add on vectorised CPU code and on CUDA); here the update is
+# multiplied by the fp32 scalar and then added, two roundings, as the host kernel does.
 
 
 @dataclass(frozen=True)
@@ -162,14 +174,16 @@ class AdafactorRule(WholeParameterRule):
         grad_scale: float,
         step_tensor: torch.Tensor,
     ) -> None:
-        """``torch.optim.Adafactor``'s single-tensor update, its operations in its order, on
-        the device (Note [Adafactor on the device, without a host sync])."""
+        """``torch.optim.Adafactor``'s single-tensor update on the device, a matrix's U in the
+        host kernel's factored form (Note [Adafactor on the device, without a host
+        sync])."""
         param = fields["master"].view(shape)
         g = scaled_gradient(grad, -grad_scale if hyper.maximize else grad_scale).view(shape)
         one_minus_beta2_t = step**hyper.beta2_decay
         rho_t = min(hyper.lr, 1 / (step**0.5))
         root_numel = param.numel() ** 0.5
-        alpha = (param.norm(2).double() / root_numel).clamp_(min=hyper.eps2) * rho_t
+        rms = param.norm(2).double() / root_numel
+        alpha = torch.where(rms > hyper.eps2, rms, hyper.eps2) * rho_t  # Python's max
         if hyper.weight_decay != 0:
             param.mul_(1 - hyper.lr * hyper.weight_decay)
         if len(shape) >= 2:
@@ -178,15 +192,20 @@ class AdafactorRule(WholeParameterRule):
             row_var.lerp_(row_mean, one_minus_beta2_t)
             col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
             col_var.lerp_(col_mean, one_minus_beta2_t)
-            var_estimate = row_var @ col_var
-            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=hyper.eps1))
+            del row_mean, col_mean
+            # Note [the update from the factors] in kernels/adafactor.py: the kernel's form
+            # and operations, each factor in float64 rounded once to fp32.
+            mean = row_var.double().mean(dim=-2, keepdim=True).float()
+            r = mean.clamp_(min=hyper.eps1).double()
+            a = row_var.double().div_(r).sqrt_().reciprocal_().float()
+            b = col_var.double().sqrt_().reciprocal_().float()
+            update = torch.mul(a, b).clamp_(max=adafactor_update_cap(hyper.eps1)).mul_(g)
         else:
             variance = param_state["variance"]
             variance.lerp_(g * g, one_minus_beta2_t)
-            var_estimate = variance.clone()
-        update = var_estimate.clamp_(min=hyper.eps1 * hyper.eps1).rsqrt_()
-        update.mul_(g)
-        denom = (update.norm(2).double() / (root_numel * hyper.d)).clamp_(min=1.0)
+            update = variance.clone().clamp_(min=hyper.eps1 * hyper.eps1).rsqrt_().mul_(g)
+        ratio = update.norm(2).double() / (root_numel * hyper.d)
+        denom = torch.where(ratio > 1.0, ratio, 1.0)  # Python's max: a NaN norm gives 1
         update.mul_((-alpha / denom).float())
         param.add_(update)
 
@@ -194,13 +213,13 @@ class AdafactorRule(WholeParameterRule):
         self, shape: tuple[int, ...], hyper: AdafactorHyper, grad_scale: float
     ) -> int:
         """A parameter of ``n`` elements, at most: the scaled or negated gradient (``4n``,
-        when there is one), the variance estimate that becomes the update (``4n``), and
-        beside it a vector's ``g * g`` (``4n``) or a matrix's row and column means (one
-        number per row and per column of each matrix); 256 bytes for the 0-d norms."""
+        when there is one), the update (``4n``), and beside it a vector's ``g * g`` (``4n``)
+        or, per row and per column of each matrix, at most 12 bytes (its mean of g^2, or its
+        factor in float64 and in fp32); 256 bytes for the 0-d norms."""
         n = math.prod(shape)
         scaled = 4 * n if grad_scale != 1.0 or hyper.maximize else 0
         if len(shape) >= 2:
-            beside = 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
+            beside = 12 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
         else:
             beside = 4 * n
         return scaled + 4 * n + beside + 256
