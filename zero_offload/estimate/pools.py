@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .buckets import (
     BucketGroups,
@@ -241,17 +241,9 @@ def shape_offload_bytes(
     shape, so its bucket is its shapes (``shape_bucket_shapes``): Note [a whole-parameter
     rule's buckets are planned one by one]."""
     bucket_numel = max(1, bucket_bytes // itemsize)
-    weights = grad_buffers = host = 0
     if not reads_whole(rule):
         counts = shape_bucket_numels(shape, bucket_numel=bucket_numel)
-        for numel, count in counts.items():
-            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
-            weights, grad_buffers, host = (
-                weights + count * w,
-                max(grad_buffers, g),
-                host + count * h,
-            )
-        return weights, grad_buffers, host
+        return _counted_buckets(counts.items(), itemsize, bucket_bytes, world_size, rule)
     groups = shape_bucket_shapes(shape, bucket_numel=bucket_numel)
     return whole_groups_bytes(
         groups, itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size, rule=rule
@@ -283,13 +275,24 @@ def offload_bytes_of_count(
     """
     bucket_numel = max(1, bucket_bytes // itemsize)
     full, rest = divmod(params, bucket_numel)
+    counted = [
+        (numel, count) for numel, count in ((bucket_numel, full), (rest, 1)) if count and numel
+    ]
+    return _counted_buckets(counted, itemsize, bucket_bytes, world_size, rule)
+
+
+def _counted_buckets(
+    counted: Iterable[tuple[int, int]],
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str,
+) -> tuple[int, int, int]:
+    """``offload_bytes`` of ``count`` one-parameter buckets of ``numel`` elements, for each
+    ``(numel, count)``: each planned once (``_one_bucket``); the weights and host pool are
+    sums over buckets, the gradient buffers a maximum, as in ``plan_placement``."""
     weights = grad_buffers = host = 0
-    for count, numel in ((full, bucket_numel), (1, rest)):
-        if count and numel:
-            w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
-            weights, grad_buffers, host = (
-                weights + count * w,
-                max(grad_buffers, g),
-                host + count * h,
-            )
+    for numel, count in counted:
+        w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
+        weights, grad_buffers, host = weights + count * w, max(grad_buffers, g), host + count * h
     return weights, grad_buffers, host
