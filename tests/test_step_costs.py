@@ -216,3 +216,49 @@ def test_adam_still_follows_a_gradient_that_is_landing(monkeypatch: pytest.Monke
     opt.step()
     assert len(launches) > 1 and sum(launches) == 256 * 256
     opt.close()
+
+
+def test_the_accumulation_of_a_tile_of_many_parameters_is_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [one accumulation launch for many ranges] (kernels/accumulate.py): with an
+    # accumulator (two micro-batches summed on the host), the pass over a landed tile of 400
+    # parameters accumulates every piece and takes its statistics in one launch (before:
+    # one accumulate_grad launch per parameter, 400 a tile on the host worker).
+    from zero_offload.optim.grads import host_passes
+
+    calls: collections.Counter[str] = collections.Counter()
+    names = ("accumulate_grad", "accumulate_grad_ranges", "grad_stats", "grad_stats_ranges")
+    for name in names:
+        kernel = getattr(host_passes, name, None)
+
+        def counting(*args: Any, _name: str = name, _kernel: Any = kernel, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(host_passes, name, counting, raising=False)
+    tiles: list[tuple[bool, collections.Counter[str]]] = []  # (accumulates, its launches)
+    pass_tile = host_passes.pass_tile
+
+    def counted_tile(*args: Any, **kwargs: Any) -> None:
+        before = calls.copy()
+        pass_tile(*args, **kwargs)
+        tiles.append((args[3] is not None, calls - before))
+
+    monkeypatch.setattr(host_passes, "pass_tile", counted_tile)
+    model = _model(200)  # 400 parameters, one bucket, one tile
+    config = OffloadConfig(grad_accumulation="host")
+    opt = OffloadAdamW(model.parameters(), config=config, accelerator=host_accelerator())
+    assert len(opt.buckets) == 1
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        tiles.clear()
+        for _ in range(2):  # the second flush lands in the accumulator
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        accumulating = [launches for accumulates, launches in tiles if accumulates]
+        assert accumulating, tiles
+        for launches in accumulating:
+            assert launches == {"accumulate_grad_ranges": 1}, launches
+    opt.close()

@@ -14,7 +14,7 @@ from .threading_layer import configure_threads
 # team beside another] in thread_budget.py.
 configure_threads()
 
-from .accumulate import accumulate_grad  # noqa: E402
+from .accumulate import accumulate_grad, accumulate_grad_ranges  # noqa: E402
 from .adafactor import adafactor_step, adafactor_update_cap  # noqa: E402
 from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
@@ -26,6 +26,7 @@ from .warmup import warmup  # noqa: E402
 
 __all__ = [
     "accumulate_grad",
+    "accumulate_grad_ranges",
     "adafactor_step",
     "adafactor_update_cap",
     "adagrad_step",

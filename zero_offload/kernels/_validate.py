@@ -174,6 +174,52 @@ def reduction_blocks(span: int) -> int:
     return max(1, -(-span // REDUCTION_BLOCK))
 
 
+def check_ranges(ranges: object, n: int, name: str = "ranges") -> np.ndarray:
+    """``ranges`` (a sequence of ``(start, stop)``) as an ``(m, 2)`` int64 array, each row a
+    tile of an array of ``n`` elements (``check_range``'s rule and message)."""
+    try:
+        bounds = np.asarray(ranges)
+    except ValueError:  # ragged
+        bounds = np.empty(0, dtype=object)
+    if bounds.size == 0 and bounds.ndim == 1:
+        return np.empty((0, 2), dtype=np.int64)
+    if bounds.ndim != 2 or bounds.shape[1] != 2 or bounds.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must be a sequence of (start, stop) integer pairs, got {_preview(ranges)}"
+        )
+    bounds = bounds.astype(np.int64, copy=False)
+    starts, stops = bounds[:, 0], bounds[:, 1]
+    bad = (starts < 0) | (starts > stops) | (stops > n)
+    if bad.any():
+        i = int(np.argmax(bad))
+        try:
+            check_range(int(starts[i]), int(stops[i]), n)  # raises, naming the range
+        except ValueError as e:
+            raise ValueError(f"{name}[{i}]: {e}") from None
+    return bounds
+
+
+def _preview(x: object) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def range_blocks(
+    starts: np.ndarray, stops: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks a one-range reduction kernel cuts each ``[starts[i], stops[i])`` into:
+    REDUCTION_BLOCK elements counted from the range's start, an empty range one empty block
+    (Note [sums do not depend on the threads]). Returns ``(block_lo, block_hi, counts,
+    within)``: each block's bounds, range by range in order, the number of blocks of each
+    range, and each block's index inside its range."""
+    counts = np.maximum(1, -(-(stops - starts) // REDUCTION_BLOCK))
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(first.shape[0]) - first
+    block_lo = np.repeat(starts, counts) + within * REDUCTION_BLOCK
+    block_hi = np.minimum(block_lo + REDUCTION_BLOCK, np.repeat(stops, counts))
+    return block_lo, block_hi, counts, within
+
+
 def run_with_threads(num_threads: object, fn: Callable[[int], T]) -> T:
     """Call ``fn(n)`` with numba's thread count set to ``n`` for this calling thread only."""
     n = resolve_threads(num_threads)

@@ -15,6 +15,8 @@ from ._validate import (
     REDUCTION_BLOCK,
     as_kernel_array,
     check_range,
+    check_ranges,
+    range_blocks,
     reduction_blocks,
     run_with_threads,
 )
@@ -154,19 +156,10 @@ def grad_stats_ranges(
     block sums, appended to ``partials`` range by range in order, and ``(sum of squares,
     any non-finite)`` of them all. See Note [one launch for many ranges]."""
     grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
-    n = grad_a.shape[0]
-    if not ranges:
+    bounds = check_ranges(ranges, grad_a.shape[0])
+    if bounds.shape[0] == 0:
         return 0.0, False
-    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-    starts, stops = bounds[:, 0], bounds[:, 1]
-    bad = (starts < 0) | (starts > stops) | (stops > n)
-    if bad.any():
-        start, stop = (int(x) for x in bounds[int(np.argmax(bad))])
-        check_range(start, stop, n)  # raises, naming the range
-    counts = np.maximum(1, -(-(stops - starts) // REDUCTION_BLOCK))
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    block_lo = np.repeat(starts, counts) + (np.arange(first.shape[0]) - first) * REDUCTION_BLOCK
-    block_hi = np.minimum(block_lo + REDUCTION_BLOCK, np.repeat(stops, counts))
+    block_lo, block_hi, _, _ = range_blocks(bounds[:, 0], bounds[:, 1])
     partial = run_with_threads(
         num_threads, lambda threads: _sumsq_blocks_kernel(grad_a, kind, block_lo, block_hi)
     )

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from ..progress import progress
-from .accumulate import accumulate_grad
+from .accumulate import accumulate_grad, accumulate_grad_ranges
 from .adam import adam_step
 from .convert import cast_fp32
 from .stats import grad_stats, grad_stats_ranges
@@ -64,6 +64,11 @@ def warmup() -> dict[str, float]:
         t0 = time.perf_counter()
         accumulate_grad(np.zeros(n, np.float32), np.zeros(n, grad_dtype), overwrite=True)
         times[f"accumulate_grad[src={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        accumulate_grad_ranges(
+            np.zeros(n, np.float32), np.zeros(n, grad_dtype), [(0, n, (0, n))], overwrite=True
+        )
+        times[f"accumulate_grad_ranges[src={np.dtype(grad_dtype)}]"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cast_fp32(np.zeros(n, np.float32), np.zeros(n, np.uint16), num_threads=1)
     times["cast_fp32"] = time.perf_counter() - t0

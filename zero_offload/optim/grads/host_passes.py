@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels import accumulate_grad, grad_stats, grad_stats_ranges
+from ...kernels import accumulate_grad, accumulate_grad_ranges, grad_stats_ranges
 from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
 from ..access import declare_cpu
@@ -63,19 +63,21 @@ def pass_tile(
                 ranges.append(piece.cell)
         grad_stats_ranges(staging, ranges, num_threads=threads, partials=partials)
         return
+    # Accumulation: every piece of the tile in one launch, with the statistics the pieces
+    # call for (Note [one accumulation launch for many ranges] in kernels/accumulate.py): a
+    # run of whole cells counted as it is accumulated, a cell's last piece by the whole
+    # cell re-read once accumulated, the rest (part of a cell, a gap) not counted.
+    ranges: list[tuple[int, int, tuple[int, int] | None]] = []
     for piece in pieces(layout.slots, shard, lo, hi):
-        accumulate_grad(
-            acc,
-            staging,
-            overwrite=overwrite,
-            start=piece.lo,
-            stop=piece.hi,
-            num_threads=threads,
-            partials=partials if piece.cut is Cut.CELLS else None,
-        )
-        if piece.cut is Cut.LAST and piece.cell is not None:
-            cell_lo, cell_hi = piece.cell
-            grad_stats(acc, start=cell_lo, stop=cell_hi, num_threads=1, partials=partials)
+        if piece.cut is Cut.CELLS:
+            ranges.append((piece.lo, piece.hi, (piece.lo, piece.hi)))
+        elif piece.cut is Cut.LAST and piece.cell is not None:
+            ranges.append((piece.lo, piece.hi, piece.cell))
+        else:
+            ranges.append((piece.lo, piece.hi, None))
+    accumulate_grad_ranges(
+        acc, staging, ranges, overwrite=overwrite, num_threads=threads, partials=partials
+    )
 
 
 class HostPasses:

@@ -15,10 +15,11 @@ the last piece of a cell begun in an earlier tile (accumulated, then the whole c
 again from the finished buffer, one partial). Alignment gaps between slots are zeros:
 accumulated, never counted. So one rank's ``last_grad_norm`` is bitwise the same for every
 ``bucket_bytes`` and ``tile_elements``; several ranks add their sums in the all-reduce.
-The price is one accumulation call per parameter piece of a tile (not one per tile; a
-tile's statistics alone are one launch, Note [one launch for many ranges] in
-``kernels/stats.py``) and one re-read cell per tile boundary inside a cell
-(docs/gradient-semantics.md).
+The pieces cost no launch each: a tile's pass takes them all in one launch, its
+statistics alone (Note [one launch for many ranges] in ``kernels/stats.py``) or its
+accumulation with them (Note [one accumulation launch for many ranges] in
+``kernels/accumulate.py``), with the same partials as one call per piece. The price is
+one re-read cell per tile boundary inside a cell (docs/gradient-semantics.md).
 """
 
 from __future__ import annotations
