@@ -269,26 +269,36 @@ def test_a_bad_hyper_parameter_is_refused_by_name(kwargs: dict, error: type, mes
 # -- the kernel ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("growth", [1.0, 1.3], ids=["steady", "clipped"])
 @pytest.mark.parametrize("shape", [(37,), (), (3, 5, 7), (1, 9), (9, 1), (300, 200)])
-def test_the_kernel_follows_torch_on_odd_shapes(shape: tuple[int, ...]) -> None:
+def test_the_kernel_follows_torch_on_odd_shapes(shape: tuple[int, ...], growth: float) -> None:
     """20 steps of one parameter against torch's for-loop, bf16 gradients: within a few ulp,
-    and the factors as torch keeps them."""
+    and the factors as torch keeps them. With gradients growing 1.3x a step, each step's U
+    is larger than the second moment's average: its RMS is above d = 1 and the update
+    clipping binds, so its norm (from the factors where nothing is clamped: Note [the
+    update's norm from the factors]) sets every step's size."""
     gen = torch.Generator().manual_seed(len(shape))
     p0 = torch.randn(shape, generator=gen)
     ref = torch.nn.Parameter(p0.clone())
     opt = torch.optim.Adafactor([ref], lr=1e-2, weight_decay=0.1)
+    unclipped = torch.nn.Parameter(p0.clone())  # d so large that nothing is clipped
+    opt_unclipped = torch.optim.Adafactor([unclipped], lr=1e-2, weight_decay=0.1, d=1e30)
     master = p0.clone().reshape(-1)
     state = {f.name: torch.zeros(f.shape) for f in ADAFACTOR.param_state(shape)}
     for step in range(1, STEPS + 1):
-        grad = torch.randn(shape, generator=gen).bfloat16()
+        grad = (torch.randn(shape, generator=gen) * growth**step).bfloat16()
         ref.grad = grad.float()
+        unclipped.grad = grad.float()
         opt.step()
+        opt_unclipped.step()
         adafactor_step(master, grad.reshape(-1), shape=shape, step=step, lr=1e-2,
                        beta2_decay=-0.8, eps1=torch.finfo(torch.float32).eps, eps2=1e-3, d=1.0,
                        weight_decay=0.1, **{k: v.view(-1) for k, v in state.items()})  # fmt: skip
     assert torch.allclose(master, ref.detach().reshape(-1), rtol=0, atol=1e-6)
     for name, value in state.items():
         assert torch.allclose(value, opt.state[ref][name], rtol=1e-5, atol=0), name
+    if growth > 1:  # the clipping bound: torch's unclipped run went elsewhere
+        assert not torch.allclose(ref, unclipped, rtol=0, atol=1e-4)
 
 
 def test_the_kernel_names_a_bad_argument_before_writing() -> None:
@@ -349,7 +359,7 @@ def test_the_factored_update_is_torchs_to_a_few_ulp(eps1: float) -> None:
     row_f = np.empty(batches * m, np.float32)
     col_f = np.empty(batches * n, np.float32)
     adafactor._rsqrt_factors(row_var.reshape(-1), col_var.reshape(-1), m, np.float32(eps1),
-                             row_f, col_f)  # fmt: skip
+                             row_f, col_f, np.empty(batches))  # fmt: skip
     cap = np.float32(adafactor.adafactor_update_cap(eps1))
     got = np.empty_like(g)
     for b in range(batches):
@@ -421,24 +431,35 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
     nblocks = 2  # blocks of 7 rows (one batch each), of 4 and 5 rows, of 20 rows (16 + 4)
     rowsq = np.empty(rows)
     colpart = np.zeros((nblocks, rows // m * n))
+    colw = np.zeros((nblocks, rows // m * n))
     psq = np.empty(nblocks)
+    row_var = gen.uniform(0.5, 2.0, rows).astype(np.float32)
+    weight = np.float32(0.3)
     adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
-                              psq, direct)  # fmt: skip
+                              psq, direct, row_var, weight, colw)  # fmt: skip
     squares = grad.reshape(rows, n) * grad.reshape(rows, n)  # fp32, rounded as the kernel
     for blk in range(nblocks):
         r0, r1 = rows * blk // nblocks, rows * (blk + 1) // nblocks
         expect = np.zeros(rows // m * n)
+        expect_w = np.zeros(rows // m * n)
         p_sum = 0.0
         run = np.zeros(n, dtype=np.float32)
+        run_w = np.zeros(n, dtype=np.float32)
         for r in range(r0, r1):
             cb = r // m * n
             run += squares[r]  # fp32, in row order
+            s = adafactor._row_scale(rowsq[r], row_var[r], n, weight)
+            scaled = grad[r * n : (r + 1) * n] * s  # fp32
+            run_w += scaled * scaled
             if (r - r0 + 1) % adafactor.COLUMN_ROWS == 0 or r + 1 == r1 or (r + 1) % m == 0:
                 expect[cb : cb + n] += run.astype(np.float64)
+                expect_w[cb : cb + n] += run_w.astype(np.float64)
                 run[:] = 0.0
+                run_w[:] = 0.0
             for lo in range(0, n, SUM_CHUNK):
                 p_sum += _sumsq_f32(param[r * n + lo : r * n + min(lo + SUM_CHUNK, n)])
         assert np.array_equal(colpart[blk], expect)
+        assert np.array_equal(colw[blk], expect_w)
         assert psq[blk] == p_sum
     for r in range(rows):
         chunks = [
@@ -448,3 +469,96 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
         for chunk in chunks:
             total += _sumsq_f32(chunk)
         assert rowsq[r] == total
+
+
+def _factored_norms(shape: tuple[int, ...], grad: np.ndarray, row_var: np.ndarray,
+                    col_var: np.ndarray, eps1: float) -> tuple[float, float]:  # fmt: skip
+    """||U||^2 of one step two ways: from pass 1's weighted column sums and the factors, and
+    pass 2's sum over the U the update applies (Note [the update's norm from the factors])."""
+    *batch, m, n = shape
+    rows = math.prod(batch) * m
+    nblocks = adafactor._row_blocks(rows, n, rows // m * n)
+    weight = np.float32(0.6)
+    param = np.ones(rows * n, np.float32)
+    rowsq, psq = np.empty(rows), np.empty(nblocks)
+    colpart, colw = np.zeros((2, nblocks, rows // m * n))
+    adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
+                              psq, True, row_var, weight, colw)  # fmt: skip
+    adafactor._update_factors(rowsq, colpart, row_var, col_var, m, n, weight)
+    row_f, col_f = np.empty(rows, np.float32), np.empty(rows // m * n, np.float32)
+    rmeans = np.empty(rows // m)
+    adafactor._rsqrt_factors(row_var, col_var, m, np.float32(eps1), row_f, col_f, rmeans)
+    cap = np.float32(adafactor.adafactor_update_cap(eps1))
+    usq = np.empty(nblocks)
+    adafactor._factored_usq(grad, 0, np.float32(1.0), m, n, row_f, col_f, cap, nblocks, usq)
+    return adafactor._usq_from_factors(colw, row_f, col_f, rmeans, cap), math.fsum(usq)
+
+
+@pytest.mark.parametrize("shape", [(3, 50, 70), (300, 200), (1, 9), (9, 1), (40, 4100)], ids=str)
+@pytest.mark.parametrize("spread", [0.0, 6.0], ids=["unit", "12-decades"])
+def test_the_norm_from_the_factors_is_the_applied_updates(
+    shape: tuple[int, ...], spread: float
+) -> None:
+    """Note [the update's norm from the factors]: where no element is clamped, ||U||^2 from
+    pass 1's sums of (g_ij / sqrt(R_i))^2 by column, times r_b and b_j^2, is pass 2's sum
+    of the applied U^2 within 1e-6 relative (both within a few ulp of exact per term, and
+    the sums' own rounding), with gradients and state across 12 decades."""
+    gen = np.random.default_rng(sum(shape))
+    *batch, m, n = shape
+    rows = math.prod(batch) * m
+    scale_r = 10.0 ** gen.uniform(-spread, spread, (rows, 1))
+    scale_c = 10.0 ** gen.uniform(-spread, spread, (1, n))
+    grad = (gen.standard_normal((rows, n)) * scale_r * scale_c).astype(np.float32).reshape(-1)
+    row_var = (10.0 ** gen.uniform(-spread, spread, rows)).astype(np.float32)
+    col_var = (10.0 ** gen.uniform(-spread, spread, rows // m * n)).astype(np.float32)
+    fast, slow = _factored_norms(shape, grad, row_var, col_var, eps1=0.0)
+    assert fast >= 0.0
+    assert abs(fast - slow) <= 1e-6 * slow, (fast, slow)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["clamped", "zero row", "zero column", "nan", "inf"],
+)
+def test_the_norm_from_the_factors_declines_what_it_cannot_know(case: str) -> None:
+    """Where an element may be clamped (a large eps1, a zero row or column: a factor of inf)
+    or a factor or sum is not finite, the factors do not give ||U||: the kernel returns -1
+    and the step sums the applied U in pass 2."""
+    shape = (30, 20)
+    gen = np.random.default_rng(7)
+    grad = gen.standard_normal(600).astype(np.float32)
+    eps1 = 0.0
+    if case == "clamped":
+        eps1 = 0.5  # cap 2: most a_i * b_j are near 1 / rms(g) ~ 1, some above 2
+        grad[:20] *= 1e-3  # a row of small gradients: a_0 * b_j large
+    elif case == "zero row":
+        grad[20:40] = 0.0
+    elif case == "zero column":
+        grad[3::20] = 0.0
+    else:
+        grad[5] = math.nan if case == "nan" else math.inf
+    fast, slow = _factored_norms(
+        shape, grad, np.zeros(30, np.float32), np.zeros(20, np.float32), eps1
+    )
+    assert fast == -1.0, (fast, slow)
+
+
+@pytest.mark.parametrize(("eps1", "passes"), [(1.2e-7, 0), (0.5, 1)], ids=["fits", "clamps"])
+def test_pass_2_runs_only_where_an_element_may_be_clamped(
+    monkeypatch: pytest.MonkeyPatch, eps1: float, passes: int
+) -> None:
+    """The step makes two passes over a matrix where no element is clamped (the norm from
+    the factors), three where one may be (pass 2, the sum of the applied U); 1-D parameters
+    always two (their U^2 is summed beside V's update)."""
+    calls = []
+    real = adafactor._factored_usq
+    monkeypatch.setattr(adafactor, "_factored_usq", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    shape = (64, 48)
+    master = torch.randn(shape, generator=gen).reshape(-1)
+    grad = torch.randn(shape, generator=gen).reshape(-1)
+    grad[:48] *= 1e-4  # row 0: tiny gradients, a_0 large: clamped under eps1 = 0.5
+    state = {f.name: torch.zeros(f.shape).view(-1) for f in ADAFACTOR.param_state(shape)}
+    adafactor_step(master, grad, shape=shape, step=1, lr=1e-2, beta2_decay=-0.8, eps1=eps1,
+                   eps2=1e-3, d=1.0, weight_decay=0.0, **state)  # fmt: skip
+    assert len(calls) == passes

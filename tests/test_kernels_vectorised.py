@@ -86,7 +86,7 @@ def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad) -> None:
     """Pass 1's four-row loop into fp32 column sums (Note [pass 1 four rows at a time] in
     adafactor.py)."""
     f32 = types.float32
-    signature = (grad, grad, grad, grad, types.int64, f32, F32)
+    signature = (grad, grad, grad, grad, types.int64, f32, f32, f32, f32, f32, F32, F32)
     fn = adafactor._squares_4rows
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)

@@ -1,11 +1,12 @@
-"""Adafactor over one whole parameter's fp32 master, in place, in three passes.
+"""Adafactor over one whole parameter's fp32 master, in place, in two or three passes.
 
 ``torch.optim.Adafactor``'s update (its single-tensor path, ``_single_tensor_adafactor``)
 reads whole-parameter statistics: the RMS of the weights (the step size), the row and column
 means of the squared gradient over the last two dimensions (the factored second moment of a
 parameter of two or more dimensions), and the RMS of the update (update clipping). So it
 cannot run tile by tile: the kernel takes one parameter, flat, with its shape, and makes
-three passes over it (Note [Adafactor's three passes]). The factored state is sublinear: a
+two passes over it, three where an element may be clamped (Note [Adafactor's three
+passes]). The factored state is sublinear: a
 ``(..., m, n)`` parameter keeps ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 1, n)``;
 a parameter of fewer than two dimensions keeps a full ``variance``.
 """
@@ -43,11 +44,14 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 #   else:                 V = lerp(V, G * G, w)
 #   U = rsqrt(max(V, eps1^2)) * G
 #   p = p + (-alpha / max(1, ||U|| / (sqrt(numel) * d))) * U
-# The kernel makes three passes over the parameter:
-#   1. statistics: the sum of squares of p, and (factored) of G by row and by column;
-#      then the factors are updated, and from them one number per row and per column
-#      (small vectors, serially; Note [the update from the factors]);
-#   2. the sum of squares of U (unfactored: V is updated here, the pass writes it);
+# The kernel makes at most three passes over the parameter:
+#   1. statistics: the sum of squares of p, and (factored) of G by row and by column, and
+#      of G_ij / sqrt(R_i) by column; then the factors are updated, and from them one
+#      number per row and per column (small vectors, serially; Note [the update from the
+#      factors]), and ||U||^2 from them where no element is clamped (Note [the update's
+#      norm from the factors]): then pass 2 is not made;
+#   2. the sum of squares of U (unfactored: V is updated here, the pass writes it, and it
+#      is the first pass: p's sum is taken beside it);
 #   3. the update, U recomputed as in pass 2 (the same operations, the same bits), written
 #      to p and ``out``.
 # Every sum is a float64 sum over fixed blocks of rows or elements, added in block order: a
@@ -132,6 +136,38 @@ __all__ = ["adafactor_step", "adafactor_update_cap", "factored"]
 # host and device buckets of one model round U alike. The unfactored U keeps torch's form:
 # its V is per element, there is nothing to share.
 
+# Note [the update's norm from the factors]
+# The update clipping needs ||U||^2 before pass 3 writes anything. Summing the applied U
+# takes a pass over G of its own (pass 2), which ran at 0.42-0.45x of G's stream (its column
+# factors fall out of L1 on every row of a wide matrix) and made the step 0.64x of the
+# roofline of three passes. Where no element is clamped, U_ij = a_i b_j G_ij, and with
+# a_i^2 = r_b / R_i (exact arithmetic: a_i = 1 / sqrt(R_i / r_b)) and b_j^2 = 1 / C_j,
+#   ||U||^2 = sum_b r_b sum_j b_j^2 sum_{i in b} (G_ij s_i)^2,   s_i = 1 / sqrt(R_i)
+# where R_i is the row's new factor. A row's R_i needs only its own sum (and its old
+# factor), which pass 1 takes before the row's column sums (Note [pass 1 four rows at a
+# time]); so pass 1 also sums (G_ij s_i)^2 by column, the same way as G_ij^2 (fp32 runs of
+# COLUMN_ROWS rows, float64 across runs and blocks: a function of the shape). Scaling G by
+# s_i before squaring keeps the terms near 1 (R_i is G's mean square on the row): no
+# underflow where G is tiny. After the factors are updated, ``_usq_from_factors`` adds
+# r_b b_j^2 times those column sums in float64, in column then batch order.
+# It holds only where nothing is clamped, so it is used only where every a_i and b_j is
+# finite and positive and the largest product of the two, rounded to fp32, is at most cap:
+# fp32 rounding is monotone, so then no element's fp32(a_i * b_j) exceeds cap, and min()
+# leaves each as it is. Otherwise (a zero row or column: an inf factor; inf or NaN in G or
+# the state; a large eps1; a sum that is not finite) pass 2 sums the applied U, as before.
+# The rounding: each term is within a few ulp of the applied U_ij^2 (a_i^2 is r_b s_i^2 to
+# about 2 ulp, U_ij itself is within 2 ulp of exact), and the sums are float64 but for the
+# fp32 runs (about 16 ulp relative at most, as C_j's): ||U|| is within about 1e-6 relative
+# of pass 2's sum (tested, over 12 decades of gradients and state), then rounded to fp32,
+# and it moves the step only where clipping binds, by that fraction: about lr |U_ij| 1e-6
+# at most, below half an ulp of a weight of about 1 at torch's lr of 1e-2. So a weight may
+# differ in its last bit from what
+# pass 2's norm gives, where the two fp32 norms differ; the weights stay within torch's own
+# for-loop vs foreach spread (whose norms differ the same way). The device-resident step
+# (optim/rule/adafactor.py) sums the applied U with torch; its norm already differed from
+# the host's float64 sums in its last bits; U, which is per element, is still computed
+# alike on both sides.
+
 #: At most this many blocks of rows per factored parameter; each keeps its own float64
 #: column sums, so their memory is bounded by MAX_BLOCKS * columns * 8 bytes (and by
 #: COLUMN_PARTIALS elements in all).
@@ -168,18 +204,21 @@ def _scaled(g_t, grad_kind, grad_mul, s_t):
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_1row(g_t, grad_kind, grad_mul, cf_t):
-    """``cf_t[j] += (g_t[j] * grad_mul)^2`` in fp32."""
+def _squares_1row(g_t, grad_kind, grad_mul, s, cf_t, cw_t):
+    """``cf_t[j] += x^2`` and ``cw_t[j] += (x * s)^2``, x = ``g_t[j] * grad_mul``, in fp32
+    (``s``: the row's 1 / sqrt(R_i), Note [the update's norm from the factors])."""
     for j in range(cf_t.shape[0]):
         x = load_f32(g_t, j, grad_kind) * grad_mul
         cf_t[j] += x * x
+        y = x * s
+        cw_t[j] += y * y
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t):
-    """``_squares_1row`` of four consecutive rows at once, added to each column's fp32 sum
-    in row order: one load and store of the sum per four rows (Note [pass 1 four rows at a
-    time])."""
+def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, s0, s1, s2, s3, cf_t, cw_t):
+    """``_squares_1row`` of four consecutive rows at once (``s0``..``s3``: their 1 /
+    sqrt(R_i)), added to each column's fp32 sums in row order: one load and store of each
+    sum per four rows (Note [pass 1 four rows at a time])."""
     for j in range(cf_t.shape[0]):
         x0 = load_f32(g0, j, grad_kind) * grad_mul
         x1 = load_f32(g1, j, grad_kind) * grad_mul
@@ -191,32 +230,60 @@ def _squares_4rows(g0, g1, g2, g3, grad_kind, grad_mul, cf_t):
         acc += x2 * x2
         acc += x3 * x3
         cf_t[j] = acc
+        y0 = x0 * s0
+        y1 = x1 * s1
+        y2 = x2 * s2
+        y3 = x3 * s3
+        wacc = cw_t[j]
+        wacc += y0 * y0
+        wacc += y1 * y1
+        wacc += y2 * y2
+        wacc += y3 * y3
+        cw_t[j] = wacc
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _add_columns(cf_t, cp_t):
-    """``cp_t[j] += cf_t[j]`` (a run's fp32 sum into the float64 partial), ``cf_t[j] = 0``."""
+def _add_columns(cf_t, cp_t, cw_t, cwp_t):
+    """``cp_t[j] += cf_t[j]`` and ``cwp_t[j] += cw_t[j]`` (a run's fp32 sums into the
+    float64 partials); ``cf_t[j] = cw_t[j] = 0``."""
     for j in range(cp_t.shape[0]):
         cp_t[j] += np.float64(cf_t[j])
         cf_t[j] = np.float32(0.0)
+        cwp_t[j] += np.float64(cw_t[j])
+        cw_t[j] = np.float32(0.0)
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _row_scale(rowsq_i, row_var_i, n, weight):
+    """1 / sqrt(R_i) for the row's new R_i (``_update_factors``'s value, the same
+    operations), in float64 rounded once to fp32."""
+    norm = np.float32(np.sqrt(rowsq_i))
+    new = _lerp(row_var_i, norm * norm / np.float32(n), weight)
+    return np.float32(1.0 / np.sqrt(np.float64(new)))
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colpart, psq, direct):
+def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colpart, psq, direct,
+                    row_var, weight, colw):  # fmt: skip
     """Pass 1: ``rowsq[r]`` = sum_j g[r, j]^2; ``colpart[blk, b*n + j]`` = that block's rows'
     g^2 in column j of batch b, summed in fp32 over runs of COLUMN_ROWS rows and the runs in
-    float64; ``psq[blk]`` = that block's sum of p^2 (float64). A run's rows' own sums
-    first, then their columns four rows at a time, then p's (Note [pass 1 four rows at a
-    time]). A row's sum goes through the one reduction loop (Note [one loop shape for every
-    sum] in stats.py) in chunks of SUM_CHUNK from the row's start: over its scaled values,
-    copied into a scratch chunk, or over the chunk itself when ``direct`` (an fp32 gradient
-    and ``grad_mul`` 1: the same values)."""
+    float64; ``colw`` the same of (g[r, j] * s_r)^2, s_r = 1 / sqrt(R_r) of the row's new
+    factor (Note [the update's norm from the factors]; ``row_var`` is read, not written);
+    ``psq[blk]`` = that block's sum of p^2 (float64). A run's rows' own sums first, then
+    their columns four rows at a time, then p's (Note [pass 1 four rows at a time]). A row's
+    sum goes through the one reduction loop (Note [one loop shape for every sum] in
+    stats.py) in chunks of SUM_CHUNK from the row's start: over its scaled values, copied
+    into a scratch chunk, or over the chunk itself when ``direct`` (an fp32 gradient and
+    ``grad_mul`` 1: the same values)."""
     rows = rowsq.shape[0]
     for blk in prange(nblocks):
         r0 = rows * blk // nblocks
         r1 = rows * (blk + 1) // nblocks
         cp = colpart[blk]
+        cwp = colw[blk]
         cf = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's column sums
+        cw = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's weighted column sums
+        srow = np.empty(COLUMN_ROWS, dtype=np.float32)  # (COLUMN_ROWS,) the run's s_r
         scratch = np.empty(min(n, SUM_CHUNK), dtype=np.float32)  # (SUM_CHUNK,) scaled g
         pacc = 0.0
         r = r0
@@ -233,10 +300,12 @@ def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colp
                     else:
                         acc += _sumsq_f32(_scaled(g_i, grad_kind, grad_mul, scratch))
                 rowsq[i] = acc
+                srow[i - r] = _row_scale(acc, row_var[i], n, weight)
             i = r
             while i < run_end:  # their column sums, four rows at a time, the rows from L2
                 k = 4 if i + 4 <= run_end else 1
                 base = i * n
+                s = srow[i - r : i - r + k]
                 for lo in range(0, n, SUM_CHUNK):
                     hi = min(lo + SUM_CHUNK, n)
                     g0 = grad[base + lo : base + hi]
@@ -244,11 +313,12 @@ def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colp
                         _squares_4rows(g0, grad[base + n + lo : base + n + hi],
                                        grad[base + 2 * n + lo : base + 2 * n + hi],
                                        grad[base + 3 * n + lo : base + 3 * n + hi], grad_kind,
-                                       grad_mul, cf[lo:hi])  # fmt: skip
+                                       grad_mul, s[0], s[1], s[2], s[3], cf[lo:hi],
+                                       cw[lo:hi])  # fmt: skip
                     else:
-                        _squares_1row(g0, grad_kind, grad_mul, cf[lo:hi])
+                        _squares_1row(g0, grad_kind, grad_mul, s[0], cf[lo:hi], cw[lo:hi])
                 i += k
-            _add_columns(cf, cp[cb : cb + n])
+            _add_columns(cf, cp[cb : cb + n], cw, cwp[cb : cb + n])
             for row in range(r * n, run_end * n, n):  # p's sums
                 for lo in range(0, n, SUM_CHUNK):
                     pacc += _sumsq_f32(param[row + lo : row + min(lo + SUM_CHUNK, n)])
@@ -284,11 +354,11 @@ def _update_factors(rowsq, colpart, row_var, col_var, m, n, weight):
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
-def _rsqrt_factors(row_var, col_var, m, eps1, row_f, col_f):
+def _rsqrt_factors(row_var, col_var, m, eps1, row_f, col_f, rmeans):
     """The factors of U (Note [the update from the factors]): ``row_f[r]`` = 1 / sqrt(
     row_var[r] / r_b), r_b = max(mean of batch b's row_var, eps1) rounded to fp32 as torch
-    rounds its mean (a NaN mean stays NaN, as under torch's clamp), and ``col_f[c]`` = 1 /
-    sqrt(col_var[c]); each in float64, rounded once to fp32."""
+    rounds its mean (a NaN mean stays NaN, as under torch's clamp), into ``rmeans[b]``, and
+    ``col_f[c]`` = 1 / sqrt(col_var[c]); each in float64, rounded once to fp32."""
     for c in range(col_var.shape[0]):
         col_f[c] = np.float32(1.0 / np.sqrt(np.float64(col_var[c])))
     for b in range(row_var.shape[0] // m):
@@ -297,8 +367,47 @@ def _rsqrt_factors(row_var, col_var, m, eps1, row_f, col_f):
             acc += np.float64(row_var[b * m + i])
         mean = np.float32(acc / m)
         rmean = np.float64(eps1 if mean < eps1 else mean)
+        rmeans[b] = rmean
         for i in range(m):
             row_f[b * m + i] = np.float32(1.0 / np.sqrt(np.float64(row_var[b * m + i]) / rmean))
+
+
+@njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
+def _usq_from_factors(colw, row_f, col_f, rmeans, cap):
+    """||U||^2 from pass 1's weighted column sums, sum_b r_b sum_j b_j^2 sum_i (g_ij s_i)^2
+    (float64, the blocks' partials added in block order, then the columns in order), or -1
+    where it does not hold: a factor that is not finite and positive, or a product of the
+    largest ones above ``cap`` (an element may be clamped), or a sum that is not finite
+    (Note [the update's norm from the factors])."""
+    amax = np.float32(0.0)
+    for r in range(row_f.shape[0]):
+        a = row_f[r]
+        if not (a > np.float32(0.0) and a < np.inf):
+            return -1.0
+        amax = a if a > amax else amax
+    bmax = np.float32(0.0)
+    for c in range(col_f.shape[0]):
+        b = col_f[c]
+        if not (b > np.float32(0.0) and b < np.inf):
+            return -1.0
+        bmax = b if b > bmax else bmax
+    if amax * bmax > cap:
+        return -1.0
+    cols = col_f.shape[0]
+    n = cols // rmeans.shape[0]
+    total = 0.0
+    for bt in range(rmeans.shape[0]):
+        batch = 0.0
+        for j in range(bt * n, (bt + 1) * n):
+            w = 0.0
+            for blk in range(colw.shape[0]):
+                w += colw[blk, j]
+            bj = np.float64(col_f[j])
+            batch += w * (bj * bj)
+        total += rmeans[bt] * batch
+    if not (total < np.inf):  # false for NaN too
+        return -1.0
+    return total
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, cache=True, nogil=True, error_model="numpy")
@@ -535,16 +644,21 @@ def adafactor_step(
             nblocks = _row_blocks(rows, n, batches * n)
             rowsq = np.empty(rows, dtype=np.float64)  # (rows,) float64
             colpart = np.zeros((nblocks, batches * n), dtype=np.float64)  # column partials
+            colw = np.zeros((nblocks, batches * n), dtype=np.float64)  # weighted, the same
             psq = np.empty(nblocks, dtype=np.float64)
             direct = grad_kind == FP32 and grad_mul == 1
             _factored_stats(param_a, grad_a, grad_kind, grad_mul, m, n, nblocks, rowsq,
-                            colpart, psq, direct)  # fmt: skip
+                            colpart, psq, direct, row_a, weight, colw)  # fmt: skip
             row_f = np.empty(rows, dtype=np.float32)  # (rows,) 1 / sqrt(R_i / r_b)
             col_f = np.empty(batches * n, dtype=np.float32)  # (batches * n,) 1 / sqrt(C_j)
+            rmeans = np.empty(batches, dtype=np.float64)  # (batches,) r_b
             _update_factors(rowsq, colpart, row_a, col_a, m, n, weight)
-            _rsqrt_factors(row_a, col_a, m, f32(eps1), row_f, col_f)
-            usq = np.empty(nblocks, dtype=np.float64)
-            _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks, usq)
+            _rsqrt_factors(row_a, col_a, m, f32(eps1), row_f, col_f, rmeans)
+            usq = np.array([_usq_from_factors(colw, row_f, col_f, rmeans, cap)])
+            if usq[0] < 0.0:  # an element may be clamped, or something is not finite: pass 2
+                usq = np.empty(nblocks, dtype=np.float64)
+                _factored_usq(grad_a, grad_kind, grad_mul, m, n, row_f, col_f, cap, nblocks,
+                              usq)  # fmt: skip
         else:
             nblocks = _element_blocks(numel)
             usq = np.empty(nblocks, dtype=np.float64)
