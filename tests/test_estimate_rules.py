@@ -21,10 +21,17 @@ buckets, everything offloaded).
    refuses for it are left out with the reason (``MemoryEstimate.left_out``); the API and
    ``zero-offload estimate --optimizer`` take every rule's name and refuse another, listing
    the names.
+5. ``moments_dtype="bfloat16"`` (``OffloadConfig.moments_dtype``): the rows size the
+   fields each rule keeps in that dtype at 2 bytes (AdamW and Adam 12 -> 8 bytes per
+   parameter, Lion and Adagrad 8 -> 6; Adafactor and Muon unchanged, their state fp32):
+   every rule's rows against the built pools on one rank, AdamW and Lion on two gloo ranks,
+   parameter offload and the NVMe split; the paper rows' ``K``; the API's and the CLI's
+   ``--moments-dtype`` and their refusal of another value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,7 +65,13 @@ GiB = 2**30
 WHOLE = ("adafactor", "muon")
 
 
-def _row(source: object, rule: str, world: int = 1, name: str = "ZeRO-Offload") -> object:
+def _row(
+    source: object,
+    rule: str,
+    world: int = 1,
+    name: str = "ZeRO-Offload",
+    moments_dtype: str = "float32",
+) -> object:
     result = estimate(
         source,
         dtype=torch.bfloat16,
@@ -67,6 +80,7 @@ def _row(source: object, rule: str, world: int = 1, name: str = "ZeRO-Offload") 
         device_memory=GiB,
         host_memory=16 * GiB,
         optimizer=rule,
+        moments_dtype=moments_dtype,
     )
     return {row.name: row for row in result.rows}[name]
 
@@ -334,3 +348,134 @@ def test_the_cli_takes_the_optimizer(capsys: pytest.CaptureFixture[str]) -> None
     err = capsys.readouterr().err
     assert "--optimizer" in err and "invalid choice: 'sgd'" in err
     assert all(name in err for name in OPTIMIZERS)
+
+
+# -- 5. moments in bf16 -----------------------------------------------------------------------
+
+#: Host state bytes per parameter of each elementwise rule, (fp32 moments, bf16 moments):
+#: the fp32 master (4) and each moment (4, or 2 in bf16). Adafactor and Muon keep their
+#: shaped state in fp32 whatever ``moments_dtype`` (``state_fields`` ignores it).
+STATE_BYTES = {"adamw": (12, 8), "adam": (12, 8), "lion": (8, 6), "adagrad": (8, 6)}
+BF16 = "bfloat16"
+
+
+@pytest.mark.parametrize("rule", OPTIMIZERS)
+def test_one_rank_rows_with_bf16_moments_are_the_built_pools(rule: str) -> None:
+    built = built_pools(rule, moments_dtype=BF16)
+    for source in (model(), SHAPE):
+        row = _row(source, rule, moments_dtype=BF16)
+        assert row.device_model_states + row.device_buffers == built["device"], source  # type: ignore[attr-defined]
+        assert row.host == built["host"], source  # type: ignore[attr-defined]
+    fp32_host = _row(SHAPE, rule).host  # type: ignore[attr-defined]
+    if rule in STATE_BYTES:
+        assert built["state"] == STATE_BYTES[rule][1] * SHAPE.params
+        assert built["host"] < fp32_host
+    else:
+        assert built["host"] == fp32_host
+
+
+def test_bf16_moments_take_adamw_from_12_to_8_bytes_per_parameter() -> None:
+    """4 master + 2 + 2: the built state, the rule's fields as the estimator reads them, and
+    the paper rows' ``K`` (mixed precision; in fp32 training the weights are the master,
+    so 8 -> 4)."""
+    numel, p = SHAPE.params, SHAPE.params
+    for moments_dtype, per_param in (("float32", 12), (BF16, 8)):
+        assert built_pools("adamw", moments_dtype=moments_dtype)["state"] == per_param * numel
+        assert rule_state("adamw", moments_dtype).bytes_per_element == per_param
+        ddp = _row(SHAPE, "adamw", name="no offload (DDP)", moments_dtype=moments_dtype)
+        assert ddp.device_model_states == (2 + 2 + per_param) * p  # type: ignore[attr-defined]
+    for rule, (fp32, bf16) in STATE_BYTES.items():
+        for moments_dtype, per_param in (("float32", fp32), (BF16, bf16)):
+            for itemsize in (2, 4):
+                ctx = Context(
+                    itemsize=itemsize,
+                    world_size=1,
+                    ranks_per_node=1,
+                    bucket_bytes=BUCKET_BYTES,
+                    rule=rule,
+                    moments_dtype=moments_dtype,
+                )
+                assert ctx.state_bytes == per_param - (4 if itemsize == 4 else 0), ctx
+
+
+@pytest.mark.parametrize("rule", ["adamw", "lion"])
+def test_one_rank_parameter_offload_rows_with_bf16_moments_are_the_built_pools(rule: str) -> None:
+    built = built_param_pools(rule, moments_dtype=BF16)
+    row = _row(SHAPE, rule, name="ZeRO-Offload + parameter offload", moments_dtype=BF16)
+    assert row.device_model_states == built["window"]  # type: ignore[attr-defined]
+    assert row.device_buffers == built["device"]  # type: ignore[attr-defined]
+    assert row.host == built["host"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("budget", [0, 300_000])
+@pytest.mark.parametrize("rule", ["adamw", "lion"])
+def test_one_rank_nvme_tiers_with_bf16_moments_are_the_built_split(
+    rule: str, budget: int, tmp_path: Path
+) -> None:
+    """The records, the I/O buffers and the host budget's split all hold bf16 moments."""
+    facade, hyper = FACADES[rule]
+    config = OffloadConfig(
+        bucket_bytes=BUCKET_BYTES, nvme_dir=tmp_path, host_budget=budget, moments_dtype=BF16
+    )
+    opt = facade(model().parameters(), **hyper, config=config, accelerator=host_accelerator())
+    try:
+        pools = opt.manager.pool_stats()
+        host_pool = sum(p["capacity_bytes"] for n, p in pools.items() if n.endswith(".host"))
+        disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    finally:
+        opt.close()
+    ctx = Context(
+        itemsize=2,
+        world_size=1,
+        ranks_per_node=1,
+        bucket_bytes=BUCKET_BYTES,
+        rule=rule,
+        moments_dtype=BF16,
+    )
+    subject = ShapeSubject(SHAPE, ctx)
+    host, disk_estimate = NvmeState.tiers(subject, budget)
+    assert disk_estimate > 0
+    assert host == host_pool + io_bytes(subject.bucket_groups(), ctx)
+    assert disk_estimate <= disk <= disk_estimate + IO_ALIGNMENT
+    fp32 = ShapeSubject(SHAPE, dataclasses.replace(ctx, moments_dtype="float32"))
+    assert disk_estimate < NvmeState.tiers(fp32, budget)[1]  # the records shrink
+
+
+@pytest.mark.parametrize("rule", ["adamw", "lion"])
+def test_two_rank_rows_with_bf16_moments_are_each_ranks_built_pools(
+    rule: str, tmp_path: Path
+) -> None:
+    results = run_ranks(2, "rule_pools", tmp_path, rule=rule, moments_dtype=BF16)
+    assert results[0]["device"] == results[1]["device"]
+    assert results[0]["host"] == results[1]["host"]
+    for source in (model(), SHAPE):
+        row = _row(source, rule, world=2, moments_dtype=BF16)
+        assert row.device_model_states + row.device_buffers == results[0]["device"], source  # type: ignore[attr-defined]
+        assert row.host == results[0]["host"] + results[1]["host"], source  # type: ignore[attr-defined]
+    # Each rank keeps half the state, in bf16 moments (the staging aside).
+    per_param = STATE_BYTES[rule][1]
+    assert results[0]["state"] + results[1]["state"] == per_param * SHAPE.params
+
+
+def test_a_bad_moments_dtype_names_the_values() -> None:
+    with pytest.raises(
+        ValueError, match=r"moments_dtype must be one of float32, bfloat16.*got 'float16'"
+    ):
+        estimate(SHAPE, moments_dtype="float16")
+
+
+def test_the_cli_takes_the_moments_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "50", "--seq-len", "16"]
+    flags += ["--bucket-bytes", "8KiB", "--device-memory", "1GiB", "--host-memory", "16GiB"]
+    assert cli.main(["estimate", *flags, "--moments-dtype", BF16, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["moments_dtype"] == BF16
+    rows = {row["name"]: row for row in out["rows"]}
+    assert rows["ZeRO-Offload"]["host"] == _row(SHAPE, "adamw", moments_dtype=BF16).host  # type: ignore[attr-defined]
+    assert rows["ZeRO-Offload"]["host"] < _row(SHAPE, "adamw").host  # type: ignore[attr-defined]
+    assert cli.main(["estimate", *flags, "--optimizer", "lion", "--moments-dtype", BF16]) == 0
+    assert "optimizer lion with bfloat16 moments" in capsys.readouterr().out
+    assert cli.main(["estimate", *flags, "--moments-dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "--moments-dtype" in err and "invalid choice: 'float16'" in err
+    assert "float32" in err and BF16 in err

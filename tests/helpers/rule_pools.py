@@ -46,16 +46,19 @@ def model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     return TinyGPT(_CONFIG).to(dtype)
 
 
-def built_pools(rule: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Bytes of the pools ``rule``'s optimizer builds over ``model(dtype)``: on the device
-    (weights and gradient buffers, everything offloaded), in host RAM (the state, the
-    staging), and the state alone (``opt.placement.host``)."""
+def built_pools(
+    rule: str, dtype: torch.dtype = torch.bfloat16, moments_dtype: str = "float32"
+) -> dict[str, int]:
+    """Bytes of the pools ``rule``'s optimizer builds over ``model(dtype)`` with
+    ``OffloadConfig(moments_dtype=moments_dtype)``: on the device (weights and gradient
+    buffers, everything offloaded), in host RAM (the state, the staging), and the state
+    alone (``opt.placement.host``)."""
     facade, hyper = FACADES[rule]
     net = model(dtype)
     opt = facade(
         net.parameters(),
         **hyper,
-        config=OffloadConfig(bucket_bytes=BUCKET_BYTES),
+        config=OffloadConfig(bucket_bytes=BUCKET_BYTES, moments_dtype=moments_dtype),
         accelerator=host_accelerator(),
     )
     try:
@@ -69,16 +72,20 @@ def built_pools(rule: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, int
         opt.close()
 
 
-def built_param_pools(rule: str) -> dict[str, int]:
+def built_param_pools(rule: str, moments_dtype: str = "float32") -> dict[str, int]:
     """The pools ``rule``'s optimizer builds over ``model()`` with parameter offload (one
-    rank): the window's slots, the optimizer's device pool (the gradient buffers), and the
-    units' host pools (Note [homes are pinned unit by unit]) together."""
+    rank), its moments in ``moments_dtype``: the window's slots, the optimizer's device
+    pool (the gradient buffers), and the units' host pools (Note [homes are pinned unit by
+    unit]) together."""
     facade, hyper = FACADES[rule]
     net = model()
+    config = OffloadConfig(
+        bucket_bytes=BUCKET_BYTES, offload_parameters=True, moments_dtype=moments_dtype
+    )
     opt = facade(
         net.parameters(),
         **hyper,
-        config=OffloadConfig(bucket_bytes=BUCKET_BYTES, offload_parameters=True),
+        config=config,
         accelerator=host_accelerator(),
         model=net,
     )
@@ -128,8 +135,10 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(1)
 
 
-def scenario_rule_pools(rank: int, world: int, out: Path, *, rule: str) -> dict:
-    return built_pools(rule)
+def scenario_rule_pools(
+    rank: int, world: int, out: Path, *, rule: str, moments_dtype: str = "float32"
+) -> dict:
+    return built_pools(rule, moments_dtype=moments_dtype)
 
 
 def scenario_rule_extras(rank: int, world: int, out: Path, *, rule: str) -> dict:

@@ -7,7 +7,8 @@ Accounting (per rank, ``P`` parameters, ``s`` bytes per element of the training 
 ``N`` ranks), after the ZeRO paper (Rajbhandari et al., SC'20, section 3.1): weights ``sP``,
 gradients ``sP``, and optimizer state ``KP``, ``K`` from the optimizer's rule
 (``optim/rule/``): for AdamW ``K = 12`` in mixed precision (fp32 master, two moments) and
-``K = 8`` in fp32 (the weights are the master copy):
+``K = 8`` in fp32 (the weights are the master copy), each moment 2 bytes instead of 4 with
+``moments_dtype="bfloat16"`` (``OffloadConfig.moments_dtype``):
 
 - no offload (DDP): device ``(2s + K) P``;
 - ZeRO-1: device ``2sP + KP/N`` (optimizer state partitioned);
@@ -42,7 +43,14 @@ fits when its host bytes leave ``host_reserve`` free. "Largest that fits": Note 
 that fits grows the row's own family] in ``rows.py``.
 """
 
-from .api import DEFAULT_BUCKET_BYTES, OPTIMIZERS, estimate, host_reserve, parse_size
+from .api import (
+    DEFAULT_BUCKET_BYTES,
+    MOMENTS_DTYPES,
+    OPTIMIZERS,
+    estimate,
+    host_reserve,
+    parse_size,
+)
 from .configs import KNOWN_MODELS, SUPPORTED_MODEL_TYPES, load_config, shape_from_config
 from .pools import offload_adamw_bytes, offload_bytes, param_offload_bytes
 from .result import ConfigEstimate, LeftOutRow, MemoryEstimate
@@ -55,6 +63,7 @@ __all__ = [
     "CONFIGURATIONS",
     "DEFAULT_BUCKET_BYTES",
     "KNOWN_MODELS",
+    "MOMENTS_DTYPES",
     "OPTIMIZERS",
     "SUPPORTED_MODEL_TYPES",
     "ActivationMode",

@@ -19,11 +19,21 @@ from .tiered import CONFIGURATIONS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "OPTIMIZERS", "estimate", "host_reserve", "parse_size"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "MOMENTS_DTYPES",
+    "OPTIMIZERS",
+    "estimate",
+    "host_reserve",
+    "parse_size",
+]
 
 #: The optimizers the estimate sizes, by the names of their rules (``optim.rule.RULES``;
 #: named here so that choosing one imports no torch).
 OPTIMIZERS = ("adamw", "adam", "lion", "adagrad", "adafactor", "muon")
+
+#: The dtypes of the optimizer's moments the estimate sizes (``OffloadConfig.moments_dtype``).
+MOMENTS_DTYPES = ("float32", "bfloat16")
 
 #: Default bucket size of ``OffloadConfig.bucket_bytes`` (32 MiB).
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -146,6 +156,7 @@ def estimate(
     micro_batch: int = 1,
     disk_memory: int | str | None = None,
     optimizer: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> MemoryEstimate:
     """Estimate training memory per tier for each configuration; returns the estimate (its
     ``table()`` is what ``zero-offload estimate`` prints). See ``docs/estimator.md``.
@@ -164,9 +175,19 @@ def estimate(
     (``"adamw"`` default): its fields, and for Adafactor and Muon the state shaped by each
     parameter and, on several ranks, each parameter in one rank's shard; rows the library
     refuses for that rule are left out, with the reason (``MemoryEstimate.left_out``).
+    ``moments_dtype``: ``OffloadConfig.moments_dtype``, one of ``MOMENTS_DTYPES``
+    (``"float32"`` default): the dtype of the rule's moments in the host pools, the NVMe
+    records and their I/O buffers, and in the paper rows' ``K`` (``"bfloat16"``: AdamW 8
+    bytes per parameter instead of 12, Lion and Adagrad 6 instead of 8; the fp32 master,
+    Adafactor's and Muon's shaped state, and a resident bucket's state stay fp32).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if moments_dtype not in MOMENTS_DTYPES:
+        raise ValueError(
+            f"moments_dtype must be one of {', '.join(MOMENTS_DTYPES)} "
+            f"(OffloadConfig.moments_dtype), got {moments_dtype!r}"
+        )
     for name, value in (
         ("world_size", world_size),
         ("seq_len", seq_len),
@@ -207,6 +228,7 @@ def estimate(
         ranks_per_node=ranks_per_node,
         bucket_bytes=bucket,
         rule=optimizer,
+        moments_dtype=moments_dtype,
     )
     subject: Subject
     if isinstance(what, ModelShape):
@@ -264,4 +286,5 @@ def estimate(
         disk_memory=disk,
         optimizer=optimizer,
         left_out=left_out,
+        moments_dtype=moments_dtype,
     )

@@ -18,7 +18,8 @@ Per bucket of this rank's shard ``k`` elements, training dtype ``s`` bytes, ``a(
 pool alignment (512 B), records 4 KiB-aligned per tile:
 
 - state ``a(4k) + 2 a(4k)``: the master and AdamW's two moments in fp32, or the fields of
-  the rule the estimate names (``rule_state``: Lion's and Adagrad's ``a(4k) + a(4k)``);
+  the rule the estimate names (``rule_state``: Lion's and Adagrad's ``a(4k) + a(4k)``),
+  each moment ``a(2k)`` with ``moments_dtype="bfloat16"``;
 - staging ``2 a(sk)``: gradient staging and weight staging (the H2D copies' source); with
   the state in RAM and fp32 training the master is the source, so ``a(sk)`` only;
 - record: the bucket's state file records, the state's bytes rounded up per tile;
@@ -83,13 +84,20 @@ class BucketTiers:
 
 @functools.lru_cache(maxsize=4096)
 def bucket_tiers(
-    numel: int, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
+    numel: int,
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> BucketTiers:
     """``BucketTiers`` of a bucket of ``numel`` elements (gaps included), planned by
     ``plan_buckets`` and ``plan_nvme`` as the optimizer plans it, at the default
     ``tile_elements``: once with an unbounded host budget (the state in RAM), once with none
-    (on NVMe). ``rule``: an elementwise one (its state is per element); a rule that reads
-    whole parameters has ``whole_bucket_tiers``."""
+    (on NVMe). ``rule``: an elementwise one (its state is per element), its moments in
+    ``moments_dtype`` in RAM and in the records alike; a rule that reads whole parameters
+    has ``whole_bucket_tiers``."""
     from ..optim.state.placement import POOL_ALIGNMENT
     from ..partition import plan_buckets
 
@@ -99,12 +107,18 @@ def bucket_tiers(
         world_size=world_size,
         align_numel=POOL_ALIGNMENT // 2,
     )
-    return _tiers(layouts[0], itemsize, rule)
+    return _tiers(layouts[0], itemsize, rule, moments_dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def whole_bucket_tiers(
-    shapes: tuple[Shape, ...], *, itemsize: int, bucket_bytes: int, world_size: int, rule: str
+    shapes: tuple[Shape, ...],
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str,
+    moments_dtype: str = "float32",
 ) -> BucketTiers:
     """``BucketTiers`` of a bucket of parameters of ``shapes`` (in packing order) for a rule
     that reads whole parameters: laid out by ``own_whole`` (each rank's shard the bucket's
@@ -116,10 +130,11 @@ def whole_bucket_tiers(
     from .whole import planned_bucket
 
     planned = planned_bucket(shapes, itemsize, bucket_bytes, world_size)
-    return _tiers(own_whole([planned], align_numel=POOL_ALIGNMENT // 2)[0], itemsize, rule)
+    layout = own_whole([planned], align_numel=POOL_ALIGNMENT // 2)[0]
+    return _tiers(layout, itemsize, rule, moments_dtype)
 
 
-def _tiers(layout: BucketLayout, itemsize: int, rule: str) -> BucketTiers:
+def _tiers(layout: BucketLayout, itemsize: int, rule: str, moments_dtype: str) -> BucketTiers:
     """``BucketTiers`` of the bucket ``layout`` (see ``bucket_tiers``)."""
     from ..config import OffloadConfig
     from ..memory.align import aligned
@@ -128,7 +143,7 @@ def _tiers(layout: BucketLayout, itemsize: int, rule: str) -> BucketTiers:
     from ..weights.nvme_home import weight_file_bytes
     from .planners import full_offload, rule_state
 
-    placement = full_offload([layout], itemsize=itemsize, rule=rule)
+    placement = full_offload([layout], itemsize=itemsize, rule=rule, moments_dtype=moments_dtype)
 
     def plan(budget: int) -> tuple[int, int, int]:
         config = OffloadConfig(nvme_dir=_PLANNING_DIR, host_budget=budget)
@@ -137,7 +152,7 @@ def _tiers(layout: BucketLayout, itemsize: int, rule: str) -> BucketTiers:
             placement,
             config=config,
             itemsize=itemsize,
-            state=rule_state(rule),
+            state=rule_state(rule, moments_dtype),
             rank=0,
             alignment=POOL_ALIGNMENT,
         )
@@ -161,17 +176,19 @@ def _tiers(layout: BucketLayout, itemsize: int, rule: str) -> BucketTiers:
 
 
 @functools.lru_cache(maxsize=64)
-def io_buffer_bytes(rule: str = "adamw", capacity: int = 0) -> int:
+def io_buffer_bytes(rule: str = "adamw", capacity: int = 0, moments_dtype: str = "float32") -> int:
     """Host bytes of the NVMe tier's I/O buffers (one segment): ``IO_BUFFERS`` records of a
-    whole tile of ``rule``'s fields (of ``capacity`` elements where a rule that reads whole
-    parameters has a larger one: ``io_bytes``), and one alignment page (``nvme_plan``)."""
+    whole tile of ``rule``'s fields, its moments in ``moments_dtype`` (of ``capacity``
+    elements where a rule that reads whole parameters has a larger one: ``io_bytes``), and
+    one alignment page (``nvme_plan``)."""
 
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
     from ..optim.state.nvme_plan import RecordLayout
     from .planners import rule_state
 
-    record = RecordLayout.make(OffloadConfig().tile_elements, rule_state(rule), capacity=capacity)
+    fields = rule_state(rule, moments_dtype)
+    record = RecordLayout.make(OffloadConfig().tile_elements, fields, capacity=capacity)
     return IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
 
 
@@ -180,7 +197,7 @@ def io_bytes(groups: BucketGroups, ctx: Context) -> int:
     each record holds the largest tile of their whole-parameter tiles
     (``RecordLayout.for_buckets``)."""
     if not ctx.whole:
-        return io_buffer_bytes(ctx.rule)
+        return io_buffer_bytes(ctx.rule, moments_dtype=ctx.moments_dtype)
     from ..config import OffloadConfig
     from ..optim.state.nvme_plan import whole_parameter_tiles
     from .whole import planned_bucket
@@ -198,7 +215,7 @@ def io_bytes(groups: BucketGroups, ctx: Context) -> int:
         ),
         default=0,
     )
-    return io_buffer_bytes(ctx.rule, largest)
+    return io_buffer_bytes(ctx.rule, largest, ctx.moments_dtype)
 
 
 @dataclass(frozen=True)
@@ -250,7 +267,7 @@ def split_state(
 
 def context_tiers(ctx: Context) -> Callable[[BucketKey], BucketTiers]:
     """``bucket_tiers`` (a bucket's length) or ``whole_bucket_tiers`` (its shapes) at
-    ``ctx``'s training dtype, bucket size, world size and rule."""
+    ``ctx``'s training dtype, bucket size, world size, rule and moments' dtype."""
 
     def tiers(key: BucketKey) -> BucketTiers:
         kwargs = {
@@ -258,6 +275,7 @@ def context_tiers(ctx: Context) -> Callable[[BucketKey], BucketTiers]:
             "bucket_bytes": ctx.bucket_bytes,
             "world_size": ctx.world_size,
             "rule": ctx.rule,
+            "moments_dtype": ctx.moments_dtype,
         }
         if isinstance(key, int):
             return bucket_tiers(key, **kwargs)  # type: ignore[arg-type]

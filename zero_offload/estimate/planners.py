@@ -20,16 +20,19 @@ if TYPE_CHECKING:
 __all__ = ["full_offload", "plan_layouts", "reads_whole", "rule_state", "shaped_state_bytes"]
 
 
-@functools.lru_cache(maxsize=8)
-def rule_state(rule: str = "adamw") -> StateFields:
-    """The state fields of optimizer ``rule`` with its default options, fp32 (the
-    optimizer's default ``moments_dtype``): what every offloaded row sizes, as the optimizer
-    asks its rule (Note [the rule is the only place that knows the optimizer])."""
+@functools.lru_cache(maxsize=16)
+def rule_state(rule: str = "adamw", moments_dtype: str = "float32") -> StateFields:
+    """The state fields of optimizer ``rule`` with its default options, its moments in
+    ``moments_dtype`` (``OffloadConfig.moments_dtype``: ``"float32"``, the default, or
+    ``"bfloat16"``; the fields that follow it are the rule's to say, the master is always
+    fp32): what every offloaded row sizes, as the optimizer asks its rule (Note [the rule
+    is the only place that knows the optimizer]; ``segment_plan.plan_segment``)."""
     import torch
 
     from ..optim.rule import by_name
 
-    return by_name(rule).state_fields(torch.float32, ())
+    dtype = torch.bfloat16 if moments_dtype == "bfloat16" else torch.float32
+    return by_name(rule).state_fields(dtype, ())
 
 
 def reads_whole(rule: str) -> bool:
@@ -65,9 +68,9 @@ def plan_layouts(
 
 
 def shaped_state_bytes(rule: str, shapes: Iterable[tuple[Shape, int]]) -> int:
-    """fp32 bytes of ``rule``'s shaped state (Note [rules that read a whole parameter])
-    over ``(shape, count)`` pairs: ``count`` parameters of each shape, alignment aside; 0
-    for an elementwise rule."""
+    """fp32 bytes of ``rule``'s shaped state (Note [rules that read a whole parameter];
+    fp32 whatever ``moments_dtype``) over ``(shape, count)`` pairs: ``count`` parameters of
+    each shape, alignment aside; 0 for an elementwise rule."""
     fields = rule_state(rule)
     return 4 * sum(count * fields.param_state_numel([shape]) for shape, count in shapes)
 
@@ -77,16 +80,19 @@ def full_offload(
     *,
     itemsize: int,
     rule: str = "adamw",
+    moments_dtype: str = "float32",
     weights_elsewhere: frozenset[int] = frozenset(),
 ) -> Placement:
-    """``plan_placement`` of ``layouts`` with everything offloaded, ``rule``'s state in
-    fp32 (``rule_state``), no budget."""
+    """``plan_placement`` of ``layouts`` with everything offloaded, ``rule``'s state with
+    its moments in ``moments_dtype`` (``rule_state``), no budget. A resident bucket's state
+    would be fp32 whatever ``moments_dtype`` (as ``segment_plan`` places it); with
+    everything offloaded there is none."""
     from ..optim.state.placement import POOL_ALIGNMENT, plan_placement
 
     return plan_placement(
         layouts,
         itemsize=itemsize,
-        state=rule_state(rule),
+        state=rule_state(rule, moments_dtype),
         resident_state=rule_state(rule),
         offload_fraction=1.0,
         device_free=2**62,

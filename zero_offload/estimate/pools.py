@@ -42,13 +42,15 @@ def offload_bytes(
     bucket_bytes: int,
     world_size: int = 1,
     rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``(device weights, device gradient buffers, host per rank)`` of a fully offloaded
     optimizer of ``rule`` over parameters of ``shapes``: its exact pool sizes, in bytes,
     the buckets laid out as the optimizer lays them out (``plan_layouts``: for a rule that
-    reads whole parameters, ``own_whole``)."""
+    reads whole parameters, ``own_whole``), the moments in ``moments_dtype``
+    (``OffloadConfig.moments_dtype``)."""
     layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, world_size, rule)
-    placement = full_offload(layouts, itemsize=itemsize, rule=rule)
+    placement = full_offload(layouts, itemsize=itemsize, rule=rule, moments_dtype=moments_dtype)
     # plan_placement sizes the host pool for this rank's shards already.
     return placement.device_weights, placement.device_grad_buffers, placement.host_state
 
@@ -62,15 +64,16 @@ def offload_adamw_bytes(
     )
 
 
-def rule_state_bytes(rule: str, shapes: Sequence[Shape]) -> int:
-    """Host state bytes of optimizer ``rule`` (default options, fp32) over parameters of
+def rule_state_bytes(rule: str, shapes: Sequence[Shape], moments_dtype: str = "float32") -> int:
+    """Host state bytes of optimizer ``rule`` (default options, its moments in
+    ``moments_dtype``; the shaped state fp32) over parameters of
     ``shapes``, alignment aside: every element's fields, and the shaped state of a rule
     that reads whole parameters (Adafactor's factors: ``4 (m + n)`` bytes per ``(m, n)``
     matrix, 4 per element below two dims; Muon's momentum buffer, 4 per matrix element, and
     AdamW's moments beside it, 8 per other element; Note [rules that read a whole
     parameter]). The rows by parameter count (``Context.state_bytes``) size the per-element
     part only."""
-    fields = rule_state(rule)
+    fields = rule_state(rule, moments_dtype)
     numel = sum(math.prod(shape) for shape in shapes)
     return fields.bytes_per_element * numel + 4 * fields.param_state_numel(
         tuple(shape) for shape in shapes
@@ -85,6 +88,7 @@ def _unit_pools(
     bucket_bytes: int,
     world_size: int = 1,
     rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``(window bytes, gradient buffers, host per rank)`` of one unit under parameter
     offload: its own buckets (a unit never shares one), planned as the optimizer plans them.
@@ -100,6 +104,7 @@ def _unit_pools(
         layouts,
         itemsize=itemsize,
         rule=rule,
+        moments_dtype=moments_dtype,
         weights_elsewhere=frozenset(b.index for b in layouts),
     )
     return nbytes, placement.device_grad_buffers, placement.host_state
@@ -113,9 +118,10 @@ def param_offload_bytes(
     prefetch_layers: int = 1,
     world_size: int = 1,
     rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``(device window, device gradient buffers, host per rank)`` of an optimizer of
-    ``rule`` with
+    ``rule``, its moments in ``moments_dtype``, with
     ``OffloadConfig(offload_parameters=True)`` over a model of ``shape`` (its units,
     ``ModelShape.parameter_units``): the exact pool sizes, with one rank or several (ZeRO-3
     with offload, ``_unit_pools``).
@@ -138,6 +144,7 @@ def param_offload_bytes(
             bucket_bytes=bucket_bytes,
             world_size=world_size,
             rule=rule,
+            moments_dtype=moments_dtype,
         )
         for shapes, _ in [*before, block, *after]
     }
@@ -233,6 +240,7 @@ def shape_offload_bytes(
     bucket_bytes: int,
     world_size: int = 1,
     rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``offload_bytes`` of ``shape``'s parameters, exact, in O(1) in the layers: each
     distinct bucket planned once; ``plan_placement``'s weights and host pool are sums over
@@ -243,16 +251,28 @@ def shape_offload_bytes(
     bucket_numel = max(1, bucket_bytes // itemsize)
     if not reads_whole(rule):
         counts = shape_bucket_numels(shape, bucket_numel=bucket_numel)
-        return _counted_buckets(counts.items(), itemsize, bucket_bytes, world_size, rule)
+        return _counted_buckets(
+            counts.items(), itemsize, bucket_bytes, world_size, rule, moments_dtype
+        )
     groups = shape_bucket_shapes(shape, bucket_numel=bucket_numel)
     return whole_groups_bytes(
-        groups, itemsize=itemsize, bucket_bytes=bucket_bytes, world_size=world_size, rule=rule
+        groups,
+        itemsize=itemsize,
+        bucket_bytes=bucket_bytes,
+        world_size=world_size,
+        rule=rule,
+        moments_dtype=moments_dtype,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _one_bucket(
-    numel: int, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
+    numel: int,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``offload_bytes`` of one bucket of one parameter of ``numel`` elements."""
     return offload_bytes(
@@ -261,11 +281,18 @@ def _one_bucket(
         bucket_bytes=bucket_bytes,
         world_size=world_size,
         rule=rule,
+        moments_dtype=moments_dtype,
     )
 
 
 def offload_bytes_of_count(
-    params: int, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str = "adamw"
+    params: int,
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str = "adamw",
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``offload_bytes`` of ``params`` elements in full buckets plus one partial bucket,
     each one 1-D parameter (a count has no shapes).
@@ -278,7 +305,7 @@ def offload_bytes_of_count(
     counted = [
         (numel, count) for numel, count in ((bucket_numel, full), (rest, 1)) if count and numel
     ]
-    return _counted_buckets(counted, itemsize, bucket_bytes, world_size, rule)
+    return _counted_buckets(counted, itemsize, bucket_bytes, world_size, rule, moments_dtype)
 
 
 def _counted_buckets(
@@ -287,12 +314,13 @@ def _counted_buckets(
     bucket_bytes: int,
     world_size: int,
     rule: str,
+    moments_dtype: str,
 ) -> tuple[int, int, int]:
     """``offload_bytes`` of ``count`` one-parameter buckets of ``numel`` elements, for each
     ``(numel, count)``: each planned once (``_one_bucket``); the weights and host pool are
     sums over buckets, the gradient buffers a maximum, as in ``plan_placement``."""
     weights = grad_buffers = host = 0
     for numel, count in counted:
-        w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule)
+        w, g, h = _one_bucket(numel, itemsize, bucket_bytes, world_size, rule, moments_dtype)
         weights, grad_buffers, host = weights + count * w, max(grad_buffers, g), host + count * h
     return weights, grad_buffers, host

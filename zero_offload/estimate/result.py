@@ -70,6 +70,7 @@ class MemoryEstimate:
     disk_memory: int | None = None  # NVMe per node; None: not given (holds nothing)
     optimizer: str = "adamw"  # the rule whose state the rows size (``estimate.OPTIMIZERS``)
     left_out: list[LeftOutRow] = field(default_factory=list)  # no rows for this optimizer
+    moments_dtype: str = "float32"  # the optimizer's moments (``OffloadConfig.moments_dtype``)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data, with each row's ``device_total``."""
@@ -82,6 +83,8 @@ class MemoryEstimate:
         mean."""
         head = f"zero-offload memory estimate: {format_count(self.params)} parameters"
         head += f" ({self.dtype}), world size {self.world_size}, optimizer {self.optimizer}"
+        if self.moments_dtype != "float32":
+            head += f" with {self.moments_dtype} moments"
         if self.world_size != self.ranks_per_node:
             head += f", {self.ranks_per_node} ranks per node"
         if self.shape is not None:

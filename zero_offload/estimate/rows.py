@@ -63,6 +63,9 @@ class Context:
     bucket_bytes: int
     #: The optimizer rule whose state the rows size (``optim/rule/``, ``by_name``).
     rule: str = "adamw"
+    #: The dtype of the rule's moments in an offloaded bucket (``OffloadConfig.moments_dtype``:
+    #: ``"float32"`` or ``"bfloat16"``); the master and any shaped state stay fp32.
+    moments_dtype: str = "float32"
 
     @property
     def whole(self) -> bool:
@@ -73,11 +76,11 @@ class Context:
     @property
     def state_bytes(self) -> int:
         """Optimizer state bytes per parameter (ZeRO paper's ``K``), from the rule: its
-        fields in fp32 (for AdamW the master and two moments, 12) in mixed precision; in
-        fp32 less the master, since the weights are the master copy (8). Per element only:
-        Adafactor's shaped state (its factors) depends on the shapes, not the count
-        (``pools.rule_state_bytes``)."""
-        fields = rule_state(self.rule)
+        fields, the moments in ``moments_dtype`` (for AdamW the master and two moments, 12
+        in fp32, 8 in bf16) in mixed precision; in fp32 less the master, since the weights
+        are the master copy (8, or 4). Per element only: Adafactor's shaped state (its
+        factors) depends on the shapes, not the count (``pools.rule_state_bytes``)."""
+        fields = rule_state(self.rule, self.moments_dtype)
         return fields.bytes_per_element - (4 if self.itemsize == 4 else 0)
 
 

@@ -52,6 +52,7 @@ class ShapeSubject(Subject):
             bucket_bytes=ctx.bucket_bytes,
             world_size=ctx.world_size,
             rule=ctx.rule,
+            moments_dtype=ctx.moments_dtype,
         )
 
     def param_offload_pools(self) -> tuple[int, int, int] | None:
@@ -62,6 +63,7 @@ class ShapeSubject(Subject):
                 bucket_bytes=self.ctx.bucket_bytes,
                 world_size=self.ctx.world_size,
                 rule=self.ctx.rule,
+                moments_dtype=self.ctx.moments_dtype,
             )
         return self._param_pools
 
@@ -126,6 +128,7 @@ class CountSubject(Subject):
             bucket_bytes=ctx.bucket_bytes,
             world_size=ctx.world_size,
             rule=ctx.rule,
+            moments_dtype=ctx.moments_dtype,
         )
 
     def _plan_groups(self) -> BucketGroups:
@@ -180,6 +183,7 @@ class ModuleSubject(Subject):
                 bucket_bytes=ctx.bucket_bytes,
                 world_size=ctx.world_size,
                 rule=ctx.rule,
+                moments_dtype=ctx.moments_dtype,
             )
         if self._base is not None:
             weights, grad_buffers, host = self._base.offload_pools()
@@ -189,6 +193,7 @@ class ModuleSubject(Subject):
                 bucket_bytes=ctx.bucket_bytes,
                 world_size=ctx.world_size,
                 rule=ctx.rule,
+                moments_dtype=ctx.moments_dtype,
             )
             return weights + extra * full[0], max(grad_buffers, full[1]), host + extra * full[2]
         return offload_bytes(
@@ -197,6 +202,7 @@ class ModuleSubject(Subject):
             bucket_bytes=ctx.bucket_bytes,
             world_size=ctx.world_size,
             rule=ctx.rule,
+            moments_dtype=ctx.moments_dtype,
         )
 
     def _shape_counts(self) -> list[tuple[Shape, int]]:

@@ -42,15 +42,24 @@ _PERIOD_SEARCH = 4096
 
 
 def whole_groups_bytes(
-    groups: ShapeGroups, *, itemsize: int, bucket_bytes: int, world_size: int, rule: str
+    groups: ShapeGroups,
+    *,
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str,
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """``(device weights, device gradient buffers, host per rank)`` of a rule that reads
-    whole parameters over the buckets ``groups`` (bucket order), exact: Note [a
-    whole-parameter rule's buckets are planned one by one]."""
+    whole parameters over the buckets ``groups`` (bucket order), its per-element moments
+    (if any) in ``moments_dtype``, exact: Note [a whole-parameter rule's buckets are
+    planned one by one]."""
     weights = grad_buffers = host = 0
     for buckets, repeats in groups:
         for bucket in buckets:
-            w, g, h, shaped = whole_bucket(bucket, itemsize, bucket_bytes, world_size, rule)
+            w, g, h, shaped = whole_bucket(
+                bucket, itemsize, bucket_bytes, world_size, rule, moments_dtype
+            )
             if world_size > 1:
                 h -= shaped  # its share of the shaped state is replayed below
             weights, grad_buffers, host = (
@@ -150,7 +159,12 @@ def planned_bucket(
 
 @functools.lru_cache(maxsize=4096)
 def whole_bucket(
-    shapes: tuple[Shape, ...], itemsize: int, bucket_bytes: int, world_size: int, rule: str
+    shapes: tuple[Shape, ...],
+    itemsize: int,
+    bucket_bytes: int,
+    world_size: int,
+    rule: str,
+    moments_dtype: str = "float32",
 ) -> tuple[int, int, int, int]:
     """``(weights, gradient buffers, host per rank, shaped block)`` of one
     bucket of ``shapes`` (in packing order) for a rule that reads whole parameters, laid
@@ -163,11 +177,11 @@ def whole_bucket(
         [planned_bucket(shapes, itemsize, bucket_bytes, world_size)],
         align_numel=POOL_ALIGNMENT // 2,
     )[0]
-    placement = full_offload([layout], itemsize=itemsize, rule=rule)
+    placement = full_offload([layout], itemsize=itemsize, rule=rule, moments_dtype=moments_dtype)
     no_shaped = plan_placement(  # the same bucket with no shaped state
         [layout],
         itemsize=itemsize,
-        state=dataclasses.replace(rule_state(rule), param_state=None),
+        state=dataclasses.replace(rule_state(rule, moments_dtype), param_state=None),
         resident_state=rule_state(rule),
         offload_fraction=1.0,
         device_free=2**62,
