@@ -30,7 +30,7 @@ BYTES = {"fp32": 28, "mixed": 28, "bf16_moments": 20, "one_state_fp32": 20}
 ONE_STATE = ("Lion", "Adagrad")
 #: Adafactor's row: one square matrix of the size's parameters, against the streams of the
 #: two passes it makes where no element is clamped, as here (Note [Adafactor's three passes]
-#: and Note [the update's norm from the factors] in kernels/adafactor.py: read p, g; read p,
+#: and Note [the update's norm from the factors] in kernels/adafactor*.py: read p, g; read p,
 #: g, write p: 20 B/param; its factors, 8 B per row, stay in cache). The second pass needs
 #: the first whole (the factors and the clipping norm), so the two cannot share a stream; the
 #: kernel's arithmetic is not counted (U costs two multiplies and a select per element: Note

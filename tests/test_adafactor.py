@@ -33,7 +33,7 @@ import torch
 
 from zero_offload import OffloadAdafactor, OffloadConfig
 from zero_offload.estimate.pools import rule_state, rule_state_bytes
-from zero_offload.kernels import adafactor, adafactor_step
+from zero_offload.kernels import adafactor, adafactor_stats, adafactor_step
 from zero_offload.optim.rule import ADAFACTOR
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
@@ -435,7 +435,7 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
     psq = np.empty(nblocks)
     row_var = gen.uniform(0.5, 2.0, rows).astype(np.float32)
     weight = np.float32(0.3)
-    adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
+    adafactor_stats._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
                               psq, direct, row_var, weight, colw)  # fmt: skip
     squares = grad.reshape(rows, n) * grad.reshape(rows, n)  # fp32, rounded as the kernel
     for blk in range(nblocks):
@@ -448,10 +448,10 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
         for r in range(r0, r1):
             cb = r // m * n
             run += squares[r]  # fp32, in row order
-            s = adafactor._row_scale(rowsq[r], row_var[r], n, weight)
+            s = adafactor_stats._row_scale(rowsq[r], row_var[r], n, weight)
             scaled = grad[r * n : (r + 1) * n] * s  # fp32
             run_w += scaled * scaled
-            if (r - r0 + 1) % adafactor.COLUMN_ROWS == 0 or r + 1 == r1 or (r + 1) % m == 0:
+            if (r - r0 + 1) % adafactor_stats.COLUMN_ROWS == 0 or r + 1 == r1 or (r + 1) % m == 0:
                 expect[cb : cb + n] += run.astype(np.float64)
                 expect_w[cb : cb + n] += run_w.astype(np.float64)
                 run[:] = 0.0
@@ -477,21 +477,21 @@ def _factored_norms(shape: tuple[int, ...], grad: np.ndarray, row_var: np.ndarra
     pass 2's sum over the U the update applies (Note [the update's norm from the factors])."""
     *batch, m, n = shape
     rows = math.prod(batch) * m
-    nblocks = adafactor._row_blocks(rows, n, rows // m * n)
+    nblocks = adafactor_stats._row_blocks(rows, n, rows // m * n)
     weight = np.float32(0.6)
     param = np.ones(rows * n, np.float32)
     rowsq, psq = np.empty(rows), np.empty(nblocks)
     colpart, colw = np.zeros((2, nblocks, rows // m * n))
-    adafactor._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
+    adafactor_stats._factored_stats(param, grad, 0, np.float32(1.0), m, n, nblocks, rowsq, colpart,
                               psq, True, row_var, weight, colw)  # fmt: skip
-    adafactor._update_factors(rowsq, colpart, row_var, col_var, m, n, weight)
+    adafactor_stats._update_factors(rowsq, colpart, row_var, col_var, m, n, weight)
     row_f, col_f = np.empty(rows, np.float32), np.empty(rows // m * n, np.float32)
     rmeans = np.empty(rows // m)
     adafactor._rsqrt_factors(row_var, col_var, m, np.float32(eps1), row_f, col_f, rmeans)
     cap = np.float32(adafactor.adafactor_update_cap(eps1))
     usq = np.empty(nblocks)
     adafactor._factored_usq(grad, 0, np.float32(1.0), m, n, row_f, col_f, cap, nblocks, usq)
-    return adafactor._usq_from_factors(colw, row_f, col_f, rmeans, cap), math.fsum(usq)
+    return adafactor_stats._usq_from_factors(colw, row_f, col_f, rmeans, cap), math.fsum(usq)
 
 
 @pytest.mark.parametrize("shape", [(3, 50, 70), (300, 200), (1, 9), (9, 1), (40, 4100)], ids=str)

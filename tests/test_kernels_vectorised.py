@@ -16,7 +16,7 @@ import re
 import pytest
 from numba import njit, types
 
-from zero_offload.kernels import accumulate, adafactor, adam, convert, stats
+from zero_offload.kernels import accumulate, adafactor, adafactor_stats, adam, convert, stats
 
 F32 = types.Array(types.float32, 1, "C")
 U16 = types.Array(types.uint16, 1, "C")  # bf16 bits
@@ -84,10 +84,10 @@ def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out)
 @pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
 def test_adafactor_column_squares_vectorise_and_fuse_nothing(grad) -> None:
     """Pass 1's four-row loop into fp32 column sums (Note [pass 1 four rows at a time] in
-    adafactor.py)."""
+    adafactor_stats.py)."""
     f32 = types.float32
     signature = (grad, grad, grad, grad, types.int64, f32, f32, f32, f32, f32, F32, F32)
-    fn = adafactor._squares_4rows
+    fn = adafactor_stats._squares_4rows
     assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
     dispatcher.compile(signature)
