@@ -262,3 +262,39 @@ def test_the_accumulation_of_a_tile_of_many_parameters_is_one_launch(
         for launches in accumulating:
             assert launches == {"accumulate_grad_ranges": 1}, launches
     opt.close()
+
+
+@pytest.mark.parametrize("accumulation", ["host", "statistics"])
+def test_a_tiles_pieces_are_cut_once(monkeypatch: pytest.MonkeyPatch, accumulation: str) -> None:
+    # Note [a tile's ranges are cut once] (optim/grads/host_passes.py): cutting a tile into
+    # its pieces walks the bucket's slots in Python (about 3 ms a tile at 400 parameters);
+    # the cut depends only on the bucket and the tile's bounds, so after the first step no
+    # tile is cut again, and the pass gets the same ranges (the norms match the first
+    # step's cut: the same partials, checked by the bitwise norm tests elsewhere).
+    from zero_offload.optim.grads import host_passes
+
+    cuts: list[tuple[int, int]] = []
+    real = host_passes.pieces
+
+    def counting(slots: Any, shard: Any, lo: int, hi: int) -> Any:
+        cuts.append((lo, hi))
+        return real(slots, shard, lo, hi)
+
+    monkeypatch.setattr(host_passes, "pieces", counting)
+    model = _model(200)  # 400 parameters, one bucket
+    config = OffloadConfig(grad_accumulation="host", tile_elements=1024)
+    opt = OffloadAdamW(model.parameters(), config=config, accelerator=host_accelerator())
+    x = torch.randn(4, 8)
+    micro = 2 if accumulation == "host" else 1
+    per_step = []
+    for _ in range(3):
+        cuts.clear()
+        for _ in range(micro):
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(list(cuts))
+    assert per_step[0], "the first step cuts its tiles"
+    assert len(set(per_step[0])) == len(per_step[0])  # each tile once
+    assert per_step[1] == per_step[2] == []
+    opt.close()

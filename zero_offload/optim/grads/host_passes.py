@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -24,13 +25,53 @@ from .buffers import host_pass_threads
 from .path import SumSqParts
 from .stat_cells import Cut, pieces
 
-__all__ = ["HostPasses", "fold", "pass_tile"]
+__all__ = ["HostPasses", "TileRanges", "fold", "pass_tile", "tile_ranges"]
 
 
 def fold(acc: torch.Tensor, staging: torch.Tensor, real: int) -> None:
     """``acc[:real] = staging[:real]`` in fp32: the window's first gradient, folded into
     the accumulator when a second flush arrives."""
     accumulate_grad(acc, staging, overwrite=True, stop=real, num_threads=host_pass_threads())
+
+
+class TileRanges(NamedTuple):
+    """What the pass over one tile reads, cut into pieces (``stat_cells.pieces``): the
+    ranges whose statistics a statistics-only pass sums (``grad_stats_ranges``), and the
+    pieces with the statistics each yields for an accumulating pass
+    (``accumulate_grad_ranges``)."""
+
+    stats: tuple[tuple[int, int], ...]
+    acc: tuple[tuple[int, int, tuple[int, int] | None], ...]
+
+
+def tile_ranges(layout: BucketLayout, shard: tuple[int, int], lo: int, hi: int) -> TileRanges:
+    """The ranges of the shard-local tile ``[lo, hi)`` of ``layout``'s bucket, for either
+    pass: a function of the layout, the shard and the tile alone (Note [a tile's ranges are
+    cut once])."""
+    stats: list[tuple[int, int]] = []
+    acc: list[tuple[int, int, tuple[int, int] | None]] = []
+    for piece in pieces(layout.slots, shard, lo, hi):
+        if piece.cut is Cut.CELLS:
+            # a run of whole cells: counted as it is accumulated
+            stats.append((piece.lo, piece.hi))
+            acc.append((piece.lo, piece.hi, (piece.lo, piece.hi)))
+        elif piece.cut is Cut.LAST and piece.cell is not None:
+            # a cell's last piece counts the whole cell (begun in an earlier tile), re-read
+            # once accumulated
+            stats.append(piece.cell)
+            acc.append((piece.lo, piece.hi, piece.cell))
+        else:
+            acc.append((piece.lo, piece.hi, None))  # part of a cell, or a gap: not counted
+    return TileRanges(tuple(stats), tuple(acc))
+
+
+# Note [a tile's ranges are cut once]
+# Cutting a tile into its pieces (``stat_cells.pieces``) walks the bucket's slots in
+# Python: about 3 ms a tile for a bucket of 400 small parameters, on the host worker, at
+# every flush of every step, beside a launch of about 1.3 ms. The cut depends only on the
+# layout, the shard and the tile's bounds, all fixed for a bucket's ``HostPasses`` (tiles
+# land at the same bounds every step), so it is cut once per tile and kept: O(tiles) tuples
+# per bucket, the memory of the ranges themselves.
 
 
 def pass_tile(
@@ -43,40 +84,26 @@ def pass_tile(
     lo: int,
     hi: int,
     partials: list[float],
+    ranges: TileRanges | None = None,
 ) -> None:
     """The pass over ``staging[lo:hi]`` (shard elements of ``layout``'s bucket) once it
     landed. Without an accumulator (``acc`` None): the window's only pass over a lone
     flush, its statistics. With one: the tile added into ``acc`` (``overwrite``: the
     window's first flush), and the same pass yields the statistics of the accumulated
-    gradient. Each cell's float64 sum of squares is appended to ``partials``."""
+    gradient. Each cell's float64 sum of squares is appended to ``partials``. ``ranges``:
+    the tile's ``tile_ranges``, cut here when None."""
     threads = host_pass_threads()
+    cut = ranges if ranges is not None else tile_ranges(layout, shard, lo, hi)
     if acc is None:
         # Statistics only: every counted range of the tile in one launch, the partials in
         # the order the pieces give them (Note [one launch for many ranges] in
-        # kernels/stats.py). A cell's last piece counts the whole cell (begun in an
-        # earlier tile), as below.
-        ranges = []
-        for piece in pieces(layout.slots, shard, lo, hi):
-            if piece.cut is Cut.CELLS:
-                ranges.append((piece.lo, piece.hi))
-            elif piece.cut is Cut.LAST and piece.cell is not None:
-                ranges.append(piece.cell)
-        grad_stats_ranges(staging, ranges, num_threads=threads, partials=partials)
+        # kernels/stats.py).
+        grad_stats_ranges(staging, cut.stats, num_threads=threads, partials=partials)
         return
     # Accumulation: every piece of the tile in one launch, with the statistics the pieces
-    # call for (Note [one accumulation launch for many ranges] in kernels/accumulate.py): a
-    # run of whole cells counted as it is accumulated, a cell's last piece by the whole
-    # cell re-read once accumulated, the rest (part of a cell, a gap) not counted.
-    ranges: list[tuple[int, int, tuple[int, int] | None]] = []
-    for piece in pieces(layout.slots, shard, lo, hi):
-        if piece.cut is Cut.CELLS:
-            ranges.append((piece.lo, piece.hi, (piece.lo, piece.hi)))
-        elif piece.cut is Cut.LAST and piece.cell is not None:
-            ranges.append((piece.lo, piece.hi, piece.cell))
-        else:
-            ranges.append((piece.lo, piece.hi, None))
+    # call for (Note [one accumulation launch for many ranges] in kernels/accumulate.py).
     accumulate_grad_ranges(
-        acc, staging, ranges, overwrite=overwrite, num_threads=threads, partials=partials
+        acc, staging, cut.acc, overwrite=overwrite, num_threads=threads, partials=partials
     )
 
 
@@ -99,6 +126,8 @@ class HostPasses:
         self.shard = shard
         self.stats = (0.0, False)
         self.partials: list[float] = []
+        # each landed tile's pieces, by its bounds (Note [a tile's ranges are cut once])
+        self._ranges: dict[tuple[int, int], TileRanges] = {}
 
     def _declare(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
         declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
@@ -131,9 +160,11 @@ class HostPasses:
         else:
             self._declare(src[lo:hi], write=False, what="accumulation reads staging")
             self._declare(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        pass_tile(
-            self.layout, self.shard, src, acc, overwrite=overwrite, lo=lo, hi=hi, partials=partials
-        )
+        ranges = self._ranges.get((lo, hi))
+        if ranges is None:
+            ranges = self._ranges[(lo, hi)] = tile_ranges(self.layout, self.shard, lo, hi)
+        pass_tile(self.layout, self.shard, src, acc, overwrite=overwrite, lo=lo, hi=hi,
+                  partials=partials, ranges=ranges)  # fmt: skip
         n, k = hi - lo, src.element_size()
         if acc is None:
             self._count("statistics", read=k * n, written=0)
