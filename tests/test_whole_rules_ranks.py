@@ -15,10 +15,11 @@ rank, its owner (Note [a whole parameter has one owner] in zero_offload/partitio
    and the consolidated dict is the one-rank ``state_dict()``, bit for bit.
 4. Parity with clipping and 2 micro-batches over 20 steps, each rank backing its share of
    the batch (2 ranks; and 3 for Muon): within the one-rank tests' bounds of the one-rank run and of torch's own
-   optimizer (Adafactor: 2 x torch's for-loop/foreach spread; Muon: DRIFT_FACTOR x torch's
-   fused/for-loop AdamW drift, Note [the yardstick is torch's own drift] in test_muon.py).
-   The gradients are the mean over 3 sequences averaged over 2 ranks instead of the mean
-   over 6, so they differ from one rank's by a few ulp: not bitwise.
+   optimizer (Adafactor: 2 x, Muon: DRIFT_FACTOR x torch's own drift, Note [the yardstick
+   is torch's own drift] in test_muon.py). The gradients are the mean over 3 sequences
+   averaged over 2 ranks instead of the mean over 6, so they differ from one rank's by a
+   few ulp: not bitwise. So torch's drift is the larger of two samples: its two paths on
+   the same gradients, and its for-loop path on gradients averaged over the ranks' shares.
 5. Parameter offload on several ranks (ZeRO-3 with offload) is still refused, by name.
 """
 
@@ -200,41 +201,63 @@ def test_the_same_gradients_give_one_ranks_bits_with_overlap_step(
 # -- 4. parity with clipping and micro-batches -------------------------------------------------
 
 
-def _one_rank_and_torch(rule: str, micro: int, clip: float) -> tuple:
-    """Our one-rank run and torch's two paths over the same global batches."""
+def _torch_run(rule: str, ref: torch.nn.Module, plan: list, clip: float, *, variant: str,
+               world: int = 1) -> None:  # fmt: skip
+    """torch's own optimizer over ``plan`` (``variant``: "loop" or "other", its for-loop or
+    its foreach/fused path); with ``world`` > 1 each micro-batch's gradient is the sum of
+    ``world`` shares' backwards over ``world``, as the ranks average them."""
+    hyper = whole_ranks.HYPER[rule]
+    if rule == "adafactor":
+        opt = torch.optim.Adafactor(ref.parameters(), **hyper, foreach=variant == "other")
+    else:
+        opt = _TorchPair(ref, "recipe", fused=variant == "other")
+    for step in plan:
+        for pair in step:
+            for rank in range(world):
+                lm_loss(ref, *whole_ranks.share(pair, rank, world)).backward()
+        if world > 1:
+            for p in ref.parameters():
+                p.grad.div_(world)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _one_rank_and_torch(rule: str, micro: int, clip: float, world: int) -> tuple:
+    """Our one-rank run, torch's for-loop run over the same global batches, and the two
+    samples of torch's own drift: its other path (foreach or fused) on the same gradients,
+    and its for-loop path on gradients averaged over ``world`` shares as the ranks do."""
     plan = whole_ranks.data(STEPS, micro)
     model, ref = make_pair()
-    _, ref_other = make_pair()
     opt = whole_ranks.build(rule, model, clip=clip)
     whole_ranks.train(model, opt, plan, 0, 1)
     opt.close()
-    hyper = whole_ranks.HYPER[rule]
-    if rule == "adafactor":
-        loop = torch.optim.Adafactor(ref.parameters(), **hyper, foreach=False)
-        other = torch.optim.Adafactor(ref_other.parameters(), **hyper, foreach=True)
-    else:
-        loop = _TorchPair(ref, "recipe")
-        other = _TorchPair(ref_other, "recipe", fused=True)
-    for m, o in ((ref, loop), (ref_other, other)):
-        for step in plan:
-            for tokens, targets in step:
-                lm_loss(m, tokens, targets).backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-            o.step()
-            o.zero_grad()
-    return model, ref, ref_other
+    _torch_run(rule, ref, plan, clip, variant="loop")
+    drifts = []
+    for variant, shares in (("other", 1), ("loop", world)):
+        _, other = make_pair()
+        _torch_run(rule, other, plan, clip, variant=variant, world=shares)
+        drifts.append(max_diff(other, ref))
+    return model, ref, drifts
 
 
 @pytest.mark.parametrize(("rule", "world"), [("adafactor", 2), ("muon", 2), ("muon", 3)])
 def test_ranks_with_clipping_and_micro_batches_match_one_rank_and_torch(
-    rule: str, world: int, tmp_path: pathlib.Path
+    rule: str, world: int, tmp_path: pathlib.Path, one_thread: None
 ) -> None:
-    """3 ranks: some buckets leave a rank without a parameter (an empty, zero shard)."""
+    """3 ranks: some buckets leave a rank without a parameter (an empty, zero shard).
+
+    The yardstick is the larger of torch's two drifts (Note [the yardstick is torch's own
+    drift] in test_muon.py): its two paths on the same gradients, and its own optimizer on
+    the ranks' averaged gradients, which differ from one rank's by a few ulp; Newton–Schulz
+    in bf16 carries such a difference on (at 3 ranks, 4x the first drift alone was crossed:
+    0.0061 against 0.0053). One torch thread, as the ranks run, so the drift does not depend
+    on the thread count an earlier test left (the first drift was 0.0048 on 2 threads and
+    0.0013 on 1)."""
     assert whole_ranks.HYPER["muon"] == {"lr": 0.02, "adamw_lr": 3e-3}  # test_muon's "recipe"
     results = run_ranks(world, "whole_train", tmp_path, rule=rule, steps=STEPS, micro=2, clip=0.5)
-    model, ref, ref_other = _one_rank_and_torch(rule, 2, 0.5)
-    yardstick = max_diff(ref_other, ref)
-    bound = max((2 if rule == "adafactor" else DRIFT_FACTOR) * yardstick, FLOOR)
+    model, ref, drifts = _one_rank_and_torch(rule, 2, 0.5, world)
+    bound = max((2 if rule == "adafactor" else DRIFT_FACTOR) * max(drifts), FLOOR)
     assert max_diff(model, ref) <= bound
     for rank, result in enumerate(results):
         for theirs in (model, ref):
@@ -242,7 +265,7 @@ def test_ranks_with_clipping_and_micro_batches_match_one_rank_and_torch(
                 (w - p.detach()).abs().max().item()
                 for w, p in zip(result["weights"], theirs.parameters(), strict=True)
             )
-            assert diff <= bound, (rank, diff, bound)
+            assert diff <= bound, (rank, diff, bound, drifts)
         assert result["norms"] == results[0]["norms"]
         assert result["owners"] == _owners(_layouts(world))
     assert max(results[0]["norms"]) > 0.5  # clipping was active
