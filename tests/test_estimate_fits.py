@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_offload.estimate import ModelShape, estimate, host_reserve, offload_adamw_bytes
+from zero_offload.estimate.nvme import _ring_units
 from zero_offload.estimate.pools import shape_bucket_numels, shape_offload_bytes
+from zero_offload.params import window
 from zero_offload.partition import plan_buckets
 
 GiB, MiB = 2**30, 2**20
@@ -155,6 +157,53 @@ def test_the_cycle_counted_pools_equal_the_planners(
     assert shape_offload_bytes(shape, **kwargs) == offload_adamw_bytes(
         shape.parameter_shapes(), **kwargs
     )
+
+
+@pytest.mark.parametrize("bucket_numel", [100_000, 1_000_000])
+def test_the_cycle_of_buckets_that_span_many_blocks_equals_the_planner(bucket_numel: int) -> None:
+    """Small blocks in large buckets: each bucket spans up to about 600 blocks and the cycle
+    is over a thousand blocks long (Note [the open bucket by where it began] in
+    zero_offload/estimate/buckets.py; where that state was the bucket's shapes, an estimate of
+    such a shape took 38 s)."""
+    shape = ModelShape(layers=3000, hidden=16, heads=2, vocab=37, seq_len=8)
+    planned = plan_buckets([list(enumerate(shape.parameter_shapes()))], bucket_numel=bucket_numel)
+    assert shape_bucket_numels(shape, bucket_numel=bucket_numel) == Counter(
+        b.numel for b in planned
+    )
+
+
+def test_the_homes_on_nvme_are_planned_in_runs_not_one_unit_at_a_time(monkeypatch) -> None:
+    """Homes beyond the host budget (parameter offload to NVMe) at a million layers: the
+    window's slots are planned over runs of alike units (``_ring_units``), a few per group,
+    not over every unit; "largest that fits" tries such counts (one estimate walked a
+    million units per try, 21 s)."""
+    calls = []
+    real = window.plan_slots
+
+    def plan_slots(unit_bytes: list[int], tied: list[bool], **kwargs: int) -> tuple:
+        calls.append(len(unit_bytes))
+        return real(unit_bytes, tied, **kwargs)
+
+    monkeypatch.setattr(window, "plan_slots", plan_slots)
+    shape = ModelShape(layers=10**6, hidden=16, heads=2, vocab=37, seq_len=8)
+    kwargs = {"device_memory": "64MiB", "host_memory": "2GiB", "disk_memory": "1TiB"}
+    result = estimate(shape, bucket_bytes="8KiB", **kwargs)
+    assert calls and max(calls) < 100, calls
+    assert any(row.disk for row in result.rows)  # the homes went to NVMe somewhere
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40)), min_size=1, max_size=6),
+    prefetch=st.integers(0, 4),
+)
+def test_runs_of_units_plan_the_slots_every_unit_plans(
+    runs: list[tuple[int, int]], prefetch: int
+) -> None:
+    units = [nbytes for nbytes, count in runs for _ in range(count)]
+    whole = window.plan_slots(units, [False] * len(units), prefetch_layers=prefetch)[1]
+    cut = window.plan_slots(*_ring_units(runs, prefetch), prefetch_layers=prefetch)[1]
+    assert cut == whole
 
 
 def test_activations_are_the_papers_for_the_default_gpt_shape() -> None:

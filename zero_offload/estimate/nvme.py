@@ -309,7 +309,7 @@ def home_tiers(
     holds the homes first, in bucket order, the rest going to their weight files; the
     state takes what is left (``state_tiers``). With a home on disk the weight tile ring
     and the bounce ring (per window slot, the largest unit's NVMe records + 4 KiB) join the
-    host. O(units)."""
+    host. O(buckets per unit x groups)."""
     from ..config import OffloadConfig
     from ..memory.storage import IO_ALIGNMENT
     from ..params.window import plan_slots
@@ -319,26 +319,51 @@ def home_tiers(
         return state_tiers(groups, ctx, None)
     tiers = context_tiers(ctx)
     kept, moved, home_disk = 0, 0, 0
-    records: list[int] = []  # per unit in bucket order: its weight files' bytes
+    runs: list[tuple[int, int]] = []  # (a unit's weight files' bytes, units), bucket order
     for numels, repeats in groups:
         each = [tiers(n) for n in numels]
-        for _ in range(repeats):
-            unit = 0
-            for t in each:
-                if not moved and kept + t.home <= budget:
-                    kept += t.home
-                    continue
-                moved += t.home
-                unit += t.home_file
-            home_disk += unit
-            records.append(unit)
+        home, files = sum(t.home for t in each), sum(t.home_file for t in each)
+        if not moved:  # the repeats that fit whole, then one unit bucket by bucket
+            whole = repeats if home == 0 else min(repeats, (budget - kept) // home)
+            kept += whole * home
+            runs.append((0, whole))
+            repeats -= whole
+            if repeats:
+                unit = 0
+                for t in each:
+                    if not moved and kept + t.home <= budget:
+                        kept += t.home
+                        continue
+                    moved += t.home
+                    unit += t.home_file
+                home_disk += unit
+                runs.append((unit, 1))
+                repeats -= 1
+        moved += repeats * home
+        home_disk += repeats * files
+        runs.append((files, repeats))
     host, disk = state_tiers(groups, ctx, budget - kept)
     if not moved:
         return host, disk
-    _, slots = plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch_layers)
+    _, slots = plan_slots(
+        *_ring_units(runs[::-1], prefetch_layers), prefetch_layers=prefetch_layers
+    )
     host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
     host += sum(n + IO_ALIGNMENT for n in slots if n)
     return host, disk + home_disk
+
+
+def _ring_units(runs: list[tuple[int, int]], prefetch_layers: int) -> tuple[list[int], list[bool]]:
+    """``plan_slots``' arguments for the units ``runs`` (``(bytes, count)``, forward order),
+    each run cut to a count it plans alike: a ring of ``r`` slots gives the units of a run
+    every slot once the run has ``r`` of them, so ``r`` plus the count's remainder mod ``r``
+    (which keeps the next run's slots) stand for any longer run. O(runs x ring), not O(units):
+    a search over the layers plans models of a million units."""
+    ring = prefetch_layers + 2
+    units = []
+    for nbytes, count in runs:
+        units += [nbytes] * (count if count < 2 * ring else ring + count % ring)
+    return units, [False] * len(units)
 
 
 class Homes(enum.Enum):
