@@ -151,9 +151,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[_FORMS] = (forms, simulator)
 
 
+#: Tests after which torch's intra-op thread count differed from before them: ``(nodeid,
+#: before, after)``. A count left changed reaches every later test in the process (a parity
+#: bound drawn from torch's own drift moved with it, and a test passed alone and failed in the
+#: suite), so the summary names them.
+_THREADS_CHANGED = pytest.StashKey[list[tuple[str, int, int]]]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        item.config.stash.setdefault(_THREADS_CHANGED, []).append((item.nodeid, before, after))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
-    """Under ``--accelerator=cuda``: how many collected tests have a CUDA form, by file, and
-    which are skipped as simulator-only, by reason."""
+    """Tests that left torch's thread count changed; under ``--accelerator=cuda``: how many
+    collected tests have a CUDA form, by file, and which are skipped as simulator-only, by
+    reason."""
+    changed = config.stash.get(_THREADS_CHANGED, [])
+    if changed:
+        terminalreporter.write_sep(
+            "-", f"tests that left torch's thread count changed: {len(changed)}"
+        )
+        for nodeid, before, after in changed:
+            terminalreporter.write_line(f"{before} -> {after}  {nodeid}")
     if selected_accelerator(config) != "cuda" or _FORMS not in config.stash:
         return
     forms, simulator = config.stash[_FORMS]
