@@ -452,7 +452,11 @@ def test_two_ranks_with_fp16_and_fp32_buckets_match_one_process(tmp_path: Path) 
     fewer mantissa bits, moves the elements whose two half-batch gradients nearly cancel by
     up to a few Adam steps: a comparison with one process says nothing there.)"""
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    _rank_training(0, 1, 0, torch.float16, str(one))
+    threads = torch.get_num_threads()
+    try:  # one thread here too, as in the ranks; then torch's count as it was for later tests
+        _rank_training(0, 1, 0, torch.float16, str(one))
+    finally:
+        torch.set_num_threads(threads)
     mp.spawn(_rank_training, args=(2, free_port(), torch.float16, str(two)), nprocs=2)
     ref, ours = KeepFp32Model(torch.float16), KeepFp32Model(torch.float16)
     with torch.no_grad():
