@@ -89,7 +89,7 @@ def test_many_ranges_in_one_launch_are_bitwise_the_calls_one_by_one(
     # Note [one accumulation launch for many ranges]: the same accumulator bytes and the
     # same partials, in the same order, as one accumulate_grad call per range and a
     # grad_stats call after it for a range counted by a cell.
-    from zero_offload.kernels import accumulate_grad_ranges
+    from zero_offload.kernels import accumulate_grad_ranges, plan_accumulate_ranges
 
     n = 400_000
     rng = np.random.default_rng(7)
@@ -114,10 +114,32 @@ def test_many_ranges_in_one_launch_are_bitwise_the_calls_one_by_one(
         assert acc.view(torch.int32).equal(acc_ref.view(torch.int32))  # bitwise
         assert together == one_by_one  # bitwise, in order
         assert total == math.fsum(one_by_one) and not nonfinite
+        # Planned once (Note [ranges planned once]): the same bytes and partials.
+        planned: list[float] = []
+        acc_planned = start_acc.clone()
+        plan = plan_accumulate_ranges(ranges, n)
+        accumulate_grad_ranges(
+            acc_planned, src, plan, overwrite=overwrite, num_threads=threads, partials=planned
+        )
+        assert acc_planned.view(torch.int32).equal(acc_ref.view(torch.int32))
+        assert planned == one_by_one
     assert accumulate_grad_ranges(acc, src, [], overwrite=overwrite, partials=together) == (
         0.0,
         False,
     )
+
+
+def test_a_plan_is_refused_for_arrays_of_another_length_and_checked_when_made() -> None:
+    from zero_offload.kernels import accumulate_grad_ranges, plan_accumulate_ranges
+
+    plan = plan_accumulate_ranges([(1, 3, (1, 3)), (3, 4, None)], 12)
+    acc, src = np.zeros(11, np.float32), np.ones(11, np.float32)
+    with pytest.raises(ValueError, match=r"planned for an array of 12 elements but acc has 11"):
+        accumulate_grad_ranges(acc, src, plan, overwrite=True)
+    assert acc.tolist() == [0.0] * 11  # nothing written
+    with pytest.raises(ValueError, match=r"ranges\[1\] starts at 2, before ranges\[0\] ends at 3"):
+        plan_accumulate_ranges([(1, 3, None), (2, 4, None)], 12)
+    assert plan_accumulate_ranges([], 12).empty
 
 
 def test_many_ranges_flag_a_non_finite_and_touch_only_their_ranges() -> None:

@@ -75,3 +75,27 @@ def test_many_ranges_in_one_launch_are_bitwise_each_range_alone(dtype) -> None:
         grad_stats_ranges(g, [(0, 3), (10, 5)])
     g[123] = float("nan")
     assert grad_stats_ranges(g, [(0, 3), (100, 200)])[1]
+
+
+def test_ranges_planned_once_launch_the_same_sums() -> None:
+    # Note [ranges planned once]: a plan gives the partials of the same ranges as a
+    # sequence, bitwise; it is refused for an array of another length, naming both; a bad
+    # range is refused when it is planned.
+    from zero_offload.kernels import grad_stats_ranges, plan_stats_ranges
+
+    rng = np.random.default_rng(5)
+    g = torch.from_numpy(rng.standard_normal(50_000).astype(np.float32))
+    ranges = [(0, 0), (3, 9000), (9000, 9001), (20_000, 49_999)]
+    plan = plan_stats_ranges(ranges, g.numel())
+    direct: list[float] = []
+    by_plan: list[float] = []
+    assert grad_stats_ranges(g, ranges, partials=direct) == grad_stats_ranges(
+        g, plan, partials=by_plan
+    )
+    assert by_plan == direct
+    with pytest.raises(
+        ValueError, match=r"planned for an array of 50000 elements but grad has 49999"
+    ):
+        grad_stats_ranges(g[:-1], plan)
+    with pytest.raises(ValueError, match="start=10, stop=5"):
+        plan_stats_ranges([(0, 3), (10, 5)], 100)

@@ -281,6 +281,21 @@ def test_a_tiles_pieces_are_cut_once(monkeypatch: pytest.MonkeyPatch, accumulati
         return real(slots, shard, lo, hi)
 
     monkeypatch.setattr(host_passes, "pieces", counting)
+    # ... and planned for the kernels once (Note [ranges planned once]): each launch gets
+    # the kept plan, not ranges to check and cut again.
+    launched: list[object] = []
+    real_acc, real_stats = host_passes.accumulate_grad_ranges, host_passes.grad_stats_ranges
+
+    def accumulate(acc: Any, src: Any, ranges: Any, **kwargs: Any) -> Any:
+        launched.append(ranges)
+        return real_acc(acc, src, ranges, **kwargs)
+
+    def stats(grad: Any, ranges: Any, **kwargs: Any) -> Any:
+        launched.append(ranges)
+        return real_stats(grad, ranges, **kwargs)
+
+    monkeypatch.setattr(host_passes, "accumulate_grad_ranges", accumulate)
+    monkeypatch.setattr(host_passes, "grad_stats_ranges", stats)
     model = _model(200)  # 400 parameters, one bucket
     config = OffloadConfig(grad_accumulation="host", tile_elements=1024)
     opt = OffloadAdamW(model.parameters(), config=config, accelerator=host_accelerator())
@@ -297,4 +312,6 @@ def test_a_tiles_pieces_are_cut_once(monkeypatch: pytest.MonkeyPatch, accumulati
     assert per_step[0], "the first step cuts its tiles"
     assert len(set(per_step[0])) == len(per_step[0])  # each tile once
     assert per_step[1] == per_step[2] == []
+    plans = (host_passes.AccumulateRanges, host_passes.StatsRanges)
+    assert launched and all(isinstance(ranges, plans) for ranges in launched)
     opt.close()

@@ -14,17 +14,24 @@ from .threading_layer import configure_threads
 # team beside another] in thread_budget.py.
 configure_threads()
 
-from .accumulate import accumulate_grad, accumulate_grad_ranges  # noqa: E402
+from .accumulate import (  # noqa: E402
+    AccumulateRanges,
+    accumulate_grad,
+    accumulate_grad_ranges,
+    plan_accumulate_ranges,
+)
 from .adafactor import adafactor_step, adafactor_update_cap  # noqa: E402
 from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
 from .lion import lion_step  # noqa: E402
 from .muon import muon_step, newton_schulz  # noqa: E402
-from .stats import grad_stats, grad_stats_ranges  # noqa: E402
+from .stats import StatsRanges, grad_stats, grad_stats_ranges, plan_stats_ranges  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
 __all__ = [
+    "AccumulateRanges",
+    "StatsRanges",
     "accumulate_grad",
     "accumulate_grad_ranges",
     "adafactor_step",
@@ -37,5 +44,7 @@ __all__ = [
     "lion_step",
     "muon_step",
     "newton_schulz",
+    "plan_accumulate_ranges",
+    "plan_stats_ranges",
     "warmup",
 ]

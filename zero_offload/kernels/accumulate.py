@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -21,6 +22,7 @@ from ._validate import (
     as_kernel_array,
     check_range,
     check_ranges,
+    planned,
     range_blocks,
     reduction_blocks,
     run_with_threads,
@@ -140,39 +142,26 @@ def _accumulate_blocks_kernel(
     return partial
 
 
-def accumulate_grad_ranges(
-    acc,
-    src,
-    ranges: Sequence[tuple[int, int, tuple[int, int] | None]],
-    *,
-    overwrite: bool,
-    num_threads: int | None = None,
-    partials: list[float] | None = None,
-) -> tuple[float, bool]:
-    """``accumulate_grad`` over each ``(start, stop, counted)`` of ``ranges`` in one launch.
+class AccumulateRanges(NamedTuple):
+    """Ranges of arrays of ``n`` elements with what each counts, checked and cut into blocks
+    once (``plan_accumulate_ranges``), for ``accumulate_grad_ranges`` to launch at every
+    call: Note [ranges planned once]. ``blocks``: the kernel's block arguments (the
+    accumulated blocks, the re-read cells' blocks, each block's partial, the partials'
+    count); ``empty``: no range."""
 
-    Each ``acc[start:stop]`` is set to (``overwrite``) or incremented by ``src[start:stop]``
-    in fp32, exactly as ``accumulate_grad`` does. ``counted`` says which statistics the
-    range yields, appended to ``partials`` range by range in order, bitwise the partials of
-    the calls one by one: ``None``, none; ``(start, stop)`` (the range itself), those of
-    ``accumulate_grad(..., partials=...)`` over it; another ``(lo, hi)``, those of
-    ``grad_stats(acc, start=lo, stop=hi)`` once the range is accumulated (a cell of which
-    the range is the last piece). The ranges must be in increasing order without overlap,
-    and a ``counted`` range may not reach past the start of the next range. Returns ``(sum
-    of squares, any non-finite)`` of the partials. See Note [one accumulation launch for many
-    ranges].
-    """
-    acc_a, _ = as_kernel_array(acc, "acc", (FP32,), writable=True)
-    src_a, kind = as_kernel_array(src, "src", (FP32, BF16, FP16))
-    n = acc_a.shape[0]
-    if src_a.shape[0] != n:
-        raise ValueError(f"src has {src_a.shape[0]} elements but acc has {n}; pass equal lengths")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    n: int
+    blocks: tuple
+    empty: bool
+
+
+def plan_accumulate_ranges(ranges: object, n: int) -> AccumulateRanges:
+    """``ranges`` (``(start, stop, counted)`` of arrays of ``n`` elements; see
+    ``accumulate_grad_ranges``) checked and cut into blocks; a ValueError or TypeError
+    naming a bad range."""
     pieces, counted = _split_ranges(ranges)
     bounds = check_ranges(pieces, n)
     if bounds.shape[0] == 0:
-        return 0.0, False
+        return AccumulateRanges(n, (), True)
     starts, stops = bounds[:, 0], bounds[:, 1]
     overlap = starts[1:] < stops[:-1]
     if overlap.any():
@@ -207,9 +196,45 @@ def accumulate_grad_ranges(
     block_out = np.where(whole[owner], first[owner] + within, -1)
     cell_out = np.repeat(first[r], cell_counts) + cell_within
     blocks = (block_lo, block_hi, block_out, cell_lo, cell_hi, cell_out, int(emitted.sum()))
+    return AccumulateRanges(n, blocks, False)
+
+
+def accumulate_grad_ranges(
+    acc,
+    src,
+    ranges: Sequence[tuple[int, int, tuple[int, int] | None]] | AccumulateRanges,
+    *,
+    overwrite: bool,
+    num_threads: int | None = None,
+    partials: list[float] | None = None,
+) -> tuple[float, bool]:
+    """``accumulate_grad`` over each ``(start, stop, counted)`` of ``ranges`` in one launch.
+
+    Each ``acc[start:stop]`` is set to (``overwrite``) or incremented by ``src[start:stop]``
+    in fp32, exactly as ``accumulate_grad`` does. ``counted`` says which statistics the
+    range yields, appended to ``partials`` range by range in order, bitwise the partials of
+    the calls one by one: ``None``, none; ``(start, stop)`` (the range itself), those of
+    ``accumulate_grad(..., partials=...)`` over it; another ``(lo, hi)``, those of
+    ``grad_stats(acc, start=lo, stop=hi)`` once the range is accumulated (a cell of which
+    the range is the last piece). The ranges must be in increasing order without overlap,
+    and a ``counted`` range may not reach past the start of the next range. ``ranges`` may
+    be ``plan_accumulate_ranges``' plan for arrays of ``acc``'s length (Note [ranges planned
+    once]). Returns ``(sum of squares, any non-finite)`` of the partials. See Note [one
+    accumulation launch for many ranges].
+    """
+    acc_a, _ = as_kernel_array(acc, "acc", (FP32,), writable=True)
+    src_a, kind = as_kernel_array(src, "src", (FP32, BF16, FP16))
+    n = acc_a.shape[0]
+    if src_a.shape[0] != n:
+        raise ValueError(f"src has {src_a.shape[0]} elements but acc has {n}; pass equal lengths")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    plan = planned(ranges, n, AccumulateRanges, plan_accumulate_ranges, "acc")
+    if plan.empty:
+        return 0.0, False
     partial = run_with_threads(
         num_threads,
-        lambda threads: _accumulate_blocks_kernel(acc_a, src_a, kind, overwrite, *blocks),
+        lambda threads: _accumulate_blocks_kernel(acc_a, src_a, kind, overwrite, *plan.blocks),
     )
     if partials is not None:
         partials.extend(partial.tolist())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange, types
@@ -16,6 +18,7 @@ from ._validate import (
     as_kernel_array,
     check_range,
     check_ranges,
+    planned,
     range_blocks,
     reduction_blocks,
     run_with_threads,
@@ -145,23 +148,42 @@ def _sumsq_blocks_kernel(grad, grad_kind, block_lo, block_hi):
 # ranges one by one, in the same order.
 
 
+class StatsRanges(NamedTuple):
+    """Ranges of an array of ``n`` elements, checked and cut into ``grad_stats``' blocks
+    once (``plan_stats_ranges``), for ``grad_stats_ranges`` to launch at every call: Note
+    [ranges planned once]."""
+
+    n: int
+    block_lo: np.ndarray
+    block_hi: np.ndarray
+
+
+def plan_stats_ranges(ranges: object, n: int) -> StatsRanges:
+    """``ranges`` (``(start, stop)`` pairs of an array of ``n`` elements) checked and cut
+    into blocks for ``grad_stats_ranges``; a ValueError or TypeError naming a bad range."""
+    bounds = check_ranges(ranges, n)
+    block_lo, block_hi, _, _ = range_blocks(bounds[:, 0], bounds[:, 1])
+    return StatsRanges(n, block_lo, block_hi)
+
+
 def grad_stats_ranges(
     grad,
-    ranges: list[tuple[int, int]],
+    ranges: Sequence[tuple[int, int]] | StatsRanges,
     *,
     num_threads: int | None = None,
     partials: list[float] | None = None,
 ) -> tuple[float, bool]:
     """``grad_stats`` over each ``(start, stop)`` of ``ranges`` in one launch: the same
     block sums, appended to ``partials`` range by range in order, and ``(sum of squares,
-    any non-finite)`` of them all. See Note [one launch for many ranges]."""
+    any non-finite)`` of them all. ``ranges`` may be ``plan_stats_ranges``' plan for an
+    array of ``grad``'s length. See Note [one launch for many ranges]."""
     grad_a, kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
-    bounds = check_ranges(ranges, grad_a.shape[0])
-    if bounds.shape[0] == 0:
+    plan = planned(ranges, grad_a.shape[0], StatsRanges, plan_stats_ranges, "grad")
+    if plan.block_lo.shape[0] == 0:
         return 0.0, False
-    block_lo, block_hi, _, _ = range_blocks(bounds[:, 0], bounds[:, 1])
     partial = run_with_threads(
-        num_threads, lambda threads: _sumsq_blocks_kernel(grad_a, kind, block_lo, block_hi)
+        num_threads,
+        lambda threads: _sumsq_blocks_kernel(grad_a, kind, plan.block_lo, plan.block_hi),
     )
     if partials is not None:
         partials.extend(partial.tolist())

@@ -17,7 +17,15 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels import accumulate_grad, accumulate_grad_ranges, grad_stats_ranges
+from ...kernels import (
+    AccumulateRanges,
+    StatsRanges,
+    accumulate_grad,
+    accumulate_grad_ranges,
+    grad_stats_ranges,
+    plan_accumulate_ranges,
+    plan_stats_ranges,
+)
 from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
 from ..access import declare_cpu
@@ -65,13 +73,30 @@ def tile_ranges(layout: BucketLayout, shard: tuple[int, int], lo: int, hi: int) 
     return TileRanges(tuple(stats), tuple(acc))
 
 
+class TilePlans(NamedTuple):
+    """A tile's ``TileRanges`` planned for the kernels over arrays of the shard's length
+    (Note [ranges planned once] in kernels/_validate.py)."""
+
+    stats: StatsRanges
+    acc: AccumulateRanges
+
+
+def tile_plans(layout: BucketLayout, shard: tuple[int, int], lo: int, hi: int, n: int) -> TilePlans:
+    """``tile_ranges``, checked and cut into the kernels' blocks for arrays of ``n``
+    elements."""
+    cut = tile_ranges(layout, shard, lo, hi)
+    return TilePlans(plan_stats_ranges(cut.stats, n), plan_accumulate_ranges(cut.acc, n))
+
+
 # Note [a tile's ranges are cut once]
 # Cutting a tile into its pieces (``stat_cells.pieces``) walks the bucket's slots in
 # Python: about 3 ms a tile for a bucket of 400 small parameters, on the host worker, at
 # every flush of every step, beside a launch of about 1.3 ms. The cut depends only on the
 # layout, the shard and the tile's bounds, all fixed for a bucket's ``HostPasses`` (tiles
 # land at the same bounds every step), so it is cut once per tile and kept: O(tiles) tuples
-# per bucket, the memory of the ranges themselves.
+# per bucket, the memory of the ranges themselves. It is kept planned for the kernels
+# (``TilePlans``; Note [ranges planned once] in kernels/_validate.py), so a launch does not
+# check and cut its ranges again either: 1.3 ms of numpy a launch at 600 ranges, before.
 
 
 def pass_tile(
@@ -84,14 +109,14 @@ def pass_tile(
     lo: int,
     hi: int,
     partials: list[float],
-    ranges: TileRanges | None = None,
+    ranges: TileRanges | TilePlans | None = None,
 ) -> None:
     """The pass over ``staging[lo:hi]`` (shard elements of ``layout``'s bucket) once it
     landed. Without an accumulator (``acc`` None): the window's only pass over a lone
     flush, its statistics. With one: the tile added into ``acc`` (``overwrite``: the
     window's first flush), and the same pass yields the statistics of the accumulated
     gradient. Each cell's float64 sum of squares is appended to ``partials``. ``ranges``:
-    the tile's ``tile_ranges``, cut here when None."""
+    the tile's ``tile_ranges`` or ``tile_plans``, cut here when None."""
     threads = host_pass_threads()
     cut = ranges if ranges is not None else tile_ranges(layout, shard, lo, hi)
     if acc is None:
@@ -127,7 +152,7 @@ class HostPasses:
         self.stats = (0.0, False)
         self.partials: list[float] = []
         # each landed tile's pieces, by its bounds (Note [a tile's ranges are cut once])
-        self._ranges: dict[tuple[int, int], TileRanges] = {}
+        self._ranges: dict[tuple[int, int, int], TilePlans] = {}
 
     def _declare(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
         declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
@@ -160,9 +185,10 @@ class HostPasses:
         else:
             self._declare(src[lo:hi], write=False, what="accumulation reads staging")
             self._declare(acc[lo:hi], write=True, what="accumulation writes the accumulator")
-        ranges = self._ranges.get((lo, hi))
+        key = (lo, hi, src.shape[0])
+        ranges = self._ranges.get(key)
         if ranges is None:
-            ranges = self._ranges[(lo, hi)] = tile_ranges(self.layout, self.shard, lo, hi)
+            ranges = self._ranges[key] = tile_plans(self.layout, self.shard, lo, hi, key[2])
         pass_tile(self.layout, self.shard, src, acc, overwrite=overwrite, lo=lo, hi=hi,
                   partials=partials, ranges=ranges)  # fmt: skip
         n, k = hi - lo, src.element_size()
