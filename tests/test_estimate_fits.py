@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_offload.estimate import ModelShape, estimate, host_reserve, offload_adamw_bytes
-from zero_offload.estimate.nvme import _ring_units
+from zero_offload.estimate.nvme import _ring_units, context_tiers, home_tiers, state_tiers
 from zero_offload.estimate.pools import shape_bucket_numels, shape_offload_bytes
+from zero_offload.estimate.rows import Context
 from zero_offload.params import window
 from zero_offload.partition import plan_buckets
 
@@ -204,6 +205,61 @@ def test_runs_of_units_plan_the_slots_every_unit_plans(
     whole = window.plan_slots(units, [False] * len(units), prefetch_layers=prefetch)[1]
     cut = window.plan_slots(*_ring_units(runs, prefetch), prefetch_layers=prefetch)[1]
     assert cut == whole
+
+
+def _homes_unit_by_unit(groups: list, ctx: Context, budget: int, prefetch: int) -> tuple:
+    """``home_tiers`` as it was, one unit and one bucket at a time: the homes kept in
+    ``budget`` in bucket order, the rest on disk, the window planned over every unit."""
+    from zero_offload.config import OffloadConfig
+    from zero_offload.memory.storage import IO_ALIGNMENT
+    from zero_offload.weights.nvme_home import home_ring_bytes
+
+    tiers = context_tiers(ctx)
+    kept = moved = home_disk = 0
+    records = []
+    for keys, repeats in groups:
+        for _ in range(repeats):
+            unit = 0
+            for t in (tiers(k) for k in keys):
+                if not moved and kept + t.home <= budget:
+                    kept += t.home
+                    continue
+                moved += t.home
+                unit += t.home_file
+            home_disk += unit
+            records.append(unit)
+    host, disk = state_tiers(groups, ctx, budget - kept)
+    if not moved:
+        return host, disk
+    slots = window.plan_slots(records[::-1], [False] * len(records), prefetch_layers=prefetch)[1]
+    host += home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize) - moved
+    return host + sum(n + IO_ALIGNMENT for n in slots if n), disk + home_disk
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([512, 4096, 30_000, 262_144]), min_size=1, max_size=3).map(
+                tuple
+            ),
+            st.integers(0, 40),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    budget=st.one_of(st.integers(-10_000, 0), st.integers(0, 10**7), st.just(10**9)),
+    prefetch=st.integers(0, 4),
+    itemsize=st.sampled_from([2, 4]),
+)
+def test_homes_placed_by_runs_match_the_walk_unit_by_unit(
+    groups: list, budget: int, prefetch: int, itemsize: int
+) -> None:
+    """Whole repeats kept or moved at once, then the window over runs (``_ring_units``):
+    the same bytes as the walk over every unit, a budget already spent (negative) too."""
+    ctx = Context(itemsize=itemsize, world_size=1, ranks_per_node=1, bucket_bytes=65536)
+    ours = home_tiers(groups, ctx, budget, prefetch_layers=prefetch)
+    assert ours == _homes_unit_by_unit(groups, ctx, budget, prefetch)
 
 
 def test_activations_are_the_papers_for_the_default_gpt_shape() -> None:

@@ -324,7 +324,7 @@ def home_tiers(
         each = [tiers(n) for n in numels]
         home, files = sum(t.home for t in each), sum(t.home_file for t in each)
         if not moved:  # the repeats that fit whole, then one unit bucket by bucket
-            whole = repeats if home == 0 else min(repeats, (budget - kept) // home)
+            whole = repeats if home == 0 else min(repeats, max(0, budget - kept) // home)
             kept += whole * home
             runs.append((0, whole))
             repeats -= whole
