@@ -133,7 +133,7 @@ def _shape_bucket_shapes(shape: ModelShape, bucket_numel: int) -> ShapeGroups:
     return [(buckets, repeats) for buckets, repeats in groups if buckets and repeats]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)  # a key holds a bucket's shapes: thousands, for small blocks
 def bucket_numel_of(shapes: tuple[Shape, ...]) -> int:
     """Elements of a bucket of ``shapes`` in packing order, alignment gaps included."""
     from ..partition import SLOT_ALIGN_NUMEL
