@@ -1,17 +1,21 @@
 """``overlap_step`` with and without the device weight shadow, over a simulated link.
 
     python benchmarks/bench_overlap_shadow.py [--tiny] [--rounds N] [--link-gbps G]
+        [--bucket-mib B]
 
 Note [the delayed update lands in a shadow] (optim/shadow.py): with a shadow, the delayed
 update's weights cross the link while the next forward and backward run, and ``step()``
 copies them on the device; without one, ``step()`` copies the whole model's weights across
-the link before the next forward may start. This script trains ``bench_offload_step``'s
-bf16 GPT (20M parameters; ``--tiny``: a small one) with ``overlap_step`` both ways, in one
-run, on the host accelerator with a link of ``--link-gbps`` GB/s (the copy threads sleep
+the link before the next forward may start, or (``overlap_landing="at_first_use"``, Note
+[weights landed at their first use] in views/in_flight.py) issues them and returns, the
+forward waiting for each bucket where it first reads it. This script trains ``bench_offload_step``'s
+bf16 GPT (20M parameters; ``--tiny``: a small one) with ``overlap_step`` the three ways, in
+one run, in buckets of ``--bucket-mib`` MiB, on the host accelerator with a link of ``--link-gbps`` GB/s (the copy threads sleep
 for each copy's bytes at that rate, so the link's time overlaps compute as a DMA's would).
 It reports, per variant, the median over interleaved rounds after a warm-up of: the time
-``step()`` blocks the caller, the whole step (backward + ``step()``), and the weight bytes
-``step()`` itself sends across the link; and the ratio shadow / no shadow. Host-accelerator
+``step()`` blocks the caller, the whole step (forward, backward and ``step()``), and the
+weight bytes ``step()`` itself issues across the link; and each variant's ratio to "no
+shadow". Host-accelerator
 figures on this machine's cores, not GPU figures: the GPU's are ``gpu_check.py
 --north-star``'s ``offload_overlap_step`` rows.
 """
@@ -39,25 +43,29 @@ from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.accelerator import AcceleratorConfig, HostAccelerator
 from zero_offload.memory.traffic import Category, Direction
 
-VARIANTS = ("shadow", "no shadow")
+VARIANTS = ("shadow", "no shadow", "no shadow, landed at first use")
 
 
 class _Run:
     """One variant's model, optimizer and counters."""
 
-    def __init__(self, name: str, scale, link: float) -> None:
+    def __init__(self, name: str, scale, link: float, bucket_bytes: int) -> None:
         self.name = name
         self.model = _make_model("gpt", torch.bfloat16, torch.device("cpu"), scale)
         acc = HostAccelerator(AcceleratorConfig(link_bandwidth=link, device_budget="8GiB"))
         take = shadow_mod.WeightShadows.take
-        if name == "no shadow":
+        if name.startswith("no shadow"):
             shadow_mod.WeightShadows.take = lambda self, **_: None  # type: ignore[method-assign]
         try:
             self.opt = OffloadAdamW(
                 self.model.parameters(),
                 lr=LR,
                 accelerator=acc,
-                config=OffloadConfig(overlap_step=True),
+                config=OffloadConfig(
+                    overlap_step=True,
+                    bucket_bytes=bucket_bytes,
+                    overlap_landing="at_first_use" if "first use" in name else "at_step",
+                ),
             )
             self.batch = _batches("gpt", 1, torch.device("cpu"), scale)[0]
             self.step_once()  # the first update's shadows are taken here
@@ -106,15 +114,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--link-gbps", type=float, default=1.0, help="simulated link, GB/s")
+    parser.add_argument("--bucket-mib", type=float, default=4.0, help="bucket size, MiB")
     args = parser.parse_args(argv)
     scale = TINY if args.tiny else FULL
-    runs = {name: _Run(name, scale, args.link_gbps * 1e9) for name in VARIANTS}
+    bucket_bytes = int(args.bucket_mib * 2**20)
+    runs = {name: _Run(name, scale, args.link_gbps * 1e9, bucket_bytes) for name in VARIANTS}
     for run in runs.values():  # warm-up: the second update publishes the first
         run.step_once()
     for _ in range(args.rounds):  # interleaved rounds
         for run in runs.values():
             run.measure()
     numel = sum(p.numel() for p in runs["shadow"].model.parameters())
+    buckets = len(runs["shadow"].opt.buckets)
     rows = {}
     for name, run in runs.items():
         rows[name] = {
@@ -128,16 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
             ),
         }
         run.opt.close()
+    keys = ("step_blocks_s", "whole_step_s")
     ratio = {
-        key: rows["shadow"][key] / rows["no shadow"][key]
-        for key in ("step_blocks_s", "whole_step_s")
+        name: {key: rows[name][key] / rows["no shadow"][key] for key in keys}
+        for name in VARIANTS
+        if name != "no shadow"
     }
     lines = [
-        f"{numel / 1e6:.1f}M bf16 parameters, link {args.link_gbps:g} GB/s (simulated), "
-        f"median of {args.rounds} interleaved rounds",
+        f"{numel / 1e6:.1f}M bf16 parameters in {buckets} buckets of {args.bucket_mib:g} MiB, "
+        f"link {args.link_gbps:g} GB/s (simulated), median of {args.rounds} interleaved rounds",
         "",
-        "| overlap_step | step() blocks ms | backward + step() ms | weight bytes step() sends "
-        "| shadowed buckets |",
+        "| overlap_step | step() blocks ms | forward + backward + step() ms | weight bytes "
+        "step() issues | shadowed buckets |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
@@ -145,12 +158,19 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {name} | {r['step_blocks_s'] * 1e3:.1f} | {r['whole_step_s'] * 1e3:.1f} | "
             f"{r['h2d_bytes_in_step'] / 1e6:.1f} MB | {r['shadowed_buckets']} |"
         )
-    lines.append(
-        f"| **shadow / no shadow** | **{ratio['step_blocks_s']:.2f}** | "
-        f"**{ratio['whole_step_s']:.2f}** | | |"
-    )
+    for name, r in ratio.items():
+        lines.append(
+            f"| **{name} / no shadow** | **{r['step_blocks_s']:.2f}** | "
+            f"**{r['whole_step_s']:.2f}** | | |"
+        )
     print("\n".join(lines))
-    result = {"machine": machine(), "link_gbps": args.link_gbps, "rows": rows, "ratio": ratio}
+    result = {
+        "machine": machine(),
+        "link_gbps": args.link_gbps,
+        "bucket_mib": args.bucket_mib,
+        "rows": rows,
+        "ratio": ratio,
+    }
     path = write_json("bench_overlap_shadow_tiny" if args.tiny else "bench_overlap_shadow", result)
     print(f"\nwrote {path}")
     return result

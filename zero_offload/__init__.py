@@ -23,6 +23,7 @@ from .config import (
     GradStaging,
     LossScalerConfig,
     OffloadConfig,
+    OverlapLanding,
     OverlapShadow,
 )
 from .errors import (
@@ -108,6 +109,7 @@ __all__ = [
     "OffloadLion",
     "OffloadMuon",
     "OffloadOptimizer",
+    "OverlapLanding",
     "OverlapShadow",
     "PoolExhausted",
     "StepFailed",

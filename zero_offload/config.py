@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 # The spelled settings live in settings.py; re-exported here, where OffloadConfig takes them.
-from .settings import GradAccumulation, GradStaging, OverlapShadow
+from .settings import GradAccumulation, GradStaging, OverlapLanding, OverlapShadow
 
 __all__ = [
     "DEVICE_BUDGET_ENV",
@@ -23,6 +23,7 @@ __all__ = [
     "GradStaging",
     "LossScalerConfig",
     "OffloadConfig",
+    "OverlapLanding",
     "OverlapShadow",
     "format_bytes",
     "parse_bytes",
@@ -357,6 +358,14 @@ class OffloadConfig:
             home), filled during the next forward and backward, so ``step()`` copies on the
             device. ``"off"``: in the pinned home, copied across the link by the next
             ``step()``. The weights are bitwise the same.
+        overlap_landing: with ``overlap_step``, where compute waits for the weight copies
+            across the link (buckets without a shadow), an ``OverlapLanding`` or its
+            spelling. ``"at_step"`` (default): ``step()`` makes compute wait for all of them.
+            ``"at_first_use"``: ``step()`` returns once they are issued and each bucket is
+            waited for where one of its parameters is first read, so the forward's first
+            layers run while the later buckets cross (Note [weights landed at their first
+            use] in ``views/in_flight.py``: not with ``torch.compile``, nor with tensors
+            taken from a parameter and kept across steps). The weights are bitwise the same.
     """
 
     bucket_bytes: int | str = 32 * 2**20
@@ -380,6 +389,7 @@ class OffloadConfig:
     grad_staging_buffers: int = 2
     grad_accumulation: GradAccumulation | str = GradAccumulation.AUTO
     overlap_shadow: OverlapShadow | str = OverlapShadow.AUTO
+    overlap_landing: OverlapLanding | str = OverlapLanding.AT_STEP
 
     def __post_init__(self) -> None:
         nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
@@ -513,6 +523,15 @@ class OffloadConfig:
         object.__setattr__(self, "grad_accumulation", accumulation)
         shadow = OverlapShadow.parse(self.overlap_shadow, name="OffloadConfig.overlap_shadow")
         object.__setattr__(self, "overlap_shadow", shadow)
+        landing = OverlapLanding.parse(self.overlap_landing, name="OffloadConfig.overlap_landing")
+        object.__setattr__(self, "overlap_landing", landing)
+        if landing is OverlapLanding.AT_FIRST_USE and not self.overlap_step:
+            raise ValueError(
+                "OffloadConfig(overlap_landing='at_first_use') defers the wait for the "
+                "delayed update's weight copies, but overlap_step=False: a plain step() "
+                "copies each tile as it is written. Set overlap_step=True, or leave "
+                "overlap_landing='at_step'"
+            )
         object.__setattr__(
             self,
             "grad_staging_buffers",

@@ -7,7 +7,13 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["GradAccumulation", "GradStaging", "OverlapShadow", "SpelledSetting"]
+__all__ = [
+    "GradAccumulation",
+    "GradStaging",
+    "OverlapLanding",
+    "OverlapShadow",
+    "SpelledSetting",
+]
 
 
 class SpelledSetting(str, enum.Enum):
@@ -66,3 +72,15 @@ class OverlapShadow(SpelledSetting):
     AUTO = "auto"
     #: Always in the pinned home, copied to the device by the next ``step()``.
     OFF = "off"
+
+
+class OverlapLanding(SpelledSetting):
+    """Where compute waits for ``overlap_step``'s weight copies across the link
+    (``OffloadConfig.overlap_landing``): Note [weights landed at their first use] in
+    ``views/in_flight.py``."""
+
+    #: In ``step()``: compute waits for every bucket's copies before it returns.
+    AT_STEP = "at_step"
+    #: Where a parameter of the bucket is first read (the forward, bucket by bucket in its
+    #: order): ``step()`` returns once the copies are issued.
+    AT_FIRST_USE = "at_first_use"

@@ -130,15 +130,18 @@ def scenario_accumulate(
     return result
 
 
-def scenario_overlap(rank: int, world: int, out: Path, *, steps: int, shadow: bool) -> dict:
+def scenario_overlap(
+    rank: int, world: int, out: Path, *, steps: int, shadow: bool, landing: str = "at_step"
+) -> dict:
     """``overlap_step`` with 2 micro-batches a step, with the delayed update's device weight
-    shadows or (``shadow=False``) without (Note [the delayed update lands in a shadow])."""
+    shadows or (``shadow=False``) without (Note [the delayed update lands in a shadow]);
+    ``landing``: ``OffloadConfig.overlap_landing``."""
     import zero_offload.optim.shadow as shadow_mod
 
     if not shadow:
         shadow_mod.WeightShadows.take = lambda self, **_: None  # type: ignore[method-assign]
     model, _ = make_pair()
-    opt = offload_opt(model, overlap_step=True)
+    opt = offload_opt(model, overlap_step=True, overlap_landing=landing)
     pairs = data(2 * steps)
     for i in range(0, len(pairs), 2):
         for tokens, targets in pairs[i : i + 2]:

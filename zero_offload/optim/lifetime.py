@@ -98,6 +98,9 @@ class Resources:
 
         attempt(self.manager.synchronize)
         for segment in self.segments:
+            for bucket in segment.buckets:
+                if bucket.views.in_flight is not None:  # its copies are done: synchronised
+                    bucket.views.in_flight.abandon()
             attempt(segment.close)
         self.segments.clear()
         self.router.buckets.clear()

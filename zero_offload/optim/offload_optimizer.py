@@ -174,6 +174,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.manager,
                 self._ranks,
                 shadow=config.overlap_shadow,
+                landing=config.overlap_landing,
                 name=f"offload_{self.rule.name}{self.serial}.delayed_update",
             )
             if config.overlap_step
@@ -438,6 +439,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._policy.land_eager()  # nothing more when state_dict() already landed it
             self._policy.drop_eager()
             return loss
+        self._policy.mode.land_all()  # Note [weights landed at their first use]
         check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
@@ -565,6 +567,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._policy.land_if_ran()
             self._policy.drop_eager()
             self._policy.mode.settle(self.buckets)
+            self._policy.mode.land_all()
         finally:
             self._finalizer()
 

@@ -46,11 +46,13 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..views.value_reads import intercepted
 
 __all__ = [
     "Binding",
@@ -76,41 +78,6 @@ class Binding(NamedTuple):
 _BINDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _local = threading.local()  # .saving: depth of state-dict calls on this thread
 
-#: Property getters and setters that read no values (by descriptor name).
-_META_GET = frozenset(
-    {
-        "shape", "dtype", "device", "requires_grad", "grad", "_version", "is_leaf", "ndim",
-        "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn",
-        "is_nested", "is_xpu", "is_mps", "names", "grad_fn", "_grad_fn", "_backward_hooks",
-        "_post_accumulate_grad_hooks", "retains_grad", "name", "output_nr", "itemsize",
-        "is_sparse_csr", "_cdata",
-    }
-)  # fmt: skip
-_META_SET = frozenset(
-    {"data", "grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"}
-)
-#: Methods that read no values.
-_META_CALLS = frozenset(
-    {
-        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
-        torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
-        torch.Tensor.is_signed, torch.Tensor.get_device, torch.Tensor.requires_grad_,
-        torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
-        torch.Tensor.__hash__, torch.is_floating_point, torch.is_complex, torch.numel,
-        torch._has_compatible_shallow_copy_type,
-    }
-)  # fmt: skip
-
-
-def _is_metadata(func: Any) -> bool:
-    if func in _META_CALLS:
-        return True
-    name = getattr(func, "__name__", None)
-    if name in ("__get__", "__set__"):
-        names = _META_GET if name == "__get__" else _META_SET
-        return getattr(getattr(func, "__self__", None), "__name__", None) in names
-    return False
-
 
 class _Released:
     """Mixed into a parameter's class while it is released: Note [a released parameter]."""
@@ -119,17 +86,11 @@ class _Released:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
         if func is torch.Tensor.detach and getattr(_local, "saving", 0):
             binding = _BINDINGS.get(args[0])
             if binding is not None:
                 return binding.home_view()
-        for tensor in _released_args(args, kwargs):
-            bring_back(tensor)
-        return func(*args, **kwargs)
+        return intercepted(_Released, func, args, kwargs, bring_back)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         bring_back(self)  # type: ignore[arg-type]
@@ -156,15 +117,6 @@ def _private_twin(param: torch.Tensor) -> torch.Tensor:
         twin = torch.Tensor._make_subclass(plain, data, param.requires_grad)
     twin.__dict__.update(param.__dict__)
     return twin
-
-
-def _released_args(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    for group in (args, kwargs.values()):
-        for arg in group:
-            if isinstance(arg, _Released):
-                yield arg  # type: ignore[misc]
-            elif isinstance(arg, (list, tuple)):
-                yield from (a for a in arg if isinstance(a, _Released))
 
 
 def bring_back(param: torch.Tensor) -> None:

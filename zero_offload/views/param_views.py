@@ -88,6 +88,7 @@ from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout, ParamSlot
 from ..weights.source import fill_bucket
+from .in_flight import InFlight, Landing
 
 if TYPE_CHECKING:
     from ..accelerator import Accelerator, Event
@@ -271,6 +272,9 @@ class ParamViews:
     #: device shadow can take them early: Note [the delayed update lands in a shadow] in
     #: ``optim/shadow.py``); not where the host home is where they live between uses.
     weights_cross_the_link = True
+    #: Set while a delayed update's weights cross the link unwaited (Note [weights landed at
+    #: their first use] in views/in_flight.py): nothing can have written them.
+    in_flight: InFlight | None = None
 
     def __init__(
         self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], pool: BlockPool
@@ -413,11 +417,14 @@ class ParamViews:
         None where the check is not one (host-addressable weights, nothing remembered): then
         ``changed_params()`` decides. Starts a new check like ``changed_params()``."""
         stamped = self._stamped()
-        if stamped is None or not isinstance(stamped[1], torch.Tensor):
+        if stamped is None or not isinstance(stamped[1], torch.Tensor) or self._unlanded():
             return None
         self._streamed = None  # a new check (Note [one cold hash per step])
         now = self._fingerprint(stamped[0])
         return now != stamped[1] if isinstance(now, torch.Tensor) else None
+
+    def _unlanded(self) -> bool:
+        return self.in_flight is not None and self.in_flight.state is Landing.IN_FLIGHT
 
     def changed(self) -> bool:
         """Whether something wrote new values into a parameter since ``remember()``."""
@@ -426,6 +433,8 @@ class ParamViews:
     def changed_params(self) -> list[torch.nn.Parameter]:
         """The parameters written since ``remember()`` (all of them when unknown), by value
         where it can be compared (Note [weights written outside the optimizer])."""
+        if self._unlanded():
+            return []  # Note [weights landed at their first use]: published, unread since
         self._streamed = None  # a new check: streamed hashes are stale (Note [one cold hash
         # per step])
         if self.versions is None:

@@ -28,6 +28,7 @@ where Python has none).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from abc import ABC, abstractmethod
@@ -37,12 +38,14 @@ from typing import Any
 import torch
 
 from ...accelerator import Event, latest_per_stream
+from ...accelerator.device_context import capture_thread_device
 from ...collectives import Pending
-from ...config import OverlapShadow
+from ...config import OverlapLanding, OverlapShadow
 from ...errors import CollectiveError
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
+from ...views.in_flight import InFlight
 from ..flat_bucket import FlatBucket, StepPlan
 from ..publish import Publish
 from ..ranks import Ranks
@@ -202,11 +205,16 @@ class UpdateMode(ABC):
                 written.extend(slot.index for slot, param in slots if id(param) in ours)
         return {"pending_update": self.pending, "written": sorted(written)}
 
-    def _publish_pending(self, buckets: Sequence[FlatBucket], *, trust_weights: bool) -> None:
+    def _publish_pending(
+        self, buckets: Sequence[FlatBucket], *, trust_weights: bool, defer: bool = False
+    ) -> list[FlatBucket]:
         """Publish the pending update's weights; parameters written since the last step keep
         what was written. ``trust_weights``: the update is a loaded checkpoint's, and only
         the parameters it names (``ParamViews.masters_from_weights``) count as written
-        (Note [delayed parameter update])."""
+        (Note [delayed parameter update]). ``defer``: compute waits for each unwritten
+        bucket where its parameters are first read, not here (Note [weights landed at
+        their first use] in views/in_flight.py); the copies go last bucket first. Returns
+        the buckets left in flight, in that order."""
         events: list[Event] = []
         gathers: list[Pending | None] = []
         # Parameters written since the last step keep what was written, the others of
@@ -218,25 +226,53 @@ class UpdateMode(ABC):
         # publication wins, except where the checkpoint had no master: there the weights
         # loaded are the truth, whichever of the model and the optimizer loaded first.
         written: list[tuple[FlatBucket, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for bucket in buckets:
+        landed: list[FlatBucket] = []
+        deferred: list[tuple[FlatBucket, list[Event], Pending | None]] = []
+        for bucket in reversed(buckets) if defer else buckets:
             changed = _written(bucket, trust_weights=trust_weights)
             if changed:
                 written.append((bucket, [(p, p.detach().clone()) for p in changed]))
             bucket.views.masters_from_weights = frozenset()
             published = bucket.publish()
+            gather = self._gather(bucket, published)[1]
+            if defer and not changed:
+                deferred.append((bucket, published, gather))
+                continue
+            landed.append(bucket)
             events.extend(published)
-            gathers.append(self._gather(bucket, published)[1])
+            gathers.append(gather)
         for bucket in buckets:
             for event in bucket.store.publication.home_readers():
                 # The next update rewrites the staging these copies read.
                 self.manager.host_worker.wait_event(event)
-        self._land(buckets, events, gathers)
+        self._land(landed, events, gathers)
+        for bucket, published, gather in deferred:
+            land = functools.partial(self._land_one, bucket, published, gather)
+            what = f"{self.ranks.where()}bucket {bucket.layout.index}"
+            bucket.views.in_flight = InFlight(bucket.views.params, land, what=what)
         with torch.no_grad():
             for bucket, saved in written:
                 for param, value in saved:
                     param.copy_(value)
                 bucket.store.reconcile_master()
                 bucket.views.remember()
+        return [bucket for bucket, _, _ in deferred]
+
+    def _land_one(self, bucket: FlatBucket, events: list[Event], gather: Pending | None) -> None:
+        """Land one deferred bucket (Note [weights landed at their first use]), on the
+        thread that reads it first: with the device current there while it waits (Note
+        [every library thread binds its device]), then the thread's own again."""
+        restore = capture_thread_device()
+        self.manager.accelerator.bind_thread()
+        try:
+            self._land([bucket], events, [gather])
+        finally:
+            restore()
+
+    def land_all(self) -> None:
+        """Make compute wait for every bucket still in flight (Note [weights landed at
+        their first use]); before anything of the optimizer reads the weights."""
+        return None
 
     def drain(self) -> None:
         """Make the optimizer state final for reading (``state_dict``) without publishing."""
@@ -268,7 +304,8 @@ class UpdateMode(ABC):
         """Make compute wait for the weight copies and all-gathers; record the versions."""
         with phase("wait_weights"):
             # One wait per stream: its last copy's event ends after every earlier one.
-            self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
+            if events:
+                self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
         self.ranks.wait([g for g in gathers if g is not None])
         for bucket in buckets:
             bucket.views.remember()
@@ -364,12 +401,15 @@ class DelayedUpdate(UpdateMode):
         ranks: Ranks,
         *,
         shadow: OverlapShadow = OverlapShadow.AUTO,
+        landing: OverlapLanding = OverlapLanding.AT_STEP,
         name: str = "delayed_update",
     ) -> None:
         super().__init__(manager, ranks)
+        self.landing = landing
         self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
         self.shadows = WeightShadows(manager, setting=shadow, name=name)
+        self._deferred: list[FlatBucket] = []  # buckets in flight since the last settle
 
     @property
     def pending(self) -> bool:
@@ -407,7 +447,19 @@ class DelayedUpdate(UpdateMode):
             return Publish.SHADOW
         return Publish.LATER
 
+    def land_all(self) -> None:
+        for bucket in self._deferred:
+            if bucket.views.in_flight is not None:
+                bucket.views.in_flight.land()
+                bucket.views.in_flight = None
+        self._deferred = []
+
+    def drain(self) -> None:
+        self.land_all()
+        super().drain()
+
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
+        self.land_all()
         if self._resumed:
             super().settle(buckets)
             return
@@ -424,5 +476,6 @@ class DelayedUpdate(UpdateMode):
                 [],
                 None,
             ) from exc
-        self._publish_pending(buckets, trust_weights=False)
+        defer = self.landing is OverlapLanding.AT_FIRST_USE
+        self._deferred = self._publish_pending(buckets, trust_weights=False, defer=defer)
         self._pending = False
