@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from zero_offload import OffloadConfig, OverlapLanding
 from zero_offload.optim.update.modes import DelayedUpdate
@@ -257,3 +258,28 @@ def test_two_ranks_land_their_gathered_buckets_at_first_use(tmp_path) -> None:
     at_step = run_ranks(2, "overlap", tmp_path / "b", steps=4, shadow=False)
     for a, b in zip(first_use, at_step, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
+
+
+def test_a_compiled_forward_is_refused_by_name() -> None:
+    # torch.compile would trace the landing out of the graph and read weights mid-copy:
+    # the first compiled forward over parameters in flight raises, naming the fix.
+    model, _ = make_pair()
+    opt = offload_opt(
+        model, overlap_step=True, overlap_shadow="off", overlap_landing="at_first_use"
+    )
+    compiled = torch.compile(model, backend="eager")
+    data = batches(3)  # the third forward is the first over weights in flight
+    # Dynamo compiles nothing under a dispatch mode (strict mode's device check, on under
+    # ZERO_OFFLOAD_STRICT=1); this test is about compilation, so it runs without it.
+    with (
+        _disable_current_modes(),
+        pytest.raises(
+            Exception, match=r"overlap_landing='at_step' \(the default\) with torch.compile"
+        ),
+    ):
+        for tokens, targets in data:
+            opt.backward(lm_loss(compiled, tokens, targets))
+            opt.step()
+            opt.zero_grad()
+    opt.close()
+    assert not any(is_in_flight(p) for p in model.parameters())

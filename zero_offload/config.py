@@ -364,8 +364,9 @@ class OffloadConfig:
             ``"at_first_use"``: ``step()`` returns once they are issued and each bucket is
             waited for where one of its parameters is first read, so the forward's first
             layers run while the later buckets cross (Note [weights landed at their first
-            use] in ``views/in_flight.py``: not with ``torch.compile``, nor with tensors
-            taken from a parameter and kept across steps). The weights are bitwise the same.
+            use] in ``views/in_flight.py``: ``torch.compile`` is refused; tensors
+            taken from a parameter and kept across steps are not waited for). The weights
+            are bitwise the same.
     """
 
     bucket_bytes: int | str = 32 * 2**20

@@ -29,8 +29,9 @@ next ``step()``, ``state_dict``, checkpoints, ``close``) lands every bucket firs
 What it cannot see, and why it is opt-in: a tensor taken from a parameter before the step
 and kept (``w = p.view(-1)``, ``d = p.data`` stored across steps) reads the weights without
 asking the parameter, and on a GPU it may read them while they are being copied.
-``torch.compile`` traces the switched class's ``__torch_function__``; compile with
-``"at_step"``.
+``torch.compile`` traces the switched class's ``__torch_function__`` at compile time, so
+the compiled forward would not wait (a trial trained other weights): a call traced over a
+parameter in flight raises, naming ``"at_step"``, which compiles.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class Landing(enum.Enum):
     #: The wait or the fingerprint raised; ``land()`` raises again (the weights may be torn).
     FAILED = "failed"
 
+
+_COMPILED = (
+    "OffloadConfig(overlap_landing='at_first_use') waits for a bucket's weights where "
+    "eager code first reads one of its parameters; torch.compile traces that wait out of "
+    "the graph, so the compiled forward would read weights still being copied. Use "
+    "overlap_landing='at_step' (the default) with torch.compile"
+)
 
 #: In-flight parameters and the bucket each lands with (weak keys: a dropped model goes).
 _LANDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -145,6 +153,8 @@ class _InFlightParam:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILED)
         return intercepted(_InFlightParam, func, args, kwargs, land_param)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
