@@ -333,3 +333,39 @@ def test_trainer_steps_during_backward_bitwise(
     assert logged(eager, "grad_norm") == logged(plain, "grad_norm")
     assert logged(eager, "loss") == logged(plain, "loss")
     assert max_weight_diff(weights(eager.model), weights(plain.model)) == 0.0
+
+
+@pytest.mark.cuda_form
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
+def test_trainer_lands_overlap_weights_at_first_use_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpointing: bool
+) -> None:
+    # Note [weights landed at their first use]: under the Trainer's loop (its clipping,
+    # logging, scheduler and zero_grad between step() and the next forward), each bucket
+    # lands where the forward first reads it; losses, norms and weights are those of
+    # overlap_landing="at_step".
+    from zero_offload.optim.update.modes import DelayedUpdate
+
+    landed: list[int] = []
+    real = DelayedUpdate._land_one
+
+    def land_one(self, bucket, events, gather) -> None:
+        landed.append(bucket.layout.index)
+        real(self, bucket, events, gather)
+
+    monkeypatch.setattr(DelayedUpdate, "_land_one", land_one)
+    runs = []
+    for landing in ("at_step", "at_first_use"):
+        args = {"gradient_checkpointing": True} if checkpointing else {}
+        config = offload_config(overlap_step=True, overlap_shadow="off", overlap_landing=landing)
+        trainer = offload_trainer(
+            tiny_gpt2(), training_args(tmp_path / landing, **args), offload_config=config
+        )
+        trainer.train()
+        runs.append(trainer)
+    at_step, first_use = runs
+    buckets = len(first_use.offload_optimizer.buckets)
+    assert len(landed) >= buckets > 1  # landed at first use, from the second step on
+    assert logged(first_use, "loss") == logged(at_step, "loss")
+    assert logged(first_use, "grad_norm") == logged(at_step, "grad_norm")
+    assert max_weight_diff(weights(first_use.model), weights(at_step.model)) == 0.0
