@@ -140,6 +140,7 @@ TEST_FILES = (
     "tests/test_whole_rules_resident.py",
     "tests/test_overlap_queue.py",
     "tests/test_overlap_shadow.py",
+    "tests/test_overlap_landing.py",
     "tests/test_step_costs.py",
     # the integrations: Trainer, accelerate, PEFT, TRL and Lightning on cuda:0 (issue 36)
     "tests/test_integration_transformers.py",
@@ -164,6 +165,7 @@ SANITIZER_FILES = (
     "tests/test_offload_adamw_parity.py",
     "tests/test_step_during_backward.py",
     "tests/test_resume_keeps_writes.py",
+    "tests/test_overlap_landing.py",  # compute waits per bucket, in the forward
 )
 #: 1.15B parameters: 20 blocks of 12 * 2048^2 (50.3M each), a 32768 x 2048 embedding and
 #: head, 2048 positions.

@@ -10,8 +10,11 @@ model and optimizer per (size, variant), timed at both micro-batch counts:
 
 - ``no_offload``: bf16 model, fp32 master weights and fused AdamW on the device, whole GPU;
 - ``offload``, ``offload_announced`` (``opt.backward(loss, step=True)`` on the last
-  micro-batch), ``offload_overlap_step`` (``OffloadConfig(overlap_step=True)``): OffloadAdamW
-  under a 24 GiB device cap (``set_per_process_memory_fraction`` and ``device_budget``);
+  micro-batch), ``offload_overlap_step`` (``OffloadConfig(overlap_step=True)``) and, last
+  (the first the budget cuts), ``offload_overlap_first_use`` (the same without weight shadows,
+  each bucket waited for where the forward first reads it: ``overlap_shadow="off",
+  overlap_landing="at_first_use"``): OffloadAdamW under a 24 GiB device cap
+  (``set_per_process_memory_fraction`` and ``device_budget``);
 - ``deepspeed``: ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), the
   shared README's config, when ``deepspeed`` imports; a row saying why not otherwise.
 
@@ -57,7 +60,14 @@ SMOKE_SIZES: dict[str, dict[str, int]] = {
     "tiny-a": {"vocab_size": 256, "seq_len": 16, "layers": 2, "hidden": 64, "heads": 4},
     "tiny-b": {"vocab_size": 256, "seq_len": 16, "layers": 3, "hidden": 96, "heads": 4},
 }
-VARIANTS = ("no_offload", "offload", "offload_announced", "offload_overlap_step", "deepspeed")
+VARIANTS = (
+    "no_offload",
+    "offload",
+    "offload_announced",
+    "offload_overlap_step",
+    "deepspeed",
+    "offload_overlap_first_use",
+)
 MICRO = (4, 1)
 LR = 1e-4
 SMOKE_BANNER = (
@@ -98,18 +108,30 @@ class _NoOffload:
         """Nothing held beyond the model's own tensors."""
 
 
+def _config(name: str) -> Any:
+    """The ``OffloadConfig`` of offloaded variant ``name``."""
+    from zero_offload import OffloadConfig
+
+    if name == "offload_overlap_first_use":
+        return OffloadConfig(
+            overlap_step=True, overlap_shadow="off", overlap_landing="at_first_use"
+        )
+    return OffloadConfig(overlap_step=name == "offload_overlap_step")
+
+
 class _Offload:
-    """OffloadAdamW, plain, announced or with ``overlap_step``."""
+    """OffloadAdamW, plain, announced or with ``overlap_step`` (shadows, or landed at first
+    use)."""
 
     def __init__(self, model: torch.nn.Module, target: Target, name: str, cap: int | None) -> None:
-        from zero_offload import OffloadAdamW, OffloadConfig
+        from zero_offload import OffloadAdamW
 
         self.announce = name == "offload_announced"
         accelerator = target.accelerator(device_budget=cap) if cap else target.accelerator()
         self.opt = OffloadAdamW(
             model.parameters(),
             lr=LR,
-            config=OffloadConfig(overlap_step=name == "offload_overlap_step"),
+            config=_config(name),
             accelerator=accelerator,
         )
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import north_star  # noqa: E402
 
-OFFLOADED = ("offload", "offload_announced", "offload_overlap_step")
+OFFLOADED = ("offload", "offload_announced", "offload_overlap_step", "offload_overlap_first_use")
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

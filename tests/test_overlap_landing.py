@@ -74,11 +74,18 @@ def _train(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "micro"), [(torch.bfloat16, 2), (torch.float32, 1)], ids=["bf16x2", "fp32x1"]
+    ("dtype", "micro", "nvme"),
+    [(torch.bfloat16, 2, False), (torch.float32, 1, False), (torch.bfloat16, 2, True)],
+    ids=["bf16x2", "fp32x1", "bf16x2-nvme"],
 )
-def test_landing_at_first_use_changes_no_bit(dtype, micro) -> None:
-    at_step, losses, in_flight = _train("at_step", dtype, micro)
-    first_use, first_losses, first_in_flight = _train("at_first_use", dtype, micro)
+def test_landing_at_first_use_changes_no_bit(tmp_path, dtype, micro, nvme) -> None:
+    # With NVMe state the store publishes through the same copies (host_budget=1: every
+    # bucket's state on disk).
+    def nvme_dir(name: str) -> dict:
+        return {"nvme_dir": tmp_path / name, "host_budget": 1} if nvme else {}
+
+    at_step, losses, in_flight = _train("at_step", dtype, micro, **nvme_dir("a"))
+    first_use, first_losses, first_in_flight = _train("at_first_use", dtype, micro, **nvme_dir("b"))
     assert torch.equal(at_step, first_use)
     assert losses == first_losses
     # step() k+1 returned with every parameter still in flight (the first step publishes
