@@ -349,9 +349,9 @@ def test_trainer_lands_overlap_weights_at_first_use_bitwise(
     landed: list[int] = []
     real = DelayedUpdate._land_one
 
-    def land_one(self, bucket, events, gather) -> None:
+    def land_one(self, bucket, events, gather, stream) -> None:
         landed.append(bucket.layout.index)
-        real(self, bucket, events, gather)
+        real(self, bucket, events, gather, stream)
 
     monkeypatch.setattr(DelayedUpdate, "_land_one", land_one)
     runs = []

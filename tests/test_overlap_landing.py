@@ -104,7 +104,7 @@ def test_the_forward_lands_bucket_by_bucket_while_later_ones_cross(monkeypatch) 
     landings: list[tuple[int, bool]] = []  # (bucket, some other bucket's copy still pending)
     real = DelayedUpdate._land_one
 
-    def land_one(self, bucket, events, gather) -> None:
+    def land_one(self, bucket, events, gather, stream) -> None:
         others = [
             event
             for other in self._deferred
@@ -112,7 +112,7 @@ def test_the_forward_lands_bucket_by_bucket_while_later_ones_cross(monkeypatch) 
             for event in other.views.in_flight._land.args[1]
         ]
         landings.append((bucket.layout.index, not all(e.query() for e in others)))
-        real(self, bucket, events, gather)
+        real(self, bucket, events, gather, stream)
 
     monkeypatch.setattr(DelayedUpdate, "_land_one", land_one)
     slow = run_accelerator(link_bandwidth=2e6)
@@ -134,7 +134,7 @@ def test_the_forward_lands_bucket_by_bucket_while_later_ones_cross(monkeypatch) 
 def test_a_forward_that_does_not_wait_reads_old_weights(monkeypatch) -> None:
     # The control for the tests above: landing without the wait (the fingerprints only)
     # over the same slow link trains another model, so those tests can fail.
-    def no_wait(self, bucket, events, gather) -> None:
+    def no_wait(self, bucket, events, gather, stream) -> None:
         bucket.views.remember()
 
     at_step, _, _ = _train("at_step", accelerator=run_accelerator(link_bandwidth=2e6))
@@ -290,3 +290,25 @@ def test_a_compiled_forward_is_refused_by_name() -> None:
             opt.zero_grad()
     opt.close()
     assert not any(is_in_flight(p) for p in model.parameters())
+
+
+def test_a_read_on_a_side_stream_lands_for_the_forwards_stream_too() -> None:
+    # An EMA on a side stream reads the parameters first: the bucket lands on the stream
+    # step() ran on (the forward's) and the side stream waits for that landing; the EMA and
+    # the training see the bits of "at_step".
+    seen: dict[str, list[torch.Tensor]] = {}
+    trained: dict[str, torch.Tensor] = {}
+    for landing in ("at_step", "at_first_use"):
+        acc = run_accelerator()
+        side = acc.new_stream("ema")
+        into = seen[landing] = []
+
+        def ema(model: torch.nn.Module, step: int, acc=acc, side=side, into=into) -> None:
+            with acc.stream_context(side):
+                into.append(torch.cat([p.detach().flatten().float() for p in model.parameters()]))
+            acc.synchronize()
+
+        trained[landing] = _train(landing, accelerator=acc, after_step=ema)[0]
+    assert torch.equal(trained["at_step"], trained["at_first_use"])
+    for a, b in zip(seen["at_step"], seen["at_first_use"], strict=True):
+        assert torch.equal(a.cpu(), b.cpu())

@@ -96,11 +96,17 @@ class Resources:
             except BaseException as exc:  # collected, re-raised below
                 errors.append(exc)
 
-        attempt(self.manager.synchronize)
+        # Buckets still in flight land first, their all-gathers included, while the pools
+        # and the process group exist; a bucket that cannot land gets its parameters' class
+        # back all the same (Note [weights landed at their first use] in views/in_flight.py).
         for segment in self.segments:
             for bucket in segment.buckets:
-                if bucket.views.in_flight is not None:  # its copies are done: synchronised
-                    bucket.views.in_flight.abandon()
+                in_flight, bucket.views.in_flight = bucket.views.in_flight, None
+                if in_flight is not None:
+                    attempt(in_flight.land)
+                    in_flight.abandon()
+        attempt(self.manager.synchronize)
+        for segment in self.segments:
             attempt(segment.close)
         self.segments.clear()
         self.router.buckets.clear()

@@ -38,9 +38,10 @@ import torch
 
 from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
-from ..config import OffloadConfig
+from ..config import OffloadConfig, OverlapLanding
 from ..hook_errors import backward as backward_reporting_hooks
 from ..memory.manager import TieredMemoryManager
+from ..views.in_flight import compile_refusal
 from ..views.param_views import changed_params_of
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
@@ -131,6 +132,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "OffloadConfig.overlap_step delays the CPU update by one step; it needs all "
                 f"state on the host (offload_fraction=1.0), got {config.offload_fraction!r}"
             )
+        landing = config.overlap_landing is OverlapLanding.AT_FIRST_USE
+        if landing and compile_refusal() is not None:  # Note [weights landed at their first use]
+            raise ValueError(compile_refusal())
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
         comm = optimizer_comm(process_group, timeout=config.collective_timeout)
@@ -469,6 +473,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """With ``overlap_step``: finish the queued update and publish its weights now."""
         self._check_open("flush_pending_update")
         self._policy.mode.settle(self.buckets)
+        self._policy.mode.land_all()
 
     # -- zero_grad, state_dict -------------------------------------------------------------
 

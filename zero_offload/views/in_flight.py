@@ -16,7 +16,17 @@ through untouched), as a released parameter fetches its unit (Note [a released p
 all-gather with several ranks), takes its fingerprints (Note [weights written outside the
 optimizer] in ``param_views.py``) and gives every parameter of the bucket its class back: the
 forward of the first layers runs while the later buckets' weights cross, and compute pays
-the check once per bucket.
+the check once per bucket. (A bucket with a device shadow is copied from it on the device
+inside ``step()``; only its fingerprints wait for its first use.)
+
+Where it lands: the thread that reads first lands it, with the device bound while it waits.
+The stream ``step()`` ran on (the forward's) waits for the copies and takes the fingerprints,
+and the reader's own stream, if it is another (an EMA on a side stream), waits for all of
+that. Until the parameters get their class back, a read on another thread waits for the
+landing in progress (a lock), and a landing that fails fails every later read of the bucket,
+naming it: its weights may be torn. The optimizer's release lands what is still in flight
+(with the all-gathers) while the pools and the process group exist, and gives the
+parameters their class back even where landing fails.
 
 A bucket lands whole, not parameter by parameter, because its fingerprints are taken in one
 pass and must be taken before any of its parameters is written: a write between ``step()``
@@ -31,7 +41,11 @@ and kept (``w = p.view(-1)``, ``d = p.data`` stored across steps) reads the weig
 asking the parameter, and on a GPU it may read them while they are being copied.
 ``torch.compile`` traces the switched class's ``__torch_function__`` at compile time, so
 the compiled forward would not wait (a trial trained other weights): a call traced over a
-parameter in flight raises, naming ``"at_step"``, which compiles.
+parameter in flight raises, naming ``"at_step"``, which compiles. That needs dynamo to trace
+again when the class changes, which it does where it guards on parameters
+(``inline_inbuilt_nn_modules``, the default from torch 2.5); where it does not, the optimizer
+refuses ``"at_first_use"`` at construction. A CUDA graph or a ``torch.jit.trace`` replayed
+over the parameters does not ask them either.
 """
 
 from __future__ import annotations
@@ -39,7 +53,9 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .value_reads import intercepted
 
-__all__ = ["InFlight", "Landing", "is_in_flight", "land_param"]
+__all__ = ["InFlight", "Landing", "compile_refusal", "is_in_flight", "land_param"]
 
 
 class Landing(enum.Enum):
@@ -72,7 +88,9 @@ _COMPILED = (
     "overlap_landing='at_step' (the default) with torch.compile"
 )
 
-#: In-flight parameters and the bucket each lands with (weak keys: a dropped model goes).
+#: In-flight parameters and the bucket each lands with. The values hold their keys (and the
+#: optimizer's manager) until the bucket lands: the optimizer's release lands or abandons
+#: every bucket first.
 _LANDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -96,7 +114,11 @@ class InFlight:
             _LANDINGS[param] = self
 
     def land(self) -> None:
-        """Make compute wait for the bucket's copies and take its fingerprints (once)."""
+        """Make compute wait for the bucket's copies and take its fingerprints (once).
+
+        The parameters keep the switched class until that is done: a read on another thread
+        waits here for the landing, and one made by the landing itself on this thread (the
+        lock is reentrant) runs as it is, without landing again."""
         with self._lock:
             if self.state is Landing.FAILED:
                 raise RuntimeError(
@@ -107,23 +129,53 @@ class InFlight:
             if self.state is not Landing.IN_FLIGHT:
                 return
             self.state = Landing.LANDING
-            for param in self.params:
-                _plain_again(param)
             try:
                 self._land()
             except BaseException as exc:
+                # Every later read raises too: the weights may be torn.
                 self.state, self._error = Landing.FAILED, exc
                 raise
+            for param in self.params:
+                _plain_again(param)
             self.state = Landing.LANDED
 
     def abandon(self) -> None:
-        """The optimizer is going away after a device synchronisation (its copies are
-        done): give the parameters their class back without landing."""
+        """The optimizer is going away and landing failed or was not possible: give the
+        parameters their class back (the model keeps working on what the device holds)."""
         with self._lock:
             for param in self.params:
                 _plain_again(param)
             if self.state is Landing.IN_FLIGHT:
                 self.state = Landing.LANDED
+
+
+def _dynamo_guards_parameter_classes() -> bool:
+    """Whether a graph ``torch.compile`` made is guarded on its parameters' classes, so that
+    it is traced again (and refused) once they are in flight: dynamo's
+    ``inline_inbuilt_nn_modules``, on by default from torch 2.5 (later always on)."""
+    config = sys.modules.get("torch._dynamo.config")
+    with warnings.catch_warnings():  # deprecated where it is always on
+        warnings.simplefilter("ignore", FutureWarning)
+        inlined = getattr(config, "inline_inbuilt_nn_modules", None)
+    if inlined is not None:
+        return bool(inlined)
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+def compile_refusal() -> str | None:
+    """Why ``overlap_landing="at_first_use"`` cannot be trusted with this torch, or None: a
+    graph compiled before the parameters were in flight would keep running over them
+    without landing them, where dynamo does not guard on their classes."""
+    if _dynamo_guards_parameter_classes():
+        return None
+    return (
+        "OffloadConfig(overlap_landing='at_first_use') needs torch.compile to trace a "
+        "graph again when the parameters' class changes (dynamo's inline_inbuilt_nn_modules"
+        f", off in torch {torch.__version__}): a graph compiled before would keep reading "
+        "weights still being copied. Set torch._dynamo.config.inline_inbuilt_nn_modules = "
+        "True (torch >= 2.5 does by default), or use overlap_landing='at_step'"
+    )
 
 
 def _plain_again(param: torch.Tensor) -> None:

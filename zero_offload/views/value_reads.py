@@ -74,11 +74,17 @@ def intercepted(
 ) -> Any:
     """Run a call that ``cls.__torch_function__`` intercepted: metadata as it is; anything
     that reads or writes values after ``before(tensor)`` for each argument of class ``cls``
-    (which gives it its plain class back)."""
+    (which gives it its plain class back, or returns early inside its own work)."""
     kwargs = kwargs or {}
     if reads_no_values(func):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    for tensor in list(_args_of(cls, args, kwargs)):
+    tensors = list(_args_of(cls, args, kwargs))
+    for tensor in tensors:
         before(tensor)
+    if any(isinstance(tensor, cls) for tensor in tensors):
+        # ``before`` returned with the class still switched: the call comes from the work
+        # ``before`` is doing on this thread (a landing's own reads). Run it as it is.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     return func(*args, **kwargs)

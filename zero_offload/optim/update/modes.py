@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ...accelerator import Event, latest_per_stream
+from ...accelerator import Event, Stream, latest_per_stream
 from ...accelerator.device_context import capture_thread_device
 from ...collectives import Pending
 from ...config import OverlapLanding, OverlapShadow
@@ -169,6 +169,9 @@ class UpdateMode(ABC):
     def __init__(self, manager: TieredMemoryManager, ranks: Ranks) -> None:
         self.manager = manager
         self.ranks = ranks
+        # Buckets published and not landed yet, in the order their copies went (Note
+        # [weights landed at their first use] in views/in_flight.py).
+        self._deferred: list[FlatBucket] = []
         # Loaded from a checkpoint taken with an update pending: its weights are published
         # from the master at the next step, and the weights written until then are the
         # checkpoint's own, not an outside write (Note [delayed parameter update]).
@@ -181,6 +184,7 @@ class UpdateMode(ABC):
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
         """Put any pending update's weights on the device (weights written since win)."""
+        self.land_all()
         if self._resumed:
             self._publish_pending(buckets, trust_weights=True)
             self._resumed = False
@@ -207,14 +211,14 @@ class UpdateMode(ABC):
 
     def _publish_pending(
         self, buckets: Sequence[FlatBucket], *, trust_weights: bool, defer: bool = False
-    ) -> list[FlatBucket]:
+    ) -> None:
         """Publish the pending update's weights; parameters written since the last step keep
         what was written. ``trust_weights``: the update is a loaded checkpoint's, and only
         the parameters it names (``ParamViews.masters_from_weights``) count as written
         (Note [delayed parameter update]). ``defer``: compute waits for each unwritten
         bucket where its parameters are first read, not here (Note [weights landed at
-        their first use] in views/in_flight.py); the copies go last bucket first. Returns
-        the buckets left in flight, in that order."""
+        their first use] in views/in_flight.py); the copies go last bucket first, and the
+        buckets left in flight join ``_deferred`` in that order."""
         events: list[Event] = []
         gathers: list[Pending | None] = []
         # Parameters written since the last step keep what was written, the others of
@@ -246,36 +250,52 @@ class UpdateMode(ABC):
                 # The next update rewrites the staging these copies read.
                 self.manager.host_worker.wait_event(event)
         self._land(landed, events, gathers)
+        # The stream step() runs on is the forward's: it waits wherever the bucket lands.
+        stream = self.manager.accelerator.current_stream()
         for bucket, published, gather in deferred:
-            land = functools.partial(self._land_one, bucket, published, gather)
+            land = functools.partial(self._land_one, bucket, published, gather, stream)
             what = f"{self.ranks.where()}bucket {bucket.layout.index}"
             bucket.views.in_flight = InFlight(bucket.views.params, land, what=what)
+            self._deferred.append(bucket)
         with torch.no_grad():
             for bucket, saved in written:
                 for param, value in saved:
                     param.copy_(value)
                 bucket.store.reconcile_master()
                 bucket.views.remember()
-        return [bucket for bucket, _, _ in deferred]
 
-    def _land_one(self, bucket: FlatBucket, events: list[Event], gather: Pending | None) -> None:
-        """Land one deferred bucket (Note [weights landed at their first use]), on the
-        thread that reads it first: with the device current there while it waits (Note
-        [every library thread binds its device]), then the thread's own again."""
+    def _land_one(
+        self, bucket: FlatBucket, events: list[Event], gather: Pending | None, stream: Stream
+    ) -> None:
+        """Land one deferred bucket (Note [weights landed at their first use]) on the thread
+        that reads it first, with the device current there while it waits (Note [every
+        library thread binds its device]): ``stream`` (``step()``'s, the forward's) waits
+        for the copies and takes the fingerprints, and the reader's own stream, when it is
+        another (an EMA on a side stream), waits for all of that."""
         restore = capture_thread_device()
-        self.manager.accelerator.bind_thread()
+        accelerator = self.manager.accelerator
+        accelerator.bind_thread()
         try:
-            self._land([bucket], events, [gather])
+            with accelerator.stream_context(stream):
+                self._land([bucket], events, [gather])
+                landed = self.manager.compute_ready()
+            self.manager.wait_for([landed], category=Category.WEIGHTS)
         finally:
             restore()
 
     def land_all(self) -> None:
-        """Make compute wait for every bucket still in flight (Note [weights landed at
-        their first use]); before anything of the optimizer reads the weights."""
-        return None
+        """Land every bucket still in flight (Note [weights landed at their first use]),
+        in the order their copies went; before anything of the optimizer reads the weights."""
+        while self._deferred:
+            bucket = self._deferred[0]
+            if bucket.views.in_flight is not None:
+                bucket.views.in_flight.land()  # raises again after a failed landing
+                bucket.views.in_flight = None
+            self._deferred.pop(0)
 
     def drain(self) -> None:
         """Make the optimizer state final for reading (``state_dict``) without publishing."""
+        self.land_all()
         self.manager.synchronize()
 
     @abstractmethod
@@ -409,7 +429,6 @@ class DelayedUpdate(UpdateMode):
         self._pending = False  # an update of our own is queued or done, not yet published
         self._steps_queued = 0  # for errors: which step's update is pending
         self.shadows = WeightShadows(manager, setting=shadow, name=name)
-        self._deferred: list[FlatBucket] = []  # buckets in flight since the last settle
 
     @property
     def pending(self) -> bool:
@@ -447,17 +466,6 @@ class DelayedUpdate(UpdateMode):
             return Publish.SHADOW
         return Publish.LATER
 
-    def land_all(self) -> None:
-        for bucket in self._deferred:
-            if bucket.views.in_flight is not None:
-                bucket.views.in_flight.land()
-                bucket.views.in_flight = None
-        self._deferred = []
-
-    def drain(self) -> None:
-        self.land_all()
-        super().drain()
-
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
         self.land_all()
         if self._resumed:
@@ -477,5 +485,5 @@ class DelayedUpdate(UpdateMode):
                 None,
             ) from exc
         defer = self.landing is OverlapLanding.AT_FIRST_USE
-        self._deferred = self._publish_pending(buckets, trust_weights=False, defer=defer)
+        self._publish_pending(buckets, trust_weights=False, defer=defer)
         self._pending = False
