@@ -312,3 +312,35 @@ def test_a_read_on_a_side_stream_lands_for_the_forwards_stream_too() -> None:
     assert torch.equal(trained["at_step"], trained["at_first_use"])
     for a, b in zip(seen["at_step"], seen["at_first_use"], strict=True):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize(
+    "rule", ["OffloadLion", "OffloadAdagrad", "OffloadAdafactor", "OffloadMuon"]
+)
+def test_every_rule_lands_at_first_use_bitwise(rule: str) -> None:
+    # The landing is the publication's, whatever the rule (issue 37: every rule works with
+    # overlap_step): the bits of "at_step".
+    import zero_offload
+
+    cls = getattr(zero_offload, rule)
+
+    def train(landing: str) -> torch.Tensor:
+        model, _ = make_pair(torch.bfloat16)
+        config = OffloadConfig(
+            bucket_bytes=8192,
+            tile_elements=1024,
+            overlap_step=True,
+            overlap_shadow="off",
+            overlap_landing=landing,
+        )
+        opt = cls(model.parameters(), lr=1e-3, config=config, accelerator=run_accelerator())
+        for tokens, targets in batches(4):
+            opt.backward(lm_loss(model, tokens, targets))
+            opt.step()
+            opt.zero_grad()
+        opt.flush_pending_update()
+        weights = _weights(model)
+        opt.close()
+        return weights
+
+    assert torch.equal(train("at_step"), train("at_first_use"))
