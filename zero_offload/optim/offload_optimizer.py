@@ -133,8 +133,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"state on the host (offload_fraction=1.0), got {config.offload_fraction!r}"
             )
         landing = config.overlap_landing is OverlapLanding.AT_FIRST_USE
-        if landing and compile_refusal() is not None:  # Note [weights landed at their first use]
-            raise ValueError(compile_refusal())
+        refusal = compile_refusal() if landing else None  # Note [weights landed at their first use]
+        if refusal is not None:
+            raise ValueError(refusal)
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
         comm = optimizer_comm(process_group, timeout=config.collective_timeout)

@@ -72,8 +72,8 @@ class Landing(enum.Enum):
 
     #: The copies are issued; the parameters have the switched class.
     IN_FLIGHT = "in_flight"
-    #: Compute is being made to wait; the parameters have their class back, so a read made
-    #: while landing (the fingerprint) passes through.
+    #: Compute is being made to wait; the parameters keep the switched class, and a read
+    #: made by the landing itself on its thread runs as it is (``value_reads.intercepted``).
     LANDING = "landing"
     #: Compute waits for the copies; the fingerprints are taken.
     LANDED = "landed"

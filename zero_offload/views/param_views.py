@@ -416,8 +416,11 @@ class ParamViews:
         """``changed_params()`` as a comparison still on the device, one bool per slot, or
         None where the check is not one (host-addressable weights, nothing remembered): then
         ``changed_params()`` decides. Starts a new check like ``changed_params()``."""
+        if self._unlanded():
+            return None  # changed_params(): nothing written (Note [weights landed at their
+            # first use])
         stamped = self._stamped()
-        if stamped is None or not isinstance(stamped[1], torch.Tensor) or self._unlanded():
+        if stamped is None or not isinstance(stamped[1], torch.Tensor):
             return None
         self._streamed = None  # a new check (Note [one cold hash per step])
         now = self._fingerprint(stamped[0])
