@@ -8,7 +8,7 @@ from .offload_lion import OffloadLion
 from .offload_muon import OffloadMuon
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
-from .update.modes import StepFailed
+from .update.failures import StepFailed
 
 __all__ = [
     "OffloadAdafactor",

@@ -18,7 +18,8 @@ from ..flat_bucket import FlatBucket, StepPlan
 from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
-from .modes import ImmediateUpdate, failed, interrupted
+from .failures import failed, interrupted
+from .modes import ImmediateUpdate
 
 __all__ = ["EagerPhase", "EagerStep"]
 

@@ -45,8 +45,9 @@ from ..ranks import Ranks
 from ..router import BackwardRouter
 from ..rule.base import Hyper
 from .eager import EagerStep
+from .failures import StepFailed
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
-from .modes import StepFailed, UpdateMode
+from .modes import UpdateMode
 
 __all__ = ["StepPolicy"]
 
