@@ -72,10 +72,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, write_json
 
 import zero_offload.kernels.adam as adam_module
-import zero_offload.optim.offload_optimizer as optimizer_module
 import zero_offload.optim.rule.adamw as rule_module
 import zero_offload.optim.update.modes as modes_module
 import zero_offload.optim.update.policy as policy_module
+import zero_offload.optim.update.reconcile as reconcile_module
 from zero_offload import OffloadAdamW
 from zero_offload.demo.model import GPTConfig, TinyGPT
 from zero_offload.kernels import adam_step
@@ -105,7 +105,7 @@ class Probe:
         self.launches: list[tuple[int, str, str, str]] = []  # (elements, dtypes) per launch
         self.threads: list[int] = []  # numba's threads inside each launch
         self._saved: list[tuple[Any, str, Any]] = []
-        self._wrap(optimizer_module, "changed_params_of", "changed")
+        self._wrap(reconcile_module, "changed_params_of", "changed")
         self._wrap(ParamViews, "remember", "remember")
         self._wrap(ParamViews, "published_tile", "hash_streamed")
         self._wrap(StateStore, "reconcile_master", "reconcile")

@@ -114,6 +114,7 @@ TEST_FILES = (
     "tests/test_offload_adamw_errors.py",
     "tests/test_nvme.py",
     "tests/test_resume_keeps_writes.py",
+    "tests/test_write_check_in_update.py",
     "tests/test_errors_clear.py",
     "tests/test_properties.py",
     "tests/test_lion_adagrad.py",

@@ -22,6 +22,7 @@ F32 = types.Array(types.float32, 1, "C")
 U16 = types.Array(types.uint16, 1, "C")  # bf16 bits
 I16 = types.Array(types.int16, 1, "C")  # fp16 bits (the kernels' out view)
 NONE = types.Array(types.uint8, 1, "C")  # an absent array
+TAKE = types.Array(types.int8, 1, "C")  # convert.TAKE_WRITTEN's type (KEEP_MASTER's: NONE)
 VECTOR_LOAD = re.compile(r"= load <\d+ x (?:float|i16)>")
 
 
@@ -45,12 +46,16 @@ def test_accumulation_loop_vectorises(src) -> None:
 
 
 @pytest.mark.parametrize(
-    ("grad", "out"), [(F32, NONE), (U16, U16)], ids=["fp32", "bf16-in-bf16-out"]
+    ("grad", "out", "take"),
+    [(F32, NONE, NONE), (U16, U16, NONE), (U16, U16, TAKE), (U16, I16, TAKE)],
+    ids=["fp32", "bf16-in-bf16-out", "bf16-out-taking-written", "fp16-out-taking-written"],
 )
-def test_adam_loop_vectorises(grad, out) -> None:
+def test_adam_loop_vectorises(grad, out, take) -> None:
+    # taking written weights (Note [the update takes the written weights]) is a select
+    # on values the loop loads anyway: it must not cost the loop its vectors
     f32 = types.float32
-    signature = (F32, grad, types.int64, F32, F32, NONE, out, f32, f32, f32, types.boolean,
-                 f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
+    signature = (F32, grad, types.int64, F32, F32, NONE, out, take, f32, f32, f32,
+                 types.boolean, f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
     assert _vectorised(adam._adam_tile, convert.FASTMATH_ELEMENTWISE, signature)
 
 
@@ -65,11 +70,15 @@ FMA_INSTRUCTION = re.compile(r"\bvf(?:n?m(?:add|sub)|maddsub|msubadd)\d", re.IGN
 @pytest.mark.parametrize("grad", [F32, U16], ids=["grad-fp32", "grad-16bit"])
 @pytest.mark.parametrize("moments", [F32, U16], ids=["moments-fp32", "moments-bf16"])
 @pytest.mark.parametrize("vmax", [False, True], ids=["", "amsgrad"])
-@pytest.mark.parametrize("out", [NONE, U16, I16], ids=["no-out", "bf16-out", "fp16-out"])
-def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out) -> None:
+@pytest.mark.parametrize(
+    ("out", "take"),
+    [(NONE, NONE), (U16, NONE), (I16, NONE), (U16, TAKE), (I16, TAKE)],
+    ids=["no-out", "bf16-out", "fp16-out", "bf16-out-taking", "fp16-out-taking"],
+)
+def test_adam_loop_fuses_nothing_in_any_specialisation(grad, moments, vmax, out, take) -> None:
     f32 = types.float32
     signature = (F32, grad, types.int64, moments, moments, moments if vmax else NONE, out,
-                 f32, f32, f32, types.boolean, f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
+                 take, f32, f32, f32, types.boolean, f32, f32, f32, f32, f32, f32, f32)  # fmt: skip
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(
         adam._adam_tile.py_func
     )

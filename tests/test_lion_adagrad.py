@@ -391,7 +391,8 @@ def test_a_bad_hyper_parameter_is_refused_by_name(build: Any, message: str) -> N
 
 F32 = types.Array(types.float32, 1, "C")
 U16 = types.Array(types.uint16, 1, "C")  # bf16 bits
-NONE = types.Array(types.uint8, 1, "C")  # an absent out
+NONE = types.Array(types.uint8, 1, "C")  # an absent out, or convert.KEEP_MASTER
+TAKE = types.Array(types.int8, 1, "C")  # convert.TAKE_WRITTEN
 VECTOR_LOAD = re.compile(r"= load <\d+ x (?:float|i16)>")
 FUSED = re.compile(r"llvm\.(?:fma|fmuladd)\.")
 TILES = {
@@ -402,12 +403,19 @@ TILES = {
 
 
 @pytest.mark.parametrize("name", list(TILES))
-@pytest.mark.parametrize(("grad", "out"), [(F32, NONE), (U16, U16)], ids=["fp32", "bf16"])
-def test_the_tile_loop_vectorises_and_fuses_nothing(name: str, grad: Any, out: Any) -> None:
+@pytest.mark.parametrize(
+    ("grad", "out", "take"),
+    [(F32, NONE, NONE), (U16, U16, NONE), (U16, U16, TAKE)],
+    ids=["fp32", "bf16", "bf16-taking-written"],
+)
+def test_the_tile_loop_vectorises_and_fuses_nothing(
+    name: str, grad: Any, out: Any, take: Any
+) -> None:
     """As tests/test_kernels_vectorised.py checks Adam's loop: whole-vector loads, no
-    gather, no fused multiply-add (Note [every specialisation rounds alike])."""
+    gather, no fused multiply-add (Note [every specialisation rounds alike]), also where
+    the master takes written weights (Note [the update takes the written weights])."""
     tile, scalars = TILES[name]
-    signature = (F32, grad, types.int64, F32, out, *[types.float32] * scalars)
+    signature = (F32, grad, types.int64, F32, out, take, *[types.float32] * scalars)
     dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(tile.py_func)
     dispatcher.compile(signature)
     ir = dispatcher.inspect_llvm(signature)

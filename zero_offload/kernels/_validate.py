@@ -93,6 +93,19 @@ def check_same_length(n: int, arrays: dict[str, np.ndarray], reference: str) -> 
             )
 
 
+def check_take_written(take_written: object, out: object) -> bool:
+    """``take_written`` as a bool, checked: it needs ``out``, the weights it compares
+    (Note [the update takes the written weights] in convert.py)."""
+    if not isinstance(take_written, bool):
+        raise TypeError(f"take_written must be a bool, got {take_written!r}")
+    if take_written and out is None:
+        raise ValueError(
+            "take_written=True needs out, the training-dtype weights to take written values "
+            "from; pass out, or take_written=False"
+        )
+    return take_written
+
+
 def check_range(start: object, stop: object, n: int) -> tuple[int, int]:
     """Validate the tile ``[start, stop)`` of an array of ``n`` elements; ``stop=None`` means n."""
     try:

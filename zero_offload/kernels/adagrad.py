@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._validate import BF16, check_float
-from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32
+from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32, taken_from_out
 from .step_arrays import step_arrays
 
 # Note [Adagrad's operation order]
@@ -36,13 +36,15 @@ def _adagrad_tile(
     grad_kind,
     s_t,  # (k,) fp32 or uint16 bf16 bits: the sum of squares, updated in place
     out_t,  # (k,) uint16 bf16 / int16 fp16 bits, or (0,) uint8 when absent
+    take,  # convert.TAKE_WRITTEN: the master first takes a weight written in out_t, else
+    # KEEP_MASTER (Note [the update takes the written weights] in convert.py)
     grad_mul,  # fp32: grad_scale, negated when maximize
     wd,  # fp32: weight decay (0: no L2 term)
     neg_clr,  # fp32: -lr / (1 + (step - 1) * lr_decay)
     eps,  # fp32
 ):
     for i in range(p_t.shape[0]):
-        p = p_t[i]
+        p = taken_from_out(take, out_t, i, p_t[i])
         g = load_f32(g_t, i, grad_kind) * grad_mul
         g = g + wd * p
         s = load_f32(s_t, i, BF16) + g * g
@@ -53,12 +55,15 @@ def _adagrad_tile(
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _adagrad_kernel(param, grad, grad_kind, state_sum, out, start, stop, nchunks, *scalars):
+def _adagrad_kernel(
+    param, grad, grad_kind, state_sum, out, take, start, stop, nchunks, *scalars
+):  # fmt: skip
     span = stop - start
     for c in prange(nchunks):  # Note [one contiguous slice per thread] in adam.py
         lo = start + span * c // nchunks
         hi = start + span * (c + 1) // nchunks
-        _adagrad_tile(param[lo:hi], grad[lo:hi], grad_kind, state_sum[lo:hi], out[lo:hi], *scalars)
+        _adagrad_tile(param[lo:hi], grad[lo:hi], grad_kind, state_sum[lo:hi], out[lo:hi], take,
+                      *scalars)  # fmt: skip
 
 
 def adagrad_step(
@@ -74,6 +79,7 @@ def adagrad_step(
     maximize: bool = False,
     grad_scale: float = 1.0,
     out=None,
+    take_written: bool = False,
     start: int = 0,
     stop: int | None = None,
     num_threads: int | None = None,
@@ -85,13 +91,15 @@ def adagrad_step(
 
     ``param`` (fp32 master) and ``state_sum`` (the running sum of squared gradients, fp32
     or bf16) are updated in place; ``grad`` (fp32, bf16 or fp16) is read; ``out`` (bf16/fp16
-    or None) receives the weights; only the tile ``[start, stop)`` is stepped (tiles compose
+    or None) receives the weights (``take_written``: an element whose ``out`` is not its
+    master's rounding first takes it, Note [the update takes the written weights] in
+    ``convert.py``); only the tile ``[start, stop)`` is stepped (tiles compose
     bitwise); all as ``step_arrays`` checks them. ``num_threads``: the thread budget's share
     when None.
 
     Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
     """
-    arrays = step_arrays(param, grad, {"state_sum": state_sum}, out, start, stop)
+    arrays = step_arrays(param, grad, {"state_sum": state_sum}, out, start, stop, take_written)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step={step!r} is invalid; pass the 1-based step count (an int >= 1)")
     lr = check_float("lr", lr, lo=0.0)

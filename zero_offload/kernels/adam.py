@@ -24,10 +24,19 @@ from ._validate import (
     check_float,
     check_range,
     check_same_length,
+    check_take_written,
     chunking,
     run_with_threads,
 )
-from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
+from .convert import (
+    FASTMATH_ELEMENTWISE,
+    KERNEL_OPTIONS,
+    load_f32,
+    out_view,
+    store_f32,
+    taken_from_out,
+    taken_tag,
+)
 
 # Note [operation order matches torch]
 # torch.optim.Adam(W)'s non-capturable single-tensor path (torch/optim/adam.py,
@@ -77,6 +86,8 @@ def _adam_tile(
     v_t,  # (k,) same dtype as m_t, updated in place
     vmax_t,  # (k,) same dtype as m_t, or (0,) uint8 when not amsgrad
     out_t,  # (k,) uint16 bf16 / int16 fp16 bits, or (0,) uint8 when absent
+    take,  # convert.TAKE_WRITTEN: the master first takes a weight written in out_t, else
+    # KEEP_MASTER (Note [the update takes the written weights] in convert.py)
     grad_mul,  # fp32: grad_scale, negated when maximize
     decay,  # fp32: 1 - lr * wd for AdamW, 1 otherwise
     l2,  # fp32: wd for Adam with L2 penalty, 0 otherwise
@@ -92,7 +103,7 @@ def _adam_tile(
     small_w1 = w1 < np.float32(0.5)
     for i in range(p_t.shape[0]):
         g = load_f32(g_t, i, grad_kind) * grad_mul
-        p = p_t[i] * decay
+        p = taken_from_out(take, out_t, i, p_t[i]) * decay
         if use_l2:
             g = g + l2 * p
         m = load_f32(m_t, i, BF16)
@@ -116,8 +127,8 @@ def _adam_tile(
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
 def _adam_kernel(
-    param, grad, grad_kind, exp_avg, exp_avg_sq, max_exp_avg_sq, out, start, stop, nchunks,
-    *scalars,
+    param, grad, grad_kind, exp_avg, exp_avg_sq, max_exp_avg_sq, out, take, start, stop,
+    nchunks, *scalars,
 ):  # fmt: skip
     span = stop - start
     for c in prange(nchunks):
@@ -125,7 +136,7 @@ def _adam_kernel(
         hi = start + span * (c + 1) // nchunks
         _adam_tile(
             param[lo:hi], grad[lo:hi], grad_kind, exp_avg[lo:hi], exp_avg_sq[lo:hi],
-            max_exp_avg_sq[lo:hi], out[lo:hi], *scalars,
+            max_exp_avg_sq[lo:hi], out[lo:hi], take, *scalars,
         )  # fmt: skip
 
 
@@ -146,6 +157,7 @@ def adam_step(
     grad_scale: float = 1.0,
     max_exp_avg_sq=None,
     out=None,
+    take_written: bool = False,
     start: int = 0,
     stop: int | None = None,
     num_threads: int | None = None,
@@ -170,6 +182,9 @@ def adam_step(
       it is given.
     - ``out``: optional bf16/fp16 array that receives the updated weights, rounded to
       nearest even exactly as ``param.to(out.dtype)``.
+    - ``take_written``: before its step, an element whose ``out`` is not the rounding of its
+      ``param`` takes ``out``'s value into ``param`` (a weight written since the last step;
+      Note [the update takes the written weights] in ``convert.py``). Needs ``out``.
     - ``start``, ``stop``: update only the tile ``[start, stop)``; tiles compose bitwise.
     - ``num_threads``: defaults to the thread budget's share for the calling thread (Note
       [one thread budget] in ``thread_budget.py``), capped by numba's pool.
@@ -208,6 +223,7 @@ def adam_step(
         out_a = out_view(out_a, out_kind)
     check_same_length(n, arrays, "param")
     start, stop = check_range(start, stop, n)
+    take = taken_tag(check_take_written(take_written, out))
 
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step={step!r} is invalid; pass the 1-based step count (an int >= 1)")
@@ -239,7 +255,8 @@ def adam_step(
 
     def launch(threads: int) -> None:
         _adam_kernel(
-            param_a, grad_a, grad_kind, m_a, v_a, max_a, out_a, start, stop, chunking(stop - start, threads), *scalars,
+            param_a, grad_a, grad_kind, m_a, v_a, max_a, out_a, take, start, stop,
+            chunking(stop - start, threads), *scalars,
         )  # fmt: skip
 
     run_with_threads(num_threads, launch)

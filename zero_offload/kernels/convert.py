@@ -200,6 +200,65 @@ def _store_f32_impl(arr, i, x):
     return None
 
 
+# Note [the update takes the written weights]
+# Where the parameters are views of the home the update writes (parameter offload: the
+# pinned home is the weights between uses), a write made since the last step (through the
+# parameter or ``param.data``) is in ``out`` itself. So the update's own pass can do what
+# the write check and ``StateStore.reconcile_master`` did before it: an element whose
+# weight is not the training-dtype rounding of its master takes the weight, the others
+# keep the master's extra bits (Note [weights written outside the optimizer] in
+# views/param_views.py). ``taken_from_out`` is that rule for one element, the same
+# comparison as ``store.take_written``'s (by value: -0 equals +0, a NaN never equals), on
+# the master as loaded, before the step uses it. It reads ``out[i]``, which the pass then
+# writes: the cache line is loaded for the store anyway, so the check costs no stream of
+# its own where the cold hash of every weight and its reconcile cost one each
+# (optim/update/reconcile.py decides where it is used).
+
+
+#: ``taken_from_out``'s tags: an empty array whose dtype says, at compile time, whether the
+#: update takes written weights (a runtime flag, or ``out`` passed again as a second array,
+#: kept LLVM from vectorising the pass: 4.5x slower).
+TAKE_WRITTEN = np.empty(0, dtype=np.int8)
+KEEP_MASTER = np.empty(0, dtype=np.uint8)
+
+
+def taken_tag(take: bool) -> np.ndarray:
+    """``TAKE_WRITTEN`` or ``KEEP_MASTER``."""
+    return TAKE_WRITTEN if take else KEEP_MASTER
+
+
+def taken_from_out(tag, out, i, p):
+    """``p``, or ``out[i]`` widened where ``out[i]`` is not ``p`` rounded to its format and
+    ``tag`` is ``TAKE_WRITTEN`` (Note [the update takes the written weights])."""
+
+
+@overload(taken_from_out)
+def _taken_from_out_impl(tag, out, i, p):
+    if tag.dtype == types.uint8 or out.dtype == types.uint8:
+        return lambda tag, out, i, p: p
+    if out.dtype == types.uint16:
+
+        def take_bf16(tag, out, i, p):
+            w = bf16_to_f32(out[i])
+            return w if w != bf16_to_f32(f32_to_bf16(p)) else p
+
+        return take_bf16
+    if out.dtype == types.int16:
+
+        def take_fp16(tag, out, i, p):
+            # compared as bits, one decode (two kept LLVM from vectorising the pass): the
+            # same as comparing values, as fp16 decodes one to one but for +-0 (equal
+            # values) and NaN (never equal)
+            r = f32_to_fp16(p)
+            b = np.int64(np.uint16(out[i]))
+            nan = (b & 0x7FFF) > 0x7C00 or (r & 0x7FFF) > 0x7C00
+            differ = nan or (b != r and ((b | r) & 0x7FFF) != 0)
+            return fp16_to_f32(b) if differ else p
+
+        return take_fp16
+    return None
+
+
 def out_view(arr: np.ndarray | None, kind: int) -> np.ndarray:
     """The array ``store_f32`` writes ``kind`` into: int16 for fp16, uint8 (empty) if absent.
 

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._validate import BF16, check_float
-from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32
+from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, store_f32, taken_from_out
 from .step_arrays import step_arrays
 
 # Note [Lion's operation order]
@@ -35,6 +35,8 @@ def _lion_tile(
     grad_kind,
     m_t,  # (k,) fp32 or uint16 bf16 bits, updated in place
     out_t,  # (k,) uint16 bf16 / int16 fp16 bits, or (0,) uint8 when absent
+    take,  # convert.TAKE_WRITTEN: the master first takes a weight written in out_t, else
+    # KEEP_MASTER (Note [the update takes the written weights] in convert.py)
     grad_mul,  # fp32: grad_scale, negated when maximize
     decay,  # fp32: 1 - lr * wd
     neg_lr,  # fp32: -lr
@@ -50,19 +52,20 @@ def _lion_tile(
         m = load_f32(m_t, i, BF16)
         c = beta1 * m + w1 * g
         s = one if c > zero else (-one if c < zero else zero)
-        p = p_t[i] * decay + neg_lr * s
+        p = taken_from_out(take, out_t, i, p_t[i]) * decay + neg_lr * s
         store_f32(m_t, i, beta2 * m + w2 * g)
         p_t[i] = p
         store_f32(out_t, i, p)
 
 
 @njit(fastmath=FASTMATH_ELEMENTWISE, **KERNEL_OPTIONS)
-def _lion_kernel(param, grad, grad_kind, exp_avg, out, start, stop, nchunks, *scalars):
+def _lion_kernel(param, grad, grad_kind, exp_avg, out, take, start, stop, nchunks, *scalars):
     span = stop - start
     for c in prange(nchunks):  # Note [one contiguous slice per thread] in adam.py
         lo = start + span * c // nchunks
         hi = start + span * (c + 1) // nchunks
-        _lion_tile(param[lo:hi], grad[lo:hi], grad_kind, exp_avg[lo:hi], out[lo:hi], *scalars)
+        _lion_tile(param[lo:hi], grad[lo:hi], grad_kind, exp_avg[lo:hi], out[lo:hi], take,
+                   *scalars)  # fmt: skip
 
 
 def lion_step(
@@ -77,6 +80,7 @@ def lion_step(
     maximize: bool = False,
     grad_scale: float = 1.0,
     out=None,
+    take_written: bool = False,
     start: int = 0,
     stop: int | None = None,
     num_threads: int | None = None,
@@ -86,13 +90,15 @@ def lion_step(
     unscaling and the clipping coefficient into ``grad_scale``.
 
     ``param`` (fp32 master) and ``exp_avg`` (fp32 or bf16) are updated in place; ``grad``
-    (fp32, bf16 or fp16) is read; ``out`` (bf16/fp16 or None) receives the weights; only
+    (fp32, bf16 or fp16) is read; ``out`` (bf16/fp16 or None) receives the weights (``take_written``: an element whose ``out`` is not its
+    master's rounding first takes it, Note [the update takes the written weights] in
+    ``convert.py``); only
     the tile ``[start, stop)`` is stepped (tiles compose bitwise); all as ``step_arrays``
     checks them. ``num_threads``: the thread budget's share when None.
 
     Raises ``TypeError``/``ValueError`` naming the bad argument before writing anything.
     """
-    arrays = step_arrays(param, grad, {"exp_avg": exp_avg}, out, start, stop)
+    arrays = step_arrays(param, grad, {"exp_avg": exp_avg}, out, start, stop, take_written)
     lr = check_float("lr", lr, lo=0.0)
     beta1 = check_float("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
     beta2 = check_float("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)

@@ -17,10 +17,11 @@ from ._validate import (
     as_kernel_array,
     check_range,
     check_same_length,
+    check_take_written,
     chunking,
     run_with_threads,
 )
-from .convert import out_view
+from .convert import out_view, taken_tag
 
 __all__ = ["StepArrays", "step_arrays"]
 
@@ -36,16 +37,19 @@ class StepArrays:
     out: np.ndarray  # (n,) bf16/fp16 bits, or (0,) uint8 when absent (convert.out_view)
     start: int
     stop: int
+    take: np.ndarray  # convert.TAKE_WRITTEN or KEEP_MASTER (Note [the update takes the
+    # written weights] in convert.py)
 
     def launch(self, kernel: Callable[..., None], scalars: tuple, num_threads: int | None) -> None:
-        """``kernel(param, grad, grad_kind, *state, out, start, stop, nchunks, *scalars)``
+        """``kernel(param, grad, grad_kind, *state, out, take, start, stop, nchunks,
+        *scalars)``
         on ``num_threads`` threads (the thread budget's share when None)."""
 
         def run(threads: int) -> None:
             nchunks = chunking(self.stop - self.start, threads)
             kernel(
-                self.param, self.grad, self.grad_kind, *self.state, self.out, self.start,
-                self.stop, nchunks, *scalars,
+                self.param, self.grad, self.grad_kind, *self.state, self.out, self.take,
+                self.start, self.stop, nchunks, *scalars,
             )  # fmt: skip
 
         run_with_threads(num_threads, run)
@@ -53,11 +57,12 @@ class StepArrays:
 
 def step_arrays(
     param: object, grad: object, state: Mapping[str, object], out: object, start: int,
-    stop: int | None,
+    stop: int | None, take_written: bool = False,
 ) -> StepArrays:  # fmt: skip
     """Check and view the arrays of one step: ``param`` fp32, ``grad`` fp32/bf16/fp16,
     each of ``state`` (by its argument name) fp32 or bf16, ``out`` bf16/fp16 or None, all
-    of ``param``'s length; ``[start, stop)`` a tile of it."""
+    of ``param``'s length; ``[start, stop)`` a tile of it; ``take_written`` a bool, which
+    needs ``out``."""
     param_a, _ = as_kernel_array(param, "param", (FP32,), writable=True)
     grad_a, grad_kind = as_kernel_array(grad, "grad", (FP32, BF16, FP16))
     arrays = {"grad": grad_a}
@@ -72,5 +77,6 @@ def step_arrays(
     n = param_a.shape[0]
     check_same_length(n, arrays, "param")
     start, stop = check_range(start, stop, n)
+    take = taken_tag(check_take_written(take_written, out))
     states = tuple(arrays[name] for name in state)
-    return StepArrays(param_a, grad_a, grad_kind, states, out_a, start, stop)
+    return StepArrays(param_a, grad_a, grad_kind, states, out_a, start, stop, take)

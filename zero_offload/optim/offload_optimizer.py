@@ -42,7 +42,6 @@ from ..config import OffloadConfig, OverlapLanding
 from ..hook_errors import backward as backward_reporting_hooks
 from ..memory.manager import TieredMemoryManager
 from ..views.in_flight import compile_refusal
-from ..views.param_views import changed_params_of
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
 from .checks import (
@@ -368,7 +367,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_untouched(
             self, self.param_groups, self.buckets, rule=self.rule
         )  # what step() would refuse
-        self._reconcile_written_weights()
+        # Note [weights written outside the optimizer]: checked now, the step runs during
+        # backward
+        self._policy.mode.write_checks.check(self.buckets, in_update=False)
         self._policy.announce(
             {g: self._group_hyper(g) for g in {b.layout.group for b in self.buckets}}
         )
@@ -448,21 +449,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
-        self._policy.mode.settle(self.buckets)
-        self._reconcile_written_weights()
-        self._policy.step(self._hyper)
+        mode = self._policy.mode
+        mode.settle(self.buckets)
+        # Note [weights written outside the optimizer] in views/param_views.py; Note [the
+        # write check in the update] in update/reconcile.py
+        mode.write_checks.check(self.buckets, in_update=mode.checks_in_update)
+        try:
+            self._policy.step(self._hyper)
+        except BaseException:
+            mode.write_checks.abandon()
+            raise
+        mode.write_checks.finish(self.buckets)
         return loss
-
-    def _reconcile_written_weights(self) -> None:
-        """Note [weights written outside the optimizer] in views/param_views.py."""
-        for bucket in self.buckets:  # first, a broken NVMe file refuses: nothing changed
-            bucket.store.check_usable()
-        # Every bucket's check, read once (Note [one fingerprint pass per bucket]).
-        written = changed_params_of([bucket.views for bucket in self.buckets], self.accelerator)
-        for bucket, params in zip(self.buckets, written, strict=True):
-            if params:
-                bucket.store.reconcile_master()
-                bucket.views.remember()
 
     def _hyper(self, bucket: FlatBucket) -> Hyper:
         return self._group_hyper(bucket.layout.group)

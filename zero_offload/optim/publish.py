@@ -141,9 +141,14 @@ class WeightCopies(Publication):
         self._shadowed: list[tuple[int, int]] = []
         self._fills: list[Event] = []
 
-    def prepare(self, *, publish: Publish, after: list[Event] | None) -> list[Event]:
+    def prepare(
+        self, *, publish: Publish, after: list[Event] | None, fingerprint: bool = True
+    ) -> list[Event]:
         """Before an update rewrites the home: the last step's copies out of it are done;
-        returns the events the new copies wait for (``after``, or compute issued so far)."""
+        returns the events the new copies wait for (``after``, or compute issued so far).
+        ``fingerprint``: the published tiles are hashed for the next write check (not where
+        the update takes the written weights itself: Note [the update takes the written
+        weights] in kernels/convert.py)."""
         for event in self._source_readers:
             # Synchronisation point (rare: two steps with no backward between, or a device
             # far behind): the last step's weight copies read the staging about to be
@@ -153,7 +158,7 @@ class WeightCopies(Publication):
         # Note [one cold hash per step] in views/param_views.py: fingerprint the tiles as
         # they are published, while they are in cache.
         now = publish is Publish.NOW
-        if now:
+        if now and fingerprint:
             self.views.begin_published()
         else:
             self.views.drop_published()

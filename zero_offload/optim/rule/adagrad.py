@@ -40,6 +40,7 @@ class AdagradRule(OptimizerRule):
 
     name = "adagrad"
     elementwise = True
+    takes_written = True
 
     def __repr__(self) -> str:
         return "AdagradRule()"
@@ -86,6 +87,7 @@ class AdagradRule(OptimizerRule):
         hyper: AdagradHyper,
         grad_scale: float,
         out: torch.Tensor | None,
+        take_written: bool = False,
     ) -> None:
         adagrad_step(
             fields["master"],
@@ -99,6 +101,7 @@ class AdagradRule(OptimizerRule):
             maximize=hyper.maximize,
             grad_scale=grad_scale,
             out=out,
+            take_written=take_written,
         )
 
     def device_tile_step(

@@ -42,6 +42,7 @@ class AdamRule(OptimizerRule):
     """Adam(W): ``decoupled`` True for AdamW's decay, False for Adam's L2 term."""
 
     elementwise = True
+    takes_written = True
 
     def __init__(self, *, decoupled: bool) -> None:
         self.decoupled = decoupled
@@ -118,6 +119,7 @@ class AdamRule(OptimizerRule):
         hyper: AdamHyper,
         grad_scale: float,
         out: torch.Tensor | None,
+        take_written: bool = False,
     ) -> None:
         adam_step(
             fields["master"],
@@ -135,6 +137,7 @@ class AdamRule(OptimizerRule):
             grad_scale=grad_scale,
             max_exp_avg_sq=fields["max_exp_avg_sq"] if hyper.amsgrad else None,
             out=out,
+            take_written=take_written,
         )
 
     def device_tile_step(

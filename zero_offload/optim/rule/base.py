@@ -206,6 +206,11 @@ class OptimizerRule(ABC):
     #: For a rule that is not elementwise: what its update reads of a whole parameter, as
     #: the refusals of Note [rules that read a whole parameter] say it.
     reads_whole: ClassVar[str] = ""
+    #: Whether ``tile_step`` can take weights written since the last step into the master
+    #: in its own pass (``take_written``; Note [the update takes the written weights] in
+    #: kernels/convert.py). A whole-parameter rule reads the master before it writes (the
+    #: weights' norm), so it keeps the write check.
+    takes_written: ClassVar[bool] = False
 
     @property
     def state_family(self) -> str:
@@ -252,10 +257,13 @@ class OptimizerRule(ABC):
         hyper: Hyper,
         grad_scale: float,
         out: torch.Tensor | None,
+        take_written: bool = False,
     ) -> None:
         """One step over one host tile: ``fields`` are the tile's views of the state,
         ``grad`` its gradient (training dtype or fp32), ``out`` receives the training-dtype
-        weights (None where the master is the weights' home)."""
+        weights (None where the master is the weights' home). ``take_written`` (only where
+        ``takes_written``): an element whose ``out`` is not its master's rounding first
+        takes it (a weight written since the last step)."""
 
     @abstractmethod
     def device_tile_step(
@@ -356,6 +364,7 @@ class WholeParameterRule(OptimizerRule):
         hyper: Hyper,
         grad_scale: float,
         out: torch.Tensor | None,
+        take_written: bool = False,
     ) -> None:
         raise RuntimeError(
             f"the {self.name} rule reads whole parameters and is stepped by parameter_step; "

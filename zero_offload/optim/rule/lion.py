@@ -38,6 +38,7 @@ class LionRule(OptimizerRule):
 
     name = "lion"
     elementwise = True
+    takes_written = True
 
     def __repr__(self) -> str:
         return "LionRule()"
@@ -80,6 +81,7 @@ class LionRule(OptimizerRule):
         hyper: LionHyper,
         grad_scale: float,
         out: torch.Tensor | None,
+        take_written: bool = False,
     ) -> None:
         lion_step(
             fields["master"],
@@ -92,6 +94,7 @@ class LionRule(OptimizerRule):
             maximize=hyper.maximize,
             grad_scale=grad_scale,
             out=out,
+            take_written=take_written,
         )
 
     def device_tile_step(

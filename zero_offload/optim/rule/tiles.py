@@ -49,7 +49,12 @@ class RuleTiles:
     ``source``: the field holding the gradient (the plan's; the window's now when None).
     ``publish``: ``Publish.NOW`` issues each tile's weight copy as soon as it is written,
     after ``after`` (default: the compute issued so far); with ``Publish.LATER``
-    ``publish()`` issues them later.
+    ``publish()`` issues them later. ``take_written``: each tile's master first takes the
+    weights written in its home since the last step (the rule's ``takes_written``; Note
+    [the update takes the written weights] in kernels/convert.py), and the published tiles
+    are not fingerprinted: the write check is that pass (Note [the write check in the
+    update] in update/reconcile.py). Where ``out`` is None the master is the weights' home
+    and there is nothing to take.
     """
 
     def __init__(
@@ -63,8 +68,10 @@ class RuleTiles:
         source: GradSource | None,
         publish: Publish,
         after: list[Event] | None,
+        take_written: bool = False,
     ) -> None:
         self.rule = rule
+        self.take_written = take_written
         self.gradients = gradients
         self.publication = publication
         self.hyper = hyper
@@ -72,7 +79,7 @@ class RuleTiles:
         self.source = source or gradients.window_source()
         self.grad = gradients.gradient(self.source)  # (shard_numel,); reads declared per tile
         self.publish = publish
-        self.after = publication.prepare(publish=publish, after=after)
+        self.after = publication.prepare(publish=publish, after=after, fingerprint=not take_written)
 
     def wait(self, lo: int, hi: int) -> None:
         """Wait until the gradient of shard elements ``[lo, hi)`` is where the step reads it
@@ -106,6 +113,9 @@ class RuleTiles:
         where the home is not the master itself. ``declare(lo, hi)``, once the gradient is
         waited for: the store declares what the launch writes (for the race checker, after
         the wait that orders it)."""
+        # passed only when taken: a rule that never takes (its tile_step written without the
+        # argument, tests/test_rule_seam.py's) keeps working
+        take = {"take_written": True} if self._takes(out) else {}
         self.gradients.await_grad(self.grad, self.source, lo, hi)
         if declare is not None:
             declare(lo, hi)
@@ -116,6 +126,7 @@ class RuleTiles:
             hyper=self.hyper,
             grad_scale=self.grad_scale,
             out=out,
+            **take,
         )
         self._written(lo, hi, fields, copy_master_to)
 
@@ -135,6 +146,11 @@ class RuleTiles:
         (Note [rules that read a whole parameter]): ``fields`` its per-element state,
         ``param_state`` its shaped state, ``out`` and ``copy_master_to`` as in ``step``;
         published as one tile."""
+        if self._takes(out):
+            raise RuntimeError(
+                f"the {self.rule.name} rule reads whole parameters and cannot take written "
+                "weights in its pass (a bug: Note [the write check in the update])"
+            )
         self.gradients.await_grad(self.grad, self.source, lo, hi)
         self.rule.parameter_step(
             fields,
@@ -147,6 +163,17 @@ class RuleTiles:
             out=out,
         )
         self._written(lo, hi, fields, copy_master_to)
+
+    def _takes(self, out: torch.Tensor | None) -> bool:
+        """Whether this tile's master takes the weights written in ``out`` (none to take
+        where the master is the home); a rule that cannot is a bug, raised first."""
+        take = self.take_written and out is not None
+        if take and not self.rule.takes_written:
+            raise RuntimeError(
+                f"the {self.rule.name} rule cannot take written weights in its pass (a bug: "
+                "Note [the write check in the update] in update/reconcile.py)"
+            )
+        return take
 
     def _written(
         self, lo: int, hi: int, fields: dict[str, torch.Tensor], copy_master_to: torch.Tensor | None

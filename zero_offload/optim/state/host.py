@@ -28,6 +28,7 @@ from ..rule.tiles import RuleTiles
 from .store import (
     StateStore,
     TileFn,
+    refuse_take_written,
     republish_from_master,
     stream_tensors,
     weights_into_home,
@@ -126,7 +127,10 @@ class HostState(StateStore):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
+        if take_written and not self.reconciles_in_update():
+            refuse_take_written(self, take_written)
         tiles = RuleTiles(
             self.rule,
             self.gradients,
@@ -136,6 +140,7 @@ class HostState(StateStore):
             source=source,
             publish=publish,
             after=after,
+            take_written=take_written,
         )
         bucket = self.layout.index
         state = self.state_tensors()
@@ -162,6 +167,18 @@ class HostState(StateStore):
                 view = None if out is None else out[lo:hi]
                 tiles.step(lo, hi, step, fields, out=view, declare=declare)
                 lo = hi
+
+    def reconciles_in_update(self) -> bool:
+        """Where the parameters are views of the home the update writes (parameter
+        offload), and the rule takes written weights in its pass or the home is the fp32
+        master itself (Note [the write check in the update] in ``update/reconcile.py``)."""
+        if self.weights_staging is not None and not self.rule.takes_written:
+            return False
+        home = self.weights_home()[0]
+        bound = self.views.bound_to()
+        if bound.device != home.device or bound.dtype != home.dtype:
+            return False
+        return home.data_ptr() == bound.data_ptr() + self.shard[0] * bound.element_size()
 
     def span(self) -> tuple[int, int]:
         return self.shard

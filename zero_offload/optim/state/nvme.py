@@ -85,7 +85,7 @@ from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper, OptimizerRule
 from ..rule.tiles import RuleTiles
 from .nvme_plan import RecordLayout, tile_sizes
-from .store import StateStore, TileFn, republish_from_master, weights_into_home
+from .store import StateStore, TileFn, refuse_take_written, republish_from_master, weights_into_home
 
 __all__ = ["NvmeState", "StateNotInHostRam", "StreamGroup"]
 
@@ -420,7 +420,9 @@ class NvmeState(StateStore):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
+        refuse_take_written(self, take_written)
         tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         declare_cpu(
             self.manager,

@@ -35,7 +35,7 @@ from ..grads.path import GradSource
 from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper
 from .nvme import NvmeState
-from .store import take_written
+from .store import refuse_take_written, take_written
 
 __all__ = ["HomeWritten", "NvmeHomeState"]
 
@@ -49,7 +49,9 @@ class HomeWritten(WeightCopies):
 
     can_shadow = False  # nothing crosses the link: the next fetch reads the file
 
-    def prepare(self, *, publish: Publish, after: list[Event] | None) -> list[Event]:
+    def prepare(
+        self, *, publish: Publish, after: list[Event] | None, fingerprint: bool = True
+    ) -> list[Event]:
         return []
 
     def tile_written(self, lo: int, hi: int, *, publish: Publish, after: list[Event]) -> None:
@@ -219,7 +221,9 @@ class NvmeHomeState(NvmeState):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
+        refuse_take_written(self, take_written)
         tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         pieces = self._pieces(runs)
         fp32 = self.dtype == torch.float32

@@ -20,7 +20,7 @@ from ..grads.on_device import DeviceGradients
 from ..grads.path import GradSource
 from ..publish import Publish, WrittenInPlace
 from ..rule.base import Hyper, OptimizerRule, StateFields
-from .store import StateStore, TileFn, stream_tensors
+from .store import StateStore, TileFn, refuse_take_written, stream_tensors
 
 __all__ = ["ResidentState"]
 
@@ -115,7 +115,9 @@ class ResidentState(StateStore):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
+        refuse_take_written(self, take_written)
         weights = self.views.weights_dev
         # Note [resident temporaries are counted]: what the rule says its step allocates.
         nbytes = self.rule.device_temporary_bytes(hyper, grad_scale, self.tile_elements)

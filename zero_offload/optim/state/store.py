@@ -38,6 +38,7 @@ __all__ = [
     "BucketPools",
     "StateStore",
     "TileFn",
+    "refuse_take_written",
     "republish_from_master",
     "stream_tensors",
     "take_written",
@@ -131,12 +132,23 @@ class StateStore(ABC):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
         """One step of the rule over ``runs`` (``(start, stop, step)`` bucket ranges), reading
         the gradient from ``source`` (``window_source()`` when the step was planned; now
         when None). With ``Publish.NOW`` each updated tile's copy to ``weights_dev`` is
         issued as soon as the tile is done, after ``after`` (default: the compute issued so
-        far); with ``Publish.LATER`` ``publication.publish()`` issues them later."""
+        far); with ``Publish.LATER`` ``publication.publish()`` issues them later.
+        ``take_written`` (only where ``reconciles_in_update()``): the update is the write
+        check, its master taking the weights written since the last step (Note [the write
+        check in the update] in ``update/reconcile.py``)."""
+
+    def reconciles_in_update(self) -> bool:
+        """Whether ``update(take_written=True)`` can replace the write check and
+        ``reconcile_master`` over the runs it steps: the parameters are views of the home
+        the update writes (Note [the write check in the update] in
+        ``update/reconcile.py``). Not by default."""
+        return False
 
     @abstractmethod
     def span(self) -> tuple[int, int]:
@@ -207,6 +219,16 @@ class StateStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Return every block to its pool."""
+
+
+def refuse_take_written(store: StateStore, take_written: bool) -> None:
+    """``update(take_written=True)`` of a store that does not ``reconciles_in_update()``:
+    a bug, raised before anything changes."""
+    if take_written:
+        raise RuntimeError(
+            f"{type(store).__name__} cannot take written weights in its update (a bug: Note "
+            "[the write check in the update] in optim/update/reconcile.py)"
+        )
 
 
 def republish_from_master(store: StateStore, copies: WeightCopies) -> None:

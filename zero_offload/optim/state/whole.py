@@ -24,7 +24,7 @@ from ..rule.tiles import RuleTiles
 from .host import HostState
 from .nvme_plan import whole_parameter_tiles
 from .shaped import KeepsShapedState, ShapedState, whole_parameters
-from .store import TileFn
+from .store import TileFn, refuse_take_written
 
 __all__ = ["WholeParameterHostState"]
 
@@ -74,9 +74,13 @@ class WholeParameterHostState(KeepsShapedState, HostState):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
         """As ``HostState.update``, one whole parameter per call of the rule: each slot in
-        the runs (``whole_parameters``)."""
+        the runs (``whole_parameters``). ``take_written`` only where the home is the fp32
+        master (nothing to take: ``reconciles_in_update``)."""
+        if take_written and not self.reconciles_in_update():
+            refuse_take_written(self, take_written)
         tiles = RuleTiles(
             self.rule,
             self.gradients,
@@ -86,6 +90,7 @@ class WholeParameterHostState(KeepsShapedState, HostState):
             source=source,
             publish=publish,
             after=after,
+            take_written=take_written,
         )
         bucket = self.layout.index
         spans = clip_runs(runs, *self.shard)

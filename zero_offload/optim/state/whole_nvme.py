@@ -26,6 +26,7 @@ from ..rule.base import Hyper, OptimizerRule
 from .nvme import NvmeState, StreamGroup
 from .nvme_plan import RecordLayout
 from .shaped import KeepsShapedState, ShapedState
+from .store import refuse_take_written
 
 __all__ = ["WholeParameterNvmeState"]
 
@@ -103,10 +104,12 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
         """As ``NvmeState.update``, one whole parameter per call of the rule: each slot in
         the runs, where its tile's record lies in the I/O buffer (the alignment gaps are not
         stepped, as in ``WholeParameterHostState.update``)."""
+        refuse_take_written(self, take_written)
         tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
         written = {"weights": self.weights_staging}
         if self._shaped.flat is not None:

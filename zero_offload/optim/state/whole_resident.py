@@ -54,6 +54,7 @@ from ..publish import Publish
 from ..rule.base import Hyper, OptimizerRule, StateFields
 from .resident import ResidentState
 from .shaped import KeepsShapedState, ShapedState, whole_parameters
+from .store import refuse_take_written
 
 __all__ = ["WholeParameterResidentState"]
 
@@ -101,9 +102,11 @@ class WholeParameterResidentState(KeepsShapedState, ResidentState):
         publish: Publish,
         source: GradSource | None = None,
         after: list[Event] | None = None,
+        take_written: bool = False,
     ) -> None:
         """The rule's ``device_parameter_step`` over each whole parameter in the runs, on
         the device (Note [whole parameters stepped on the device])."""
+        refuse_take_written(self, take_written)
         stepped = list(whole_parameters(self.layout, runs, 0))
         # Note [resident temporaries are counted]: the largest parameter's, one at a time.
         nbytes = max(

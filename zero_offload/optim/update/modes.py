@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,6 +49,7 @@ from ..ranks import Ranks
 from ..rule.base import Hyper
 from ..shadow import WeightShadows
 from .failures import StepFailed, failed, interrupted
+from .reconcile import WriteChecks
 
 __all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
 
@@ -68,9 +69,14 @@ def _written(bucket: FlatBucket, *, trust_weights: bool) -> list[torch.Tensor]:
 class UpdateMode(ABC):
     """When an update's weights reach the device."""
 
+    #: Whether ``step()``'s update can be a bucket's write check (Note [the write check in
+    #: the update] in reconcile.py): it runs now, on the weights as they are.
+    checks_in_update: ClassVar[bool] = False
+
     def __init__(self, manager: TieredMemoryManager, ranks: Ranks) -> None:
         self.manager = manager
         self.ranks = ranks
+        self.write_checks = WriteChecks(manager.accelerator)
         # Buckets published and not landed yet, in the order their copies went (Note
         # [weights landed at their first use] in views/in_flight.py).
         self._deferred: list[FlatBucket] = []
@@ -221,20 +227,32 @@ class UpdateMode(ABC):
         )
 
     def _land(
-        self, buckets: Sequence[FlatBucket], events: list[Event], gathers: list[Pending | None]
+        self,
+        buckets: Sequence[FlatBucket],
+        events: list[Event],
+        gathers: list[Pending | None],
+        checked: frozenset[int] = frozenset(),
     ) -> None:
-        """Make compute wait for the weight copies and all-gathers; record the versions."""
+        """Make compute wait for the weight copies and all-gathers; record the versions
+        (fingerprints), but for the buckets whose update was their write check
+        (``checked``, layout indices: Note [the write check in the update] in
+        reconcile.py), which take none."""
         with phase("wait_weights"):
             # One wait per stream: its last copy's event ends after every earlier one.
             if events:
                 self.manager.wait_for(latest_per_stream(events), category=Category.WEIGHTS)
         self.ranks.wait([g for g in gathers if g is not None])
         for bucket in buckets:
-            bucket.views.remember()
+            if bucket.layout.index in checked:
+                bucket.views.forget()
+            else:
+                bucket.views.remember()
 
 
 class ImmediateUpdate(UpdateMode):
     """CPU Adam now, tile by tile, each tile's weights copied as soon as it is written."""
+
+    checks_in_update = True
 
     def eager_refusal(self) -> str | None:
         if self._resumed:
@@ -245,14 +263,23 @@ class ImmediateUpdate(UpdateMode):
         events: list[Event] = []
         gathers: list[Pending | None] = []
         stepped: list[int] = []
+        checked: set[int] = set()
         buckets = [plan.bucket for plan, _ in work]
         with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
             for plan, hyper in work:
                 bucket = plan.bucket
                 try:
+                    take = self.write_checks.takes(bucket)
                     bucket.store.update(
-                        hyper, grad_scale, plan.runs, publish=Publish.NOW, source=plan.source
+                        hyper,
+                        grad_scale,
+                        plan.runs,
+                        publish=Publish.NOW,
+                        source=plan.source,
+                        take_written=take,
                     )
+                    if take:
+                        checked.add(bucket.layout.index)
                     published = bucket.publish()
                     # this bucket's all-gather overlaps the next bucket's CPU Adam
                     wait, gather = self._gather(bucket, published)
@@ -275,7 +302,7 @@ class ImmediateUpdate(UpdateMode):
                 bucket.commit(plan)
                 stepped.append(bucket.layout.index)
         try:
-            self._land(buckets, events, gathers)
+            self._land(buckets, events, gathers, frozenset(checked))
         except BaseException as exc:
             what = f"{self.ranks.where()}step() while landing the weights"
             if interrupted(exc, what, stepped, None, buckets=buckets, ranks=self.ranks):
