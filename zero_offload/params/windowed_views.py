@@ -345,6 +345,11 @@ class WindowedViews(ParamViews):
         """The home once adopted (the truth the optimizer fingerprints), the slot before."""
         return self.weights_dev if self.home is None else self.home
 
+    def bound_start(self) -> int:
+        """Where ``bound_to()`` starts in the bucket: the home's span (this rank's shard
+        under ZeRO-3), the slot's 0 before."""
+        return 0 if self.home is None else self.home_span[0]
+
     def copy_in(
         self,
         manager: TieredMemoryManager,

@@ -341,6 +341,10 @@ class ParamViews:
         """The flat tensor the parameters are views of now: ``weights_dev``."""
         return self.weights_dev
 
+    def bound_start(self) -> int:
+        """The bucket element ``bound_to()`` starts at: 0, the whole bucket."""
+        return 0
+
     def current_versions(self) -> tuple[int, ...]:
         """Each parameter's version counter now."""
         return tuple(param._version for param in self.params)

@@ -170,7 +170,7 @@ class HostState(StateStore):
 
     def reconciles_in_update(self) -> bool:
         """Where the parameters are views of the home the update writes (parameter
-        offload), and the rule takes written weights in its pass or the home is the fp32
+        offload, this rank's shard of it under ZeRO-3), and the rule takes written weights in its pass or the home is the fp32
         master itself (Note [the write check in the update] in ``update/reconcile.py``)."""
         if self.weights_staging is not None and not self.rule.takes_written:
             return False
@@ -178,7 +178,8 @@ class HostState(StateStore):
         bound = self.views.bound_to()
         if bound.device != home.device or bound.dtype != home.dtype:
             return False
-        return home.data_ptr() == bound.data_ptr() + self.shard[0] * bound.element_size()
+        at = self.shard[0] - self.views.bound_start()  # the shard's first element in bound
+        return at >= 0 and home.data_ptr() == bound.data_ptr() + at * bound.element_size()
 
     def span(self) -> tuple[int, int]:
         return self.shard

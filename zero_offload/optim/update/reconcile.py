@@ -28,7 +28,9 @@ every other bucket is checked by fingerprint as before:
 - the step is ``step()`` of the immediate update (an announced step checks at the
   announcement and updates during backward; a delayed update publishes later);
 - the store's ``reconciles_in_update()``: the parameters are views of the home the update
-  writes, and the rule's kernel takes written weights (an elementwise rule: AdamW, Adam,
+  writes (under ZeRO-3 each rank's home is its shard, and each rank's update checks the
+  shard its fingerprints covered: ``ParamViews.bound_start``), and the rule's kernel takes
+  written weights (an elementwise rule: AdamW, Adam,
   Lion, Adagrad; a rule that reads whole parameters reads the master's norm before it
   writes) or the home is the master;
 - every parameter of the bucket has a gradient on this rank, so the update's runs cover
