@@ -198,6 +198,12 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.equal(_bits(a[key].float()), _bits(b[key].float())), key
 
 
+def _assert_same_states(a: dict, b: dict) -> None:
+    """Two optimizers' state dicts, bit for bit, every state tensor of every parameter."""
+    for i, entry in b["state"].items():
+        _assert_same(a["state"][i], entry)
+
+
 def _run(
     dtype: torch.dtype,
     *,
@@ -228,8 +234,7 @@ def test_the_update_checks_as_the_fingerprints_did(
     want, want_hashes, want_state = _run(dtype, check="fingerprints", write=write, hashes=hashes)
     got, got_hashes, got_state = _run(dtype, check="in the update", write=write, hashes=hashes)
     _assert_same(got, want)
-    for i, entry in want_state["state"].items():
-        _assert_same(got_state["state"][i], entry)
+    _assert_same_states(got_state, want_state)
     assert want_hashes > 0 and got_hashes == 0  # the check was the update's, no hash
 
 
@@ -288,8 +293,7 @@ def test_a_parameter_without_a_gradient_keeps_its_bucket_on_fingerprints(
             opt.close()
     (want, want_state, want_hashes), (got, got_state, got_hashes) = results.values()
     _assert_same(got, want)
-    for i, entry in want_state["state"].items():
-        _assert_same(got_state["state"][i], entry)
+    _assert_same_states(got_state, want_state)
     assert 0 < got_hashes < want_hashes  # the unused parameter's bucket only
 
 
@@ -312,8 +316,7 @@ def test_a_skipped_step_still_takes_the_writes(monkeypatch: pytest.MonkeyPatch) 
         finally:
             opt.close()
     want, got = results.values()
-    for i, entry in want["state"].items():
-        _assert_same(got["state"][i], entry)
+    _assert_same_states(got, want)
 
 
 def zero3_scenario(rank: int, world: int, out: Path, *, check: str) -> dict:
@@ -360,3 +363,46 @@ def test_zero3_ranks_check_their_shards_in_the_update(tmp_path: Path) -> None:
     for mine, theirs in zip(got, want, strict=True):
         _assert_same(mine["weights"], theirs["weights"])
         assert theirs["hashes"] > 0 and mine["hashes"] == 0
+
+
+def test_a_master_written_through_opt_state_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``opt.state[p]["master"]`` is writable: the step after such a write keeps it, as the
+    fingerprints (the weights unchanged) do, and once the views are gone the next step is
+    checked in its update again (Note [a master written outside the optimizer])."""
+    hashes = _Hashes(monkeypatch)
+    results = {}
+    for check in ("fingerprints", "in the update"):
+        model = _gpt(torch.bfloat16)
+        opt = _opt(model, check=check)
+        try:
+            _train(model, opt, 1, None)
+            weight = model.blocks[0].mlp[0].weight
+            opt.state[weight]["master"].add_(0.25)  # the view goes with the dict
+            counts = []
+            for _ in range(2):
+                hashes.count = 0
+                _train(model, opt, 1, None)
+                counts.append(hashes.count)
+            results[check] = (_weights(model), opt.state_dict(), counts)
+        finally:
+            opt.close()
+    (want, want_state, want_counts), (got, got_state, got_counts) = results.values()
+    _assert_same(got, want)
+    _assert_same_states(got_state, want_state)
+    # the written bucket by fingerprint (cold and streamed), then none
+    assert got_counts[0] > 0 and got_counts[1] == 0 and want_counts[1] > 0
+
+
+def test_a_rule_whose_tile_step_cannot_take_keeps_the_fingerprints() -> None:
+    from zero_offload.optim.rule.adamw import AdamRule
+
+    class Mine(AdamRule):
+        def tile_step(self, fields, grad, *, step, hyper, grad_scale, out):  # no take_written
+            super().tile_step(fields, grad, step=step, hyper=hyper, grad_scale=grad_scale,
+                              out=out)  # fmt: skip
+
+    class Inherits(AdamRule):
+        pass
+
+    assert AdamRule.takes_written and Inherits.takes_written
+    assert not Mine.takes_written

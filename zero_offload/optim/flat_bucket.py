@@ -9,6 +9,7 @@ talk to one object per bucket.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -72,6 +73,7 @@ class StepPlan:
         self.bucket = bucket
         self.steps = bucket.steps + arrived.astype(np.int64)
         self.runs = list(_runs(bucket.layout, self.steps, arrived))
+        self.every_slot = bool(arrived.all())  # the runs cover every parameter
         bucket.gradients.land()  # an announced step's bucket lands here
         self.source = bucket.gradients.window_source()
 
@@ -87,6 +89,11 @@ class FlatBucket:
         steps: (n_slots,) int64, host; each parameter's Adam step count.
         shard: ``(start, stop)`` of the flat elements this rank owns (the whole padded
             bucket with one rank); see Note [who owns which shard] in ``partition.py``.
+        master_exposed: the master may have been written outside the optimizer since its
+            last write check (a view of it handed out by ``opt.state``, a loaded state
+            that supersedes an announced step): the next check is by fingerprint (Note
+            [a master written outside the optimizer] in ``update/reconcile.py``).
+        master_views: views of the master handed out and still alive.
     """
 
     def __init__(
@@ -107,6 +114,21 @@ class FlatBucket:
         self.steps = np.zeros(len(layout.slots), dtype=np.int64)
         self.params = views.params
         self.dtype = views.dtype
+        self.master_exposed = False
+        self.master_views = 0
+
+    def expose_master(self, view: torch.Tensor) -> None:
+        """``view`` of the master goes to user code, which may write it: Note [a master
+        written outside the optimizer] in ``update/reconcile.py``."""
+        if self.views.versions is None:  # no fingerprints to keep a master by: check now
+            self.store.reconcile_master()
+            self.views.remember()
+        self.master_exposed = True
+        self.master_views += 1
+        weakref.finalize(view, self._master_view_gone)
+
+    def _master_view_gone(self) -> None:
+        self.master_views -= 1
 
     @property
     def resident(self) -> bool:

@@ -54,6 +54,8 @@ class OptimizerState(MutableMapping):
         out: dict[str, torch.Tensor] = {"step": torch.from_numpy(bucket.steps)[i]}
         for name, view in views.items():
             out[name] = view.view(shape) if whole else view
+        # writable: the next write check must not take the weights over it
+        bucket.expose_master(out["master"])
         out.update(bucket.param_state(i))  # shaped state, as torch's (Adafactor's factors)
         return out
 

@@ -29,6 +29,7 @@ thin facade over ``OffloadAdamW``'s machinery.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,17 @@ class OptimizerRule(ABC):
     #: kernels/convert.py). A whole-parameter rule reads the master before it writes (the
     #: weights' norm), so it keeps the write check.
     takes_written: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("tile_step")
+        if (
+            step is not None
+            and cls.takes_written
+            and "take_written" not in inspect.signature(step).parameters
+        ):
+            # a subclass of a rule that takes, whose tile_step cannot: it keeps the check
+            cls.takes_written = False
 
     @property
     def state_family(self) -> str:

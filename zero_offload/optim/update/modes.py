@@ -270,6 +270,9 @@ class ImmediateUpdate(UpdateMode):
                 bucket = plan.bucket
                 try:
                     take = self.write_checks.takes(bucket)
+                    if take and not plan.every_slot:  # not what the check saw: by value
+                        bucket.store.reconcile_master()
+                        take = False
                     bucket.store.update(
                         hyper,
                         grad_scale,

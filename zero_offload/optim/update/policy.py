@@ -417,3 +417,5 @@ class StepPolicy:
         yield
         for bucket in self.buckets:
             bucket.views.remember()
+            # the loaded master, not these weights, is the truth: checked by fingerprint
+            bucket.master_exposed = True

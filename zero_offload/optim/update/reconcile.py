@@ -35,10 +35,30 @@ every other bucket is checked by fingerprint as before:
   writes) or the home is the master;
 - every parameter of the bucket has a gradient on this rank, so the update's runs cover
   every slot (a slot without one would keep a written weight out of its master, where
-  today's step takes it).
+  today's step takes it);
+- nothing may have written the master itself since the last check (Note [a master written
+  outside the optimizer]).
 A bucket so chosen that the step does not update after all (a skipped step: an overflow,
 no gradient on another rank's say) is reconciled by value when the step ends
 (``finish``), so what the master holds after ``step()`` never depends on which check ran.
+
+Note [a master written outside the optimizer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The two checks agree while the master is the optimizer's own: then a weight that is not its
+master's rounding was written. The master can be written too: through ``opt.state[p]
+["master"]`` (a live view, writable by design), or by a load that supersedes an announced
+step, which stamps the weights that step wrote so that the loaded master wins (``StepPolicy
+.superseding_eager``). The fingerprints then keep that master, the weights being
+unchanged; the update's comparison would give it the old weights back. So such a bucket
+is ``master_exposed``, and its next check is by fingerprint. The flag is set when a view of
+the master is handed out and when such a load ends. A bucket whose last check was its
+update has no fingerprints (forgotten): handing out a view first makes the check that step
+would make, by value, and takes them, so a weight written after that is still seen. The
+flag is cleared by a fingerprint check made while no view handed out is alive
+(``FlatBucket.master_views``, counted down as the views are collected): a write before
+that check is kept by it, and none can follow it.
+Version counters cannot tell: the master is a view of a pool whose other views (gradient
+staging) are written between steps, and a write through ``.data`` moves none.
 """
 
 from __future__ import annotations
@@ -76,6 +96,9 @@ class WriteChecks:
                 self.in_update.add(bucket.layout.index)
             else:
                 checked.append(bucket)
+                # Note [a master written outside the optimizer]: a write before this check
+                # is kept by it; none can follow while no view is alive
+                bucket.master_exposed = bucket.master_views > 0
         # Every bucket's check, read once (Note [one fingerprint pass per bucket]).
         written = changed_params_of([bucket.views for bucket in checked], self.accelerator)
         for bucket, params in zip(checked, written, strict=True):
@@ -109,5 +132,10 @@ class WriteChecks:
 
 def _checks_in_update(bucket: FlatBucket) -> bool:
     """Whether ``bucket``'s update can be its write check (Note [the write check in the
-    update]): the store can, and every parameter has a gradient."""
-    return bool(bucket.grads.arrived.all()) and bucket.store.reconciles_in_update()
+    update]): the store can, every parameter has a gradient, and nothing may have written
+    the master (Note [a master written outside the optimizer])."""
+    return (
+        not bucket.master_exposed
+        and bool(bucket.grads.arrived.all())
+        and bucket.store.reconciles_in_update()
+    )
