@@ -9,8 +9,9 @@ must give those bits, write or no write, and take no fingerprint of its own. A c
 turns the kernel's take off shows the writes would otherwise be lost, so the comparisons
 can fail.
 
-CUDA form (``cuda_form``, docs/gpu.md): under parameter offload the homes are pinned host
-memory on either kind, so the same comparisons run with the window on ``cuda:0``.
+CUDA form (``cuda_form``, docs/gpu.md): the step tests. Under parameter offload the homes are
+pinned host memory on either kind, so the same comparisons run with the window on
+``cuda:0``. The kernel tests are CPU kernels on host arrays: they have no CUDA form.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from zero_offload.optim.state.store import take_written
 from zero_offload.views import param_views
 
 from .helpers.device import on_device, run_accelerator, run_device
-
-pytestmark = pytest.mark.cuda_form
 
 VOCAB, SEQ = 64, 16
 
@@ -225,6 +224,7 @@ def _run(
         opt.close()
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("write", [None, *WRITES], ids=lambda w: w or "nothing")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_the_update_checks_as_the_fingerprints_did(
@@ -238,6 +238,7 @@ def test_the_update_checks_as_the_fingerprints_did(
     assert want_hashes > 0 and got_hashes == 0  # the check was the update's, no hash
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_without_the_take_a_write_is_lost(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -255,6 +256,7 @@ def test_without_the_take_a_write_is_lost(
     assert not torch.equal(lost[key].float(), want[key].float())
 
 
+@pytest.mark.cuda_form
 @pytest.mark.parametrize("cls", [OffloadLion, OffloadAdagrad], ids=lambda c: c.__name__)
 def test_lion_and_adagrad_check_in_their_update(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
     hashes = _Hashes(monkeypatch)
@@ -265,6 +267,7 @@ def test_lion_and_adagrad_check_in_their_update(cls: type, monkeypatch: pytest.M
     assert want_hashes > 0 and got_hashes == 0
 
 
+@pytest.mark.cuda_form
 def test_a_parameter_without_a_gradient_keeps_its_bucket_on_fingerprints(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -297,6 +300,7 @@ def test_a_parameter_without_a_gradient_keeps_its_bucket_on_fingerprints(
     assert 0 < got_hashes < want_hashes  # the unused parameter's bucket only
 
 
+@pytest.mark.cuda_form
 def test_a_skipped_step_still_takes_the_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp16 overflow skips the update: the buckets left to it are reconciled by value
     when the step ends, so the master after ``step()`` is what the fingerprints gave."""
@@ -350,6 +354,7 @@ def zero3_scenario(rank: int, world: int, out: Path, *, check: str) -> dict:
     return {"weights": _weights(model), "hashes": taken[0]}
 
 
+@pytest.mark.cuda_form
 @pytest.mark.simulator_only("spawns gloo ranks on the host accelerator")
 def test_zero3_ranks_check_their_shards_in_the_update(tmp_path: Path) -> None:
     """Each rank's update takes the writes into its shard of the master (its home holds the
@@ -365,6 +370,7 @@ def test_zero3_ranks_check_their_shards_in_the_update(tmp_path: Path) -> None:
         assert theirs["hashes"] > 0 and mine["hashes"] == 0
 
 
+@pytest.mark.cuda_form
 def test_a_master_written_through_opt_state_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """``opt.state[p]["master"]`` is writable: the step after such a write keeps it, as the
     fingerprints (the weights unchanged) do, and once the views are gone the next step is
