@@ -146,11 +146,7 @@ class RuleTiles:
         (Note [rules that read a whole parameter]): ``fields`` its per-element state,
         ``param_state`` its shaped state, ``out`` and ``copy_master_to`` as in ``step``;
         published as one tile."""
-        if self._takes(out):
-            raise RuntimeError(
-                f"the {self.rule.name} rule reads whole parameters and cannot take written "
-                "weights in its pass (a bug: Note [the write check in the update])"
-            )
+        self._takes(out)  # a whole-parameter rule never takes: raises where asked to
         self.gradients.await_grad(self.grad, self.source, lo, hi)
         self.rule.parameter_step(
             fields,
