@@ -233,3 +233,48 @@ def test_settling_keeps_pending_records_and_rows_the_rest(manager: TieredMemoryM
         assert [span.direction for span in pending] == [Direction.H2D]
         gate.set()
     assert prof.data.copies.pending == 0 and len(prof.data.copies) == 4
+
+
+def test_several_listeners_of_each_kind_each_hear_every_copy_in_order(
+    manager: TieredMemoryManager,
+) -> None:
+    """Note [one call per kind of listener]: two record listeners, two field listeners and
+    two ticks all hear every copy (the fan-out calls each, in subscription order); after one
+    of each unsubscribes, the others still hear, and after all do, nobody is called."""
+    heard: list[tuple[str, int]] = []
+    ticks: list[str] = []
+
+    def subscribe(name: str, *, fields: bool) -> object:
+        def listen(item: object) -> None:
+            if isinstance(item, tuple) and not isinstance(item, CopyRecord) and not fields:
+                raise AssertionError(f"{name} wanted records, got fields")
+            heard.append((name, item[0]))  # the copy's seq, first in both forms
+
+        return manager.subscribe(listen, fields=fields, tick=lambda: ticks.append(name))
+
+    unsubscribe = [
+        subscribe("records 1", fields=False),
+        subscribe("fields 1", fields=True),
+        subscribe("records 2", fields=False),
+        subscribe("fields 2", fields=True),
+    ]
+    dst, src = _tensors()
+    for _ in range(TICK_EVERY):  # one tick
+        manager.copy(dst, src, direction=Direction.D2H, category=Category.GRADIENTS)
+    seqs = sorted({seq for _, seq in heard})
+    assert len(seqs) == TICK_EVERY
+    for seq in seqs:  # fields listeners before record listeners, each kind in order
+        names = [name for name, s in heard if s == seq]
+        assert names == ["fields 1", "fields 2", "records 1", "records 2"]
+    assert ticks == ["records 1", "fields 1", "records 2", "fields 2"]
+    unsubscribe[0]()
+    unsubscribe[1]()
+    heard.clear()
+    manager.copy(dst, src, direction=Direction.D2H, category=Category.GRADIENTS)
+    assert [name for name, _ in heard] == ["fields 2", "records 2"]
+    unsubscribe[2]()
+    unsubscribe[3]()
+    heard.clear()
+    manager.copy(dst, src, direction=Direction.D2H, category=Category.GRADIENTS)
+    manager.synchronize()
+    assert heard == []
