@@ -19,6 +19,8 @@ whole parameter] in zero_offload/optim/rule/base.py).
    NaN, inf, 0 and clamped values where torch has them, the rest within a few ulp.
 9. The kernel's fast paths give the plain path's bits: pass 1's four rows at a time (its
    fp32 runs of rows) and its uncopied fp32 gradient, on any number of threads.
+10. Pass 1's reused partials (Note [pass 1's partials are reused]): the same bits from a
+   fresh buffer, one left by a larger matrix, one full of NaN, and from two threads at once.
 """
 
 from __future__ import annotations
@@ -430,8 +432,10 @@ def test_pass_1_adds_in_row_order(shape: tuple[int, ...], direct: bool) -> None:
     param = gen.standard_normal(rows * n, dtype=np.float32)
     nblocks = 2  # blocks of 7 rows (one batch each), of 4 and 5 rows, of 20 rows (16 + 4)
     rowsq = np.empty(rows)
-    colpart = np.zeros((nblocks, rows // m * n))
-    colw = np.zeros((nblocks, rows // m * n))
+    # Left over from before: pass 1 zeroes its blocks' rows (Note [pass 1's partials are
+    # reused]).
+    colpart = np.full((nblocks, rows // m * n), np.nan)
+    colw = np.full((nblocks, rows // m * n), np.inf)
     psq = np.empty(nblocks)
     row_var = gen.uniform(0.5, 2.0, rows).astype(np.float32)
     weight = np.float32(0.3)
@@ -562,3 +566,57 @@ def test_pass_2_runs_only_where_an_element_may_be_clamped(
     adafactor_step(master, grad, shape=shape, step=1, lr=1e-2, beta2_decay=-0.8, eps1=eps1,
                    eps2=1e-3, d=1.0, weight_decay=0.0, **state)  # fmt: skip
     assert len(calls) == passes
+
+
+def _kernel_run(shape: tuple[int, ...], seed: int) -> tuple[bytes, ...]:
+    """Three Adafactor steps of a ``shape`` parameter; its master and factors' bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    *batch, m, n = shape
+    numel = math.prod(shape)
+    param = torch.randn(numel, generator=gen)
+    row_var, col_var = torch.zeros(math.prod(batch) * m), torch.zeros(math.prod(batch) * n)
+    for step in range(1, 4):
+        grad = torch.randn(numel, generator=gen) * 10.0 ** (step - 2)
+        adafactor_step(param, grad, shape=shape, row_var=row_var, col_var=col_var, step=step,
+                       lr=1e-2, beta2_decay=-0.8, eps1=1e-30, eps2=1e-3, d=1.0,
+                       weight_decay=0.0)  # fmt: skip
+    return tuple(t.numpy().tobytes() for t in (param, row_var, col_var))
+
+
+def test_pass_one_partials_reused_from_any_state_give_the_same_bits() -> None:
+    shape = (2, 96, 300)
+    adafactor_stats.release_column_partials()
+    fresh = _kernel_run(shape, 0)  # the thread's first buffer
+    _kernel_run((512, 700), 1)  # grows it past this matrix's need
+    assert _kernel_run(shape, 0) == fresh  # a prefix of the larger one, as it was left
+    plain, weighted = adafactor_stats.column_partials(64, 1400)
+    plain[:] = np.nan
+    weighted[:] = -np.inf
+    assert _kernel_run(shape, 0) == fresh  # over NaN and -inf
+    adafactor_stats.release_column_partials()
+    assert getattr(adafactor_stats._partials, "buffer", None) is None
+
+
+def test_pass_one_partials_are_per_thread() -> None:
+    """Two threads stepping different matrices at once each get their own buffer: their
+    results are those of the same steps run one after the other."""
+    import threading
+
+    shapes = [((300, 257), 3), ((3, 64, 129), 4)]
+    alone = [_kernel_run(shape, seed) for shape, seed in shapes]
+    results: list[Any] = [None, None]
+    buffers: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        for _ in range(3):
+            results[i] = _kernel_run(*shapes[i])
+        buffers[i] = adafactor_stats._partials.buffer
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == alone
+    assert buffers[0] is not None and buffers[1] is not None
+    assert not np.shares_memory(buffers[0], buffers[1])

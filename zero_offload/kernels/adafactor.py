@@ -35,6 +35,7 @@ from .adafactor_stats import (
     _row_blocks,
     _update_factors,
     _usq_from_factors,
+    column_partials,
 )
 from .convert import FASTMATH_ELEMENTWISE, KERNEL_OPTIONS, load_f32, out_view, store_f32
 from .stats import SUM_CHUNK, _sumsq_f32
@@ -378,8 +379,7 @@ def adafactor_step(
             rows = batches * m
             nblocks = _row_blocks(rows, n, batches * n)
             rowsq = np.empty(rows, dtype=np.float64)  # (rows,) float64
-            colpart = np.zeros((nblocks, batches * n), dtype=np.float64)  # column partials
-            colw = np.zeros((nblocks, batches * n), dtype=np.float64)  # weighted, the same
+            colpart, colw = column_partials(nblocks, batches * n)  # reused: see the Note
             psq = np.empty(nblocks, dtype=np.float64)
             direct = grad_kind == FP32 and grad_mul == 1
             _factored_stats(param_a, grad_a, grad_kind, grad_mul, m, n, nblocks, rowsq,

@@ -9,6 +9,8 @@ between its passes, and the update (U from the factors, pass 3) stays in adafact
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit, prange
 
@@ -85,6 +87,39 @@ COLUMN_PARTIALS = 1 << 22
 #: Rows of one batch whose squares pass 1 adds per column in fp32 before adding that sum
 #: to the column's float64 partial (Note [pass 1 four rows at a time]).
 COLUMN_ROWS = 16
+
+
+# Note [pass 1's partials are reused]
+# Pass 1's float64 column partials, plain and weighted, are two (blocks, columns) arrays: 4
+# MiB for a 4096 x 4096 matrix (64 blocks), up to 2 x 8 x COLUMN_PARTIALS bytes. Made fresh
+# each step (``np.zeros``), their pages were first touched inside the kernel, by both
+# threads at once, and the page faults cost more than the pass's streams: pass 1 took
+# 15-17 ms in the step at 4096 x 4096 on two cores, against 9-10 ms given arrays already
+# touched (the step 0.66x its roofline). So each thread that runs the kernel keeps one
+# buffer for them, grown to the largest it has needed (``column_partials``), and pass 1
+# zeroes each block's own rows at its start, in its own thread. Held: per such thread, at
+# most 2 x 8 x max(blocks x columns) bytes over the matrices it stepped (4 MiB at 4096
+# columns, 64 MiB at most); ``release_column_partials`` gives the calling thread's back.
+_partials = threading.local()
+
+
+def column_partials(nblocks: int, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two (nblocks, columns) float64 arrays for pass 1's column partials (plain, weighted),
+    views of the calling thread's reused buffer; their values are left over from before
+    (``_factored_stats`` zeroes them). Note [pass 1's partials are reused]."""
+    size = nblocks * columns
+    buffer = getattr(_partials, "buffer", None)
+    if buffer is None or buffer.shape[0] < 2 * size:
+        buffer = np.empty(2 * size, dtype=np.float64)  # (2 * nblocks * columns,) float64
+        _partials.buffer = buffer
+    return buffer[:size].reshape(nblocks, columns), buffer[size : 2 * size].reshape(
+        nblocks, columns
+    )
+
+
+def release_column_partials() -> None:
+    """Free the calling thread's pass 1 buffer (Note [pass 1's partials are reused])."""
+    _partials.buffer = None
 
 
 def _row_blocks(rows: int, n: int, columns: int) -> int:
@@ -168,7 +203,9 @@ def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colp
     g^2 in column j of batch b, summed in fp32 over runs of COLUMN_ROWS rows and the runs in
     float64; ``colw`` the same of (g[r, j] * s_r)^2, s_r = 1 / sqrt(R_r) of the row's new
     factor (Note [the update's norm from the factors]; ``row_var`` is read, not written);
-    ``psq[blk]`` = that block's sum of p^2 (float64). A run's rows' own sums first, then
+    ``psq[blk]`` = that block's sum of p^2 (float64). ``colpart`` and ``colw`` may hold
+    anything: each block zeroes its own rows first (Note [pass 1's partials are reused]).
+    A run's rows' own sums first, then
     their columns four rows at a time, then p's (Note [pass 1 four rows at a time]). A row's
     sum goes through the one reduction loop (Note [one loop shape for every sum] in
     stats.py) in chunks of SUM_CHUNK from the row's start: over its scaled values, copied
@@ -180,6 +217,8 @@ def _factored_stats(param, grad, grad_kind, grad_mul, m, n, nblocks, rowsq, colp
         r1 = rows * (blk + 1) // nblocks
         cp = colpart[blk]
         cwp = colw[blk]
+        cp[:] = 0.0  # this thread's own pages: Note [pass 1's partials are reused]
+        cwp[:] = 0.0
         cf = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's column sums
         cw = np.zeros(n, dtype=np.float32)  # (n,) fp32: the run's weighted column sums
         srow = np.empty(COLUMN_ROWS, dtype=np.float32)  # (COLUMN_ROWS,) the run's s_r
@@ -275,15 +314,19 @@ def _usq_from_factors(colw, row_f, col_f, rmeans, cap):
         return -1.0
     cols = col_f.shape[0]
     n = cols // rmeans.shape[0]
+    # Each column's partials added in block order, a block's row at a time (a column at a
+    # time strode across the blocks' rows: 1.2 ms at 64 x 4096, for the same additions).
+    w = np.zeros(cols, dtype=np.float64)  # (cols,) float64: the columns' weighted sums
+    for blk in range(colw.shape[0]):
+        part = colw[blk]
+        for j in range(cols):
+            w[j] += part[j]
     total = 0.0
     for bt in range(rmeans.shape[0]):
         batch = 0.0
         for j in range(bt * n, (bt + 1) * n):
-            w = 0.0
-            for blk in range(colw.shape[0]):
-                w += colw[blk, j]
             bj = np.float64(col_f[j])
-            batch += w * (bj * bj)
+            batch += w[j] * (bj * bj)
         total += rmeans[bt] * batch
     if not (total < np.inf):  # false for NaN too
         return -1.0
