@@ -583,16 +583,27 @@ def _kernel_run(shape: tuple[int, ...], seed: int) -> tuple[bytes, ...]:
     return tuple(t.numpy().tobytes() for t in (param, row_var, col_var))
 
 
-def test_pass_one_partials_reused_from_any_state_give_the_same_bits() -> None:
+def test_pass_one_partials_reused_from_any_state_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every step here takes ||U|| from the factors (pass 2 is never made, counted), so a
+    weighted partial left unzeroed could not hide behind pass 2's own sum."""
+    pass_two: list[int] = []
+    real_usq = adafactor._factored_usq
+    monkeypatch.setattr(
+        adafactor, "_factored_usq", lambda *args: (pass_two.append(1), real_usq(*args))[1]
+    )
     shape = (2, 96, 300)
+    nblocks = adafactor_stats._row_blocks(2 * 96, 300, 2 * 300)
     adafactor_stats.release_column_partials()
     fresh = _kernel_run(shape, 0)  # the thread's first buffer
     _kernel_run((512, 700), 1)  # grows it past this matrix's need
     assert _kernel_run(shape, 0) == fresh  # a prefix of the larger one, as it was left
-    plain, weighted = adafactor_stats.column_partials(64, 1400)
+    plain, weighted = adafactor_stats.column_partials(nblocks, 2 * 300)  # this shape's own
     plain[:] = np.nan
     weighted[:] = -np.inf
-    assert _kernel_run(shape, 0) == fresh  # over NaN and -inf
+    assert _kernel_run(shape, 0) == fresh  # over NaN (plain) and -inf (weighted)
+    assert pass_two == []
     adafactor_stats.release_column_partials()
     assert getattr(adafactor_stats._partials, "buffer", None) is None
 

@@ -238,9 +238,11 @@ def test_settling_keeps_pending_records_and_rows_the_rest(manager: TieredMemoryM
 def test_several_listeners_of_each_kind_each_hear_every_copy_in_order(
     manager: TieredMemoryManager,
 ) -> None:
-    """Note [one call per kind of listener]: two record listeners, two field listeners and
-    two ticks all hear every copy (the fan-out calls each, in subscription order); after one
-    of each unsubscribes, the others still hear, and after all do, nobody is called."""
+    """Note [one call per kind of listener]: two record listeners and two field listeners
+    each hear every copy, fields first, each kind in subscription order, and the four ticks
+    come every TICK_EVERY copies in subscription order (the fan-outs); after one of each
+    unsubscribes, the others still hear and tick (a listener and a tick alone: no fan-out),
+    and after all do, nobody is called."""
     heard: list[tuple[str, int]] = []
     ticks: list[str] = []
 
@@ -272,6 +274,7 @@ def test_several_listeners_of_each_kind_each_hear_every_copy_in_order(
     heard.clear()
     manager.copy(dst, src, direction=Direction.D2H, category=Category.GRADIENTS)
     assert [name for name, _ in heard] == ["fields 2", "records 2"]
+    assert ticks[4:] == ["records 2", "fields 2"]  # the copy numbered TICK_EVERY ticked
     unsubscribe[2]()
     unsubscribe[3]()
     heard.clear()

@@ -97,9 +97,12 @@ COLUMN_ROWS = 16
 # 15-17 ms in the step at 4096 x 4096 on two cores, against 9-10 ms given arrays already
 # touched (the step 0.66x its roofline). So each thread that runs the kernel keeps one
 # buffer for them, grown to the largest it has needed (``column_partials``), and pass 1
-# zeroes each block's own rows at its start, in its own thread. Held: per such thread, at
-# most 2 x 8 x max(blocks x columns) bytes over the matrices it stepped (4 MiB at 4096
-# columns, 64 MiB at most); ``release_column_partials`` gives the calling thread's back.
+# zeroes each block's own rows at its start, in its own thread. Held: per such thread, 2 x 8
+# x max(blocks x columns) bytes over the matrices it stepped, blocks x columns at most
+# max(COLUMN_PARTIALS, columns) (``_row_blocks``): 4 MiB at 4096 columns, 64 MiB up to 2^22
+# columns, 16 bytes a column past that. The optimizer steps on its manager's host worker,
+# whose thread ends at close and its buffer with it; any other caller of the kernel (a
+# benchmark, a test) frees its thread's with ``release_column_partials``.
 _partials = threading.local()
 
 
