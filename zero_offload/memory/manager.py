@@ -69,13 +69,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
 from .block import Block
 from .host_worker import HostWorker
+from .listeners import TICK_EVERY, Listeners, Tick
 from .pool import BlockPool
 from .storage import IOBuffer, StorageFile, StorageTier
 from .traffic import (
@@ -91,46 +92,6 @@ __all__ = ["TICK_EVERY", "Tier", "TieredMemoryManager", "interpreter_exiting"]
 
 _clock = time.perf_counter
 _new_tuple = tuple.__new__
-
-#: Copies between two calls of a subscriber's ``tick`` (``TieredMemoryManager.subscribe``).
-TICK_EVERY = 64
-
-#: Called with a copy's fields, in ``CopyRecord``'s order (``subscribe(fields=True)``).
-FieldListener = Callable[[tuple], None]
-Tick = Callable[[], None]
-
-
-# Note [one call per kind of listener]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A listened copy calls each kind of listener once: the one subscriber of that kind itself
-# (the profiler's ``list.extend``, its ``tick``), or a fan-out over several, built when the
-# subscriptions change. A loop over a tuple of one per kind per copy, and the tick's test
-# made for nobody, were a third of the listened copy's extra cost (0.6 of 1.4 us beside a
-# 16 us copy on the host accelerator: issue 39 asks for under 10%).
-
-
-def _one_call(listeners: list[Callable[..., None]]) -> Callable[..., None] | None:
-    """None for no listener, the listener itself for one, else one call that calls each in
-    subscription order (Note [one call per kind of listener])."""
-    if len(listeners) <= 1:
-        return listeners[0] if listeners else None
-    fan = tuple(listeners)
-
-    def each(*args: Any) -> None:
-        for listener in fan:
-            listener(*args)
-
-    return each
-
-
-class _Subscription(NamedTuple):
-    """One ``subscribe`` call: who hears copies (records, or fields) and stalls."""
-
-    copies: Callable[[Any], None]
-    stalls: RecordListener
-    fields: bool
-    tick: Tick | None
-
 
 # Note [a quiet exit after a failed stream]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -202,15 +163,8 @@ class TieredMemoryManager:
         self._stalls: list[StallRecord] = []
         #: Stalls dropped unmeasured because more than ``MAX_PENDING_STALLS`` were pending.
         self.stalls_dropped = 0
-        # Who listens: replaced whole under ``_lock`` (copy on write), read without it, so a
-        # copy reads one attribute, not a lock and a list copy, to learn who listens. None
-        # while nobody does; else (the record listeners, the field listeners, the ticks),
-        # each one callable or None (Note [one call per kind of listener]).
-        self._subscriptions: tuple[_Subscription, ...] = ()
-        self._hooks: (
-            tuple[Callable[[Any], None] | None, FieldListener | None, Tick | None] | None
-        ) = None
-        self._stall_listeners: tuple[RecordListener, ...] = ()
+        # Who listens (``listeners.py``): a copy reads its ``hooks`` without a lock.
+        self._listeners = Listeners()
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -274,30 +228,13 @@ class TieredMemoryManager:
         call per copy. See Note [a copy's start is its end event's].
         """
         release_timing = self.accelerator.hold_timing()
-        subscription = _Subscription(
-            listener, stalls if stalls is not None else listener, fields, tick
-        )
-        with self._lock:
-            self._set_subscriptions((*self._subscriptions, subscription))
+        remove = self._listeners.add(listener, stalls=stalls, fields=fields, tick=tick)
 
         def unsubscribe() -> None:
-            with self._lock:
-                if subscription in self._subscriptions:
-                    kept = list(self._subscriptions)
-                    kept.remove(subscription)
-                    self._set_subscriptions(tuple(kept))
+            remove()
             release_timing()
 
         return unsubscribe
-
-    def _set_subscriptions(self, subscriptions: tuple[_Subscription, ...]) -> None:
-        """Replace the listeners whole; the caller holds ``_lock``."""
-        self._subscriptions = subscriptions
-        records = _one_call([s.copies for s in subscriptions if not s.fields])
-        fields = _one_call([s.copies for s in subscriptions if s.fields])
-        ticks = _one_call([s.tick for s in subscriptions if s.tick is not None])
-        self._stall_listeners = tuple(s.stalls for s in subscriptions)
-        self._hooks = (records, fields, ticks) if subscriptions else None
 
     def copy(
         self,
@@ -335,7 +272,7 @@ class TieredMemoryManager:
         for event in after:
             stream.wait_event(event)
         nbytes = src.nbytes
-        hooks = self._hooks  # one read: replaced whole on (un)subscribe
+        hooks = self._listeners.hooks  # one read: replaced whole on (un)subscribe
         if hooks is None:
             self.accelerator.copy_(
                 dst, src, stream=stream, label=label or category.value, held=held
@@ -407,7 +344,7 @@ class TieredMemoryManager:
             )
         nbytes = file.length(slot)
         self.counters.add(direction, category, nbytes)
-        hooks = self._hooks
+        hooks = self._listeners.hooks
         if hooks is not None:
             record = CopyRecord(
                 seq=next(self._seq),
@@ -469,7 +406,7 @@ class TieredMemoryManager:
         with self._lock:
             self._stalls.append(stall)
             self._fold_completed()  # Note [stall records are bounded]
-        for listener in self._stall_listeners:
+        for listener in self._listeners.stalls:
             listener(stall)
 
     # Note [stall records are bounded]
