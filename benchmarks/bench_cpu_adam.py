@@ -1,4 +1,5 @@
-"""CPU optimizer throughput: our numba kernels (Adam, Lion, Adagrad, Adafactor) vs torch,
+"""CPU optimizer throughput: our numba kernels (Adam, Lion, Adagrad, Adafactor, Muon's host
+passes) vs torch,
 against a measured bandwidth roofline for each access pattern.
 
     python benchmarks/bench_cpu_adam.py [--quick | --large] [--rounds N]
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, time_rounds, write_json
 
 from zero_offload.kernels import adafactor_step, adagrad_step, adam_step, lion_step, warmup
+from zero_offload.kernels import muon as muon_kernels
 
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # bytes moved per parameter by each access pattern
@@ -37,6 +39,12 @@ ONE_STATE = ("Lion", "Adagrad")
 #: [the update from the factors]). The roofline of three passes (read g once more: 24
 #: B/param) is what a step costs where an element may be clamped, and was this row's
 #: yardstick before the norm came from the factors; both are printed.
+#: Muon's row: its two host passes around Newton-Schulz (Note [Muon's host passes] in
+#: kernels/muon.py: read g, B, write B and U in bf16; read p and O in bf16, write p: 24
+#: B/param), with Newton-Schulz replaced by the identity, as a GPU runs it (Note
+#: [Newton-Schulz where the matmuls are fast]); beside it torch's operations (what
+#: ``muon_step_torch`` runs) over the same matrix, with the same stand-in.
+MUON_ROOF = "roofline Muon fp32 (2 passes, 24 B/param)"
 ADAFACTOR_ROOF = "roofline Adafactor fp32 (2 passes, 20 B/param)"
 ADAFACTOR_ROOF3 = "roofline Adafactor fp32 (3 passes, 24 B/param)"
 
@@ -108,6 +116,48 @@ def _roofline_one_state(p, g, s, nchunks):
             p_t[i] = p_t[i] + 1
             s_t[i] = s_t[i] + x
     return 0
+
+
+@njit(parallel=True)
+def _roofline_muon(p, g, b, u, nchunks):
+    """The streams of Muon's two host passes (read g, b, write b, u (16-bit); read p, u,
+    write p), trivial arithmetic."""
+    n = p.shape[0]
+    for c in prange(nchunks):
+        lo, hi = n * c // nchunks, n * (c + 1) // nchunks
+        g_t, b_t, u_t = g[lo:hi], b[lo:hi], u[lo:hi]
+        for i in range(hi - lo):
+            x = b_t[i] + g_t[i]
+            b_t[i] = x
+            u_t[i] = np.uint16(x > 0)
+    for c in prange(nchunks):
+        lo, hi = n * c // nchunks, n * (c + 1) // nchunks
+        p_t, u_t = p[lo:hi], u[lo:hi]
+        for i in range(hi - lo):
+            p_t[i] = p_t[i] + np.float32(u_t[i])
+    return 0
+
+
+def _muon(step_fn, p, g, b, side: int):
+    """One Muon step of a side x side matrix through ``step_fn`` (``muon_step`` or
+    ``muon_step_torch``), Newton-Schulz replaced by the identity (see MUON_ROOF)."""
+
+    def run() -> None:
+        saved = muon_kernels.newton_schulz
+        muon_kernels.newton_schulz = _identity_ns
+        try:
+            step_fn(p, g, b, shape=(side, side), lr=0.02, weight_decay=0.1, momentum=0.95,
+                    nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5,
+                    eps=1e-7, adjust_lr_fn=None)  # fmt: skip
+        finally:
+            muon_kernels.newton_schulz = saved
+
+    return run
+
+
+def _identity_ns(update: torch.Tensor, **_: object) -> torch.Tensor:
+    """Newton-Schulz's stand-in: its bf16 input, as the device's result would land."""
+    return update.bfloat16()
 
 
 def _deepspeed_adam():
@@ -196,6 +246,13 @@ def bench_size(n: int, rounds: int) -> dict[str, float]:
     fns[ADAFACTOR_ROOF] = lambda: _roofline_passes(arrays[0], arrays[1], threads, passes=2)
     fns[ADAFACTOR_ROOF3] = lambda: _roofline_passes(arrays[0], arrays[1], threads, passes=3)
     fns["ours Adafactor fp32"] = ours_adafactor
+    muon_b = torch.zeros(n)  # (n,) fp32 momentum buffer
+    muon_u = np.empty(n, np.uint16)  # (n,) the roofline's 16-bit U
+    fns[MUON_ROOF] = lambda: _roofline_muon(arrays[0], arrays[1], muon_b.numpy(), muon_u, threads)
+    fns["ours Muon fp32 (host passes)"] = _muon(muon_kernels.muon_step, p, g, muon_b, side)
+    fns["torch ops Muon (host, as muon_step_torch)"] = _muon(
+        muon_kernels.muon_step_torch, p, g, muon_b, side
+    )
     fns["torch Adafactor (for-loop)"] = torch.optim.Adafactor([adafactor_p], lr=1e-2).step
     ds = _deepspeed_adam()
     if ds is None:
@@ -218,6 +275,7 @@ def _table(n: int, rates: dict[str, float]) -> str:
         one_state = name.startswith("roofline one state") or any(k in name for k in ONE_STATE)
         roof = roof_one if one_state else roof
         roof = rates[ADAFACTOR_ROOF] if "Adafactor" in name else roof
+        roof = rates[MUON_ROOF] if "Muon" in name else roof
         lines.append(f"| {name} | {r / 1e6:.0f} | {r / roof:.2f} | {r / fused:.2f} |")
     return "\n".join(lines)
 
@@ -244,6 +302,15 @@ def _targets(rates: dict[str, float]) -> dict[str, tuple[float, float]]:
         "Adafactor fp32 / its roofline (2 passes)": (
             rates["ours Adafactor fp32"] / rates[ADAFACTOR_ROOF],
             0.9,
+        ),
+        "Muon fp32 host passes / their roofline": (
+            rates["ours Muon fp32 (host passes)"] / rates[MUON_ROOF],
+            0.9,
+        ),
+        "Muon fp32 host passes / torch's operations": (
+            rates["ours Muon fp32 (host passes)"]
+            / rates["torch ops Muon (host, as muon_step_torch)"],
+            1.0,
         ),
         "Adafactor fp32 / the roofline of 3 passes": (
             rates["ours Adafactor fp32"] / rates[ADAFACTOR_ROOF3],

@@ -121,3 +121,26 @@ def test_adafactor_update_loop_vectorises_and_fuses_nothing(grad) -> None:
     assert FAST_MATH_FLAG.search(ir) is None
     assert FUSED.search(ir) is None
     assert FMA_INSTRUCTION.search(dispatcher.inspect_asm(signature)) is None
+
+
+@pytest.mark.parametrize("grad", [F32, U16], ids=["fp32", "bf16"])
+def test_muon_passes_vectorise_and_fuse_only_the_written_fmas(grad) -> None:
+    """Muon's two host passes (Note [Muon's host passes] in muon.py): torch's lerp and add
+    with alpha are fused multiply-adds, written as such (llvm.fma, vectorised), and nothing
+    else is fused or flagged."""
+    from zero_offload.kernels import muon
+
+    f32 = types.float32
+    passes = [
+        (muon._momentum_tile, (grad, types.int64, F32, U16, types.boolean, f32, f32,
+                               types.boolean, f32, types.boolean, types.boolean)),
+        (muon._apply_tile, (F32, U16, U16, f32, f32)),
+    ]  # fmt: skip
+    for fn, signature in passes:
+        assert _vectorised(fn, convert.FASTMATH_ELEMENTWISE, signature)
+        dispatcher = njit(fastmath=convert.FASTMATH_ELEMENTWISE, error_model="numpy")(fn.py_func)
+        dispatcher.compile(signature)
+        ir = dispatcher.inspect_llvm(signature)
+        assert re.search(r"llvm\.fma\.v\d+f32", ir)  # the written fmas, vectorised
+        assert "fmuladd" not in ir  # and none of LLVM's own
+        assert FAST_MATH_FLAG.search(ir) is None

@@ -28,6 +28,7 @@ ours does on the host CPU, which is not the same arithmetic: the parity tests st
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -36,7 +37,8 @@ from torch import nn
 
 from zero_offload import OffloadConfig, OffloadMuon
 from zero_offload.estimate.pools import rule_state, rule_state_bytes
-from zero_offload.kernels import muon_step
+from zero_offload.kernels import muon_step, muon_step_torch
+from zero_offload.kernels.muon import release_update_buffer, update_buffer
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
 
@@ -179,6 +181,131 @@ def test_the_step_is_torch_on_odd_shapes(shape: tuple[int, int]) -> None:
     assert torch.equal(master, ref.detach().reshape(-1))
     assert torch.equal(buf, opt.state[ref]["momentum_buffer"].reshape(-1))
     assert torch.equal(out, master.bfloat16())
+
+
+HOST_HYPER = [  # momentum, nesterov, grad_scale, weight_decay: both lerp branches, both bases
+    (0.95, True, 1.0, 0.0),
+    (0.9, False, 0.5, 0.1),
+    (0.3, True, 0.37, 0.0),
+    (0.5, True, 1.0, 0.2),
+    (0.0, False, 2.0, 0.0),
+]
+
+
+def _specials(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (fp32) with NaN, +-inf and -0 in its first elements, where it has them."""
+    t = t.clone()
+    for i, value in enumerate((float("nan"), float("inf"), -float("inf"), -0.0)):
+        if 4 * i + 3 < t.numel():
+            t[4 * i + 3] = value
+    return t
+
+
+@pytest.mark.parametrize("shape", [(7, 30), (30, 7), (33, 129), (300, 67)])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+def test_the_host_passes_are_torchs_operations_bitwise(
+    shape: tuple[int, int], grad_dtype: torch.dtype, out_dtype: torch.dtype | None
+) -> None:
+    """``muon_step`` (two numba passes around Newton-Schulz, Note [Muon's host passes]) and
+    ``muon_step_torch`` (torch's operations) give the same bits: master, buffer and out,
+    tall and wide matrices, every gradient and out dtype, every lerp branch. Three steps
+    with finite gradients over weights down to the update's size (where a fused
+    multiply-add and a rounded product part ways; NaN, inf and -0 among the weights, which
+    stay apart), then one with NaN and inf in the gradient (which reach every element
+    through Newton-Schulz's norm)."""
+    gen = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    numel = shape[0] * shape[1]
+    for momentum, nesterov, scale, decay in HOST_HYPER:
+        hyper = {"shape": shape, "lr": 0.02, "weight_decay": decay, "momentum": momentum,
+                 "nesterov": nesterov, "ns_coefficients": (3.4445, -4.7750, 2.0315),
+                 "ns_steps": 2, "eps": 1e-7, "adjust_lr_fn": None, "grad_scale": scale}  # fmt: skip
+        size = 0.01 * torch.exp(2 * torch.randn(numel, generator=gen))  # lr x O is ~1e-3
+        master = _specials(torch.randn(numel, generator=gen) * size)
+        buf = torch.randn(numel, generator=gen)
+        ours = [master.clone(), buf.clone()]
+        theirs = [master.clone(), buf.clone()]
+        outs = [None, None]
+        if out_dtype is not None:
+            outs = [torch.empty(numel, dtype=out_dtype) for _ in range(2)]
+        for step in range(4):
+            spread = torch.exp(3 * torch.randn(numel, generator=gen))  # 26 decades
+            grad = (torch.randn(numel, generator=gen) * spread).clamp(-6e4, 6e4)  # fp16's
+            grad = (_specials(grad) if step == 3 else grad).to(grad_dtype)
+            muon_step(ours[0], grad, ours[1], out=outs[0], num_threads=1, **hyper)
+            muon_step_torch(theirs[0], grad, theirs[1], out=outs[1], **hyper)
+            if step == 2:  # finite until here: the comparison that tells fma from not
+                assert ours[0][16:].isfinite().all()
+            for a, b in [*zip(ours, theirs, strict=True), tuple(outs)]:
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (step, a, b)
+
+
+def test_the_nesterov_update_rounds_as_torchs_fused_lerp() -> None:
+    """U = g.lerp(B, momentum) is rounded to bf16 before Newton-Schulz, which hides most of
+    an fp32 ulp; so the matrix here is made of the (g, B) pairs where torch's fused lerp and
+    a rounded product followed by an add give different bf16 U, found among 4M random ones.
+    The host passes must give torch's bits (a pass that rounds the product apart does not)."""
+    gen = torch.Generator().manual_seed(11)
+    momentum = 0.95
+    g, b0 = torch.randn(1 << 22, generator=gen), torch.randn(1 << 22, generator=gen)
+    b = b0.lerp(g, 1 - momentum)  # the buffer after the step's first lerp, as torch's
+    fused = g.lerp(b, momentum).bfloat16()
+    coefficient = torch.tensor(momentum, dtype=torch.float32) - 1  # lerp's w - 1, in fp32
+    apart = (b + coefficient * (b - g)).bfloat16()  # the product rounded, then the add
+    where = (fused.view(torch.int16) != apart.view(torch.int16)).nonzero().view(-1)
+    assert where.numel() >= 4, "no pair tells the two apart: draw more"
+    pick = where.repeat(64 // where.numel() + 1)[:64]
+    grad, buf0 = g[pick].clone(), b0[pick].clone()
+    hyper = {"shape": (8, 8), "lr": 0.02, "weight_decay": 0.0, "momentum": momentum,
+             "nesterov": True, "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_steps": 2,
+             "eps": 1e-7, "adjust_lr_fn": None}  # fmt: skip
+    master = torch.randn(64, generator=gen) * 1e-3
+    ours, theirs = (master.clone(), buf0.clone()), (master.clone(), buf0.clone())
+    muon_step(ours[0], grad, ours[1], **hyper)
+    muon_step_torch(theirs[0], grad, theirs[1], **hyper)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_the_update_buffer_is_each_threads_own_and_its_leftovers_do_not_matter() -> None:
+    """U's buffer (Note [Muon's host passes]) is reused, whatever it held: a step after a
+    larger matrix left it full of NaN gives the bits of a fresh one; two threads stepping
+    at once each have their own."""
+    hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+             "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_steps": 3, "eps": 1e-7,
+             "adjust_lr_fn": None}  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    grad, master = torch.randn(24 * 40, generator=gen), torch.randn(24 * 40, generator=gen)
+
+    def run(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        p, b = master.clone(), torch.zeros(master.numel())
+        muon_step(p, grad, b, shape=shape, **hyper)
+        return p, b
+
+    release_update_buffer()
+    fresh = run((24, 40))
+    update_buffer(10_000).fill_(float("nan"))
+    assert update_buffer(10).isnan().all()  # the same buffer, left as it was
+    for got, want in zip(run((24, 40)), fresh, strict=True):
+        assert torch.equal(got, want)
+    seen: dict[str, object] = {}
+
+    def worker(name: str, shape: tuple[int, int]) -> None:
+        seen[name] = (run(shape), update_buffer(1).untyped_storage().data_ptr())
+        release_update_buffer()
+
+    threads = [threading.Thread(target=worker, args=(n, s))
+               for n, s in (("a", (24, 40)), ("b", (40, 24)))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["a"][1] != seen["b"][1]  # type: ignore[index]
+    for got, want in zip(seen["a"][0], fresh, strict=True):  # type: ignore[index]
+        assert torch.equal(got, want)
+    for got, want in zip(seen["b"][0], run((40, 24)), strict=True):  # type: ignore[index]
+        assert torch.equal(got, want)
+    release_update_buffer()
 
 
 def test_the_step_names_a_bad_argument_before_writing() -> None:

@@ -1,11 +1,12 @@
 """Numba CPU kernels (shipped as zero_offload.kernels): pure functions over arrays. Muon's
-step (``muon.py``) is the one built from torch's own CPU operations: its work is matrix
-products.
+step (``muon.py``) calls torch for its matrix products (Newton–Schulz) between two numba
+passes.
 
 Every kernel takes 1-D contiguous CPU arrays (torch tensors or numpy arrays; a numpy uint16
 array holds bf16 bit patterns), works on an optional tile ``[start, stop)``, keeps no state,
-and validates all arguments before writing anything; ``muon_step`` alone takes tensors on
-any one device (a resident bucket's too).
+and validates all arguments before writing anything; ``muon_step_torch`` alone takes
+tensors on any one device (a resident bucket's too), and ``muon_step`` and
+``adafactor_step`` keep a reused scratch buffer per calling thread.
 """
 
 from .threading_layer import configure_threads
@@ -25,7 +26,7 @@ from .adagrad import adagrad_step  # noqa: E402
 from .adam import adam_step  # noqa: E402
 from .convert import cast_fp32  # noqa: E402
 from .lion import lion_step  # noqa: E402
-from .muon import muon_step, newton_schulz  # noqa: E402
+from .muon import muon_step, muon_step_torch, newton_schulz  # noqa: E402
 from .stats import StatsRanges, grad_stats, grad_stats_ranges, plan_stats_ranges  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
@@ -43,6 +44,7 @@ __all__ = [
     "grad_stats_ranges",
     "lion_step",
     "muon_step",
+    "muon_step_torch",
     "newton_schulz",
     "plan_accumulate_ranges",
     "plan_stats_ranges",

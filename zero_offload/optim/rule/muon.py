@@ -7,11 +7,12 @@ parameter, shaped like it and fp32, ``momentum_buffer`` for a matrix (torch's Mu
 and ``exp_avg``/``exp_avg_sq`` for the rest (torch's AdamW's). Host bytes per parameter:
 8 for a matrix (master, buffer), 12 for the rest (master, two moments).
 ``OffloadConfig.moments_dtype`` does not apply: the shaped state is fp32. On the host a
-matrix steps through ``kernels.muon_step`` (torch's bf16 Newton–Schulz on the CPU, or on
-the GPU: Note [Newton-Schulz where the matmuls are fast]), the rest through
-``kernels.adam_step``. State resident on the device steps there (Note [whole parameters
-stepped on the device] in ``state/whole_resident.py``): a matrix through
-``kernels.muon_step`` over the device's tensors, the rest through torch's fused AdamW as
+matrix steps through ``kernels.muon_step`` (two numba passes around torch's bf16
+Newton–Schulz, on the CPU or on the GPU: Note [Muon's host passes], Note [Newton-Schulz
+where the matmuls are fast]), the rest through ``kernels.adam_step``. State resident on the
+device steps there (Note [whole parameters stepped on the device] in
+``state/whole_resident.py``): a matrix through ``kernels.muon.muon_step_torch`` (torch's
+operations, bitwise the host's passes), the rest through torch's fused AdamW as
 ``OffloadAdamW``'s resident buckets are.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from ...kernels import adam_step, muon_step
+from ...kernels.muon import muon_step_torch
 from .adamw import ADAMW, AdamHyper
 from .base import ParamField, StateField, StateFields, WholeParameterRule
 from .values import check_flag, check_number, check_number_or_scalar_tensor
@@ -173,16 +175,7 @@ class MuonRule(WholeParameterRule):
                 master,
                 grad,
                 param_state["momentum_buffer"].reshape(-1),
-                shape=tuple(shape),
-                lr=hyper.lr,
-                weight_decay=hyper.weight_decay,
-                momentum=hyper.momentum,
-                nesterov=hyper.nesterov,
-                ns_coefficients=hyper.ns_coefficients,
-                ns_steps=hyper.ns_steps,
-                eps=hyper.eps,
-                adjust_lr_fn=hyper.adjust_lr_fn,
-                grad_scale=grad_scale,
+                **_muon_arguments(shape, hyper, grad_scale),
                 out=out,
                 ns_device=hyper.ns_device,
             )
@@ -217,17 +210,13 @@ class MuonRule(WholeParameterRule):
         """On the device: Muon for a matrix (Newton-Schulz there too), torch's fused AdamW
         for any other shape, as ``OffloadAdamW``'s resident buckets step it."""
         if is_muon_shape(shape):
-            # The host step's operations on the device's tensors (Newton-Schulz where they
-            # are: ns_device is the accelerator's device or None).
-            self.parameter_step(
-                fields,
-                param_state,
+            # torch's operations on the device's tensors, Newton-Schulz where they are
+            # (Note [Muon as torch steps it]): bitwise the host's two passes.
+            muon_step_torch(
+                fields["master"],
                 grad,
-                shape=shape,
-                step=step,
-                hyper=hyper,
-                grad_scale=grad_scale,
-                out=None,
+                param_state["momentum_buffer"].reshape(-1),
+                **_muon_arguments(shape, hyper, grad_scale),
             )
             return
         ADAMW.device_tile_step(
@@ -276,3 +265,20 @@ def _adamw_hyper(hyper: MuonHyper) -> AdamHyper:
 
 #: ``torch.optim.Muon``'s rule with AdamW beside it (``OffloadMuon``).
 MUON = MuonRule()
+
+
+def _muon_arguments(shape: tuple[int, ...], hyper: MuonHyper, grad_scale: float) -> dict[str, Any]:
+    """A matrix's step arguments from its group's hyper-parameters (``muon_step`` and
+    ``muon_step_torch`` take the same)."""
+    return {
+        "shape": tuple(shape),
+        "lr": hyper.lr,
+        "weight_decay": hyper.weight_decay,
+        "momentum": hyper.momentum,
+        "nesterov": hyper.nesterov,
+        "ns_coefficients": hyper.ns_coefficients,
+        "ns_steps": hyper.ns_steps,
+        "eps": hyper.eps,
+        "adjust_lr_fn": hyper.adjust_lr_fn,
+        "grad_scale": grad_scale,
+    }
