@@ -35,10 +35,11 @@ import pytest
 import torch
 from torch import nn
 
-from zero_offload import OffloadConfig, OffloadMuon
+from zero_offload import OffloadAdamW, OffloadConfig, OffloadMuon
 from zero_offload.estimate.pools import rule_state, rule_state_bytes
 from zero_offload.kernels import muon_step, muon_step_torch
 from zero_offload.kernels.muon import release_update_buffer, update_buffer
+from zero_offload.optim.rule.muon import adamw_rate
 
 from .helpers.models import batches, host_accelerator, lm_loss, make_pair, max_diff
 
@@ -361,6 +362,65 @@ def test_matches_torch_muon_and_adamw_within_torchs_own_drift(
         for name in names:
             assert ours[name].shape == theirs[name].shape == p.shape, name
     opt.close()
+
+
+def _mixed() -> nn.Sequential:
+    """Matrices (Muon) beside biases and a norm (AdamW)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_one_scheduler_schedules_both_halves_as_torchs_two_optimizers() -> None:
+    """Note [the AdamW half follows lr's schedule]: OffloadMuon under one LambdaLR against
+    torch's Muon over the matrices beside an OffloadAdamW over the rest (our AdamW kernel,
+    so the halves compare bit for bit), each under the same LambdaLR. The factors are
+    powers of two, so ``adamw_lr * lr / adamw_lr_reference`` is the factor exactly: the
+    runs are bitwise equal, and a factor of 0 (a warmup's start) moves nothing."""
+    factors = [0.0, 0.5, 1.0, 0.25, 0.0, 0.5, 2.0]
+    model, ref = _mixed(), _mixed()
+    opt = OffloadMuon(model.parameters(), lr=0.02, adamw_lr=4e-3, config=_config(),
+                      accelerator=host_accelerator())  # fmt: skip
+    assert opt.param_groups[0]["adamw_lr_reference"] == 0.02
+    muon = torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], lr=0.02)
+    adamw = OffloadAdamW([p for p in ref.parameters() if p.dim() != 2], lr=4e-3,
+                         config=_config(), accelerator=host_accelerator())  # fmt: skip
+    optimizers = (opt, muon, adamw)
+    last = len(factors) - 1
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: factors[min(s, last)])
+                  for o in optimizers]  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    for step in range(len(factors)):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        before = [p.detach().clone() for p in model.parameters()]
+        for m in (model, ref):
+            ((m(x) - y) ** 2).mean().backward()
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        for s in schedulers:
+            s.step()
+        if factors[step] == 0.0:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert max_diff(model, ref) == 0.0, step
+    assert opt.state_dict()["param_groups"][0]["adamw_lr_reference"] == 0.02
+    opt.close()
+    adamw.close()
+
+
+def test_the_adamw_rate_follows_lr_from_its_reference() -> None:
+    """``adamw_rate`` (Note [the AdamW half follows lr's schedule]): ``adamw_lr`` at the
+    reference ``lr``, scaled by ``lr``'s factor elsewhere; unscaled where there is no factor
+    to take (a reference of 0, or none: a group saved before the key existed)."""
+    group = {"adamw_lr": 3e-3, "adamw_lr_reference": 0.02}
+    assert adamw_rate(group, 0.02) == 3e-3
+    assert adamw_rate(group, 0.01) == pytest.approx(1.5e-3, rel=1e-15)
+    assert adamw_rate(group, 0.0) == 0.0
+    assert adamw_rate({"adamw_lr": 3e-3, "adamw_lr_reference": 0.0}, 0.01) == 3e-3
+    assert adamw_rate({"adamw_lr": 3e-3}, 0.01) == 3e-3
+    with pytest.raises(ValueError, match="adamw_lr_reference"):
+        OffloadMuon([nn.Parameter(torch.randn(3))], adamw_lr=1e-3,
+                    accelerator=host_accelerator()).add_param_group(
+            {"params": [nn.Parameter(torch.randn(3))], "adamw_lr_reference": -1.0})  # fmt: skip
 
 
 # -- 3. checkpoints, announced steps, bf16 -----------------------------------------------------

@@ -36,7 +36,10 @@ class OffloadMuon(OffloadOptimizer):
     parameter of other than two dims steps as ``torch.optim.AdamW`` does, with the
     ``adamw_*`` hyper-parameters. So ``OffloadMuon(model.parameters(), lr=0.02,
     adamw_lr=3e-4)`` is torch's documented recipe (a Muon over the matrices, an AdamW over
-    the rest) as one optimizer; param groups may set any of these keys. A 2-D parameter
+    the rest) as one optimizer, under one LR scheduler too: the AdamW half's rate follows
+    ``lr``'s factor from the value it had when its group was made (``adamw_lr * lr /
+    adamw_lr_reference``, recorded in the group: Note [the AdamW half follows lr's
+    schedule] in ``rule/muon.py``); param groups may set any of these keys. A 2-D parameter
     that should train with AdamW (an embedding, an output head) belongs in a separate
     ``OffloadAdamW``; a group with a ``use_muon`` key is refused.
 

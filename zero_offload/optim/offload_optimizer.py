@@ -265,6 +265,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         self.rule.check_group(group, where=where)
+        self.rule.complete_group(group)
         check_new_params(params, self.param_groups, names=names)
         if (
             not self._policy.scaler.skips_overflow

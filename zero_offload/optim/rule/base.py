@@ -239,6 +239,11 @@ class OptimizerRule(ABC):
         """Raise ``ValueError``/``TypeError`` naming ``where``, the key and the value when
         ``group``'s hyper-parameters are not ones this rule can step with."""
 
+    def complete_group(self, group: dict[str, Any]) -> None:
+        """Add the keys a new group (checked, with the defaults filled in) takes from its
+        own values; none by default (Muon's ``adamw_lr_reference``)."""
+        return None
+
     @abstractmethod
     def state_fields(
         self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]

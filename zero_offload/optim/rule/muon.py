@@ -31,7 +31,7 @@ from .adamw import ADAMW, AdamHyper
 from .base import ParamField, StateField, StateFields, WholeParameterRule
 from .values import check_flag, check_number, check_number_or_scalar_tensor
 
-__all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule"]
+__all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule", "adamw_rate"]
 
 # Note [Muon routes by shape]
 # torch.optim.Muon takes 2-D parameters only and its documentation sends the rest (biases,
@@ -42,6 +42,23 @@ __all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule"]
 # a second source of truth. A 2-D parameter meant for AdamW (an embedding, an output head,
 # as Keller Jordan's recipe trains them) goes to its own OffloadAdamW; a group that says
 # ``use_muon`` (that recipe's flag) is refused with this advice, not silently ignored.
+
+# Note [the AdamW half follows lr's schedule]
+# torch's recipe is two optimizers, a Muon and an AdamW, each under the same schedule: a
+# scheduler (LambdaLR, every HF Trainer and Lightning schedule, OneCycleLR, StepLR...)
+# writes each optimizer's ``lr``, as a factor of where it started. One OffloadMuon group
+# has one ``lr``, Muon's, which a scheduler writes, and AdamW's rate in ``adamw_lr``, which
+# no scheduler knows: left alone, the biases and norms trained at a constant rate through
+# a warmup from zero and a decay to zero. So each group records, when it is made, the
+# ``lr`` its ``adamw_lr`` goes with (``adamw_lr_reference``), and its AdamW half steps at
+# ``adamw_lr * lr / adamw_lr_reference``: the factor the schedule applies to Muon's rate,
+# applied to AdamW's. At the constructed ``lr`` that is ``adamw_lr`` itself (a factor of
+# exactly 1). A hand-set ``lr`` moves both halves alike; ``adamw_lr`` set by hand is the
+# rate at the reference ``lr``. Where the reference is 0 (a group made with ``lr=0``) no
+# factor can be taken: the AdamW half steps at ``adamw_lr``. A schedule that is not a factor
+# (CosineAnnealingLR's ``eta_min``, CyclicLR's ``base_lr``) is scaled too, not copied: the
+# AdamW half's floor is ``adamw_lr * eta_min / lr``. A group saved without the key (an older
+# checkpoint) steps at ``adamw_lr`` until it is given one.
 
 #: torch's ``adjust_lr_fn`` values.
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -87,8 +104,9 @@ class MuonRule(WholeParameterRule):
     def hyper(self, group: Mapping[str, Any]) -> MuonHyper:
         beta1, beta2 = group["adamw_betas"]
         a, b, c = group["ns_coefficients"]
+        lr = float(group["lr"])
         return MuonHyper(
-            lr=float(group["lr"]),
+            lr=lr,
             weight_decay=float(group["weight_decay"]),
             momentum=float(group["momentum"]),
             nesterov=bool(group["nesterov"]),
@@ -96,7 +114,7 @@ class MuonRule(WholeParameterRule):
             eps=float(group["eps"]),
             ns_steps=int(group["ns_steps"]),
             adjust_lr_fn=group["adjust_lr_fn"],
-            adamw_lr=float(group["adamw_lr"]),
+            adamw_lr=adamw_rate(group, lr),
             adamw_beta1=float(beta1),
             adamw_beta2=float(beta2),
             adamw_eps=float(group["adamw_eps"]),
@@ -137,6 +155,8 @@ class MuonRule(WholeParameterRule):
                 f"{group['adjust_lr_fn']!r}"
             )
         check_number(where, "adamw_lr", group["adamw_lr"], low=0.0)
+        if "adamw_lr_reference" in group:
+            check_number(where, "adamw_lr_reference", group["adamw_lr_reference"], low=0.0)
         check_number(where, "adamw_eps", group["adamw_eps"], low=0.0)
         check_number(where, "adamw_weight_decay", group["adamw_weight_decay"], low=0.0)
         betas = group["adamw_betas"]
@@ -144,6 +164,11 @@ class MuonRule(WholeParameterRule):
             raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
         check_number(where, "adamw_betas[0]", betas[0], low=0.0, high=1.0)
         check_number(where, "adamw_betas[1]", betas[1], low=0.0, high=1.0)
+
+    def complete_group(self, group: dict[str, Any]) -> None:
+        """The ``lr`` this group's ``adamw_lr`` goes with: its own, unless it names one
+        (Note [the AdamW half follows lr's schedule])."""
+        group.setdefault("adamw_lr_reference", float(group["lr"]))
 
     def state_fields(
         self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]
@@ -265,6 +290,17 @@ def _adamw_hyper(hyper: MuonHyper) -> AdamHyper:
 
 #: ``torch.optim.Muon``'s rule with AdamW beside it (``OffloadMuon``).
 MUON = MuonRule()
+
+
+def adamw_rate(group: Mapping[str, Any], lr: float) -> float:
+    """The rate the group's AdamW half steps at, given its current ``lr``: ``adamw_lr``
+    scaled as ``lr`` is from ``adamw_lr_reference`` (Note [the AdamW half follows lr's
+    schedule])."""
+    adamw_lr = float(group["adamw_lr"])
+    reference = float(group.get("adamw_lr_reference", lr))
+    if reference <= 0.0 or lr == reference:
+        return adamw_lr
+    return adamw_lr * (lr / reference)
 
 
 def _muon_arguments(shape: tuple[int, ...], hyper: MuonHyper, grad_scale: float) -> dict[str, Any]:
