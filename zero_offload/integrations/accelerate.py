@@ -25,6 +25,9 @@ What it changes, and why:
   storage get copies of their own (accelerate would keep one per storage and drop the rest),
   and under ZeRO-3 a tied parameter's names share one tensor (Note [state dicts the savers
   can write] in ``_optim.py``).
+- ``load_state`` reads the model file ``save_state`` wrote (safetensors, the default) into a
+  model whose parameters are bucket views itself, where accelerate's reader refuses them
+  (Note [loading into bucket views]).
 - ``backward`` multiplies the loss by the optimizer's loss scale (1 unless the model is
   fp16: ``OffloadAdamW`` has its own dynamic loss scaler).
 - With several processes, a model whose trainable parameters an ``OffloadAdamW`` owns is
@@ -42,11 +45,14 @@ which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils.constants import SAFE_MODEL_NAME
 
 from ..optim import OffloadAdamW, OffloadOptimizer
 from ..profiling.metrics import StepMetrics
@@ -139,6 +145,7 @@ class OffloadAccelerator(Accelerator):
         self._offload_in_prepare: list[OffloadAdamW] = []
         #: Per prepared optimizer: its StepMetrics and the step count at the last collect.
         self._offload_metrics: dict[int, tuple[StepMetrics, int]] = {}
+        self.register_load_state_pre_hook(self._load_offloaded_models)
 
     def offload_metrics(self) -> dict[str, float]:
         """The offload figures per optimizer step since the last call (Note [offload metrics
@@ -249,6 +256,34 @@ class OffloadAccelerator(Accelerator):
             return state_dict
         return saveable(target, state_dict)
 
+    # Note [loading into bucket views]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # ``save_state`` writes each model as ``model{_i}.safetensors`` (accelerate's default),
+    # and ``load_state`` reads it back with safetensors' ``load_model``, which first looks
+    # for tensors that share a storage in the live ``model.state_dict()`` and refuses any
+    # that does not cover its whole storage: every parameter of a model an offload
+    # optimizer trains is a view into its bucket, so a resume failed there, in
+    # safetensors' words. So a load pre-hook (accelerate calls it with the list of models
+    # it is about to load) reads such a model's file itself, ``load_state_dict`` into the
+    # views, with ``load_model``'s strictness (a name the file leaves out is missing only
+    # if no loaded name is the same parameter: the savers keep one name of a tied pair),
+    # and puts a placeholder that loads nothing in its place in the list, so the model
+    # keeps its index (the file names) and is not loaded twice. A ``.bin`` model file
+    # (``safe_serialization=False``) goes through ``load_state_dict`` already.
+
+    def _load_offloaded_models(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        """Load each model an offload optimizer trains from its safetensors file and take
+        it out of accelerate's way (Note [loading into bucket views])."""
+        for index, model in enumerate(models):
+            ending = f"_{index}" if index > 0 else ""
+            path = Path(input_dir) / f"{SAFE_MODEL_NAME}{ending}.safetensors"
+            if isinstance(model, _Loaded) or not path.exists():
+                continue
+            if not self._owned_by_offload(self.unwrap_model(model)):
+                continue
+            load_into_views(model, safetensors.torch.load_file(str(path)), what=str(path))
+            models[index] = _Loaded()
+
     def _writes_files(self) -> bool:
         """Whether accelerate's ``save`` writes from this process."""
         if self.project_configuration.save_on_each_node:
@@ -319,3 +354,28 @@ class OffloadAccelerator(Accelerator):
 def _params(opt: OffloadOptimizer) -> list[torch.Tensor]:
     """The trainable parameters of ``opt`` (frozen ones get no host state)."""
     return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+
+
+class _Loaded(torch.nn.Module):
+    """A model already loaded (Note [loading into bucket views]): accelerate's loaders find
+    nothing to load and nothing missing."""
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+def load_into_views(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, what: str
+) -> None:
+    """``model.load_state_dict(state_dict)`` as strict as safetensors' ``load_model``: a
+    name missing from ``state_dict`` is an error unless a loaded name is the same tensor
+    (one of a tied pair); names the model does not have are an error."""
+    result = model.load_state_dict(state_dict, strict=False)
+    live = model.state_dict(keep_vars=True)
+    loaded = {id(live[name]) for name in state_dict if name in live}
+    missing = [name for name in result.missing_keys if id(live[name]) not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"loading {what} into {type(model).__name__}: missing keys {missing}, "
+            f"unexpected keys {list(result.unexpected_keys)} (the file is not this model's)"
+        )
