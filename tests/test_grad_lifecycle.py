@@ -559,3 +559,38 @@ def test_bf16_resume_is_bitwise_in_either_load_order(order: str, overlap: bool) 
     if overlap:
         ropt.flush_pending_update()
     assert max_diff(model, resumed) == 0.0
+
+
+class _WithEmpty(nn.Module):
+    """A linear layer beside a parameter of no elements (register tokens, count 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.registers = nn.Parameter(torch.zeros(0, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([self.registers.expand(x.shape[0], 0, 4), x.unsqueeze(1)], dim=1)
+        return self.lin(tokens).square().mean()
+
+
+def test_an_empty_parameter_trains_as_torch_skips_it() -> None:
+    """A parameter of no elements gets an (empty) gradient from autograd and has nothing to
+    step: it is left out of the buckets, and its gradient must not be taken for a frozen
+    parameter's (every step raised). The rest trains as torch's AdamW trains it."""
+    from zero_offload import OffloadAdamW
+
+    model, ref = _WithEmpty(), _WithEmpty()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, accelerator=host_accelerator())
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(2, 4, generator=gen)
+        for m, o in ((model, opt), (ref, torch_opt)):
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight, rtol=0, atol=1e-6)
+    assert model.registers.shape == (0, 4)
+    opt.close()

@@ -130,7 +130,7 @@ def check_params(
             what = describe_param(index, param, names[i] if names is not None else None)
             if param.is_complex() or not param.is_floating_point():
                 raise TypeError(
-                    f"{what} is not a real floating-point tensor; OffloadAdamW updates "
+                    f"{what} is not a real floating-point tensor; the offload optimizers update "
                     f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} parameters only"
                 )
             if param.layout is not torch.strided:
@@ -239,7 +239,9 @@ def check_untouched(
     index = 0
     for g, group in enumerate(param_groups):
         for param in group["params"]:
-            if id(param) not in trained and param.grad is not None:
+            # An empty parameter has no state to step and nothing to step (torch skips
+            # its step too); only its gradient is left over, as torch leaves it.
+            if id(param) not in trained and param.grad is not None and param.numel() > 0:
                 raise ValueError(
                     f"{describe_param(index, param)} in param group {g} has a gradient, "
                     f"but it was frozen (requires_grad=False) or empty when {owner!r} was "
