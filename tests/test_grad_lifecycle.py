@@ -594,3 +594,42 @@ def test_an_empty_parameter_trains_as_torch_skips_it() -> None:
     torch.testing.assert_close(model.lin.weight, ref.lin.weight, rtol=0, atol=1e-6)
     assert model.registers.shape == (0, 4)
     opt.close()
+
+
+def test_zero_grad_keeping_zeros_steps_alike_and_refuses_where_torch_would_not_skip() -> None:
+    """Note [zero gradients are not kept]: with every parameter used, zero_grad(set_to_none=
+    False) trains as zero_grad() does (bitwise). A parameter that had a gradient, was zeroed
+    with set_to_none=False and got none in this window would step in torch (a zero gradient,
+    weight decay and momentum): the step refuses, naming it, and changes nothing; after
+    zero_grad() the loop goes on as torch's does with set_to_none=True."""
+    from zero_offload import OffloadAdamW
+
+    def build() -> tuple[nn.ModuleDict, OffloadAdamW]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        opt = OffloadAdamW(model.named_parameters(), lr=1e-2, accelerator=host_accelerator())
+        return model, opt
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    (kept, kept_opt), (plain, plain_opt) = build(), build()
+    for _ in range(3):
+        for model, opt, to_none in ((kept, kept_opt, False), (plain, plain_opt, True)):
+            model["b"](model["a"](x)).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=to_none)
+    assert all(
+        torch.equal(p, q) for p, q in zip(kept.parameters(), plain.parameters(), strict=True)
+    )
+    kept["a"](x).square().sum().backward()  # b gets no gradient; torch would step it
+    before = [p.detach().clone() for p in kept.parameters()]
+    with pytest.raises(ValueError, match=r"'b\.(weight|bias)'.*got no gradient.*set_to_none=False"):
+        kept_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, kept.parameters(), strict=True))
+    kept_opt.zero_grad()
+    kept["a"](x).square().sum().backward()
+    kept_opt.step()  # torch skips b too now: no refusal
+    assert torch.equal(kept["b"].weight, before[2])
+    with pytest.raises(TypeError, match="set_to_none"):
+        kept_opt.zero_grad(set_to_none=None)  # type: ignore[arg-type]
+    kept_opt.close()
+    plain_opt.close()

@@ -53,6 +53,7 @@ from .checks import (
 from .construction import SegmentBuilder, check_param_offload, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
+from .kept_zero_grads import KeptZeroGrads
 from .lifetime import Resources
 from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
 from .reports.live import OptimizerState
@@ -185,6 +186,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else ImmediateUpdate(self.manager, self._ranks),
             param_offload=lambda: resources.param_offload is not None,
         )
+        self._kept_zeros = KeptZeroGrads()  # Note [zero gradients are not kept]
         self._constructing = True
         try:
             super().__init__(params, defaults)
@@ -450,6 +452,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
+        self._kept_zeros.check_step(self, self.buckets, self.param_groups)
         mode = self._policy.mode
         mode.settle(self.buckets)
         # Note [weights written outside the optimizer] in views/param_views.py; Note [the
@@ -478,7 +481,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- zero_grad, state_dict -------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget every gradient since the last step, in flight or not (device and host)."""
+        """Forget every gradient since the last step, in flight or not (device and host).
+        No ``.grad`` is kept either way; after ``set_to_none=False`` a step refuses where
+        torch would step a parameter with its kept zero ``.grad`` (Note [zero gradients are
+        not kept] in ``kept_zero_grads.py``)."""
+        self._kept_zeros.zero_grad(set_to_none)
         super().zero_grad(set_to_none=True)
         if self._finalizer.alive:
             self._policy.discard_window(self)
