@@ -39,6 +39,7 @@ own tests (numba on the CPU).
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import re
 from collections.abc import Callable
@@ -376,7 +377,8 @@ def test_host_state_bytes_per_parameter() -> None:
             lambda p: OffloadAdagrad(
                 [{"params": p[:2]}, {"params": p[2:], "initial_accumulator_value": 0.5}]
             ),
-            r"every param group must have the same initial_accumulator_value, got \[0.0, 0.5\]",
+            r"param group 1: initial_accumulator_value=0.5 differs from the constructor's "
+            r"\(0.0\); torch.optim.Adagrad starts every parameter's sum from",
         ),
     ],
 )
@@ -538,7 +540,10 @@ def test_random_shapes_groups_and_hyper_parameters_match_the_reference(run: dict
     facade = OffloadLion if run["rule"] == "lion" else OffloadAdagrad
     config = OffloadConfig(bucket_bytes=run["bucket_bytes"], tile_elements=1024,
                            offload_fraction=run["fraction"])  # fmt: skip
-    opt = facade(groups(ours), config=config, accelerator=run_accelerator())
+    # torch's Adagrad starts every sum from the constructor's value, ours refuses a group
+    # that names another: the constructor is given it, as the reference is
+    start = {k: v for k, v in run["groups"][0].items() if k == "initial_accumulator_value"}
+    opt = facade(groups(ours), **start, config=config, accelerator=run_accelerator())
     reference = LionReference if run["rule"] == "lion" else torch.optim.Adagrad
     ropt = reference(groups(theirs), **run["groups"][0])
     for step in range(6):
@@ -553,3 +558,27 @@ def test_random_shapes_groups_and_hyper_parameters_match_the_reference(run: dict
     opt.close()
     diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
     assert diff == 0.0 if run["rule"] == "lion" else diff < FP32_ATOL
+
+
+def test_adagrad_loads_torchs_state_of_parameters_not_stepped_yet() -> None:
+    """torch's Adagrad saves every parameter from its construction on (``step`` 0, ``sum`` at
+    its start), and a parameter no backward has reached yet keeps that entry: such a state
+    dict loads (step 0 is "not stepped yet"), and the run goes on as torch's."""
+    model, ref = make_pair()
+    hyper = {"lr": 1e-2, "lr_decay": 0.05, "initial_accumulator_value": 0.25}
+    ropt = torch.optim.Adagrad(ref.parameters(), **hyper)
+    fresh = copy.deepcopy(ropt.state_dict())  # step 0 everywhere
+    assert all(float(entry["step"]) == 0 for entry in fresh["state"].values())
+    opt = OffloadAdagrad(model.parameters(), **hyper, config=_config(),
+                         accelerator=run_accelerator())  # fmt: skip
+    opt.load_state_dict(fresh)
+    data = batches(4)
+    for tokens, targets in data:
+        for m, o in ((model, opt), (ref, ropt)):
+            lm_loss(m, tokens, targets).backward()
+            o.step()
+            o.zero_grad()
+    assert max_diff(model, ref) <= FP32_ATOL
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
+    opt.close()

@@ -24,8 +24,9 @@ class OffloadAdagrad(OffloadOptimizer):
     """Adagrad with fp32 master weights, the sum of squared gradients and the gradients
     offloaded to host memory: 8 bytes of host state per parameter.
 
-    Args follow ``torch.optim.Adagrad``; every param group must have the same
-    ``initial_accumulator_value``. ``foreach`` and ``fused`` other than None and
+    Args follow ``torch.optim.Adagrad``; ``initial_accumulator_value`` is the constructor's
+    for every group (torch starts every ``sum`` from it and ignores a group's own: a group
+    that names another value is refused, here and in ``add_param_group``). ``foreach`` and ``fused`` other than None and
     ``differentiable`` are refused, as ``OffloadAdamW`` refuses them; sparse gradients are
     not supported. ``config``, ``accelerator``, ``process_group``, ``model`` and ``layers``:
     see ``OffloadOptimizer``.
@@ -74,3 +75,24 @@ class OffloadAdagrad(OffloadOptimizer):
             model=model,
             layers=layers,
         )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``OffloadOptimizer.add_param_group``, refusing a group whose
+        ``initial_accumulator_value`` is not the constructor's: torch's Adagrad starts every
+        ``sum`` from the constructor's and ignores the group's, and a group of its own value
+        added later would start apart from the others."""
+        start = self.defaults["initial_accumulator_value"]
+        value = (
+            param_group.get("initial_accumulator_value", start)
+            if isinstance(param_group, dict)
+            else start
+        )
+        if value != start:
+            raise ValueError(
+                f"param group {len(self.param_groups)}: initial_accumulator_value={value!r} "
+                f"differs from the constructor's ({start!r}); torch.optim.Adagrad starts "
+                "every parameter's sum from the constructor's value and ignores a group's "
+                "own, so pass it to OffloadAdagrad(..., initial_accumulator_value=...) and "
+                "leave it out of the groups"
+            )
+        super().add_param_group(param_group)

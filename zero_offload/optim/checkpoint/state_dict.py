@@ -156,14 +156,17 @@ def _check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> 
 
 
 def _check_step(where: str, value: Any) -> int:
+    """A parameter's step count: a whole number >= 0. 0 is a parameter not stepped yet with
+    its state at hand, as torch's Adagrad saves every parameter from its construction on
+    (``step`` 0, ``sum`` at its start)."""
     step = value.item() if isinstance(value, torch.Tensor) else value
     if (
         isinstance(step, bool)
         or not isinstance(step, (int, float))
-        or step < 1
+        or step < 0
         or step != int(step)
     ):
-        raise ValueError(f"{where}: 'step' must be a whole number >= 1, got {value!r}")
+        raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
     return int(step)
 
 
