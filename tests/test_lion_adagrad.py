@@ -582,3 +582,29 @@ def test_adagrad_loads_torchs_state_of_parameters_not_stepped_yet() -> None:
     for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
         assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
     opt.close()
+
+
+def test_a_state_dict_of_another_rule_is_refused_and_changes_nothing() -> None:
+    """state_dict() records its rule (as the streaming checkpoints do): an OffloadAdamW's
+    loaded into an OffloadLion (Adam's moments taken for Lion's momentum) is refused,
+    naming both, and nothing is loaded; Adam and AdamW load each other's, as torch's do."""
+    from zero_offload import OffloadAdam
+
+    model, _ = make_pair()
+    adamw = OffloadAdamW(model.parameters(), lr=1e-3, config=_config(),
+                         accelerator=run_accelerator())  # fmt: skip
+    _steps(model, adamw, batches(2))
+    saved = adamw.state_dict()
+    assert (saved["zero_offload"]["rule"], saved["zero_offload"]["family"]) == ("adamw", "adam")
+    adamw.close()
+    lion = OffloadLion(model.parameters(), **LION_HYPER, config=_config(),
+                       accelerator=run_accelerator())  # fmt: skip
+    before = lion.state_dict()
+    with pytest.raises(ValueError, match=r"saved by an optimizer with the 'adamw' rule.*'lion'"):
+        lion.load_state_dict(saved)
+    after = lion.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"] == {}
+    lion.close()
+    adam = OffloadAdam(model.parameters(), config=_config(), accelerator=run_accelerator())
+    adam.load_state_dict(saved)
+    adam.close()

@@ -505,6 +505,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             comm=self.comm,
             scaler=self.scaler,
             skipped_steps=self.skipped_steps,
+            rule=self.rule,
             **self._policy.mode.saved_pending(self.buckets),
         )
 

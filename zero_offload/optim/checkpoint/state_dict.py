@@ -95,8 +95,10 @@ def optimizer_state(
     skipped_steps: int,
     pending_update: bool = False,
     written: Sequence[int] = (),
+    rule: OptimizerRule | None = None,
 ) -> dict[str, Any]:
-    """The state dict; tensors are CPU copies, shaped like their parameters.
+    """The state dict; tensors are CPU copies, shaped like their parameters; ``rule``, the
+    optimizer's, is recorded for ``load_optimizer_state`` to check.
 
     ``pending_update``: an ``overlap_step`` update is computed but its weights are not on
     the device yet (Note [delayed parameter update] in ``update/modes.py``); loading the
@@ -132,6 +134,8 @@ def optimizer_state(
         "pending_update": bool(pending_update),
         "written_since_step": [int(index) for index in written],
     }
+    if rule is not None:  # what the state means: Adam and AdamW load each other's
+        extra["rule"], extra["family"] = rule.name, rule.state_family
     if comm is not None:  # Note [sharded state dicts]
         extra["shard"] = {
             "rank": comm.rank,
@@ -200,6 +204,15 @@ def load_optimizer_state(
     if extra and extra.get("version") != _FORMAT_VERSION:
         raise ValueError(
             f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
+        )
+    # Saved before the rule was recorded, or by torch: no check (the fields still must be
+    # there). As the streaming checkpoints check it.
+    if "rule" in extra and extra.get("family", extra["rule"]) != rule.state_family:
+        raise ValueError(
+            f"state_dict was saved by an optimizer with the {extra['rule']!r} rule, this one "
+            f"steps with the {rule.name!r} rule: its state means something else here (Adam's "
+            "moments are not Lion's momentum); load it into an optimizer of the rule that "
+            "saved it. Nothing was loaded"
         )
     shard = extra.get("shard")
     here = (comm.rank, comm.world_size) if comm is not None else (0, 1)
