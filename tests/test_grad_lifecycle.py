@@ -633,3 +633,42 @@ def test_zero_grad_keeping_zeros_steps_alike_and_refuses_where_torch_would_not_s
         kept_opt.zero_grad(set_to_none=None)  # type: ignore[arg-type]
     kept_opt.close()
     plain_opt.close()
+
+
+def test_several_optimizers_over_one_model_clip_by_its_global_norm() -> None:
+    """Note [clipping by a total norm]: a model two offload optimizers train (as OffloadMuon
+    beside an OffloadAdamW) is clipped by the norm of all its gradients with
+    zero_offload.clip_grad_norm_, as torch's clip_grad_norm_ over model.parameters() clips
+    one optimizer's: the norm it returns and the weights after 4 steps match torch's, and
+    clipping each by its own norm would not have."""
+    import zero_offload
+    from zero_offload import OffloadAdamW
+
+    model, ref = make_pair()
+    params = list(model.parameters())
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    halves = [
+        OffloadAdamW(part, **hyper, accelerator=host_accelerator())
+        for part in (params[::2], params[1::2])
+    ]
+    ropt = torch_adamw(ref)
+    for tokens, targets in batches(4):
+        lm_loss(model, tokens, targets).backward()
+        lm_loss(ref, tokens, targets).backward()
+        own = [float(o.grad_norm()) for o in halves]
+        norm = zero_offload.clip_grad_norm_(halves, 0.2)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.2)
+        assert max(own) < float(want) and float(want) > 0.2  # clipping binds, globally
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        for o in (*halves, ropt):
+            o.step()
+            o.zero_grad()
+    assert max_diff(model, ref) < TOL
+    with pytest.raises(TypeError, match="offload optimizers"):
+        zero_offload.clip_grad_norm_([*halves, ropt], 0.2)
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
+        zero_offload.clip_grad_norm_(halves, 0)
+    with pytest.raises(ValueError, match=r"total_norm must be one number.*\(2,\)"):
+        halves[0].clip_grads_with_norm_(0.2, torch.ones(2))
+    for o in halves:
+        o.close()

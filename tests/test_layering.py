@@ -37,8 +37,9 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 6. ``update``: when a planned step runs and how its weights reach the device.
 7. ``checkpoint``: state dicts and streaming checkpoints.
 8. ``lifetime``: which optimizer owns which parameter, and closing.
-9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``kept_zero_grads``:
-   building the buckets; the clipping guards, and the guard of torch's kept zero gradients.
+9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``kept_zero_grads``,
+   ``clipping``: building the buckets; the clipping guards, and the guard of torch's kept
+   zero gradients; the optimizer's own clipping, and several optimizers' together.
 10. ``offload_optimizer``: the public optimizer's machinery, for any rule.
 11. ``offload_adamw``, ``offload_lion``, ``offload_adagrad``, ``offload_adafactor``,
     ``offload_muon`` and ``optim``'s ``__init__``: the rules' facades (torch-style constructors), the public
@@ -112,6 +113,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "torch_clipping": 9,
     "framework_clipping": 9,
     "kept_zero_grads": 9,
+    "clipping": 9,
     "offload_optimizer": 10,
     "offload_adamw": 11,
     "offload_lion": 11,

@@ -611,3 +611,19 @@ def test_newton_schulz_runs_where_the_model_computes(monkeypatch: pytest.MonkeyP
     assert host_devices == {None}
     assert gpu_devices == {accelerator.device}
     assert max_diff(host_model, gpu_model) == 0.0
+
+
+def test_close_frees_the_update_buffer_of_the_thread_that_stepped() -> None:
+    """Note [Muon's host passes]: the steps ran on this thread, whose U buffer (the size of
+    the largest matrix) would outlive the optimizer; close() frees it."""
+    from zero_offload.kernels import muon as muon_kernels
+
+    release_update_buffer()
+    model = _matrices()
+    opt = OffloadMuon(model.parameters(), config=_config(), accelerator=host_accelerator())
+    x = torch.randn(4, 16)
+    model(x).square().mean().backward()
+    opt.step()
+    assert muon_kernels._scratch.update is not None
+    opt.close()
+    assert muon_kernels._scratch.update is None

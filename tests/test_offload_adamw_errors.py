@@ -173,7 +173,7 @@ def _state_equal(a: dict, b: dict) -> bool:
         (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3)), "shape"),  # host: a state dict
         (lambda sd: sd["state"][0].pop("exp_avg_sq"), "missing"),
         (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].long()), "dtype"),
-        (lambda sd: sd["state"][0].update(step=torch.tensor(0.0)), "step"),  # host: a state dict
+        (lambda sd: sd["state"][0].update(step=torch.tensor(-1.0)), "step"),  # host: a state dict
         (lambda sd: sd["state"].update({999: {}}), "unknown parameter"),
     ],
 )

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         OffloadMuon,
         OffloadOptimizer,
         StepFailed,
+        clip_grad_norm_,
     )
     from .profiling import TrafficProfiler, profile
     from .weights import load_pretrained
@@ -81,6 +82,7 @@ _LAZY = {
     "OffloadMuon": ".optim",
     "OffloadOptimizer": ".optim",
     "StepFailed": ".optim",
+    "clip_grad_norm_": ".optim",
     "TrafficProfiler": ".profiling",
     "load_pretrained": ".weights",
     "save_pretrained": ".hf_export",
@@ -118,6 +120,7 @@ __all__ = [
     "TieredMemoryManager",
     "TrafficProfiler",
     "checkpoint",
+    "clip_grad_norm_",
     "consolidated_state_dict",
     "estimate",
     "get_accelerator",

@@ -45,14 +45,11 @@ which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils.constants import SAFE_MODEL_NAME
 
 from ..optim import OffloadAdamW, OffloadOptimizer
 from ..profiling.metrics import StepMetrics
@@ -264,25 +261,23 @@ class OffloadAccelerator(Accelerator):
     # that does not cover its whole storage: every parameter of a model an offload
     # optimizer trains is a view into its bucket, so a resume failed there, in
     # safetensors' words. So a load pre-hook (accelerate calls it with the list of models
-    # it is about to load) reads such a model's file itself, ``load_state_dict`` into the
-    # views, with ``load_model``'s strictness (a name the file leaves out is missing only
-    # if no loaded name is the same parameter: the savers keep one name of a tied pair),
-    # and puts a placeholder that loads nothing in its place in the list, so the model
-    # keeps its index (the file names) and is not loaded twice. A ``.bin`` model file
-    # (``safe_serialization=False``) goes through ``load_state_dict`` already.
+    # it is about to load) puts in such a model's place a stand-in (``_LoadsInto``) whose
+    # ``state_dict()`` is empty, so there is nothing shared to find, and whose
+    # ``load_state_dict`` loads into the model's views and reports the names it misses,
+    # less those of a tied pair the saver wrote once (a missing name whose parameter a
+    # loaded name is). ``load_model`` then reads the file once, where accelerate puts it,
+    # and applies the caller's ``strict`` itself; the stand-in keeps the model's index (its
+    # file name). Hooks registered after this one get the stand-in, whose other attributes
+    # are the model's.
 
     def _load_offloaded_models(self, models: list[torch.nn.Module], input_dir: str) -> None:
-        """Load each model an offload optimizer trains from its safetensors file and take
-        it out of accelerate's way (Note [loading into bucket views])."""
+        """Stand in for each model an offload optimizer trains, so safetensors' loader
+        reaches its views (Note [loading into bucket views])."""
         for index, model in enumerate(models):
-            ending = f"_{index}" if index > 0 else ""
-            path = Path(input_dir) / f"{SAFE_MODEL_NAME}{ending}.safetensors"
-            if isinstance(model, _Loaded) or not path.exists():
+            if isinstance(model, _LoadsInto):
                 continue
-            if not self._owned_by_offload(self.unwrap_model(model)):
-                continue
-            load_into_views(model, safetensors.torch.load_file(str(path)), what=str(path))
-            models[index] = _Loaded()
+            if self._owned_by_offload(self.unwrap_model(model)):
+                models[index] = _LoadsInto(model)
 
     def _writes_files(self) -> bool:
         """Whether accelerate's ``save`` writes from this process."""
@@ -356,26 +351,33 @@ def _params(opt: OffloadOptimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
 
 
-class _Loaded(torch.nn.Module):
-    """A model already loaded (Note [loading into bucket views]): accelerate's loaders find
-    nothing to load and nothing missing."""
+class _LoadsInto(torch.nn.Module):
+    """A model's stand-in for accelerate's loaders (Note [loading into bucket views]): no
+    state of its own to look through; ``load_state_dict`` loads into the model."""
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: no state of its own
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "model"), name)
 
-def load_into_views(
-    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, what: str
-) -> None:
-    """``model.load_state_dict(state_dict)`` as strict as safetensors' ``load_model``: a
-    name missing from ``state_dict`` is an error unless a loaded name is the same tensor
-    (one of a tied pair); names the model does not have are an error."""
-    result = model.load_state_dict(state_dict, strict=False)
-    live = model.state_dict(keep_vars=True)
-    loaded = {id(live[name]) for name in state_dict if name in live}
-    missing = [name for name in result.missing_keys if id(live[name]) not in loaded]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"loading {what} into {type(model).__name__}: missing keys {missing}, "
-            f"unexpected keys {list(result.unexpected_keys)} (the file is not this model's)"
-        )
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {}
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Into the model; the names it lacks, less a tied pair's second name; raises as
+        torch's does where ``strict``."""
+        model = object.__getattribute__(self, "model")
+        result = model.load_state_dict(state_dict, strict=False, assign=assign)
+        live = model.state_dict(keep_vars=True)
+        loaded = {id(live[name]) for name in state_dict if name in live}
+        missing = [name for name in result.missing_keys if id(live[name]) not in loaded]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys "
+                f"{missing}, unexpected keys {list(result.unexpected_keys)}"
+            )
+        return torch.nn.modules.module._IncompatibleKeys(missing, list(result.unexpected_keys))

@@ -30,6 +30,18 @@ from .muon import muon_step, muon_step_torch, newton_schulz  # noqa: E402
 from .stats import StatsRanges, grad_stats, grad_stats_ranges, plan_stats_ranges  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
+
+def release_scratch() -> None:
+    """Free the calling thread's reused kernel buffers (Adafactor's column partials, Muon's
+    update: Note [pass 1's partials are reused], Note [Muon's host passes]); the next step
+    on this thread makes them again."""
+    from .adafactor_stats import release_column_partials
+    from .muon import release_update_buffer
+
+    release_column_partials()
+    release_update_buffer()
+
+
 __all__ = [
     "AccumulateRanges",
     "StatsRanges",
@@ -48,5 +60,6 @@ __all__ = [
     "newton_schulz",
     "plan_accumulate_ranges",
     "plan_stats_ranges",
+    "release_scratch",
     "warmup",
 ]

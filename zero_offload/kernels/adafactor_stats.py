@@ -100,9 +100,11 @@ COLUMN_ROWS = 16
 # zeroes each block's own rows at its start, in its own thread. Held: per such thread, 2 x 8
 # x max(blocks x columns) bytes over the matrices it stepped, blocks x columns at most
 # max(COLUMN_PARTIALS, columns) (``_row_blocks``): 4 MiB at 4096 columns, 64 MiB up to 2^22
-# columns, 16 bytes a column past that. The optimizer steps on its manager's host worker,
-# whose thread ends at close and its buffer with it; any other caller of the kernel (a
-# benchmark, a test) frees its thread's with ``release_column_partials``.
+# columns, 16 bytes a column past that. The optimizer steps on the caller's thread (or,
+# with ``overlap_step``, on its manager's host worker, whose thread ends at close and its
+# buffer with it); ``OffloadOptimizer.close`` frees the closing thread's
+# (``kernels.release_scratch``), and any other caller of the kernel (a benchmark, a test)
+# frees its thread's with ``release_column_partials``.
 _partials = threading.local()
 
 

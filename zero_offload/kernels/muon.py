@@ -64,8 +64,8 @@ __all__ = [
 # round trip is synchronous on the thread that steps it (the momentum, the master and the
 # rest of the step stay on the host). It is torch's own Newton-Schulz on the same device
 # torch's Muon would use for a CUDA parameter. On the host accelerator it runs on the CPU.
-# A matrix whose state is resident on the device steps there whole (``muon_step`` over
-# device tensors), Newton-Schulz included, and nothing crosses PCIe (Note [whole
+# A matrix whose state is resident on the device steps there whole (``muon_step_torch``
+# over device tensors), Newton-Schulz included, and nothing crosses PCIe (Note [whole
 # parameters stepped on the device] in optim/state/whole_resident.py).
 
 
@@ -79,8 +79,10 @@ def newton_schulz(
 ) -> torch.Tensor:
     """``torch.optim.Muon``'s quintic Newton–Schulz orthogonalization of a 2-D ``update``,
     in bfloat16 as torch runs it (Note [Muon as torch steps it]); a new bf16 tensor on
-    ``update``'s device. ``device``: where the products run (Note [Newton-Schulz where the
-    matmuls are fast]); ``update``'s own device when None."""
+    ``update``'s device. A bf16 ``update`` on that device is scaled in place (torch's
+    ``bfloat16()`` returns it as it is): ``muon_step`` hands it its scratch buffer.
+    ``device``: where the products run (Note [Newton-Schulz where the matmuls are fast]);
+    ``update``'s own device when None."""
     if update.dim() != 2:
         raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(update.shape)}")
     if device is not None and device != update.device:
@@ -141,7 +143,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> 
 # U's buffer is the calling thread's, grown to the largest matrix it has stepped (2 bytes an
 # element: the page faults of a new one each step cost more than the pass, as Note [pass
 # 1's partials are reused] in adafactor_stats.py found), and Newton-Schulz on the CPU
-# divides it in place. Newton-Schulz returns the transpose of its result for a matrix with
+# divides it in place. The step runs on the caller's thread (or, with ``overlap_step``, on
+# the host worker's, which ends at close); ``OffloadOptimizer.close`` frees the closing
+# thread's (``release_scratch``). Newton-Schulz returns the transpose of its result for a matrix with
 # more rows than columns; the second pass reads O in the weights' order, so such an O is
 # copied contiguous first (4 bytes an element).
 

@@ -1,5 +1,6 @@
 """Offloading optimizers."""
 
+from .clipping import clip_grad_norm_
 from .framework_clipping import install as _install_framework_guards
 from .offload_adafactor import OffloadAdafactor
 from .offload_adagrad import OffloadAdagrad
@@ -19,6 +20,7 @@ __all__ = [
     "OffloadMuon",
     "OffloadOptimizer",
     "StepFailed",
+    "clip_grad_norm_",
 ]
 
 # Note [torch's clipping cannot see our gradients] in torch_clipping.py

@@ -14,9 +14,12 @@ got none in this window (a layer a batch did not use, an expert no token was rou
 There the step refuses, before anything changes, naming the parameter, rather than step
 differently from torch without a word. So this keeps, per bucket, which parameters got a
 gradient since the last ``zero_grad(set_to_none=True)`` (torch's non-None ``.grad``s), and
-whether the last ``zero_grad`` kept them. Checked on each rank's own arrivals; an announced
-step (``backward(step=True)``) is planned before they are known and is not checked, nor is
-the model's own ``model.zero_grad(set_to_none=False)``, which the optimizer never sees (the
+whether the last ``zero_grad`` kept them. On one rank only: on several, the step takes a
+parameter any rank's backward reached, and each rank knows only its own, so a rank that
+refused alone would leave the others waiting in the step's collectives (the ranks' merged
+arrivals would cost a collective per step where none is taken). Not checked either: an
+announced step (``backward(step=True)``), planned before the arrivals are known, and the
+model's own ``model.zero_grad(set_to_none=False)``, which the optimizer never sees (the
 parameters hold no ``.grad`` for it to zero).
 """
 
@@ -53,10 +56,18 @@ class KeptZeroGrads:
             self._seen.clear()
 
     def check_step(
-        self, owner: Any, buckets: Sequence[FlatBucket], param_groups: Sequence[dict[str, Any]]
+        self,
+        owner: Any,
+        buckets: Sequence[FlatBucket],
+        param_groups: Sequence[dict[str, Any]],
+        *,
+        ranks: int,
     ) -> None:
         """Refuse, before anything changes, a step torch would take for a parameter it holds
-        a zeroed ``.grad`` for and no gradient reached; then count this window's arrivals."""
+        a zeroed ``.grad`` for and no gradient reached; then count this window's arrivals.
+        Nothing on several ``ranks`` (see the Note)."""
+        if ranks > 1:
+            return
         for bucket in buckets:
             seen = self._seen.get(bucket.layout.index)
             if not self.keeping or seen is None:

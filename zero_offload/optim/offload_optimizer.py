@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import sys
 import weakref
@@ -40,6 +39,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig, OverlapLanding
 from ..hook_errors import backward as backward_reporting_hooks
+from ..kernels import release_scratch
 from ..memory.manager import TieredMemoryManager
 from ..views.in_flight import compile_refusal
 from .checkpoint import streaming
@@ -50,6 +50,7 @@ from .checks import (
     refuse_whole_parameter_features,
     split_names,
 )
+from .clipping import GradientClipping
 from .construction import SegmentBuilder, check_param_offload, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
@@ -73,7 +74,7 @@ __all__ = ["OffloadOptimizer", "StepFailed"]
 _serials = itertools.count(1)
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
     """An optimizer whose fp32 master weights, state and gradients are offloaded to host
     memory, stepped by its ``rule`` (``optim/rule/``). A facade (``OffloadAdamW``) sets
     ``rule`` and turns its torch-style arguments into ``defaults``, which the rule checks.
@@ -89,8 +90,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see no
     gradients (they are on the host), so on this optimizer's parameters it raises. Use
-    ``opt.clip_grad_norm_(max_norm)``, or ``OffloadConfig(max_grad_norm=...)``, or the
-    integrations (``OffloadTrainer``, ``OffloadAccelerator``).
+    ``opt.clip_grad_norm_(max_norm)`` (``clipping.py``), or ``OffloadConfig(max_grad_norm=...)``,
+    or the integrations (``OffloadTrainer``, ``OffloadAccelerator``); a model several offload
+    optimizers train, ``zero_offload.clip_grad_norm_(optimizers, max_norm)``.
 
     As in torch, ``params`` may be ``model.named_parameters()`` (the names are kept as each
     group's ``param_names``, state dict included). Trainable parameters may mix training
@@ -405,36 +407,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- step --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the next step's gradients to ``max_norm``; returns the total norm (as torch's).
-
-        The norm comes from the fused statistics pass over the host gradients and the
-        clipping is folded into the CPU Adam gradient multiplier: no extra pass.
-        """
-        self._check_open("clip_grad_norm_")
-        self._policy.check_clip_allowed()
-        if norm_type != 2.0:
-            raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
-        if not (
-            isinstance(max_norm, (int, float))
-            and not isinstance(max_norm, bool)
-            and max_norm > 0
-            and math.isfinite(max_norm)
-        ):
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-        norm = self.grad_norm()
-        self._policy.clip_once(float(max_norm))
-        return norm
-
-    @torch.no_grad()
-    def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients the next step will use (unscaled; the same
-        on every rank), read-only: it sets no clipping. From the fused statistics pass, so
-        it costs no pass over the gradients."""
-        self._check_open("grad_norm")
-        self._collect_stray_grads()
-        return torch.tensor(self._policy.grad_norm())
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Adam step over every parameter that received a gradient since the previous
@@ -452,7 +424,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
-        self._kept_zeros.check_step(self, self.buckets, self.param_groups)
+        ranks = 1 if self.comm is None else self.comm.world_size
+        self._kept_zeros.check_step(self, self.buckets, self.param_groups, ranks=ranks)
         mode = self._policy.mode
         mode.settle(self.buckets)
         # Note [weights written outside the optimizer] in views/param_views.py; Note [the
@@ -583,6 +556,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._policy.mode.land_all()
         finally:
             self._finalizer()
+            release_scratch()  # the buffers the steps on this thread kept
 
     @property
     def closed(self) -> bool:

@@ -57,8 +57,10 @@ __all__ = ["ADJUST_LR_FNS", "MUON", "MuonHyper", "MuonRule", "adamw_rate"]
 # rate at the reference ``lr``. Where the reference is 0 (a group made with ``lr=0``) no
 # factor can be taken: the AdamW half steps at ``adamw_lr``. A schedule that is not a factor
 # (CosineAnnealingLR's ``eta_min``, CyclicLR's ``base_lr``) is scaled too, not copied: the
-# AdamW half's floor is ``adamw_lr * eta_min / lr``. A group saved without the key (an older
-# checkpoint) steps at ``adamw_lr`` until it is given one.
+# AdamW half's floor is ``adamw_lr * eta_min / lr``. A checkpoint saved before the key
+# existed loads over the group the optimizer made, so its groups keep the reference they
+# were made with (the constructor's ``lr``); a group with no reference at all (a hand-made
+# dict) steps at ``adamw_lr``.
 
 #: torch's ``adjust_lr_fn`` values.
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")

@@ -63,7 +63,7 @@ class StepPolicy:
         eager: the announced step (Note [stepping during backward] in ``eager.py``), from
             ``announce`` until the step is taken; also the router's.
         skipped_steps, speculation_failures, last_grad_norm: what the optimizer reports.
-        _clip: ``(max_norm, backwards)``: a ``clip_grad_norm_`` bound and the window it
+        _clip: ``(max_norm, backwards, total_norm)``: a ``clip_grad_norm_`` bound, the window it
             measured (``router.backwards`` then); it holds for every step on those
             gradients, as torch's clipped ``.grad`` does, until a backward or ``zero_grad``.
         _stats_cache: ``(backwards, sumsq, overflow, arrived)`` of the window, all-reduced
@@ -92,7 +92,7 @@ class StepPolicy:
         self.eager: EagerStep | None = None
         self._eager_warned = False
         self.last_eager_share: float | None = None
-        self._clip: tuple[float, int] | None = None
+        self._clip: tuple[float, int, float | None] | None = None
         self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         #: Speculative steps that had to be restored and redone (Note [speculative steps]).
         self.speculation_failures = 0
@@ -193,17 +193,33 @@ class StepPolicy:
         sumsq, _, _ = self.grad_stats()
         return math.sqrt(sumsq) / self.scaler.scale
 
-    def clip_once(self, max_norm: float) -> None:
-        """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``): every step on
-        them (a second ``step()`` with no backward too) uses them clipped, as torch's."""
-        self.check_clip_allowed()
-        self._clip = (float(max_norm), self.router.backwards)
+    # Note [clipping by a total norm]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Several offload optimizers may train one model (OffloadMuon beside an OffloadAdamW for
+    # the embeddings, as torch's Muon recipe has it). torch clips such a model by the norm of
+    # all its gradients; each optimizer's clip_grad_norm_ knows only its own share, and
+    # clipping each by its own norm is not that. So, as torch's get_total_norm and
+    # clip_grads_with_norm_ split it, the caller adds the optimizers' grad_norm()s into the
+    # total and gives it to each one's clip_grads_with_norm_, which clips by torch's
+    # coefficient of that total, min(1, max_norm / (total + 1e-6)): an infinite total
+    # zeroes the step's gradients and a NaN one makes them NaN, as torch's. The window's
+    # own norm still decides an overflow's skip (its loss scaler's business).
 
-    def _clip_bound(self) -> float | None:
-        """The ``clip_grad_norm_`` bound of the current window's gradients, if any."""
+    def clip_once(self, max_norm: float, total_norm: float | None = None) -> None:
+        """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``): every step on
+        them (a second ``step()`` with no backward too) uses them clipped, as torch's. With
+        ``total_norm`` (``clip_grads_with_norm_``), the coefficient comes from it rather
+        than from the window's own norm: several optimizers over one model clip alike."""
+        self.check_clip_allowed()
+        total = None if total_norm is None else float(total_norm)
+        self._clip = (float(max_norm), self.router.backwards, total)
+
+    def _clip_bound(self) -> tuple[float, float | None] | None:
+        """The ``clip_grad_norm_`` bound of the current window's gradients and the total norm
+        it is taken against (None: the window's own), if any."""
         if self._clip is None or self._clip[1] != self.router.backwards:
             return None
-        return self._clip[0]
+        return self._clip[0], self._clip[2]
 
     def check_clip_allowed(self) -> None:
         """Refuse clipping once a step was announced (it runs unclipped)."""
@@ -223,14 +239,16 @@ class StepPolicy:
         norm = math.sqrt(sumsq) / scale
         self.last_grad_norm = norm
         bound = self._clip_bound()
-        max_norm = bound if bound is not None else self.config.max_grad_norm
+        max_norm, total = bound if bound is not None else (self.config.max_grad_norm, None)
         skip = overflow and (self.scaler.skips_overflow or self.config.skip_nonfinite)
         self.scaler.update(overflow)
         if skip:
             self.skipped_steps += 1
         self.note_steps()
         clip = 1.0
-        if max_norm is not None and math.isfinite(norm):
+        if max_norm is not None and total is not None:  # Note [clipping by a total norm]
+            clip = math.nan if math.isnan(total) else min(1.0, max_norm / (total + 1e-6))
+        elif max_norm is not None and math.isfinite(norm):
             clip = min(1.0, max_norm / (norm + 1e-6))
         return skip, clip / scale
 

@@ -1,0 +1,110 @@
+"""The norm of an offload optimizer's gradients, and clipping by it: one optimizer's own
+(``clip_grad_norm_``, ``grad_norm``, ``clip_grads_with_norm_``, the methods
+``OffloadOptimizer`` takes from ``GradientClipping``), and a model's that several offload
+optimizers train together (``clip_grad_norm_`` over optimizers, exported as
+``zero_offload.clip_grad_norm_``: Note [clipping by a total norm] in ``update/policy.py``).
+
+The norm comes from the fused statistics pass over the host gradients and the clipping is
+folded into the step's gradient multiplier: no pass of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["GradientClipping", "clip_grad_norm_"]
+
+
+class GradientClipping:
+    """``OffloadOptimizer``'s clipping methods (a mixin over its ``_policy``,
+    ``_check_open`` and ``_collect_stray_grads``)."""
+
+    _policy: Any  # the optimizer's StepPolicy; _check_open, _collect_stray_grads: its own
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the next step's gradients to ``max_norm``; returns the total norm (as
+        torch's)."""
+        self._check_open("clip_grad_norm_")
+        self._policy.check_clip_allowed()
+        check_clip_arguments(max_norm, norm_type)
+        norm = self.grad_norm()
+        self._policy.clip_once(float(max_norm))
+        return norm
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients the next step will use (unscaled; the same
+        on every rank), read-only: it sets no clipping."""
+        self._check_open("grad_norm")
+        self._collect_stray_grads()
+        return torch.tensor(self._policy.grad_norm())
+
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: float | torch.Tensor) -> None:
+        """Clip the next step's gradients by ``total_norm``, a norm taken over more than this
+        optimizer's gradients, as ``torch.nn.utils.clip_grads_with_norm_`` does (Note
+        [clipping by a total norm]; ``clip_grad_norm_`` over optimizers takes it for you)."""
+        self._check_open("clip_grads_with_norm_")
+        self._policy.check_clip_allowed()
+        check_clip_arguments(max_norm, 2.0)
+        total = _total(total_norm)
+        self._collect_stray_grads()
+        self._policy.clip_once(float(max_norm), total)
+
+
+def clip_grad_norm_(
+    optimizers: Iterable[GradientClipping], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model that several offload optimizers train
+    (``OffloadMuon`` beside an ``OffloadAdamW``): the L2 norm of all their gradients, each
+    clipped by torch's coefficient of it; returns that norm. Between backward and step, as
+    torch's. Checks every optimizer before it clips any (Note [clipping by a total norm] in
+    ``update/policy.py``)."""
+    listed = list(optimizers)
+    if not listed or not all(isinstance(opt, GradientClipping) for opt in listed):
+        raise TypeError(
+            "clip_grad_norm_ takes the offload optimizers that train the model (a list of "
+            f"OffloadAdamW, OffloadMuon...), got {[type(o).__name__ for o in listed]}"
+        )
+    check_clip_arguments(max_norm, norm_type)
+    for opt in listed:
+        opt._check_open("clip_grad_norm_")
+        opt._policy.check_clip_allowed()
+    norms = [float(opt.grad_norm()) for opt in listed]
+    total = math.sqrt(math.fsum(n * n for n in norms))
+    for opt in listed:
+        opt._policy.clip_once(float(max_norm), total)
+    return torch.tensor(total)
+
+
+def check_clip_arguments(max_norm: object, norm_type: object) -> None:
+    """``max_norm``: a finite number > 0; ``norm_type``: 2 (the L2 norm, the one the
+    statistics pass takes)."""
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
+    if not (
+        isinstance(max_norm, (int, float))
+        and not isinstance(max_norm, bool)
+        and max_norm > 0
+        and math.isfinite(max_norm)
+    ):
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+
+
+def _total(total_norm: object) -> float:
+    """``total_norm`` as a float: a number or a one-element tensor, >= 0 (or NaN, as a NaN
+    norm is torch's too)."""
+    if isinstance(total_norm, torch.Tensor):
+        if total_norm.numel() != 1:
+            raise ValueError(
+                f"total_norm must be one number, got a tensor of shape {tuple(total_norm.shape)}"
+            )
+        total_norm = total_norm.item()
+    if isinstance(total_norm, bool) or not isinstance(total_norm, (int, float)):
+        raise TypeError(f"total_norm must be a number, got {type(total_norm).__name__}")
+    if not (total_norm >= 0 or math.isnan(total_norm)):
+        raise ValueError(f"total_norm must be >= 0, got {total_norm!r}")
+    return float(total_norm)
