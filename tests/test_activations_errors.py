@@ -122,3 +122,22 @@ def test_checkpoint_arguments_match_torch() -> None:
     for actual, want in zip(grads(True), expected, strict=True):
         assert torch.equal(actual, want)
     assert offloader.stats()["offloaded_tensors"] >= 4  # a, b, bias, mask left the device
+
+
+def test_a_device_pool_over_the_budget_is_refused_naming_the_setting() -> None:
+    """The documented one-liner reserves ActivationOffloadConfig's default pools (256 MiB on
+    the device): on a small budget the refusal names device_pool_bytes, the one setting that
+    fixes it, besides the budget; nothing stays reserved."""
+    from zero_offload.errors import DeviceBudgetExceeded
+
+    accelerator = make_accelerator("host", device_budget="16MiB")
+    with pytest.raises(DeviceBudgetExceeded, match=r"device_pool_bytes \(now 268435456"):
+        ActivationOffloader(
+            accelerator=accelerator, config=ActivationOffloadConfig(host_pool_bytes=1 << 20)
+        )
+    assert accelerator.memory_stats()["in_use"] == 0
+    small = ActivationOffloader(
+        accelerator=accelerator,
+        config=ActivationOffloadConfig(host_pool_bytes=1 << 20, device_pool_bytes="4MiB"),
+    )
+    small.close()

@@ -171,6 +171,30 @@ def test_a_corrupted_weight_tile_names_the_unit_and_the_file(tmp_path: Path) -> 
         opt.close()  # everything else is released; the unreadable weights say so
 
 
+def test_close_after_two_bad_weight_files_still_removes_every_file(tmp_path: Path) -> None:
+    """Two units' weight files go bad (a failing disk); the forward fails naming one, and a
+    prefetch of the other holds its own read error. close() raises that error, but only
+    after releasing everything: the files and the lock go (they stayed, and a second
+    close() did nothing, when the prefetch's error stopped the release early)."""
+    model = gpt(torch.float32, layers=2)
+    opt = _homes_on_nvme(model, tmp_path)
+    _train(model, opt, 1)
+    first_two = opt.param_offloader.units[:2]  # the forward's first unit and its prefetch
+    victims = [b for b in opt.buckets if any(b.views in u.views for u in first_two)]
+    for victim in victims:
+        fd = os.open(victim.store.home.path, os.O_WRONLY)
+        os.pwrite(fd, np.full(64, 0xFF, dtype=np.uint8).tobytes(), 100)
+        os.fsync(fd)
+        os.close(fd)
+    ids = on_device(torch.randint(0, VOCAB, (2, SEQ)))
+    with pytest.raises(StorageError):
+        model(ids, ids)
+    with pytest.warns(UserWarning, match="is NaN now"), pytest.raises(StorageError):
+        opt.close()  # the prefetch's error, raised after the release
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    opt.close()  # closed: nothing left to do
+
+
 def test_a_full_disk_is_refused_at_construction_counting_the_weight_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..accelerator import Stream
 from ..config import format_bytes
-from ..errors import PoolExhausted
+from ..errors import DeviceBudgetExceeded, PoolExhausted
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -54,6 +54,16 @@ class ActivationPools:
             self.device: BlockPool = manager.create_pool(
                 Tier.DEVICE, config.device_pool_bytes, name="activations.device"
             )
+        except DeviceBudgetExceeded as exc:
+            self.host.close()
+            raise DeviceBudgetExceeded(
+                f"{exc}\nThe activation offloader's device pool is "
+                f"ActivationOffloadConfig.device_pool_bytes (now {config.device_pool_bytes!r}, "
+                "256 MiB by default): size it to what the backward reloads at once, about "
+                "(prefetch_depth + 1) x one layer's saved activations (zero-offload estimate "
+                "prints that row), e.g. ActivationOffloader(manager=..., config="
+                "ActivationOffloadConfig(device_pool_bytes='64MiB'))"
+            ) from exc
         except BaseException:
             self.host.close()
             raise

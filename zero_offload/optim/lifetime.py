@@ -77,17 +77,9 @@ class Resources:
         self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
 
     def release(self) -> None:
-        self.router.remove_hooks()
-        if self.param_offload is not None:
-            # Before the pools go: the parameters take private copies of their weights.
-            self.param_offload.close()
-            self.param_offload = None
-        for segment in self.segments:
-            for bucket in segment.buckets:
-                for param in bucket.params:
-                    OWNERS.pop(param, None)
         # Release everything even when a part fails (a stream's sticky error, a pool still
-        # owning a block after a failure): the first error is raised at the end.
+        # owning a block after a failure, a weight record that cannot be read back): the
+        # first error is raised at the end, after the NVMe files and pools are gone.
         errors: list[BaseException] = []
 
         def attempt(fn: Any) -> None:
@@ -95,6 +87,16 @@ class Resources:
                 fn()
             except BaseException as exc:  # collected, re-raised below
                 errors.append(exc)
+
+        self.router.remove_hooks()
+        if self.param_offload is not None:
+            # Before the pools go: the parameters take private copies of their weights.
+            attempt(self.param_offload.close)
+            self.param_offload = None
+        for segment in self.segments:
+            for bucket in segment.buckets:
+                for param in bucket.params:
+                    OWNERS.pop(param, None)
 
         # Buckets still in flight land first, their all-gathers included, while the pools
         # and the process group exist; a bucket that cannot land gets its parameters' class

@@ -392,22 +392,34 @@ class ParamOffloader:
     def close(self) -> None:
         """Remove the hooks, give every parameter a private copy of its current weights on
         the device and its plain class (so the model keeps working without the optimizer's
-        pools) and close the window."""
+        pools) and close the window. Every part is attempted even when one fails (a unit's
+        prefetch that read a bad record re-raises its error when settled): the first error
+        is raised at the end, after the rest is released."""
+        errors: list[BaseException] = []
+
+        def attempt(fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except BaseException as exc:  # collected, re-raised below
+                errors.append(exc)
+
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for unit in self.units:
-            unit.settle()
-        self._release_all()
+            attempt(unit.settle)
+        attempt(self._release_all)
         for unit in self.units:
             for views in unit.views:
                 if views.home is not None or views.nvme_home is not None:
-                    views.unbind()
-                views.close()
+                    attempt(views.unbind)
+                attempt(views.close)
         if self.window is not None:
-            self.window.close()
+            attempt(self.window.close)
             self.window = None
         if self.bounce is not None:
-            self.bounce.close()
+            attempt(self.bounce.close)
             self.bounce = None
         self.entries = StateDictEntries()
+        if errors:
+            raise errors[0]
