@@ -25,7 +25,7 @@ from zero_offload import StepFailed
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.lifecycle import GradState
 
-from .helpers.device import run_device
+from .helpers.device import on_device, run_device
 from .helpers.models import (
     batches,
     host_accelerator,
@@ -567,8 +567,8 @@ class _WithEmpty(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.registers = nn.Parameter(torch.zeros(0, 4))
-        self.lin = nn.Linear(4, 4)
+        self.registers = nn.Parameter(on_device(torch.zeros(0, 4)))
+        self.lin = nn.Linear(4, 4).to(run_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = torch.cat([self.registers.expand(x.shape[0], 0, 4), x.unsqueeze(1)], dim=1)
@@ -586,7 +586,7 @@ def test_an_empty_parameter_trains_as_torch_skips_it() -> None:
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
-        x = torch.randn(2, 4, generator=gen)
+        x = on_device(torch.randn(2, 4, generator=gen))
         for m, o in ((model, opt), (ref, torch_opt)):
             m(x).backward()
             o.step()
@@ -606,11 +606,11 @@ def test_zero_grad_keeping_zeros_steps_alike_and_refuses_where_torch_would_not_s
 
     def build() -> tuple[nn.ModuleDict, OffloadAdamW]:
         torch.manual_seed(0)
-        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)}).to(run_device())
         opt = OffloadAdamW(model.named_parameters(), lr=1e-2, accelerator=host_accelerator())
         return model, opt
 
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    x = on_device(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
     (kept, kept_opt), (plain, plain_opt) = build(), build()
     for _ in range(3):
         for model, opt, to_none in ((kept, kept_opt, False), (plain, plain_opt, True)):
@@ -669,6 +669,6 @@ def test_several_optimizers_over_one_model_clip_by_its_global_norm() -> None:
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
         zero_offload.clip_grad_norm_(halves, 0)
     with pytest.raises(ValueError, match=r"total_norm must be one number.*\(2,\)"):
-        halves[0].clip_grads_with_norm_(0.2, torch.ones(2))
+        halves[0].clip_grads_with_norm_(0.2, torch.ones(2))  # host: a bad argument
     for o in halves:
         o.close()

@@ -147,7 +147,13 @@ class StateDirectory:
                 _HELD[self.path] = (held[0], held[1] + 1)
                 return
             if self.path.exists():
-                _check_private(self.path, self._config_value)
+                try:
+                    _check_private(self.path, self._config_value)
+                except (OSError, ValueError):
+                    # Its last user (another process) removed it between the two looks:
+                    # not this directory's fault; _take_lock makes it again, private.
+                    if self.path.exists():
+                        raise
             fd = self._take_lock()
             _HELD[self.path] = (fd, 1)
 
