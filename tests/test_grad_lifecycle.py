@@ -668,6 +668,10 @@ def test_several_optimizers_over_one_model_clip_by_its_global_norm() -> None:
         zero_offload.clip_grad_norm_([*halves, ropt], 0.2)
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
         zero_offload.clip_grad_norm_(halves, 0)
+    halves[1]._policy.scaler.scale = 2.0  # as after a back-off of its own fp16 scaler
+    with pytest.raises(ValueError, match=r"loss scales differ \(\[1.0, 2.0\]\)"):
+        zero_offload.clip_grad_norm_(halves, 0.2)
+    halves[1]._policy.scaler.scale = 1.0
     with pytest.raises(ValueError, match=r"total_norm must be one number.*\(2,\)"):
         halves[0].clip_grads_with_norm_(0.2, torch.ones(2))  # host: a bad argument
     for o in halves:

@@ -220,6 +220,34 @@ def test_save_state_then_load_state_resumes_bitwise(tmp_path: Path) -> None:
     assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
 
 
+def test_two_offload_optimizers_clip_by_the_norm_of_all() -> None:
+    """accelerator.clip_grad_norm_(model.parameters()) where two offload optimizers train
+    the model clips it by the norm of all its gradients (Note [clipping by a total norm]),
+    as torch's clip over one AdamW does: the same norms and weights."""
+    ref_model, model = tiny_gpt2(), tiny_gpt2()
+    params = list(model.parameters())
+    accelerator = OffloadAccelerator(**accelerate_device())
+    halves = [
+        OffloadAdamW(part, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                     config=offload_config(), accelerator=host_accelerator())
+        for part in (params[::2], params[1::2])
+    ]  # fmt: skip
+    model, first, second = accelerator.prepare(model, *halves)
+    ref_opt = torch_adamw(ref_model)
+    for batch in list(loader())[:3]:
+        batch = {k: on_device(v) for k, v in batch.items()}
+        accelerator.backward(model(**batch).loss)
+        ref_model(**batch).loss.backward()
+        norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
+        assert float(want) > MAX_NORM  # clipping binds
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        for opt in (first, second, ref_opt):
+            opt.step()
+            opt.zero_grad()
+    assert max_weight_diff(weights(model), weights(ref_model)) < 3e-6
+
+
 def test_fp16_mixed_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="GradScaler"):
         OffloadAccelerator(mixed_precision="fp16")

@@ -44,6 +44,7 @@ which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,6 +53,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..optim import OffloadAdamW, OffloadOptimizer
+from ..optim.clipping import clip_grad_norm_ as clip_grad_norm_across
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
 from ._optim import clip_norm, saveable
@@ -267,8 +269,9 @@ class OffloadAccelerator(Accelerator):
     # less those of a tied pair the saver wrote once (a missing name whose parameter a
     # loaded name is). ``load_model`` then reads the file once, where accelerate puts it,
     # and applies the caller's ``strict`` itself; the stand-in keeps the model's index (its
-    # file name). Hooks registered after this one get the stand-in, whose other attributes
-    # are the model's.
+    # file name). Hooks registered after this one get the stand-in: an ``nn.Module`` of its
+    # own (no parameters, its own type and ``training``), which forwards only the
+    # attributes a module does not have (``config``, say) to the model.
 
     def _load_offloaded_models(self, models: list[torch.nn.Module], input_dir: str) -> None:
         """Stand in for each model an offload optimizer trains, so safetensors' loader
@@ -305,6 +308,14 @@ class OffloadAccelerator(Accelerator):
         are clipped inside it (torch's clip would find no ``param.grad``), and the
         returned pre-clip norm is theirs. ``max_norm=inf`` reads the norm only."""
         params = list(parameters)
+        owners = self._owners(params)
+        if len(owners) > 1 and {id(p) for p in params if p.requires_grad} == {
+            id(p) for opt in owners for p in _params(opt)
+        }:  # several optimizers train these parameters: by the norm of all (Note
+            # [clipping by a total norm] in optim/update/policy.py)
+            if max_norm == float("inf"):
+                return torch.tensor(math.hypot(*(float(o.grad_norm()) for o in owners)))
+            return clip_grad_norm_across(owners, max_norm, norm_type)
         opt = self._owner(params, what="clip_grad_norm_")
         if opt is None:
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
@@ -321,19 +332,23 @@ class OffloadAccelerator(Accelerator):
             )
         super().clip_grad_value_(params, clip_value)
 
+    def _owners(self, params: list[torch.Tensor]) -> list[OffloadOptimizer]:
+        """The prepared offload optimizers that train some of the trainable ``params``."""
+        passed = {id(p) for p in params if p.requires_grad}
+        return [opt for opt in self._offload_optimizers() if passed & {id(p) for p in _params(opt)}]
+
     def _owner(self, params: list[torch.Tensor], *, what: str) -> OffloadOptimizer | None:
         """The prepared ``OffloadAdamW`` whose trainable parameters are exactly the
         trainable ones in ``params`` (``None`` if none of them is an ``OffloadAdamW``'s)."""
         passed = {id(p) for p in params if p.requires_grad}
-        owners = [
-            opt for opt in self._offload_optimizers() if passed & {id(p) for p in _params(opt)}
-        ]
+        owners = self._owners(params)
         if not owners:
             return None
         if len(owners) > 1:
             raise ValueError(
-                f"{what}: the parameters belong to {len(owners)} OffloadAdamW optimizers; "
-                "clip each one's own parameters (or call opt.clip_grad_norm_ on each)"
+                f"{what}: the parameters belong to {len(owners)} offload optimizers; pass all "
+                "of their parameters (model.parameters()) to clip by the norm of all, as "
+                "zero_offload.clip_grad_norm_(optimizers, max_norm) does, or each one's own"
             )
         ours = {id(p) for p in _params(owners[0])}
         if passed != ours:

@@ -63,7 +63,8 @@ def clip_grad_norm_(
     clipped by torch's coefficient of it; returns that norm. Between backward and step, as
     torch's. Checks every optimizer before it clips any (Note [clipping by a total norm] in
     ``update/policy.py``)."""
-    listed = list(optimizers)
+    # A framework's wrapper (accelerate's prepared optimizer) holds ours as .optimizer.
+    listed = [getattr(opt, "optimizer", opt) for opt in optimizers]
     if not listed or not all(isinstance(opt, GradientClipping) for opt in listed):
         raise TypeError(
             "clip_grad_norm_ takes the offload optimizers that train the model (a list of "
@@ -73,6 +74,15 @@ def clip_grad_norm_(
     for opt in listed:
         opt._check_open("clip_grad_norm_")
         opt._policy.check_clip_allowed()
+    scales = [opt._policy.scaler.scale for opt in listed]
+    if len(set(scales)) > 1:
+        raise ValueError(
+            f"clip_grad_norm_: the optimizers' loss scales differ ({scales}): each unscales "
+            "its gradients by its own, and one backward scaled the loss by one of them, so "
+            "the others' gradients, and the norm of all, would be off by the ratio. Train an "
+            "fp16 model's parameters under one offload optimizer (or a bf16/fp32 model, "
+            "whose scale is 1). Nothing was clipped"
+        )
     norms = [float(opt.grad_norm()) for opt in listed]
     total = math.sqrt(math.fsum(n * n for n in norms))
     for opt in listed:

@@ -103,7 +103,10 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
                 "accelerate zero_offload.integrations.accelerate.OffloadAccelerator"
                 if name == "clip_grad_norm_"
                 else "It clips by the global norm only: call opt.clip_grad_norm_(max_norm) "
-                "between backward and step, or set OffloadConfig(max_grad_norm=...)"
+                "between backward and step, or set OffloadConfig(max_grad_norm=...); for a "
+                "total norm taken elsewhere, opt.clip_grads_with_norm_(max_norm, total_norm), "
+                "and for several offload optimizers zero_offload.clip_grad_norm_(optimizers, "
+                "max_norm)"
             )
             raise RuntimeError(
                 f"torch.nn.utils.{name} on parameters that {owner!r} trains: their "

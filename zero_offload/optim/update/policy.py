@@ -201,9 +201,11 @@ class StepPolicy:
     # clipping each by its own norm is not that. So, as torch's get_total_norm and
     # clip_grads_with_norm_ split it, the caller adds the optimizers' grad_norm()s into the
     # total and gives it to each one's clip_grads_with_norm_, which clips by torch's
-    # coefficient of that total, min(1, max_norm / (total + 1e-6)): an infinite total
-    # zeroes the step's gradients and a NaN one makes them NaN, as torch's. The window's
-    # own norm still decides an overflow's skip (its loss scaler's business).
+    # coefficient of that total, min(1, max_norm / (total + 1e-6)). A total that is not
+    # finite clips nothing, as a window's own norm that is not finite does: the overflow
+    # handling decides then (a skipped step with fp16, or skip_nonfinite), where torch's
+    # clip_grads_with_norm_ would zero the gradients (an inf total) or make them NaN. The
+    # optimizers' loss scales must agree (clip_grad_norm_ refuses otherwise).
 
     def clip_once(self, max_norm: float, total_norm: float | None = None) -> None:
         """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``): every step on
@@ -246,10 +248,9 @@ class StepPolicy:
             self.skipped_steps += 1
         self.note_steps()
         clip = 1.0
-        if max_norm is not None and total is not None:  # Note [clipping by a total norm]
-            clip = math.nan if math.isnan(total) else min(1.0, max_norm / (total + 1e-6))
-        elif max_norm is not None and math.isfinite(norm):
-            clip = min(1.0, max_norm / (norm + 1e-6))
+        against = norm if total is None else total  # Note [clipping by a total norm]
+        if max_norm is not None and math.isfinite(norm) and math.isfinite(against):
+            clip = min(1.0, max_norm / (against + 1e-6))
         return skip, clip / scale
 
     def note_steps(self) -> None:
