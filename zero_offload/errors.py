@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = [
+    "Attempts",
     "CaptureRefused",
     "CollectiveError",
     "DefragmentationRefused",
@@ -83,3 +86,23 @@ class StorageFull(OSError):
     The message names the bytes needed, the bytes free, the directory and the settings to
     change.
     """
+
+
+class Attempts:
+    """Release steps that each run even when one before them failed (a stream's sticky
+    error, a record that cannot be read back): ``attempts(fn)`` runs ``fn`` and keeps what
+    it raised; ``raise_first()`` raises the first error once every step has run."""
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    def __call__(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # kept, the first raised by raise_first
+            self.errors.append(exc)
+
+    def raise_first(self) -> None:
+        """Raise the first error kept, if any."""
+        if self.errors:
+            raise self.errors[0]

@@ -44,7 +44,6 @@ which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +53,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..optim import OffloadAdamW, OffloadOptimizer
 from ..optim.clipping import clip_grad_norm_ as clip_grad_norm_across
+from ..optim.clipping import total_grad_norm
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
 from ._optim import clip_norm, saveable
@@ -308,13 +308,13 @@ class OffloadAccelerator(Accelerator):
         are clipped inside it (torch's clip would find no ``param.grad``), and the
         returned pre-clip norm is theirs. ``max_norm=inf`` reads the norm only."""
         params = list(parameters)
-        owners = self._owners(params)
-        if len(owners) > 1 and {id(p) for p in params if p.requires_grad} == {
-            id(p) for opt in owners for p in _params(opt)
-        }:  # several optimizers train these parameters: by the norm of all (Note
+        passed = {id(p) for p in params if p.requires_grad}
+        owners = self._owners(passed)
+        if len(owners) > 1 and passed == {id(p) for opt in owners for p in _params(opt)}:
+            # several optimizers train these parameters: by the norm of all (Note
             # [clipping by a total norm] in optim/update/policy.py)
             if max_norm == float("inf"):
-                return torch.tensor(math.hypot(*(float(o.grad_norm()) for o in owners)))
+                return torch.tensor(total_grad_norm(owners))
             return clip_grad_norm_across(owners, max_norm, norm_type)
         opt = self._owner(params, what="clip_grad_norm_")
         if opt is None:
@@ -332,16 +332,16 @@ class OffloadAccelerator(Accelerator):
             )
         super().clip_grad_value_(params, clip_value)
 
-    def _owners(self, params: list[torch.Tensor]) -> list[OffloadOptimizer]:
-        """The prepared offload optimizers that train some of the trainable ``params``."""
-        passed = {id(p) for p in params if p.requires_grad}
+    def _owners(self, passed: set[int]) -> list[OffloadOptimizer]:
+        """The prepared offload optimizers that train some of the parameters whose ids are
+        ``passed``."""
         return [opt for opt in self._offload_optimizers() if passed & {id(p) for p in _params(opt)}]
 
     def _owner(self, params: list[torch.Tensor], *, what: str) -> OffloadOptimizer | None:
         """The prepared ``OffloadAdamW`` whose trainable parameters are exactly the
         trainable ones in ``params`` (``None`` if none of them is an ``OffloadAdamW``'s)."""
         passed = {id(p) for p in params if p.requires_grad}
-        owners = self._owners(params)
+        owners = self._owners(passed)
         if not owners:
             return None
         if len(owners) > 1:

@@ -145,9 +145,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> 
 # 1's partials are reused] in adafactor_stats.py found), and Newton-Schulz on the CPU
 # divides it in place. The step runs on the caller's thread (or, with ``overlap_step``, on
 # the host worker's, which ends at close); ``OffloadOptimizer.close`` frees the closing
-# thread's (``release_scratch``). Newton-Schulz returns the transpose of its result for a matrix with
-# more rows than columns; the second pass reads O in the weights' order, so such an O is
-# copied contiguous first (4 bytes an element).
+# thread's (``release_scratch``). Newton-Schulz returns the transpose of its result for a
+# matrix with more rows than columns; the second pass reads O in the weights' order, so
+# such an O is copied contiguous first (4 bytes an element).
 
 
 @intrinsic
@@ -245,11 +245,6 @@ def release_update_buffer() -> None:
     _scratch.update = None
 
 
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """A 16-bit float tensor's bits as a uint16 numpy view."""
-    return tensor.view(torch.int16).numpy().view(np.uint16)
-
-
 def _check_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -339,7 +334,7 @@ def muon_step(
     m_coeff, m_small = _lerp_coefficient(momentum)
     scalars = (grad_scale != 1.0, np.float32(grad_scale), w_coeff, w_small, m_coeff, m_small,
                bool(nesterov))  # fmt: skip
-    u_bits = _bits(update)
+    u_bits, _ = as_kernel_array(update, "update", (BF16,), writable=True)
     run_with_threads(
         num_threads,
         lambda n: _momentum_kernel(grad_a, grad_kind, buf_a, u_bits, chunking(numel, n), *scalars),
@@ -348,7 +343,8 @@ def muon_step(
         update.view(shape), coefficients=ns_coefficients, steps=ns_steps, eps=eps,
         device=ns_device,
     )  # fmt: skip
-    o_bits = _bits(ortho.contiguous().view(-1))  # a copy where it is transposed (tall)
+    # a copy where Newton-Schulz returned its transpose (tall)
+    o_bits, _ = as_kernel_array(ortho.contiguous().view(-1), "ortho", (BF16,))
     decay, alpha = np.float32(1 - lr * weight_decay), np.float32(-step_lr)
     run_with_threads(
         num_threads,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradientClipping", "clip_grad_norm_"]
+__all__ = ["GradientClipping", "clip_grad_norm_", "total_grad_norm"]
 
 
 class GradientClipping:
@@ -63,13 +63,7 @@ def clip_grad_norm_(
     clipped by torch's coefficient of it; returns that norm. Between backward and step, as
     torch's. Checks every optimizer before it clips any (Note [clipping by a total norm] in
     ``update/policy.py``)."""
-    # A framework's wrapper (accelerate's prepared optimizer) holds ours as .optimizer.
-    listed = [getattr(opt, "optimizer", opt) for opt in optimizers]
-    if not listed or not all(isinstance(opt, GradientClipping) for opt in listed):
-        raise TypeError(
-            "clip_grad_norm_ takes the offload optimizers that train the model (a list of "
-            f"OffloadAdamW, OffloadMuon...), got {[type(o).__name__ for o in listed]}"
-        )
+    listed = _offload_optimizers(optimizers)
     check_clip_arguments(max_norm, norm_type)
     for opt in listed:
         opt._check_open("clip_grad_norm_")
@@ -83,11 +77,29 @@ def clip_grad_norm_(
             "fp16 model's parameters under one offload optimizer (or a bf16/fp32 model, "
             "whose scale is 1). Nothing was clipped"
         )
-    norms = [float(opt.grad_norm()) for opt in listed]
-    total = math.sqrt(math.fsum(n * n for n in norms))
+    total = total_grad_norm(listed)
     for opt in listed:
-        opt._policy.clip_once(float(max_norm), total)
+        opt.clip_grads_with_norm_(max_norm, total)
     return torch.tensor(total)
+
+
+def total_grad_norm(optimizers: Iterable[GradientClipping]) -> float:
+    """The L2 norm of the gradients of several offload optimizers, read-only (from each
+    one's ``grad_norm()``)."""
+    norms = [float(opt.grad_norm()) for opt in _offload_optimizers(optimizers)]
+    return math.sqrt(math.fsum(n * n for n in norms))
+
+
+def _offload_optimizers(optimizers: Iterable[Any]) -> list[GradientClipping]:
+    """``optimizers`` as offload optimizers: a framework's wrapper (accelerate's prepared
+    optimizer) holds ours as ``.optimizer``."""
+    listed = [getattr(opt, "optimizer", opt) for opt in optimizers]
+    if not listed or not all(isinstance(opt, GradientClipping) for opt in listed):
+        raise TypeError(
+            "clip_grad_norm_ takes the offload optimizers that train the model (a list of "
+            f"OffloadAdamW, OffloadMuon...), got {[type(o).__name__ for o in listed]}"
+        )
+    return listed
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..accelerator import Event
+from ..errors import Attempts
 from ..partition import BucketLayout
 from ..views.param_views import ParamViews
 from .grads.lifecycle import BucketGrads, GradState
@@ -230,18 +231,13 @@ class FlatBucket:
         """Return every block to its pool: each part is closed even when one before it
         fails (a gradient path left half-way by a failed update), the first error raised at
         the end."""
-        errors: list[BaseException] = []
-        parts = (
+        attempt = Attempts()
+        for part in (
             self.gradients.discard_grad,
             self.gradients.close,
             self.store.publication.close,
             self.store.close,
             self.views.close,
-        )
-        for part in parts:
-            try:
-                part()
-            except BaseException as exc:  # collected, the first raised below
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        ):
+            attempt(part)
+        attempt.raise_first()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import StreamError
+from ..errors import Attempts, StreamError
 from ..memory.manager import TieredMemoryManager, interpreter_exiting
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
@@ -80,14 +80,7 @@ class Resources:
         # Release everything even when a part fails (a stream's sticky error, a pool still
         # owning a block after a failure, a weight record that cannot be read back): the
         # first error is raised at the end, after the NVMe files and pools are gone.
-        errors: list[BaseException] = []
-
-        def attempt(fn: Any) -> None:
-            try:
-                fn()
-            except BaseException as exc:  # collected, re-raised below
-                errors.append(exc)
-
+        attempt = Attempts()
         self.router.remove_hooks()
         if self.param_offload is not None:
             # Before the pools go: the parameters take private copies of their weights.
@@ -120,6 +113,7 @@ class Resources:
             if close is not None:
                 attempt(close)
         attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
+        errors = attempt.errors
         if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
             raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import Attempts
 from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
@@ -395,14 +396,7 @@ class ParamOffloader:
         pools) and close the window. Every part is attempted even when one fails (a unit's
         prefetch that read a bad record re-raises its error when settled): the first error
         is raised at the end, after the rest is released."""
-        errors: list[BaseException] = []
-
-        def attempt(fn: Callable[[], object]) -> None:
-            try:
-                fn()
-            except BaseException as exc:  # collected, re-raised below
-                errors.append(exc)
-
+        attempt = Attempts()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -421,5 +415,4 @@ class ParamOffloader:
             attempt(self.bounce.close)
             self.bounce = None
         self.entries = StateDictEntries()
-        if errors:
-            raise errors[0]
+        attempt.raise_first()
