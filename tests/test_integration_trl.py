@@ -20,11 +20,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, Trainer
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from zero_offload import OffloadAdamW
 from zero_offload.integrations.transformers import OffloadTrainer
-from zero_offload.integrations.trl import OffloadDPOTrainer, OffloadSFTTrainer
+from zero_offload.integrations.trl import OffloadDPOTrainer, OffloadGRPOTrainer, OffloadSFTTrainer
 
 from .helpers.device import run_kind
 from .helpers.hf import (
@@ -208,17 +208,104 @@ def test_a_trl_that_overrides_a_replaced_route_is_refused(
         run(OffloadSFTTrainer, tmp_path)
 
 
-def test_grpo_is_refused_for_its_own_optimizer_loading() -> None:
-    """Why no OffloadGRPOTrainer ships: GRPOTrainer restores state of its own in
-    _load_optimizer_and_scheduler, which OffloadTrainer's would skip."""
-    from trl import GRPOTrainer
+def prompts(n: int = 16) -> Dataset:
+    """``n`` prompts of 4 words, for GRPO to complete."""
+    gen = torch.Generator().manual_seed(2)
+    words = torch.randint(3, VOCAB, (n, 4), generator=gen).tolist()  # host: text
+    return Dataset.from_dict({"prompt": [" ".join(f"w{i}" for i in row) for row in words]})
 
-    from zero_offload.integrations.trl import _OffloadTRLTrainer
 
-    class OffloadGRPOTrainer(_OffloadTRLTrainer, GRPOTrainer):
-        pass
+def word_lengths(completions: list[str], **_: Any) -> list[float]:
+    """A reward that differs within a group: the completion's letters, over 10."""
+    return [sum(len(w) for w in c.split()) / 10 for c in completions]
 
-    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._load_optimizer_and_scheduler"):
+
+def run_grpo(
+    cls: type,
+    out: Path,
+    *,
+    resume: str | None = None,
+    grpo: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Trainer:
+    """4 steps of 2 micro-batches of 4 completions (groups of 4) of up to 6 tokens, clipped
+    at 0.5 (the norms are about 2); ``grpo`` has GRPOConfig's own fields; ``resume`` resumes
+    from that checkpoint."""
+    fields = {"max_steps": 4, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5}
+    args = training_args(out, **fields | overrides)
+    fields = args.to_dict() | {"hub_token": args.hub_token}
+    fields |= {"bf16": args.bf16, "gradient_checkpointing": False}
+    fields |= {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 6}
+    fields |= grpo or {}
+    kwargs: dict[str, Any] = {}
+    if issubclass(cls, OffloadTrainer):
+        kwargs = {"offload_config": offload_config(), "offload_device": host_accelerator()}
+    trainer = cls(
+        model=tiny_gpt2(),
+        args=GRPOConfig(**fields),
+        reward_funcs=word_lengths,
+        train_dataset=prompts(),
+        processing_class=tokenizer(),
+        **kwargs,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.mark.cuda_form
+def test_grpo_parity_with_torch_adamw(tmp_path: Path) -> None:
+    """GRPO: TRL samples and scores completions with the policy, which OffloadAdamW trains."""
+    ref = run_grpo(GRPOTrainer, tmp_path / "torch")
+    ours = run_grpo(OffloadGRPOTrainer, tmp_path / "offload")
+    assert min(logged(ref, "grad_norm")) > 0.5  # clipping binds every step
+    assert len(logged(ours, "loss")) == 4
+    assert logged(ours, "reward") == logged(ref, "reward")  # the same completions
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"), logged(ref, "grad_norm"), rtol=1e-6, atol=0
+    )
+    assert max_weight_diff(weights(ours.model), weights(ref.model)) < 3e-6
+    assert isinstance(ours.offload_optimizer, OffloadAdamW)
+
+
+@pytest.mark.cuda_form
+def test_grpo_resume_restores_the_optimizer_and_the_entropy_controller(tmp_path: Path) -> None:
+    """Resumed at step 2, GRPO's adaptive entropy coefficient (raised each step: the entropy
+    stays under the target) comes back from its checkpoint with the optimizer, so the run is
+    bitwise the uninterrupted one (Note [a TRL trainer that extends a replaced route])."""
+    adaptive = {
+        "use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_coef_delta": 0.05,
+        "entropy_target": 10.0,
+    }  # fmt: skip
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    whole = run_grpo(OffloadGRPOTrainer, tmp_path / "whole", grpo=adaptive, **saving)
+    assert whole.entropy_coef == pytest.approx(0.1 + 4 * 0.05)
+    resumed = run_grpo(
+        OffloadGRPOTrainer,
+        tmp_path / "resumed",
+        grpo=adaptive,
+        resume=str(tmp_path / "whole" / "checkpoint-2"),
+    )
+    assert resumed.entropy_coef == whole.entropy_coef
+    assert logged(resumed, "loss", after=2) == logged(whole, "loss")[2:]
+    assert logged(resumed, "grad_norm", after=2) == logged(whole, "grad_norm")[2:]
+    assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
+
+
+def test_a_trl_override_of_a_replaced_route_runs_after_ours_only_where_declared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GRPOTrainer's _load_optimizer_and_scheduler is declared (it runs after
+    OffloadTrainer's); another replaced route of GRPOTrainer's would still be refused."""
+    mro = OffloadGRPOTrainer.__mro__
+    assert mro.index(OffloadTrainer) < mro.index(GRPOTrainer) < mro.index(Trainer)
+    monkeypatch.setattr(
+        GRPOTrainer,
+        "_save_optimizer_and_scheduler",
+        Trainer._save_optimizer_and_scheduler,
+        raising=False,
+    )
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._save_optimizer_and_scheduler"):
         OffloadGRPOTrainer(model=tiny_gpt2())
 
 

@@ -1,4 +1,4 @@
-"""TRL with ``OffloadAdamW``: ``OffloadSFTTrainer`` and ``OffloadDPOTrainer``.
+"""TRL with ``OffloadAdamW``: ``OffloadSFTTrainer``, ``OffloadDPOTrainer``, ``OffloadGRPOTrainer``.
 
 ``trl.SFTTrainer`` and ``trl.DPOTrainer`` are ``transformers.Trainer`` subclasses that
 prepare the data (tokenising, packing, completion-only labels, preference pairs), apply a
@@ -25,21 +25,23 @@ They take the TRL trainer's arguments plus ``OffloadTrainer``'s keyword-only
 TRL's configs turn bf16 on by default, which works; ``fp16=True`` is refused (torch's
 GradScaler needs ``param.grad``).
 
-No class for ``GRPOTrainer``: it defines ``_load_optimizer_and_scheduler`` (to restore its
-entropy controller after the optimizer), which ``OffloadTrainer`` replaces without calling
-it, so a resumed run would lose that state; construction would refuse the combination
-(``_OffloadTRLTrainer``). TRL's other trainers are not tested here, so no class either.
+``OffloadGRPOTrainer`` trains ``trl.GRPOTrainer``'s policy the same way: TRL generates the
+completions, scores them with the reward functions and computes the group-relative loss;
+the optimizer and its checkpoint are ours, and a resumed run also restores GRPO's adaptive
+entropy controller (Note [a TRL trainer that extends a replaced route]). TRL's other
+trainers are not tested here, so no class for them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trl import DPOTrainer, SFTTrainer
+from transformers import Trainer
+from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
 from .transformers import OffloadTrainer
 
-__all__ = ["OffloadDPOTrainer", "OffloadSFTTrainer"]
+__all__ = ["OffloadDPOTrainer", "OffloadGRPOTrainer", "OffloadSFTTrainer"]
 
 #: The Trainer methods OffloadTrainer replaces without calling the next class's (its
 #: ``compute_loss`` and ``training_step`` do call it: TRL's run inside them).
@@ -62,10 +64,17 @@ class _OffloadTRLTrainer(OffloadTrainer):
     be skipped without a word: construction checks.
     """
 
+    #: Replaced routes whose TRL override this class runs after OffloadTrainer's (Note [a
+    #: TRL trainer that extends a replaced route]).
+    _EXTENDED: tuple[str, ...] = ()
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         trl_classes = [c for c in type(self).__mro__ if c.__module__.startswith("trl.")]
         clashes = [
-            f"{c.__name__}.{name}" for c in trl_classes for name in _REPLACED if name in vars(c)
+            f"{c.__name__}.{name}"
+            for c in trl_classes
+            for name in _REPLACED
+            if name in vars(c) and name not in self._EXTENDED
         ]
         if clashes:
             raise RuntimeError(
@@ -85,3 +94,39 @@ class OffloadDPOTrainer(_OffloadTRLTrainer, DPOTrainer):
     """``trl.DPOTrainer`` training with ``OffloadAdamW``; see the module docstring. The
     reference model (``ref_model``, or the adapters disabled with PEFT) is not trained:
     only the policy's parameters are the optimizer's."""
+
+
+# Note [a TRL trainer that extends a replaced route]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# GRPOTrainer overrides ``_load_optimizer_and_scheduler``, one of the routes OffloadTrainer
+# replaces: it calls Trainer's (the optimizer and scheduler) and then restores its adaptive
+# entropy controller from ``entropy_ctrl_state.json``, which its ``_save_checkpoint`` wrote.
+# With OffloadTrainer first in the MRO, TRL's version would never run and a resumed run
+# would restart the controller. So ``OffloadGRPOTrainer`` loads the optimizer and scheduler
+# OffloadTrainer's way, then calls the next class after OffloadTrainer in the MRO, which is
+# GRPOTrainer's version (or, if a TRL version drops it, nothing). Its own ``super()`` call
+# then reaches ``_OptimizerLoadedAbove``, placed after GRPOTrainer and before Trainer, which
+# does nothing: Trainer's loading (torch.load into the optimizer) never runs. TRL's code
+# runs whole, not a copy of it, so a TRL version that restores more state restores it here.
+
+
+class _OptimizerLoadedAbove(Trainer):
+    """Ends the TRL trainer's ``super()._load_optimizer_and_scheduler`` chain: OffloadTrainer
+    has loaded both already (Note [a TRL trainer that extends a replaced route])."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        return
+
+
+class OffloadGRPOTrainer(_OffloadTRLTrainer, GRPOTrainer, _OptimizerLoadedAbove):
+    """``trl.GRPOTrainer`` training with an offload optimizer; see the module docstring. TRL
+    generates and scores the completions with the policy being trained (a forward pass
+    through the same parameters: they stay where the optimizer keeps them)."""
+
+    _EXTENDED = ("_load_optimizer_and_scheduler",)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """OffloadTrainer's optimizer and scheduler, then GRPOTrainer's own state (Note [a
+        TRL trainer that extends a replaced route])."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        super(OffloadTrainer, self)._load_optimizer_and_scheduler(checkpoint)
