@@ -44,8 +44,9 @@ EXAMPLES: list[tuple[str, str]] = [
     ),
     (
         "Mixtral-8x7B on 8 GPUs of 80 GiB and a 1 TiB node: its weights alone exceed a GPU, "
-        "so only the ZeRO-3 rows with parameter offload fit, estimates of what the library "
-        "does not run yet",
+        "so only the ZeRO-3 rows (shards on the device, or parameter offload) with "
+        "checkpointing or activation offload fit; the library runs them, except the rows "
+        "with in-flight staging, estimates of what it does not run yet on several ranks",
         "--hf-config mixtral-8x7b --seq-len 4096 --world-size 8 --device-memory 80GiB "
         "--host-memory 1TiB",
     ),

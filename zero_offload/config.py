@@ -296,20 +296,21 @@ class OffloadConfig:
             construction less max(10% of total RAM, 2 GiB) and less the gradient staging and
             I/O buffers. Buckets are placed whole, in bucket order: on the host while they
             fit, the rest on NVMe. Gradients, staging and the tier's I/O buffers are in host
-            RAM whatever the budget (README, "NVMe tier"). Default ``None``: ``"auto"`` when
+            RAM whatever the budget (docs/nvme.md). Default ``None``: ``"auto"`` when
             ``nvme_dir`` is set. Needs ``nvme_dir``.
         offload_parameters: keep only a window of layers' training-dtype weights on the
             device; the pinned host copy that CPU Adam writes is the authoritative one and
             each unit (a block of ``layers``, the embeddings, the head, ...) is fetched
             ``prefetch_layers`` units ahead of its forward and its backward
-            (``zero_offload.params``; README, "Parameter offload"). Needs ``model=`` on the
+            (``zero_offload.params``; docs/parameter-offload.md). Needs ``model=`` on the
             optimizer, ``offload_fraction=1.0`` and no ``overlap_step``. With several ranks
             it is ZeRO-3 with offload: each rank's homes hold its shard of each unit, which
-            is all-gathered before use (docs/parameter-offload.md, "Several ranks"); one
-            rank only with ``nvme_dir``. With ``nvme_dir`` ``host_budget`` holds the units'
-            homes (the training-dtype weights) first, the homes beyond it in weight files on
-            NVMe, then the master and moments, the rest on NVMe (docs/nvme.md, "With
-            parameter offload"). Default False.
+            is all-gathered before use (docs/parameter-offload.md, "Several ranks"). With
+            ``nvme_dir`` ``host_budget`` (per rank) holds the units' homes (the
+            training-dtype weights; each rank's shards on several ranks) first, the homes
+            beyond it in weight files on NVMe, then the master and moments, the rest on NVMe
+            (docs/nvme.md, "With parameter offload"; several ranks: "Several ranks
+            (ZeRO-Infinity)"). Default False.
         partition_parameters: ZeRO-3: with several ranks each rank keeps only its shard of
             each unit's training-dtype weights, and the units are all-gathered
             ``prefetch_layers`` ahead of their forward and backward into a window of slots

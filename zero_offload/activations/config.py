@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ..activation_sizes import (
+    DEFAULT_DEVICE_POOL_BYTES,
+    DEFAULT_HOST_POOL_BYTES,
+    checkpoint_pool_bytes,
+)
 from ..config import parse_bytes
 
 __all__ = ["TIERS", "ActivationOffloadConfig"]
@@ -44,10 +50,30 @@ class ActivationOffloadConfig:
 
     prefetch_depth: int = 1
     min_bytes: int | str = 1 << 20
-    host_pool_bytes: int | str = 1 << 30
-    device_pool_bytes: int | str = 256 << 20
+    host_pool_bytes: int | str = DEFAULT_HOST_POOL_BYTES
+    device_pool_bytes: int | str = DEFAULT_DEVICE_POOL_BYTES
     max_offloads_in_flight: int = 2
     tier: str = "host"
+
+    @classmethod
+    def for_checkpoints(
+        cls, checkpoint_bytes: int, layers: int, **fields: Any
+    ) -> ActivationOffloadConfig:
+        """A config whose pools hold ``layers`` checkpointed layers' saved inputs of
+        ``checkpoint_bytes`` each (micro-batch x sequence x hidden x the dtype's bytes, for
+        a transformer block), with ``fields`` (``prefetch_depth``, ``min_bytes``, ...) as
+        given; see Note [pools sized for checkpointed layers] in activation_sizes.py. ``zero-offload estimate``
+        prints the sizes for a model shape."""
+        for name in ("host_pool_bytes", "device_pool_bytes"):
+            if name in fields:
+                raise TypeError(
+                    f"ActivationOffloadConfig.for_checkpoints sizes {name} itself; build "
+                    f"ActivationOffloadConfig({name}=...) to set it by hand"
+                )
+        depth = fields.get("prefetch_depth", cls.prefetch_depth)
+        _check_int_range("prefetch_depth", depth, 0, _MAX_PREFETCH_DEPTH)
+        host, device = checkpoint_pool_bytes(checkpoint_bytes, layers, prefetch_depth=depth)
+        return cls(host_pool_bytes=host, device_pool_bytes=device, **fields)
 
     def __post_init__(self) -> None:
         _check_int_range("prefetch_depth", self.prefetch_depth, 0, _MAX_PREFETCH_DEPTH)

@@ -43,13 +43,10 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Accelerator, Stream
+from ..activation_sizes import LAYOUT_ALIGN
 from ..memory.block import Block
 
 __all__ = ["LAYOUT_ALIGN", "span_of", "tensor_over_block"]
-
-#: Bytes modulo which a reloaded activation's data pointer matches the saved one's (a cache
-#: line; torch's CPU allocator aligns to it). See Note [saved layout comes back].
-LAYOUT_ALIGN = 64
 
 
 def span_of(tensor: torch.Tensor) -> int:

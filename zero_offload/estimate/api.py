@@ -287,4 +287,5 @@ def estimate(
         optimizer=optimizer,
         left_out=left_out,
         moments_dtype=moments_dtype,
+        activation_pools=subject.activation_pools(),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..activation_sizes import DEFAULT_DEVICE_POOL_BYTES, DEFAULT_HOST_POOL_BYTES
 from ..config import format_bytes
 from .shape import ModelShape
 
@@ -71,6 +72,9 @@ class MemoryEstimate:
     optimizer: str = "adamw"  # the rule whose state the rows size (``estimate.OPTIMIZERS``)
     left_out: list[LeftOutRow] = field(default_factory=list)  # no rows for this optimizer
     moments_dtype: str = "float32"  # the optimizer's moments (``OffloadConfig.moments_dtype``)
+    # Each rank's ActivationOffloadConfig (host_pool_bytes, device_pool_bytes) that the
+    # activation-offload rows count; None without a shape.
+    activation_pools: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data, with each row's ``device_total``."""
@@ -142,6 +146,7 @@ class MemoryEstimate:
         )
         for conditions, mark in marks.items():
             note += f"\n{mark}: only where {conditions}."
+        note += self._activation_pools_note()
         by_reason: dict[str, list[str]] = {}
         for left in self.left_out:
             by_reason.setdefault(left.reason, []).append(left.name)
@@ -151,6 +156,35 @@ class MemoryEstimate:
         from ..profiling.report import format_table  # profiling imports torch; so did planning
 
         return head + "\n\n" + format_table(header, rows) + note
+
+    def _activation_pools_note(self) -> str:
+        """The activation offloader's pools the activation-offload rows count, and whether
+        ``ActivationOffloadConfig``'s defaults would do (Note [pools sized for checkpointed
+        layers] in activation_sizes.py)."""
+        if self.activation_pools is None or not any(
+            "activation offload" in row.name for row in self.rows
+        ):
+            return ""
+        host, device = self.activation_pools
+        short = [
+            f"{name}'s default {format_bytes(default)} is too small"
+            for name, default, need in (
+                ("host_pool_bytes", DEFAULT_HOST_POOL_BYTES, host),
+                ("device_pool_bytes", DEFAULT_DEVICE_POOL_BYTES, device),
+            )
+            if default < need
+        ]
+        verdict = (
+            "; ".join(short) + ": set the sizes"
+            if short
+            else "the defaults hold them, but allocate their own sizes"
+        )
+        return (
+            f"\nactivation offload rows: each rank's ActivationOffloadConfig("
+            f"host_pool_bytes={host}, device_pool_bytes={device}) ({format_bytes(host)} and "
+            f"{format_bytes(device)}: every layer's saved input, and 2 reloaded at once; "
+            f"ActivationOffloadConfig.for_checkpoints builds it); {verdict}."
+        )
 
 
 def _largest_text(row: ConfigEstimate) -> str:

@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..activation_sizes import checkpoint_pool_bytes
 from .buckets import BucketGroups
 from .planners import reads_whole, rule_state, shaped_state_bytes
 from .shape import ModelShape, Shape
@@ -47,8 +48,6 @@ __all__ = [
     "param_offload_refusal",
 ]
 
-#: Activation checkpoints held on the device by activation offload (prefetch depth 1 + 1).
-OFFLOAD_CHECKPOINTS_ON_DEVICE = 2
 #: The search stops growing a family here (a model this large does not fit anything).
 _SEARCH_CAP = 2**50
 
@@ -218,8 +217,17 @@ class Subject(ABC):
             return shape.layers * layer + logits, 0
         if mode is ActivationMode.CHECKPOINTED:
             return shape.layers * ckpt + layer + logits, 0
-        on_device = min(shape.layers, OFFLOAD_CHECKPOINTS_ON_DEVICE) * ckpt + layer + logits
-        return on_device, shape.layers * ckpt * self.ctx.ranks_per_node
+        host_pool, device_pool = checkpoint_pool_bytes(ckpt, shape.layers)
+        return device_pool + layer + logits, host_pool * self.ctx.ranks_per_node
+
+    def activation_pools(self) -> tuple[int, int] | None:
+        """``(host_pool_bytes, device_pool_bytes)`` of each rank's ``ActivationOffloadConfig``
+        in the activation-offload rows, prefetch depth 1 (Note [pools sized for checkpointed
+        layers] in activation_sizes.py); ``None`` without a shape."""
+        shape = self.shape
+        if shape is None:
+            return None
+        return checkpoint_pool_bytes(shape.checkpoint_bytes(self.ctx.itemsize), shape.layers)
 
     @property
     @abstractmethod
