@@ -35,7 +35,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
    composed; the plan both construction routes share (placement, NVMe, the device pool).
 5. ``checks``, ``router``, ``reports``: checks on the caller's input; the backward's routing
    of each gradient to its bucket; ``opt.state`` and the placement report.
-6. ``update``: when a planned step runs and how its weights reach the device.
+6. ``update``, ``scaled_backward``: when a planned step runs and how its weights reach the
+   device; which backwards carry the loss scale, and the router that refuses the others.
 7. ``checkpoint``: state dicts and streaming checkpoints.
 8. ``lifetime``: which optimizer owns which parameter, and closing.
 9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``kept_zero_grads``,
@@ -109,6 +110,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "router": 5,
     "reports": 5,
     "update": 6,
+    "scaled_backward": 6,
     "checkpoint": 7,
     "lifetime": 8,
     "construction": 9,

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +58,8 @@ def _byte_size(flag: str, *, least: int = 1) -> Callable[[str], int]:
 
 
 def _param_count(text: str) -> int:
+    """``--params``: a finite count >= 1, bare or with a suffix (``1.5e9``, ``350M``,
+    ``7B``); ``inf``, ``nan`` and a float overflow (``1e400``) are usage errors too."""
     scales = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
     cleaned = text.strip().lower()
     scale = scales.get(cleaned[-1:], 1)
@@ -66,6 +69,10 @@ def _param_count(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"not a parameter count: {text!r}; use e.g. 1500000000, 1.5e9, 350M or 7B"
         ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"not a finite parameter count: {text!r}; use e.g. 1500000000, 1.5e9, 350M or 7B"
+        )
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 parameter, got {text!r}")
     return int(value)

@@ -42,6 +42,10 @@ _BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
 #: The least ``device_memory`` / ``host_memory`` given as a bare int (bytes): a smaller one is
 #: a size whose unit was forgotten.
 _LEAST_MEMORY = 2**20
+#: ``estimate()``'s default tokens per sequence and sequences per micro-batch, for the shapes
+#: it builds from a config.
+_DEFAULT_SEQ_LEN = 1024
+_DEFAULT_MICRO_BATCH = 1
 
 
 def parse_size(value: int | str, *, name: str, least: int = 1) -> int:
@@ -107,6 +111,7 @@ def _model_source(
                 return name, shape
         return name, [tuple(p.shape) for p in params]
     if isinstance(model, ModelShape):
+        _check_shape_takes(model, seq_len=seq_len, micro_batch=micro_batch)
         return _dtype_name(dtype), model
     if isinstance(model, (str, Path)):
         model = load_config(model)
@@ -121,6 +126,27 @@ def _model_source(
             f"'llama-3-8b'), got {type(model).__name__} {model!r}"
         )
     return _dtype_name(dtype), model
+
+
+def _check_shape_takes(shape: ModelShape, *, seq_len: int, micro_batch: int) -> None:
+    """A ``ModelShape`` carries its own ``seq_len`` and ``micro_batch``: ``estimate``'s are
+    for the shapes it builds (from a config or a module's config). Given with a shape, they
+    must be the defaults or the shape's own; another value would be silently ignored."""
+    differ = [
+        f"{name}={given}"
+        for name, given, default, own in (
+            ("seq_len", seq_len, _DEFAULT_SEQ_LEN, shape.seq_len),
+            ("micro_batch", micro_batch, _DEFAULT_MICRO_BATCH, shape.micro_batch),
+        )
+        if given not in (default, own)
+    ]
+    if differ:
+        raise ValueError(
+            f"estimate(ModelShape, {', '.join(differ)}): a ModelShape's activations are sized "
+            f"by its own seq_len={shape.seq_len} and micro_batch={shape.micro_batch}, not by "
+            "estimate()'s; pass dataclasses.replace(shape, "
+            f"{', '.join(differ)}) instead"
+        )
 
 
 def _machine_memory(
@@ -152,8 +178,8 @@ def estimate(
     device_memory: int | str | None = None,
     host_memory: int | str | None = None,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
-    seq_len: int = 1024,
-    micro_batch: int = 1,
+    seq_len: int = _DEFAULT_SEQ_LEN,
+    micro_batch: int = _DEFAULT_MICRO_BATCH,
     disk_memory: int | str | None = None,
     optimizer: str = "adamw",
     moments_dtype: str = "float32",
@@ -166,7 +192,9 @@ def estimate(
     shape when that counts the same parameters); a transformers config (a
     ``PretrainedConfig``, its dict, a ``config.json`` path or folder, or a name in
     ``KNOWN_MODELS`` such as ``"llama-3-8b"``), whose shape takes ``seq_len`` and
-    ``micro_batch``. ``dtype``: training dtype (``"bfloat16"`` default, or the module's).
+    ``micro_batch``. A ``ModelShape`` has its own ``seq_len`` and ``micro_batch``: others
+    given with it are refused (``ValueError``; use ``dataclasses.replace(shape, seq_len=...,
+    micro_batch=...)``). ``dtype``: training dtype (``"bfloat16"`` default, or the module's).
     ``device_memory`` (per rank) and ``host_memory`` (per node): a size with a unit
     (``"80GiB"``, ``"24GB"``) or an int of bytes (at least 1 MiB); default this machine's GPU
     and RAM. ``disk_memory``: NVMe bytes per node for ``nvme_dir`` (default none: rows with

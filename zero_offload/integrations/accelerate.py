@@ -44,6 +44,7 @@ which ``OffloadAdamW`` never leaves behind. Use ``"bf16"``, or an fp16 model
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -299,7 +300,10 @@ class OffloadAccelerator(Accelerator):
                 "parameters with a single OffloadAdamW"
             )
         scale = scales.pop() if scales else 1.0
-        super().backward(loss * scale if scale != 1.0 else loss, **kwargs)
+        with contextlib.ExitStack() as scaled:  # Note [a backward carries the loss scale]
+            for opt in self._offload_optimizers():
+                scaled.enter_context(opt.scaled_backward())
+            super().backward(loss * scale if scale != 1.0 else loss, **kwargs)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2

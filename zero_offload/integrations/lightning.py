@@ -50,6 +50,7 @@ torch's GradScaler on ``param.grad``: refused before the first backward.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -162,7 +163,10 @@ class OffloadLightningModule(pl.LightningModule):
             (scale,) = scales
             if scale != 1.0:
                 loss = loss * scale
-        super().backward(loss, *args, **kwargs)
+        with contextlib.ExitStack() as scaled:  # Note [a backward carries the loss scale]
+            for opt in ours:
+                scaled.enter_context(opt.scaled_backward())
+            super().backward(loss, *args, **kwargs)
 
     @staticmethod
     def _check_trainer(trainer: pl.Trainer) -> None:

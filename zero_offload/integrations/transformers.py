@@ -297,7 +297,9 @@ class OffloadTrainer(Trainer):
             and opt.can_step_during_backward()
         ):
             opt.announce_step()
-        return super().training_step(model, inputs, num_items_in_batch)
+        # compute_loss scales the loss's gradient: Note [a backward carries the loss scale]
+        with opt.scaled_backward():
+            return super().training_step(model, inputs, num_items_in_batch)
 
     # -- clipping and the logged norm ----------------------------------------------------
 

@@ -3,7 +3,7 @@ would work."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_DTYPES",
     "check_new_params",
+    "check_param_group",
     "check_params",
     "check_untouched",
     "describe_param",
@@ -78,14 +79,54 @@ def split_names(params: Sequence[Any], *, where: str) -> tuple[list[Any], list[s
     return [pair[1] for pair in params], [pair[0] for pair in params]
 
 
+def check_param_group(
+    param_group: Any, param_groups: Sequence[dict[str, Any]], *, where: str
+) -> tuple[dict[str, Any], list[Any], list[str] | None]:
+    """``(group, params, names)`` for ``add_param_group(param_group)``: a copy of the group
+    whose ``params`` is a list (one tensor is one entry), and the names when they came as
+    ``model.named_parameters()`` pairs (then kept as the group's ``param_names``, as torch
+    keeps them). Refuses what torch refuses, with what would work; changes nothing."""
+    if not isinstance(param_group, dict):
+        raise TypeError(
+            f"param_group must be a dict, as torch requires, such as {{'params': "
+            f"[tensors], 'lr': 1e-4}}; got {type(param_group).__name__}"
+        )
+    if "params" not in param_group:
+        raise ValueError(
+            f"{where} has no 'params' entry (its keys: {sorted(map(str, param_group))}); "
+            "pass the group's parameters as {'params': [tensors], ...}"
+        )
+    group = dict(param_group)
+    params = group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{where}: 'params' must be a tensor or an ordered iterable of tensors (not a "
+            f"set), got {type(params).__name__}"
+        )
+    params, names = split_names(list(params), where=where)
+    group["params"] = params
+    if names is not None:
+        group["param_names"] = names
+    if param_groups and ("param_names" in group) != ("param_names" in param_groups[0]):
+        raise ValueError(
+            f"{where} is {'with' if names is not None else 'without'} parameter names but "
+            "the optimizer's first group is not; pass every group as named_parameters() "
+            "pairs or none of them (as torch requires)"
+        )
+    return group, params, names
+
+
 def check_new_params(
     params: Sequence[Any],
     param_groups: Sequence[dict[str, Any]],
     *,
     names: Sequence[str] | None = None,
 ) -> None:
-    """Refuse non-tensors, non-leaves and parameters already in a group, by position (and
-    by name, given ``names``)."""
+    """Refuse non-tensors, non-leaves, parameters already in a group, by position (and
+    by name, given ``names``), and parameters whose memory overlaps another's (Note
+    [parameters that share memory])."""
     first = sum(len(group["params"]) for group in param_groups)
     seen = {id(p) for group in param_groups for p in group["params"]}
     for offset, param in enumerate(params):
@@ -104,6 +145,103 @@ def check_new_params(
                 "list each parameter once"
             )
         seen.add(id(param))
+    _refuse_shared_memory(params, param_groups, first=first, names=names)
+
+
+# Note [parameters that share memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each trained parameter gets a slot of its own in a flat bucket and its ``.data`` is
+# re-pointed there, so two Parameter objects over one storage (``nn.Parameter(w)`` twice,
+# or overlapping views of one tensor) would be updated apart and silently stop being
+# equal, where torch keeps them tied. Such pairs are refused at construction and by
+# ``add_param_group``, naming both, before anything changes. A weight tied the usual way
+# (HF's ``tie_weights``: one Parameter object in two modules) appears once in
+# ``model.parameters()`` and is trained once. Memory is compared by address, per device
+# (so storages that alias one buffer, ``torch.from_numpy`` twice, are caught too): spans
+# that overlap are checked element by element when either tensor is not contiguous, so
+# interleaved views that share no element (``w[0::2]`` and ``w[1::2]``) pass. Pairs where
+# neither trains (frozen or empty) are left alone, as are tensors with no memory (meta, or
+# released under parameter offload).
+
+
+def _span(param: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` byte addresses of ``param``'s elements, or None without memory."""
+    if param.numel() == 0 or param.device.type == "meta" or param.layout is not torch.strided:
+        return None
+    if param.untyped_storage().nbytes() == 0 or param.data_ptr() == 0:
+        return None  # released (storage resized to 0 under parameter offload)
+    last = sum(
+        (size - 1) * stride for size, stride in zip(param.shape, param.stride(), strict=True)
+    )
+    return param.data_ptr(), param.data_ptr() + (last + 1) * param.element_size()
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor, low: int, end: int) -> bool:
+    """Whether ``a`` and ``b``, whose byte spans overlap within ``[low, end)``, share an
+    element."""
+    item = a.element_size()
+    if a.is_contiguous() and b.is_contiguous():
+        return True  # contiguous spans that overlap share bytes
+    if b.element_size() != item or (a.data_ptr() - b.data_ptr()) % item:
+        return True  # bytes of different element grids: taken as shared
+    # Hidden cost: one bool per element of the two spans, on this rare path only.
+    marks = torch.zeros((end - low) // item, dtype=torch.bool)
+    marks.as_strided(a.shape, a.stride(), (a.data_ptr() - low) // item).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), (b.data_ptr() - low) // item).any())
+
+
+def _refuse_shared_memory(
+    params: Sequence[torch.Tensor],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    first: int,
+    names: Sequence[str] | None,
+) -> None:
+    """Note [parameters that share memory]: refuse a new parameter (flat index ``first``
+    on) whose memory overlaps another new one's or an existing one's."""
+    every = [*(p for group in param_groups for p in group["params"]), *params]
+    spans = []  # (device, first byte, end byte, flat index) of every tensor with memory
+    for index, param in enumerate(every):
+        span = _span(param)
+        if span is not None:
+            spans.append((str(param.device), *span, index))
+    spans.sort()
+    reach: list[tuple[str, int, int, int]] = []  # earlier spans that reach past this start
+    for span in spans:
+        device, start, end, index = span
+        reach = [r for r in reach if r[0] == device and r[2] > start]
+        for other in reach:
+            i, j = sorted((other[3], index))
+            a, b = every[i], every[j]
+            if j < first or not (a.requires_grad or b.requires_grad):
+                continue  # two existing ones (accepted before), or neither trains
+            if _share_elements(a, b, other[1], max(end, other[2])):
+                raise ValueError(
+                    f"{_describe(every, i, first, names, param_groups)} and "
+                    f"{_describe(every, j, first, names, param_groups)} share memory (two "
+                    "Parameters over one storage, or overlapping views of one tensor). The "
+                    "optimizer gives each parameter a slot of its own, so they would be "
+                    "updated apart and stop being tied, where torch keeps them equal. Tie "
+                    "them as one Parameter object (b = a, as tie_weights does), or give "
+                    "each its own memory (nn.Parameter(w.clone()))"
+                )
+        reach.append(span)
+
+
+def _describe(
+    every: Sequence[torch.Tensor],
+    index: int,
+    first: int,
+    names: Sequence[str] | None,
+    param_groups: Sequence[dict[str, Any]],
+) -> str:
+    """``describe_param`` for flat ``index``: a new parameter (``first`` on) named by
+    ``names``, an existing one by its group's ``param_names``."""
+    if index >= first:
+        name = names[index - first] if names is not None else None
+    else:
+        name = param_name(param_groups, index)
+    return describe_param(index, every[index], name)
 
 
 def check_params(

@@ -11,6 +11,7 @@ folded into the step's gradient multiplier: no pass of its own.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,13 +57,21 @@ class GradientClipping:
 
 
 def clip_grad_norm_(
-    optimizers: Iterable[GradientClipping], max_norm: float, norm_type: float = 2.0
+    optimizers: GradientClipping | Iterable[GradientClipping],
+    max_norm: float,
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model that several offload optimizers train
     (``OffloadMuon`` beside an ``OffloadAdamW``): the L2 norm of all their gradients, each
     clipped by torch's coefficient of it; returns that norm. Between backward and step, as
     torch's. Checks every optimizer before it clips any (Note [clipping by a total norm] in
-    ``update/policy.py``)."""
+    ``update/policy.py``).
+
+    ``optimizers``: the offload optimizers, or one of them (as torch takes one tensor), or a
+    framework's wrapper of one (accelerate's prepared optimizer). Each optimizer counts once:
+    one listed twice, or listed both wrapped and unwrapped, is one optimizer, whose gradients
+    are in the norm once (counting them twice would make the norm too large by sqrt(2) and
+    clip too hard)."""
     listed = _offload_optimizers(optimizers)
     check_clip_arguments(max_norm, norm_type)
     for opt in listed:
@@ -85,34 +94,45 @@ def clip_grad_norm_(
 
 def total_grad_norm(optimizers: Iterable[GradientClipping]) -> float:
     """The L2 norm of the gradients of several offload optimizers, read-only (from each
-    one's ``grad_norm()``)."""
+    one's ``grad_norm()``; each optimizer once, as in ``clip_grad_norm_``)."""
     norms = [float(opt.grad_norm()) for opt in _offload_optimizers(optimizers)]
     return math.sqrt(math.fsum(n * n for n in norms))
 
 
-def _offload_optimizers(optimizers: Iterable[Any]) -> list[GradientClipping]:
-    """``optimizers`` as offload optimizers: a framework's wrapper (accelerate's prepared
-    optimizer) holds ours as ``.optimizer``."""
-    listed = [getattr(opt, "optimizer", opt) for opt in optimizers]
+def _offload_optimizers(optimizers: Any) -> list[GradientClipping]:
+    """``optimizers`` (one, or an iterable of them) as distinct offload optimizers, in the
+    order given: a framework's wrapper (accelerate's prepared optimizer) holds ours as
+    ``.optimizer``, and the same optimizer given twice (wrapped and not) is kept once."""
+    if isinstance(getattr(optimizers, "optimizer", optimizers), GradientClipping):
+        optimizers = [optimizers]
+    given = list(optimizers) if isinstance(optimizers, Iterable) else [optimizers]
+    listed: list[GradientClipping] = []
+    for opt in (getattr(o, "optimizer", o) for o in given):
+        if all(opt is not known for known in listed):
+            listed.append(opt)
     if not listed or not all(isinstance(opt, GradientClipping) for opt in listed):
+        kinds = list(dict.fromkeys(type(o).__name__ for o in given))
         raise TypeError(
-            "clip_grad_norm_ takes the offload optimizers that train the model (a list of "
-            f"OffloadAdamW, OffloadMuon...), got {[type(o).__name__ for o in listed]}"
+            "clip_grad_norm_ takes the offload optimizers that train the model (one, or a "
+            f"list of OffloadAdamW, OffloadMuon...), got {type(optimizers).__name__} of "
+            f"{kinds}"
         )
     return listed
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> None:
-    """``max_norm``: a finite number > 0; ``norm_type``: 2 (the L2 norm, the one the
-    statistics pass takes)."""
+    """``max_norm``: a finite real number > 0 (a float, an int or a numpy scalar; callers
+    store ``float(max_norm)``); ``norm_type``: 2 (the L2 norm, the one the statistics pass
+    takes). A ``max_norm`` that is no real number (a string, ``None``, a bool, a tensor) is a
+    ``TypeError``; one <= 0, NaN or infinite a ``ValueError``."""
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
-    if not (
-        isinstance(max_norm, (int, float))
-        and not isinstance(max_norm, bool)
-        and max_norm > 0
-        and math.isfinite(max_norm)
-    ):
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(
+            f"max_norm must be a finite number > 0 (a float, an int or a numpy scalar), got "
+            f"{type(max_norm).__name__} {max_norm!r}"
+        )
+    if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
 
 
@@ -125,7 +145,7 @@ def _total(total_norm: object) -> float:
                 f"total_norm must be one number, got a tensor of shape {tuple(total_norm.shape)}"
             )
         total_norm = total_norm.item()
-    if isinstance(total_norm, bool) or not isinstance(total_norm, (int, float)):
+    if isinstance(total_norm, bool) or not isinstance(total_norm, numbers.Real):
         raise TypeError(f"total_norm must be a number, got {type(total_norm).__name__}")
     if not (total_norm >= 0 or math.isnan(total_norm)):
         raise ValueError(f"total_norm must be >= 0, got {total_norm!r}")

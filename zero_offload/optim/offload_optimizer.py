@@ -14,7 +14,8 @@ What differs from the torch optimizer a facade stands for (``torch.optim.AdamW``
   calls to clear gradients. Clip with ``opt.clip_grad_norm_`` or
   ``OffloadConfig(max_grad_norm=...)``: ``torch.nn.utils.clip_grad_norm_`` would find no
   ``.grad`` to clip, so on our parameters it raises (Note [torch's clipping cannot see our
-  gradients] in ``torch_clipping.py``). fp16 models use ``opt.backward(loss)``.
+  gradients] in ``torch_clipping.py``). fp16 models use ``opt.backward(loss)``: a plain
+  ``loss.backward()`` is refused (Note [a backward carries the loss scale]).
 - Parameters become views into flat per-bucket device buffers (``param.data`` is replaced
   once, at construction; modules keep working unchanged). Replacing ``param.data`` later,
   or unfreezing a parameter that was frozen at construction, is refused at the next step.
@@ -31,6 +32,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -46,9 +48,9 @@ from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
 from .checks import (
     check_new_params,
+    check_param_group,
     check_untouched,
     refuse_whole_parameter_features,
-    split_names,
 )
 from .clipping import GradientClipping
 from .construction import SegmentBuilder, check_param_offload, windows_parameters
@@ -59,9 +61,9 @@ from .lifetime import Resources
 from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
 from .reports.live import OptimizerState
 from .reports.summary import PlacementReport, placement_line, placement_of
-from .router import BackwardRouter
 from .rule import OptimizerRule
 from .rule.base import Hyper
+from .scaled_backward import ScaleCheckedRouter, ScaledBackwards
 from .torch_clipping import refuse_plain_trainer
 from .update.loss_scaler import LossScaler
 from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed
@@ -166,7 +168,10 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
             self._ranks = ranks(
                 comm, stream, accelerator=self.accelerator, owns_group=process_group is None
             )
-        self._router = BackwardRouter(self._ranks, self.manager)
+        self._scaled = ScaledBackwards(repr(self))  # Note [a backward carries the loss scale]
+        self._router = ScaleCheckedRouter(
+            self._ranks, self.manager, scaled=self._scaled, owner=type(self).__name__
+        )
         self._resources = Resources(self.manager, self._router)
         self._resources.extra_streams = extra_streams
         # See Note [lifetimes without close]: nothing passed here references self.
@@ -187,6 +192,7 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
             if config.overlap_step
             else ImmediateUpdate(self.manager, self._ranks),
             param_offload=lambda: resources.param_offload is not None,
+            scaled=self._scaled,
         )
         self._kept_zeros = KeptZeroGrads()  # Note [zero gradients are not kept]
         self._constructing = True
@@ -239,33 +245,14 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does); after construction it gets buckets of its own (and
         the dynamic loss scaler, if it brings the first fp16 parameters)."""
+        self._check_open("add_param_group")
         if self._policy.eager is not None:
             raise RuntimeError(
                 "add_param_group between backward(step=True)/announce_step() and step(): "
                 "the announced step is planned for the current groups; call step() first"
             )
-        group = dict(param_group)
-        params = group.get("params")
         where = f"param group {len(self.param_groups)}"
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set) or params is None:
-            raise TypeError(
-                "param group 'params' must be a tensor or an ordered iterable of tensors "
-                f"(not a set), got {type(params).__name__}"
-            )
-        params, names = split_names(list(params), where=where)
-        group["params"] = params
-        if names is not None:
-            group["param_names"] = names
-        if self.param_groups and ("param_names" in group) != (
-            "param_names" in self.param_groups[0]
-        ):
-            raise ValueError(
-                f"{where} is {'with' if names is not None else 'without'} parameter names but "
-                "the optimizer's first group is not; pass every group as named_parameters() "
-                "pairs or none of them (as torch requires)"
-            )
+        group, params, names = check_param_group(param_group, self.param_groups, where=where)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         self.rule.check_group(group, where=where)
@@ -337,11 +324,25 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
         ``step=True`` announces that ``step()`` follows this backward with no clipping or
         other backward in between (``announce_step``): where that makes the update exact,
         it runs during backward."""
+        if not isinstance(step, bool):
+            raise TypeError(
+                f"{type(self).__name__}.backward: step must be a bool (True announces the "
+                f"step), got {step!r} ({type(step).__name__})"
+            )
         if step:
             self.announce_step()
-        if self.loss_scale != 1.0:
-            loss = loss * self.loss_scale
-        backward_reporting_hooks(loss, **kwargs)  # Note [errors raised inside autograd hooks]
+        with self.scaled_backward():
+            if self.loss_scale != 1.0:
+                loss = loss * self.loss_scale
+            backward_reporting_hooks(loss, **kwargs)  # Note [errors raised inside autograd hooks]
+
+    def scaled_backward(self) -> AbstractContextManager[None]:
+        """A block whose backwards carry ``loss_scale``: for code that multiplies the loss
+        (or its gradient) by ``opt.loss_scale`` itself instead of calling
+        ``opt.backward(loss)``. With fp16 parameters, a gradient from a backward outside
+        such a block is refused (Note [a backward carries the loss scale] in
+        ``scaled_backward.py``)."""
+        return self._scaled.scaled()
 
     def can_step_during_backward(self) -> bool:
         """Whether an announced step (``backward(step=True)``, ``announce_step()``) would

@@ -94,11 +94,19 @@ class BackwardRouter:
         _armed: graph task ids with an end callback queued; guarded by ``_lock`` (hooks may
             run on autograd's device threads).
         order: in what order buckets go to the host (``order.py``), from the ranks.
+        owner: the optimizer's class name, as refusals name it (a name, not a reference:
+            the router holds none to the optimizer).
+        _strays_checked: whether the hand-set gradients now being taken in (``receive``,
+            from the optimizer's stray-gradient pass) were all checked to be dense; reset
+            by ``finish`` and ``discard``, which end that pass.
     """
 
-    def __init__(self, ranks: Ranks, manager: TieredMemoryManager) -> None:
+    def __init__(
+        self, ranks: Ranks, manager: TieredMemoryManager, *, owner: str = "the offload optimizer"
+    ) -> None:
         self.ranks = ranks
         self.manager = manager  # zero_grad after an interrupted backward waits on it
+        self.owner = owner
         self.buckets: list[FlatBucket] = []
         self.backwards = 0
         self._hooks: list[Any] = []
@@ -112,6 +120,7 @@ class BackwardRouter:
         # (Note [a bucket's gradient lifecycle]: buckets without a gradient in the new
         # window must not keep the old one).
         self._window_consumed = False
+        self._strays_checked = False
 
     def add(self, buckets: list[FlatBucket]) -> None:
         """Route the gradients of ``buckets``' parameters (appended to the order)."""
@@ -145,13 +154,9 @@ class BackwardRouter:
                 "the announced step already ran, without this backward's gradients. Call "
                 "step() first, or announce the step on the last micro-batch only"
             )
-        if grad.is_sparse:
+        if grad.layout is not torch.strided:
             param.grad = None  # refused: it must not reach a later step as a hand-set one
-            raise ValueError(
-                f"parameter {bucket.layout.slots[slot_index].index} (shape "
-                f"{tuple(param.shape)}) got a sparse gradient; OffloadAdamW needs dense ones "
-                "(e.g. nn.Embedding(sparse=False))"
-            )
+            raise self._sparse_refusal(bucket, slot_index, grad, "got")
         self.arm()
         param.grad = None  # released now: the device keeps about two buckets of gradients
         slot = bucket.layout.slots[slot_index]
@@ -160,7 +165,17 @@ class BackwardRouter:
             # (Note [parameters replaced behind the optimizer]); its gradient has no slot.
             return
         with surface_collective_errors():
-            self.receive(bucket, slot_index, grad)
+            self._take(bucket, slot_index, grad)
+
+    def _sparse_refusal(
+        self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor, how: str
+    ) -> ValueError:
+        param = bucket.params[slot_index]
+        return ValueError(
+            f"parameter {bucket.layout.slots[slot_index].index} (shape {tuple(param.shape)}) "
+            f"{how} a sparse gradient ({grad.layout}); {self.owner} needs dense ones (e.g. "
+            "nn.Embedding(sparse=False), or .grad = g.to_dense())"
+        )
 
     def land(self) -> None:
         """Every window summed on the device lands on the host (the step, or its norm, is
@@ -183,6 +198,32 @@ class BackwardRouter:
                 bucket.grads.discard()  # no device buffer to release in CONSUMED
 
     def receive(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
+        """Take in one gradient set by hand (``param.grad = g``, not by autograd: the
+        optimizer's stray-gradient pass, which has just set that ``.grad`` to None), as the
+        hook takes one. The first call of a pass checks every parameter's gradient, so that a
+        sparse one is refused before any of them is taken: then the refused gradient is put
+        back on its ``.grad`` and nothing has changed."""
+        refused: tuple[FlatBucket, int, torch.Tensor] | None = None
+        if grad.layout is not torch.strided:
+            refused = (bucket, slot_index, grad)
+        elif not self._strays_checked:
+            refused = self._first_sparse_grad()
+        if refused is not None:
+            bucket.params[slot_index].grad = grad  # as it was: nothing is taken
+            raise self._sparse_refusal(*refused, "has")
+        self._strays_checked = True
+        self._take(bucket, slot_index, grad)
+
+    def _first_sparse_grad(self) -> tuple[FlatBucket, int, torch.Tensor] | None:
+        """The first parameter whose ``.grad`` is sparse: ``(bucket, slot index, grad)``."""
+        for bucket in self.buckets:
+            for slot_index, param in enumerate(bucket.params):
+                grad = param.grad
+                if grad is not None and grad.layout is not torch.strided:
+                    return bucket, slot_index, grad
+        return None
+
+    def _take(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
         """Add one gradient to its bucket; flush what is ready, in the ranks' order."""
         if self._window_consumed:
             self._open_window()
@@ -228,6 +269,7 @@ class BackwardRouter:
     def finish(self) -> None:
         """Close a backward that has not ended (step time, or its callback never ran
         because it raised), so nothing of it is left in flight."""
+        self._strays_checked = False
         if self.open:
             self.end_backward()
         with self._lock:
@@ -246,5 +288,6 @@ class BackwardRouter:
             self._armed.clear()
         self.order.reset()
         self._window_consumed = False
+        self._strays_checked = False
         for bucket in self.buckets:
             bucket.discard()

@@ -311,14 +311,22 @@ class TrafficProfiler:
     # -- outputs -----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary as plain JSON-friendly data (see ``summary.summarize``)."""
+        """The summary as plain JSON-friendly data (see ``summary.summarize``), while
+        recording or after; before ``start()`` there is nothing to summarise (RuntimeError)."""
+        if self.state is ProfilerState.READY:
+            raise RuntimeError(
+                "the profiler has recorded nothing yet: call start() (or use it as "
+                "`with zero_offload.profile(opt) as prof:`) before to_dict(), to_json() or "
+                "report()"
+            )
         return summarize(self.data)
 
     def to_json(self, path: str | Path | None = None) -> str:
         """``to_dict()`` as JSON text; also written to ``path`` when given."""
+        target = None if path is None else _file_path(path, "to_json", "profile.json")
         text = json.dumps(self.to_dict(), indent=2)
-        if path is not None:
-            write_text(path, text + "\n", what="to_json")  # atomically, see fileio
+        if target is not None:
+            write_text(target, text + "\n", what="to_json")  # atomically, see fileio
         return text
 
     def report(self) -> str:
@@ -326,12 +334,27 @@ class TrafficProfiler:
         return format_report(self.to_dict())
 
     def __str__(self) -> str:
+        if self.state is ProfilerState.READY:
+            return f"{type(self).__name__} ({self.state.value}: nothing recorded yet)"
         return self.report()
 
     def export_chrome_trace(self, path: str | Path) -> Path:
         """Write a Chrome trace (Perfetto, chrome://tracing) to ``path``; returns the path."""
-        return write_chrome_trace(self.data, Path(path))
+        return write_chrome_trace(self.data, _file_path(path, "export_chrome_trace", "trace.json"))
 
     def plot(self, path: str | Path) -> Path:
         """Write a PNG: transfers per stream over time, and memory over time (needs matplotlib)."""
-        return plot_profile(self.data, Path(path))
+        return plot_profile(self.data, _file_path(path, "plot", "profile.png"))
+
+
+def _file_path(path: str | Path, method: str, example: str) -> Path:
+    """``path`` for an output file; a folder that exists is refused (the write goes to a temp
+    file beside it, then replaces it: it would fail on the folder with an error naming the
+    temp file)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(
+            f"{method}: path={str(path)!r} is a directory; give a file path in it, e.g. "
+            f"{str(target / example)!r}"
+        )
+    return target

@@ -40,14 +40,35 @@ checkpoint saved with an ``overlap_step`` update pending is the one case where t
 are stale by design: there the update is published from the master, except into the
 parameters it names in ``written_since_step`` and those without a master, which keep their
 weights (Note [delayed parameter update] in ``update/modes.py``).
+
+Note [a load checks everything, then copies]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``load_optimizer_state`` has two phases, so that a refused dict leaves the optimizer as it
+was. The first reads the caller's dict and raises on anything the second could not take:
+each container's type; each state tensor's type (a tensor, not a subclass with its own
+dispatch such as a DTensor), layout (dense), device (one with data: a meta tensor has none),
+shape and dtype; each step count (a whole number that fits ``bucket.steps``);
+``skipped_steps`` (an int >= 0) and the other ``zero_offload`` fields; the loss scaler's
+state; the groups, which it also deep-copies (an object that cannot be copied refuses here);
+and every slot's state views (an NVMe store, which cannot hand them out, refuses here). It
+stages what it read: ints, and detached tensors (a tensor that requires grad loads by value,
+as torch's ``Optimizer.load_state_dict`` takes it). The second phase reads only the staged
+values: it fills, copies (``copy_`` from a dense tensor with data into a view of the same
+shape converts the dtype and crosses devices) and assigns, none of which raises on the
+caller's data. A check that the second phase relies on belongs in the first: one made while
+copying is a refusal after part of the state was overwritten.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import math
+import numbers
+import reprlib
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ...collectives import Comm
@@ -55,14 +76,20 @@ from ..flat_bucket import FlatBucket
 from ..rule.base import OptimizerRule
 from ..update.loss_scaler import LossScaler
 
-__all__ = ["LoadedState", "group_entries", "load_optimizer_state", "optimizer_state"]
+__all__ = [
+    "LoadedState",
+    "check_skipped_steps",
+    "group_entries",
+    "load_optimizer_state",
+    "optimizer_state",
+]
 
 
 class LoadedState(NamedTuple):
     """What a loaded state says beyond the buckets and groups (the caller applies it)."""
 
     scaler_state: dict[str, Any]  # for LossScaler.load_state_dict (checked already)
-    skipped_steps: int | None  # None: the state has no count
+    skipped_steps: int | None  # >= 0 (checked already); None: the state has no count
     pending_update: bool  # saved with an overlap_step update pending
 
 
@@ -147,60 +174,152 @@ def optimizer_state(
     return {"state": state, "param_groups": groups, "zero_offload": extra}
 
 
+_STEP_MAX = int(np.iinfo(np.int64).max)  # bucket.steps is int64
+
+
+def _check_mapping(where: str, value: Any, what: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{where} must be a dict ({what}), got {type(value).__name__} {reprlib.repr(value)}"
+        )
+    return value
+
+
 def _check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """``value`` as the copy phase takes it: detached, dense, with data (Note [a load
+    checks everything, then copies])."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: {name!r} must be a tensor, got {type(value).__name__}")
+    if type(value).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(
+            f"{where}: {name!r} is a {type(value).__name__}, a tensor subclass with its own "
+            "dispatch, whose values a copy into a plain tensor cannot read; pass a plain "
+            "torch.Tensor (for a DTensor, its .full_tensor())"
+        )
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"{where}: {name!r} has layout {value.layout}; a dense (torch.strided) tensor is "
+            "needed: pass value.to_dense()"
+        )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{where}: {name!r} is on the meta device, which holds no values to load; pass a "
+            "tensor with data, on the CPU or on the accelerator's device"
+        )
     if tuple(value.shape) != shape:
         raise ValueError(
             f"{where}: {name!r} has shape {tuple(value.shape)} but the parameter has {shape}"
         )
     if not value.is_floating_point():
         raise TypeError(f"{where}: {name!r} has dtype {value.dtype}; a floating dtype is needed")
-    return value
+    # torch's Optimizer.load_state_dict takes a tensor that requires grad too: its values,
+    # never a graph into the optimizer's state.
+    return value.detach()
 
 
 def _check_step(where: str, value: Any) -> int:
     """A parameter's step count: a whole number >= 0. 0 is a parameter not stepped yet with
     its state at hand, as torch's Adagrad saves every parameter from its construction on
     (``step`` 0, ``sum`` at its start)."""
-    step = value.item() if isinstance(value, torch.Tensor) else value
-    if (
-        isinstance(step, bool)
-        or not isinstance(step, (int, float))
-        or step < 0
-        or step != int(step)
-    ):
-        raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
+    wanted = "a whole number >= 0 (an int, a float or a 1-element tensor, as torch saves it)"
+    step = value
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.layout != torch.strided or value.device.type == "meta":
+            shown = f"tensor of shape {tuple(value.shape)} ({value.layout}, on {value.device})"
+            raise ValueError(f"{where}: 'step' must be {wanted}, got a {shown}")
+        step = value.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        raise TypeError(f"{where}: 'step' must be {wanted}, got {type(value).__name__} {value!r}")
+    whole = isinstance(step, numbers.Integral) or (math.isfinite(step) and float(step).is_integer())
+    if not whole or step < 0:
+        raise ValueError(f"{where}: 'step' must be {wanted}, got {value!r}")
+    if step > _STEP_MAX:
+        raise ValueError(
+            f"{where}: 'step' {value!r} is past the largest step count kept ({_STEP_MAX}, "
+            "int64); pass the parameter's real count"
+        )
     return int(step)
 
 
-def load_optimizer_state(
-    buckets: Sequence[FlatBucket],
-    param_groups: list[dict[str, Any]],
-    state_dict: dict[str, Any],
-    *,
-    comm: Comm | None,
-    scaler: LossScaler,
-    rule: OptimizerRule,
-) -> LoadedState:
-    """Check everything (the loss scaler's state too), then copy into ``buckets`` and
-    ``param_groups``; see ``OffloadAdamW.load_state_dict``. Returns what the caller
-    applies: the scaler's state, the skip count, whether an update was pending."""
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError("state_dict must be a dict with 'state' and 'param_groups' keys")
+def check_skipped_steps(where: str, value: Any) -> int | None:
+    """``skipped_steps`` as a state records it: an int >= 0, or None where it has none
+    (torch's dicts); ``where`` names the state."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{where}: 'skipped_steps' must be an int >= 0 (the steps skipped for overflow), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"{where}: 'skipped_steps' must be an int >= 0 (the steps skipped for overflow), "
+            f"got {value!r}"
+        )
+    return int(value)
+
+
+def _saved_groups(
+    state_dict: Any, param_groups: Sequence[dict[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The dict's ``param_groups``, checked against ours: a dict per group, as many, each
+    with as many distinct parameter ids."""
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        got = sorted(map(repr, state_dict)) if isinstance(state_dict, Mapping) else None
+        raise ValueError(
+            "state_dict must be a dict with 'state' and 'param_groups' keys (an optimizer's "
+            f"state_dict()), got {type(state_dict).__name__}"
+            + (f" with keys {got}" if got is not None else "")
+        )
+    _check_mapping("state_dict['state']", state_dict["state"], "parameter id -> state")
     saved_groups = state_dict["param_groups"]
+    if not isinstance(saved_groups, (list, tuple)):
+        raise TypeError(
+            "state_dict['param_groups'] must be a list of dicts, one per param group, got "
+            f"{type(saved_groups).__name__}"
+        )
     if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"state_dict has {len(saved_groups)} param groups but this optimizer has "
             f"{len(param_groups)}"
         )
+    seen: set[Any] = set()
     for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
-        if len(saved["params"]) != len(group["params"]):
+        where = f"state_dict param group {g}"
+        _check_mapping(where, saved, "its hyper-parameters and 'params'")
+        if "params" not in saved:
             raise ValueError(
-                f"param group {g}: state_dict has {len(saved['params'])} parameters but this "
+                f"{where} has no 'params' (keys {sorted(map(str, saved))}); each group needs "
+                "the list of its parameter ids (positions, as state_dict() saves them)"
+            )
+        params = saved["params"]
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(
+                f"{where}: 'params' must be a list of parameter ids (positions, as "
+                f"state_dict() saves them), got {type(params).__name__} {reprlib.repr(params)}"
+            )
+        if len(params) != len(group["params"]):
+            raise ValueError(
+                f"param group {g}: state_dict has {len(params)} parameters but this "
                 f"optimizer has {len(group['params'])}"
             )
-    extra = state_dict.get("zero_offload", {})
+        for saved_id in params:
+            if not isinstance(saved_id, Hashable):
+                raise TypeError(
+                    f"{where}: parameter id {reprlib.repr(saved_id)} is not hashable; ids "
+                    "are the parameters' positions (ints), as state_dict() saves them"
+                )
+            if saved_id in seen:
+                raise ValueError(
+                    f"{where}: parameter id {saved_id!r} appears twice; each parameter "
+                    "needs its own id (its position, as state_dict() saves them)"
+                )
+            seen.add(saved_id)
+    return list(saved_groups)
+
+
+def _check_extra(extra: Mapping[str, Any], rule: OptimizerRule) -> None:
+    """``zero_offload``'s own fields that do not depend on the ranks."""
     if extra and extra.get("version") != _FORMAT_VERSION:
         raise ValueError(
             f"state_dict format version {extra.get('version')!r} is not {_FORMAT_VERSION}"
@@ -214,6 +333,41 @@ def load_optimizer_state(
             "moments are not Lion's momentum); load it into an optimizer of the rule that "
             "saved it. Nothing was loaded"
         )
+    pending = extra.get("pending_update", False)
+    if not isinstance(pending, bool):
+        raise TypeError(
+            "state_dict['zero_offload']['pending_update'] must be a bool (whether an "
+            f"overlap_step update was pending at the save), got {pending!r}"
+        )
+    written = extra.get("written_since_step", [])
+    if not isinstance(written, (list, tuple)) or not all(isinstance(i, Hashable) for i in written):
+        raise TypeError(
+            "state_dict['zero_offload']['written_since_step'] must be a list of parameter "
+            f"ids (those written since the last step), got {written!r}"
+        )
+    scaler_state = extra.get("loss_scaler", {})
+    if scaler_state is not None:
+        _check_mapping("state_dict['zero_offload']['loss_scaler']", scaler_state, "the scaler's")
+
+
+def load_optimizer_state(
+    buckets: Sequence[FlatBucket],
+    param_groups: list[dict[str, Any]],
+    state_dict: dict[str, Any],
+    *,
+    comm: Comm | None,
+    scaler: LossScaler,
+    rule: OptimizerRule,
+) -> LoadedState:
+    """Check everything (the loss scaler's state too), then copy into ``buckets`` and
+    ``param_groups``; see ``OffloadAdamW.load_state_dict`` and Note [a load checks
+    everything, then copies]. Returns what the caller applies: the scaler's state, the skip
+    count, whether an update was pending."""
+    saved_groups = _saved_groups(state_dict, param_groups)
+    extra = _check_mapping(
+        "state_dict['zero_offload']", state_dict.get("zero_offload", {}), "zero-offload's fields"
+    )
+    _check_extra(extra, rule)
     shard = extra.get("shard")
     here = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     if shard is not None and (shard["rank"], shard["world_size"]) != here:
@@ -225,9 +379,16 @@ def load_optimizer_state(
         )
     # Multi-rank: say which rank refused, since each checks its own pieces.
     rank_prefix = f"rank {here[0]}/{here[1]}: " if comm is not None else ""
+    skipped = check_skipped_steps(
+        f"{rank_prefix}state_dict['zero_offload']", extra.get("skipped_steps")
+    )
     positions = [p for saved in saved_groups for p in saved["params"]]
     to_local = {saved_id: local for local, saved_id in enumerate(positions)}
     slots = _slots(buckets)
+    # Every slot's views, taken here: a store that cannot hand them out (NVMe) refuses
+    # before anything changes.
+    flat_views = {index: bucket.state_views(i) for index, (bucket, i) in slots.items()}
+    shaped_views = {index: bucket.param_state(i) for index, (bucket, i) in slots.items()}
     # The fields torch's optimizer keeps for each parameter (Note [the rule is the only
     # place that knows the optimizer] in rule/base.py), by its group.
     kept = {
@@ -242,12 +403,13 @@ def load_optimizer_state(
         where = f"{rank_prefix}state of parameter {index}"
         if index not in slots:
             raise ValueError(f"{where}: this optimizer does not train that parameter")
+        _check_mapping(where, entry, "field name -> value, as state_dict() saves")
         bucket, i = slots[index]
         shape = bucket.layout.slots[i].shape
         missing = ({"step", *kept[index]}) - set(entry)
         if missing:
             raise ValueError(f"{where}: missing {sorted(missing)}")
-        lo, hi, _ = bucket.state_views(i)
+        lo, hi, _ = flat_views[index]
         if shard is not None and tuple(shard["pieces"].get(saved_id, (lo, hi))) != (lo, hi):
             raise ValueError(
                 f"{where}: the shard holds elements {tuple(shard['pieces'][saved_id])} but "
@@ -262,7 +424,7 @@ def load_optimizer_state(
         if shard is None:  # a whole-parameter layout: keep this rank's piece of it
             checked = {name: value.reshape(-1)[lo:hi] for name, value in checked.items()}
         # Shaped state, each field with its own shape: whole, on the parameter's owner only.
-        shaped = {name: tuple(view.shape) for name, view in bucket.param_state(i).items()}
+        shaped = {name: tuple(view.shape) for name, view in shaped_views[index].items()}
         lacking = sorted(set(shaped) - set(entry))
         if lacking:
             raise ValueError(f"{where}: missing {lacking}")
@@ -272,6 +434,7 @@ def load_optimizer_state(
         staged[index] = checked
     scaler_state = extra.get("loss_scaler") or {}
     scaler.check_state(scaler_state)
+    new_groups: list[dict[str, Any]] = []
     for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         rule.check_group(merged, where=f"state_dict param group {g}")
@@ -283,6 +446,18 @@ def load_optimizer_state(
             )
             if why is not None:
                 raise ValueError(f"state_dict param group {g} cannot be loaded: {why}")
+        # A copy, as torch takes: a tensor lr is stepped in place by LR schedulers, which
+        # must not write into the caller's state dict. Taken here: a value that cannot be
+        # copied refuses before anything changes.
+        try:
+            new_groups.append(
+                {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
+            )
+        except (TypeError, copy.Error) as exc:
+            raise TypeError(
+                f"state_dict param group {g}: a value cannot be copied ({exc}); a group "
+                "holds numbers, tuples, strings, bools and tensors"
+            ) from exc
 
     written_ids = list(extra.get("written_since_step", ()))
     unknown = [i for i in written_ids if i not in to_local or to_local[i] not in slots]
@@ -293,7 +468,8 @@ def load_optimizer_state(
         )
     written = {to_local[saved_id] for saved_id in written_ids}
 
-    # Everything is checked: from here on nothing raises on the caller's data.
+    # Note [a load checks everything, then copies]: from here on nothing reads the caller's
+    # dict, only what was staged from it, and nothing raises on its data.
     for bucket in buckets:
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
         # never stepped) come from the model's weights (Note [weights written outside the
@@ -301,26 +477,27 @@ def load_optimizer_state(
         bucket.store.reconcile_master()
     # Slots whose loaded weights win: no master in the state, or written before the save.
     weights_win: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
-    for index, (bucket, i) in slots.items():
-        _, _, views = bucket.state_views(i)
-        entry = staged.get(index)
-        if entry is None or "master" not in entry:
-            weights_win[bucket.layout.index].add(i)
-        shaped = bucket.param_state(i)  # starts at 0 (ParamField)
-        if entry is None:
+    with torch.no_grad():
+        for index, (bucket, i) in slots.items():
+            _, _, views = flat_views[index]
+            shaped_state = shaped_views[index]  # starts at 0 (ParamField)
+            entry = staged.get(index)
+            if entry is None or "master" not in entry:
+                weights_win[bucket.layout.index].add(i)
+            if entry is None:
+                for name, view in views.items():
+                    if name != "master":
+                        view.fill_(bucket.store.field_initial(name))
+                for view in shaped_state.values():
+                    view.zero_()
+                bucket.steps[i] = 0
+                continue
             for name, view in views.items():
-                if name != "master":
-                    view.fill_(bucket.store.field_initial(name))
-            for view in shaped.values():
-                view.zero_()
-            bucket.steps[i] = 0
-            continue
-        for name, view in views.items():
-            if name in entry:
+                if name in entry:
+                    view.copy_(entry[name])
+            for name, view in shaped_state.items():
                 view.copy_(entry[name])
-        for name, view in shaped.items():
-            view.copy_(entry[name])
-        bucket.steps[i] = entry["step"]
+            bucket.steps[i] = entry["step"]
     for index in written:
         bucket, i = slots[index]
         weights_win[bucket.layout.index].add(i)
@@ -328,13 +505,6 @@ def load_optimizer_state(
         # Note [a loaded state claims no weights]
         bucket.views.forget()
         bucket.views.masters_from_weights = frozenset(weights_win[bucket.layout.index])
-    for saved, group in zip(saved_groups, param_groups, strict=True):
-        for key, value in saved.items():
-            if key != "params":
-                # A copy, as torch takes: a tensor lr is stepped in place by LR schedulers,
-                # which must not write into the caller's state dict.
-                group[key] = copy.deepcopy(value)
-    skipped = extra.get("skipped_steps")
-    return LoadedState(
-        scaler_state, None if skipped is None else int(skipped), bool(extra.get("pending_update"))
-    )
+    for new, group in zip(new_groups, param_groups, strict=True):
+        group.update(new)
+    return LoadedState(scaler_state, skipped, extra.get("pending_update", False))

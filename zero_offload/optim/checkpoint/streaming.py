@@ -62,7 +62,7 @@ from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
 from .bucket_file import check_bucket_file, load_bucket, save_bucket, shaped_layout
-from .state_dict import LoadedState, group_entries
+from .state_dict import LoadedState, check_skipped_steps, group_entries
 
 
 class Streamable(Protocol):
@@ -387,6 +387,7 @@ def load(
     if unreadable is not None:  # this rank's own reason, rather than "another save"
         raise unreadable
     _check(buckets, param_groups, scaler, tile_elements, rule, family, directory, meta)
+    skipped = check_skipped_steps(str(directory / _META), meta.get("skipped_steps"))
 
     written = set(meta.get("written_since_step", ()))
     # Checked: from here on nothing raises on the checkpoint's data.
@@ -406,9 +407,8 @@ def load(
         for key, value in saved.items():
             if key != "params":
                 group[key] = value
-    skipped = meta.get("skipped_steps")
     return LoadedState(
         meta.get("loss_scaler") or {},
-        None if skipped is None else int(skipped),
+        skipped,
         bool(meta.get("pending_update")),
     )

@@ -4,6 +4,7 @@ key and the value, and what would work."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -14,9 +15,20 @@ __all__ = ["check_flag", "check_number", "check_number_or_scalar_tensor"]
 def check_number(
     where: str, name: str, value: Any, *, low: float, high: float | None = None
 ) -> None:
+    """``value`` must be a finite real number in ``[low, high)`` (``>= low`` without
+    ``high``): a Python ``float`` or ``int``, or any other ``numbers.Real`` such as a numpy
+    scalar (a ``LambdaLR`` whose lambda returns ``np.float32`` sets one; torch steps with
+    it). The readers take ``float()`` of it (``OptimizerRule.hyper``). A bool, a string,
+    ``None`` or a complex number is a ``TypeError``; NaN, an infinity or a value out of range
+    a ``ValueError``."""
     if isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a Python float, got a tensor ({value!r})")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where}: {name} must be a real number (a float, an int or a numpy scalar), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value):
         raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
     if value < low or (high is not None and value >= high):
         allowed = f"in [{low}, {high})" if high is not None else f">= {low}"

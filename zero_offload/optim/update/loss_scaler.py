@@ -13,7 +13,9 @@ fp16 ones, arrive multiplied by it; the step therefore unscales every bucket by 
 factor (one ``clip / scale`` gradient multiplier), the norm is the global sum of squares
 over all buckets divided by the scale, and an overflow in any bucket skips the whole step
 and backs the scale off. Scalers per dtype would need a loss per dtype, which does not
-exist: one backward produces every bucket's gradients.
+exist: one backward produces every bucket's gradients. A backward that did not carry the
+scale (a plain ``loss.backward()``) is refused at its first gradient: Note [a backward
+carries the loss scale] in ``scaled_backward.py``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from ..publish import Publish
 from ..ranks import Ranks
 from ..router import BackwardRouter
 from ..rule.base import Hyper
+from ..scaled_backward import ScaledBackwards
 from .eager import EagerStep
 from .failures import StepFailed
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
@@ -59,6 +60,8 @@ class StepPolicy:
 
     Fields:
         scaler: the loss scaler (Note [one loss scale] in ``loss_scaler.py``).
+        scaled: which backwards carry the scale; the dynamic scaler is its ``scaler`` too
+            (Note [a backward carries the loss scale] in ``scaled_backward.py``).
         mode: when an update's weights reach the device.
         eager: the announced step (Note [stepping during backward] in ``eager.py``), from
             ``announce`` until the step is taken; also the router's.
@@ -79,6 +82,7 @@ class StepPolicy:
         router: BackwardRouter,
         mode: UpdateMode,
         param_offload: Callable[[], bool],
+        scaled: ScaledBackwards,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -89,6 +93,7 @@ class StepPolicy:
         # Dynamic once any trainable parameter is fp16 (use_scaler_for); Note [one loss
         # scale] in loss_scaler.py.
         self.scaler: LossScaler = NoLossScaler()
+        self.scaled = scaled
         self.eager: EagerStep | None = None
         self._eager_warned = False
         self.last_eager_share: float | None = None
@@ -107,6 +112,7 @@ class StepPolicy:
         """The first fp16 parameters bring the dynamic scaler: Note [one loss scale]."""
         if not self.scaler.skips_overflow and any(b.dtype == torch.float16 for b in buckets):
             self.scaler = DynamicLossScaler(self.config.loss_scaler)
+            self.scaled.scaler = self.scaler  # Note [a backward carries the loss scale]
 
     def window_changed(self) -> None:
         """A gradient entered the window outside backward: the statistics are stale."""
