@@ -190,8 +190,9 @@ class TieredMemoryManager:
     def discard_pool(self, pool: BlockPool) -> None:
         """Free every block still live in ``pool``, close it and forget it.
 
-        For undoing a construction that failed half-way; owners normally free their blocks
-        and call ``pool.close()`` themselves.
+        For undoing a construction that failed half-way, and for memory an owner gives back
+        for good before the end (a bucket's spare gradient staging); owners normally free
+        their blocks and call ``pool.close()`` themselves at the end.
         """
         for block in pool.live_blocks():
             block.free()

@@ -33,7 +33,7 @@ class GradientClipping:
         self._policy.check_clip_allowed()
         check_clip_arguments(max_norm, norm_type)
         norm = self.grad_norm()
-        self._policy.clip_once(float(max_norm))
+        self._policy.clip_once(float(max_norm), window_norm=float(norm))
         return norm
 
     @torch.no_grad()

@@ -425,6 +425,8 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
         check_untouched(self, self.param_groups, self.buckets, rule=self.rule)
         refuse_plain_trainer(type(self).__name__, sys._getframe(1))
         self._collect_stray_grads()
+        # Note [a clip in the middle of a window] in update/window_clip.py
+        self._policy.clip.check_not_dropped(self._router.backwards, type(self).__name__)
         ranks = 1 if self.comm is None else self.comm.world_size
         self._kept_zeros.check_step(self, self.buckets, self.param_groups, ranks=ranks)
         mode = self._policy.mode

@@ -161,6 +161,13 @@ class LazyHostPool:
             self.pool.close()
             self.pool = None
 
+    def give_back(self) -> None:
+        """Free the pool's memory for good and forget it (the manager lists it no more); a
+        later ``alloc`` creates it afresh."""
+        if self.pool is not None:
+            self.manager.discard_pool(self.pool)
+            self.pool = None
+
 
 class AccumulatorPool(LazyHostPool):
     """fp32 gradient accumulator memory (``accumulator_bytes``), created on first need
@@ -217,3 +224,11 @@ class SpareStaging:
             self.block.free()
         self.block = self.tensor = None
         self.memory.close()
+
+    def give_back(self) -> None:
+        """Free the buffer and its pool's memory (Note [the spare goes when the device sums]
+        in ``staging.py``); ``ensure`` pins it afresh if a window needs it again."""
+        if self.block is not None:
+            self.block.free()
+        self.block = self.tensor = None
+        self.memory.give_back()

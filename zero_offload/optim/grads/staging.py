@@ -138,6 +138,10 @@ class Staging(ABC):
         """The window is over (consumed or discarded); ``event``: the host worker's last
         queued work, which any reader still pending is before."""
 
+    def drop_spare(self) -> None:  # noqa: B027 (a ring has no spare)
+        """The bucket's windows are summed on the device now: give the spare back (Note
+        [the spare goes when the device sums])."""
+
     @abstractmethod
     def close(self) -> None:
         """Give the bucket's memory back."""
@@ -201,6 +205,30 @@ class OwnStaging(Staging):
         if buffer == 0:
             return self.tensor, self.block
         return self.spare.get(self.index)
+
+    # Note [the spare goes when the device sums]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A bucket's first window that accumulates is summed on the host (its device accumulator
+    # is taken then, for the windows after it: Note [micro-batches add up on the device]),
+    # and pins the spare for its second flush. From the next window on the bucket's flushes
+    # add up on the device and land once, never through the spare, so keeping it would hold
+    # 2 bytes per bf16 parameter that no window reads (22 bytes a parameter where the
+    # estimator's "summed on the device" row counts 20). So once the bucket has its device
+    # accumulator, the end of a window frees the spare and closes its pool, as soon as the
+    # host worker's last pass over it is done (its event, queried: the caller never waits);
+    # a pass still running leaves it to the next window's end. A later window summed on the
+    # host again would pin it afresh (``SpareStaging.ensure``).
+
+    def drop_spare(self) -> None:
+        """Free the spare once its last pass is done (Note [the spare goes when the device
+        sums])."""
+        last = self._consumed[1]
+        if self.spare is None or self.spare.block is None:
+            return
+        if last is not None and not last.query():
+            return  # its last pass is still running: the next window's end frees it
+        self.spare.give_back()
+        self._consumed[1] = None
 
     def passed(self, buffer: int, event: Event, *, kept: bool) -> None:
         self._consumed[buffer] = event

@@ -533,6 +533,8 @@ class HostGradients(GradientPath):
         accumulator landed into again (Note [micro-batches add up on the device])."""
         if self.staging.holding:
             self.staging.release(self.manager.host_worker.record_event())
+        if self.device.sum is not None:
+            self.staging.drop_spare()  # Note [the spare goes when the device sums]
         self.device.consumed(self.manager.host_worker)
 
     def window_source(self) -> GradSource:

@@ -49,6 +49,7 @@ from .eager import EagerStep
 from .failures import StepFailed
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler
 from .modes import UpdateMode
+from .window_clip import WindowClip
 
 __all__ = ["StepPolicy"]
 
@@ -66,9 +67,9 @@ class StepPolicy:
         eager: the announced step (Note [stepping during backward] in ``eager.py``), from
             ``announce`` until the step is taken; also the router's.
         skipped_steps, speculation_failures, last_grad_norm: what the optimizer reports.
-        _clip: ``(max_norm, backwards, total_norm)``: a ``clip_grad_norm_`` bound, the window it
-            measured (``router.backwards`` then); it holds for every step on those
-            gradients, as torch's clipped ``.grad`` does, until a backward or ``zero_grad``.
+        clip: the ``clip_grad_norm_`` bound of the gradients it measured; it holds for every
+            step on them, as torch's clipped ``.grad`` does, until a backward or
+            ``zero_grad`` (Note [a clip in the middle of a window] in ``window_clip.py``).
         _stats_cache: ``(backwards, sumsq, overflow, arrived)`` of the window, all-reduced
             once per window (a second read must not be a second collective).
     """
@@ -97,7 +98,7 @@ class StepPolicy:
         self.eager: EagerStep | None = None
         self._eager_warned = False
         self.last_eager_share: float | None = None
-        self._clip: tuple[float, int, float | None] | None = None
+        self.clip = WindowClip()  # Note [a clip in the middle of a window]
         self._stats_cache: tuple[int, float, bool, np.ndarray] | None = None
         #: Speculative steps that had to be restored and redone (Note [speculative steps]).
         self.speculation_failures = 0
@@ -213,21 +214,26 @@ class StepPolicy:
     # clip_grads_with_norm_ would zero the gradients (an inf total) or make them NaN. The
     # optimizers' loss scales must agree (clip_grad_norm_ refuses otherwise).
 
-    def clip_once(self, max_norm: float, total_norm: float | None = None) -> None:
-        """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``): every step on
-        them (a second ``step()`` with no backward too) uses them clipped, as torch's. With
-        ``total_norm`` (``clip_grads_with_norm_``), the coefficient comes from it rather
-        than from the window's own norm: several optimizers over one model clip alike."""
+    def clip_once(
+        self,
+        max_norm: float,
+        total_norm: float | None = None,
+        *,
+        window_norm: float | None = None,
+    ) -> None:
+        """Clip the window's gradients to ``max_norm`` (``clip_grad_norm_``, which measured
+        their norm, ``window_norm``): every step on them (a second ``step()`` with no
+        backward too) uses them clipped, as torch's. With ``total_norm``
+        (``clip_grads_with_norm_``), the coefficient comes from it rather than from the
+        window's own norm: several optimizers over one model clip alike."""
         self.check_clip_allowed()
         total = None if total_norm is None else float(total_norm)
-        self._clip = (float(max_norm), self.router.backwards, total)
+        self.clip.set(float(max_norm), self.router.backwards, total, window_norm)
 
     def _clip_bound(self) -> tuple[float, float | None] | None:
         """The ``clip_grad_norm_`` bound of the current window's gradients and the total norm
         it is taken against (None: the window's own), if any."""
-        if self._clip is None or self._clip[1] != self.router.backwards:
-            return None
-        return self._clip[0], self._clip[2]
+        return self.clip.bound(self.router.backwards)
 
     def check_clip_allowed(self) -> None:
         """Refuse clipping once a step was announced (it runs unclipped)."""
@@ -284,6 +290,7 @@ class StepPolicy:
                 for bucket in self.buckets:
                     bucket.grads.consume()
                 self.router.consumed()
+                self.clip.close_window()
                 return
         work = [
             (StepPlan(bucket, flags), hyper_of(bucket))
@@ -291,6 +298,7 @@ class StepPolicy:
         ]
         self.mode.run(work, grad_scale)
         self.router.consumed()
+        self.clip.close_window()
         if fast:
             self._statistics_after_the_update()
 
@@ -393,7 +401,7 @@ class StepPolicy:
     def discard_window(self, owner: Any) -> None:
         """``zero_grad``: forget the window; an announced step that ran is taken, one whose
         backward raised keeps what it stepped (warned, naming ``owner``)."""
-        self._clip = None  # a clip_grad_norm_ belongs to the window it measured
+        self.clip.forget()  # a clip_grad_norm_ belongs to the window it measured
         eager = self.eager
         if eager is not None:
             if eager.backward_ended:
