@@ -13,9 +13,11 @@ Model weights are every rank's whole parameters: save them from rank 0 as usual
 
 Note [checkpoints are gathered on the CPU]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``gather_object`` pickles each rank's shard into a byte tensor on the group's collective
-device. On an NCCL group that is the GPU: every shard of the optimizer state (16 bytes per
-parameter with fp32 moments) would pass through the destination GPU's memory, the very
+The gather pickles each rank's shard into a byte tensor on the group's collective device
+(``collectives.gather_bytes``: ``gather_object``'s exchange with the optimizer's
+``collective_timeout``, so a rank that never arrives is named: Note [collective
+deadlines]). On an NCCL group that is the GPU: every shard of the optimizer state (16 bytes
+per parameter with fp32 moments) would pass through the destination GPU's memory, the very
 memory offload exists to spare, and could OOM it. So the gather runs over a CPU (gloo)
 group with the same ranks: the optimizer's own group when it has a gloo backend, else a
 gloo twin made once per group with ``use_local_synchronization=True`` (only the group's
@@ -24,13 +26,15 @@ ranks take part in creating it, so a subgroup works too) and kept for later chec
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .collectives import Comm, Pending, wait_work
+from .collectives import Comm, Pending, gather_bytes, wait_work
 from .errors import StorageFull
 from .fileio import save_torch
 from .optim import OffloadOptimizer
@@ -40,6 +44,13 @@ __all__ = ["consolidated_state_dict", "load_consolidated", "merge_shards", "save
 # Gloo twins of non-CPU groups, by the group's global ranks: Note [checkpoints are gathered
 # on the CPU]. Kept for the process's life (a checkpoint per N steps reuses its twin).
 _cpu_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+#: What a rank that never reaches a consolidated checkpoint's collective has probably done.
+_TOGETHER = (
+    "Every rank must call consolidated_state_dict / save_consolidated with the same dst, at "
+    "the same point of the loop."
+)
 
 
 def cpu_group(comm: Comm) -> dist.ProcessGroup | None:
@@ -97,22 +108,30 @@ def consolidated_state_dict(opt: OffloadOptimizer, *, dst: int = 0) -> dict[str,
     """The one-rank layout of ``opt``'s state on rank ``dst`` of the optimizer's process
     group (``None`` on the others).
 
-    A collective with several ranks: every rank must call it. With one rank it is
-    ``opt.state_dict()``. Hidden cost: rank ``dst`` holds the whole optimizer state (16
-    bytes per parameter with fp32 moments) in its memory at once.
+    A collective with several ranks: every rank must call it; a rank that does not within
+    ``OffloadConfig.collective_timeout`` makes the others raise ``CollectiveError`` naming
+    it (Note [collective deadlines]). With one rank it is ``opt.state_dict()``. Hidden
+    cost: rank ``dst`` holds the whole optimizer state (16 bytes per parameter with fp32
+    moments) in its memory at once, and each rank's pickled shard beside it.
     """
     local = opt.state_dict()
     comm = opt.comm
     if comm is None:
         return local
-    gathered: list[Any] | None = [None] * comm.world_size if comm.rank == dst else None
-    group = cpu_group(comm)  # never through the GPU: Note [checkpoints are gathered on the CPU]
-    # gather_object takes a global rank; dst counts within the optimizer's group.
-    global_dst = dst if group is None else dist.get_global_rank(group, dst)
-    dist.gather_object(local, gathered, dst=global_dst, group=group)
+    # Never through the GPU (Note [checkpoints are gathered on the CPU]); the twin group has
+    # the optimizer's ranks in the same order, and its deadline.
+    cpu = dataclasses.replace(comm, group=cpu_group(comm))
+    gathered = gather_bytes(
+        pickle.dumps(local),
+        comm=cpu,
+        dst=dst,
+        what=f"every rank's optimizer state for rank {dst}'s consolidated state dict",
+        advice=_TOGETHER,
+    )
     if gathered is None:
         return None
-    return merge_shards(gathered)
+    # The ranks' own pickles, as gather_object would load them.
+    return merge_shards([pickle.loads(shard) for shard in gathered])
 
 
 def save_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str], *, dst: int = 0) -> None:
@@ -131,7 +150,7 @@ def save_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str], *, ds
     if comm is not None:
         # With the deadline (Note [collective deadlines]): a rank that never arrives is named.
         work = dist.barrier(group=comm.group, async_op=True)
-        wait_work(Pending(work, f"barrier after writing {str(path)!r}", False), comm)
+        wait_work(Pending(work, f"barrier after writing {str(path)!r}", False, _TOGETHER), comm)
     if failure is not None:
         where = f"{comm.where()}: " if comm is not None else ""
         if isinstance(failure, StorageFull):

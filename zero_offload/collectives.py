@@ -11,7 +11,13 @@ buckets (see Note [who owns which shard] in ``optim/flat_bucket.py``):
 - ``all_gather_flat``: every rank's updated shard into every rank's flat weights, in
   place (``dist.all_gather_into_tensor``); asynchronous, waited with ``wait_all``.
 - ``all_reduce_stats``: the sum of squares of the gradients and the overflow flag, summed
-  over the ranks, so every rank clips by the same coefficient and skips the same steps.
+  over the ranks, so every rank clips by the same coefficient and skips the same steps
+  (and any other small float64 vector the ranks must agree on, named by the caller).
+
+Beside the step, two byte exchanges with the same deadlines: ``all_gather_bytes`` (what
+the ranks compare at construction, Note [the ranks build alike] in
+``optim/rank_agreement.py``) and ``gather_bytes`` (the shards of a consolidated
+checkpoint, ``checkpoint_io.py``).
 
 Note [collective deadlines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -35,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,8 +52,11 @@ __all__ = [
     "Comm",
     "CommCounters",
     "Pending",
+    "all_gather_bytes",
     "all_gather_flat",
     "all_reduce_stats",
+    "collective_device",
+    "gather_bytes",
     "make_comm",
     "reduce_scatter_avg",
     "surface_collective_errors",
@@ -118,13 +128,30 @@ def make_comm(process_group: Any, *, timeout: float) -> Comm | None:
     )
 
 
+def collective_device(comm: Comm) -> torch.device:
+    """Where ``comm``'s group takes the tensors of a collective: the current GPU for NCCL,
+    else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(comm.group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+#: What a timed-out collective of the step tells the user to check.
+STEP_ADVICE = (
+    "Every rank must run every backward and step (each bucket is reduced once per "
+    "backward), or the ranks' collectives stop matching."
+)
+
+
 @dataclass(frozen=True)
 class Pending:
-    """An issued asynchronous collective and what to call it in errors."""
+    """An issued asynchronous collective, what to call it in errors, and what a rank that
+    never arrives there has probably done wrong (``advice``)."""
 
     work: Any  # torch.distributed Work
     what: str
     on_cuda: bool
+    advice: str = STEP_ADVICE
 
 
 def wait_work(pending: Pending, comm: Comm) -> None:
@@ -152,9 +179,8 @@ def wait_work(pending: Pending, comm: Comm) -> None:
     if not done.wait(comm.timeout):
         raise CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
-            f"(OffloadConfig.collective_timeout). {roll_call(comm, pending.what)} Every rank "
-            "must run every backward and step (each bucket is reduced once per backward), "
-            "or the ranks' collectives stop matching. The process group is unusable now"
+            f"(OffloadConfig.collective_timeout). {roll_call(comm, pending.what)} "
+            f"{pending.advice} The process group is unusable now"
         )
     if failure:
         raise CollectiveError(
@@ -291,11 +317,24 @@ def all_gather_flat(
     return Pending(work, f"all_gather of {what}", flat.is_cuda)
 
 
-def all_reduce_stats(stats: torch.Tensor, *, comm: Comm, device: torch.device) -> torch.Tensor:
+#: What ``all_reduce_stats`` agrees on unless its caller names something else.
+STEP_STATS = "the gradient norm, overflow and arrival flags"
+
+
+def all_reduce_stats(
+    stats: torch.Tensor,
+    *,
+    comm: Comm,
+    device: torch.device,
+    what: str = STEP_STATS,
+    advice: str = STEP_ADVICE,
+) -> torch.Tensor:
     """Sum a float64 vector of statistics over the ranks (one all-reduce); returns the sum
     on the CPU. OffloadAdamW packs the gradients' sum of squares, the overflow flag and
     the per-parameter arrival flags in it, so every rank clips by the same coefficient,
-    skips the same steps and counts the same parameters as stepped.
+    skips the same steps and counts the same parameters as stepped. ``what``: what the
+    vector holds, as a timeout or failure names the collective (a streamed checkpoint's
+    save id, say); ``advice``: what a rank that never arrives has probably done.
 
     Synchronisation point: the result is read on the host.
     """
@@ -305,8 +344,85 @@ def all_reduce_stats(stats: torch.Tensor, *, comm: Comm, device: torch.device) -
     count_sync("all_reduce_stats")
     work = dist.all_reduce(stats, group=comm.group, async_op=True)
     comm.counters.add("all_reduce", stats.numel() * stats.element_size())
-    wait_work(
-        Pending(work, "all_reduce of the gradient norm, overflow and arrival flags", stats.is_cuda),
-        comm,
-    )
+    wait_work(Pending(work, f"all_reduce of {what}", stats.is_cuda, advice), comm)
     return stats.cpu()
+
+
+def _byte_tensor(payload: bytes, numel: int, device: torch.device) -> torch.Tensor:
+    """``payload`` as a (numel,) uint8 tensor on ``device``, zero-padded after its end."""
+    out = torch.zeros(numel, dtype=torch.uint8)
+    out.numpy()[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)  # the one copy
+    return out.to(device)
+
+
+def _lengths(
+    payload: bytes, *, comm: Comm, device: torch.device, what: str, advice: str
+) -> list[int]:
+    """Every rank's ``len(payload)``, in rank order (one all-gather, with the deadline)."""
+    mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    every = torch.empty(comm.world_size, dtype=torch.int64, device=device)
+    work = _all_gather(every, mine, group=comm.group, async_op=True)
+    wait_work(Pending(work, f"all_gather of the sizes of {what}", every.is_cuda, advice), comm)
+    return [int(n) for n in every.cpu()]  # Synchronisation point: read on the host
+
+
+def all_gather_bytes(
+    payload: bytes,
+    *,
+    comm: Comm,
+    what: str,
+    advice: str = STEP_ADVICE,
+    length: int | None = None,
+) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank: an all-gather of the lengths,
+    then one of the payloads padded to the longest, each with the deadline (Note
+    [collective deadlines]); ``advice``: what a rank that never arrives has probably done;
+    ``length``: every rank's payload has that many bytes (a digest), so the lengths need
+    no all-gather. For small payloads (every rank receives every one).
+    Synchronisation point."""
+    device = collective_device(comm)
+    if length is None:
+        lengths = _lengths(payload, comm=comm, device=device, what=what, advice=advice)
+    elif len(payload) == length:
+        lengths = [length] * comm.world_size
+    else:
+        raise RuntimeError(
+            f"{comm.where()}: all_gather of {what}: {len(payload)} bytes, not the {length} "
+            "every rank sends (bug)"
+        )
+    longest = max(lengths)
+    every = torch.empty(longest * comm.world_size, dtype=torch.uint8, device=device)
+    mine = _byte_tensor(payload, longest, device)
+    work = _all_gather(every, mine, group=comm.group, async_op=True)
+    wait_work(Pending(work, f"all_gather of {what}", every.is_cuda, advice), comm)
+    flat = every.cpu().numpy().tobytes()
+    return [flat[r * longest : r * longest + n] for r, n in enumerate(lengths)]
+
+
+def gather_bytes(
+    payload: bytes, *, comm: Comm, dst: int, what: str, advice: str = STEP_ADVICE
+) -> list[bytes] | None:
+    """Every rank's ``payload`` in rank order on rank ``dst`` of ``comm``'s group (``None``
+    on the others): ``torch.distributed.gather_object``'s exchange (an all-gather of the
+    lengths, a gather of the payloads padded to the longest) with the deadline of Note
+    [collective deadlines], which ``gather_object`` cannot take. Hidden cost: rank ``dst``
+    holds ``world_size`` times the longest payload. Synchronisation point."""
+    if not 0 <= dst < comm.world_size:
+        raise ValueError(
+            f"{comm.where()}: dst={dst!r} is not a rank of the group, which has ranks "
+            f"0..{comm.world_size - 1}; pass one of them"
+        )
+    device = collective_device(comm)
+    lengths = _lengths(payload, comm=comm, device=device, what=what, advice=advice)
+    longest = max(lengths)
+    mine = _byte_tensor(payload, longest, device)
+    parts = None
+    if comm.rank == dst:
+        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in lengths]
+    # torch.distributed.gather takes the global rank; dst counts within the group.
+    global_dst = dst if comm.group is None else dist.get_global_rank(comm.group, dst)
+    work = dist.gather(mine, parts, dst=global_dst, group=comm.group, async_op=True)
+    wait_work(Pending(work, f"gather of {what}", mine.is_cuda, advice), comm)
+    if parts is None:
+        return None
+    return [part[:n].cpu().numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]

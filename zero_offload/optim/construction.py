@@ -23,6 +23,7 @@ from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
+from .rank_agreement import agree_on_build
 from .ranks import Ranks
 from .reports.live import OptimizerState
 from .rule.base import OptimizerRule
@@ -157,11 +158,22 @@ class SegmentBuilder:
             first_index=first_index,
             device=self.manager.accelerator.device,
         )
+        trainable = [params[i] for family in families for i, _ in family.members]
+        if families:
+            check_owners(owner, params, [i for family in families for i, _ in family.members])
+            self._check_in_flight(trainable)
+        # After this rank's own checks, before anything is allocated (a segment with nothing
+        # to train too: every rank calls it at every build): Note [the ranks build alike].
+        agree_on_build(
+            owner,
+            group_indices,
+            rule=self.rule,
+            config=self.config,
+            windows=self.param_offload_of,
+            comm=self.ranks.comm,
+        )
         if not families:
             return
-        check_owners(owner, params, [i for family in families for i, _ in family.members])
-        self._check_in_flight([params[i] for family in families for i, _ in family.members])
-        trainable = [params[i] for family in families for i, _ in family.members]
         tracker = PeakTracker(self.manager, trainable)
         with tracking(tracker):
             # See Note [originals on the device leave first] in weights/source.py.

@@ -54,9 +54,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from ...collectives import Comm, all_reduce_stats
+from ...collectives import Comm, all_reduce_stats, collective_device
 from ...fileio import atomic_directory, private_file, recover_directory
 from ...progress import progress
 from ..flat_bucket import FlatBucket
@@ -113,25 +112,30 @@ def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
 _OPTIONAL_KEYS = ("param_state",)
 
 
+#: What a rank that never reaches a streamed checkpoint's collective has probably done.
+_TOGETHER = (
+    "Every rank must call save_streaming (and load_streaming) with the same path, at the "
+    "same point of the loop."
+)
+
 #: Bits in each of the save id's two halves (exact in a float64 all-reduce).
 _ID_BITS = 48
 
 
-def _collective_device(comm: Comm) -> torch.device:
-    """Where the group's collectives take tensors (the GPU for NCCL)."""
-    if "nccl" in str(dist.get_backend(comm.group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _new_save_id(comm: Comm | None) -> str:
+def _new_save_id(comm: Comm | None, path: str | os.PathLike[str]) -> str:
     """A save id every rank shares: rank 0's random bits, summed with the others' zeros.
     See Note [one save across the ranks]."""
     draw = [secrets.randbits(_ID_BITS), secrets.randbits(_ID_BITS)]
     if comm is None:
         return f"{draw[0]:012x}{draw[1]:012x}"
     mine = torch.tensor(draw if comm.rank == 0 else [0, 0], dtype=torch.float64)
-    total = all_reduce_stats(mine, comm=comm, device=_collective_device(comm))
+    total = all_reduce_stats(
+        mine,
+        comm=comm,
+        device=collective_device(comm),
+        what=f"the save id of save_streaming({str(path)!r})",
+        advice=_TOGETHER,
+    )
     return f"{int(total[0]):012x}{int(total[1]):012x}"
 
 
@@ -152,7 +156,13 @@ def _check_one_save(comm: Comm | None, path: str | os.PathLike[str], save_id: ob
         return
     ids = torch.zeros(2 * comm.world_size, dtype=torch.float64)
     ids[2 * comm.rank : 2 * comm.rank + 2] = torch.tensor(_save_id_halves(save_id))
-    total = all_reduce_stats(ids, comm=comm, device=_collective_device(comm))
+    total = all_reduce_stats(
+        ids,
+        comm=comm,
+        device=collective_device(comm),
+        what=f"every rank's save id of the checkpoint load_streaming reads ({str(path)!r})",
+        advice=_TOGETHER,
+    )
     halves = [(int(total[2 * r]), int(total[2 * r + 1])) for r in range(comm.world_size)]
     if all(h == (-1, -1) for h in halves):
         return  # saved before save ids existed
@@ -195,7 +205,7 @@ def save(
     (``OptimizerRule.state_family``), which ``load`` checks;
     ``written``: as in ``state_dict.optimizer_state``."""
     directory, rank, world = _rank_dir(comm, path)
-    save_id = _new_save_id(comm)  # Note [one save across the ranks]
+    save_id = _new_save_id(comm, path)  # Note [one save across the ranks]
     nbytes = sum(
         b.layout.real_in(*b.store.span()) * sum(d.itemsize for _, d in b.store.field_dtypes())
         + b.store.param_state_bytes()

@@ -1,0 +1,241 @@
+"""What every rank must build alike, compared across the optimizer's ranks before anything is
+allocated: Note [the ranks build alike].
+
+Note [the ranks build alike]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Collectives match by their order and size only. Two ranks that built their optimizers
+differently issue the reduce-scatters and all-gathers of different buckets: where the sizes
+differ, gloo aborts the process ("Received data size doesn't match expected size") and
+NCCL hangs; where they happen to agree, the ranks average gradients of different
+parameters, or clip and step their shards by different rules, and the weights drift apart
+with no error at all. So each build (the constructor's param groups; each
+``add_param_group``, which every rank must call alike too) compares across the ranks, on
+the optimizer's own process group and before anything is allocated (``describe_build``):
+
+- the optimizer's class and its rule (what the state is and how each shard steps);
+- the ``OffloadConfig`` fields in ``MUST_AGREE``: ``bucket_bytes`` and ``offload_fraction``
+  shape the buckets; ``max_grad_norm``, ``skip_nonfinite``, ``moments_dtype`` and
+  ``loss_scaler`` decide what every rank's step computes (one rank clipping or skipping
+  alone, or scaling its loss by another factor, is a wrong result on all of them);
+  ``overlap_step``, ``offload_parameters`` and ``partition_parameters`` decide which
+  collectives run when; with a parameter window, ``prefetch_layers`` decides which units a
+  rank gathers again (Note [a sharded unit] in ``params/sharded_fetch.py``);
+- the number of param groups and, for each group built, its hyper-parameters (every key
+  but ``params`` and ``param_names``) and each parameter's shape, dtype and whether it
+  trains, in order;
+- with a parameter window (``offload_parameters``, or ``partition_parameters`` on several
+  ranks): the blocks passed as ``layers`` (how many) and every parameter of ``model``,
+  frozen ones included (its units are gathered whole).
+
+What may differ, rank by rank: how long a rank waits (``collective_timeout``); where it keeps
+its state (``nvme_dir``, ``host_budget``); how its CPU update is tiled (``tile_elements``:
+tiles split a shard's update, not the buckets); where its gradients land and add up
+(``grad_staging``, ``grad_staging_buffers``, ``grad_accumulation``) and where a delayed
+update's weights wait (``overlap_shadow``, ``overlap_landing``): the sums and weights are
+bitwise the same either way, and their ``"auto"`` already chooses per rank by each rank's
+device budget; ``speculative_step`` and ``speculation_bytes`` (no step runs during backward
+with several ranks); ``auto_headroom`` (only for ``offload_fraction="auto"``, which several
+ranks refuse); and the parameters' names (labels only: shown in the error, never compared).
+
+Only the values at the build are compared: a scheduler may change ``lr`` later, and does so
+alike on every rank.
+
+The cost: one all-gather of a 32-byte digest of the description per build. Where the digests
+differ, a second all-gather carries every rank's description (JSON), and every rank raises
+the same ``ValueError`` naming the first entry that differs, rank 0's value and the first
+rank's with another. Every rank raising alike keeps them in step: the constructor releases
+what it made (its process group included), ``add_param_group`` drops the group. Both
+collectives keep ``collective_timeout`` (Note [collective deadlines] in ``collectives.py``):
+a rank that failed a check of its own before this point, or never builds, makes the others
+raise ``CollectiveError`` naming it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collectives import Comm, all_gather_bytes
+from ..config import OffloadConfig
+from .rule.base import OptimizerRule
+
+__all__ = ["MUST_AGREE", "Entry", "agree_on_build", "describe_build"]
+
+#: The ``OffloadConfig`` fields every rank must set alike (Note [the ranks build alike]).
+MUST_AGREE = (
+    "bucket_bytes",
+    "offload_fraction",
+    "max_grad_norm",
+    "skip_nonfinite",
+    "moments_dtype",
+    "loss_scaler",
+    "overlap_step",
+    "offload_parameters",
+    "partition_parameters",
+)
+
+#: What a rank that never reaches the comparison has probably done.
+_ADVICE = (
+    "Every rank must construct the optimizer (and call add_param_group) alike, at the same "
+    "point of the program; a rank whose construction raised before it says why in its log."
+)
+
+_DIGEST_BYTES = 32  # sha256
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing every rank must build alike."""
+
+    key: str  # what it is, as the error names it ("OffloadConfig.bucket_bytes")
+    value: str  # its value on this rank, canonical text (compared)
+    label: str = ""  # shown beside the value, never compared (a parameter's name)
+
+
+# An object's address differs from process to process: never part of a compared value.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _plain(value: Any) -> str:
+    """``value`` as text that is equal on two ranks exactly when the values are."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.detach().cpu().tolist()!r}, {value.dtype})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_plain(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_plain(v)}" for k, v in sorted(value.items())) + "}"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def _param(param: torch.Tensor) -> str:
+    trains = "trainable" if param.requires_grad else "frozen"
+    return f"shape {tuple(param.shape)}, {param.dtype}, {trains}"
+
+
+def describe_build(
+    owner: torch.optim.Optimizer,
+    group_indices: Sequence[int],
+    *,
+    rule: OptimizerRule,
+    config: OffloadConfig,
+    windows: tuple[Any, Any] | None,
+) -> list[Entry]:
+    """What this rank builds for ``owner``'s groups ``group_indices``, in a fixed order;
+    ``windows``: ``(model, layers)`` with a parameter window, else None."""
+    entries = [
+        Entry("the optimizer class", type(owner).__qualname__),
+        Entry("the rule", f"{rule.name} ({type(rule).__qualname__})"),
+    ]
+    entries += [Entry(f"OffloadConfig.{f}", _plain(getattr(config, f))) for f in MUST_AGREE]
+    if windows is not None:
+        model, layers = windows
+        entries.append(Entry("OffloadConfig.prefetch_layers", _plain(config.prefetch_layers)))
+        entries.append(Entry("layers", "default" if layers is None else f"{len(layers)} blocks"))
+        named = list(model.named_parameters())
+        entries.append(Entry("the model's parameter count", str(len(named))))
+        entries += [
+            Entry(f"the model's parameter {i}", _param(p), repr(n))
+            for i, (n, p) in enumerate(named)
+        ]
+    entries.append(Entry("the number of param groups", str(len(owner.param_groups))))
+    for g in group_indices:
+        group = owner.param_groups[g]
+        entries += [
+            Entry(f"param group {g}'s {key}", _plain(value))
+            for key, value in sorted(group.items())
+            if key not in ("params", "param_names")
+        ]
+        params, names = group["params"], group.get("param_names")
+        entries.append(Entry(f"param group {g}'s parameter count", str(len(params))))
+        entries += [
+            Entry(
+                f"param group {g}'s parameter {i}",
+                _param(p),
+                repr(names[i]) if names is not None else "",
+            )
+            for i, p in enumerate(params)
+        ]
+    return entries
+
+
+def agree_on_build(
+    owner: torch.optim.Optimizer,
+    group_indices: Sequence[int],
+    *,
+    rule: OptimizerRule,
+    config: OffloadConfig,
+    windows: tuple[Any, Any] | None,
+    comm: Comm | None,
+) -> None:
+    """Raise ``ValueError`` on every rank alike unless every rank of ``comm`` builds what
+    this one does (``describe_build``); nothing with one rank. A collective: every rank of
+    the optimizer calls it at each build. See Note [the ranks build alike]."""
+    if comm is None:
+        return
+    entries = describe_build(owner, group_indices, rule=rule, config=config, windows=windows)
+    compared = json.dumps([[e.key, e.value] for e in entries]).encode()
+    digests = all_gather_bytes(
+        hashlib.sha256(compared).digest(),
+        comm=comm,
+        what="the digest of what each rank builds (Note [the ranks build alike])",
+        advice=_ADVICE,
+        length=_DIGEST_BYTES,
+    )
+    if all(d == digests[0] for d in digests):
+        return
+    every = all_gather_bytes(
+        json.dumps([[e.key, e.value, e.label] for e in entries]).encode(),
+        comm=comm,
+        what="what each rank builds (Note [the ranks build alike])",
+        advice=_ADVICE,
+    )
+    described = [[Entry(*e) for e in json.loads(b)] for b in every]
+    others = [r for r, d in enumerate(digests) if d != digests[0]]
+    raise ValueError(f"{comm.where()}: {type(owner).__name__}: {_difference(described, others)}")
+
+
+def _value(entries: dict[str, Entry], key: str) -> str | None:
+    entry = entries.get(key)
+    return None if entry is None else entry.value
+
+
+def _difference(described: list[list[Entry]], others: list[int]) -> str:
+    """The sentence naming the first entry in which rank ``others[0]`` differs from rank
+    0 (and how many more differ)."""
+    first = others[0]
+    ours = {e.key: e for e in described[0]}
+    theirs = {e.key: e for e in described[first]}
+    keys = [*ours, *(k for k in theirs if k not in ours)]
+    differ = [k for k in keys if _value(ours, k) != _value(theirs, k)]
+    if not differ:  # their digests differ, so must their descriptions
+        raise RuntimeError(f"ranks 0 and {first} differ in digest only (bug)")
+
+    def has(entry: Entry | None) -> str:
+        if entry is None:
+            return "nothing there"
+        return f"{entry.value} ({entry.label})" if entry.label else entry.value
+
+    key = differ[0]
+    text = (
+        f"the ranks disagree on {key}: rank 0 has {has(ours.get(key))}, rank {first} has "
+        f"{has(theirs.get(key))}"
+    )
+    if len(differ) > 1:
+        shown = ", ".join(differ[1:4]) + (", ..." if len(differ) > 4 else "")
+        text += f" ({len(differ) - 1} more entries differ: {shown})"
+    if len(others) > 1:
+        text += f"; ranks {', '.join(map(str, others))} differ from rank 0"
+    return (
+        f"{text}; every rank must build the optimizer alike: the same optimizer, parameters "
+        "(in the same order, shapes and dtypes), param groups and OffloadConfig fields "
+        f"{', '.join(MUST_AGREE)} (Note [the ranks build alike]; docs/multi-rank.md)"
+    )
