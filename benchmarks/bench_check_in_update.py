@@ -68,7 +68,7 @@ class _Run:
         self.cpu: list[float] = []
 
     def step_once(self) -> tuple[float, float]:
-        self.model(*self.batch).float().backward()
+        self.opt.backward(self.model(*self.batch).float())  # the loss scale, for fp16
         if self.write == "one matrix written":
             self.target.data.mul_(0.5)  # no version counter moves: only a value check sees it
         wall, cpu = time.perf_counter(), time.thread_time()

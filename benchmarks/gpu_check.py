@@ -151,6 +151,9 @@ TEST_FILES = (
     "tests/test_integration_lightning.py",
     # every rule through them: Trainer by optim name, accelerate and Lightning given one
     "tests/test_integration_rules.py",
+    # fp16 backwards that carry the loss scale, and a clip in the middle of a window
+    "tests/test_scaled_backward.py",
+    "tests/test_window_clip.py",
 )
 #: The part of ``TEST_FILES`` that also runs under ``TORCH_CUDA_SANITIZER=1`` (about 6x
 #: slower: 19 tests took 11 s plain and 64 s under it on the H200, shared/gpu-runs/): the

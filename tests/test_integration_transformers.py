@@ -81,7 +81,11 @@ def test_parity_with_torch_adamw_trainer(tmp_path: Path, overrides: dict) -> Non
     cpu_adam, held = logged(ours, "offload/cpu_adam_ms"), logged(ours, "offload/host_bytes")
     assert len(cpu_adam) == 12 and min(cpu_adam) > 0
     placement = ours.offload_optimizer.placement
-    assert held == [float(placement.pinned + placement.pageable)] * 12
+    # The first window is summed on the host and pins the spare gradient staging, which
+    # goes back once the buckets sum on the device (Note [the spare goes when the device
+    # sums] in optim/grads/staging.py).
+    assert held[1:] == [float(placement.pinned + placement.pageable)] * 11
+    assert held[0] > held[1]
     assert len(logged(ours, "offload/exposed_transfer_ms")) == 12
     assert not logged(ref, "offload/cpu_adam_ms")
 

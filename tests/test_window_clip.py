@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_offload import OffloadAdamW
+from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.integrations.accelerate import OffloadAccelerator
 
 from .helpers.device import on_device, run_device
@@ -119,3 +119,43 @@ def test_accelerate_clipping_every_micro_batch_is_refused_naming_sync_gradients(
                 accelerator.clip_grad_norm_(model.parameters(), 0.01)
                 opt.step()
                 opt.zero_grad()
+
+
+@pytest.mark.cuda_form
+def test_a_step_announced_after_a_binding_clip_is_refused_and_nothing_is_announced() -> None:
+    """The announced step would run during the next backward, which drops the clip."""
+    model = _model()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, accelerator=host_accelerator())
+    first, second = _batches()
+    opt.backward(model(first).square().mean())
+    assert float(opt.clip_grad_norm_(0.05)) > 0.05
+    with pytest.raises(RuntimeError, match=r"a step announced .* after clip_grad_norm_"):
+        opt.backward(model(second).square().mean(), step=True)
+    assert not opt.step_announced
+    opt.zero_grad()
+    opt.backward(model(first).square().mean(), step=True)  # unclipped: as torch's would be
+    opt.step()
+    opt.close()
+
+
+def test_reading_the_norm_every_micro_batch_is_no_clip() -> None:
+    """accelerate's clip_grad_norm_(..., inf) reads the norm (as torch's changes nothing);
+    with OffloadConfig(max_grad_norm=...) bounding the window at the step, a read after each
+    micro-batch is no clip in the middle of the window."""
+    model = tiny_gpt2()
+    opt = OffloadAdamW(
+        model.parameters(),
+        lr=1e-3,
+        accelerator=host_accelerator(),
+        config=OffloadConfig(max_grad_norm=0.05),
+    )
+    accelerator = OffloadAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = accelerator.prepare(model, opt)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+            assert float(accelerator.clip_grad_norm_(model.parameters(), float("inf"))) > 0.05
+            opt.step()
+            opt.zero_grad()
+    assert opt.optimizer.skipped_steps == 0 and opt.optimizer.last_grad_norm > 0.05

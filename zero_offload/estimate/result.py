@@ -182,7 +182,8 @@ class MemoryEstimate:
         return (
             f"\nactivation offload rows: each rank's ActivationOffloadConfig("
             f"host_pool_bytes={host}, device_pool_bytes={device}) ({format_bytes(host)} and "
-            f"{format_bytes(device)}: every layer's saved input, and 2 reloaded at once; "
+            f"{format_bytes(device)}: every layer's saved input, and "
+            f"{min(self.shape.layers, 2) if self.shape else 2} reloaded at once; "
             f"ActivationOffloadConfig.for_checkpoints builds it); {verdict}."
         )
 

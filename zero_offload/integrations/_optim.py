@@ -13,31 +13,27 @@ gradient multiplier. The pass is cached until the gradients change, so reading t
 before ``step()`` costs the step nothing.
 
 Reading the norm without clipping (Trainer with ``max_grad_norm=0``, accelerate's
-``clip_grad_norm_(..., inf)``) goes through the same method with the optimizer's own
-``OffloadConfig.max_grad_norm`` (so its clipping stays what it was), or with the largest
-finite float when it has none: a clip coefficient of ``min(1, max / norm)`` = 1.
+``clip_grad_norm_(..., inf)``) is ``OffloadOptimizer.grad_norm()``: the same cached pass,
+and no clip recorded, so the step's clipping stays what it was (``OffloadConfig.
+max_grad_norm``, or an earlier clip of the window) and a read in the middle of a window is no
+clip there (Note [a clip in the middle of a window] in ``optim/update/window_clip.py``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from ..optim import OffloadOptimizer
 
 __all__ = [
-    "NO_CLIP",
     "clip_norm",
     "find_offload_optimizer",
     "parameters_sharded",
     "pre_clip_norm",
     "saveable",
 ]
-
-#: A max_norm no gradient norm reaches: ``clip_grad_norm_(NO_CLIP)`` reads the norm only.
-NO_CLIP = sys.float_info.max
 
 
 def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadOptimizer:
@@ -59,8 +55,7 @@ def pre_clip_norm(opt: OffloadOptimizer) -> torch.Tensor:
 
     See Note [frameworks clip through the optimizer].
     """
-    max_norm = opt.config.max_grad_norm
-    return opt.clip_grad_norm_(NO_CLIP if max_norm is None else max_norm)
+    return opt.grad_norm()
 
 
 def clip_norm(opt: OffloadOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

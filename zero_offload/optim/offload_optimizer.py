@@ -368,6 +368,8 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
                 "a step is already announced and not taken yet; call step() after the "
                 "announced backward before announcing another"
             )
+        # Note [a clip in the middle of a window] in update/window_clip.py
+        self._policy.clip.check_announcement(self._router.backwards, type(self).__name__)
         if self._policy.refuses_announcement(self):
             return False
         check_untouched(

@@ -378,6 +378,7 @@ class StepPolicy:
         self.note_steps()
         self._stats_cache = None
         self.router.consumed()
+        self.clip.close_window()
 
     def writing_homes(self) -> bool:
         """Whether an announced step's updates may be writing the parameter homes now (some

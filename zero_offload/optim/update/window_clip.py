@@ -14,7 +14,9 @@ silently not torch's: a loop that clips every micro-batch (accelerate's ``accumu
 without the ``sync_gradients`` check) trained about 4e-3 away from torch in 8 steps. So
 ``step()`` refuses such a window, before anything changes, naming the clip; a clip that did
 not bind changed nothing in torch either and is let go. Clipping once, after the window's
-last backward, is what HF Trainer, Lightning and accelerate's examples do.
+last backward, is what HF Trainer, Lightning and accelerate's examples do. A step announced
+after such a clip (it runs during the next backward) is refused at the announcement, for the
+same reason; reading the norm (``grad_norm()``, the frameworks' ``max_norm=inf``) is no clip.
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ class WindowClip:
             "after the window's last backward (with accelerate: under `if "
             "accelerator.sync_gradients:`), or use OffloadConfig(max_grad_norm=...). Nothing "
             "was stepped; zero_grad() drops this window"
+        )
+
+    def check_announcement(self, backwards: int, owner: str) -> None:
+        """Refuse to announce a step (it would run during the next backward, unclipped)
+        after a clip of this window that bound: that backward drops it (Note [a clip in the
+        middle of a window]); changes nothing."""
+        self._note_dropped(backwards)
+        clip = self._dropped or self._clip
+        if clip is None or clip.window != self._window or clip.norm is None:
+            return
+        raise RuntimeError(
+            f"{owner}: a step announced (backward(step=True) or announce_step()) after "
+            f"clip_grad_norm_(max_norm={clip.max_norm}) bound this window's gradients (norm "
+            f"{clip.norm:.6g}): the step would run during the next backward, and a clip "
+            "bounds the window's sum, so that clip would be lost. Clip once, after the "
+            "window's last backward, and step() then; or clip with "
+            "OffloadConfig(max_grad_norm=...), which an announced step applies. Nothing was "
+            "announced"
         )
 
     def close_window(self) -> None:
