@@ -159,3 +159,27 @@ def test_reading_the_norm_every_micro_batch_is_no_clip() -> None:
             opt.step()
             opt.zero_grad()
     assert opt.optimizer.skipped_steps == 0 and opt.optimizer.last_grad_norm > 0.05
+
+
+def test_reading_the_norm_with_an_infinity_keeps_the_window_s_clip() -> None:
+    """accelerate's clip_grad_norm_(..., inf), numpy's inf as float('inf'), reads the norm:
+    a clip taken before it still bounds the step (as in torch, where the read changes
+    nothing)."""
+    import numpy as np
+
+    def run(read: object) -> list[torch.Tensor]:
+        model = tiny_gpt2()
+        opt = OffloadAdamW(model.parameters(), lr=1e-3, accelerator=host_accelerator())
+        accelerator = OffloadAccelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+        norm = float(accelerator.clip_grad_norm_(model.parameters(), 0.01))
+        if read is not None:
+            assert float(accelerator.clip_grad_norm_(model.parameters(), read)) == norm
+        opt.step()
+        return _weights(model)
+
+    clipped = run(None)
+    for read in (float("inf"), np.float64("inf")):
+        assert all(torch.equal(a, b) for a, b in zip(run(read), clipped, strict=True))

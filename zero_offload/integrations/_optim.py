@@ -22,6 +22,7 @@ clip there (Note [a clip in the middle of a window] in ``optim/update/window_cli
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -61,7 +62,8 @@ def pre_clip_norm(opt: OffloadOptimizer) -> torch.Tensor:
 def clip_norm(opt: OffloadOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` contract on ``opt``'s gradients: clip the next step to
     ``max_norm`` and return the pre-clip norm; ``max_norm=inf`` only reads the norm."""
-    if isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0:
+    real = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
+    if real and math.isinf(max_norm) and max_norm > 0:  # numpy's inf too
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
         return pre_clip_norm(opt)
