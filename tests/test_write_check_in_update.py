@@ -179,7 +179,7 @@ def _train(model: TinyGPT, opt, steps: int, write: Callable[[TinyGPT], None] | N
     data = _batches()
     for _ in range(steps):
         ids = next(data)
-        model(ids, ids).float().backward()
+        opt.backward(model(ids, ids).float())  # the loss scale, for fp16 models
         if write is not None:
             with torch.no_grad():
                 write(model)
