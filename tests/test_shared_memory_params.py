@@ -1,4 +1,4 @@
-"""Note [parameters that share memory] (optim/checks.py): Parameters over one storage, or
+"""Note [parameters that share memory] (optim/shared_memory.py): Parameters over one storage, or
 over overlapping views of one tensor, are refused at construction and by add_param_group,
 naming both, since their slots would untie them where torch keeps them equal. One Parameter
 object tied in two modules, disjoint or interleaved views and frozen aliases still build."""
