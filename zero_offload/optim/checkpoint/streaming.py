@@ -61,7 +61,8 @@ from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
 from .bucket_file import check_bucket_file, load_bucket, save_bucket, shaped_layout
-from .state_dict import LoadedState, check_skipped_steps, group_entries
+from .loaded_fields import check_skipped_steps
+from .state_dict import LoadedState, group_entries
 
 
 class Streamable(Protocol):
