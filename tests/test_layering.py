@@ -33,8 +33,9 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
 4. ``flat_bucket``, ``segment_plan``: one bucket, a gradient path and a state store
    composed; the plan both construction routes share (placement, NVMe, the device pool).
-5. ``checks``, ``shared_memory``, ``rank_agreement``, ``router``, ``reports``: checks on the
-   caller's input (parameters that share memory among them), and that every rank builds alike; the backward's routing of each gradient to its bucket;
+5. ``checks``, ``shared_memory``, ``rank_agreement``, ``constructor_checks``, ``router``,
+   ``reports``: checks on the caller's input (parameters that share memory among them, the
+   constructor's arguments), and that every rank builds alike, or fails together; the backward's routing of each gradient to its bucket;
    ``opt.state`` and the placement report.
 6. ``update``, ``scaled_backward``: when a planned step runs and how its weights reach the
    device; which backwards carry the loss scale, and the router that refuses the others.
@@ -109,6 +110,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "segment_plan": 4,
     "checks": 5,
     "rank_agreement": 5,
+    "constructor_checks": 5,
     "shared_memory": 5,
     "router": 5,
     "reports": 5,

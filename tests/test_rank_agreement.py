@@ -5,7 +5,15 @@ count, an added group): before the check, some trained on silently apart and the
 crashed in gloo at the first collective; now both ranks raise a ``ValueError`` naming the
 difference and each rank's value, and nothing stays allocated. What may differ (the tiling,
 the timeout, where gradients add up) still builds and trains. A rank that never builds makes
-the other raise ``CollectiveError`` naming it within ``collective_timeout``."""
+the other raise ``CollectiveError`` naming it within ``collective_timeout``.
+
+A rank that fails alone (Note [a rank that fails alone]): a check of its arguments, of its
+parameters (torch's or ours, in the constructor or ``add_param_group``), or its build after
+the comparison (a ``nvme_dir`` it cannot use). Before, it raised alone and the other rank
+waited in its next collective until ``collective_timeout`` (600 s by default), then named a
+rank that "did not report". Now the failing rank raises its own error, unchanged, and the
+other raises at once naming it and that error, with nothing left allocated and, after a
+refused ``add_param_group``, trains on alike."""
 
 from __future__ import annotations
 
@@ -136,12 +144,82 @@ def _absent(rank: int) -> dict:
     return result
 
 
+#: How rank 1 alone fails, and what its own error says (rank 0's names it too).
+ALONE: dict[str, str] = {
+    "arguments": "offload_fraction must be 1.0 with several ranks",
+    "groups": "is not a leaf tensor",
+    "parameters": "share memory",
+    "build": "nvme_dir",
+    "added_group": "lr",
+}
+PATIENCE = 120.0  # collective_timeout of these cases: a rank that waited for it failed
+
+
+def _one_fails(rank: int, case: str, model: torch.nn.Module, tmp: Path) -> None:
+    """Build (and, for ``added_group``, extend) an optimizer on ``model``, failing on rank 1
+    in ``case``'s way."""
+    config = {"bucket_bytes": 8192, "collective_timeout": PATIENCE}
+    params: list = list(model.parameters())
+    alone = rank == 1
+    if alone and case == "arguments":
+        config["offload_fraction"] = 0.5
+    if alone and case == "groups":
+        params[0] = params[0] * 1.0  # not a leaf
+    if alone and case == "parameters":
+        params[0] = torch.nn.Parameter(params[1].detach().view(-1)[: params[0].numel()])
+    if case == "build":  # rank 1's directory is a file; each rank may keep its own
+        (tmp / "file").write_text("")
+        config.update(nvme_dir=str(tmp / ("file" if alone else f"dir{rank}")), host_budget=0)
+    if case == "added_group":
+        head = list(model.head.parameters())
+        params = [p for p in params if all(p is not h for h in head)]
+    opt = OffloadAdamW(params, lr=1e-3, config=OffloadConfig(**config),
+                       accelerator=host_accelerator())  # fmt: skip
+    if case == "added_group":
+        try:
+            opt.add_param_group({"params": head, "lr": -1.0 if alone else 1e-3})
+        finally:
+            groups = len(opt.param_groups)
+            opt.add_param_group({"params": head, "lr": 1e-3})  # alike: it trains
+            train_steps(model, opt, data(1), rank, 2)
+            opt.close()
+            assert groups == 1, groups
+    opt.close()
+
+
+def _fails_alone(rank: int, tmp: Path) -> dict:
+    """Each ``ALONE`` case: the error on this rank, how long it took, what stayed."""
+    acc = host_accelerator()
+    found = {}
+    for case in ALONE:
+        model, _ = make_pair()
+        before = [p.detach().clone() for p in model.parameters()]
+        in_use = acc.memory_stats()["in_use"]
+        dist.barrier()  # lined up, so the clock measures this case alone
+        began = time.perf_counter()
+        error: tuple[str, str] | None = None
+        try:
+            _one_fails(rank, case, model, tmp)
+        except Exception as exc:
+            error = (type(exc).__name__, str(exc))
+        found[case] = {
+            "error": error,
+            "seconds": time.perf_counter() - began,
+            "in_use": acc.memory_stats()["in_use"] - in_use,
+            "weights_kept": all(
+                torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
+            ),
+        }
+    return found
+
+
 def _entry(rank: int, world: int, port: int, out: str) -> None:
     join_gloo(rank, world, port)
     result = {
         "refusals": _refusals(rank),
         "added": _added_group(rank),
         "may_differ": _may_differ(rank),
+        "alone": _fails_alone(rank, Path(out)),
         "absent": _absent(rank),
     }
     torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -172,9 +250,20 @@ def test_ranks_that_build_differently_are_refused_on_every_rank(tmp_path: Path) 
     for result in results:
         for ours, one in zip(result["may_differ"], model.parameters(), strict=True):
             assert (ours - one.detach()).abs().max().item() < 1e-5
+    for case, said in ALONE.items():
+        mine, theirs = results[1]["alone"][case], results[0]["alone"][case]
+        assert mine["error"] is not None and said in mine["error"][1], (case, mine)
+        kind = "CollectiveError" if case == "build" else "ValueError"
+        assert theirs["error"] is not None and theirs["error"][0] == kind, (case, theirs)
+        assert theirs["error"][1].startswith("rank 0/2: OffloadAdamW: "), theirs["error"]
+        assert "on rank 1 (" in theirs["error"][1] and said in theirs["error"][1], theirs
+        for result in (mine, theirs):
+            assert result["seconds"] < PATIENCE / 4, (case, result)  # not the deadline
+            assert result["in_use"] == 0, (case, result)
+            assert result["weights_kept"] or case == "added_group", (case, result)
     absent = results[0]["absent"]
     assert "Rank(s) 1 did not report" in absent["error"], absent
-    assert "the digest of what each rank builds" in absent["error"], absent
+    assert "whether the constructor's checks passed" in absent["error"], absent
     assert absent["seconds"] < TIMEOUT + 2.0 + 3.0  # + the roll call's grace
 
 

@@ -19,7 +19,7 @@ import torch
 from zero_offload import OffloadConfig
 from zero_offload.estimate import ModelShape, estimate
 from zero_offload.memory.align import aligned
-from zero_offload.optim.construction import check_param_offload, windows_parameters
+from zero_offload.optim.constructor_checks import check_param_offload, windows_parameters
 from zero_offload.optim.state.placement import GRAD_BUFFERS, POOL_ALIGNMENT
 
 from .helpers.zero3 import SEQ, VOCAB

@@ -6,7 +6,7 @@ call: the constructor's param groups, or one ``add_param_group``), by one of two
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -23,7 +23,7 @@ from .grads.on_device import DeviceGradients
 from .grads.path import GradientPath
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
-from .rank_agreement import agree_on_build
+from .rank_agreement import BuiltTogether, agree_on_build
 from .ranks import Ranks
 from .reports.live import OptimizerState
 from .rule.base import OptimizerRule
@@ -37,38 +37,7 @@ from .state.whole_resident import WholeParameterResidentState
 from .unit_pools import plan_units
 from .update.policy import StepPolicy
 
-__all__ = ["SegmentBuilder", "check_param_offload", "windows_parameters"]
-
-
-def windows_parameters(config: OffloadConfig, comm: Any) -> bool:
-    """Whether the optimizer keeps a window of units' weights on the device (Note [the
-    parameter window] in ``params/offloader.py``): with ``offload_parameters``, and with
-    ``partition_parameters`` on several ranks (ZeRO-3, Note [shards on the device] in
-    ``params/device_shards.py``); one rank's shard is the whole model, kept on the device
-    as without partitioning."""
-    return config.offload_parameters or (config.partition_parameters and comm is not None)
-
-
-def check_param_offload(config: OffloadConfig, comm: Any, model: Any, layers: Any) -> None:
-    """Refuse model=/layers= without parameter offload or partitioning, and a window
-    without a model. Parameter offload with several ranks is ZeRO-3 with offload (Note [a
-    sharded unit] in ``params/sharded_fetch.py``); with ``nvme_dir`` too, each rank's home
-    shards beyond ``host_budget`` live in its own weight files (ZeRO-Infinity, Note [sharded
-    homes on NVMe] there); partitioning alone there is ZeRO-3 with the shards on the device."""
-    if windows_parameters(config, comm):
-        if model is None:
-            switch = "offload_parameters" if config.offload_parameters else "partition_parameters"
-            raise ValueError(
-                f"OffloadConfig({switch}=True) needs the model whose blocks it "
-                "fetches: pass model=<the nn.Module> (and layers=<its blocks>, by default "
-                "the nn.ModuleList holding the most parameters)"
-            )
-    elif (model is not None or layers is not None) and not config.partition_parameters:
-        raise ValueError(
-            "model= and layers= are for parameter offload or partitioning; set "
-            "OffloadConfig(offload_parameters=True) or partition_parameters=True, or leave "
-            "them None"
-        )
+__all__ = ["SegmentBuilder"]
 
 
 class SegmentBuilder:
@@ -152,16 +121,20 @@ class SegmentBuilder:
         one host pool per unit (Note [homes are pinned unit by unit] in unit_pools.py)."""
         params = self._all_params(owner)
         first_index = sum(len(owner.param_groups[g]["params"]) for g in range(group_indices[0]))
-        families = check_params(
-            owner.param_groups,
-            group_indices,
-            first_index=first_index,
-            device=self.manager.accelerator.device,
-        )
-        trainable = [params[i] for family in families for i, _ in family.members]
-        if families:
-            check_owners(owner, params, [i for family in families for i, _ in family.members])
-            self._check_in_flight(trainable)
+        refused: Exception | None = None
+        try:
+            families = check_params(
+                owner.param_groups,
+                group_indices,
+                first_index=first_index,
+                device=self.manager.accelerator.device,
+            )
+            trainable = [params[i] for family in families for i, _ in family.members]
+            if families:
+                check_owners(owner, params, [i for family in families for i, _ in family.members])
+                self._check_in_flight(trainable)
+        except Exception as exc:
+            refused = exc  # raised by agree_on_build, after the other ranks heard of it
         # After this rank's own checks, before anything is allocated (a segment with nothing
         # to train too: every rank calls it at every build): Note [the ranks build alike].
         agree_on_build(
@@ -171,19 +144,37 @@ class SegmentBuilder:
             config=self.config,
             windows=self.param_offload_of,
             comm=self.ranks.comm,
+            refused=refused,
         )
         if not families:
             return
         tracker = PeakTracker(self.manager, trainable)
+        together = BuiltTogether(self.ranks.comm, owner=type(owner).__name__)
         with tracking(tracker):
             # See Note [originals on the device leave first] in weights/source.py.
             originals = DeviceOriginals(trainable, tracker)
             try:
-                self._build(owner, params, families, tracker)
+                self._build(owner, params, families, tracker, together)
             except BaseException as exc:
                 originals.restore(exc)
+                together.failed(exc)
                 raise
         self.peaks = tracker.peaks()
+
+    def refuse(self, owner: torch.optim.Optimizer, refused: Exception) -> NoReturn:
+        """Raise ``refused``, this rank's refusal of a build's arguments (a group, the
+        parameters), once every rank has heard of it; they raise naming this rank (Note [a
+        rank that fails alone] in ``rank_agreement.py``)."""
+        agree_on_build(
+            owner,
+            [],
+            rule=self.rule,
+            config=self.config,
+            windows=self.param_offload_of,
+            comm=self.ranks.comm,
+            refused=refused,
+        )
+        raise refused  # agree_on_build raised it already; for the type checker
 
     def _check_in_flight(self, params: list[torch.Tensor]) -> None:
         """Refuse ``grad_staging="in_flight"`` where no step could run during backward
@@ -206,16 +197,18 @@ class SegmentBuilder:
         params: list[torch.Tensor],
         families: list[Any],
         tracker: PeakTracker,
+        together: BuiltTogether,
     ) -> None:
         """One segment, by one of two routes over one shared plan (``_plan``): the
         weights stay on the device, in the device pool (``_build_weights_on_device``), or
         with parameter offload live in homes and visit a window (``_build_weights_offloaded``).
-        See Note [construction holds one copy]."""
+        Each route's last move before the segment joins the optimizer is ``together.built``
+        (Note [a rank that fails alone]). See Note [construction holds one copy]."""
         offload = self._param_offloader(params, families)
         if offload is None:
-            self._build_weights_on_device(owner, params, families, tracker)
+            self._build_weights_on_device(owner, params, families, tracker, together)
         else:
-            self._build_weights_offloaded(owner, params, families, tracker, offload)
+            self._build_weights_offloaded(owner, params, families, tracker, together, offload)
 
     def _build_weights_on_device(
         self,
@@ -223,6 +216,7 @@ class SegmentBuilder:
         params: list[torch.Tensor],
         families: list[Any],
         tracker: PeakTracker,
+        together: BuiltTogether,
     ) -> None:
         """Without parameter offload: every bucket's views over the device pool first (the
         originals released), then the one host pool, then the stores."""
@@ -247,6 +241,7 @@ class SegmentBuilder:
             tracker.sample()
             for layout, views in zip(parts.layouts, moved, strict=True):
                 buckets.append(self._bucket(parts, layout, views, host_pools[0]))
+            together.built()
         except BaseException:
             self._undo(parts, [*moved, *(bucket.views for bucket in buckets)], host_pools)
             raise
@@ -258,6 +253,7 @@ class SegmentBuilder:
         params: list[torch.Tensor],
         families: list[Any],
         tracker: PeakTracker,
+        together: BuiltTogether,
         offload: Any,
     ) -> None:
         """With parameter offload (``offload``, a ``ParamOffloader``): no bucket spans two
@@ -280,6 +276,7 @@ class SegmentBuilder:
             tracker.sample()
             self._build_units(parts, host_pools, buckets)
             buckets.sort(key=lambda bucket: bucket.layout.index)
+            together.built()
         except BaseException:
             self._undo(parts, [bucket.views for bucket in buckets], host_pools)
             raise

@@ -39,26 +39,25 @@ import torch
 
 from ..accelerator import Accelerator, get_accelerator
 from ..collectives import surface_collective_errors
-from ..config import OffloadConfig, OverlapLanding
+from ..config import OffloadConfig
 from ..hook_errors import backward as backward_reporting_hooks
 from ..kernels import release_scratch
 from ..memory.manager import TieredMemoryManager
-from ..views.in_flight import compile_refusal
 from .checkpoint import streaming
 from .checkpoint.state_dict import load_optimizer_state, optimizer_state
 from .checks import (
     check_new_params,
     check_param_group,
     check_untouched,
-    refuse_whole_parameter_features,
 )
 from .clipping import GradientClipping
-from .construction import SegmentBuilder, check_param_offload, windows_parameters
+from .construction import SegmentBuilder
+from .constructor_checks import checked_comm, windows_parameters
 from .flat_bucket import FlatBucket
 from .grads.lifecycle import GradState
 from .kept_zero_grads import KeptZeroGrads
 from .lifetime import Resources
-from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank, optimizer_comm
+from .ranks import Ranks, ShardedParamRanks, ShardedRanks, SingleRank
 from .reports.live import OptimizerState
 from .reports.summary import PlacementReport, placement_line, placement_of
 from .rule import OptimizerRule
@@ -130,30 +129,12 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
             config = OffloadConfig()
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
-        self.rule.check_group(defaults, where=name)
-        if config.overlap_step and config.offload_fraction != 1.0:
-            raise ValueError(
-                "OffloadConfig.overlap_step delays the CPU update by one step; it needs all "
-                f"state on the host (offload_fraction=1.0), got {config.offload_fraction!r}"
-            )
-        landing = config.overlap_landing is OverlapLanding.AT_FIRST_USE
-        refusal = compile_refusal() if landing else None  # Note [weights landed at their first use]
-        if refusal is not None:
-            raise ValueError(refusal)
         self.config = config
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
-        comm = optimizer_comm(process_group, timeout=config.collective_timeout)
-        # Note [rules that read a whole parameter] in rule/base.py.
-        refuse_whole_parameter_features(
-            name, self.rule, config, ranks=1 if comm is None else comm.world_size
-        )
-        if comm is not None and config.offload_fraction != 1.0:
-            raise ValueError(
-                f"{comm.where()}: OffloadConfig.offload_fraction must be 1.0 with several "
-                f"ranks (device-resident optimizer state is not partitioned yet), got "
-                f"{config.offload_fraction!r}"
-            )
-        check_param_offload(config, comm, model, layers)
+        comm = checked_comm(
+            name, self.rule, defaults, config, process_group=process_group, model=model,
+            layers=layers,
+        )  # fmt: skip
         self.serial = next(_serials)
         self.manager = TieredMemoryManager(self.accelerator)
         extra_streams = []
@@ -197,8 +178,6 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
         self._kept_zeros = KeptZeroGrads()  # Note [zero gradients are not kept]
         self._constructing = True
         try:
-            super().__init__(params, defaults)
-            self._constructing = False
             self._state_view = OptimizerState(drain=self.manager.host_worker.synchronize)
             self._resources.state = self._state_view
             self._builder = SegmentBuilder(
@@ -212,6 +191,11 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
                 name=f"offload_{self.rule.name}{self.serial}",
                 param_offload_of=(model, layers) if windows_parameters(config, comm) else None,
             )
+            try:
+                super().__init__(params, defaults)
+            except Exception as exc:  # torch's checks and ours, in add_param_group
+                self._builder.refuse(self, exc)  # Note [a rank that fails alone]
+            self._constructing = False
             self._builder.build(self, list(range(len(self.param_groups))))
         except BaseException:
             self._finalizer()
@@ -251,6 +235,22 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
                 "add_param_group between backward(step=True)/announce_step() and step(): "
                 "the announced step is planned for the current groups; call step() first"
             )
+        try:
+            super().add_param_group(self._checked_group(param_group))
+        except Exception as exc:
+            if not self._constructing:  # the constructor shares its own refusal
+                self._builder.refuse(self, exc)  # Note [a rank that fails alone]
+            raise
+        if not self._constructing:
+            try:
+                self._builder.build(self, [len(self.param_groups) - 1])
+            except BaseException:
+                self.param_groups.pop()  # a failed call leaves the optimizer as it was
+                raise
+
+    def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` checked, with the defaults and the rule's derived keys filled in
+        (a new dict: the caller's is left as it was)."""
         where = f"param group {len(self.param_groups)}"
         group, params, names = check_param_group(param_group, self.param_groups, where=where)
         for key, value in self.defaults.items():
@@ -270,13 +270,7 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
                 "unscale the gradients already accumulated in this window: add the group "
                 "between steps (after step() or zero_grad())"
             )
-        super().add_param_group(group)
-        if not self._constructing:
-            try:
-                self._builder.build(self, [len(self.param_groups) - 1])
-            except BaseException:
-                self.param_groups.pop()  # a failed call leaves the optimizer as it was
-                raise
+        return group
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

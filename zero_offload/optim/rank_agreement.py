@@ -46,8 +46,34 @@ the same ``ValueError`` naming the first entry that differs, rank 0's value and 
 rank's with another. Every rank raising alike keeps them in step: the constructor releases
 what it made (its process group included), ``add_param_group`` drops the group. Both
 collectives keep ``collective_timeout`` (Note [collective deadlines] in ``collectives.py``):
-a rank that failed a check of its own before this point, or never builds, makes the others
-raise ``CollectiveError`` naming it instead of hanging.
+a rank that never builds makes the others raise ``CollectiveError`` naming it instead of
+hanging.
+
+Note [a rank that fails alone]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A check or an allocation can fail on one rank only: its parameters sit on another device,
+its ``nvme_dir`` cannot be written, its host budget is smaller. Raising there alone would
+leave the other ranks in their next collective until ``collective_timeout`` (600 s by
+default), to name a rank that "did not report", not why. So every failure a build can meet
+takes part in the collective the other ranks are in at that point, and every rank raises at
+once:
+
+- the constructor's own checks (the rule's hyper-parameters, the config against the ranks,
+  ``model=``/``layers=``) run right after the optimizer's process group exists, and
+  ``share_outcome`` all-gathers one byte saying whether they passed, before any other
+  group is made;
+- the checks of the parameters (torch's and ours, in the constructor's ``param_groups`` and
+  in ``add_param_group``) take part in the comparison above: a rank whose checks refused
+  sends its refusal instead of its description (``agree_on_build(refused=...)``);
+- the allocations and copies after the comparison end in ``share_outcome`` again, just
+  before the segment joins the optimizer, so that a rank that failed half-way and one that
+  built undo alike.
+
+The rank that failed raises its own exception, unchanged; the others raise naming it and
+its error (``ValueError`` for refused checks, ``CollectiveError`` for a failed build) and
+release what they made, as after any failed construction or ``add_param_group``. The cost:
+one all-gather of one byte after the arguments and one after the allocations, per build;
+one more, of the errors' text, only when something failed.
 """
 
 from __future__ import annotations
@@ -63,9 +89,17 @@ import torch
 
 from ..collectives import Comm, all_gather_bytes
 from ..config import OffloadConfig
+from ..errors import CollectiveError
 from .rule.base import OptimizerRule
 
-__all__ = ["MUST_AGREE", "Entry", "agree_on_build", "describe_build"]
+__all__ = [
+    "MUST_AGREE",
+    "BuiltTogether",
+    "Entry",
+    "agree_on_build",
+    "describe_build",
+    "share_outcome",
+]
 
 #: The ``OffloadConfig`` fields every rank must set alike (Note [the ranks build alike]).
 MUST_AGREE = (
@@ -87,6 +121,16 @@ _ADVICE = (
 )
 
 _DIGEST_BYTES = 32  # sha256
+
+#: The first entry of every description: whether this rank's checks of the parameters
+#: passed; a rank whose checks refused sends this entry alone, its value the refusal (Note
+#: [a rank that fails alone]).
+_CHECKS = "this rank's checks"
+_PASSED = "passed"
+
+
+def _refusal(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -175,13 +219,22 @@ def agree_on_build(
     config: OffloadConfig,
     windows: tuple[Any, Any] | None,
     comm: Comm | None,
+    refused: Exception | None = None,
 ) -> None:
     """Raise ``ValueError`` on every rank alike unless every rank of ``comm`` builds what
-    this one does (``describe_build``); nothing with one rank. A collective: every rank of
-    the optimizer calls it at each build. See Note [the ranks build alike]."""
+    this one does (``describe_build``); nothing with one rank. ``refused``: this rank's
+    checks of the parameters refused them with that exception, which this rank raises
+    while the others raise naming it (Note [a rank that fails alone]). A collective: every
+    rank of the optimizer calls it at each build. See Note [the ranks build alike]."""
     if comm is None:
+        if refused is not None:
+            raise refused
         return
-    entries = describe_build(owner, group_indices, rule=rule, config=config, windows=windows)
+    if refused is None:
+        described = describe_build(owner, group_indices, rule=rule, config=config, windows=windows)
+        entries = [Entry(_CHECKS, _PASSED), *described]
+    else:  # Note [a rank that fails alone]
+        entries = [Entry(_CHECKS, _refusal(refused))]
     compared = json.dumps([[e.key, e.value] for e in entries]).encode()
     digests = all_gather_bytes(
         hashlib.sha256(compared).digest(),
@@ -191,6 +244,8 @@ def agree_on_build(
         length=_DIGEST_BYTES,
     )
     if all(d == digests[0] for d in digests):
+        if refused is not None:  # every rank refused alike
+            raise refused
         return
     every = all_gather_bytes(
         json.dumps([[e.key, e.value, e.label] for e in entries]).encode(),
@@ -198,9 +253,89 @@ def agree_on_build(
         what="what each rank builds (Note [the ranks build alike])",
         advice=_ADVICE,
     )
-    described = [[Entry(*e) for e in json.loads(b)] for b in every]
+    if refused is not None:
+        raise refused
+    ranks = [[Entry(*e) for e in json.loads(b)] for b in every]
+    name = f"{comm.where()}: {type(owner).__name__}"
+    refusing = [r for r, entries in enumerate(ranks) if entries[0].value != _PASSED]
+    if refusing:
+        raise ValueError(
+            f"{name}: the checks of the parameters failed on {_named(refusing)} "
+            f"({ranks[refusing[0]][0].value}); every rank raises with it rather than wait "
+            "for it (Note [a rank that fails alone])"
+        )
     others = [r for r, d in enumerate(digests) if d != digests[0]]
-    raise ValueError(f"{comm.where()}: {type(owner).__name__}: {_difference(described, others)}")
+    raise ValueError(f"{name}: {_difference(ranks, others)}")
+
+
+def share_outcome(failed: Exception | None, *, comm: Comm | None, what: str, owner: str) -> None:
+    """Tell every rank of ``comm`` whether ``what`` failed on this one (``failed``) and
+    learn the same of theirs. Where it passed and failed elsewhere, raise naming the first
+    rank where it failed and its error: ``ValueError`` where ``what`` names checks, else
+    ``CollectiveError``. Where it failed, return, for the caller to raise its own. Nothing
+    with one rank. A collective: every rank calls it at the same point of its build. See
+    Note [a rank that fails alone]."""
+    if comm is None:
+        return
+    flags = all_gather_bytes(
+        b"\x00" if failed is None else b"\x01",
+        comm=comm,
+        what=f"whether {what} passed on each rank (Note [a rank that fails alone])",
+        advice=_ADVICE,
+        length=1,
+    )
+    failing = [r for r, flag in enumerate(flags) if flag != b"\x00"]
+    if not failing:
+        return
+    errors = all_gather_bytes(
+        b"" if failed is None else _refusal(failed).encode(),
+        comm=comm,
+        what=f"why {what} failed (Note [a rank that fails alone])",
+        advice=_ADVICE,
+    )
+    if failed is not None:
+        return
+    error = ValueError if what.endswith("checks") else CollectiveError
+    raise error(
+        f"{comm.where()}: {owner}: {what} failed on {_named(failing)} "
+        f"({errors[failing[0]].decode(errors='replace')}); every rank raises with it rather "
+        "than wait for it (Note [a rank that fails alone])"
+    )
+
+
+class BuiltTogether:
+    """The end of one build's allocations, told to every rank once (``share_outcome``): a
+    route calls ``built()`` as its last move before the segment joins the optimizer, and
+    the build calls ``failed(exc)`` when the route raised, ``built()``'s own refusal
+    included (then already told). Note [a rank that fails alone]."""
+
+    WHAT = "building the optimizer's buckets"
+
+    def __init__(self, comm: Comm | None, *, owner: str) -> None:
+        self._comm = comm
+        self._owner = owner
+        self._told = False
+
+    def built(self) -> None:
+        """This rank built its share: raise ``CollectiveError`` if another rank did not."""
+        self._told = True
+        share_outcome(None, comm=self._comm, what=self.WHAT, owner=self._owner)
+
+    def failed(self, exc: BaseException) -> None:
+        """This rank's build raised ``exc``, which the caller raises next: tell the others,
+        unless they know already or ``exc`` stops the process (an interrupt: they will
+        meet their deadline)."""
+        if self._told or not isinstance(exc, Exception):
+            return
+        self._told = True
+        try:
+            share_outcome(exc, comm=self._comm, what=self.WHAT, owner=self._owner)
+        except CollectiveError as lost:
+            exc.add_note(f"(the other ranks could not be told: {lost})")
+
+
+def _named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _value(entries: dict[str, Entry], key: str) -> str | None:
