@@ -39,7 +39,8 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
    ``opt.state`` and the placement report.
 6. ``update``, ``scaled_backward``: when a planned step runs and how its weights reach the
    device; which backwards carry the loss scale, and the router that refuses the others.
-7. ``checkpoint``: state dicts and streaming checkpoints.
+7. ``checkpoint``: state dicts and streaming checkpoints, and the optimizer's methods for them
+   (torch's state-dict hooks around them).
 8. ``lifetime``: which optimizer owns which parameter, and closing.
 9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``kept_zero_grads``,
    ``clipping``: building the buckets; the clipping guards, and the guard of torch's kept

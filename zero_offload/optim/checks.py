@@ -290,6 +290,36 @@ def watch_replacement(params: Sequence[torch.Tensor]) -> None:
         REPLACED.pop(param, None)
 
 
+def _check_groups_kept(
+    owner: Any, param_groups: Sequence[dict[str, Any]], buckets: Sequence[FlatBucket]
+) -> None:
+    """Refuse a step after a group, or a trained parameter, was taken out of
+    ``param_groups`` by hand: torch would stop stepping it, while its state and bucket
+    here would step on. Python's identity tests, O(parameters), no tensor ops."""
+    groups = {bucket.layout.group for bucket in buckets}
+    if groups and max(groups) >= len(param_groups):
+        raise ValueError(
+            f"param group {max(groups)} of {owner!r} was removed from param_groups after it "
+            f"was built (there are {len(param_groups)} now); its parameters keep their "
+            "state and buckets, so torch's way of dropping them cannot work here. Rebuild "
+            "the optimizer over the groups that should train, or freeze those that should "
+            "not (requires_grad_(False)): nothing was stepped"
+        )
+    members = [{id(p) for p in group["params"]} for group in param_groups]
+    for bucket in buckets:
+        kept = members[bucket.layout.group]
+        for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
+            if id(param) not in kept:
+                raise ValueError(
+                    f"{describe_param(slot.index, param)} is no longer in param group "
+                    f"{bucket.layout.group}'s 'params' (it was taken out of param_groups "
+                    f"by hand after {owner!r} was built): torch would stop stepping it, but "
+                    "its state and bucket here would step on. Rebuild the optimizer over "
+                    "the parameters that should train, or freeze it (requires_grad_(False)) "
+                    "to keep it out of the steps: nothing was stepped"
+                )
+
+
 def check_untouched(
     owner: Any,
     param_groups: Sequence[dict[str, Any]],
@@ -299,6 +329,7 @@ def check_untouched(
 ) -> None:
     """Refuse, before anything changes, what happened behind ``owner``'s (the optimizer's)
     back: Notes [parameters replaced behind the optimizer] and [a step is all or nothing]."""
+    _check_groups_kept(owner, param_groups, buckets)
     trained = {id(p) for bucket in buckets for p in bucket.params}
     index = 0
     for g, group in enumerate(param_groups):
@@ -309,9 +340,9 @@ def check_untouched(
                 raise ValueError(
                     f"{describe_param(index, param)} in param group {g} has a gradient, "
                     f"but it was frozen (requires_grad=False) or empty when {owner!r} was "
-                    "built, so it has no optimizer state. Build the optimizer after "
-                    "unfreezing, or pass the parameters that will train: nothing was "
-                    "stepped"
+                    "built, or put in param_groups by hand since, so it has no optimizer "
+                    "state. Build the optimizer after unfreezing, pass the parameters that "
+                    "will train, or add them with add_param_group: nothing was stepped"
                 )
             index += 1
     for bucket in buckets:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -43,8 +42,7 @@ from ..config import OffloadConfig
 from ..hook_errors import backward as backward_reporting_hooks
 from ..kernels import release_scratch
 from ..memory.manager import TieredMemoryManager
-from .checkpoint import streaming
-from .checkpoint.state_dict import load_optimizer_state, optimizer_state
+from .checkpoint.methods import Checkpoints
 from .checks import (
     check_new_params,
     check_param_group,
@@ -75,7 +73,7 @@ __all__ = ["OffloadOptimizer", "StepFailed"]
 _serials = itertools.count(1)
 
 
-class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
+class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
     """An optimizer whose fp32 master weights, state and gradients are offloaded to host
     memory, stepped by its ``rule`` (``optim/rule/``). A facade (``OffloadAdamW``) sets
     ``rule`` and turns its torch-style arguments into ``defaults``, which the rule checks.
@@ -206,6 +204,14 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}#{self.serial}"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self!r} cannot be pickled or copied (pickle, copy.deepcopy, torch.save of the "
+            "optimizer): its state lives in pinned host pools, device buffers and worker "
+            "threads. Save opt.state_dict() instead (torch.save(opt.state_dict(), path)) and "
+            "load it into a new optimizer with load_state_dict"
+        )
 
     # -- construction ------------------------------------------------------------------
 
@@ -404,7 +410,6 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
     # -- step --------------------------------------------------------------------------
 
     @torch.no_grad()
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Adam step over every parameter that received a gradient since the previous
         step or ``zero_grad``; see Note [a step is all or nothing] in ``update/modes.py``."""
@@ -414,6 +419,7 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._policy.eager is not None:
+            self._policy.warn_announced_changes(self._group_hyper, self)
             self._policy.land_eager()  # nothing more when state_dict() already landed it
             self._policy.drop_eager()
             return loss
@@ -450,7 +456,7 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
         self._policy.mode.settle(self.buckets)
         self._policy.mode.land_all()
 
-    # -- zero_grad, state_dict -------------------------------------------------------------
+    # -- zero_grad, close ---------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient since the last step, in flight or not (device and host).
@@ -461,82 +467,6 @@ class OffloadOptimizer(GradientClipping, torch.optim.Optimizer):
         super().zero_grad(set_to_none=True)
         if self._finalizer.alive:
             self._policy.discard_window(self)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
-        per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies.
-
-        Reads the state without changing training: with ``overlap_step`` it waits for the
-        pending update but does not publish it (Note [delayed parameter update])."""
-        self._check_open("state_dict")
-        self._policy.land_if_ran()  # the step has happened; the next step() only takes it
-        self._policy.mode.drain()
-        return optimizer_state(
-            self.buckets,
-            self.param_groups,
-            comm=self.comm,
-            scaler=self.scaler,
-            skipped_steps=self.skipped_steps,
-            rule=self.rule,
-            **self._policy.mode.saved_pending(self.buckets),
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
-        master weights are taken from the parameters). Everything is checked before anything
-        changes: a mismatch raises and leaves the optimizer as it was."""
-        self._check_open("load_state_dict")
-        self._policy.mode.drain()
-        # An announced step that ran is superseded by the loaded state; the window's
-        # gradients stay, and the next step() steps from what was loaded.
-        with self._policy.superseding_eager():
-            loaded = load_optimizer_state(
-                self.buckets,
-                self.param_groups,
-                state_dict,
-                comm=self.comm,
-                scaler=self.scaler,
-                rule=self.rule,
-            )
-        self._policy.drop_eager()
-        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
-
-    def save_streaming(self, path: str | os.PathLike[str]) -> None:
-        """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never
-        holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
-        ``path``. Like ``state_dict()`` it changes nothing about training."""
-        self._check_open("save_streaming")
-        self._policy.mode.drain()
-        streaming.save(
-            path,
-            self.buckets,
-            self.param_groups,
-            comm=self.comm,
-            scaler=self.scaler,
-            skipped_steps=self.skipped_steps,
-            **self._policy.mode.saved_pending(self.buckets),
-            tile_elements=self.config.tile_elements,
-            rule=self.rule.name,
-            family=self.rule.state_family,
-        )
-
-    def load_streaming(self, path: str | os.PathLike[str]) -> None:
-        """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile;
-        everything is checked first: a mismatch raises and changes nothing. The master
-        weights come from the checkpoint (the model's weights are the caller's to load)."""
-        self._check_open("load_streaming")
-        self._policy.mode.drain()
-        loaded = streaming.load(
-            path,
-            self.buckets,
-            self.param_groups,
-            comm=self.comm,
-            scaler=self.scaler,
-            tile_elements=self.config.tile_elements,
-            rule=self.rule.name,
-            family=self.rule.state_family,
-        )
-        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
 
     def close(self) -> None:
         """Publish a pending update, remove the hooks and give every pool back (device

@@ -19,6 +19,17 @@ therefore flushed once per real backward, not once per checkpointed segment, and
 ``backward()`` calls on one graph (``retain_graph=True``) are several backwards.
 
 The order buckets go to the host in is the ranks' ``BucketOrder`` (``order.py``).
+
+Note [a gradient set by hand]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``.grad`` set by hand (``param.grad = g``) is taken in at the step (``receive``), as a
+hook takes one, and so is stepped as torch steps it, where no backward of the window gave
+that parameter a gradient (``BucketGrads.arrived``). Where one did, that gradient left for
+the bucket and ``.grad`` was None after it: torch would step the ``.grad`` set in its place,
+while taking it in would step their sum, so it is refused and left on ``.grad``, nothing
+taken. What cannot be seen: ``param.grad = None`` after a backward (it was None already),
+and ``model.zero_grad(set_to_none=False)`` (nothing to zero); docs/gradient-semantics.md
+says what to do instead.
 """
 
 from __future__ import annotations
@@ -203,25 +214,45 @@ class BackwardRouter:
         hook takes one. The first call of a pass checks every parameter's gradient, so that a
         sparse one is refused before any of them is taken: then the refused gradient is put
         back on its ``.grad`` and nothing has changed."""
-        refused: tuple[FlatBucket, int, torch.Tensor] | None = None
+        refused: Exception | None = None
         if grad.layout is not torch.strided:
-            refused = (bucket, slot_index, grad)
+            refused = self._sparse_refusal(bucket, slot_index, grad, "has")
         elif not self._strays_checked:
-            refused = self._first_sparse_grad()
+            refused = self._stray_refusal(bucket, slot_index)
         if refused is not None:
             bucket.params[slot_index].grad = grad  # as it was: nothing is taken
-            raise self._sparse_refusal(*refused, "has")
+            raise refused
         self._strays_checked = True
         self._take(bucket, slot_index, grad)
 
-    def _first_sparse_grad(self) -> tuple[FlatBucket, int, torch.Tensor] | None:
-        """The first parameter whose ``.grad`` is sparse: ``(bucket, slot index, grad)``."""
+    def _stray_refusal(self, first: FlatBucket, first_slot: int) -> Exception | None:
+        """Why the hand-set gradients of this pass cannot be taken (the first one, ``first``'s
+        ``first_slot``, already off its ``.grad``): a sparse one, or one set after a backward
+        of this window gave its parameter a gradient (Note [a gradient set by hand])."""
         for bucket in self.buckets:
             for slot_index, param in enumerate(bucket.params):
+                ours = bucket is first and slot_index == first_slot
                 grad = param.grad
+                if grad is None and not ours:
+                    continue
                 if grad is not None and grad.layout is not torch.strided:
-                    return bucket, slot_index, grad
+                    return self._sparse_refusal(bucket, slot_index, grad, "has")
+                if not bucket.grads.opens_window and bucket.grads.arrived[slot_index]:
+                    return self._replaced_refusal(bucket, slot_index)
         return None
+
+    def _replaced_refusal(self, bucket: FlatBucket, slot_index: int) -> RuntimeError:
+        param = bucket.params[slot_index]
+        return RuntimeError(
+            f"parameter {bucket.layout.slots[slot_index].index} (shape {tuple(param.shape)}) "
+            "has a .grad set by hand after a backward of this window gave it a gradient, "
+            f"which went to {self.owner}'s buckets and left .grad None: torch would step the "
+            ".grad you set in place of that gradient, but it cannot be taken back from the "
+            "buckets, and adding yours would step the sum. Edit gradients with a hook "
+            "(param.register_hook) before backward, or call zero_grad() to drop the "
+            "window's gradients before setting .grad (Note [a gradient set by hand]): "
+            "nothing was taken"
+        )
 
     def _take(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:
         """Add one gradient to its bucket; flush what is ready, in the ranks' order."""

@@ -69,7 +69,7 @@ def install(
             add(module.register_forward_pre_hook(Hook(_pre_hook, ref, unit.index)))
             add(module.register_forward_hook(Hook(_post_hook, ref, unit.index)))
     add(optimizer.register_step_pre_hook(Hook(_step_pre_hook, ref)))
-    add(optimizer.register_load_state_dict_pre_hook(Hook(_step_pre_hook, ref)))
+    add(optimizer.register_load_state_dict_pre_hook(Hook(_load_pre_hook, ref)))
     for module, owned in owners:
         add(module.register_state_dict_pre_hook(Hook(_state_dict_pre_hook, ref, owned)))
         add(module.register_state_dict_post_hook(Hook(_state_dict_post_hook, ref, owned)))
@@ -171,6 +171,14 @@ def _state_dict_post_hook(
     if offloader is not None:
         released.end_saving()
         offloader.entries.to_homes(offloader.units, owned, module, state_dict, prefix)
+
+
+def _load_pre_hook(ref: weakref.ref, optimizer: Any, state_dict: Any) -> None:
+    """Before a load writes the homes, as before a step (torch's load pre-hook signature;
+    Note [torch's state-dict hooks] in ``optim/checkpoint/torch_hooks.py``)."""
+    offloader = ref()
+    if offloader is not None:
+        offloader.before_step()
 
 
 def _step_pre_hook(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -57,7 +57,11 @@ _ALLOWED = frozenset(
 # are taken on the caller's thread when the bucket is handed over, so the result is
 # bitwise the ordinary step's; step() then only lands the weights and commits the counts.
 # The cost of a broken promise: the update has happened, so clipping or another backward
-# after an announced one is refused.
+# after an announced one is refused, and what cannot be refused is said aloud: a param
+# group's hyper-parameters changed between the announcement and step() (a scheduler
+# stepped first, a hand-set lr) warn at step() naming the fields, and a zero_grad() in
+# place of the step() (a loop skipping a step it announced) warns that the step is kept
+# (StepPolicy.warn_announced_changes, StepPolicy.discard_window).
 
 # Note [stepping during backward with parameter offload]
 # With parameter offload the step writes each unit's pinned home (weights staging, or the

@@ -25,6 +25,7 @@ offloaded buckets only, an immediate update, no parameter offload.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -350,6 +351,33 @@ class StepPolicy:
         )
         self.router.eager = self.eager
 
+    def warn_announced_changes(self, hyper_of: Callable[[int], Hyper], owner: Any) -> None:
+        """Warn, naming ``owner``, for each param group whose hyper-parameters
+        (``hyper_of(g)``, read now) differ from those the announced step read and ran with
+        (Note [stepping during backward] in eager.py)."""
+        eager = self.eager
+        if eager is None or eager.landed:
+            return
+        for g, announced in sorted(eager.hypers.items()):
+            try:
+                now = hyper_of(g)
+            except (IndexError, KeyError, TypeError, ValueError):
+                continue  # the step's own checks name what is wrong with the group
+            if now == announced or not dataclasses.is_dataclass(now):
+                continue
+            changed = [
+                f"{f.name} {getattr(announced, f.name)!r} -> {getattr(now, f.name)!r}"
+                for f in dataclasses.fields(now)
+                if getattr(now, f.name) != getattr(announced, f.name)
+            ]
+            warnings.warn(
+                f"{owner!r}: param group {g}'s hyper-parameters changed after the step was "
+                f"announced ({', '.join(changed)}); the step ran during backward with the "
+                "announced values, and the new ones apply from the next step. Change them "
+                "(scheduler.step()) after step(), or before the announced backward",
+                stacklevel=3,
+            )
+
     def land_eager(self) -> None:
         """Take the announced step that ran during backward: land its weights, commit.
         Refusals come first and leave it pending (a retry after fixing them lands it)."""
@@ -406,6 +434,14 @@ class StepPolicy:
         eager = self.eager
         if eager is not None:
             if eager.backward_ended:
+                if not eager.landed:
+                    warnings.warn(
+                        f"{owner!r}: zero_grad() after an announced backward "
+                        "(backward(step=True) or announce_step()) with no step() between: "
+                        "the step ran during that backward and is kept. To skip a step, "
+                        "decide before its backward and do not announce it",
+                        stacklevel=3,
+                    )
                 self.land_eager()  # the announced step already ran: take it
             elif not eager.landed:
                 # The announced backward raised: what it stepped stays stepped.

@@ -1,0 +1,112 @@
+"""``OffloadOptimizer``'s checkpoint methods: ``state_dict``/``load_state_dict`` (torch's
+layout, Note [torch's state-dict hooks] around them) and the streaming pair that never holds
+the state in host RAM (``streaming.py``). A mixin over the optimizer's ``_policy``,
+``buckets``, ``param_groups``, ``comm``, ``scaler``, ``skipped_steps``, ``rule``, ``config``
+and ``_check_open``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import streaming
+from .state_dict import load_optimizer_state, optimizer_state
+from .torch_hooks import load_with_hooks, save_with_hooks
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """The optimizer's checkpoint methods (see the module's docstring)."""
+
+    _policy: Any  # the optimizer's StepPolicy; the rest: its own attributes
+    buckets: Any
+    param_groups: Any
+    comm: Any
+    scaler: Any
+    skipped_steps: Any
+    rule: Any
+    config: Any
+    _check_open: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
+        per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies.
+
+        Reads the state without changing training: with ``overlap_step`` it waits for the
+        pending update but does not publish it (Note [delayed parameter update])."""
+        self._check_open("state_dict")
+        return save_with_hooks(self, self._state_dict)  # Note [torch's state-dict hooks]
+
+    def _state_dict(self) -> dict[str, Any]:
+        self._policy.land_if_ran()  # the step has happened; the next step() only takes it
+        self._policy.mode.drain()
+        return optimizer_state(
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            skipped_steps=self.skipped_steps,
+            rule=self.rule,
+            **self._policy.mode.saved_pending(self.buckets),
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
+        master weights are taken from the parameters). Everything is checked before anything
+        changes: a mismatch raises and leaves the optimizer as it was."""
+        self._check_open("load_state_dict")
+        load_with_hooks(self, state_dict, self._load_state_dict)  # Note [torch's state-dict hooks]
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._policy.mode.drain()
+        # An announced step that ran is superseded by the loaded state; the window's
+        # gradients stay, and the next step() steps from what was loaded.
+        with self._policy.superseding_eager():
+            loaded = load_optimizer_state(
+                self.buckets,
+                self.param_groups,
+                state_dict,
+                comm=self.comm,
+                scaler=self.scaler,
+                rule=self.rule,
+            )
+        self._policy.drop_eager()
+        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
+
+    def save_streaming(self, path: str | os.PathLike[str]) -> None:
+        """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never
+        holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
+        ``path``. Like ``state_dict()`` it changes nothing about training."""
+        self._check_open("save_streaming")
+        self._policy.mode.drain()
+        streaming.save(
+            path,
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            skipped_steps=self.skipped_steps,
+            **self._policy.mode.saved_pending(self.buckets),
+            tile_elements=self.config.tile_elements,
+            rule=self.rule.name,
+            family=self.rule.state_family,
+        )
+
+    def load_streaming(self, path: str | os.PathLike[str]) -> None:
+        """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile;
+        everything is checked first: a mismatch raises and changes nothing. The master
+        weights come from the checkpoint (the model's weights are the caller's to load)."""
+        self._check_open("load_streaming")
+        self._policy.mode.drain()
+        loaded = streaming.load(
+            path,
+            self.buckets,
+            self.param_groups,
+            comm=self.comm,
+            scaler=self.scaler,
+            tile_elements=self.config.tile_elements,
+            rule=self.rule.name,
+            family=self.rule.state_family,
+        )
+        self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
