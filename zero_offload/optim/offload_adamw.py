@@ -36,6 +36,11 @@ class OffloadAdamW(OffloadOptimizer):
     rule: OptimizerRule = ADAMW
     _default_weight_decay = 1e-2
 
+    def _defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The defaults as torch's ``AdamW`` keeps them (Note [the decay's form is the
+        group's] in ``rule/adamw.py``)."""
+        return {**defaults, "decoupled_weight_decay": True}
+
     def __init__(
         self,
         params: Iterable[torch.Tensor]
@@ -75,7 +80,7 @@ class OffloadAdamW(OffloadOptimizer):
         }
         super().__init__(
             params,
-            defaults,
+            self._defaults(defaults),
             config=config,
             accelerator=accelerator,
             process_group=process_group,
@@ -86,7 +91,17 @@ class OffloadAdamW(OffloadOptimizer):
 
 class OffloadAdam(OffloadAdamW):
     """Adam with coupled L2 weight decay (``torch.optim.Adam``'s semantics, default
-    ``weight_decay=0``), offloaded exactly like ``OffloadAdamW``."""
+    ``weight_decay=0``), offloaded exactly like ``OffloadAdamW``; with
+    ``decoupled_weight_decay=True`` AdamW's decay, as torch's Adam (Note [the decay's form
+    is the group's] in ``rule/adamw.py``)."""
 
     rule = ADAM
     _default_weight_decay = 0.0
+
+    def __init__(self, *args: Any, decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
+        """``OffloadAdamW``'s arguments, and torch's Adam's ``decoupled_weight_decay``."""
+        self._decoupled_default = decoupled_weight_decay
+        super().__init__(*args, **kwargs)
+
+    def _defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        return {**defaults, "decoupled_weight_decay": self._decoupled_default}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..rule.base import OptimizerRule
+from ..rule.base import OptimizerRule, ParamField
 
 #: The layout version ``state_dict()`` writes under ``zero_offload``.
 FORMAT_VERSION = 1
@@ -21,6 +21,7 @@ _STEP_MAX = 2**63 - 1  # bucket.steps is int64
 
 __all__ = [
     "FORMAT_VERSION",
+    "check_empty_entry",
     "check_extra",
     "check_mapping",
     "check_skipped_steps",
@@ -68,6 +69,31 @@ def check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> t
     # torch's Optimizer.load_state_dict takes a tensor that requires grad too: its values,
     # never a graph into the optimizer's state.
     return value.detach()
+
+
+def check_empty_entry(
+    where: str,
+    entry: Any,
+    *,
+    fields: Sequence[str],
+    param_fields: Sequence[ParamField],
+    shape: tuple[int, ...],
+) -> None:
+    """The state of a parameter with no elements, which the optimizer holds in its groups
+    but keeps no state for (torch's optimizers keep some: ``step`` and empty moments),
+    checked as a trained parameter's is (``fields`` torch's per-element fields, of the
+    parameter's ``shape``; ``param_fields`` its shaped state) and then dropped by the
+    caller: Note [an empty parameter's state is checked, then dropped] in ``state_dict.py``."""
+    check_mapping(where, entry, "field name -> value, as state_dict() saves")
+    missing = {"step", *fields, *(f.name for f in param_fields)} - set(entry)
+    if missing:
+        raise ValueError(f"{where}: missing {sorted(missing)}")
+    for name in (*fields, "master"):
+        if name in entry:
+            check_tensor(where, name, entry[name], shape)
+    for field in param_fields:
+        check_tensor(where, field.name, entry[field.name], field.shape)
+    check_step(where, entry["step"])
 
 
 def check_step(where: str, value: Any) -> int:

@@ -109,4 +109,6 @@ class Checkpoints:
             rule=self.rule.name,
             family=self.rule.state_family,
         )
+        for group in self.param_groups:  # loaded keys completed as a new group's are
+            self.rule.complete_group(group)  # (AdamW: Note [the decay's form is the group's])
         self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)

@@ -57,6 +57,18 @@ values: it fills, copies (``copy_`` from a dense tensor with data into a view of
 shape converts the dtype and crosses devices) and assigns, none of which raises on the
 caller's data. A check that the second phase relies on belongs in the first: one made while
 copying is a refusal after part of the state was overwritten.
+
+Note [an empty parameter's state is checked, then dropped]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A parameter with no elements has no slot: nothing to keep and nothing to step (a step
+leaves it as torch's does: ``check_untouched`` in ``checks.py``). torch's optimizers still keep
+state for it once it has had a gradient (``step`` and empty moments), so their state dicts
+name it. Such an entry, for a parameter that this optimizer holds in its groups, is checked
+in the first phase as any other is (its fields, their shapes and dtypes, its step:
+``check_empty_entry``) and then dropped: a malformed one is still refused, a well-formed
+one loads as the rest of the dict does, and ``state_dict()`` names the parameter no more
+(torch's, loaded back, starts it afresh: an empty moment holds nothing). An entry for a
+parameter that has elements but no slot (frozen when the optimizer was built) is refused.
 """
 
 from __future__ import annotations
@@ -73,6 +85,7 @@ from ..rule.base import OptimizerRule
 from ..update.loss_scaler import LossScaler
 from .loaded_fields import (
     FORMAT_VERSION,
+    check_empty_entry,
     check_extra,
     check_mapping,
     check_skipped_steps,
@@ -221,6 +234,7 @@ def load_optimizer_state(
         index: rule.checkpoint_fields(param_groups[bucket.layout.group])
         for index, (bucket, _) in slots.items()
     }
+    held = [(group, param) for group in param_groups for param in group["params"]]
     staged: dict[int, dict[str, Any]] = {}
     for saved_id, entry in state_dict["state"].items():
         if saved_id not in to_local:
@@ -228,12 +242,23 @@ def load_optimizer_state(
         index = to_local[saved_id]
         where = f"{rank_prefix}state of parameter {index}"
         if index not in slots:
-            raise ValueError(f"{where}: this optimizer does not train that parameter")
+            group, param = held[index]
+            if param.numel() != 0:
+                raise ValueError(f"{where}: this optimizer does not train that parameter")
+            # Note [an empty parameter's state is checked, then dropped]
+            check_empty_entry(
+                where,
+                entry,
+                fields=rule.checkpoint_fields(group),
+                param_fields=rule.param_state(tuple(param.shape)),
+                shape=tuple(param.shape),
+            )
+            continue
         check_mapping(where, entry, "field name -> value, as state_dict() saves")
         bucket, i = slots[index]
         shape = bucket.layout.slots[i].shape
         missing = ({"step", *kept[index]}) - set(entry)
-        if missing:
+        if missing - {"step"}:
             raise ValueError(f"{where}: missing {sorted(missing)}")
         lo, hi, _ = flat_views[index]
         if shard is not None and tuple(shard["pieces"].get(saved_id, (lo, hi))) != (lo, hi):
@@ -256,6 +281,15 @@ def load_optimizer_state(
             raise ValueError(f"{where}: missing {lacking}")
         for name, field_shape in shaped.items():
             checked[name] = check_tensor(where, name, entry[name], field_shape)
+        if "step" not in entry:  # the state is all there but for its count
+            raise ValueError(
+                f"{where}: missing ['step'], the parameter's step count, which every "
+                "state this optimizer loads must hold. torch.optim.Muon's state dicts keep "
+                "none (only 'momentum_buffer'): to load one into OffloadMuon, give each "
+                "entry a count first, e.g. `for s in sd['state'].values(): "
+                "s.setdefault('step', torch.tensor(1.0))` (OffloadMuon's update of a matrix "
+                "does not read it; docs/checkpoints.md). Nothing was loaded"
+            )
         checked["step"] = check_step(where, entry["step"])
         staged[index] = checked
     scaler_state = extra.get("loss_scaler") or {}
@@ -276,14 +310,18 @@ def load_optimizer_state(
         # must not write into the caller's state dict. Taken here: a value that cannot be
         # copied refuses before anything changes.
         try:
-            new_groups.append(
-                {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
-            )
+            loaded = {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
         except (TypeError, copy.Error) as exc:
             raise TypeError(
                 f"state_dict param group {g}: a value cannot be copied ({exc}); a group "
                 "holds numbers, tuples, strings, bools and tensors"
             ) from exc
+        # Completed by the rule as a new group is, over the group it replaces: what torch's
+        # optimizers make of a loaded group in their __setstate__ (Note [the decay's form
+        # is the group's] in rule/adamw.py: AdamW's groups stay decoupled).
+        completed = {**group, **loaded}
+        rule.complete_group(completed)
+        new_groups.append({key: value for key, value in completed.items() if key != "params"})
 
     written_ids = list(extra.get("written_since_step", ()))
     unknown = [i for i in written_ids if i not in to_local or to_local[i] not in slots]

@@ -1,5 +1,6 @@
 """Adam and AdamW as a rule: ``torch.optim.AdamW`` (decoupled decay) and ``torch.optim.Adam``
-(L2 decay), with amsgrad and maximize.
+(L2 decay, or decoupled where its group says ``decoupled_weight_decay``), with amsgrad and
+maximize.
 
 State per element: the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (fp32, or bf16 with
 ``OffloadConfig(moments_dtype="bfloat16")``), and ``max_exp_avg_sq`` when a group of the
@@ -22,6 +23,28 @@ from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["ADAM", "ADAMW", "AdamHyper", "AdamRule"]
 
+#: The group key torch's ``Adam`` reads at each step (Note [the decay's form is the group's]).
+_DECOUPLED = "decoupled_weight_decay"
+
+# Note [the decay's form is the group's]
+# torch.optim.AdamW is torch.optim.Adam with ``decoupled_weight_decay=True`` in its
+# defaults, and both step each group with the group's own key, read at every step. Here:
+# - ``hyper`` reads the key, so each group steps with its own form (the kernel takes it per
+#   launch); a value set by hand in ``param_groups`` is stepped with, by Adam and AdamW
+#   alike, as torch's are. A group without the key steps with the rule's default.
+# - AdamW's groups hold True (``complete_group``), made so on every new group and every
+#   group loaded by ``load_state_dict`` (``checkpoint/state_dict.py`` completes a loaded
+#   group as a new one): torch's ``AdamW.__setstate__`` makes every loaded group True, so
+#   AdamW loading Adam's state stays AdamW. torch's ``add_param_group`` would keep a False
+#   that a new group names; here it is made True: a group that wants Adam's L2 term
+#   belongs to ``OffloadAdam``.
+# - Adam's groups hold the key as torch's do: the constructor's ``decoupled_weight_decay``
+#   (False by default) in its defaults, a loaded state's, or one set by hand; absent (an
+#   old state), it is False, as torch's ``Adam.__setstate__`` fills it in. So Adam
+#   loading AdamW's state (which holds True) steps AdamW's decay from then on, as torch's
+#   Adam does, and AdamW loading Adam's (False) stays AdamW by either path:
+#   ``load_streaming`` completes the groups it loads like ``load_state_dict``.
+
 
 @dataclass(frozen=True)
 class AdamHyper:
@@ -39,7 +62,10 @@ class AdamHyper:
 
 
 class AdamRule(OptimizerRule):
-    """Adam(W): ``decoupled`` True for AdamW's decay, False for Adam's L2 term."""
+    """Adam(W): ``decoupled`` True for AdamW, whose groups are made decoupled, new or
+    loaded; False for Adam, whose groups step the L2 term unless they say otherwise. Each
+    group steps with its own ``decoupled_weight_decay`` (Note [the decay's form is the
+    group's])."""
 
     elementwise = True
     takes_written = True
@@ -65,27 +91,40 @@ class AdamRule(OptimizerRule):
             weight_decay=float(group["weight_decay"]),
             amsgrad=bool(group["amsgrad"]),
             maximize=bool(group["maximize"]),
-            decoupled=self.decoupled,
+            # Note [the decay's form is the group's]
+            decoupled=bool(group.get(_DECOUPLED, self.decoupled)),
         )
 
     def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
-        """As torch checks them. ``lr`` and ``betas`` may be 1-element tensors (both betas
-        or neither), as torch allows."""
+        """As torch checks them. ``lr`` and ``betas`` may be 1-element tensors, as torch
+        allows. The constructor's arguments (a group without ``params``: the defaults) must
+        have both betas floats or both tensors, as torch's constructor requires; a param
+        group may mix them, as torch's step takes them (``OneCycleLR`` and ``CyclicLR``
+        with ``cycle_momentum`` write a float ``beta1`` beside a tensor ``beta2``)."""
         check_number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
         check_number(where, "eps", group["eps"], low=0.0)
         check_number(where, "weight_decay", group["weight_decay"], low=0.0)
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        mixed = isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor)
+        if mixed and "params" not in group:
             raise ValueError(
-                f"{where}: betas must be both floats or both 1-element tensors (as torch "
-                f"requires), got {betas!r}"
+                f"{where}: betas must be both floats or both 1-element tensors (as torch's "
+                f"constructor requires), got {betas!r}"
             )
         check_number_or_scalar_tensor(where, "betas[0]", betas[0], low=0.0, high=1.0)
         check_number_or_scalar_tensor(where, "betas[1]", betas[1], low=0.0, high=1.0)
         for flag in ("amsgrad", "maximize"):
             check_flag(where, flag, group[flag])
+        if _DECOUPLED in group:
+            check_flag(where, _DECOUPLED, group[_DECOUPLED])
+
+    def complete_group(self, group: dict[str, Any]) -> None:
+        """AdamW's groups are decoupled, new or loaded; Adam's keep what they name (Note
+        [the decay's form is the group's])."""
+        if self.decoupled:
+            group[_DECOUPLED] = True
 
     def state_fields(
         self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]
