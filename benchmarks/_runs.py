@@ -254,14 +254,13 @@ def _ours_run(
     try:
         if mode == "activation_offload":
             shape = sizes.parity_model
-            # One checkpointed block input per layer, fp32, plus a pool alignment each.
-            layer_bytes = sizes.parity_batch * shape["seq_len"] * shape["hidden"] * 4 + 4096
+            # One checkpointed block input per layer, fp32 (Note [pools sized for
+            # checkpointed layers] in activation_sizes.py).
+            layer_bytes = sizes.parity_batch * shape["seq_len"] * shape["hidden"] * 4
             offloader = ActivationOffloader(
                 manager=opt.manager,
-                config=ActivationOffloadConfig(
-                    min_bytes=0,
-                    host_pool_bytes=shape["layers"] * layer_bytes,
-                    device_pool_bytes=3 * layer_bytes,  # prefetch depth 1: two in, one spare
+                config=ActivationOffloadConfig.for_checkpoints(
+                    layer_bytes, shape["layers"], min_bytes=0
                 ),
             )
             model.runner = lambda block, x: checkpoint(block, x, offloader=offloader)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..accelerator import Accelerator, CudaAccelerator, HostAccelerator, choose_accelerator
+from ..activation_sizes import checkpoint_pool_bytes
 from ..config import AcceleratorConfig, OffloadConfig, format_bytes
 from ..estimate import offload_adamw_bytes
 from ..optim import OffloadAdamW
@@ -168,10 +169,11 @@ def _lr_at(step: int, config: DemoConfig) -> float:
 
 
 def _activation_pool_bytes(config: DemoConfig, itemsize: int) -> tuple[int, int]:
-    """Host and device pool bytes for the block inputs that checkpointing keeps."""
+    """Host and device pool bytes for the block inputs that checkpointing keeps, as
+    ``ActivationOffloadConfig.for_checkpoints`` sizes them (Note [pools sized for
+    checkpointed layers] in activation_sizes.py; prefetch depth 1)."""
     per_layer = config.batch * config.seq_len * config.hidden * itemsize
-    slot = -(-per_layer // 512) * 512 + 512  # a pool block's alignment, plus slack
-    return config.layers * slot + 4 * _KIB, 3 * slot  # device: prefetch depth 1, +1, +1 spare
+    return checkpoint_pool_bytes(per_layer, config.layers)
 
 
 def _model_state_bytes(model: nn.Module) -> int:
