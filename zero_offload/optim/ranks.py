@@ -201,7 +201,15 @@ class ShardedRanks(Ranks):
         result: list[torch.Tensor] = []
 
         def run() -> None:
-            result.append(all_reduce_stats(flags, comm=self._comm, device=self._device))
+            result.append(
+                all_reduce_stats(
+                    flags,
+                    comm=self._comm,
+                    device=self._device,
+                    what="which buckets got a gradient after they went, on some rank (Note [a "
+                    "parameter's gradient may arrive several times] in grads/order.py)",
+                )
+            )
 
         self.stream.submit(run)
         self.stream.synchronize()
