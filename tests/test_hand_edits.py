@@ -14,21 +14,26 @@ silently apart from torch, or failed with an unrelated error.
 - pickling or copying the optimizer: a ``TypeError`` naming ``state_dict()``;
 - torch's state-dict hooks (Note [torch's state-dict hooks] in
   ``optim/checkpoint/torch_hooks.py``): run in torch's order with torch's contract, also
-  with parameter offload, whose own load pre-hook had the wrong signature.
+  with parameter offload, whose own load pre-hook had the wrong signature, and through a
+  consolidated checkpoint of two ranks.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from zero_offload import OffloadAdamW, OffloadConfig
 
+from .helpers.dist import free_port, join_gloo
 from .helpers.models import (
     batches,
     host_accelerator,
@@ -220,3 +225,34 @@ def test_torch_state_dict_hooks_run_as_torch_runs_them(offload_parameters: bool)
     assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] == 0.125
     assert "mine" in saved  # the caller's dict is left as it was
     opt.close()
+
+
+def _consolidated_with_hooks(rank: int, world: int, port: int, out: str) -> None:
+    from zero_offload.checkpoint_io import load_consolidated, save_consolidated
+
+    join_gloo(rank, world, port)
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    calls: list[str] = []
+    _record(opt, calls)
+    tokens, targets = batches(1)[0]
+    opt.backward(lm_loss(model, tokens, targets))
+    opt.step()
+    opt.zero_grad()
+    path = Path(out) / "opt.pt"
+    save_consolidated(opt, path)
+    load_consolidated(opt, path)  # the load pre-hook finds the post-hook's key
+    torch.save({"calls": calls, "lr": opt.param_groups[0]["lr"]}, Path(out) / f"r{rank}.pt")
+    opt.close()
+    os._exit(0)
+
+
+def test_the_hooks_keys_survive_a_consolidated_checkpoint_of_two_ranks(tmp_path: Path) -> None:
+    """Each rank's state_dict() runs the hooks; the merge on rank 0 keeps what they added
+    (it rebuilt only torch's keys and ours: the load pre-hook found no key)."""
+    mp.spawn(_consolidated_with_hooks, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    assert torch.load(tmp_path / "opt.pt", weights_only=True)["mine"] == 7
+    for rank in range(2):
+        found = torch.load(tmp_path / f"r{rank}.pt")
+        assert found["calls"][-2:] == ["load_pre", "load_post"], found
+        assert found["lr"] == 0.125

@@ -17,8 +17,10 @@ refused ``add_param_group``, trains on alike."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zero_offload import CollectiveError, OffloadAdamW, OffloadConfig, OffloadLion
+from zero_offload.demo.model import GPTConfig, TinyGPT
 
 from .helpers.dist import data, free_port, join_gloo, train_steps
 from .helpers.models import host_accelerator, make_pair, offload_opt, train
+from .test_build_anywhere import on_simulated_gpu
 
 #: rank 1's differences from rank 0, and what the refusal must name (rank 0's value first).
 CASES: dict[str, tuple[dict, str]] = {
@@ -263,7 +267,7 @@ def test_ranks_that_build_differently_are_refused_on_every_rank(tmp_path: Path) 
             assert result["weights_kept"] or case == "added_group", (case, result)
     absent = results[0]["absent"]
     assert "Rank(s) 1 did not report" in absent["error"], absent
-    assert "whether the constructor's checks passed" in absent["error"], absent
+    assert "the digest of the optimizer, rule and config each rank builds" in absent["error"]
     assert absent["seconds"] < TIMEOUT + 2.0 + 3.0  # + the roll call's grace
 
 
@@ -315,3 +319,126 @@ def test_a_late_rank_at_a_checkpoint_is_named_within_the_timeout(
     assert "gradient norm" not in first["error"], first["error"]
     assert "Rank(s) 1 did not report" in first["error"], first["error"]
     assert first["seconds"] < LATE - 0.5  # it did not wait for the late rank
+
+
+# -- failures injected in the build, after the comparison ---------------------------------------
+
+#: Where rank 1's build fails: what its own error says, and rank 0's.
+INJECTED: dict[str, tuple[str, str]] = {
+    # Weights on the device leave it first; rank 1's copy to the host fails.
+    "originals": ("copying an original", "failed on rank 1 (MemoryError: simulated: copying"),
+    # A bucket fails, and the originals cannot go back (rank 1 raises that): told first.
+    "restore": ("cannot go back", "failed on rank 1 (MemoryError: simulated: a bucket's store"),
+    # Rank 0 alone keeps a window, whose gather group it would make before the comparison.
+    "offload_parameters": (
+        "OffloadConfig.offload_parameters: rank 0 has True, rank 1 has False",
+        "OffloadConfig.offload_parameters: rank 0 has True, rank 1 has False",
+    ),
+}
+
+
+@contextlib.contextmanager
+def _injected(rank: int, case: str) -> Iterator[None]:
+    """Rank 1's build fails in ``case``'s way while inside (each patch undone after)."""
+    from zero_offload.optim import construction
+    from zero_offload.weights import source
+
+    def fail(why: str) -> Callable[..., None]:
+        def raising(*args: object, **kwargs: object) -> None:
+            raise MemoryError(f"simulated: {why}")
+
+        return raising
+
+    patches = (
+        {
+            "originals": [(source.DeviceOriginals, "_to_host", fail("copying an original"))],
+            "restore": [
+                (construction.SegmentBuilder, "_bucket", fail("a bucket's store")),
+                (source.DeviceOriginals, "restore", fail("the originals cannot go back")),
+            ],
+        }.get(case, [])
+        if rank == 1
+        else []
+    )
+    kept = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in kept:
+            setattr(owner, name, value)
+
+
+def _injected_build(rank: int, case: str, group: object, tmp: Path) -> None:
+    torch.manual_seed(0)
+    config: dict = {"bucket_bytes": 8192, "collective_timeout": PATIENCE}
+    if case == "offload_parameters":
+        model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4))
+        config.update(offload_parameters=rank == 0)
+        extra = {"model": model} if rank == 0 else {}
+    else:
+        model, _ = make_pair()
+        on_simulated_gpu(model)
+        extra = {}
+    with _injected(rank, case):
+        OffloadAdamW(model.parameters(), config=OffloadConfig(**config), process_group=group,
+                     accelerator=host_accelerator(), **extra).close()  # fmt: skip
+
+
+def _injected_entry(rank: int, world: int, port: int, out: str) -> None:
+    join_gloo(rank, world, port)
+    # Given, so a failing rank does not close the group's sockets on its way out: its peers
+    # learn of the failure only from the library, as with NCCL.
+    group = dist.new_group([0, 1])
+    found = {}
+    for case in INJECTED:
+        dist.barrier()
+        began = time.perf_counter()
+        error: tuple[str, str] | None = None
+        try:
+            _injected_build(rank, case, group, Path(out))
+        except Exception as exc:
+            error = (type(exc).__name__, str(exc))
+        found[case] = {"error": error, "seconds": time.perf_counter() - began}
+    torch.save(found, Path(out) / f"injected.rank{rank}.pt")
+    os._exit(0)
+
+
+def test_a_build_that_fails_on_one_rank_after_the_comparison_fails_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    mp.spawn(_injected_entry, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"injected.rank{r}.pt") for r in range(2)]
+    for case, (theirs, ours) in INJECTED.items():
+        for rank, said in ((1, theirs), (0, ours)):
+            found = results[rank][case]
+            assert found["error"] is not None, (case, rank)
+            assert said in found["error"][1], (case, rank, found)
+            assert found["seconds"] < PATIENCE / 4, (case, rank, found)  # not the deadline
+        kinds = ("ValueError", "ValueError") if case == "offload_parameters" else None
+        kinds = kinds or ("CollectiveError", "MemoryError")
+        assert tuple(r[case]["error"][0] for r in results) == kinds, case
+
+
+def test_a_bounce_ring_that_cannot_be_pinned_leaves_the_model_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parameter offload with homes on NVMe: the bounce ring is pinned inside the build, so
+    its failure is undone like any other (before, it came after the build and left every
+    parameter released: any read raised "a released parameter was read")."""
+    from zero_offload.params import home_store
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise MemoryError("simulated: pinning the bounce ring")
+
+    monkeypatch.setattr(home_store.Bounce, "__init__", fail)
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4))
+    before = [p.detach().clone() for p in model.parameters()]
+    config = OffloadConfig(offload_parameters=True, nvme_dir=str(tmp_path), host_budget=1)
+    with pytest.raises(MemoryError, match="bounce ring"):
+        OffloadAdamW(model.parameters(), config=config, model=model, layers=model.blocks,
+                     accelerator=host_accelerator())  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    model(torch.zeros(1, 8, dtype=torch.long))  # a forward reads every weight

@@ -101,7 +101,16 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
                     merged[name] = torch.zeros(shape, dtype=piece.dtype)
                 merged[name].view(-1)[lo:hi] = piece
     extra = {key: value for key, value in shards[0]["zero_offload"].items() if key != "shard"}
-    return {"state": state, "param_groups": shards[0]["param_groups"], "zero_offload": extra}
+    # What else a shard holds (keys a state-dict post-hook added: Note [torch's state-dict
+    # hooks] in optim/checkpoint/torch_hooks.py) is the first shard's, as its param_groups are.
+    known = ("state", "param_groups", "zero_offload")
+    others = {key: value for key, value in shards[0].items() if key not in known}
+    return {
+        **others,
+        "state": state,
+        "param_groups": shards[0]["param_groups"],
+        "zero_offload": extra,
+    }
 
 
 def consolidated_state_dict(opt: OffloadOptimizer, *, dst: int = 0) -> dict[str, Any] | None:

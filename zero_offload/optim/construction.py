@@ -148,16 +148,22 @@ class SegmentBuilder:
         )
         if not families:
             return
-        tracker = PeakTracker(self.manager, trainable)
         together = BuiltTogether(self.ranks.comm, owner=type(owner).__name__)
+        try:
+            tracker = PeakTracker(self.manager, trainable)
+        except BaseException as exc:
+            together.failed(exc)
+            raise
         with tracking(tracker):
-            # See Note [originals on the device leave first] in weights/source.py.
-            originals = DeviceOriginals(trainable, tracker)
+            originals: DeviceOriginals | None = None
             try:
+                # See Note [originals on the device leave first] in weights/source.py.
+                originals = DeviceOriginals(trainable, tracker)
                 self._build(owner, params, families, tracker, together)
             except BaseException as exc:
-                originals.restore(exc)
-                together.failed(exc)
+                together.failed(exc)  # first: restoring may raise (Note [a rank that fails alone])
+                if originals is not None:
+                    originals.restore(exc)
                 raise
         self.peaks = tracker.peaks()
 
@@ -242,8 +248,8 @@ class SegmentBuilder:
             for layout, views in zip(parts.layouts, moved, strict=True):
                 buckets.append(self._bucket(parts, layout, views, host_pools[0]))
             together.built()
-        except BaseException:
-            self._undo(parts, [*moved, *(bucket.views for bucket in buckets)], host_pools)
+        except BaseException as exc:
+            self._undo(parts, [*moved, *(bucket.views for bucket in buckets)], host_pools, exc)
             raise
         self._register(owner, parts, buckets, host_pools)
 
@@ -276,11 +282,12 @@ class SegmentBuilder:
             tracker.sample()
             self._build_units(parts, host_pools, buckets)
             buckets.sort(key=lambda bucket: bucket.layout.index)
+            offload.open_bounce()  # with homes on NVMe: pinned, so before built()
             together.built()
-        except BaseException:
-            self._undo(parts, [bucket.views for bucket in buckets], host_pools)
+        except BaseException as exc:
+            self._undo(parts, [bucket.views for bucket in buckets], host_pools, exc)
             raise
-        offload.install(owner)  # the bounce ring, with homes on NVMe
+        offload.install(owner)  # hooks only
         # A forward must not fetch homes a step during backward is writing: Note
         # [stepping during backward with parameter offload] in update/eager.py.
         offload.homes_in_update = self.policy.writing_homes
@@ -322,20 +329,42 @@ class SegmentBuilder:
         )
 
     def _undo(
-        self, parts: SegmentPlan, views: list[ParamViews], host_pools: list[BlockPool]
+        self,
+        parts: SegmentPlan,
+        views: list[ParamViews],
+        host_pools: list[BlockPool],
+        cause: BaseException,
     ) -> None:
-        """A build failed half-way: the parameters take private copies of their weights
-        back before the pools go (Note [construction holds one copy])."""
+        """A build failed half-way (``cause``, which the caller raises): the parameters
+        take private copies of their weights back before the pools go (Note [construction
+        holds one copy]). Under ZeRO-3 a copy is gathered from every rank's shard, which
+        needs every rank: where that fails (a rank that failed alone is gone, Note [a rank
+        that fails alone]), ``cause`` says so and keeps its type; the pools go either way."""
         bound = {id(v): v for v in views}
+        noted: list[Exception] = []
+
+        def attempt(step: Any, *args: Any) -> None:
+            try:
+                step(*args)
+            except Exception as lost:
+                if not isinstance(cause, Exception):
+                    raise
+                noted.append(lost)
+
         for each in bound.values():
-            each.unbind()
+            attempt(each.unbind)
         if parts.offload is not None:
-            parts.offload.close()
-        self.manager.discard_pool(parts.device_pool)
+            attempt(parts.offload.close)
+        attempt(self.manager.discard_pool, parts.device_pool)
         for pool in host_pools:
-            self.manager.discard_pool(pool)
+            attempt(self.manager.discard_pool, pool)
         if parts.ring is not None:
-            parts.ring.close()
+            attempt(parts.ring.close)
+        if noted:
+            cause.add_note(
+                f"(the parameters could not take their weights back: {noted[0]}; under "
+                "ZeRO-3 a rank holds only its shards, so rebuild the model before another try)"
+            )
 
     def _register(
         self,

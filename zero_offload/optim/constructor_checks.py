@@ -1,7 +1,8 @@
 """The constructor's checks of its arguments, on every rank together: the optimizer's process
-group first (its deadline is the config's), then the checks, then one byte all-gathered that
-says whether they passed on every rank (Note [a rank that fails alone] in
-``rank_agreement.py``), before any other group or buffer is made."""
+group first (its deadline is the config's), then the checks, then the first comparison
+across the ranks (``agree_on_arguments``: the optimizer, its rule and the config fields
+every rank must set alike, or this rank's refusal; Notes [the ranks build alike], [a rank
+that fails alone] in ``rank_agreement.py``), before any other group or buffer is made."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..collectives import Comm
 from ..config import OffloadConfig, OverlapLanding
 from ..views.in_flight import compile_refusal
 from .checks import refuse_whole_parameter_features
-from .rank_agreement import share_outcome
+from .rank_agreement import agree_on_arguments
 from .ranks import optimizer_comm
 from .rule.base import OptimizerRule
 
@@ -96,9 +97,10 @@ def checked_comm(
     layers: Any,
 ) -> Comm | None:
     """The optimizer's ``Comm`` (``optimizer_comm``), once the constructor's checks passed
-    on every rank; else this rank's refusal, or a ``ValueError`` naming the rank that
-    refused, with the group made for the optimizer destroyed (Note [a rank that fails
-    alone] in ``rank_agreement.py``)."""
+    on every rank and the ranks agree on the optimizer, rule and config; else this rank's
+    refusal, or a ``ValueError`` naming the rank that refused or the first difference,
+    with the group made for the optimizer destroyed (Note [a rank that fails alone] in
+    ``rank_agreement.py``)."""
     comm = optimizer_comm(process_group, timeout=config.collective_timeout)
     try:
         refused: Exception | None = None
@@ -106,9 +108,8 @@ def checked_comm(
             _check(name, rule, defaults, config, comm, model, layers)
         except Exception as exc:
             refused = exc
-        share_outcome(refused, comm=comm, what="the constructor's checks", owner=name)
-        if refused is not None:
-            raise refused
+        # Raises ``refused`` here, or what another rank refused, or the first difference.
+        agree_on_arguments(name, rule=rule, config=config, comm=comm, refused=refused)
     except BaseException:
         if comm is not None and process_group is None:  # made for this optimizer
             with contextlib.suppress(RuntimeError, ValueError):

@@ -195,8 +195,11 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
                 self._builder.refuse(self, exc)  # Note [a rank that fails alone]
             self._constructing = False
             self._builder.build(self, list(range(len(self.param_groups))))
-        except BaseException:
-            self._finalizer()
+        except BaseException as exc:
+            try:
+                self._finalizer()
+            except Exception as lost:  # the build's own failure is the one to see
+                exc.add_note(f"(releasing what was built failed too: {lost})")
             raise
         self.state = self._state_view  # type: ignore[assignment]
         # Note [construction says where the state went] in reports/summary.py.

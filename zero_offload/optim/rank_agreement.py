@@ -59,9 +59,10 @@ takes part in the collective the other ranks are in at that point, and every ran
 once:
 
 - the constructor's own checks (the rule's hyper-parameters, the config against the ranks,
-  ``model=``/``layers=``) run right after the optimizer's process group exists, and
-  ``share_outcome`` all-gathers one byte saying whether they passed, before any other
-  group is made;
+  ``model=``/``layers=``) run right after the optimizer's process group exists, and take
+  part in a first comparison (``agree_on_arguments``: the optimizer, its rule and the
+  ``MUST_AGREE`` fields, so ranks that disagree on ``offload_parameters`` never reach the
+  group its window makes), before any other group is made;
 - the checks of the parameters (torch's and ours, in the constructor's ``param_groups`` and
   in ``add_param_group``) take part in the comparison above: a rank whose checks refused
   sends its refusal instead of its description (``agree_on_build(refused=...)``);
@@ -72,8 +73,9 @@ once:
 The rank that failed raises its own exception, unchanged; the others raise naming it and
 its error (``ValueError`` for refused checks, ``CollectiveError`` for a failed build) and
 release what they made, as after any failed construction or ``add_param_group``. The cost:
-one all-gather of one byte after the arguments and one after the allocations, per build;
-one more, of the errors' text, only when something failed.
+the constructor's first comparison (one all-gather of a digest) and one all-gather of one
+byte after the allocations, per build; one more, of the descriptions or the errors' text,
+only when something differed or failed.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ __all__ = [
     "MUST_AGREE",
     "BuiltTogether",
     "Entry",
+    "agree_on_arguments",
     "agree_on_build",
     "describe_build",
     "share_outcome",
@@ -165,6 +168,16 @@ def _param(param: torch.Tensor) -> str:
     return f"shape {tuple(param.shape)}, {param.dtype}, {trains}"
 
 
+def _config_entries(name: str, rule: OptimizerRule, config: OffloadConfig) -> list[Entry]:
+    """The optimizer's class (``name``), its rule and the config fields every rank must set
+    alike."""
+    return [
+        Entry("the optimizer class", name),
+        Entry("the rule", f"{rule.name} ({type(rule).__qualname__})"),
+        *(Entry(f"OffloadConfig.{f}", _plain(getattr(config, f))) for f in MUST_AGREE),
+    ]
+
+
 def describe_build(
     owner: torch.optim.Optimizer,
     group_indices: Sequence[int],
@@ -175,11 +188,7 @@ def describe_build(
 ) -> list[Entry]:
     """What this rank builds for ``owner``'s groups ``group_indices``, in a fixed order;
     ``windows``: ``(model, layers)`` with a parameter window, else None."""
-    entries = [
-        Entry("the optimizer class", type(owner).__qualname__),
-        Entry("the rule", f"{rule.name} ({type(rule).__qualname__})"),
-    ]
-    entries += [Entry(f"OffloadConfig.{f}", _plain(getattr(config, f))) for f in MUST_AGREE]
+    entries = _config_entries(type(owner).__qualname__, rule, config)
     if windows is not None:
         model, layers = windows
         entries.append(Entry("OffloadConfig.prefetch_layers", _plain(config.prefetch_layers)))
@@ -211,6 +220,31 @@ def describe_build(
     return entries
 
 
+def agree_on_arguments(
+    name: str,
+    *,
+    rule: OptimizerRule,
+    config: OffloadConfig,
+    comm: Comm | None,
+    refused: Exception | None = None,
+) -> None:
+    """The constructor's part of the comparison, before any group beyond the optimizer's
+    own is made (``ShardedParamRanks`` makes one where ``offload_parameters`` or
+    ``partition_parameters`` say so): the optimizer ``name``, its rule and the config's
+    ``MUST_AGREE`` fields; ``refused``: this rank's constructor checks refused with that
+    exception. Raises as ``agree_on_build`` does (Notes [the ranks build alike], [a rank
+    that fails alone]). A collective: every rank calls it in its constructor."""
+    entries = None if refused is not None else _config_entries(name, rule, config)
+    _agree(
+        entries,
+        refused,
+        comm=comm,
+        owner=name,
+        checks="the constructor's checks",
+        what="the optimizer, rule and config each rank builds",
+    )
+
+
 def agree_on_build(
     owner: torch.optim.Optimizer,
     group_indices: Sequence[int],
@@ -226,20 +260,45 @@ def agree_on_build(
     checks of the parameters refused them with that exception, which this rank raises
     while the others raise naming it (Note [a rank that fails alone]). A collective: every
     rank of the optimizer calls it at each build. See Note [the ranks build alike]."""
+    entries = None
+    if refused is None and comm is not None:
+        entries = describe_build(owner, group_indices, rule=rule, config=config, windows=windows)
+    _agree(
+        entries,
+        refused,
+        comm=comm,
+        owner=type(owner).__name__,
+        checks="the checks of the parameters",
+        what="what each rank builds",
+    )
+
+
+def _agree(
+    described: list[Entry] | None,
+    refused: Exception | None,
+    *,
+    comm: Comm | None,
+    owner: str,
+    checks: str,
+    what: str,
+) -> None:
+    """Compare ``described`` (this rank's entries; None where ``refused``) across the
+    ranks: one all-gather of a digest, and of the descriptions where the digests differ.
+    Raise ``refused`` here, and elsewhere a ``ValueError`` naming the rank whose
+    ``checks`` refused, or the first entry that differs."""
     if comm is None:
         if refused is not None:
             raise refused
         return
     if refused is None:
-        described = describe_build(owner, group_indices, rule=rule, config=config, windows=windows)
-        entries = [Entry(_CHECKS, _PASSED), *described]
+        entries = [Entry(_CHECKS, _PASSED), *(described or [])]
     else:  # Note [a rank that fails alone]
         entries = [Entry(_CHECKS, _refusal(refused))]
     compared = json.dumps([[e.key, e.value] for e in entries]).encode()
     digests = all_gather_bytes(
         hashlib.sha256(compared).digest(),
         comm=comm,
-        what="the digest of what each rank builds (Note [the ranks build alike])",
+        what=f"the digest of {what} (Note [the ranks build alike])",
         advice=_ADVICE,
         length=_DIGEST_BYTES,
     )
@@ -250,17 +309,17 @@ def agree_on_build(
     every = all_gather_bytes(
         json.dumps([[e.key, e.value, e.label] for e in entries]).encode(),
         comm=comm,
-        what="what each rank builds (Note [the ranks build alike])",
+        what=f"{what} (Note [the ranks build alike])",
         advice=_ADVICE,
     )
     if refused is not None:
         raise refused
     ranks = [[Entry(*e) for e in json.loads(b)] for b in every]
-    name = f"{comm.where()}: {type(owner).__name__}"
+    name = f"{comm.where()}: {owner}"
     refusing = [r for r, entries in enumerate(ranks) if entries[0].value != _PASSED]
     if refusing:
         raise ValueError(
-            f"{name}: the checks of the parameters failed on {_named(refusing)} "
+            f"{name}: {checks} failed on {_named(refusing)} "
             f"({ranks[refusing[0]][0].value}); every rank raises with it rather than wait "
             "for it (Note [a rank that fails alone])"
         )

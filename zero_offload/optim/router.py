@@ -250,8 +250,10 @@ class BackwardRouter:
             ".grad you set in place of that gradient, but it cannot be taken back from the "
             "buckets, and adding yours would step the sum. Edit gradients with a hook "
             "(param.register_hook) before backward, or call zero_grad() to drop the "
-            "window's gradients before setting .grad (Note [a gradient set by hand]): "
-            "nothing was taken"
+            "window's gradients before setting .grad. A loop that fills missing gradients "
+            "with zeros (if p.grad is None: p.grad = zeros) sees None on every parameter "
+            "here, so it is refused too: drop it, or fill only the parameters no backward "
+            "reached (Note [a gradient set by hand]): nothing was taken"
         )
 
     def _take(self, bucket: FlatBucket, slot_index: int, grad: torch.Tensor) -> None:

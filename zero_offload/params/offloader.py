@@ -228,13 +228,14 @@ class ParamOffloader:
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the hooks (``hooks.py``; each holds the offloader weakly, Note
-        [lifetimes without close] in ``optim/lifetime.py``)."""
-        self._open_bounce()
+        [lifetimes without close] in ``optim/lifetime.py``); ``open_bounce`` ran before.
+        Allocates nothing: it follows the build's last check across the ranks (Note [a
+        rank that fails alone] in ``optim/rank_agreement.py``)."""
         self._handles.extend(hooks.install(self, optimizer, owners(self.model, self.units)))
 
-    def _open_bounce(self) -> None:
+    def open_bounce(self) -> None:
         """The bounce ring, when a bucket's home is on NVMe (Note [homes on NVMe are
-        fetched through a bounce ring] in ``home_store.py``)."""
+        fetched through a bounce ring] in ``home_store.py``); ``close`` frees it."""
         if self.window is None or not any(v.nvme_home for u in self.units for v in u.views):
             return
         sizes = bounce_bytes([(u.slot.index, u.views) for u in self.units], len(self.window.slots))
