@@ -61,14 +61,15 @@ import itertools
 import queue
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..accelerator import Accelerator
+from ..errors import Attempts, StreamError
 from ..memory.block import Block
-from ..memory.manager import TieredMemoryManager
+from ..memory.manager import TieredMemoryManager, interpreter_exiting
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..tracing import phase
@@ -96,6 +97,79 @@ class _Stats:
     device_bytes_peak: int = 0  # largest device_bytes since construction or reset_peak()
 
 
+class _DeviceBlockFreed(NamedTuple):
+    """A reloaded activation's storage died: its device block goes back to the pool (Note
+    [device blocks live as long as their storage] in layout.py)."""
+
+    block: Block  # of the device pool
+    nbytes: int  # the activation's bytes, counted in device_bytes until now
+
+
+#: What a finalizer hands over to ``_reap``: Note [finalizers only enqueue].
+_Deferred = OffloadedActivation | _DeviceBlockFreed
+
+
+# Note [an offloader released without close]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A sweep or a notebook drops offloaders without close(), as it drops optimizers (Note
+# [lifetimes without close] in optim/lifetime.py). The pools are big (1 GiB of host memory
+# and 256 MiB of the device budget by default), so they must go back when the offloader is
+# dropped, by reference counting alone: a cycle through the offloader held them until the
+# cyclic collector ran (after 6 dropped offloaders, 6.5 GiB of RSS; under a 700 MiB device
+# budget the third raised DeviceBudgetExceeded with nothing live). So nothing the offloader
+# owns points back at it: the pools take ``run_deferred`` with each call instead of keeping
+# it, and ``_deferred`` holds data (Note [finalizers only enqueue]). Only the saved-tensor
+# hooks of a live graph keep it alive. The finalizers of saved handles and reloaded storages
+# hand over to the queue, never to the offloader, and a storage's finalizer holds the queue
+# weakly: the finalizer registry holds each finalizer, out of the collector's sight, so
+# whatever a finalizer holds that holds its own storage is kept for good. A prefetch that a
+# failed backward never used is such a storage: its record holds it, and the queue holds the
+# record once the handle died. When the offloader goes, a ``weakref.finalize``
+# (``_release``) frees the blocks still held (after their copies), gives both pools back and
+# closes the manager if the offloader built it. A reloaded tensor kept past that keeps its
+# bytes (its storage holds the pool's buffer), not the budget. ``close()`` runs the same
+# finalizer at once, after checking that no activation is still held. With a shared manager
+# (``manager=opt.manager``) the finalizer is registered with the manager too, so closing or
+# dropping the optimizer, which stops the streams, releases the offloader (Note [a manager's
+# close ends its borrowers] in memory/manager.py); using it afterwards raises, naming why.
+
+
+def _release(
+    pools: ActivationPools,
+    *,
+    outgoing: OutgoingCopies,
+    groups: dict[int, list[OffloadedActivation]],
+    deferred: queue.SimpleQueue[_Deferred],
+    manager: TieredMemoryManager | None,
+) -> None:
+    """Give back what an offloader owns; Note [an offloader released without close].
+
+    ``outgoing``'s device tensors are read by copies out, which the pools wait for (their
+    end events are on the host blocks): they are dropped after, with the records the
+    offloader still holds (``groups``, ``deferred``), whose views would keep the host pool's
+    buffer alive. ``manager``: the offloader's own, closed last (None when shared).
+    """
+    attempt = Attempts()
+    attempt(pools.discard)  # waits for the copies still touching the pools
+    outgoing.abandon()
+    groups.clear()
+    while not deferred.empty():
+        deferred.get_nowait()
+    if manager is not None:
+        attempt(manager.close)
+    errors = attempt.errors
+    if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
+        raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
+
+
+def _hand_over(deferred: weakref.ref[queue.SimpleQueue[_Deferred]], item: _Deferred) -> None:
+    """Put ``item`` on the offloader's queue, if the queue still exists (a finalizer; any
+    thread): Note [an offloader released without close]."""
+    target = deferred()
+    if target is not None:
+        target.put(item)
+
+
 class ActivationOffloader:
     """Moves saved activations to a host pool and back; shared by ``checkpoint`` and
     ``offload_activations``.
@@ -104,6 +178,8 @@ class ActivationOffloader:
     counters) with an ``OffloadAdamW`` (``opt.manager``); otherwise one is built for
     ``accelerator`` (default ``get_accelerator()``). The host and device pools are
     allocated here, once, at the sizes in ``config``. See Note [activation lifecycle].
+    ``close()`` gives them back; so does dropping the offloader, or closing (or dropping)
+    the optimizer whose manager it shares (Note [an offloader released without close]).
 
     Device activation bytes (``stats()["device_bytes"]``, ``["device_bytes_peak"]``) count
     what the offloader holds on the device: saved tensors whose copy out is pending, and
@@ -123,28 +199,55 @@ class ActivationOffloader:
             raise TypeError(
                 f"config must be an ActivationOffloadConfig, got {type(config).__name__}"
             )
+        if manager is not None:
+            if not isinstance(manager, TieredMemoryManager):
+                raise TypeError(
+                    f"manager must be a TieredMemoryManager, got {type(manager).__name__}"
+                )
+            if accelerator is not None and accelerator is not manager.accelerator:
+                raise ValueError(
+                    "accelerator= differs from manager.accelerator; pass one of them (the "
+                    "manager's accelerator is used when sharing a manager)"
+                )
+            if manager.closed:
+                raise ValueError(
+                    "manager= is closed (its optimizer was closed or dropped), so its copy "
+                    "streams are stopped; share the manager of a live optimizer, or pass no "
+                    "manager to build one"
+                )
+        owned = manager is None
         if manager is None:
             manager = TieredMemoryManager(accelerator)
-        elif not isinstance(manager, TieredMemoryManager):
-            raise TypeError(f"manager must be a TieredMemoryManager, got {type(manager).__name__}")
-        elif accelerator is not None and accelerator is not manager.accelerator:
-            raise ValueError(
-                "accelerator= differs from manager.accelerator; pass one of them (the "
-                "manager's accelerator is used when sharing a manager)"
-            )
         self.config = config
         self.manager = manager
         self.accelerator = manager.accelerator
         self.device = self.accelerator.device
-        # Note [finalizers only enqueue]: work handed over by finalizers, run by _reap.
-        self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.pools = ActivationPools(manager, config, run_deferred=self._run_deferred)
+        # Note [finalizers only enqueue]: what finalizers handed over, run by _reap.
+        self._deferred: queue.SimpleQueue[_Deferred] = queue.SimpleQueue()
+        try:
+            self.pools = ActivationPools(manager, config)
+        except BaseException:
+            if owned:
+                manager.close()
+            raise
         self._lock = threading.Lock()  # guards everything below and every record's fields
         self._group_ids = itertools.count()
         # Prefetch queue: group id -> its records not yet unpacked, in pack order.
         self._groups: dict[int, list[OffloadedActivation]] = {}
         self._outgoing = OutgoingCopies()  # Note [holding, not record_stream]
         self._stats = _Stats()
+        # Note [an offloader released without close]: nothing passed here references self.
+        self._finalizer = weakref.finalize(
+            self,
+            _release,
+            self.pools,
+            outgoing=self._outgoing,
+            groups=self._groups,
+            deferred=self._deferred,
+            manager=manager if owned else None,
+        )
+        if not owned:
+            manager.close_with(self._finalizer)  # Note [a manager's close ends its borrowers]
 
     def __repr__(self) -> str:
         return f"ActivationOffloader(device={self.device}, config={self.config})"
@@ -170,6 +273,7 @@ class ActivationOffloader:
 
         The caller has decided ``tensor`` should be offloaded (``policy.is_offloadable``).
         """
+        self._check_open("pack")
         span = span_of(tensor)  # Note [saved layout comes back] in layout.py
         nbytes = span * tensor.element_size()
         self.pools.check_fits(tensor, nbytes)
@@ -178,7 +282,7 @@ class ActivationOffloader:
         with phase("act_offload", track="copy"):
             self._reap()
             self._bound_outgoing()
-            host_block = self.pools.alloc_host(nbytes, group)
+            host_block = self.pools.alloc_host(nbytes, group, run_deferred=self._run_deferred)
             host_view = host_block.view(tensor.dtype, (span,))
             end = self.manager.copy(
                 host_view,
@@ -208,11 +312,12 @@ class ActivationOffloader:
                 self._stats.offloaded_tensors += 1
                 self._stats.offloaded_bytes += nbytes
         handle = SavedActivation(record)
-        weakref.finalize(handle, self._deferred.put, functools.partial(self._drop, record))
+        weakref.finalize(handle, self._deferred.put, record)  # Note [finalizers only enqueue]
         return handle
 
     def unpack(self, handle: SavedActivation) -> torch.Tensor:
         """The activation back on the device; prefetches the next groups backward needs."""
+        self._check_open("unpack")
         record = handle.record
         with phase("act_prefetch", track="copy"):
             self._reap()
@@ -261,16 +366,37 @@ class ActivationOffloader:
 
         Synchronisation point: blocks the caller until the ``d2h`` stream is idle.
         """
+        self._check_open("synchronize")
         self.manager.d2h.synchronize()
         self._reap()
 
     def close(self) -> None:
-        """Give both pools back; every activation must have been dropped by autograd."""
+        """Give both pools back (device pool: to the budget), and stop the manager's threads
+        when the offloader built it; every activation must have been dropped by autograd.
+        Optional: a dropped offloader is released the same way, and closing the optimizer
+        whose manager it shares closes it too (Note [an offloader released without close]).
+        Calling ``close`` again does nothing."""
+        if not self._finalizer.alive:
+            return
         self.synchronize()
         self.manager.h2d.synchronize()
         gc.collect()  # hidden cost: collects graphs kept alive only by reference cycles
         self._run_deferred()
-        self.pools.close()
+        self.pools.close()  # raises, releasing nothing, while an activation is still held
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the offloader was closed: by ``close()``, or with its shared manager."""
+        return not self._finalizer.alive
+
+    def _check_open(self, what: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(
+                f"ActivationOffloader.{what}() after close: its pools are given back (by "
+                "close(), or by closing the optimizer whose manager it shares); build a new "
+                "ActivationOffloader"
+            )
 
     # -- copies out --------------------------------------------------------------------
 
@@ -279,16 +405,24 @@ class ActivationOffloader:
     # wherever the last reference goes away: on any thread, and even in the middle of code
     # that holds this offloader's lock or a pool's lock, when the garbage collector runs
     # there. Taking those (non-reentrant) locks from a finalizer could deadlock, so
-    # finalizers only put a callable on ``_deferred`` (a lock-free queue); ``_reap`` runs
-    # them at the start of every pack, unpack, stats and synchronize, with no lock held.
+    # finalizers only put what died on ``_deferred`` (a lock-free queue): the record of a
+    # dropped handle, or a ``_DeviceBlockFreed``. ``_reap`` frees them at the start of every
+    # pack, unpack, stats and synchronize, with no lock held. The queue holds data, never a
+    # callable bound to the offloader: the offloader holds the queue, so that would be a
+    # cycle (Note [an offloader released without close]).
 
     def _run_deferred(self) -> None:
         while True:
             try:
-                work = self._deferred.get_nowait()
+                item = self._deferred.get_nowait()
             except queue.Empty:
                 return
-            work()
+            if not self._finalizer.alive:
+                continue  # released: every block went back with the pools
+            if isinstance(item, _DeviceBlockFreed):
+                self._free_device_block(item.block, item.nbytes)
+            else:
+                self._drop(item)
 
     def _reap(self) -> None:
         """Run deferred frees, and drop the device tensors whose copy out has completed
@@ -339,7 +473,9 @@ class ActivationOffloader:
         elif state not in (ActivationState.ON_HOST, ActivationState.LANDING):
             return True  # MOVING_IN already; FREED cannot be unpacked
         # Note [reloads never block the CPU]: h2d fills the block first
-        block = self.pools.alloc_device(record, stream=self.manager.h2d, demand=demand)
+        block = self.pools.alloc_device(
+            record, stream=self.manager.h2d, demand=demand, run_deferred=self._run_deferred
+        )
         with self._lock:
             if block is None:
                 self._stats.prefetch_skipped += 1
@@ -349,8 +485,9 @@ class ActivationOffloader:
             block,
             record.dtype,
             (block.nbytes // record.host_view.element_size(),),
+            # Note [finalizers only enqueue]; Note [an offloader released without close]
             functools.partial(
-                self._deferred.put, functools.partial(self._free_device_block, block, record.nbytes)
+                _hand_over, weakref.ref(self._deferred), _DeviceBlockFreed(block, record.nbytes)
             ),
             accelerator=self.accelerator,
             fill_stream=self.manager.h2d,  # Note [a reloaded view is built on the stream ...]

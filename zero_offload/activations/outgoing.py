@@ -92,6 +92,13 @@ class OutgoingCopies:
             record.state = ActivationState.LANDING
             self._landing.append(record)
 
+    def abandon(self) -> None:
+        """Drop every held tensor and LANDING record, for an offloader released (Note [an
+        offloader released without close] in ``offloader.py``): the caller waited for the
+        copies out already. Runs without the offloader's lock, which nobody holds then."""
+        self._pending.clear()
+        self._landing.clear()
+
     def _release_oldest(self) -> OffloadedActivation:
         item = self._pending.popleft()
         if item.record.state is ActivationState.MOVING_OUT:

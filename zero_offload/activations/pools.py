@@ -16,7 +16,7 @@ import torch
 
 from ..accelerator import Stream
 from ..config import format_bytes
-from ..errors import DeviceBudgetExceeded, PoolExhausted
+from ..errors import Attempts, DeviceBudgetExceeded, PoolExhausted
 from ..memory.block import Block
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -31,22 +31,18 @@ class ActivationPools:
     """The host pool offloaded activations are copied to and the device pool they are
     reloaded into, built through ``manager`` at ``config``'s sizes.
 
-    ``run_deferred`` runs the frees that finalizers handed over (Note [finalizers only
-    enqueue] in ``offloader.py``): a full pool tries it before giving up.
+    The allocations take ``run_deferred``, which runs the frees that finalizers handed over
+    (Note [finalizers only enqueue] in ``offloader.py``): a full pool tries it before giving
+    up. It is passed with each call, never kept: the offloader's finalizer holds these pools,
+    and a kept bound method of the offloader would hold the offloader in a cycle (Note [an
+    offloader released without close] in ``offloader.py``).
 
     Fields: ``host``: ``BlockPool``, host (pinned where available), ``config.host_pool_bytes``.
     ``device``: ``BlockPool``, device, ``config.device_pool_bytes``.
     """
 
-    def __init__(
-        self,
-        manager: TieredMemoryManager,
-        config: ActivationOffloadConfig,
-        *,
-        run_deferred: Callable[[], None],
-    ) -> None:
+    def __init__(self, manager: TieredMemoryManager, config: ActivationOffloadConfig) -> None:
         self.config = config
-        self._run_deferred = run_deferred
         self.host: BlockPool = manager.create_pool(
             Tier.HOST, config.host_pool_bytes, name="activations.host"
         )
@@ -86,7 +82,7 @@ class ActivationPools:
                     f"{tensor.numel() * tensor.element_size()} to keep such tensors on the device."
                 )
 
-    def alloc_host(self, nbytes: int, group: int) -> Block:
+    def alloc_host(self, nbytes: int, group: int, *, run_deferred: Callable[[], None]) -> Block:
         """A host block for a copy out of ``nbytes`` of activation group ``group``."""
         owner = f"activation group {group}"
         try:
@@ -96,7 +92,7 @@ class ActivationPools:
             # last reap, and the youngest generation's garbage (a graph dropped in a reference
             # cycle this step). Never a full collection here: it would walk every object of
             # the process in the middle of forward.
-            self._run_deferred()
+            run_deferred()
             gc.collect(0)
         try:
             return self.host.alloc(nbytes, owner=owner)
@@ -114,7 +110,12 @@ class ActivationPools:
             ) from exc
 
     def alloc_device(
-        self, record: OffloadedActivation, *, stream: Stream, demand: bool
+        self,
+        record: OffloadedActivation,
+        *,
+        stream: Stream,
+        demand: bool,
+        run_deferred: Callable[[], None],
     ) -> Block | None:
         """A device block to reload ``record`` into, first used by ``stream``; None when a
         prefetch (``demand=False``) finds the pool full."""
@@ -126,7 +127,7 @@ class ActivationPools:
             try:
                 block = alloc(nbytes)
             except PoolExhausted:
-                self._run_deferred()  # frees handed over by finalizers since the last reap
+                run_deferred()  # frees handed over by finalizers since the last reap
                 block = alloc(nbytes)
         except PoolExhausted as exc:
             if not demand:
@@ -151,3 +152,13 @@ class ActivationPools:
         """Give both pools back; every block must have been freed."""
         self.device.close()
         self.host.close()
+
+    def discard(self) -> None:
+        """Free every block still live and give both pools back, once the copies touching
+        them end (the pools wait for them); for an offloader nobody can use any more."""
+        attempt = Attempts()
+        for pool in (self.device, self.host):
+            for block in pool.live_blocks():
+                attempt(block.free)
+            attempt(pool.close)
+        attempt.raise_first()

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
+from ..errors import Attempts
 from .block import Block
 from .host_worker import HostWorker
 from .listeners import TICK_EVERY, Listeners, Tick
@@ -167,6 +168,10 @@ class TieredMemoryManager:
         self._listeners = Listeners()
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        # Releases of owners that borrow this manager's streams (an ActivationOffloader
+        # given manager=), run first by close(): Note [a manager's close ends its borrowers].
+        self._borrowers: list[weakref.finalize] = []
+        self._closed = False  # set by close()
 
     # -- pools -------------------------------------------------------------------------
 
@@ -461,12 +466,50 @@ class TieredMemoryManager:
         self.h2d.synchronize()
         self.host_worker.synchronize()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran: the streams are stopped and no copy can be queued."""
+        return self._closed
+
+    # Note [a manager's close ends its borrowers]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # ``close`` stops the copy streams' worker threads (Note [lifetimes without close] in
+    # optim/lifetime.py: a closed owner leaves no library thread behind, even while it is
+    # still referenced, e.g. by an LR scheduler). An owner that borrowed the streams (an
+    # ``ActivationOffloader(manager=opt.manager)``) could not copy any more, so its pools
+    # would be held for nothing: it registers its release with ``close_with`` and ``close``
+    # runs it first, while the streams still drain what its pools wait for. The release is a
+    # ``weakref.finalize`` of the borrower, so the manager never keeps the borrower alive, and
+    # a borrower closed or dropped before (its finalizer already ran) is skipped.
+
+    def close_with(self, release: weakref.finalize) -> None:
+        """Run ``release`` (a borrower's finalizer) first when this manager closes; Note [a
+        manager's close ends its borrowers]."""
+        if not isinstance(release, weakref.finalize):
+            raise TypeError(f"release must be a weakref.finalize, got {release!r}")
+        if self._closed:
+            raise RuntimeError("close_with on a closed TieredMemoryManager: its streams stopped")
+        self._borrowers = [*(b for b in self._borrowers if b.alive), release]
+
     def close(self) -> None:
-        """Stop the host worker thread after its queued work (streams end with the manager)
-        and close the NVMe tiers (their files are deleted)."""
-        try:
-            self.host_worker.close()
-        finally:
-            for tier in self.storage:
-                tier.close()
-            self.storage.clear()
+        """Release the borrowers (``close_with``), then finish the queued work and stop the
+        ``d2h``, ``h2d`` and host-worker threads (joined), and close the NVMe tiers (their
+        files are deleted). Each step runs even when one before it failed (a stream's sticky
+        error); the first error is raised at the end. Later calls do nothing more.
+
+        Synchronisation point: waits for every queued copy and host task.
+        """
+        self._closed = True
+        attempt = Attempts()
+        borrowers, self._borrowers = self._borrowers, []
+        for release in borrowers:
+            attempt(release)
+        # The host worker first: its tasks may wait for copies on d2h and h2d.
+        for stream in (self.host_worker, self.d2h, self.h2d):
+            close = getattr(stream, "close", None)  # CUDA streams have no thread to stop
+            if close is not None:
+                attempt(close)
+        for tier in self.storage:
+            attempt(tier.close)
+        self.storage.clear()
+        attempt.raise_first()

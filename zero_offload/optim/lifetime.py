@@ -57,6 +57,16 @@ class Segment:
 # and a weakref.finalize releases what it owned (Resources.release): hooks removed,
 # streams and the host worker stopped, pools returned (device pools: to the budget), and
 # the parameters' ownership dropped. close() runs the same finalizer at once.
+# Released means freed by reference counting, never by waiting for the cyclic collector: a
+# closed optimizer stays referenced (an LR scheduler holds it) and a dropped one is freed
+# when its last reference goes, so what the release lets go of must not sit in a cycle. The
+# stores' publications hold a ``WeightsHome``, not the store (Note [a publication does not
+# hold its store] in state/store.py); a store drops its pool views at close, and the manager
+# joins its stream threads and releases the offloaders borrowing them (Note [a manager's
+# close ends its borrowers] in memory/manager.py). What stays after close: without
+# parameter offload the parameters stay views of ``weights_dev``, so they keep the device
+# pool's buffer (its bytes are back in the budget) for as long as the model lives. tests/test_release_without_gc.py checks all
+# this with the collector disabled.
 #
 # Note [one optimizer per parameter]
 # A second optimizer over parameters a live one still trains would share their gradients

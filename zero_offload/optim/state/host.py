@@ -28,6 +28,7 @@ from ..rule.tiles import RuleTiles
 from .store import (
     StateStore,
     TileFn,
+    WeightsHome,
     refuse_take_written,
     republish_from_master,
     stream_tensors,
@@ -46,6 +47,8 @@ class HostState(StateStore):
             (its moments in fp32 or bf16), in ``state``, by name.
         weights_staging: training dtype (absent for fp32: the master is the weights' home),
             the kernel's fused copy-out and the H2D copy's source.
+        host_home: ``WeightsHome``, the weights' home (weights_staging, or the master) and its
+            block, as the publication reads it. ``close`` drops every view.
     """
 
     resident = False
@@ -76,8 +79,12 @@ class HostState(StateStore):
         self._blocks: dict[str, Block] = {}  # state and staging blocks by field name
         self.state: dict[str, torch.Tensor] = {}  # the rule's fields, master first
         self.weights_staging: torch.Tensor | None = None
+        # weights_staging, or the fp32 master itself: Note [a publication does not hold its
+        # store] in store.py
+        self.host_home = WeightsHome(f"bucket {layout.index}")
+        self._home_field = "master" if self.dtype == torch.float32 else "weights_staging"
         self.publication = WeightCopies(
-            manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
+            manager, views, bucket=layout.index, offset=shard[0], home=self.host_home
         )
         blocks = fields.pairs()
         if self.dtype != torch.float32:
@@ -104,6 +111,8 @@ class HostState(StateStore):
             self.weights_staging = tensor
         else:
             self.state[name] = tensor
+        if name == self._home_field:
+            self.host_home.bind(tensor, self._blocks[name])
 
     @property
     def master(self) -> torch.Tensor:
@@ -114,9 +123,7 @@ class HostState(StateStore):
         """The pinned training-dtype copy CPU Adam writes, ``(shard_numel,)``, and its block:
         ``weights_staging``, or the fp32 master itself for an fp32 bucket (with parameter
         offload the weights live there between uses, ``zero_offload.params``)."""
-        if self.weights_staging is None:
-            return self.master, self._blocks["master"]
-        return self.weights_staging, self._blocks["weights_staging"]
+        return self.host_home()
 
     def update(
         self,
@@ -210,6 +217,10 @@ class HostState(StateStore):
         republish_from_master(self, self.publication)
 
     def close(self) -> None:
+        # The views go with the blocks: Note [a publication does not hold its store].
+        self.host_home.clear()
+        self.state.clear()
+        self.weights_staging = None
         for block in self._blocks.values():
             block.free()
         self._blocks.clear()

@@ -85,7 +85,14 @@ from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper, OptimizerRule
 from ..rule.tiles import RuleTiles
 from .nvme_plan import RecordLayout, tile_sizes
-from .store import StateStore, TileFn, refuse_take_written, republish_from_master, weights_into_home
+from .store import (
+    StateStore,
+    TileFn,
+    WeightsHome,
+    refuse_take_written,
+    republish_from_master,
+    weights_into_home,
+)
 
 __all__ = ["NvmeState", "StateNotInHostRam", "StreamGroup"]
 
@@ -142,6 +149,14 @@ class StreamGroup:
                     buffer.settle()
         return taken
 
+    def forget(self, backend: NvmeState) -> None:
+        """``backend`` closed: neither the order nor a prefetched read names it any more (the
+        group would hold the closed store: Note [a publication does not hold its store] in
+        store.py). Its buffers are the store's to settle."""
+        if backend in self.order:
+            self.order.remove(backend)
+        self.prefetched = [entry for entry in self.prefetched if entry[0] is not backend]
+
     def prefetch_after(self, backend: NvmeState, count: int) -> None:
         """Issue reads of the first ``count`` tiles of the NVMe bucket after ``backend``
         (after the last one: the first, for the next step)."""
@@ -169,10 +184,11 @@ class NvmeState(StateStore):
     """State on NVMe, streamed under the CPU kernel; see the module docstring.
 
     Host field: weights_staging, ``(shard_numel,)`` training dtype (fp32 included), host
-    pool: the kernel's copy-out and the H2D copies' source. Disk: ``file``, one
-    ``RecordLayout`` record per tile of the shard's real elements. The master and moments
-    are never host tensors here; the gradient is ``gradients``' (host staging, or the fp32
-    accumulator).
+    pool: the kernel's copy-out and the H2D copies' source; ``host_home`` holds it and its
+    block for the publication (Note [a publication does not hold its store] in store.py).
+    Disk: ``file``, one ``RecordLayout`` record per tile of the shard's real elements. The
+    master and moments are never host tensors here; the gradient is ``gradients``' (host
+    staging, or the fp32 accumulator).
     """
 
     supports_speculation = False  # the state is on disk: no copy to restore from
@@ -208,8 +224,10 @@ class NvmeState(StateStore):
         self.tier = tier = group.tier
         self.real = layout.real_in(*shard)  # shard elements before the sharding padding
         self.file: StorageFile | None = None
+        # Note [a publication does not hold its store] in store.py
+        self.host_home = WeightsHome(f"bucket {layout.index}")  # weights_staging, its block
         self.publication: WeightCopies = WeightCopies(
-            manager, views, bucket=layout.index, offset=shard[0], home=self.weights_home
+            manager, views, bucket=layout.index, offset=shard[0], home=self.host_home
         )
         self._staging_block: Block | None = None
         self.weights_staging: torch.Tensor | None = None
@@ -239,14 +257,19 @@ class NvmeState(StateStore):
     def _make_staging(self, host_pool: BlockPool, name: str) -> None:
         """``weights_staging``, ``(shard_numel,)`` training dtype, from the host pool."""
         n = self.layout.shard_numel
-        self._staging_block = host_pool.alloc(
+        block = host_pool.alloc(
             n * self.dtype.itemsize, owner=f"bucket{self.layout.index}.weights_staging"
         )
-        self._staging_block.on_move(
-            lambda b: setattr(self, "weights_staging", b.view(self.dtype, (n,)))
-        )
-        self.weights_staging = self._staging_block.view(self.dtype, (n,))
-        self.weights_staging.zero_()
+        self._staging_block = block
+        block.on_move(lambda b: self._bind_staging(b.view(self.dtype, (n,)), b))
+        self._bind_staging(block.view(self.dtype, (n,)), block)
+        block.view(self.dtype, (n,)).zero_()
+
+    def _bind_staging(self, tensor: torch.Tensor, block: Block) -> None:
+        """``weights_staging`` is ``tensor``, a view of ``block`` (at allocation, and when
+        the block moves)."""
+        self.weights_staging = tensor
+        self.host_home.bind(tensor, block)
 
     def weights_home(self) -> tuple[torch.Tensor, Block]:
         """``weights_staging`` and its block: what the H2D copies read."""
@@ -517,13 +540,15 @@ class NvmeState(StateStore):
         )
 
     def close(self) -> None:
+        # The views go with the block: Note [a publication does not hold its store].
+        self.host_home.clear()
+        self.weights_staging = None
         try:
             if self._staging_block is not None:
                 self._staging_block.free()
                 self._staging_block = None
         finally:
-            if self in self.group.order:
-                self.group.order.remove(self)
+            self.group.forget(self)
             if self.file is not None:
                 for buffer in self.tier.buffers:  # its reads and writes, prefetched ones too
                     if buffer.tag is not None and buffer.tag[0] is self.file:

@@ -98,7 +98,7 @@ class NvmeHomeState(NvmeState):
             self.views,
             bucket=self.layout.index,
             offset=self.shard[0],
-            home=self.weights_home,
+            home=self.host_home,  # never bound: nothing is read from host memory
         )
 
     # -- construction --------------------------------------------------------------------

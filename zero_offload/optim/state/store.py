@@ -38,6 +38,7 @@ __all__ = [
     "BucketPools",
     "StateStore",
     "TileFn",
+    "WeightsHome",
     "refuse_take_written",
     "republish_from_master",
     "stream_tensors",
@@ -58,6 +59,56 @@ class BucketPools:
     # unit (Note [homes are pinned unit by unit] in optim/unit_pools.py), and the homes on
     # NVMe's weight tile ring.
     host: tuple[BlockPool, ...]
+
+
+# Note [a publication does not hold its store]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A host-side store owns its publication (``WeightCopies``), which reads the store's weights'
+# home at every copy. Handed the store's bound ``weights_home``, the publication pointed back
+# at the store: a reference cycle, so a closed or dropped optimizer's stores, and through their
+# tensors the host pools' buffers, lived until the cyclic garbage collector happened to run
+# (Note [lifetimes without close] in ``optim/lifetime.py``; 100 MiB of a 6M-parameter model
+# after close(), GiBs over a sweep). So the home is a ``WeightsHome``, a value both hold: the
+# store binds it when its block is allocated or moved and clears it at close, and the
+# publication only calls it. A block's ``on_move`` callback may name its store (that cycle
+# ends when ``close`` frees the block, which drops the callbacks); nothing a store keeps after
+# close may. At close a store also drops its views of the pool (state, staging): a view keeps
+# the pool's buffer alive however the pool was closed.
+
+
+class WeightsHome:
+    """Where a host-side store's updated weights live: the pinned training-dtype tensor its
+    publication's H2D copies read, ``(shard_numel,)``, and the pool block under it.
+
+    Bound by the store (at allocation, and when the block moves), cleared at its close;
+    called by the publication. It holds no reference to the store: Note [a publication does
+    not hold its store].
+    """
+
+    __slots__ = ("_what", "block", "tensor")
+
+    def __init__(self, what: str) -> None:
+        self._what = what  # "bucket 3", for the error of a use after close
+        self.tensor: torch.Tensor | None = None  # (shard_numel,) training dtype, host pool
+        self.block: Block | None = None  # the block under ``tensor``
+
+    def bind(self, tensor: torch.Tensor, block: Block) -> None:
+        """The home is ``tensor``, a view of ``block``."""
+        self.tensor = tensor
+        self.block = block
+
+    def clear(self) -> None:
+        """Forget the view and the block (the store closed; the block was freed)."""
+        self.tensor = None
+        self.block = None
+
+    def __call__(self) -> tuple[torch.Tensor, Block]:
+        if self.tensor is None or self.block is None:
+            raise RuntimeError(
+                f"{self._what}: its weights' home in host memory was used after the store "
+                "closed, or where the home is not in host memory (bug)"
+            )
+        return self.tensor, self.block
 
 
 def take_written(master: torch.Tensor, weights: torch.Tensor) -> None:
