@@ -19,7 +19,22 @@ any point leaves either the old version or the new one loadable: killed between 
 renames of a directory swap, only ``name.old`` is there, and ``recover_directory`` (called by
 the loaders and before each save) renames it back; killed after them, both are, and the new
 one wins. A disk that fills up mid-write raises ``StorageFull`` naming the bytes, and the old
-version stays. Temporaries of killed writers are removed by the next save of that name.
+version stays. Temporaries of killed writers are removed by the next save of that name: see
+Note [a dead writer's temporaries].
+
+Note [a dead writer's temporaries]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A writer killed mid-save leaves its temporary (``.name.tmp-<pid>-<random>`` for a file,
+``name.tmp-<pid>-<random>/`` for a directory), as large as the save. Before it writes, every
+save of ``name`` (``atomic_file`` and ``atomic_directory``, so every caller of either)
+removes the temporaries of ``name`` whose writer is gone, and never a live writer's (two
+processes, or two threads, may save one name): a temporary goes when the pid in its name is
+not this process's and no process of that pid exists. A pid reused since keeps the
+temporary (a later save removes it, once that process is gone too). Pids are a host's own:
+writers on two machines saving one name on a shared filesystem (or in two pid namespaces)
+would see each other as dead, but they would also replace each other's saves; give them
+different names. Only names of exactly that shape are touched, and removal is best effort (a
+failure leaves the temporary for the next save, and the save goes on).
 
 Note [private files]
 ~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import shutil
 import warnings
@@ -69,6 +85,8 @@ _rmtree: Callable[..., None] = shutil.rmtree
 
 _OLD_SUFFIX = ".old"
 _TMP_MARK = ".tmp-"
+# What follows ``_TMP_MARK`` in a temporary's name: ``<pid>-<random>`` (``_sibling``).
+_TMP_TAIL = re.compile(r"([0-9]+)-[0-9a-f]{8}")
 
 
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
@@ -157,6 +175,7 @@ def atomic_file(
     errors."""
     path = Path(path)
     parent = make_private_dirs(path.parent)
+    _remove_dead_temporaries(path)
     _check_space(parent, nbytes, path, what)
     tmp = parent / f".{path.name}{_sibling()}"
     handle = private_file(tmp)
@@ -212,13 +231,25 @@ def recover_directory(path: str | os.PathLike[str]) -> None:
 
 
 def _remove_dead_temporaries(path: Path) -> None:
-    """Staging directories of writers that died (their pid is gone) next to ``path``."""
-    prefix = path.name + _TMP_MARK
-    for entry in path.parent.glob(prefix + "*"):
-        pid_text = entry.name[len(prefix) :].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+    """Remove the temporaries of ``path`` (files and staging directories) whose writer is
+    gone; Note [a dead writer's temporaries]."""
+    prefixes = (f".{path.name}{_TMP_MARK}", f"{path.name}{_TMP_MARK}")  # a file's, a directory's
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return  # best effort: the save itself reports a directory it cannot use
+    for entry in entries:
+        prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
+        if prefix is None:
             continue
-        _rmtree(entry, ignore_errors=True)
+        tail = _TMP_TAIL.fullmatch(entry.name[len(prefix) :])
+        if tail is None or int(tail.group(1)) == os.getpid() or _alive(int(tail.group(1))):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            _rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def _alive(pid: int) -> bool:

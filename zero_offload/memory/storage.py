@@ -30,6 +30,21 @@ buffers, ``io_buffers.py``.
 Note [stale directories] (``state_dir.py``): the directory is checked, private and locked
 with ``flock`` for the tier's life, and what a killed process left is cleaned at the next
 construction.
+
+Note [a tier belongs to the process that opened it]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A child made with ``os.fork()`` inherits the open tiers and their files, fds and ``LOCK``
+(its ``flock`` is shared with the parent's fd), and at its exit runs the exit hooks it
+inherited (the tiers' ``atexit`` hook below, the optimizer's finalizer). Closing a file or a
+tier there would delete the parent's state files and ``LOCK`` under the live parent, and
+let a third process take the directory. So in a forked child (``os.register_at_fork``)
+every inherited tier and each of its files is disowned: marked ``CLOSED`` in the child's
+copy only, and nothing deleted, unlocked or closed. Closing them in the child is then a
+no-op, and I/O on them raises; ``create_file`` on an inherited tier says why. The I/O the
+parent had pending on the tier's buffers runs in the parent, on the parent's copy of them
+(the engine's threads did not fork: Note [a forked child has no worker threads] in
+``accelerator/threads.py``), so in the child they are free at once, and settling them
+waits for nothing. The fds go with the child; the files and the lock stay the parent's.
 """
 
 from __future__ import annotations
@@ -73,6 +88,16 @@ def _close_all_at_exit() -> None:
         tier.close()
 
 
+def _disown_after_fork() -> None:
+    """In a forked child: Note [a tier belongs to the process that opened it]."""
+    for tier in list(_OPEN_TIERS):
+        tier._disown()
+    _OPEN_TIERS.clear()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
+
 class StorageTier:
     """The NVMe tier of one optimizer on one rank; see the module docstring.
 
@@ -107,6 +132,7 @@ class StorageTier:
             )
         self._dir = StateDirectory(root, rank=rank)  # checked: Note [stale directories]
         self.state = StorageState.OPEN
+        self._pid = os.getpid()  # Note [a tier belongs to the process that opened it]
         self.directory = self._dir.path
         self.rank = rank
         self.direct = True
@@ -172,6 +198,13 @@ class StorageTier:
     ) -> StorageFile:
         """A new preallocated file of ``slots`` records (``StorageFull`` when it does not
         fit; its name must be unique in the directory); see ``StorageFile``."""
+        if self._pid != os.getpid():  # Note [a tier belongs to the process that opened it]
+            raise RuntimeError(
+                f"storage tier {self.directory} was opened by process {self._pid}, and this "
+                f"is process {os.getpid()}, forked from it: its files are that process's. "
+                "Build a new optimizer in the child (with its own OffloadConfig.nvme_dir), or "
+                "start the child with multiprocessing's 'spawn' or 'forkserver' start method"
+            )
         if self.state is not StorageState.OPEN:
             raise RuntimeError(f"storage tier {self.directory} is {self.state.value} (bug)")
         file = StorageFile(self, name, slots=slots, record_bytes=record_bytes, lengths=lengths)
@@ -191,7 +224,8 @@ class StorageTier:
 
     def close(self) -> None:
         """Wait for pending I/O, delete every file, unlock and remove the directory (when
-        no other tier of this process uses it). Idempotent."""
+        no other tier of this process uses it). Idempotent; a no-op in a forked child (Note
+        [a tier belongs to the process that opened it])."""
         if self.state is StorageState.CLOSED:
             return
         self.state = StorageState.CLOSED
@@ -205,3 +239,17 @@ class StorageTier:
             for file in list(self._files):
                 file.close()
             self._dir.release()
+
+    def _disown(self) -> None:
+        """This process is a forked child: the tier and its files are the parent's. Mark
+        them closed here, touching nothing on disk (Note [a tier belongs to the process
+        that opened it])."""
+        self.state = StorageState.CLOSED
+        for file in self._files:
+            file.state = StorageState.CLOSED
+        self._files.clear()
+        for buffer in self.buffers:
+            # The I/O pending at the fork runs in the parent, on the parent's copy of the
+            # buffer; nothing will ever touch the child's copy: it is free here.
+            buffer.event = None
+            buffer.settle()

@@ -39,6 +39,16 @@ in ``accelerator/strict.py``).
 An entry kept past ``close`` keeps its last values and no longer follows the model; until it
 goes it keeps the whole pool's host memory (pinned on a GPU), as a view of the pool did:
 ``clone()`` what is kept longer.
+
+Note [weights on NVMe are not read back at exit]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An optimizer still alive at interpreter exit is released by its finalizer, which gives every
+parameter a private copy of its weights (``unbind``). For a home on NVMe that copy is a disk
+read, and by then it cannot be issued: ``concurrent.futures`` stops its thread pools (the
+NVMe engine's, ``memory/io_engine.py``) before any ``atexit`` hook or finalizer runs. The
+parameters go with the interpreter, so at exit (``interpreter_exiting``) such views leave
+them on their placeholders and read nothing. ``close()``, or dropping the optimizer, before
+exit restores them as always.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import torch
 from ..accelerator.strict import MEMORY
 from ..errors import StorageError
 from ..memory.block import Block
+from ..memory.manager import interpreter_exiting
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.nvme_home import WeightFile
@@ -284,7 +295,10 @@ class WindowedViews(ParamViews):
     def unbind(self) -> None:
         """Give every parameter a private copy of its weights on the device (the home's,
         once adopted) and its plain class (close, or a construction that failed). A
-        parameter whose ``.data`` was replaced keeps what it was given."""
+        parameter whose ``.data`` was replaced keeps what it was given. At interpreter exit,
+        a home on NVMe is not read: Note [weights on NVMe are not read back at exit]."""
+        if self.nvme_home is not None and interpreter_exiting():
+            return
         for i, param in enumerate(self.params):
             if self.home is None and self.nvme_home is None:
                 param.data = param.data.clone()
