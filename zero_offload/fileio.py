@@ -259,6 +259,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by another user
+    except (OverflowError, ValueError):
+        return True  # no pid this large: not ours to judge, so kept
     return True
 
 

@@ -63,6 +63,7 @@ a ``CopyRecord``, built only when one is subscribed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import itertools
 import threading
@@ -114,6 +115,11 @@ def _mark_exit() -> None:
 
 weakref.finalize(_mark_exit, lambda: None)
 atexit.register(_mark_exit)
+# Python's thread pools (the NVMe I/O engine's) shut down in threading's own exit hooks,
+# which all run before any atexit hook: a hook of the user's (atexit.register(opt.close))
+# meets them dead, so the exit is marked among threading's hooks too.
+with contextlib.suppress(AttributeError, RuntimeError):  # private, present since 3.9
+    threading._register_atexit(_mark_exit)  # type: ignore[attr-defined]
 
 
 def interpreter_exiting() -> bool:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..memory.manager import interpreter_exiting
 from . import released
 from .hook_ref import Hook
 from .state_dict_entries import Owned
@@ -140,6 +141,13 @@ def _root_post_hook(ref: weakref.ref, module: nn.Module, args: Any, output: Any)
 def _materialize(ref: weakref.ref, index: int) -> None:
     offloader = ref()
     if offloader is None:
+        if interpreter_exiting():  # Note [weights on NVMe are not read back at exit]
+            raise RuntimeError(
+                "a parameter whose weights live on NVMe was read at interpreter exit, after "
+                "its optimizer was closed or collected: Python has stopped the I/O threads "
+                "that read them back. Read or save the model before exit (not in an atexit "
+                "hook)"
+            )
         raise RuntimeError(
             "a released parameter was read after its optimizer was collected without close() "
             "(a bug in zero-offload: the optimizer's finalizer restores every parameter)"
