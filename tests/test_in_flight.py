@@ -97,10 +97,10 @@ def test_an_old_dynamo_without_class_guards_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch, "__version__", "2.5.0")
     assert in_flight.compile_refusal() is None
     from zero_offload import OffloadAdamW, OffloadConfig
-    from zero_offload.optim import offload_optimizer
+    from zero_offload.optim import constructor_checks
 
     # The optimizer asks before it builds anything.
-    monkeypatch.setattr(offload_optimizer, "compile_refusal", lambda: "refused: old dynamo")
+    monkeypatch.setattr(constructor_checks, "compile_refusal", lambda: "refused: old dynamo")
     config_ = OffloadConfig(overlap_step=True, overlap_landing="at_first_use")
     with pytest.raises(ValueError, match="refused: old dynamo"):
         OffloadAdamW(_params(), config=config_)

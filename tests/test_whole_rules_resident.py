@@ -40,7 +40,7 @@ from torch import nn
 
 from zero_offload import OffloadAdafactor, OffloadConfig, OffloadMuon
 from zero_offload.errors import DeviceBudgetExceeded
-from zero_offload.optim import offload_optimizer
+from zero_offload.optim import constructor_checks
 from zero_offload.optim.offload_optimizer import OffloadOptimizer
 from zero_offload.optim.state.placement import plan_dtype_buckets, plan_placement
 from zero_offload.views import Family
@@ -449,6 +449,13 @@ class _TwoRanks:
         return "rank 0/2"
 
 
+def _refused_alike(name: str, *, refused: Exception | None = None, **_: object) -> None:
+    """The constructor's comparison where both ranks refused alike: each raises its own
+    refusal (Note [a rank that fails alone]), here without a collective."""
+    if refused is not None:
+        raise refused
+
+
 @pytest.mark.parametrize("fraction", [0.5, "auto"])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_resident_state_on_several_ranks_is_still_refused(
@@ -457,13 +464,15 @@ def test_resident_state_on_several_ranks_is_still_refused(
     """Device-resident state is not partitioned, for any rule (docs/multi-rank.md): several
     ranks need ``offload_fraction=1.0``, and the whole-parameter check lets that refusal
     speak (it has nothing against several ranks without parameter offload)."""
-    monkeypatch.setattr(offload_optimizer, "optimizer_comm", lambda group, timeout: _TwoRanks())
+    monkeypatch.setattr(constructor_checks, "optimizer_comm", lambda group, timeout: _TwoRanks())
+    monkeypatch.setattr(constructor_checks, "agree_on_arguments", _refused_alike)
     cls, hyper = RULES[rule]
     model, _ = make_pair()
     config = OffloadConfig(offload_fraction=fraction)
     with pytest.raises(ValueError, match=r"rank 0/2: OffloadConfig.offload_fraction must be "
                        r"1.0 with several ranks"):  # fmt: skip
-        cls(model.parameters(), **hyper, config=config, accelerator=host_accelerator())
+        cls(model.parameters(), **hyper, config=config, accelerator=host_accelerator(),
+            process_group="given")  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", list(RULES))
