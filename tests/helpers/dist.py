@@ -397,7 +397,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: How many times ``spawn_ranks`` picks another port when rank 0 could not listen on one.
+PORT_TRIES = 3
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """``mp.spawn(fn, args=(world, port, *args), nprocs=world)`` on a free port. The port is
+    free when picked, but another process (a lingering rank's gloo socket takes ports from
+    the same ephemeral range) may take it before rank 0's store listens on it: the ranks
+    then fail with EADDRINUSE, and are run again on another port."""
+    for attempt in range(PORT_TRIES):
+        try:
+            mp.spawn(fn, args=(world, free_port(), *args), nprocs=world)
+            return
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_TRIES - 1:
+                raise
+
+
 def run_ranks(world: int, scenario: str, out: Path, **kwargs: Any) -> list[dict]:
     """Run ``scenario`` on ``world`` spawned gloo ranks; their results in rank order."""
-    mp.spawn(_entry, args=(world, free_port(), scenario, str(out), kwargs), nprocs=world)
+    spawn_ranks(_entry, world, scenario, str(out), kwargs)
     return [torch.load(out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(world)]

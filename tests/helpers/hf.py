@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from accelerate.state import AcceleratorState, PartialState
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -25,7 +24,7 @@ from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.integrations.transformers import OffloadTrainer
 
 from .device import CUDA_INDEX, run_accelerator, run_device, run_kind
-from .dist import free_port
+from .dist import spawn_ranks
 
 VOCAB = 64
 SEQ = 16
@@ -213,5 +212,5 @@ def _trainer_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def run_trainer_ranks(world: int, out: Path) -> list[dict]:
     """``_trainer_rank`` on ``world`` spawned gloo ranks; each rank's results, in order."""
-    mp.spawn(_trainer_rank, args=(world, free_port(), str(out)), nprocs=world)
+    spawn_ranks(_trainer_rank, world, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
