@@ -5,12 +5,14 @@ call: the constructor's param groups, or one ``add_param_group``), by one of two
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, NoReturn
 
 import torch
 
 from ..config import GradStaging, OffloadConfig
+from ..errors import Attempts
 from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -137,15 +139,7 @@ class SegmentBuilder:
             refused = exc  # raised by agree_on_build, after the other ranks heard of it
         # After this rank's own checks, before anything is allocated (a segment with nothing
         # to train too: every rank calls it at every build): Note [the ranks build alike].
-        agree_on_build(
-            owner,
-            group_indices,
-            rule=self.rule,
-            config=self.config,
-            windows=self.param_offload_of,
-            comm=self.ranks.comm,
-            refused=refused,
-        )
+        self._agree(owner, group_indices, refused)
         if not families:
             return
         together = BuiltTogether(self.ranks.comm, owner=type(owner).__name__)
@@ -171,16 +165,22 @@ class SegmentBuilder:
         """Raise ``refused``, this rank's refusal of a build's arguments (a group, the
         parameters), once every rank has heard of it; they raise naming this rank (Note [a
         rank that fails alone] in ``rank_agreement.py``)."""
+        self._agree(owner, [], refused)
+        raise refused  # agree_on_build raised it already; for the type checker
+
+    def _agree(
+        self, owner: torch.optim.Optimizer, group_indices: list[int], refused: Exception | None
+    ) -> None:
+        """``agree_on_build`` for this builder's rule, config, windows and ranks."""
         agree_on_build(
             owner,
-            [],
+            group_indices,
             rule=self.rule,
             config=self.config,
             windows=self.param_offload_of,
             comm=self.ranks.comm,
             refused=refused,
         )
-        raise refused  # agree_on_build raised it already; for the type checker
 
     def _check_in_flight(self, params: list[torch.Tensor]) -> None:
         """Refuse ``grad_staging="in_flight"`` where no step could run during backward
@@ -340,30 +340,24 @@ class SegmentBuilder:
         holds one copy]). Under ZeRO-3 a copy is gathered from every rank's shard, which
         needs every rank: where that fails (a rank that failed alone is gone, Note [a rank
         that fails alone]), ``cause`` says so and keeps its type; the pools go either way."""
-        bound = {id(v): v for v in views}
-        noted: list[Exception] = []
-
-        def attempt(step: Any, *args: Any) -> None:
-            try:
-                step(*args)
-            except Exception as lost:
-                if not isinstance(cause, Exception):
-                    raise
-                noted.append(lost)
-
-        for each in bound.values():
+        attempt = Attempts()
+        for each in {id(v): v for v in views}.values():
             attempt(each.unbind)
         if parts.offload is not None:
             attempt(parts.offload.close)
-        attempt(self.manager.discard_pool, parts.device_pool)
+        attempt(functools.partial(self.manager.discard_pool, parts.device_pool))
         for pool in host_pools:
-            attempt(self.manager.discard_pool, pool)
+            attempt(functools.partial(self.manager.discard_pool, pool))
         if parts.ring is not None:
             attempt(parts.ring.close)
-        if noted:
+        interrupts = [e for e in [cause, *attempt.errors] if not isinstance(e, Exception)]
+        if interrupts and attempt.errors:
+            attempt.raise_first()  # an interrupt: what failed here is not a note
+        if attempt.errors:
             cause.add_note(
-                f"(the parameters could not take their weights back: {noted[0]}; under "
-                "ZeRO-3 a rank holds only its shards, so rebuild the model before another try)"
+                f"(the parameters could not take their weights back: {attempt.errors[0]}; "
+                "under ZeRO-3 a rank holds only its shards, so rebuild the model before "
+                "another try)"
             )
 
     def _register(

@@ -329,9 +329,9 @@ def _agree(
 
 def share_outcome(failed: Exception | None, *, comm: Comm | None, what: str, owner: str) -> None:
     """Tell every rank of ``comm`` whether ``what`` failed on this one (``failed``) and
-    learn the same of theirs. Where it passed and failed elsewhere, raise naming the first
-    rank where it failed and its error: ``ValueError`` where ``what`` names checks, else
-    ``CollectiveError``. Where it failed, return, for the caller to raise its own. Nothing
+    learn the same of theirs. Where it passed and failed elsewhere, raise
+    ``CollectiveError`` naming the first rank where it failed and its error. Where it
+    failed, return, for the caller to raise its own. Nothing
     with one rank. A collective: every rank calls it at the same point of its build. See
     Note [a rank that fails alone]."""
     if comm is None:
@@ -354,8 +354,7 @@ def share_outcome(failed: Exception | None, *, comm: Comm | None, what: str, own
     )
     if failed is not None:
         return
-    error = ValueError if what.endswith("checks") else CollectiveError
-    raise error(
+    raise CollectiveError(
         f"{comm.where()}: {owner}: {what} failed on {_named(failing)} "
         f"({errors[failing[0]].decode(errors='replace')}); every rank raises with it rather "
         "than wait for it (Note [a rank that fails alone])"
