@@ -1,7 +1,8 @@
 """ActivationOffloader: copies out and back, and the prefetch queue for activations.
 
 Its two pools and what to do when they are full are ``pools.py``; the device tensors held
-for their copies out, ``outgoing.py``.
+for their copies out, ``outgoing.py``; what finalizers hand it and what it gives back when it
+goes, ``release.py``.
 
 Note [activation lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -62,14 +63,12 @@ import queue
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
 import torch
 
 from ..accelerator import Accelerator
-from ..errors import Attempts, StreamError
 from ..memory.block import Block
-from ..memory.manager import TieredMemoryManager, interpreter_exiting
+from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..tracing import phase
@@ -78,6 +77,7 @@ from .layout import LAYOUT_ALIGN, span_of, tensor_over_block
 from .outgoing import OutgoingCopies
 from .pools import ActivationPools
 from .record import ActivationState, OffloadedActivation, SavedActivation
+from .release import Deferred, DeviceBlockFreed, hand_over, release
 
 __all__ = ["LAYOUT_ALIGN", "ActivationOffloader", "default_offloader"]
 
@@ -97,79 +97,6 @@ class _Stats:
     device_bytes_peak: int = 0  # largest device_bytes since construction or reset_peak()
 
 
-class _DeviceBlockFreed(NamedTuple):
-    """A reloaded activation's storage died: its device block goes back to the pool (Note
-    [device blocks live as long as their storage] in layout.py)."""
-
-    block: Block  # of the device pool
-    nbytes: int  # the activation's bytes, counted in device_bytes until now
-
-
-#: What a finalizer hands over to ``_reap``: Note [finalizers only enqueue].
-_Deferred = OffloadedActivation | _DeviceBlockFreed
-
-
-# Note [an offloader released without close]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A sweep or a notebook drops offloaders without close(), as it drops optimizers (Note
-# [lifetimes without close] in optim/lifetime.py). The pools are big (1 GiB of host memory
-# and 256 MiB of the device budget by default), so they must go back when the offloader is
-# dropped, by reference counting alone: a cycle through the offloader held them until the
-# cyclic collector ran (after 6 dropped offloaders, 6.5 GiB of RSS; under a 700 MiB device
-# budget the third raised DeviceBudgetExceeded with nothing live). So nothing the offloader
-# owns points back at it: the pools take ``run_deferred`` with each call instead of keeping
-# it, and ``_deferred`` holds data (Note [finalizers only enqueue]). Only the saved-tensor
-# hooks of a live graph keep it alive. The finalizers of saved handles and reloaded storages
-# hand over to the queue, never to the offloader, and a storage's finalizer holds the queue
-# weakly: the finalizer registry holds each finalizer, out of the collector's sight, so
-# whatever a finalizer holds that holds its own storage is kept for good. A prefetch that a
-# failed backward never used is such a storage: its record holds it, and the queue holds the
-# record once the handle died. When the offloader goes, a ``weakref.finalize``
-# (``_release``) frees the blocks still held (after their copies), gives both pools back and
-# closes the manager if the offloader built it. A reloaded tensor kept past that keeps its
-# bytes (its storage holds the pool's buffer), not the budget. ``close()`` runs the same
-# finalizer at once, after checking that no activation is still held. With a shared manager
-# (``manager=opt.manager``) the finalizer is registered with the manager too, so closing or
-# dropping the optimizer, which stops the streams, releases the offloader (Note [a manager's
-# close ends its borrowers] in memory/manager.py); using it afterwards raises, naming why.
-
-
-def _release(
-    pools: ActivationPools,
-    *,
-    outgoing: OutgoingCopies,
-    groups: dict[int, list[OffloadedActivation]],
-    deferred: queue.SimpleQueue[_Deferred],
-    manager: TieredMemoryManager | None,
-) -> None:
-    """Give back what an offloader owns; Note [an offloader released without close].
-
-    ``outgoing``'s device tensors are read by copies out, which the pools wait for (their
-    end events are on the host blocks): they are dropped after, with the records the
-    offloader still holds (``groups``, ``deferred``), whose views would keep the host pool's
-    buffer alive. ``manager``: the offloader's own, closed last (None when shared).
-    """
-    attempt = Attempts()
-    attempt(pools.discard)  # waits for the copies still touching the pools
-    outgoing.abandon()
-    groups.clear()
-    while not deferred.empty():
-        deferred.get_nowait()
-    if manager is not None:
-        attempt(manager.close)
-    errors = attempt.errors
-    if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
-        raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
-
-
-def _hand_over(deferred: weakref.ref[queue.SimpleQueue[_Deferred]], item: _Deferred) -> None:
-    """Put ``item`` on the offloader's queue, if the queue still exists (a finalizer; any
-    thread): Note [an offloader released without close]."""
-    target = deferred()
-    if target is not None:
-        target.put(item)
-
-
 class ActivationOffloader:
     """Moves saved activations to a host pool and back; shared by ``checkpoint`` and
     ``offload_activations``.
@@ -179,7 +106,8 @@ class ActivationOffloader:
     ``accelerator`` (default ``get_accelerator()``). The host and device pools are
     allocated here, once, at the sizes in ``config``. See Note [activation lifecycle].
     ``close()`` gives them back; so does dropping the offloader, or closing (or dropping)
-    the optimizer whose manager it shares (Note [an offloader released without close]).
+    the optimizer whose manager it shares (Note [an offloader released without close] in
+    ``release.py``).
 
     Device activation bytes (``stats()["device_bytes"]``, ``["device_bytes_peak"]``) count
     what the offloader holds on the device: saved tensors whose copy out is pending, and
@@ -222,8 +150,8 @@ class ActivationOffloader:
         self.manager = manager
         self.accelerator = manager.accelerator
         self.device = self.accelerator.device
-        # Note [finalizers only enqueue]: what finalizers handed over, run by _reap.
-        self._deferred: queue.SimpleQueue[_Deferred] = queue.SimpleQueue()
+        # Note [finalizers only enqueue] (release.py): what finalizers handed over, run by _reap.
+        self._deferred: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
         try:
             self.pools = ActivationPools(manager, config)
         except BaseException:
@@ -236,10 +164,10 @@ class ActivationOffloader:
         self._groups: dict[int, list[OffloadedActivation]] = {}
         self._outgoing = OutgoingCopies()  # Note [holding, not record_stream]
         self._stats = _Stats()
-        # Note [an offloader released without close]: nothing passed here references self.
+        # Note [an offloader released without close] (release.py): nothing here references self.
         self._finalizer = weakref.finalize(
             self,
-            _release,
+            release,
             self.pools,
             outgoing=self._outgoing,
             groups=self._groups,
@@ -374,8 +302,8 @@ class ActivationOffloader:
         """Give both pools back (device pool: to the budget), and stop the manager's threads
         when the offloader built it; every activation must have been dropped by autograd.
         Optional: a dropped offloader is released the same way, and closing the optimizer
-        whose manager it shares closes it too (Note [an offloader released without close]).
-        Calling ``close`` again does nothing."""
+        whose manager it shares closes it too (Note [an offloader released without close]
+        in ``release.py``). Calling ``close`` again does nothing."""
         if not self._finalizer.alive:
             return
         self.synchronize()
@@ -400,17 +328,6 @@ class ActivationOffloader:
 
     # -- copies out --------------------------------------------------------------------
 
-    # Note [finalizers only enqueue]
-    # Finalizers (a saved handle dropped by autograd, a reloaded tensor's storage dying) run
-    # wherever the last reference goes away: on any thread, and even in the middle of code
-    # that holds this offloader's lock or a pool's lock, when the garbage collector runs
-    # there. Taking those (non-reentrant) locks from a finalizer could deadlock, so
-    # finalizers only put what died on ``_deferred`` (a lock-free queue): the record of a
-    # dropped handle, or a ``_DeviceBlockFreed``. ``_reap`` frees them at the start of every
-    # pack, unpack, stats and synchronize, with no lock held. The queue holds data, never a
-    # callable bound to the offloader: the offloader holds the queue, so that would be a
-    # cycle (Note [an offloader released without close]).
-
     def _run_deferred(self) -> None:
         while True:
             try:
@@ -419,7 +336,7 @@ class ActivationOffloader:
                 return
             if not self._finalizer.alive:
                 continue  # released: every block went back with the pools
-            if isinstance(item, _DeviceBlockFreed):
+            if isinstance(item, DeviceBlockFreed):
                 self._free_device_block(item.block, item.nbytes)
             else:
                 self._drop(item)
@@ -487,7 +404,7 @@ class ActivationOffloader:
             (block.nbytes // record.host_view.element_size(),),
             # Note [finalizers only enqueue]; Note [an offloader released without close]
             functools.partial(
-                _hand_over, weakref.ref(self._deferred), _DeviceBlockFreed(block, record.nbytes)
+                hand_over, weakref.ref(self._deferred), DeviceBlockFreed(block, record.nbytes)
             ),
             accelerator=self.accelerator,
             fill_stream=self.manager.h2d,  # Note [a reloaded view is built on the stream ...]

@@ -94,7 +94,7 @@ class OutgoingCopies:
 
     def abandon(self) -> None:
         """Drop every held tensor and LANDING record, for an offloader released (Note [an
-        offloader released without close] in ``offloader.py``): the caller waited for the
+        offloader released without close] in ``release.py``): the caller waited for the
         copies out already. Runs without the offloader's lock, which nobody holds then."""
         self._pending.clear()
         self._landing.clear()

@@ -32,10 +32,10 @@ class ActivationPools:
     reloaded into, built through ``manager`` at ``config``'s sizes.
 
     The allocations take ``run_deferred``, which runs the frees that finalizers handed over
-    (Note [finalizers only enqueue] in ``offloader.py``): a full pool tries it before giving
+    (Note [finalizers only enqueue] in ``release.py``): a full pool tries it before giving
     up. It is passed with each call, never kept: the offloader's finalizer holds these pools,
     and a kept bound method of the offloader would hold the offloader in a cycle (Note [an
-    offloader released without close] in ``offloader.py``).
+    offloader released without close] in ``release.py``).
 
     Fields: ``host``: ``BlockPool``, host (pinned where available), ``config.host_pool_bytes``.
     ``device``: ``BlockPool``, device, ``config.device_pool_bytes``.
