@@ -64,6 +64,13 @@ def _lines(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
 
+def _expect_lines(script: str, *args: str, expected: dict[str, str]) -> None:
+    """Run ``script``: it exits cleanly and prints exactly ``expected``'s lines."""
+    result = _run(script, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _lines(result) == expected, result.stdout + result.stderr[-3000:]
+
+
 # -- bug: a killed save's temporary stayed forever ----------------------------------------------
 
 _KILLED_SAVE = """
@@ -172,15 +179,108 @@ def test_a_forked_child_that_exits_leaves_the_parents_nvme_state_alone(
 ) -> None:
     """``params``: parameter offload with NVMe homes, whose write-backs may still be in
     flight at the fork (the child must not wait for them)."""
-    result = _run(_FORK_EXITS, str(tmp_path / "nvme"), variant)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _lines(result) == {
-        "child": "0",
-        "files kept": "True",
-        "lock holder": "True",
-        "parent trains": "True",
-        "closed": "True",
-    }, result.stdout + result.stderr[-3000:]
+    _expect_lines(
+        _FORK_EXITS,
+        str(tmp_path / "nvme"),
+        variant,
+        expected={
+            "child": "0",
+            "files kept": "True",
+            "lock holder": "True",
+            "parent trains": "True",
+            "closed": "True",
+        },
+    )
+
+
+# -- bug: a forked child's optimizer joined the parent's locked NVMe directory ------------------
+
+_FORK_BUILDS = """
+root = sys.argv[1]
+model, _ = make_pair()
+config = OffloadConfig(nvme_dir=root, host_budget=0, bucket_bytes=8192, tile_elements=1024)
+opt = OffloadAdamW(model.parameters(), lr=1e-3, config=config)
+rank = os.path.join(root, "rank0")
+before = sorted(os.listdir(rank))
+pid = os.fork()
+if pid == 0:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # listdir's own fd, closed since
+    print("child holds the lock fd:", any(link.endswith("rank0/LOCK") for link in links))
+    try:
+        OffloadAdamW(make_pair()[0].parameters(), lr=1e-3, config=config)
+        said = "built"
+    except ValueError as exc:
+        said = f"ValueError {f'live process {os.getppid()}' in str(exc)}"
+    print("build in child:", said, flush=True)
+    os._exit(0)
+print("child:", wait_child(pid))
+print("files kept:", sorted(os.listdir(rank)) == before)
+opt.close()
+print("closed:", not os.path.exists(rank))
+"""
+
+
+def test_an_optimizer_built_in_a_forked_child_on_the_parents_nvme_dir_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The child's tier used to count itself among the parent's users of ``rank0`` and write
+    its files there, unlocked; it is refused as in use by the parent, and the child drops
+    its copy of the parent's ``LOCK`` fd (Note [a tier belongs to the process that opened
+    it] in ``memory/storage.py``)."""
+    _expect_lines(
+        _FORK_BUILDS,
+        str(tmp_path / "nvme"),
+        expected={
+            "child holds the lock fd": "False",
+            "build in child": "ValueError True",
+            "child": "0",
+            "files kept": "True",
+            "closed": "True",
+        },
+    )
+
+
+# -- bug: an NVMe read or write pending at a fork hung a child that waited for it ---------------
+
+_FORK_IO_WAIT = """
+from zero_offload.memory.io_engine import IOEvent
+pending, done = IOEvent(1), IOEvent(1)
+done.part_done()
+pid = os.fork()
+if pid == 0:
+    done.synchronize()
+    print("done before the fork:", "returns", flush=True)
+    try:
+        pending.synchronize()
+        said = "returned"
+    except RuntimeError as exc:
+        said = f"{type(exc).__name__} {f'process {os.getppid()}' in str(exc)}"
+    print("pending at the fork:", said, flush=True)
+    os._exit(0)
+print("child:", wait_child(pid, 10.0))
+pending.part_done()
+pending.synchronize()
+print("parent:", "returns")
+"""
+
+
+def test_an_nvme_wait_pending_at_a_fork_raises_in_the_child() -> None:
+    """The engine's threads did not fork: the child raises ``ForkedStreamError`` naming the
+    parent instead of waiting forever (Note [a forked child has no worker threads])."""
+    _expect_lines(
+        _FORK_IO_WAIT,
+        expected={
+            "done before the fork": "returns",
+            "pending at the fork": "ForkedStreamError True",
+            "child": "0",
+            "parent": "returns",
+        },
+    )
 
 
 # -- bug: state_dict() / close() in a forked child hung forever ---------------------------------
@@ -218,16 +318,17 @@ opt.close()
 def test_state_dict_and_close_in_a_forked_child_raise_instead_of_hanging() -> None:
     """They raise ``ForkedStreamError`` naming the parent; a DataLoader's forked workers (which
     never touch the optimizer) work, and the parent trains on after every fork."""
-    result = _run(_FORK_CALLS)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _lines(result) == {
-        "state_dict in child": "ForkedStreamError True",
-        "state_dict child": "0",
-        "close in child": "ForkedStreamError True",
-        "close child": "0",
-        "dataloader batches": "4",
-        "parent trains": "True",
-    }, result.stdout + result.stderr[-3000:]
+    _expect_lines(
+        _FORK_CALLS,
+        expected={
+            "state_dict in child": "ForkedStreamError True",
+            "state_dict child": "0",
+            "close in child": "ForkedStreamError True",
+            "close child": "0",
+            "dataloader batches": "4",
+            "parent trains": "True",
+        },
+    )
 
 
 # -- bug: exit without close() under parameter offload with NVMe homes printed a traceback ------

@@ -29,6 +29,7 @@ from .config import (
 from .errors import (
     CollectiveError,
     DeviceBudgetExceeded,
+    ForkedStreamError,
     PoolExhausted,
     StreamError,
     StreamRaceError,
@@ -97,6 +98,7 @@ __all__ = [
     "CollectiveError",
     "CudaAccelerator",
     "DeviceBudgetExceeded",
+    "ForkedStreamError",
     "GradAccumulation",
     "GradStaging",
     "HostAccelerator",

@@ -10,6 +10,7 @@ __all__ = [
     "CollectiveError",
     "DefragmentationRefused",
     "DeviceBudgetExceeded",
+    "ForkedStreamError",
     "PoolExhausted",
     "StorageError",
     "StorageFull",
@@ -26,6 +27,16 @@ class StreamError(RuntimeError):
     """Work queued on a stream failed; the original exception is the ``__cause__``.
 
     See Note [stream errors are sticky] in ``zero_offload.accelerator.base``.
+    """
+
+
+class ForkedStreamError(StreamError):
+    """A stream (or its event) was used in a forked child of the process that made it.
+
+    The stream's worker thread did not fork, so what is queued there could never run; the
+    message names both processes and the fix (build anew in the child, or start it with
+    ``spawn``). See Note [a forked child has no worker threads] in
+    ``zero_offload.accelerator.threads``.
     """
 
 

@@ -55,13 +55,21 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import StreamError
+from ..errors import ForkedStreamError, StreamError
 from .base import Event, Stream
 from .device_context import capture_thread_device
 from .host_syncs import LIBRARY_THREAD_PREFIX, count_sync
 from .race_checker import RaceChecker, VectorClock
 
-__all__ = ["ForkedStreamError", "Guard", "ThreadEvent", "ThreadStream", "ThreadTimestamp"]
+__all__ = [
+    "ForkedStreamError",
+    "Guard",
+    "ThreadEvent",
+    "ThreadStream",
+    "ThreadTimestamp",
+    "forked_error",
+    "this_process",
+]
 
 _STOP = object()
 
@@ -78,12 +86,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class ForkedStreamError(StreamError):
-    """A stream (or its event) was used in a forked child of the process that made it: Note
-    [a forked child has no worker threads]."""
+def this_process() -> int:
+    """This process's pid, without a system call (Note [a forked child has no worker
+    threads]): what an event made here remembers, to know a forked child."""
+    return _PID
 
 
-def _forked(what: str, owner: int) -> ForkedStreamError:
+def forked_error(what: str, owner: int) -> ForkedStreamError:
+    """The error for ``what``, made by process ``owner``, used in this forked child."""
     return ForkedStreamError(
         f"{what} belongs to process {owner}, and this is process {os.getpid()}, forked from "
         "it: the stream's worker thread did not fork (os.fork() copies only the calling "
@@ -230,7 +240,7 @@ class ThreadEvent(Event):
             pending = self._pending
             if pending is not None:  # Note [a thread event is a held lock]
                 if self._pid != _PID:  # Note [a forked child has no worker threads]
-                    raise _forked(f"an event of stream {self.stream_name!r}", self._pid)
+                    raise forked_error(f"an event of stream {self.stream_name!r}", self._pid)
                 pending.acquire()
                 pending.release()
         if self._error is not None:
@@ -368,7 +378,7 @@ class ThreadStream(Stream):
         if self._guard is not None:
             self._guard(f"stream {self.name!r}")
         if self._worker.pid != _PID:  # Note [a forked child has no worker threads]
-            raise _forked(f"stream {self.name!r}", self._worker.pid)
+            raise forked_error(f"stream {self.name!r}", self._worker.pid)
         if self._worker.error is not None:
             raise self._worker.error
         if self._closed:

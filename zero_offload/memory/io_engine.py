@@ -34,6 +34,7 @@ import torch
 
 from ..accelerator import Event
 from ..accelerator.host_syncs import count_sync
+from ..accelerator.threads import forked_error, this_process
 from ..errors import StorageError
 
 __all__ = ["IOEngine", "IOEvent", "RecordFile"]
@@ -73,6 +74,7 @@ class IOEvent(Event):
         self._completed_at: float | None = None
         self._view = view
         self._after = after
+        self._pid = this_process()  # Note [a forked child has no worker threads]
         self.started: IOEvent | None = IOEvent(1) if parts > 1 or view is not None else None
 
     def part_started(self) -> None:
@@ -104,6 +106,10 @@ class IOEvent(Event):
 
     def synchronize(self) -> None:
         count_sync("nvme")  # Note [host syncs are counted where they can block]
+        if self._pid != this_process() and not self._done.is_set():
+            # Note [a forked child has no worker threads] (accelerator/threads.py): the
+            # engine's threads did not fork, so a part pending at the fork never ends here.
+            raise forked_error("an NVMe read or write", self._pid)
         self._done.wait()
         if self._error is not None:
             raise self._error

@@ -53,6 +53,20 @@ _HELD: dict[Path, tuple[int, int]] = {}
 _LOCK = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """In a forked child the locks are the parent's: Note [a tier belongs to the process
+    that opened it] in ``storage.py``."""
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    for fd, _users in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the child's copy: the parent's flock stays, held by the parent's
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _os_error(exc: OSError, root: object, path: Path, doing: str) -> OSError:
     error = type(exc)(
         exc.errno,

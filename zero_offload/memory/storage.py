@@ -40,7 +40,13 @@ tier there would delete the parent's state files and ``LOCK`` under the live par
 let a third process take the directory. So in a forked child (``os.register_at_fork``)
 every inherited tier and each of its files is disowned: marked ``CLOSED`` in the child's
 copy only, and nothing deleted, unlocked or closed. Closing them in the child is then a
-no-op, and I/O on them raises; ``create_file`` on an inherited tier says why. The I/O the
+no-op, and I/O on them raises; ``create_file`` on an inherited tier says why. The child
+also forgets which directories this process locked (``state_dir._HELD``) and closes its
+copies of their ``LOCK`` fds, whose ``flock`` stays the parent's: a tier the child opens on
+the parent's directory is refused as in use by the parent, instead of counting itself
+among the parent's users and writing beside the parent's files, unlocked (the parent's
+last close would remove the directory under it); and a child that outlives the parent
+does not keep the parent's lock held. The I/O the
 parent had pending on the tier's buffers runs in the parent, on the parent's copy of them
 (the engine's threads did not fork: Note [a forked child has no worker threads] in
 ``accelerator/threads.py``), so in the child they are free at once, and settling them
