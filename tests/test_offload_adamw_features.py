@@ -7,10 +7,12 @@ on ``cuda:0`` with the same tolerances (Note [no TF32 in the CUDA forms] in conf
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
+import zero_offload
 from zero_offload import LossScalerConfig, OffloadAdamW, OffloadConfig
 
 from .helpers.models import (
@@ -97,6 +99,36 @@ def test_nonfinite_gradient_in_fp32_poisons_like_torch_unless_skipped(skip: bool
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(torch.isnan(a), torch.isnan(b))
         assert torch.equal(torch.isinf(a), torch.isinf(b))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+@pytest.mark.parametrize("clip", ["config", "method", "total"])
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_a_nonfinite_norm_clips_like_torch(bad: str, clip: str, fraction: float) -> None:
+    """torch's coefficient of an infinite norm zeroes the gradients (the infinite element
+    becomes NaN), of a NaN norm makes them all NaN; we used to clip nothing, stepping every
+    finite gradient in full (Note [clipping by a total norm])."""
+    model, ref = make_pair()
+    config = {"max_grad_norm": 1.0} if clip == "config" else {}
+    opt = offload_opt(model, offload_fraction=fraction, **config)
+    ropt = torch_adamw(ref)
+    for m in (model, ref):
+        gen = torch.Generator().manual_seed(0)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(p)
+        m.head.weight.grad[0, 0] = float(bad)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    if clip == "method":
+        opt.clip_grad_norm_(1.0)
+    elif clip == "total":
+        zero_offload.clip_grad_norm_([opt], 1.0)
+    opt.step()
+    ropt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        finite = ~torch.isnan(b)
+        assert torch.allclose(a[finite], b[finite], rtol=1e-6, atol=1e-7)
+    assert math.isnan(opt.last_grad_norm) == (bad == "nan")
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

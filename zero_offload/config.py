@@ -210,8 +210,10 @@ class LossScalerConfig:
             Default 0.5. Must be in (0, 1).
         growth_interval: overflow-free steps before the scale grows. Default 2000. >= 1.
         min_scale: the scale never drops below this. Default 1.0. Must be > 0.
-        hysteresis: consecutive overflowing steps tolerated before the scale drops (every
-            overflowing step is skipped regardless). Default 2. Must be >= 1.
+        hysteresis: the scale drops at the ``hysteresis``-th overflowing step since it last
+            dropped or grew, consecutive or not (DeepSpeed's rule; clean steps between them
+            do not reset the count; 1 is ``torch.amp.GradScaler``'s schedule). Every
+            overflowing step is skipped regardless. Default 2. Must be >= 1.
     """
 
     initial_scale: float = 2.0**16

@@ -131,14 +131,19 @@ def check_float(
     lo: float | None = None,
     hi: float | None = None,
     hi_open: bool = False,
+    nan_ok: bool = False,
 ) -> float:
-    """Return ``value`` as a finite Python float within ``[lo, hi]`` (``[lo, hi)`` if hi_open)."""
+    """Return ``value`` as a finite Python float within ``[lo, hi]`` (``[lo, hi)`` if hi_open);
+    ``nan_ok``: NaN passes too (a gradient multiplier from a NaN norm: NaN gradients, as
+    torch's clipping makes them)."""
     if not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name} must be a real number (a Python float), got {type(value).__name__} "
             f"{value!r}; for a tensor pass {name}.item()"
         )
     v = float(value)
+    if nan_ok and math.isnan(v):
+        return v
     bad = not math.isfinite(v) or (lo is not None and v < lo)
     bad = bad or (hi is not None and (v >= hi if hi_open else v > hi))
     if bad:

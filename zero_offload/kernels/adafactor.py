@@ -361,7 +361,7 @@ def adafactor_step(
     eps2 = check_float("eps2", eps2, lo=0.0)
     d = check_float("d", d, lo=1.0)
     weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
-    grad_scale = check_float("grad_scale", grad_scale)
+    grad_scale = check_float("grad_scale", grad_scale, nan_ok=True)
     if numel == 0:
         return
 

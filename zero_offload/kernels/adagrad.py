@@ -106,7 +106,7 @@ def adagrad_step(
     lr_decay = check_float("lr_decay", lr_decay, lo=0.0)
     weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
     eps = check_float("eps", eps, lo=0.0)
-    grad_scale = check_float("grad_scale", grad_scale)
+    grad_scale = check_float("grad_scale", grad_scale, nan_ok=True)
 
     f32 = np.float32
     scalars = (

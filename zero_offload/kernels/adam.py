@@ -232,7 +232,7 @@ def adam_step(
     beta2 = check_float("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
     eps = check_float("eps", eps, lo=0.0)
     weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
-    grad_scale = check_float("grad_scale", grad_scale)
+    grad_scale = check_float("grad_scale", grad_scale, nan_ok=True)
 
     # Scalars are formed in float64 exactly as torch forms them, then rounded to fp32 once.
     f32 = np.float32

@@ -103,7 +103,7 @@ def lion_step(
     beta1 = check_float("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
     beta2 = check_float("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
     weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
-    grad_scale = check_float("grad_scale", grad_scale)
+    grad_scale = check_float("grad_scale", grad_scale, nan_ok=True)
 
     f32 = np.float32
     scalars = (

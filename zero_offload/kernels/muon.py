@@ -327,7 +327,7 @@ def muon_step(
     lr = check_float("lr", lr, lo=0.0)
     weight_decay = check_float("weight_decay", weight_decay, lo=0.0)
     momentum = check_float("momentum", momentum, lo=0.0)
-    grad_scale = check_float("grad_scale", grad_scale)
+    grad_scale = check_float("grad_scale", grad_scale, nan_ok=True)
 
     update = update_buffer(numel)
     w_coeff, w_small = _lerp_coefficient(1 - momentum)

@@ -209,10 +209,10 @@ class StepPolicy:
     # clipping each by its own norm is not that. So, as torch's get_total_norm and
     # clip_grads_with_norm_ split it, the caller adds the optimizers' grad_norm()s into the
     # total and gives it to each one's clip_grads_with_norm_, which clips by torch's
-    # coefficient of that total, min(1, max_norm / (total + 1e-6)). A total that is not
-    # finite clips nothing, as a window's own norm that is not finite does: the overflow
-    # handling decides then (a skipped step with fp16, or skip_nonfinite), where torch's
-    # clip_grads_with_norm_ would zero the gradients (an inf total) or make them NaN. The
+    # coefficient of that total, min(1, max_norm / (total + 1e-6)). A norm or total that is
+    # not finite clips as torch's does when the step runs: an infinite one zeroes the
+    # gradients (an infinite element becomes NaN), a NaN one makes them all NaN. A step that
+    # the overflow handling skips (fp16's loss scaler, or skip_nonfinite) clips nothing. The
     # optimizers' loss scales must agree (clip_grad_norm_ refuses otherwise).
 
     def clip_once(
@@ -262,8 +262,10 @@ class StepPolicy:
         self.note_steps()
         clip = 1.0
         against = norm if total is None else total  # Note [clipping by a total norm]
-        if max_norm is not None and math.isfinite(norm) and math.isfinite(against):
-            clip = min(1.0, max_norm / (against + 1e-6))
+        if max_norm is not None and not skip:
+            coefficient = max_norm / (against + 1e-6)
+            # torch's clamp(max=1) keeps a NaN coefficient (a NaN norm): NaN gradients
+            clip = coefficient if math.isnan(coefficient) else min(1.0, coefficient)
         return skip, clip / scale
 
     def note_steps(self) -> None:
