@@ -131,6 +131,21 @@ def test_a_nonfinite_norm_clips_like_torch(bad: str, clip: str, fraction: float)
     assert math.isnan(opt.last_grad_norm) == (bad == "nan")
 
 
+@pytest.mark.parametrize("several", [False, True])
+def test_error_if_nonfinite_raises_clipping_nothing_as_torchs(several: bool) -> None:
+    """torch's ``error_if_nonfinite`` and ``foreach`` arguments used to be a TypeError."""
+    model, _ = make_pair()
+    opt = offload_opt(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model.head.weight.grad[0, 0] = float("inf")
+    clip = zero_offload.clip_grad_norm_ if several else type(opt).clip_grad_norm_
+    with pytest.raises(RuntimeError, match=r"norm of order 2\.0 of the gradients is inf"):
+        clip(opt, 1.0, error_if_nonfinite=True, foreach=True)
+    assert opt._policy.clip.bound(opt._policy.router.backwards) is None  # nothing clipped
+    assert math.isinf(float(clip(opt, 1.0, error_if_nonfinite=False, foreach=None)))
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_offload_fraction_gives_the_same_training(fraction: float) -> None:
     model, ref = make_pair()

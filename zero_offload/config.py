@@ -200,7 +200,8 @@ def _check_int(name: str, value: object, *, low: int) -> int:
 
 @dataclass(frozen=True)
 class LossScalerConfig:
-    """Dynamic loss scaling for fp16 models (ignored for bf16 and fp32).
+    """Dynamic loss scaling for fp16 models (ignored for bf16 and fp32 unless
+    ``autocast_fp16``).
 
     Attributes:
         initial_scale: the first loss scale. Default 2**16. Must be > 0.
@@ -214,6 +215,11 @@ class LossScalerConfig:
             dropped or grew, consecutive or not (DeepSpeed's rule; clean steps between them
             do not reset the count; 1 is ``torch.amp.GradScaler``'s schedule). Every
             overflowing step is skipped regardless. Default 2. Must be >= 1.
+        autocast_fp16: scale dynamically whatever the weights' dtype, for
+            ``torch.autocast(dtype=torch.float16)`` over fp32 or bf16 weights (the recipe
+            ``torch.amp.GradScaler`` serves, which cannot see an offload optimizer's
+            gradients): call ``opt.backward(loss)``, as for an fp16 model. Default False:
+            scaled only when a trainable parameter is fp16 (Note [one loss scale]).
     """
 
     initial_scale: float = 2.0**16
@@ -222,8 +228,14 @@ class LossScalerConfig:
     growth_interval: int = 2000
     min_scale: float = 1.0
     hysteresis: int = 2
+    autocast_fp16: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.autocast_fp16, bool):
+            raise TypeError(
+                "LossScalerConfig.autocast_fp16 must be True or False, got "
+                f"{type(self.autocast_fp16).__name__} {self.autocast_fp16!r}"
+            )
         _check_positive_finite("LossScalerConfig.initial_scale", self.initial_scale)
         _check_positive_finite("LossScalerConfig.min_scale", self.min_scale)
         _check_positive_finite("LossScalerConfig.growth_factor", self.growth_factor)

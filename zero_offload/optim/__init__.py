@@ -9,6 +9,7 @@ from .offload_lion import OffloadLion
 from .offload_muon import OffloadMuon
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
+from .torch_grad_scaler import install as _install_grad_scaler_guard
 from .update.failures import StepFailed
 
 __all__ = [
@@ -27,3 +28,5 @@ __all__ = [
 _install_clipping_guard()
 # Note [clipping guarded at each framework's entry point] in framework_clipping.py
 _install_framework_guards()
+# Note [torch's GradScaler cannot see our gradients] in torch_grad_scaler.py
+_install_grad_scaler_guard()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradientClipping", "clip_grad_norm_", "total_grad_norm"]
+__all__ = ["GradientClipping", "check_finite_norm", "clip_grad_norm_", "total_grad_norm"]
 
 
 class GradientClipping:
@@ -26,13 +26,22 @@ class GradientClipping:
 
     _policy: Any  # the optimizer's StepPolicy; _check_open, _collect_stray_grads: its own
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
         """Clip the next step's gradients to ``max_norm``; returns the total norm (as
-        torch's)."""
+        torch's). ``norm_type``: 2 only. ``error_if_nonfinite``: raise, clipping nothing,
+        when the norm is NaN or infinite, as torch's. ``foreach`` is accepted for torch's
+        signature and changes nothing (the norm comes from the fused statistics pass)."""
         self._check_open("clip_grad_norm_")
         self._policy.check_clip_allowed()
         check_clip_arguments(max_norm, norm_type)
         norm = self.grad_norm()
+        check_finite_norm(float(norm), error_if_nonfinite)
         self._policy.clip_once(float(max_norm), window_norm=float(norm))
         return norm
 
@@ -60,6 +69,8 @@ def clip_grad_norm_(
     optimizers: GradientClipping | Iterable[GradientClipping],
     max_norm: float,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model that several offload optimizers train
     (``OffloadMuon`` beside an ``OffloadAdamW``): the L2 norm of all their gradients, each
@@ -71,7 +82,8 @@ def clip_grad_norm_(
     framework's wrapper of one (accelerate's prepared optimizer). Each optimizer counts once:
     one listed twice, or listed both wrapped and unwrapped, is one optimizer, whose gradients
     are in the norm once (counting them twice would make the norm too large by sqrt(2) and
-    clip too hard)."""
+    clip too hard). ``error_if_nonfinite`` and ``foreach`` as ``GradientClipping.
+    clip_grad_norm_``'s."""
     listed = _offload_optimizers(optimizers)
     check_clip_arguments(max_norm, norm_type)
     for opt in listed:
@@ -87,6 +99,7 @@ def clip_grad_norm_(
             "whose scale is 1). Nothing was clipped"
         )
     total = total_grad_norm(listed)
+    check_finite_norm(total, error_if_nonfinite)
     for opt in listed:
         opt.clip_grads_with_norm_(max_norm, total)
     return torch.tensor(total)
@@ -126,7 +139,10 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> None:
     takes). A ``max_norm`` that is no real number (a string, ``None``, a bool, a tensor) is a
     ``TypeError``; one <= 0, NaN or infinite a ``ValueError``."""
     if norm_type != 2.0:
-        raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}")
+        raise ValueError(
+            f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}: the norm comes from the "
+            "step's fused statistics pass, which sums squares, so no other norm is taken"
+        )
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(
             f"max_norm must be a finite number > 0 (a float, an int or a numpy scalar), got "
@@ -134,6 +150,23 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> None:
         )
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+
+
+def check_finite_norm(norm: float, error_if_nonfinite: object) -> None:
+    """torch's ``error_if_nonfinite``: a NaN or infinite norm raises, nothing clipped."""
+    if not isinstance(error_if_nonfinite, bool):
+        raise TypeError(
+            "error_if_nonfinite must be True or False, got "
+            f"{type(error_if_nonfinite).__name__} {error_if_nonfinite!r}"
+        )
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order 2.0 of the gradients is {norm}, so it cannot be "
+            "clipped; nothing was clipped. To clip by it anyway (as torch does: an infinite "
+            "norm zeroes the gradients, a NaN one makes them NaN), pass "
+            "error_if_nonfinite=False; to skip such steps, set "
+            "OffloadConfig(skip_nonfinite=True)"
+        )
 
 
 def _total(total_norm: object) -> float:

@@ -95,8 +95,9 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
         owner = owner_of(listed)
         if owner is not None:
             tail = (
-                "To clip by the global norm call opt.clip_grad_norm_(max_norm) between "
-                "backward and step (or set OffloadConfig(max_grad_norm=...)); where several "
+                "To clip by the global L2 norm (norm_type=2, the only norm the optimizer "
+                "takes) call opt.clip_grad_norm_(max_norm) between backward and step (or set "
+                "OffloadConfig(max_grad_norm=...)); where several "
                 "offload optimizers train the model, zero_offload.clip_grad_norm_([opt1, "
                 "opt2, ...], max_norm) clips it by the norm of all their gradients; with Hugging "
                 "Face Trainer use zero_offload.integrations.transformers.OffloadTrainer, with "

@@ -1,4 +1,5 @@
-"""Loss scaling: a static scale of 1 for bf16/fp32, dynamic scaling for fp16.
+"""Loss scaling: a static scale of 1 for bf16/fp32, dynamic scaling for fp16 (and for fp16
+autocast over other weights, ``LossScalerConfig.autocast_fp16``).
 
 The scaler only decides; the optimizer detects overflow (in its fused statistics pass over
 the host gradients) and folds ``1 / scale`` into the CPU Adam gradient multiplier.
@@ -7,7 +8,9 @@ Note [one loss scale]
 ~~~~~~~~~~~~~~~~~~~~~
 An optimizer has one scaler, whatever mix of training dtypes its buckets hold: dynamic as
 soon as any trainable parameter is fp16 (at construction, or when ``add_param_group`` brings
-the first ones), else ``NoLossScaler``. The scale multiplies the whole loss
+the first ones) or ``LossScalerConfig.autocast_fp16`` asks for it (fp16 autocast over fp32 or
+bf16 weights: the activations' gradients are fp16 though the weights' are not), else
+``NoLossScaler``. The scale multiplies the whole loss
 (``OffloadAdamW.backward``), so every bucket's gradients, the bf16 and fp32 ones beside the
 fp16 ones, arrive multiplied by it; the step therefore unscales every bucket by the same
 factor (one ``clip / scale`` gradient multiplier), the norm is the global sum of squares

@@ -111,8 +111,11 @@ class StepPolicy:
         return self.router.buckets
 
     def use_scaler_for(self, buckets: list[FlatBucket]) -> None:
-        """The first fp16 parameters bring the dynamic scaler: Note [one loss scale]."""
-        if not self.scaler.skips_overflow and any(b.dtype == torch.float16 for b in buckets):
+        """The first fp16 parameters bring the dynamic scaler (``autocast_fp16``: the first
+        buckets of any dtype): Note [one loss scale]."""
+        if self.scaler.skips_overflow or not buckets:
+            return
+        if self.config.loss_scaler.autocast_fp16 or any(b.dtype == torch.float16 for b in buckets):
             self.scaler = DynamicLossScaler(self.config.loss_scaler)
             self.scaled.scaler = self.scaler  # Note [a backward carries the loss scale]
 
