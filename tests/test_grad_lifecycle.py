@@ -21,11 +21,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zero_offload.optim.grads.to_host as off
-from zero_offload import StepFailed
+from zero_offload import OffloadAdamW, OffloadConfig, StepFailed
 from zero_offload.memory.traffic import Category, Direction
 from zero_offload.optim.grads.lifecycle import GradState
 
-from .helpers.device import on_device, run_device
+from .helpers.device import on_device, run_accelerator, run_device
 from .helpers.models import (
     batches,
     host_accelerator,
@@ -40,6 +40,7 @@ from .helpers.models import (
     mlp_train_both,
     offload_opt,
     torch_adamw,
+    train,
 )
 
 pytestmark = pytest.mark.cuda_form
@@ -490,13 +491,31 @@ def test_optimizers_dropped_without_close_release_everything() -> None:
     assert max_diff(model, ref) < TOL
 
 
-def test_a_second_live_optimizer_over_the_same_parameters_is_refused() -> None:
+@pytest.mark.parametrize("offload_parameters", [False, True])
+def test_a_second_live_optimizer_over_the_same_parameters_is_refused(
+    offload_parameters: bool,
+) -> None:
+    """A notebook cell run again. Under parameter offload the second constructor used to
+    fetch the first one's released parameters by looking at their memory, and refused two
+    untied parameters as sharing it (the shared slot's address), before this refusal."""
     model, _ = make_pair()
-    first = offload_opt(model)
+
+    def build() -> OffloadAdamW:
+        extra = {"model": model} if offload_parameters else {}
+        return OffloadAdamW(
+            model.parameters(),
+            lr=1e-3,
+            config=OffloadConfig(offload_parameters=offload_parameters, bucket_bytes=8192),
+            accelerator=run_accelerator(),
+            **extra,
+        )
+
+    first = build()
+    train(model, first, batches(1))
     with pytest.raises(ValueError, match=r"already trained by OffloadAdamW#\d+.*close\(\)"):
-        offload_opt(model)
+        build()
     first.close()
-    offload_opt(model).close()  # once the first is gone, it works
+    build().close()  # once the first is gone, it works
 
 
 def _run_overlap(data, *, save_every: int | None, between_micro: bool) -> nn.Module:

@@ -27,15 +27,22 @@ __all__ = ["refuse_shared_memory"]
 
 
 def _span(param: torch.Tensor) -> tuple[int, int] | None:
-    """``[first, end)`` byte addresses of ``param``'s elements, or None without memory."""
-    if param.numel() == 0 or param.device.type == "meta" or param.layout is not torch.strided:
-        return None
-    if param.untyped_storage().nbytes() == 0 or param.data_ptr() == 0:
-        return None  # released (storage resized to 0 under parameter offload)
-    last = sum(
-        (size - 1) * stride for size, stride in zip(param.shape, param.stride(), strict=True)
-    )
-    return param.data_ptr(), param.data_ptr() + (last + 1) * param.element_size()
+    """``[first, end)`` byte addresses of ``param``'s elements, or None without memory.
+
+    Read below ``__torch_function__``: a parameter another optimizer's parameter offload
+    released must not be fetched back by looking (that moved its window, and the address
+    read was the shared slot's, soon another unit's: two untied parameters were refused as
+    sharing memory before the real refusal, that the other optimizer trains them)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if param.numel() == 0 or param.device.type == "meta" or param.layout is not torch.strided:
+            return None
+        if param.untyped_storage().nbytes() == 0 or param.data_ptr() == 0:
+            return None  # released (storage resized to 0 under parameter offload)
+        last = sum(
+            (size - 1) * stride for size, stride in zip(param.shape, param.stride(), strict=True)
+        )
+        start = param.data_ptr()
+        return start, start + (last + 1) * param.element_size()
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor, low: int, end: int) -> bool:
