@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
 from transformers import GPT2LMHeadModel
 
 from zero_offload import OffloadAdamW, load_pretrained, save_pretrained
 
+from .helpers.models import host_accelerator
 from .test_build_anywhere import make_opt, on_meta, saved, train
 
 
@@ -152,3 +155,27 @@ def test_master_weights_export_the_fp32_master(tmp_path: Path, nvme: bool) -> No
     opt.close()
     with pytest.raises(ValueError, match=r"master_weights=True .* optimizer="):
         save_pretrained(model, tmp_path / "c", master_weights=True)
+
+
+def test_safetensors_of_a_model_state_dict_round_trips_and_save_model_is_the_documented_limit(
+    tmp_path: Path,
+) -> None:
+    """docs/checkpoints.md: without parameter offload each parameter is a view of its
+    bucket's flat buffer, so ``safetensors.torch.save_model`` (which wants a tensor covering
+    each storage) raises; ``save_file(model.state_dict())`` and ``save_pretrained`` write
+    the live weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, accelerator=host_accelerator())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    save_file(model.state_dict(), tmp_path / "weights.safetensors")
+    back = load_file(tmp_path / "weights.safetensors")
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    save_pretrained(model, tmp_path / "pretrained", optimizer=opt)
+    exported = load_file(tmp_path / "pretrained" / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="None is covering the entire storage"):
+        save_model(model, str(tmp_path / "model.safetensors"))
+    opt.close()
