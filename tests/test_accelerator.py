@@ -7,7 +7,6 @@ zero_offload/accelerator/base.py; the CUDA cases skip cleanly without a GPU.
 from __future__ import annotations
 
 import time
-import traceback
 
 import pytest
 import torch
@@ -105,8 +104,9 @@ def test_worker_exception_reaches_caller_with_its_traceback() -> None:
         stream.synchronize()
     cause = info.value.__cause__
     assert isinstance(cause, ValueError) and "boom" in str(cause)
-    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
-    assert "_explode" in frames
+    # The traceback as text: the stream keeps no frames (Note [a sticky error holds no
+    # frames]).
+    assert "in _explode" in str(info.value) and cause.__traceback__ is None
 
 
 def test_failed_stream_refuses_more_work_and_fails_its_events() -> None:

@@ -1,7 +1,7 @@
 """Closed or dropped, an optimizer and an activation offloader give back their pools and
 threads at once, by reference counting alone: nothing waits for ``gc.collect()`` (Note
 [lifetimes without close] in ``optim/lifetime.py``, Note [an offloader released without
-close] in ``activations/offloader.py``).
+close] in ``activations/release.py``).
 
 Every check is exact and runs with the cyclic garbage collector disabled: the library's
 threads by name (``zero_offload:``), the device ledger's ``in_use`` bytes, whether a pool's
@@ -23,13 +23,20 @@ import pytest
 import torch
 from torch import nn
 
-from zero_offload import OffloadAdamW
+from zero_offload import OffloadAdamW, StreamError
 from zero_offload.accelerator import Accelerator
 from zero_offload.accelerator.host_syncs import LIBRARY_THREAD_PREFIX
 from zero_offload.activations import ActivationOffloadConfig, ActivationOffloader, checkpoint
 from zero_offload.memory.pool import BlockPool
 
-from .helpers.models import TinyTransformer, batches, host_accelerator, offload_opt, train
+from .helpers.models import (
+    TinyTransformer,
+    batches,
+    host_accelerator,
+    lm_loss,
+    offload_opt,
+    train,
+)
 
 #: Placements of the optimizer state whose stores own host pool buffers: the fp32 master
 #: as the weights' home, a bf16 model's staging beside it, and NVMe (the staging only).
@@ -142,6 +149,52 @@ def test_a_dropped_optimizer_is_freed_by_reference_counting(placement: str, tmp_
         assert new_library_threads(before) == []
         assert still_referenced(pools) == []
         assert accelerator.memory_stats()["in_use"] == 0
+        assert library_cycles() == []
+
+
+def _frames(error: BaseException) -> int:
+    tb, count = error.__traceback__, 0
+    while tb is not None:
+        tb, count = tb.tb_next, count + 1
+    return count
+
+
+@pytest.mark.parametrize("ends", ["dropped", "closed"])
+def test_an_optimizer_whose_stream_failed_is_freed_by_reference_counting(
+    ends: str, tmp_path: Path
+) -> None:
+    """The stream's one stored error used to be raised again at every call, each raise
+    chaining that call's frames onto its traceback: the failed optimizer stayed alive
+    through its own stream, with its pools, and a failed close() kept it in a cycle too
+    (Note [a sticky error holds no frames] in accelerator/base.py)."""
+    with collector_off():
+        before = set(threading.enumerate())
+        model, opt, _ = build("host_fp32", tmp_path)
+        train(model, opt, batches(1))
+
+        def fail() -> None:
+            raise OSError("the copy failed")
+
+        opt.manager.d2h.submit(fail)
+        raised = []
+        for tokens, targets in batches(3):
+            with pytest.raises(StreamError, match="the copy failed") as info:
+                lm_loss(model, tokens, targets).backward()
+                opt.step()
+            raised.append(_frames(info.value))
+            opt.zero_grad()
+        assert raised[1] == raised[2]  # no frames chained on from the calls before
+        assert isinstance(info.value.__cause__, OSError)
+        del info
+        dropped = weakref.ref(opt)
+        if ends == "closed":
+            with pytest.raises(StreamError, match="the copy failed"):
+                opt.close()
+
+        del opt, model
+
+        assert dropped() is None
+        assert new_library_threads(before) == []
         assert library_cycles() == []
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "StorageFull",
     "StreamError",
     "StreamRaceError",
+    "without_frames",
 ]
 
 
@@ -28,6 +29,29 @@ class StreamError(RuntimeError):
 
     See Note [stream errors are sticky] in ``zero_offload.accelerator.base``.
     """
+
+    def again(self) -> StreamError:
+        """A fresh error with this one's message and cause, for the next call that meets
+        the failed stream: raising one stored object again would chain every raise's frames
+        onto its traceback, and keep their locals (the optimizer) alive with the stream
+        (Note [a sticky error holds no frames] in ``zero_offload.accelerator.base``)."""
+        fresh = type(self)(*self.args)
+        fresh.__cause__ = self.__cause__
+        return fresh
+
+
+def without_frames(exc: BaseException) -> BaseException:
+    """``exc``, and every exception in its cause and context chain, with no traceback: what
+    a failed stream keeps (Note [a sticky error holds no frames] in
+    ``zero_offload.accelerator.base``; the stream's error carries the traceback's text).
+    Returns ``exc``."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 class ForkedStreamError(StreamError):
@@ -113,7 +137,18 @@ class Attempts:
         except BaseException as exc:  # kept, the first raised by raise_first
             self.errors.append(exc)
 
-    def raise_first(self) -> None:
-        """Raise the first error kept, if any."""
-        if self.errors:
-            raise self.errors[0]
+    def raise_first(self, *, unless: Callable[[BaseException], bool] | None = None) -> None:
+        """Raise the first error kept, if any (and ``unless`` does not say to pass it over),
+        and keep none: the errors' tracebacks hold the frames that hold this object, a
+        cycle that kept the failed owner alive until the cyclic collector ran (Note [a
+        sticky error holds no frames] in ``zero_offload.accelerator.base``)."""
+        errors, self.errors = self.errors, []
+        if not errors:
+            return
+        first = errors[0]
+        del errors
+        try:
+            if unless is None or not unless(first):
+                raise first
+        finally:
+            del first  # this frame is in the raised error's traceback

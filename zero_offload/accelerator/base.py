@@ -19,8 +19,8 @@ that are kept alive and unaliased until an event recorded after it completes.
 Note [stream errors are sticky]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 An exception raised by work on a stream is never swallowed. It is re-raised to the caller,
-as the ``__cause__`` of a ``StreamError`` (so the original traceback is printed whole), at
-the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
+as the ``__cause__`` of a ``StreamError`` whose message holds the original traceback's text
+(printed whole; Note [a sticky error holds no frames]), at the next synchronisation point: ``Stream.synchronize``, ``Event.synchronize``,
 ``Accelerator.synchronize``, or the next ``submit``/``record_event`` on the failed stream.
 A failed stream refuses all further work with the same error; events recorded on it and
 streams that wait on those events fail too.
@@ -32,6 +32,20 @@ it raised, so the buffers it touches are half-written with no event that says wh
 host accelerator, whose worker meets the same exception later, refuses further work too. A
 caller that caught the error and went on would pass on one accelerator and corrupt data on
 the other. Recovering means a new stream (or, for compute, a new accelerator).
+
+Note [a sticky error holds no frames]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A failed stream keeps its ``StreamError`` for as long as it lives, and a stream lives as long
+as its owner (the optimizer's manager). Raising that one object at every later call chained
+each call's frames onto its traceback, and frames keep their locals: the optimizer that met
+the error stayed alive through its own stream, with its pools, until the cyclic collector
+ran, and each further call made the traceback longer. So every call that meets the failed
+stream raises a fresh copy (``StreamError.again()``), whose frames are that call's alone,
+and the stream keeps the original exception (the ``__cause__``) with no traceback
+(``errors.without_frames``): the ``StreamError``'s message carries the traceback's text,
+printed whole. Its frames are gone, locals and all (cleared frames would not do: each still
+links to the frame that called it, the stream's own, which holds the stream). A
+post-mortem debugger finds no frames there; rerun with the failing call made by hand.
 
 Note [declaring stream accesses]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

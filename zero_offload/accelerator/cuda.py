@@ -36,6 +36,7 @@ import ctypes
 import os
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import AcceleratorConfig, format_bytes
-from ..errors import DeviceBudgetExceeded, StreamError
+from ..errors import DeviceBudgetExceeded, StreamError, without_frames
 from .base import Accelerator, DeviceLedger, Event, Stream
 from .capture import check_not_capturing
 from .device_context import on_cuda_device
@@ -222,19 +223,24 @@ class CudaStream(Stream):
 
     def submit(self, fn: Callable[[], Any]) -> None:
         if self._error is not None:
-            raise self._error
+            raise self._error.again()  # Note [a sticky error holds no frames] in base.py
         try:
             with torch.cuda.stream(self.stream):
                 fn()
         except BaseException as exc:
-            error = StreamError(f"work on stream {self.name!r} failed: {exc!r}")
-            error.__cause__ = exc
+            # Note [a sticky error holds no frames] (base.py): the traceback's text, not its
+            # frames, whose locals would live as long as the stream.
+            error = StreamError(
+                f"work on stream {self.name!r} failed: {exc!r}\n(original traceback below)\n"
+                + "".join(traceback.format_exception(exc))
+            )
+            error.__cause__ = without_frames(exc)
             self._error = error
-            raise error from exc
+            raise error.again() from exc
 
     def record_event(self) -> CudaEvent:
         if self._error is not None:
-            raise self._error
+            raise self._error.again()
         timed = self._accelerator.timing
         anchor = self._accelerator._clock.anchor(self.stream) if timed else None
         event = torch.cuda.Event(enable_timing=timed, blocking=True)
@@ -252,7 +258,7 @@ class CudaStream(Stream):
 
     def synchronize(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise self._error.again()
         count_sync(self.name)
         self.stream.synchronize()
 

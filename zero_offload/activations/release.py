@@ -43,9 +43,9 @@ import queue
 import weakref
 from typing import NamedTuple
 
-from ..errors import Attempts, StreamError
+from ..errors import Attempts
 from ..memory.block import Block
-from ..memory.manager import TieredMemoryManager, interpreter_exiting
+from ..memory.manager import TieredMemoryManager, quiet_at_exit
 from .outgoing import OutgoingCopies
 from .pools import ActivationPools
 from .record import OffloadedActivation
@@ -88,9 +88,8 @@ def release(
         deferred.get_nowait()
     if manager is not None:
         attempt(manager.close)
-    errors = attempt.errors
-    if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
-        raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
+    # Note [a quiet exit after a failed stream] in memory/manager.py
+    attempt.raise_first(unless=quiet_at_exit)
 
 
 def hand_over(deferred: weakref.ref[queue.SimpleQueue[Deferred]], item: Deferred) -> None:

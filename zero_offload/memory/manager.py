@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
-from ..errors import Attempts
+from ..errors import Attempts, StreamError
 from .block import Block
 from .host_worker import HostWorker
 from .listeners import TICK_EVERY, Listeners, Tick
@@ -90,7 +90,7 @@ from .traffic import (
     TrafficCounters,
 )
 
-__all__ = ["TICK_EVERY", "Tier", "TieredMemoryManager", "interpreter_exiting"]
+__all__ = ["TICK_EVERY", "Tier", "TieredMemoryManager", "interpreter_exiting", "quiet_at_exit"]
 
 _clock = time.perf_counter
 _new_tuple = tuple.__new__
@@ -126,6 +126,12 @@ def interpreter_exiting() -> bool:
     """Whether the interpreter is running its exit hooks (Note [a quiet exit after a failed
     stream])."""
     return _EXITING
+
+
+def quiet_at_exit(error: BaseException) -> bool:
+    """Whether a release's first ``error`` is passed over: a failed stream's, at exit (Note
+    [a quiet exit after a failed stream]); ``Attempts.raise_first(unless=...)``."""
+    return _EXITING and isinstance(error, StreamError)
 
 
 class Tier(enum.Enum):

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import Attempts, StreamError
-from ..memory.manager import TieredMemoryManager, interpreter_exiting
+from ..errors import Attempts
+from ..memory.manager import TieredMemoryManager, quiet_at_exit
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
@@ -123,9 +123,8 @@ class Resources:
             if close is not None:
                 attempt(close)
         attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
-        errors = attempt.errors
-        if errors and not (interpreter_exiting() and isinstance(errors[0], StreamError)):
-            raise errors[0]  # see Note [a quiet exit after a failed stream] in memory/manager.py
+        # Note [a quiet exit after a failed stream] in memory/manager.py
+        attempt.raise_first(unless=quiet_at_exit)
 
 
 def check_owners(

@@ -260,8 +260,10 @@ class HostGradients(GradientPath):
         # slots that got none are zeroed, so the buffer is exact everywhere it is read.
         if self._adopted is not None:
             raise RuntimeError(
-                f"bucket {self.layout.index}: a second gradient into an adopted one (bug: "
-                "Note [a lone gradient is its own buffer])"
+                f"bucket {self.layout.index} still holds a gradient that a failed backward or "
+                "step left behind (its flush never ran; the error was raised then): call "
+                "opt.zero_grad() to clear the window, then reload or rebuild the optimizer as "
+                "that error said (Note [a lone gradient is its own buffer])"
             )
         slot = self.layout.slots[slot_index]
         view = self.grad_dev[slot.offset : slot.end]
