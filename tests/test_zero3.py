@@ -39,6 +39,7 @@ from zero_offload.estimate import ModelShape, estimate, param_offload_bytes
 from zero_offload.memory.align import aligned
 from zero_offload.optim.state.placement import POOL_ALIGNMENT
 
+from .helpers import zero3
 from .helpers.zero3 import SEQ, VOCAB, batches, gpt, loss_without, one_process, run, share, skipped
 
 FP32_ATOL = 1e-5
@@ -256,3 +257,32 @@ def test_the_estimators_zero3_rows_are_a_real_builds_pools(dtype: torch.dtype, t
     row = {row.name: row for row in table.rows}["ZeRO-Offload + parameter offload"]
     assert row.device_model_states == window
     assert row.library == "yes"
+
+
+def scenario_one_call_on_two_units_of_a_slot(rank: int, world: int, out: object) -> dict:
+    """ZeRO-3 on ``world`` ranks: one op on parameters of blocks 0 and 3 (ring slot 0 with
+    ``prefetch_layers=1``) after a step, then the same through a clone of the first."""
+    model = zero3.gpt(torch.float32, layers=4)
+    opt = zero3.make_opt(model, offload=True, prefetch_layers=1)
+    zero3.train(model, opt, 1, rank, world, norms=[])
+    first, last = next(model.blocks[0].parameters()), next(model.blocks[3].parameters())
+    try:
+        _ = first + last
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    total = (first.clone() + last).sum().item()
+    opt.close()
+    return {"refused": refused, "total": total}
+
+
+def test_several_ranks_refuse_one_call_on_two_units_sharing_a_slot(tmp_path: Path) -> None:
+    """With several ranks a read outside the window is gathered into the unit's slot: one
+    call on two units sharing it would run on the first one's placeholder (a segfault on one
+    rank). Each rank refuses alike, before any gather, naming both units; a clone of the
+    first reads both."""
+    results = zero3.run(2, scenario_one_call_on_two_units_of_a_slot, tmp_path)
+    for rank, result in enumerate(results):
+        assert "share window slot" in result["refused"], f"rank {rank}: {result['refused']!r}"
+        assert f"rank {rank}" in result["refused"]
+    assert results[0]["total"] == results[1]["total"]

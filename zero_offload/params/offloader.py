@@ -30,7 +30,8 @@ A forward outside training (``torch.no_grad()``, ``model.eval()``, ``generate()`
 window exactly like a training forward; the units still resident when a forward returns are
 *exposed* to user code (Note [a write to a resident unit reaches its home] in ``unit.py``).
 User code that reads a released parameter outside the window brings its unit back through
-``materialize`` (Note [a released parameter] in ``released.py``).
+``materialize`` (Note [a released parameter] in ``released.py``), into a buffer of its own
+(Note [a read outside the window lands privately]).
 
 Hooks register the uses (``hooks.py``); the state-dict entries of offloaded parameters are
 views of their homes (Note [state dict entries are views of the homes] in
@@ -40,6 +41,36 @@ Device bytes: the window pool, ``sum`` of its slots (Note [a unit always returns
 slot] in ``window.py``): ``prefetch_layers + 2`` ring slots, each of the largest unit in it,
 plus one slot per tied unit. Everything else on the device is what it was: the optimizer's
 gradient buffers and the activations.
+
+Note [a read outside the window lands privately]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+User code may read any parameter at any time: a decoder reusing an encoder's weight
+(``F.linear(h, enc[i].weight.t())``), ``parameters_to_vector(model.parameters())``, an EMA
+``torch._foreach_lerp_(ema, list(model.parameters()), w)``. Each such read keeps what it got:
+a view (``.t()``, ``.view(-1)``, ``.detach()``) saved by autograd or held in a list, read
+later. Fetching the unit into its slot would evict the slot's occupant (its views, held by
+user code or saved by autograd, would then read this unit's bytes), and the window's next
+move would overwrite the slot under the new views in turn. So ``materialize`` never
+touches a slot: the unit lands in a *private* device buffer of its own
+(``ParamUnit.fetch_private``: the same copies, from the homes or through the bounce ring,
+into the buckets' ranges of that buffer), waited for, and its parameters are views of it
+until the unit is released as any resident unit is: by the window's next move (whose uses
+fetch into the slot), the end of a backward, a step. A release gives the buffer back to the
+device budget; a view user code or autograd still holds keeps its storage alive (torch's
+refcount) and the values it had, which are the live weights until the next step or write.
+
+Budget: each private buffer is allocated from the device budget (``allocate_device``,
+``ParamUnit.private_bytes()``: the unit's slot bytes). When it does not fit, the units
+landed privately earlier are released, oldest first, except those landed by the torch call
+under way (``released.current_call``: one call reading several released parameters needs
+them all at once); if that is not enough, ``DeviceBudgetExceeded`` names the unit, its
+parameters and the fix. A released buffer still referenced by a view user code keeps
+(``parameters_to_vector`` keeps every view until its ``cat``) is user memory, as a tensor
+user code allocates is: the budget no longer counts it.
+
+With several ranks the read goes into the slot as before (a gather into the slot, in the
+ranks' order: Note [a sharded unit] in ``sharded_fetch.py``); docs/parameter-offload.md
+lists that limit.
 
 Several ranks (ZeRO-3 with offload, ``ShardedParamOffloader`` in ``sharded_fetch.py``): each
 rank holds its shard of each home, fetches the shard into its slice of the slot and
@@ -57,12 +88,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import Attempts
+from ..config import format_bytes
+from ..errors import Attempts, DeviceBudgetExceeded
 from ..memory.align import aligned
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..views import Family
-from . import hooks
+from . import hooks, released
 from .home_store import Bounce, bounce_bytes
 from .hook_ref import Hook as _Hook  # noqa: F401  the old name: models pickled with it load
 from .state_dict_entries import StateDictEntries, owners
@@ -150,6 +182,9 @@ class ParamOffloader:
         #: Whether the optimizer's step is writing the homes now (a step run during
         #: backward, before step()): a forward then is refused, set by the optimizer.
         self.homes_in_update: Callable[[], bool] = _never
+        #: Units landed privately for user code, oldest first (Note [a read outside the
+        #: window lands privately]); a released one is dropped at the next look.
+        self._private: list[ParamUnit] = []
 
     # -- construction (called by the optimizer) ----------------------------------------
 
@@ -254,8 +289,63 @@ class ParamOffloader:
         if self.window is None:
             raise RuntimeError(f"{unit!r} is released after close (bug)")
         self.check_homes_settled("reading a parameter")
-        self._fetch(unit, demand=True)
+        self._land_for_user(unit)
         unit.expose(self.manager)
+
+    def _land_for_user(self, unit: ParamUnit) -> None:
+        """Note [a read outside the window lands privately]: ``unit`` in a buffer of its
+        own, its copies waited for."""
+        if unit.resident:
+            return
+        call = released.current_call()
+        buffer = self._private_buffer(unit, call)
+        occupant = unit.slot.occupant
+        if occupant is not None and occupant is not unit and occupant.pending:
+            occupant.finish_fetch()  # its disk reads use the slot's bounce range first
+        unit.fetch_private(self.manager, buffer)
+        unit.private_call = call
+        self._private.append(unit)
+        unit.use(self.manager)
+        if unit.fetched is not None:
+            # Synchronisation point: user code reads the weights next, and a release may
+            # give the buffer back while the copies are queued; a fetch for user code is
+            # waited for (Note [a released parameter]).
+            unit.fetched.synchronize()
+            unit.fetched = None
+
+    def _private_buffer(self, unit: ParamUnit, call: int | None) -> Any:
+        """A device buffer of ``unit.private_bytes()``, within the budget: units landed
+        privately by earlier calls are released, oldest first, until it fits."""
+        nbytes = unit.private_bytes()
+        what = f"{self.name} {unit!r} read outside the window"
+        accelerator = self.manager.accelerator
+        while True:
+            self._private = [u for u in self._private if u.private is not None]
+            try:
+                return accelerator.allocate_device(nbytes, what=what)
+            except DeviceBudgetExceeded as error:
+                older = [u for u in self._private if call is None or u.private_call != call]
+                if not older:
+                    names = ", ".join(unit.spec.param_names[:4])
+                    more = len(unit.spec.param_names) - 4
+                    stats = accelerator.memory_stats()
+                    raise DeviceBudgetExceeded(
+                        f"reading parameter(s) {names}{f' (+{more} more)' if more > 0 else ''} "
+                        f"of {unit!r} outside the parameter-offload window needs a private "
+                        f"device copy of the unit ({format_bytes(nbytes)}), but the device "
+                        f"budget is {format_bytes(stats['budget'])} with "
+                        f"{format_bytes(stats['in_use'])} in use"
+                        + (
+                            f", {len(self._private)} units being held for the same torch call"
+                            if self._private
+                            else ""
+                        )
+                        + ". One torch call taking parameters of many units (e.g. "
+                        "torch._foreach_* over model.parameters()) needs them all on the "
+                        "device at once: split it per block, or raise the device budget "
+                        "(AcceleratorConfig(device_budget=...))"
+                    ) from error
+                older[0].release()
 
     def check_homes_settled(self, what: str) -> None:
         """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)
@@ -304,6 +394,8 @@ class ParamOffloader:
         current.use(self.manager)
 
     def _fetch(self, unit: ParamUnit, *, demand: bool) -> None:
+        if unit.private is not None:
+            unit.release()  # a window use computes in the slot (Note [a unit always ...])
         if unit.resident:
             return
         occupant = unit.slot.occupant
@@ -416,4 +508,5 @@ class ParamOffloader:
             attempt(self.bounce.close)
             self.bounce = None
         self.entries = StateDictEntries()
+        self._private = []
         attempt.raise_first()

@@ -15,8 +15,11 @@ released a parameter's class is switched to a subclass of its own class (as torc
 ``__torch_function__`` lets metadata through (shape, dtype, device, ``requires_grad``,
 ``grad``, hooks, the version counter, ``param.data = ...``) and, before anything that reads
 or writes values (any op, ``.data``, ``.detach()``, ``copy_``, ``print``, ``stride()``),
-brings the unit onto the device (``ParamOffloader.materialize``: a fetch, waited for), which
-switches the class back; then the op runs on the real weights. User code between steps gets
+brings the unit onto the device (``ParamOffloader.materialize``: a fetch into a buffer of the
+unit's own, waited for: Note [a read outside the window lands privately] in
+``offloader.py``), which switches the class back; then the op runs on the real weights. A
+call taking several released parameters brings every one back before it runs, and none of
+them leaves for another (``current_call``). User code between steps gets
 torch's semantics: a read sees the live weights, a write lands in the slot and reaches the
 home when the unit leaves (Note [a write to a resident unit reaches its home] in
 ``unit.py``), and ``model.half()`` converts the fetched weights and replaces ``.data``, which
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -58,6 +62,7 @@ __all__ = [
     "Binding",
     "begin_saving",
     "bring_back",
+    "current_call",
     "end_saving",
     "is_bound_to",
     "is_released",
@@ -76,7 +81,15 @@ class Binding(NamedTuple):
 
 #: Released parameters and their bindings (weak keys: a parameter dropped with its model goes).
 _BINDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_local = threading.local()  # .saving: depth of state-dict calls on this thread
+_local = threading.local()  # .saving: depth of state-dict calls on this thread; .call below
+_calls = itertools.count()  # tokens of intercepted torch calls
+
+
+def current_call() -> int | None:
+    """The token of the intercepted torch call on this thread whose arguments are being
+    brought back (None: none). The units brought back for one call must stay together: Note
+    [a read outside the window lands privately] in ``offloader.py``."""
+    return getattr(_local, "call", None)
 
 
 class _Released:
@@ -90,7 +103,13 @@ class _Released:
             binding = _BINDINGS.get(args[0])
             if binding is not None:
                 return binding.home_view()
-        return intercepted(_Released, func, args, kwargs, bring_back)
+        if getattr(_local, "call", None) is not None:
+            return intercepted(_Released, func, args, kwargs, bring_back)
+        _local.call = next(_calls)  # Note [a read outside the window lands privately]
+        try:
+            return intercepted(_Released, func, args, kwargs, bring_back)
+        finally:
+            _local.call = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         bring_back(self)  # type: ignore[arg-type]
@@ -120,7 +139,10 @@ def _private_twin(param: torch.Tensor) -> torch.Tensor:
 
 
 def bring_back(param: torch.Tensor) -> None:
-    """Fetch ``param``'s unit (its class becomes the plain one again)."""
+    """Fetch ``param``'s unit (its class becomes the plain one again); nothing for a
+    parameter brought back already (by another argument of the same unit, in one call)."""
+    if not isinstance(param, _Released):
+        return
     binding = _BINDINGS.get(param)
     if binding is None:  # not ours (a copy made by torch of a released parameter's class)
         param.__class__ = type(param)._plain  # type: ignore[attr-defined]

@@ -95,6 +95,7 @@ from ..collectives import Comm, all_gather_flat, surface_collective_errors, wait
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..tracing import phase
+from . import released
 from .offloader import ParamOffloader, Phase
 from .released import restore
 from .unit import ParamUnit
@@ -393,6 +394,32 @@ class ShardedParamOffloader(ParamOffloader):
             self._touched.add(unit.index)  # its parameters may have a gradient anywhere
         with surface_collective_errors():
             super().materialize(unit)
+
+    def _land_for_user(self, unit: ParamUnit) -> None:
+        """Into the slot, gathered in the ranks' order (Note [a sharded unit]); not
+        privately (Note [a read outside the window lands privately] in ``offloader.py``).
+        One torch call reading two units that share a slot is refused, on every rank alike
+        before any gather (the second would evict the first, and the call would run on its
+        placeholder)."""
+        call = released.current_call()
+        occupant = unit.slot.occupant
+        if (
+            call is not None
+            and occupant is not None
+            and occupant is not unit
+            and occupant.resident
+            and occupant.private_call == call
+        ):
+            raise RuntimeError(
+                f"{self.comm.where()}: one torch call reads parameters of {occupant!r} and "
+                f"{unit!r}, which share window slot {unit.slot.index}: with several ranks a "
+                "parameter read outside the window is gathered into its unit's slot, so "
+                "both cannot be on the device at once. Read them in separate calls (clone "
+                "the first: a = p.clone(); then a + q), or with one rank each lands in a "
+                "buffer of its own. Nothing was read"
+            )
+        self._fetch(unit, demand=True)
+        unit.private_call = call  # which call holds the slot (no private buffer here)
 
     # -- the passes --------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ from typing import Protocol
 
 import torch
 
-from ..accelerator import Event
+from ..accelerator import DeviceBuffer, Event
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Direction
 from .home_store import Bounce, PendingFetch
@@ -129,6 +129,11 @@ class ParamUnit:
         materialize: fetch for user code (``ParamOffloader.materialize``, holding it weakly).
         exposed: per bucket, the slot's fingerprint when user code could first touch it
             (None: not exposed); Note [a write to a resident unit reaches its home].
+        private: the unit's own device buffer while user code reads it outside the window
+            (None: the parameters are views of the slot, or released); Note [a read outside
+            the window lands privately] in ``offloader.py``.
+        private_call: which intercepted torch call (``released.current_call``) landed it
+            privately, so that call's other arguments do not push it out (None: none).
         gather: with several ranks, queues the all-gather of the slot after the H2D copies'
             end event and returns the gather's (Note [a sharded unit] in
             ``sharded_fetch.py``), or is owed it until the disk reads are done (Note
@@ -162,6 +167,8 @@ class ParamUnit:
         self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
         self.pending: list[PendingFetch] = []  # disk reads of a fetch, copies not queued
         self.gather: Gatherer | None = None
+        self.private: DeviceBuffer | None = None  # (private_bytes(),) uint8, device
+        self.private_call: int | None = None
 
     def _home_versions_now(self) -> tuple[int, ...]:
         return tuple(views.home_version() for views in self.views)
@@ -210,12 +217,48 @@ class ParamUnit:
             self.fetches += 1
         slot.occupant = self
         self.content_valid = True
+        self._fetching()
+
+    def _fetching(self) -> None:
+        """The parameters view the device weights (slot or private buffer) being fetched."""
         for views in self.views:
             views.bind_device()
         self._fetch_versions = [views.current_versions() for views in self.views]
         self._home_versions = self._home_versions_now()
         self.exposed = None
         self._go(UnitState.FETCHING)
+
+    def private_bytes(self) -> int:
+        """Bytes of a private buffer holding every bucket at its slot offset."""
+        return max((views.slot_span()[1] for views in self.views), default=0)
+
+    def fetch_private(self, manager: TieredMemoryManager, buffer: DeviceBuffer) -> None:
+        """ON_HOST -> FETCHING into ``buffer`` instead of the slot, which keeps its occupant
+        and its contents (Note [a read outside the window lands privately] in
+        ``offloader.py``); ``release`` gives the buffer back."""
+        if self.gather is not None:
+            raise RuntimeError(f"{self!r}: a private fetch cannot gather (bug)")
+        self._refuse_replaced()
+        for views in self.views:
+            views.land_in(buffer.tensor)
+        self.private = buffer
+        try:
+            self.ready = self.fetched = self._fill_slot(manager)
+            self.fetches += 1
+        except BaseException:
+            self._leave_private()
+            raise
+        self._fetching()
+
+    def _leave_private(self) -> None:
+        """The views go back to the slot and the buffer to the budget; views user code took
+        keep its storage (and their values) alive."""
+        buffer, self.private, self.private_call = self.private, None, None
+        if buffer is None:
+            return
+        for views in self.views:
+            views.land_in(None)
+        buffer.release()
 
     def _fill_slot(self, manager: TieredMemoryManager) -> Event | None:
         """Queue the copies of the homes into the slot (H2D, after the compute issued so
@@ -358,7 +401,10 @@ class ParamUnit:
         before it."""
         stale = self.homes_written  # the slot no longer holds what the homes do
         self.finish_fetch()  # a prefetch nobody used: its copies complete the slot
+        written = self.write_backs
         self.write_back()
+        if self.private is not None and self.write_backs != written:
+            stale = True  # the private buffer's writes went home, past the slot
         for views in self.views:
             views.bind_placeholders()
         self.exposed = None
@@ -366,6 +412,7 @@ class ParamUnit:
             self.content_valid = False
         self._home_versions = self._home_versions_now()
         self._go(UnitState.ON_HOST)
+        self._leave_private()
 
     def settle(self) -> None:
         """Wait on the host for this unit's last fetch (the homes are about to be written).

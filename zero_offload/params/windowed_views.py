@@ -122,8 +122,12 @@ def _home_view_of(ref: weakref.ref, index: int) -> torch.Tensor:
 
 class WindowedViews(ParamViews):
     """Fields (beyond ``ParamViews``'):
-    weights_dev: (padded_numel,) training dtype, the unit's slot at this bucket's offset;
-        holds this bucket's weights only while the unit is resident.
+    weights_dev: (padded_numel,) training dtype, where the bucket's weights are while the
+        unit is resident: ``slot_range``, or the same range of the unit's private buffer
+        while user code reads it outside the window (Note [a read outside the window lands
+        privately] in ``offloader.py``).
+    slot_range: (padded_numel,) training dtype, the unit's slot at this bucket's offset
+        (fixed for good: Note [a unit always returns to its slot]).
     block: the slot's block (copies record their events on it).
     home: training dtype, pinned host; the authoritative weights of ``home_span`` (None
         until ``adopt_home``); ``home_block`` its block.
@@ -152,6 +156,7 @@ class WindowedViews(ParamViews):
         self.unit = unit
         self.block: Block = unit.slot.block
         self.weights_dev = region
+        self.slot_range = region
         self.home: torch.Tensor | None = None
         self.home_block: Block | None = None
         self.home_span = (0, layout.padded_numel)
@@ -172,6 +177,25 @@ class WindowedViews(ParamViews):
     def _point_at(self, flat: torch.Tensor) -> None:
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = flat[slot.offset : slot.end].view(slot.shape)
+
+    def slot_span(self) -> tuple[int, int]:
+        """``[start, end)`` in bytes of ``slot_range`` within the unit's slot."""
+        base = self.block.view(torch.uint8).data_ptr()
+        start = self.slot_range.data_ptr() - base
+        return start, start + self.slot_range.numel() * self.slot_range.element_size()
+
+    def land_in(self, buffer: torch.Tensor | None) -> None:
+        """Where the bucket's weights go while the unit is resident: ``buffer`` (the unit's
+        private ``(nbytes,) uint8`` buffer, this bucket at its slot offset), or its slot
+        range again (None). Only while the unit is released (Note [a read outside the
+        window lands privately] in ``offloader.py``)."""
+        if self.unit.resident:
+            raise RuntimeError(f"{self.unit!r}: moved while resident (bug)")
+        if buffer is None:
+            self.weights_dev = self.slot_range
+            return
+        start, end = self.slot_span()
+        self.weights_dev = buffer[start:end].view(self.dtype)
 
     def _bind(self, block: Block) -> None:
         raise RuntimeError("a window slot never moves (its pool does not defragment) (bug)")

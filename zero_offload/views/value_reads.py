@@ -74,7 +74,10 @@ def intercepted(
 ) -> Any:
     """Run a call that ``cls.__torch_function__`` intercepted: metadata as it is; anything
     that reads or writes values after ``before(tensor)`` for each argument of class ``cls``
-    (which gives it its plain class back, or returns early inside its own work)."""
+    (which gives it its plain class back, or returns early inside its own work). Every
+    argument is brought back first; one whose class was switched again meanwhile gets
+    ``before`` once more (a ``before`` that cannot keep them together raises), so the call
+    never runs on a switched argument except from ``before``'s own work."""
     kwargs = kwargs or {}
     if reads_no_values(func):
         with torch._C.DisableTorchFunctionSubclass():
@@ -82,6 +85,9 @@ def intercepted(
     tensors = list(_args_of(cls, args, kwargs))
     for tensor in tensors:
         before(tensor)
+    for tensor in tensors:  # every argument first, then check none was switched again
+        if isinstance(tensor, cls):
+            before(tensor)
     if any(isinstance(tensor, cls) for tensor in tensors):
         # ``before`` returned with the class still switched: the call comes from the work
         # ``before`` is doing on this thread (a landing's own reads). Run it as it is.
