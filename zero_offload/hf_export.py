@@ -58,7 +58,13 @@ from .collectives import Comm
 from .config import parse_bytes
 from .fileio import atomic_file, make_private_dirs, write_text
 from .optim import OffloadOptimizer
-from .weights.checkpoint import DTYPE_NAMES, INDEX_NAME, SINGLE_NAME, nbytes_of
+from .weights.checkpoint import (
+    DTYPE_NAMES,
+    INDEX_NAME,
+    SINGLE_NAME,
+    nbytes_of,
+    original_module,
+)
 
 __all__ = ["save_pretrained"]
 
@@ -273,6 +279,7 @@ def save_pretrained(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = original_module(model)  # Note [a compiled model is its original module]
     if optimizer is not None and not isinstance(optimizer, OffloadOptimizer):
         raise TypeError(
             f"optimizer must be the OffloadAdamW training the model, or None, got "

@@ -24,7 +24,29 @@ __all__ = [
     "SafetensorsCheckpoint",
     "TensorInfo",
     "nbytes_of",
+    "original_module",
 ]
+
+# Note [a compiled model is its original module]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.compile(model) wraps the model in an OptimizedModule whose parameters and state
+# dict are the original's under the prefix ``_orig_mod.``. A checkpoint written with those
+# names is not the model's: transformers' from_pretrained reported them missing and
+# unexpected, and silently loaded a randomly initialised model. So save_pretrained and
+# load_pretrained work on the original module, as transformers' own save_pretrained and
+# accelerate's unwrap_model do; a wrapper of a wrapper is unwrapped too.
+
+
+def original_module(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without ``torch.compile``'s wrappers (Note [a compiled model is its
+    original module])."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
 
 #: The file names ``transformers``' ``save_pretrained`` writes.
 SINGLE_NAME = "model.safetensors"

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from ..accelerator import Accelerator, get_accelerator
-from .checkpoint import SafetensorsCheckpoint, TensorInfo
+from .checkpoint import SafetensorsCheckpoint, TensorInfo, original_module
 from .source import attach, materialise
 
 __all__ = ["load_pretrained"]
@@ -175,6 +175,8 @@ def load_pretrained(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    compiled, model = model, original_module(model)  # Note [a compiled model is its
+    # original module] in checkpoint.py
     acc = accelerator if accelerator is not None else get_accelerator()
     checkpoint = SafetensorsCheckpoint(path)
     non_persistent = _non_persistent_on_meta(model)
@@ -226,7 +228,7 @@ def load_pretrained(
                 model.get_submodule(owner)._buffers[leaf] = data
     checkpoint.close()
     _refuse_forward_while_waiting(model, waiting)
-    return model
+    return compiled  # what the caller passed (the compiled wrapper, if it was one)
 
 
 def _refuse_forward_while_waiting(model: torch.nn.Module, waiting: dict[str, torch.Tensor]) -> None:
