@@ -55,6 +55,19 @@ def check_not_capturing(what: str, *, label: str = "") -> None:
         )
 
 
+#: Why dynamo breaks the graph at the library's eager functions: what
+#: ``torch.compile(fullgraph=True)`` reports when it cannot (torch >= 2.8 takes a reason).
+EAGER_REASON = (
+    "zero-offload runs this eagerly: its copies, streams and pool blocks cannot be traced "
+    "into a graph (Note [no graph capture of library work] in zero_offload/accelerator/"
+    "capture.py); torch.compile(fullgraph=True) cannot contain it: use fullgraph=False, "
+    "whose graph breaks here"
+)
+
+
 def eager_only(fn: F) -> F:
     """``fn`` run eagerly even inside a compiled model (``torch.compiler.disable``)."""
-    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+    try:
+        return torch.compiler.disable(fn, recursive=True, reason=EAGER_REASON)  # type: ignore[return-value,call-arg]
+    except TypeError:  # a torch without reason=
+        return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
