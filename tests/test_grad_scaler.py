@@ -68,6 +68,7 @@ def test_an_enabled_grad_scaler_is_refused_naming_the_optimizers_own_scaling(
     message = str(info.value)
     assert "opt.backward(loss)" in message and "autocast_fp16=True" in message
     assert "Nothing was unscaled or stepped" in message
+    assert id(opt) not in scaler._per_optimizer_states  # torch's scaler never saw it
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     opt.close()
 
@@ -124,3 +125,12 @@ def test_fp16_autocast_over_fp32_weights_scales_like_torchs_grad_scaler() -> Non
 def test_autocast_fp16_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="autocast_fp16 must be True or False, got str 'yes'"):
         LossScalerConfig(autocast_fp16="yes")  # type: ignore[arg-type]
+
+
+def test_in_flight_staging_is_refused_with_the_autocast_scaler() -> None:
+    """A scaler that may skip a step keeps every step in ``step()``, as fp16 parameters do."""
+    config = OffloadConfig(
+        grad_staging="in_flight", loss_scaler=LossScalerConfig(autocast_fp16=True)
+    )
+    with pytest.raises(ValueError, match=r"autocast_fp16=True\) brings a loss scaler"):
+        OffloadAdamW(_mlp().parameters(), config=config, accelerator=host_accelerator())

@@ -13,6 +13,7 @@ running test's (tests/helpers/device.py).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector
 
 from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload.errors import StorageError
+from zero_offload.memory import io_engine
 
 from .helpers.device import on_device, run_accelerator, run_device
 
@@ -64,7 +67,7 @@ class TiedAutoencoder(nn.Module):
 
 
 def pair(
-    cls: type[nn.Module], **config: object
+    cls: type[nn.Module], *, budget: str = "256MiB", **config: object
 ) -> tuple[nn.Module, OffloadAdamW, nn.Module, torch.optim.AdamW]:
     """(offloaded model, its optimizer, resident reference, torch AdamW)."""
     torch.manual_seed(0)
@@ -76,7 +79,7 @@ def pair(
         config=OffloadConfig(
             offload_parameters=True, bucket_bytes=2048, tile_elements=1024, **config
         ),
-        accelerator=run_accelerator(device_budget="256MiB"),
+        accelerator=run_accelerator(device_budget=budget),
         model=model,
     )
     return model, opt, ref, torch.optim.AdamW(ref.parameters(), **HYPER)
@@ -219,5 +222,81 @@ def test_foreach_ema_over_every_parameter() -> None:
         for i, (a, b) in enumerate(zip(ema, ema_ref, strict=True)):
             assert_close(a, b, f"EMA of parameter {i}")
         assert_same_params(model, ref)
+    finally:
+        opt.close()
+
+
+# -- found by a review of the private landing ----------------------------------------------
+
+
+def test_a_write_then_a_state_dict_then_a_forward_uses_the_written_weights() -> None:
+    """The state dict's write-back carried the private buffer's write home, but the slot,
+    still holding the unit's bytes from before, was taken as current: the forward ran on the
+    weights before the write (0.214 from torch)."""
+    model, opt, ref, ref_opt = pair(Blocks, prefetch_layers=1)
+    try:
+        x, _ = trained_once(model, opt, ref, ref_opt)
+        with torch.no_grad():
+            model(x)  # leaves blocks[2] released with its bytes still in its slot
+            model.blocks[2].weight.add_(1.0)
+            ref.blocks[2].weight.add_(1.0)
+        model.state_dict()
+        with torch.no_grad():
+            assert_close(model(x), ref(x), "forward after a write and a state dict")
+    finally:
+        opt.close()
+
+
+def test_a_refused_read_gives_its_buffer_back() -> None:
+    """A read refused for a replaced ``.data`` kept the private buffer allocated for it:
+    the ledger grew by a unit per refused read."""
+    model, opt, ref, ref_opt = pair(Blocks, prefetch_layers=1)
+    try:
+        trained_once(model, opt, ref, ref_opt)
+        ledger = opt.manager.accelerator.memory_stats
+        in_use = ledger()["in_use"]
+        model.blocks[1].weight.data = torch.zeros(D, D, device=run_device())
+        for _ in range(3):
+            with pytest.raises(ValueError, match="no longer uses the sto"):
+                model.blocks[1].bias + 1
+            assert ledger()["in_use"] == in_use
+    finally:
+        opt.close()
+
+
+def test_a_failed_read_from_nvme_leaves_the_unit_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private read whose disk read failed cleared the slot of the unit resident there and
+    left the unit FETCHING over a buffer nobody filled: the next read returned garbage."""
+    model, opt, ref, ref_opt = pair(Blocks, prefetch_layers=1, nvme_dir=tmp_path, host_budget=1)
+    try:
+        x, _ = trained_once(model, opt, ref, ref_opt)
+        with torch.no_grad():
+            model(x)  # blocks[3] resident in slot 0, which blocks[0] shares
+        real = io_engine._preadv
+
+        def broken(*_: object) -> int:
+            raise OSError(5, "Input/output error (injected)")
+
+        monkeypatch.setattr(io_engine, "_preadv", broken)
+        with pytest.raises(StorageError):
+            model.blocks[0].weight.sum()
+        monkeypatch.setattr(io_engine, "_preadv", real)
+        assert_close(model.blocks[0].weight, ref.blocks[0].weight, "blocks[0] read again")
+        with torch.no_grad():
+            assert_close(model(x), ref(x), "forward after the failed read")
+    finally:
+        opt.close()
+
+
+def test_a_budget_sized_for_training_still_reads_a_parameter() -> None:
+    """The smallest budget that trains has no room for a private copy: the read goes into
+    the slot, as before, warning once what that means for views kept."""
+    model, opt, ref, ref_opt = pair(Blocks, budget="10KiB", prefetch_layers=1)
+    try:
+        trained_once(model, opt, ref, ref_opt)
+        with pytest.warns(RuntimeWarning, match="no room for a copy of its own"):
+            assert_close(model.blocks[0].weight, ref.blocks[0].weight, "blocks[0] read")
     finally:
         opt.close()

@@ -27,6 +27,8 @@ from zero_offload import OffloadAdamW, StreamError
 from zero_offload.accelerator import Accelerator
 from zero_offload.accelerator.host_syncs import LIBRARY_THREAD_PREFIX
 from zero_offload.activations import ActivationOffloadConfig, ActivationOffloader, checkpoint
+from zero_offload.errors import StorageError
+from zero_offload.memory.io_engine import IOEvent
 from zero_offload.memory.pool import BlockPool
 
 from .helpers.models import (
@@ -196,6 +198,22 @@ def test_an_optimizer_whose_stream_failed_is_freed_by_reference_counting(
         assert dropped() is None
         assert new_library_threads(before) == []
         assert library_cycles() == []
+
+
+def test_a_failed_nvme_read_raised_again_gathers_no_frames() -> None:
+    """An NVMe event's stored error was raised itself at every wait, chaining each wait's
+    frames onto it (Note [a sticky error holds no frames] in accelerator/base.py)."""
+    event = IOEvent(1)
+    error = StorageError("read of 8 bytes at offset 0 of f failed")
+    error.file = "f"  # type: ignore[attr-defined]
+    event.part_done(error)
+    depths = []
+    for _ in range(3):
+        with pytest.raises(StorageError, match="offset 0 of f") as info:
+            event.synchronize()
+        depths.append(_frames(info.value))
+        assert info.value.file == "f"  # type: ignore[attr-defined]
+    assert depths[0] == depths[1] == depths[2]
 
 
 class Interrupted(Exception):

@@ -218,7 +218,8 @@ class LossScalerConfig:
         autocast_fp16: scale dynamically whatever the weights' dtype, for
             ``torch.autocast(dtype=torch.float16)`` over fp32 or bf16 weights (the recipe
             ``torch.amp.GradScaler`` serves, which cannot see an offload optimizer's
-            gradients): call ``opt.backward(loss)``, as for an fp16 model. Default False:
+            gradients): call ``opt.backward(loss)``, as for an fp16 model (with
+            ``hysteresis=1`` the schedule is ``GradScaler``'s). Default False:
             scaled only when a trainable parameter is fp16 (Note [one loss scale]).
     """
 

@@ -16,6 +16,7 @@ __all__ = [
     "StorageFull",
     "StreamError",
     "StreamRaceError",
+    "raised_again",
     "without_frames",
 ]
 
@@ -46,12 +47,29 @@ def without_frames(exc: BaseException) -> BaseException:
     ``zero_offload.accelerator.base``; the stream's error carries the traceback's text).
     Returns ``exc``."""
     seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        link = todo.pop()
+        if link is None or id(link) in seen:
+            continue
         seen.add(id(link))
         link.__traceback__ = None
-        link = link.__cause__ or link.__context__
+        todo += [link.__cause__, link.__context__, *getattr(link, "exceptions", ())]
     return exc
+
+
+def raised_again(exc: BaseException) -> BaseException:
+    """A fresh copy of a stored ``exc`` to raise (same type, arguments and cause), so the
+    stored one gathers no frames (Note [a sticky error holds no frames] in
+    ``zero_offload.accelerator.base``); ``exc`` itself, without its traceback, when its
+    type cannot be rebuilt from its arguments."""
+    try:
+        fresh = type(exc)(*exc.args)
+    except Exception:
+        return exc.with_traceback(None)
+    fresh.__cause__ = exc.__cause__
+    fresh.__dict__.update(exc.__dict__)  # attributes set on it (a StorageError's file)
+    return fresh
 
 
 class ForkedStreamError(StreamError):

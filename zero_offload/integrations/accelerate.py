@@ -67,7 +67,10 @@ FP16_AMP_MESSAGE = (
     "behind (its gradients go to host memory during backward), so the first step would fail "
     "with 'No inf checks were recorded'. Use bf16 mixed precision instead, or cast the model "
     "to fp16 (model.half()) without fp16 AMP: OffloadAdamW then scales the loss with its own "
-    "dynamic loss scaler (OffloadConfig.loss_scaler)"
+    "dynamic loss scaler (OffloadConfig.loss_scaler). fp16 autocast over fp32 or bf16 "
+    "weights takes that scaler too, with LossScalerConfig(autocast_fp16=True), in a loop "
+    "that calls opt.backward(loss) (a plain loop, or OffloadAccelerator.backward with "
+    "mixed_precision='no' and torch.autocast around the forward)"
 )
 
 

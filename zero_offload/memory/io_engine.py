@@ -35,7 +35,7 @@ import torch
 from ..accelerator import Event
 from ..accelerator.host_syncs import count_sync
 from ..accelerator.threads import forked_error, this_process
-from ..errors import StorageError
+from ..errors import StorageError, raised_again, without_frames
 
 __all__ = ["IOEngine", "IOEvent", "RecordFile"]
 
@@ -87,7 +87,7 @@ class IOEvent(Event):
         """One part finished (with ``error`` when it failed); the last completes the event."""
         with self._lock:
             if error is not None and self._error is None:
-                self._error = error
+                self._error = without_frames(error)  # its message names file and offset
             self._left -= 1
             last = self._left == 0
         if not last:
@@ -96,7 +96,7 @@ class IOEvent(Event):
             try:
                 self._after(self._view)
             except BaseException as exc:
-                self._error = exc
+                self._error = without_frames(exc)  # its message names the record
         self._view = self._after = None  # drop the buffer reference
         self._completed_at = time.perf_counter()
         self._done.set()
@@ -112,7 +112,7 @@ class IOEvent(Event):
             raise forked_error("an NVMe read or write", self._pid)
         self._done.wait()
         if self._error is not None:
-            raise self._error
+            raise raised_again(self._error)  # Note [a sticky error holds no frames]
 
     def completed_at(self) -> float | None:
         return self._completed_at if self._done.is_set() else None

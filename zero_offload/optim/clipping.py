@@ -41,7 +41,7 @@ class GradientClipping:
         self._policy.check_clip_allowed()
         check_clip_arguments(max_norm, norm_type)
         norm = self.grad_norm()
-        check_finite_norm(float(norm), error_if_nonfinite)
+        check_finite_norm(float(norm), error_if_nonfinite, foreach)
         self._policy.clip_once(float(max_norm), window_norm=float(norm))
         return norm
 
@@ -99,7 +99,7 @@ def clip_grad_norm_(
             "whose scale is 1). Nothing was clipped"
         )
     total = total_grad_norm(listed)
-    check_finite_norm(total, error_if_nonfinite)
+    check_finite_norm(total, error_if_nonfinite, foreach)
     for opt in listed:
         opt.clip_grads_with_norm_(max_norm, total)
     return torch.tensor(total)
@@ -152,8 +152,11 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> None:
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
 
 
-def check_finite_norm(norm: float, error_if_nonfinite: object) -> None:
-    """torch's ``error_if_nonfinite``: a NaN or infinite norm raises, nothing clipped."""
+def check_finite_norm(norm: float, error_if_nonfinite: object, foreach: object = None) -> None:
+    """torch's ``error_if_nonfinite``: a NaN or infinite norm raises, nothing clipped
+    (``foreach``: None or a bool, as torch takes it; it changes nothing here)."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(
             "error_if_nonfinite must be True or False, got "

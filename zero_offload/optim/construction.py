@@ -190,6 +190,10 @@ class SegmentBuilder:
         reason = self.ranks.eager_refusal()
         if reason is None and any(p.dtype == torch.float16 for p in params):
             reason = "fp16 parameters bring a loss scaler that may skip a step"
+        if reason is None and self.config.loss_scaler.autocast_fp16:
+            reason = (
+                "LossScalerConfig(autocast_fp16=True) brings a loss scaler that may skip a step"
+            )
         if reason is not None:
             raise ValueError(
                 f"OffloadConfig(grad_staging='in_flight') needs each step to run during "

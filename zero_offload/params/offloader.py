@@ -63,8 +63,11 @@ Budget: each private buffer is allocated from the device budget (``allocate_devi
 ``ParamUnit.private_bytes()``: the unit's slot bytes). When it does not fit, the units
 landed privately earlier are released, oldest first, except those landed by the torch call
 under way (``released.current_call``: one call reading several released parameters needs
-them all at once); if that is not enough, ``DeviceBudgetExceeded`` names the unit, its
-parameters and the fix. A released buffer still referenced by a view user code keeps
+them all at once); if that is not enough and the call holds other units,
+``DeviceBudgetExceeded`` names the unit, its parameters and the fix. A budget sized for
+training alone (the estimator counts no private buffer) has no room even for one: the read
+then goes into the unit's slot, as before private landing (evicting the slot's occupant),
+and a warning, once, says what that means for views kept. A released buffer still referenced by a view user code keeps
 (``parameters_to_vector`` keeps every view until its ``cat``) is user memory, as a tensor
 user code allocates is: the budget no longer counts it.
 
@@ -81,7 +84,9 @@ one order on every rank (Note [a sharded unit]).
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,6 +190,7 @@ class ParamOffloader:
         #: Units landed privately for user code, oldest first (Note [a read outside the
         #: window lands privately]); a released one is dropped at the next look.
         self._private: list[ParamUnit] = []
+        self._slot_reads_warned = False  # _warn_slot_read
 
     # -- construction (called by the optimizer) ----------------------------------------
 
@@ -294,28 +300,40 @@ class ParamOffloader:
 
     def _land_for_user(self, unit: ParamUnit) -> None:
         """Note [a read outside the window lands privately]: ``unit`` in a buffer of its
-        own, its copies waited for."""
+        own, its copies waited for; in its slot, as the window would, when the budget has
+        no room for the buffer and nothing else is held for the call."""
         if unit.resident:
             return
-        call = released.current_call()
-        buffer = self._private_buffer(unit, call)
         occupant = unit.slot.occupant
         if occupant is not None and occupant is not unit and occupant.pending:
             occupant.finish_fetch()  # its disk reads use the slot's bounce range first
-        unit.fetch_private(self.manager, buffer)
+        call = released.current_call()
+        buffer = self._private_buffer(unit, call)
+        if buffer is None:
+            self._fetch(unit, demand=True)
+            return
+        unit.fetch_private(self.manager, buffer)  # gives the buffer back if it raises
         unit.private_call = call
         self._private.append(unit)
-        unit.use(self.manager)
-        if unit.fetched is not None:
-            # Synchronisation point: user code reads the weights next, and a release may
-            # give the buffer back while the copies are queued; a fetch for user code is
-            # waited for (Note [a released parameter]).
-            unit.fetched.synchronize()
-            unit.fetched = None
+        try:
+            unit.use(self.manager)
+            if unit.fetched is not None:
+                # Synchronisation point: user code reads the weights next, and a release
+                # may give the buffer back while the copies are queued; a fetch for user
+                # code is waited for (Note [a released parameter]).
+                unit.fetched.synchronize()
+                unit.fetched = None
+        except BaseException:
+            # A failed read (NVMe) leaves the unit released and the buffer given back, not
+            # FETCHING over a buffer nobody filled (later reads would see its garbage).
+            with contextlib.suppress(Exception):  # the read's error is the one to raise
+                unit.release()
+            raise
 
     def _private_buffer(self, unit: ParamUnit, call: int | None) -> Any:
         """A device buffer of ``unit.private_bytes()``, within the budget: units landed
-        privately by earlier calls are released, oldest first, until it fits."""
+        privately by earlier calls are released, oldest first, until it fits. None when it
+        cannot fit and the call holds no other unit: the read then goes into the slot."""
         nbytes = unit.private_bytes()
         what = f"{self.name} {unit!r} read outside the window"
         accelerator = self.manager.accelerator
@@ -325,27 +343,42 @@ class ParamOffloader:
                 return accelerator.allocate_device(nbytes, what=what)
             except DeviceBudgetExceeded as error:
                 older = [u for u in self._private if call is None or u.private_call != call]
-                if not older:
-                    names = ", ".join(unit.spec.param_names[:4])
-                    more = len(unit.spec.param_names) - 4
-                    stats = accelerator.memory_stats()
-                    raise DeviceBudgetExceeded(
-                        f"reading parameter(s) {names}{f' (+{more} more)' if more > 0 else ''} "
-                        f"of {unit!r} outside the parameter-offload window needs a private "
-                        f"device copy of the unit ({format_bytes(nbytes)}), but the device "
-                        f"budget is {format_bytes(stats['budget'])} with "
-                        f"{format_bytes(stats['in_use'])} in use"
-                        + (
-                            f", {len(self._private)} units being held for the same torch call"
-                            if self._private
-                            else ""
-                        )
-                        + ". One torch call taking parameters of many units (e.g. "
-                        "torch._foreach_* over model.parameters()) needs them all on the "
-                        "device at once: split it per block, or raise the device budget "
-                        "(AcceleratorConfig(device_budget=...))"
-                    ) from error
-                older[0].release()
+                if older:
+                    older[0].release()
+                    continue
+                if not self._private:
+                    self._warn_slot_read(unit, nbytes)
+                    return None
+                names = ", ".join(unit.spec.param_names[:4])
+                more = len(unit.spec.param_names) - 4
+                stats = accelerator.memory_stats()
+                raise DeviceBudgetExceeded(
+                    f"reading parameter(s) {names}{f' (+{more} more)' if more > 0 else ''} "
+                    f"of {unit!r} outside the parameter-offload window, in one torch call "
+                    f"with {len(self._private)} other unit(s), needs a device copy of each "
+                    f"({format_bytes(nbytes)} for this one), but the device budget is "
+                    f"{format_bytes(stats['budget'])} with {format_bytes(stats['in_use'])} in "
+                    "use. One torch call taking parameters of many units (e.g. "
+                    "torch._foreach_* over model.parameters()) needs them all on the device "
+                    "at once: split it per block, or raise the device budget "
+                    "(AcceleratorConfig(device_budget=...)). Nothing was read"
+                ) from error
+
+    def _warn_slot_read(self, unit: ParamUnit, nbytes: int) -> None:
+        """Once per offloader: a read outside the window went into the slot (no room)."""
+        if self._slot_reads_warned:
+            return
+        self._slot_reads_warned = True
+        warnings.warn(
+            f"zero-offload: reading {unit!r} outside the parameter-offload window: the device "
+            f"budget has no room for a copy of its own ({format_bytes(nbytes)}), so it was "
+            "read into its window slot, as the window fetches it. A view of it kept across "
+            "a read of another unit that shares the slot, or across the window's next move, "
+            "then shows that unit's weights: clone() what you keep, or raise the device "
+            "budget (Note [a read outside the window lands privately]). Warned once",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def check_homes_settled(self, what: str) -> None:
         """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)

@@ -237,8 +237,13 @@ class ParamUnit:
         and its contents (Note [a read outside the window lands privately] in
         ``offloader.py``); ``release`` gives the buffer back."""
         if self.gather is not None:
+            buffer.release()
             raise RuntimeError(f"{self!r}: a private fetch cannot gather (bug)")
-        self._refuse_replaced()
+        try:
+            self._refuse_replaced()
+        except BaseException:
+            buffer.release()  # refused: the budget gets it back (it was never the unit's)
+            raise
         for views in self.views:
             views.land_in(buffer.tensor)
         self.private = buffer
@@ -321,8 +326,9 @@ class ParamUnit:
             except BaseException:
                 for rest in pending:
                     rest.drop()
-                self.content_valid = False
-                self.slot.occupant = None
+                if self.private is None:  # a private fetch never held the slot
+                    self.content_valid = False
+                    self.slot.occupant = None
                 if self.gather is not None:
                     self.gather.withdraw(self)  # never gathered: the others time out
                 raise
@@ -368,6 +374,7 @@ class ParamUnit:
         if self.state is not UnitState.ON_DEVICE:
             return  # nobody computed on (or wrote) a slot still being fetched
         manager = self.manager
+        written = self.write_backs
         for views in self._written():
             if views.nvme_home is not None and self.bounce is not None:
                 label = f"param {self.spec.name} bucket{views.layout.index} write-back"
@@ -394,6 +401,10 @@ class ParamUnit:
         self._fetch_versions = [views.current_versions() for views in self.views]
         if self.exposed is not None:
             self.exposed = [views.slot_fingerprint() for views in self.views]
+        if self.private is not None and self.write_backs != written:
+            # The private buffer's writes went home, past the slot, which still holds the
+            # bytes before them (Note [a read outside the window lands privately]).
+            self.content_valid = False
 
     def release(self) -> None:
         """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders
@@ -401,10 +412,7 @@ class ParamUnit:
         before it."""
         stale = self.homes_written  # the slot no longer holds what the homes do
         self.finish_fetch()  # a prefetch nobody used: its copies complete the slot
-        written = self.write_backs
-        self.write_back()
-        if self.private is not None and self.write_backs != written:
-            stale = True  # the private buffer's writes went home, past the slot
+        self.write_back()  # a private buffer's writes mark the slot stale there
         for views in self.views:
             views.bind_placeholders()
         self.exposed = None
