@@ -106,3 +106,51 @@ def test_pretrained_exports_of_a_compiled_model_use_the_original_names(tmp_path:
         assert torch.equal(tensor, model.state_dict()[name]), name
     reader.close()
     opt.close()
+
+
+@pytest.mark.parametrize("what", ["opt.step", "train_step"])
+def test_a_compiled_step_runs_eagerly_and_steps_like_torch(what: str) -> None:
+    """torch's docs compile the step (``torch.compile(opt.step)``, with a scheduler), or a
+    whole train step calling it. Ours failed with dynamo's internal 'Guard failed on the
+    same frame it was created', or CaptureRefused (Note [the step runs eagerly])."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), **HYPER, accelerator=host_accelerator())
+    ropt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    scheds = [
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3) for o in (opt, ropt)
+    ]
+
+    def compiled_for(net: nn.Module, optimizer: torch.optim.Optimizer, sched: object):
+        if what == "opt.step":
+            step = torch.compile(optimizer.step)
+
+            def run(x: torch.Tensor, y: torch.Tensor) -> None:
+                (net(x) - y).square().mean().backward()
+                step()
+                sched.step()
+                optimizer.zero_grad()
+
+            return run
+
+        @torch.compile
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            (net(x) - y).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            train_step(x, y)
+            sched.step()
+
+        return run
+
+    ours, theirs = compiled_for(model, opt, scheds[0]), compiled_for(ref, ropt, scheds[1])
+    for step in _data(3):
+        x, y = step[0]
+        ours(x, y)
+        theirs(x, y)
+    assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    opt.close()

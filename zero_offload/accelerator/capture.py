@@ -49,9 +49,10 @@ def check_not_capturing(what: str, *, label: str = "") -> None:
         raise CaptureRefused(
             f"{what} was issued while {who}: zero-offload's copies, streams and pool blocks "
             f"cannot be captured into a graph (Note [no graph capture of library work] in "
-            f"accelerator/capture.py). Keep the optimizer step and offload calls out of the "
-            f"compiled or captured region; activation offload and checkpoint run eagerly "
-            f"inside a compiled model by themselves."
+            f"accelerator/capture.py). Keep the backward whose gradients the optimizer "
+            f"takes, its step and offload calls out of a captured CUDA graph; under "
+            f"torch.compile they run eagerly by themselves (a graph break), so this names a "
+            f"path that does not: please report it."
         )
 
 

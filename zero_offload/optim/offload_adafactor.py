@@ -16,6 +16,7 @@ from ..config import OffloadConfig
 from .checks import refuse_torch_switches
 from .offload_optimizer import OffloadOptimizer
 from .rule import ADAFACTOR, OptimizerRule
+from .rule.values import TORCH_SWITCHES
 
 __all__ = ["OffloadAdafactor"]
 
@@ -73,6 +74,9 @@ class OffloadAdafactor(OffloadOptimizer):
             "d": d,
             "weight_decay": weight_decay,
             "maximize": maximize,
+            # torch's Adafactor's switch at our value (Note [torch's implementation
+            # switches in a group] in rule/values.py)
+            "foreach": TORCH_SWITCHES["foreach"],
         }
         super().__init__(
             params,

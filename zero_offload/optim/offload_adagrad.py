@@ -16,6 +16,7 @@ from ..config import OffloadConfig
 from .checks import refuse_torch_switches
 from .offload_optimizer import OffloadOptimizer
 from .rule import ADAGRAD, OptimizerRule
+from .rule.values import TORCH_SWITCHES
 
 __all__ = ["OffloadAdagrad"]
 
@@ -65,6 +66,9 @@ class OffloadAdagrad(OffloadOptimizer):
             "initial_accumulator_value": initial_accumulator_value,
             "eps": eps,
             "maximize": maximize,
+            # torch's Adagrad's switches at our values (Note [torch's implementation
+            # switches in a group] in rule/values.py)
+            **{key: TORCH_SWITCHES[key] for key in ("foreach", "fused", "differentiable")},
         }
         super().__init__(
             params,

@@ -20,8 +20,11 @@ from ..config import OffloadConfig
 from .checks import refuse_torch_switches
 from .offload_optimizer import OffloadOptimizer, StepFailed
 from .rule import ADAM, ADAMW, OptimizerRule
+from .rule.values import TORCH_SWITCHES
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "StepFailed"]
+
+_SWITCHES = ("foreach", "fused", "capturable", "differentiable")  # torch's AdamW's and Adam's
 
 
 class OffloadAdamW(OffloadOptimizer):
@@ -29,7 +32,9 @@ class OffloadAdamW(OffloadOptimizer):
 
     Args follow ``torch.optim.AdamW`` (``lr`` and ``betas`` may be 1-element tensors, as in
     torch); ``capturable``, ``differentiable``, ``foreach=False`` and ``fused=False`` have
-    no meaning here and are refused. ``config``, ``accelerator``, ``process_group``,
+    no meaning here and are refused. The groups keep torch's ``foreach=None``,
+    ``fused=None``, ``capturable=False`` and ``differentiable=False`` (Note [torch's
+    implementation switches in a group] in ``rule/values.py``). ``config``, ``accelerator``, ``process_group``,
     ``model`` and ``layers``: see ``OffloadOptimizer``.
     """
 
@@ -77,6 +82,9 @@ class OffloadAdamW(OffloadOptimizer):
             "weight_decay": self._default_weight_decay if weight_decay is None else weight_decay,
             "amsgrad": amsgrad,
             "maximize": maximize,
+            # torch's switches at our values (Note [torch's implementation switches in a
+            # group] in rule/values.py)
+            **{key: TORCH_SWITCHES[key] for key in _SWITCHES},
         }
         super().__init__(
             params,

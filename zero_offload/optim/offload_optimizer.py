@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, get_accelerator
+from ..accelerator.capture import eager_only
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
 from ..hook_errors import backward as backward_reporting_hooks
@@ -60,6 +61,7 @@ from .reports.live import OptimizerState
 from .reports.summary import PlacementReport, placement_line, placement_of
 from .rule import OptimizerRule
 from .rule.base import Hyper
+from .rule.values import check_torch_switches
 from .scaled_backward import ScaleCheckedRouter, ScaledBackwards
 from .torch_clipping import refuse_plain_trainer
 from .update.loss_scaler import LossScaler
@@ -71,6 +73,22 @@ _log = logging.getLogger("zero_offload")
 __all__ = ["OffloadOptimizer", "StepFailed"]
 
 _serials = itertools.count(1)
+
+
+def _announced(owner: weakref.ref[OffloadOptimizer]) -> Callable[[], str | None]:
+    """Why ``owner``'s state cannot be written now (Note [writes through opt.state]); a
+    weak reference, so that its resources hold no reference back (Note [lifetimes without
+    close])."""
+
+    def busy() -> str | None:
+        opt = owner()
+        if opt is None or opt._policy.eager is None:
+            return None
+        return (
+            "a step is announced and not taken (it ran with the state as it was); call step() first"
+        )
+
+    return busy
 
 
 class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
@@ -176,7 +194,9 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
         self._kept_zeros = KeptZeroGrads()  # Note [zero gradients are not kept]
         self._constructing = True
         try:
-            self._state_view = OptimizerState(drain=self.manager.host_worker.synchronize)
+            self._state_view = OptimizerState(
+                drain=self.manager.host_worker.synchronize, busy=_announced(weakref.ref(self))
+            )
             self._resources.state = self._state_view
             self._builder = SegmentBuilder(
                 config=config,
@@ -201,7 +221,6 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
             except Exception as lost:  # the build's own failure is the one to see
                 exc.add_note(f"(releasing what was built failed too: {lost})")
             raise
-        self.state = self._state_view  # type: ignore[assignment]
         # Note [construction says where the state went] in reports/summary.py.
         _log.info(placement_line(repr(self), self.placement, str(self.accelerator.device)))
 
@@ -215,6 +234,17 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
             "threads. Save opt.state_dict() instead (torch.save(opt.state_dict(), path)) and "
             "load it into a new optimizer with load_state_dict"
         )
+
+    @property  # type: ignore[override]
+    def state(self) -> OptimizerState:
+        """torch's ``opt.state``, as live views: Notes [opt.state is torch's before the
+        first step] and [writes through opt.state] in ``reports/live.py``."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not self._constructing:  # torch's Optimizer.__init__ assigns its defaultdict
+            self._state_view.assign(value, where=f"{self!r}.state")
 
     # -- construction ------------------------------------------------------------------
 
@@ -262,6 +292,7 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
         (a new dict: the caller's is left as it was)."""
         where = f"param group {len(self.param_groups)}"
         group, params, names = check_param_group(param_group, self.param_groups, where=where)
+        check_torch_switches(where, group)  # Note [torch's implementation switches in a group]
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         self.rule.check_group(group, where=where)
@@ -412,6 +443,7 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
 
     # -- step --------------------------------------------------------------------------
 
+    @eager_only  # Note [the step runs eagerly]
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Adam step over every parameter that received a gradient since the previous
@@ -461,6 +493,17 @@ class OffloadOptimizer(GradientClipping, Checkpoints, torch.optim.Optimizer):
 
     # -- zero_grad, close ---------------------------------------------------------------
 
+    # Note [the step runs eagerly]
+    # torch's docs compile the optimizer's step (torch.compile(opt.step), or a train_step
+    # calling it). Ours issues copies, waits on streams and reads its finalizer, none of
+    # which a graph can hold: dynamo traced into it and failed with its own internal error
+    # ("Guard failed on the same frame it was created"), or the copies raised
+    # CaptureRefused. step() and zero_grad() are torch.compiler.disable'd: a compiled
+    # caller breaks the graph there and runs them eagerly, as it runs the backward hooks
+    # (Note [the router's hooks run eagerly] in router.py); a CUDA graph capture of them is
+    # still refused at the first copy.
+
+    @eager_only  # Note [the step runs eagerly]
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient since the last step, in flight or not (device and host).
         No ``.grad`` is kept either way; after ``set_to_none=False`` a step refuses where

@@ -28,6 +28,7 @@ __all__ = [
     "check_step",
     "check_tensor",
     "saved_groups",
+    "without_rebuilt_gaps",
 ]
 
 
@@ -37,6 +38,23 @@ def check_mapping(where: str, value: Any, what: str) -> Mapping[Any, Any]:
             f"{where} must be a dict ({what}), got {type(value).__name__} {reprlib.repr(value)}"
         )
     return value
+
+
+# Note [a field DCP rebuilt as {}]
+# ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` with flattened dicts
+# rebuilds each parameter's entry from the loading optimizer's own field names
+# (``opt.state[p]``): a field the saved dict lacks (our ``master`` in a dict torch's AdamW
+# saved) comes back as an empty dict, not as a missing key. An empty mapping in a field is
+# therefore read as the field's absence: an optional one (``master``, whose values then come
+# from the weights) loads as if left out, and a required one is named as missing.
+
+
+def without_rebuilt_gaps(where: str, entry: Any) -> Any:
+    """``entry`` without the fields DCP rebuilt as ``{}`` (Note [a field DCP rebuilt as
+    {}]); what is not a dict is left for ``check_mapping`` to refuse."""
+    if not isinstance(entry, Mapping):
+        return entry
+    return {k: v for k, v in entry.items() if not (isinstance(v, Mapping) and len(v) == 0)}
 
 
 def check_tensor(where: str, name: str, value: Any, shape: tuple[int, ...]) -> torch.Tensor:

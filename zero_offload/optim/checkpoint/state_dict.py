@@ -82,6 +82,7 @@ import torch
 from ...collectives import Comm
 from ..flat_bucket import FlatBucket
 from ..rule.base import OptimizerRule
+from ..rule.values import loaded_torch_switches
 from ..update.loss_scaler import LossScaler
 from .loaded_fields import (
     FORMAT_VERSION,
@@ -92,6 +93,7 @@ from .loaded_fields import (
     check_step,
     check_tensor,
     saved_groups,
+    without_rebuilt_gaps,
 )
 
 __all__ = [
@@ -241,6 +243,7 @@ def load_optimizer_state(
             raise ValueError(f"state_dict has state for unknown parameter id {saved_id!r}")
         index = to_local[saved_id]
         where = f"{rank_prefix}state of parameter {index}"
+        entry = without_rebuilt_gaps(where, entry)  # Note [a field DCP rebuilt as {}]
         if index not in slots:
             group, param = held[index]
             if param.numel() != 0:
@@ -297,6 +300,9 @@ def load_optimizer_state(
     new_groups: list[dict[str, Any]] = []
     for g, (saved, group) in enumerate(zip(loaded_groups, param_groups, strict=True)):
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
+        # Note [torch's implementation switches in a group] in rule/values.py
+        switches = loaded_torch_switches(f"state_dict param group {g}", saved)
+        merged.update(switches)
         rule.check_group(merged, where=f"state_dict param group {g}")
         for bucket in buckets:
             why = (
@@ -319,7 +325,7 @@ def load_optimizer_state(
         # Completed by the rule as a new group is, over the group it replaces: what torch's
         # optimizers make of a loaded group in their __setstate__ (Note [the decay's form
         # is the group's] in rule/adamw.py: AdamW's groups stay decoupled).
-        completed = {**group, **loaded}
+        completed = {**group, **loaded, **switches}
         rule.complete_group(completed)
         new_groups.append({key: value for key, value in completed.items() if key != "params"})
 

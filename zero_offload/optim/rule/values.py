@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["check_flag", "check_number", "check_number_or_scalar_tensor"]
+__all__ = [
+    "TORCH_SWITCHES",
+    "check_flag",
+    "check_number",
+    "check_number_or_scalar_tensor",
+    "check_torch_switches",
+    "loaded_torch_switches",
+]
 
 
 def check_number(
@@ -62,3 +70,55 @@ def check_flag(where: str, name: str, value: Any) -> None:
     """``value`` must be a bool (torch's optimizers take no truthy stand-ins)."""
     if not isinstance(value, bool):
         raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
+
+
+# Note [torch's implementation switches in a group]
+# torch's optimizers keep their implementation switches in every param group (AdamW:
+# ``foreach``, ``fused``, ``capturable``, ``differentiable``), and code that moves state
+# between optimizers by key (``torch.distributed.checkpoint``'s load template and its
+# flattened dicts) needs the same keys on both sides. A facade keeps those of the torch
+# optimizer it stands for, each at the one value that describes what runs here: our own
+# CPU kernel (``foreach``/``fused`` None) outside autograd and CUDA graphs
+# (``capturable``/``differentiable`` False). A group that asks for another value
+# (``add_param_group``) is refused, as the constructor refuses the argument. A loaded state
+# dict says how the optimizer that saved it ran, not what to run here, and none of the
+# switches changes what the state means: any torch value (None or a bool) loads and is
+# replaced by ours (a fused=True AdamW checkpoint resumes here).
+
+#: torch's implementation switches and the value each has here.
+TORCH_SWITCHES: dict[str, bool | None] = {
+    "foreach": None,
+    "fused": None,
+    "capturable": False,
+    "differentiable": False,
+}
+
+
+def check_torch_switches(where: str, group: Mapping[str, Any]) -> None:
+    """Refuse a switch in ``group`` at a value other than ours (Note [torch's implementation
+    switches in a group])."""
+    for key, ours in TORCH_SWITCHES.items():
+        if key not in group or group[key] is ours:
+            continue
+        why = (
+            "the update runs on the CPU outside autograd and CUDA graphs"
+            if ours is False
+            else "our own fused CPU kernel always runs"
+        )
+        raise ValueError(
+            f"{where}: {key}={group[key]!r} is not supported ({why}); leave {key}={ours!r} "
+            "or omit the key"
+        )
+
+
+def loaded_torch_switches(where: str, group: Mapping[str, Any]) -> dict[str, bool | None]:
+    """The switches a loaded ``group`` names, at our values: a torch value (None or a
+    bool) is replaced, anything else refused (Note [torch's implementation switches in a
+    group])."""
+    for key in TORCH_SWITCHES.keys() & group.keys():
+        if group[key] is not None and not isinstance(group[key], bool):
+            raise TypeError(
+                f"{where}: {key!r} must be None or a bool (torch's implementation switch), "
+                f"got {type(group[key]).__name__} {group[key]!r}"
+            )
+    return {key: TORCH_SWITCHES[key] for key in TORCH_SWITCHES.keys() & group.keys()}
