@@ -122,6 +122,7 @@ TEST_FILES = (
     "tests/test_param_offload_device.py",
     "tests/test_param_offload_user_code.py",
     "tests/test_param_offload_nvme.py",
+    "tests/test_param_offload_reads.py",
     "tests/test_param_nvme_weights.py",
     "tests/test_build_anywhere.py",
     "tests/test_construct_host_peak.py",

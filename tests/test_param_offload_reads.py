@@ -55,7 +55,7 @@ class TiedAutoencoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.enc = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
-        self.dec_bias = nn.ParameterList(nn.Parameter(torch.zeros(D)) for _ in range(4))
+        self.dec_bias = nn.ParameterList(nn.Parameter(on_device(torch.zeros(D))) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
