@@ -234,6 +234,68 @@ def test_bad_state_writes_are_refused_and_change_nothing() -> None:
         state.clear()
 
 
+# -- found by a review of the state API -----------------------------------------------------
+
+
+def test_dcp_between_a_backward_and_the_first_step_runs_no_fake_step() -> None:
+    """torch skips its fake step where a ``.grad`` exists; ours are in the buckets, so the
+    fake step ran over the window's gradients, was refused, and left ``lr`` at 0."""
+    model, ref = make_pair()
+    opt, ropt = offload_opt(model), torch_adamw(ref)
+    data = batches(2)
+    for m in (model, ref):
+        lm_loss(m, *data[0]).backward()
+    get_optimizer_state_dict(model, opt)
+    get_optimizer_state_dict(ref, ropt)
+    assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] > 0
+    for m, o in ((model, opt), (ref, ropt)):
+        o.step()
+        o.zero_grad()
+        _train(m, o, data[1:])
+    assert _max_diff(model, ref) < TOL
+    opt.close()
+
+
+def test_a_step_count_written_zero_keeps_its_entry_as_torchs() -> None:
+    """``step = 0`` with the moments kept: the entry left the mapping and the next
+    ``state_dict()`` (the written moments lost at a save), where torch keeps it."""
+    model, ref = make_pair()
+    opt, ropt = offload_opt(model), torch_adamw(ref)
+    data = batches(1)
+    _train(model, opt, data)
+    _train(ref, ropt, data)
+    for m, o in ((model, opt), (ref, ropt)):
+        o.state[m.head.weight]["step"] = torch.tensor(0.0)
+        o.state[m.head.weight]["exp_avg"] = torch.ones_like(m.head.weight)
+    assert model.head.weight in opt.state and ref.head.weight in ropt.state
+    ours, theirs = opt.state_dict()["state"], ropt.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    index = next(i for i, q in enumerate(model.parameters()) if q is model.head.weight)
+    assert float(ours[index]["step"]) == 0 and bool((ours[index]["exp_avg"] == 1).all())
+    fresh, _ = make_pair()
+    again = offload_opt(fresh)
+    again.load_state_dict(opt.state_dict())
+    assert fresh.head.weight in again.state
+    opt.state[model.head.weight].clear()
+    assert model.head.weight not in opt.state
+    again.close()
+    opt.close()
+
+
+def test_pop_returns_the_state_as_it_was() -> None:
+    """``MutableMapping.pop`` read the live views after resetting them: zeros."""
+    model, ref = make_pair()
+    opt, ropt = offload_opt(model), torch_adamw(ref)
+    data = batches(1)
+    _train(model, opt, data)
+    _train(ref, ropt, data)
+    ours, theirs = opt.state.pop(model.head.weight), ropt.state.pop(ref.head.weight)
+    assert int(ours["step"]) == int(theirs["step"]) == 1
+    torch.testing.assert_close(ours["exp_avg"], theirs["exp_avg"])
+    assert model.head.weight not in opt.state and int(opt.state[model.head.weight]["step"]) == 0
+    opt.close()
+
+
 # -- two gloo ranks: each rank writes its shard ------------------------------------------
 
 

@@ -113,10 +113,19 @@ class FlatBucket:
         self.shard = shard
         self.grads = BucketGrads(layout.index, len(layout.slots))
         self.steps = np.zeros(len(layout.slots), dtype=np.int64)
+        #: Slots whose step count was written 0 through ``opt.state`` with their state kept
+        #: (torch keeps such an entry): saved and listed though unstepped (Note [writes
+        #: through opt.state] in reports/live.py); a reset or a step forgets them.
+        self.kept_at_zero: set[int] = set()
         self.params = views.params
         self.dtype = views.dtype
         self.master_exposed = False
         self.master_views = 0
+
+    def has_state(self, i: int) -> bool:
+        """Whether slot ``i`` has state as torch counts it: stepped, or its step count written
+        0 with its state kept (``kept_at_zero``)."""
+        return bool(self.steps[i] > 0) or i in self.kept_at_zero
 
     def expose_master(self, view: torch.Tensor) -> None:
         """``view`` of the master goes to user code, which may write it: Note [a master

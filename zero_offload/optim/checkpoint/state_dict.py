@@ -154,7 +154,7 @@ def optimizer_state(
     shapes: dict[int, tuple[int, ...]] = {}
     whole_names: dict[int, list[str]] = {}  # shaped state, by parameter
     for index, (bucket, i) in sorted(_slots(buckets).items()):
-        if bucket.steps[i] == 0:
+        if not bucket.has_state(i):
             continue  # never stepped: torch has no entry either
         lo, hi, views = bucket.state_views(i)
         shape = bucket.layout.slots[i].shape
@@ -361,6 +361,7 @@ def load_optimizer_state(
                 for view in shaped_state.values():
                     view.zero_()
                 bucket.steps[i] = 0
+                bucket.kept_at_zero.discard(i)
                 continue
             for name, view in views.items():
                 if name in entry:
@@ -368,6 +369,10 @@ def load_optimizer_state(
             for name, view in shaped_state.items():
                 view.copy_(entry[name])
             bucket.steps[i] = entry["step"]
+            if bucket.steps[i] == 0:  # an entry saved with step 0 stays one (as torch's)
+                bucket.kept_at_zero.add(i)
+            else:
+                bucket.kept_at_zero.discard(i)
     for index in written:
         bucket, i = slots[index]
         weights_win[bucket.layout.index].add(i)

@@ -408,6 +408,7 @@ def load(
     ):
         load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
+        bucket.kept_at_zero.clear()  # a streamed checkpoint keeps no unstepped entries
         bucket.store.publication.drop_unpublished()
         # Note [a loaded state claims no weights] in state_dict.py
         bucket.views.forget()

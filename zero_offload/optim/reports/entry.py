@@ -35,6 +35,7 @@ def reset_buckets(buckets: Iterable[FlatBucket]) -> None:
 
             bucket.store.stream_fields(fill, read=True, write=True)
             bucket.steps[:] = 0
+            bucket.kept_at_zero.clear()
         for views in shaped:
             for view in views.values():
                 view.zero_()
@@ -146,6 +147,7 @@ class StateEntry(dict):
                 elif name not in ("step", "master"):
                     view.fill_(store.field_initial(name))
         self._bucket.steps[self._index] = 0
+        self._bucket.kept_at_zero.discard(self._index)
 
     def __delitem__(self, key: str) -> NoReturn:
         raise TypeError(
@@ -224,5 +226,7 @@ class StateEntry(dict):
             for key, value in staged.items():
                 if key == "step":
                     self._bucket.steps[self._index] = value
+                    if value == 0:  # torch keeps this entry: so do we (FlatBucket)
+                        self._bucket.kept_at_zero.add(self._index)
                 else:
                     dict.__getitem__(self, key).copy_(value)

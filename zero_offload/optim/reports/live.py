@@ -31,6 +31,9 @@ the next step reads:
   of the view's shape or, with several ranks, of the parameter's (this rank's piece is
   taken); ``opt.state[p]['step'] = n`` sets the step count (a whole number >= 0, or a
   1-element tensor holding one).
+- A step count written 0 with the state kept (torch's "restart the bias correction")
+  keeps the entry, in the mapping and in ``state_dict()``, as torch's does
+  (``FlatBucket.kept_at_zero``), until a reset.
 - ``opt.state[p].clear()``, ``del opt.state[p]`` and ``opt.state[p] = {...}`` reset the
   parameter as fresh (step 0, the rule's fields at their start, shaped state zero) and then
   write what the new dict holds; the ``master`` is the weights and is never reset.
@@ -52,6 +55,7 @@ from typing import Any
 import torch
 
 from ..flat_bucket import FlatBucket
+from ..grads.lifecycle import GradState
 from .entry import StateEntry, reset_buckets
 
 __all__ = ["OptimizerState", "StateEntry"]
@@ -89,7 +93,7 @@ class OptimizerState(MutableMapping):
 
     def _stepped(self, param: object) -> bool:
         slot = self._slot(param)
-        return slot is not None and bool(slot[1].steps[slot[2]] > 0)
+        return slot is not None and slot[1].has_state(slot[2])
 
     def writable(self, what: str) -> None:
         """Raise where ``what`` (a write through ``opt.state``) cannot happen now; else wait
@@ -167,13 +171,42 @@ class OptimizerState(MutableMapping):
     def __iter__(self) -> Iterator[torch.Tensor]:
         # Note [opt.state is torch's before the first step]
         for param, bucket, i in list(self._slots.values()):
-            if bucket.steps[i] > 0:
+            if bucket.has_state(i):
                 yield param
         yield from list(self._other)
 
     def __len__(self) -> int:
-        stepped = sum(1 for _, bucket, i in self._slots.values() if bucket.steps[i] > 0)
+        stepped = sum(1 for _, bucket, i in self._slots.values() if bucket.has_state(i))
         return stepped + len(self._other)
 
     def __contains__(self, param: object) -> bool:
         return self._stepped(param) or param in self._other
+
+    def __bool__(self) -> bool:
+        """Stepped entries, or gradients in the window: torch's ``_init_optim_state`` skips
+        its fake step where a ``.grad`` exists, and ours are in the buckets, not ``.grad``
+        (a fake step there would step the window's gradients with ``lr`` 0, and leave it 0
+        when refused). Note [opt.state is torch's before the first step]."""
+        if len(self):
+            return True
+        buckets = {id(b): b for _, b, _ in self._slots.values()}.values()
+        return any(b.grads.state not in (GradState.EMPTY, GradState.CONSUMED) for b in buckets)
+
+    def pop(self, param: torch.Tensor, *default: Any) -> Any:
+        """torch's ``opt.state.pop(p)``: the entry as it was (a copy: the live views are
+        reset by the removal), and the parameter starts afresh."""
+        if self._slot(param) is None:
+            return self._other.pop(param, *default)
+        if param not in self:
+            if default:
+                return default[0]
+            raise KeyError(param)
+        entry = self[param]
+        kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        entry.clear()
+        return kept
+
+    def popitem(self) -> tuple[torch.Tensor, Any]:
+        for param in self:
+            return param, self.pop(param)
+        raise KeyError("popitem(): opt.state is empty")
