@@ -31,15 +31,6 @@ class StreamError(RuntimeError):
     See Note [stream errors are sticky] in ``zero_offload.accelerator.base``.
     """
 
-    def again(self) -> StreamError:
-        """A fresh error with this one's message and cause, for the next call that meets
-        the failed stream: raising one stored object again would chain every raise's frames
-        onto its traceback, and keep their locals (the optimizer) alive with the stream
-        (Note [a sticky error holds no frames] in ``zero_offload.accelerator.base``)."""
-        fresh = type(self)(*self.args)
-        fresh.__cause__ = self.__cause__
-        return fresh
-
 
 def without_frames(exc: BaseException) -> BaseException:
     """``exc``, and every exception in its cause and context chain, with no traceback: what

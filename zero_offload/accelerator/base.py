@@ -40,7 +40,7 @@ as its owner (the optimizer's manager). Raising that one object at every later c
 each call's frames onto its traceback, and frames keep their locals: the optimizer that met
 the error stayed alive through its own stream, with its pools, until the cyclic collector
 ran, and each further call made the traceback longer. So every call that meets the failed
-stream raises a fresh copy (``StreamError.again()``), whose frames are that call's alone,
+stream raises a fresh copy (``errors.raised_again``), whose frames are that call's alone,
 and the stream keeps the original exception (the ``__cause__``) with no traceback
 (``errors.without_frames``): the ``StreamError``'s message carries the traceback's text,
 printed whole. Its frames are gone, locals and all (cleared frames would not do: each still

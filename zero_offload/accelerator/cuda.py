@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import AcceleratorConfig, format_bytes
-from ..errors import DeviceBudgetExceeded, StreamError, without_frames
+from ..errors import DeviceBudgetExceeded, StreamError, raised_again, without_frames
 from .base import Accelerator, DeviceLedger, Event, Stream
 from .capture import check_not_capturing
 from .device_context import on_cuda_device
@@ -223,7 +223,7 @@ class CudaStream(Stream):
 
     def submit(self, fn: Callable[[], Any]) -> None:
         if self._error is not None:
-            raise self._error.again()  # Note [a sticky error holds no frames] in base.py
+            raise raised_again(self._error)  # Note [a sticky error holds no frames] in base.py
         try:
             with torch.cuda.stream(self.stream):
                 fn()
@@ -236,11 +236,11 @@ class CudaStream(Stream):
             )
             error.__cause__ = without_frames(exc)
             self._error = error
-            raise error.again() from exc
+            raise raised_again(error) from exc
 
     def record_event(self) -> CudaEvent:
         if self._error is not None:
-            raise self._error.again()
+            raise raised_again(self._error)
         timed = self._accelerator.timing
         anchor = self._accelerator._clock.anchor(self.stream) if timed else None
         event = torch.cuda.Event(enable_timing=timed, blocking=True)
@@ -258,7 +258,7 @@ class CudaStream(Stream):
 
     def synchronize(self) -> None:
         if self._error is not None:
-            raise self._error.again()
+            raise raised_again(self._error)
         count_sync(self.name)
         self.stream.synchronize()
 

@@ -55,7 +55,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ForkedStreamError, StreamError, without_frames
+from ..errors import ForkedStreamError, StreamError, raised_again, without_frames
 from .base import Event, Stream
 from .device_context import capture_thread_device
 from .host_syncs import LIBRARY_THREAD_PREFIX, count_sync
@@ -244,7 +244,7 @@ class ThreadEvent(Event):
                 pending.acquire()
                 pending.release()
         if self._error is not None:
-            raise self._error.again()  # Note [a sticky error holds no frames]
+            raise raised_again(self._error)  # Note [a sticky error holds no frames]
 
     def synchronize(self) -> None:
         count_sync(self.stream_name)  # Note [host syncs are counted where they can block]
@@ -380,7 +380,7 @@ class ThreadStream(Stream):
         if self._worker.pid != _PID:  # Note [a forked child has no worker threads]
             raise forked_error(f"stream {self.name!r}", self._worker.pid)
         if self._worker.error is not None:
-            raise self._worker.error.again()  # Note [a sticky error holds no frames]
+            raise raised_again(self._worker.error)  # Note [a sticky error holds no frames]
         if self._closed:
             raise RuntimeError(
                 f"stream {self.name!r} is closed: its worker thread has stopped, so it "

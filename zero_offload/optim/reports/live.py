@@ -91,6 +91,10 @@ class OptimizerState(MutableMapping):
         entry = self._slots.get(id(param))
         return entry if entry is not None and entry[0] is param else None
 
+    def _buckets(self) -> list[FlatBucket]:
+        """The buckets of the trained parameters, each once."""
+        return list({id(b): b for _, b, _ in self._slots.values()}.values())
+
     def _stepped(self, param: object) -> bool:
         slot = self._slot(param)
         return slot is not None and slot[1].has_state(slot[2])
@@ -165,7 +169,7 @@ class OptimizerState(MutableMapping):
         """Every trained parameter starts afresh (``opt.state = {}``), the others' entries
         go; Note [writes through opt.state]."""
         self.writable(what)
-        reset_buckets({id(b): b for _, b, _ in self._slots.values()}.values())
+        reset_buckets(self._buckets())
         self._other.clear()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -189,8 +193,9 @@ class OptimizerState(MutableMapping):
         when refused). Note [opt.state is torch's before the first step]."""
         if len(self):
             return True
-        buckets = {id(b): b for _, b, _ in self._slots.values()}.values()
-        return any(b.grads.state not in (GradState.EMPTY, GradState.CONSUMED) for b in buckets)
+        return any(
+            b.grads.state not in (GradState.EMPTY, GradState.CONSUMED) for b in self._buckets()
+        )
 
     def pop(self, param: torch.Tensor, *default: Any) -> Any:
         """torch's ``opt.state.pop(p)``: the entry as it was (a copy: the live views are
