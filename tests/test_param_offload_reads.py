@@ -4,7 +4,7 @@ Each test runs the same loop with a resident copy under ``torch.optim.AdamW`` an
 a decoder reusing an encoder's weights read directly (tied autoencoder), ``parameters_to_vector``
 and ``torch.cat`` over every parameter, one op taking two units that share a window slot,
 one call taking two parameters of one unit, and a foreach EMA over the whole model (Note [a
-read outside the window lands privately] in ``zero_offload/params/offloader.py``).
+read outside the window lands privately] in ``zero_offload/params/private_reads.py``).
 
 CUDA form (``cuda_form``, docs/gpu.md): the models, the data and the accelerator are the
 running test's (tests/helpers/device.py).

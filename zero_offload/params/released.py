@@ -17,7 +17,7 @@ released a parameter's class is switched to a subclass of its own class (as torc
 or writes values (any op, ``.data``, ``.detach()``, ``copy_``, ``print``, ``stride()``),
 brings the unit onto the device (``ParamOffloader.materialize``: a fetch into a buffer of the
 unit's own, waited for: Note [a read outside the window lands privately] in
-``offloader.py``), which switches the class back; then the op runs on the real weights. A
+``private_reads.py``), which switches the class back; then the op runs on the real weights. A
 call taking several released parameters brings every one back before it runs, and none of
 them leaves for another (``current_call``). User code between steps gets
 torch's semantics: a read sees the live weights, a write lands in the slot and reaches the
@@ -88,7 +88,7 @@ _calls = itertools.count()  # tokens of intercepted torch calls
 def current_call() -> int | None:
     """The token of the intercepted torch call on this thread whose arguments are being
     brought back (None: none). The units brought back for one call must stay together: Note
-    [a read outside the window lands privately] in ``offloader.py``."""
+    [a read outside the window lands privately] in ``private_reads.py``."""
     return getattr(_local, "call", None)
 
 

@@ -397,7 +397,7 @@ class ShardedParamOffloader(ParamOffloader):
 
     def _land_for_user(self, unit: ParamUnit) -> None:
         """Into the slot, gathered in the ranks' order (Note [a sharded unit]); not
-        privately (Note [a read outside the window lands privately] in ``offloader.py``).
+        privately (Note [a read outside the window lands privately] in ``private_reads.py``).
         One torch call reading two units that share a slot is refused, on every rank alike
         before any gather (the second would evict the first, and the call would run on its
         placeholder)."""

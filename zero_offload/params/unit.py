@@ -131,7 +131,7 @@ class ParamUnit:
             (None: not exposed); Note [a write to a resident unit reaches its home].
         private: the unit's own device buffer while user code reads it outside the window
             (None: the parameters are views of the slot, or released); Note [a read outside
-            the window lands privately] in ``offloader.py``.
+            the window lands privately] in ``private_reads.py``.
         private_call: which intercepted torch call (``released.current_call``) landed it
             privately, so that call's other arguments do not push it out (None: none).
         gather: with several ranks, queues the all-gather of the slot after the H2D copies'
@@ -235,7 +235,7 @@ class ParamUnit:
     def fetch_private(self, manager: TieredMemoryManager, buffer: DeviceBuffer) -> None:
         """ON_HOST -> FETCHING into ``buffer`` instead of the slot, which keeps its occupant
         and its contents (Note [a read outside the window lands privately] in
-        ``offloader.py``); ``release`` gives the buffer back."""
+        ``private_reads.py``); ``release`` gives the buffer back."""
         if self.gather is not None:
             buffer.release()
             raise RuntimeError(f"{self!r}: a private fetch cannot gather (bug)")

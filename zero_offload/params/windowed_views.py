@@ -125,7 +125,7 @@ class WindowedViews(ParamViews):
     weights_dev: (padded_numel,) training dtype, where the bucket's weights are while the
         unit is resident: ``slot_range``, or the same range of the unit's private buffer
         while user code reads it outside the window (Note [a read outside the window lands
-        privately] in ``offloader.py``).
+        privately] in ``private_reads.py``).
     slot_range: (padded_numel,) training dtype, the unit's slot at this bucket's offset
         (fixed for good: Note [a unit always returns to its slot]).
     block: the slot's block (copies record their events on it).
@@ -188,7 +188,7 @@ class WindowedViews(ParamViews):
         """Where the bucket's weights go while the unit is resident: ``buffer`` (the unit's
         private ``(nbytes,) uint8`` buffer, this bucket at its slot offset), or its slot
         range again (None). Only while the unit is released (Note [a read outside the
-        window lands privately] in ``offloader.py``)."""
+        window lands privately] in ``private_reads.py``)."""
         if self.unit.resident:
             raise RuntimeError(f"{self.unit!r}: moved while resident (bug)")
         if buffer is None:
