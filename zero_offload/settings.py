@@ -1,4 +1,4 @@
-"""The spelled settings: the enum-valued fields of ``OffloadConfig`` (``config.py``), each a
+"""The spelled settings: the enum-valued fields of ``OffloadConfig`` (``config/offload.py``), each a
 ``str`` member equal to its spelling, so ``OffloadConfig(grad_staging="in_flight")`` and
 ``OffloadConfig(grad_staging=GradStaging.IN_FLIGHT)`` are one value."""
 

@@ -1,262 +1,15 @@
-"""Configuration: small frozen dataclasses, validated once at construction.
-
-Every field documents its unit and default. A bad value raises ``ValueError`` naming the
-field, the value and the allowed range, so a mistake surfaces where it was made and not
-deep inside a training step.
-"""
+"""How the offload optimizer places and streams its state: ``OffloadConfig``."""
 
 from __future__ import annotations
 
-import math
-import operator
 import os
-import re
 from dataclasses import dataclass
 
-# The spelled settings live in settings.py; re-exported here, where OffloadConfig takes them.
-from .settings import GradAccumulation, GradStaging, OverlapLanding, OverlapShadow
+from ..settings import GradAccumulation, GradStaging, OverlapLanding, OverlapShadow
+from .loss_scaler import LossScalerConfig
+from .values import check_int, check_positive_finite, parse_bytes
 
-__all__ = [
-    "DEVICE_BUDGET_ENV",
-    "AcceleratorConfig",
-    "GradAccumulation",
-    "GradStaging",
-    "LossScalerConfig",
-    "OffloadConfig",
-    "OverlapLanding",
-    "OverlapShadow",
-    "format_bytes",
-    "parse_bytes",
-]
-
-#: Environment variable holding the host accelerator's device budget ("8GiB", "512MB", "1000000").
-DEVICE_BUDGET_ENV = "ZERO_OFFLOAD_DEVICE_BUDGET"
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: int | str, *, name: str = "value") -> int:
-    """Parse a byte count: an int, or a string such as ``"8GiB"``, ``"512MB"``, ``"1e9"``.
-
-    Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024; decimal
-    units (KB, MB, GB, TB) are powers of 1000. Raises ``ValueError`` naming ``name``.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count (int or a string like '8GiB'), got a bool")
-    if not isinstance(value, (int, str)) and hasattr(value, "__index__"):
-        value = _as_int(name, value)  # a numpy or torch integer
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{name} must be a byte count (int or a string like '8GiB'), "
-            f"got {type(value).__name__} {value!r}"
-        )
-    match = _BYTES_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"{name}={value!r} is not a byte count; use an integer or a number with a unit "
-            f"such as '8GiB', '512MiB', '2GB' (units: {', '.join(sorted(k for k in _UNITS if k))})"
-        )
-    number = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(number):
-        raise ValueError(
-            f"{name}={value!r} is not a finite byte count; use an integer or a number with a "
-            "unit such as '8GiB'"
-        )
-    return int(number)
-
-
-def format_bytes(nbytes: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise RuntimeError("unreachable: format_bytes loop always returns (bug)")
-
-
-def _check_positive_finite(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    low_ok = value >= 0 if allow_zero else value > 0
-    if not (math.isfinite(value) and low_ok):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class AcceleratorConfig:
-    """Settings of the accelerator (see ``zero_offload.accelerator``).
-
-    Attributes:
-        device_budget: bytes of "device" memory the library may use, an int or a string such
-            as ``"8GiB"``. Default ``None``: read ``ZERO_OFFLOAD_DEVICE_BUDGET``, and if that is
-            unset, the GPU's total memory on CUDA or half of this machine's RAM on the host
-            accelerator. Must be > 0.
-        link_bandwidth: simulated bandwidth of copies between device and host, in bytes per
-            second, host accelerator only. Default ``None``: no simulated link, copies run at
-            memory speed. Must be > 0.
-        link_latency: simulated fixed cost of each copy, in seconds. Default 0.0. Must be >= 0
-            and only applies when a copy goes over the simulated link.
-        check_races: host accelerator only: raise ``StreamRaceError`` when two streams touch
-            a buffer with no wait ordering them (see ``accelerator/race_checker.py``).
-            Default ``None``: read ``ZERO_OFFLOAD_CHECK_RACES`` ("1" turns it on), else off.
-            On CUDA use PyTorch's own ``TORCH_CUDA_SANITIZER=1`` instead.
-        strict: host accelerator only: behave as CUDA would where CUDA differs from a CPU
-            (compute events complete after they are recorded, host memory mixed with device
-            memory raises, each thread has its own current device, the accelerator being
-            device 1 of 2); see ``accelerator/strict.py``. Default ``None``: read
-            ``ZERO_OFFLOAD_STRICT`` ("1" turns it on), else off.
-    """
-
-    device_budget: int | str | None = None
-    link_bandwidth: float | None = None
-    link_latency: float = 0.0
-    check_races: bool | None = None
-    strict: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.device_budget is not None:
-            budget = parse_bytes(self.device_budget, name="AcceleratorConfig.device_budget")
-            if budget <= 0:
-                raise ValueError(
-                    f"AcceleratorConfig.device_budget must be > 0 bytes, got {self.device_budget!r}"
-                )
-            object.__setattr__(self, "device_budget", budget)
-        if self.link_bandwidth is not None:
-            _check_positive_finite("AcceleratorConfig.link_bandwidth", self.link_bandwidth)
-        _check_positive_finite("AcceleratorConfig.link_latency", self.link_latency, allow_zero=True)
-        if self.check_races is not None and not isinstance(self.check_races, bool):
-            raise TypeError(
-                f"AcceleratorConfig.check_races must be True, False or None (read "
-                f"ZERO_OFFLOAD_CHECK_RACES), got {type(self.check_races).__name__} "
-                f"{self.check_races!r}"
-            )
-        if self.strict is not None and not isinstance(self.strict, bool):
-            raise TypeError(
-                f"AcceleratorConfig.strict must be True, False or None (read "
-                f"ZERO_OFFLOAD_STRICT), got {type(self.strict).__name__} {self.strict!r}"
-            )
-
-    @property
-    def simulates_link(self) -> bool:
-        """Whether copies between device and host go over a simulated link."""
-        return self.link_bandwidth is not None or self.link_latency > 0
-
-    def resolved_device_budget(self, default: int, default_reason: str) -> tuple[int, str]:
-        """The budget in force and where it came from (config, environment, or the default)."""
-        if self.device_budget is not None:
-            return int(self.device_budget), "config"
-        env = os.environ.get(DEVICE_BUDGET_ENV)
-        if env:
-            budget = parse_bytes(env, name=DEVICE_BUDGET_ENV)
-            if budget <= 0:
-                raise ValueError(f"{DEVICE_BUDGET_ENV} must be > 0 bytes, got {env!r}")
-            return budget, f"environment {DEVICE_BUDGET_ENV}"
-        return default, default_reason
-
-
-def _as_int(name: str, value: object) -> int:
-    """``value`` as an int: Python, numpy and 0-d torch integers are (``__index__``);
-    bools, floats and the rest raise ``TypeError`` naming ``name``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got a bool {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an int (Python, numpy or torch integer), got "
-            f"{type(value).__name__} {value!r}"
-        ) from None
-
-
-def _check_int(name: str, value: object, *, low: int) -> int:
-    number = _as_int(name, value)
-    if number < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return number
-
-
-@dataclass(frozen=True)
-class LossScalerConfig:
-    """Dynamic loss scaling for fp16 models (ignored for bf16 and fp32 unless
-    ``autocast_fp16``).
-
-    Attributes:
-        initial_scale: the first loss scale. Default 2**16. Must be > 0.
-        growth_factor: the scale is multiplied by this after ``growth_interval`` steps
-            without overflow. Default 2.0. Must be > 1.
-        backoff_factor: the scale is multiplied by this when an overflow lowers it.
-            Default 0.5. Must be in (0, 1).
-        growth_interval: overflow-free steps before the scale grows. Default 2000. >= 1.
-        min_scale: the scale never drops below this. Default 1.0. Must be > 0.
-        hysteresis: the scale drops at the ``hysteresis``-th overflowing step since it last
-            dropped or grew, consecutive or not (DeepSpeed's rule; clean steps between them
-            do not reset the count; 1 is ``torch.amp.GradScaler``'s schedule). Every
-            overflowing step is skipped regardless. Default 2. Must be >= 1.
-        autocast_fp16: scale dynamically whatever the weights' dtype, for
-            ``torch.autocast(dtype=torch.float16)`` over fp32 or bf16 weights (the recipe
-            ``torch.amp.GradScaler`` serves, which cannot see an offload optimizer's
-            gradients): call ``opt.backward(loss)``, as for an fp16 model (with
-            ``hysteresis=1`` the schedule is ``GradScaler``'s). Default False:
-            scaled only when a trainable parameter is fp16 (Note [one loss scale]).
-    """
-
-    initial_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float = 1.0
-    hysteresis: int = 2
-    autocast_fp16: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.autocast_fp16, bool):
-            raise TypeError(
-                "LossScalerConfig.autocast_fp16 must be True or False, got "
-                f"{type(self.autocast_fp16).__name__} {self.autocast_fp16!r}"
-            )
-        _check_positive_finite("LossScalerConfig.initial_scale", self.initial_scale)
-        _check_positive_finite("LossScalerConfig.min_scale", self.min_scale)
-        _check_positive_finite("LossScalerConfig.growth_factor", self.growth_factor)
-        if self.growth_factor <= 1:
-            raise ValueError(
-                f"LossScalerConfig.growth_factor must be > 1, got {self.growth_factor!r}"
-            )
-        _check_positive_finite("LossScalerConfig.backoff_factor", self.backoff_factor)
-        if self.backoff_factor >= 1:
-            raise ValueError(
-                f"LossScalerConfig.backoff_factor must be in (0, 1), got {self.backoff_factor!r}"
-            )
-        for name in ("growth_interval", "hysteresis"):
-            value = _check_int(f"LossScalerConfig.{name}", getattr(self, name), low=1)
-            object.__setattr__(self, name, value)
-        if self.min_scale > self.initial_scale:
-            raise ValueError(
-                f"LossScalerConfig.min_scale ({self.min_scale}) must be <= initial_scale "
-                f"({self.initial_scale})"
-            )
+__all__ = ["OffloadConfig"]
 
 
 @dataclass(frozen=True)
@@ -416,7 +169,7 @@ class OffloadConfig:
         object.__setattr__(
             self,
             "tile_elements",
-            _check_int("OffloadConfig.tile_elements", self.tile_elements, low=1024),
+            check_int("OffloadConfig.tile_elements", self.tile_elements, low=1024),
         )
         fraction = self.offload_fraction
         if fraction != "auto":
@@ -434,8 +187,8 @@ class OffloadConfig:
                 f"OffloadConfig.auto_headroom must be in [0, 1), got {self.auto_headroom!r}"
             )
         if self.max_grad_norm is not None:
-            _check_positive_finite("OffloadConfig.max_grad_norm", self.max_grad_norm)
-        _check_positive_finite("OffloadConfig.collective_timeout", self.collective_timeout)
+            check_positive_finite("OffloadConfig.max_grad_norm", self.max_grad_norm)
+        check_positive_finite("OffloadConfig.collective_timeout", self.collective_timeout)
         object.__setattr__(
             self,
             "speculation_bytes",
@@ -483,7 +236,7 @@ class OffloadConfig:
         object.__setattr__(
             self,
             "prefetch_layers",
-            _check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0),
+            check_int("OffloadConfig.prefetch_layers", self.prefetch_layers, low=0),
         )
         self._check_grad_staging()
         if self.offload_parameters:
@@ -552,7 +305,7 @@ class OffloadConfig:
         object.__setattr__(
             self,
             "grad_staging_buffers",
-            _check_int("OffloadConfig.grad_staging_buffers", self.grad_staging_buffers, low=1),
+            check_int("OffloadConfig.grad_staging_buffers", self.grad_staging_buffers, low=1),
         )
         if staging is not GradStaging.IN_FLIGHT:
             return
