@@ -43,9 +43,10 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
    (torch's state-dict hooks around them).
 8. ``lifetime``: which optimizer owns which parameter, and closing.
 9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``torch_grad_scaler``,
-   ``kept_zero_grads``, ``clipping``: building the buckets; the clipping guards, torch's
-   ``GradScaler``'s, and the guard of torch's kept zero gradients; the optimizer's own
-   clipping, and several optimizers' together.
+   ``kept_zero_grads``, ``clipping``, ``backward_methods``: building the buckets; the
+   clipping guards, torch's ``GradScaler``'s, and the guard of torch's kept zero gradients;
+   the optimizer's own clipping, and several optimizers' together; its backward and
+   announced step.
 10. ``offload_optimizer``: the public optimizer's machinery, for any rule.
 11. ``offload_adamw``, ``offload_lion``, ``offload_adagrad``, ``offload_adafactor``,
     ``offload_muon`` and ``optim``'s ``__init__``: the rules' facades (torch-style constructors), the public
@@ -126,6 +127,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "torch_grad_scaler": 9,
     "kept_zero_grads": 9,
     "clipping": 9,
+    "backward_methods": 9,
     "offload_optimizer": 10,
     "offload_adamw": 11,
     "offload_lion": 11,

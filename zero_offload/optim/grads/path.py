@@ -58,7 +58,7 @@ class GradientPath(ABC):
     def can_adopt(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` (a parameter's own autograd gradient) can serve as the open
         buffer itself, with no device copy (Note [a lone gradient is its own buffer] in
-        ``to_host.py``)."""
+        ``open_buffer.py``)."""
         return False
 
     def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from ...accelerator import Event
@@ -58,13 +57,14 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ...tracing import phase
-from ..access import declare_compute, declare_cpu
+from ..access import declare_cpu
 from ..ranks import Ranks
 from .buffers import AccumulatorPool, GradBuffers, SpareStaging, accumulator_bytes
 from .device_acc import DeviceSum
 from .device_window import DeviceWindow
 from .host_passes import HostPasses
 from .landing import Landing
+from .open_buffer import OpenBuffer
 from .path import GradientPath, GradSource, SumSqParts
 from .staging import OwnStaging, Staging
 from .staging_ring import RingStaging, StagingRing
@@ -76,8 +76,8 @@ class HostGradients(GradientPath):
     """Gradients to the host: see the module docstring.
 
     Fields:
-        grad_dev: (padded_numel,) training dtype, device pool (or an overflow pool), while
-            the bucket is FILLING; empty otherwise.
+        open: the device buffer this backward's gradients add into, while the bucket is
+            FILLING (``open_buffer.py``).
         staging: where the flushes land (``staging_ring.py``): the bucket's own buffers
             (``grad_staging``: (shard_numel,) training dtype, host pool, pinned where
             available, and the spare: Note [two staging buffers for accumulation]), or a
@@ -107,8 +107,14 @@ class HostGradients(GradientPath):
     ) -> None:
         self.layout = layout
         self.manager = manager
-        self.device_pool = device_pool
-        self.grad_buffers = grad_buffers
+        self.open = OpenBuffer(
+            layout,
+            manager=manager,
+            device_pool=device_pool,
+            grad_buffers=grad_buffers,
+            shard=shard,
+            dtype=dtype,
+        )
         self.shard = shard
         self.dtype = dtype
         self.tile_elements = tile_elements
@@ -135,14 +141,6 @@ class HostGradients(GradientPath):
         # Which field holds the window's gradient. Set on the caller's thread at each
         # flush; a step captures it in its plan.
         self._source = GradSource.STAGING
-        self._grad_block: Block | None = None  # under grad_dev while FILLING
-        # (n_slots,) bool, host: which slots of grad_dev hold a gradient (Note [a gradient
-        # buffer is written once per slot]); reset when a buffer opens.
-        self._filled = np.zeros(len(layout.slots), dtype=bool)
-        # A lone parameter's own autograd gradient, used as the bucket's device buffer
-        # (Note [a lone gradient is its own buffer]); None otherwise.
-        self._adopted: torch.Tensor | None = None
-        self.grad_dev = torch.empty(0, dtype=dtype, device=manager.accelerator.device)
         self.passes = HostPasses(manager, layout, shard)  # the host worker's passes
         self._staging_consumed: Event | None = None  # the host worker's last pass, any buffer
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
@@ -177,53 +175,29 @@ class HostGradients(GradientPath):
 
     # -- gradients ---------------------------------------------------------------------
 
-    # Note [a lone gradient is its own buffer]
-    # A bucket of one parameter (a parameter larger than bucket_bytes: an embedding table, a
-    # large projection) with one rank needs no device gradient buffer: autograd's gradient
-    # tensor is copied to the host directly, saving a device copy (and a zeroing pass) of
-    # every element. The tensor stays referenced until its copy is issued; the accelerator
-    # keeps the caching allocator from reusing it before the copy is done (record_stream
-    # on CUDA, Note in accelerator/cuda.py copy_). A second gradient for it in the same
-    # buffer, or several ranks (the reduce-scatter needs the padded buffer), take the
-    # ordinary path.
+    # Note [a lone gradient is its own buffer] and Note [a gradient buffer is written once
+    # per slot]: in open_buffer.py.
 
     def can_adopt(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` can serve as this bucket's device buffer as it is."""
-        return (
-            len(self.layout.slots) == 1
-            and self.shard == (0, self.layout.padded_numel)
-            and grad.dtype == self.dtype
-            and grad.device == self.grad_dev.device
-            and grad.is_contiguous()
-            and grad.layout is torch.strided
-        )
+        return self.open.can_adopt(grad)
 
     def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
         """Take ``grad`` (the only parameter's gradient) as the open buffer."""
         if not new_window and self._source is GradSource.STAGING:
             self._ensure_accumulator()
             self._fold()
-        self._adopted = grad.reshape(-1)
+        self.open.adopt(grad)
 
     def open_grad(self, *, new_window: bool, grow: bool = False) -> None:
-        if self._grad_block is not None or self._adopted is not None:
+        if self.open.is_open:
             # An open interrupted before the lifecycle recorded it (Note [an interrupted
             # gradient path]): that buffer holds nothing of this backward.
-            self._drop_open()
+            self.open.drop()
         folds = not new_window and self._source is GradSource.STAGING
         if folds:
             self._ensure_accumulator()  # first: a failure leaves nothing allocated
-        nbytes = self.layout.padded_numel * self.dtype.itemsize
-        block = self.grad_buffers.alloc(
-            self.device_pool, nbytes, owner=f"bucket{self.layout.index}.grad", grow=grow
-        )
-        block.on_move(self._bind_grad)
-        self._grad_block = block
-        self._bind_grad(block)
-        # Note [a gradient buffer is written once per slot]: only the padding is zeroed now.
-        self._declare_compute(self.grad_dev[self.layout.numel :], write=True, what="pad zeroing")
-        self.grad_dev[self.layout.numel :].zero_()
-        self._filled = np.zeros(len(self.layout.slots), dtype=bool)
+        self.open.open(grow=grow)
         if folds:
             self._fold()
 
@@ -253,59 +227,10 @@ class HostGradients(GradientPath):
         self._source = GradSource.ACCUMULATOR
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
-        # Note [a gradient buffer is written once per slot]
-        # A fresh device gradient buffer is not zeroed as a whole: a slot's first gradient
-        # is copied in (read 2 + write 2 bytes per element of bf16, instead of a zeroing
-        # pass and a read-modify-write add), a second one is added, and at the flush the
-        # slots that got none are zeroed, so the buffer is exact everywhere it is read.
-        if self._adopted is not None:
-            raise RuntimeError(
-                f"bucket {self.layout.index} still holds a gradient that a failed backward or "
-                "step left behind (its flush never ran; the error was raised then): call "
-                "opt.zero_grad() to clear the window, then reload or rebuild the optimizer as "
-                "that error said (Note [a lone gradient is its own buffer])"
-            )
-        slot = self.layout.slots[slot_index]
-        view = self.grad_dev[slot.offset : slot.end]
-        self._declare_compute(view, write=True, what=f"backward writes slot {slot_index}")
-        if self._filled[slot_index]:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            self._filled[slot_index] = True
-
-    def _zero_unfilled(self) -> None:
-        """Zero the slots no gradient reached (and the alignment gaps between slots)."""
-        slots, filled = self.layout.slots, self._filled
-        position = 0
-        for i, slot in enumerate(slots):
-            if filled[i]:
-                if slot.offset > position:
-                    gap = self.grad_dev[position : slot.offset]
-                    self._declare_compute(gap, write=True, what="zeroing unfilled slots")
-                    gap.zero_()
-                position = slot.end
-        if self.layout.numel > position:
-            tail = self.grad_dev[position : self.layout.numel]
-            self._declare_compute(tail, write=True, what="zeroing unfilled slots")
-            tail.zero_()
-
-    def _declare_compute(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
-        declare_compute(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
+        self.open.add(slot_index, grad)
 
     def _declare_cpu(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
         declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
-
-    def _bind_grad(self, block: Block) -> None:
-        self.grad_dev = block.view(self.dtype, (self.layout.padded_numel,))
-
-    def _release_grad(self) -> Block:
-        block = self._grad_block
-        if block is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no device gradient buffer (bug)")
-        self._grad_block = None
-        self.grad_dev = torch.empty(0, dtype=self.dtype, device=self.grad_dev.device)
-        return block
 
     @property
     def staging_block(self) -> Block:
@@ -319,7 +244,6 @@ class HostGradients(GradientPath):
 
     def flush(self, *, overwrite: bool, ranks: Ranks) -> None:
         manager = self.manager
-        grad = self.grad_dev
         if overwrite:  # a new window: the last one's staging, if still held, is free
             self.window_consumed()
             self.device.begin(
@@ -332,10 +256,11 @@ class HostGradients(GradientPath):
         # [staging is reused only once consumed], Note [gradient staging for the buckets in flight].
         with self.staging.acquired(overwrite, self._window_flushes) as buffer:
             index = self.layout.index
-            if self._adopted is not None:
+            if self.open.adopted is not None:
                 self._flush_adopted(overwrite=overwrite, buffer=buffer)
                 return
-            self._zero_unfilled()
+            self.open.zero_unfilled()
+            grad = self.open.tensor
             ready = ranks.reduce_scatter(
                 grad,
                 manager.compute_ready(),
@@ -344,7 +269,7 @@ class HostGradients(GradientPath):
             start, stop = self.shard
             if not overwrite or self._first_flush_accumulates():
                 self._ensure_accumulator()  # before anything moves: a failure changes nothing
-            block = self._grad_block
+            block = self.open.block
             if block is None:
                 # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
                 # already handed the buffer on or dropped it.
@@ -359,20 +284,20 @@ class HostGradients(GradientPath):
             landing = self._copy_to_staging(
                 grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
             )
-            self._release_grad().free()  # reuse waits on the copies, Note [block reuse waits...]
+            self.open.release().free()  # reuse waits on the copies, Note [block reuse waits...]
             self._after_copy(landing, overwrite=overwrite, buffer=buffer)
 
     def _flush_adopted(self, *, overwrite: bool, buffer: int) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
-        grad = self._adopted
+        grad = self.open.adopted
         staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
             grad, staging, after=[self.manager.compute_ready()], blocks=[staging_block]
         )
-        self._adopted = None
+        self.open.adopted = None
         self._after_copy(landing, overwrite=overwrite, buffer=buffer)
 
     def _first_flush_accumulates(self) -> bool:
@@ -387,28 +312,28 @@ class HostGradients(GradientPath):
         """Add this backward's device gradients into the device accumulator; land the sum
         when this is the window's predicted last flush and the host accumulator is free."""
         after = None
-        if self._adopted is not None:
-            src = self._adopted
+        if self.open.adopted is not None:
+            src = self.open.adopted
         else:
-            if self._grad_block is None:
+            if self.open.block is None:
                 raise RuntimeError(
                     f"bucket {self.layout.index}: its device gradients were already handed "
                     "on: a backward was interrupted half-way (KeyboardInterrupt) and its "
                     "window was not discarded. Call opt.zero_grad() after an interrupted "
                     "backward"
                 )
-            self._zero_unfilled()
+            self.open.zero_unfilled()
             compute = self.manager.compute_ready()
             ready = ranks.reduce_scatter(
-                self.grad_dev,
+                self.open.tensor,
                 compute,
                 what=f"bucket {self.layout.index} ({self.layout.padded_numel} el)",
             )
             after = ready if ready is not compute else None
             start, stop = self.shard
-            src = self.grad_dev[start:stop]
+            src = self.open.tensor[start:stop]
         self.device.add(src, overwrite=overwrite, after=after)
-        self._drop_open()  # reuse is stream-ordered after the add
+        self.open.drop()  # reuse is stream-ordered after the add
         self._source = GradSource.ACCUMULATOR
         # _acc_landed and _landing stay: grad_acc still holds the last landing, which a
         # delayed update queued before this backward may be reading, following its tiles.
@@ -511,16 +436,10 @@ class HostGradients(GradientPath):
         done = self._staging_consumed
         return limit if done is None or done.query() else lo
 
-    def _drop_open(self) -> None:
-        """Drop the open device buffer, if any: Note [an interrupted gradient path]."""
-        self._adopted = None  # autograd's tensor: dropping it is all
-        if self._grad_block is not None:
-            self._release_grad().free()
-
     def discard_grad(self) -> None:
         """Forget the window: the open device buffer, and its staging once what the host
         worker queued is done (Note [gradient staging for the buckets in flight])."""
-        self._drop_open()
+        self.open.drop()
         self.device.discard()
         self.window_consumed()
 
@@ -562,11 +481,11 @@ class HostGradients(GradientPath):
         return self.passes.sumsq()
 
     def close(self) -> None:
-        self._adopted = None
+        self.open.adopted = None
         self.device.close()
-        if self._grad_block is not None:
-            self._grad_block.free()
-            self._grad_block = None
+        if self.open.block is not None:
+            self.open.block.free()
+            self.open.block = None
         if self._acc_block is not None:
             self._acc_block.free()
         self._acc_block = None
