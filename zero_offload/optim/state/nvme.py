@@ -25,11 +25,12 @@ write it last carried completed (``IOBuffer.settle``): that write was issued two
 earlier, so in steady state the CPU does not wait on it and the step is bounded by the disk
 (read + write) or by the CPU Adam, whichever is slower.
 
-Across buckets (``StreamGroup``, the segment's NVMe buckets in bucket order, the order every
-update mode steps them in): at the end of its update a bucket issues the reads of the next
-NVMe bucket's first ``B - 2`` tiles, and only then waits for its own last writes, so the
-disk is not idle between buckets; the last bucket waits for its writes first and then reads
-the first bucket's first tiles for the next step, during the forward and backward in
+Across buckets (``StreamGroup`` in ``stream_group.py``, the segment's NVMe buckets in
+bucket order, the order every update mode steps them in): at the end of its update a bucket
+issues the reads of the next NVMe bucket's first ``B - 2`` tiles, and only then waits for
+its own last writes, so the disk is not idle between buckets; the last bucket waits for its
+writes first and then reads the first bucket's first tiles for the next step, during the
+forward and backward in
 between (issued earlier they would slow the step's last writes), so the disk is not idle at
 the start of a step either. A read
 of a record waits for a pending write of the same record first. A bucket's update returns when its own writes are done:
@@ -74,7 +75,7 @@ from ...errors import StorageError
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
-from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState, StorageTier
+from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState
 from ...memory.traffic import Category, Direction
 from ...partition import BucketLayout, clip_runs
 from ...tracing import phase
@@ -93,91 +94,14 @@ from .store import (
     republish_from_master,
     weights_into_home,
 )
+from .stream_group import StreamGroup, settle
 
-__all__ = ["NvmeState", "StateNotInHostRam", "StreamGroup"]
+__all__ = ["NvmeState", "StateNotInHostRam"]
 
 
 class StateNotInHostRam(RuntimeError):
     """The optimizer state of a bucket lives on NVMe: it cannot be handed out as tensors
     (``state_dict``, ``opt.state[p]``); the message names the streaming calls."""
-
-
-def _settle(buffer: IOBuffer) -> None:
-    """``buffer.settle()``; a wait that blocks is timed as ``nvme_wait`` (exposed I/O).
-
-    Synchronisation point: the CPU waits for the disk, which is behind it."""
-    event = buffer.event
-    if event is not None and not event.query():
-        with phase("nvme_wait", track="cpu_optimizer"):
-            buffer.settle()
-    else:
-        buffer.settle()
-
-
-class StreamGroup:
-    """The NVMe buckets of one segment, in bucket order, sharing one tier's ring; holds the
-    reads issued ahead for the next bucket (Note [the step streams the state]).
-
-    ``prefetched``: ``(bucket, tile, buffer)`` reads issued by the previous bucket's update
-    for the next one; an entry is valid while its buffer is still READING that record."""
-
-    def __init__(self, tier: StorageTier) -> None:
-        self.tier = tier
-        self.order: list[NvmeState] = []
-        self.prefetched: list[tuple[NvmeState, int, IOBuffer]] = []
-
-    def take_prefetched(self, owner: NvmeState, tiles: list[int]) -> list[tuple[int, IOBuffer]]:
-        """The valid prefetched reads of ``owner`` that start ``tiles``, in order; every
-        other one is dropped (its buffer settled: FREE)."""
-        entries, self.prefetched = self.prefetched, []
-        taken: list[tuple[int, IOBuffer]] = []
-        for backend, tile, buffer in entries:
-            valid = (
-                backend is owner
-                and buffer.state is IOBufferState.READING
-                and buffer.tag == (owner.file, tile)
-                and len(taken) < len(tiles)
-                and tiles[len(taken)] == tile
-            )
-            if valid:
-                taken.append((tile, buffer))
-            elif buffer.tag is not None and buffer.tag == (backend.file, tile):
-                # A read nobody will use: its error is not ``owner``'s, and the record is
-                # read again (failing in its own bucket) when needed. Note [a failed write
-                # leaves the others intact].
-                with contextlib.suppress(StorageError):
-                    buffer.settle()
-        return taken
-
-    def forget(self, backend: NvmeState) -> None:
-        """``backend`` closed: neither the order nor a prefetched read names it any more (the
-        group would hold the closed store: Note [a publication does not hold its store] in
-        store.py). Its buffers are the store's to settle."""
-        if backend in self.order:
-            self.order.remove(backend)
-        self.prefetched = [entry for entry in self.prefetched if entry[0] is not backend]
-
-    def prefetch_after(self, backend: NvmeState, count: int) -> None:
-        """Issue reads of the first ``count`` tiles of the NVMe bucket after ``backend``
-        (after the last one: the first, for the next step)."""
-        index = self.order.index(backend)
-        after = self.order[(index + 1) % len(self.order)]
-        if after.file is None or after.file.state is StorageState.FAILED:
-            return  # its own update refuses, naming it
-        for tile in range(min(count, after.tiles)):
-            buffer = self.tier.next_buffer()
-            _settle(buffer)
-            try:
-                after._read(tile, buffer)
-            except StorageError:
-                # Not this bucket's failure (Note [a failed write leaves the others
-                # intact]): ``after`` reads the tile itself and reports it.
-                buffer.settle()
-                return
-            self.prefetched.append((after, tile, buffer))
-
-
-# -- the store -------------------------------------------------------------------------
 
 
 class NvmeState(StateStore):
@@ -327,9 +251,9 @@ class NvmeState(StateStore):
         def fill(upto: int) -> None:
             while len(buffers) < min(upto, len(tiles)):
                 buffer = tier.next_buffer()
-                _settle(buffer)  # its write of two tiles ago has landed, in steady state
+                settle(buffer)  # its write of two tiles ago has landed, in steady state
                 if read:
-                    self._read(tiles[len(buffers)], buffer)
+                    self.read_tile(tiles[len(buffers)], buffer)
                 else:
                     buffer.transition(IOBufferState.FREE, IOBufferState.HELD)
                 buffers.append(buffer)
@@ -369,7 +293,7 @@ class NvmeState(StateStore):
             # the call that caused them, naming this bucket.
             for buffer in tier.buffers:
                 if buffer.tag is not None and buffer.tag[0] is file:
-                    _settle(buffer)
+                    settle(buffer)
             if wraps:
                 self.group.prefetch_after(self, depth)  # during the next forward, backward
         except BaseException as exc:
@@ -388,13 +312,13 @@ class NvmeState(StateStore):
                 ) from exc
             raise
 
-    def _read(self, tile: int, buffer: IOBuffer) -> None:
+    def read_tile(self, tile: int, buffer: IOBuffer) -> None:
         """Queue reading ``tile`` into ``buffer`` (FREE -> READING)."""
         if self.file is None:
             raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
         for other in self.tier.buffers:
             if other.tag == (self.file, tile) and other.state is IOBufferState.WRITING:
-                _settle(other)  # read after write of the same record: the write first
+                settle(other)  # read after write of the same record: the write first
         self.manager.disk_copy(
             self.file,
             tile,

@@ -16,9 +16,10 @@ from ...views import ParamViews
 from ...weights.nvme_home import HomeTiles
 from ..grads.path import GradientPath
 from ..rule.base import OptimizerRule
-from .nvme import NvmeState, StreamGroup
+from .nvme import NvmeState
 from .nvme_plan import NvmePlan
 from .nvme_weights import NvmeHomeState
+from .stream_group import StreamGroup
 from .whole_nvme import WholeParameterNvmeState
 
 __all__ = ["NvmeBackends"]

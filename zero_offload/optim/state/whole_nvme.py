@@ -23,10 +23,11 @@ from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
 from ..publish import Publish
 from ..rule.base import Hyper, OptimizerRule
-from .nvme import NvmeState, StreamGroup
+from .nvme import NvmeState
 from .nvme_plan import RecordLayout
 from .shaped import KeepsShapedState, ShapedState
 from .store import refuse_take_written
+from .stream_group import StreamGroup
 
 __all__ = ["WholeParameterNvmeState"]
 
