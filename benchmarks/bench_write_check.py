@@ -32,7 +32,7 @@ from _common import machine, write_json
 from bench_offload_step import FULL, LR, TINY, _batches, _make_model
 
 from zero_offload import OffloadAdamW
-from zero_offload.views import param_views
+from zero_offload.views import fingerprints, param_views
 
 #: The check's entry points, timed where they run.
 TIMED = ("changed_params", "remember", "published_tile")
@@ -89,13 +89,13 @@ def _measure(dtype: torch.dtype, steps: int, scale, *, streamed: bool) -> dict[s
 def _slot_by_slot(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The device fingerprints as they were taken before Note [one fingerprint pass per
     bucket]: each slot's chunks summed apart (the same numbers)."""
-    ints = flat.view(param_views._SAME_SIZE_INT[flat.element_size()])
+    ints = flat.view(fingerprints.SAME_SIZE_INT[flat.element_size()])
     sums = []
     for start, end in ranges:
         total = torch.zeros((), dtype=torch.int64, device=flat.device)
-        for lo in range(start, end, param_views._DEVICE_CHUNK):
-            hi = min(end, lo + param_views._DEVICE_CHUNK)
-            total += param_views._mixed_terms(ints[lo:hi], lo).sum()
+        for lo in range(start, end, fingerprints.DEVICE_CHUNK):
+            hi = min(end, lo + fingerprints.DEVICE_CHUNK)
+            total += fingerprints.mixed_terms(ints[lo:hi], lo).sum()
         sums.append(total)
     return torch.stack(sums)
 
@@ -121,7 +121,7 @@ def _device_path(rounds: int) -> list[str]:
         ranges = [(i * size, i * size + size - 16) for i in range(count)]
         ways = {
             "slot by slot (before)": _slot_by_slot,
-            "one pass (now)": param_views._device_fingerprints,
+            "one pass (now)": fingerprints.device_fingerprints,
         }
         times: dict[str, list[float]] = {name: [] for name in ways}
         ops = {}

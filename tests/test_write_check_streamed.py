@@ -1,4 +1,4 @@
-"""Note [one cold hash per step] (``views/param_views.py``): the fingerprints ``remember()``
+"""Note [one cold hash per step] (``views/fingerprints.py``): the fingerprints ``remember()``
 takes from the tiles streamed as they are published equal a fresh hash of the weights,
 whatever the tile and slot boundaries, in every update mode; streamed fingerprints are not
 used where the copies did not come from fed tiles; and a write through ``param.data`` after
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_offload.views import param_views
+from zero_offload.views import fingerprints
 
 from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, torch_adamw
 
@@ -17,14 +17,14 @@ from .helpers.models import batches, lm_loss, make_pair, max_diff, offload_opt, 
 def _count_streamed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the slots whose fingerprint ``remember()`` took from a stream: [used]."""
     used = [0]
-    digest = param_views._StreamedHashes.digest
+    digest = fingerprints.StreamedHashes.digest
 
-    def counting(self: param_views._StreamedHashes, i: int) -> int | None:
+    def counting(self: fingerprints.StreamedHashes, i: int) -> int | None:
         out = digest(self, i)
         used[0] += out is not None
         return out
 
-    monkeypatch.setattr(param_views._StreamedHashes, "digest", counting)
+    monkeypatch.setattr(fingerprints.StreamedHashes, "digest", counting)
     return used
 
 
@@ -89,7 +89,7 @@ def test_a_partly_fed_slot_is_hashed_afresh() -> None:
     opt = offload_opt(model)
     slots = opt.buckets[0].views.layout.slots
     opt.close()
-    stream = param_views._StreamedHashes(slots)
+    stream = fingerprints.StreamedHashes(slots)
     first = slots[0]
     values = flat[: min(first.numel, 50)]
     stream.feed(first.offset, first.offset + values.numel(), values)

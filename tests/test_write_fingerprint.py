@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zero_offload.views import param_views
+from zero_offload.views import fingerprints
 
 from .helpers.models import mlp, mlp_batches, mlp_loss, mlp_opt, mlp_torch_adamw
 
@@ -22,33 +22,33 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 def test_swapping_two_values_changes_only_their_ranges_fingerprint(dtype: torch.dtype) -> None:
     flat = torch.randn(97, generator=torch.Generator().manual_seed(0)).to(dtype)
     ranges = [(0, 40), (40, 41), (41, 97)]
-    before = param_views._device_fingerprints(flat, ranges)
+    before = fingerprints.device_fingerprints(flat, ranges)
     swapped = flat.clone()
     swapped[[3, 17]] = flat[[17, 3]]
     # The plain sum of bit patterns (the old fingerprint) cannot tell them apart.
-    ints = param_views._SAME_SIZE_INT[flat.element_size()]
+    ints = fingerprints.SAME_SIZE_INT[flat.element_size()]
     assert flat.view(ints).sum(dtype=torch.int64) == swapped.view(ints).sum(dtype=torch.int64)
-    after = param_views._device_fingerprints(swapped, ranges)
+    after = fingerprints.device_fingerprints(swapped, ranges)
     assert (after != before).tolist() == [True, False, False]
     # Swapping a value with a zero, and moving the zero, is a write too.
     zeroed = flat.clone()
     zeroed[50] = 0
     moved = zeroed.clone()
     moved[[50, 60]] = zeroed[[60, 50]]
-    changes = param_views._device_fingerprints(moved, ranges) != param_views._device_fingerprints(
+    changes = fingerprints.device_fingerprints(moved, ranges) != fingerprints.device_fingerprints(
         zeroed, ranges
     )
     assert changes.tolist() == [False, False, True]
     # Same values, same fingerprints (the check must not see writes that did not happen).
-    assert torch.equal(param_views._device_fingerprints(flat.clone(), ranges), before)
+    assert torch.equal(fingerprints.device_fingerprints(flat.clone(), ranges), before)
 
 
 def test_chunks_give_the_fingerprint_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     flat = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     ranges = [(0, 999), (999, 1000)]
-    whole = param_views._device_fingerprints(flat, ranges)
-    monkeypatch.setattr(param_views, "_DEVICE_CHUNK", 7)
-    assert torch.equal(param_views._device_fingerprints(flat, ranges), whole)
+    whole = fingerprints.device_fingerprints(flat, ranges)
+    monkeypatch.setattr(fingerprints, "DEVICE_CHUNK", 7)
+    assert torch.equal(fingerprints.device_fingerprints(flat, ranges), whole)
 
 
 def test_a_swap_through_param_data_is_seen_on_the_device_path(
@@ -56,7 +56,7 @@ def test_a_swap_through_param_data_is_seen_on_the_device_path(
 ) -> None:
     """Swap two weights of a parameter through ``p.data`` between steps: torch steps from
     the swapped weights, and so must we, with the device fingerprint deciding."""
-    monkeypatch.setattr(param_views, "_host_addressable", lambda flat: False)
+    monkeypatch.setattr(fingerprints, "host_addressable", lambda flat: False)
     model, reference = mlp(), mlp()
     opt, ref = mlp_opt(model), mlp_torch_adamw(reference)
     data = mlp_batches(2)
@@ -95,13 +95,13 @@ class _CountOps(TorchDispatchMode):
 
 def _per_slot(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The fingerprints slot by slot, chunk by chunk (how they were taken before)."""
-    ints = flat.view(param_views._SAME_SIZE_INT[flat.element_size()])
+    ints = flat.view(fingerprints.SAME_SIZE_INT[flat.element_size()])
     out = []
     for start, end in ranges:
         total = torch.zeros((), dtype=torch.int64)
-        for lo in range(start, end, param_views._DEVICE_CHUNK):
-            hi = min(end, lo + param_views._DEVICE_CHUNK)
-            total += param_views._mixed_terms(ints[lo:hi], lo).sum()
+        for lo in range(start, end, fingerprints.DEVICE_CHUNK):
+            hi = min(end, lo + fingerprints.DEVICE_CHUNK)
+            total += fingerprints.mixed_terms(ints[lo:hi], lo).sum()
         out.append(total)
     return torch.stack(out)
 
@@ -112,11 +112,11 @@ def test_one_pass_per_bucket_gives_the_slot_by_slot_fingerprints(
 ) -> None:
     """Same numbers as summing each slot's terms (slots with gaps between them, slots
     crossing chunk ends, a slot inside one chunk), so a remembered stamp stays valid."""
-    monkeypatch.setattr(param_views, "_DEVICE_CHUNK", chunk)
+    monkeypatch.setattr(fingerprints, "DEVICE_CHUNK", chunk)
     gen = torch.Generator().manual_seed(2)
     flat = (torch.randn(700, generator=gen) * 1e30).to(torch.float32)  # large bit patterns
     ranges = [(0, 3), (8, 70), (70, 71), (128, 500), (512, 700)]
-    assert torch.equal(param_views._device_fingerprints(flat, ranges), _per_slot(flat, ranges))
+    assert torch.equal(fingerprints.device_fingerprints(flat, ranges), _per_slot(flat, ranges))
 
 
 def test_a_bucket_of_many_parameters_costs_the_ops_of_one_pass() -> None:
@@ -125,11 +125,11 @@ def test_a_bucket_of_many_parameters_costs_the_ops_of_one_pass() -> None:
     flat = torch.randn(400 * 64).to(torch.bfloat16)
     many = [(i * 64, i * 64 + 60) for i in range(400)]
     with _CountOps() as counted:
-        param_views._device_fingerprints(flat, many)
+        fingerprints.device_fingerprints(flat, many)
     with _CountOps() as fewer:
-        param_views._device_fingerprints(flat, many[:10])
+        fingerprints.device_fingerprints(flat, many[:10])
     with _CountOps() as one:  # one large parameter per chunk: summed directly, as before
-        param_views._device_fingerprints(flat, [(0, len(flat))])
+        fingerprints.device_fingerprints(flat, [(0, len(flat))])
     assert counted.ops == fewer.ops <= 32, (counted.ops, fewer.ops)  # views, slices included
     assert one.ops <= 20, one.ops  # slot by slot: about the same for one parameter
 
@@ -139,7 +139,7 @@ def test_the_write_check_reads_the_device_once_per_step(
 ) -> None:
     """With several buckets on the device path, ``step()`` reads the comparisons on the host
     once (one synchronisation), not once per bucket."""
-    monkeypatch.setattr(param_views, "_host_addressable", lambda flat: False)
+    monkeypatch.setattr(fingerprints, "host_addressable", lambda flat: False)
     reads: list[str] = []
     tolist = torch.Tensor.tolist
 
