@@ -21,6 +21,7 @@ import torch
 from zero_offload import OffloadAdamW, OffloadConfig
 from zero_offload.activations import ActivationOffloadConfig, ActivationOffloader, checkpoint
 from zero_offload.demo.model import GPTConfig, TinyGPT
+from zero_offload.memory.exposed import ExposedTime
 from zero_offload.memory.manager import TieredMemoryManager
 from zero_offload.memory.traffic import Category, StallRecord
 
@@ -185,7 +186,7 @@ def test_stall_records_are_bounded_without_a_reader() -> None:
 
 def test_stalls_beyond_the_cap_are_dropped_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     manager = TieredMemoryManager(host_accelerator())
-    monkeypatch.setattr(TieredMemoryManager, "MAX_PENDING_STALLS", 3)
+    monkeypatch.setattr(ExposedTime, "MAX_PENDING", 3)
     monkeypatch.setattr(StallRecord, "seconds", lambda self: None)  # never complete
     for _ in range(10):
         manager.wait_for([], category=Category.GRADIENTS)

@@ -77,6 +77,7 @@ import torch
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
 from ..errors import Attempts, StreamError
 from .block import Block
+from .exposed import ExposedTime
 from .host_worker import HostWorker
 from .listeners import TICK_EVERY, Listeners, Tick
 from .pool import BlockPool
@@ -168,18 +169,12 @@ class TieredMemoryManager:
         #: optimizer: skipped steps, speculative rollbacks, the share of an announced step
         #: done during backward); plain numbers by name, written by the owner only.
         self.step_notes: dict[str, float] = {}
-        # Seconds compute stood still in ``wait_for`` (exposed transfer time), by category,
-        # from stalls whose events have completed; guarded by ``_lock``. See
-        # Note [exposed time is measured on the compute stream].
-        self._exposed: dict[Category, float] = {}
-        # Stalls not yet complete (Note [stall records are bounded]); guarded by _lock.
-        self._stalls: list[StallRecord] = []
-        #: Stalls dropped unmeasured because more than ``MAX_PENDING_STALLS`` were pending.
-        self.stalls_dropped = 0
+        # Seconds compute stood still in ``wait_for`` (exposed transfer time), by category:
+        # Note [exposed time is measured on the compute stream] (``exposed.py``).
+        self.exposed = ExposedTime()
         # Who listens (``listeners.py``): a copy reads its ``hooks`` without a lock.
         self._listeners = Listeners()
         self._seq = itertools.count()
-        self._lock = threading.Lock()
         # Releases of owners that borrow this manager's streams (an ActivationOffloader
         # given manager=), run first by close(): Note [a manager's close ends its borrowers].
         self._borrowers: list[weakref.finalize] = []
@@ -385,17 +380,6 @@ class TieredMemoryManager:
         """An event on the compute stream marking the work issued so far (e.g. a gradient)."""
         return self.accelerator.current_stream().record_event()
 
-    # Note [exposed time is measured on the compute stream]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Exposed transfer time is how long compute stood still waiting for copies. On CUDA the
-    # host call ``wait_event`` returns at once, so timing it measures nothing; instead
-    # ``wait_for`` records an event on the compute stream before the waits and one after,
-    # and the stall is the gap between their completion times on the device clock (a
-    # ``StallRecord``). On the host accelerator the same two events bracket the blocking
-    # call. Stalls count once both events completed; needing timed events, they are
-    # measured while the accelerator's events are timed (always on the host accelerator;
-    # on CUDA while a profiler listens, Note [cuda events: blocking, timed only when asked]).
-
     def wait_for(self, events: Iterable[Event], *, category: Category) -> None:
         """Make compute wait for ``events``; the stall counts as exposed time.
 
@@ -421,45 +405,19 @@ class TieredMemoryManager:
             after=compute.record_event(),
             waited_for=len(events),
         )
-        with self._lock:
-            self._stalls.append(stall)
-            self._fold_completed()  # Note [stall records are bounded]
+        self.exposed.add(stall)
         for listener in self._listeners.stalls:
             listener(stall)
 
-    # Note [stall records are bounded]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Every ``wait_for`` makes a ``StallRecord``, thousands per step with parameter offload.
-    # The manager keeps only those whose events are still pending: each wait folds the
-    # completed ones into ``_exposed`` (a few floats), whether or not anyone reads
-    # ``exposed_seconds``, so the memory held is the stalls in flight, not the stalls ever
-    # made. Should the events fall far behind (a device queue thousands of waits deep), the
-    # oldest beyond ``MAX_PENDING_STALLS`` are dropped unmeasured and counted in
-    # ``stalls_dropped``: the exposed time is then a lower bound, and says so by that count.
-
-    #: Pending stall records kept at most; Note [stall records are bounded].
-    MAX_PENDING_STALLS = 4096
-
-    def _fold_completed(self) -> None:
-        """Fold completed stalls into ``_exposed``; the caller holds ``_lock``."""
-        pending = []
-        for stall in self._stalls:
-            seconds = stall.seconds()
-            if seconds is None:
-                pending.append(stall)
-            else:
-                self._exposed[stall.category] = self._exposed.get(stall.category, 0.0) + seconds
-        excess = len(pending) - self.MAX_PENDING_STALLS
-        if excess > 0:
-            self.stalls_dropped += excess
-            del pending[:excess]
-        self._stalls = pending
+    @property
+    def stalls_dropped(self) -> int:
+        """Stalls dropped unmeasured (Note [stall records are bounded] in ``exposed.py``)."""
+        return self.exposed.dropped
 
     @property
     def pending_stalls(self) -> int:
         """Stall records held now, awaiting their events (Note [stall records are bounded])."""
-        with self._lock:
-            return len(self._stalls)
+        return self.exposed.pending()
 
     @property
     def exposed_seconds(self) -> dict[Category, float]:
@@ -468,9 +426,7 @@ class TieredMemoryManager:
         Only stalls whose events have completed count; see Note [exposed time is measured
         on the compute stream]. Never blocks.
         """
-        with self._lock:
-            self._fold_completed()
-            return dict(self._exposed)
+        return self.exposed.seconds()
 
     def synchronize(self) -> None:
         """Wait for every copy and every host-side task; raise the first error."""
