@@ -27,7 +27,7 @@ from zero_offload import OffloadAdamW, StreamError
 from zero_offload.accelerator import Accelerator
 from zero_offload.accelerator.host_syncs import LIBRARY_THREAD_PREFIX
 from zero_offload.activations import ActivationOffloadConfig, ActivationOffloader, checkpoint
-from zero_offload.errors import StorageError
+from zero_offload.errors import StorageError, raised_again
 from zero_offload.memory.io_engine import IOEvent
 from zero_offload.memory.pool import BlockPool
 
@@ -214,6 +214,27 @@ def test_a_failed_nvme_read_raised_again_gathers_no_frames() -> None:
         depths.append(_frames(info.value))
         assert info.value.file == "f"  # type: ignore[attr-defined]
     assert depths[0] == depths[1] == depths[2]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError(2, "No such file or directory", "/nvme/rank0/bucket3.state"),
+        PermissionError(13, "Permission denied", "/nvme/a", None, "/nvme/b"),
+        OSError(28, "No space left on device"),
+    ],
+    ids=["filename", "two-filenames", "no-filename"],
+)
+def test_an_os_error_raised_again_keeps_its_file(error: OSError) -> None:
+    """A stored OSError raised afresh keeps its type, errno and file names, so its message
+    still names the file (``errors.raised_again``; its file names are not in ``args``)."""
+    error.add_note("while reading bucket 3")
+    fresh = raised_again(error)
+    assert fresh is not error and type(fresh) is type(error)
+    assert (fresh.errno, fresh.strerror) == (error.errno, error.strerror)  # type: ignore[attr-defined]
+    assert (fresh.filename, fresh.filename2) == (error.filename, error.filename2)  # type: ignore[attr-defined]
+    assert str(fresh) == str(error)
+    assert fresh.__notes__ == ["while reading bucket 3"]
 
 
 class Interrupted(Exception):

@@ -54,8 +54,13 @@ def raised_again(exc: BaseException) -> BaseException:
     stored one gathers no frames (Note [a sticky error holds no frames] in
     ``zero_offload.accelerator.base``); ``exc`` itself, without its traceback, when its
     type cannot be rebuilt from its arguments."""
+    args = exc.args
+    if isinstance(exc, OSError) and (exc.filename is not None or exc.filename2 is not None):
+        # An OSError's file names are not among its args: rebuilt from them alone, the
+        # message would no longer name the file.
+        args = (exc.errno, exc.strerror, exc.filename, None, exc.filename2)
     try:
-        fresh = type(exc)(*exc.args)
+        fresh = type(exc)(*args)
     except Exception:
         return exc.with_traceback(None)
     fresh.__cause__ = exc.__cause__
