@@ -108,6 +108,32 @@ def test_pretrained_exports_of_a_compiled_model_use_the_original_names(tmp_path:
     opt.close()
 
 
+def test_pretrained_exports_of_compiled_blocks_use_the_original_names(tmp_path: Path) -> None:
+    """Blocks compiled one by one put ``_orig_mod`` inside every name of theirs
+    (``0._orig_mod.weight``): ``save_pretrained`` wrote those names, which no uncompiled
+    model has, and ``load_pretrained`` matched none of them (Note [a compiled model is its
+    original module] in ``weights/checkpoint.py``). Nothing here runs a compiled graph: the
+    names come from the wrappers alone."""
+    model = _mlp()
+    plain_keys = list(model.state_dict().keys())
+    model[0] = torch.compile(model[0])
+    model[2] = torch.compile(model[2])
+    assert any("_orig_mod" in key for key in model.state_dict())
+    opt = OffloadAdamW(model.parameters(), **HYPER, accelerator=host_accelerator())
+    files = save_pretrained(model, tmp_path, optimizer=opt)
+    saved = load_file(files[0])
+    assert list(saved.keys()) == plain_keys
+    with torch.device("meta"):
+        fresh = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    fresh[2] = torch.compile(fresh[2])  # compiled the other way: the names still match
+    assert load_pretrained(fresh, tmp_path, accelerator=host_accelerator()) is fresh
+    reader = OffloadAdamW(fresh.parameters(), **HYPER, accelerator=host_accelerator())
+    for (name, tensor), key in zip(fresh.state_dict().items(), plain_keys, strict=True):
+        assert torch.equal(tensor, saved[key]), name
+    reader.close()
+    opt.close()
+
+
 @pytest.mark.parametrize("what", ["opt.step", "train_step"])
 def test_a_compiled_step_runs_eagerly_and_steps_like_torch(what: str) -> None:
     """torch's docs compile the step (``torch.compile(opt.step)``, with a scheduler), or a

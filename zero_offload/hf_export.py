@@ -62,6 +62,7 @@ from .weights.checkpoint import (
     DTYPE_NAMES,
     INDEX_NAME,
     SINGLE_NAME,
+    checkpoint_name,
     nbytes_of,
     original_module,
 )
@@ -164,7 +165,8 @@ def _entries(
     masters = _Masters(optimizer) if master and optimizer is not None else None
     entries = []
     seen: set[int] = set()
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = checkpoint_name(name)  # Note [a compiled model is its original module]
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))

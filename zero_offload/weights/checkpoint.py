@@ -23,6 +23,7 @@ __all__ = [
     "SINGLE_NAME",
     "SafetensorsCheckpoint",
     "TensorInfo",
+    "checkpoint_name",
     "nbytes_of",
     "original_module",
 ]
@@ -34,7 +35,11 @@ __all__ = [
 # names is not the model's: transformers' from_pretrained reported them missing and
 # unexpected, and silently loaded a randomly initialised model. So save_pretrained and
 # load_pretrained work on the original module, as transformers' own save_pretrained and
-# accelerate's unwrap_model do; a wrapper of a wrapper is unwrapped too.
+# accelerate's unwrap_model do; a wrapper of a wrapper is unwrapped too. A model whose
+# blocks are compiled one by one (``model.layers[i] = torch.compile(layer)``, the usual
+# recipe for large models) has the segment inside its names (``layers.0._orig_mod.w``):
+# every name is written and matched without it (``checkpoint_name``), as the uncompiled
+# model names it.
 
 
 def original_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,6 +51,14 @@ def original_module(model: torch.nn.Module) -> torch.nn.Module:
             return model
         model = inner
     return model
+
+
+def checkpoint_name(name: str) -> str:
+    """``name`` (a state-dict key) without the ``_orig_mod`` segments compiled submodules
+    put in it (Note [a compiled model is its original module])."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 #: The file names ``transformers``' ``save_pretrained`` writes.

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from ..accelerator import Accelerator, get_accelerator
-from .checkpoint import SafetensorsCheckpoint, TensorInfo, original_module
+from .checkpoint import SafetensorsCheckpoint, TensorInfo, checkpoint_name, original_module
 from .source import attach, materialise
 
 __all__ = ["load_pretrained"]
@@ -31,15 +31,16 @@ def _names_by_tensor(
     several: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``), in model order."""
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
+    # Note [a compiled model is its original module]: names as the uncompiled model's.
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+        names.setdefault(id(param), []).append(checkpoint_name(name))
         tensors[id(param)] = param
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
             if buffer is None or name in module._non_persistent_buffers_set:
                 continue
             full = f"{module_name}.{name}" if module_name else name
-            names.setdefault(id(buffer), []).append(full)
+            names.setdefault(id(buffer), []).append(checkpoint_name(full))
             tensors[id(buffer)] = buffer
     return names, tensors
 
