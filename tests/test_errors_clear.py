@@ -158,3 +158,26 @@ def test_a_plain_load_state_dict_keeps_training() -> None:
     lm_loss(model, *batches(1)[0]).backward()
     opt.step()  # nothing was replaced: no refusal
     opt.close()
+
+
+def test_a_roll_call_ignores_an_earlier_roll_calls_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 answered a roll call at an earlier failure (its key stays in the store for the
+    job's life); at a later one, where it does not answer, the error named no rank and said
+    every rank was waiting (Note [naming the absent rank] in collectives.py)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from zero_offload import collectives
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    comm = SimpleNamespace(world_size=2, rank=0, group=None)
+    earlier = time.time() - 3600  # an hour ago
+    store.set("zero_offload/roll_call/1", f"{earlier:.3f} all-gather of bucket 0")
+    said = collectives.roll_call(comm, "reduce-scatter of bucket 2", grace=0.2)  # type: ignore[arg-type]
+    assert said.startswith("Rank(s) 1 did not report within 0.2 s"), said
+    store.set("zero_offload/roll_call/1", f"{time.time():.3f} reduce-scatter of bucket 3")
+    said = collectives.roll_call(comm, "reduce-scatter of bucket 2", grace=0.2)  # type: ignore[arg-type]
+    assert said.startswith("Every rank reported"), said

@@ -195,10 +195,27 @@ def wait_work(pending: Pending, comm: Comm) -> None:
 # same: the ranks that do not answer are the ones that died or never reached the
 # collective, and the error names them. Nothing is written while training goes well. If
 # the store itself is unreachable, it lived in the process of a rank (rank 0 under
-# torchrun's default) or launcher that is gone, and the error says so.
+# torchrun's default) or launcher that is gone, and the error says so. The store keeps
+# keys for the job's life, so a rank's answer carries the wall time it was written, and
+# only answers from this roll call's window count (within ROLL_CALL_FRESH seconds, which
+# also allows for clocks that differ between nodes): the answer of a rank that failed at
+# an earlier collective, caught by the loop, is not taken for a rank here now.
 
 #: How long a failing rank waits for the others to report, seconds.
 ROLL_CALL_SECONDS = 2.0
+#: An answer older than this (by its writer's wall clock) is an earlier roll call's, seconds.
+ROLL_CALL_FRESH = 30.0
+
+
+def _answered(store: Any, key: str, now: float) -> bool:
+    """Whether ``key`` holds an answer written in this roll call's window."""
+    if not store.check([key]):
+        return False
+    stamp, _, _ = store.get(key).decode(errors="replace").partition(" ")
+    try:
+        return abs(now - float(stamp)) < ROLL_CALL_FRESH
+    except ValueError:
+        return False
 
 
 def roll_call(comm: Comm, what: str, *, grace: float = ROLL_CALL_SECONDS) -> str:
@@ -209,11 +226,12 @@ def roll_call(comm: Comm, what: str, *, grace: float = ROLL_CALL_SECONDS) -> str
         ranks = list(range(comm.world_size))
         ids = [r if comm.group is None else dist.get_global_rank(comm.group, r) for r in ranks]
         prefix = "zero_offload/roll_call/"
-        store.set(f"{prefix}{ids[comm.rank]}", what)
+        store.set(f"{prefix}{ids[comm.rank]}", f"{time.time():.3f} {what}")
         deadline = time.monotonic() + grace
         missing = [r for r in ranks if r != comm.rank]
         while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"{prefix}{ids[r]}"])]
+            now = time.time()
+            missing = [r for r in missing if not _answered(store, f"{prefix}{ids[r]}", now)]
             if missing:
                 time.sleep(0.05)
     except Exception as exc:  # the store is gone with the process that hosted it
