@@ -11,12 +11,11 @@ import torch
 
 from zero_offload.accelerator import HostAccelerator
 from zero_offload.accelerator.cuda import (
-    ANCHOR_SECONDS,
     DEVICE_HEADROOM_MIN,
-    _Anchor,
     default_device_budget,
     resolve_device_index,
 )
+from zero_offload.accelerator.cuda_events import ANCHOR_SECONDS, Anchor
 from zero_offload.accelerator.pinned import (
     PAGE_SIZE,
     memlock_limit,
@@ -170,10 +169,10 @@ class _FakeEvent:
 
 def test_anchor_chain_keeps_microseconds_after_hours():
     hours = 5 * 3600.0
-    root = _Anchor(_FakeEvent(0.0), prev=None, time_=100.0, recorded=100.0)
+    root = Anchor(_FakeEvent(0.0), prev=None, time_=100.0, recorded=100.0)
     anchor = root
     for k in range(1, int(hours / ANCHOR_SECONDS) + 1):
-        anchor = _Anchor(_FakeEvent(k * ANCHOR_SECONDS), prev=anchor, time_=None, recorded=0.0)
+        anchor = Anchor(_FakeEvent(k * ANCHOR_SECONDS), prev=anchor, time_=None, recorded=0.0)
     event = _FakeEvent(hours + 1.234567)
     chained = anchor.time_of(event)
     single = root.time_of(event)  # one reference from the start: float32 milliseconds
@@ -184,8 +183,8 @@ def test_anchor_chain_keeps_microseconds_after_hours():
 
 
 def test_anchor_time_waits_for_pending_events():
-    root = _Anchor(_FakeEvent(0.0), prev=None, time_=0.0, recorded=0.0)
-    pending = _Anchor(_FakeEvent(1.0, done=False), prev=root, time_=None, recorded=0.0)
+    root = Anchor(_FakeEvent(0.0), prev=None, time_=0.0, recorded=0.0)
+    pending = Anchor(_FakeEvent(1.0, done=False), prev=root, time_=None, recorded=0.0)
     assert pending.time() is None and pending.time_of(_FakeEvent(2.0)) is None
     pending.event.done = True
     assert pending.time_of(_FakeEvent(2.0)) == pytest.approx(2.0)

@@ -16,18 +16,7 @@ cuBLAS workspaces, NCCL buffers. Memory the caching allocator holds cached but u
 (``memory_reserved - memory_allocated``) is free to torch, so it counts as free.
 ``AcceleratorConfig.device_budget`` (or ``ZERO_OFFLOAD_DEVICE_BUDGET``) still wins.
 
-Note [cuda events: blocking, timed only when asked]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every event is created with ``blocking=True``: a host ``synchronize()`` on it sleeps in the
-driver instead of spinning a core, which the CPU Adam on the other cores needs. Events carry
-timing only while someone needs times (``Accelerator.timing``, switched on by the memory
-manager while a profiler listens): a timing event costs a timestamp write on the GPU and
-cannot be elided by the driver. A timed event's ``completed_at`` is measured from the
-nearest *anchor*, an event recorded at most ``ANCHOR_SECONDS`` earlier whose host time is
-known, because ``elapsed_time`` returns float32 milliseconds: from a single reference at
-the start of a long run, float32 would lose microseconds after minutes and milliseconds
-after hours. Each anchor's host time is its predecessor's plus a short (float32-exact to
-about a microsecond) elapsed time, summed in float64.
+Events and streams: ``cuda_events.py`` (Note [cuda events: blocking, timed only when asked]).
 """
 
 from __future__ import annotations
@@ -35,25 +24,23 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..config import AcceleratorConfig, format_bytes
-from ..errors import DeviceBudgetExceeded, StreamError, raised_again, without_frames
-from .base import Accelerator, DeviceLedger, Event, Stream
+from ..errors import DeviceBudgetExceeded
+from .base import Accelerator, DeviceLedger, Stream
 from .capture import check_not_capturing
+from .cuda_events import Clock, CudaStream
 from .device_context import on_cuda_device
-from .host_syncs import count_sync, one_sync
+from .host_syncs import one_sync
 from .pinned import memlock_limit, page_aligned_buffer
 
 __all__ = [
-    "ANCHOR_SECONDS",
     "DEVICE_HEADROOM_FRACTION",
     "DEVICE_HEADROOM_MIN",
     "CudaAccelerator",
@@ -69,8 +56,6 @@ __all__ = [
 DEVICE_HEADROOM_FRACTION = 0.05
 #: ...or at least this many bytes. See Note [the default device budget].
 DEVICE_HEADROOM_MIN = 1 << 30
-#: Longest gap (seconds) between a timed event and its anchor, Note [cuda events: ...].
-ANCHOR_SECONDS = 10.0
 
 
 def default_device_budget(free: int, total: int, cached_unused: int = 0) -> tuple[int, str]:
@@ -116,151 +101,6 @@ def resolve_device_index(
         if int(local) < device_count:
             return int(local)
     return current
-
-
-class _TimedEvent(Protocol):
-    def elapsed_time(self, end: Any) -> float: ...
-    def query(self) -> bool: ...
-
-
-class _Anchor:
-    """A timed event whose ``time.perf_counter()`` time is known, or derivable from ``prev``.
-
-    See Note [cuda events: blocking, timed only when asked]. ``recorded`` is the host time
-    at which it was recorded, to decide when a fresher anchor is due.
-    """
-
-    def __init__(
-        self, event: _TimedEvent, *, prev: _Anchor | None, time_: float | None, recorded: float
-    ) -> None:
-        self.event = event
-        self.prev = prev
-        self.recorded = recorded
-        self._time = time_
-
-    def time(self) -> float | None:
-        """Host time of this anchor, None while it (or a predecessor) is pending."""
-        chain = []  # unresolved anchors, newest first
-        anchor: _Anchor | None = self
-        while anchor is not None and anchor._time is None:
-            chain.append(anchor)
-            anchor = anchor.prev
-        if anchor is None:
-            return None
-        for later in reversed(chain):  # oldest first, each from its resolved predecessor
-            prev = later.prev
-            if prev is None or prev._time is None or not later.event.query():
-                return None
-            later._time = prev._time + prev.event.elapsed_time(later.event) / 1e3  # float64
-            later.prev = None  # the chain behind a resolved anchor can go
-        return self._time
-
-    def time_of(self, event: _TimedEvent) -> float | None:
-        """Host time at which ``event`` (recorded after this anchor) completed."""
-        base = self.time()
-        if base is None or not event.query():
-            return None
-        return base + self.event.elapsed_time(event) / 1e3
-
-
-class _Clock:
-    """Maps CUDA event times onto ``time.perf_counter()`` through a chain of anchors.
-
-    ``_lock`` guards ``_latest``.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record(torch.cuda.current_stream(device))
-        event.synchronize()  # one sync at construction, so the two clocks agree
-        now = time.perf_counter()
-        self._latest = _Anchor(event, prev=None, time_=now, recorded=now)
-        self._lock = threading.Lock()
-
-    def anchor(self, stream: torch.cuda.Stream) -> _Anchor:
-        """The anchor for an event about to be recorded on ``stream`` (a fresh one if due)."""
-        now = time.perf_counter()
-        with self._lock:
-            if now - self._latest.recorded > ANCHOR_SECONDS:
-                event = torch.cuda.Event(enable_timing=True, blocking=True)
-                event.record(stream)
-                self._latest = _Anchor(event, prev=self._latest, time_=None, recorded=now)
-            return self._latest
-
-
-class CudaEvent(Event):
-    """A blocking ``torch.cuda.Event``, timed when recorded with an ``anchor``."""
-
-    def __init__(self, event: torch.cuda.Event, stream_name: str, anchor: _Anchor | None) -> None:
-        self.event = event
-        self.stream_name = stream_name
-        self._anchor = anchor
-
-    def query(self) -> bool:
-        return bool(self.event.query())
-
-    def synchronize(self) -> None:
-        count_sync(self.stream_name)  # Note [host syncs are counted where they can block]
-        self.event.synchronize()  # blocking event: the thread sleeps, no core spins
-
-    def completed_at(self) -> float | None:
-        """Host time of completion; None while pending or for an event without timing."""
-        if self._anchor is None:
-            return None
-        return self._anchor.time_of(self.event)
-
-
-class CudaStream(Stream):
-    """A ``torch.cuda.Stream`` with a name, wrapping errors raised while issuing work."""
-
-    def __init__(self, stream: torch.cuda.Stream, name: str, accelerator: CudaAccelerator) -> None:
-        self.stream = stream
-        self.name = name
-        self._accelerator = accelerator
-        self._error: StreamError | None = None
-        self._record_lock = threading.Lock()  # guards recording and numbering an event
-
-    def submit(self, fn: Callable[[], Any]) -> None:
-        if self._error is not None:
-            raise raised_again(self._error)  # Note [a sticky error holds no frames] in base.py
-        try:
-            with torch.cuda.stream(self.stream):
-                fn()
-        except BaseException as exc:
-            # Note [a sticky error holds no frames] (base.py): the traceback's text, not its
-            # frames, whose locals would live as long as the stream.
-            error = StreamError(
-                f"work on stream {self.name!r} failed: {exc!r}\n(original traceback below)\n"
-                + "".join(traceback.format_exception(exc))
-            )
-            error.__cause__ = without_frames(exc)
-            self._error = error
-            raise raised_again(error) from exc
-
-    def record_event(self) -> CudaEvent:
-        if self._error is not None:
-            raise raised_again(self._error)
-        timed = self._accelerator.timing
-        anchor = self._accelerator._clock.anchor(self.stream) if timed else None
-        event = torch.cuda.Event(enable_timing=timed, blocking=True)
-        with self._record_lock:  # the record number follows the stream's order
-            event.record(self.stream)
-            order = self._next_order()
-        wrapped = CudaEvent(event, self.name, anchor)
-        wrapped.order = order
-        return wrapped
-
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent):
-            raise TypeError(f"a CUDA stream can only wait on a CUDA event, got {type(event)}")
-        self.stream.wait_event(event.event)
-
-    def synchronize(self) -> None:
-        if self._error is not None:
-            raise raised_again(self._error)
-        count_sync(self.name)
-        self.stream.synchronize()
 
 
 def check_device_free(nbytes: int, *, free: int, cached_unused: int, what: str) -> None:
@@ -414,10 +254,10 @@ class CudaAccelerator(Accelerator):
             *default_device_budget(free, total, cached)
         )
         self.ledger = DeviceLedger(budget, source)
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.device)
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._library = LibraryRanges()  # Note [library storages by address range]
-        self._compute = CudaStream(torch.cuda.current_stream(self.device), "compute", self)
+        self._compute = self._wrap(torch.cuda.current_stream(self.device), "compute")
         # Per thread: the stream made current by ``stream_context``, if any (``stream``).
         self._current = threading.local()
 
@@ -430,8 +270,11 @@ class CudaAccelerator(Accelerator):
         if torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
+    def _wrap(self, stream: torch.cuda.Stream, name: str) -> CudaStream:
+        return CudaStream(stream, name, timing=lambda: self.timing, clock=self._clock)
+
     def new_stream(self, name: str) -> CudaStream:
-        stream = CudaStream(torch.cuda.Stream(self.device), name, self)
+        stream = self._wrap(torch.cuda.Stream(self.device), name)
         self._streams.add(stream)
         return stream
 
@@ -441,7 +284,7 @@ class CudaAccelerator(Accelerator):
             return chosen
         current = torch.cuda.current_stream(self.device)
         if current != self._compute.stream:
-            self._compute = CudaStream(current, "compute", self)
+            self._compute = self._wrap(current, "compute")
         return self._compute
 
     @contextmanager
