@@ -52,6 +52,93 @@ def test_bad_values_exit_2_with_one_line(
     _one_line_error(capsys, needle)
 
 
+@pytest.mark.parametrize(
+    ("argv", "needles", "absent"),
+    [
+        # A flag's value is a string: no int is offered, and a large number is offered as
+        # the bytes it likely means, spelled with a unit.
+        (
+            ["--params", "7B", "--host-memory", "abc"],
+            ["--host-memory='abc' is not a byte count", "'8GiB'"],
+            ["integer"],
+        ),
+        (
+            ["--params", "7B", "--host-memory", "25769803776"],
+            ["--host-memory='25769803776' has no unit", "'24GiB'", "'25769803776B'"],
+            ["25769803776GiB"],
+        ),
+        # The shape's rules name the flags, not ModelShape's fields.
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "5"],
+            ["--heads 5", "--hidden 64", "e.g. 4"],
+            ["ModelShape", "head_dim"],
+        ),
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3"],
+            ["--kv-heads 3", "--heads 4"],
+            ["ModelShape"],
+        ),
+        # Nodes are whole: ranks per node at most the world size, and dividing it.
+        (
+            ["--params", "7B", "--world-size", "2", "--ranks-per-node", "8"],
+            ["--ranks-per-node 8", "--world-size 2"],
+            ["ranks_per_node", "world_size"],
+        ),
+        (
+            ["--params", "7B", "--ranks-per-node", "2"],
+            ["--ranks-per-node 2", "--world-size 1 (the default)"],
+            ["ranks_per_node"],
+        ),
+        (
+            ["--params", "7B", "--world-size", "3", "--ranks-per-node", "2"],
+            ["--world-size 3 is not a multiple of --ranks-per-node 2", "--world-size 4"],
+            ["world_size"],
+        ),
+        # The fixed questions refuse the flags they would ignore, by name.
+        (["--north-star", "--params", "7B"], ["--north-star", "ignore --params"], []),
+        (
+            ["--north-star", "--json", "--seq-len", "1024", "--tied"],
+            ["ignore --tied, --seq-len"],
+            ["--json"],
+        ),
+        (["--zero-table", "--world-size", "4"], ["--zero-table", "ignore --world-size"], []),
+        (["--zero-table", "--json"], ["ignore --json"], []),
+        (["--north-star", "--zero-table"], ["one of --north-star and --zero-table"], []),
+    ],
+)
+def test_estimate_errors_name_the_flags(
+    argv: list[str], needles: list[str], absent: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["estimate", *argv]) == 2
+    err = _one_line_error(capsys, *needles)
+    for word in absent:
+        assert word not in err, err
+
+
+def test_estimate_refuses_partial_nodes_from_python_too() -> None:
+    """The host and disk are per node of ranks_per_node ranks: a partial node is not
+    modelled, so estimate() refuses it as the command does."""
+    from zero_offload.estimate import estimate
+
+    with pytest.raises(ValueError, match="world_size=3 is not a multiple of ranks_per_node=2"):
+        estimate(10**9, world_size=3, ranks_per_node=2, device_memory="8GiB", host_memory="8GiB")
+    assert estimate(10**9, world_size=4, ranks_per_node=2, host_memory="8GiB").ranks_per_node == 2
+
+
+def test_demo_refuses_an_unwritable_out_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--out is checked before the first step, not after the last, and named."""
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "demo"  # a folder under a file cannot be created
+    assert cli.main(["demo", *TINY, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing trained, nothing printed
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--out {str(out)!r}" in err and "Not a directory" in err, err
+
+
 def test_budget_too_small_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = ["demo", *TINY, "--device-budget", "4KiB", "--out", str(tmp_path)]
     assert cli.main(argv) == 2

@@ -100,6 +100,62 @@ def test_an_infinite_byte_count_is_a_value_error_not_an_overflow(monkeypatch) ->
         AcceleratorConfig().resolved_device_budget(1, "default")
 
 
+#: OffloadConfig's byte fields, each with what it needs beside it.
+_BYTE_FIELDS = {
+    "host_budget": {"nvme_dir": "/tmp/zero-offload-never-opened"},
+    "speculation_bytes": {},
+    "bucket_bytes": {},
+}
+
+
+@pytest.mark.parametrize("field", sorted(_BYTE_FIELDS))
+@pytest.mark.parametrize(
+    ("text", "suggestions"),
+    [
+        # A small number is likelier GiB (or MiB) than bytes: it is offered with units.
+        ("48", ["'48GiB'", "'48GB'", "the int 48"]),
+        (" 2.5 ", ["'2.5GiB'", "'2.5GB'", "'2.5B'"]),
+        # From 1024 up, likelier bytes: offered spelled with a unit.
+        ("25769803776", ["'24GiB'", "the int 25769803776"]),
+        ("1e9", ["'1GB'", "'1e9B'"]),
+        ("4096", ["'4KiB'", "the int 4096"]),
+    ],
+)
+def test_a_byte_field_refuses_a_number_without_a_unit(
+    field: str, text: str, suggestions: list[str]
+) -> None:
+    """ "48" meant as 48 GiB would be 48 bytes: every byte string needs its unit."""
+    with pytest.raises(ValueError, match="has no unit") as info:
+        OffloadConfig(**_BYTE_FIELDS[field], **{field: text})
+    assert f"OffloadConfig.{field}={text!r}" in str(info.value)
+    for suggestion in suggestions:
+        assert suggestion in str(info.value)
+
+
+@pytest.mark.parametrize("field", sorted(_BYTE_FIELDS))
+@pytest.mark.parametrize(
+    ("value", "nbytes"), [(8192, 8192), ("48GiB", 48 * 2**30), ("8192B", 8192)]
+)
+def test_a_byte_field_takes_an_int_or_a_unit(field: str, value: object, nbytes: int) -> None:
+    config = OffloadConfig(**_BYTE_FIELDS[field], **{field: value})
+    assert getattr(config, field) == nbytes
+
+
+def test_a_flags_byte_count_offers_no_int() -> None:
+    """A command-line flag is a string: its messages offer the B unit, never an int."""
+    from zero_offload.config import parse_bytes_with_unit
+
+    with pytest.raises(ValueError, match="has no unit") as info:
+        parse_bytes_with_unit("25769803776", name="--host-memory", ints=False)
+    assert "'24GiB'" in str(info.value) and "'25769803776B'" in str(info.value)
+    assert "int" not in str(info.value)
+    with pytest.raises(ValueError, match="not a byte count") as info:
+        parse_bytes_with_unit("abc", name="--host-memory", ints=False)
+    assert "'8GiB'" in str(info.value) and "int" not in str(info.value)
+    with pytest.raises(ValueError, match="not a finite byte count"):
+        parse_bytes_with_unit("1e400", name="--host-memory", ints=False)
+
+
 @pytest.mark.parametrize("given", ["in_flight", GradStaging.IN_FLIGHT])
 def test_grad_staging_is_normalised_to_its_member(given: object) -> None:
     config = OffloadConfig(grad_staging=given)

@@ -15,7 +15,7 @@ from ..settings import GradAccumulation, GradStaging, OverlapLanding, OverlapSha
 from .accelerator import DEVICE_BUDGET_ENV, AcceleratorConfig
 from .loss_scaler import LossScalerConfig
 from .offload import OffloadConfig
-from .values import format_bytes, parse_bytes
+from .values import format_bytes, parse_bytes, parse_bytes_with_unit
 
 __all__ = [
     "DEVICE_BUDGET_ENV",
@@ -28,4 +28,5 @@ __all__ = [
     "OverlapShadow",
     "format_bytes",
     "parse_bytes",
+    "parse_bytes_with_unit",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..settings import GradAccumulation, GradStaging, OverlapLanding, OverlapShadow
 from .loss_scaler import LossScalerConfig
-from .values import check_int, check_positive_finite, parse_bytes
+from .values import check_int, check_positive_finite, parse_bytes_with_unit
 
 __all__ = ["OffloadConfig"]
 
@@ -18,7 +18,9 @@ class OffloadConfig:
 
     Attributes:
         bucket_bytes: gradient bytes (in the training dtype) per bucket; gradients leave
-            the device a bucket at a time. Default 32 MiB. Must be >= 1 KiB.
+            the device a bucket at a time. An int of bytes or a string with a unit
+            (``"32MiB"``; a string without one, ``"32"``, is refused rather than read as
+            bytes, as for every byte count here). Default 32 MiB. Must be >= 1 KiB.
         tile_elements: elements the CPU optimizer updates before issuing that tile's copy to
             the device, so the copy of one tile overlaps the compute of the next; gradients
             reach the host in tiles of this size too, and CPU Adam starts on the first.
@@ -46,8 +48,8 @@ class OffloadConfig:
         speculation_bytes: host bytes the backups of speculatively stepped buckets may use
             at once (the fp32 master and the rule's state: 12 bytes per parameter for AdamW,
             16 with its max-moment option);
-            buckets beyond it are stepped in ``step()``. An int or a string such as
-            ``"2GiB"``. Default ``"1GiB"``.
+            buckets beyond it are stepped in ``step()``. An int of bytes or a string with a
+            unit such as ``"2GiB"``. Default ``"1GiB"``.
         moments_dtype: ``"float32"`` or ``"bfloat16"`` for the host Adam moments
             (bf16 saves 4 bytes per parameter of host memory and traffic, math stays fp32).
             Default ``"float32"``.
@@ -60,7 +62,8 @@ class OffloadConfig:
             moments) that does not fit ``host_budget``; each rank uses ``nvme_dir/rank{r}``
             (``zero_offload.memory.storage``). Default ``None``: all state in host RAM.
         host_budget: bytes of host RAM for the offloaded buckets' master and moments (per
-            rank), an int, a string such as ``"48GiB"``, or ``"auto"``: the RAM available at
+            rank), an int of bytes, a string with a unit such as ``"48GiB"``, or ``"auto"``
+            (``"48"`` is refused: 48 bytes is never what it means): the RAM available at
             construction less max(10% of total RAM, 2 GiB) and less the gradient staging and
             I/O buffers. Buckets are placed whole, in bucket order: on the host while they
             fit, the rest on NVMe. Gradients, staging and the tier's I/O buffers are in host
@@ -162,7 +165,7 @@ class OffloadConfig:
     overlap_landing: OverlapLanding | str = OverlapLanding.AT_STEP
 
     def __post_init__(self) -> None:
-        nbytes = parse_bytes(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
+        nbytes = parse_bytes_with_unit(self.bucket_bytes, name="OffloadConfig.bucket_bytes")
         if nbytes < 1024:
             raise ValueError(f"OffloadConfig.bucket_bytes must be >= 1 KiB, got {nbytes} bytes")
         object.__setattr__(self, "bucket_bytes", nbytes)
@@ -192,7 +195,7 @@ class OffloadConfig:
         object.__setattr__(
             self,
             "speculation_bytes",
-            parse_bytes(self.speculation_bytes, name="OffloadConfig.speculation_bytes"),
+            parse_bytes_with_unit(self.speculation_bytes, name="OffloadConfig.speculation_bytes"),
         )
         for name in ("overlap_step", "skip_nonfinite", "speculative_step"):
             if not isinstance(getattr(self, name), bool):
@@ -226,7 +229,7 @@ class OffloadConfig:
                 object.__setattr__(
                     self,
                     "host_budget",
-                    parse_bytes(self.host_budget, name="OffloadConfig.host_budget"),
+                    parse_bytes_with_unit(self.host_budget, name="OffloadConfig.host_budget"),
                 )
         elif self.nvme_dir is not None:
             object.__setattr__(self, "host_budget", "auto")

@@ -6,8 +6,17 @@ from __future__ import annotations
 import math
 import operator
 import re
+from typing import NoReturn
 
-__all__ = ["as_int", "check_int", "check_positive_finite", "format_bytes", "parse_bytes"]
+__all__ = [
+    "as_int",
+    "check_int",
+    "check_positive_finite",
+    "format_bytes",
+    "parse_bytes",
+    "parse_bytes_with_unit",
+    "size_spelling",
+]
 
 _UNITS = {
     "": 1,
@@ -61,6 +70,70 @@ def parse_bytes(value: int | str, *, name: str = "value") -> int:
             "unit such as '8GiB'"
         )
     return int(number)
+
+
+def parse_bytes_with_unit(value: int | str, *, name: str, ints: bool = True) -> int:
+    """A byte count whose string spelling has a unit (``"48GiB"``, ``"48GB"``, ``"48B"``):
+    ``parse_bytes``, except that a string without one (``"48"``) is refused, never read as
+    48 bytes, since "48" meant as 48 GiB would silently be a thousand-millionth of it.
+
+    ``ints``: whether ``name`` takes an int of bytes too, which the messages then offer (a
+    command-line flag, always a string, does not). Raises ``ValueError``/``TypeError``
+    naming ``name``, the value and a spelling that works.
+    """
+    bytes_hint = "; an int is bytes" if ints else ""
+    if isinstance(value, str):
+        match = _BYTES_RE.match(value)
+        if match is not None and not match.group(2):
+            return _refuse_bare_number(value, name=name, ints=ints)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a byte count; use a number with a unit such as "
+                f"'8GiB', '512MiB' or '2GB' (units: "
+                f"{', '.join(sorted(k for k in _UNITS if k))}){bytes_hint}"
+            )
+    return parse_bytes(value, name=name)
+
+
+def _refuse_bare_number(value: str, *, name: str, ints: bool) -> NoReturn:
+    """The error for a number without a unit: that number with units, or, from 1024 up
+    (likelier bytes than a KiB-scaled amount), that many bytes spelled with a unit."""
+    number = value.strip()
+    as_bytes = float(number)
+    if not math.isfinite(as_bytes):
+        raise ValueError(
+            f"{name}={value!r} is not a finite byte count; use a number with a unit such as '8GiB'"
+        )
+    bytes_form = f"the int {number}" if ints and number.isdigit() else f"'{number}B'"
+    if as_bytes >= 1024:
+        raise ValueError(
+            f"{name}={value!r} has no unit (a bare number is not read as bytes); for "
+            f"{number} bytes give {size_spelling(int(as_bytes))!r} or {bytes_form}"
+        )
+    raise ValueError(
+        f"{name}={value!r} has no unit; give one, e.g. '{number}GiB' (binary) or "
+        f"'{number}GB' (decimal), or {bytes_form} for bytes"
+    )
+
+
+def size_spelling(nbytes: int) -> str:
+    """``nbytes`` with the largest unit that spells it exactly (``25769803776`` as
+    ``'24GiB'``, ``25 * 10**9`` as ``'25GB'``), else in binary units to two decimals, which
+    ``parse_bytes_with_unit`` reads back to within 0.5%."""
+    binary = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    decimal = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+    exact = [
+        (nbytes // scale, unit)
+        for unit, scale in binary + decimal
+        if nbytes >= scale and nbytes % scale == 0
+    ]
+    if exact:
+        number, unit = min(exact)  # the shortest: 2 * 10**9 is '2GB', not '1953125KiB'
+        return f"{number}{unit}"
+    for unit, scale in binary:
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f}{unit}"
+    return f"{nbytes}B"
 
 
 def format_bytes(nbytes: float) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,6 +241,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> Demo
 
     Under torchrun: every rank trains, rank 0 alone prints and writes the files."""
     ranks = _ranks_from_env(config.batch)
+    if ranks.rank == 0:  # the one that writes the files: refused before training, not after
+        _check_out(config.out)
     if ranks.world_size > 1:
         _join_process_group(ranks, choose_accelerator()[0])
         if ranks.rank != 0:
@@ -249,6 +252,21 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> Demo
     finally:
         if ranks.world_size > 1:
             dist.destroy_process_group()
+
+
+def _check_out(out: Path) -> None:
+    """Create ``out`` and write a file in it, so that a folder the run cannot write is
+    refused now, naming ``--out``, rather than after every step has trained."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"--out {str(out)!r} is not a folder the demo can write its files to "
+            f"({exc.strerror or exc}); give one that can be created and written, e.g. "
+            f"--out {DemoConfig.out}"
+        ) from exc
 
 
 def _silent(line: str) -> None:

@@ -45,6 +45,8 @@ that fits grows the row's own family] in ``rows.py``.
 
 from .api import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_SEQ_LEN,
     MOMENTS_DTYPES,
     OPTIMIZERS,
     estimate,
@@ -62,6 +64,8 @@ __all__ = [
     "ARCHITECTURES",
     "CONFIGURATIONS",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MICRO_BATCH",
+    "DEFAULT_SEQ_LEN",
     "KNOWN_MODELS",
     "MOMENTS_DTYPES",
     "OPTIMIZERS",

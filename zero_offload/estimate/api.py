@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import parse_bytes
+from ..config import parse_bytes_with_unit
 from .configs import load_config, shape_from_config
 from .result import ConfigEstimate, LeftOutRow, MemoryEstimate
 from .rows import Context, Limits, Status, Subject, largest_fitting
@@ -21,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MICRO_BATCH",
+    "DEFAULT_SEQ_LEN",
     "MOMENTS_DTYPES",
     "OPTIMIZERS",
     "estimate",
@@ -38,26 +39,21 @@ MOMENTS_DTYPES = ("float32", "bfloat16")
 #: Default bucket size of ``OffloadConfig.bucket_bytes`` (32 MiB).
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
 #: The least ``device_memory`` / ``host_memory`` given as a bare int (bytes): a smaller one is
 #: a size whose unit was forgotten.
 _LEAST_MEMORY = 2**20
 #: ``estimate()``'s default tokens per sequence and sequences per micro-batch, for the shapes
-#: it builds from a config.
-_DEFAULT_SEQ_LEN = 1024
-_DEFAULT_MICRO_BATCH = 1
+#: it builds from a config (and the command's, for the shape its flags give).
+DEFAULT_SEQ_LEN = 1024
+DEFAULT_MICRO_BATCH = 1
 
 
-def parse_size(value: int | str, *, name: str, least: int = 1) -> int:
+def parse_size(value: int | str, *, name: str, least: int = 1, ints: bool = True) -> int:
     """A byte size: a string with a unit (``"24GiB"``, ``"24GB"``, ``"512MiB"``, ``"1e9B"``)
     or an int of bytes, at least ``least``. A string without a unit is refused, never read as
-    bytes. Raises ``ValueError``/``TypeError`` naming ``name``, the value and an example."""
-    if isinstance(value, str) and _BARE_NUMBER.match(value):
-        raise ValueError(
-            f"{name}={value!r} has no unit; give one, e.g. '{value.strip()}GiB' (binary) or "
-            f"'{value.strip()}GB' (decimal), or '{value.strip()}B' for bytes"
-        )
-    nbytes = parse_bytes(value, name=name)
+    bytes (``config.parse_bytes_with_unit``; ``ints=False`` for a flag, whose value is a
+    string). Raises ``ValueError``/``TypeError`` naming ``name``, the value and an example."""
+    nbytes = parse_bytes_with_unit(value, name=name, ints=ints)
     if nbytes < least:
         example = f"{value}GiB" if isinstance(value, int) and value else "24GiB"
         raise ValueError(
@@ -135,8 +131,8 @@ def _check_shape_takes(shape: ModelShape, *, seq_len: int, micro_batch: int) -> 
     differ = [
         f"{name}={given}"
         for name, given, default, own in (
-            ("seq_len", seq_len, _DEFAULT_SEQ_LEN, shape.seq_len),
-            ("micro_batch", micro_batch, _DEFAULT_MICRO_BATCH, shape.micro_batch),
+            ("seq_len", seq_len, DEFAULT_SEQ_LEN, shape.seq_len),
+            ("micro_batch", micro_batch, DEFAULT_MICRO_BATCH, shape.micro_batch),
         )
         if given not in (default, own)
     ]
@@ -178,8 +174,8 @@ def estimate(
     device_memory: int | str | None = None,
     host_memory: int | str | None = None,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
-    seq_len: int = _DEFAULT_SEQ_LEN,
-    micro_batch: int = _DEFAULT_MICRO_BATCH,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    micro_batch: int = DEFAULT_MICRO_BATCH,
     disk_memory: int | str | None = None,
     optimizer: str = "adamw",
     moments_dtype: str = "float32",
@@ -231,6 +227,15 @@ def estimate(
     ):
         raise ValueError(
             f"ranks_per_node must be in [1, world_size={world_size}], got {ranks_per_node!r}"
+        )
+    if world_size % ranks_per_node:
+        # Host and disk are per node, the node holding ranks_per_node ranks: a partial node
+        # is not modelled.
+        raise ValueError(
+            f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
+            "the host and disk bytes are per node of ranks_per_node ranks, and the nodes must "
+            f"be full; use world_size={-(-world_size // ranks_per_node) * ranks_per_node} or a "
+            "ranks_per_node that divides it"
         )
     bucket = parse_size(bucket_bytes, name="bucket_bytes", least=1024)
     device = (
