@@ -47,6 +47,19 @@ def test_config_parses_byte_strings() -> None:
     assert (config.min_bytes, config.host_pool_bytes) == (64 << 10, 1 << 20)
 
 
+@pytest.mark.parametrize("field", ["min_bytes", "host_pool_bytes", "device_pool_bytes"])
+def test_a_byte_string_without_a_unit_is_refused(field: str) -> None:
+    """``"64"`` read as 64 bytes would offload every activation (``min_bytes``) or make a
+    pool of nothing: a string needs its unit, as OffloadConfig's byte fields do."""
+    with pytest.raises(ValueError, match=rf"ActivationOffloadConfig.{field}='64' has no unit"):
+        ActivationOffloadConfig(**{field: "64"})  # type: ignore[arg-type]
+    offloader = small_offloader()
+    refused = pytest.raises(ValueError, match="min_bytes='64' has no unit")
+    with refused, offload_activations(offloader=offloader, min_bytes="64"):  # type: ignore[arg-type]
+        pass
+    offloader.close()
+
+
 def test_tensor_on_another_device_is_refused() -> None:
     offloader = small_offloader()
     weight = torch.randn(8, 8, requires_grad=True)

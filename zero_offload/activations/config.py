@@ -10,7 +10,7 @@ from ..activation_sizes import (
     DEFAULT_HOST_POOL_BYTES,
     checkpoint_pool_bytes,
 )
-from ..config import parse_bytes
+from ..config import parse_bytes_with_unit
 
 __all__ = ["TIERS", "ActivationOffloadConfig"]
 
@@ -83,7 +83,9 @@ class ActivationOffloadConfig:
             ("host_pool_bytes", _MIN_POOL_BYTES),
             ("device_pool_bytes", _MIN_POOL_BYTES),
         ):
-            nbytes = parse_bytes(getattr(self, name), name=f"ActivationOffloadConfig.{name}")
+            nbytes = parse_bytes_with_unit(
+                getattr(self, name), name=f"ActivationOffloadConfig.{name}"
+            )
             if nbytes < low:
                 raise ValueError(
                     f"ActivationOffloadConfig.{name} must be >= {low} bytes, got "

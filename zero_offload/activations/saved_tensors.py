@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..accelerator.capture import eager_only
-from ..config import parse_bytes
+from ..config import parse_bytes_with_unit
 from ..hook_errors import reported
 from .offloader import ActivationOffloader, default_offloader
 from .policy import excluded_storages, is_offloadable
@@ -79,7 +79,7 @@ def offload_activations(
     threshold = (
         offloader.config.min_bytes
         if min_bytes is None
-        else parse_bytes(min_bytes, name="min_bytes")
+        else parse_bytes_with_unit(min_bytes, name="min_bytes")
     )
     hooks = offload_hooks(offloader, min_bytes=threshold, excluded=excluded_storages(exclude))
     with hooks:
