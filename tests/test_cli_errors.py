@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from zero_offload import cli
+from zero_offload.cli import command
 from zero_offload.errors import DeviceBudgetExceeded
 
 TINY = ["--steps", "1", "--layers", "1", "--hidden", "32", "--batch", "2", "--seq-len", "8"]
@@ -174,7 +175,7 @@ def test_multi_rank_batch_must_split_evenly(
 def test_missing_benchmark_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(cli, "_BENCH_DIR", tmp_path)
+    monkeypatch.setattr(command, "_BENCH_DIR", tmp_path)
     assert cli.main(["bench", "pools"]) == 2
     _one_line_error(capsys, "bench_pool.py", "not available")
 
@@ -185,7 +186,7 @@ def test_bench_all_lists_the_missing_ones(
     (tmp_path / "bench_pool.py").write_text(
         "def main(argv=None):\n    print('pool table', argv)\n    return {}\n"
     )
-    monkeypatch.setattr(cli, "_BENCH_DIR", tmp_path)
+    monkeypatch.setattr(command, "_BENCH_DIR", tmp_path)
     assert cli.main(["bench", "all"]) == 0
     out = capsys.readouterr().out
     assert "pool table ['--quick']" in out and "bench_offload_step.py" in out

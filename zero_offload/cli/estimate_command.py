@@ -1,136 +1,21 @@
-"""The ``zero-offload`` command: ``info``, ``demo``, ``estimate``, ``bench``.
-
-``--help`` and the parser import neither torch nor numba (Note [the package imports torch
-lazily] in ``__init__.py``): each command imports what it needs when it runs, and the demo's
-flags, whose defaults come from a module that imports torch, are added only when the
-command is ``demo``.
-
-Errors (bad flag values, a budget too small, a missing benchmark) print one line and exit
-with status 2; ``--debug`` shows the traceback instead.
-"""
+"""``zero-offload estimate``: its flags, the checks that name them, and the command."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
 import json
-import math
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import Any
 
-from .estimate import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MICRO_BATCH,
-    DEFAULT_SEQ_LEN,
-    KNOWN_MODELS,
-    parse_size,
-)
+from ..estimate import DEFAULT_BUCKET_BYTES, DEFAULT_MICRO_BATCH, DEFAULT_SEQ_LEN, KNOWN_MODELS
+from .args import byte_size, param_count, positive_int
 
-__all__ = ["BENCHMARKS", "main"]
-
-#: ``zero-offload bench`` names and the scripts under the repository's ``benchmarks/``.
-BENCHMARKS = {
-    "kernels": "bench_cpu_adam.py",
-    "grad-passes": "bench_grad_passes.py",
-    "pools": "bench_pool.py",
-    "step": "bench_offload_step.py",
-    "step-dist": "bench_offload_step_dist.py",
-    "activations": "bench_activations.py",
-    "profiler": "bench_profiler.py",
-}
-_BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors on one line (subcommand parsers inherit the class)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _byte_size(flag: str, *, least: int = 1) -> Callable[[str], int]:
-    """An argparse type for ``flag``: a size with a unit (``24GiB``), never bare bytes."""
-
-    def parse(text: str) -> int:
-        try:
-            return parse_size(text, name=flag, least=least, ints=False)
-        except (TypeError, ValueError) as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-
-    return parse
-
-
-def _param_count(text: str) -> int:
-    """``--params``: a finite count >= 1, bare or with a suffix (``1.5e9``, ``350M``,
-    ``7B``); ``inf``, ``nan`` and a float overflow (``1e400``) are usage errors too."""
-    scales = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-    cleaned = text.strip().lower()
-    scale = scales.get(cleaned[-1:], 1)
-    try:
-        value = float(cleaned[:-1] if scale != 1 else cleaned) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a parameter count: {text!r}; use e.g. 1500000000, 1.5e9, 350M or 7B"
-        ) from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(
-            f"not a finite parameter count: {text!r}; use e.g. 1500000000, 1.5e9, 350M or 7B"
-        )
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 parameter, got {text!r}")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-# -- commands ----------------------------------------------------------------------------
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    from .sysinfo import SECTIONS, collect_info, format_info
-
-    if args.json:  # one object: every section first
-        print(json.dumps(collect_info(), indent=2))
-        return 0
-    for collect in SECTIONS:  # the machine's facts print before torch is imported
-        print(format_info(collect(), width=len("numba_threading_layer_reason")), flush=True)
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo.train import DemoConfig, run_demo
-
-    names = {field.name for field in dataclasses.fields(DemoConfig)} - {"out"}
-    flags = {name: value for name, value in vars(args).items() if name in names}
-    config = DemoConfig(**flags, out=Path(args.out))
-    run_demo(config, echo=lambda line: print(line, flush=True))
-    return 0
+__all__ = ["add_estimate"]
 
 
 def _estimate_model(args: argparse.Namespace) -> Any:
     """What ``estimate`` is of: ``--params``, ``--hf-config``, or a shape from the flags."""
-    from .estimate import ModelShape
+    from ..estimate import ModelShape
 
     shape_flags = {
         "--layers": args.layers,
@@ -286,12 +171,12 @@ def _check_ranks(args: argparse.Namespace) -> None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate
+    from ..estimate import estimate
 
     if args.north_star or args.zero_table:
         _check_fixed_question(args)
-        from .estimate.north_star import north_star, north_star_text
-        from .estimate.paper import table1
+        from ..estimate.north_star import north_star, north_star_text
+        from ..estimate.paper import table1
 
         if args.json and args.north_star:
             answers = [
@@ -325,81 +210,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_benchmark(name: str) -> Callable[[list[str]], Any]:
-    path = _BENCH_DIR / BENCHMARKS[name]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"benchmark {name!r} is not available: {path} does not exist (benchmarks ship "
-            "with the source repository, not the installed package; run from a checkout)"
-        )
-    spec = importlib.util.spec_from_file_location(f"_zero_offload_bench_{name}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import benchmark {name!r} from {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))  # benchmarks import their shared helpers
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module.main
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    names = list(BENCHMARKS) if args.which == "all" else [args.which]
-    missing = []
-    for name in names:
-        if args.which == "all" and not (_BENCH_DIR / BENCHMARKS[name]).is_file():
-            missing.append(BENCHMARKS[name])
-            continue
-        print(f"== zero-offload bench {name} ({BENCHMARKS[name]} --quick) ==", flush=True)
-        _load_benchmark(name)(["--quick"])
-    if missing:
-        print(f"not run (file missing under {_BENCH_DIR}): {', '.join(missing)}")
-    return 0
-
-
-# -- parser ------------------------------------------------------------------------------
-
-_DEMO_HELP = "train a small GPT with offload, profiled"
-
-
-def _add_demo(commands: Any) -> None:
-    from .demo.train import DemoConfig as D  # the flags' defaults are the config's
-
-    demo = commands.add_parser("demo", help=_DEMO_HELP)
-    demo.add_argument("--steps", type=_positive_int, default=D.steps, help="optimizer steps")
-    demo.add_argument("--layers", type=_positive_int, default=D.layers)
-    demo.add_argument("--hidden", type=_positive_int, default=D.hidden)
-    demo.add_argument("--heads", type=_positive_int, default=D.heads)
-    demo.add_argument("--batch", type=_positive_int, default=D.batch, help="sequences per step")
-    demo.add_argument("--seq-len", type=_positive_int, default=D.seq_len, help="characters each")
-    demo.add_argument("--lr", type=float, default=D.lr, help="peak learning rate")
-    demo.add_argument("--offload-fraction", type=_fraction, default=D.offload_fraction)
-    demo.add_argument(
-        "--activation-offload",
-        action=argparse.BooleanOptionalAction,
-        default=D.activation_offload,
-        help="checkpoint each block with its input kept on the host",
-    )
-    demo.add_argument(
-        "--device-budget", type=_byte_size("--device-budget"), default=None, help="e.g. 8MiB"
-    )
-    demo.add_argument(
-        "--bucket-bytes", type=_byte_size("--bucket-bytes", least=1024), default=D.bucket_bytes
-    )
-    demo.add_argument(
-        "--link-bandwidth",
-        type=_byte_size("--link-bandwidth"),
-        default=None,
-        help="host accelerator only: simulate a link of this many bytes/s (e.g. 12GB)",
-    )
-    demo.add_argument("--out", default=str(D.out), help="folder for trace, plot, JSON")
-    demo.add_argument("--seed", type=int, default=D.seed)
-    demo.set_defaults(run=_cmd_demo)
-
-
-def _add_estimate(commands: Any) -> None:
-    from .estimate import (  # torch-free
+def add_estimate(commands: Any) -> None:
+    from ..estimate import (  # torch-free
         ARCHITECTURES,
         MOMENTS_DTYPES,
         OPTIMIZERS,
@@ -413,7 +225,7 @@ def _add_estimate(commands: Any) -> None:
         "docs/estimator.md explains the columns. Sizes need a unit: 80GiB, 24GB, 512MiB.",
     )
     model = est.add_argument_group("the model (one of --params, --hf-config, or a shape)")
-    model.add_argument("--params", type=_param_count, default=None, help="e.g. 1.5e9, 350M, 7B")
+    model.add_argument("--params", type=param_count, default=None, help="e.g. 1.5e9, 350M, 7B")
     model.add_argument(
         "--hf-config",
         default=None,
@@ -430,19 +242,19 @@ def _add_estimate(commands: Any) -> None:
         "llama (Llama, Mistral: SwiGLU, RMSNorm, rotary), qwen2 (llama with Q/K/V biases); "
         "default gpt",
     )
-    model.add_argument("--layers", type=_positive_int, default=None)
-    model.add_argument("--hidden", type=_positive_int, default=None)
-    model.add_argument("--heads", type=_positive_int, default=None, help="attention heads")
+    model.add_argument("--layers", type=positive_int, default=None)
+    model.add_argument("--hidden", type=positive_int, default=None)
+    model.add_argument("--heads", type=positive_int, default=None, help="attention heads")
     model.add_argument(
         "--kv-heads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="key/value heads (GQA); default --heads",
     )
     model.add_argument(
-        "--ffn", type=_positive_int, default=None, help="MLP width; default 4 x --hidden"
+        "--ffn", type=positive_int, default=None, help="MLP width; default 4 x --hidden"
     )
-    model.add_argument("--vocab", type=_positive_int, default=None, help="default 50257")
+    model.add_argument("--vocab", type=positive_int, default=None, help="default 50257")
     model.add_argument(
         "--tied", action="store_true", help="the head shares the token embedding's weight"
     )
@@ -450,20 +262,20 @@ def _add_estimate(commands: Any) -> None:
     # (--north-star refuses those it would ignore).
     est.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"tokens per sequence; default {DEFAULT_SEQ_LEN}",
     )
     est.add_argument(
         "--micro-batch",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"sequences per micro-batch; default {DEFAULT_MICRO_BATCH}",
     )
-    est.add_argument("--world-size", type=_positive_int, default=None, help="ranks; default 1")
+    est.add_argument("--world-size", type=positive_int, default=None, help="ranks; default 1")
     est.add_argument(
         "--ranks-per-node",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="ranks sharing a node's host memory and NVMe; must divide --world-size; "
         "default --world-size (one node)",
@@ -491,25 +303,25 @@ def _add_estimate(commands: Any) -> None:
     )
     est.add_argument(
         "--device-memory",
-        type=_byte_size("--device-memory", least=2**20),
+        type=byte_size("--device-memory", least=2**20),
         default=None,
         help="per rank, e.g. 80GiB; default this machine's GPU",
     )
     est.add_argument(
         "--host-memory",
-        type=_byte_size("--host-memory", least=2**20),
+        type=byte_size("--host-memory", least=2**20),
         default=None,
         help="per node, e.g. 256GiB; default this machine's RAM",
     )
     est.add_argument(
         "--disk-memory",
-        type=_byte_size("--disk-memory", least=2**20),
+        type=byte_size("--disk-memory", least=2**20),
         default=None,
         help="NVMe per node for nvme_dir, e.g. 2TB; default none",
     )
     est.add_argument(
         "--bucket-bytes",
-        type=_byte_size("--bucket-bytes", least=1024),
+        type=byte_size("--bucket-bytes", least=1024),
         default=None,
         help=f"OffloadConfig.bucket_bytes; default {DEFAULT_BUCKET_BYTES // 2**20}MiB",
     )
@@ -528,54 +340,3 @@ def _add_estimate(commands: Any) -> None:
         "takes no other flag",
     )
     est.set_defaults(run=_cmd_estimate)
-
-
-def _parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command's parser; the demo's flags only when ``command`` is ``demo``."""
-    parser = _Parser(
-        prog="zero-offload",
-        description="ZeRO-Offload for PyTorch: train models larger than GPU memory.",
-    )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = commands.add_parser(
-        "info",
-        help="what this machine offers the library",
-        description="The machine's facts (CPU, RAM) first, at once; then torch's and the "
-        "accelerator's, which import torch (seconds), then numba's.",
-    )
-    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    info.set_defaults(run=_cmd_info)
-    if command == "demo":
-        _add_demo(commands)
-    else:  # listed in --help; its flags need torch (see the module docstring)
-        commands.add_parser("demo", help=_DEMO_HELP)
-    _add_estimate(commands)
-    bench = commands.add_parser("bench", help="run the benchmarks' --quick mode")
-    bench.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
-    bench.set_defaults(run=_cmd_bench)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``zero-offload`` console script; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # The command is the first word that is not a flag (the top level has only --debug).
-    parser = _parser(next((word for word in argv if not word.startswith("-")), None))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error already printed on one line
-        return exc.code if isinstance(exc.code, int) else 2
-    run: Callable[[argparse.Namespace], int] = args.run
-    try:
-        return run(args)
-    except (ValueError, TypeError, MemoryError, RuntimeError, OSError, ImportError) as exc:
-        if args.debug:
-            raise
-        message = " ".join(str(exc).split())  # one line, whatever the message held
-        print(f"zero-offload {args.command}: error: {message}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
