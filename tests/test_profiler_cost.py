@@ -121,3 +121,18 @@ def test_the_peak_between_samples_is_seen(manager: TieredMemoryManager) -> None:
     # The ledger's own peak is the user's: the profiler's windows leave it alone.
     assert acc.memory_stats()["peak"] == before["in_use"] + (1 << 20)
     assert acc.ledger._windows == []  # closed at stop
+
+
+def test_the_link_probe_leaves_the_ledgers_peak(manager: TieredMemoryManager) -> None:
+    """The profiler's link probe takes a scratch device buffer (up to 8 MiB) at the first
+    profile: the ledger's peak, the user's ``memory_stats()['peak']``, showed the probe on
+    top of training's use (5.05 MB against 1.72 MB in a probe's run)."""
+    acc = manager.accelerator
+    buffer = acc.allocate_device(1 << 20, what="what training holds")
+    before = acc.memory_stats()
+    assert before["peak"] == before["in_use"]
+    with profile(manager) as prof:  # measures the link: no link_bandwidth given
+        prof.step()
+    assert prof.to_dict()["link"]["probe_bytes"] > 0  # type: ignore[index]
+    assert acc.memory_stats()["peak"] == before["peak"]
+    buffer.release()

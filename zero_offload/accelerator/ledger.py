@@ -120,6 +120,13 @@ class DeviceLedger:
                 )
             self.in_use -= nbytes
 
+    def restore_peak(self, peak: int) -> None:
+        """Put ``peak`` back as the peak (never below the current use), after a measurement
+        of the library's own that reserved and released a scratch buffer (the profiler's
+        link probe); a peak another thread reached meanwhile is not kept."""
+        with self._lock:
+            self.peak = max(peak, self.in_use)
+
     def reset_peak(self) -> None:
         """Start peak tracking afresh from the current use."""
         with self._lock:

@@ -50,8 +50,11 @@ pointers it returned (Note [library storages by address range] in accelerator/cu
 Note [reuse order]
 ~~~~~~~~~~~~~~~~~~
 Every iteration allocates and frees device blocks in the same order (reverse forward order,
-``prefetch_depth + 1`` groups live at a time), and best-fit placement is deterministic, so
-the device pool's layout repeats from one iteration to the next and does not fragment.
+``prefetch_depth + 1`` groups live at a time, plus what autograd still holds), and best-fit
+placement is deterministic, so the device pool's layout repeats from one iteration to the
+next. Within one backward it can
+still split the free bytes when saved tensors of different sizes die out of order; the pool
+is not compacted then (Note [a reload can find the free bytes split] in ``pools.py``).
 """
 
 from __future__ import annotations
@@ -204,13 +207,16 @@ class ActivationOffloader:
         self._check_open("pack")
         span = span_of(tensor)  # Note [saved layout comes back] in layout.py
         nbytes = span * tensor.element_size()
+        ptr_mod = tensor.data_ptr() % LAYOUT_ALIGN
         self.pools.check_fits(tensor, nbytes)
         # The copy runs on another thread (host accelerator), outside this grad mode.
         source = tensor.detach().as_strided((span,), (1,))  # the span, over the same storage
         with phase("act_offload", track="copy"):
             self._reap()
             self._bound_outgoing()
-            host_block = self.pools.alloc_host(nbytes, group, run_deferred=self._run_deferred)
+            host_block = self.pools.alloc_host(
+                nbytes, group, device_nbytes=nbytes + ptr_mod, run_deferred=self._run_deferred
+            )
             host_view = host_block.view(tensor.dtype, (span,))
             end = self.manager.copy(
                 host_view,
@@ -227,7 +233,7 @@ class ActivationOffloader:
                 dtype=tensor.dtype,
                 shape=tuple(tensor.shape),
                 stride=tuple(tensor.stride()),
-                ptr_mod=tensor.data_ptr() % LAYOUT_ALIGN,
+                ptr_mod=ptr_mod,
                 nbytes=nbytes,
                 host_block=host_block,
                 host_view=host_view,
@@ -269,8 +275,13 @@ class ActivationOffloader:
         return self._take(record)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters (see ``_Stats``), pool occupancy and exposed wait, bytes and seconds."""
-        self._run_deferred()
+        """Counters (see ``_Stats``), pool occupancy and exposed wait, bytes and seconds.
+
+        First lets go of what has finished (never blocks): the frees finalizers handed over
+        and the device tensors whose copy out completed, so a graph dropped without
+        backward shows, and gives back, no device memory once its copies ended.
+        """
+        self._reap()
         with self._lock:
             stats: dict[str, int | float] = dict(asdict(self._stats))
             stats["pending_offloads"] = len(self._outgoing)

@@ -4,6 +4,22 @@ config), and what to change when they do not fit.
 ``ActivationPools`` allocates both pools once, at construction (pinned memory is never
 taken on the fly), and turns a full pool into an error that names the setting to raise.
 Which activation takes which block, and when, is the offloader's (``offloader.py``).
+
+Note [a reload can find the free bytes split]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The device pool is never compacted while a backward runs (Note [no compaction inside
+backward] in memory/moves.py), and a reloaded tensor's view pins its block anyway (Note
+[views pin unregistered blocks] in memory/pool.py). When saved tensors of different sizes
+die in an order other than the one they were reloaded in (``offload_activations``, where
+each saved tensor is its own group), a demand reload can find enough free bytes split
+between live blocks, none large enough, and fail. Sizing the pool to what is live at once
+does not prevent it; one size does: the device sizes (bytes plus pointer slack, rounded to
+the pool's alignment) of every activation packed since the device pool was last empty
+after a backward.
+A best-fit request takes from the pool's free tail only when no other range holds it, and
+takes exactly its size from the tail's start, while frees only lengthen the tail; so a
+pool holding the sum of every request of a backward always has a tail that holds the next
+one. ``packed_device_bytes`` keeps that sum, and the error names it.
 """
 
 from __future__ import annotations
@@ -39,10 +55,15 @@ class ActivationPools:
 
     Fields: ``host``: ``BlockPool``, host (pinned where available), ``config.host_pool_bytes``.
     ``device``: ``BlockPool``, device, ``config.device_pool_bytes``.
+    ``packed_device_bytes``: bytes, the device block sizes of the activations packed since
+    the device pool was last empty at the first pack after a reload (Note [a reload can
+    find the free bytes split]); read for the device pool's error message.
     """
 
     def __init__(self, manager: TieredMemoryManager, config: ActivationOffloadConfig) -> None:
         self.config = config
+        self.packed_device_bytes = 0  # see the class docstring
+        self._reloaded = False  # whether a reload took a device block since the last reset
         self.host: BlockPool = manager.create_pool(
             Tier.HOST, config.host_pool_bytes, name="activations.host"
         )
@@ -82,8 +103,21 @@ class ActivationPools:
                     f"{tensor.numel() * tensor.element_size()} to keep such tensors on the device."
                 )
 
-    def alloc_host(self, nbytes: int, group: int, *, run_deferred: Callable[[], None]) -> Block:
-        """A host block for a copy out of ``nbytes`` of activation group ``group``."""
+    def alloc_host(
+        self, nbytes: int, group: int, *, device_nbytes: int, run_deferred: Callable[[], None]
+    ) -> Block:
+        """A host block for a copy out of ``nbytes`` of activation group ``group``, whose
+        reload will take a device block for ``device_nbytes``."""
+        block = self._alloc_host(nbytes, group, run_deferred=run_deferred)
+        # Note [a reload can find the free bytes split]
+        if self._reloaded and self.device.stats()["live_blocks"] == 0:
+            self.packed_device_bytes = 0  # the first pack after a backward emptied the pool
+            self._reloaded = False
+        align = self.device.alignment
+        self.packed_device_bytes += -(-device_nbytes // align) * align
+        return block
+
+    def _alloc_host(self, nbytes: int, group: int, *, run_deferred: Callable[[], None]) -> Block:
         owner = f"activation group {group}"
         try:
             return self.host.alloc(nbytes, owner=owner)
@@ -132,16 +166,47 @@ class ActivationPools:
         except PoolExhausted as exc:
             if not demand:
                 return None
-            held = self.device.stats()
-            raise PoolExhausted(
-                f"the device pool for reloaded activations is full: cannot reload "
-                f"{record!r} with {held['bytes_in_use']} bytes held by {held['live_blocks']} "
-                f"reloaded activations still alive. Raise "
-                f"ActivationOffloadConfig.device_pool_bytes (now {self.config.device_pool_bytes}) "
-                f"to hold prefetch_depth + 1 = {self.config.prefetch_depth + 1} layers' saved "
-                f"activations, or lower prefetch_depth."
-            ) from exc
+            raise PoolExhausted(self._device_message(record, nbytes)) from exc
+        self._reloaded = True
         return block
+
+    def _device_message(self, record: OffloadedActivation, nbytes: int) -> str:
+        held = self.device.stats()
+        align = self.device.alignment
+        size = -(-nbytes // align) * align
+        config = self.config
+        # Note [a reload can find the free bytes split]: this size cannot split a reload
+        works = max(self.packed_device_bytes, held["bytes_in_use"] + size)
+        fix = (
+            f"Raise ActivationOffloadConfig.device_pool_bytes (now {config.device_pool_bytes}) "
+            f"to {works} bytes ({format_bytes(works)}): the device sizes of every activation "
+            f"offloaded since the pool was last empty, a size no order of reloads can split "
+            f"(Note [a reload can find the free bytes split] in activations/pools.py). Less "
+            f"may do: the pool held at most {held['peak_bytes_in_use']} bytes at once so far. "
+            f"For checkpointed layers, ActivationOffloadConfig.for_checkpoints(checkpoint_bytes, "
+            f"layers) sizes it. Or lower prefetch_depth (now {config.prefetch_depth}), or raise "
+            f"min_bytes to offload fewer tensors."
+        )
+        if held["bytes_free"] >= size:
+            return (
+                f"the device pool for reloaded activations cannot reload {record!r} "
+                f"({nbytes} bytes, {size} rounded): {held['bytes_free']} bytes are free, "
+                f"enough, but split in {held['free_blocks']} ranges, the largest "
+                f"{held['largest_free_block']} bytes, between {held['live_blocks']} "
+                f"reloaded activations still alive ({held['bytes_in_use']} bytes); the pool "
+                f"is not compacted while a backward runs (autograd may hold views of those "
+                f"blocks: Note [no compaction inside backward] in memory/moves.py). {fix}"
+            )
+        return (
+            f"the device pool for reloaded activations is full: cannot reload {record!r} "
+            f"({nbytes} bytes, {size} rounded) with {held['bytes_in_use']} bytes held by "
+            f"{held['live_blocks']} reloaded activations still alive and "
+            f"{held['bytes_free']} bytes free (largest free block "
+            f"{held['largest_free_block']}). The pool must hold the tensors autograd still "
+            f"holds plus prefetch_depth + 1 = {config.prefetch_depth + 1} groups' saved "
+            f"tensors (a group is one checkpoint call's inputs, or one saved tensor under "
+            f"offload_activations). {fix}"
+        )
 
     def reset_peak(self) -> None:
         """Start both pools' peaks afresh from current use."""

@@ -1,14 +1,22 @@
 """BlockPool: one buffer allocated once, handed out as best-fit blocks, compacted on demand.
 
-Offload lives or dies by its buffers. A pool makes four failures impossible by construction:
+Offload lives or dies by its buffers. A pool makes three failures impossible by construction,
+and a fourth rare:
 
 - rounding waste: the buffer is allocated once at exactly ``capacity_bytes`` (no power-of-two
   rounding of pinned memory), and blocks are carved out of it;
 - pinning on the fly: pinning happens once, in ``BlockPool.host``; ``alloc`` never pins;
 - unlimited pinned memory: ``BlockPool.host`` checks the size against the host RAM available
   now (see ``check_host_ram``) and refuses before allocating anything;
-- fragmentation OOM: when a request fits the free bytes but no free block,
-  ``alloc`` defragments (compacts live blocks) and retries before giving up.
+- fragmentation OOM, outside backward and for movable blocks: when a request fits the free
+  bytes but no free block, ``alloc`` defragments (compacts live blocks) and retries before
+  giving up. Compaction cannot move a block pinned by a view (Note [views pin unregistered
+  blocks]) and is refused on a thread running a backward pass (``DefragmentationRefused``,
+  Note [no compaction inside backward] in moves.py); there a request can still fail with
+  enough free bytes, and the message gives the free bytes, the largest free block and the
+  request. Size such a pool so no order of requests can split it (for the activation
+  offloader's device pool: Note [a reload can find the free bytes split] in
+  ``activations/pools.py``).
 
 Freed blocks whose copies are still pending wait in ``InFlightBlocks``: see Note [block
 reuse waits on events] in ``pending_blocks.py``.

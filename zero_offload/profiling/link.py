@@ -63,7 +63,8 @@ def measure_link(acc: Accelerator, *, d2h: Stream, h2d: Stream) -> LinkBandwidth
     """The link's bandwidth each way, timed on ``d2h`` and ``h2d`` (cached per accelerator).
 
     Hidden cost, first call per accelerator only: a scratch device buffer (counted in the
-    budget, released at once), a pinned host buffer, and ``2 * (PROBE_REPEATS + 1)`` copies.
+    budget, released at once, the ledger's peak put back), a pinned host buffer, and
+    ``2 * (PROBE_REPEATS + 1)`` copies.
     """
     cached = _cache.get(acc)
     if cached is not None:
@@ -72,6 +73,7 @@ def measure_link(acc: Accelerator, *, d2h: Stream, h2d: Stream) -> LinkBandwidth
     nbytes = min(PROBE_BYTES, (stats["budget"] - stats["in_use"]) // 2)
     if nbytes < MIN_PROBE_BYTES:
         return LinkBandwidth(None, None, 0, "not measured: device budget nearly full")
+    peak = stats["peak"]  # the probe's buffer is the profiler's, not training's: put back
     device = acc.allocate_device(nbytes, what="profiler link probe")
     release_timing = acc.hold_timing()  # the probe reads its events' times
     try:
@@ -81,6 +83,7 @@ def measure_link(acc: Accelerator, *, d2h: Stream, h2d: Stream) -> LinkBandwidth
     finally:
         release_timing()
         device.release()
+        acc.ledger.restore_peak(peak)
     result = LinkBandwidth(
         h2d=nbytes / up if up != float("inf") else None,
         d2h=nbytes / down if down != float("inf") else None,
