@@ -11,7 +11,9 @@ homes] in ``state_dict_entries.py``).
   backward's recompute);
 - each unit module's forward pre-hook: a forward use of the unit; its forward post-hook
   watches the unit's outputs, whose first gradient in each backward is the unit's backward
-  use (``Once``);
+  use (``Once``), refused in a backward with ``create_graph=True`` (Note [no higher-order
+  gradients] in ``offloader.py``); during a recompute, the recomputed outputs are watched
+  the same way (Note [a recompute moves nothing]);
 - the end of a backward's graph task: every unit is released;
 - the optimizer's step and ``load_state_dict`` pre-hooks: the step writes the homes;
 - each owning module's state-dict pre- and post-hooks: its entries become views of the
@@ -116,6 +118,8 @@ def _grad_hook(ref: weakref.ref, index: int, once: Once, grad: torch.Tensor) -> 
     offloader = ref()
     task = torch._C._current_graph_task_id()
     if offloader is not None and once.task != task:
+        if torch.is_grad_enabled():  # the engine's grad mode is create_graph
+            offloader.refuse_higher_order(offloader.units[index])  # Note [no higher-order ...]
         once.task = task
         offloader._backward_use(offloader.units[index])
 

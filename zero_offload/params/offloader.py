@@ -19,8 +19,7 @@ is released (Note [a unit's lifecycle] in ``unit.py``). Uses are:
   backward node. Their gradients have gone to the optimizer's buckets already (the backward
   router's hooks), exactly as without parameter offload.
 - recompute (activation checkpointing, a forward pre-hook inside a backward): the unit is
-  made resident if it is not (reentrant checkpointing hides the block's outputs from the
-  tensor hooks); the post-hook does nothing then.
+  made resident if it is not, and nothing else moves (Note [a recompute moves nothing]).
 
 The end of each backward releases every unit; the optimizer's step pre-hook waits for every
 pending fetch (they read the homes the step writes) and releases every unit, so the step
@@ -32,6 +31,41 @@ window exactly like a training forward; the units still resident when a forward 
 User code that reads a released parameter outside the window brings its unit back through
 ``materialize`` (Note [a released parameter] in ``released.py``), into a buffer of its own
 (Note [a read outside the window lands privately] in ``private_reads.py``).
+
+Note [a recompute moves nothing]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpointed region is recomputed inside a backward, and it may span several units (a
+module outside ``layers`` checkpointed whole: T5's encoder blocks when ``layers`` is the
+decoder's). Its forward pre-hooks run in forward order while the backward plan runs in
+reverse, so a recompute use fetches its unit (evicting only its slot's occupant) and
+neither releases other units nor moves the plan's position, unless its unit is the plan's
+next use: then it is that backward use, prefetch included (a checkpoint per block, the
+common case, prefetches the block before during the recompute). Each sub-unit's recomputed
+outputs are watched like a forward's (``_after_forward``), so the backward that consumes
+them brings each unit back before any of its nodes runs, exactly as in a plain backward:
+for reentrant checkpointing that is the checkpoint's inner backward (its own graph task,
+whose gradients reach the recomputed outputs), for non-reentrant the original outputs'
+hooks (the recomputed outputs are never differentiated; their hooks never fire). A sub-unit
+evicted by a later sub-unit of the same recompute (the region has more units than the ring
+has slots) is fetched again into its slot, where the views autograd saved point (Note [a
+unit always returns to its slot]); a parameter saved whole (``layer_norm`` saves its weight)
+is re-pointed at the slot by that fetch. A gradient reaching a unit the plan has passed
+already (a recompute used it as the plan's next) finds it resident and moves nothing. Before
+this rule each recompute use moved the window, releasing the earlier sub-units of the same
+recompute under a reentrant checkpoint's inner backward, which then read zero-byte
+placeholders.
+
+Note [no higher-order gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A backward that builds a graph (``torch.autograd.grad(..., create_graph=True)``,
+``backward(create_graph=True)``: a gradient penalty) saves the units' weights, or views of
+their slots, in the new graph's nodes. That graph is differentiated later, by a backward
+that fires none of the units' hooks first: its nodes would read whichever unit holds the
+slot then, or a released parameter's zero bytes. So the first unit gradient of a backward
+run with grad mode on (the engine's grad mode is ``create_graph``) is refused, before the
+unit moves and before any of its nodes runs (``hooks._grad_hook``). The resident optimizer
+(``offload_parameters=False``) supports it. A checkpoint's recompute runs with grad mode on
+by design; it is a forward pre-hook, not a gradient, and is not refused.
 
 Hooks register the uses (``hooks.py``); the state-dict entries of offloaded parameters are
 views of their homes (Note [state dict entries are views of the homes] in
@@ -340,8 +374,7 @@ class ParamOffloader(PrivateReads):
 
     def _before_forward(self, unit: ParamUnit) -> None:
         if hooks.in_backward():  # recompute under activation checkpointing
-            if unit.state is not UnitState.ON_DEVICE:
-                self._backward_use(unit)
+            self._recompute_use(unit)
             return
         if self.phase is not Phase.FORWARD:  # a submodule run without the model's forward
             self._begin_forward()
@@ -350,21 +383,55 @@ class ParamOffloader(PrivateReads):
         self._advance(unit, self._upcoming(self._expected_forward(), position + 1, unit))
 
     def _after_forward(self, unit: ParamUnit, output: Any) -> None:
-        if hooks.in_backward() or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return
+        # A recompute's outputs too: Note [a recompute moves nothing].
         hooks.watch(self, unit.index, output)
+
+    def _start_backward(self) -> None:
+        """The first use of a backward: its plan, and its end queued on its graph task."""
+        self.phase = Phase.BACKWARD
+        self._backward_plan = list(reversed(self._trace or self._last_trace or self.units))
+        self._backward_pos = 0
+        hooks.queue_end_of_backward(self)  # _end_backward, after the router's flushes
+
+    def _recompute_use(self, unit: ParamUnit) -> None:
+        """Note [a recompute moves nothing]: ``unit`` on the device, the rest as it is."""
+        if self.phase is not Phase.BACKWARD:
+            self._start_backward()
+        plan, position = self._backward_plan, self._backward_pos
+        if position < len(plan) and plan[position] is unit:
+            self._backward_use(unit)
+            return
+        if unit.state is UnitState.ON_DEVICE:
+            return
+        self._fetch(unit, demand=True)
+        unit.use(self.manager)
+
+    def refuse_higher_order(self, unit: ParamUnit) -> None:
+        """Note [no higher-order gradients]: a backward building a graph is refused."""
+        raise RuntimeError(
+            f"a backward with create_graph=True reached {unit!r} (torch.autograd.grad(..., "
+            "create_graph=True) or backward(create_graph=True), e.g. a gradient penalty): "
+            "higher-order gradients are not supported with "
+            "OffloadConfig(offload_parameters=True), because the graph it builds keeps "
+            "views of the parameter-offload window that a later backward would read after "
+            "their units left it. Use the resident optimizer, "
+            "OffloadConfig(offload_parameters=False), which supports them, or compute the "
+            "penalty without create_graph"
+        )
 
     def _backward_use(self, unit: ParamUnit) -> None:
         if self.phase is not Phase.BACKWARD:
-            self.phase = Phase.BACKWARD
-            self._backward_plan = list(reversed(self._trace or self._last_trace or self.units))
-            self._backward_pos = 0
-            hooks.queue_end_of_backward(self)  # _end_backward, after the router's flushes
+            self._start_backward()
         plan = self._backward_plan
         try:
             position = plan.index(unit, self._backward_pos)
             self._backward_pos = position + 1
         except ValueError:
+            if unit.resident:  # used ahead of its gradient: Note [a recompute moves nothing]
+                unit.use(self.manager)
+                return
             position = len(plan)  # not where expected: no prefetch from here
         self._advance(unit, self._upcoming(plan, position + 1, unit))
 

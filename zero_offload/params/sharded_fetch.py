@@ -435,12 +435,16 @@ class ShardedParamOffloader(ParamOffloader):
         self._sweep()
         super()._end_forward()
 
+    def _start_backward(self) -> None:
+        if self._order:
+            self._sweep()
+        self._start_pass(list(reversed(self.units)))
+        self._declared = set()
+        super()._start_backward()
+
     def _backward_use(self, unit: ParamUnit) -> None:
         if self.phase is not Phase.BACKWARD:
-            if self._order:
-                self._sweep()
-            self._start_pass(list(reversed(self.units)))
-            self._declared = set()
+            self._start_backward()
         self._declare_finished(unit)
         super()._backward_use(unit)
 

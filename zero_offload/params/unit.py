@@ -298,10 +298,25 @@ class ParamUnit:
 
     def _refuse_replaced(self) -> None:
         """A released parameter whose ``.data`` was replaced is refused before the fetch
-        would undo the replacement (Note [parameters replaced behind the optimizer])."""
+        would undo the replacement (Note [parameters replaced behind the optimizer]); one
+        of another shape (a resize) is told so, since no state can carry over to it."""
         for views in self.views:
-            for _, param in views.detached():
+            for i, param in views.detached():
                 name = self.spec.name_of(param)
+                shape = views.layout.slots[i].shape
+                if tuple(param.shape) != shape:
+                    raise ValueError(
+                        f"parameter {name!r} of {self!r} was resized after the optimizer "
+                        f"was built: its shape is {tuple(param.shape)}, the optimizer's is "
+                        f"{shape} (model.resize_token_embeddings(), or its .data or module "
+                        "replaced by one of another shape). With "
+                        "OffloadConfig(offload_parameters=True) its weights and optimizer "
+                        "state live in the optimizer's pinned homes at the old shape, which "
+                        "the new one cannot use. Resize the model before building the "
+                        "optimizer; for a model trained already, close() this optimizer, "
+                        "load the model's state_dict() into a fresh model, resize that one "
+                        "and build a new optimizer over it (its state starts afresh)"
+                    )
                 raise ValueError(
                     f"parameter {name!r} of {self!r} no longer uses the storage the optimizer "
                     "gave it (its .data was replaced after construction: model.half()/"

@@ -8,7 +8,9 @@ parameters) is one unit with all its parameters. Every other trainable parameter
 unit of the module that registers it directly: the token embedding, the position embedding,
 the final norm and the head are each a unit of their own, however large (a 128k x 4096
 embedding is 0.5B parameters: nothing is resident by accident). A parameter registered on two
-modules (tied input embedding and head) makes those modules one unit, fetched for each use.
+modules (tied input embedding and head) makes those modules one unit, fetched for each use,
+and so does a block's parameter tied to a module outside the blocks (BERT's prediction head
+named in ``layers``, its decoder tied to the word embedding): the block and that module.
 A module that registers parameters directly *and* contains another unit's module would need
 its weights for the whole of its children's compute; it is refused, with the fix (move the
 parameter into a submodule). Frozen parameters and parameters the optimizer does not train
@@ -109,6 +111,19 @@ def find_units(
         unit_of_module[key] = key
         return key
 
+    def merge(into: int, gone: int) -> None:
+        """Unit ``gone`` joins unit ``into`` (a parameter tied across them)."""
+        for other in params_of.pop(gone):
+            params_of[into].append(other)
+            unit_of_param[id(other)] = into
+        for other_module in modules_of.pop(gone):
+            modules_of[into].append(other_module)
+            unit_of_module[id(other_module)] = into
+        order.remove(gone)
+
+    def block_of(key: int) -> nn.Module | None:
+        return next((m for m in modules_of[key] if id(m) in block_ids), None)
+
     for module in model.modules():
         if id(module) in block_ids:
             key = new_unit(module)
@@ -116,15 +131,25 @@ def find_units(
                 if id(param) not in wanted:
                     continue
                 other = unit_of_param.get(id(param))
+                if other == key:
+                    continue
                 if other is not None:
-                    raise ValueError(
-                        f"parameter {param_names[id(param)]!r} {tuple(param.shape)} is "
-                        f"shared by two blocks of layers=[...]: {names[other]!r} and "
-                        f"{names[key]!r} (as {names[key]}.{local}). Parameter offload fetches "
-                        "each block as one unit for its own forward, so the second block "
-                        "would compute on a released parameter. Tie the weight outside the "
-                        "blocks, or pass blocks that do not share parameters as layers=[...]"
-                    )
+                    block = block_of(other)
+                    if block is not None:
+                        raise ValueError(
+                            f"parameter {param_names[id(param)]!r} {tuple(param.shape)} is "
+                            f"shared by two blocks of layers=[...]: {names[id(block)]!r} and "
+                            f"{names[id(module)]!r} (as {names[id(module)]}.{local}). Parameter "
+                            "offload fetches each block as one unit for its own forward, so "
+                            "the second block would compute on a released parameter. Tie the "
+                            "weight outside the blocks, or pass blocks that do not share "
+                            "parameters as layers=[...]"
+                        )
+                    # Tied with modules outside the blocks (an embedding and a head block):
+                    # one unit, fetched for each use, as tied embedding and head are.
+                    merge(other, key)
+                    key = other
+                    continue
                 params_of[key].append(param)
                 unit_of_param[id(param)] = key
             continue
@@ -143,13 +168,7 @@ def find_units(
                 modules_of[by_param].append(module)
                 unit_of_module[id(module)] = by_param
             elif by_module != by_param:  # tied across two units: merge them
-                for other in params_of.pop(by_module):
-                    params_of[by_param].append(other)
-                    unit_of_param[id(other)] = by_param
-                for other_module in modules_of.pop(by_module):
-                    modules_of[by_param].append(other_module)
-                    unit_of_module[id(other_module)] = by_param
-                order.remove(by_module)
+                merge(by_param, by_module)
     missing = [i for i, p in enumerate(trainable) if id(p) not in unit_of_param]
     if missing:
         param = trainable[missing[0]]
@@ -175,8 +194,9 @@ def find_units(
                         f"module {names[id(module)]!r} registers parameters directly and also "
                         f"contains module {names[id(child)]!r}, which has parameters of its "
                         "own; parameter offload fetches a module's own parameters for its "
-                        "forward only. Move them into a submodule of their own, or name "
-                        f"{names[id(module)]!r} in layers=[...]"
+                        "forward only. Move them into a submodule of their own, or add "
+                        f"{names[id(module)]!r} to layers=[...] beside the repeated blocks "
+                        "(layers=[*blocks, that module])"
                     )
         units.append(
             UnitSpec(
