@@ -113,6 +113,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "segment_plan": 4,
     "checks": 5,
     "rank_agreement": 5,
+    "rank_starts": 5,
     "constructor_checks": 5,
     "shared_memory": 5,
     "router": 5,

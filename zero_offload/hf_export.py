@@ -35,8 +35,13 @@ reads the tensors in ``state_dict`` order (one unit gathered at a time, one tens
 host at a time), and rank 0 alone writes the files, in the one layout ``transformers``
 reads (one file, or shards and their index), as a one-rank export would. A write that fails
 on rank 0 stops its writing, not its reads: it takes part in the gathers left, so the other
-ranks finish theirs, and every rank raises the failure (broadcast from rank 0). With stage 2
-every rank holds the whole weights and the export stays a call on one rank.
+ranks finish theirs, and every rank raises the failure (rank 0's outcome, all-gathered).
+Both of the export's own collectives (one at its start, whose all-gather meets the other
+ranks' training collectives when rank 0 alone calls it, and the outcome at its end) keep
+``collective_timeout`` (Note [collective deadlines] in ``collectives.py``): a rank that
+never calls it makes the others raise ``CollectiveError`` naming the export instead of
+hanging. With stage 2 every rank holds the whole weights: rank 0 alone writes, whichever
+ranks call it (Note [an export from whole weights on several ranks]).
 """
 
 from __future__ import annotations
@@ -53,8 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint_io import cpu_group
-from .collectives import Comm
+from .collectives import Comm, all_gather_bytes
 from .config import parse_bytes
 from .fileio import atomic_file, make_private_dirs, write_text
 from .optim import OffloadOptimizer
@@ -71,6 +75,12 @@ __all__ = ["save_pretrained"]
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _STAGED = ".staged-"  # see Note [an export replaces the previous one whole]
+#: What a rank that never reaches an export's collective has probably done.
+_ADVICE = (
+    "Under ZeRO-3 (parameter offload or partitioning on several ranks) every rank calls "
+    "save_pretrained with the same arguments: no rank holds whole weights, so each one's "
+    "are gathered from every rank's shard. Call it outside `if rank == 0:`."
+)
 
 
 class _Entry:
@@ -268,10 +278,12 @@ def save_pretrained(
     their buckets (the device block, or the pinned home with parameter offload), after any
     pending ``overlap_step`` update is published. Without it every tensor is read from the
     model. Weights are written in their training dtype, tensor by tensor (Note [an export is
-    streamed]). Call it on one rank; under ZeRO-3 (``offload_parameters=True`` on several
-    ranks, where no rank holds whole weights) every rank calls it with the same arguments,
-    the weights are gathered unit by unit and rank 0 writes the files (Note [an export from
-    sharded homes]); every rank returns the paths written.
+    streamed]). With several ranks and whole weights on each (stage 2) call it on rank 0 or
+    on every rank: rank 0 writes and the others return the same paths without writing (Note
+    [an export from whole weights on several ranks]). Under ZeRO-3 (parameter offload or
+    partitioning on several ranks, where no rank holds whole weights) every rank calls it
+    with the same arguments, the weights are gathered unit by unit and rank 0 writes the
+    files (Note [an export from sharded homes]); every rank returns the paths written.
 
     ``master_weights=True`` (with ``optimizer``, one rank): the trained parameters are
     written as their fp32 master weights instead (read from wherever the optimizer keeps
@@ -289,10 +301,19 @@ def save_pretrained(
         )
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
-    if master_weights and (optimizer is None or optimizer.comm is not None):
+    if master_weights and optimizer is None:
         raise ValueError(
-            "master_weights=True reads the fp32 master from the optimizer: pass optimizer= "
-            "(an OffloadAdamW on one rank; with several ranks each holds a shard of it)"
+            "master_weights=True reads the fp32 master from the optimizer: pass optimizer=<the "
+            "OffloadAdamW training the model>, or master_weights=False to export the model's "
+            "weights in their training dtype"
+        )
+    if master_weights and optimizer is not None and optimizer.comm is not None:
+        raise ValueError(
+            f"{optimizer.comm.where()}: master_weights=True exports the fp32 master of an "
+            f"optimizer on one rank; this one runs on {optimizer.comm.world_size} ranks, each "
+            "holding a shard of the master. Export the training-dtype weights "
+            "(master_weights=False), or save the whole fp32 state with "
+            "zero_offload.save_consolidated(optimizer, path) on every rank"
         )
     limit = parse_bytes(max_shard_size, name="max_shard_size")
     if limit <= 0:
@@ -307,7 +328,31 @@ def save_pretrained(
     comm = optimizer.comm if optimizer is not None else None
     if comm is not None and any(_sharded(bucket.views) for bucket in optimizer.buckets):
         return _export_from_shards(model, save_directory, entries, limit, comm)
+    if not _writes(comm):  # Note [an export from whole weights on several ranks]
+        return [Path(save_directory) / name for name in _names(_shards(entries, limit))]
     return _export(model, make_private_dirs(save_directory), entries, limit)
+
+
+# Note [an export from whole weights on several ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Without ZeRO-3 every rank holds the whole weights, so any rank can write the export
+# alone, and loops call it on rank 0 only or on every rank (as they call transformers'
+# ``save_pretrained``). Several ranks writing one directory raced: each cleared the others'
+# staged files (Note [an export replaces the previous one whole]) and a rename failed. So
+# with several ranks only rank 0 (of the optimizer's group, or of the default group without
+# an optimizer) writes; the others return the same paths at once, without a collective, so
+# a call on rank 0 alone keeps working. A caller that reads the files on another rank waits
+# for rank 0 first (a barrier), as after transformers' own.
+
+
+def _writes(comm: Comm | None) -> bool:
+    """Whether this rank writes an export of whole weights (Note [an export from whole
+    weights on several ranks])."""
+    if comm is not None:
+        return comm.rank == 0
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank() == 0
+    return True
 
 
 def _names(shards: list[list[_Entry]]) -> list[str]:
@@ -362,6 +407,14 @@ def _export_from_shards(
 
     for entry in entries:
         entry.read = counted(entry.read)
+    # Every rank is here, or the others raise naming who is not, within the deadline: a
+    # call on rank 0 alone would gather against the other ranks' training collectives.
+    all_gather_bytes(
+        f"save_pretrained of {len(entries)} tensors, shards of {limit} bytes".encode(),
+        comm=comm,
+        what="the start of save_pretrained under ZeRO-3 (Note [an export from sharded homes])",
+        advice=_ADVICE,
+    )
     failure: BaseException | None = None
     if comm.rank == 0:
         try:
@@ -370,16 +423,19 @@ def _export_from_shards(
             failure = exc
     for entry in entries[began[0] :]:  # every read on the other ranks
         entry.read()
-    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    group = cpu_group(comm)  # a few bytes; never through the GPU
-    dist.broadcast_object_list(
-        message, src=0 if group is None else dist.get_global_rank(group, 0), group=group
+    # Rank 0's outcome, to every rank, with the deadline (Note [collective deadlines]).
+    outcome = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()
+    outcomes = all_gather_bytes(
+        outcome if comm.rank == 0 else b"",
+        comm=comm,
+        what="rank 0's outcome of save_pretrained (Note [an export from sharded homes])",
+        advice=_ADVICE,
     )
     if failure is not None:
         raise failure
-    if message[0] is not None:
+    if outcomes[0]:
         raise RuntimeError(
             f"{comm.where()}: save_pretrained failed on rank 0, which writes the files "
-            f"(Note [an export from sharded homes]): {message[0]}"
+            f"(Note [an export from sharded homes]): {outcomes[0].decode(errors='replace')}"
         )
     return [Path(save_directory) / name for name in _names(_shards(entries, limit))]

@@ -366,9 +366,13 @@ def check_untouched(
                 f"{describe_param(slot.index, param)} no longer uses the storage "
                 f"{owner!r} gave it (its .data was replaced after construction: "
                 "model.half()/.to(dtype), load_state_dict(assign=True), PEFT "
-                "merge_and_unload, resize_token_embeddings...). The optimizer would "
-                "update memory the model does not read. Rebuild the optimizer after such "
-                "changes (load_state_dict carries the state over): nothing was stepped"
+                "merge_and_unload, resize_token_embeddings..., or a plain "
+                "accelerate.Accelerator's prepare(model) on several processes). The "
+                "optimizer would update memory the model does not read. Rebuild the "
+                "optimizer after such changes (load_state_dict carries the state over). "
+                "With accelerate use zero_offload.integrations.accelerate.OffloadAccelerator, "
+                "and do not wrap the model in DistributedDataParallel: the optimizer averages "
+                "the gradients across ranks itself. Nothing was stepped"
             )
     for g, group in enumerate(param_groups):
         rule.check_group(group, where=f"param group {g}")

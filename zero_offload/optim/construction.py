@@ -26,6 +26,7 @@ from .grads.path import GradientPath
 from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .rank_agreement import BuiltTogether, agree_on_build
+from .rank_starts import start_from_rank0
 from .ranks import Ranks
 from .reports.live import OptimizerState
 from .rule.base import OptimizerRule
@@ -153,6 +154,15 @@ class SegmentBuilder:
             try:
                 # See Note [originals on the device leave first] in weights/source.py.
                 originals = DeviceOriginals(trainable, tracker)
+                # Note [every rank starts from rank 0's weights] in rank_starts.py: every
+                # rank got here (Note [a rank that fails alone]), then the broadcast.
+                together.so_far()
+                start_from_rank0(
+                    trainable,
+                    comm=self.ranks.comm,
+                    chunk_bytes=self.config.bucket_bytes,
+                    owner=type(owner).__name__,
+                )
                 self._build(owner, params, families, tracker, together)
             except BaseException as exc:
                 together.failed(exc)  # first: restoring may raise (Note [a rank that fails alone])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import Attempts
+from ..errors import Attempts, CollectiveError, StreamError
 from ..memory.manager import TieredMemoryManager, quiet_at_exit
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
@@ -123,8 +123,38 @@ class Resources:
             if close is not None:
                 attempt(close)
         attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
-        # Note [a quiet exit after a failed stream] in memory/manager.py
-        attempt.raise_first(unless=quiet_at_exit)
+        # Note [a quiet exit after a failed stream] in memory/manager.py; Note [a release
+        # after a collective failure the caller saw].
+        attempt.raise_first(unless=lambda error: quiet_at_exit(error) or raised_before(error))
+
+
+# Note [a release after a collective failure the caller saw]
+# A collective that fails on the comm stream fails every stream that waits on it (Note
+# [stream errors are sticky]), and the caller's next step, backward or zero_grad raises its
+# CollectiveError (``surface_collective_errors``). A loop's ``finally: opt.close()`` then
+# met the same failed streams while releasing and raised them again, wrapped in a
+# StreamError, on top of the error being handled: the user saw one failure twice, the
+# second hiding the first. So a release whose first error is a StreamError caused by a
+# CollectiveError that already reached the caller passes over it, as at exit, and releases
+# the rest. Whether it reached the caller: a failed stream keeps its error without frames
+# (Note [a sticky error holds no frames]), so a CollectiveError in the chain that carries a
+# traceback was raised from the stream to a caller since. A failure no call has raised yet
+# (close() is the first call to meet it) is still raised by close().
+
+
+def raised_before(error: BaseException) -> bool:
+    """Whether ``error`` is a failed stream's whose CollectiveError already reached a caller
+    (Note [a release after a collective failure the caller saw])."""
+    if not isinstance(error, StreamError):
+        return False
+    seen: set[int] = set()
+    cause = error.__cause__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, CollectiveError):
+            return cause.__traceback__ is not None
+        cause = cause.__cause__
+    return False
 
 
 def check_owners(

@@ -68,14 +68,16 @@ once:
   sends its refusal instead of its description (``agree_on_build(refused=...)``);
 - the allocations and copies after the comparison end in ``share_outcome`` again, just
   before the segment joins the optimizer, so that a rank that failed half-way and one that
-  built undo alike.
+  built undo alike; so does moving the originals off the device, before the broadcast of
+  rank 0's weights (``BuiltTogether.so_far``, Note [every rank starts from rank 0's
+  weights] in ``rank_starts.py``), which a rank that failed there would never reach.
 
 The rank that failed raises its own exception, unchanged; the others raise naming it and
 its error (``ValueError`` for refused checks, ``CollectiveError`` for a failed build) and
 release what they made, as after any failed construction or ``add_param_group``. The cost:
-the constructor's first comparison (one all-gather of a digest) and one all-gather of one
-byte after the allocations, per build; one more, of the descriptions or the errors' text,
-only when something differed or failed.
+the constructor's first comparison (one all-gather of a digest) and two all-gathers of one
+byte (before the broadcast of rank 0's weights, and after the allocations), per build; one
+more, of the descriptions or the errors' text, only when something differed or failed.
 """
 
 from __future__ import annotations
@@ -378,6 +380,17 @@ class BuiltTogether:
         """This rank built its share: raise ``CollectiveError`` if another rank did not."""
         self._told = True
         share_outcome(None, comm=self._comm, what=self.WHAT, owner=self._owner)
+
+    def so_far(self) -> None:
+        """Every rank got this far in its build: raise ``CollectiveError`` if one did not,
+        before a collective every rank must reach (the broadcast of rank 0's weights, Note
+        [every rank starts from rank 0's weights] in ``rank_starts.py``). A rank that failed
+        before here told the others in the same all-gather (``failed``)."""
+        try:
+            share_outcome(None, comm=self._comm, what=self.WHAT, owner=self._owner)
+        except CollectiveError:
+            self._told = True  # the others know: they failed
+            raise
 
     def failed(self, exc: BaseException) -> None:
         """This rank's build raised ``exc``, which the caller raises next: tell the others,
