@@ -40,7 +40,7 @@ class OffloadAdagrad(OffloadOptimizer):
         params: Iterable[torch.Tensor]
         | Iterable[tuple[str, torch.Tensor]]
         | Iterable[dict[str, Any]],
-        lr: float = 1e-2,
+        lr: float | torch.Tensor = 1e-2,
         lr_decay: float = 0.0,
         weight_decay: float = 0.0,
         initial_accumulator_value: float = 0.0,

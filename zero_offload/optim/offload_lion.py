@@ -38,8 +38,8 @@ class OffloadLion(OffloadOptimizer):
         params: Iterable[torch.Tensor]
         | Iterable[tuple[str, torch.Tensor]]
         | Iterable[dict[str, Any]],
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
         maximize: bool = False,

@@ -69,6 +69,20 @@ in the first phase as any other is (its fields, their shapes and dtypes, its ste
 one loads as the rest of the dict does, and ``state_dict()`` names the parameter no more
 (torch's, loaded back, starts it afresh: an empty moment holds nothing). An entry for a
 parameter that has elements but no slot (frozen when the optimizer was built) is refused.
+
+Note [a loaded entry needs its step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every entry of a parameter with a slot must hold ``step``, whatever the rule: the count is
+state we keep, save and report (``opt.state[p]["step"]``, ``state_dict()``), and most
+updates read it (Adam's bias corrections, Adagrad's ``lr_decay``, Adafactor's decay
+schedule), so a missing one is refused rather than made up. The refusal is the rule's
+(``OptimizerRule.missing_step``): the rules whose update does not read the count (Lion;
+Muon's update of a matrix) name the reference optimizers whose dicts keep none
+(lion-pytorch's Lion, ``torch.optim.Muon``) and the one line that loads such a dict (give
+each entry a count); the others say that their reference saves one in every entry. Lion
+could take a missing count as 1 without changing a step, but the count it reported would
+be one the run never had, and a dict of another optimizer that happens to hold
+``exp_avg`` would load silently; so it stays strict, with the way in named.
 """
 
 from __future__ import annotations
@@ -285,14 +299,8 @@ def load_optimizer_state(
         for name, field_shape in shaped.items():
             checked[name] = check_tensor(where, name, entry[name], field_shape)
         if "step" not in entry:  # the state is all there but for its count
-            raise ValueError(
-                f"{where}: missing ['step'], the parameter's step count, which every "
-                "state this optimizer loads must hold. torch.optim.Muon's state dicts keep "
-                "none (only 'momentum_buffer'): to load one into OffloadMuon, give each "
-                "entry a count first, e.g. `for s in sd['state'].values(): "
-                "s.setdefault('step', torch.tensor(1.0))` (OffloadMuon's update of a matrix "
-                "does not read it; docs/checkpoints.md). Nothing was loaded"
-            )
+            # Note [a loaded entry needs its step]: the rule says why, and what loads
+            raise ValueError(rule.missing_step(where))
         checked["step"] = check_step(where, entry["step"])
         staged[index] = checked
     scaler_state = extra.get("loss_scaler") or {}

@@ -19,7 +19,7 @@ import torch
 
 from ...kernels import adagrad_step
 from .base import OptimizerRule, StateField, StateFields, scaled_gradient
-from .values import check_flag, check_number
+from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["ADAGRAD", "AdagradHyper", "AdagradRule"]
 
@@ -55,8 +55,10 @@ class AdagradRule(OptimizerRule):
         )
 
     def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
-        """As torch checks them: every number >= 0."""
-        for key in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+        """As torch checks them: every number >= 0; ``lr`` may be a 1-element tensor, as
+        torch's Adagrad allows (its value is read where the step reads the group)."""
+        check_number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
+        for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
             check_number(where, key, group[key], low=0.0)
         check_flag(where, "maximize", group["maximize"])
 

@@ -264,6 +264,19 @@ class OptimizerRule(ABC):
             return None
         return f"it needs the state {lacking}, which the optimizer was built without"
 
+    def missing_step(self, where: str) -> str:
+        """The refusal of a loaded state entry (``where``) that holds the rule's fields but
+        no ``step`` (Note [a loaded entry needs its step] in checkpoint/state_dict.py). By
+        default the update reads the count (bias corrections, a decaying rate or decay), so
+        none can be made up; a rule whose update does not read it says how to load the
+        stepless dicts of its reference optimizer."""
+        return (
+            f"{where}: missing ['step'], the parameter's step count, which the {self.name} "
+            "update reads, so it cannot be made up: torch's optimizers of this rule save it "
+            "in every entry, and a state without it was written or edited by other code. Load "
+            "a state_dict() that kept its counts (ours or torch's). Nothing was loaded"
+        )
+
     @abstractmethod
     def tile_step(
         self,

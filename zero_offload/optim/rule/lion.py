@@ -17,7 +17,7 @@ import torch
 
 from ...kernels import lion_step
 from .base import OptimizerRule, StateField, StateFields, scaled_gradient
-from .values import check_flag, check_number
+from .values import check_flag, check_number, check_number_or_scalar_tensor
 
 __all__ = ["LION", "LionHyper", "LionRule"]
 
@@ -54,14 +54,29 @@ class LionRule(OptimizerRule):
         )
 
     def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
-        check_number(where, "lr", group["lr"], low=0.0)
+        """``lr``, ``weight_decay`` >= 0, betas in [0, 1). ``lr`` and each beta may be a
+        1-element tensor, as torch's optimizers allow (docs/optimizer.md): its value is
+        read where the step reads the group."""
+        check_number_or_scalar_tensor(where, "lr", group["lr"], low=0.0)
         check_number(where, "weight_decay", group["weight_decay"], low=0.0)
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-        check_number(where, "betas[0]", betas[0], low=0.0, high=1.0)
-        check_number(where, "betas[1]", betas[1], low=0.0, high=1.0)
+        check_number_or_scalar_tensor(where, "betas[0]", betas[0], low=0.0, high=1.0)
+        check_number_or_scalar_tensor(where, "betas[1]", betas[1], low=0.0, high=1.0)
         check_flag(where, "maximize", group["maximize"])
+
+    def missing_step(self, where: str) -> str:
+        """Lion's update does not read the count; lion-pytorch's state dicts keep none (Note
+        [a loaded entry needs its step] in checkpoint/state_dict.py)."""
+        return (
+            f"{where}: missing ['step'], the parameter's step count, which every state "
+            "OffloadLion loads must hold. lion-pytorch's Lion keeps none (only 'exp_avg'): "
+            "to load its state dict, give each entry a count first, e.g. `for s in "
+            "sd['state'].values(): s.setdefault('step', torch.tensor(1.0))`. Any count gives "
+            "the same steps (Lion's update does not read it; it is the count opt.state and "
+            "state_dict() report; docs/checkpoints.md). Nothing was loaded"
+        )
 
     def state_fields(
         self, moments_dtype: torch.dtype, groups: Sequence[Mapping[str, Any]]

@@ -123,6 +123,17 @@ class MuonRule(WholeParameterRule):
             adamw_weight_decay=float(group["adamw_weight_decay"]),
         )
 
+    def missing_step(self, where: str) -> str:
+        """torch's Muon keeps no count, and Muon's update of a matrix does not read it
+        (Note [a loaded entry needs its step] in checkpoint/state_dict.py)."""
+        return (
+            f"{where}: missing ['step'], the parameter's step count, which every state "
+            "OffloadMuon loads must hold. torch.optim.Muon's state dicts keep none (only "
+            "'momentum_buffer'): to load one, give each entry a count first, e.g. `for s in "
+            "sd['state'].values(): s.setdefault('step', torch.tensor(1.0))` (OffloadMuon's "
+            "update of a matrix does not read it; docs/checkpoints.md). Nothing was loaded"
+        )
+
     def check_group(self, group: Mapping[str, Any], *, where: str) -> None:
         """As torch's Muon checks them (``lr``, ``momentum``, ``weight_decay`` >= 0,
         ``adjust_lr_fn``), and beyond (``ns_steps`` an int in [1, 100), which torch checks

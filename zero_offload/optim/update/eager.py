@@ -98,7 +98,21 @@ _ALLOWED = frozenset(
 # the speculation stands and only the waiting buckets are stepped. Otherwise every stepped
 # bucket is restored from its copy; a skipped step then republishes the restored weights,
 # and a clipped one steps every bucket again with the true multiplier. Bitwise the ordinary
-# step in both outcomes; opt.speculation_failures counts the rollbacks.
+# step in both outcomes; opt.speculation_failures counts the rollbacks (a step that stepped
+# no bucket during backward has nothing to roll back and counts none).
+# Not backed up, so stepped in step() too: buckets whose state is on NVMe, and those of a rule
+# that reads whole parameters (Adafactor, Muon: KeepsShapedState in state/shaped.py), whose
+# shaped state is not among the state_tensors() the copy takes.
+
+# Note [the buckets left to step() land before the decision]
+# A bucket handed over during backward landed its window there (StepPlan lands it), but one
+# left to land() (not backed up: over speculation_bytes, NVMe, a rule that reads whole
+# parameters) may still hold a window summed on the device (Note [micro-batches add up on
+# the device] in grads/device_acc.py): its last flush lands it during backward only when
+# the host accumulator was free by then, i.e. when the host worker had passed the previous
+# step's end, which is timing. Unlanded, its statistics are the host passes of an older
+# window, and decide() would clip by a stale norm. So land() lands every such bucket before
+# decide(), as step() does (the optimizer's stray-gradient pass, BackwardRouter.land).
 
 
 def _elements(plan: StepPlan) -> int:
@@ -226,10 +240,14 @@ class EagerStep:
     ) -> bool:
         """step(): wait for the updates, check the speculation (``decide`` returns whether
         the step is skipped and its true gradient multiplier), make compute wait for the
-        weights, commit. Returns whether the speculation was rolled back (the step
-        restored, then skipped or redone)."""
+        weights, commit. Returns whether the speculation was rolled back (a bucket stepped
+        during backward restored, then the step skipped or redone)."""
         self._drain(ranks)
         self._go(EagerPhase.LANDED)
+        # Note [the buckets left to step() land before the decision]
+        for bucket in buckets:
+            if bucket.layout.index not in self.plans:
+                bucket.gradients.land()
         skip, grad_scale = decide()
         events: list[Event] = []
         for bucket in buckets:
@@ -255,6 +273,7 @@ class EagerStep:
         # Note [speculative steps]: restore, then skip or step again.
         for event in events:
             event.synchronize()  # the redo rewrites the staging these copies read
+        rolled_back = bool(self._backups)  # else no bucket was stepped during backward
         for index, backup in self._backups.items():
             bucket = next(b for b in buckets if b.layout.index == index)
             for name, tensor in bucket.store.state_tensors().items():
@@ -271,13 +290,13 @@ class EagerStep:
                 self.manager.wait_for(restored, category=Category.WEIGHTS)
             for bucket in buckets:
                 bucket.views.remember()
-            return True
+            return rolled_back
         work = [
             (self.plans.get(b.layout.index) or StepPlan(b, b.grads.arrived), self._hyper(b))
             for b in buckets
         ]
         ImmediateUpdate(self.manager, ranks).run(work, grad_scale)
-        return True
+        return rolled_back
 
     def _drain(self, ranks: Ranks) -> None:
         stepped = [i for i, e in self._done.items() if e.query()]
