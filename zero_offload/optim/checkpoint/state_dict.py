@@ -81,8 +81,8 @@ Muon's update of a matrix) name the reference optimizers whose dicts keep none
 (lion-pytorch's Lion, ``torch.optim.Muon``) and the one line that loads such a dict (give
 each entry a count); the others say that their reference saves one in every entry. Lion
 could take a missing count as 1 without changing a step, but the count it reported would
-be one the run never had, and a dict of another optimizer that happens to hold
-``exp_avg`` would load silently; so it stays strict, with the way in named.
+be one the run never had, and a dict of another optimizer that happens to hold Lion's
+one field would load silently; so it stays strict, with the way in named.
 """
 
 from __future__ import annotations
