@@ -261,6 +261,9 @@ def surface_collective_errors() -> Iterator[None]:
             cause = cause.__cause__
         if cause is None:
             raise
+        # Marked for a release after it (Note [a release after a collective failure the
+        # caller saw] in optim/lifetime.py); copies made by errors.raised_again keep it.
+        cause.surfaced = True  # type: ignore[attr-defined]
         raise cause from exc
 
 

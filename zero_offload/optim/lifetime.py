@@ -136,9 +136,10 @@ class Resources:
 # StreamError, on top of the error being handled: the user saw one failure twice, the
 # second hiding the first. So a release whose first error is a StreamError caused by a
 # CollectiveError that already reached the caller passes over it, as at exit, and releases
-# the rest. Whether it reached the caller: a failed stream keeps its error without frames
-# (Note [a sticky error holds no frames]), so a CollectiveError in the chain that carries a
-# traceback was raised from the stream to a caller since. A failure no call has raised yet
+# the rest. Whether it reached the caller: ``surface_collective_errors`` marks the
+# CollectiveError it raises (``surfaced``). Its traceback alone cannot tell: a stream that
+# fails later stores the same chain without frames (Note [a sticky error holds no frames]),
+# wiping it, so the release raised or not by timing. A failure no call has raised yet
 # (close() is the first call to meet it) is still raised by close().
 
 
@@ -152,7 +153,7 @@ def raised_before(error: BaseException) -> bool:
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, CollectiveError):
-            return cause.__traceback__ is not None
+            return getattr(cause, "surfaced", False) or cause.__traceback__ is not None
         cause = cause.__cause__
     return False
 
