@@ -66,6 +66,7 @@ def start_from_rank0(
     src = 0 if comm.group is None else dist.get_global_rank(comm.group, 0)
     seen: set[int] = set()
     pending: list[Pending] = []
+    staging: torch.Tensor | None = None  # (bytes,) uint8 on ``device``, shared by _staged
     sent = 0
     with torch.no_grad():
         for index, param in enumerate(params):
@@ -82,29 +83,37 @@ def start_from_rank0(
                 work = dist.broadcast(data, src=src, group=comm.group, async_op=True)
                 pending.append(Pending(work, what, data.is_cuda, _ADVICE))
                 continue
-            _staged(data, comm=comm, src=src, device=device, chunk_bytes=chunk_bytes, what=what)
+            staging = _staged(
+                data, staging, comm=comm, src=src, device=device, chunk_bytes=chunk_bytes, what=what
+            )
     wait_all(pending, comm)
     return sent
 
 
 def _staged(
     data: torch.Tensor,
+    staging: torch.Tensor | None,
     *,
     comm: Comm,
     src: int,
     device: torch.device,
     chunk_bytes: int,
     what: str,
-) -> None:
+) -> torch.Tensor:
     """Broadcast ``data`` (not contiguous, or not where collectives run) through a staging
-    buffer on ``device`` of at most ``chunk_bytes``, chunk by chunk, and write it back."""
+    buffer on ``device`` of at most ``chunk_bytes``, chunk by chunk, and write it back.
+    ``staging``: the bytes an earlier parameter staged through (None before the first),
+    reused, and grown only when this parameter needs more; returns the buffer used."""
     whole = data if data.is_contiguous() else data.contiguous()  # a copy if not contiguous
     flat = whole.view(-1)
     step = max(1, chunk_bytes // max(1, flat.element_size()))
-    staging = torch.empty(min(step, flat.numel()), dtype=flat.dtype, device=device)
+    need = min(step, flat.numel()) * flat.element_size()
+    if staging is None or staging.numel() < need:
+        staging = torch.empty(need, dtype=torch.uint8, device=device)
+    typed = staging[:need].view(flat.dtype)
     for lo in range(0, flat.numel(), step):
         piece = flat[lo : lo + step]
-        buffer = staging[: piece.numel()]
+        buffer = typed[: piece.numel()]
         buffer.copy_(piece)
         work = dist.broadcast(buffer, src=src, group=comm.group, async_op=True)
         wait_work(Pending(work, what, buffer.is_cuda, _ADVICE), comm)
@@ -112,3 +121,4 @@ def _staged(
         piece.copy_(buffer)
     if whole is not data:
         data.copy_(whole)
+    return staging
