@@ -290,9 +290,11 @@ def test_the_update_buffer_is_each_threads_own_and_its_leftovers_do_not_matter()
     for got, want in zip(run((24, 40)), fresh, strict=True):
         assert torch.equal(got, want)
     seen: dict[str, object] = {}
+    both_hold = threading.Barrier(2)  # both buffers alive at once: a freed one's address is reused
 
     def worker(name: str, shape: tuple[int, int]) -> None:
         seen[name] = (run(shape), update_buffer(1).untyped_storage().data_ptr())
+        both_hold.wait(timeout=60)
         release_update_buffer()
 
     threads = [threading.Thread(target=worker, args=(n, s))
