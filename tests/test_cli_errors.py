@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -203,3 +206,31 @@ def test_estimate_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--help"]) == 0
     assert "--activation-offload" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("words", [["info"], ["estimate", "--north-star"]])
+def test_a_reader_that_went_away_ends_the_command_quietly(words: list[str]) -> None:
+    """``zero-offload ... | head`` (Note [a reader that went away]): the reader's end is
+    closed before the command starts, so its first print meets a broken pipe. It used to
+    print "error: [Errno 32] Broken pipe" and exit 2; now it says nothing and exits 141."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away before anything was printed
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "zero_offload", *words],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
+
+
+def test_the_cli_package_runs_as_a_module() -> None:
+    """``python -m zero_offload.cli`` worked while the CLI was one module; the package keeps it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "zero_offload.cli", "--help"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "estimate" in done.stdout

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -154,6 +155,25 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Note [a reader that went away]
+# ``zero-offload estimate ... | head -3`` closes the pipe while the command still prints:
+# the next write raises BrokenPipeError, which used to reach the generic handler and print
+# "error: [Errno 32] Broken pipe", exiting 2, for output the user cut on purpose. Now the
+# command stops quietly with 141 (128 + SIGPIPE), what a tool killed by SIGPIPE reports to
+# the shell, as ``yes | head`` does, so ``set -o pipefail`` still sees the cut. Python would
+# flush stdout again at exit and print the error itself, so stdout is pointed at devnull
+# first (the recipe of Python's signal docs).
+
+_SIGPIPE_STATUS = 141
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at devnull, so the interpreter's last flush has nowhere to fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zero-offload`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -165,7 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return run(args)
+        status = run(args)
+        sys.stdout.flush()  # a closed reader is met here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # Note [a reader that went away]
+        _quiet_stdout()
+        return _SIGPIPE_STATUS
     except (ValueError, TypeError, MemoryError, RuntimeError, OSError, ImportError) as exc:
         if args.debug:
             raise
