@@ -122,6 +122,8 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     model = GPT2LMHeadModel.from_pretrained(saved(tmp_path, sharded=False))
     with pytest.raises(ValueError, match="max_shard_size"):
         save_pretrained(model, tmp_path / "a", max_shard_size=0)
+    with pytest.raises(ValueError, match=r"max_shard_size='5'.*'5GiB'"):  # not 5 bytes a shard
+        save_pretrained(model, tmp_path / "a", max_shard_size="5")
     with pytest.raises(TypeError, match="optimizer must be the OffloadAdamW"):
         save_pretrained(model, tmp_path / "a", optimizer=torch.optim.SGD(model.parameters()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="meta device"):

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Comm, all_gather_bytes
-from .config import parse_bytes
+from .config import parse_bytes_with_unit
 from .fileio import atomic_file, make_private_dirs, write_text
 from .optim import OffloadOptimizer
 from .weights.checkpoint import (
@@ -315,7 +315,7 @@ def save_pretrained(
             "(master_weights=False), or save the whole fp32 state with "
             "zero_offload.save_consolidated(optimizer, path) on every rank"
         )
-    limit = parse_bytes(max_shard_size, name="max_shard_size")
+    limit = parse_bytes_with_unit(max_shard_size, name="max_shard_size")  # "5" is not 5 bytes
     if limit <= 0:
         raise ValueError(f"max_shard_size must be > 0 bytes, got {max_shard_size!r}")
     entries = _entries(
