@@ -229,6 +229,62 @@ def test_enospc_mid_save_raises_storage_full_and_keeps_the_old_checkpoint(
     opt.close()
 
 
+def test_a_file_size_limit_mid_save_names_the_file_and_keeps_the_old_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A real ``ulimit -f`` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with
+    EFBIG): the save used to raise the bare "[Errno 27] File too large" with no file, no
+    bytes and no advice (Note [a write that cannot finish] in fileio.py)."""
+    import resource
+
+    model, _ = make_pair()
+    opt = _opt(model)
+    train(model, opt, batches(1))
+    save_streaming(opt, tmp_path / "ckpt")
+    good = _files(tmp_path / "ckpt")
+    train(model, opt, batches(1))
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4000, limits[1]))  # bytes a file may hold
+    try:
+        with pytest.raises(OSError, match=r"outgrew .*after .* bytes.*ulimit -f.*as it was") as got:
+            save_streaming(opt, tmp_path / "ckpt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert got.value.errno == errno.EFBIG and str(tmp_path / "ckpt") in str(got.value)
+    assert _files(tmp_path / "ckpt") == good
+    assert _siblings(tmp_path / "ckpt" / "rank0") == []
+    opt.close()
+
+
+def test_a_quota_mid_save_is_storage_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EDQUOT (a user's quota) is a full disk to the user: it was a bare "Disk quota
+    exceeded" (Note [a write that cannot finish] in fileio.py)."""
+    real_private_file = fileio.private_file
+
+    class Quota:
+        def __init__(self, path: Path) -> None:
+            self.handle = real_private_file(path)
+
+        def write(self, data: memoryview) -> int:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+        def __enter__(self) -> Quota:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()
+
+    model, _ = make_pair()
+    opt = _opt(model)
+    train(model, opt, batches(1))
+    monkeypatch.setattr(state_stream, "private_file", Quota)
+    with pytest.raises(StorageFull, match=r"is full \(Disk quota exceeded"):
+        save_streaming(opt, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "rank0").exists()  # nothing half-written is left
+    assert _siblings(tmp_path / "ckpt" / "rank0") == []
+    opt.close()
+
+
 @pytest.mark.cuda_form
 def test_a_filesystem_reporting_no_size_is_not_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

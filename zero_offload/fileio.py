@@ -20,6 +20,15 @@ renames of a directory swap, only ``name.old`` is there, and ``recover_directory
 the loaders and before each save) renames it back; killed after them, both are, and the new
 one wins. A disk that fills up mid-write raises ``StorageFull`` naming the bytes, and the old
 version stays. Temporaries of killed writers are removed by the next save of that name: see
+Note [a write that cannot finish]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A save can stop on a full disk (ENOSPC), a user's quota (EDQUOT) or a file-size limit
+(EFBIG: ``ulimit -f``, or a filesystem such as FAT32 that caps a file at 4 GiB). The last two
+reached the caller as the bare "[Errno 27] File too large" or "Disk quota exceeded", with no
+file and no bytes. A quota is StorageFull now, as a full disk is (its message names quotas);
+EFBIG names the file, what was written and both limits it can be. The previous version stays
+either way (Note [atomic replacement]).
+
 Note [a dead writer's temporaries].
 
 Note [a dead writer's temporaries]
@@ -151,6 +160,30 @@ def _full(exc: OSError, path: Path, what: str, written: int, needed: int | None)
     return error
 
 
+def _too_large(exc: OSError, path: Path, what: str, written: int) -> OSError:
+    """The error for a write past a file-size limit (``EFBIG``), naming the file and bytes."""
+    return OSError(
+        errno.EFBIG,
+        f"{what}: a file of {path} outgrew the largest file allowed ({exc.strerror or exc}) "
+        f"after {format_bytes(written)} ({written} bytes) were written: the process's "
+        "file-size limit (ulimit -f) or its filesystem's largest file (FAT32: 4 GiB). Nothing "
+        f"was replaced: the previous {path.name} is as it was. Raise the limit or write to "
+        "another filesystem",
+        str(path),
+    )
+
+
+def _failed_write(exc: OSError, path: Path, what: str, written: int, needed: int | None) -> None:
+    """Raise what a failed write means to the user (Note [a write that cannot finish]);
+    return for an error told as it is."""
+    if isinstance(exc, StorageFull):
+        return
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise _full(exc, path, what, written, needed) from exc
+    if exc.errno == errno.EFBIG:
+        raise _too_large(exc, path, what, written) from exc
+
+
 def _check_space(parent: Path, needed: int | None, path: Path, what: str) -> None:
     if needed is None:
         return
@@ -189,8 +222,7 @@ def atomic_file(
     except OSError as exc:
         written = _file_bytes(tmp)
         tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC and not isinstance(exc, StorageFull):
-            raise _full(exc, path, what, written, nbytes) from exc
+        _failed_write(exc, path, what, written, nbytes)
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -289,8 +321,7 @@ def atomic_directory(
     except OSError as exc:
         written = _tree_bytes(staging)
         _undo(staging, path)
-        if exc.errno == errno.ENOSPC and not isinstance(exc, StorageFull):
-            raise _full(exc, path, what, written, nbytes) from exc
+        _failed_write(exc, path, what, written, nbytes)
         raise
     except BaseException:
         _undo(staging, path)
