@@ -213,8 +213,8 @@ class TieredMemoryManager:
             self.pools.remove(pool)
 
     def pool_stats(self) -> dict[str, dict[str, Any]]:
-        """Each pool's ``stats()`` by pool name."""
-        return {pool.name: pool.stats() for pool in self.pools}
+        """Each open pool's ``stats()`` by pool name (a closed pool holds no memory)."""
+        return {pool.name: pool.stats() for pool in self.pools if not pool.closed}
 
     def device_bytes_in_use(self) -> int:
         """Library-owned device bytes now (the accelerator's ledger)."""

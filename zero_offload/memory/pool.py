@@ -101,10 +101,10 @@ class BlockPool:
           fits the free bytes but not the largest free range.
 
     Lock: ``_lock`` (a plain ``threading.Lock``) guards the free list, the live and in-flight
-    sets, every block's ``offset``/``state``/events/callbacks, and ``_counters``; copy-stream
-    workers free blocks too. It is never held while waiting on an event or while running an
-    ``on_move`` callback (callbacks may call back into the pool). Owners must not use a
-    block's views while a ``defragment()`` runs.
+    sets, every block's ``offset``/``state``/events/callbacks, ``_counters`` and
+    ``_watchers`` (``watch_use``); copy-stream workers free blocks too. It is never held
+    while waiting on an event or while running an ``on_move`` callback (callbacks may call
+    back into the pool). Owners must not use a block's views while a ``defragment()`` runs.
 
     Stats (``stats()``; bytes unless said otherwise): ``capacity_bytes`` (the buffer),
     ``usable_bytes`` (capacity rounded down to alignment), ``bytes_in_use`` (rounded sizes of
@@ -147,6 +147,7 @@ class BlockPool:
         self._live: set[Block] = set()  # IN_USE blocks
         self._in_flight = InFlightBlocks()  # freed, copies pending
         self._counters = _Counters()
+        self._watchers: list[Callable[[int], None]] = []  # told each change of bytes_in_use
         self._closed = False
         if accelerator.race_checker is not None:
             accelerator.race_checker.track(
@@ -365,6 +366,8 @@ class BlockPool:
             counters.bytes_in_use -= block.size
             counters.bytes_requested -= block.nbytes
             counters.frees += 1
+            for add in self._watchers:
+                add(-block.size)
             block.drop_move_callbacks()
             if block.keep_events(self._in_flight.settle):
                 self._in_flight.add(block)
@@ -443,6 +446,27 @@ class BlockPool:
         with self._lock:
             self._counters.peak_bytes_in_use = self._counters.bytes_in_use
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran: the pool's buffer is given back."""
+        return self._closed
+
+    def watch_use(self, add: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``add(nbytes)`` with ``bytes_in_use`` now, then with each change of it, under
+        the lock (``add`` must be quick and must not call into the pool); returns the call
+        that stops it. For an observer of the peak across pools (the profiler's
+        ``PoolsPeakWindow``): a call per alloc and free while watched, none otherwise."""
+        with self._lock:
+            self._watchers.append(add)
+            add(self._counters.bytes_in_use)
+
+        def unwatch() -> None:
+            with self._lock:
+                if add in self._watchers:
+                    self._watchers.remove(add)
+
+        return unwatch
+
     def live_blocks(self) -> list[Block]:
         """The IN_USE blocks, in address order."""
         with self._lock:
@@ -471,6 +495,8 @@ class BlockPool:
         counters.bytes_in_use += size
         counters.bytes_requested += nbytes
         counters.peak_bytes_in_use = max(counters.peak_bytes_in_use, counters.bytes_in_use)
+        for add in self._watchers:
+            add(size)
         return block
 
     def _reclaim_locked(self) -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 from ..accelerator.host_syncs import SyncKey
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category
 from .gc_pauses import GcWindow
 from .link import LinkBandwidth
 from .timeline import CopyTimeline, StallTimeline
@@ -37,7 +36,11 @@ class MemorySample:
     ``recorder.py``): ``device_pools`` and ``host_pools``, bytes of blocks in use in the device
     and host pools now; ``device_peak``, the ledgers' largest use since the previous step
     sample; ``device_torch_peak``, the most memory torch had allocated on the CUDA devices
-    since the previous step sample, activations included (``None`` without CUDA).
+    since the previous step sample, activations included (``None`` without CUDA);
+    ``device_pools_peak`` and ``host_pools_peak``, the largest bytes of blocks in use at once
+    in the device (host) pools since the previous step sample, summed over the pools at each
+    instant (``pool_peaks.PoolsPeakWindow``): blocks taken and freed between two samples
+    (activations, staging) count.
     """
 
     at: float
@@ -46,6 +49,8 @@ class MemorySample:
     host_pools: int | None
     device_peak: int | None
     device_torch_peak: int | None
+    device_pools_peak: int | None
+    host_pools_peak: int | None
 
 
 @dataclass
@@ -69,8 +74,6 @@ class ProfileData:
     # Note [host syncs are counted where they can block]), by thread, stream and kind.
     host_syncs: Counter[SyncKey] = field(default_factory=Counter)
     rss_peak: int = 0  # process resident bytes, largest sample (start, steps, stop)
-    exposed_start: list[dict[Category, float]] = field(default_factory=list)  # per manager
-    exposed_end: list[dict[Category, float]] | None = None
     pools_start: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats()
     pools_end: dict[str, dict[str, Any]] | None = None
     device_budget: int = 0  # bytes, summed over the accelerators

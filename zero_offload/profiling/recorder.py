@@ -3,7 +3,7 @@
 It keeps no bookkeeping of its own beyond what it hears: the managers' ``CopyRecord``s
 (Note [one choke point for copies]) and ``StallRecord``s (Note [exposed time is measured on
 the compute stream]), the ``tracing.phase`` spans, samples of the device
-ledger and the pools, and the managers' ``exposed_seconds`` and pool stats at start and stop.
+ledger and the pools, and the pool stats at start and stop.
 Everything it reports is derived from those in ``summary.py``.
 
 Note [the profiler reads memory per step, never per copy]
@@ -16,9 +16,12 @@ there ran about a second slower. So a copy only hands its record to the timeline
 rates:
 - per step (``start``, ``prof.step()``, ``stop``): the peaks since the previous step sample,
   exact rather than sampled: the ledger's through a ``PeakWindow`` (which leaves the ledger's
-  own ``peak`` alone), torch's through ``max_memory_allocated`` followed by
-  ``reset_peak_memory_stats`` (so, while recording, the profiler owns torch's peak
-  statistics on its CUDA devices); and the pools and the process's RSS;
+  own ``peak`` alone), the pools' blocks in use, summed per kind (device, host), through a
+  ``PoolsPeakWindow`` each (which leave the pools' own ``peak_bytes_in_use`` alone; a pool
+  built while recording counts from the step sample after it appeared), torch's through
+  ``max_memory_allocated`` followed by ``reset_peak_memory_stats`` (so, while recording,
+  the profiler owns torch's peak statistics on its CUDA devices); and the pools' use now and
+  the process's RSS;
 - per phase (a phase ends at most a few times per bucket): the ledger's current use, one
   lock and no allocator call, for the trace's memory track;
 - per copy: nothing.
@@ -50,13 +53,13 @@ from ..accelerator.host_syncs import SyncKey, host_syncs
 from ..collectives import CommCounters
 from ..fileio import write_text
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category
 from ..tracing import add_phase_listener
 from .chrome_trace import write_chrome_trace
 from .data import MemorySample, PhaseSpan, ProfileData
 from .gc_pauses import GcPauses
 from .link import LinkBandwidth, measure_link
 from .plot import plot_profile
+from .pool_peaks import PoolsPeakWindow
 from .report import format_report
 from .summary import summarize
 
@@ -141,6 +144,9 @@ class TrafficProfiler:
         self._cuda_devices = [acc.device for acc in self._accelerators if acc.device.type == "cuda"]
         # Open while recording: each accelerator ledger's peak since the last step sample.
         self._windows: list[PeakWindow] = []
+        # Open while recording: the pools' summed blocks in use, device and host pools apart.
+        self._device_pools = PoolsPeakWindow()
+        self._host_pools = PoolsPeakWindow()
         self._gc: GcPauses | None = None  # listening to the collector while recording
         self._syncs_start: Counter[SyncKey] = Counter()  # host_syncs() at start
         self.data = ProfileData(managers=managers, link=LinkBandwidth(None, None, 0, "not started"))
@@ -165,10 +171,10 @@ class TrafficProfiler:
         else:
             data.link = measure_link(first.accelerator, d2h=first.d2h, h2d=first.h2d)
         data.device_budget = sum(acc.memory_stats()["budget"] for acc in self._accelerators)
-        data.exposed_start = [self._exposed(m) for m in data.managers]
         data.pools_start = self._pool_stats()
         data.comm_start = [counters.snapshot() for counters in data.comm_counters]
         self._windows = [acc.ledger.open_window() for acc in self._accelerators]
+        self._watch_pools()
         self._torch_peak()  # starts torch's peak window
         for index, manager in enumerate(data.managers):
             self._subscribe(index, manager)
@@ -204,8 +210,9 @@ class TrafficProfiler:
             self._gc.close()
         for window in self._windows:
             window.close()
+        self._device_pools.close()
+        self._host_pools.close()
         data.stopped_at = time.perf_counter()
-        data.exposed_end = [self._exposed(m) for m in data.managers]
         data.pools_end = self._pool_stats()
         data.comm_end = [counters.snapshot() for counters in data.comm_counters]
 
@@ -248,7 +255,9 @@ class TrafficProfiler:
         self.data.phases.append(PhaseSpan(name, track, start, end))
         # The ledger's use only (one lock): Note [the profiler reads memory per step, ...].
         device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
-        self.data.memory.append(MemorySample(time.perf_counter(), device, None, None, None, None))
+        self.data.memory.append(
+            MemorySample(time.perf_counter(), device, None, None, None, None, None, None)
+        )
 
     def _sample_step(self, *, rss: bool) -> None:
         """The per-step sample: peaks since the previous one, the pools, the RSS; and the
@@ -258,6 +267,9 @@ class TrafficProfiler:
         self.data.stalls.settle()
         device = sum(acc.memory_stats()["in_use"] for acc in self._accelerators)
         device_peak = sum(window.take() for window in self._windows)
+        self._watch_pools()  # pools built since the previous sample
+        device_pools_peak = self._device_pools.take()
+        host_pools_peak = self._host_pools.take()
         device_pools = host_pools = 0
         for manager in self.data.managers:
             for pool in manager.pools:
@@ -274,10 +286,19 @@ class TrafficProfiler:
                 host_pools,
                 device_peak,
                 self._torch_peak(),
+                max(device_pools_peak, device_pools),
+                max(host_pools_peak, host_pools),
             )
         )
         if rss:
             self.data.rss_peak = max(self.data.rss_peak, self._process.memory_info().rss)
+
+    def _watch_pools(self) -> None:
+        """Count every pool of the managers in its kind's peak window (once each)."""
+        for manager in self.data.managers:
+            for pool in manager.pools:
+                window = self._device_pools if pool.kind == "device" else self._host_pools
+                window.watch(pool)
 
     def _take_gc(self) -> None:
         """The collector's pauses since the previous step (Note [GC pauses per step])."""
@@ -295,10 +316,6 @@ class TrafficProfiler:
             peak += torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         return peak
-
-    def _exposed(self, manager: TieredMemoryManager) -> dict[Category, float]:
-        # dict() of a dict copies it under the GIL in one step: no torn read.
-        return dict(manager.exposed_seconds)
 
     def _pool_stats(self) -> dict[str, dict[str, Any]]:
         stats: dict[str, dict[str, Any]] = {}

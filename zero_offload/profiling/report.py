@@ -66,13 +66,14 @@ def _transfer_table(summary: dict[str, Any]) -> str:
                 "-" if share is None else f"{share:.0%}",
                 _seconds(row["exposed_seconds"]),
                 _seconds(row["hidden_seconds"]),
+                _seconds(row["waited_seconds"]),
             ]
         )
     for row in summary["collectives"]:
         nbytes = _size(row["bytes"]) if row["bytes"] else "-"
-        rows.append([row["name"], str(row["count"]), nbytes, _seconds(row["seconds"]), *"----"])
+        rows.append([row["name"], str(row["count"]), nbytes, _seconds(row["seconds"]), *"-----"])
     defrag = summary["defragmentation"]
-    rows.append(["defragmentation", str(defrag["count"]), _size(defrag["bytes"]), *"-----"])
+    rows.append(["defragmentation", str(defrag["count"]), _size(defrag["bytes"]), *"------"])
     totals = summary["totals"]
     rows.append(
         [
@@ -84,9 +85,13 @@ def _transfer_table(summary: dict[str, Any]) -> str:
             "",
             _seconds(totals["exposed_seconds"]),
             _seconds(totals["hidden_seconds"]),
+            _seconds(totals["waited_seconds"]),
         ]
     )
-    header = ["transfer", "count", "bytes", "time", "GB/s", "of link", "exposed", "hidden"]
+    header = [
+        *("transfer", "count", "bytes", "time", "GB/s", "of link"),
+        *("exposed", "hidden", "waited"),
+    ]
     return format_table(header, rows)
 
 
@@ -189,7 +194,7 @@ def format_report(summary: dict[str, Any]) -> str:
         parts.append(
             f"per step: {_size(per_step['bytes'])} moved, {_seconds(per_step['copy_seconds'])} "
             f"copying, {_seconds(per_step['exposed_seconds'])} exposed, "
-            f"{_seconds(per_step['seconds'])} wall"
+            f"{_seconds(per_step['waited_seconds'])} waited, {_seconds(per_step['seconds'])} wall"
         )
     gc_line = _gc_line(summary.get("gc"))
     if gc_line:

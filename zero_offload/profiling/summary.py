@@ -4,20 +4,33 @@ Units: bytes, seconds, and GB/s in decimal gigabytes (1e9 bytes) per second.
 
 Note [exposed versus hidden time]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A copy's *time* is from its start event to its end event on its stream (it includes the
-simulated link on the host accelerator). Its *exposed* time is what compute actually spent
-waiting for it: the growth of ``TieredMemoryManager.exposed_seconds`` while recording, which
-the manager counts per category in ``wait_for`` as the compute stream's stall on its own clock
-(Note [exposed time is measured on the compute stream]). *Hidden* is the rest: ``time - exposed``,
-never below zero. Exposed time is kept per category, not per direction, so a category with
-copies both ways (activations) shows it on its busier row.
+A copy's *time* is from when it began on its stream to when it ended (it includes the
+simulated link on the host accelerator). Compute's *waits* are the manager's stalls
+(``wait_for``, Note [exposed time is measured on the compute stream]): how long the compute
+stream stood still for copies of one category. A wait is longer than the copies it waits
+for whenever they had not begun when it started: queued on their stream behind other
+copies (another category's too), behind the stream's own waits (a reload follows its copy
+out, a block's reuse follows its last copy), or for the stream's worker to be scheduled.
+So a row's figures are, over the stalls of its category while recording:
+- *exposed*: the stall time during which one of the row's own copies was running, the part
+  of its copies' time compute did not hide. At most the row's time by construction.
+- *hidden*: ``time - exposed``.
+- *waited*: the whole stall time put on the row, at least *exposed*; ``waited - exposed``
+  is compute waiting on the row's copies before they ran.
+A stall is shared between its category's rows (activations go both ways) by how long each
+row's copies ran inside it, the time both ran counted once; a stall in which none ran is
+waited time of the category's busiest row. Exposed time is thus attributable, row by row,
+to the copies it is reported for; the totals' ``waited_seconds`` is compute's whole stall
+on copies (the managers' ``exposed_seconds`` over the same window: the same stall records).
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from typing import Any
 
 from ..accelerator.host_syncs import SyncKey, SyncKind, training_thread
@@ -47,13 +60,68 @@ _ALWAYS_SHOWN = ("gradients D2H", "weights H2D", "activations out", "activations
 COLLECTIVE_PHASES = (("reduce-scatter", "reduce_scatter"), ("all-gather", "all_gather"))
 
 
-def _exposed_by_category(data: ProfileData) -> dict[Category, float]:
-    end = data.exposed_end or [dict(m.exposed_seconds) for m in data.managers]
-    totals: dict[Category, float] = {}
-    for before, after in zip(data.exposed_start, end, strict=True):
-        for category, seconds in after.items():
-            totals[category] = totals.get(category, 0.0) + seconds - before.get(category, 0.0)
-    return totals
+class _Union:
+    """The union of some time intervals, for the length of its overlap with another."""
+
+    def __init__(self, intervals: Iterable[tuple[float, float]]) -> None:
+        starts: list[float] = []
+        ends: list[float] = []
+        for start, end in sorted(intervals):
+            if starts and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        self._starts = starts
+        self._ends = ends
+        # _before[i]: the covered seconds of the intervals before the i-th
+        self._before = [0.0, *accumulate(e - s for s, e in zip(starts, ends, strict=True))]
+
+    def _covered_to(self, t: float) -> float:
+        i = bisect_right(self._starts, t)
+        if i == 0:
+            return 0.0
+        return self._before[i - 1] + min(t, self._ends[i - 1]) - self._starts[i - 1]
+
+    def overlap(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` the union covers."""
+        return self._covered_to(end) - self._covered_to(start)
+
+
+def _attribute_stalls(data: ProfileData, rows: dict[tuple[Direction, Category], dict]) -> None:
+    """Each row's ``exposed_seconds`` and ``waited_seconds``: Note [exposed versus hidden
+    time]."""
+    spans: dict[tuple[Direction, Category], list[tuple[float, float]]] = {}
+    for record in data.copies:
+        if record.began is not None and record.ended is not None:
+            spans.setdefault((record.direction, record.category), []).append(
+                (record.began, record.ended)
+            )
+    for row in rows.values():
+        row["exposed_seconds"] = row["waited_seconds"] = 0.0
+    unions: dict[Category, tuple[_Union, list[tuple[dict, _Union]], dict]] = {}
+    for stall in data.stalls:
+        start, end = stall.began, stall.ended
+        if start is None or end is None or end <= start:  # pending, or no wait at all
+            continue
+        seconds = end - start
+        category = stall.category
+        if category not in unions:
+            mine = [(key, row) for key, row in rows.items() if key[1] is category]
+            busiest = max((row for _, row in mine), key=lambda row: row["seconds"])
+            every = _Union(span for key, _ in mine for span in spans.get(key, ()))
+            each = [(row, _Union(spans.get(key, ()))) for key, row in mine]
+            unions[category] = (every, each, busiest)
+        every, by_row, busiest = unions[category]
+        ran = [(row, union.overlap(start, end)) for row, union in by_row]
+        shares = sum(seconds_ran for _, seconds_ran in ran)
+        if shares <= 0.0:
+            busiest["waited_seconds"] += seconds
+            continue
+        exposed = every.overlap(start, end)  # both rows running counts once
+        for row, seconds_ran in ran:
+            row["exposed_seconds"] += exposed * seconds_ran / shares
+            row["waited_seconds"] += seconds * seconds_ran / shares
 
 
 def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
@@ -89,18 +157,11 @@ def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
             row["pending"] += 1
         else:
             row["seconds"] += seconds
-    exposed = _exposed_by_category(data)
-    for category, seconds in exposed.items():
-        busiest = max(
-            (row for (_, c), row in rows.items() if c is category),
-            key=lambda row: row["seconds"],
-        )
-        busiest["exposed_seconds"] = busiest.get("exposed_seconds", 0.0) + seconds
+    _attribute_stalls(data, rows)
     shown = []
     for (direction, _), row in rows.items():
-        if row["count"] == 0 and row["name"] not in _ALWAYS_SHOWN:
+        if row["count"] == 0 and row["waited_seconds"] == 0.0 and row["name"] not in _ALWAYS_SHOWN:
             continue
-        row.setdefault("exposed_seconds", 0.0)
         row["hidden_seconds"] = max(0.0, row["seconds"] - row["exposed_seconds"])
         rate = row["bytes"] / row["seconds"] if row["seconds"] > 0 else None
         row["gb_per_s"] = None if rate is None else rate / 1e9
@@ -242,6 +303,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
     total_bytes = sum(row["bytes"] for row in transfers)
     total_seconds = sum(row["seconds"] for row in transfers)
     total_exposed = sum(row["exposed_seconds"] for row in transfers)
+    total_waited = sum(row["waited_seconds"] for row in transfers)
     per_step = None
     if steps:
         per_step = {
@@ -249,6 +311,7 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "bytes": total_bytes / steps,
             "copy_seconds": total_seconds / steps,
             "exposed_seconds": total_exposed / steps,
+            "waited_seconds": total_waited / steps,
         }
     host_pools = [p for p in pools if p["kind"] != "device"]
     peaks = [m.device_peak for m in data.memory]  # exact, from the step samples' windows
@@ -271,15 +334,16 @@ def summarize(data: ProfileData) -> dict[str, Any]:
             "seconds": total_seconds,
             "exposed_seconds": total_exposed,
             "hidden_seconds": max(0.0, total_seconds - total_exposed),
+            "waited_seconds": total_waited,
         },
         "per_step": per_step,
         "phases": _phase_rows(data.phases),
         "memory": {
             "device_budget": data.device_budget,
             "device_peak_bytes": _peak([m.device for m in data.memory] + peaks),
-            "device_pools_peak_bytes": _peak([m.device_pools for m in data.memory]),
+            "device_pools_peak_bytes": _peak([m.device_pools_peak for m in data.memory]),
             "device_torch_peak_bytes": _peak([m.device_torch_peak for m in data.memory]),
-            "host_pools_peak_bytes": _peak([m.host_pools for m in data.memory]),
+            "host_pools_peak_bytes": _peak([m.host_pools_peak for m in data.memory]),
             "host_reserved_bytes": sum(p["capacity_bytes"] for p in host_pools),
             "process_rss_peak_bytes": data.rss_peak or None,
         },

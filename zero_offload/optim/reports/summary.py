@@ -25,7 +25,8 @@ __all__ = ["PlacementReport", "placement_line", "placement_of"]
 @dataclass(frozen=True)
 class PlacementReport:
     """Bytes of optimizer state (fp32 master and moments) per tier on this rank, and the
-    memory the optimizer holds for it."""
+    memory the optimizer holds for it. After ``close()`` it holds none: every figure but the
+    budget and ``device_in_use`` (the whole library's) is 0."""
 
     device: int  # state bytes on the device (device-resident buckets)
     host: int  # state bytes in host RAM
@@ -54,7 +55,9 @@ def placement_of(
         # the NVMe store's too (Note [NVMe tiles follow whole parameters] in nvme_plan.py).
         per_tier["device" if store.resident else "host"] += store.param_state_bytes()
     pools = {"host, pinned": 0, "host, pageable": 0, "device": 0}
-    for pool in manager.pools:
+    # A closed manager's pools were given back with it (the optimizer's close, Note
+    # [lifetimes without close] in optim/lifetime.py): it holds none, as it holds no state.
+    for pool in () if manager.closed else manager.pools:
         pools[pool.kind] = pools.get(pool.kind, 0) + pool.capacity
     ledger = accelerator.memory_stats()
     return PlacementReport(
