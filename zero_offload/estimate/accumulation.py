@@ -13,7 +13,8 @@ several takes, per bucket of shard ``s`` elements in a ``k``-byte training dtype
   ``optim/grads/staging.py``).
 
 So on the device: ``4`` more device bytes a parameter, and ``k`` fewer host bytes than on
-the host. "auto" takes the device row where it fits, else the host row; the rows say
+the host. With parameter offload (``params``) the same, over the units' buckets (each unit's
+own), beside the window: the ``ParamOffloaded`` rows hold one micro-batch per step too. "auto" takes the device row where it fits, else the host row; the rows say
 which, and ``zero-offload estimate`` prints both.
 """
 
@@ -22,23 +23,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .nvme import total_bytes
-from .rows import Configuration, Limits, RowBytes, Subject
+from .rows import Configuration, Context, Limits, RowBytes, Subject, param_offload_refusal
 
 __all__ = ["Accumulating"]
 
 
 @dataclass(frozen=True)
 class Accumulating(Configuration):
-    """``Offloaded`` with several micro-batches a step, summed on the device
-    (``on_device``) or on the host."""
+    """``Offloaded`` (``ParamOffloaded`` with ``params``) with several micro-batches a
+    step, summed on the device (``on_device``) or on the host."""
 
     on_device: bool = True
+    params: bool = False  # parameter offload: the window, and the units' buckets
+
+    def refusal(self, ctx: Context) -> str | None:
+        return param_offload_refusal(ctx) if self.params else None
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
-        weights, grad_buffers, host = subject.offload_pools()
+        if self.params:
+            pools, unit_groups = subject.param_offload_pools(), subject.unit_groups()
+            if pools is None or unit_groups is None:
+                return None  # no shape: no parameter offload rows
+            (weights, grad_buffers, host), groups = pools, unit_groups
+        else:
+            weights, grad_buffers, host = subject.offload_pools()
+            groups = subject.bucket_groups()
         device, act_host = subject.activations(self.activations)
-        groups = subject.bucket_groups()
         acc = total_bytes(groups, ctx, "accumulator")
         rpn = ctx.ranks_per_node
         if self.on_device:

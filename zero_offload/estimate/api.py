@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,16 +88,36 @@ def _is_torch(value: object) -> bool:
     return type(value).__module__.startswith("torch")
 
 
+@dataclass(frozen=True)
+class MixedShapes:
+    """A module's parameter shapes in more than one training dtype, and each one's bytes
+    per element."""
+
+    shapes: list[Shape]
+    itemsizes: list[int]
+
+
 def _model_source(
     model: Any, dtype: str | torch.dtype | None, *, seq_len: int, micro_batch: int
-) -> tuple[str, ModelShape | list[Shape] | int]:
+) -> tuple[str, ModelShape | list[Shape] | MixedShapes | int]:
     """``(dtype name, what the subject is built from)``: a shape, a module's parameter
-    shapes, or a count."""
+    shapes (with their dtypes where they differ and ``dtype`` is not given), or a
+    count."""
     torch_module = sys.modules.get("torch")  # a module or dtype exists only if torch is loaded
     if torch_module is not None and isinstance(model, torch_module.nn.Module):
         params = [p for p in model.parameters() if p.requires_grad and p.numel()]
-        name = _dtype_name(params[0].dtype if params and dtype is None else dtype)
         count = sum(p.numel() for p in params)
+        if dtype is None and len({p.dtype for p in params}) > 1:
+            # Each parameter by its own dtype (bf16 layers with fp32 norms); the rows that
+            # size buckets by one dtype take the one of most elements.
+            numel: dict[str, int] = {}
+            for p in params:
+                key = _dtype_name(p.dtype)
+                numel[key] = numel.get(key, 0) + p.numel()
+            name = max(numel, key=lambda key: numel[key])
+            itemsizes = [_ITEMSIZE[_dtype_name(p.dtype)] for p in params]
+            return name, MixedShapes([tuple(p.shape) for p in params], itemsizes)
+        name = _dtype_name(params[0].dtype if params and dtype is None else dtype)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_dict"):  # a transformers model
             try:
@@ -266,6 +287,8 @@ def estimate(
     subject: Subject
     if isinstance(what, ModelShape):
         subject = ShapeSubject(what, ctx)
+    elif isinstance(what, MixedShapes):
+        subject = ModuleSubject(what.shapes, ctx, itemsizes=what.itemsizes)
     elif isinstance(what, list):
         subject = ModuleSubject(what, ctx)
     else:

@@ -80,6 +80,8 @@ class BucketTiers:
     record: int  # the state on NVMe: its records, 4 KiB-aligned per tile
     home_file: int  # the training-dtype weights on NVMe, 4 KiB-aligned
     accumulator: int  # an fp32 gradient accumulator of the shard, a(4s), host or device
+    shard: int = 0  # elements of this rank's shard, s
+    buffer: int = 0  # one device gradient buffer of the whole bucket (padding included)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,6 +174,8 @@ def _tiers(layout: BucketLayout, itemsize: int, rule: str, moments_dtype: str) -
             layout.real_in(*layout.shard_range(0)), OffloadConfig().tile_elements, itemsize
         ),
         accumulator=aligned(4 * shard, POOL_ALIGNMENT),
+        shard=shard,
+        buffer=layout.padded_numel * itemsize,
     )
 
 

@@ -78,7 +78,7 @@ def shaped_state_bytes(rule: str, shapes: Iterable[tuple[Shape, int]]) -> int:
 def full_offload(
     layouts: Sequence[BucketLayout],
     *,
-    itemsize: int,
+    itemsize: int | Sequence[int],
     rule: str = "adamw",
     moments_dtype: str = "float32",
     weights_elsewhere: frozenset[int] = frozenset(),

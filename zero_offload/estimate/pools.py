@@ -22,6 +22,7 @@ from .whole import whole_groups_bytes
 
 __all__ = [
     "device_shard_bytes",
+    "mixed_offload_bytes",
     "module_bucket_numels",
     "module_bucket_shapes",
     "offload_adamw_bytes",
@@ -52,6 +53,36 @@ def offload_bytes(
     layouts = plan_layouts(list(enumerate(shapes)), itemsize, bucket_bytes, world_size, rule)
     placement = full_offload(layouts, itemsize=itemsize, rule=rule, moments_dtype=moments_dtype)
     # plan_placement sizes the host pool for this rank's shards already.
+    return placement.device_weights, placement.device_grad_buffers, placement.host_state
+
+
+def mixed_offload_bytes(
+    shapes: Sequence[Shape],
+    itemsizes: Sequence[int],
+    *,
+    bucket_bytes: int,
+    world_size: int = 1,
+    rule: str = "adamw",
+    moments_dtype: str = "float32",
+) -> tuple[int, int, int]:
+    """``offload_bytes`` of parameters of ``shapes`` in training dtypes of ``itemsizes``
+    bytes (one per parameter: a bf16 model with fp32 norms), as ``plan_dtype_buckets``
+    plans them: each dtype's parameters in buckets of that dtype alone, the buckets in
+    backward order (descending highest parameter index), each sized by its own dtype."""
+    import dataclasses
+
+    planned = []
+    for itemsize in dict.fromkeys(itemsizes):
+        members = [
+            (i, s) for i, (s, k) in enumerate(zip(shapes, itemsizes, strict=True)) if k == itemsize
+        ]
+        layouts = plan_layouts(members, itemsize, bucket_bytes, world_size, rule)
+        planned += [(layout, itemsize) for layout in layouts]
+    planned.sort(key=lambda pair: -pair[0].slots[0].index)  # stable, as plan_dtype_buckets
+    layouts = [dataclasses.replace(layout, index=i) for i, (layout, _) in enumerate(planned)]
+    placement = full_offload(
+        layouts, itemsize=[k for _, k in planned], rule=rule, moments_dtype=moments_dtype
+    )
     return placement.device_weights, placement.device_grad_buffers, placement.host_state
 
 

@@ -19,7 +19,10 @@ class ConfigEstimate:
 
     name: str
     device_model_states: int  # weights, gradients, optimizer state on the device
-    device_buffers: int  # the library's gradient buffers (ZeRO-Offload rows only)
+    # The library's device pools beside the weights (ZeRO-Offload rows only): the gradient
+    # buffers, and in the rows with several micro-batches or overlap_step the fp32 device
+    # accumulators and weight shadows.
+    device_buffers: int
     device_activations: int
     host: int  # per node
     fits: bool | None  # None: a memory size is unknown
@@ -131,7 +134,9 @@ class MemoryEstimate:
         note = (
             "\n\nmodel states: weights, gradients and optimizer state on the device (ZeRO "
             "paper, 2 + 2 + 12 bytes per parameter for AdamW in mixed precision; the rule's "
-            "per-element state for the others); buffers: the optimizer's gradient buffers; "
+            "per-element state for the others); buffers: the library's device pools beside the "
+            "weights: the gradient buffers, and where a row's condition says so, the fp32 "
+            "gradient accumulators and weight shadows; "
             f"host: the {self.optimizer} optimizer's pools per node (with NVMe: the staging, "
             "I/O buffers and the state that fits the host budget); disk: NVMe per node, the "
             "state beyond the host budget (and the weights, with params on NVMe)."

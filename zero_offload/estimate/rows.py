@@ -88,7 +88,7 @@ class RowBytes:
     """One configuration's bytes: device per rank, host and disk per node."""
 
     model_states: int  # weights, gradients, optimizer state on the device
-    buffers: int  # the library's gradient buffers (ZeRO-Offload rows only)
+    buffers: int  # device pools beside the weights: gradient buffers, accumulators, shadows
     activations: int
     host: int
     disk: int = 0  # NVMe: optimizer state records, and weights with parameters on NVMe

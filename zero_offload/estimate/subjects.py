@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from .buckets import BucketGroups, BucketKey, shape_bucket_shapes
 from .pools import (
     device_shard_bytes,
+    mixed_offload_bytes,
     module_bucket_numels,
     module_bucket_shapes,
     offload_bytes,
@@ -158,9 +159,13 @@ class ModuleSubject(Subject):
         *,
         base: ModuleSubject | None = None,
         extra_buckets: int = 0,
+        itemsizes: Sequence[int] | None = None,
     ) -> None:
         super().__init__(ctx)
         self._shapes = list(shapes)
+        # Each parameter's training dtype bytes where they differ (a bf16 model with fp32
+        # norms: its own buckets per dtype, ``mixed_offload_bytes``); None: all ctx.itemsize.
+        self._itemsizes = None if itemsizes is None or len(set(itemsizes)) < 2 else list(itemsizes)
         self._base = base  # the module itself, when this is it plus extra buckets
         self._extra = extra_buckets  # whole buckets of parameters added after the module
         self._bucket_numel = max(1, ctx.bucket_bytes // ctx.itemsize)
@@ -180,6 +185,15 @@ class ModuleSubject(Subject):
             return whole_groups_bytes(
                 [((((self._bucket_numel,),),), extra), (own, 1)],
                 itemsize=ctx.itemsize,
+                bucket_bytes=ctx.bucket_bytes,
+                world_size=ctx.world_size,
+                rule=ctx.rule,
+                moments_dtype=ctx.moments_dtype,
+            )
+        if self._itemsizes is not None and self._base is None:
+            return mixed_offload_bytes(
+                self._shapes,
+                self._itemsizes,
                 bucket_bytes=ctx.bucket_bytes,
                 world_size=ctx.world_size,
                 rule=ctx.rule,
@@ -233,7 +247,13 @@ class ModuleSubject(Subject):
         extra = (size - module.params) // self._bucket_numel
         if not extra:
             return module
-        return ModuleSubject(module._shapes, self.ctx, base=module, extra_buckets=extra)
+        return ModuleSubject(
+            module._shapes,
+            self.ctx,
+            base=module,
+            extra_buckets=extra,
+            itemsizes=module._itemsizes,
+        )
 
 
 def _one_param(numel: int, ctx: Context) -> BucketKey:

@@ -167,6 +167,8 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     ParamOffloaded("ZeRO-Offload + parameter offload"),
     ParamOffloaded("ZeRO-Offload + param offload + checkpointing", _CKPT),
     ParamOffloaded("ZeRO-Offload + param offload + activation offload", _ACT),
+    Accumulating("param offload + ckpt, micro-batches summed on the device", _CKPT, params=True),
+    Accumulating("param offload + ckpt, micro-batches summed on the host", _CKPT, False, True),
     ParamInFlight("param offload + in-flight staging + checkpointing", _CKPT),
     ParamInFlight("param offload + in-flight staging + activation offload", _ACT),
     ParamNvme("param offload + NVMe state + checkpointing", _CKPT),

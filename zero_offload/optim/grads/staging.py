@@ -40,7 +40,8 @@ accumulator for one backward]).
 The cost: ``a(ks)`` more pinned host bytes per bucket (shard of ``s`` elements, ``k``-byte
 training dtype: 2 bytes a parameter in bf16, 4 in fp32), in a pool of its own created at
 the first window with a second flush (``SpareStaging``), like the accumulator: a loop that
-never accumulates pays nothing. The estimator does not model accumulation, so neither.
+never accumulates pays nothing. The estimator's rows that sum micro-batches on the host count
+it (``estimate/accumulation.py``).
 Not an fp32 accumulator on the device: ``4s`` device bytes per bucket, in the memory
 offloading spares (docs/gradient-semantics.md weighs the two).
 """
