@@ -5,6 +5,7 @@ See Note [lifetimes without close] and Note [one optimizer per parameter] below.
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import Attempts, CollectiveError, StreamError
 from ..memory.manager import TieredMemoryManager, quiet_at_exit
+from ..memory.pool import BlockPool
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
@@ -42,12 +44,37 @@ class Segment:
         self.grad_buffers = grad_buffers
 
     def close(self) -> None:
+        """Close the buckets and gradient buffers, then the pools, each even when one before
+        it failed; the first error raised at the end."""
+        attempt = Attempts()
         for bucket in self.buckets:
-            bucket.close()
-        self.grad_buffers.close()
-        self.pools.device.close()
-        for pool in self.pools.host:
-            pool.close()
+            attempt(bucket.close)
+        attempt(self.grad_buffers.close)
+        for pool in (self.pools.device, *self.pools.host):
+            attempt(functools.partial(_close_owned, pool))
+        attempt.raise_first()
+
+
+def _close_owned(pool: BlockPool) -> None:
+    """Free what is still in use in a closing segment's ``pool`` and close it (Note [a block
+    an interrupt orphaned])."""
+    for block in pool.live_blocks():
+        block.free()
+    pool.close()
+
+
+# Note [a block an interrupt orphaned]
+# A KeyboardInterrupt (a notebook's Ctrl-C) can land between an owner letting go of a block
+# and the pool taking it back (inside ``BlockPool.free``): the owner has forgotten it, the
+# pool still counts it in use. Training goes on (the owner takes another block), but the
+# pool's close refused for good ("cannot close pool ...: 1 blocks are still in use (owners:
+# bucket2.grad); free them first", which no user can do) and the device pool stayed
+# allocated. A Ctrl-C inside close() did the same from the other side: a bucket's close cut
+# short left its blocks in use, and the segment's pools were never closed. When a segment
+# closes, its buckets and gradient buffers have closed (or tried to) first, so a block still
+# in use in the segment's own pools has no owner left: it is freed (its copies waited for by
+# the pool's close) before the pool closes, and each part is attempted whatever failed
+# before it.
 
 
 # Note [lifetimes without close]
@@ -85,6 +112,7 @@ class Resources:
         self.state: OptimizerState | None = None
         self.extra_streams: list[Any] = []
         self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
+        self.released = False  # every part of release() ran: Note [a release cut short]
 
     def release(self) -> None:
         # Release everything even when a part fails (a stream's sticky error, a pool still
@@ -123,9 +151,20 @@ class Resources:
             if close is not None:
                 attempt(close)
         attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
+        self.released = True
         # Note [a quiet exit after a failed stream] in memory/manager.py; Note [a release
         # after a collective failure the caller saw].
         attempt.raise_first(unless=lambda error: quiet_at_exit(error) or raised_before(error))
+
+
+# Note [a release cut short]
+# Each part of ``release`` is attempted (a KeyboardInterrupt inside one is kept like any
+# error and raised at the end), but a Ctrl-C can also land between two parts, in release's
+# own code. The optimizer's finalizer had been called, so the next close() returned at
+# once, and what the parts after it release (the pools: on the device, the weights and
+# gradient buffers) stayed allocated while anything (an LR scheduler) held the optimizer.
+# ``released`` is set only when every part ran; close() runs ``release`` again until it
+# is, each part being a no-op once done (a closed pool, a closed manager, cleared lists).
 
 
 # Note [a release after a collective failure the caller saw]

@@ -443,9 +443,12 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
         way (Note [lifetimes without close]).
 
         The model keeps working (its parameters keep their memory); the optimizer refuses
-        further steps. Calling ``close`` again does nothing.
+        further steps. Calling ``close`` again does nothing, or finishes a release a Ctrl-C
+        cut short.
         """
         if not self._finalizer.alive:
+            if not self._resources.released:  # Note [a release cut short] in lifetime.py
+                self._resources.release()
             return
         try:
             self._policy.land_if_ran()
