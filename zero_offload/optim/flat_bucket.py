@@ -10,21 +10,23 @@ talk to one object per bucket.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
+import xxhash
 
 from ..accelerator import Event
 from ..errors import Attempts
 from ..partition import BucketLayout
+from ..views.fingerprints import device_fingerprints, host_addressable
 from ..views.param_views import ParamViews
 from .grads.lifecycle import BucketGrads, GradState
 from .grads.path import GradientPath, SumSqParts
 from .ranks import Ranks
 from .state.store import StateStore
 
-__all__ = ["FlatBucket", "StepPlan"]
+__all__ = ["FlatBucket", "StepPlan", "same_fingerprint"]
 
 
 # Note [a run spans the gaps between its slots]
@@ -62,6 +64,42 @@ def _runs(
         yield start, stop, step
 
 
+# Note [a master read after a load]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# After a load the weights are not known yet: the model may load after the optimizer, and a
+# checkpoint saved with an ``overlap_step`` update pending publishes it from the master at
+# the next step. So the load forgets the fingerprints and the next step's write check takes
+# the weights by value (Note [a loaded state claims no weights] in
+# ``checkpoint/state_dict.py``). Handing out a view of the master (``opt.state[p]``) must not
+# make that check early, as it does after an update that was its own write check (Note [a
+# master written outside the optimizer] in ``update/reconcile.py``): a check made at the read
+# took the fresh model's weights into the master where the model loaded after (a bf16 resume
+# lost the master's low bits), and dropped the pending update's publication (every rule,
+# 1e-2 off five steps later). A read changes nothing that training does: Lightning's restore
+# iterates ``opt.state`` between the load and the first step.
+# What the read must still allow is a write through the view, which the next step keeps. So
+# the first view handed out after a load takes a fingerprint of each slot's master
+# (``master_marks``), and the next check by value (``FlatBucket.reconcile_master``) keeps the
+# master of each slot whose fingerprint moved: that slot's master was written since the
+# load and wins over its weights, the others take their weights as the load promised. The
+# marks end at that step's write check (``write_checked``).
+
+
+def _fingerprint(master: torch.Tensor) -> int | torch.Tensor:
+    """A fingerprint of one slot's master piece (fp32, contiguous): xxh3-64 of its bytes
+    where they are host-addressable, else its position-mixed sum on the device."""
+    if host_addressable(master):
+        return xxhash.xxh3_64_intdigest(master.detach().view(torch.uint8).numpy())
+    return device_fingerprints(master, [(0, master.numel())])
+
+
+def same_fingerprint(a: int | torch.Tensor, b: int | torch.Tensor) -> bool:
+    """Whether two of ``FlatBucket.master_fingerprints()``' entries are equal."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)  # Synchronisation point (GPU): read once per check
+    return a == b
+
+
 class StepPlan:
     """What one step will do to one bucket, computed before anything changes.
 
@@ -95,6 +133,10 @@ class FlatBucket:
             that supersedes an announced step): the next check is by fingerprint (Note
             [a master written outside the optimizer] in ``update/reconcile.py``).
         master_views: views of the master handed out and still alive.
+        unchecked_load: a state was loaded and no step's write check has run since (the
+            weights are not known: Note [a master read after a load]).
+        master_marks: one fingerprint per slot of the master when its first view was handed
+            out after the load, None before that (Note [a master read after a load]).
     """
 
     def __init__(
@@ -121,6 +163,8 @@ class FlatBucket:
         self.dtype = views.dtype
         self.master_exposed = False
         self.master_views = 0
+        self.unchecked_load = False
+        self.master_marks: list[int | torch.Tensor] | None = None
 
     def has_state(self, i: int) -> bool:
         """Whether slot ``i`` has state as torch counts it: stepped, or its step count written
@@ -130,7 +174,11 @@ class FlatBucket:
     def expose_master(self, view: torch.Tensor) -> None:
         """``view`` of the master goes to user code, which may write it: Note [a master
         written outside the optimizer] in ``update/reconcile.py``."""
-        if self.views.versions is None:  # no fingerprints to keep a master by: check now
+        if self.views.versions is None and self.unchecked_load:
+            # Note [a master read after a load]: the check waits for the next step
+            if self.master_marks is None:
+                self.master_marks = self.master_fingerprints()
+        elif self.views.versions is None:  # no fingerprints to keep a master by: check now
             self.store.reconcile_master()
             self.views.remember()
         self.master_exposed = True
@@ -139,6 +187,42 @@ class FlatBucket:
 
     def _master_view_gone(self) -> None:
         self.master_views -= 1
+
+    def master_fingerprints(self) -> list[int | torch.Tensor]:
+        """One fingerprint per slot of the master (its piece on this rank)."""
+        return [_fingerprint(self.state_views(i)[2]["master"]) for i in range(len(self.params))]
+
+    def loaded(self, weights_win: Iterable[int]) -> None:
+        """A state was loaded into this bucket: the weights are checked by value at the next
+        step (Note [a loaded state claims no weights] in ``checkpoint/state_dict.py``), and
+        the slots ``weights_win`` keep the weights loaded into them until then
+        (``ParamViews.masters_from_weights``)."""
+        self.views.forget()
+        self.views.masters_from_weights = frozenset(weights_win)
+        self.unchecked_load = True
+        self.master_marks = None
+
+    def reconcile_master(self) -> None:
+        """``store.reconcile_master()``, the check by value, but a slot whose master was
+        written through ``opt.state`` since a load keeps it (Note [a master read after a
+        load])."""
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.master_marks is not None:
+            now = self.master_fingerprints()
+            for i, (before, after) in enumerate(zip(self.master_marks, now, strict=True)):
+                if not same_fingerprint(before, after):
+                    master = self.state_views(i)[2]["master"]
+                    kept.append((master, master.clone()))
+        self.store.reconcile_master()
+        with torch.no_grad():
+            for master, value in kept:
+                master.copy_(value)
+
+    def write_checked(self) -> None:
+        """A step's write check ran: a load's weights are known from here on (Note [a
+        master read after a load])."""
+        self.unchecked_load = False
+        self.master_marks = None
 
     @property
     def resident(self) -> bool:

@@ -7,6 +7,7 @@ and ``_check_open``."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from . import streaming
@@ -73,6 +74,19 @@ class Checkpoints:
             )
         self._policy.drop_eager()
         self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
+        if loaded.fields_dropped and (self.config.overlap_step or self.scaler.skips_overflow):
+            # Note [our fields ride in the first param group] in group_fields.py
+            warnings.warn(
+                "load_state_dict: this state holds zero-offload's fp32 master weights but "
+                "none of its own fields (the loss scaler, the skip count, whether an "
+                "overlap_step update was pending): it came by a route that keeps only each "
+                "group's own keys, such as torch.distributed.checkpoint with "
+                "flatten_optimizer_state_dict=True. A pending update saved with it is lost "
+                "(the model resumes one update behind) and the fp16 loss scale goes on from "
+                "this optimizer's. Save with opt.state_dict() or unflattened DCP (the "
+                "default), or call opt.flush_pending_update() before a flattened save",
+                stacklevel=4,
+            )
 
     def save_streaming(self, path: str | os.PathLike[str]) -> None:
         """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never

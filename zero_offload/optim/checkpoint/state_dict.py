@@ -34,12 +34,13 @@ its fingerprints (``forget``), and the next step reconciles every bucket by valu
 [weights written outside the optimizer] in ``views/param_views.py``). Elements whose weight
 is the training-dtype rounding of the loaded master keep the master's extra bits; the others
 take the weight, as the uninterrupted run and torch's AdamW (whose parameter is its master)
-would. Stamping instead lost such a write whenever the model loaded first (issue 38). The
-cost is one pass over the weights and the master at the first step after a load. A
-checkpoint saved with an ``overlap_step`` update pending is the one case where the weights
-are stale by design: there the update is published from the master, except into the
-parameters it names in ``written_since_step`` and those without a master, which keep their
-weights (Note [delayed parameter update] in ``update/modes.py``).
+would. Stamping instead lost such a write whenever the model loaded first (issue 38). A
+read of ``opt.state`` before that step does not make the check early (Note [a master read
+after a load] in ``flat_bucket.py``). The cost is one pass over the weights and the master at
+the first step after a load. A checkpoint saved with an ``overlap_step`` update pending is
+the one case where the weights are stale by design: there the update is published from the
+master, except into the parameters it names in ``written_since_step`` and those without a
+master, which keep their weights (Note [delayed parameter update] in ``update/modes.py``).
 
 Note [a load checks everything, then copies]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -98,6 +99,7 @@ from ..flat_bucket import FlatBucket
 from ..rule.base import OptimizerRule
 from ..rule.values import loaded_torch_switches
 from ..update.loss_scaler import LossScaler
+from .group_fields import GROUP_KEY, carried_fields, fields_from_groups
 from .loaded_fields import (
     FORMAT_VERSION,
     check_empty_entry,
@@ -125,6 +127,9 @@ class LoadedState(NamedTuple):
     scaler_state: dict[str, Any]  # for LossScaler.load_state_dict (checked already)
     skipped_steps: int | None  # >= 0 (checked already); None: the state has no count
     pending_update: bool  # saved with an overlap_step update pending
+    # Our state (it has masters) with none of our fields: a route dropped them (Note [our
+    # fields ride in the first param group] in group_fields.py)
+    fields_dropped: bool = False
 
 
 def _slots(buckets: Sequence[FlatBucket]) -> dict[int, tuple[FlatBucket, int]]:
@@ -202,6 +207,8 @@ def optimizer_state(
             "shapes": shapes,
             "shaped": whole_names,
         }
+    elif groups:  # Note [our fields ride in the first param group]
+        groups[0][GROUP_KEY] = carried_fields(extra, state, groups)
     return {"state": state, "param_groups": groups, "zero_offload": extra}
 
 
@@ -219,9 +226,12 @@ def load_optimizer_state(
     everything, then copies]. Returns what the caller applies: the scaler's state, the skip
     count, whether an update was pending."""
     loaded_groups = saved_groups(state_dict, param_groups)
-    extra = check_mapping(
-        "state_dict['zero_offload']", state_dict.get("zero_offload", {}), "zero-offload's fields"
-    )
+    if "zero_offload" in state_dict:
+        extra = check_mapping(
+            "state_dict['zero_offload']", state_dict["zero_offload"], "zero-offload's fields"
+        )
+    else:  # Note [our fields ride in the first param group]
+        extra = fields_from_groups(loaded_groups, state_dict["state"])
     check_extra(extra, rule)
     shard = extra.get("shard")
     here = (comm.rank, comm.world_size) if comm is not None else (0, 1)
@@ -306,7 +316,9 @@ def load_optimizer_state(
     scaler_state = extra.get("loss_scaler") or {}
     scaler.check_state(scaler_state)
     new_groups: list[dict[str, Any]] = []
-    for g, (saved, group) in enumerate(zip(loaded_groups, param_groups, strict=True)):
+    for g, (saved_group, group) in enumerate(zip(loaded_groups, param_groups, strict=True)):
+        # the live groups hold torch's keys (Note [our fields ride in the first param group])
+        saved = {key: value for key, value in saved_group.items() if key != GROUP_KEY}
         merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
         # Note [torch's implementation switches in a group] in rule/values.py
         switches = loaded_torch_switches(f"state_dict param group {g}", saved)
@@ -385,9 +397,8 @@ def load_optimizer_state(
         bucket, i = slots[index]
         weights_win[bucket.layout.index].add(i)
     for bucket in buckets:
-        # Note [a loaded state claims no weights]
-        bucket.views.forget()
-        bucket.views.masters_from_weights = frozenset(weights_win[bucket.layout.index])
+        bucket.loaded(weights_win[bucket.layout.index])  # Note [a loaded state claims no weights]
     for new, group in zip(new_groups, param_groups, strict=True):
         group.update(new)
-    return LoadedState(scaler_state, skipped, extra.get("pending_update", False))
+    dropped = not extra and any("master" in entry for entry in staged.values())
+    return LoadedState(scaler_state, skipped, extra.get("pending_update", False), dropped)

@@ -411,10 +411,7 @@ def load(
         bucket.kept_at_zero.clear()  # a streamed checkpoint keeps no unstepped entries
         bucket.store.publication.drop_unpublished()
         # Note [a loaded state claims no weights] in state_dict.py
-        bucket.views.forget()
-        bucket.views.masters_from_weights = frozenset(
-            i for i, slot in enumerate(bucket.layout.slots) if slot.index in written
-        )
+        bucket.loaded(i for i, slot in enumerate(bucket.layout.slots) if slot.index in written)
     for saved, group in zip(meta["param_groups"], param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":

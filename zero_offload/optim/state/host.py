@@ -181,6 +181,15 @@ class HostState(StateStore):
         master itself (Note [the write check in the update] in ``update/reconcile.py``)."""
         if self.weights_staging is not None and not self.rule.takes_written:
             return False
+        return self._params_view_home()
+
+    def weights_are_master(self) -> bool:
+        """The home is the fp32 master and the parameters are views of it (parameter
+        offload with fp32 weights)."""
+        return self.weights_staging is None and self._params_view_home()
+
+    def _params_view_home(self) -> bool:
+        """Whether the parameters are views of the weights' home (parameter offload)."""
         home = self.weights_home()[0]
         bound = self.views.bound_to()
         if bound.device != home.device or bound.dtype != home.dtype:

@@ -201,6 +201,13 @@ class StateStore(ABC):
         ``update/reconcile.py``). Not by default."""
         return False
 
+    def weights_are_master(self) -> bool:
+        """Whether the parameters' bytes are the fp32 master itself, so that a write into
+        the weights (``model.load_state_dict``) writes the master too (Note [a resumed
+        update is published at the step, not at the load] in ``update/modes.py``). Not by
+        default."""
+        return False
+
     @abstractmethod
     def span(self) -> tuple[int, int]:
         """The bucket elements ``[start, stop)`` the state fields cover (this rank's

@@ -43,7 +43,7 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ...views.in_flight import InFlight
-from ..flat_bucket import FlatBucket, StepPlan
+from ..flat_bucket import FlatBucket, StepPlan, same_fingerprint
 from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
@@ -84,6 +84,9 @@ class UpdateMode(ABC):
         # from the master at the next step, and the weights written until then are the
         # checkpoint's own, not an outside write (Note [delayed parameter update]).
         self._resumed = False
+        # Fingerprints of the loaded master where the weights are the master, by bucket
+        # (Note [a resumed update is published at the step, not at the load]).
+        self._loaded_masters: dict[int, list[int | torch.Tensor]] = {}
 
     @property
     def pending(self) -> bool:
@@ -94,16 +97,52 @@ class UpdateMode(ABC):
         """Put any pending update's weights on the device (weights written since win)."""
         self.land_all()
         if self._resumed:
+            self._refuse_overwritten_master(buckets)
+            # Note [a resumed update is published at the step, not at the load]
+            for bucket in buckets:
+                bucket.store.publish_all_from_master()
             self._publish_pending(buckets, trust_weights=True)
             self._resumed = False
 
     def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
         """A state was loaded; ``pending``: it was saved with a delayed update pending,
         whose weights the next step publishes from the master (in either update mode)."""
-        if pending:
-            for bucket in buckets:
-                bucket.store.publish_all_from_master()
         self._resumed = pending
+        # Note [a resumed update is published at the step, not at the load]: where the
+        # weights are the master, what the step will publish from, fingerprinted
+        self._loaded_masters = {
+            bucket.layout.index: bucket.master_fingerprints()
+            for bucket in buckets
+            if pending and bucket.store.weights_are_master()
+        }
+
+    def _refuse_overwritten_master(self, buckets: Sequence[FlatBucket]) -> None:
+        """Raise (nothing published or stepped) where the loaded master that the pending
+        update is published from was overwritten through the weights since the load, but for
+        the parameters whose loaded weights win (``masters_from_weights``)."""
+        loaded, self._loaded_masters = self._loaded_masters, {}
+        lost: list[int] = []
+        for bucket in buckets:
+            before = loaded.get(bucket.layout.index)
+            if before is None:
+                continue
+            now = bucket.master_fingerprints()
+            for i, (a, b) in enumerate(zip(before, now, strict=True)):
+                if i not in bucket.views.masters_from_weights and not same_fingerprint(a, b):
+                    lost.append(bucket.layout.slots[i].index)
+        if lost:
+            self._resumed = False  # said once: close() and the next step() go on without it
+            raise ValueError(
+                f"{self.ranks.where()}the loaded optimizer state was saved with an "
+                "overlap_step update pending, which step() publishes from its fp32 master; "
+                "with parameter offload and fp32 weights the parameters are that master, and "
+                f"parameters {sorted(lost)} (positions in param_groups) were written after "
+                "the optimizer's load (model.load_state_dict after opt.load_state_dict "
+                "writes the checkpoint's weights, one update behind), so the update is lost. "
+                "Load the model first, then the optimizer (or call "
+                "opt.flush_pending_update() before saving). Nothing was stepped; a retried "
+                "step() goes on without the update"
+            )
 
     def saved_pending(self, buckets: Sequence[FlatBucket]) -> dict[str, Any]:
         """What a checkpoint records of a pending update: ``pending_update``, and
@@ -169,7 +208,7 @@ class UpdateMode(ABC):
             for bucket, saved in written:
                 for param, value in saved:
                     param.copy_(value)
-                bucket.store.reconcile_master()
+                bucket.reconcile_master()  # Note [a master read after a load]
                 bucket.views.remember()
 
     def _land_one(
@@ -342,6 +381,26 @@ class ImmediateUpdate(UpdateMode):
 # views/param_views.py). Where the device budget has room, the update's tiles cross the link
 # as they are written, into a device shadow, and step() k+1 copies them on the device
 # instead (Note [the delayed update lands in a shadow] in optim/shadow.py).
+
+
+# Note [a resumed update is published at the step, not at the load]
+# A loaded checkpoint's pending update (Note [delayed parameter update]) is written from the
+# master when the first step settles it, not when the state loads. Written at the load, it
+# reached the weights at once where the store's home is the weights (parameter offload):
+# loaded before the model, the model's load then wrote the checkpoint's stale weights over
+# it and the first step took them into the master, the update lost (1.4e-2 off after five
+# steps); loaded after, the first forward saw the update, which the uninterrupted run's did
+# not. Now both orders do what a store behind a link does in both: the first forward runs on
+# the checkpoint's weights, as the uninterrupted run's did, and its step publishes the
+# update, then steps from it. Nothing between the load and the step reads the staging it
+# would have filled, and a master written through ``opt.state`` meanwhile is what it
+# publishes. One case cannot be mended: parameter offload with fp32 weights, whose home is
+# the master itself (``StateStore.weights_are_master``). The model's load writes the
+# checkpoint's weights into the master, so loaded after the optimizer it erases the update;
+# loaded before, the optimizer's load puts the master into the weights and the first forward
+# runs on the update (as after ``flush_pending_update()`` before the save). So the load
+# fingerprints such masters, and the step that would publish refuses, naming the order that
+# works, where one was written since, but for the parameters whose loaded weights win.
 
 
 class DelayedUpdate(UpdateMode):

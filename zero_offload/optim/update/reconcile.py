@@ -103,8 +103,10 @@ class WriteChecks:
         written = changed_params_of([bucket.views for bucket in checked], self.accelerator)
         for bucket, params in zip(checked, written, strict=True):
             if params:
-                bucket.store.reconcile_master()
+                bucket.reconcile_master()  # Note [a master read after a load]
                 bucket.views.remember()
+        for bucket in buckets:
+            bucket.write_checked()
 
     def takes(self, bucket: FlatBucket) -> bool:
         """Whether ``bucket``'s update now is its write check (then it is no longer
