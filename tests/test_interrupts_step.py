@@ -226,3 +226,47 @@ def test_an_interrupt_while_a_delayed_update_settles_stays_an_interrupt(
     finally:
         monkeypatch.undo()
         opt.close()
+
+
+@pytest.mark.simulator_only("a slow simulated link keeps the weight copies in flight")
+@pytest.mark.parametrize("nth", [1, 3, 5])
+def test_a_ctrl_c_in_step_leaves_no_weight_copy_in_flight(
+    nth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C just after a bucket's weight copies were issued, then the note's recovery at
+    once (zero_grad, the model's and the optimizer's checkpoints loaded): the interrupted
+    step's copies used to land after the reload, over the checkpoint's weights, and the run
+    went on 1e-3 off torch with no error (Note [an interrupted step's copies land before it
+    leaves] in optim/update/modes.py)."""
+    import copy
+
+    from .helpers.models import host_accelerator
+
+    data = batches(4)
+    model, ref = make_pair()
+    opt = offload_opt(model, accelerator=host_accelerator(link_latency=0.05))
+    ropt = torch_adamw(ref)
+    train(model, opt, data[:1])
+    train(ref, ropt, data[:1])
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    lm_loss(model, *data[1]).backward()
+    real, calls = FlatBucket.publish, [0]
+
+    def publish(self: FlatBucket) -> Any:
+        published = real(self)
+        calls[0] += 1
+        if calls[0] == nth:
+            raise KeyboardInterrupt(f"Ctrl-C after bucket {nth - 1}'s copies were issued")
+        return published
+
+    monkeypatch.setattr(FlatBucket, "publish", publish)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.setattr(FlatBucket, "publish", real)
+    opt.zero_grad()
+    model.load_state_dict(weights)
+    opt.load_state_dict(state)
+    train(model, opt, data[1:3])
+    train(ref, ropt, data[1:3])
+    assert max_diff(model, ref) < TOL
+    opt.close()

@@ -28,6 +28,7 @@ where Python has none).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -298,6 +299,12 @@ class ImmediateUpdate(UpdateMode):
             return "the loaded checkpoint's pending update is published by step() first"
         return None
 
+    def _settle_issued(self) -> None:
+        """Wait for the weight copies the step issued before it stopped: Note [an
+        interrupted step's copies land before it leaves]."""
+        with contextlib.suppress(Exception):  # a failed stream: the step's own error is told
+            self.manager.h2d.synchronize()
+
     def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
         events: list[Event] = []
         gathers: list[Pending | None] = []
@@ -330,6 +337,7 @@ class ImmediateUpdate(UpdateMode):
                 except BaseException as exc:
                     what = f"{self.ranks.where()}step() in bucket {bucket.layout.index}"
                     index = bucket.layout.index
+                    self._settle_issued()  # Note [an interrupted step's copies land before it leaves]
                     # Note [an interrupt is not a failure]
                     if interrupted(exc, what, stepped, index, buckets=buckets, ranks=self.ranks):
                         raise
@@ -347,6 +355,7 @@ class ImmediateUpdate(UpdateMode):
             self._land(buckets, events, gathers, frozenset(checked))
         except BaseException as exc:
             what = f"{self.ranks.where()}step() while landing the weights"
+            self._settle_issued()  # Note [an interrupted step's copies land before it leaves]
             if interrupted(exc, what, stepped, None, buckets=buckets, ranks=self.ranks):
                 raise
             raise failed(
@@ -357,6 +366,17 @@ class ImmediateUpdate(UpdateMode):
                 ranks=self.ranks,
                 cause=exc,
             ) from exc
+
+
+# Note [an interrupted step's copies land before it leaves]
+# A step stopped by a Ctrl-C (or a failure) after a bucket's weights were published has
+# that bucket's H2D copies queued. The recovery it names (zero_grad, then the model's and
+# the optimizer's checkpoints loaded) ran at once, and the copies landed after it, over the
+# checkpoint's weights in the device parameters: the run went on 1e-3 off torch's with no
+# error (the model loaded before the optimizer; after it, the load's own copies queued
+# behind them and won). So before the interrupt or the failure leaves ``step()``, the h2d
+# stream is drained (Synchronisation point, only on that path): what the step issued has
+# landed, and nothing it did is still moving when the caller's recovery runs.
 
 
 # Note [delayed parameter update]
