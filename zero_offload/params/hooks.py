@@ -19,12 +19,18 @@ homes] in ``state_dict_entries.py``).
 - each owning module's state-dict pre- and post-hooks: its entries become views of the
   homes;
 - a released parameter read by user code: its unit is brought back (``materializer``).
+
+A hook that raises (a ``KeyboardInterrupt`` included) leaves no unit MOVING behind: the
+offloader recovers them on the way out (``_recovering``; Note [an interrupted move] in
+``unit.py``), and again at its next entry should a second interrupt land there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,6 +108,24 @@ def materializer(offloader: Any, index: int) -> functools.partial[None]:
     return functools.partial(_materialize, weakref.ref(offloader), index)
 
 
+def _recovering(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook(ref, ...)``, recovering the offloader's MOVING units if it raises."""
+
+    @functools.wraps(hook)
+    def run(ref: weakref.ref, *args: Any) -> None:
+        try:
+            hook(ref, *args)
+        except BaseException:
+            offloader = ref()
+            if offloader is not None:
+                with contextlib.suppress(Exception):  # the hook's error is the one to raise
+                    offloader.recover()
+            raise
+
+    return run
+
+
+@_recovering
 def _pre_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any) -> None:
     offloader = ref()
     if offloader is not None:
@@ -114,6 +138,7 @@ def _post_hook(ref: weakref.ref, index: int, module: nn.Module, args: Any, outpu
         offloader._after_forward(offloader.units[index], output)
 
 
+@_recovering
 def _grad_hook(ref: weakref.ref, index: int, once: Once, grad: torch.Tensor) -> None:
     offloader = ref()
     task = torch._C._current_graph_task_id()
@@ -124,24 +149,28 @@ def _grad_hook(ref: weakref.ref, index: int, once: Once, grad: torch.Tensor) -> 
         offloader._backward_use(offloader.units[index])
 
 
+@_recovering
 def _end_of_backward(ref: weakref.ref) -> None:
     offloader = ref()
     if offloader is not None:
         offloader._end_backward()
 
 
+@_recovering
 def _root_pre_hook(ref: weakref.ref, module: nn.Module, args: Any) -> None:
     offloader = ref()
     if offloader is not None and not in_backward():
         offloader._begin_forward()
 
 
+@_recovering
 def _root_post_hook(ref: weakref.ref, module: nn.Module, args: Any, output: Any) -> None:
     offloader = ref()
     if offloader is not None and not in_backward():
         offloader._end_forward()
 
 
+@_recovering
 def _materialize(ref: weakref.ref, index: int) -> None:
     offloader = ref()
     if offloader is None:
@@ -159,12 +188,14 @@ def _materialize(ref: weakref.ref, index: int) -> None:
     offloader.materialize(offloader.units[index])
 
 
+@_recovering
 def _state_dict_pre_hook(
     ref: weakref.ref, owned: list[Owned], module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
     offloader = ref()
     if offloader is not None:
         offloader.check_homes_settled("a state dict")
+        offloader.recover()  # Note [an interrupted move] in unit.py
         offloader.flush_copies()
         released.begin_saving()
         for unit in sorted({unit for _, unit, _, _ in owned}):
@@ -185,6 +216,7 @@ def _state_dict_post_hook(
         offloader.entries.to_homes(offloader.units, owned, module, state_dict, prefix)
 
 
+@_recovering
 def _load_pre_hook(ref: weakref.ref, optimizer: Any, state_dict: Any) -> None:
     """Before a load writes the homes, as before a step (torch's load pre-hook signature;
     Note [torch's state-dict hooks] in ``optim/checkpoint/torch_hooks.py``)."""
@@ -193,6 +225,7 @@ def _load_pre_hook(ref: weakref.ref, optimizer: Any, state_dict: Any) -> None:
         offloader.before_step()
 
 
+@_recovering
 def _step_pre_hook(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:
     offloader = ref()
     if offloader is not None:

@@ -294,8 +294,17 @@ class ParamOffloader(PrivateReads):
         if self.window is None:
             raise RuntimeError(f"{unit!r} is released after close (bug)")
         self.check_homes_settled("reading a parameter")
+        self.recover()
         self._land_for_user(unit)
         unit.expose(self.manager)
+
+    def recover(self) -> None:
+        """Every unit a move left MOVING (an interrupt, or an error part-way) is rebuilt
+        ON_HOST (Note [an interrupted move] in ``unit.py``); one identity test per unit
+        when none is."""
+        for unit in self.units:
+            if unit.state is UnitState.MOVING:
+                unit.recover()
 
     def check_homes_settled(self, what: str) -> None:
         """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)
@@ -332,9 +341,11 @@ class ParamOffloader(PrivateReads):
         """Note [the parameter window]: release what left it, fetch ``current`` (if it is
         not resident) and ``upcoming``, and make compute wait for ``current``."""
         keep = {id(current), *(id(u) for u in upcoming)}
-        for unit in self.units:  # prefetches from NVMe whose reads are done: to the slot
-            if unit.pending and all(p.done() for p in unit.pending):
-                unit.finish_fetch()
+        for unit in self.units:
+            if unit.state is UnitState.MOVING:  # Note [an interrupted move] in unit.py
+                unit.recover()
+            elif unit.pending and all(p.done() for p in unit.pending):
+                unit.finish_fetch()  # a prefetch from NVMe whose reads are done: to the slot
         for unit in self.units:
             if unit.resident and id(unit) not in keep:
                 unit.release()
@@ -399,6 +410,7 @@ class ParamOffloader(PrivateReads):
         """Note [a recompute moves nothing]: ``unit`` on the device, the rest as it is."""
         if self.phase is not Phase.BACKWARD:
             self._start_backward()
+        self.recover()
         plan, position = self._backward_plan, self._backward_pos
         if position < len(plan) and plan[position] is unit:
             self._backward_use(unit)
@@ -441,8 +453,8 @@ class ParamOffloader(PrivateReads):
 
     def _release_all(self) -> None:
         for unit in self.units:
-            if unit.resident:
-                unit.release()
+            if unit.resident or unit.state is UnitState.MOVING:
+                unit.release()  # a MOVING one is recovered (Note [an interrupted move])
 
     def before_step(self) -> None:
         """The step writes the homes: every pending fetch reads them, so wait for each

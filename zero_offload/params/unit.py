@@ -21,7 +21,8 @@ else crosses the link for these weights).
   compute must wait on ``ready`` before reading them.
 - ON_DEVICE: compute waited on ``ready``; kernels may read the slot.
 
-ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use).
+ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use);
+each move that re-points the parameters passes through MOVING (Note [an interrupted move]).
 A release points the parameters at their placeholders again, after copying a written slot
 home (Note [a write to a resident unit reaches its home]); the slot's bytes are overwritten
 only by a fetch, whose copies wait for the compute stream's work issued before it (every
@@ -53,10 +54,42 @@ release; the fingerprints of the units still resident after each forward (``pref
 + 1`` of them) once per step, with one host synchronisation each on a GPU when they are
 released. A write made *during* a forward by code between two units' hooks, through
 ``.data``, to a unit that then leaves in the same forward, is not seen.
+
+Note [an interrupted move]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``KeyboardInterrupt`` (Ctrl-C in a notebook) or a signal handler's ``sys.exit`` lands between
+any two bytecodes of the thread moving the window: between two parameters being re-pointed,
+between a parameter's class switch and its ``.data`` (``released.release``/``restore``), after
+a copy is queued and before its event is kept. What is guaranteed:
+
+- A move that re-points parameters (``fetch``, ``fetch_private``, ``release``) does its checks
+  first (a refusal changes nothing), then sets the unit MOVING with one attribute store
+  (``_begin``), and its final state with one store after its last write (``_end``). So a unit
+  is in a state whose meaning holds, or MOVING: never a half-written FETCHING or ON_HOST.
+- MOVING means only that the move did not end: each parameter points at the slot (or private
+  buffer), at its placeholder, or half-way between; H2D copies may be queued whose end event
+  was not kept; a private buffer may be held. ``recover`` rebuilds the unit from those facts,
+  not from how far the move got: it waits for the H2D stream (Synchronisation point, only
+  after an interrupt), drops pending disk reads, gives every parameter that is on the slot or
+  its placeholder its placeholder again (``WindowedViews.bind_placeholders`` is idempotent; a
+  replaced one is left for the refusal), marks the slot stale (the next fetch copies afresh),
+  gives the private buffer back, and ends ON_HOST. Itself interrupted, it stays MOVING and
+  runs again.
+- It runs eagerly when a window hook raised (``hooks.py``), and otherwise before anything
+  looks at the units in bulk: a window move, a read outside the window, a state dict, a step,
+  ``close`` (``ParamOffloader.recover``); a MOVING unit is not resident, so nothing computes
+  in it or releases it meanwhile. After an interrupted forward or backward, ``zero_grad()``
+  (docs/optimizer.md) and the next forward train as if the step had not begun; the
+  offloader's phase and trace are reset by that forward's start.
+- Not covered: a private buffer interrupted after ``allocate_device`` returned it and before
+  ``fetch_private`` keeps it (a few bytecodes) stays counted in the device budget; with
+  several ranks an interrupt on one rank leaves the others' gathers waiting (they raise
+  ``CollectiveError`` within ``collective_timeout``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from typing import Protocol
@@ -84,6 +117,11 @@ class UnitState(enum.Enum):
     FETCHING = "fetching"
     #: The slot holds the unit's weights and compute waited for them.
     ON_DEVICE = "on_device"
+    #: A move (fetch or release) under way, or interrupted: each parameter points at the
+    #: slot, its placeholder or half-way; the slot's bytes are not to be trusted; a private
+    #: buffer may be held. Not resident; ``recover`` ends it ON_HOST (Note [an interrupted
+    #: move]).
+    MOVING = "moving"
 
 
 _S = UnitState
@@ -182,29 +220,46 @@ class ParamUnit:
     def __repr__(self) -> str:
         return f"unit {self.index} ({self.spec.name}, {self.state.name})"
 
-    def _go(self, to: UnitState) -> None:
+    def _check(self, to: UnitState) -> None:
         if (self.state, to) not in _ALLOWED:
             raise RuntimeError(
                 f"{self!r}: parameter-offload state {self.state.name} -> {to.name} is not a "
                 "valid transition (a bug in zero-offload; please report it)"
             )
+
+    def _go(self, to: UnitState) -> None:
+        """A transition that re-points nothing (one store)."""
+        self._check(to)
+        self.state = to
+
+    def _begin(self, to: UnitState) -> None:
+        """Start the move to ``to``: MOVING until ``_end`` (Note [an interrupted move])."""
+        self._check(to)
+        self.state = UnitState.MOVING
+
+    def _end(self, to: UnitState) -> None:
+        if self.state is not UnitState.MOVING:
+            raise RuntimeError(f"{self!r}: ended a move it was not making (bug)")
         self.state = to
 
     @property
     def resident(self) -> bool:
         """FETCHING or ON_DEVICE: the parameters are views of the slot."""
-        return self.state is not UnitState.ON_HOST
+        state = self.state
+        return state is UnitState.FETCHING or state is UnitState.ON_DEVICE
 
     def fetch(self, manager: TieredMemoryManager) -> None:
         """ON_HOST -> FETCHING: queue the homes' copies into the slot (after the previous
         occupant's readers), re-point the parameters. The previous occupant must have been
         released by the caller."""
         slot = self.slot
+        self.recover()  # Note [an interrupted move]
         if slot.occupant is not None and slot.occupant is not self and slot.occupant.resident:
             raise RuntimeError(f"{self!r}: slot {slot.index} is held by {slot.occupant!r} (bug)")
         self._refuse_replaced()
         if self.content_valid and self.homes_written:
             self.content_valid = False  # the homes were written through a state dict's views
+        self._begin(UnitState.FETCHING)
         if not (slot.occupant is self and self.content_valid):
             slot.occupant = None  # rewritten from here: a failed read leaves it nobody's
             end = self._fill_slot(manager)
@@ -226,7 +281,7 @@ class ParamUnit:
         self._fetch_versions = [views.current_versions() for views in self.views]
         self._home_versions = self._home_versions_now()
         self.exposed = None
-        self._go(UnitState.FETCHING)
+        self._end(UnitState.FETCHING)
 
     def private_bytes(self) -> int:
         """Bytes of a private buffer holding every bucket at its slot offset."""
@@ -240,30 +295,36 @@ class ParamUnit:
             buffer.release()
             raise RuntimeError(f"{self!r}: a private fetch cannot gather (bug)")
         try:
+            self.recover()  # Note [an interrupted move]
             self._refuse_replaced()
+            self._begin(UnitState.FETCHING)
         except BaseException:
             buffer.release()  # refused: the budget gets it back (it was never the unit's)
             raise
+        self.private = buffer  # first: a recovery gives it back
         for views in self.views:
             views.land_in(buffer.tensor)
-        self.private = buffer
         try:
             self.ready = self.fetched = self._fill_slot(manager)
             self.fetches += 1
         except BaseException:
-            self._leave_private()
+            with contextlib.suppress(Exception):  # the fetch's error is the one to raise
+                self.recover()
             raise
         self._fetching()
 
     def _leave_private(self) -> None:
         """The views go back to the slot and the buffer to the budget; views user code took
         keep its storage (and their values) alive."""
-        buffer, self.private, self.private_call = self.private, None, None
+        buffer = self.private
         if buffer is None:
             return
         for views in self.views:
             views.land_in(None)
-        buffer.release()
+        if not buffer.released:
+            buffer.release()
+        self.private = None  # last: an interrupted leave runs again (Note [an interrupted move])
+        self.private_call = None
 
     def _fill_slot(self, manager: TieredMemoryManager) -> Event | None:
         """Queue the copies of the homes into the slot (H2D, after the compute issued so
@@ -424,18 +485,46 @@ class ParamUnit:
     def release(self) -> None:
         """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders
         again; the slot is rewritten only by a later fetch, ordered after the compute issued
-        before it."""
+        before it. A MOVING unit is recovered instead (Note [an interrupted move])."""
+        if self.state is UnitState.MOVING:
+            self.recover()
+            return
+        self._check(UnitState.ON_HOST)
         stale = self.homes_written  # the slot no longer holds what the homes do
         self.finish_fetch()  # a prefetch nobody used: its copies complete the slot
         self.write_back()  # a private buffer's writes mark the slot stale there
+        self._begin(UnitState.ON_HOST)
         for views in self.views:
             views.bind_placeholders()
         self.exposed = None
         if stale:
             self.content_valid = False
         self._home_versions = self._home_versions_now()
-        self._go(UnitState.ON_HOST)
         self._leave_private()
+        self._end(UnitState.ON_HOST)
+
+    def recover(self) -> None:
+        """MOVING -> ON_HOST, from where the parameters point rather than from how far the
+        move got; nothing for a unit in any other state (Note [an interrupted move])."""
+        if self.state is not UnitState.MOVING:
+            return
+        pending, self.pending = self.pending, []
+        for fetch in pending:
+            fetch.drop()
+        if pending and self.gather is not None:
+            self.gather.withdraw(self)
+        # Synchronisation point (only after an interrupt): the copies an interrupted fetch
+        # queued may have lost their end event, and they read the homes a step writes and
+        # write the slot (or the private buffer given back below).
+        self.manager.h2d.synchronize()
+        self.ready = self.fetched = None
+        self.content_valid = False  # the slot may hold part of a fetch: the next one copies
+        for views in self.views:
+            views.bind_placeholders()
+        self.exposed = None
+        self._home_versions = self._home_versions_now()
+        self._leave_private()
+        self._end(UnitState.ON_HOST)
 
     def settle(self) -> None:
         """Wait on the host for this unit's last fetch (the homes are about to be written).

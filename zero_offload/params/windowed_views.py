@@ -309,12 +309,29 @@ class WindowedViews(ParamViews):
             restore(param, self.weights_dev[slot.offset : slot.end].view(slot.shape))
 
     def bind_placeholders(self) -> None:
-        """The unit is released: every parameter still bound to the slot holds its
-        placeholder again. A replaced one is left as it is, for the next step to refuse."""
-        replaced = set(self.replaced()) if self.unit.resident else set()
+        """The unit is released: every parameter bound to the slot (or the private buffer),
+        to its placeholder, or half-way between (Note [an interrupted move] in ``unit.py``)
+        holds its placeholder again; idempotent. A replaced one is left as it is, for the
+        next fetch or step to refuse."""
         for i, (param, holder) in enumerate(zip(self.params, self.placeholders, strict=True)):
-            if i not in replaced:
+            if self._ours(i, param, holder):
                 release(param, holder, self._bindings[i])
+
+    def _ours(self, index: int, param: torch.Tensor, holder: torch.Tensor) -> bool:
+        """Whether ``param`` points where this bucket put it: its placeholder's storage
+        (whatever its class), or its range of the slot or of the private buffer."""
+        slot = self.layout.slots[index]
+        with torch._C.DisableTorchFunctionSubclass():
+            if param.untyped_storage()._cdata == holder.untyped_storage()._cdata:
+                return True
+            if param.dtype != self.dtype or tuple(param.shape) != slot.shape:
+                return False
+            at = param.data_ptr()
+            size = self.dtype.itemsize
+            return any(
+                at == flat.data_ptr() + slot.offset * size
+                for flat in (self.weights_dev, self.slot_range)
+            )
 
     def unbind(self) -> None:
         """Give every parameter a private copy of its weights on the device (the home's,
