@@ -10,6 +10,8 @@ it would at that bytecode boundary. Each test sweeps its points in one loop over
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,9 +121,34 @@ def _sweep(work: Callable[[torch.nn.Module, Any], None]) -> None:
     assert max_diff(model, ref) == 0.0  # the parameters keep their weights after close
 
 
+# The sweeps run in a child process: an interrupt at the exit of a ``with
+# torch._C.DisableTorchFunctionSubclass()`` block skips the exit (the window Note [an
+# interrupted move] leaves uncovered), and torch then ignores tensor subclasses on that
+# thread for good, which broke later tests of this process (a read of a released parameter
+# no longer fetched its unit).
+_IN_CHILD = os.environ.get("ZERO_OFFLOAD_INTERRUPT_SWEEP") == "1"
+_child_only = pytest.mark.skipif(not _IN_CHILD, reason="run in a child process by the test below")
+
+
+@_child_only
 def test_an_interrupted_forward_or_backward_recovers_with_zero_grad() -> None:
     _sweep(_forward_backward)
 
 
+@_child_only
 def test_an_interrupted_read_outside_the_window_recovers() -> None:
     _sweep(_reads_outside_the_window)
+
+
+@pytest.mark.skipif(_IN_CHILD, reason="the child runs the sweeps themselves")
+def test_the_sweeps_pass_in_a_process_of_their_own() -> None:
+    """Both sweeps above, in a child pytest, so what an interrupt leaves on the thread's
+    torch state cannot reach the tests after them."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=repo, env=dict(os.environ, ZERO_OFFLOAD_INTERRUPT_SWEEP="1"),
+        capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout, done.stdout[-2000:]

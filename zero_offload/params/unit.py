@@ -84,7 +84,11 @@ a copy is queued and before its event is kept. What is guaranteed:
 - Not covered: a private buffer interrupted after ``allocate_device`` returned it and before
   ``fetch_private`` keeps it (a few bytecodes) stays counted in the device budget; with
   several ranks an interrupt on one rank leaves the others' gathers waiting (they raise
-  ``CollectiveError`` within ``collective_timeout``).
+  ``CollectiveError`` within ``collective_timeout``); and an interrupt at the exit of a
+  ``with torch._C.DisableTorchFunctionSubclass()`` block (``released.py``, the views): Python
+  then skips the exit, torch ignores tensor subclasses on that thread from there on, and a
+  read of a released parameter no longer fetches its unit (or reads address 0). The sweep
+  of tests/test_interrupt_param_offload.py runs in a process of its own for that reason.
 """
 
 from __future__ import annotations
