@@ -40,6 +40,18 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def _saved_then_trained(path: Path) -> tuple[OffloadAdamW, dict[str, bytes]]:
+    """An optimizer saved to ``path`` after one step and trained one step more, with the
+    files of that save (what a failed save must leave as they are)."""
+    model, _ = make_pair()
+    opt = _opt(model)
+    train(model, opt, batches(1))
+    save_streaming(opt, path)
+    good = _files(path)
+    train(model, opt, batches(1))
+    return opt, good
+
+
 def _siblings(path: Path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
 
@@ -175,12 +187,7 @@ def _fake_statvfs(monkeypatch: pytest.MonkeyPatch, *, blocks: int | None, avail:
 def test_a_full_disk_refuses_the_save_naming_the_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, _ = make_pair()
-    opt = _opt(model)
-    train(model, opt, batches(1))
-    save_streaming(opt, tmp_path / "ckpt")
-    good = _files(tmp_path / "ckpt")
-    train(model, opt, batches(1))
+    opt, good = _saved_then_trained(tmp_path / "ckpt")
     _fake_statvfs(monkeypatch, blocks=None, avail=2)
     frsize = os.statvfs(tmp_path).f_frsize
     needed = sum(b.layout.real_in(0, b.layout.padded_numel) * 12 for b in opt.buckets)
@@ -197,12 +204,7 @@ def test_a_full_disk_refuses_the_save_naming_the_bytes(
 def test_enospc_mid_save_raises_storage_full_and_keeps_the_old_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, _ = make_pair()
-    opt = _opt(model)
-    train(model, opt, batches(1))
-    save_streaming(opt, tmp_path / "ckpt")
-    good = _files(tmp_path / "ckpt")
-    train(model, opt, batches(1))
+    opt, good = _saved_then_trained(tmp_path / "ckpt")
     real_private_file = fileio.private_file
     limit = 20000  # bytes the "disk" takes before it is full (a quota, say)
 
@@ -237,12 +239,7 @@ def test_a_file_size_limit_mid_save_names_the_file_and_keeps_the_old_checkpoint(
     bytes and no advice (Note [a write that cannot finish] in fileio.py)."""
     import resource
 
-    model, _ = make_pair()
-    opt = _opt(model)
-    train(model, opt, batches(1))
-    save_streaming(opt, tmp_path / "ckpt")
-    good = _files(tmp_path / "ckpt")
-    train(model, opt, batches(1))
+    opt, good = _saved_then_trained(tmp_path / "ckpt")
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4000, limits[1]))  # bytes a file may hold
     try:
@@ -386,12 +383,7 @@ def test_a_pickle_payload_in_meta_is_refused_and_never_runs(tmp_path: Path) -> N
 def test_a_swap_that_fails_half_way_is_undone_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, _ = make_pair()
-    opt = _opt(model)
-    train(model, opt, batches(1))
-    save_streaming(opt, tmp_path / "ckpt")
-    good = _files(tmp_path / "ckpt")
-    train(model, opt, batches(1))
+    opt, good = _saved_then_trained(tmp_path / "ckpt")
     real_replace, calls = fileio._replace, []
 
     def replace(src: object, dst: object) -> None:
