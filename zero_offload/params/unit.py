@@ -17,9 +17,23 @@ else crosses the link for these weights).
   them (Note [a released parameter] in ``released.py``); the unit's slot may hold another
   unit.
 - FETCHING: H2D copies (one per bucket, on the ``h2d`` stream through the memory manager)
-  are writing the homes into the slot; the parameters are already views of the slot, and
-  compute must wait on ``ready`` before reading them.
+  are writing the homes into the slot; the parameters still hold their placeholders, and
+  ``use`` binds them to the slot after compute waited on ``ready`` (Note [a fetching
+  unit's parameters stay released]).
 - ON_DEVICE: compute waited on ``ready``; kernels may read the slot.
+
+Note [a fetching unit's parameters stay released]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A prefetched unit is FETCHING while code between the window's hooks runs: a decoder reading
+``enc[i].weight`` or a bias list directly, outside any module forward of its unit, calls no
+``use``, so nothing makes compute wait on ``ready``. Had the parameters been views of the slot
+(or private buffer) already, that read would see bytes the H2D copy has not written yet (a
+silently wrong forward; the tied autoencoder in tests/test_param_offload_reads.py, under
+load). So the parameters keep their placeholders while FETCHING and are bound to the device
+weights only by ``use``, after compute waited on ``ready``: a read of a FETCHING unit's
+parameter is a read of a released parameter, which brings the unit on through
+``materialize`` (``expose`` -> ``use``: the wait, then the binding). Invariant: a parameter
+with its plain class views device bytes compute has waited for.
 
 ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use);
 each move that re-points the parameters passes through MOVING (Note [an interrupted move]).
@@ -248,14 +262,21 @@ class ParamUnit:
 
     @property
     def resident(self) -> bool:
-        """FETCHING or ON_DEVICE: the parameters are views of the slot."""
+        """FETCHING or ON_DEVICE: the unit holds its slot (or private buffer); its parameters
+        view it once ``bound``."""
         state = self.state
         return state is UnitState.FETCHING or state is UnitState.ON_DEVICE
 
+    @property
+    def bound(self) -> bool:
+        """ON_DEVICE: the parameters view the device weights (Note [a fetching unit's
+        parameters stay released])."""
+        return self.state is UnitState.ON_DEVICE
+
     def fetch(self, manager: TieredMemoryManager) -> None:
         """ON_HOST -> FETCHING: queue the homes' copies into the slot (after the previous
-        occupant's readers), re-point the parameters. The previous occupant must have been
-        released by the caller."""
+        occupant's readers); the parameters keep their placeholders until ``use``. The
+        previous occupant must have been released by the caller."""
         slot = self.slot
         self.recover()  # Note [an interrupted move]
         if slot.occupant is not None and slot.occupant is not self and slot.occupant.resident:
@@ -279,10 +300,8 @@ class ParamUnit:
         self._fetching()
 
     def _fetching(self) -> None:
-        """The parameters view the device weights (slot or private buffer) being fetched."""
-        for views in self.views:
-            views.bind_device()
-        self._fetch_versions = [views.current_versions() for views in self.views]
+        """The copies are queued; the parameters keep their placeholders until ``use``
+        (Note [a fetching unit's parameters stay released])."""
         self._home_versions = self._home_versions_now()
         self.exposed = None
         self._end(UnitState.FETCHING)
@@ -426,7 +445,13 @@ class ParamUnit:
             # Synchronisation point (stream-side on CUDA): compute reads the slot next.
             manager.wait_for([self.ready], category=Category.WEIGHTS)
             self.ready = None
-        self._go(UnitState.ON_DEVICE)
+        # Only now may the parameters view the device weights: Note [a fetching unit's
+        # parameters stay released]. A move that re-points them: Note [an interrupted move].
+        self._begin(UnitState.ON_DEVICE)
+        for views in self.views:
+            views.bind_device()
+        self._fetch_versions = [views.current_versions() for views in self.views]
+        self._end(UnitState.ON_DEVICE)
 
     def expose(self, manager: TieredMemoryManager) -> None:
         """User code may touch the resident unit next: fingerprint its slot (after compute

@@ -377,7 +377,7 @@ class WindowedViews(ParamViews):
         out = []
         with torch._C.DisableTorchFunctionSubclass():
             for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
-                if self.unit.resident:
+                if self.unit.bound:  # FETCHING: placeholders still (Note [a fetching unit's ...])
                     view = self.weights_dev[slot.offset : slot.end]
                     ok = (
                         not is_released(param)
