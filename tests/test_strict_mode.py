@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from zero_offload.accelerator import HostAccelerator
 from zero_offload.accelerator.strict import (
     COMPUTE_LATENCY,
+    COPY_LATENCY,
     STRICT_DEVICE_INDEX,
     host_memory_name,
     strict_device_checks,
@@ -60,6 +61,40 @@ def test_config_and_env_switch(monkeypatch):
     with pytest.raises(TypeError, match=r"strict must be True, False or None.*int 1"):
         AcceleratorConfig(strict=1)  # type: ignore[arg-type]
     assert "device 1 of 2" in _strict().describe()["strict"]
+
+
+# -- Note [strict: a copy lands when it ends] -----------------------------------------------
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_copy_read_before_its_event_sees_the_old_bytes(strict):
+    # A slow simulated link (1 s) so that the read below, 50 ms after the copy was queued,
+    # surely comes before the copy ends however loaded the machine: the bytes land at the end
+    # of the link's time, as on a GPU a reader that skipped the wait sees what was there.
+    acc = HostAccelerator(AcceleratorConfig(strict=strict, link_latency=1.0))
+    h2d = acc.new_stream("h2d")
+    slot = acc.allocate_device(4096, what="slot")
+    slot.tensor.zero_()
+    home = acc.allocate_host(4096)
+    home.fill_(7)
+    acc.copy_(slot.tensor, home, stream=h2d, label="fetch")
+    end = h2d.record_event()
+    time.sleep(0.05)  # the stream has started the copy
+    assert int(slot.tensor.max()) == 0  # no wait: the old bytes, all of them
+    end.synchronize()
+    assert int(slot.tensor.min()) == 7  # waited for: the copy's bytes
+    slot.release()
+
+
+def test_a_strict_copy_takes_the_copy_latency_without_a_link():
+    acc = _strict()
+    h2d = acc.new_stream("h2d")
+    slot = acc.allocate_device(64, what="slot")
+    began = time.perf_counter()
+    acc.copy_(slot.tensor, acc.allocate_host(64), stream=h2d, label="fetch")
+    h2d.record_event().synchronize()
+    assert time.perf_counter() - began >= COPY_LATENCY  # a lower bound: the copy waited first
+    slot.release()
 
 
 # -- Note [strict: compute completes after its event] --------------------------------------

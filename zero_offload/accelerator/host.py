@@ -34,6 +34,7 @@ from .host_syncs import count_sync, one_sync
 from .race_checker import RaceChecker, races_enabled_by_env
 from .strict import (
     COMPUTE_LATENCY,
+    COPY_LATENCY,
     MEMORY,
     STRICT_DEVICE_INDEX,
     ComputeEvents,
@@ -241,16 +242,15 @@ class HostAccelerator(Accelerator):
         check_not_capturing("the copy" if label else "a copy", label=label)
         self._check_copy(dst, src, stream=stream, label=label)
         delay = self.link_seconds(src.nbytes)
+        if self.strict:  # Note [strict: a copy lands when it ends] in strict.py
+            delay = max(delay, COPY_LATENCY)
         if delay <= 0:  # no simulated link: the copy alone (no clock read on the worker)
             stream.submit(functools.partial(dst.copy_, src))
             return
 
         def run() -> None:
-            start = time.perf_counter()
-            dst.copy_(src)
-            remaining = delay - (time.perf_counter() - start)
-            if remaining > 0:
-                time.sleep(remaining)  # the simulated link: the copy finishes no sooner
+            time.sleep(delay)  # the link's time first: a reader that did not wait sees
+            dst.copy_(src)  # the old bytes all along (Note [strict: a copy lands when ...])
 
         stream.submit(run)
 

@@ -52,6 +52,17 @@ simulated streams' own workers (they are the GPU). Any other thread that touches
 streams or events before ``accelerator.bind_thread()`` raises, as a CUDA call on the wrong
 device would misbehave. See Note [every library thread binds its device].
 
+Note [strict: a copy lands when it ends]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On a GPU a copy queued on a stream writes its destination while the stream runs it, long
+after the host queued it; a reader that did not wait for the copy's event sees bytes from
+before it. A plain host copy writes at once, so such a reader is usually right by luck. The
+host accelerator's copies on a simulated link therefore spend their link time first and
+write at its end, and strict mode gives every copy at least ``COPY_LATENCY`` seconds of it:
+a read (or a write) that skipped the wait sees the old bytes for that whole time, and the
+parity tests see it. The copy still runs in its stream's order, and its end event completes
+only after the bytes are written, so code that waits is never wrong, only later.
+
 Block reuse (CUDA's caching-allocator semantics) needs no extra machinery: with compute
 events pending, a block freed with one stays in flight until a stream waits for it or the
 host synchronises, and the race checker (``check_races``) sees which of the two happened
@@ -79,6 +90,7 @@ from .threads import Guard, ThreadEvent
 
 __all__ = [
     "COMPUTE_LATENCY",
+    "COPY_LATENCY",
     "MEMORY",
     "SIMULATED_DEVICE_COUNT",
     "STRICT_DEVICE_INDEX",
@@ -101,6 +113,9 @@ STRICT_DEVICE_INDEX = 1
 #: Seconds a compute event stays pending unless waited for: Note [strict: compute completes
 #: after its event].
 COMPUTE_LATENCY = 0.05
+#: Seconds at least before a strict copy writes its destination: Note [strict: a copy lands
+#: when it ends].
+COPY_LATENCY = 0.001
 
 
 def strict_enabled_by_env() -> bool:
