@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import zero_offload.optim.grads.to_host as off
 from zero_offload import OffloadAdamW, OffloadConfig, StepFailed
 from zero_offload.memory.traffic import Category, Direction
+from zero_offload.optim.grads.buffers import LazyHostPool
 from zero_offload.optim.grads.lifecycle import GradState
 
 from .helpers.device import on_device, run_accelerator, run_device
@@ -232,13 +232,18 @@ def _failing_alloc(self, nbytes, *, owner):
 @pytest.mark.parametrize("where", ["fold_in_open_grad", "flush_overlap_step"])
 def test_accumulator_allocation_failure_leaves_nothing_behind(monkeypatch, where):
     m = mlp()
-    # The host accumulator's allocation is what fails (grad_accumulation="host").
+    # A lazily pinned host buffer's allocation is what fails (grad_accumulation="host"):
+    # the fp32 accumulator of a fold; with overlap_step, the spare staging that the second
+    # window's flush lands in (Note [the delayed update reads one buffer, the next backward
+    # fills the other] in optim/grads/staging.py).
     o = mlp_opt(m, overlap_step=(where == "flush_overlap_step"), grad_accumulation="host")
     acc = o.accelerator
     D = mlp_batches(3)
-    if where == "fold_in_open_grad":
-        mlp_loss(m, *D[0]).backward()
-    monkeypatch.setattr(off.AccumulatorPool, "alloc", _failing_alloc)
+    mlp_loss(m, *D[0]).backward()
+    if where == "flush_overlap_step":
+        o.step()
+        o.zero_grad()
+    monkeypatch.setattr(LazyHostPool, "alloc", _failing_alloc)  # AccumulatorPool's too
     with pytest.raises(MemoryError):
         mlp_loss(m, *D[1]).backward()
     monkeypatch.undo()

@@ -122,6 +122,9 @@ class SegmentBuilder:
         of one training dtype each (``plan_dtype_buckets``), one device and one host pool
         sized for them all (``plan_placement``, per-bucket itemsize); with parameter offload
         one host pool per unit (Note [homes are pinned unit by unit] in unit_pools.py)."""
+        # Tells close() from a dropped optimizer's finalizer: Note [a release after a
+        # collective failure the caller saw] in lifetime.py.
+        self.resources.owner = weakref.ref(owner)
         params = self._all_params(owner)
         first_index = sum(len(owner.param_groups[g]["params"]) for g in range(group_indices[0]))
         refused: Exception | None = None
@@ -511,7 +514,7 @@ class SegmentBuilder:
                     dtype=views.dtype,
                     tile_elements=self.config.tile_elements,
                     # Note [no accumulator for one backward] in grads/to_host.py
-                    always_accumulate=self.config.overlap_step,
+                    delayed_update=self.config.overlap_step,
                     ring=parts.ring,  # Note [gradient staging for the buckets in flight]
                 )
                 if parts.nvme.holds(layout.index):

@@ -30,7 +30,12 @@ overlaps what is left of it; a backward beyond the prediction adds on the device
 and the step lands the sum again. ``step()``, ``grad_norm()`` and an announced step land
 whatever has not landed (``HostGradients.land``). The early landing is skipped when the
 host accumulator is still being read (a delayed update running, ``overlap_step``): the
-autograd thread never waits for the host; ``step()`` lands it then.
+autograd thread never waits for the host; ``step()`` lands it then. Every landing waits for
+the host worker's event after the last step queued (``DeviceWindow.acc_free``), recorded at
+each window's end once the bucket has a host accumulator, with or without a device sum: a
+bucket's first window that accumulates is summed on the host, and with ``overlap_step`` its
+update still reads that accumulator when the second window's sum lands
+(tests/test_overlap_accumulators.py).
 
 Which buckets. ``GradAccumulation.AUTO`` (the default) takes a bucket's accumulator at its
 first window that accumulates, when the device budget has its bytes plus a reserve (a

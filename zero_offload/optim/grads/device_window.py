@@ -94,9 +94,13 @@ class DeviceWindow:
         self.norms = device_sum.norms(self._shard)
         return landing
 
-    def consumed(self, worker: HostWorker) -> None:
-        """The window is over: the next landing waits for what the worker queued so far."""
-        if self.sum is not None:
+    def consumed(self, worker: HostWorker, *, host_acc: bool) -> None:
+        """The window is over: the next landing waits for what the worker queued so far.
+        ``host_acc``: the bucket has a host accumulator, which a step queued now may read
+        although the bucket has no device sum yet (its first window that accumulated was
+        summed on the host; with ``overlap_step`` that update still runs when the next
+        window lands)."""
+        if self.sum is not None or host_acc:
             self.acc_free = worker.record_event()
 
     def discard(self) -> None:

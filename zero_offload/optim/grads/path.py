@@ -44,6 +44,11 @@ class GradSource(enum.Enum):
     #: Host staging, training dtype: the window had one flush (Note [no accumulator for
     #: one backward] in ``to_host.py``).
     STAGING = "grad_staging"
+    #: The bucket's second host staging buffer, training dtype: the window had one flush
+    #: and, with ``overlap_step``, landed there because update k still read the first
+    #: (Note [the delayed update reads one buffer, the next backward fills the other] in
+    #: ``staging.py``).
+    SPARE = "grad_staging_spare"
     #: The fp32 accumulator (host, or device for a resident bucket).
     ACCUMULATOR = "grad_acc"
     #: An offloaded bucket's fp32 accumulator on the device, not landed on the host since

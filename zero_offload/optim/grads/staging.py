@@ -44,6 +44,32 @@ never accumulates pays nothing. The estimator's rows that sum micro-batches on t
 it (``estimate/accumulation.py``).
 Not an fp32 accumulator on the device: ``4s`` device bytes per bucket, in the memory
 offloading spares (docs/gradient-semantics.md weighs the two).
+
+Note [the delayed update reads one buffer, the next backward fills the other]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``overlap_step`` (``HostGradients(delayed_update=True)``) update k reads window k's
+gradient on the host worker while backward k+1's copies land, so window k+1 must not land
+where window k's gradient is. A window of one flush needs nothing more than that: the
+update reads the training-dtype gradient where it landed (Note [no accumulator for one
+backward]), so the bucket's two staging buffers take turns by window (``alternate``): the
+first flush of a window goes to the buffer the previous window did not start in, and its
+later flushes alternate from there (flush ``j`` of a window starting in ``f`` lands in
+``(f + j) % 2``). Update k reads buffer ``f_k``; backward k+1 lands in ``1 - f_k``, whose
+last reader, update k-1, step() k drained before it queued update k. The window's
+``GradSource`` names the buffer (``STAGING`` the own one, ``SPARE`` the spare), since the
+update runs after the next window has moved ``kept()`` on. Correctness never rests on the
+turn alone: the end of a window whose gradient stayed in staging records the host worker's
+event after the update it queued as that buffer's last reader (``read_by``), and a flush
+into it waits for that event (Note [staging is reused only once consumed]): only a window
+that changes its number of flushes (one, then several: its second flush lands in the
+buffer update k reads) or a window discarded between two steps waits there.
+Before, ``overlap_step`` accumulated every window in fp32, even one flush: an fp32 host
+accumulator (``a(4s)``) and, where the budget had room, an fp32 device accumulator
+(``a(4s)`` device bytes) of which one micro-batch needs neither. Now one micro-batch a step
+costs the spare, ``a(ks)`` host bytes, and nothing on the device: bf16 2 host bytes a
+parameter instead of 4 + 4 on the device, fp32 4 instead of 4 + 4 (Note [overlap_step's
+device extras follow the budget] in ``estimate/delayed.py``). The values Adam reads are the
+same bits (``grad.float()``), and the statistics are the plain step's host passes.
 """
 
 from __future__ import annotations
@@ -62,6 +88,7 @@ from ...memory.pool import BlockPool
 from ...partition import BucketLayout
 from ...tracing import phase
 from .buffers import SpareStaging
+from .path import GradSource
 
 __all__ = ["OwnStaging", "Staging", "own_staging_bytes"]
 
@@ -116,6 +143,14 @@ class Staging(ABC):
     def kept(self) -> int:
         """The buffer holding the window's gradient when it stayed in staging."""
 
+    def kept_source(self) -> GradSource:
+        """The ``GradSource`` naming ``kept()`` for a step planned now."""
+        return GradSource.STAGING
+
+    def buffer(self, source: GradSource) -> int:
+        """The buffer a step planned at ``source`` (a staging one) reads."""
+        return self.kept()
+
     @abstractmethod
     def read_by(self, event: Event) -> None:
         """The last reader of the window's gradient in staging (a fold) is queued on the
@@ -155,8 +190,13 @@ class OwnStaging(Staging):
     Fields:
         block: the own buffer's block, ``(shard_numel,)`` training dtype, host pool.
         spare: the second buffer, pinned on first need.
-        _consumed: per buffer, the host worker's last pass over it (Note [staging is reused
-            only once consumed]).
+        alternate: windows take turns between the buffers (``overlap_step``: Note [the
+            delayed update reads one buffer, the next backward fills the other]).
+        _first: the buffer the current (or last) window's first flush went to; always 0
+            without ``alternate``.
+        _next: the buffer the next window's first flush goes to (0, then by turns).
+        _consumed: per buffer, the host worker's last pass over it, or the delayed update
+            that reads it (Note [staging is reused only once consumed]).
     """
 
     def __init__(
@@ -166,8 +206,11 @@ class OwnStaging(Staging):
         *,
         host_pool: BlockPool,
         dtype: torch.dtype,
+        alternate: bool = False,
     ) -> None:
         self.numel = n = layout.shard_numel
+        self.alternate = alternate
+        self._first = self._next = 0
         self.dtype = dtype
         self.index = layout.index
         self.spare = SpareStaging(
@@ -188,8 +231,15 @@ class OwnStaging(Staging):
         self.tensor = block.view(self.dtype, (self.numel,))
 
     def acquire(self, *, overwrite: bool, window_flushes: int) -> int:
-        # Note [two staging buffers for accumulation]: odd flushes to 0, even ones to 1.
-        buffer = 0 if overwrite else window_flushes % 2
+        # Note [two staging buffers for accumulation]: odd flushes to the window's first
+        # buffer (0, or with ``alternate`` the one the last window did not start in: Note
+        # [the delayed update reads one buffer, the next backward fills the other]), even
+        # ones to the other.
+        if overwrite:
+            first = buffer = self._next
+        else:
+            first = self._first
+            buffer = (first + window_flushes) % 2
         consumed = self._consumed[buffer]
         if consumed is not None and not consumed.query():
             # Note [staging is reused only once consumed]. Synchronisation point: the caller
@@ -200,6 +250,9 @@ class OwnStaging(Staging):
                 consumed.synchronize()
         if buffer == 1:
             self.spare.ensure()  # before anything moves: a failure changes nothing
+        self._first = first
+        if overwrite and self.alternate:
+            self._next = 1 - first
         return buffer
 
     def get(self, buffer: int) -> tuple[torch.Tensor, Block]:
@@ -235,10 +288,16 @@ class OwnStaging(Staging):
         self._consumed[buffer] = event
 
     def kept(self) -> int:
-        return 0
+        return self._first
+
+    def kept_source(self) -> GradSource:
+        return GradSource.SPARE if self._first == 1 else GradSource.STAGING
+
+    def buffer(self, source: GradSource) -> int:
+        return 1 if source is GradSource.SPARE else 0
 
     def read_by(self, event: Event) -> None:
-        self._consumed[0] = event
+        self._consumed[self._first] = event
 
     def close(self) -> None:
         self.block.free()

@@ -25,9 +25,11 @@ pass that also yields the statistics), so a loop that accumulates every step pay
 statistics pass and no fold; a window that then gets one flush after all is stepped from
 the accumulator, the same values (``grad.float()``), bitwise. Lazily rather than by a setting: users never declare
 accumulation, at the cost of one pinned allocation at the first accumulating step.
-``overlap_step`` always accumulates: its delayed update still reads the gradients while
-the next backward's copies land, so they cannot stay in staging (Note [delayed parameter
-update] in ``update/modes.py``).
+``overlap_step`` is no exception: its delayed update still reads window k's gradient while
+backward k+1's copies land (Note [delayed parameter update] in ``update/modes.py``), so
+the windows take turns between the bucket's two staging buffers rather than go through an
+fp32 accumulator (Note [the delayed update reads one buffer, the next backward fills the
+other] in ``staging.py``).
 
 Note [an interrupted gradient path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -83,7 +85,9 @@ class HostGradients(GradientPath):
             available, and the spare: Note [two staging buffers for accumulation]), or a
             slot of the segment's ring (Note [gradient staging for the buckets in flight]).
             Adam reads the gradient there when the window had one flush (Note [no
-            accumulator for one backward]).
+            accumulator for one backward]); with ``delayed_update`` in either own buffer,
+            by turns (Note [the delayed update reads one buffer, the next backward fills
+            the other]).
         grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
             second flush (None before).
         device: the windows summed on the device (``device_window.py``; its ``sum`` is the
@@ -102,7 +106,7 @@ class HostGradients(GradientPath):
         shard: tuple[int, int],
         dtype: torch.dtype,
         tile_elements: int,
-        always_accumulate: bool = False,
+        delayed_update: bool = False,
         ring: StagingRing | None = None,
     ) -> None:
         self.layout = layout
@@ -125,13 +129,20 @@ class HostGradients(GradientPath):
             accumulator_bytes(layout, alignment=host_pool.alignment),
             name=f"{host_pool.name}.bucket{layout.index}.grad_acc",
         )
+        #: overlap_step: a step's update reads the window's gradient after step() returned,
+        #: while the next backward lands (Note [the delayed update reads one buffer, the
+        #: next backward fills the other] in staging.py).
+        self.delayed_update = delayed_update
         self.staging: Staging = (
-            OwnStaging(manager, layout, host_pool=host_pool, dtype=dtype)
+            OwnStaging(
+                manager, layout, host_pool=host_pool, dtype=dtype, alternate=self.delayed_update
+            )
             if ring is None
             else RingStaging(ring, layout, dtype=dtype)
         )
-        #: overlap_step: every window accumulates, even a lone flush (see the Note above).
-        self.always_accumulate = always_accumulate
+        #: Every window accumulates, even a lone flush: the accumulator's path forced, for
+        #: the tests that hold the staging path to it bitwise (tests/test_step_bytes.py).
+        self.always_accumulate = False
         # Flushes in the current window (until a new window's first flush is done, the one
         # before): a window's first flush goes to the accumulator when the one before
         # accumulated (Note above).
@@ -146,6 +157,13 @@ class HostGradients(GradientPath):
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in] (landing.py).
         self._landing = Landing()
+        # The landing of the lone flush each staging buffer holds, by buffer: a delayed
+        # update follows its own window's, not the next window's (Note [the delayed update
+        # reads one buffer, the next backward fills the other]).
+        self._staged: dict[int, Landing] = {}
+        # delayed_update: a lone flush stayed in staging and the end of its window has not
+        # yet recorded the update that reads it (window_consumed).
+        self._reader_unrecorded = False
         # Note [micro-batches add up on the device] (device_acc.py): the window's facts
         # (device_window.py), and whether grad_acc holds what landed from the device sum
         # (CPU Adam then follows _landing into grad_acc).
@@ -390,6 +408,9 @@ class HostGradients(GradientPath):
             self._source = GradSource.ACCUMULATOR
             acc = self._ensure_accumulator()
         self._landing = landing
+        if acc is None:
+            self._staged[buffer] = landing
+            self._reader_unrecorded = self.delayed_update
         # Counted once the flush is queued: a flush that failed before it is not counted.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
         partials: list[float] = []
@@ -410,8 +431,9 @@ class HostGradients(GradientPath):
         gradient; Note [Adam follows the gradient in]. Instant when the host worker
         drained."""
         event = None
-        if (source is GradSource.STAGING or self._acc_landed) and self._landing:
-            event = self._landing.covering(hi)
+        landing = self._landing_of(source)
+        if landing:
+            event = landing.covering(hi)
         elif not self.manager.host_worker.is_current():
             # On the host worker (a delayed or announced update) the update is queued behind
             # the passes over its window, and a later window's event may already be queued
@@ -429,12 +451,20 @@ class HostGradients(GradientPath):
         self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
 
     def landed_through(self, source: GradSource, lo: int, limit: int) -> int:
-        if (source is GradSource.STAGING or self._acc_landed) and self._landing:
-            return self._landing.landed_through(lo, limit)
+        landing = self._landing_of(source)
+        if landing:
+            return landing.landed_through(lo, limit)
         if self.manager.host_worker.is_current():
             return limit  # queued behind every pass over the window (see await_grad)
         done = self._staging_consumed
         return limit if done is None or done.query() else lo
+
+    def _landing_of(self, source: GradSource) -> Landing | None:
+        """The tile copies that bring ``source``'s gradient in (None: the host worker's
+        passes, or nothing, bring it)."""
+        if source is GradSource.STAGING or source is GradSource.SPARE:
+            return self._staged.get(self.staging.buffer(source))
+        return self._landing if self._acc_landed else None
 
     def discard_grad(self) -> None:
         """Forget the window: the open device buffer, and its staging once what the host
@@ -454,20 +484,32 @@ class HostGradients(GradientPath):
         accumulator landed into again (Note [micro-batches add up on the device])."""
         if self.staging.holding:
             self.staging.release(self.manager.host_worker.record_event())
+        elif self._reader_unrecorded and self._source is GradSource.STAGING:
+            # The update step() just queued reads the window's buffer on the host worker:
+            # no flush lands there before it is done (Note [the delayed update reads one
+            # buffer, the next backward fills the other]); first, so drop_spare sees it.
+            # Once per window: this also runs at zero_grad and at the next window's first
+            # flush, whose later events would make a flush wait for that window's passes.
+            self.staging.read_by(self.manager.host_worker.record_event())
+            self._reader_unrecorded = False
         if self.device.sum is not None:
             self.staging.drop_spare()  # Note [the spare goes when the device sums]
-        self.device.consumed(self.manager.host_worker)
+        self.device.consumed(self.manager.host_worker, host_acc=self.grad_acc is not None)
 
     def window_source(self) -> GradSource:
         if self.device.unlanded:
             return GradSource.DEVICE
-        self.staging.check_kept(self.layout.index, staged=self._source is GradSource.STAGING)
-        return self._source
+        staged = self._source is GradSource.STAGING
+        self.staging.check_kept(self.layout.index, staged=staged)
+        return self.staging.kept_source() if staged else self._source
 
     def gradient(self, source: GradSource) -> torch.Tensor:
         if source is GradSource.DEVICE:
             raise RuntimeError(f"bucket {self.layout.index}: its gradient has not landed (bug)")
-        grad = self.grad_staging if source is GradSource.STAGING else self.grad_acc
+        if source is GradSource.STAGING or source is GradSource.SPARE:
+            grad = self._staging_tensor(self.staging.buffer(source))
+        else:
+            grad = self.grad_acc
         if grad is None:
             raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
         return grad
