@@ -99,6 +99,7 @@ from ..flat_bucket import FlatBucket
 from ..rule.base import OptimizerRule
 from ..rule.values import loaded_torch_switches
 from ..update.loss_scaler import LossScaler
+from ..update.resume import LoadGuard
 from .group_fields import GROUP_KEY, carried_fields, fields_from_groups
 from .loaded_fields import (
     FORMAT_VERSION,
@@ -220,11 +221,14 @@ def load_optimizer_state(
     comm: Comm | None,
     scaler: LossScaler,
     rule: OptimizerRule,
+    guard: LoadGuard,
+    call: str,
 ) -> LoadedState:
     """Check everything (the loss scaler's state too), then copy into ``buckets`` and
     ``param_groups``; see ``OffloadAdamW.load_state_dict`` and Note [a load checks
-    everything, then copies]. Returns what the caller applies: the scaler's state, the skip
-    count, whether an update was pending."""
+    everything, then copies]. ``guard`` records the copy bucket by bucket, ``call`` being
+    the call that redoes it (Note [a load cut short] in ``update/resume.py``). Returns what
+    the caller applies: the scaler's state, the skip count, whether an update was pending."""
     loaded_groups = saved_groups(state_dict, param_groups)
     if "zero_offload" in state_dict:
         extra = check_mapping(
@@ -359,45 +363,45 @@ def load_optimizer_state(
     written = {to_local[saved_id] for saved_id in written_ids}
 
     # Note [a load checks everything, then copies]: from here on nothing reads the caller's
-    # dict, only what was staged from it, and nothing raises on its data.
-    for bucket in buckets:
+    # dict, only what was staged from it, and nothing raises on its data. A copy cut short
+    # (Ctrl-C) is recorded bucket by bucket: Note [a load cut short] in update/resume.py.
+    guard.start(call, [bucket.layout.index for bucket in buckets])
+    for position, bucket in enumerate(buckets):
+        guard.begin(position)
         # Master weights the checkpoint lacks (a torch.optim.AdamW state dict, parameters
         # never stepped) come from the model's weights (Note [weights written outside the
         # optimizer] in views/param_views.py).
         bucket.store.reconcile_master()
-    # Slots whose loaded weights win: no master in the state, or written before the save.
-    weights_win: dict[int, set[int]] = {bucket.layout.index: set() for bucket in buckets}
-    with torch.no_grad():
-        for index, (bucket, i) in slots.items():
-            _, _, views = flat_views[index]
-            shaped_state = shaped_views[index]  # starts at 0 (ParamField)
-            entry = staged.get(index)
-            if entry is None or "master" not in entry:
-                weights_win[bucket.layout.index].add(i)
-            if entry is None:
+        # Slots whose loaded weights win: no master in the state, or written before the save.
+        weights_win: set[int] = set()
+        with torch.no_grad():
+            for i, slot in enumerate(bucket.layout.slots):
+                _, _, views = flat_views[slot.index]
+                shaped_state = shaped_views[slot.index]  # starts at 0 (ParamField)
+                entry = staged.get(slot.index)
+                if entry is None or "master" not in entry or slot.index in written:
+                    weights_win.add(i)
+                if entry is None:
+                    for name, view in views.items():
+                        if name != "master":
+                            view.fill_(bucket.store.field_initial(name))
+                    for view in shaped_state.values():
+                        view.zero_()
+                    bucket.steps[i] = 0
+                    bucket.kept_at_zero.discard(i)
+                    continue
                 for name, view in views.items():
-                    if name != "master":
-                        view.fill_(bucket.store.field_initial(name))
-                for view in shaped_state.values():
-                    view.zero_()
-                bucket.steps[i] = 0
-                bucket.kept_at_zero.discard(i)
-                continue
-            for name, view in views.items():
-                if name in entry:
+                    if name in entry:
+                        view.copy_(entry[name])
+                for name, view in shaped_state.items():
                     view.copy_(entry[name])
-            for name, view in shaped_state.items():
-                view.copy_(entry[name])
-            bucket.steps[i] = entry["step"]
-            if bucket.steps[i] == 0:  # an entry saved with step 0 stays one (as torch's)
-                bucket.kept_at_zero.add(i)
-            else:
-                bucket.kept_at_zero.discard(i)
-    for index in written:
-        bucket, i = slots[index]
-        weights_win[bucket.layout.index].add(i)
-    for bucket in buckets:
-        bucket.loaded(weights_win[bucket.layout.index])  # Note [a loaded state claims no weights]
+                bucket.steps[i] = entry["step"]
+                if bucket.steps[i] == 0:  # an entry saved with step 0 stays one (as torch's)
+                    bucket.kept_at_zero.add(i)
+                else:
+                    bucket.kept_at_zero.discard(i)
+        bucket.loaded(weights_win)  # Note [a loaded state claims no weights]
+        guard.done(position)
     for new, group in zip(new_groups, param_groups, strict=True):
         group.update(new)
     dropped = not extra and any("master" in entry for entry in staged.values())

@@ -37,7 +37,9 @@ A checkpoint loads back into an optimizer built the same way (the same parameter
 size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
 bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
 and back. Everything is checked first, every tile's checksum included (a pass over the
-files): a mismatch raises and leaves the optimizer as it was. A checkpoint that records
+files): a mismatch raises and leaves the optimizer as it was. A copy cut short after that
+(Ctrl-C) is recorded, and the steps refuse until the load is called again (Note [a load cut
+short] in ``update/resume.py``). A checkpoint that records
 the rule's name loads only into an optimizer whose rule is of the same state family
 (``OptimizerRule.state_family``: Adam and AdamW load each other's, as torch's do; those
 written before the name was recorded load as before, by their fields).
@@ -60,6 +62,7 @@ from ...fileio import atomic_directory, private_file, recover_directory
 from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
+from ..update.resume import LoadGuard
 from .bucket_file import check_bucket_file, load_bucket, save_bucket, shaped_layout
 from .loaded_fields import check_skipped_steps
 from .state_dict import LoadedState, group_entries
@@ -367,11 +370,15 @@ def load(
     tile_elements: int,
     rule: str,
     family: str,
+    guard: LoadGuard,
+    call: str,
 ) -> LoadedState:
     """Load what ``save`` wrote under ``path/rank{r}/`` into ``buckets`` and
     ``param_groups``, tile by tile; checks everything first (the loss scaler's state too,
-    and that a rule of ``family`` saved it, ``rule`` naming ours in the message): a mismatch raises and changes nothing.
-    Returns what the caller applies, as ``state_dict.load_optimizer_state`` does."""
+    and that a rule of ``family`` saved it, ``rule`` naming ours in the message): a mismatch
+    raises and changes nothing. ``guard`` records the copy bucket by bucket, ``call`` being
+    the call that redoes it (Note [a load cut short] in ``update/resume.py``). Returns what
+    the caller applies, as ``state_dict.load_optimizer_state`` does."""
     directory, _, world = _rank_dir(comm, path)
     meta: dict[str, Any] = {}
     unreadable: BaseException | None = None
@@ -401,17 +408,21 @@ def load(
     skipped = check_skipped_steps(str(directory / _META), meta.get("skipped_steps"))
 
     written = set(meta.get("written_since_step", ()))
-    # Checked: from here on nothing raises on the checkpoint's data.
+    # Checked: from here on nothing raises on the checkpoint's data. A copy cut short
+    # (Ctrl-C) is recorded bucket by bucket: Note [a load cut short] in update/resume.py.
+    guard.start(call, [bucket.layout.index for bucket in buckets])
     loading = zip(meta["buckets"], buckets, strict=True)
-    for entry, bucket in progress(
-        loading, desc="load_streaming", total=len(buckets), unit="bucket"
+    for position, (entry, bucket) in enumerate(
+        progress(loading, desc="load_streaming", total=len(buckets), unit="bucket")
     ):
+        guard.begin(position)
         load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
         bucket.kept_at_zero.clear()  # a streamed checkpoint keeps no unstepped entries
         bucket.store.publication.drop_unpublished()
         # Note [a loaded state claims no weights] in state_dict.py
         bucket.loaded(i for i, slot in enumerate(bucket.layout.slots) if slot.index in written)
+        guard.done(position)
     for saved, group in zip(meta["param_groups"], param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":

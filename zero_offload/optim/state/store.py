@@ -204,7 +204,7 @@ class StateStore(ABC):
     def weights_are_master(self) -> bool:
         """Whether the parameters' bytes are the fp32 master itself, so that a write into
         the weights (``model.load_state_dict``) writes the master too (Note [a resumed
-        update is published at the step, not at the load] in ``update/modes.py``). Not by
+        update is published at the step, not at the load] in ``update/resume.py``). Not by
         default."""
         return False
 

@@ -10,9 +10,10 @@ Note [a step is all or nothing]
 Everything that can refuse (arguments, hyper-parameters, parameters replaced or unfrozen
 behind the optimizer) is checked and every bucket's ``StepPlan`` made before the first
 bucket changes. What can still fail after that is not the caller's data: a kernel, a copy
-or a collective. Then ``StepFailed`` says which buckets were stepped, which one was
-stepped in part, and that the optimizer must be reloaded from a checkpoint or rebuilt: after
-``zero_grad()``, by ``load_streaming`` where some state is on NVMe, else ``load_state_dict``
+or a collective. Then ``StepFailed`` says which buckets were stepped, how far it got in the
+one it stopped in (Note [what a stopped step says] in ``failures.py``), and that the
+optimizer must be reloaded from a checkpoint or rebuilt: after ``zero_grad()``, by
+``load_streaming`` where some state is on NVMe, else ``load_state_dict``
 (``load_consolidated`` with several ranks); with several ranks its first line names the rank
 whose absence failed the collective (Note [naming the absent rank] in ``collectives.py``).
 
@@ -34,6 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ...accelerator import Event, Stream, latest_per_stream
@@ -44,13 +46,14 @@ from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...tracing import phase
 from ...views.in_flight import InFlight
-from ..flat_bucket import FlatBucket, StepPlan, same_fingerprint
+from ..flat_bucket import FlatBucket, StepPlan
 from ..publish import Publish
 from ..ranks import Ranks
 from ..rule.base import Hyper
 from ..shadow import WeightShadows
-from .failures import StepFailed, failed, interrupted
+from .failures import BucketPart, StepFailed, failed, interrupted
 from .reconcile import WriteChecks
+from .resume import LoadGuard, ResumedUpdate
 
 __all__ = ["DelayedUpdate", "ImmediateUpdate", "StepFailed", "UpdateMode", "failed", "interrupted"]
 
@@ -81,69 +84,36 @@ class UpdateMode(ABC):
         # Buckets published and not landed yet, in the order their copies went (Note
         # [weights landed at their first use] in views/in_flight.py).
         self._deferred: list[FlatBucket] = []
-        # Loaded from a checkpoint taken with an update pending: its weights are published
-        # from the master at the next step, and the weights written until then are the
-        # checkpoint's own, not an outside write (Note [delayed parameter update]).
-        self._resumed = False
-        # Fingerprints of the loaded master where the weights are the master, by bucket
-        # (Note [a resumed update is published at the step, not at the load]).
-        self._loaded_masters: dict[int, list[int | torch.Tensor]] = {}
+        # A loaded checkpoint's pending update, published from the master at the next
+        # step (Note [a resumed update is published at the step, not at the load] in
+        # resume.py).
+        self.resumed = ResumedUpdate(ranks.where())
+        # The last load's copy, and whether it stopped half-way (Note [a load cut short] in
+        # resume.py): while it has, no update is pending and nothing is published.
+        self.load = LoadGuard(ranks.where())
 
     @property
     def pending(self) -> bool:
         """Whether an update's weights are not on the device yet."""
-        return self._resumed
+        return self.resumed.pending and not self.load.cut
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
-        """Put any pending update's weights on the device (weights written since win)."""
+        """Put any pending update's weights on the device (weights written since win);
+        nothing after a load cut short (Note [a load cut short] in resume.py)."""
         self.land_all()
-        if self._resumed:
-            self._refuse_overwritten_master(buckets)
-            # Note [a resumed update is published at the step, not at the load]
+        if self.resumed.pending and not self.load.cut:
+            self.resumed.refuse_overwritten_master(buckets)
+            # Note [a resumed update is published at the step, not at the load] in resume.py
             for bucket in buckets:
                 bucket.store.publish_all_from_master()
             self._publish_pending(buckets, trust_weights=True)
-            self._resumed = False
+            self.resumed.pending = False
 
     def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
         """A state was loaded; ``pending``: it was saved with a delayed update pending,
         whose weights the next step publishes from the master (in either update mode)."""
-        self._resumed = pending
-        # Note [a resumed update is published at the step, not at the load]: where the
-        # weights are the master, what the step will publish from, fingerprinted
-        self._loaded_masters = {
-            bucket.layout.index: bucket.master_fingerprints()
-            for bucket in buckets
-            if pending and bucket.store.weights_are_master()
-        }
-
-    def _refuse_overwritten_master(self, buckets: Sequence[FlatBucket]) -> None:
-        """Raise (nothing published or stepped) where the loaded master that the pending
-        update is published from was overwritten through the weights since the load, but for
-        the parameters whose loaded weights win (``masters_from_weights``)."""
-        loaded, self._loaded_masters = self._loaded_masters, {}
-        lost: list[int] = []
-        for bucket in buckets:
-            before = loaded.get(bucket.layout.index)
-            if before is None:
-                continue
-            now = bucket.master_fingerprints()
-            for i, (a, b) in enumerate(zip(before, now, strict=True)):
-                if i not in bucket.views.masters_from_weights and not same_fingerprint(a, b):
-                    lost.append(bucket.layout.slots[i].index)
-        if lost:
-            self._resumed = False  # said once: close() and the next step() go on without it
-            raise ValueError(
-                f"{self.ranks.where()}the loaded optimizer state was saved with an "
-                "overlap_step update pending, which step() publishes from its fp32 master; "
-                "with parameter offload and fp32 weights the parameters are that master, and "
-                f"parameters {sorted(lost)} (positions in param_groups) were written after "
-                "the optimizer's load (model.load_state_dict after opt.load_state_dict "
-                "writes the checkpoint's weights, one update behind), so the update is lost. "
-                "Load the model first, then the optimizer (or call "
-                "opt.flush_pending_update() before saving). Nothing was stepped; a retried "
-                "step() goes on without the update"
-            )
+        self.resumed.loaded(buckets, pending=pending)
+        self.load.finish()  # last: one state again (Note [a load cut short] in resume.py)
 
     def saved_pending(self, buckets: Sequence[FlatBucket]) -> dict[str, Any]:
         """What a checkpoint records of a pending update: ``pending_update``, and
@@ -152,7 +122,7 @@ class UpdateMode(ABC):
         written: list[int] = []
         if self.pending:
             for bucket in buckets:
-                ours = {id(p) for p in _written(bucket, trust_weights=self._resumed)}
+                ours = {id(p) for p in _written(bucket, trust_weights=self.resumed.pending)}
                 slots = zip(bucket.layout.slots, bucket.views.params, strict=True)
                 written.extend(slot.index for slot, param in slots if id(param) in ours)
         return {"pending_update": self.pending, "written": sorted(written)}
@@ -295,7 +265,9 @@ class ImmediateUpdate(UpdateMode):
     checks_in_update = True
 
     def eager_refusal(self) -> str | None:
-        if self._resumed:
+        if self.load.cut:  # Note [a load cut short] in resume.py
+            return "the last load was interrupted, and step() refuses until it is redone"
+        if self.resumed.pending:
             return "the loaded checkpoint's pending update is published by step() first"
         return None
 
@@ -311,14 +283,20 @@ class ImmediateUpdate(UpdateMode):
         stepped: list[int] = []
         checked: set[int] = set()
         buckets = [plan.bucket for plan, _ in work]
-        with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
-            for plan, hyper in work:
-                bucket = plan.bucket
-                try:
+        # How far the step got, for what it says if it stops: Note [what a stopped step
+        # says] in failures.py
+        current: StepPlan | None = None  # the plan of the bucket being stepped
+        part = BucketPart.UNTOUCHED
+        try:
+            with phase("cpu_adam", track="cpu_optimizer", owner=self.manager):
+                for plan, hyper in work:
+                    current, part = plan, BucketPart.UNTOUCHED
+                    bucket = plan.bucket
                     take = self.write_checks.takes(bucket)
                     if take and not plan.every_slot:  # not what the check saw: by value
                         bucket.store.reconcile_master()
                         take = False
+                    part = BucketPart.UPDATING
                     bucket.store.update(
                         hyper,
                         grad_scale,
@@ -327,6 +305,7 @@ class ImmediateUpdate(UpdateMode):
                         source=plan.source,
                         take_written=take,
                     )
+                    part = BucketPart.UPDATED
                     if take:
                         checked.add(bucket.layout.index)
                     published = bucket.publish()
@@ -334,38 +313,65 @@ class ImmediateUpdate(UpdateMode):
                     wait, gather = self._gather(bucket, published)
                     events.extend(wait)
                     gathers.append(gather)
-                except BaseException as exc:
-                    what = f"{self.ranks.where()}step() in bucket {bucket.layout.index}"
-                    index = bucket.layout.index
-                    self._settle_issued()  # Note [an interrupted step's copies land before it leaves]
-                    # Note [an interrupt is not a failure]
-                    if interrupted(exc, what, stepped, index, buckets=buckets, ranks=self.ranks):
-                        raise
-                    raise failed(
-                        f"{self.ranks.where()}step() failed in bucket {index}",
-                        stepped,
-                        index,
-                        buckets=buckets,
-                        ranks=self.ranks,
-                        cause=exc,
-                    ) from exc
-                bucket.commit(plan)
-                stepped.append(bucket.layout.index)
-        try:
+                    bucket.commit(plan)
+                    stepped.append(bucket.layout.index)
+                    current = None
             self._land(buckets, events, gathers, frozenset(checked))
         except BaseException as exc:
-            what = f"{self.ranks.where()}step() while landing the weights"
             self._settle_issued()  # Note [an interrupted step's copies land before it leaves]
-            if interrupted(exc, what, stepped, None, buckets=buckets, ranks=self.ranks):
+            stopped = self._stopped(exc, buckets, stepped, current, part)
+            if stopped is exc:  # an interrupt leaves as itself, with a note
                 raise
-            raise failed(
-                f"{self.ranks.where()}step() failed while landing the weights",
-                stepped,
-                None,
-                buckets=buckets,
-                ranks=self.ranks,
-                cause=exc,
-            ) from exc
+            raise stopped from exc
+
+    def _stopped(
+        self,
+        exc: BaseException,
+        buckets: list[FlatBucket],
+        stepped: list[int],
+        current: StepPlan | None,
+        part: BucketPart,
+    ) -> BaseException:
+        """What ``run`` raises when ``exc`` stopped it in ``current`` (None: between
+        buckets, or after the last) as far as ``part``: ``exc`` itself, with a note, for an
+        interrupt (Note [an interrupt is not a failure]), else ``StepFailed``; either says
+        exactly what was stepped (Note [what a stopped step says] in failures.py)."""
+        if current is not None and part is BucketPart.UPDATED:
+            bucket = current.bucket
+            if bucket.layout.index in stepped or np.array_equal(bucket.steps, current.steps):
+                # its commit took the counts before the stop: stepped and counted
+                stepped = sorted({*stepped, bucket.layout.index})
+                current = None
+        applied = current is None and len(stepped) == len(buckets)
+        if applied:
+            failing, part = None, BucketPart.UNTOUCHED
+            where = "while landing the weights"
+        else:
+            bucket = current.bucket if current is not None else buckets[len(stepped)]
+            failing = bucket.layout.index
+            part = part if current is not None else BucketPart.UNTOUCHED
+            where = f"in bucket {failing}"
+        what = f"{self.ranks.where()}step() {where}"
+        if interrupted(
+            exc,
+            what,
+            stepped,
+            failing,
+            buckets=buckets,
+            ranks=self.ranks,
+            part=part,
+            applied=applied,
+        ):
+            return exc
+        return failed(
+            f"{self.ranks.where()}step() failed {where}",
+            stepped,
+            failing,
+            buckets=buckets,
+            ranks=self.ranks,
+            cause=exc,
+            part=part,
+        )
 
 
 # Note [an interrupted step's copies land before it leaves]
@@ -403,26 +409,6 @@ class ImmediateUpdate(UpdateMode):
 # instead (Note [the delayed update lands in a shadow] in optim/shadow.py).
 
 
-# Note [a resumed update is published at the step, not at the load]
-# A loaded checkpoint's pending update (Note [delayed parameter update]) is written from the
-# master when the first step settles it, not when the state loads. Written at the load, it
-# reached the weights at once where the store's home is the weights (parameter offload):
-# loaded before the model, the model's load then wrote the checkpoint's stale weights over
-# it and the first step took them into the master, the update lost (1.4e-2 off after five
-# steps); loaded after, the first forward saw the update, which the uninterrupted run's did
-# not. Now both orders do what a store behind a link does in both: the first forward runs on
-# the checkpoint's weights, as the uninterrupted run's did, and its step publishes the
-# update, then steps from it. Nothing between the load and the step reads the staging it
-# would have filled, and a master written through ``opt.state`` meanwhile is what it
-# publishes. One case cannot be mended: parameter offload with fp32 weights, whose home is
-# the master itself (``StateStore.weights_are_master``). The model's load writes the
-# checkpoint's weights into the master, so loaded after the optimizer it erases the update;
-# loaded before, the optimizer's load puts the master into the weights and the first forward
-# runs on the update (as after ``flush_pending_update()`` before the save). So the load
-# fingerprints such masters, and the step that would publish refuses, naming the order that
-# works, where one was written since, but for the parameters whose loaded weights win.
-
-
 class DelayedUpdate(UpdateMode):
     """``overlap_step``: the update runs on the host worker, published at the next step."""
 
@@ -443,14 +429,14 @@ class DelayedUpdate(UpdateMode):
 
     @property
     def pending(self) -> bool:
-        return self._pending or self._resumed
+        return (self._pending or self.resumed.pending) and not self.load.cut
 
     def eager_refusal(self) -> str | None:
         return "overlap_step delays the update instead"
 
     def loaded(self, buckets: Sequence[FlatBucket], *, pending: bool) -> None:
+        self._pending = False  # ours was drained; the checkpoint's, if any, is resumed
         super().loaded(buckets, pending=pending)
-        self._pending = False  # ours was drained; the checkpoint's, if any, is _resumed
 
     def run(self, work: Sequence[tuple[StepPlan, Hyper]], grad_scale: float) -> None:
         plans = [
@@ -479,10 +465,10 @@ class DelayedUpdate(UpdateMode):
 
     def settle(self, buckets: Sequence[FlatBucket]) -> None:
         self.land_all()
-        if self._resumed:
+        if self.resumed.pending:
             super().settle(buckets)
             return
-        if not self._pending:
+        if not self._pending or self.load.cut:  # Note [a load cut short] in resume.py
             return
         # Synchronisation point: the delayed update must be finished before its weights go.
         try:
