@@ -122,10 +122,10 @@ def _sweep(work: Callable[[torch.nn.Module, Any], None]) -> None:
 
 
 # The sweeps run in a child process: an interrupt at the exit of a ``with
-# torch._C.DisableTorchFunctionSubclass()`` block skips the exit (the window Note [an
-# interrupted move] leaves uncovered), and torch then ignores tensor subclasses on that
-# thread for good, which broke later tests of this process (a read of a released parameter
-# no longer fetched its unit).
+# torch._C.DisableTorchFunctionSubclass()`` block skips the exit, and one that leaves
+# through no window hook (the window Note [an interrupted move] leaves uncovered) leaves
+# torch ignoring tensor subclasses on that thread for good, which broke later tests of this
+# process (a read of a released parameter no longer fetched its unit).
 _IN_CHILD = os.environ.get("ZERO_OFFLOAD_INTERRUPT_SWEEP") == "1"
 _child_only = pytest.mark.skipif(not _IN_CHILD, reason="run in a child process by the test below")
 

@@ -25,7 +25,7 @@ the copies' events go to compute like any published weights. A fetch's gather wa
 ``h2d`` stream's work issued so far (``DeviceShardUnit._fill_slot``): the step's copies into
 ``home_dev`` and any refresh are there, in stream order, together with the compute that read
 the slot's previous occupant. A write to a resident unit by user code goes home as under
-parameter offload (Note [a write to a resident unit reaches its home] in ``unit.py``), D2H
+parameter offload (Note [a write to a resident unit reaches its home] in ``slot_writes.py``), D2H
 into the host home, and then H2D into ``home_dev`` (``_home_written``), so both homes agree
 before the next fetch.
 

@@ -22,7 +22,10 @@ homes] in ``state_dict_entries.py``).
 
 A hook that raises (a ``KeyboardInterrupt`` included) leaves no unit MOVING behind: the
 offloader recovers them on the way out (``_recovering``; Note [an interrupted move] in
-``unit.py``), and again at its next entry should a second interrupt land there.
+``unit.py``), and again at its next entry should a second interrupt land there. It leaves
+torch's tensor-subclass dispatch as it found it, too: an interrupt at the exit of a ``with
+torch._C.DisableTorchFunctionSubclass()`` block in the window's code skips the exit, and
+torch would go on ignoring the released parameters' class on that thread.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..memory.manager import interpreter_exiting
+from ..memory.quiet_exit import interpreter_exiting
 from . import released
 from .hook_ref import Hook
 from .state_dict_entries import Owned
@@ -108,14 +111,24 @@ def materializer(offloader: Any, index: int) -> functools.partial[None]:
     return functools.partial(_materialize, weakref.ref(offloader), index)
 
 
+#: The thread's tensor-subclass dispatch state, where torch exposes it (recent releases;
+#: with an older torch the skipped with-exit of Note [an interrupted move] stays a gap).
+_get_dispatch: Callable[[], Any] | None = getattr(torch._C, "_get_torch_function_state", None)
+
+
 def _recovering(hook: Callable[..., None]) -> Callable[..., None]:
     """``hook(ref, ...)``, recovering the offloader's MOVING units if it raises."""
 
     @functools.wraps(hook)
     def run(ref: weakref.ref, *args: Any) -> None:
+        dispatch = None if _get_dispatch is None else _get_dispatch()
         try:
             hook(ref, *args)
         except BaseException:
+            if dispatch is not None:
+                # A with-exit the interrupt skipped (the views, released.py): the recovery
+                # and every read after it need the released parameters' class dispatched.
+                torch._C._set_torch_function_state(dispatch)
             offloader = ref()
             if offloader is not None:
                 with contextlib.suppress(Exception):  # the hook's error is the one to raise

@@ -27,7 +27,8 @@ updates only the pinned homes, and the next forward's fetches bring the update. 
 slot still holds the unit's current weights copies nothing (``ParamUnit.content_valid``).
 A forward outside training (``torch.no_grad()``, ``model.eval()``, ``generate()``) moves the
 window exactly like a training forward; the units still resident when a forward returns are
-*exposed* to user code (Note [a write to a resident unit reaches its home] in ``unit.py``).
+*exposed* to user code (Note [a write to a resident unit reaches its home] in
+``slot_writes.py``).
 User code that reads a released parameter outside the window brings its unit back through
 ``materialize`` (Note [a released parameter] in ``released.py``), into a buffer of its own
 (Note [a read outside the window lands privately] in ``private_reads.py``).
@@ -100,6 +101,7 @@ from ..views import Family
 from . import hooks
 from .home_store import Bounce, bounce_bytes
 from .hook_ref import Hook as _Hook  # noqa: F401  the old name: models pickled with it load
+from .live_units import LiveUnits
 from .private_reads import PrivateReads
 from .state_dict_entries import StateDictEntries, owners
 from .unit import ParamUnit, UnitState
@@ -173,6 +175,9 @@ class ParamOffloader(PrivateReads):
         self.specs: list[UnitSpec] = find_units(model, blocks, trainable)
         self._index_of_param = {id(p): i for i, s in enumerate(self.specs) for p in s.params}
         self.units: list[ParamUnit] = []
+        self.live: LiveUnits[ParamUnit] = (
+            LiveUnits()
+        )  # the units not released: Note [the live units]
         self.window: Window | None = None
         self._place: dict[int, tuple[int, int]] = {}  # bucket index -> (unit, byte offset)
         self._handles: list[Any] = []
@@ -228,6 +233,7 @@ class ParamOffloader(PrivateReads):
                 self.window.slots[slot_of[i]],
                 manager=self.manager,
                 materialize=hooks.materializer(self, i),
+                live=self.live,
             )
             for i, spec in enumerate(self.specs)
         ]
@@ -300,11 +306,9 @@ class ParamOffloader(PrivateReads):
 
     def recover(self) -> None:
         """Every unit a move left MOVING (an interrupt, or an error part-way) is rebuilt
-        ON_HOST (Note [an interrupted move] in ``unit.py``); one identity test per unit
-        when none is."""
-        for unit in self.units:
-            if unit.state is UnitState.MOVING:
-                unit.recover()
+        ON_HOST (Note [an interrupted move] in ``unit.py``); one test of an empty set when
+        none is (Note [the live units] in ``live_units.py``)."""
+        self.live.recover()
 
     def check_homes_settled(self, what: str) -> None:
         """Refuse ``what`` (a forward, a parameter read, a state dict: each reads the homes)
@@ -341,12 +345,12 @@ class ParamOffloader(PrivateReads):
         """Note [the parameter window]: release what left it, fetch ``current`` (if it is
         not resident) and ``upcoming``, and make compute wait for ``current``."""
         keep = {id(current), *(id(u) for u in upcoming)}
-        for unit in self.units:
-            if unit.state is UnitState.MOVING:  # Note [an interrupted move] in unit.py
-                unit.recover()
-            elif unit.pending and all(p.done() for p in unit.pending):
+        self.recover()  # Note [an interrupted move] in unit.py
+        live = self.live.live()  # the units in the window, not every unit: Note [the live units]
+        for unit in live:
+            if unit.pending and all(p.done() for p in unit.pending):
                 unit.finish_fetch()  # a prefetch from NVMe whose reads are done: to the slot
-        for unit in self.units:
+        for unit in live:
             if unit.resident and id(unit) not in keep:
                 unit.release()
         self._fetch(current, demand=True)

@@ -22,7 +22,7 @@ call taking several released parameters brings every one back before it runs, an
 them leaves for another (``current_call``). User code between steps gets
 torch's semantics: a read sees the live weights, a write lands in the slot and reaches the
 home when the unit leaves (Note [a write to a resident unit reaches its home] in
-``unit.py``), and ``model.half()`` converts the fetched weights and replaces ``.data``, which
+``slot_writes.py``), and ``model.half()`` converts the fetched weights and replaces ``.data``, which
 the next fetch or step refuses (Note [parameters replaced behind the optimizer] in
 ``views/param_views.py``). Compute never pays for the check: a unit's parameters have their
 plain class while it is on the device, and the window's hooks fetch every unit before its

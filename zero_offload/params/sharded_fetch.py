@@ -92,6 +92,7 @@ from torch import nn
 
 from ..accelerator import Event, Stream
 from ..collectives import Comm, all_gather_flat, surface_collective_errors, wait_all
+from ..errors import Attempts
 from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
 from ..tracing import phase
@@ -479,15 +480,22 @@ class ShardedParamOffloader(ParamOffloader):
     def close(self) -> None:
         """Each unit is gathered once more (collective: every rank closes its optimizer) and
         its parameters take private copies of the whole weights, before the base class
-        closes the window."""
+        closes the window: that too when a gather failed (the process group is broken:
+        Note [a release after a collective failure the caller saw] in optim/lifetime.py),
+        the gather's error raised after it."""
         self._order = []
+        attempt = Attempts()
+        attempt(self._unbind_all)
+        attempt(super().close)
+        attempt.raise_first()
+
+    def _unbind_all(self) -> None:
         with surface_collective_errors():
             for unit in self.units:
                 if any(v.home is not None or v.nvme_home is not None for v in unit.views):
                     for views in unit.views:
                         views.unbind()  # the first gathers the unit, the others reuse it
                     unit.release()  # the parameters are private copies now: left alone
-        super().close()
 
     def before_step(self) -> None:
         if self._order:

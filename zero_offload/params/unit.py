@@ -38,36 +38,12 @@ with its plain class views device bytes compute has waited for.
 ON_HOST -> FETCHING -> ON_DEVICE -> ON_HOST, or FETCHING -> ON_HOST (released before use);
 each move that re-points the parameters passes through MOVING (Note [an interrupted move]).
 A release points the parameters at their placeholders again, after copying a written slot
-home (Note [a write to a resident unit reaches its home]); the slot's bytes are overwritten
-only by a fetch, whose copies wait for the compute stream's work issued before it (every
-kernel that read the previous occupant is among it: stream-ordered reuse, the CPU does not
-wait). ``ParamUnit.content_valid`` says the slot still holds this unit's current weights
+home (Note [a write to a resident unit reaches its home] in ``slot_writes.py``); the slot's
+bytes are overwritten only by a fetch, whose copies wait for the compute stream's work issued
+before it (every kernel that read the previous occupant is among it: stream-ordered reuse,
+the CPU does not wait). ``ParamUnit.content_valid`` says the slot still holds this unit's current weights
 (released, nobody fetched into the slot since, no step since, the homes not written through
 a state dict's views since): a fetch then copies nothing.
-
-Note [a write to a resident unit reaches its home]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-While a unit is on the device its parameters are views of the slot, and user code may write
-them: ``model.load_state_dict`` after an eval forward or between forward and backward, an
-in-place op, ``p.data.copy_``, or anything after ``materialize`` brought the unit back for
-user code. Such a write must reach the home, or the next fetch (or step) would silently undo
-it. At each release the unit decides whether the slot was written and, if so, copies it home
-(D2H through the memory manager, waited for: the home is read by the next fetch and written
-by the next step) before the parameters are released; the optimizer then sees the home
-changed by value and reconciles (Note [weights written outside the optimizer] in
-``views/param_views.py``).
-
-How it decides, cheaply: a write through the parameter (``copy_``, ``mul_``, what
-``load_state_dict`` does) moves its version counter, compared with the versions at the
-fetch (a tuple compare). A write through ``.data`` moves a counter nobody sees, so a unit
-that user code could have touched, one that was *exposed* (still resident when a forward of
-the model returned, or brought back by ``materialize``), is also fingerprinted: its slot's
-fingerprint (``WindowedViews.slot_fingerprint``: xxh3 on a host, a device reduction on a
-GPU) is taken when it is exposed and again at its release. Cost: the version compare at every
-release; the fingerprints of the units still resident after each forward (``prefetch_layers
-+ 1`` of them) once per step, with one host synchronisation each on a GPU when they are
-released. A write made *during* a forward by code between two units' hooks, through
-``.data``, to a unit that then leaves in the same forward, is not seen.
 
 Note [an interrupted move]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -91,18 +67,21 @@ a copy is queued and before its event is kept. What is guaranteed:
   runs again.
 - It runs eagerly when a window hook raised (``hooks.py``), and otherwise before anything
   looks at the units in bulk: a window move, a read outside the window, a state dict, a step,
-  ``close`` (``ParamOffloader.recover``); a MOVING unit is not resident, so nothing computes
-  in it or releases it meanwhile. After an interrupted forward or backward, ``zero_grad()``
+  ``close`` (``ParamOffloader.recover``, which finds them in the window's ``LiveUnits``
+  without looking at every unit: Note [the live units] in ``live_units.py``); a MOVING unit
+  is not resident, so nothing computes in it or releases it meanwhile. After an interrupted forward or backward, ``zero_grad()``
   (docs/optimizer.md) and the next forward train as if the step had not begun; the
   offloader's phase and trace are reset by that forward's start.
 - Not covered: a private buffer interrupted after ``allocate_device`` returned it and before
   ``fetch_private`` keeps it (a few bytecodes) stays counted in the device budget; with
   several ranks an interrupt on one rank leaves the others' gathers waiting (they raise
   ``CollectiveError`` within ``collective_timeout``); and an interrupt at the exit of a
-  ``with torch._C.DisableTorchFunctionSubclass()`` block (``released.py``, the views): Python
-  then skips the exit, torch ignores tensor subclasses on that thread from there on, and a
-  read of a released parameter no longer fetches its unit (or reads address 0). The sweep
-  of tests/test_interrupt_param_offload.py runs in a process of its own for that reason.
+  ``with torch._C.DisableTorchFunctionSubclass()`` block (``released.py``, the views) that
+  leaves through no window hook (``close``, a state dict's post-hook): Python then skips the
+  exit, torch ignores tensor subclasses on that thread from there on, and a read of a
+  released parameter no longer fetches its unit (or reads address 0). One that leaves
+  through a hook finds the dispatch state restored there (``hooks._recovering``). The sweep
+  of tests/test_interrupt_param_offload.py runs in a process of its own for the rest.
 """
 
 from __future__ import annotations
@@ -112,12 +91,12 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
 from ..accelerator import DeviceBuffer, Event
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category, Direction
 from .home_store import Bounce, PendingFetch
+from .live_units import LiveUnits
+from .slot_writes import SlotWrites
 from .units import UnitSpec
 from .window import Slot
 from .windowed_views import WindowedViews
@@ -183,8 +162,9 @@ class ParamUnit:
         fetches: fetches that copied bytes (a statistic; the tests count them).
         write_backs: releases that copied a written slot home (a statistic).
         materialize: fetch for user code (``ParamOffloader.materialize``, holding it weakly).
-        exposed: per bucket, the slot's fingerprint when user code could first touch it
-            (None: not exposed); Note [a write to a resident unit reaches its home].
+        writes: the write check of the slot (``SlotWrites``): whether user code wrote it
+            since the fetch; Note [a write to a resident unit reaches its home] in
+            ``slot_writes.py``.
         private: the unit's own device buffer while user code reads it outside the window
             (None: the parameters are views of the slot, or released); Note [a read outside
             the window lands privately] in ``private_reads.py``.
@@ -194,6 +174,8 @@ class ParamUnit:
             end event and returns the gather's (Note [a sharded unit] in
             ``sharded_fetch.py``), or is owed it until the disk reads are done (Note
             [sharded homes on NVMe] there); None on one rank.
+        live: the window's ``LiveUnits``, shared by its units, which each move keeps (Note
+            [the live units] in ``live_units.py``).
     """
 
     def __init__(
@@ -204,6 +186,7 @@ class ParamUnit:
         *,
         manager: TieredMemoryManager,
         materialize: Callable[[], None],
+        live: LiveUnits[ParamUnit],
     ) -> None:
         self.spec = spec
         self.manager = manager
@@ -211,13 +194,13 @@ class ParamUnit:
         self.slot = slot
         self.materialize = materialize
         self.views: list[WindowedViews] = []
+        self.live = live
         self.state = UnitState.ON_HOST
         self.ready: Event | None = None
         self.fetched: Event | None = None
         self.content_valid = False
-        self._fetch_versions: list[tuple[int, ...]] = []  # per bucket, at the fetch
         self._home_versions: tuple[int, ...] = ()  # the homes' versions at fetch or release
-        self.exposed: list[list[int] | torch.Tensor] | None = None
+        self.writes = SlotWrites(self.views)
         self.fetches = 0
         self.write_backs = 0
         self.bounce: Bounce | None = None  # the window's, when a bucket's home is on NVMe
@@ -245,20 +228,21 @@ class ParamUnit:
                 "valid transition (a bug in zero-offload; please report it)"
             )
 
-    def _go(self, to: UnitState) -> None:
-        """A transition that re-points nothing (one store)."""
-        self._check(to)
-        self.state = to
-
     def _begin(self, to: UnitState) -> None:
-        """Start the move to ``to``: MOVING until ``_end`` (Note [an interrupted move])."""
+        """Start the move to ``to``: MOVING until ``_end`` (Note [an interrupted move]); the
+        unit is live and moving before the store (Note [the live units])."""
         self._check(to)
+        self.live.units.add(self)
+        self.live.moving.add(self)
         self.state = UnitState.MOVING
 
     def _end(self, to: UnitState) -> None:
         if self.state is not UnitState.MOVING:
             raise RuntimeError(f"{self!r}: ended a move it was not making (bug)")
         self.state = to
+        self.live.moving.discard(self)  # after the store: Note [the live units]
+        if to is UnitState.ON_HOST:
+            self.live.units.discard(self)
 
     @property
     def resident(self) -> bool:
@@ -266,6 +250,11 @@ class ParamUnit:
         view it once ``bound``."""
         state = self.state
         return state is UnitState.FETCHING or state is UnitState.ON_DEVICE
+
+    @property
+    def moving(self) -> bool:
+        """MOVING: a move did not end (Note [an interrupted move])."""
+        return self.state is UnitState.MOVING
 
     @property
     def bound(self) -> bool:
@@ -303,7 +292,7 @@ class ParamUnit:
         """The copies are queued; the parameters keep their placeholders until ``use``
         (Note [a fetching unit's parameters stay released])."""
         self._home_versions = self._home_versions_now()
-        self.exposed = None
+        self.writes.forget()
         self._end(UnitState.FETCHING)
 
     def private_bytes(self) -> int:
@@ -450,37 +439,27 @@ class ParamUnit:
         self._begin(UnitState.ON_DEVICE)
         for views in self.views:
             views.bind_device()
-        self._fetch_versions = [views.current_versions() for views in self.views]
+        self.writes.bound()
         self._end(UnitState.ON_DEVICE)
 
     def expose(self, manager: TieredMemoryManager) -> None:
         """User code may touch the resident unit next: fingerprint its slot (after compute
         waited for the fetch) unless it is exposed already; Note [a write to a resident
-        unit reaches its home]."""
-        if not self.resident or self.exposed is not None:
+        unit reaches its home] in ``slot_writes.py``."""
+        if not self.resident or self.writes.exposed is not None:
             return
         self.use(manager)
-        self.exposed = [views.slot_fingerprint() for views in self.views]
-
-    def _written(self) -> list[WindowedViews]:
-        """The buckets whose slot range user code wrote since the fetch."""
-        out = []
-        for i, views in enumerate(self.views):
-            written = views.current_versions() != self._fetch_versions[i]
-            if not written and self.exposed is not None:
-                written = _differ(views.slot_fingerprint(), self.exposed[i])
-            if written:
-                out.append(views)
-        return out
+        self.writes.expose()
 
     def write_back(self) -> None:
-        """Copy each written bucket's slot range home (D2H) and wait for it; Note [a write
-        to a resident unit reaches its home]. Only for an ON_DEVICE unit."""
+        """Copy each bucket the write check finds written (``SlotWrites.written``) home (D2H)
+        and wait for it; Note [a write to a resident unit reaches its home] in
+        ``slot_writes.py``. Only for an ON_DEVICE unit."""
         if self.state is not UnitState.ON_DEVICE:
             return  # nobody computed on (or wrote) a slot still being fetched
         manager = self.manager
         written = self.write_backs
-        for views in self._written():
+        for views in self.writes.written():
             if views.nvme_home is not None and self.bounce is not None:
                 label = f"param {self.spec.name} bucket{views.layout.index} write-back"
                 self.bounce.write_back(views, self.slot, label=label)
@@ -503,9 +482,7 @@ class ParamUnit:
             self._home_written(views)
             self.write_backs += 1
             self._home_versions = self._home_versions_now()  # our own write
-        self._fetch_versions = [views.current_versions() for views in self.views]
-        if self.exposed is not None:
-            self.exposed = [views.slot_fingerprint() for views in self.views]
+        self.writes.went_home()
         if self.private is not None and self.write_backs != written:
             # The private buffer's writes went home, past the slot, which still holds the
             # bytes before them (Note [a read outside the window lands privately]).
@@ -525,7 +502,7 @@ class ParamUnit:
         self._begin(UnitState.ON_HOST)
         for views in self.views:
             views.bind_placeholders()
-        self.exposed = None
+        self.writes.forget()
         if stale:
             self.content_valid = False
         self._home_versions = self._home_versions_now()
@@ -550,7 +527,7 @@ class ParamUnit:
         self.content_valid = False  # the slot may hold part of a fetch: the next one copies
         for views in self.views:
             views.bind_placeholders()
-        self.exposed = None
+        self.writes.forget()
         self._home_versions = self._home_versions_now()
         self._leave_private()
         self._end(UnitState.ON_HOST)
@@ -565,10 +542,3 @@ class ParamUnit:
         if self.fetched is not None:
             self.fetched.synchronize()
             self.fetched = None
-
-
-def _differ(now: list[int] | torch.Tensor, before: list[int] | torch.Tensor) -> bool:
-    if isinstance(now, torch.Tensor) and isinstance(before, torch.Tensor):
-        # Synchronisation point (GPU): the comparison's result is read on the host.
-        return bool((now != before).any().item())
-    return now != before

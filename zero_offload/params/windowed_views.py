@@ -64,7 +64,7 @@ import torch
 from ..accelerator.strict import MEMORY
 from ..errors import StorageError
 from ..memory.block import Block
-from ..memory.manager import interpreter_exiting
+from ..memory.quiet_exit import interpreter_exiting
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.nvme_home import WeightFile
@@ -393,7 +393,7 @@ class WindowedViews(ParamViews):
 
     def slot_fingerprint(self) -> list[int] | torch.Tensor:
         """Per parameter, the fingerprint of its slot range now (Note [a write to a resident
-        unit reaches its home] in ``unit.py``)."""
+        unit reaches its home] in ``slot_writes.py``)."""
         return self._fingerprint(self.weights_dev)
 
     def bound_to(self) -> torch.Tensor:

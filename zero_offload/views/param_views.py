@@ -33,7 +33,7 @@ device path works through ``DEVICE_CHUNK`` elements at a time, so its transient 
 memory is three int64 vectors of that length (96 MiB) whatever the parameter's size. Under
 parameter offload the fingerprints are of the pinned homes, the only copy between steps; a
 write to a unit on the device reaches its home when the unit leaves (Note [a write to a
-resident unit reaches its home] in ``params/unit.py``). Cost: docs/optimizer.md.
+resident unit reaches its home] in ``params/slot_writes.py``). Cost: docs/optimizer.md.
 
 Note [parameters replaced behind the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -14,7 +14,7 @@ fetch reads the weight file (``params/home_store.py``); the update marks the uni
 stale (``HomeWritten``).
 
 The master's reconciliation with weights written outside the optimizer (a written slot
-copied home, Note [a write to a resident unit reaches its home] in ``params/unit.py``)
+copied home, Note [a write to a resident unit reaches its home] in ``params/slot_writes.py``)
 and the republication from the master stream both files tile by tile the same way.
 """
 
