@@ -1,5 +1,5 @@
 """A rank whose peer died exits after its one clear error, without a traceback from every
-finalizer at exit (Note [a quiet exit after a failed stream] in ``memory/manager.py``)."""
+finalizer at exit (Note [a quiet exit after a failed stream] in ``memory/quiet_exit.py``)."""
 
 from __future__ import annotations
 

@@ -372,7 +372,7 @@ def test_close_in_an_atexit_hook_with_parameter_homes_on_nvme_is_quiet(tmp_path:
     """A user's ``atexit.register(opt.close)`` runs after Python stopped its thread pools
     (threading's exit hooks run first): close() raised "cannot schedule new futures after
     shutdown" from the NVMe read of its unbind. The exit is marked among threading's hooks
-    too (Note [a quiet exit after a failed stream] in memory/manager.py)."""
+    too (Note [a quiet exit after a failed stream] in memory/quiet_exit.py)."""
     root = tmp_path / "nvme"
     result = _run(_CLOSE_AT_EXIT, str(root))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -40,7 +40,7 @@ passes over it), and closing it there joins no thread. The parent is untouched, 
 child that never calls into what the parent built (a ``DataLoader`` worker) never notices.
 ``ForkedStreamError`` is a ``StreamError``: a child that exits while it still holds the
 parent's optimizer releases it quietly (Note [a quiet exit after a failed stream] in
-``memory/manager.py``), and the parent's NVMe files stay the parent's (Note [a tier belongs
+``memory/quiet_exit.py``), and the parent's NVMe files stay the parent's (Note [a tier belongs
 to the process that opened it] in ``memory/storage.py``).
 """
 

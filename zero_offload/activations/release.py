@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 from ..errors import Attempts
 from ..memory.block import Block
-from ..memory.manager import TieredMemoryManager, quiet_at_exit
+from ..memory.manager import TieredMemoryManager
+from ..memory.quiet_exit import quiet_at_exit
 from .outgoing import OutgoingCopies
 from .pools import ActivationPools
 from .record import OffloadedActivation
@@ -88,7 +89,7 @@ def release(
         deferred.get_nowait()
     if manager is not None:
         attempt(manager.close)
-    # Note [a quiet exit after a failed stream] in memory/manager.py
+    # Note [a quiet exit after a failed stream] in memory/quiet_exit.py
     attempt.raise_first(unless=quiet_at_exit)
 
 

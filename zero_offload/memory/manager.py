@@ -62,11 +62,8 @@ a ``CopyRecord``, built only when one is subscribed.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import enum
 import itertools
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -75,12 +72,13 @@ from typing import Any
 import torch
 
 from ..accelerator import Accelerator, Event, Stream, get_accelerator
-from ..errors import Attempts, StreamError
+from ..errors import Attempts, PoolExhausted
 from .block import Block
 from .exposed import ExposedTime
 from .host_worker import HostWorker
 from .listeners import TICK_EVERY, Listeners, Tick
 from .pool import BlockPool
+from .refused import allocation_refused, refused_by_the_os
 from .storage import IOBuffer, StorageFile, StorageTier
 from .traffic import (
     Category,
@@ -91,48 +89,14 @@ from .traffic import (
     TrafficCounters,
 )
 
-__all__ = ["TICK_EVERY", "Tier", "TieredMemoryManager", "interpreter_exiting", "quiet_at_exit"]
+__all__ = [
+    "TICK_EVERY",
+    "Tier",
+    "TieredMemoryManager",
+]
 
 _clock = time.perf_counter
 _new_tuple = tuple.__new__
-
-# Note [a quiet exit after a failed stream]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A process whose peer died raises its one ``CollectiveError`` (the stream's sticky error,
-# Note [stream errors are sticky]) and exits. At exit the finalizers of what it still holds
-# (the optimizer's ``Resources.release``, each pool's drain) meet the same failed streams;
-# an error raised there reaches nobody and is only printed, once per finalizer, burying the
-# one that matters. So, at interpreter exit, a release whose first error is a failed
-# stream's swallows it and what followed from it (pools still holding blocks). ``_EXITING`` is set by an ``atexit`` hook that runs before
-# ``weakref.finalize``'s own (atexit runs hooks last-registered first, and the dummy
-# finalizer below makes sure weakref's hook is registered before ours).
-_EXITING = False
-
-
-def _mark_exit() -> None:
-    global _EXITING
-    _EXITING = True
-
-
-weakref.finalize(_mark_exit, lambda: None)
-atexit.register(_mark_exit)
-# Python's thread pools (the NVMe I/O engine's) shut down in threading's own exit hooks,
-# which all run before any atexit hook: a hook of the user's (atexit.register(opt.close))
-# meets them dead, so the exit is marked among threading's hooks too.
-with contextlib.suppress(AttributeError, RuntimeError):  # private, present since 3.9
-    threading._register_atexit(_mark_exit)  # type: ignore[attr-defined]
-
-
-def interpreter_exiting() -> bool:
-    """Whether the interpreter is running its exit hooks (Note [a quiet exit after a failed
-    stream])."""
-    return _EXITING
-
-
-def quiet_at_exit(error: BaseException) -> bool:
-    """Whether a release's first ``error`` is passed over: a failed stream's, at exit (Note
-    [a quiet exit after a failed stream]); ``Attempts.raise_first(unless=...)``."""
-    return _EXITING and isinstance(error, StreamError)
 
 
 class Tier(enum.Enum):
@@ -192,10 +156,15 @@ class TieredMemoryManager:
         if not isinstance(tier, Tier):
             raise TypeError(f"tier must be a Tier, got {tier!r}")
         acc = self.accelerator
-        if tier is Tier.DEVICE:
-            pool = BlockPool.device(acc, capacity, name=name, alignment=alignment)
-        else:
-            pool = BlockPool.host(acc, capacity, name=name, alignment=alignment)
+        try:
+            if tier is Tier.DEVICE:
+                pool = BlockPool.device(acc, capacity, name=name, alignment=alignment)
+            else:
+                pool = BlockPool.host(acc, capacity, name=name, alignment=alignment)
+        except (RuntimeError, OSError) as exc:
+            if not refused_by_the_os(exc):
+                raise
+            raise PoolExhausted(allocation_refused(name, tier.value, capacity, exc)) from exc
         self.pools.append(pool)
         return pool
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import functools
 import gc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import Attempts, CollectiveError, StreamError
-from ..memory.manager import TieredMemoryManager, quiet_at_exit
+from ..collectives import releasing
+from ..errors import Attempts
+from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
+from ..memory.quiet_exit import passed_over
 from .checks import describe_param, param_name
 from .flat_bucket import FlatBucket
 from .grads.buffers import GradBuffers
@@ -113,8 +116,25 @@ class Resources:
         self.extra_streams: list[Any] = []
         self.param_offload: Any = None  # a zero_offload.params.ParamOffloader, or None
         self.released = False  # every part of release() ran: Note [a release cut short]
+        # The optimizer, weakly (set by its first segment): dead when ``release`` runs as
+        # the finalizer of a dropped optimizer, not from close(). Note [a release after a
+        # collective failure the caller saw].
+        self.owner: weakref.ref | None = None
 
     def release(self) -> None:
+        # What fails here reaches no caller: Note [an error reaches the caller once] in
+        # collectives.py.
+        with releasing():
+            attempt = self._release()
+        self.released = True
+        # Note [a quiet exit after a failed stream] in memory/quiet_exit.py; Note [a release
+        # after a collective failure the caller saw].
+        attempt.raise_first(unless=self._passed_over)
+
+    def _passed_over(self, error: BaseException) -> bool:
+        return passed_over(error, dropped=self.owner is not None and self.owner() is None)
+
+    def _release(self) -> Attempts:
         # Release everything even when a part fails (a stream's sticky error, a pool still
         # owning a block after a failure, a weight record that cannot be read back): the
         # first error is raised at the end, after the NVMe files and pools are gone.
@@ -151,10 +171,7 @@ class Resources:
             if close is not None:
                 attempt(close)
         attempt(self.router.ranks.close)  # after the comm stream: its collectives are done
-        self.released = True
-        # Note [a quiet exit after a failed stream] in memory/manager.py; Note [a release
-        # after a collective failure the caller saw].
-        attempt.raise_first(unless=lambda error: quiet_at_exit(error) or raised_before(error))
+        return attempt
 
 
 # Note [a release cut short]
@@ -173,28 +190,18 @@ class Resources:
 # CollectiveError (``surface_collective_errors``). A loop's ``finally: opt.close()`` then
 # met the same failed streams while releasing and raised them again, wrapped in a
 # StreamError, on top of the error being handled: the user saw one failure twice, the
-# second hiding the first. So a release whose first error is a StreamError caused by a
-# CollectiveError that already reached the caller passes over it, as at exit, and releases
-# the rest. Whether it reached the caller: ``surface_collective_errors`` marks the
-# CollectiveError it raises (``surfaced``). Its traceback alone cannot tell: a stream that
-# fails later stores the same chain without frames (Note [a sticky error holds no frames]),
-# wiping it, so the release raised or not by timing. A failure no call has raised yet
-# (close() is the first call to meet it) is still raised by close().
-
-
-def raised_before(error: BaseException) -> bool:
-    """Whether ``error`` is a failed stream's whose CollectiveError already reached a caller
-    (Note [a release after a collective failure the caller saw])."""
-    if not isinstance(error, StreamError):
-        return False
-    seen: set[int] = set()
-    cause = error.__cause__
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, CollectiveError):
-            return getattr(cause, "surfaced", False) or cause.__traceback__ is not None
-        cause = cause.__cause__
-    return False
+# second hiding the first. Under ZeRO-3 the close gathers each unit once more over the
+# broken process group and failed with a CollectiveError of its own. So a release whose
+# first error is a collective failure after one that reached the caller passes over it
+# and releases the rest (Note [an error reaches the caller once] in ``collectives.py``). A
+# failure no call has raised yet (close() is the first call to meet it) is still raised by
+# close(), as is a failed stream's error without a collective behind it: close() was asked.
+# A dropped optimizer's finalizer asks nobody: it passes over any error a caller met, and
+# prints one nobody met, once (Note [a quiet exit after a failed stream] in
+# ``memory/quiet_exit.py``); ``owner`` tells it from close(). Whether an error reached the
+# caller is marked on its chain when it did; the CollectiveError's traceback cannot tell: a
+# stream that fails later stores the same chain without frames (Note [a sticky error holds
+# no frames]), and a ZeRO-3 close re-raises it inside the release.
 
 
 def check_owners(

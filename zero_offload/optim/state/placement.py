@@ -246,7 +246,31 @@ def plan_placement(
             f"weights {format_bytes(placement.device_weights)}, gradient buffers "
             f"{format_bytes(placement.device_grad_buffers)} ({GRAD_BUFFERS} x the largest "
             f"bucket), resident optimizer state {format_bytes(placement.device_resident_state)} "
-            f"(offload_fraction={offload_fraction!r}). Raise the device budget, lower "
-            f"OffloadConfig.bucket_bytes, or raise offload_fraction."
+            f"(offload_fraction={offload_fraction!r}). {_budget_advice(placement, offload_fraction)}"
         )
     return placement
+
+
+def _budget_advice(placement: Placement, offload_fraction: float | str) -> str:
+    """What would make ``placement`` fit, by what it holds: a setting already at its limit
+    (``offload_fraction=1.0`` keeps no optimizer state on the device) is not offered."""
+    fixes = ["raise the device budget (AcceleratorConfig(device_budget=...))"]
+    if placement.device_resident_state:
+        fixes.append(
+            f"raise OffloadConfig.offload_fraction (now {offload_fraction!r}; 1.0 keeps no "
+            f"optimizer state on the device, freeing "
+            f"{format_bytes(placement.device_resident_state)})"
+        )
+    if placement.device_grad_buffers:
+        fixes.append(
+            f"lower OffloadConfig.bucket_bytes (the gradient buffers are {GRAD_BUFFERS} x "
+            "the largest bucket)"
+        )
+    if placement.device_weights:
+        full = "" if offload_fraction == 1.0 else ", offload_fraction=1.0"
+        fixes.append(
+            f"offload the weights too (OffloadConfig(offload_parameters=True{full}) with "
+            "model= on the optimizer: a window of layers on the device instead of all "
+            f"{format_bytes(placement.device_weights)})"
+        )
+    return "To fit: " + "; ".join(fixes[:-1]) + "; or " + fixes[-1] + "."
