@@ -1,6 +1,6 @@
 """A failure is reported once: a dropped optimizer's finalizer and the exit hooks pass over an
 error a caller already met, and report one nobody met (Note [an error reaches the caller
-once] in ``collectives.py``, Note [a quiet exit after a failed stream] in
+once] in ``error_marks.py``, Note [a quiet exit after a failed stream] in
 ``memory/quiet_exit.py``, Note [a release after a collective failure the caller saw] in
 ``optim/lifetime.py``).
 

@@ -4,9 +4,9 @@ from a lower layer to a higher one.
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
 0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``, ``post_import``,
-   ``hook_errors``, ``activation_sizes``: plain types, settings, the phase hook, atomic file
-   writes, progress bars, hooks on import, errors kept from autograd's hooks, the activation
-   pools' sizes.
+   ``hook_errors``, ``error_marks``, ``activation_sizes``: plain types, settings, the phase
+   hook, atomic file writes, progress bars, hooks on import, errors kept from autograd's
+   hooks, which errors already reached a caller, the activation pools' sizes.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``, ``thread_budget``: devices
    and streams, numba kernels, which rank owns which slice, stateless collectives, how many
    threads each team may use.
@@ -76,6 +76,7 @@ LAYERS: dict[str, int] = {
     "progress": 0,
     "post_import": 0,
     "hook_errors": 0,
+    "error_marks": 0,
     "activation_sizes": 0,
     "accelerator": 1,
     "kernels": 1,

@@ -10,7 +10,7 @@ Note [stream errors are sticky]) and exits. At exit the finalizers of what it st
 and broken process group; an error raised there reaches nobody and is only printed, once
 per finalizer, burying the one that matters. So a release run at exit, or by the
 finalizer of an owner that was dropped, passes over a first error that already reached a
-caller (Note [an error reaches the caller once] in ``collectives.py``), or that the
+caller (Note [an error reaches the caller once] in ``error_marks.py``), or that the
 interpreter printed as uncaught (``sys.last_value``: the error the script died of, which
 may have left through a call that marks nothing, a step's ``StepFailed``), and what
 followed from it (pools still holding blocks); one that reached nobody is raised, marked
@@ -29,7 +29,7 @@ import sys
 import threading
 import weakref
 
-from ..collectives import is_collective, mark_surfaced, surfaced
+from ..error_marks import is_collective, mark_surfaced, surfaced
 from ..errors import CollectiveError
 
 __all__ = ["interpreter_exiting", "passed_over", "quiet_at_exit"]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..collectives import releasing
+from ..error_marks import releasing
 from ..errors import Attempts
 from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
@@ -123,7 +123,7 @@ class Resources:
 
     def release(self) -> None:
         # What fails here reaches no caller: Note [an error reaches the caller once] in
-        # collectives.py.
+        # error_marks.py.
         with releasing():
             attempt = self._release()
         self.released = True
@@ -193,7 +193,7 @@ class Resources:
 # second hiding the first. Under ZeRO-3 the close gathers each unit once more over the
 # broken process group and failed with a CollectiveError of its own. So a release whose
 # first error is a collective failure after one that reached the caller passes over it
-# and releases the rest (Note [an error reaches the caller once] in ``collectives.py``). A
+# and releases the rest (Note [an error reaches the caller once] in ``error_marks.py``). A
 # failure no call has raised yet (close() is the first call to meet it) is still raised by
 # close(), as is a failed stream's error without a collective behind it: close() was asked.
 # A dropped optimizer's finalizer asks nobody: it passes over any error a caller met, and
