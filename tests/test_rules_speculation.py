@@ -83,9 +83,9 @@ def _slow_host_worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gates]:
     gates = _Gates()
     consumed = DeviceWindow.consumed
 
-    def slow_consumed(self: DeviceWindow, worker: Any) -> None:
+    def slow_consumed(self: DeviceWindow, worker: Any, **kwargs: Any) -> None:
         gates.hold(worker)
-        consumed(self, worker)
+        consumed(self, worker, **kwargs)
 
     monkeypatch.setattr(DeviceWindow, "consumed", slow_consumed)
     yield gates
