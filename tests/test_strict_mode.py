@@ -184,11 +184,14 @@ def test_copies_scalars_and_unknown_tensors_mix_freely():
     acc = _strict()
     host = acc.allocate_host(64).view(torch.float32)
     device = acc.allocate_device(64, what="weights").tensor.view(torch.float32)
+    host.copy_(torch.arange(16.0))  # fresh pinned memory holds whatever it held (NaN, say)
     reference = torch.ones(16)  # made without saying where: mixes with both
     with strict_device_checks():
         device.copy_(host)  # copies cross devices on CUDA too
-        acc.copy_(host, device, stream=acc.current_stream(), label="d2h")
-        acc.copy_(device, host, stream=acc.new_stream("h2d"), label="h2d")
+        compute, h2d = acc.current_stream(), acc.new_stream("h2d")
+        acc.copy_(host, device, stream=compute, label="d2h")
+        h2d.wait_event(compute.record_event())  # the d2h reads device: it lands first
+        acc.copy_(device, host, stream=h2d, label="h2d")
         acc.synchronize()
         device.add_(host.sum())  # a 0-dim CPU tensor mixes with device tensors on CUDA
         assert torch.equal(host + reference, host + 1) and torch.equal(device * reference, device)

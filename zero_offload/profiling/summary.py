@@ -122,6 +122,10 @@ def _attribute_stalls(data: ProfileData, rows: dict[tuple[Direction, Category], 
         for row, seconds_ran in ran:
             row["exposed_seconds"] += exposed * seconds_ran / shares
             row["waited_seconds"] += seconds * seconds_ran / shares
+    for row in rows.values():
+        # A row's exposed time is a part of its copies' time; the union's differences and the
+        # copies' own (ended - began) sums round apart by an ulp, never by more.
+        row["exposed_seconds"] = min(row["exposed_seconds"], row["seconds"])
 
 
 def _transfer_rows(data: ProfileData) -> list[dict[str, Any]]:
