@@ -10,8 +10,9 @@ zero_offload/optim/rule/muon.py, Note [rules that read a whole parameter] in rul
    kernel differs from torch's for-loop by a few ulp per step, as torch's fused CPU AdamW
    does; once such a difference reaches a gradient, a bf16 rounding in Newton–Schulz flips
    and the runs part by about lr x a bf16 ulp, then drift. The yardstick is that same
-   drift in torch alone: torch's Muon beside its fused AdamW against beside its for-loop
-   AdamW, on the same run (Note [the yardstick is torch's own drift] below).
+   drift in torch alone: torch's Muon beside its fused AdamW, or beside its for-loop AdamW
+   moved one ulp a step, against beside its for-loop AdamW, on the same run (Note [the
+   yardstick is torch's own drift] below).
 3. ``opt.state`` and ``state_dict()`` hold torch's names and shapes; a resumed run is
    bitwise equal to an uninterrupted one; a step announced during backward is bitwise the
    plain step; bf16 weights train.
@@ -58,6 +59,11 @@ FLOOR = 2 * torch.finfo(torch.float32).eps
 # limit (measured on this suite's cases, ours over torch's: 0.67 to 2.84; the drift itself
 # 1.5e-4 to 6.0e-3 over 20 steps).
 # Muon's own arithmetic is checked bitwise (test 1), so the bound only covers the drift.
+# torch's two AdamW paths agree bitwise on some hosts (an AVX-512 one: the drift was 0 to
+# 2e-9 in 5 of 7 cases, ours 3e-5 to 3e-3), so the drift is the larger of two samples:
+# fused against for-loop, and the for-loop run whose AdamW weights are moved one ulp (up)
+# after each step (``nudged``), a few ulp per step as ours differ, on any host (on that
+# host: 7e-5 to 1.3e-2, ours over it 0.4 to 1.3).
 DRIFT_FACTOR = 4
 
 VARIANTS = {
@@ -85,9 +91,13 @@ def _build(model: nn.Module, variant: str = "recipe", **config: Any) -> OffloadM
 
 class _TorchPair(torch.optim.Optimizer):
     """torch's recipe as one optimizer: ``torch.optim.Muon`` over the 2-D parameters,
-    ``torch.optim.AdamW`` (for-loop, or ``fused``) over the rest."""
+    ``torch.optim.AdamW`` (for-loop, or ``fused``) over the rest; ``nudged``: the AdamW
+    weights moved one ulp up after each step (Note [the yardstick is torch's own drift])."""
 
-    def __init__(self, model: nn.Module, variant: str, *, fused: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, variant: str, *, fused: bool = False, nudged: bool = False
+    ) -> None:
+        self.nudged = nudged
         hyper = {**ADAMW_DEFAULTS, **VARIANTS[variant]}
         muon = {k: v for k, v in hyper.items() if k not in ADAMW_KEYS}
         adamw = {ADAMW_KEYS[k]: v for k, v in hyper.items() if k in ADAMW_KEYS}
@@ -101,6 +111,23 @@ class _TorchPair(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         self.muon.step()
         self.adamw.step()
+        if self.nudged:
+            with torch.no_grad():
+                for p in self.adamw.param_groups[0]["params"]:
+                    p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
+def torch_drift(make: Any, run: Any, ref: nn.Module) -> float:
+    """torch's own drift from ``ref`` (trained by ``run`` beside the for-loop pair): the
+    larger of the fused pair's and the nudged pair's distance from it (Note [the yardstick
+    is torch's own drift]). ``make()``: a fresh model equal to ``ref``'s start;
+    ``run(model, opt)``: the same training."""
+    drifts = []
+    for switch in ({"fused": True}, {"nudged": True}):
+        other = make()
+        run(other, switch)
+        drifts.append(max_diff(other, ref))
+    return max(drifts)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, *, micro: int, clip: str | None,
@@ -345,14 +372,17 @@ def test_matches_torch_muon_and_adamw_within_torchs_own_drift(
     """Ours against torch's Muon + for-loop AdamW, within DRIFT_FACTOR x torch's own drift
     (Note [the yardstick is torch's own drift]); the state under torch's names and shapes."""
     model, ref = make_pair()
-    _, ref_fused = make_pair()
     opt = _build(model, variant, max_grad_norm=0.5 if clip == "config" else None)
     loop = _TorchPair(ref, variant)
-    fused = _TorchPair(ref_fused, variant, fused=True)
     _train(model, opt, micro=micro, clip=clip, ours=True)
     _train(ref, loop, micro=micro, clip=clip, ours=False)
-    _train(ref_fused, fused, micro=micro, clip=clip, ours=False)
-    drift = max_diff(ref_fused, ref)
+    drift = torch_drift(
+        lambda: make_pair()[1],
+        lambda other, switch: _train(
+            other, _TorchPair(other, variant, **switch), micro=micro, clip=clip, ours=False
+        ),
+        ref,
+    )
     diff = max_diff(model, ref)
     assert diff <= max(DRIFT_FACTOR * drift, FLOOR), (diff, drift)
     for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
