@@ -86,7 +86,7 @@ def run_workload(pool: BlockPool, *, ops: int, seed: int) -> dict[str, float]:
         stats = pool.stats() if step % 100 == 0 else None
         if stats is not None:
             samples.append(stats["fragmentation"])
-        in_use = pool._counters.bytes_in_use  # cheap read for the driver, not a measurement
+        in_use = pool._blocks.counters.bytes_in_use  # cheap read for the driver, not a measurement
         if live and (in_use > 0.85 * pool.usable or rng.random() < 0.45):
             live.pop(rng.randrange(len(live))).free()
             continue

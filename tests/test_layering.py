@@ -4,9 +4,10 @@ from a lower layer to a higher one.
 The layers, lowest first (a module may import its own layer's modules and any lower layer's):
 
 0. ``errors``, ``config``, ``tracing``, ``fileio``, ``progress``, ``post_import``,
-   ``hook_errors``, ``error_marks``, ``activation_sizes``: plain types, settings, the phase
-   hook, atomic file writes, progress bars, hooks on import, errors kept from autograd's
-   hooks, which errors already reached a caller, the activation pools' sizes.
+   ``hook_errors``, ``error_marks``, ``caller_warning``, ``activation_sizes``: plain types,
+   settings, the phase hook, atomic file writes, progress bars, hooks on import, errors kept
+   from autograd's hooks, which errors already reached a caller, the line a warning names,
+   the activation pools' sizes.
 1. ``accelerator``, ``kernels``, ``partition``, ``collectives``, ``thread_budget``: devices
    and streams, numba kernels, which rank owns which slice, stateless collectives, how many
    threads each team may use.
@@ -31,8 +32,10 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
 2. ``rule``: the optimizer's rule (what it keeps, how it steps, its hyper-parameters) and
    the host tile loop every rule shares.
 3. ``state``: where a bucket's state lives (device, host RAM, NVMe) and its plan.
-4. ``flat_bucket``, ``segment_plan``: one bucket, a gradient path and a state store
-   composed; the plan both construction routes share (placement, NVMe, the device pool).
+4. ``flat_bucket``, ``segment_plan``, ``bucket_build``, ``unit_build``: one bucket, a
+   gradient path and a state store composed; the plan both construction routes share
+   (placement, NVMe, the device pool); one bucket built as its placement says; parameter
+   offload's buckets built unit by unit.
 5. ``checks``, ``shared_memory``, ``rank_agreement``, ``constructor_checks``, ``router``,
    ``reports``: checks on the caller's input (parameters that share memory among them, the
    constructor's arguments), and that every rank builds alike, or fails together; the backward's routing of each gradient to its bucket;
@@ -77,6 +80,7 @@ LAYERS: dict[str, int] = {
     "post_import": 0,
     "hook_errors": 0,
     "error_marks": 0,
+    "caller_warning": 0,
     "activation_sizes": 0,
     "accelerator": 1,
     "kernels": 1,
@@ -112,6 +116,8 @@ OPTIM_FLOORS: dict[str, int] = {
     "state": 3,
     "flat_bucket": 4,
     "segment_plan": 4,
+    "bucket_build": 4,
+    "unit_build": 4,
     "checks": 5,
     "rank_agreement": 5,
     "rank_starts": 5,

@@ -26,7 +26,7 @@ __all__ = ["MoveCounters", "compact_locked"]
 
 
 class MoveCounters(Protocol):
-    """The pool's counters a compaction adds to (``_Counters`` in ``pool.py``)."""
+    """The pool's counters a compaction adds to (``PoolCounters`` in ``block_table.py``)."""
 
     defragmentations: int  # compactions run
     bytes_moved: int  # bytes copied by all compactions

@@ -41,21 +41,20 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
 from ..accelerator import Accelerator, Event, Stream
-from ..config import format_bytes
 from ..errors import PoolExhausted
 from .block import Block, BlockState, MoveCallback, view_shape
+from .block_table import BlockTable
 from .buffer_lifetime import BufferLifetime, pruned
 from .compaction import compact_locked
-from .freelist import FreeList, check_align, check_pool_args
+from .freelist import check_align, check_pool_args
 from .host_ram import check_host_ram
-from .moves import Scratch, device_scratch, no_scratch, refuse_inside_backward
-from .pending_blocks import InFlightBlocks, name_range, pending_events
+from .moves import refuse_inside_backward
+from .pool_buffer import PoolBuffer, device_buffer, host_buffer
 
 __all__ = [
     "Block",
@@ -63,21 +62,6 @@ __all__ = [
     "BlockState",
     "check_host_ram",
 ]
-
-
-@dataclass
-class _Counters:
-    """Running stats of a pool; all guarded by the pool's lock. Units in the names' docs."""
-
-    bytes_in_use: int = 0  # bytes (rounded sizes) of IN_USE blocks
-    bytes_requested: int = 0  # bytes asked for (unrounded) by IN_USE blocks
-    peak_bytes_in_use: int = 0  # largest bytes_in_use since construction or reset_peak()
-    allocations: int = 0  # successful alloc() calls
-    frees: int = 0  # free() calls
-    defragmentations: int = 0  # compactions run (on demand or automatic)
-    bytes_moved: int = 0  # bytes copied by all compactions
-    event_waits: int = 0  # events alloc/defragment had to block on (host syncs)
-    stream_reuses: int = 0  # allocations that took IN_FLIGHT bytes with a stream-side wait
 
 
 class BlockPool:
@@ -100,11 +84,16 @@ class BlockPool:
           and Note [overlap-safe moves] in moves.py. It runs automatically when a request
           fits the free bytes but not the largest free range.
 
-    Lock: ``_lock`` (a plain ``threading.Lock``) guards the free list, the live and in-flight
-    sets, every block's ``offset``/``state``/events/callbacks, ``_counters`` and
-    ``_watchers`` (``watch_use``); copy-stream workers free blocks too. It is never held
-    while waiting on an event or while running an ``on_move`` callback (callbacks may call
-    back into the pool). Owners must not use a block's views while a ``defragment()`` runs.
+    Bookkeeping: ``_blocks``, a ``BlockTable`` (block_table.py), knows which ranges are
+    live, in flight and free, and keeps the counts; the pool waits, compacts and hands out
+    views around it.
+
+    Lock: ``_lock`` (a plain ``threading.Lock``) guards ``_blocks`` (the free list, the live
+    and in-flight sets, the counters and the ``watch_use`` watchers) and every block's
+    ``offset``/``state``/events/callbacks; copy-stream workers free blocks too. It is never
+    held while waiting on an event or while running an ``on_move`` callback (callbacks may
+    call back into the pool). Owners must not use a block's views while a ``defragment()``
+    runs.
 
     Stats (``stats()``; bytes unless said otherwise): ``capacity_bytes`` (the buffer),
     ``usable_bytes`` (capacity rounded down to alignment), ``bytes_in_use`` (rounded sizes of
@@ -119,39 +108,31 @@ class BlockPool:
     def __init__(
         self,
         accelerator: Accelerator,
-        buffer: torch.Tensor,
+        buffer: PoolBuffer,
         *,
         name: str,
-        kind: str,
         alignment: int,
         sized_by: str,
         auto_defragment: bool,
-        scratch: Scratch,
-        release: Callable[[], None],
     ) -> None:
         self.accelerator = accelerator
         self.name = name
-        self.kind = kind  # "host, pinned" / "host, pageable" / "device", for messages
+        self.kind = buffer.kind  # "host, pinned" / "host, pageable" / "device", for messages
         self.alignment = alignment  # bytes, a power of two
         self.sized_by = sized_by  # the setting that sizes this pool, for messages
         self.auto_defragment = auto_defragment
-        self.capacity = buffer.numel()  # bytes
+        self.capacity = buffer.tensor.numel()  # bytes
         self.usable = self.capacity - self.capacity % alignment  # bytes
-        self._buffer = buffer  # (capacity,) uint8, host (pinned when available) or device
-        self._scratch = scratch
-        self._lifetime = BufferLifetime(buffer, release)
+        self._buffer = buffer.tensor  # (capacity,) uint8, host (pinned when available) or device
+        self._scratch = buffer.scratch  # a compaction's staging (pool_buffer.py)
+        self._lifetime = BufferLifetime(buffer.tensor, buffer.release)
         self._finalizer = weakref.finalize(self, self._lifetime.drain)
         self._lock = threading.Lock()
-        self._free = FreeList()
-        self._free.insert(0, self.usable)
-        self._live: set[Block] = set()  # IN_USE blocks
-        self._in_flight = InFlightBlocks()  # freed, copies pending
-        self._counters = _Counters()
-        self._watchers: list[Callable[[int], None]] = []  # told each change of bytes_in_use
+        self._blocks = BlockTable(usable=self.usable, alignment=alignment)  # under _lock
         self._closed = False
         if accelerator.race_checker is not None:
             accelerator.race_checker.track(
-                buffer, f"pool {name!r} ({kind})", namer=self._name_range
+                buffer.tensor, f"pool {name!r} ({self.kind})", namer=self._name_range
             )
 
     # ----------------------------------------------------------------- construction
@@ -171,28 +152,19 @@ class BlockPool:
         """A pool over one host buffer of exactly ``capacity_bytes``, pinned when possible.
 
         Checks ``capacity_bytes`` against the host RAM available (``check_host_ram``) before
-        allocating. Hidden costs, paid here once and never in a step: pinning page-locks
-        every page; a pageable buffer is zero-filled so its pages are faulted in now (and
-        counted by the next pool's RAM check) rather than during a copy.
-        ``sized_by`` names the setting that chose the size, for error messages.
+        allocating; pinning or faulting the pages in is paid here, once (``host_buffer`` in
+        pool_buffer.py). ``sized_by`` names the setting that chose the size, for error
+        messages.
         """
         capacity, alignment = check_pool_args(capacity_bytes, alignment)
-        pin = bool(pinned) and accelerator.pinned_memory_available
-        check_host_ram(capacity, what=f"host pool {name!r}", sized_by=sized_by)
-        buffer = accelerator.allocate_host(capacity, pinned=pin)
-        if not pin:
-            buffer.zero_()  # hidden cost: faults in every page, once, at construction
-
+        buffer = host_buffer(accelerator, capacity, name=name, pinned=pinned, sized_by=sized_by)
         return cls(
             accelerator,
             buffer,
             name=name,
-            kind="host, pinned" if pin else "host, pageable",
             alignment=alignment,
             sized_by=sized_by,
             auto_defragment=auto_defragment,
-            scratch=no_scratch,  # CPU moves are memmoves, see Note [overlap-safe moves]
-            release=_noop,
         )
 
     @classmethod
@@ -212,18 +184,13 @@ class BlockPool:
         the bytes to the budget.
         """
         capacity, alignment = check_pool_args(capacity_bytes, alignment)
-        device_buffer = accelerator.allocate_device(capacity, what=f"block pool {name!r}")
-
         return cls(
             accelerator,
-            device_buffer.tensor,
+            device_buffer(accelerator, capacity, name=name),
             name=name,
-            kind="device",
             alignment=alignment,
             sized_by=sized_by,
             auto_defragment=auto_defragment,
-            scratch=device_scratch(accelerator, name),
-            release=device_buffer.release,
         )
 
     def close(self) -> None:
@@ -233,19 +200,20 @@ class BlockPool:
         touch the buffer.
         """
         with self._lock:
-            if self._live:
-                owners = sorted({block.owner or "<no owner>" for block in self._live})
+            live = self._blocks.live
+            if live:
+                owners = sorted({block.owner or "<no owner>" for block in live})
                 raise RuntimeError(
-                    f"cannot close pool {self.name!r}: {len(self._live)} blocks are still in "
+                    f"cannot close pool {self.name!r}: {len(live)} blocks are still in "
                     f"use (owners: {', '.join(owners[:8])}); free them first"
                 )
-            pending = self._in_flight.pending_events()
+            pending = self._blocks.in_flight.pending_events()
         self._wait(pending)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._in_flight.clear()
+            self._blocks.in_flight.clear()
             self._buffer = self._buffer.new_empty(0)
         self._finalizer()  # every event is complete now: releases the buffer at once
 
@@ -293,12 +261,13 @@ class BlockPool:
         base = self.alignment
         block_align = base if align is None else max(check_align(align, "align"), base)
         size = -(-nbytes // base) * base
+        request = (nbytes, size, block_align, owner)
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            block = self._try_alloc_locked(nbytes, size, block_align, owner)
+            block = self._blocks.take(self, *request)
             if block is None and stream is not None:
-                block = self._reuse_in_flight_locked(nbytes, size, block_align, owner)
+                block = self._blocks.take_in_flight(self, *request)
         if block is not None:
             if stream is not None:
                 # A stream-side wait, no host sync: see Note [block reuse waits on events].
@@ -307,33 +276,18 @@ class BlockPool:
             return block
         if not wait:  # the caller would rather go without than block (a prefetch)
             with self._lock:
-                raise PoolExhausted(self._exhausted_message(nbytes, size, block_align, owner))
-        return self._alloc_slow(nbytes, size, block_align, owner)
+                raise PoolExhausted(self._exhausted_message(request))
+        return self._alloc_slow(request)
 
-    def _reuse_in_flight_locked(
-        self, nbytes: int, size: int, align: int, owner: str
-    ) -> Block | None:
-        old = self._in_flight.take(size, align)
-        if old is None:
-            return None
-        block = self._new_block_locked(old.offset, size, nbytes, align, owner)
-        block.inherit_events(old)  # Note [block reuse waits on events]
-        if old.size > size:  # the tail stays IN_FLIGHT, behind the same copies
-            tail = Block(self, old.offset + size, old.size - size, 0, self.alignment, old.owner)
-            tail.inherit_events(old)
-            self._in_flight.add(tail)
-        self._counters.stream_reuses += 1
-        return block
-
-    def _alloc_slow(self, nbytes: int, size: int, align: int, owner: str) -> Block:
-        request = (nbytes, size, align, owner)
+    def _alloc_slow(self, request: tuple[int, int, int, str]) -> Block:
+        size = request[1]
         while True:
             with self._lock:
-                block = self._try_alloc_locked(*request)
+                block = self._blocks.take(self, *request)
                 if block is not None:
                     return block
-                pending = self._in_flight.oldest_pending()
-                worth_compacting = self._free.free_bytes >= size
+                pending = self._blocks.in_flight.oldest_pending()
+                worth_compacting = self._blocks.free.free_bytes >= size
             if not pending:
                 break
             # Synchronisation point, the last resort, for the oldest block in flight only:
@@ -344,7 +298,7 @@ class BlockPool:
             if block is not None:
                 return block
         with self._lock:
-            raise PoolExhausted(self._exhausted_message(nbytes, size, align, owner))
+            raise PoolExhausted(self._exhausted_message(request))
 
     def free(self, block: Block) -> None:
         """Give ``block`` back; never blocks. See Note [block reuse waits on events]."""
@@ -356,26 +310,7 @@ class BlockPool:
                 f"free it with its own pool"
             )
         with self._lock:
-            if block.state is not BlockState.IN_USE:
-                raise ValueError(
-                    f"double free of {block!r}: it was already freed (state "
-                    f"{block.state.name}); each block is freed exactly once"
-                )
-            self._live.remove(block)
-            counters = self._counters
-            counters.bytes_in_use -= block.size
-            counters.bytes_requested -= block.nbytes
-            counters.frees += 1
-            for add in self._watchers:
-                add(-block.size)
-            block.drop_move_callbacks()
-            if block.keep_events(self._in_flight.settle):
-                self._in_flight.add(block)
-            else:
-                block.state = BlockState.FREE
-                self._free.insert(block.offset, block.size)
-            if self._in_flight:
-                self._reclaim_locked()
+            self._blocks.release(block)
 
     # ----------------------------------------------------------------- defragmentation
 
@@ -400,21 +335,22 @@ class BlockPool:
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            pending = [*pending_events(self._live), *self._in_flight.pending_events()]
+            pending = self._blocks.pending_events()
         self._wait(pending)
         with self._lock:
-            self._reclaim_locked()
+            blocks = self._blocks
+            blocks.reclaim()
             moved_blocks = compact_locked(
                 self._buffer,
-                chain(self._live, self._in_flight),
-                free=self._free,
+                chain(blocks.live, blocks.in_flight),
+                free=blocks.free,
                 usable=self.usable,
                 scratch=self._scratch,
                 accelerator=self.accelerator,
                 name=self.name,
-                counters=self._counters,
+                counters=blocks.counters,
             )
-            block = None if request is None else self._try_alloc_locked(*request)
+            block = None if request is None else blocks.take(self, *request)
         for moved in moved_blocks:
             for callback in moved.move_callbacks:
                 if moved.state is BlockState.IN_USE:
@@ -424,27 +360,13 @@ class BlockPool:
     def stats(self) -> dict[str, int | float]:
         """The pool's stats (blocks whose copies completed count as free); units above."""
         with self._lock:
-            self._reclaim_locked()
-            free = self._free.free_bytes
-            largest = self._free.largest()
-            stats: dict[str, int | float] = dict(vars(self._counters))
-            stats.update(
-                capacity_bytes=self.capacity,
-                usable_bytes=self.usable,
-                bytes_free=free,
-                largest_free_block=largest,
-                fragmentation=0.0 if free == 0 else 1.0 - largest / free,
-                live_blocks=len(self._live),
-                bytes_in_flight=self._in_flight.nbytes,
-                in_flight_blocks=len(self._in_flight),
-                free_blocks=len(self._free),
-            )
-            return stats
+            return self._blocks.stats(capacity=self.capacity, usable=self.usable)
 
     def reset_peak(self) -> None:
         """Start ``peak_bytes_in_use`` afresh from the current use."""
         with self._lock:
-            self._counters.peak_bytes_in_use = self._counters.bytes_in_use
+            counters = self._blocks.counters
+            counters.peak_bytes_in_use = counters.bytes_in_use
 
     @property
     def closed(self) -> bool:
@@ -457,51 +379,23 @@ class BlockPool:
         that stops it. For an observer of the peak across pools (the profiler's
         ``PoolsPeakWindow``): a call per alloc and free while watched, none otherwise."""
         with self._lock:
-            self._watchers.append(add)
-            add(self._counters.bytes_in_use)
+            self._blocks.watch(add)
 
         def unwatch() -> None:
             with self._lock:
-                if add in self._watchers:
-                    self._watchers.remove(add)
+                self._blocks.unwatch(add)
 
         return unwatch
 
     def live_blocks(self) -> list[Block]:
         """The IN_USE blocks, in address order."""
         with self._lock:
-            return sorted(self._live, key=lambda b: b.offset)
+            return sorted(self._blocks.live, key=lambda b: b.offset)
 
     # ----------------------------------------------------------------- internals
 
     def _closed_error(self) -> RuntimeError:
         return RuntimeError(f"pool {self.name!r} is closed; build a new one")
-
-    def _try_alloc_locked(self, nbytes: int, size: int, align: int, owner: str) -> Block | None:
-        if self._in_flight:
-            self._reclaim_locked()
-        offset = self._free.take(size, align, self.alignment)
-        if offset is None:
-            return None
-        return self._new_block_locked(offset, size, nbytes, align, owner)
-
-    def _new_block_locked(
-        self, offset: int, size: int, nbytes: int, align: int, owner: str
-    ) -> Block:
-        block = Block(self, offset, size, nbytes, align, owner)
-        self._live.add(block)
-        counters = self._counters
-        counters.allocations += 1
-        counters.bytes_in_use += size
-        counters.bytes_requested += nbytes
-        counters.peak_bytes_in_use = max(counters.peak_bytes_in_use, counters.bytes_in_use)
-        for add in self._watchers:
-            add(size)
-        return block
-
-    def _reclaim_locked(self) -> None:
-        for block in self._in_flight.reclaim():
-            self._free.insert(block.offset, block.size)
 
     def _wait(self, events: list[Event]) -> None:
         # Called without the lock, see Note [block reuse waits on events].
@@ -509,7 +403,7 @@ class BlockPool:
             event.synchronize()
         if events:
             with self._lock:
-                self._counters.event_waits += len(events)
+                self._blocks.counters.event_waits += len(events)
 
     def _view(
         self, block: Block, dtype: torch.dtype, shape: tuple[int, ...] | None
@@ -549,31 +443,14 @@ class BlockPool:
 
     def _name_range(self, lo: int, hi: int) -> str:
         # For race reports. No lock: the race checker may call it under this pool's lock.
-        return name_range(list(self._live) + list(self._in_flight), lo, hi)
+        return self._blocks.name_range(lo, hi)
 
-    def _exhausted_message(self, nbytes: int, size: int, align: int, owner: str) -> str:
-        free = self._free.free_bytes
-        pinned = sum(b.size for b in self._live if b.pinned_in_place)
-        hint = (
-            "after defragmentation"
-            if self.auto_defragment and free >= size
-            else "(defragmentation cannot help: the free bytes do not hold the request)"
-            if free < size
-            else "(automatic defragmentation is off)"
+    def _exhausted_message(self, request: tuple[int, int, int, str]) -> str:
+        return self._blocks.exhausted_message(
+            request,
+            pool=self.name,
+            kind=self.kind,
+            capacity=self.capacity,
+            sized_by=self.sized_by,
+            auto_defragment=self.auto_defragment,
         )
-        return (
-            f"pool {self.name!r} ({self.kind}) cannot allocate {format_bytes(nbytes)} "
-            f"({nbytes} bytes, {size} after rounding to {self.alignment}-byte alignment, "
-            f"offset aligned to {align}) for owner {owner!r}: capacity "
-            f"{format_bytes(self.capacity)} ({self.capacity} bytes), {free} bytes free in "
-            f"{len(self._free)} ranges, largest free block {hint} {self._free.largest()} bytes; "
-            f"{self._counters.bytes_in_use} bytes in use by {len(self._live)} blocks "
-            f"({pinned} of them pinned in place by views without on_move callbacks), "
-            f"{self._in_flight.nbytes} bytes in flight. Raise {self.sized_by} (now "
-            f"{self.capacity} bytes) for pool {self.name!r}, free blocks sooner, or register "
-            f"on_move callbacks before taking views so blocks can be compacted."
-        )
-
-
-def _noop() -> None:
-    return None

@@ -1,7 +1,8 @@
 """Building an optimizer's buckets: plan, place, allocate, bind, hook (one segment per
 call: the constructor's param groups, or one ``add_param_group``), by one of two routes
 (the weights on the device, or offloaded to homes) over the plan they share
-(``segment_plan.py``)."""
+(``segment_plan.py``). Each bucket is made in ``bucket_build.py``; parameter offload's
+buckets are made unit by unit in ``unit_build.py``."""
 
 from __future__ import annotations
 
@@ -13,17 +14,14 @@ import torch
 
 from ..config import GradStaging, OffloadConfig
 from ..errors import Attempts
-from ..memory.align import aligned
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..partition import BucketLayout
 from ..views import ParamViews
 from ..weights.source import ConstructionPeaks, DeviceOriginals, PeakTracker, tracking
+from .bucket_build import build_bucket
 from .checks import check_params, watch_replacement
 from .flat_bucket import FlatBucket
-from .grads.on_device import DeviceGradients
-from .grads.path import GradientPath
-from .grads.to_host import HostGradients
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .rank_agreement import BuiltTogether, agree_on_build
 from .rank_starts import start_from_rank0
@@ -31,13 +29,9 @@ from .ranks import Ranks
 from .reports.live import OptimizerState
 from .rule.base import OptimizerRule
 from .segment_plan import SegmentPlan, open_staging_ring, plan_layouts, plan_segment
-from .state.host import HostState
 from .state.placement import POOL_ALIGNMENT
-from .state.resident import ResidentState
-from .state.store import BucketPools, StateStore
-from .state.whole import WholeParameterHostState
-from .state.whole_resident import WholeParameterResidentState
-from .unit_pools import plan_units
+from .state.store import BucketPools
+from .unit_build import build_units
 from .update.policy import StepPolicy
 
 __all__ = ["SegmentBuilder"]
@@ -281,7 +275,7 @@ class SegmentBuilder:
     ) -> None:
         """With parameter offload (``offload``, a ``ParamOffloader``): no bucket spans two
         units; the window is planned on the device before the state is placed, and the
-        buckets are built unit by unit (``_build_units``)."""
+        buckets are built unit by unit (``build_units`` in unit_build.py)."""
         families = offload.split_families(families, params)
         layouts = self._layouts(families)
         offload.plan(layouts, params, alignment=POOL_ALIGNMENT)  # the window (device)
@@ -294,10 +288,10 @@ class SegmentBuilder:
         host_pools: list[BlockPool] = []  # one per unit that pins (and the shared one)
         buckets: list[FlatBucket] = []
         try:
-            # _build_units takes the ring's bytes off each unit's host pool
+            # build_units takes the ring's bytes off each unit's host pool
             open_staging_ring(parts, config=self.config, manager=self.manager)
             tracker.sample()
-            self._build_units(parts, host_pools, buckets)
+            build_units(parts, host_pools, buckets, manager=self.manager, bucket=self._bucket)
             buckets.sort(key=lambda bucket: bucket.layout.index)
             offload.open_bounce()  # with homes on NVMe: pinned, so before built()
             together.built()
@@ -418,62 +412,6 @@ class SegmentBuilder:
     # discarded, and the originals that had left the device go back to it
     # (DeviceOriginals.restore), so the model keeps its values where they were.
 
-    def _build_units(
-        self,
-        parts: SegmentPlan,
-        host_pools: list[BlockPool],
-        out: list[FlatBucket],
-    ) -> None:
-        """Parameter offload: unit by unit, its buckets' views (the originals go to the
-        unit's window slot and are released), its host pool, its buckets' stores; see Note
-        [homes are pinned unit by unit] in ``unit_pools.py``. Pools are appended to
-        ``host_pools`` and buckets to ``out`` as they are made (a failure undoes them)."""
-        offload, tracker, plan = parts.offload, parts.tracker, parts.nvme.plan
-        layouts, name = parts.layouts, parts.name
-        bytes_of = dict(plan.bucket_host)
-        if parts.ring is not None:  # the ring replaces each bucket's own gradient staging
-            for layout in layouts:
-                if layout.index in bytes_of:
-                    itemsize = parts.params[layout.slots[0].index].dtype.itemsize
-                    bytes_of[layout.index] -= aligned(itemsize * layout.shard_numel, POOL_ALIGNMENT)
-        shared = None  # the segment-wide pool of the units that pin none (see the Note)
-        if plan.home_ring:  # segment-wide, before any unit
-            shared = self.manager.create_pool(
-                Tier.HOST, plan.home_ring, name=f"{name}.home_tiles.host"
-            )
-            host_pools.append(shared)
-            parts.nvme.open_home_tiles(shared)
-            tracker.sample()
-        builds = plan_units(
-            layouts,
-            unit_of=offload.unit_index,
-            host_bytes=bytes_of,
-            freed=lambda b: tracker.pending_host([parts.params[s.index] for s in b.slots]),
-            alignment=POOL_ALIGNMENT,
-        )
-        for build in builds:
-            waiting: list[ParamViews] = []  # views of this unit without a store yet
-            try:
-                for layout in build.layouts:
-                    members = [parts.params[slot.index] for slot in layout.slots]
-                    waiting.append(offload.views_for(layout, members))
-                    tracker.released(members)
-                pool = shared
-                if build.capacity:  # pinned now: the unit's originals are released
-                    pool = self.manager.create_pool(
-                        Tier.HOST, build.capacity, name=f"{name}.unit{build.unit}.host"
-                    )
-                    host_pools.append(pool)
-                    tracker.sample()
-                while waiting:
-                    out.append(self._bucket(parts, waiting[0].layout, waiting[0], pool))
-                    waiting.pop(0)
-            except BaseException:
-                for views in waiting:  # those with a store are undone by build()
-                    views.unbind()
-                    views.close()
-                raise
-
     def _bucket(
         self,
         parts: SegmentPlan,
@@ -481,71 +419,15 @@ class SegmentBuilder:
         views: ParamViews,
         host_pool: BlockPool | None,
     ) -> FlatBucket:
-        """The bucket of ``layout`` over ``views``, resident or offloaded as the placement
-        says (offloaded: its host fields from ``host_pool``); with parameter offload its
-        weights live in the store's home (``offload.adopt``)."""
-        shard = layout.shard_range(self.ranks.rank)
-        gradients: GradientPath | None = None
-        try:
-            store: StateStore
-            if layout.index in parts.placement.resident:
-                gradients = DeviceGradients(layout, device_pool=parts.device_pool)
-                # Note [whole parameters stepped on the device] in state/whole_resident.py.
-                resident = ResidentState if self.rule.elementwise else WholeParameterResidentState
-                store = resident(
-                    layout,
-                    views,
-                    device_pool=parts.device_pool,
-                    gradients=gradients,
-                    rule=self.rule,
-                    fields=parts.resident_state,
-                    tile_elements=self.config.tile_elements,
-                )
-            else:
-                if host_pool is None:
-                    raise RuntimeError(f"offloaded bucket {layout.index} without a host pool (bug)")
-                gradients = host_gradients = HostGradients(
-                    layout,
-                    manager=self.manager,
-                    device_pool=parts.device_pool,
-                    host_pool=host_pool,
-                    grad_buffers=parts.grad_buffers,
-                    shard=shard,
-                    dtype=views.dtype,
-                    tile_elements=self.config.tile_elements,
-                    # Note [no accumulator for one backward] in grads/to_host.py
-                    delayed_update=self.config.overlap_step,
-                    ring=parts.ring,  # Note [gradient staging for the buckets in flight]
-                )
-                if parts.nvme.holds(layout.index):
-                    store = parts.nvme.build(
-                        layout,
-                        views,
-                        manager=self.manager,
-                        host_pool=host_pool,
-                        gradients=host_gradients,
-                        shard=shard,
-                        rule=self.rule,
-                    )
-                else:
-                    # Note [rules that read a whole parameter] in rule/base.py.
-                    host = HostState if self.rule.elementwise else WholeParameterHostState
-                    store = host(
-                        layout,
-                        views,
-                        manager=self.manager,
-                        host_pool=host_pool,
-                        gradients=host_gradients,
-                        shard=shard,
-                        rule=self.rule,
-                        fields=parts.state,
-                        tile_elements=self.config.tile_elements,
-                    )
-            if parts.offload is not None:
-                parts.offload.adopt(views, store)
-        except BaseException:
-            if gradients is not None:
-                gradients.close()
-            raise
-        views.remember()
-        return FlatBucket(layout, views, gradients, store, shard=shard)
+        """``build_bucket`` (bucket_build.py) with this builder's rank, rule, config and
+        manager: the one call both routes make a bucket through."""
+        return build_bucket(
+            parts,
+            layout,
+            views,
+            host_pool,
+            rank=self.ranks.rank,
+            rule=self.rule,
+            config=self.config,
+            manager=self.manager,
+        )

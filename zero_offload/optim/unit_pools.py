@@ -18,7 +18,7 @@ alignment from the weight tile ring's pool, which exists exactly then; nothing o
 is allocated there). Segment-wide buffers come first: the NVMe tier's I/O buffers, the
 in-flight staging ring and the weight tile ring of the homes on NVMe (``F0`` below).
 
-A unit is built in three moves (``SegmentBuilder._build_units``): its buckets' originals
+A unit is built in three moves (``unit_build.build_units``): its buckets' originals
 are copied into its window slot on the device and released (``ParamOffloader.views_for``),
 then its pool is pinned, then its stores take their homes from the slot and the slot is
 free again. A unit's pool and its own originals never coexist. Host bytes after unit ``u``
