@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .accelerator.host_syncs import LIBRARY_THREAD_PREFIX, count_sync
-from .error_marks import caused_by, mark_surfaced, releasing_now
+from .error_marks import CollectiveScope, caused_by, mark_surfaced, releasing_now
 from .errors import CollectiveError, StreamError
 
 __all__ = [
@@ -73,11 +73,15 @@ class CommCounters:
     ZeRO paper's unit: a reduce-scatter plus an all-gather of a buffer of ``P`` bytes is
     ``2P``, the volume of one data-parallel all-reduce. ``_lock`` guards ``_counts``
     (collectives are issued from the caller's thread and from the comm stream).
+    One per optimizer, shared by its comms (a ZeRO-3 optimizer's gather ``Comm`` takes its
+    own ``Comm``'s), so it holds their failures' ``scope`` too: Note [a collective failure
+    breaks its owner's collectives] in ``error_marks.py``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = {}
+        self.scope = CollectiveScope()  # whether a failure of these comms reached a caller
 
     def add(self, op: str, nbytes: int) -> None:
         """Count one call of ``op`` over ``nbytes``."""
@@ -178,15 +182,17 @@ def wait_work(pending: Pending, comm: Comm) -> None:
         target=waiter, name=f"{LIBRARY_THREAD_PREFIX}collective_wait", daemon=True
     ).start()
     if not done.wait(comm.timeout):
-        raise CollectiveError(
+        error = CollectiveError(
             f"{comm.where()}: {pending.what} did not complete within {comm.timeout:g} s "
             f"(OffloadConfig.collective_timeout). {roll_call(comm, pending.what)} "
             f"{pending.advice} The process group is unusable now"
         )
+        raise comm.counters.scope.tag(error)
     if failure:
-        raise CollectiveError(
+        error = CollectiveError(
             f"{comm.where()}: {pending.what} failed: {failure[0]}. {roll_call(comm, pending.what)}"
-        ) from failure[0]
+        )
+        raise comm.counters.scope.tag(error) from failure[0]
 
 
 # Note [naming the absent rank]

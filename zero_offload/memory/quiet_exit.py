@@ -12,7 +12,7 @@ per finalizer, burying the one that matters. So a release run at exit, or by the
 finalizer of an owner that was dropped, passes over a first error that already reached a
 caller (Note [an error reaches the caller once] in ``error_marks.py``), or that the
 interpreter printed as uncaught (``sys.last_value``: the error the script died of, which
-may have left through a call that marks nothing, a step's ``StepFailed``), and what
+may have left through a call that marks nothing, a user's own call on a failed stream), and what
 followed from it (pools still holding blocks); one that reached nobody is raised, marked
 as it goes, so that it is printed once and the releases after it pass over it
 (``passed_over``).
@@ -29,8 +29,7 @@ import sys
 import threading
 import weakref
 
-from ..error_marks import is_collective, mark_surfaced, surfaced
-from ..errors import CollectiveError
+from ..error_marks import is_collective, mark_surfaced, same_collective_failure, surfaced
 
 __all__ = ["interpreter_exiting", "passed_over", "quiet_at_exit"]
 
@@ -89,9 +88,9 @@ def _links(error: BaseException | None) -> list[BaseException]:
 def _printed_uncaught(error: BaseException) -> bool:
     """Whether the failure behind ``error`` is in the last error the interpreter printed
     as uncaught (``sys.last_value``: the one a script died of, or a notebook cell's): one
-    that reached the caller through a call that does not mark what it raises (a step's
-    ``StepFailed``). A collective failure counts for every collective failure, as in
-    Note [an error reaches the caller once]."""
+    that reached the caller through a call that does not mark what it raises (a user's own
+    call on a failed stream). A collective failure counts for every failure of its scope,
+    as in Note [a collective failure breaks its owner's collectives] in ``error_marks.py``."""
     last = getattr(sys, "last_value", None)
     if last is None:
         return False
@@ -99,7 +98,7 @@ def _printed_uncaught(error: BaseException) -> bool:
     ids = {id(link) for link in printed}
     if any(id(link) in ids for link in _links(error)):
         return True
-    return is_collective(error) and any(isinstance(link, CollectiveError) for link in printed)
+    return same_collective_failure(error, printed)
 
 
 def quiet_at_exit(error: BaseException) -> bool:

@@ -39,6 +39,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..accelerator.capture import eager_only
 from ..collectives import surface_collective_errors
 from ..config import OffloadConfig
+from ..error_marks import said_to_caller
 from ..kernels import release_scratch
 from ..memory.manager import TieredMemoryManager
 from .backward_methods import BackwardMethods
@@ -368,6 +369,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
 
     @eager_only  # Note [the step runs eagerly]
     @torch.no_grad()
+    @said_to_caller  # Note [an error reaches the caller once] in error_marks.py
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Adam step over every parameter that received a gradient since the previous
         step or ``zero_grad``; see Note [a step is all or nothing] in ``update/modes.py``."""
@@ -408,6 +410,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
     def _group_hyper(self, index: int) -> Hyper:
         return self.rule.hyper(self.param_groups[index])
 
+    @said_to_caller
     def flush_pending_update(self) -> None:
         """With ``overlap_step``: finish the queued update and publish its weights now."""
         self._check_open("flush_pending_update")
@@ -427,6 +430,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
     # still refused at the first copy.
 
     @eager_only  # Note [the step runs eagerly]
+    @said_to_caller
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient since the last step, in flight or not (device and host).
         No ``.grad`` is kept either way; after ``set_to_none=False`` a step refuses where
@@ -437,6 +441,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
         if self._finalizer.alive:
             self._policy.discard_window(self)
 
+    @said_to_caller
     def close(self) -> None:
         """Publish a pending update, remove the hooks and give every pool back (device
         pools: to the budget). Optional: an optimizer that is dropped is released the same

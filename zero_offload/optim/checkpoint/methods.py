@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from ...caller_warning import warn_caller
+from ...error_marks import said_to_caller
 from ..update.resume import LoadGuard
 from . import streaming
 from .state_dict import load_optimizer_state, optimizer_state
@@ -48,6 +49,8 @@ class Checkpoints:
     _check_open: Any
     register_step_pre_hook: Any
 
+    # What these raise reached the caller: Note [an error reaches the caller once].
+    @said_to_caller
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``) plus ``master``
         per parameter and the loss scaler under ``zero_offload``. Tensors are CPU copies.
@@ -72,6 +75,7 @@ class Checkpoints:
             **self._policy.mode.saved_pending(self.buckets),
         )
 
+    @said_to_caller
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s output (or a ``torch.optim.AdamW`` one, whose missing
         master weights are taken from the parameters). Everything is checked before anything
@@ -102,7 +106,7 @@ class Checkpoints:
             self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
         if loaded.fields_dropped and (self.config.overlap_step or self.scaler.skips_overflow):
             # Note [our fields ride in the first param group] in group_fields.py
-            warnings.warn(
+            warn_caller(
                 "load_state_dict: this state holds zero-offload's fp32 master weights but "
                 "none of its own fields (the loss scaler, the skip count, whether an "
                 "overlap_step update was pending): it came by a route that keeps only each "
@@ -110,10 +114,10 @@ class Checkpoints:
                 "flatten_optimizer_state_dict=True. A pending update saved with it is lost "
                 "(the model resumes one update behind) and the fp16 loss scale goes on from "
                 "this optimizer's. Save with opt.state_dict() or unflattened DCP (the "
-                "default), or call opt.flush_pending_update() before a flattened save",
-                stacklevel=4,
+                "default), or call opt.flush_pending_update() before a flattened save"
             )
 
+    @said_to_caller
     def save_streaming(self, path: str | os.PathLike[str]) -> None:
         """Write the state under ``path/rank{r}/`` bucket by bucket, tile by tile, never
         holding it in host RAM (``checkpoint/streaming.py``). Every rank calls it with the same
@@ -135,6 +139,7 @@ class Checkpoints:
             family=self.rule.state_family,
         )
 
+    @said_to_caller
     def load_streaming(self, path: str | os.PathLike[str]) -> None:
         """Load what ``save_streaming`` wrote under ``path/rank{r}/``, tile by tile;
         everything is checked first: a mismatch raises and changes nothing. The master
