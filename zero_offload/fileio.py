@@ -60,13 +60,13 @@ import os
 import re
 import secrets
 import shutil
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from .caller_warning import warn_caller
 from .config import format_bytes
 from .errors import StorageFull
 
@@ -355,10 +355,9 @@ def _swap(staging: Path, path: Path) -> None:
             # The save succeeded: the new version is in place and durable. What is left is
             # the previous one, which the next save or load of ``path`` removes
             # (``recover_directory``); a failed save would be the wrong report.
-            warnings.warn(
+            warn_caller(
                 f"zero-offload: saved {path}, but could not remove the previous version at "
                 f"{old} ({exc}); the next save or load of {path} removes it, or remove it "
                 "yourself",
                 RuntimeWarning,
-                stacklevel=4,
             )

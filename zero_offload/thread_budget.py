@@ -94,10 +94,11 @@ import enum
 import math
 import os
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from .caller_warning import warn_caller
 
 __all__ = [
     "ADAM_BESIDE_ENV",
@@ -451,10 +452,9 @@ def warn_if_torch_spins(numba_layer: str | None) -> bool:
     if not report.spins:
         return False
     _warned = True
-    warnings.warn(
+    warn_caller(
         f"zero-offload: {report.reason} (e.g. `OMP_WAIT_POLICY=PASSIVE python train.py`); "
         "without it step times on a few cores can vary several-fold. See docs/threads.md",
         RuntimeWarning,
-        stacklevel=3,
     )
     return True

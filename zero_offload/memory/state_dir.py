@@ -36,9 +36,9 @@ import os
 import socket
 import stat
 import threading
-import warnings
 from pathlib import Path
 
+from ..caller_warning import warn_caller
 from ..config import format_bytes
 from ..fileio import DIR_MODE, FILE_MODE, free_bytes, make_private_dirs
 
@@ -270,9 +270,8 @@ def _clean_stale(directory: Path, pid: int | None) -> None:
     nbytes = sum(path.stat().st_size for path in stale)
     for path in stale:
         path.unlink(missing_ok=True)
-    warnings.warn(
+    warn_caller(
         f"zero-offload: {directory} was left by process {pid if pid is not None else '?'}, "
         f"which is gone (killed?); removed its {len(stale)} state file(s) "
-        f"({format_bytes(nbytes)})",
-        stacklevel=7,
+        f"({format_bytes(nbytes)})"
     )

@@ -59,11 +59,11 @@ import atexit
 import contextlib
 import errno
 import os
-import warnings
 import weakref
 from pathlib import Path
 
 from ..accelerator import Accelerator
+from ..caller_warning import warn_caller
 from ..errors import StorageError, StorageFull
 from .host_ram import check_host_ram
 from .io_buffers import IO_BUFFERS, IOBuffer, IOBufferState
@@ -188,12 +188,11 @@ class StorageTier:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False  # Note [direct I/O and its fallback]
-                warnings.warn(
+                warn_caller(
                     f"zero-offload: the filesystem of {self.directory} refuses O_DIRECT "
                     f"({exc.strerror}); the NVMe tier falls back to buffered I/O there, so the "
                     "page cache will hold a copy of the optimizer state in host RAM too. Put "
-                    "OffloadConfig.nvme_dir on a local disk (ext4, xfs) for direct I/O",
-                    stacklevel=4,
+                    "OffloadConfig.nvme_dir on a local disk (ext4, xfs) for direct I/O"
                 )
         return os.open(path, flags, 0o600)
 

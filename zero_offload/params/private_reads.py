@@ -38,9 +38,9 @@ lists that limit.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
+from ..caller_warning import warn_caller
 from ..config import format_bytes
 from ..errors import DeviceBudgetExceeded
 from ..memory.manager import TieredMemoryManager
@@ -134,7 +134,7 @@ class PrivateReads:
         if self._slot_reads_warned:
             return
         self._slot_reads_warned = True
-        warnings.warn(
+        warn_caller(
             f"zero-offload: reading {unit!r} outside the parameter-offload window: the device "
             f"budget has no room for a copy of its own ({format_bytes(nbytes)}), so it was "
             "read into its window slot, as the window fetches it. A view of it kept across "
@@ -142,5 +142,4 @@ class PrivateReads:
             "then shows that unit's weights: clone() what you keep, or raise the device "
             "budget (Note [a read outside the window lands privately]). Warned once",
             RuntimeWarning,
-            stacklevel=4,
         )

@@ -54,7 +54,6 @@ exit restores them as always.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -62,6 +61,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..accelerator.strict import MEMORY
+from ..caller_warning import warn_caller
 from ..errors import StorageError
 from ..memory.block import Block
 from ..memory.quiet_exit import interpreter_exiting
@@ -361,11 +361,10 @@ class WindowedViews(ParamViews):
             return self.home_view(index)
         except StorageError as exc:
             slot = self.layout.slots[index]
-            warnings.warn(
+            warn_caller(
                 f"zero-offload: closing the optimizer, parameter {index} of bucket "
                 f"{self.layout.index} {slot.shape} could not be read from its weight file; "
-                f"it is NaN now. {exc}",
-                stacklevel=4,
+                f"it is NaN now. {exc}"
             )
             return torch.full(slot.shape, float("nan"), dtype=self.dtype)
 

@@ -27,7 +27,6 @@ host.
 from __future__ import annotations
 
 import contextvars
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..accelerator.strict import MEMORY, MemoryKind
+from ..caller_warning import warn_caller
 
 if TYPE_CHECKING:
     from ..memory.manager import TieredMemoryManager
@@ -310,13 +310,12 @@ class DeviceOriginals:
         self.held_bytes = sum(held)
         if held:
             tracker.held_on_device(self.held_bytes)
-            warnings.warn(
+            warn_caller(
                 f"{len(held)} device storages of the parameters ({self.held_bytes} bytes) are "
                 "still referenced elsewhere (a tensor or view of the weights kept by the "
                 "caller), so building the optimizer could not free them: the device holds "
                 "them beside the optimizer's pools. Drop those references before building "
-                "it (Note [originals on the device leave first])",
-                stacklevel=4,
+                "it (Note [originals on the device leave first])"
             )
 
     def _to_host(self, param: torch.Tensor, tracker: PeakTracker) -> None:

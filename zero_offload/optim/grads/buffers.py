@@ -6,11 +6,10 @@ gradient."""
 
 from __future__ import annotations
 
-import warnings
-
 import numba
 import torch
 
+from ...caller_warning import warn_caller
 from ...config import GradAccumulation, format_bytes
 from ...errors import PoolExhausted
 from ...memory.align import aligned
@@ -118,13 +117,12 @@ class GradBuffers:
             Tier.DEVICE, nbytes, name=f"{self.name}.grad_overflow{len(self.overflow)}"
         )
         if not self.overflow:
-            warnings.warn(
+            warn_caller(
                 f"zero-offload: a gradient bucket of {format_bytes(nbytes)} had to wait for an "
                 "earlier bucket that is not complete on this rank (an unused parameter, or "
                 "backward order differing from bucket order); its gradients stay on the "
                 "device meanwhile, in an extra device pool (kept for later steps). See "
-                "'Ranks in lockstep' in the README.",
-                stacklevel=2,
+                "'Ranks in lockstep' in the README."
             )
         self.overflow.append(extra)
         return extra.alloc(nbytes, owner=owner, stream=stream)

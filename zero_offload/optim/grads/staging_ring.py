@@ -45,13 +45,13 @@ step from the loaded state with per-bucket staging) is refused before anything c
 from __future__ import annotations
 
 import enum
-import warnings
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from ...accelerator import Event
+from ...caller_warning import warn_caller
 from ...config import format_bytes
 from ...memory.align import aligned
 from ...memory.block import Block
@@ -162,7 +162,7 @@ class StagingRing:
         self._order.append(len(self.slots) - 1)
         if not self._warned:
             self._warned = True
-            warnings.warn(
+            warn_caller(
                 f"OffloadConfig(grad_staging='in_flight'): bucket {holder}'s flush found "
                 f"every one of the {len(self.slots) - 1} gradient staging buffers holding a "
                 "gradient that no update has read yet (the step runs in step(), not during "
@@ -172,8 +172,7 @@ class StagingRing:
                 "differs from bucket order, or unused parameters). The ring grows by one "
                 f"buffer ({format_bytes(self.slot_bytes)} pinned) per such flush, kept for "
                 "later steps; the result is exact. Announce each step to keep the host "
-                "memory at the buckets in flight",
-                stacklevel=2,
+                "memory at the buckets in flight"
             )
 
     def view(self, index: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, Block]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from ...accelerator import latest_per_stream
+from ...caller_warning import warn_caller
 from ...collectives import surface_collective_errors
 from ...config import GradStaging, OffloadConfig
 from ...memory.manager import TieredMemoryManager
@@ -333,9 +333,8 @@ class StepPolicy:
             return False
         if not self._eager_warned:
             self._eager_warned = True
-            warnings.warn(
-                f"{owner!r}: the announced step runs in step(), not during backward: {reason}",
-                stacklevel=3,
+            warn_caller(
+                f"{owner!r}: the announced step runs in step(), not during backward: {reason}"
             )
         return True
 
@@ -375,12 +374,11 @@ class StepPolicy:
                 for f in dataclasses.fields(now)
                 if getattr(now, f.name) != getattr(announced, f.name)
             ]
-            warnings.warn(
+            warn_caller(
                 f"{owner!r}: param group {g}'s hyper-parameters changed after the step was "
                 f"announced ({', '.join(changed)}); the step ran during backward with the "
                 "announced values, and the new ones apply from the next step. Change them "
-                "(scheduler.step()) after step(), or before the announced backward",
-                stacklevel=3,
+                "(scheduler.step()) after step(), or before the announced backward"
             )
 
     def land_eager(self) -> None:
@@ -440,24 +438,22 @@ class StepPolicy:
         if eager is not None:
             if eager.backward_ended:
                 if not eager.landed:
-                    warnings.warn(
+                    warn_caller(
                         f"{owner!r}: zero_grad() after an announced backward "
                         "(backward(step=True) or announce_step()) with no step() between: "
                         "the step ran during that backward and is kept. To skip a step, "
-                        "decide before its backward and do not announce it",
-                        stacklevel=3,
+                        "decide before its backward and do not announce it"
                     )
                 self.land_eager()  # the announced step already ran: take it
             elif not eager.landed:
                 # The announced backward raised: what it stepped stays stepped.
                 stepped = eager.abandon(self.buckets, self.ranks)
                 if stepped:
-                    warnings.warn(
+                    warn_caller(
                         f"{owner!r}: the announced step's backward raised after buckets "
                         f"{stepped} were stepped (backward(step=True) runs them as they "
                         "complete); they keep that step and the rest were not stepped. "
-                        "OffloadConfig(speculative_step=True) backs up and restores instead",
-                        stacklevel=3,
+                        "OffloadConfig(speculative_step=True) backs up and restores instead"
                     )
             self.drop_eager()
         self.router.discard()
