@@ -221,3 +221,18 @@ def test_a_collective_failure_the_caller_saw_covers_its_own_optimizer_only(
     monkeypatch.setattr(sys, "last_value", _collective_failure(c, "all_reduce"), raising=False)
     assert passed_over(_collective_failure(c, "all_gather of bucket 0 weights"), dropped=True)
     assert not passed_over(_collective_failure(d, "all_gather of bucket 0 weights"), dropped=True)
+
+
+def test_a_caught_clip_error_is_not_printed_again_when_the_optimizer_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """clip_grad_norm_ waits for the window's gradients on the host worker, and meets its
+    failure: it reached the caller like step()'s."""
+    model, _ = make_pair()
+    held = [offload_opt(model)]
+    train(model, held[0], batches(1))
+    lm_loss(model, *batches(1)[0]).backward()
+    held[0].manager.host_worker.submit(_fail)
+    with pytest.raises(StreamError, match="the copy failed"):
+        held[0].clip_grad_norm_(1.0)
+    assert _printed_when_dropped(held, monkeypatch) == []

@@ -12,8 +12,9 @@ caller was printed again, once per finalizer, and a failure nobody had met was s
 at exit. So the links of an error's cause chain are marked ``surfaced`` when it leaves
 the library: by ``surface_collective_errors`` (around the step's gradient wait, the
 backward hooks and the forward's gathers), by the optimizer's public methods
-(``said_to_caller``: step(), zero_grad(), flush_pending_update(), close(), the state dict
-and streaming checkpoint methods) whatever they raise, and by a release that raises it (to
+(``said_to_caller``: step(), zero_grad(), flush_pending_update(), close(), backward(),
+announce_step(), clip_grad_norm_(), add_param_group(), the state dict and streaming
+checkpoint methods) whatever they raise, and by a release that raises it (to
 close()'s caller, or printed by its finalizer). A release run by a finalizer or at exit
 passes over a marked error and reports an unmarked one, once (``memory/quiet_exit.py``,
 ``passed_over``). Inside a release (``releasing``) nothing reaches a caller, so nothing

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..error_marks import said_to_caller
 from ..hook_errors import backward as backward_reporting_hooks
 from .checks import check_untouched
 
@@ -32,6 +33,7 @@ class BackwardMethods:
     param_groups: Any
     rule: Any
 
+    @said_to_caller  # Note [an error reaches the caller once]
     def backward(self, loss: torch.Tensor, *, step: bool = False, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by ``loss_scale`` for fp16 models.
 
@@ -70,6 +72,7 @@ class BackwardMethods:
         """Whether a step is announced and not taken yet (``step()`` takes it)."""
         return self._policy.eager is not None
 
+    @said_to_caller
     def announce_step(self) -> bool:
         """Announce that the next backward is the window's last and ``step()`` follows it
         with no clipping or another backward in between (for loops that call

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..error_marks import said_to_caller
+
 __all__ = ["GradientClipping", "check_finite_norm", "clip_grad_norm_", "total_grad_norm"]
 
 
@@ -26,6 +28,7 @@ class GradientClipping:
 
     _policy: Any  # the optimizer's StepPolicy; _check_open, _collect_stray_grads: its own
 
+    @said_to_caller  # Note [an error reaches the caller once]
     def clip_grad_norm_(
         self,
         max_norm: float,

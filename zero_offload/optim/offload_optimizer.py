@@ -265,6 +265,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
         """The process group's ``Comm`` (``collectives.Comm``), or ``None`` with one rank."""
         return self._ranks.comm
 
+    @said_to_caller
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does); after construction it gets buckets of its own (and
         the dynamic loss scaler, if it brings the first fp16 parameters)."""
