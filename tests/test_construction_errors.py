@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload import DeviceBudgetExceeded
+from zero_offload import DeviceBudgetExceeded, OffloadConfig, OffloadLion
 
 from .helpers.models import host_accelerator, make_pair, offload_opt
 
@@ -94,3 +94,13 @@ def test_the_budget_refusal_with_state_on_the_device_offers_raising_offload_frac
     assert "raise OffloadConfig.offload_fraction (now 0.5; 1.0 keeps no optimizer state" in (
         message
     )
+
+
+def test_the_budget_refusal_names_the_optimizer_that_needs_the_bytes() -> None:
+    """It said "OffloadAdamW needs ..." for every rule."""
+    model, _ = make_pair()
+    acc = host_accelerator(device_budget=20_000)
+    with pytest.raises(DeviceBudgetExceeded, match=r"^OffloadLion needs ") as info:
+        OffloadLion(model.parameters(), config=OffloadConfig(bucket_bytes=8192), accelerator=acc)
+    assert "OffloadAdamW" not in str(info.value)
+    assert acc.memory_stats()["in_use"] == 0

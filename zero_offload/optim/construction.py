@@ -337,6 +337,7 @@ class SegmentBuilder:
             name=f"{self.name}.{len(self.resources.segments)}",
             tracker=tracker,
             offload=offload,
+            owner=type(owner).__name__,
         )
 
     def _undo(

@@ -86,10 +86,12 @@ def plan_segment(
     name: str,
     tracker: PeakTracker,
     offload: Any,
+    owner: str = "the optimizer",
 ) -> SegmentPlan:
     """Place ``layouts``' state and allocate the device pool. ``groups``: the segment's
     param groups; ``offload``: the ``ParamOffloader`` whose window was planned (its units'
-    weights live in their homes, not in ``weights_dev``), or None."""
+    weights live in their homes, not in ``weights_dev``), or None; ``owner``: the
+    optimizer's class, as a refusal names it."""
     moments_dtype = torch.bfloat16 if config.moments_dtype == "bfloat16" else torch.float32
     state = rule.state_fields(moments_dtype, groups)  # an offloaded bucket's
     resident_state = rule.state_fields(torch.float32, groups)  # a resident one's
@@ -107,6 +109,7 @@ def plan_segment(
         alignment=POOL_ALIGNMENT,
         weights_elsewhere=frozenset(b.index for b in layouts if window_bytes is not None),
         step_temporaries=_step_temporaries(rule, groups, layouts),
+        owner=owner,
     )
     nvme_config = _nvme_config(config, layouts, placement, params, state, window_bytes)
     nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget

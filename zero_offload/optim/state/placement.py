@@ -159,6 +159,7 @@ def plan_placement(
     alignment: int,
     weights_elsewhere: frozenset[int] = frozenset(),
     step_temporaries: Mapping[int, int] | None = None,
+    owner: str = "the optimizer",
 ) -> Placement:
     """Choose the resident buckets and size the pools.
 
@@ -177,7 +178,8 @@ def plan_placement(
     resident bucket's step allocates beyond the pool at once, where they grow with a
     parameter rather than a tile (a rule that reads whole parameters: Note [whole
     parameters stepped on the device] in ``whole_resident.py``); the largest over the
-    resident buckets must fit beside the pool, within ``"auto"``'s limit too.
+    resident buckets must fit beside the pool, within ``"auto"``'s limit too. ``owner``:
+    who needs the bytes, as the refusal names it (the optimizer's class).
     """
     temporaries = step_temporaries or {}
 
@@ -240,7 +242,7 @@ def plan_placement(
     if placement.device_total + step > device_free:
         steps = f", and {format_bytes(step)} of step temporaries beside them" if step else ""
         raise DeviceBudgetExceeded(
-            f"OffloadAdamW needs {format_bytes(placement.device_total)} "
+            f"{owner} needs {format_bytes(placement.device_total)} "
             f"({placement.device_total} bytes) on the device{steps} but only "
             f"{format_bytes(device_free)} of the device budget is free: "
             f"weights {format_bytes(placement.device_weights)}, gradient buffers "
