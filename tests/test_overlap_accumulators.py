@@ -138,12 +138,19 @@ def _run(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_windows_take_turns_and_match_the_accumulator_bitwise(monkeypatch, dtype) -> None:
+def test_windows_take_turns_and_match_the_accumulator(monkeypatch, dtype) -> None:
     _slow_host_adam(monkeypatch)
     pattern = [1] * 5
     net, waits, sources, norm = _run(pattern, accumulator=False, dtype=dtype, max_grad_norm=0.5)
     ref, _, ref_sources, ref_norm = _run(pattern, accumulator=True, dtype=dtype, max_grad_norm=0.5)
-    assert max_diff(net, ref) == 0.0 and norm == ref_norm  # clipped: the same bits
+    # Clipped: a lone window's norm is taken on the device (Note [a lone window's statistics
+    # are taken on the device] in optim/grads/lone_stats.py), the host cells' to about
+    # 1e-16, so the weights agree to one ulp (unclipped, bitwise:
+    # tests/test_overlap_lone_stats.py).
+    assert norm == pytest.approx(ref_norm, rel=1e-14)
+    for x, y in zip(net.parameters(), ref.parameters(), strict=True):
+        ulp = torch.finfo(x.dtype).eps * y.detach().float().abs()
+        assert bool(((x.detach().float() - y.detach().float()).abs() <= ulp).all())
     assert ref_sources == [{"grad_acc"}] * 5
     # Update k reads one buffer while backward k+1 lands in the other: the turns.
     assert sources == [{"grad_staging"}, {"grad_staging_spare"}] * 2 + [{"grad_staging"}]

@@ -68,6 +68,7 @@ from ...partition import BucketLayout
 from ...tracing import phase
 from ..access import declare_compute
 from .landing import Landing
+from .lone_stats import piece_norms
 
 __all__ = ["DeviceAccumulators", "DeviceSum", "pool_if_room"]
 
@@ -155,21 +156,9 @@ class DeviceSum:
 
     def norms(self, shard: tuple[int, int]) -> torch.Tensor | None:
         """(pieces,) float64 on the device, left there: the L2 norm of each parameter's
-        piece of ``shard`` in the sum (None for none), one ``_foreach_norm`` per bucket on
-        the compute stream (Note [micro-batches add up on the device])."""
-        start, stop = shard
-        views = []
-        for slot in self.layout.slots:
-            lo, hi = self.layout.owned_piece(slot, start, stop)
-            if hi > lo:
-                first = slot.offset + lo - start
-                views.append(self.tensor[first : first + hi - lo])
-        if not views:
-            return None
-        declare_compute(
-            self.manager, self.tensor, bucket=self.layout.index, write=False, what="norms"
-        )
-        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64))
+        piece of ``shard`` in the sum (None for none), on the compute stream (``piece_norms``
+        in ``lone_stats.py``; Note [micro-batches add up on the device])."""
+        return piece_norms(self.manager, self.layout, shard, self.tensor)
 
     def land(
         self, acc: torch.Tensor, acc_block: Block, *, readers: list[Event], tile_elements: int

@@ -34,8 +34,15 @@ class DeviceWindow:
             window's).
         acc_free: the host worker's event after the last step that read the host
             accumulator (None before any).
-        norms: the landed window's per-parameter norms, on the device (None: the window's
-            statistics come from host passes).
+        landing: the last landing into the host accumulator (None before any). A delayed
+            update queued before the next backward follows its tiles on the host worker,
+            although that backward's flushes say the accumulator no longer holds only the
+            landing (``HostGradients._acc_landed``): the next write into the accumulator is
+            a host pass queued behind the update, or a landing after it (``acc_free``).
+        norms: the landed window's per-parameter norms, on the device, or a lone flush's
+            taken at the flush for the delayed update (``HostGradients``: Note [a lone
+            window's statistics are taken on the device] in ``lone_stats.py``); None: the
+            window's statistics come from host passes.
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class DeviceWindow:
         self.active = False
         self.expected = 0
         self.acc_free: Event | None = None
+        self.landing: Landing | None = None
         self.norms: torch.Tensor | None = None
 
     def begin(self, *, accumulates: bool, previous_flushes: int) -> bool:
@@ -92,6 +100,7 @@ class DeviceWindow:
             acc, acc_block, readers=readers, tile_elements=self._tile_elements
         )
         self.norms = device_sum.norms(self._shard)
+        self.landing = landing
         return landing
 
     def consumed(self, worker: HostWorker, *, host_acc: bool) -> None:

@@ -11,12 +11,14 @@ every bucket and tile size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from ...accelerator import Event
 from ...kernels import (
     AccumulateRanges,
     StatsRanges,
@@ -30,6 +32,7 @@ from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
 from ..access import declare_cpu
 from .buffers import host_pass_threads
+from .landing import Landing
 from .path import SumSqParts
 from .stat_cells import Cut, pieces
 
@@ -196,6 +199,23 @@ class HostPasses:
             self._count("statistics", read=k * n, written=0)
         else:
             self._count("accumulation", read=(k if overwrite else k + 4) * n, written=4 * n)
+
+    def follow(
+        self,
+        landing: Landing,
+        staging: Callable[[], torch.Tensor],
+        acc: torch.Tensor | None,
+        *,
+        overwrite: bool,
+    ) -> Event:
+        """Queue ``staging_tile`` on the host worker behind each tile of ``landing`` (into
+        ``staging``), then ``summed``; the worker's event after them."""
+        worker = self.manager.host_worker
+        partials: list[float] = []
+        task = functools.partial(self.staging_tile, staging, acc, overwrite, partials=partials)
+        landing.follow(worker, self.layout.real_in(*self.shard), task)
+        worker.submit(functools.partial(self.summed, partials))
+        return worker.record_event()
 
     def summed(self, partials: list[float]) -> None:
         """After the last tile: the window's statistics (float64 sums, added exactly; the

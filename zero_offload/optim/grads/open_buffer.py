@@ -143,6 +143,18 @@ class OpenBuffer:
             self._declare(tail, what="zeroing unfilled slots")
             tail.zero_()
 
+    def flushable_block(self) -> Block:
+        """The open buffer's block, for a flush; raises when an interrupted backward (Note
+        [an interrupted gradient path] in ``to_host.py``) left the lifecycle saying FILLING
+        while the path already handed the buffer on or dropped it."""
+        if self.block is None:
+            raise RuntimeError(
+                f"bucket {self.layout.index}: its device gradients were already handed on: a "
+                "backward was interrupted half-way (KeyboardInterrupt) and its window was not "
+                "discarded. Call opt.zero_grad() after an interrupted backward"
+            )
+        return self.block
+
     def release(self) -> Block:
         """Hand the buffer's block on (the caller frees it once its copies are queued)."""
         block = self.block

@@ -127,7 +127,8 @@ class GradientPath(ABC):
     def stats_on_host(self) -> bool:
         """Whether the window's statistics come from the host worker's passes, so that
         ``grad_sumsq`` needs the worker drained first (default), or were taken on the
-        device (Note [micro-batches add up on the device] in ``device_acc.py``)."""
+        device (Note [micro-batches add up on the device] in ``device_acc.py``, Note [a lone
+        window's statistics are taken on the device] in ``lone_stats.py``)."""
         return True
 
     @abstractmethod

@@ -19,7 +19,8 @@ A flush's copy into a staging buffer must not start before the host worker has p
 the previous flush into that buffer (added it into the accumulator, or taken its
 statistics), or that gradient would be overwritten unread (a lagging worker, an early flush,
 or micro-batches while ``overlap_step``'s update occupies the worker). Each pass over a
-buffer records an event on the host worker after it (``OwnStaging._consumed``), and the
+buffer records an event on the host worker after it (``OwnStaging._consumed``; a lone flush
+the delayed update reads gets no pass: its reader is that update, ``read_by``), and the
 next flush into that buffer waits for it, on the caller's thread: a CUDA stream cannot wait
 on host-thread work. Which buffer a flush uses: Note [two staging buffers for accumulation];
 with a ring: Note [gradient staging for the buckets in flight] in ``staging_ring.py``.
@@ -69,7 +70,10 @@ accumulator (``a(4s)``) and, where the budget had room, an fp32 device accumulat
 costs the spare, ``a(ks)`` host bytes, and nothing on the device: bf16 2 host bytes a
 parameter instead of 4 + 4 on the device, fp32 4 instead of 4 + 4 (Note [overlap_step's
 device extras follow the budget] in ``estimate/delayed.py``). The values Adam reads are the
-same bits (``grad.float()``), and the statistics are the plain step's host passes.
+same bits (``grad.float()``). The statistics are taken on the device at the flush, so
+backward k+1 queues nothing on the host worker behind update k, and the host does not read
+the gradient before Adam does (Note [a lone window's statistics are taken on the device] in
+``lone_stats.py``).
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ With one flush per window (one micro-batch, no early flush) the CPU Adam kernel 
 training-dtype gradient straight from ``grad_staging``: the kernel computes
 ``grad.float() * grad_scale``, bit for bit what it computed from an fp32 copy, and the host
 worker's only pass over the gradient is its statistics (``grad_stats``) as the staging
-lands. No fp32 accumulator exists. A second flush in the window (a second micro-batch, or
-an early flush) first folds staging into an fp32 accumulator, taken on first need from a
-lazily created pool (``AccumulatorPool``: pinned once, kept for later steps), and adds each
-later flush there, exactly, in fp32. A bucket whose previous window accumulated expects the
+lands (with ``overlap_step`` none: Note [a lone window's statistics are taken on the
+device] in ``lone_stats.py``). No fp32 accumulator exists. A second flush in the window (a
+second micro-batch, or an early flush) first folds staging into an fp32 accumulator, taken
+on first need from a lazily created pool (``AccumulatorPool``: pinned once, kept for later
+steps), and adds each later flush there, exactly, in fp32. A bucket whose previous window accumulated expects the
 next one to as well: its first flush goes straight into the accumulator (an overwriting
 pass that also yields the statistics), so a loop that accumulates every step pays no
 statistics pass and no fold; a window that then gets one flush after all is stepped from
@@ -66,6 +67,7 @@ from .device_acc import DeviceSum
 from .device_window import DeviceWindow
 from .host_passes import HostPasses
 from .landing import Landing
+from .lone_stats import lone_norms
 from .open_buffer import OpenBuffer
 from .path import GradientPath, GradSource, SumSqParts
 from .staging import OwnStaging, Staging
@@ -236,6 +238,8 @@ class HostGradients(GradientPath):
         acc = self._ensure_accumulator()
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
+        if self.device.norms is not None:  # no pass followed its copies (Note [a lone ...])
+            worker.wait_event(self._staged[self.staging.kept()].last)
         staging = functools.partial(self._staging_tensor, self.staging.kept())
         worker.submit(functools.partial(self.passes.fold, acc, staging, real))
         self._acc_landed = False
@@ -278,24 +282,15 @@ class HostGradients(GradientPath):
                 self._flush_adopted(overwrite=overwrite, buffer=buffer)
                 return
             self.open.zero_unfilled()
-            grad = self.open.tensor
+            grad, compute = self.open.tensor, manager.compute_ready()
             ready = ranks.reduce_scatter(
-                grad,
-                manager.compute_ready(),
-                what=f"bucket {index} ({self.layout.padded_numel} el)",
+                grad, compute, what=f"bucket {index} ({self.layout.padded_numel} el)"
             )
             start, stop = self.shard
             if not overwrite or self._first_flush_accumulates():
                 self._ensure_accumulator()  # before anything moves: a failure changes nothing
-            block = self.open.block
-            if block is None:
-                # Note [an interrupted gradient path]: the lifecycle says FILLING, the path
-                # already handed the buffer on or dropped it.
-                raise RuntimeError(
-                    f"bucket {index}: its device gradients were already handed on: a backward "
-                    "was interrupted half-way (KeyboardInterrupt) and its window was not "
-                    "discarded. Call opt.zero_grad() after an interrupted backward"
-                )
+            block = self.open.flushable_block()  # Note [an interrupted gradient path]
+            norms = self._lone_norms(grad[start:stop], overwrite, ready, compute)
             # The bucket keeps its buffer until the copies are queued: if they fail or are
             # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
             staging, staging_block = self.staging.get(buffer)
@@ -303,26 +298,37 @@ class HostGradients(GradientPath):
                 grad[start:stop], staging, after=[ready], blocks=[block, staging_block]
             )
             self.open.release().free()  # reuse waits on the copies, Note [block reuse waits...]
-            self._after_copy(landing, overwrite=overwrite, buffer=buffer)
+            self._after_copy(landing, overwrite=overwrite, buffer=buffer, norms=norms)
 
     def _flush_adopted(self, *, overwrite: bool, buffer: int) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad = self.open.adopted
+        norms = self._lone_norms(grad, overwrite, None, None)
         staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
             grad, staging, after=[self.manager.compute_ready()], blocks=[staging_block]
         )
         self.open.adopted = None
-        self._after_copy(landing, overwrite=overwrite, buffer=buffer)
+        self._after_copy(landing, overwrite=overwrite, buffer=buffer, norms=norms)
 
     def _first_flush_accumulates(self) -> bool:
         """Whether a window's first flush goes to the accumulator (Note [no accumulator for
         one backward]); asked before the flush is counted, so ``_window_flushes`` is still
         the previous window's."""
         return self.always_accumulate or self._window_flushes > 1
+
+    def _lone_norms(
+        self, src: torch.Tensor, overwrite: bool, ready: Event | None, compute: Event | None
+    ) -> torch.Tensor | None:
+        """A lone flush's statistics on the device, after ``ready`` unless it is ``compute``:
+        Note [a lone window's statistics are taken on the device] (``lone_stats.py``)."""
+        if self.delayed_update and overwrite and not self._first_flush_accumulates():
+            after = None if ready is compute else ready
+            return lone_norms(self.manager, self.layout, self.shard, src, after=after)
+        return None
 
     # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
 
@@ -333,13 +339,7 @@ class HostGradients(GradientPath):
         if self.open.adopted is not None:
             src = self.open.adopted
         else:
-            if self.open.block is None:
-                raise RuntimeError(
-                    f"bucket {self.layout.index}: its device gradients were already handed "
-                    "on: a backward was interrupted half-way (KeyboardInterrupt) and its "
-                    "window was not discarded. Call opt.zero_grad() after an interrupted "
-                    "backward"
-                )
+            self.open.flushable_block()  # Note [an interrupted gradient path]
             self.open.zero_unfilled()
             compute = self.manager.compute_ready()
             ready = ranks.reduce_scatter(
@@ -369,9 +369,8 @@ class HostGradients(GradientPath):
 
     def land(self) -> None:
         """Bring a window summed on the device to the host accumulator, in tiles CPU Adam
-        follows, with the host worker's statistics pass behind each; nothing to do when it
-        landed already or the window is on the host (Note [micro-batches add up on the
-        device])."""
+        follows (its statistics were taken on the device); nothing to do when it landed
+        already or the window is on the host (Note [micro-batches add up on the device])."""
         if not self.device.unlanded:
             return
         acc = self._ensure_accumulator()
@@ -396,11 +395,12 @@ class HostGradients(GradientPath):
             blocks=blocks,
         )
 
-    def _after_copy(self, landing: Landing, *, overwrite: bool, buffer: int) -> None:
-        """Queue the host worker's pass over each tile of staging ``buffer`` as it lands."""
-        worker = self.manager.host_worker
+    def _after_copy(
+        self, landing: Landing, *, overwrite: bool, buffer: int, norms: torch.Tensor | None
+    ) -> None:
+        """Queue the host worker's pass over each tile of ``buffer`` (none with ``norms``)."""
         self._acc_landed = False
-        self.device.norms = None
+        self.device.norms = norms
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
             acc = None
@@ -413,14 +413,10 @@ class HostGradients(GradientPath):
             self._reader_unrecorded = self.delayed_update
         # Counted once the flush is queued: a flush that failed before it is not counted.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
-        partials: list[float] = []
+        if norms is not None:  # nothing queued behind the update: Note [a lone window's...]
+            return
         staging = functools.partial(self._staging_tensor, buffer)
-        task = functools.partial(
-            self.passes.staging_tile, staging, acc, overwrite, partials=partials
-        )
-        landing.follow(worker, self.layout.real_in(*self.shard), task)
-        worker.submit(functools.partial(self.passes.summed, partials))
-        self._staging_consumed = worker.record_event()
+        self._staging_consumed = self.passes.follow(landing, staging, acc, overwrite=overwrite)
         self.staging.passed(buffer, self._staging_consumed, kept=acc is None)
 
     def _staging_tensor(self, buffer: int) -> torch.Tensor:
@@ -464,7 +460,10 @@ class HostGradients(GradientPath):
         passes, or nothing, bring it)."""
         if source is GradSource.STAGING or source is GradSource.SPARE:
             return self._staged.get(self.staging.buffer(source))
-        return self._landing if self._acc_landed else None
+        if self._acc_landed:
+            return self._landing
+        # a delayed update follows the last landing while the next backward flushes
+        return self.device.landing if self.manager.host_worker.is_current() else None
 
     def discard_grad(self) -> None:
         """Forget the window: the open device buffer, and its staging once what the host
@@ -515,7 +514,7 @@ class HostGradients(GradientPath):
         return grad
 
     def stats_on_host(self) -> bool:
-        return self.device.norms is None  # landed from the device: taken there
+        return self.device.norms is None  # landed from the device, or a lone flush: taken there
 
     def grad_sumsq(self) -> SumSqParts:
         if self.device.norms is not None:
