@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -226,3 +228,62 @@ def test_a_delayed_update_follows_its_landing_while_the_next_backward_flushes(
     ref, _ = run("host", accumulator=True)
     assert summed_on_device
     assert max_diff(net, ref) == 0.0
+
+
+# -- several ranks: the statistics stay the host's, compute never waits for a reduce-scatter --
+
+
+def _two_rank_entry(rank: int, world: int, port: int, out: str) -> None:
+    """One rank's overlap_step run, one micro-batch, clipping; counts the compute stream's
+    waits on an unfinished event during its backwards."""
+    import torch.distributed as dist
+
+    from zero_offload.memory.manager import TieredMemoryManager
+
+    from .helpers.dist import data, join_gloo, shard_batch
+
+    join_gloo(rank, world, port)
+    waits = [0]
+    original = TieredMemoryManager.wait_for
+
+    def counting(self: TieredMemoryManager, events: Any, *, category: Any) -> Any:
+        events = list(events)
+        waits[0] += any(not event.query() for event in events)
+        return original(self, events, category=category)
+
+    TieredMemoryManager.wait_for = counting  # type: ignore[method-assign]
+    model, _ = make_pair()
+    opt = offload_opt(model, overlap_step=True, max_grad_norm=0.5)
+    for tokens, targets in data(STEPS):
+        loss = lm_loss(model, shard_batch(tokens, rank, world), shard_batch(targets, rank, world))
+        before = waits[0]
+        opt.backward(loss)
+        backward_waits = waits[0] - before
+        opt.step()
+        opt.zero_grad()
+        waits.append(backward_waits)
+    opt.close()  # lands the pending update
+    weights = [p.detach().clone() for p in model.parameters()]
+    torch.save({"weights": weights, "waits": waits[1:]}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_keep_the_host_statistics_and_match_one_process(tmp_path: Path) -> None:
+    """With several ranks the shard is only this rank's after the reduce-scatter: norms on the
+    compute stream would make compute wait for every bucket's (13 waits a backward at 13
+    buckets before this was kept on the host); the run matches one process's overlap run."""
+    from .helpers.dist import data, spawn_ranks
+
+    spawn_ranks(_two_rank_entry, 2, str(tmp_path))
+    model, _ = make_pair()
+    opt = offload_opt(model, overlap_step=True, max_grad_norm=0.5)
+    for tokens, targets in data(STEPS):
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["waits"] == [0] * STEPS, (rank, result["waits"])
+        pairs = zip(result["weights"], model.parameters(), strict=True)
+        assert max((x - y.detach()).abs().max().item() for x, y in pairs) < 1e-5, rank

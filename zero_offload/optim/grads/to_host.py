@@ -323,11 +323,13 @@ class HostGradients(GradientPath):
     def _lone_norms(
         self, src: torch.Tensor, overwrite: bool, ready: Event | None, compute: Event | None
     ) -> torch.Tensor | None:
-        """A lone flush's statistics on the device, after ``ready`` unless it is ``compute``:
-        Note [a lone window's statistics are taken on the device] (``lone_stats.py``)."""
+        """A lone flush's statistics on the device, with one rank (``ready`` is ``compute``:
+        no reduce-scatter to wait for); None leaves them to the host pass: Note [a lone
+        window's statistics are taken on the device] (``lone_stats.py``)."""
+        if ready is not compute:
+            return None
         if self.delayed_update and overwrite and not self._first_flush_accumulates():
-            after = None if ready is compute else ready
-            return lone_norms(self.manager, self.layout, self.shard, src, after=after)
+            return lone_norms(self.manager, self.layout, self.shard, src)
         return None
 
     # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
