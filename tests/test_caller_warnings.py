@@ -6,7 +6,10 @@ DCP reaches ``load_state_dict`` through its own functions."""
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from zero_offload import OffloadAdamW, OffloadConfig
+from zero_offload import OffloadAdamW, OffloadConfig, caller_warning
 from zero_offload.caller_warning import warn_caller
 
 from .helpers.models import host_accelerator, mlp, mlp_batches, mlp_loss, mlp_opt
@@ -101,3 +104,51 @@ def test_a_flattened_dcp_load_warns_at_the_users_set_state_dict() -> None:
     warning = _only(record, "flush_pending_update")
     assert (warning.filename, warning.lineno) == (__file__, _line_after(here))
     fresh_opt.close()
+
+
+_LIBRARY_STAND_IN = """
+import contextlib, threading
+from zero_offload.caller_warning import warn_caller
+
+warn_caller("at import")
+
+
+@contextlib.contextmanager
+def opened():
+    warn_caller("in a with block")
+    yield
+
+
+def in_a_thread():
+    def run():
+        warn_caller("in a thread")  # the thread's own line: nobody else called it
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+"""
+
+
+def test_warn_caller_passes_over_with_blocks_imports_and_names_a_threads_own_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module in ``tmp_path`` stands in for the library (``_PACKAGE``): a warning from
+    its ``with`` block's generator or its import names this file's line, past contextlib
+    and importlib; one from a thread it started names its own line."""
+    (tmp_path / "stand_in.py").write_text(_LIBRARY_STAND_IN)
+    monkeypatch.setattr(caller_warning, "_PACKAGE", str(tmp_path) + os.sep)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stand_in", raising=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        here = inspect.currentframe().f_lineno  # type: ignore[union-attr]
+        import stand_in
+
+        stand_in.in_a_thread()
+        with_line = inspect.currentframe().f_lineno  # type: ignore[union-attr]
+        with stand_in.opened():
+            pass
+    where = {str(w.message): (w.filename, w.lineno) for w in record}
+    assert where["at import"] == (__file__, _line_after(here))
+    assert where["in a with block"] == (__file__, _line_after(with_line))
+    thread_file, _ = where["in a thread"]
+    assert thread_file == str(tmp_path / "stand_in.py")
