@@ -3,7 +3,7 @@
 ``piece_norms`` cuts a bucket's shard into its parameters' pieces and takes their norms in
 one ``_foreach_norm``: for a window summed on the device as it lands (Note [micro-batches add
 up on the device] in ``device_acc.py``), and for the lone flush of a window the delayed
-update will read (``lone_norms``, below).
+update will read (``HostGradients._lone_norms`` in ``to_host.py``, below).
 
 Note [a lone window's statistics are taken on the device]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,8 +15,8 @@ pass queued behind Adam k (issue 39: nothing of the next backward queues behind 
 delayed update), and it read the whole gradient once more on the host, ``k`` bytes a
 parameter a step (fp32 4, bf16 2). So a lone flush with ``HostGradients(delayed_update=
 True)`` takes its statistics on the device instead, where the bytes already are: at the
-flush, on the compute stream, after the reduce-scatter and beside the copy to staging,
-each parameter's float64 norm of its piece of this rank's shard (``lone_norms``), kept as
+flush, on the compute stream, in order after the backward that wrote it and beside the
+copy to staging, each parameter's float64 norm of its piece (``piece_norms``), kept as
 the window's ``DeviceWindow.norms`` and read with every bucket's in one copy when the step
 needs them. The flush queues nothing on the host worker: CPU Adam follows the copies
 themselves (Note [Adam follows the gradient in] in ``landing.py``), and the staging buffer's
@@ -50,7 +50,7 @@ from ...memory.manager import TieredMemoryManager
 from ...partition import BucketLayout
 from ..access import declare_compute
 
-__all__ = ["lone_norms", "piece_norms"]
+__all__ = ["piece_norms"]
 
 
 def piece_norms(
@@ -70,12 +70,3 @@ def piece_norms(
         return None
     declare_compute(manager, src, bucket=layout.index, write=False, what="norms")
     return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64))
-
-
-def lone_norms(
-    manager: TieredMemoryManager, layout: BucketLayout, shard: tuple[int, int], src: torch.Tensor
-) -> torch.Tensor | None:
-    """``piece_norms`` of a lone flush's ``src`` on the compute stream, in order after the
-    backward that wrote it (one rank: no reduce-scatter between): Note [a lone window's
-    statistics are taken on the device]."""
-    return piece_norms(manager, layout, shard, src)

@@ -67,7 +67,7 @@ from .device_acc import DeviceSum
 from .device_window import DeviceWindow
 from .host_passes import HostPasses
 from .landing import Landing
-from .lone_stats import lone_norms
+from .lone_stats import piece_norms
 from .open_buffer import OpenBuffer
 from .path import GradientPath, GradSource, SumSqParts
 from .staging import OwnStaging, Staging
@@ -282,15 +282,17 @@ class HostGradients(GradientPath):
                 self._flush_adopted(overwrite=overwrite, buffer=buffer)
                 return
             self.open.zero_unfilled()
-            grad, compute = self.open.tensor, manager.compute_ready()
+            grad = self.open.tensor
             ready = ranks.reduce_scatter(
-                grad, compute, what=f"bucket {index} ({self.layout.padded_numel} el)"
+                grad,
+                manager.compute_ready(),
+                what=f"bucket {index} ({self.layout.padded_numel} el)",
             )
             start, stop = self.shard
             if not overwrite or self._first_flush_accumulates():
                 self._ensure_accumulator()  # before anything moves: a failure changes nothing
             block = self.open.flushable_block()  # Note [an interrupted gradient path]
-            norms = self._lone_norms(grad[start:stop], overwrite, ready, compute)
+            norms = self._lone_norms(grad[start:stop], overwrite, scattered=ranks.world_size > 1)
             # The bucket keeps its buffer until the copies are queued: if they fail or are
             # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
             staging, staging_block = self.staging.get(buffer)
@@ -305,7 +307,7 @@ class HostGradients(GradientPath):
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad = self.open.adopted
-        norms = self._lone_norms(grad, overwrite, None, None)
+        norms = self._lone_norms(grad, overwrite, scattered=False)  # one rank's, whole
         staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
@@ -321,15 +323,16 @@ class HostGradients(GradientPath):
         return self.always_accumulate or self._window_flushes > 1
 
     def _lone_norms(
-        self, src: torch.Tensor, overwrite: bool, ready: Event | None, compute: Event | None
+        self, src: torch.Tensor, overwrite: bool, *, scattered: bool
     ) -> torch.Tensor | None:
-        """A lone flush's statistics on the device, with one rank (``ready`` is ``compute``:
-        no reduce-scatter to wait for); None leaves them to the host pass: Note [a lone
-        window's statistics are taken on the device] (``lone_stats.py``)."""
-        if ready is not compute:
+        """A lone flush's statistics on the device, on the compute stream, where ``src``
+        was not reduce-scattered (``scattered``: compute would wait for it); None leaves
+        them to the host pass: Note [a lone window's statistics are taken on the device]
+        (``lone_stats.py``)."""
+        if scattered or not self.delayed_update:
             return None
-        if self.delayed_update and overwrite and not self._first_flush_accumulates():
-            return lone_norms(self.manager, self.layout, self.shard, src)
+        if overwrite and not self._first_flush_accumulates():
+            return piece_norms(self.manager, self.layout, self.shard, src)
         return None
 
     # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
