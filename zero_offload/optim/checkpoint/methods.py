@@ -149,19 +149,22 @@ class Checkpoints:
         ``update/resume.py``)."""
         self._check_open("load_streaming")
         self._policy.mode.drain()
+        # As in load_state_dict: an announced step that ran is superseded by the loaded state.
         with self._cut_recorded() as guard:
-            loaded = streaming.load(
-                path,
-                self.buckets,
-                self.param_groups,
-                comm=self.comm,
-                scaler=self.scaler,
-                tile_elements=self.config.tile_elements,
-                rule=self.rule.name,
-                family=self.rule.state_family,
-                guard=guard,
-                call=f"opt.load_streaming({str(path)!r})",
-            )
+            with self._policy.superseding_eager():
+                loaded = streaming.load(
+                    path,
+                    self.buckets,
+                    self.param_groups,
+                    comm=self.comm,
+                    scaler=self.scaler,
+                    tile_elements=self.config.tile_elements,
+                    rule=self.rule.name,
+                    family=self.rule.state_family,
+                    guard=guard,
+                    call=f"opt.load_streaming({str(path)!r})",
+                )
+            self._policy.drop_eager()
             for group in self.param_groups:  # loaded keys completed as a new group's are
                 self.rule.complete_group(group)  # (AdamW: Note [the decay's form is the group's])
             self._policy.loaded(loaded.scaler_state, loaded.skipped_steps, loaded.pending_update)
