@@ -185,7 +185,7 @@ def test_an_activation_is_on_host_only_when_the_host_saw_its_copy() -> None:
     offloader = offloader_for(acc, max_offloads_in_flight=0, prefetch_depth=0)
     x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
     loss = model(x, offloader).square().mean()
-    records = [r for group in offloader._groups.values() for r in group]
+    records = list(offloader._groups.records())
     assert records
     for record in records:
         # the last copy out is still pending (nothing packed after it to bound it)

@@ -116,8 +116,8 @@ def test_reading_ahead_into_a_failed_file_is_not_the_readers_failure(tmp_path: P
     train(model, opt, batches(1))
     previous, victim = _nvme_buckets(opt)[VICTIM - 1], _nvme_buckets(opt)[VICTIM]
     victim.file.fail()
-    previous.group.prefetch_after(previous, 2)  # raised "refuses to read" in bucket 2
-    assert all(store is not victim for store, _, _ in previous.group.prefetched)
+    previous.disk.group.prefetch_after(previous.disk, 2)  # raised "refuses to read" in bucket 2
+    assert all(stream is not victim.disk for stream, _, _ in previous.disk.group.prefetched)
     assert _failed(opt) == [victim.layout.index]
     with pytest.raises(StorageError, match=f"^bucket {victim.layout.index}: its NVMe state"):
         victim.check_usable()
@@ -136,7 +136,7 @@ def test_a_failed_read_ahead_nobody_uses_is_not_the_next_callers_failure(
     train(model, opt, batches(1))
     stores = _nvme_buckets(opt)
     first, other, last = stores[0], stores[1], stores[-1]
-    group = first.group
+    group = first.disk.group
     for _, _, buffer in group.prefetched:  # the step's own read-ahead, read already
         buffer.settle()
     group.prefetched.clear()
@@ -148,8 +148,8 @@ def test_a_failed_read_ahead_nobody_uses_is_not_the_next_callers_failure(
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(io_engine, "_preadv", broken)
-    group.prefetch_after(last, 2)  # the first bucket's tiles 0 and 1, failing
-    assert [store for store, _, _ in group.prefetched] == [first, first]
+    group.prefetch_after(last.disk, 2)  # the first bucket's tiles 0 and 1, failing
+    assert [stream for stream, _, _ in group.prefetched] == [first.disk, first.disk]
     _disk_state_of(other)  # used to raise the first bucket's error in this bucket's stream
     assert _failed(opt) == []
     with pytest.raises(StorageError, match=f"^bucket {first.layout.index}: NVMe I/O failed"):

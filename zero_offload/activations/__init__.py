@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .checkpoint import checkpoint
 from .config import ActivationOffloadConfig
-from .offloader import ActivationOffloader, default_offloader
+from .default import default_offloader
+from .offloader import ActivationOffloader
 from .record import ActivationState
 from .saved_tensors import offload_activations, offload_hooks
 

@@ -25,7 +25,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _pytree as pytree
 
 from ..accelerator.capture import eager_only
-from .offloader import ActivationOffloader, default_offloader
+from .default import default_offloader
+from .offloader import ActivationOffloader
 from .saved_tensors import offload_hooks
 
 __all__ = ["checkpoint"]

@@ -46,7 +46,7 @@ from ..accelerator import Accelerator, Stream
 from ..activation_sizes import LAYOUT_ALIGN
 from ..memory.block import Block
 
-__all__ = ["LAYOUT_ALIGN", "span_of", "tensor_over_block"]
+__all__ = ["LAYOUT_ALIGN", "saved_offset", "span_of", "tensor_over_block"]
 
 
 def span_of(tensor: torch.Tensor) -> int:
@@ -54,6 +54,17 @@ def span_of(tensor: torch.Tensor) -> int:
     comes back]); strides are never negative in torch."""
     pairs = zip(tensor.shape, tensor.stride(), strict=True)
     return 1 + sum((size - 1) * stride for size, stride in pairs)
+
+
+def saved_offset(*, ptr_mod: int, data_ptr: int, itemsize: int, span: int, nbytes: int) -> int:
+    """Elements from a device block's start (at ``data_ptr``, ``nbytes`` long) to where the
+    reloaded view starts: its data pointer gets the saved one's remainder ``ptr_mod``
+    modulo ``LAYOUT_ALIGN`` (Note [saved layout comes back]); 0 when the ``span`` elements
+    would not fit after that (a pool buffer not aligned to ``LAYOUT_ALIGN``)."""
+    pad = (ptr_mod - data_ptr) % LAYOUT_ALIGN // itemsize
+    if (pad + span) * itemsize > nbytes:  # a pool buffer not aligned to LAYOUT_ALIGN
+        pad = 0
+    return pad
 
 
 def tensor_over_block(

@@ -1,8 +1,11 @@
-"""ActivationOffloader: copies out and back, and the prefetch queue for activations.
+"""ActivationOffloader: when activations are copied out and back, and what each copy holds.
 
-Its two pools and what to do when they are full are ``pools.py``; the device tensors held
-for their copies out, ``outgoing.py``; what finalizers hand it and what it gives back when it
-goes, ``release.py``.
+The copies themselves are ``copies.py``; its two pools and what to do when they are full,
+``pools.py``; the device tensors held for their copies out, ``outgoing.py``; which groups
+are loaded ahead of recomputation, the prefetch queue, ``prefetch.py`` (Note [reuse
+order]); its counters, ``stats.py``; what finalizers hand it and what it gives back when it
+goes, ``release.py``; the checks on its arguments, ``arguments.py``; the process-wide
+offloader, ``default.py``.
 
 Note [activation lifecycle]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,26 +49,16 @@ copy); a reloaded tensor's block is freed with a compute event. So the copies pa
 delays frees for nothing, and ``record_stream`` on a view of a pool buffer asserts under
 ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``, whose allocator knows only the
 pointers it returned (Note [library storages by address range] in accelerator/cuda.py).
-
-Note [reuse order]
-~~~~~~~~~~~~~~~~~~
-Every iteration allocates and frees device blocks in the same order (reverse forward order,
-``prefetch_depth + 1`` groups live at a time, plus what autograd still holds), and best-fit
-placement is deterministic, so the device pool's layout repeats from one iteration to the
-next. Within one backward it can
-still split the free bytes when saved tensors of different sizes die out of order; the pool
-is not compacted then (Note [a reload can find the free bytes split] in ``pools.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import queue
 import threading
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -73,31 +66,20 @@ from ..accelerator import Accelerator
 from ..memory.block import Block
 from ..memory.manager import TieredMemoryManager
 from ..memory.pool import BlockPool
-from ..memory.traffic import Category, Direction
+from ..memory.traffic import Category
 from ..tracing import phase
+from .arguments import check_arguments
 from .config import ActivationOffloadConfig
-from .layout import LAYOUT_ALIGN, span_of, tensor_over_block
+from .copies import copy_back, copy_out
+from .layout import LAYOUT_ALIGN, span_of
 from .outgoing import OutgoingCopies
 from .pools import ActivationPools
+from .prefetch import PrefetchGroups
 from .record import ActivationState, OffloadedActivation, SavedActivation
 from .release import Deferred, DeviceBlockFreed, hand_over, release
+from .stats import OffloaderStats
 
-__all__ = ["LAYOUT_ALIGN", "ActivationOffloader", "default_offloader"]
-
-
-@dataclass
-class _Stats:
-    """Counters of one offloader; guarded by its lock. Units in the names."""
-
-    offloaded_tensors: int = 0  # saved tensors copied out
-    offloaded_bytes: int = 0  # their bytes
-    reloads: int = 0  # copies back issued (prefetch or demand)
-    prefetch_hits: int = 0  # unpacks whose copy back had been issued ahead of time
-    demand_loads: int = 0  # unpacks that had to issue their own copy back
-    prefetch_skipped: int = 0  # prefetches dropped because the device pool was full
-    forward_waits: int = 0  # packs that waited for an older copy out (max_offloads_in_flight)
-    device_bytes: int = 0  # activation bytes on the device held by the offloader, now
-    device_bytes_peak: int = 0  # largest device_bytes since construction or reset_peak()
+__all__ = ["LAYOUT_ALIGN", "ActivationOffloader"]
 
 
 class ActivationOffloader:
@@ -125,27 +107,7 @@ class ActivationOffloader:
         config: ActivationOffloadConfig | None = None,
         accelerator: Accelerator | None = None,
     ) -> None:
-        config = ActivationOffloadConfig() if config is None else config
-        if not isinstance(config, ActivationOffloadConfig):
-            raise TypeError(
-                f"config must be an ActivationOffloadConfig, got {type(config).__name__}"
-            )
-        if manager is not None:
-            if not isinstance(manager, TieredMemoryManager):
-                raise TypeError(
-                    f"manager must be a TieredMemoryManager, got {type(manager).__name__}"
-                )
-            if accelerator is not None and accelerator is not manager.accelerator:
-                raise ValueError(
-                    "accelerator= differs from manager.accelerator; pass one of them (the "
-                    "manager's accelerator is used when sharing a manager)"
-                )
-            if manager.closed:
-                raise ValueError(
-                    "manager= is closed (its optimizer was closed or dropped), so its copy "
-                    "streams are stopped; share the manager of a live optimizer, or pass no "
-                    "manager to build one"
-                )
+        config = check_arguments(manager=manager, config=config, accelerator=accelerator)
         owned = manager is None
         if manager is None:
             manager = TieredMemoryManager(accelerator)
@@ -162,11 +124,9 @@ class ActivationOffloader:
                 manager.close()
             raise
         self._lock = threading.Lock()  # guards everything below and every record's fields
-        self._group_ids = itertools.count()
-        # Prefetch queue: group id -> its records not yet unpacked, in pack order.
-        self._groups: dict[int, list[OffloadedActivation]] = {}
+        self._groups = PrefetchGroups()  # the prefetch queue (its new_group needs no lock)
         self._outgoing = OutgoingCopies()  # Note [holding, not record_stream]
-        self._stats = _Stats()
+        self._stats = OffloaderStats()
         # Note [an offloader released without close] (release.py): nothing here references self.
         self._finalizer = weakref.finalize(
             self,
@@ -197,7 +157,7 @@ class ActivationOffloader:
 
     def new_group(self) -> int:
         """A fresh prefetch group id (one per checkpoint call); ids grow in forward order."""
-        return next(self._group_ids)
+        return self._groups.new_group()
 
     def pack(self, tensor: torch.Tensor, *, group: int) -> SavedActivation:
         """Start copying ``tensor`` to the host; the handle stands in for it in autograd.
@@ -218,16 +178,7 @@ class ActivationOffloader:
                 nbytes, group, device_nbytes=nbytes + ptr_mod, run_deferred=self._run_deferred
             )
             host_view = host_block.view(tensor.dtype, (span,))
-            end = self.manager.copy(
-                host_view,
-                source,
-                direction=Direction.D2H,
-                category=Category.ACTIVATIONS,
-                after=[self.manager.compute_ready()],
-                blocks=[host_block],
-                label=f"activation group {group} out",
-                held=True,  # Note [holding, not record_stream]
-            )
+            end = copy_out(self.manager, host_view, source, host_block=host_block, group=group)
             record = OffloadedActivation(
                 group=group,
                 dtype=tensor.dtype,
@@ -241,8 +192,8 @@ class ActivationOffloader:
             )
             with self._lock:
                 self._outgoing.add(record, source, end)
-                self._groups.setdefault(group, []).append(record)
-                self._add_device_bytes_locked(nbytes)
+                self._groups.add(record)
+                self._stats.add_device_bytes(nbytes)
                 self._stats.offloaded_tensors += 1
                 self._stats.offloaded_bytes += nbytes
         handle = SavedActivation(record)
@@ -257,9 +208,7 @@ class ActivationOffloader:
             self._reap()
             with self._lock:
                 hit = record.state is ActivationState.MOVING_IN
-                members = self._groups.get(record.group, [])
-                # The whole group is needed now: a checkpoint unpacks all its inputs at once.
-                members = list(members) if record in members else [record]
+                members = self._groups.members(record)
                 if hit:
                     self._stats.prefetch_hits += 1
                 else:
@@ -275,7 +224,7 @@ class ActivationOffloader:
         return self._take(record)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters (see ``_Stats``), pool occupancy and exposed wait, bytes and seconds.
+        """Counters (see ``OffloaderStats``), pool occupancy and exposed wait, bytes and seconds.
 
         First lets go of what has finished (never blocks): the frees finalizers handed over
         and the device tensors whose copy out completed, so a graph dropped without
@@ -297,7 +246,7 @@ class ActivationOffloader:
     def reset_peak(self) -> None:
         """Start ``device_bytes_peak`` and the pools' peaks afresh from current use."""
         with self._lock:
-            self._stats.device_bytes_peak = self._stats.device_bytes
+            self._stats.reset_peak()
         self.pools.reset_peak()
 
     def synchronize(self) -> None:
@@ -358,7 +307,7 @@ class ActivationOffloader:
         self._run_deferred()
         with self._lock:
             released = self._outgoing.release_completed()
-            self._count_released_locked(released)
+            self._stats.count_released(released)
         del released  # the device memory returns to the allocator here, outside the lock
 
     def _bound_outgoing(self) -> None:
@@ -379,12 +328,8 @@ class ActivationOffloader:
         """Drop the outgoing tensors up to ``record``'s, after compute waited for its copy."""
         with self._lock:
             released = self._outgoing.release_through(record)
-            self._count_released_locked(released)
+            self._stats.count_released(released)
         del released
-
-    def _count_released_locked(self, released: list[OffloadedActivation]) -> None:
-        for record in released:
-            self._stats.device_bytes -= record.nbytes
 
     # -- copies back -------------------------------------------------------------------
 
@@ -408,34 +353,15 @@ class ActivationOffloader:
             if block is None:
                 self._stats.prefetch_skipped += 1
                 return False
-            self._add_device_bytes_locked(record.nbytes)
-        flat = tensor_over_block(
+            self._stats.add_device_bytes(record.nbytes)
+        device_tensor, end = copy_back(
+            self.manager,
+            record,
             block,
-            record.dtype,
-            (block.nbytes // record.host_view.element_size(),),
             # Note [finalizers only enqueue]; Note [an offloader released without close]
             functools.partial(
                 hand_over, weakref.ref(self._deferred), DeviceBlockFreed(block, record.nbytes)
             ),
-            accelerator=self.accelerator,
-            fill_stream=self.manager.h2d,  # Note [a reloaded view is built on the stream ...]
-        )
-        # Note [saved layout comes back] (layout.py): the saved strides and pointer alignment
-        itemsize = flat.element_size()
-        span = record.host_view.numel()
-        pad = (record.ptr_mod - flat.data_ptr()) % LAYOUT_ALIGN // itemsize
-        if (pad + span) * itemsize > block.nbytes:  # a pool buffer not aligned to LAYOUT_ALIGN
-            pad = 0
-        device_tensor = flat.as_strided(record.shape, record.stride, pad)
-        end = self.manager.copy(
-            flat[pad : pad + span],
-            record.host_view,
-            direction=Direction.H2D,
-            category=Category.ACTIVATIONS,
-            after=[record.out_event],
-            blocks=[block, record.host_block],
-            label=f"activation group {record.group} in",
-            held=True,  # Note [holding, not record_stream]
         )
         with self._lock:
             record.device_tensor = device_tensor
@@ -449,15 +375,7 @@ class ActivationOffloader:
         if depth == 0:
             return
         with self._lock:
-            targets: list[OffloadedActivation] = []
-            found = 0
-            for gid in reversed(self._groups):
-                if gid >= group:
-                    continue
-                targets.extend(self._groups[gid])
-                found += 1
-                if found == depth:
-                    break
+            targets = self._groups.before(group, depth)
         for record in targets:
             if not self._load(record, demand=False):
                 return
@@ -472,7 +390,7 @@ class ActivationOffloader:
             record.device_tensor = None
             record.in_event = None
             self._outgoing.settle(record)
-            self._forget_locked(record)
+            self._groups.forget(record)
         return tensor
 
     # -- blocks ------------------------------------------------------------------------
@@ -488,32 +406,8 @@ class ActivationOffloader:
     def _drop(self, record: OffloadedActivation) -> None:
         """Autograd dropped ``record``'s handle: free its blocks (finalizer; any thread)."""
         with self._lock:
-            self._forget_locked(record)
+            self._groups.forget(record)
             record.state = ActivationState.FREED
             device_tensor, record.device_tensor = record.device_tensor, None
         record.host_block.free()  # reused only after its copies end (pool Note)
         del device_tensor  # a prefetched, never used block returns via its storage finalizer
-
-    def _forget_locked(self, record: OffloadedActivation) -> None:
-        members = self._groups.get(record.group)
-        if members is not None and record in members:
-            members.remove(record)
-            if not members:
-                del self._groups[record.group]
-
-    def _add_device_bytes_locked(self, nbytes: int) -> None:
-        self._stats.device_bytes += nbytes
-        self._stats.device_bytes_peak = max(self._stats.device_bytes_peak, self._stats.device_bytes)
-
-
-_default: ActivationOffloader | None = None
-_default_lock = threading.Lock()  # guards _default
-
-
-def default_offloader() -> ActivationOffloader:
-    """The process-wide offloader, built on first use from ``get_accelerator()``."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = ActivationOffloader()
-        return _default

@@ -49,6 +49,7 @@ from ..memory.manager import TieredMemoryManager
 from ..memory.quiet_exit import quiet_at_exit
 from .outgoing import OutgoingCopies
 from .pools import ActivationPools
+from .prefetch import PrefetchGroups
 from .record import OffloadedActivation
 
 __all__ = ["Deferred", "DeviceBlockFreed", "hand_over", "release"]
@@ -70,7 +71,7 @@ def release(
     pools: ActivationPools,
     *,
     outgoing: OutgoingCopies,
-    groups: dict[int, list[OffloadedActivation]],
+    groups: PrefetchGroups,
     deferred: queue.SimpleQueue[Deferred],
     manager: TieredMemoryManager | None,
 ) -> None:

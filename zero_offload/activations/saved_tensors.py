@@ -17,7 +17,8 @@ from torch import nn
 from ..accelerator.capture import eager_only
 from ..config import parse_bytes_with_unit
 from ..hook_errors import reported
-from .offloader import ActivationOffloader, default_offloader
+from .default import default_offloader
+from .offloader import ActivationOffloader
 from .policy import excluded_storages, is_offloadable
 from .record import SavedActivation
 

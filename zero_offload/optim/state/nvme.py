@@ -57,14 +57,13 @@ so it refuses a FAILED file, naming it). Two things keep that true when the loop
   the buckets before the broken one a second time and fail in the same place. Reloading
   (``load_streaming`` rewrites every record) makes the file whole again.
 
-The planning (which buckets, their bytes, the record layout) is in ``nvme_plan.py``.
+The file, its tiles and their streaming through the tier's ring are ``nvme_stream.py``'s
+``TileStream``; the planning (which buckets, their bytes, the record layout) is in
+``nvme_plan.py``.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -75,17 +74,16 @@ from ...errors import StorageError
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
-from ...memory.storage import IOBuffer, IOBufferState, StorageFile, StorageState
-from ...memory.traffic import Category, Direction
-from ...partition import BucketLayout, clip_runs
-from ...tracing import phase
+from ...memory.storage import StorageFile, StorageState
+from ...partition import BucketLayout
 from ...views import ParamViews
 from ..access import declare_cpu
 from ..grads.path import GradientPath, GradSource
 from ..publish import Publish, WeightCopies
 from ..rule.base import Hyper, OptimizerRule
 from ..rule.tiles import RuleTiles
-from .nvme_plan import RecordLayout, tile_sizes
+from .nvme_plan import RecordLayout
+from .nvme_stream import TileStream
 from .store import (
     StateStore,
     TileFn,
@@ -94,7 +92,7 @@ from .store import (
     republish_from_master,
     weights_into_home,
 )
-from .stream_group import StreamGroup, settle
+from .stream_group import StreamGroup
 
 __all__ = ["NvmeState", "StateNotInHostRam"]
 
@@ -110,9 +108,10 @@ class NvmeState(StateStore):
     Host field: weights_staging, ``(shard_numel,)`` training dtype (fp32 included), host
     pool: the kernel's copy-out and the H2D copies' source; ``host_home`` holds it and its
     block for the publication (Note [a publication does not hold its store] in store.py).
-    Disk: ``file``, one ``RecordLayout`` record per tile of the shard's real elements. The
-    master and moments are never host tensors here; the gradient is ``gradients``' (host
-    staging, or the fp32 accumulator).
+    Disk: ``disk``, the ``TileStream`` of ``file``, one ``RecordLayout`` record per tile of
+    the shard's real elements (None until it is created). The master and moments are never
+    host tensors here; the gradient is ``gradients``' (host staging, or the fp32
+    accumulator).
     """
 
     supports_speculation = False  # the state is on disk: no copy to restore from
@@ -144,10 +143,9 @@ class NvmeState(StateStore):
         self.dtype = views.dtype
         self.tile_elements = record.tile_elements
         self.record = record
-        self.group = group
-        self.tier = tier = group.tier
+        self.tier = group.tier
         self.real = layout.real_in(*shard)  # shard elements before the sharding padding
-        self.file: StorageFile | None = None
+        self.disk: TileStream | None = None
         # Note [a publication does not hold its store] in store.py
         self.host_home = WeightsHome(f"bucket {layout.index}")  # weights_staging, its block
         self.publication: WeightCopies = WeightCopies(
@@ -157,23 +155,12 @@ class NvmeState(StateStore):
         self.weights_staging: torch.Tensor | None = None
         try:
             self._make_staging(host_pool, name)
-            sizes = tile_sizes(layout, shard, record)
-            if max(sizes) > record.capacity:
-                raise RuntimeError(
-                    f"bucket {layout.index}: a tile of {max(sizes)} elements does not fit "
-                    f"the record of {record.capacity} (a bug: RecordLayout.for_buckets)"
-                )
-            self._starts = [0, *itertools.accumulate(sizes[:-1])]  # each tile's first element
-            self._sizes = sizes
-            self.file = tier.create_file(
-                name,
-                slots=len(sizes),
-                record_bytes=record.record_bytes,
-                lengths=[record.bytes_for(count) for count in sizes],
+            self.disk = TileStream(
+                layout, manager=manager, shard=shard, record=record, group=group, name=name
             )
             self._load_weights()
-            self._stream(self._initial_tile, range(self.file.slots), read=False)
-            bisect.insort(group.order, self, key=lambda s: s.layout.index)  # bucket order
+            self._stream(self._initial_tile, range(self.tiles), read=False)
+            self.disk.join()
         except BaseException:
             self.close()
             raise
@@ -215,131 +202,29 @@ class NvmeState(StateStore):
             )
 
     @property
+    def file(self) -> StorageFile | None:
+        """The bucket's state file (``disk``'s); None before it is created and once closed."""
+        return self.disk.file if self.disk is not None else None
+
+    @property
     def tiles(self) -> int:
         """Records in the file (tiles of the shard's real elements)."""
-        return self.file.slots if self.file is not None else 0
+        return self.disk.tiles if self.disk is not None else 0
 
-    def _tile_range(self, tile: int) -> tuple[int, int]:
-        """Shard elements ``[lo, hi)`` of ``tile`` (``tile_sizes``)."""
-        lo = self._starts[tile]
-        return lo, min(lo + self._sizes[tile], self.real)
-
-    # -- streaming -------------------------------------------------------------------------
+    def _disk(self) -> TileStream:
+        if self.disk is None:
+            raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
+        return self.disk
 
     def _stream(
         self,
         fn: Callable[[int, dict[str, torch.Tensor]], None],
         tiles: Sequence[int] | range,
-        *,
-        read: bool = True,
-        write: bool = True,
-        prefetch_next: bool = False,
+        **how: bool,
     ) -> None:
-        """Run ``fn(tile, fields)`` over ``tiles`` in order, each read from disk first
-        (``read``) and written back after (``write``); with ``prefetch_next`` the next NVMe
-        bucket's first tiles are read before this one's last writes are waited for. See
-        Note [the step streams the state]."""
-        file = self.file
-        if file is None:
-            raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
-        tier = self.tier
-        depth = len(tier.buffers) - 2 if read else 0  # reads in flight ahead of the tile
-        tiles = list(tiles)
-        taken = self.group.take_prefetched(self, tiles if read else [])
-        buffers: list[IOBuffer] = [buffer for _, buffer in taken]  # each tile's, as issued
-
-        def fill(upto: int) -> None:
-            while len(buffers) < min(upto, len(tiles)):
-                buffer = tier.next_buffer()
-                settle(buffer)  # its write of two tiles ago has landed, in steady state
-                if read:
-                    self.read_tile(tiles[len(buffers)], buffer)
-                else:
-                    buffer.transition(IOBufferState.FREE, IOBufferState.HELD)
-                buffers.append(buffer)
-
-        try:
-            fill(depth)
-            for position, tile in enumerate(tiles):
-                fill(position + depth + 1)
-                buffer = buffers[position]
-                if read:
-                    event = buffer.event
-                    if event is not None and not event.query():
-                        # Synchronisation point: the disk is behind the CPU (exposed I/O).
-                        with phase("nvme_wait", track="cpu_optimizer"):
-                            event.synchronize()
-                    elif event is not None:
-                        event.synchronize()  # done: raises a read or checksum error
-                    buffer.transition(IOBufferState.READING, IOBufferState.HELD)
-                    buffer.event = None
-                lo, hi = self._tile_range(tile)
-                fn(tile, self.record.views(buffer.data, hi - lo))
-                if write:
-                    self.manager.disk_copy(
-                        file,
-                        tile,
-                        buffer,
-                        direction=Direction.NVME_WRITE,
-                        category=Category.OPTIMIZER_STATE,
-                        label=f"bucket{self.layout.index}[tile {tile}]",
-                    )
-                else:
-                    buffer.settle()  # HELD -> FREE: nothing to write
-            wraps = prefetch_next and self.group.order[-1] is self
-            if prefetch_next and not wraps:
-                self.group.prefetch_after(self, depth)  # during this bucket's last writes
-            # This bucket's update is complete only when its writes are: errors surface in
-            # the call that caused them, naming this bucket.
-            for buffer in tier.buffers:
-                if buffer.tag is not None and buffer.tag[0] is file:
-                    settle(buffer)
-            if wraps:
-                self.group.prefetch_after(self, depth)  # during the next forward, backward
-        except BaseException as exc:
-            self._abort(written=write)
-            if isinstance(exc, StorageError):
-                changed = (
-                    "This bucket's state is partly updated and its file refuses further use"
-                    if write
-                    else "Nothing was written"
-                )
-                raise StorageError(
-                    f"bucket {self.layout.index}: NVMe I/O failed on {file.path}: {exc}. "
-                    f"{changed}; the state of every other bucket is intact. Reload the "
-                    "optimizer from its last checkpoint "
-                    "(opt.load_streaming(path), zero_offload.optim.checkpoint.streaming)"
-                ) from exc
-            raise
-
-    def read_tile(self, tile: int, buffer: IOBuffer) -> None:
-        """Queue reading ``tile`` into ``buffer`` (FREE -> READING)."""
-        if self.file is None:
-            raise RuntimeError(f"bucket {self.layout.index}: NVMe state used after close (bug)")
-        for other in self.tier.buffers:
-            if other.tag == (self.file, tile) and other.state is IOBufferState.WRITING:
-                settle(other)  # read after write of the same record: the write first
-        self.manager.disk_copy(
-            self.file,
-            tile,
-            buffer,
-            direction=Direction.NVME_READ,
-            category=Category.OPTIMIZER_STATE,
-            label=f"bucket{self.layout.index}[tile {tile}]",
-        )
-
-    def _abort(self, *, written: bool) -> None:
-        """After a failure mid-stream: mark the file's contents unknown when the stream was
-        writing it (Note [a failed write leaves the others intact]), settle every buffer
-        (secondary errors are dropped: the first is being raised; a prefetched read of
-        another bucket is dropped too, and read again when needed)."""
-        if written and self.file is not None:
-            self.file.fail()
-        for buffer in self.tier.buffers:
-            try:
-                buffer.settle()
-            except BaseException:  # the first error is the one being raised
-                continue
+        """``fn(tile, fields)`` over ``tiles``, streamed by ``disk`` (``how``: read, write,
+        prefetch_next; ``TileStream.stream``, Note [the step streams the state])."""
+        self._disk().stream(fn, tiles, **how)
 
     def _load_weights(self) -> None:
         """The shard's weights into ``weights_staging``: D2H from ``weights_dev``, waited, or
@@ -349,7 +234,7 @@ class NvmeState(StateStore):
         )
 
     def _initial_tile(self, tile: int, fields: dict[str, torch.Tensor]) -> None:
-        lo, hi = self._tile_range(tile)
+        lo, hi = self._disk().tile_range(tile)
         for name, view in fields.items():
             if name == "master":
                 view.copy_(self.weights_staging[lo:hi])
@@ -378,11 +263,12 @@ class NvmeState(StateStore):
             write=True,
             what="the CPU update writes weights",
         )
-        pieces = self._pieces(runs)
+        disk = self._disk()
+        pieces = disk.pieces(runs)
         fp32 = self.dtype == torch.float32
 
         def step_tile(tile: int, fields: dict[str, torch.Tensor]) -> None:
-            base = self._starts[tile]
+            base = disk.starts[tile]
             for lo, hi, step in pieces[tile]:
                 a, b = lo - base, hi - base
                 staging = self.weights_staging[lo:hi]
@@ -402,18 +288,6 @@ class NvmeState(StateStore):
         or the accumulator (Note [no accumulator for one backward]); the weight copies wait
         for compute issued so far."""
         return RuleTiles(self.rule, self.gradients, self.publication, hyper, grad_scale, **how)  # type: ignore[arg-type]
-
-    def _pieces(self, runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int, int]]]:
-        """The updated ``(lo, hi, step)`` shard ranges of each tile that has any."""
-        pieces: dict[int, list[tuple[int, int, int]]] = {}
-        for start, stop, step in clip_runs(runs, *self.shard):
-            first = bisect.bisect_right(self._starts, start) - 1
-            for tile in range(first, bisect.bisect_left(self._starts, stop)):
-                lo, hi = self._tile_range(tile)
-                lo, hi = max(lo, start), min(hi, stop)
-                if lo < hi:
-                    pieces.setdefault(tile, []).append((lo, hi, step))
-        return pieces
 
     def final_weights(self) -> torch.Tensor:
         self._load_weights()
@@ -457,7 +331,7 @@ class NvmeState(StateStore):
         if self.file is not None and write and not read:
             self.file.rewrite_all()
         self._stream(
-            lambda t, fields: fn(*self._tile_range(t), fields),
+            lambda t, fields: fn(*self._disk().tile_range(t), fields),
             range(self.tiles),
             read=read,
             write=write,
@@ -472,11 +346,5 @@ class NvmeState(StateStore):
                 self._staging_block.free()
                 self._staging_block = None
         finally:
-            self.group.forget(self)
-            if self.file is not None:
-                for buffer in self.tier.buffers:  # its reads and writes, prefetched ones too
-                    if buffer.tag is not None and buffer.tag[0] is self.file:
-                        with contextlib.suppress(StorageError):
-                            buffer.settle()
-                self.file.close()
-                self.file = None
+            if self.disk is not None:
+                self.disk.close()

@@ -129,7 +129,7 @@ class NvmeHomeState(NvmeState):
         """The tile's weights from the slot (D2H into a weight buffer, waited), written to
         the weight file; the master from them, the moments zero."""
         home = self._home()
-        lo, hi = self._tile_range(tile)
+        lo, hi = self._disk().tile_range(tile)
         buffer = self.home_tiles.next(home)
         weights = buffer.data[: (hi - lo) * self.dtype.itemsize].view(self.dtype)
         done = self.views.copy_out(
@@ -194,7 +194,7 @@ class NvmeHomeState(NvmeState):
             issue(position + 1)  # the next tile's read, while this one is computed
             if read_weights:
                 home.settle(buffer)  # Synchronisation point: the CPU needs the record
-            lo, hi = self._tile_range(tile)
+            lo, hi = self._disk().tile_range(tile)
             fn(tile, fields, buffer.data[: (hi - lo) * self.dtype.itemsize].view(self.dtype))
             if write_weights:
                 home.write(self.manager, tile, buffer)
@@ -225,7 +225,7 @@ class NvmeHomeState(NvmeState):
     ) -> None:
         refuse_take_written(self, take_written)
         tiles = self._rule_tiles(hyper, grad_scale, source=source, publish=publish, after=after)
-        pieces = self._pieces(runs)
+        pieces = self._disk().pieces(runs)
         fp32 = self.dtype == torch.float32
 
         def step_tile(tile: int, fields: dict[str, torch.Tensor], weights: torch.Tensor) -> None:

@@ -15,7 +15,10 @@ __all__ = ["StreamGroup", "StreamedStore", "settle"]
 
 
 class StreamedStore(Protocol):
-    """What the group asks of a bucket's NVMe store (``nvme.NvmeState``)."""
+    """What the group asks of a bucket's NVMe state file (``nvme_stream.TileStream``)."""
+
+    @property
+    def bucket(self) -> int: ...
 
     @property
     def file(self) -> StorageFile | None: ...

@@ -79,7 +79,7 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
             self._slots_of: list[list[int]] = [[] for _ in range(self.tiles)]
             for index, slot in enumerate(layout.slots):
                 tile = self._tile_of(slot.offset)
-                lo, hi = self._tile_range(tile)
+                lo, hi = self._disk().tile_range(tile)
                 if not lo <= slot.offset < slot.end <= hi:
                     raise RuntimeError(
                         f"bucket {layout.index}: slot {index} [{slot.offset}, {slot.end}) "
@@ -94,7 +94,7 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
 
     def _tile_of(self, element: int) -> int:
         """The tile holding shard element ``element``."""
-        return bisect.bisect_right(self._starts, element) - 1
+        return bisect.bisect_right(self._disk().starts, element) - 1
 
     def update(
         self,
@@ -123,12 +123,12 @@ class WholeParameterNvmeState(KeepsShapedState, NvmeState):
                 write=True,
                 what=f"the CPU update writes {what}",
             )
-        pieces = self._pieces(runs)
+        pieces = self._disk().pieces(runs)
         fp32 = self.dtype == torch.float32
         slots = self.layout.slots
 
         def step_tile(tile: int, fields: dict[str, torch.Tensor]) -> None:
-            base = self._tile_range(tile)[0]
+            base = self._disk().tile_range(tile)[0]
             for lo, hi, step in pieces[tile]:
                 for index in self._slots_of[tile]:
                     slot = slots[index]
