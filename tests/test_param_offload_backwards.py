@@ -310,6 +310,56 @@ def test_a_parameter_shared_by_two_blocks_names_the_two_blocks():
     assert "two blocks of layers=[...]: 'blocks.1' and 'head'" in message
 
 
+class TiedThroughOutside(nn.Module):
+    """Blocks 0 and 2 both used by a module after them: ``registered`` makes it register
+    their weights (which ties the two blocks, refused); otherwise it reads them through the
+    blocks, as the refusal advises."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(H, H) for _ in range(3))
+        self.mix = nn.Module()
+        if registered:
+            self.mix.a, self.mix.b = self.blocks[0].weight, self.blocks[2].weight
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        x = x @ self.blocks[0].weight.t() + x @ self.blocks[2].weight.t()
+        return self.head(x).square().mean()
+
+
+def test_two_blocks_tied_through_a_module_outside_them_are_refused():
+    """The module registering their weights comes after the blocks: the two blocks' units
+    were merged into one, silently; tied the other way round (the outside module first,
+    ``TiedHead(tie_twice=True)``) they were refused."""
+    model = TiedThroughOutside(registered=True)
+    with pytest.raises(ValueError) as info:
+        make_opt(model, offload=True)
+    message = str(info.value)
+    assert "module 'mix', outside layers=[...]" in message
+    assert "'blocks.0' and 'blocks.2'" in message
+    assert "without registering" in message
+
+
+def test_a_module_reading_two_blocks_weights_trains_like_torch():
+    def run(opt_of) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = TiedThroughOutside(registered=False)
+        opt = opt_of(model)
+        for step in range(3):
+            model(inputs(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        out = weights(model)
+        if isinstance(opt, OffloadAdamW):
+            opt.close()
+        return out
+
+    assert_close(run(lambda m: make_opt(m, offload=True)), run(torch_opt), 1e-6)
+
+
 def test_hf_bert_masked_lm_with_its_prediction_head_in_layers_trains_like_torch():
     """The default refusal advises naming cls.predictions in layers; doing so trains."""
     transformers = pytest.importorskip("transformers")

@@ -20,7 +20,9 @@ A parameter shared by two blocks of ``layers`` (``blocks[3][1].weight =
 blocks[1][1].weight``) is refused, naming it and both blocks: each block is one unit fetched
 for its own forward, and the unit of the other block would compute on a released parameter
 (a shared unit inside two blocks would need fetches nested in a block's forward, which the
-window does not do). Tie such weights outside the blocks, or pass smaller blocks.
+window does not do). Tie such weights outside the blocks, or pass smaller blocks. Two blocks
+tied through a module outside them (that module registering a parameter of each) are
+refused the same way, whichever is registered first.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def find_units(
     for name, param in model.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(param), name)
     block_ids = {id(block) for block in layers}
+    block_order = {id(block): i for i, block in enumerate(layers)}
     for i, block in enumerate(layers):
         if id(block) not in names:
             raise ValueError(
@@ -168,6 +171,21 @@ def find_units(
                 modules_of[by_param].append(module)
                 unit_of_module[id(module)] = by_param
             elif by_module != by_param:  # tied across two units: merge them
+                tied = [block_of(by_param), block_of(by_module)]
+                if tied[0] is not None and tied[1] is not None:
+                    first, second = (
+                        names[id(block)] for block in sorted(tied, key=lambda b: block_order[id(b)])
+                    )
+                    raise ValueError(
+                        f"module {names[id(module)]!r}, outside layers=[...], registers "
+                        f"parameters of two of its blocks, {first!r} and {second!r} (here "
+                        f"{param_names[id(param)]!r} {tuple(param.shape)}), which ties them. "
+                        "Parameter offload fetches each block as one unit for its own "
+                        "forward, and two blocks sharing a unit are refused however they are "
+                        "tied. Let that module read the blocks' weights without registering "
+                        "them (as a decoder reusing its encoder's weights does), or pass "
+                        "blocks that share nothing as layers=[...]"
+                    )
                 merge(by_param, by_module)
     missing = [i for i, p in enumerate(trainable) if id(p) not in unit_of_param]
     if missing:
