@@ -219,6 +219,18 @@ def test_refused_before_the_first_backward(overrides: dict, match: str) -> None:
     assert max_diff(weights(module), before) == 0.0
 
 
+def test_state_on_nvme_is_refused_before_the_first_backward(tmp_path: Path) -> None:
+    """Lightning's teardown reads every state tensor through ``opt.state`` to move it to the
+    CPU: with the state on NVMe it raised ``StateNotInHostRam`` after the last step, the
+    training done and the run failed (checkpointing off); now refused at the start."""
+    module = OffloadNet("offload", nvme_dir=tmp_path / "nvme", host_budget=1)
+    before = weights(module)
+    with pytest.raises(ValueError, match=r"lives on NVMe .*Not supported under Lightning"):
+        trainer().fit(module)
+    assert module.losses == [] or len(module.losses) == 1  # the first forward, no step
+    assert max_diff(weights(module), before) == 0.0
+
+
 @pytest.mark.cuda_form
 def test_fp16_model_scales_the_loss_by_the_optimizers_loss_scale() -> None:
     """precision="16-true" trains an fp16 model: backward must carry OffloadAdamW's loss

@@ -63,6 +63,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..checkpoint_io import consolidated_state_dict
 from ..optim import OffloadOptimizer
+from ..optim.state.nvme import NvmeState
 from ..profiling.metrics import StepMetrics
 from .accelerate import FP16_AMP_MESSAGE
 
@@ -154,6 +155,7 @@ class OffloadLightningModule(pl.LightningModule):
         ours = [opt for opt in optimizers if opt is not None]
         if ours:
             self._check_trainer(trainer)
+            _refuse_nvme_state(ours)
             scales = {opt.loss_scale for opt in ours}
             if len(scales) > 1:
                 raise ValueError(
@@ -178,6 +180,28 @@ class OffloadLightningModule(pl.LightningModule):
             raise ValueError(
                 f"Trainer(gradient_clip_algorithm='value', gradient_clip_val="
                 f"{trainer.gradient_clip_val!r}): {_VALUE_REFUSAL}"
+            )
+
+
+def _refuse_nvme_state(optimizers: list[OffloadOptimizer]) -> None:
+    """Refuse optimizer state on NVMe: Lightning reads the whole state through ``opt.state``
+    at teardown (to move it to the CPU) and through ``state_dict()`` in its checkpoints,
+    which NVMe state cannot hand out (``StateNotInHostRam``). Refused before the first
+    backward, not after the last step."""
+    for opt in optimizers:
+        on_disk = [b.layout.index for b in opt.buckets if isinstance(b.store, NvmeState)]
+        if on_disk:
+            raise ValueError(
+                f"{type(opt).__name__}: the optimizer state of {len(on_disk)} of "
+                f"{len(opt.buckets)} buckets (bucket {on_disk[0]} first) lives on NVMe "
+                f"(OffloadConfig(nvme_dir={str(opt.config.nvme_dir)!r}, host_budget="
+                f"{opt.config.host_budget!r})). Lightning reads the whole state as tensors "
+                "through opt.state when it tears the strategy down and through "
+                "opt.state_dict() in its checkpoints, and NVMe state cannot be handed out "
+                "that way, so the run would fail after its last step. Not supported under "
+                "Lightning: raise host_budget until the state fits in host RAM (zero-offload "
+                "estimate says how much), or train with NVMe state in a plain loop and "
+                "checkpoint with opt.save_streaming(path) / opt.load_streaming(path)"
             )
 
 
