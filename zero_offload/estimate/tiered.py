@@ -22,6 +22,11 @@ shard of every bucket by its own budget, under ``nvme_dir/rank{r}``. Its bytes a
 shards hold the most real elements (the last ranks' hold the padding), so another rank's
 disk is at most that.
 
+Each holds one micro-batch a step (``window`` ``Window.ONE``); with ``Window.DEVICE`` or
+``Window.HOST``, the row for several, summed on the device or on the host: the fp32
+accumulators (and the spare staging) in RAM beside the host budget, which shrinks by as much
+(Note [the accumulators sit beside the host budget] in ``accumulation.py``).
+
 See Note [the host budget decides the split] in ``nvme.py``.
 """
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .accumulation import Accumulating
+from .accumulation import Accumulating, Window
 from .delayed import Shadowed
 from .in_flight import ParamInFlight, param_nvme_refusal
 from .nvme import Homes, home_tiers, io_bytes, state_tiers, total_bytes
@@ -58,21 +63,34 @@ class NvmeState(Configuration):
     budget, the I/O buffers when a bucket is on NVMe; disk per rank: the other buckets'
     state records. Device: as ``Offloaded``."""
 
+    #: Micro-batches a step: with several, their accumulators join (``accumulation.py``).
+    window: Window = field(default=Window.ONE)
+
     def refusal(self, ctx: Context) -> str | None:
         return nvme_refusal(ctx)
+
+    def conditions(self) -> str:
+        return self.window.nvme_conditions()
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
         weights, grad_buffers, _ = subject.offload_pools()
         device, act_host = subject.activations(self.activations)
-        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
-        fixed = total_bytes(subject.bucket_groups(), ctx, "staging") + io_bytes(
-            subject.bucket_groups(), ctx
-        )
-        budget = limits.state_budget(fixed, act_host, ctx.ranks_per_node)
-        host, disk = self.tiers(subject, budget)
+        acc_device, acc_host = self.window.pools(subject.bucket_groups(), ctx)
+        host, disk = self.tiers(subject, self.state_budget(subject, limits))
         rpn = ctx.ranks_per_node
-        return RowBytes(weights, grad_buffers, device, rpn * host + act_host, rpn * disk)
+        host_bytes = rpn * (host + acc_host) + act_host
+        return RowBytes(weights, grad_buffers + acc_device, device, host_bytes, rpn * disk)
+
+    def state_budget(self, subject: Subject, limits: Limits) -> int | None:
+        """The row's ``host_budget`` per rank (``None``: the host unknown, unbounded)."""
+        ctx, groups = subject.ctx, subject.bucket_groups()
+        _, act_host = subject.activations(self.activations)
+        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe, and for
+        # the window's accumulators (Note [the accumulators sit beside the host budget]).
+        fixed = total_bytes(groups, ctx, "staging") + io_bytes(groups, ctx)
+        fixed += self.window.pools(groups, ctx)[1]
+        return limits.state_budget(fixed, act_host, ctx.ranks_per_node)
 
     @staticmethod
     def tiers(subject: Subject, budget: int | None) -> tuple[int, int]:
@@ -95,32 +113,53 @@ class ParamNvme(Configuration):
     tile ring and the bounce ring in RAM, then the state (``home_tiers``)."""
 
     homes: Homes = field(default=Homes.HOST)
+    #: Micro-batches a step: with several, their accumulators join (``accumulation.py``).
+    window: Window = field(default=Window.ONE)
 
     def refusal(self, ctx: Context) -> str | None:
         return param_nvme_refusal(ctx, self.homes)
+
+    def conditions(self) -> str:
+        return self.window.nvme_conditions()
 
     def bytes(self, subject: Subject, limits: Limits) -> RowBytes | None:
         ctx = subject.ctx
         pools, groups = subject.param_offload_pools(), subject.unit_groups()
         if pools is None or groups is None:
             return None
-        window, grad_buffers, _ = pools
+        slots, grad_buffers, _ = pools  # the device window's slots, the gradient buffers
         device, act_host = subject.activations(self.activations)
+        acc_device, acc_host = self.window.pools(groups, ctx)
+        budget = self.state_budget(subject, limits)
+        host, disk = self.tiers(subject, budget, homes=self.homes)
         rpn = ctx.ranks_per_node
-        # plan_nvme's budget leaves room for every bucket's staging as if on NVMe; with the
-        # homes movable, for the gradient staging and the rings (Note [homes on NVMe]).
-        fixed = total_bytes(groups, ctx, "staging") + io_bytes(groups, ctx)
-        budget = limits.state_budget(fixed, act_host, rpn)
+        host_bytes = rpn * (host + acc_host) + act_host
+        return RowBytes(slots, grad_buffers + acc_device, device, host_bytes, rpn * disk)
+
+    def state_budget(self, subject: Subject, limits: Limits) -> int | None:
+        """The row's budget per rank for what ``tiers`` places (``None``: the host unknown,
+        unbounded; the subject without units: no row): with the homes on NVMe the
+        optimizer's ``host_budget``; with them in RAM the state's beside every home, so the
+        ``host_budget`` that builds the row is it plus the homes (Note [homes on NVMe])."""
+        ctx = subject.ctx
+        pools, groups = subject.param_offload_pools(), subject.unit_groups()
+        if pools is None or groups is None:
+            return None
+        _, act_host = subject.activations(self.activations)
+        # The window's accumulators are in RAM beside the budget whatever the placement
+        # (Note [the accumulators sit beside the host budget]).
+        accumulators = self.window.pools(groups, ctx)[1]
         if self.homes is Homes.NVME:
+            # Room for the gradient staging and the rings (Note [homes on NVMe]).
             from ..config import OffloadConfig
             from ..weights.nvme_home import home_ring_bytes
 
             ring = home_ring_bytes(OffloadConfig().tile_elements, ctx.itemsize)
-            grads = total_bytes(groups, ctx, "grad") + io_bytes(groups, ctx) + ring + window
-            host, disk = home_tiers(groups, ctx, limits.state_budget(grads, act_host, rpn))
+            fixed = total_bytes(groups, ctx, "grad") + io_bytes(groups, ctx) + ring + pools[0]
         else:
-            host, disk = self.tiers(subject, budget)
-        return RowBytes(window, grad_buffers, device, rpn * host + act_host, rpn * disk)
+            # plan_nvme's budget leaves room for every bucket's staging as if on NVMe.
+            fixed = total_bytes(groups, ctx, "staging") + io_bytes(groups, ctx)
+        return limits.state_budget(fixed + accumulators, act_host, ctx.ranks_per_node)
 
     @staticmethod
     def tiers(
@@ -164,6 +203,12 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     DeviceShards("ZeRO-Offload + ZeRO-3 + activation offload", _ACT),
     NvmeState("ZeRO-Offload + NVMe state + checkpointing", _CKPT),
     NvmeState("ZeRO-Offload + NVMe state + activation offload", _ACT),
+    NvmeState(
+        "ZeRO-Offload + NVMe state + ckpt, micro-batches summed on the device", _CKPT, Window.DEVICE
+    ),
+    NvmeState(
+        "ZeRO-Offload + NVMe state + ckpt, micro-batches summed on the host", _CKPT, Window.HOST
+    ),
     ParamOffloaded("ZeRO-Offload + parameter offload"),
     ParamOffloaded("ZeRO-Offload + param offload + checkpointing", _CKPT),
     ParamOffloaded("ZeRO-Offload + param offload + activation offload", _ACT),
@@ -173,10 +218,34 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     ParamInFlight("param offload + in-flight staging + activation offload", _ACT),
     ParamNvme("param offload + NVMe state + checkpointing", _CKPT),
     ParamNvme("param offload + NVMe state + activation offload", _ACT),
+    ParamNvme(
+        "param offload + NVMe state + ckpt, micro-batches summed on the device",
+        _CKPT,
+        Homes.HOST,
+        Window.DEVICE,
+    ),
+    ParamNvme(
+        "param offload + NVMe state + ckpt, micro-batches summed on the host",
+        _CKPT,
+        Homes.HOST,
+        Window.HOST,
+    ),
     ParamInFlight("param offload + NVMe state + in-flight staging + ckpt", _CKPT, nvme=True),
     ParamInFlight("param offload + NVMe state + in-flight staging + act. offload", _ACT, nvme=True),
     ParamNvme("params and state on NVMe + checkpointing", _CKPT, Homes.NVME),
     ParamNvme("params and state on NVMe + activation offload", _ACT, Homes.NVME),
+    ParamNvme(
+        "params and state on NVMe + ckpt, micro-batches summed on the device",
+        _CKPT,
+        Homes.NVME,
+        Window.DEVICE,
+    ),
+    ParamNvme(
+        "params and state on NVMe + ckpt, micro-batches summed on the host",
+        _CKPT,
+        Homes.NVME,
+        Window.HOST,
+    ),
     ParamInFlight("params and state on NVMe + in-flight staging + ckpt", _CKPT, True, Homes.NVME),
     ParamInFlight(
         "params and state on NVMe + in-flight staging + act. offload", _ACT, True, Homes.NVME
