@@ -190,6 +190,29 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
     assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
 
 
+def test_state_on_nvme_checkpoints_by_streaming_and_resumes_bitwise(tmp_path: Path) -> None:
+    """State past ``host_budget`` lives on NVMe and cannot be consolidated in host RAM:
+    Trainer's save raised ``StateNotInHostRam`` at the first checkpoint. It streams to
+    ``zero_offload_optimizer/`` in the checkpoint folder instead, and resumes bitwise."""
+    args = {"save_strategy": "steps", "save_steps": 6, "save_only_model": False}
+
+    def on_nvme(name: str, seed: int) -> OffloadTrainer:
+        config = offload_config(nvme_dir=tmp_path / name / "nvme", host_budget=1)
+        return offload_trainer(
+            tiny_gpt2(seed=seed), training_args(tmp_path / name, **args), offload_config=config
+        )
+
+    whole = on_nvme("whole", 0)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-6"
+    assert not (checkpoint / "optimizer.pt").exists()
+    assert (checkpoint / "zero_offload_optimizer" / "rank0").is_dir()
+    resumed = on_nvme("resumed", 1)  # everything must come from the checkpoint
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(resumed, "loss", after=6) == logged(whole, "loss")[6:]
+    assert max_weight_diff(weights(resumed.model), weights(whole.model)) == 0.0
+
+
 @pytest.mark.cuda_form
 def test_a_torch_adamw_checkpoint_resumes_under_offload_trainer(tmp_path: Path) -> None:
     """Switching a running fine-tune over: Trainer's groups are ours, and a torch AdamW

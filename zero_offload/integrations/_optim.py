@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from ..optim import OffloadOptimizer
+from ..optim.state.nvme import NvmeState
 
 __all__ = [
     "clip_norm",
@@ -34,6 +35,7 @@ __all__ = [
     "parameters_sharded",
     "pre_clip_norm",
     "saveable",
+    "state_on_nvme",
 ]
 
 
@@ -74,6 +76,13 @@ def parameters_sharded(opt: OffloadOptimizer) -> bool:
     """Whether reading ``opt``'s released parameters is collective: parameter offload on
     several ranks (ZeRO-3; Note [a sharded unit] in ``params/sharded_fetch.py``)."""
     return opt.param_offloader is not None and opt.comm is not None
+
+
+def state_on_nvme(opt: OffloadOptimizer) -> list[int]:
+    """The buckets whose optimizer state lives on NVMe (``OffloadConfig.nvme_dir`` past
+    ``host_budget``): ``state_dict()`` and ``opt.state`` cannot hand theirs out as tensors
+    (``StateNotInHostRam``); a checkpoint of them streams (``opt.save_streaming``)."""
+    return [bucket.layout.index for bucket in opt.buckets if isinstance(bucket.store, NvmeState)]
 
 
 # Note [state dicts the savers can write]

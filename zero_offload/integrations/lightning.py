@@ -63,8 +63,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..checkpoint_io import consolidated_state_dict
 from ..optim import OffloadOptimizer
-from ..optim.state.nvme import NvmeState
 from ..profiling.metrics import StepMetrics
+from ._optim import state_on_nvme
 from .accelerate import FP16_AMP_MESSAGE
 
 __all__ = ["OffloadDDPStrategy", "OffloadLightningModule"]
@@ -189,7 +189,7 @@ def _refuse_nvme_state(optimizers: list[OffloadOptimizer]) -> None:
     which NVMe state cannot hand out (``StateNotInHostRam``). Refused before the first
     backward, not after the last step."""
     for opt in optimizers:
-        on_disk = [b.layout.index for b in opt.buckets if isinstance(b.store, NvmeState)]
+        on_disk = state_on_nvme(opt)
         if on_disk:
             raise ValueError(
                 f"{type(opt).__name__}: the optimizer state of {len(on_disk)} of "

@@ -29,7 +29,10 @@ What it does, in the Trainer methods made for overriding:
   (Note [frameworks clip through the optimizer] in ``_optim.py``).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` write and read
   ``optimizer.pt`` in the consolidated layout (``zero_offload.checkpoint_io``): with several
-  ranks every rank's shard is in it, and it resumes on any number of ranks.
+  ranks every rank's shard is in it, and it resumes on any number of ranks. State on NVMe
+  cannot be consolidated in host RAM: it streams to ``zero_offload_optimizer/rank{r}/`` in
+  the checkpoint folder instead (``opt.save_streaming``), which resumes on the same number
+  of ranks.
 - ``compute_loss``: for an fp16 model, the gradient of the loss is multiplied by
   the optimizer's loss scale during backward (Trainer's own backward does not scale).
 - With several ranks (``torchrun``) the model is not wrapped in DDP: the optimizer
@@ -62,7 +65,13 @@ from ..fileio import save_torch
 from ..optim import OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
-from ._optim import find_offload_optimizer, parameters_sharded, pre_clip_norm, saveable
+from ._optim import (
+    find_offload_optimizer,
+    parameters_sharded,
+    pre_clip_norm,
+    saveable,
+    state_on_nvme,
+)
 from ._optim_names import optimizer_cls_and_kwargs
 from .accelerate import FP16_AMP_MESSAGE, OffloadAcceleratedOptimizer
 
@@ -80,6 +89,11 @@ _OVERRIDDEN = (
     "compute_loss",
     "_save",
 )
+
+
+#: The folder, inside Trainer's checkpoint folder, of a streaming optimizer checkpoint: the
+#: state on NVMe, which ``optimizer.pt`` would have to hold in host RAM whole.
+STREAMING_NAME = "zero_offload_optimizer"
 
 
 class OffloadTrainer(Trainer):
@@ -378,20 +392,30 @@ class OffloadTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``optimizer.pt`` in the consolidated layout (every rank takes part; rank 0 writes
-        it) and Trainer's ``scheduler.pt``."""
-        save_consolidated(self.offload_optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
+        it), or with state on NVMe a streaming checkpoint in ``STREAMING_NAME``, and
+        Trainer's ``scheduler.pt``."""
+        opt = self.offload_optimizer
+        if state_on_nvme(opt):  # every rank writes its own shard, tile by tile
+            opt.save_streaming(os.path.join(output_dir, STREAMING_NAME))
+        else:
+            save_consolidated(opt, os.path.join(output_dir, OPTIMIZER_NAME))
         if self.args.should_save:
             path = os.path.join(output_dir, SCHEDULER_NAME)
             save_torch(self.lr_scheduler.state_dict(), path, what="scheduler.pt")  # atomically
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Every rank reads ``optimizer.pt`` and keeps its own shard (any world size); as
-        Trainer, a checkpoint saved without them (``save_only_model``) loads neither."""
+        """Every rank reads ``optimizer.pt`` and keeps its own shard (any world size), or
+        streams its own shard back from ``STREAMING_NAME`` (the same world size); as Trainer,
+        a checkpoint saved without them (``save_only_model``) loads neither."""
         if checkpoint is None:
             return
         opt_path = os.path.join(checkpoint, OPTIMIZER_NAME)
+        streamed = os.path.join(checkpoint, STREAMING_NAME)
         scheduler_path = os.path.join(checkpoint, SCHEDULER_NAME)
-        if not (os.path.isfile(opt_path) and os.path.isfile(scheduler_path)):
+        if os.path.isdir(streamed) and os.path.isfile(scheduler_path):
+            self.offload_optimizer.load_streaming(streamed)
+        elif os.path.isfile(opt_path) and os.path.isfile(scheduler_path):
+            load_consolidated(self.offload_optimizer, opt_path)
+        else:
             return
-        load_consolidated(self.offload_optimizer, opt_path)
         self.lr_scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))
