@@ -57,7 +57,8 @@ from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.traffic import Category, Direction
 from ..partition import BucketLayout
-from .sharded_fetch import ShardedParamOffloader, ShardedParamUnit, ShardedWindowedViews
+from .sharded_fetch import ShardedParamOffloader
+from .sharded_homes import ShardedParamUnit, ShardedWindowedViews
 from .unit import ParamUnit
 from .windowed_views import WindowedViews
 

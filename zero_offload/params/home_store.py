@@ -23,7 +23,7 @@ disk reads of a unit are made while the device still computes the units before i
 fetch whose slot still holds the current weights reads nothing (``content_valid``).
 
 A written slot goes home the other way (Note [a write to a resident unit reaches its
-home] in ``unit.py``): D2H slot -> bounce, waited, then the records written and waited for;
+home] in ``slot_writes.py``): D2H slot -> bounce, waited, then the records written and waited for;
 the file's ``written`` counter moves, which the optimizer's next step reconciles (Note
 [weights written outside the optimizer]). A bad record raises ``StorageError`` naming the
 unit, the bucket and the file.

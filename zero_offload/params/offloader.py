@@ -138,7 +138,7 @@ class ParamOffloader(PrivateReads):
         entries: the state-dict entries handed out (``StateDictEntries``).
     """
 
-    #: The class of each unit (several ranks: ``sharded_fetch.ShardedParamUnit``).
+    #: The class of each unit (several ranks: ``sharded_homes.ShardedParamUnit``).
     unit_class: type[ParamUnit] = ParamUnit
 
     def __init__(

@@ -87,180 +87,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
-from ..accelerator import Event, Stream
-from ..collectives import Comm, all_gather_flat, surface_collective_errors, wait_all
+from ..accelerator import Stream
+from ..collectives import Comm, surface_collective_errors
 from ..errors import Attempts
-from ..memory.manager import TieredMemoryManager
 from ..partition import BucketLayout
-from ..tracing import phase
 from . import released
 from .offloader import ParamOffloader, Phase
-from .released import restore
+from .sharded_homes import ShardedParamUnit, ShardedWindowedViews
+from .slot_gather import SlotGather
 from .unit import ParamUnit
 from .windowed_views import WindowedViews
 
-__all__ = ["ShardedParamOffloader", "ShardedParamUnit", "ShardedWindowedViews", "SlotGather"]
-
-
-class ShardedWindowedViews(WindowedViews):
-    """A bucket's views whose home holds this rank's shard only (Note [a sharded unit]).
-
-    Fields (beyond ``WindowedViews``'): ``home_span`` is ``layout.shard_range(rank)``."""
-
-    def __init__(
-        self,
-        layout: BucketLayout,
-        params: Sequence[nn.Parameter],
-        unit: ParamUnit,
-        region: torch.Tensor,
-        *,
-        shard: tuple[int, int],
-    ) -> None:
-        super().__init__(layout, params, unit, region)
-        self.home_span = shard
-        self.unbound = False  # the parameters hold private copies (``unbind``)
-
-    def _fingerprint(self, flat: torch.Tensor, streamed: Any = None) -> list[int] | torch.Tensor:
-        """The home's fingerprints are of each parameter's piece in this rank's shard (an
-        empty piece hashes as empty), always hashed afresh (``streamed``, the hashes of the
-        published tiles, are of whole slots: Note [one cold hash per step]); the slot's are
-        the base class's."""
-        if self.home is None or flat.data_ptr() != self.home.data_ptr():
-            return super()._fingerprint(flat, streamed)
-        lo, hi = self.home_span
-        raw = flat.detach().view(torch.uint8).numpy()  # pinned host memory: no copy
-        size = flat.element_size()
-        out = []
-        for slot in self.layout.slots:
-            start, stop = max(slot.offset, lo) - lo, min(slot.end, hi) - lo
-            piece = raw[start * size : stop * size] if start < stop else raw[:0]
-            out.append(xxhash.xxh3_64_intdigest(piece))
-        return out
-
-    def gather_source(self) -> torch.Tensor | None:
-        """Where this rank's shard is gathered from: None, its slice of the slot, which the
-        fetch's H2D copy filled (``params/device_shards.py`` gathers from a device home)."""
-        return None
-
-    def _gathered(self) -> torch.Tensor:
-        """The whole bucket on the device, gathered (collective; Note [a sharded unit]):
-        the unit is fetched if it is not resident, and compute waits for its gather."""
-        self.unit.materialize()
-        return self.weights_dev
-
-    def home_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s weights as a host copy of the gathered bucket: no rank's
-        home holds the whole parameter. Collective: every rank must ask in the same order."""
-        slot = self.layout.slots[index]
-        flat = self._gathered()
-        return flat[slot.offset : slot.end].view(slot.shape).detach().to("cpu", copy=True)
-
-    def unbind(self) -> None:
-        """Every parameter still ours gets a private device copy of its gathered weights
-        (collective at close: every rank closes its optimizer)."""
-        if self.home is None and self.nvme_home is None:
-            super().unbind()
-            return
-        if self.unbound:
-            return
-        replaced = {i for i, _ in self.detached()}
-        flat = self._gathered()
-        for i, (slot, param) in enumerate(zip(self.layout.slots, self.params, strict=True)):
-            if i not in replaced:
-                restore(param, flat[slot.offset : slot.end].view(slot.shape).clone())
-        self.unbound = True
-
-    def write_home(self, index: int, values: torch.Tensor) -> None:
-        """Nothing: a state-dict entry is a copy of the gathered parameter, which does not
-        reach the model (Note [a sharded unit]); the weight file holds a shard only."""
-
-
-class ShardedParamUnit(ParamUnit):
-    """A unit whose homes are shards (Note [a sharded unit])."""
-
-    @property
-    def homes_written(self) -> bool:
-        """Never, here: whether a slot needs a gather must be the same on every rank, and a
-        home's version counter is its host pool's (every host-pool view shares the pool
-        tensor's counter), which moves with each rank's own gradient staging. Under ZeRO-3
-        the homes are written by the step (which makes every slot stale, ``before_step``)
-        and by a write-back of the slot itself, which then holds what the home does; state
-        dict entries are copies, not views of the homes."""
-        return False
-
-
-class SlotGather:
-    """All-gathers of unit slots on the comm stream (``ParamUnit.gather``).
-
-    Fields:
-        last: per slot index, the end event of the last gather into it; the next H2D copy
-            into the slot waits for it (``before_fetch``).
-        gathers: gathers issued (a statistic; the tests count them).
-    """
-
-    def __init__(self, comm: Comm, stream: Stream, manager: TieredMemoryManager) -> None:
-        self.comm = comm
-        self.stream = stream  # the optimizer's comm stream: collectives stay off the copies
-        self.manager = manager
-        self.last: dict[int, Event] = {}
-        self.gathers = 0
-        self.owed: list[ParamUnit] = []  # fetches waiting for disk reads, in fetch order
-
-    def before_fetch(self, unit: ParamUnit) -> None:
-        """The ``h2d`` stream waits for the slot's last gather (write-after-write)."""
-        event = self.last.get(unit.slot.index)
-        if event is not None:
-            self.manager.h2d.wait_event(event)
-
-    def owe(self, unit: ParamUnit) -> None:
-        """``unit``'s fetch waits for its disk reads (Note [sharded homes on NVMe])."""
-        self.owed.append(unit)
-
-    def withdraw(self, unit: ParamUnit) -> None:
-        """``unit``'s reads failed: its gather is not owed any more."""
-        if unit in self.owed:
-            self.owed.remove(unit)
-
-    def __call__(self, unit: ParamUnit, copied: Event) -> Event:
-        """Queue the all-gather of every bucket of ``unit``'s slot after ``copied``; its end
-        event (recorded on the slot's block). The gathers owed by earlier fetches go first
-        (Note [sharded homes on NVMe])."""
-        mine = self.owed.index(unit) if unit in self.owed else len(self.owed)
-        for earlier in self.owed[:mine]:
-            earlier.finish_fetch()  # its reads, copies and gather (leaving ``owed``)
-        self.withdraw(unit)
-        comm = self.comm
-        accelerator = self.manager.accelerator
-        self.stream.wait_event(copied)
-        buckets = [(views, views.gather_source()) for views in unit.views]
-        for views, source in buckets:
-            what = f"all-gather of unit {unit.spec.name}"
-            accelerator.declare_access(views.weights_dev, stream=self.stream, write=True, what=what)
-            if source is not None:
-                accelerator.declare_access(source, stream=self.stream, write=False, what=what)
-
-        def run() -> None:
-            with phase("all_gather", track="comm"):
-                pending = [
-                    all_gather_flat(
-                        views.weights_dev,
-                        comm=comm,
-                        what=f"unit {unit.spec.name!r} (bucket {views.layout.index})",
-                        source=source,
-                    )
-                    for views, source in buckets
-                ]
-                wait_all(pending, comm)
-
-        self.stream.submit(run)
-        event = self.stream.record_event()
-        unit.slot.block.record_event(event)
-        self.last[unit.slot.index] = event
-        self.gathers += 1
-        return event
+__all__ = ["ShardedParamOffloader"]
 
 
 class ShardedParamOffloader(ParamOffloader):

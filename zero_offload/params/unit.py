@@ -89,19 +89,20 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable
-from typing import Protocol
 
 from ..accelerator import DeviceBuffer, Event
 from ..memory.manager import TieredMemoryManager
-from ..memory.traffic import Category, Direction
+from ..memory.traffic import Category
 from .home_store import Bounce, PendingFetch
 from .live_units import LiveUnits
+from .replaced_params import refuse_replaced
 from .slot_writes import SlotWrites
+from .unit_copies import Gatherer, UnitCopies
 from .units import UnitSpec
 from .window import Slot
 from .windowed_views import WindowedViews
 
-__all__ = ["Gatherer", "ParamUnit", "UnitState"]
+__all__ = ["ParamUnit", "UnitState"]
 
 
 class UnitState(enum.Enum):
@@ -132,22 +133,9 @@ _ALLOWED = frozenset(
 )
 
 
-class Gatherer(Protocol):
-    """What a unit asks of its ranks' gathers (``sharded_fetch.SlotGather``; a protocol, so
-    this module stays below the one that builds it)."""
-
-    def __call__(self, unit: ParamUnit, copied: Event) -> Event:
-        """Queue the all-gather of ``unit``'s slot after ``copied``; its end event."""
-
-    def owe(self, unit: ParamUnit) -> None:
-        """``unit``'s fetch waits for disk reads: its gather comes later, before any other."""
-
-    def withdraw(self, unit: ParamUnit) -> None:
-        """``unit``'s owed gather will not be issued (its reads failed)."""
-
-
-class ParamUnit:
-    """One unit; see Note [a unit's lifecycle].
+class ParamUnit(UnitCopies):
+    """One unit; see Note [a unit's lifecycle]. Its copies between its homes and the device
+    are ``UnitCopies``' (``unit_copies.py``).
 
     Fields:
         spec: which modules and parameters (``UnitSpec``).
@@ -270,7 +258,7 @@ class ParamUnit:
         self.recover()  # Note [an interrupted move]
         if slot.occupant is not None and slot.occupant is not self and slot.occupant.resident:
             raise RuntimeError(f"{self!r}: slot {slot.index} is held by {slot.occupant!r} (bug)")
-        self._refuse_replaced()
+        refuse_replaced(self, self.spec, self.views)
         if self.content_valid and self.homes_written:
             self.content_valid = False  # the homes were written through a state dict's views
         self._begin(UnitState.FETCHING)
@@ -308,7 +296,7 @@ class ParamUnit:
             raise RuntimeError(f"{self!r}: a private fetch cannot gather (bug)")
         try:
             self.recover()  # Note [an interrupted move]
-            self._refuse_replaced()
+            refuse_replaced(self, self.spec, self.views)
             self._begin(UnitState.FETCHING)
         except BaseException:
             buffer.release()  # refused: the budget gets it back (it was never the unit's)
@@ -338,93 +326,6 @@ class ParamUnit:
         self.private = None  # last: an interrupted leave runs again (Note [an interrupted move])
         self.private_call = None
 
-    def _fill_slot(self, manager: TieredMemoryManager) -> Event | None:
-        """Queue the copies of the homes into the slot (H2D, after the compute issued so
-        far); the last copy's end event (None: nothing queued yet, NVMe reads pending)."""
-        # Write-after-read: the previous occupant's readers were all issued before now.
-        after = [manager.compute_ready()]
-        end = None
-        for views in self.views:
-            label = f"param {self.spec.name} bucket{views.layout.index}"
-            if views.nvme_home is not None and self.bounce is not None:
-                # Note [homes on NVMe are fetched through a bounce ring]: reads now, the
-                # copies to the slot once they are done (``finish_fetch``).
-                self.pending.append(self.bounce.begin(views, self.slot, after=after, label=label))
-                continue
-            home, home_block = views.home_pair()
-            end = manager.copy(
-                views.home_slot(),
-                home,
-                direction=Direction.H2D,
-                category=Category.WEIGHTS,  # parameter fetches: label "param ..."
-                after=after,
-                # The end event on both ends: the slot is not rewritten and the home not
-                # reused (or updated by a step, ``ParamOffloader.before_step``) before.
-                blocks=[self.slot.block, home_block],
-                label=label,
-            )
-        return end
-
-    def _home_written(self, views: WindowedViews) -> None:
-        """A written slot range went home (``write_back``): nothing more here; a unit whose
-        homes have a device copy refreshes it (``params/device_shards.py``)."""
-
-    def _refuse_replaced(self) -> None:
-        """A released parameter whose ``.data`` was replaced is refused before the fetch
-        would undo the replacement (Note [parameters replaced behind the optimizer]); one
-        of another shape (a resize) is told so, since no state can carry over to it."""
-        for views in self.views:
-            for i, param in views.detached():
-                name = self.spec.name_of(param)
-                shape = views.layout.slots[i].shape
-                if tuple(param.shape) != shape:
-                    raise ValueError(
-                        f"parameter {name!r} of {self!r} was resized after the optimizer "
-                        f"was built: its shape is {tuple(param.shape)}, the optimizer's is "
-                        f"{shape} (model.resize_token_embeddings(), or its .data or module "
-                        "replaced by one of another shape). With "
-                        "OffloadConfig(offload_parameters=True) its weights and optimizer "
-                        "state live in the optimizer's pinned homes at the old shape, which "
-                        "the new one cannot use. Resize the model before building the "
-                        "optimizer; for a model trained already, close() this optimizer, "
-                        "load the model's state_dict() into a fresh model, resize that one "
-                        "and build a new optimizer over it (its state starts afresh)"
-                    )
-                raise ValueError(
-                    f"parameter {name!r} of {self!r} no longer uses the storage the optimizer "
-                    "gave it (its .data was replaced after construction: model.half()/"
-                    ".to(dtype), .to_empty(), load_state_dict(assign=True)...). With "
-                    "OffloadConfig(offload_parameters=True) its weights live in the "
-                    "optimizer's pinned home, which would go on training while the model "
-                    "reads something else. Rebuild the optimizer after such changes "
-                    "(load_state_dict carries the state over)"
-                )
-
-    def finish_fetch(self) -> None:
-        """Queue the slot copies of the buckets whose disk reads are pending (waiting for
-        the reads); Note [homes on NVMe are fetched through a bounce ring]. A failed read
-        leaves the slot nobody's and raises, naming the unit and the file."""
-        pending, self.pending = self.pending, []
-        if not pending:
-            return
-        while pending:
-            fetch = pending.pop(0)
-            try:
-                end = fetch.finish()
-            except BaseException:
-                for rest in pending:
-                    rest.drop()
-                if self.private is None:  # a private fetch never held the slot
-                    self.content_valid = False
-                    self.slot.occupant = None
-                if self.gather is not None:
-                    self.gather.withdraw(self)  # never gathered: the others time out
-                raise
-            if end is not None:  # one stream, in order: the last end covers all
-                self.ready = self.fetched = end
-        if self.gather is not None and self.ready is not None:  # Note [sharded homes on NVMe]
-            self.ready = self.fetched = self.gather(self, self.ready)
-
     def use(self, manager: TieredMemoryManager) -> None:
         """FETCHING -> ON_DEVICE: compute waits for the fetch (exposed time, if any)."""
         if self.state is UnitState.ON_DEVICE:
@@ -450,43 +351,6 @@ class ParamUnit:
             return
         self.use(manager)
         self.writes.expose()
-
-    def write_back(self) -> None:
-        """Copy each bucket the write check finds written (``SlotWrites.written``) home (D2H)
-        and wait for it; Note [a write to a resident unit reaches its home] in
-        ``slot_writes.py``. Only for an ON_DEVICE unit."""
-        if self.state is not UnitState.ON_DEVICE:
-            return  # nobody computed on (or wrote) a slot still being fetched
-        manager = self.manager
-        written = self.write_backs
-        for views in self.writes.written():
-            if views.nvme_home is not None and self.bounce is not None:
-                label = f"param {self.spec.name} bucket{views.layout.index} write-back"
-                self.bounce.write_back(views, self.slot, label=label)
-                self.write_backs += 1
-                self._home_versions = self._home_versions_now()  # our own write
-                continue
-            home, home_block = views.home_pair()
-            end = manager.copy(
-                home,
-                views.home_slot(),
-                direction=Direction.D2H,
-                category=Category.WEIGHTS,
-                after=[manager.compute_ready()],  # the writes were issued on compute
-                blocks=[self.slot.block, home_block],
-                label=f"param {self.spec.name} bucket{views.layout.index} write-back",
-            )
-            # Synchronisation point (only after a write outside the optimizer): the home is
-            # read by the next fetch and written by the next step.
-            end.synchronize()
-            self._home_written(views)
-            self.write_backs += 1
-            self._home_versions = self._home_versions_now()  # our own write
-        self.writes.went_home()
-        if self.private is not None and self.write_backs != written:
-            # The private buffer's writes went home, past the slot, which still holds the
-            # bytes before them (Note [a read outside the window lands privately]).
-            self.content_valid = False
 
     def release(self) -> None:
         """-> ON_HOST: a written slot is copied home, the parameters hold their placeholders
@@ -531,14 +395,3 @@ class ParamUnit:
         self._home_versions = self._home_versions_now()
         self._leave_private()
         self._end(UnitState.ON_HOST)
-
-    def settle(self) -> None:
-        """Wait on the host for this unit's last fetch (the homes are about to be written).
-
-        Synchronisation point: blocks the caller on the H2D copy; compute has waited for
-        nearly all of them already (a prefetch nobody used is the exception), so this
-        rarely waits."""
-        self.finish_fetch()
-        if self.fetched is not None:
-            self.fetched.synchronize()
-            self.fetched = None

@@ -132,7 +132,8 @@ class WindowedViews(ParamViews):
     home: training dtype, pinned host; the authoritative weights of ``home_span`` (None
         until ``adopt_home``); ``home_block`` its block.
     home_span: ``[lo, hi)`` of the bucket the home holds: all of it on one rank; this
-        rank's shard with several (``params.sharded_fetch``, Note [a sharded unit]).
+        rank's shard with several (``sharded_homes.py``; Note [a sharded unit] in
+        ``sharded_fetch.py``).
     placeholders: per parameter, its shape and dtype on the device, 0 bytes of storage
         (empty until ``adopt_home``); what a released parameter holds.
     entry_bases: parameter index -> its weights in the home, ``(shape)``, pinned host, with a
