@@ -5,7 +5,10 @@ landed gradient on the host worker, behind update k (first in, first out), and r
 once more on the host: 4 bytes a parameter a step in fp32, 2 in bf16. Here: the worker's
 queue while update k runs, the host passes' bytes, the norm against torch's float64
 per-parameter norms, and the weights against the host statistics' path (bitwise unclipped,
-one ulp when a clip binds: the device accumulator's promise)."""
+one ulp when a clip binds: the device accumulator's promise). With several ranks the norms
+are taken on the comm stream behind each reduce-scatter: the same counts on 2 gloo ranks,
+compute's waits in backward, and the step's ordering under the race checker in strict
+mode."""
 
 from __future__ import annotations
 
@@ -44,6 +47,23 @@ def _slow_host_adam(monkeypatch: pytest.MonkeyPatch) -> None:
         return tile_step(*args, **kwargs)
 
     monkeypatch.setattr(adamw_rule, "adam_step", slow)
+
+
+def _count_waits() -> list[int]:
+    """In a spawned rank: from now on ``waits[0]`` counts the manager's waits that met an
+    unfinished event (the compute stream waiting for a reduce-scatter)."""
+    from zero_offload.memory.manager import TieredMemoryManager
+
+    waits = [0]
+    original = TieredMemoryManager.wait_for
+
+    def counting(self: TieredMemoryManager, events: Any, *, category: Any) -> Any:
+        events = list(events)
+        waits[0] += any(not event.query() for event in events)
+        return original(self, events, category=category)
+
+    TieredMemoryManager.wait_for = counting  # type: ignore[method-assign]
+    return waits
 
 
 class _Queue:
@@ -230,7 +250,7 @@ def test_a_delayed_update_follows_its_landing_while_the_next_backward_flushes(
     assert max_diff(net, ref) == 0.0
 
 
-# -- several ranks: the statistics stay the host's, compute never waits for a reduce-scatter --
+# -- several ranks: the norms on the comm stream, compute never waits for a reduce-scatter --
 
 
 def _two_rank_entry(rank: int, world: int, port: int, out: str) -> None:
@@ -238,20 +258,10 @@ def _two_rank_entry(rank: int, world: int, port: int, out: str) -> None:
     waits on an unfinished event during its backwards."""
     import torch.distributed as dist
 
-    from zero_offload.memory.manager import TieredMemoryManager
-
     from .helpers.dist import data, join_gloo, shard_batch
 
     join_gloo(rank, world, port)
-    waits = [0]
-    original = TieredMemoryManager.wait_for
-
-    def counting(self: TieredMemoryManager, events: Any, *, category: Any) -> Any:
-        events = list(events)
-        waits[0] += any(not event.query() for event in events)
-        return original(self, events, category=category)
-
-    TieredMemoryManager.wait_for = counting  # type: ignore[method-assign]
+    waits = _count_waits()
     model, _ = make_pair()
     opt = offload_opt(model, overlap_step=True, max_grad_norm=0.5)
     for tokens, targets in data(STEPS):
@@ -268,10 +278,11 @@ def _two_rank_entry(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_keep_the_host_statistics_and_match_one_process(tmp_path: Path) -> None:
+def test_two_ranks_never_wait_for_a_reduce_scatter_and_match_one_process(tmp_path: Path) -> None:
     """With several ranks the shard is only this rank's after the reduce-scatter: norms on the
     compute stream would make compute wait for every bucket's (13 waits a backward at 13
-    buckets before this was kept on the host); the run matches one process's overlap run."""
+    buckets); on the comm stream, behind it, none. The run matches one process's overlap
+    run."""
     from .helpers.dist import data, spawn_ranks
 
     spawn_ranks(_two_rank_entry, 2, str(tmp_path))
@@ -287,3 +298,156 @@ def test_two_ranks_keep_the_host_statistics_and_match_one_process(tmp_path: Path
         assert result["waits"] == [0] * STEPS, (rank, result["waits"])
         pairs = zip(result["weights"], model.parameters(), strict=True)
         assert max((x - y.detach()).abs().max().item() for x, y in pairs) < 1e-5, rank
+
+
+def _counted_two_rank_entry(rank: int, world: int, port: int, out: str, dtype_name: str) -> None:
+    """One rank's overlap_step runs (one micro-batch, a binding clip) under the race
+    checker in strict mode, over a slow link, with this rank's reduce-scatters held back
+    on the comm stream: first the lone window's path (``device``), then every window
+    forced through the host accumulator and its host statistics (``host``, the path with
+    the host's exactly added cells). Saves per run: the norms, the weights, each
+    backward's compute waits on an unfinished event, step 3's host passes, and the host
+    worker jobs each backward queued while a delayed update was still running."""
+    import torch.distributed as dist
+
+    from .helpers.dist import data, join_gloo, shard_batch
+
+    join_gloo(rank, world, port)
+    dtype = getattr(torch, dtype_name)
+    tile_step = adamw_rule.adam_step
+
+    def slow(*args, **kwargs):  # as _slow_host_adam: update k outlasts backward k+1
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)
+        return tile_step(*args, **kwargs)
+
+    adamw_rule.adam_step = slow
+    waits = _count_waits()
+    results = {}
+    for variant in ("device", "host"):
+        model, _ = make_pair(dtype)
+        acc = HostAccelerator(AcceleratorConfig(check_races=True, strict=True, link_bandwidth=2e7))
+        opt = offload_opt(
+            model,
+            overlap_step=True,
+            max_grad_norm=0.5,
+            accelerator=acc,
+            grad_accumulation="host",
+        )
+        for bucket in opt.buckets:
+            bucket.gradients.always_accumulate = variant == "host"
+        queue = _Queue(opt)
+        comm = opt._ranks.stream
+        counters = opt.manager.counters
+        params = sum(b.layout.real_in(*b.shard) for b in opt.buckets)
+        norms, backward_waits = [], []
+        for step, (tokens, targets) in enumerate(data(STEPS)):
+            if step == 3:
+                passes0 = counters.passes()
+            loss = lm_loss(
+                model, shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
+            )
+            queue.phase = f"backward {step}"
+            comm.submit(lambda: time.sleep(0.3))  # the reduce-scatters run past backward
+            before = waits[0]
+            opt.backward(loss)
+            backward_waits.append(waits[0] - before)
+            queue.phase = f"step {step}"
+            opt.step()
+            norms.append(opt.last_grad_norm)
+            opt.zero_grad()
+            if step == 3:
+                passes = {
+                    name: (counts["calls"] - passes0.get(name, {}).get("calls", 0))
+                    for name, counts in counters.passes().items()
+                }
+                read = sum(
+                    counts["read"] - passes0.get(name, {}).get("read", 0)
+                    for name, counts in counters.passes().items()
+                )
+        opt.flush_pending_update()
+        opt.close()
+        results[variant] = {
+            "norms": norms,
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "waits": backward_waits,
+            "passes": {name: calls for name, calls in passes.items() if calls},
+            "read_per_param": read / params,
+            "behind": sum(
+                behind for phase, _, behind in queue.jobs if phase.startswith("backward")
+            ),
+        }
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@DTYPES
+def test_two_ranks_take_the_norms_on_the_comm_stream(tmp_path: Path, dtype) -> None:
+    """Several ranks: each rank's shard is its own once the reduce-scatter ends, on the comm
+    stream, so the norms are taken there (issue 39): no host statistics pass (before: one
+    per bucket and tile, k bytes a parameter a step read behind the delayed update), no
+    compute wait in backward, and the step orders its read after the comm stream's event,
+    under the race checker in strict mode while the reduce-scatters run past backward (a
+    missing order is a StreamRaceError there: the step's read of the norms, the gradient
+    buffer's reuse, norms on the compute stream; or a gloo size mismatch: the step's
+    all-gathers issued before the last reduce-scatters). Against the host statistics' path
+    of the same 2 ranks: the norm to about 1e-16, the weights within one ulp (the clip
+    binds)."""
+    from .helpers.dist import spawn_ranks
+
+    spawn_ranks(_counted_two_rank_entry, 2, str(tmp_path), str(dtype).split(".")[-1])
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        device, host = result["device"], result["host"]
+        assert device["passes"] == {}, (rank, device["passes"])
+        assert device["read_per_param"] == 0.0
+        assert device["behind"] == 0
+        assert device["waits"] == [0] * STEPS, (rank, device["waits"])
+        assert host["passes"] and host["behind"] > 0  # what the host path still does
+        assert device["norms"] == pytest.approx(host["norms"], rel=1e-14)
+        for x, y in zip(device["weights"], host["weights"], strict=True):
+            ulp = torch.finfo(x.dtype).eps * y.float().abs()
+            assert bool(((x.float() - y.float()).abs() <= ulp).all()), rank
+
+
+def _leave_after_a_backward_entry(rank: int, world: int, port: int, out: str, how: str) -> None:
+    """Two steps, then a backward with no step (its reduce-scatters held back on the comm
+    stream), then ``how``: close, or flush the pending update then close."""
+    import os
+
+    from .helpers.dist import data, join_gloo, shard_batch
+
+    join_gloo(rank, world, port)
+    model, _ = make_pair()
+    acc = HostAccelerator(AcceleratorConfig(check_races=True, link_bandwidth=2e7))
+    opt = offload_opt(model, overlap_step=True, max_grad_norm=0.5, accelerator=acc)
+    comm = opt._ranks.stream
+    said = "left"
+    try:
+        for step, (tokens, targets) in enumerate(data(3)):
+            comm.submit(lambda: time.sleep(0.3))  # the reduce-scatters run past backward
+            share = shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
+            opt.backward(lm_loss(model, *share))
+            if step < 2:
+                opt.step()
+                opt.zero_grad()
+        if how == "flush":
+            opt.flush_pending_update()
+        opt.close()
+    except Exception as exc:  # the message is what is checked
+        said = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.txt").write_text(said)
+    os._exit(0)  # a broken group's destructor would wait on the other rank
+
+
+@pytest.mark.parametrize("how", ["close", "flush"])
+def test_two_ranks_leave_after_a_backward_without_a_step(tmp_path: Path, how: str) -> None:
+    """Note [caller collectives follow the reduce-scatters] (optim/ranks.py): a close or a
+    flush after a backward with no step issues its all-gathers on the caller's thread, and
+    no host pass ordered them after the reduce-scatters the comm thread still had to issue
+    (gloo aborted the process on the size mismatch)."""
+    from .helpers.dist import spawn_ranks
+
+    spawn_ranks(_leave_after_a_backward_entry, 2, str(tmp_path), how)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "left", rank

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import Accelerator, Event, Stream
+from ..accelerator.host_syncs import synchronize_completed
 from ..collectives import (
     Comm,
     Pending,
@@ -79,6 +80,11 @@ class Ranks(ABC):
     def param_gathers(self) -> tuple[Comm, Stream] | None:
         """The group and stream the parameter all-gathers of ZeRO-3 run on (Note
         [parameter gathers on a group and stream of their own]); None without them."""
+        return None
+
+    @property
+    def scatter_stream(self) -> Stream | None:
+        """The stream the gradients are reduce-scattered on; None with one rank."""
         return None
 
     #: Whether the ranks' collectives must match, so buckets go to the host in one order on
@@ -185,12 +191,47 @@ class ShardedRanks(Ranks):
         self.world_size = comm.world_size
         self._accelerator = accelerator
         self._device = accelerator.device
+        # The end of the last reduce-scatter queued on the comm stream, until the caller's
+        # thread has issued a collective after it (Note [caller collectives follow the
+        # reduce-scatters]).
+        self._scattered: Event | None = None
 
     @property
     def comm(self) -> Comm:
         return self._comm
 
+    @property
+    def scatter_stream(self) -> Stream:
+        return self.stream
+
     lockstep = True
+
+    # Note [caller collectives follow the reduce-scatters]
+    # The reduce-scatters are issued by the comm stream's thread, the step's all-gathers and
+    # the statistics' all-reduce by the caller's; on one group collectives match by the
+    # order each rank issues them, so a caller's collective must be issued after every
+    # reduce-scatter queued before it, or the ranks pair a reduce-scatter with an
+    # all-gather (gloo aborts on the size mismatch). A host pass over each landed tile
+    # used to give that order by accident (the step waited for the host worker, whose
+    # passes followed the reduce-scatters); the lone window's norms taken on the comm
+    # stream (Note [a lone window's statistics are taken on the device] in
+    # ``grads/lone_stats.py``) queue no such pass, and a close or a flush after a backward
+    # without a step then issued its all-gathers first. So every collective this class
+    # issues on the caller's thread first waits for the last reduce-scatter's event: done
+    # already at a step (``HostGradients.land`` waited), a wait on the host otherwise.
+
+    def _after_scatters(self) -> None:
+        """The caller's thread is about to issue a collective: Note [caller collectives
+        follow the reduce-scatters]."""
+        last, self._scattered = self._scattered, None
+        if last is None:
+            return
+        if last.query():
+            synchronize_completed(last)  # done: nothing to wait for, the order is known
+            return
+        # Synchronisation point, only where no step waited first (a close, a flush).
+        with phase("wait_grads"):
+            last.synchronize()
 
     def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
         """OR the (n_buckets,) float64 ``flags`` over the ranks: which buckets got a
@@ -228,6 +269,7 @@ class ShardedRanks(Ranks):
     ) -> tuple[list[Event], Pending | None]:
         # Synchronisation point (host accelerator): the collective reads weights_dev now.
         manager.wait_for(published, category=Category.WEIGHTS)
+        self._after_scatters()
         return [], self.all_gather(weights, what=what)
 
     def where(self) -> str:
@@ -254,13 +296,15 @@ class ShardedRanks(Ranks):
         self.stream.wait_event(ready)
         self._accelerator.declare_access(grad, stream=self.stream, write=True, what=what)
         self.stream.submit(run)
-        return self.stream.record_event()
+        self._scattered = self.stream.record_event()
+        return self._scattered
 
     def all_reduce_stats(
         self, sumsq: float, nonfinite: bool, arrived: torch.Tensor
     ) -> tuple[float, bool, torch.Tensor]:
         # One float64 all-reduce carries the sum of squares, the overflow flag and the
         # arrival flags (Synchronisation point: read on the host).
+        self._after_scatters()
         packed = torch.cat(
             [
                 torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64),

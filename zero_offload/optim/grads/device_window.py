@@ -43,6 +43,10 @@ class DeviceWindow:
             taken at the flush for the delayed update (``HostGradients``: Note [a lone
             window's statistics are taken on the device] in ``lone_stats.py``); None: the
             window's statistics come from host passes.
+        norms_ready: the event after which ``norms`` hold them when another stream took
+            them (the comm stream, several ranks: ``ShardNorms``), which the step waits
+            for: its thread before it settles (``await_norms``), its compute stream before
+            it reads them (``order_norms_read``); None when the compute stream took them.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class DeviceWindow:
         self.acc_free: Event | None = None
         self.landing: Landing | None = None
         self.norms: torch.Tensor | None = None
+        self.norms_ready: Event | None = None
 
     def begin(self, *, accumulates: bool, previous_flushes: int) -> bool:
         """A new window: whether it adds up on the device (it is expected to accumulate,
@@ -90,7 +95,7 @@ class DeviceWindow:
     def add(self, src: torch.Tensor, *, overwrite: bool, after: Event | None) -> None:
         """``DeviceSum.add``; the norms of the sum before it are stale."""
         self._taken().add(src, overwrite=overwrite, after=after)
-        self.norms = None  # of a sum that grew: taken again when it lands
+        self.keep_norms(None)  # of a sum that grew: taken again when it lands
 
     def land(self, acc: torch.Tensor, acc_block: Block, *, readers: list[Event]) -> Landing:
         """Queue the sum's landing into ``acc`` (after ``readers``), and take its norms on
@@ -99,9 +104,15 @@ class DeviceWindow:
         landing = device_sum.land(
             acc, acc_block, readers=readers, tile_elements=self._tile_elements
         )
-        self.norms = device_sum.norms(self._shard)
+        self.keep_norms(device_sum.norms(self._shard))
         self.landing = landing
         return landing
+
+    def keep_norms(self, norms: torch.Tensor | None, ready: Event | None = None) -> None:
+        """The window's norms on the device (None: its statistics are the host passes'),
+        with the event after which they hold them when another stream took them."""
+        self.norms = norms
+        self.norms_ready = ready if norms is not None else None
 
     def consumed(self, worker: HostWorker, *, host_acc: bool) -> None:
         """The window is over: the next landing waits for what the worker queued so far.

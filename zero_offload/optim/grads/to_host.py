@@ -53,7 +53,7 @@ import functools
 
 import torch
 
-from ...accelerator import Event
+from ...accelerator import Event, Stream
 from ...accelerator.host_syncs import synchronize_completed, wait_input
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
@@ -67,7 +67,13 @@ from .device_acc import DeviceSum
 from .device_window import DeviceWindow
 from .host_passes import HostPasses
 from .landing import Landing
-from .lone_stats import piece_norms
+from .lone_stats import (
+    ShardNorms,
+    await_norms,
+    order_norms_read,
+    piece_norms,
+    reduce_scatter_stream,
+)
 from .open_buffer import OpenBuffer
 from .path import GradientPath, GradSource, SumSqParts
 from .staging import OwnStaging, Staging
@@ -177,6 +183,9 @@ class HostGradients(GradientPath):
             tile_elements=tile_elements,
         )
         self._acc_landed = False
+        # A lone flush's norms with several ranks, on the comm stream (Note [a lone window's
+        # statistics are taken on the device] in lone_stats.py).
+        self._shard_norms = ShardNorms(manager, layout, shard)
 
     @property
     def device_sum(self) -> DeviceSum | None:
@@ -243,7 +252,7 @@ class HostGradients(GradientPath):
         staging = functools.partial(self._staging_tensor, self.staging.kept())
         worker.submit(functools.partial(self.passes.fold, acc, staging, real))
         self._acc_landed = False
-        self.device.norms = None
+        self.device.keep_norms(None)
         self._staging_consumed = worker.record_event()
         self.staging.read_by(self._staging_consumed)
         self._source = GradSource.ACCUMULATOR
@@ -292,7 +301,9 @@ class HostGradients(GradientPath):
             if not overwrite or self._first_flush_accumulates():
                 self._ensure_accumulator()  # before anything moves: a failure changes nothing
             block = self.open.flushable_block()  # Note [an interrupted gradient path]
-            norms = self._lone_norms(grad[start:stop], overwrite, scattered=ranks.world_size > 1)
+            norms = self._lone_norms(
+                grad[start:stop], overwrite, scattered_on=reduce_scatter_stream(ranks), block=block
+            )
             # The bucket keeps its buffer until the copies are queued: if they fail or are
             # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
             staging, staging_block = self.staging.get(buffer)
@@ -307,7 +318,7 @@ class HostGradients(GradientPath):
         if not overwrite or self._first_flush_accumulates():
             self._ensure_accumulator()  # before anything moves: a failure changes nothing
         grad = self.open.adopted
-        norms = self._lone_norms(grad, overwrite, scattered=False)  # one rank's, whole
+        norms = self._lone_norms(grad, overwrite)  # one rank's, whole
         staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
@@ -323,17 +334,27 @@ class HostGradients(GradientPath):
         return self.always_accumulate or self._window_flushes > 1
 
     def _lone_norms(
-        self, src: torch.Tensor, overwrite: bool, *, scattered: bool
-    ) -> torch.Tensor | None:
-        """A lone flush's statistics on the device, on the compute stream, where ``src``
-        was not reduce-scattered (``scattered``: compute would wait for it); None leaves
-        them to the host pass: Note [a lone window's statistics are taken on the device]
+        self,
+        src: torch.Tensor,
+        overwrite: bool,
+        *,
+        scattered_on: Stream | None = None,
+        block: Block | None = None,
+    ) -> tuple[torch.Tensor, Event | None] | None:
+        """A lone flush's statistics on the device and the event after which they are
+        there: on the compute stream (None: in order), or, where ``src`` was
+        reduce-scattered on the stream ``scattered_on``, on that stream behind it (compute
+        would wait for it), ``block`` (under ``src``) reused after them. None leaves them to
+        the host pass: Note [a lone window's statistics are taken on the device]
         (``lone_stats.py``)."""
-        if scattered or not self.delayed_update:
+        if not self.delayed_update or not overwrite or self._first_flush_accumulates():
             return None
-        if overwrite and not self._first_flush_accumulates():
-            return piece_norms(self.manager, self.layout, self.shard, src)
-        return None
+        if scattered_on is None:
+            norms = piece_norms(self.manager, self.layout, self.shard, src)
+            return None if norms is None else (norms, None)
+        if block is None:
+            raise RuntimeError(f"bucket {self.layout.index}: a scattered flush's block (bug)")
+        return self._shard_norms.take(src, stream=scattered_on, block=block)
 
     # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
 
@@ -375,7 +396,11 @@ class HostGradients(GradientPath):
     def land(self) -> None:
         """Bring a window summed on the device to the host accumulator, in tiles CPU Adam
         follows (its statistics were taken on the device); nothing to do when it landed
-        already or the window is on the host (Note [micro-batches add up on the device])."""
+        already or the window is on the host (Note [micro-batches add up on the device]).
+        A lone window's norms taken on the comm stream are waited for: the step is next
+        (Note [a lone window's statistics are taken on the device] in ``lone_stats.py``)."""
+        if self.device.norms_ready is not None:
+            await_norms(self.device.norms_ready)
         if not self.device.unlanded:
             return
         acc = self._ensure_accumulator()
@@ -401,11 +426,17 @@ class HostGradients(GradientPath):
         )
 
     def _after_copy(
-        self, landing: Landing, *, overwrite: bool, buffer: int, norms: torch.Tensor | None
+        self,
+        landing: Landing,
+        *,
+        overwrite: bool,
+        buffer: int,
+        norms: tuple[torch.Tensor, Event | None] | None,
     ) -> None:
-        """Queue the host worker's pass over each tile of ``buffer`` (none with ``norms``)."""
+        """Queue the host worker's pass over each tile of ``buffer`` (none with ``norms``,
+        taken on the device with the event after which they are there)."""
         self._acc_landed = False
-        self.device.norms = norms
+        self.device.keep_norms(*(norms or (None,)))
         if overwrite and not self._first_flush_accumulates():
             self._source = GradSource.STAGING
             acc = None
@@ -522,13 +553,17 @@ class HostGradients(GradientPath):
         return self.device.norms is None  # landed from the device, or a lone flush: taken there
 
     def grad_sumsq(self) -> SumSqParts:
-        if self.device.norms is not None:
-            return SumSqParts([], False, self.device.norms)
+        norms = self.device.norms
+        if norms is not None:
+            # The step reads them next, on the compute stream (Note [a lone window's ...]).
+            order_norms_read(self.manager, self.layout, norms, self.device.norms_ready)
+            return SumSqParts([], False, norms)
         return self.passes.sumsq()
 
     def close(self) -> None:
         self.open.adopted = None
         self.device.close()
+        self._shard_norms.close()
         if self.open.block is not None:
             self.open.block.free()
             self.open.block = None
