@@ -412,27 +412,44 @@ def test_two_ranks_take_the_norms_on_the_comm_stream(tmp_path: Path, dtype) -> N
 
 def _leave_after_a_backward_entry(rank: int, world: int, port: int, out: str, how: str) -> None:
     """Two steps, then a backward with no step (its reduce-scatters held back on the comm
-    stream), then ``how``: close, or flush the pending update then close."""
+    stream), then ``how``: close, flush the pending update then close, or add a parameter
+    group (after zero_grad) then close. The last parameter is left out of the optimizer
+    until then (its gradient dropped)."""
+    import faulthandler
     import os
+
+    from zero_offload import OffloadAdamW, OffloadConfig
 
     from .helpers.dist import data, join_gloo, shard_batch
 
     join_gloo(rank, world, port)
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test, not CI
     model, _ = make_pair()
-    acc = HostAccelerator(AcceleratorConfig(check_races=True, link_bandwidth=2e7))
-    opt = offload_opt(model, overlap_step=True, max_grad_norm=0.5, accelerator=acc)
+    *first, last = list(model.parameters())
+    building = how == "add_param_group"  # no slow link: the build meets the reduce-scatters
+    link = {} if building else {"link_bandwidth": 2e7}
+    acc = HostAccelerator(AcceleratorConfig(check_races=True, **link))
+    config = OffloadConfig(
+        bucket_bytes=8192, tile_elements=1024, overlap_step=True, max_grad_norm=0.5
+    )
+    opt = OffloadAdamW(first, lr=1e-3, weight_decay=0.1, config=config, accelerator=acc)
     comm = opt._ranks.stream
     said = "left"
     try:
         for step, (tokens, targets) in enumerate(data(3)):
-            comm.submit(lambda: time.sleep(0.3))  # the reduce-scatters run past backward
+            if step == 2 or not building:  # the reduce-scatters run past backward
+                comm.submit(lambda: time.sleep(0.5 if building else 0.3))
             share = shard_batch(tokens, rank, world), shard_batch(targets, rank, world)
             opt.backward(lm_loss(model, *share))
+            last.grad = None
             if step < 2:
                 opt.step()
                 opt.zero_grad()
         if how == "flush":
             opt.flush_pending_update()
+        if how == "add_param_group":
+            opt.zero_grad()
+            opt.add_param_group({"params": [last]})
         opt.close()
     except Exception as exc:  # the message is what is checked
         said = f"{type(exc).__name__}: {exc}"
@@ -440,12 +457,13 @@ def _leave_after_a_backward_entry(rank: int, world: int, port: int, out: str, ho
     os._exit(0)  # a broken group's destructor would wait on the other rank
 
 
-@pytest.mark.parametrize("how", ["close", "flush"])
+@pytest.mark.parametrize("how", ["close", "flush", "add_param_group"])
 def test_two_ranks_leave_after_a_backward_without_a_step(tmp_path: Path, how: str) -> None:
     """Note [caller collectives follow the reduce-scatters] (optim/ranks.py): a close or a
     flush after a backward with no step issues its all-gathers on the caller's thread, and
     no host pass ordered them after the reduce-scatters the comm thread still had to issue
-    (gloo aborted the process on the size mismatch)."""
+    (gloo aborted the process on the size mismatch); ``add_param_group``'s agreement was
+    never ordered after them (both ranks hung, before this session too)."""
     from .helpers.dist import spawn_ranks
 
     spawn_ranks(_leave_after_a_backward_entry, 2, str(tmp_path), how)

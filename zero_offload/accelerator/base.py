@@ -204,6 +204,11 @@ class Stream(ABC):
     #: (``Event.started_at``), so a profiler needs no event before it: a ``ThreadStream``'s
     #: do; CUDA's do not (Note [a copy's start is its end event's] in memory/manager.py).
     end_carries_start = False
+    #: Whether submitted work runs later on a thread of its own (``ThreadStream``), so a
+    #: collective it runs is issued then, not at ``submit``; CUDA's streams and the caller's
+    #: run ``fn`` at once (Note [caller collectives follow the reduce-scatters] in
+    #: optim/ranks.py).
+    deferred = False
 
     def _next_order(self) -> tuple[int, int]:
         """The ``Event.order`` of the next event recorded here; call it where the event

@@ -342,6 +342,7 @@ class ThreadStream(Stream):
     #: Each event's ``started_at`` is when the task before it began: Note [a copy's start is
     #: its end event's] in memory/manager.py.
     end_carries_start = True
+    deferred = True  # the work runs on this stream's thread
     #: Whether the race checker's clock for this stream moves when work runs rather than
     #: when it is issued: see Note [when a thread stream's clock moves].
     clock_at_execution = False

@@ -27,7 +27,6 @@ import numbers
 import torch
 
 from ..optim import OffloadOptimizer
-from ..optim.state.nvme import NvmeState
 
 __all__ = [
     "clip_norm",
@@ -78,11 +77,14 @@ def parameters_sharded(opt: OffloadOptimizer) -> bool:
     return opt.param_offloader is not None and opt.comm is not None
 
 
-def state_on_nvme(opt: OffloadOptimizer) -> list[int]:
-    """The buckets whose optimizer state lives on NVMe (``OffloadConfig.nvme_dir`` past
-    ``host_budget``): ``state_dict()`` and ``opt.state`` cannot hand theirs out as tensors
-    (``StateNotInHostRam``); a checkpoint of them streams (``opt.save_streaming``)."""
-    return [bucket.layout.index for bucket in opt.buckets if isinstance(bucket.store, NvmeState)]
+def state_on_nvme(opt: OffloadOptimizer) -> bool:
+    """Whether ``opt`` may keep optimizer state on NVMe (``OffloadConfig.nvme_dir`` set):
+    ``state_dict()`` and ``opt.state`` cannot hand such state out as tensors
+    (``StateNotInHostRam``); a checkpoint of it streams (``opt.save_streaming``). Decided by
+    the config, the same on every rank, not by where this rank's buckets landed:
+    ``host_budget="auto"`` reads each rank's free RAM, so the placements can differ, and a
+    save must run the same collectives on every rank."""
+    return opt.config.nvme_dir is not None
 
 
 # Note [state dicts the savers can write]

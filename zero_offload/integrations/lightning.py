@@ -184,24 +184,22 @@ class OffloadLightningModule(pl.LightningModule):
 
 
 def _refuse_nvme_state(optimizers: list[OffloadOptimizer]) -> None:
-    """Refuse optimizer state on NVMe: Lightning reads the whole state through ``opt.state``
-    at teardown (to move it to the CPU) and through ``state_dict()`` in its checkpoints,
-    which NVMe state cannot hand out (``StateNotInHostRam``). Refused before the first
-    backward, not after the last step."""
+    """Refuse optimizer state on NVMe (``OffloadConfig.nvme_dir``, the same on every rank):
+    Lightning reads the whole state through ``opt.state`` at teardown (to move it to the
+    CPU) and through ``state_dict()`` in its checkpoints, which NVMe state cannot hand out
+    (``StateNotInHostRam``). Refused before the first backward, not after the last step."""
     for opt in optimizers:
-        on_disk = state_on_nvme(opt)
-        if on_disk:
+        if state_on_nvme(opt):
             raise ValueError(
-                f"{type(opt).__name__}: the optimizer state of {len(on_disk)} of "
-                f"{len(opt.buckets)} buckets (bucket {on_disk[0]} first) lives on NVMe "
-                f"(OffloadConfig(nvme_dir={str(opt.config.nvme_dir)!r}, host_budget="
-                f"{opt.config.host_budget!r})). Lightning reads the whole state as tensors "
-                "through opt.state when it tears the strategy down and through "
-                "opt.state_dict() in its checkpoints, and NVMe state cannot be handed out "
-                "that way, so the run would fail after its last step. Not supported under "
-                "Lightning: raise host_budget until the state fits in host RAM (zero-offload "
-                "estimate says how much), or train with NVMe state in a plain loop and "
-                "checkpoint with opt.save_streaming(path) / opt.load_streaming(path)"
+                f"{type(opt).__name__}: OffloadConfig(nvme_dir={str(opt.config.nvme_dir)!r}, "
+                f"host_budget={opt.config.host_budget!r}) keeps the optimizer state past "
+                "host_budget on NVMe. Lightning reads the whole state as tensors through "
+                "opt.state when it tears the strategy down and through opt.state_dict() in "
+                "its checkpoints, and NVMe state cannot be handed out that way, so the run "
+                "would fail after its last step. Not supported under Lightning: leave "
+                "nvme_dir unset (zero-offload estimate says how much host RAM the state "
+                "needs), or train with NVMe state in a plain loop and checkpoint with "
+                "opt.save_streaming(path) / opt.load_streaming(path)"
             )
 
 

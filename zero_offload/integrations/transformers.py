@@ -29,10 +29,11 @@ What it does, in the Trainer methods made for overriding:
   (Note [frameworks clip through the optimizer] in ``_optim.py``).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` write and read
   ``optimizer.pt`` in the consolidated layout (``zero_offload.checkpoint_io``): with several
-  ranks every rank's shard is in it, and it resumes on any number of ranks. State on NVMe
-  cannot be consolidated in host RAM: it streams to ``zero_offload_optimizer/rank{r}/`` in
-  the checkpoint folder instead (``opt.save_streaming``), which resumes on the same number
-  of ranks.
+  ranks every rank's shard is in it, and it resumes on any number of ranks. State that may
+  be on NVMe (``OffloadConfig.nvme_dir`` set) cannot be consolidated in host RAM: it
+  streams to ``zero_offload_optimizer/rank{r}/`` in the checkpoint folder instead
+  (``opt.save_streaming``), which resumes on the same number of ranks, from a folder every
+  rank reads (a shared file system, as ``optimizer.pt`` needs).
 - ``compute_loss``: for an fp16 model, the gradient of the loss is multiplied by
   the optimizer's loss scale during backward (Trainer's own backward does not scale).
 - With several ranks (``torchrun``) the model is not wrapped in DDP: the optimizer
@@ -392,10 +393,10 @@ class OffloadTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``optimizer.pt`` in the consolidated layout (every rank takes part; rank 0 writes
-        it), or with state on NVMe a streaming checkpoint in ``STREAMING_NAME``, and
+        it), or with ``nvme_dir`` set a streaming checkpoint in ``STREAMING_NAME``, and
         Trainer's ``scheduler.pt``."""
         opt = self.offload_optimizer
-        if state_on_nvme(opt):  # every rank writes its own shard, tile by tile
+        if state_on_nvme(opt):  # every rank alike: each writes its own shard, tile by tile
             opt.save_streaming(os.path.join(output_dir, STREAMING_NAME))
         else:
             save_consolidated(opt, os.path.join(output_dir, OPTIMIZER_NAME))

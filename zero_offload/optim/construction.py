@@ -178,7 +178,10 @@ class SegmentBuilder:
     def _agree(
         self, owner: torch.optim.Optimizer, group_indices: list[int], refused: Exception | None
     ) -> None:
-        """``agree_on_build`` for this builder's rule, config, windows and ranks."""
+        """``agree_on_build`` for this builder's rule, config, windows and ranks, issued
+        after the reduce-scatters a backward left on the comm stream (Note [caller
+        collectives follow the reduce-scatters] in ``ranks.py``)."""
+        self.ranks.after_scatters()
         agree_on_build(
             owner,
             group_indices,

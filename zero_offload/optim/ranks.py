@@ -87,6 +87,11 @@ class Ranks(ABC):
         """The stream the gradients are reduce-scattered on; None with one rank."""
         return None
 
+    def after_scatters(self) -> None:
+        """The caller's thread is about to issue a collective on ``comm``: Note [caller
+        collectives follow the reduce-scatters] (nothing to wait for with one rank)."""
+        return None
+
     #: Whether the ranks' collectives must match, so buckets go to the host in one order on
     #: every rank (``bucket_order`` in ``grads/order.py``; Note [ranks in lockstep]).
     lockstep = False
@@ -217,21 +222,28 @@ class ShardedRanks(Ranks):
     # stream (Note [a lone window's statistics are taken on the device] in
     # ``grads/lone_stats.py``) queue no such pass, and a close or a flush after a backward
     # without a step then issued its all-gathers first. So every collective this class
-    # issues on the caller's thread first waits for the last reduce-scatter's event: done
-    # already at a step (``HostGradients.land`` waited), a wait on the host otherwise.
+    # issues on the caller's thread, and a build's (``add_param_group``: ``after_scatters``
+    # in optim/construction.py), first waits for the last reduce-scatter's event: done
+    # already at a lone window's step (``HostGradients.land`` waited), a wait on the host
+    # otherwise. Only where the comm stream runs its work on a thread of its own
+    # (``Stream.deferred``: the host accelerator); CUDA's stream issues the reduce-scatter at
+    # ``submit``, in program order.
 
-    def _after_scatters(self) -> None:
-        """The caller's thread is about to issue a collective: Note [caller collectives
-        follow the reduce-scatters]."""
-        last, self._scattered = self._scattered, None
+    def after_scatters(self) -> None:
+        last = self._scattered
         if last is None:
+            return
+        if not self.stream.deferred:  # issued at submit, in program order: nothing to wait for
+            self._scattered = None
             return
         if last.query():
             synchronize_completed(last)  # done: nothing to wait for, the order is known
-            return
-        # Synchronisation point, only where no step waited first (a close, a flush).
-        with phase("wait_grads"):
-            last.synchronize()
+        else:
+            # Synchronisation point, only where no step waited first (a close, a flush).
+            with phase("wait_grads"):
+                last.synchronize()
+        if self._scattered is last:  # kept if the wait raised: a retry waits again
+            self._scattered = None
 
     def agree_late(self, flags: torch.Tensor) -> torch.Tensor:
         """OR the (n_buckets,) float64 ``flags`` over the ranks: which buckets got a
@@ -269,7 +281,7 @@ class ShardedRanks(Ranks):
     ) -> tuple[list[Event], Pending | None]:
         # Synchronisation point (host accelerator): the collective reads weights_dev now.
         manager.wait_for(published, category=Category.WEIGHTS)
-        self._after_scatters()
+        self.after_scatters()
         return [], self.all_gather(weights, what=what)
 
     def where(self) -> str:
@@ -304,7 +316,7 @@ class ShardedRanks(Ranks):
     ) -> tuple[float, bool, torch.Tensor]:
         # One float64 all-reduce carries the sum of squares, the overflow flag and the
         # arrival flags (Synchronisation point: read on the host).
-        self._after_scatters()
+        self.after_scatters()
         packed = torch.cat(
             [
                 torch.tensor([sumsq, 1.0 if nonfinite else 0.0], dtype=torch.float64),

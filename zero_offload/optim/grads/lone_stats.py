@@ -71,6 +71,8 @@ against the host statistics of the same ranks).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...accelerator import Event, Stream
@@ -136,6 +138,7 @@ class ShardNorms:
         self.layout = layout
         self.shard = shard
         self.buffer: DeviceBuffer | None = None
+        self._ready: Event | None = None  # the last norms' end on the comm stream
 
     def take(
         self, src: torch.Tensor, *, stream: Stream, block: Block
@@ -165,12 +168,21 @@ class ShardNorms:
 
             stream.submit(norms)
             ready = stream.record_event()
+        self._ready = ready
         block.record_event(ready)  # the gradient buffer is reused after the norms read it
         return out, ready
 
     def close(self) -> None:
-        """Give the buffer back to the budget (the streams are idle: the optimizer
-        synchronised before closing its buckets)."""
+        """Give the buffer back to the budget once the last norms written into it are done
+        (a close after a backward without a step: the optimizer's synchronisation does not
+        cover the comm stream)."""
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            # Synchronisation point: at close only. A failed comm stream's error belongs to
+            # the collective it failed (raised there); nothing reads these norms any more,
+            # and the buffer goes back either way.
+            with contextlib.suppress(Exception):
+                ready.synchronize()
         if self.buffer is not None:
             self.buffer.release()
             self.buffer = None
