@@ -223,9 +223,8 @@ class ShardedRanks(Ranks):
     # ``grads/lone_stats.py``) queue no such pass, and a close or a flush after a backward
     # without a step then issued its all-gathers first. So every collective this class
     # issues on the caller's thread, and a build's (``add_param_group``: ``after_scatters``
-    # in optim/construction.py), first waits for the last reduce-scatter's event: done
-    # already at a lone window's step (``HostGradients.land`` waited), a wait on the host
-    # otherwise. Only where the comm stream runs its work on a thread of its own
+    # in optim/construction.py), first waits for the last reduce-scatter's event: a wait on
+    # the host while it runs, nothing once it is done. Only where the comm stream runs its work on a thread of its own
     # (``Stream.deferred``: the host accelerator); CUDA's stream issues the reduce-scatter at
     # ``submit``, in program order.
 
@@ -239,7 +238,7 @@ class ShardedRanks(Ranks):
         if last.query():
             synchronize_completed(last)  # done: nothing to wait for, the order is known
         else:
-            # Synchronisation point, only where no step waited first (a close, a flush).
+            # Synchronisation point: the caller's collective must be issued after it.
             with phase("wait_grads"):
                 last.synchronize()
         if self._scattered is last:  # kept if the wait raised: a retry waits again

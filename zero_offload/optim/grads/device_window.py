@@ -44,9 +44,9 @@ class DeviceWindow:
             window's statistics are taken on the device] in ``lone_stats.py``); None: the
             window's statistics come from host passes.
         norms_ready: the event after which ``norms`` hold them when another stream took
-            them (the comm stream, several ranks: ``ShardNorms``), which the step waits
-            for: its thread before it settles (``await_norms``), its compute stream before
-            it reads them (``order_norms_read``); None when the compute stream took them.
+            them (the comm stream, several ranks: ``ShardNorms``), which the step's compute
+            stream waits for before it reads them (``order_norms_read``); None when the
+            compute stream took them.
     """
 
     def __init__(

@@ -58,10 +58,9 @@ delayed update's all-gathers as step k+1 publishes it, the statistics' all-reduc
 issued after every reduce-scatter of the window, since collectives on one group match by
 the order each rank issues them, and where the comm stream is a thread (the host
 accelerator, gloo) it issues them: the host worker's synchronisation in ``settle`` gave that
-order while passes followed the reduce-scatters. So the step's first look at the window
-(``HostGradients.land``, before it settles) waits on the host for the norms' events
-(``await_norms``); a shard of padding alone, with no norm, still keeps its reduce-scatter's
-event. The next write needs no event of its own: it follows the next backward's
+order while passes followed the reduce-scatters. ``ShardedRanks`` keeps that order itself
+now, for every collective it issues on the caller's thread (Note [caller collectives follow
+the reduce-scatters] in ``optim/ranks.py``). The next write needs no event of its own: it follows the next backward's
 reduce-scatter, which the comm stream queues after an event of compute recorded after that
 read. The semantics are the one-rank flush's above, over this rank's shard; the ranks add
 their sums of squares in the all-reduce as before (tests/test_overlap_lone_stats.py: 2 gloo
@@ -82,11 +81,10 @@ from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.traffic import Category
 from ...partition import BucketLayout
-from ...tracing import phase
 from ..access import declare_compute
 from ..ranks import Ranks
 
-__all__ = ["ShardNorms", "await_norms", "order_norms_read", "piece_norms", "reduce_scatter_stream"]
+__all__ = ["ShardNorms", "order_norms_read", "piece_norms", "reduce_scatter_stream"]
 
 
 def _pieces(layout: BucketLayout, shard: tuple[int, int], src: torch.Tensor) -> list[torch.Tensor]:
@@ -188,19 +186,6 @@ class ShardNorms:
             self.buffer = None
 
 
-def await_norms(ready: Event) -> None:
-    """The caller's thread waits for ``ready`` (norms taken on the comm stream, behind the
-    bucket's reduce-scatter): the step issues collectives on this thread next. Note [a lone
-    window's statistics are taken on the device]."""
-    if ready.query():
-        synchronize_completed(ready)  # done: nothing to wait for, the order is known
-        return
-    # Synchronisation point, at the step only, while the last reduce-scatters run: the
-    # step's collectives on the caller's thread must be issued after them.
-    with phase("wait_grads"):
-        ready.synchronize()
-
-
 def order_norms_read(
     manager: TieredMemoryManager, layout: BucketLayout, norms: torch.Tensor, ready: Event | None
 ) -> None:
@@ -211,6 +196,6 @@ def order_norms_read(
             synchronize_completed(ready)  # done: orders the read for the race checker
         else:
             # The compute stream waits (on CUDA the caller does not) for the comm stream's
-            # norms; at a step ``await_norms`` (HostGradients.land) saw them done already.
+            # norms.
             manager.wait_for([ready], category=Category.GRADIENTS)
     declare_compute(manager, norms, bucket=layout.index, write=False, what="the step reads norms")

@@ -69,7 +69,6 @@ from .host_passes import HostPasses
 from .landing import Landing
 from .lone_stats import (
     ShardNorms,
-    await_norms,
     order_norms_read,
     piece_norms,
     reduce_scatter_stream,
@@ -396,11 +395,7 @@ class HostGradients(GradientPath):
     def land(self) -> None:
         """Bring a window summed on the device to the host accumulator, in tiles CPU Adam
         follows (its statistics were taken on the device); nothing to do when it landed
-        already or the window is on the host (Note [micro-batches add up on the device]).
-        A lone window's norms taken on the comm stream are waited for: the step is next
-        (Note [a lone window's statistics are taken on the device] in ``lone_stats.py``)."""
-        if self.device.norms_ready is not None:
-            await_norms(self.device.norms_ready)
+        already or the window is on the host (Note [micro-batches add up on the device])."""
         if not self.device.unlanded:
             return
         acc = self._ensure_accumulator()
