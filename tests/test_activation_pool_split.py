@@ -75,12 +75,25 @@ def _step(device_pool_bytes: int) -> str | None:
 
 # Found by sweeping device_pool_bytes: at this size the pool holds 102,400 bytes of live
 # reloads and 57,344 free, split so that the largest free range (28,672) cannot hold the
-# next demand reload (32,768).
+# next demand reload (32,768). Which reloads are alive depends on when their events complete:
+# strict mode completes compute events late (docs/accelerators.md), and at this size the pool
+# is full there instead; the test then looks for a split size nearby.
 SPLIT_POOL_BYTES = 160_112
+NEARBY = range(120_000, 176_000, 4096)
+
+
+def _split_refusal() -> str | None:
+    """A refusal that says the free bytes are split: at SPLIT_POOL_BYTES, else the first of
+    NEARBY that gives one."""
+    for size in (SPLIT_POOL_BYTES, *NEARBY):
+        refused = _step(size)
+        if refused is not None and "enough, but split" in refused:
+            return refused
+    return None
 
 
 def test_a_split_pool_says_so_and_names_a_size_that_works() -> None:
-    refused = _step(SPLIT_POOL_BYTES)
+    refused = _split_refusal()
     if refused is None:
         pytest.skip("this build placed the reloads without splitting the free bytes")
     assert "enough, but split" in refused, refused

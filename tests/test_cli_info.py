@@ -22,6 +22,7 @@ FIELDS = (
     "logical_cores",
     "host_ram_total",
     "host_ram_available",
+    "container_ram_limit",
     "numba_version",
     "numba_threading_layer",
     "pinned_memory_available",

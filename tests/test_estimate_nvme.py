@@ -150,7 +150,7 @@ def test_in_flight_auto_budget_is_the_estimators(
     # state fit: both split the state alike, to the byte.
     from collections import namedtuple
 
-    from zero_offload.optim.state import nvme_plan
+    from zero_offload.memory import host_ram
     from zero_offload.weights.nvme_home import home_ring_bytes
 
     ctx = Context(itemsize=dtype.itemsize, world_size=1, ranks_per_node=1, bucket_bytes=BUCKET)
@@ -162,7 +162,8 @@ def test_in_flight_auto_budget_is_the_estimators(
     # The reserve (2 GiB), the fixed part and the bounce ring, every home, some state.
     ram = 2 * GiB + fixed + window + homes + 300_000
     Memory = namedtuple("Memory", "total available")
-    monkeypatch.setattr(nvme_plan.psutil, "virtual_memory", lambda: Memory(ram, ram))
+    monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(ram, ram))
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: None)  # no container limit
     model = TinyGPT(GPTConfig(vocab_size=50, seq_len=32, layers=3, hidden=64, heads=4)).to(dtype)
     acc = HostAccelerator(AcceleratorConfig(device_budget="256MiB"))
     config = OffloadConfig(

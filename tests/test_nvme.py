@@ -695,6 +695,33 @@ def test_host_budget_auto_and_validation(tmp_path: Path) -> None:
     assert OffloadConfig(nvme_dir=tmp_path, host_budget="48GiB").host_budget == 48 << 30
 
 
+def test_host_budget_auto_in_a_container_is_a_share_of_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 64 GiB job on a 1 TiB node with half the node free: "auto" is the job's headroom less
+    # 10% of the job's limit (Note [host RAM in a container]), not the node's free RAM less
+    # 10% of the node (about 410 GiB: the state would be pinned past the job's limit).
+    from collections import namedtuple
+
+    from zero_offload.memory import host_ram
+    from zero_offload.optim.state.nvme_plan import resolve_host_budget
+
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(2**40, 2**39))
+    config = OffloadConfig(nvme_dir=tmp_path)
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: None)
+    assert resolve_host_budget(config, other_host_bytes=2**30) == 2**39 - 2**40 // 10 - 2**30
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: (64 * 2**30, 4 * 2**30))
+    reserve = int(64 * 2**30 * 0.10)  # 6.4 GiB, above the 2 GiB floor
+    assert resolve_host_budget(config, other_host_bytes=2**30) == 60 * 2**30 - reserve - 2**30
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: (64 * 2**30, 62 * 2**30))
+    assert resolve_host_budget(config, other_host_bytes=2**30) == 0  # nothing left: all NVMe
+    assert (
+        resolve_host_budget(OffloadConfig(nvme_dir=tmp_path, host_budget=5), other_host_bytes=9)
+        == 5
+    )
+
+
 # -- several ranks ----------------------------------------------------------------------
 
 DIST_STEPS = 8

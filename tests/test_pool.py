@@ -160,7 +160,7 @@ def test_host_pool_larger_than_available_ram_is_refused_before_allocating(
 ) -> None:
     Memory = namedtuple("Memory", "total available")
     monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(16 * 2**30, 2 * 2**30))
-    monkeypatch.setattr(host_ram, "cgroup_headroom", lambda: None)  # no container limit
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: None)  # no container limit
 
     def must_not_allocate(nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         raise AssertionError("allocated before checking host RAM")
@@ -220,11 +220,41 @@ def test_container_limit_below_host_ram_refuses_the_pool(
 ) -> None:
     Memory = namedtuple("Memory", "total available")
     monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(64 * 2**30, 60 * 2**30))
-    monkeypatch.setattr(host_ram, "cgroup_headroom", lambda: 4 * 2**30)
+    # A container limited to 16 GiB, 12 GiB of it in use: 4 GiB of headroom.
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: (16 * 2**30, 12 * 2**30))
     monkeypatch.setattr(acc, "allocate_host", lambda *a, **k: pytest.fail("allocated first"))
-    # Margin: max(5% of 64 GiB, 1 GiB) = 3.2 GiB, so the container's 4 GiB leaves 0.8 GiB.
+    # Margin: max(5% of the 16 GiB limit, 1 GiB) = 1 GiB, so the 4 GiB headroom leaves 3 GiB.
     with pytest.raises(PoolExhausted, match=r"container's memory limit \(cgroup\) leaves only"):
-        BlockPool.host(acc, 2**30, name="state")
+        BlockPool.host(acc, 3 * 2**30 + 2**20, name="state")
+
+
+def test_the_margin_is_a_share_of_the_containers_limit_not_of_the_node(
+    acc: HostAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 64 GiB job on a 1 TiB node: 5% of the node (51 GiB) would be most of the job.
+    Memory = namedtuple("Memory", "total available")
+    monkeypatch.setattr(host_ram.psutil, "virtual_memory", lambda: Memory(2**40, 2**39))
+    monkeypatch.setattr(host_ram, "cgroup_memory", lambda: (64 * 2**30, 4 * 2**30))
+    ram = host_ram.host_ram()
+    assert (ram.total, ram.available, ram.limited) == (64 * 2**30, 60 * 2**30, True)
+    checked: list[int] = []
+    monkeypatch.setattr(acc, "allocate_host", lambda n, **k: checked.append(n) or pytest.fail())
+    # Margin: max(5% of 64 GiB, 1 GiB) = 3.2 GiB, so 60 GiB of headroom leaves 56.8 GiB.
+    with pytest.raises(pytest.fail.Exception):
+        BlockPool.host(acc, 56 * 2**30, name="state")  # passed the check, then "allocated"
+    assert checked
+    with pytest.raises(PoolExhausted, match=r"container limit 64\.00 GiB"):
+        BlockPool.host(acc, 57 * 2**30, name="state")
+
+
+def test_cgroup_headroom_is_limit_less_usage(tmp_path: pathlib.Path) -> None:
+    root, proc = _fake_cgroup(
+        tmp_path,
+        {"job/memory.max": str(8 << 30), "job/memory.current": str(9 << 30)},
+        "0::/job\n",
+    )
+    assert host_ram.cgroup_memory(root, proc) == (8 << 30, 9 << 30)
+    assert host_ram.cgroup_headroom(root, proc) == 0  # over its limit: none, not negative
 
 
 # ---------------------------------------------------------------------- exhaustion

@@ -65,12 +65,18 @@ def collect_numba_info() -> dict[str, Any]:
 
 def collect_machine_info() -> dict[str, Any]:
     """Python, the CPU and the RAM; imports neither torch nor numba."""
+    from .memory.host_ram import cgroup_memory
+
     memory = psutil.virtual_memory()
+    limit = cgroup_memory()  # a container's (Note [host RAM in a container])
     return {
         "python": platform.python_version(),
         **_cpu_facts(),
         "host_ram_total": memory.total,
         "host_ram_available": memory.available,
+        # The pools and host_budget="auto" size themselves by these where set.
+        "container_ram_limit": None if limit is None else limit[0],
+        "container_ram_used": None if limit is None else limit[1],
     }
 
 

@@ -311,7 +311,7 @@ def add_estimate(commands: Any) -> None:
         "--host-memory",
         type=byte_size("--host-memory", least=2**20),
         default=None,
-        help="per node, e.g. 256GiB; default this machine's RAM",
+        help="per node, e.g. 256GiB; default this machine's RAM (a container's limit)",
     )
     est.add_argument(
         "--disk-memory",

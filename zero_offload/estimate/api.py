@@ -181,9 +181,11 @@ def _machine_memory(
             device_source = "unknown: no GPU here; pass device_memory / --device-memory"
     if host_memory is not None:
         return device_memory, device_source, host_memory, "given"
-    import psutil
+    from ..memory.host_ram import host_ram
 
-    return device_memory, device_source, psutil.virtual_memory().total, "this machine's RAM"
+    ram = host_ram()  # a container's limit where it has one (Note [host RAM in a container])
+    source = "this container's memory limit" if ram.limited else "this machine's RAM"
+    return device_memory, device_source, ram.total, source
 
 
 def estimate(

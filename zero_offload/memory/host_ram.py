@@ -13,11 +13,17 @@ So the figure used is the smaller of the machine's available RAM and the cgroup'
 ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``, looked up first under the path
 ``/proc/self/cgroup`` names and then at the mount's root (a container usually sees its own
 cgroup there). "max" or a v1 limit near 2**63 means no limit.
+
+The container's limit is also the RAM the process may ever hold (``HostRam.total``): the
+safety margin and ``host_budget="auto"``'s reserve, fractions of the total, are fractions of
+the limit there. Of the node's total they would keep more free than the container holds (5%
+of a 1 TiB node is 51 GiB, most of a 64 GiB job), and "auto" would place no state in RAM.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import psutil
 
@@ -27,9 +33,11 @@ from ..errors import PoolExhausted
 __all__ = [
     "HOST_RAM_MARGIN_FRACTION",
     "HOST_RAM_MARGIN_MIN",
-    "available_host_ram",
+    "HostRam",
     "cgroup_headroom",
+    "cgroup_memory",
     "check_host_ram",
+    "host_ram",
 ]
 
 #: Host RAM left free when sizing a host pool: the larger of this fraction of total RAM...
@@ -75,10 +83,10 @@ def _cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def cgroup_headroom(
+def cgroup_memory(
     root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
-) -> int | None:
-    """Bytes the process's memory cgroup may still grow by, or None without a limit.
+) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the process's memory cgroup, or None without a limit.
 
     See Note [host RAM in a container]. ``root`` and ``proc_cgroup`` are for tests.
     """
@@ -98,18 +106,50 @@ def cgroup_headroom(
             continue
         if limit >= _NO_LIMIT:
             return None
-        return max(limit - usage, 0)
+        return limit, usage
     return None
 
 
-def available_host_ram() -> tuple[int, int, str]:
-    """(available bytes, total bytes, where the figure came from): the machine's available
-    RAM, or the container's headroom when that is smaller (Note [host RAM in a container])."""
+def cgroup_headroom(
+    root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> int | None:
+    """Bytes the process's memory cgroup may still grow by, or None without a limit."""
+    found = cgroup_memory(root, proc_cgroup)
+    return None if found is None else max(found[0] - found[1], 0)
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """The host RAM this process may use (Note [host RAM in a container]).
+
+    Fields:
+        available: bytes it may still take now: the machine's available RAM, or the
+            container's headroom where smaller.
+        total: bytes it may ever hold: the machine's RAM, or the container's limit where
+            smaller (the margins are fractions of this).
+        source: for messages, what ``available`` is ("host RAM available is", or "the
+            container's memory limit (cgroup) leaves").
+        limited: whether ``total`` is a container's limit.
+    """
+
+    available: int
+    total: int
+    source: str
+    limited: bool
+
+
+def host_ram() -> HostRam:
+    """The host RAM this process may use now; see ``HostRam``."""
     memory = psutil.virtual_memory()
-    headroom = cgroup_headroom()
-    if headroom is not None and headroom < memory.available:
-        return headroom, memory.total, "the container's memory limit (cgroup) leaves"
-    return memory.available, memory.total, "host RAM available is"
+    available, total = memory.available, memory.total
+    source, limited = "host RAM available is", False
+    found = cgroup_memory()
+    if found is not None and found[0] < total:
+        total, limited = found[0], True
+    if found is not None and found[0] - found[1] < available:
+        available = max(found[0] - found[1], 0)
+        source = "the container's memory limit (cgroup) leaves"
+    return HostRam(available, total, source, limited)
 
 
 def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:
@@ -117,17 +157,19 @@ def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:
 
     Available means the smaller of ``psutil.virtual_memory().available`` and the
     container's headroom (Note [host RAM in a container]), less a safety margin of
-    max(``HOST_RAM_MARGIN_FRACTION`` of total RAM, ``HOST_RAM_MARGIN_MIN``), so that
+    max(``HOST_RAM_MARGIN_FRACTION`` of ``HostRam.total``, ``HOST_RAM_MARGIN_MIN``), so that
     pinning a pool (which cannot be swapped out) never hands the process to the OOM killer.
     """
-    available, total, source = available_host_ram()
+    ram = host_ram()
+    available, total, source = ram.available, ram.total, ram.source
     margin = max(int(total * HOST_RAM_MARGIN_FRACTION), HOST_RAM_MARGIN_MIN)
     allowed = available - margin
     if nbytes > allowed:
+        what_total = "container limit" if ram.limited else "host RAM total"
         raise PoolExhausted(
             f"refusing to allocate {what} of {format_bytes(nbytes)} ({nbytes} bytes): "
             f"{source} only {format_bytes(available)} "
-            f"(host RAM total {format_bytes(total)}), and {format_bytes(margin)} is kept free as a "
+            f"({what_total} {format_bytes(total)}), and {format_bytes(margin)} is kept free as a "
             f"safety margin, leaving {format_bytes(max(allowed, 0))}. Lower {sized_by}, or "
             f"free host memory (other pools, processes) before building the pool."
         )

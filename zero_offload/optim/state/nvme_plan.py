@@ -37,11 +37,11 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from ...config import OffloadConfig
 from ...memory.align import aligned
+from ...memory.host_ram import host_ram
 from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ...partition import BucketLayout
 from ...weights.nvme_home import home_ring_bytes, weight_file_bytes
@@ -263,13 +263,15 @@ def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], record: RecordLayou
 def resolve_host_budget(config: OffloadConfig, *, other_host_bytes: int) -> int | None:
     """``config.host_budget`` in bytes for the master and moments; ``"auto"`` is the RAM
     available now less max(10% of total, 2 GiB) and less ``other_host_bytes`` (gradients,
-    staging, I/O buffers: they are in host RAM whatever the placement)."""
+    staging, I/O buffers: they are in host RAM whatever the placement). In a container,
+    available and total are its limit's (Note [host RAM in a container] in
+    ``memory/host_ram.py``)."""
     budget = config.host_budget
     if budget is None or isinstance(budget, int):
         return budget
-    memory = psutil.virtual_memory()
-    headroom = max(int(memory.total * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
-    return max(0, memory.available - headroom - other_host_bytes)
+    ram = host_ram()
+    headroom = max(int(ram.total * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
+    return max(0, ram.available - headroom - other_host_bytes)
 
 
 def plan_nvme(
