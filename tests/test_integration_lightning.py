@@ -231,6 +231,21 @@ def test_state_on_nvme_is_refused_before_the_first_backward(tmp_path: Path) -> N
     assert max_diff(weights(module), before) == 0.0
 
 
+def test_state_on_nvme_is_refused_before_a_checkpoint_is_restored(tmp_path: Path) -> None:
+    """Resuming (``ckpt_path``) a run saved with the state in RAM into one with NVMe state:
+    Lightning loads the optimizer's state and moves it to the device before the first
+    backward; the refusal comes before that restore (``on_fit_start``), not as a
+    ``StateNotInHostRam`` from inside Lightning's restore."""
+    saved = OffloadNet("offload")
+    first = trainer(max_steps=2)
+    first.fit(saved)
+    first.save_checkpoint(tmp_path / "in_ram.ckpt")
+    module = OffloadNet("offload", nvme_dir=tmp_path / "nvme", host_budget=1)
+    with pytest.raises(ValueError, match=r"on NVMe\. .*Not supported under Lightning"):
+        trainer(max_steps=4).fit(module, ckpt_path=tmp_path / "in_ram.ckpt")
+    assert module.losses == []  # refused before any forward
+
+
 @pytest.mark.cuda_form
 def test_fp16_model_scales_the_loss_by_the_optimizers_loss_scale() -> None:
     """precision="16-true" trains an fp16 model: backward must carry OffloadAdamW's loss

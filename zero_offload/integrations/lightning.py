@@ -120,6 +120,17 @@ class OffloadLightningModule(pl.LightningModule):
         if gradient_clip_val > 0:  # Lightning's rule: 0 (or unset) does not clip
             opt.clip_grad_norm_(float(gradient_clip_val))
 
+    def on_fit_start(self) -> None:
+        """Refuses optimizer state on NVMe after the optimizers are built and before a
+        checkpoint (``ckpt_path``) is restored into them; call ``super().on_fit_start()``
+        when you override it (``backward`` refuses it again otherwise, before the first
+        gradient)."""
+        super().on_fit_start()
+        trainer = self._trainer
+        if trainer is not None:
+            ours = [o for o in map(_offload_optimizer, trainer.optimizers) if o is not None]
+            _refuse_nvme_state(ours)
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Logs the offload figures per optimizer step with ``self.log_dict`` (Note [offload
         metrics in the framework's logs] in ``profiling/metrics.py``); call
@@ -187,7 +198,9 @@ def _refuse_nvme_state(optimizers: list[OffloadOptimizer]) -> None:
     """Refuse optimizer state on NVMe (``OffloadConfig.nvme_dir``, the same on every rank):
     Lightning reads the whole state through ``opt.state`` at teardown (to move it to the
     CPU) and through ``state_dict()`` in its checkpoints, which NVMe state cannot hand out
-    (``StateNotInHostRam``). Refused before the first backward, not after the last step."""
+    (``StateNotInHostRam``), nor take a restored checkpoint's. Refused at ``on_fit_start``
+    (before Lightning restores a checkpoint into the optimizer) and again before the first
+    backward, not after the last step."""
     for opt in optimizers:
         if state_on_nvme(opt):
             raise ValueError(
