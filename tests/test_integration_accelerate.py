@@ -4,6 +4,7 @@ in the losses and relative in the norms, 3e-6 in the weights)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,11 +188,14 @@ def test_save_model_writes_every_parameter(tmp_path: Path) -> None:
 
 
 def _train_steps(accelerator: OffloadAccelerator, model, opt, batches: list) -> None:
+    """One step per batch; ``opt`` is one optimizer or a list of them."""
+    opts = opt if isinstance(opt, list) else [opt]
     for batch in batches:
         accelerator.backward(model(**batch).loss)
         accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
+        for each in opts:
+            each.step()
+            each.zero_grad()
 
 
 def test_save_state_then_load_state_resumes_bitwise(tmp_path: Path) -> None:
@@ -218,6 +222,94 @@ def test_save_state_then_load_state_resumes_bitwise(tmp_path: Path) -> None:
         runs.append(weights(model))
     assert runs[0].keys() == runs[1].keys()
     assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
+
+
+def _offload_halves(
+    model: torch.nn.Module, nvme: list[Path | None], **config: object
+) -> list[OffloadAdamW]:
+    """One offload optimizer per entry of ``nvme``, over every len(nvme)-th parameter; an
+    entry that is a path keeps that optimizer's state on NVMe there (``host_budget=1``: no
+    bucket fits host RAM)."""
+    params = list(model.parameters())
+    return [
+        OffloadAdamW(
+            params[index :: len(nvme)],
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            config=offload_config(**config)
+            if where is None
+            else offload_config(nvme_dir=where, host_budget=1, **config),
+            accelerator=host_accelerator(),
+        )
+        for index, where in enumerate(nvme)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["nvme", "host+nvme", "nvme, resumed in host RAM"])
+def test_state_on_nvme_saves_by_streaming_and_resumes_bitwise(tmp_path: Path, layout: str) -> None:
+    """State past ``host_budget`` lives on NVMe: accelerate's ``save_state`` took its
+    ``state_dict()`` and raised ``StateNotInHostRam``. Each process streams it to
+    ``zero_offload_optimizer{_i}/rank{r}/`` in the checkpoint folder (Note [optimizer state
+    on NVMe in save_state]), and a fresh model (another seed), optimizer and accelerator
+    that ``load_state`` it end bitwise where the uninterrupted run does. With a second
+    optimizer in host RAM ahead of it, that one is accelerate's ``optimizer.bin`` as
+    before, and the streamed one keeps its index (``optimizer_1.bin``, ``..._1/``). The
+    checkpoint decides the load: a streamed one loads into state in host RAM too."""
+    batches = [{k: on_device(v) for k, v in b.items()} for b in loader()]
+    checkpoint = tmp_path / "checkpoint"
+    streamed = "zero_offload_optimizer" + "_1" * (layout == "host+nvme")
+    runs = []
+    for seed, name in enumerate(("whole", "resumed")):
+        model = tiny_gpt2(seed=seed)  # everything of the resumed run comes from the files
+        in_ram = name == "resumed" and layout == "nvme, resumed in host RAM"
+        nvme = [None] * (layout == "host+nvme") + [None if in_ram else tmp_path / name / "nvme"]
+        accelerator = OffloadAccelerator(**accelerate_device())
+        model, *opts = accelerator.prepare(model, *_offload_halves(model, nvme))
+        assert (opts[-1].optimizer.placement.nvme > 0) != in_ram
+        if name == "resumed":
+            accelerator.load_state(checkpoint)
+        else:
+            _train_steps(accelerator, model, opts, batches[:3])
+            accelerator.save_state(checkpoint)
+            assert (checkpoint / streamed / "rank0" / "meta.pt").is_file()
+            marker = checkpoint / ("optimizer_1.bin" if layout == "host+nvme" else "optimizer.bin")
+            assert torch.load(marker, weights_only=True) == {"zero_offload_streamed": streamed}
+            if layout == "host+nvme":  # accelerate's own file, a state dict as before
+                state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+                assert state["state"] and not (checkpoint / "zero_offload_optimizer").exists()
+        _train_steps(accelerator, model, opts, batches[3:6])
+        runs.append(weights(model))
+    assert runs[0].keys() == runs[1].keys()
+    assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
+
+
+def test_load_state_refuses_what_cannot_load_and_changes_nothing(tmp_path: Path) -> None:
+    """A checkpoint whose optimizer state is a state dict (saved without ``nvme_dir``) into
+    state on NVMe, and a marker whose streamed folder was not copied along: refused with a
+    ``ValueError`` saying why, before anything is loaded (the model keeps its weights)."""
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator(**accelerate_device())
+    model, opt = accelerator.prepare(model, offload_adamw(model))
+    _train_steps(accelerator, model, opt, [first_batch()])
+    accelerator.save_state(tmp_path / "in_host_ram")
+
+    model = tiny_gpt2(seed=1)
+    accelerator = OffloadAccelerator(**accelerate_device())
+    model, opt = accelerator.prepare(model, *_offload_halves(model, [tmp_path / "nvme"]))
+    before = {name: w.clone() for name, w in weights(model).items()}
+    with pytest.raises(ValueError, match=r"nvme_dir=.*no zero_offload_optimizer/"):
+        accelerator.load_state(tmp_path / "in_host_ram")
+    assert all(torch.equal(before[name], w) for name, w in weights(model).items())
+    assert accelerator._optimizers == [opt]  # accelerate's list is its own again
+
+    accelerator.save_state(tmp_path / "streamed")
+    shutil.rmtree(tmp_path / "streamed" / "zero_offload_optimizer")
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator(**accelerate_device())
+    model, opt = accelerator.prepare(model, offload_adamw(model))  # in host RAM
+    with pytest.raises(ValueError, match="which is missing: copy the checkpoint folder whole"):
+        accelerator.load_state(tmp_path / "streamed")
 
 
 def test_two_offload_optimizers_clip_by_the_norm_of_all() -> None:
@@ -288,3 +380,47 @@ def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(rank["norms"], ref["norms"], rtol=1e-6, atol=0)
         assert max_weight_diff(rank["weights"], weights(ref_model)) < 3e-6  # measured 7e-7
     assert max_weight_diff(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
+
+
+def _nvme_checkpoint_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: 3 steps, save_state, 3 more; then a fresh model (another seed), optimizer
+    and accelerator load_state and take the same 3 (each rank sequence ``rank`` of every
+    batch of 2)."""
+    as_torchrun_rank(rank, world, port)
+    batches = [{k: v[rank : rank + 1] for k, v in b.items()} for b in loader()][:6]
+    checkpoint, runs = Path(out) / "checkpoint", []
+    for seed in (0, 1):
+        model = tiny_gpt2(seed=seed)
+        accelerator = OffloadAccelerator(cpu=True)
+        # Buckets of 32 KiB: each rank's shard of each holds parameters (with 8 KiB some of
+        # rank 1's hold only padding, whose streamed load fails in bucket_file.load_bucket).
+        opts = _offload_halves(model, [Path(out) / "nvme"], bucket_bytes=32768)
+        model, opt = accelerator.prepare(model, *opts)
+        if seed == 1:
+            accelerator.load_state(checkpoint)
+        else:
+            _train_steps(accelerator, model, opt, batches[:3])
+            accelerator.save_state(checkpoint)
+        _train_steps(accelerator, model, opt, batches[3:])
+        runs.append(weights(model))
+    torch.save(runs, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_stream_nvme_state_and_resume_bitwise(tmp_path: Path) -> None:
+    """Two processes with state on NVMe: each streams its own shard (``rank0/``,
+    ``rank1/``) and resumes bitwise. One process cannot load it: refused before anything
+    is loaded, saying it resumes on 2."""
+    mp.spawn(_nvme_checkpoint_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        whole, resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+        assert (tmp_path / "checkpoint" / "zero_offload_optimizer" / f"rank{rank}").is_dir()
+    model = tiny_gpt2(seed=1)
+    accelerator = OffloadAccelerator(**accelerate_device())
+    model, _ = accelerator.prepare(model, *_offload_halves(model, [tmp_path / "nvme1"]))
+    before = {name: w.clone() for name, w in weights(model).items()}
+    with pytest.raises(ValueError, match="saved with 2 ranks, this optimizer has 1"):
+        accelerator.load_state(tmp_path / "checkpoint")
+    assert all(torch.equal(before[name], w) for name, w in weights(model).items())

@@ -1,5 +1,6 @@
 """What the integrations ask of ``OffloadAdamW``: find it behind a wrapper, read its norm,
-and make its model's state dict one the frameworks' savers write whole.
+make its model's state dict one the frameworks' savers write whole, and say where state
+that may be on NVMe streams in a framework's checkpoint folder.
 
 Note [frameworks clip through the optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,13 +30,20 @@ import torch
 from ..optim import OffloadOptimizer
 
 __all__ = [
+    "STREAMING_NAME",
     "clip_norm",
     "find_offload_optimizer",
     "parameters_sharded",
     "pre_clip_norm",
     "saveable",
     "state_on_nvme",
+    "streaming_name",
 ]
+
+#: The folder, inside a framework's checkpoint folder, of a streaming optimizer checkpoint
+#: (``opt.save_streaming``, one ``rank{r}/`` per rank): the state on NVMe, which a state
+#: dict would have to hold in host RAM whole.
+STREAMING_NAME = "zero_offload_optimizer"
 
 
 def find_offload_optimizer(optimizer: object, *, where: str) -> OffloadOptimizer:
@@ -85,6 +93,12 @@ def state_on_nvme(opt: OffloadOptimizer) -> bool:
     ``host_budget="auto"`` reads each rank's free RAM, so the placements can differ, and a
     save must run the same collectives on every rank."""
     return opt.config.nvme_dir is not None
+
+
+def streaming_name(index: int = 0) -> str:
+    """The ``STREAMING_NAME`` folder of the framework's optimizer number ``index``, numbered
+    as accelerate numbers its files (``optimizer.bin``, ``optimizer_1.bin``, ...)."""
+    return STREAMING_NAME if index == 0 else f"{STREAMING_NAME}_{index}"
 
 
 # Note [state dicts the savers can write]

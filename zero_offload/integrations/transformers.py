@@ -67,6 +67,7 @@ from ..optim import OffloadOptimizer
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source, load_pretrained
 from ._optim import (
+    STREAMING_NAME,
     find_offload_optimizer,
     parameters_sharded,
     pre_clip_norm,
@@ -90,11 +91,6 @@ _OVERRIDDEN = (
     "compute_loss",
     "_save",
 )
-
-
-#: The folder, inside Trainer's checkpoint folder, of a streaming optimizer checkpoint: the
-#: state on NVMe, which ``optimizer.pt`` would have to hold in host RAM whole.
-STREAMING_NAME = "zero_offload_optimizer"
 
 
 class OffloadTrainer(Trainer):
