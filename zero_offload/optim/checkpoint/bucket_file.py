@@ -89,6 +89,8 @@ def load_bucket(bucket: FlatBucket, source: Path) -> None:
 
         def load(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
             arrays = _read_tile(handle, fields, hi - lo)
+            if hi == lo:  # a shard of padding only (several ranks): no element to copy, and
+                return  # an empty array's stride is 0, which a view as another dtype refuses
             for (name, dtype), data in zip(fields, arrays, strict=True):
                 views[name].copy_(torch.from_numpy(data).view(dtype))
 
