@@ -3,8 +3,8 @@
 ``piece_norms`` cuts a bucket's shard into its parameters' pieces and takes their norms in
 one ``_foreach_norm`` on the compute stream: for a window summed on the device as it lands
 (Note [micro-batches add up on the device] in ``device_acc.py``), and for the lone flush of
-a window the delayed update will read with one rank (``HostGradients._lone_norms`` in
-``to_host.py``, below). ``ShardNorms`` takes them on the stream that reduce-scattered the
+a window the delayed update will read with one rank (``LoneFlush.norms`` in
+``lone_flush.py``, below). ``ShardNorms`` takes them on the stream that reduce-scattered the
 shard, with several ranks, and ``order_norms_read`` orders the step's read after them.
 
 Note [a lone window's statistics are taken on the device]

@@ -44,7 +44,12 @@ backward that did not end waits for what that backward queued before it forgets 
 (``BackwardRouter.discard``), so the next window starts clean.
 
 How the tiles land and what follows them: Note [Adam follows the gradient in] in
-``landing.py``.
+``landing.py``. The bucket's parts: its device buffer (``open_buffer.py``), its staging
+(``staging.py``, ``staging_ring.py``), its host accumulator (``host_acc.py``), its windows
+summed on the device (``device_window.py``), its lone flushes (``lone_flush.py``), the host
+worker's passes (``host_passes.py``); the route through the device accumulator is
+``DeviceRoute`` (``device_route.py``), and what a step reads of them ``WindowReads``
+(``window_reads.py``).
 """
 
 from __future__ import annotations
@@ -53,35 +58,31 @@ import functools
 
 import torch
 
-from ...accelerator import Event, Stream
-from ...accelerator.host_syncs import synchronize_completed, wait_input
+from ...accelerator import Event
 from ...memory.block import Block
 from ...memory.manager import TieredMemoryManager
 from ...memory.pool import BlockPool
 from ...partition import BucketLayout
-from ...tracing import phase
-from ..access import declare_cpu
 from ..ranks import Ranks
-from .buffers import AccumulatorPool, GradBuffers, SpareStaging, accumulator_bytes
+from .buffers import AccumulatorPool, GradBuffers, SpareStaging
 from .device_acc import DeviceSum
+from .device_route import DeviceRoute
 from .device_window import DeviceWindow
+from .host_acc import HostAccumulator
 from .host_passes import HostPasses
 from .landing import Landing
-from .lone_stats import (
-    ShardNorms,
-    order_norms_read,
-    piece_norms,
-    reduce_scatter_stream,
-)
+from .lone_flush import LoneFlush
+from .lone_stats import reduce_scatter_stream
 from .open_buffer import OpenBuffer
-from .path import GradientPath, GradSource, SumSqParts
+from .path import GradientPath, GradSource
 from .staging import OwnStaging, Staging
 from .staging_ring import RingStaging, StagingRing
+from .window_reads import WindowReads
 
 __all__ = ["HostGradients"]
 
 
-class HostGradients(GradientPath):
+class HostGradients(WindowReads, DeviceRoute, GradientPath):
     """Gradients to the host: see the module docstring.
 
     Fields:
@@ -95,8 +96,10 @@ class HostGradients(GradientPath):
             accumulator for one backward]); with ``delayed_update`` in either own buffer,
             by turns (Note [the delayed update reads one buffer, the next backward fills
             the other]).
-        grad_acc: (shard_numel,) fp32, from ``accumulators``, only once a window had a
-            second flush (None before).
+        acc: the fp32 accumulator on the host (``host_acc.py``; ``grad_acc``: (shard_numel,)
+            fp32, only once a window had a second flush, None before).
+        lone: the window's lone flush, kept in staging (``lone_flush.py``): which stream
+            took its statistics, which copies bring each buffer's in.
         device: the windows summed on the device (``device_window.py``; its ``sum`` is the
             fp32 accumulator there, once a window accumulated and the budget had room: Note
             [micro-batches add up on the device] in ``device_acc.py``).
@@ -131,9 +134,10 @@ class HostGradients(GradientPath):
         self.tile_elements = tile_elements
         # This bucket's accumulator, pinned on first need (Note [no accumulator for one
         # backward]); one pool per bucket, so a bucket that never accumulates costs nothing.
-        self.accumulators = AccumulatorPool(
+        self.acc = HostAccumulator(
             manager,
-            accumulator_bytes(layout, alignment=host_pool.alignment),
+            layout,
+            alignment=host_pool.alignment,
             name=f"{host_pool.name}.bucket{layout.index}.grad_acc",
         )
         #: overlap_step: a step's update reads the window's gradient after step() returned,
@@ -154,8 +158,6 @@ class HostGradients(GradientPath):
         # before): a window's first flush goes to the accumulator when the one before
         # accumulated (Note above).
         self._window_flushes = 0
-        self.grad_acc: torch.Tensor | None = None
-        self._acc_block: Block | None = None  # under grad_acc
         # Which field holds the window's gradient. Set on the caller's thread at each
         # flush; a step captures it in its plan.
         self._source = GradSource.STAGING
@@ -164,13 +166,9 @@ class HostGradients(GradientPath):
         # (end offset in staging, copy end event) of each tile of the last flush, in order:
         # Note [Adam follows the gradient in] (landing.py).
         self._landing = Landing()
-        # The landing of the lone flush each staging buffer holds, by buffer: a delayed
-        # update follows its own window's, not the next window's (Note [the delayed update
-        # reads one buffer, the next backward fills the other]).
-        self._staged: dict[int, Landing] = {}
-        # delayed_update: a lone flush stayed in staging and the end of its window has not
-        # yet recorded the update that reads it (window_consumed).
-        self._reader_unrecorded = False
+        # The landings of the lone flushes the staging buffers hold, by buffer (a delayed
+        # update follows its own window's, not the next window's), and their norms.
+        self.lone = LoneFlush(manager, layout, shard, delayed_update=delayed_update)
         # Note [micro-batches add up on the device] (device_acc.py): the window's facts
         # (device_window.py), and whether grad_acc holds what landed from the device sum
         # (CPU Adam then follows _landing into grad_acc).
@@ -182,9 +180,16 @@ class HostGradients(GradientPath):
             tile_elements=tile_elements,
         )
         self._acc_landed = False
-        # A lone flush's norms with several ranks, on the comm stream (Note [a lone window's
-        # statistics are taken on the device] in lone_stats.py).
-        self._shard_norms = ShardNorms(manager, layout, shard)
+
+    @property
+    def grad_acc(self) -> torch.Tensor | None:
+        """(shard_numel,) fp32: the host accumulator (``HostAccumulator.tensor``)."""
+        return self.acc.tensor
+
+    @property
+    def accumulators(self) -> AccumulatorPool:
+        """The accumulator's pool (``HostAccumulator.memory``)."""
+        return self.acc.memory
 
     @property
     def device_sum(self) -> DeviceSum | None:
@@ -213,7 +218,7 @@ class HostGradients(GradientPath):
     def adopt_grad(self, grad: torch.Tensor, *, new_window: bool) -> None:
         """Take ``grad`` (the only parameter's gradient) as the open buffer."""
         if not new_window and self._source is GradSource.STAGING:
-            self._ensure_accumulator()
+            self.acc.ensure()
             self._fold()
         self.open.adopt(grad)
 
@@ -224,30 +229,20 @@ class HostGradients(GradientPath):
             self.open.drop()
         folds = not new_window and self._source is GradSource.STAGING
         if folds:
-            self._ensure_accumulator()  # first: a failure leaves nothing allocated
+            self.acc.ensure()  # first: a failure leaves nothing allocated
         self.open.open(grow=grow)
         if folds:
             self._fold()
-
-    def _ensure_accumulator(self) -> torch.Tensor:
-        if self.grad_acc is None:
-            n = self.layout.shard_numel
-            block = self.accumulators.alloc(4 * n, owner=f"bucket{self.layout.index}.grad_acc")
-            self._acc_block = block
-            block.on_move(lambda b: setattr(self, "grad_acc", b.view(torch.float32, (n,))))
-            self.grad_acc = block.view(torch.float32, (n,))
-            self.grad_acc.zero_()  # padding stays zero (Note [padding stays at the end])
-        return self.grad_acc
 
     def _fold(self) -> None:
         """The window's gradient moves from staging into the fp32 accumulator (queued on
         the host worker after the flush that filled staging); the next copy into staging
         waits for it (Note [staging is reused only once consumed])."""
-        acc = self._ensure_accumulator()
+        acc = self.acc.ensure()
         real = self.layout.real_in(*self.shard)
         worker = self.manager.host_worker
         if self.device.norms is not None:  # no pass followed its copies (Note [a lone ...])
-            worker.wait_event(self._staged[self.staging.kept()].last)
+            self.lone.order_fold(worker, self.staging.kept())
         staging = functools.partial(self._staging_tensor, self.staging.kept())
         worker.submit(functools.partial(self.passes.fold, acc, staging, real))
         self._acc_landed = False
@@ -258,9 +253,6 @@ class HostGradients(GradientPath):
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
         self.open.add(slot_index, grad)
-
-    def _declare_cpu(self, tensor: torch.Tensor, *, write: bool, what: str) -> None:
-        declare_cpu(self.manager, tensor, bucket=self.layout.index, write=write, what=what)
 
     @property
     def staging_block(self) -> Block:
@@ -297,11 +289,14 @@ class HostGradients(GradientPath):
                 what=f"bucket {index} ({self.layout.padded_numel} el)",
             )
             start, stop = self.shard
-            if not overwrite or self._first_flush_accumulates():
-                self._ensure_accumulator()  # before anything moves: a failure changes nothing
+            if not self._lone(overwrite):
+                self.acc.ensure()  # before anything moves: a failure changes nothing
             block = self.open.flushable_block()  # Note [an interrupted gradient path]
-            norms = self._lone_norms(
-                grad[start:stop], overwrite, scattered_on=reduce_scatter_stream(ranks), block=block
+            norms = self.lone.norms(
+                grad[start:stop],
+                lone=self._lone(overwrite),
+                scattered_on=reduce_scatter_stream(ranks),
+                block=block,
             )
             # The bucket keeps its buffer until the copies are queued: if they fail or are
             # interrupted, zero_grad releases it (Note [an interrupted gradient path]).
@@ -314,10 +309,10 @@ class HostGradients(GradientPath):
 
     def _flush_adopted(self, *, overwrite: bool, buffer: int) -> None:
         """Note [a lone gradient is its own buffer]: copy it to staging, drop it."""
-        if not overwrite or self._first_flush_accumulates():
-            self._ensure_accumulator()  # before anything moves: a failure changes nothing
+        if not self._lone(overwrite):
+            self.acc.ensure()  # before anything moves: a failure changes nothing
         grad = self.open.adopted
-        norms = self._lone_norms(grad, overwrite)  # one rank's, whole
+        norms = self.lone.norms(grad, lone=self._lone(overwrite))  # one rank's, whole
         staging, staging_block = self.staging.get(buffer)
         # Still the bucket's buffer until its copy is queued: zero_grad drops it.
         landing = self._copy_to_staging(
@@ -332,78 +327,10 @@ class HostGradients(GradientPath):
         the previous window's."""
         return self.always_accumulate or self._window_flushes > 1
 
-    def _lone_norms(
-        self,
-        src: torch.Tensor,
-        overwrite: bool,
-        *,
-        scattered_on: Stream | None = None,
-        block: Block | None = None,
-    ) -> tuple[torch.Tensor, Event | None] | None:
-        """A lone flush's statistics on the device and the event after which they are
-        there: on the compute stream (None: in order), or, where ``src`` was
-        reduce-scattered on the stream ``scattered_on``, on that stream behind it (compute
-        would wait for it), ``block`` (under ``src``) reused after them. None leaves them to
-        the host pass: Note [a lone window's statistics are taken on the device]
-        (``lone_stats.py``)."""
-        if not self.delayed_update or not overwrite or self._first_flush_accumulates():
-            return None
-        if scattered_on is None:
-            norms = piece_norms(self.manager, self.layout, self.shard, src)
-            return None if norms is None else (norms, None)
-        if block is None:
-            raise RuntimeError(f"bucket {self.layout.index}: a scattered flush's block (bug)")
-        return self._shard_norms.take(src, stream=scattered_on, block=block)
-
-    # -- Note [micro-batches add up on the device] (device_acc.py) ------------------------
-
-    def _flush_to_device(self, *, overwrite: bool, ranks: Ranks) -> None:
-        """Add this backward's device gradients into the device accumulator; land the sum
-        when this is the window's predicted last flush and the host accumulator is free."""
-        after = None
-        if self.open.adopted is not None:
-            src = self.open.adopted
-        else:
-            self.open.flushable_block()  # Note [an interrupted gradient path]
-            self.open.zero_unfilled()
-            compute = self.manager.compute_ready()
-            ready = ranks.reduce_scatter(
-                self.open.tensor,
-                compute,
-                what=f"bucket {self.layout.index} ({self.layout.padded_numel} el)",
-            )
-            after = ready if ready is not compute else None
-            start, stop = self.shard
-            src = self.open.tensor[start:stop]
-        self.device.add(src, overwrite=overwrite, after=after)
-        self.open.drop()  # reuse is stream-ordered after the add
-        self._source = GradSource.ACCUMULATOR
-        # _acc_landed and _landing stay: grad_acc still holds the last landing, which a
-        # delayed update queued before this backward may be reading, following its tiles.
-        self._window_flushes = 1 if overwrite else self._window_flushes + 1
-        if self._window_flushes == self.device.expected and self._acc_is_free():
-            self.land()  # the predicted last micro-batch: land during this backward
-
-    def _acc_readers(self) -> list[Event]:
-        """The host worker's events after the last readers of ``grad_acc``: a step's
-        update, the statistics of the last landing."""
-        return [e for e in (self.device.acc_free, self._staging_consumed) if e is not None]
-
-    def _acc_is_free(self) -> bool:
-        return all(event.query() for event in self._acc_readers())
-
-    def land(self) -> None:
-        """Bring a window summed on the device to the host accumulator, in tiles CPU Adam
-        follows (its statistics were taken on the device); nothing to do when it landed
-        already or the window is on the host (Note [micro-batches add up on the device])."""
-        if not self.device.unlanded:
-            return
-        acc = self._ensure_accumulator()
-        acc_block = self._acc_block
-        if acc_block is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no accumulator block (bug)")
-        self._landing = self.device.land(acc, acc_block, readers=self._acc_readers())
-        self._acc_landed = True
+    def _lone(self, overwrite: bool) -> bool:
+        """Whether a flush stays in staging, its window's lone one so far (its statistics:
+        ``LoneFlush.norms``); asked before it is counted, as ``_first_flush_accumulates``."""
+        return overwrite and not self._first_flush_accumulates()
 
     def _copy_to_staging(
         self, src: torch.Tensor, dst: torch.Tensor, *, after: list[Event], blocks: list[Block]
@@ -432,16 +359,15 @@ class HostGradients(GradientPath):
         taken on the device with the event after which they are there)."""
         self._acc_landed = False
         self.device.keep_norms(*(norms or (None,)))
-        if overwrite and not self._first_flush_accumulates():
+        if self._lone(overwrite):
             self._source = GradSource.STAGING
             acc = None
         else:
             self._source = GradSource.ACCUMULATOR
-            acc = self._ensure_accumulator()
+            acc = self.acc.ensure()
         self._landing = landing
         if acc is None:
-            self._staged[buffer] = landing
-            self._reader_unrecorded = self.delayed_update
+            self.lone.stage(buffer, landing)
         # Counted once the flush is queued: a flush that failed before it is not counted.
         self._window_flushes = 1 if overwrite else self._window_flushes + 1
         if norms is not None:  # nothing queued behind the update: Note [a lone window's...]
@@ -449,52 +375,6 @@ class HostGradients(GradientPath):
         staging = functools.partial(self._staging_tensor, buffer)
         self._staging_consumed = self.passes.follow(landing, staging, acc, overwrite=overwrite)
         self.staging.passed(buffer, self._staging_consumed, kept=acc is None)
-
-    def _staging_tensor(self, buffer: int) -> torch.Tensor:
-        return self.staging.get(buffer)[0]
-
-    def await_grad(self, grad: torch.Tensor, source: GradSource, lo: int, hi: int) -> None:
-        """Wait until ``grad[lo:hi]`` (``source``: the field it is) holds the window's
-        gradient; Note [Adam follows the gradient in]. Instant when the host worker
-        drained."""
-        event = None
-        landing = self._landing_of(source)
-        if landing:
-            event = landing.covering(hi)
-        elif not self.manager.host_worker.is_current():
-            # On the host worker (a delayed or announced update) the update is queued behind
-            # the passes over its window, and a later window's event may already be queued
-            # behind the update: waiting for it would never end.
-            event = self._staging_consumed  # the host worker's last pass over the window
-        if event is not None:
-            # Synchronisation point: CPU Adam reads this tile next. Always synchronize (a
-            # query that says done orders nothing for the race checker); a wait that blocks
-            # is timed as waiting for gradients, not as CPU Adam.
-            if event.query():
-                synchronize_completed(event)
-            else:
-                with phase("wait_grads", track="cpu_optimizer"):
-                    wait_input(event)
-        self._declare_cpu(grad[lo:hi], write=False, what="CPU Adam reads the gradient")
-
-    def landed_through(self, source: GradSource, lo: int, limit: int) -> int:
-        landing = self._landing_of(source)
-        if landing:
-            return landing.landed_through(lo, limit)
-        if self.manager.host_worker.is_current():
-            return limit  # queued behind every pass over the window (see await_grad)
-        done = self._staging_consumed
-        return limit if done is None or done.query() else lo
-
-    def _landing_of(self, source: GradSource) -> Landing | None:
-        """The tile copies that bring ``source``'s gradient in (None: the host worker's
-        passes, or nothing, bring it)."""
-        if source is GradSource.STAGING or source is GradSource.SPARE:
-            return self._staged.get(self.staging.buffer(source))
-        if self._acc_landed:
-            return self._landing
-        # a delayed update follows the last landing while the next backward flushes
-        return self.device.landing if self.manager.host_worker.is_current() else None
 
     def discard_grad(self) -> None:
         """Forget the window: the open device buffer, and its staging once what the host
@@ -514,56 +394,19 @@ class HostGradients(GradientPath):
         accumulator landed into again (Note [micro-batches add up on the device])."""
         if self.staging.holding:
             self.staging.release(self.manager.host_worker.record_event())
-        elif self._reader_unrecorded and self._source is GradSource.STAGING:
-            # The update step() just queued reads the window's buffer on the host worker:
-            # no flush lands there before it is done (Note [the delayed update reads one
-            # buffer, the next backward fills the other]); first, so drop_spare sees it.
-            # Once per window: this also runs at zero_grad and at the next window's first
-            # flush, whose later events would make a flush wait for that window's passes.
-            self.staging.read_by(self.manager.host_worker.record_event())
-            self._reader_unrecorded = False
+        elif self._source is GradSource.STAGING:
+            # The update step() just queued reads the window's buffer on the host worker.
+            self.lone.record_reader(self.staging, self.manager.host_worker)
         if self.device.sum is not None:
             self.staging.drop_spare()  # Note [the spare goes when the device sums]
         self.device.consumed(self.manager.host_worker, host_acc=self.grad_acc is not None)
 
-    def window_source(self) -> GradSource:
-        if self.device.unlanded:
-            return GradSource.DEVICE
-        staged = self._source is GradSource.STAGING
-        self.staging.check_kept(self.layout.index, staged=staged)
-        return self.staging.kept_source() if staged else self._source
-
-    def gradient(self, source: GradSource) -> torch.Tensor:
-        if source is GradSource.DEVICE:
-            raise RuntimeError(f"bucket {self.layout.index}: its gradient has not landed (bug)")
-        if source is GradSource.STAGING or source is GradSource.SPARE:
-            grad = self._staging_tensor(self.staging.buffer(source))
-        else:
-            grad = self.grad_acc
-        if grad is None:
-            raise RuntimeError(f"bucket {self.layout.index}: no accumulator to read (bug)")
-        return grad
-
-    def stats_on_host(self) -> bool:
-        return self.device.norms is None  # landed from the device, or a lone flush: taken there
-
-    def grad_sumsq(self) -> SumSqParts:
-        norms = self.device.norms
-        if norms is not None:
-            # The step reads them next, on the compute stream (Note [a lone window's ...]).
-            order_norms_read(self.manager, self.layout, norms, self.device.norms_ready)
-            return SumSqParts([], False, norms)
-        return self.passes.sumsq()
-
     def close(self) -> None:
         self.open.adopted = None
         self.device.close()
-        self._shard_norms.close()
+        self.lone.close()
         if self.open.block is not None:
             self.open.block.free()
             self.open.block = None
-        if self._acc_block is not None:
-            self._acc_block.free()
-        self._acc_block = None
-        self.accumulators.close()
+        self.acc.close()
         self.staging.close()
