@@ -722,6 +722,43 @@ def test_host_budget_auto_in_a_container_is_a_share_of_its_limit(
     )
 
 
+def test_accumulators_past_the_host_ram_name_host_budget_and_lose_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The micro-batches' fp32 accumulators are pinned at the first step that accumulates,
+    beside the state ``host_budget`` placed (Note [the accumulators sit beside the host
+    budget]): where host RAM has no room for them the refusal names ``host_budget`` and the
+    note, not a pool's ``capacity_bytes``; the weights are untouched and, with the RAM back,
+    the same step trains as an optimizer that never failed."""
+    from zero_offload.errors import PoolExhausted
+    from zero_offload.memory import host_ram
+
+    model, ref = make_pair()
+    opt = _opt(model, nvme_dir=tmp_path / "a", host_budget=1)
+    ropt = _opt(ref, nvme_dir=tmp_path / "b", host_budget=1)
+    assert _nvme_buckets(opt)
+    pairs = data(2)
+    # 1000 bytes beyond the pools' safety margin (max(5% of 16 GiB, 1 GiB)): no accumulator fits.
+    tight = host_ram.HostRam(2**30 + 1000, 2**34, "host RAM available is", False)
+    monkeypatch.setattr(host_ram, "host_ram", lambda: tight)
+    with pytest.raises(PoolExhausted) as caught:
+        for tokens, targets in pairs:
+            opt.backward(lm_loss(model, tokens, targets))
+    message = str(caught.value)
+    assert "grad_acc" in message and "Lower OffloadConfig.host_budget" in message
+    assert "Note [the accumulators sit beside the host budget]" in message
+    assert _params_equal(model, ref)
+    monkeypatch.undo()
+    for o, m in ((opt, model), (ropt, ref)):
+        o.zero_grad()
+        for tokens, targets in pairs:
+            o.backward(lm_loss(m, tokens, targets))
+        o.step()
+    assert _params_equal(model, ref)
+    opt.close()
+    ropt.close()
+
+
 # -- several ranks ----------------------------------------------------------------------
 
 DIST_STEPS = 8

@@ -12,6 +12,7 @@ only: the tests that time copies over a simulated link."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import pytest
@@ -175,6 +176,11 @@ def _exposed_and_copy_seconds(prefetch: int, link: float) -> tuple[float, float]
 
 
 @SLOW_LINK
+@pytest.mark.skipif(
+    os.environ.get("ZERO_OFFLOAD_STRICT") == "1",
+    reason="times copies against compute: strict mode completes compute events late by "
+    "design, so a prefetch waits for them (exposed 0.54x of the copy time there)",
+)
 def test_prefetch_hides_the_parameter_copies_on_a_slow_link():
     # bytes/s: a block (12 x 96^2 fp32 ~ 0.44 MB) crosses in ~4.4 ms, about a third of its
     # forward + backward compute at 64 x 16 tokens on two cores; each step moves ~70 MB.

@@ -147,20 +147,28 @@ class TieredMemoryManager:
     # -- pools -------------------------------------------------------------------------
 
     def create_pool(
-        self, tier: Tier, capacity: int, *, name: str, alignment: int = 512
+        self,
+        tier: Tier,
+        capacity: int,
+        *,
+        name: str,
+        alignment: int = 512,
+        sized_by: str = "capacity_bytes",
     ) -> BlockPool:
-        """A new pool of exactly ``capacity`` bytes in ``tier``, allocated now, once.
+        """A new pool of exactly ``capacity`` bytes in ``tier``, allocated now, once;
+        ``sized_by`` names what chose the size, for the refusal's message.
 
         Hidden cost: a host pool is pinned here (slow, and may synchronise the device).
         """
         if not isinstance(tier, Tier):
             raise TypeError(f"tier must be a Tier, got {tier!r}")
         acc = self.accelerator
+        kw = {"name": name, "alignment": alignment, "sized_by": sized_by}
         try:
             if tier is Tier.DEVICE:
-                pool = BlockPool.device(acc, capacity, name=name, alignment=alignment)
+                pool = BlockPool.device(acc, capacity, **kw)
             else:
-                pool = BlockPool.host(acc, capacity, name=name, alignment=alignment)
+                pool = BlockPool.host(acc, capacity, **kw)
         except (RuntimeError, OSError) as exc:
             if not refused_by_the_os(exc):
                 raise

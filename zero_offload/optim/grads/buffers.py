@@ -140,6 +140,9 @@ class LazyHostPool:
     need and kept for later steps; ``capacity`` in bytes. Subclassed per field, so each
     field's pool is a type of its own (its name says which)."""
 
+    #: What the pool's host RAM refusal tells the user to change (``check_host_ram``).
+    sized_by = "the model's offloaded buckets"
+
     def __init__(self, manager: TieredMemoryManager, capacity: int, *, name: str) -> None:
         self.manager = manager
         self.capacity = capacity
@@ -150,7 +153,9 @@ class LazyHostPool:
         """A block of ``nbytes``; the first call creates the pool (hidden cost: a pinned
         allocation of ``capacity`` bytes)."""
         if self.pool is None:
-            self.pool = self.manager.create_pool(Tier.HOST, self.capacity, name=self.name)
+            self.pool = self.manager.create_pool(
+                Tier.HOST, self.capacity, name=self.name, sized_by=self.sized_by
+            )
         return self.pool.alloc(nbytes, owner=owner)
 
     def close(self) -> None:
@@ -170,6 +175,16 @@ class LazyHostPool:
 class AccumulatorPool(LazyHostPool):
     """fp32 gradient accumulator memory (``accumulator_bytes``), created on first need
     (Note [no accumulator for one backward])."""
+
+    sized_by = (
+        "OffloadConfig.host_budget (with nvme_dir: the micro-batches' fp32 gradient "
+        "accumulators, 4 bytes a parameter of the offloaded buckets, are pinned at the first "
+        "step that accumulates several, beside the state host_budget placed, and "
+        "host_budget='auto' leaves them no room: Note [the accumulators sit beside the host "
+        "budget] in zero_offload/estimate/accumulation.py; `zero-offload estimate` with "
+        "micro-batches prints a budget that leaves them room) or the micro-batches a step "
+        "(one needs no accumulator)"
+    )
 
 
 class SpareStaging:
