@@ -296,6 +296,43 @@ def test_pop_returns_the_state_as_it_was() -> None:
     opt.close()
 
 
+def test_moving_the_state_to_the_cpu_copies_nothing_and_changes_nothing() -> None:
+    """Lightning's teardown (``_optimizer_to_device(opt, "cpu")``) writes every entry back as
+    itself: a host view moved to the CPU is the view, so nothing is copied (Note [a view
+    written onto itself]); a write of anything else still copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    moves = pytest.importorskip("lightning.fabric.utilities.optimizer")
+
+    class CountCopies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.copies += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    model, ref = make_pair()
+    opt, ropt = offload_opt(model), torch_adamw(ref)
+    data = batches(2)
+    _train(model, opt, data[:1])
+    _train(ref, ropt, data[:1])
+    before = {name: t.clone() for name, t in opt.state[model.head.weight].items()}
+    with CountCopies() as counted:
+        moves._optimizer_to_device(opt, torch.device("cpu"))
+    assert counted.copies == 0
+    after = opt.state[model.head.weight]
+    assert all(torch.equal(after[name], t) for name, t in before.items())
+    with CountCopies() as counted:
+        opt.state[model.head.weight]["exp_avg"] = before["exp_avg"] * 1  # another tensor
+    assert counted.copies == 1
+    _train(model, opt, data[1:])
+    _train(ref, ropt, data[1:])
+    assert _max_diff(model, ref) < TOL
+    opt.close()
+
+
 # -- two gloo ranks: each rank writes its shard ------------------------------------------
 
 
