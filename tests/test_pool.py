@@ -209,6 +209,59 @@ def test_cgroup_v1_limit_at_the_mount_root(tmp_path: pathlib.Path) -> None:
     assert host_ram.cgroup_headroom(root, proc) == (4 << 30) - 1024
 
 
+def test_cgroup_v2_limit_on_a_parent_binds(tmp_path: pathlib.Path) -> None:
+    # A SLURM job: the limit is on the job's cgroup, the step and task below it say "max".
+    root, proc = _fake_cgroup(
+        tmp_path,
+        {
+            "job_7/memory.max": str(8 << 30),
+            "job_7/memory.current": str(2 << 30),
+            "job_7/step_0/memory.max": "max",
+            "job_7/step_0/memory.current": str(1 << 30),
+            "job_7/step_0/task_0/memory.max": "max",
+            "job_7/step_0/task_0/memory.current": str(1 << 30),
+        },
+        "0::/job_7/step_0/task_0\n",
+    )
+    assert host_ram.cgroup_memory(root, proc) == (8 << 30, 2 << 30)
+    assert host_ram.cgroup_headroom(root, proc) == 6 << 30
+
+
+def test_cgroup_v1_hierarchical_limit_binds(tmp_path: pathlib.Path) -> None:
+    # v1 reports the parents' limit in memory.stat; the process's own looks unlimited.
+    root, proc = _fake_cgroup(
+        tmp_path,
+        {
+            "memory/job/memory.limit_in_bytes": str(2**63 - 4096),
+            "memory/job/memory.usage_in_bytes": str(3 << 30),
+            "memory/job/memory.stat": f"cache 5\nhierarchical_memory_limit {8 << 30}\n",
+        },
+        "4:memory:/job\n",
+    )
+    assert host_ram.cgroup_memory(root, proc) == (8 << 30, 3 << 30)
+
+
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1"])
+def test_cgroup_usage_leaves_out_the_inactive_page_cache(tmp_path: pathlib.Path, v2: bool) -> None:
+    # A dataset read through the page cache: the kernel reclaims it before any OOM kill.
+    if v2:
+        files = {
+            "job/memory.max": str(16 << 30),
+            "job/memory.current": str(10 << 30),
+            "job/memory.stat": f"anon {4 << 30}\ninactive_file {5 << 30}\nactive_file 9\n",
+        }
+        own = "0::/job\n"
+    else:
+        files = {
+            "memory/job/memory.limit_in_bytes": str(16 << 30),
+            "memory/job/memory.usage_in_bytes": str(10 << 30),
+            "memory/job/memory.stat": f"total_inactive_file {5 << 30}\n",
+        }
+        own = "4:memory:/job\n"
+    root, proc = _fake_cgroup(tmp_path, files, own)
+    assert host_ram.cgroup_memory(root, proc) == (16 << 30, 5 << 30)
+
+
 def test_cgroup_without_a_limit_is_none(tmp_path: pathlib.Path) -> None:
     root, proc = _fake_cgroup(tmp_path, {"memory.max": "max", "memory.current": "123"}, "0::/\n")
     assert host_ram.cgroup_headroom(root, proc) is None

@@ -333,6 +333,31 @@ def test_moving_the_state_to_the_cpu_copies_nothing_and_changes_nothing() -> Non
     opt.close()
 
 
+def test_writes_that_read_the_entry_itself_apply_as_torchs() -> None:
+    """``update`` swapping two fields, and a field written as a negated view of itself
+    (``torch._neg_view``: the same memory, negated lazily): as torch's dict holds them."""
+    model, ref = make_pair()
+    opt, ropt = offload_opt(model), torch_adamw(ref)
+    data = batches(2)
+    _train(model, opt, data[:1])
+    _train(ref, ropt, data[:1])
+    for m, o in ((model, opt), (ref, ropt)):
+        entry = o.state[m.head.weight]
+        entry.update({"exp_avg": entry["exp_avg_sq"], "exp_avg_sq": entry["exp_avg"]})
+        o.state[m.blocks[0].linear1.weight]["exp_avg"] = torch._neg_view(
+            o.state[m.blocks[0].linear1.weight]["exp_avg"]
+        )
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(
+            opt.state[model.head.weight][name], ropt.state[ref.head.weight][name]
+        )
+    torch.testing.assert_close(
+        opt.state[model.blocks[0].linear1.weight]["exp_avg"],
+        ropt.state[ref.blocks[0].linear1.weight]["exp_avg"].resolve_neg(),
+    )
+    opt.close()
+
+
 # -- two gloo ranks: each rank writes its shard ------------------------------------------
 
 

@@ -10,9 +10,14 @@ Note [host RAM in a container]
 limited to 64 GiB on a 1 TiB node sees 1 TiB available, pins past its limit, and is killed.
 So the figure used is the smaller of the machine's available RAM and the cgroup's headroom
 (limit less usage): cgroup v2's ``memory.max`` - ``memory.current``, or v1's
-``memory.limit_in_bytes`` - ``memory.usage_in_bytes``, looked up first under the path
-``/proc/self/cgroup`` names and then at the mount's root (a container usually sees its own
-cgroup there). "max" or a v1 limit near 2**63 means no limit.
+``memory.limit_in_bytes`` - ``memory.usage_in_bytes``, at every level from the cgroup
+``/proc/self/cgroup`` names up to the mount's root (a SLURM job sets its limit on the job's
+cgroup, the steps and tasks below it say "max"; a container usually sees its own cgroup at
+the root; v1 also reports the parents' limit as ``hierarchical_memory_limit``), the level
+that leaves the least. "max" or a v1 limit near 2**63 means no limit. Usage counts the page
+cache, which the kernel takes back before it kills anything, so the inactive part
+(``inactive_file``, v1 ``total_inactive_file``) is not counted as used, as kubelet counts a
+container's working set: a dataset read through the cache does not shrink the budget.
 
 The container's limit is also the RAM the process may ever hold (``HostRam.total``): the
 safety margin and ``host_budget="auto"``'s reserve, fractions of the total, are fractions of
@@ -83,31 +88,62 @@ def _cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
     return v2, v1
 
 
+def _stat(path: str, key: str) -> int:
+    """``key``'s value in the cgroup's ``memory.stat`` (0 where absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _levels(base: str, rel: str | None) -> list[str]:
+    """The cgroup directories from the process's own up to ``base``, the mount's root
+    (a limit set on any of them binds), each once, those that exist."""
+    dirs = [base]
+    if rel:
+        parts = [p for p in rel.strip("/").split("/") if p]
+        dirs = [os.path.join(base, *parts[:n]) for n in range(len(parts), 0, -1)] + dirs
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
 def cgroup_memory(
     root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
 ) -> tuple[int, int] | None:
-    """(limit, usage) in bytes of the process's memory cgroup, or None without a limit.
+    """(limit, usage) in bytes of the memory cgroup that binds the process, or None without
+    a limit: of each level from its own cgroup up to the root that sets one, the one that
+    leaves the least headroom; usage less the page cache the kernel reclaims first.
 
     See Note [host RAM in a container]. ``root`` and ``proc_cgroup`` are for tests.
     """
     v2_path, v1_path = _cgroup_paths(proc_cgroup)
-    candidates: list[tuple[str, str, str]] = []
-    for base, rel, limit, usage in (
-        (root, v2_path, "memory.max", "memory.current"),
-        (os.path.join(root, "memory"), v1_path, "memory.limit_in_bytes", "memory.usage_in_bytes"),
-    ):
-        if rel:
-            candidates.append((os.path.join(base, rel.lstrip("/")), limit, usage))
-        candidates.append((base, limit, usage))
-    for directory, limit_file, usage_file in candidates:
-        limit = _read_int(os.path.join(directory, limit_file))
-        usage = _read_int(os.path.join(directory, usage_file))
+    found: list[tuple[int, int]] = []
+    for directory in _levels(root, v2_path):  # cgroup v2
+        limit = _read_int(os.path.join(directory, "memory.max"))
+        usage = _read_int(os.path.join(directory, "memory.current"))
+        if limit is None or usage is None or limit >= _NO_LIMIT:
+            continue
+        cache = _stat(os.path.join(directory, "memory.stat"), "inactive_file")
+        found.append((limit, max(usage - cache, 0)))
+    for directory in _levels(os.path.join(root, "memory"), v1_path):  # cgroup v1
+        limit = _read_int(os.path.join(directory, "memory.limit_in_bytes"))
+        usage = _read_int(os.path.join(directory, "memory.usage_in_bytes"))
         if limit is None or usage is None:
             continue
+        stat = os.path.join(directory, "memory.stat")
+        above = _stat(stat, "hierarchical_memory_limit")  # the parents' limits, v1's way
+        if 0 < above < limit:
+            limit = above
         if limit >= _NO_LIMIT:
-            return None
-        return limit, usage
-    return None
+            continue
+        found.append((limit, max(usage - _stat(stat, "total_inactive_file"), 0)))
+    if not found:
+        return None
+    return min(found, key=lambda level: level[0] - level[1])
 
 
 def cgroup_headroom(

@@ -177,13 +177,25 @@ class AccumulatorPool(LazyHostPool):
     (Note [no accumulator for one backward])."""
 
     sized_by = (
-        "OffloadConfig.host_budget (with nvme_dir: the micro-batches' fp32 gradient "
-        "accumulators, 4 bytes a parameter of the offloaded buckets, are pinned at the first "
-        "step that accumulates several, beside the state host_budget placed, and "
-        "host_budget='auto' leaves them no room: Note [the accumulators sit beside the host "
-        "budget] in zero_offload/estimate/accumulation.py; `zero-offload estimate` with "
-        "micro-batches prints a budget that leaves them room) or the micro-batches a step "
-        "(one needs no accumulator)"
+        "the micro-batches a step (one needs no accumulator; several pin an fp32 accumulator "
+        "per offloaded bucket, 4 bytes a parameter, at the first step that accumulates), or, "
+        "with nvme_dir, OffloadConfig.host_budget: the accumulators sit beside the state it "
+        "placed, and host_budget='auto' leaves them no room (Note [the accumulators sit "
+        "beside the host budget] in zero_offload/estimate/accumulation.py; `zero-offload "
+        "estimate` with micro-batches prints a budget that leaves them room)"
+    )
+
+
+class SparePool(LazyHostPool):
+    """A bucket's second gradient staging buffer's memory (``SpareStaging``)."""
+
+    sized_by = (
+        "the micro-batches a step or overlap_step (summed on the host, or with the delayed "
+        "update, each bucket takes a second gradient staging buffer at the first step that "
+        "needs it: 2 bytes a bf16 parameter; OffloadConfig(grad_accumulation='auto') sums on "
+        "the device where its budget has room), or, with nvme_dir, OffloadConfig.host_budget "
+        "(Note [the accumulators sit beside the host budget] in "
+        "zero_offload/estimate/accumulation.py)"
     )
 
 
@@ -210,7 +222,7 @@ class SpareStaging:
         self.dtype = dtype
         self.owner = f"bucket{bucket.index}.grad_staging_spare"
         capacity = spare_staging_bytes(bucket, itemsize=dtype.itemsize, alignment=alignment)
-        self.memory = LazyHostPool(manager, capacity, name=name)  # its pool, lazily
+        self.memory = SparePool(manager, capacity, name=name)  # its pool, lazily
         self.tensor: torch.Tensor | None = None
         self.block: Block | None = None
 

@@ -109,7 +109,10 @@ class StateEntry(dict):
         """Every value checked first, then copied: a refused one writes nothing."""
         items = dict(other, **kwargs)
         self._writable("opt.state[p].update(...)")
-        self._apply({key: self._staged(key, value) for key, value in items.items()})
+        staged = {key: self._staged(key, value) for key, value in items.items()}
+        if len(staged) > 1:  # one field's new value may be another's view: read all first
+            staged = {k: _unshared(v, self) for k, v in staged.items()}
+        self._apply(staged)
 
     def __ior__(self, other: Any) -> StateEntry:  # type: ignore[override,misc]
         self.update(other)
@@ -251,4 +254,18 @@ def _same_memory(view: torch.Tensor, value: torch.Tensor) -> bool:
         and value.data_ptr() == view.data_ptr()
         and value.shape == view.shape
         and value.stride() == view.stride()
+        and not value.is_neg()  # torch._neg_view and .conj() share the memory, lazily
+        and not value.is_conj()
     )
+
+
+def _unshared(value: Any, entry: Mapping[str, Any]) -> Any:
+    """``value``, cloned where it is one of ``entry``'s views (``update`` swapping two fields
+    would otherwise copy the first into the second's source before reading it)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    views = [v for v in entry.values() if isinstance(v, torch.Tensor)]
+    shared = any(
+        v.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() for v in views
+    )
+    return value.clone() if shared else value
