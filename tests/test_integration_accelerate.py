@@ -298,18 +298,48 @@ def test_load_state_refuses_what_cannot_load_and_changes_nothing(tmp_path: Path)
     accelerator = OffloadAccelerator(**accelerate_device())
     model, opt = accelerator.prepare(model, *_offload_halves(model, [tmp_path / "nvme"]))
     before = {name: w.clone() for name, w in weights(model).items()}
-    with pytest.raises(ValueError, match=r"nvme_dir=.*no zero_offload_optimizer/"):
+    with pytest.raises(ValueError, match=r"nvme_dir=.*optimizer.bin is a state dict"):
         accelerator.load_state(tmp_path / "in_host_ram")
     assert all(torch.equal(before[name], w) for name, w in weights(model).items())
     assert accelerator._optimizers == [opt]  # accelerate's list is its own again
 
     accelerator.save_state(tmp_path / "streamed")
     shutil.rmtree(tmp_path / "streamed" / "zero_offload_optimizer")
+    model = tiny_gpt2(seed=2)
+    accelerator = OffloadAccelerator(**accelerate_device())
+    model, opt = accelerator.prepare(model, offload_adamw(model))  # in host RAM
+    before = {name: w.clone() for name, w in weights(model).items()}
+    with pytest.raises(ValueError, match="which is missing: copy the checkpoint folder whole"):
+        accelerator.load_state(tmp_path / "streamed")
+    assert all(torch.equal(before[name], w) for name, w in weights(model).items())
+
+
+def test_optimizer_bin_decides_the_load_not_a_stale_folder(tmp_path: Path) -> None:
+    """A streamed save, then a state-dict save to the same folder: the first's
+    ``zero_offload_optimizer/`` stays behind, and ``optimizer.bin`` (a state dict now)
+    decides: the load is the second save's, bitwise, and nothing streams (the stale folder,
+    of other buckets, would be refused: it read the folder's presence before)."""
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator(**accelerate_device())
+    stale = _offload_halves(model, [tmp_path / "nvme"], bucket_bytes=16384)
+    model, opt = accelerator.prepare(model, *stale)
+    _train_steps(accelerator, model, opt, [first_batch()])
+    accelerator.save_state(tmp_path / "ckpt")  # streamed
     model = tiny_gpt2()
     accelerator = OffloadAccelerator(**accelerate_device())
     model, opt = accelerator.prepare(model, offload_adamw(model))  # in host RAM
-    with pytest.raises(ValueError, match="which is missing: copy the checkpoint folder whole"):
-        accelerator.load_state(tmp_path / "streamed")
+    _train_steps(accelerator, model, opt, [first_batch()] * 2)
+    accelerator.save_state(tmp_path / "ckpt")  # a state dict, over the same folder
+    assert (tmp_path / "ckpt" / "zero_offload_optimizer").is_dir()  # the stale one
+    want = opt.state_dict()
+    fresh = tiny_gpt2(seed=1)
+    accelerator = OffloadAccelerator(**accelerate_device())
+    fresh, again = accelerator.prepare(fresh, offload_adamw(fresh))
+    accelerator.load_state(tmp_path / "ckpt")
+    got = again.state_dict()
+    for index, fields in want["state"].items():
+        for name, value in fields.items():
+            assert torch.equal(torch.as_tensor(got["state"][index][name]), torch.as_tensor(value))
 
 
 def test_two_offload_optimizers_clip_by_the_norm_of_all() -> None:
@@ -392,9 +422,9 @@ def _nvme_checkpoint_rank(rank: int, world: int, port: int, out: str) -> None:
     for seed in (0, 1):
         model = tiny_gpt2(seed=seed)
         accelerator = OffloadAccelerator(cpu=True)
-        # Buckets of 32 KiB: each rank's shard of each holds parameters (with 8 KiB some of
-        # rank 1's hold only padding, whose streamed load fails in bucket_file.load_bucket).
-        opts = _offload_halves(model, [Path(out) / "nvme"], bucket_bytes=32768)
+        # Buckets of 8 KiB: some of rank 1's shards hold only padding (their streamed load
+        # crashed in bucket_file.load_bucket once).
+        opts = _offload_halves(model, [Path(out) / "nvme"], bucket_bytes=8192)
         model, opt = accelerator.prepare(model, *opts)
         if seed == 1:
             accelerator.load_state(checkpoint)
@@ -424,3 +454,65 @@ def test_two_processes_stream_nvme_state_and_resume_bitwise(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="saved with 2 ranks, this optimizer has 1"):
         accelerator.load_state(tmp_path / "checkpoint")
     assert all(torch.equal(before[name], w) for name, w in weights(model).items())
+
+
+def _configs_differ_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of two whose configs differ where ranks may (``nvme_dir`` on rank 0 only,
+    then ``host_budget``): the save streams on both, the refusal comes on both."""
+    as_torchrun_rank(rank, world, port)
+    root = Path(out)
+    batches = [{k: v[rank : rank + 1] for k, v in b.items()} for b in loader()][:2]
+    result: dict[str, object] = {}
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator(cpu=True)
+    nvme = [root / "nvme0"] if rank == 0 else [None]
+    model, opt = accelerator.prepare(model, *_offload_halves(model, nvme))
+    _train_steps(accelerator, model, opt, batches[:1])
+    accelerator.save_state(root / "streamed")  # rank 1 has no nvme_dir: it streams too
+    accelerator.save_state(root / "dict")  # the same, into another folder
+    opt.optimizer.close()
+    # A state-dict checkpoint (saved without nvme_dir on any rank) into state on NVMe on
+    # rank 1 only (rank 0's budget holds it all): refused on both.
+    model = tiny_gpt2()
+    accelerator = OffloadAccelerator(cpu=True)
+    plain = OffloadAdamW(
+        model.parameters(), lr=1e-3, config=offload_config(), accelerator=host_accelerator()
+    )
+    model, plain_opt = accelerator.prepare(model, plain)
+    _train_steps(accelerator, model, plain_opt, batches[:1])
+    accelerator.save_state(root / "state_dict")
+    plain_opt.optimizer.close()
+    model = tiny_gpt2(seed=1)
+    accelerator = OffloadAccelerator(cpu=True)
+    budget = 1 << 40 if rank == 0 else 1
+    cfg = offload_config(nvme_dir=root / f"nvme_{rank}", host_budget=budget)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, config=cfg, accelerator=host_accelerator())
+    model, opt = accelerator.prepare(model, opt)
+    before = {name: w.clone() for name, w in weights(model).items()}
+    try:
+        accelerator.load_state(root / "state_dict")
+        result["load"] = "loaded"
+    except Exception as exc:
+        result["load"] = f"{type(exc).__name__}: {exc}"
+    result["unchanged"] = all(torch.equal(before[n], w) for n, w in weights(model).items())
+    opt.optimizer.close()
+    torch.save(result, root / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_whose_configs_differ_stream_and_refuse_together(tmp_path: Path) -> None:
+    """``nvme_dir`` and ``host_budget`` may differ between ranks: a save where one rank sets
+    ``nvme_dir`` streams on every rank (before, rank 0 streamed alone and its collective
+    failed, rank 1 wrote a state dict), and a load one rank must refuse is refused on
+    every rank, the model untouched (before, the other rank went on into accelerate's
+    load)."""
+    mp.spawn(_configs_differ_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert (tmp_path / "streamed" / "zero_offload_optimizer" / f"rank{rank}").is_dir()
+        assert result["unchanged"], rank
+        if rank == 1:  # its own refusal
+            assert "optimizer.bin is a state dict" in result["load"], result["load"]
+        else:  # told of rank 1's
+            assert result["load"].startswith("CollectiveError") and "rank 1" in result["load"]

@@ -63,9 +63,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from ..optim import OffloadAdamW, OffloadOptimizer
 from ..optim.clipping import clip_grad_norm_ as clip_grad_norm_across
 from ..optim.clipping import total_grad_norm
+from ..optim.rank_agreement import share_outcome
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
-from ._optim import clip_norm, saveable, state_on_nvme, streaming_name
+from ._optim import clip_norm, saveable
+from .accelerate_streaming import Streamed, behind, streams_on_any_rank
 
 __all__ = ["FP16_AMP_MESSAGE", "OffloadAcceleratedOptimizer", "OffloadAccelerator"]
 
@@ -167,7 +169,7 @@ class OffloadAccelerator(Accelerator):
         every record. With several optimizers the keys carry the optimizer's index."""
         merged: dict[str, float] = {}
         prepared = [
-            o for o in map(_behind, self._optimizers) if isinstance(o, OffloadAcceleratedOptimizer)
+            o for o in map(behind, self._optimizers) if isinstance(o, OffloadAcceleratedOptimizer)
         ]
         for index, wrapper in enumerate(prepared):
             metrics, mark = self._offload_metrics.get(id(wrapper), (None, 0))
@@ -186,7 +188,7 @@ class OffloadAccelerator(Accelerator):
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         prepared = [
             opt.optimizer
-            for opt in map(_behind, self._optimizers)
+            for opt in map(behind, self._optimizers)
             if isinstance(opt, OffloadAcceleratedOptimizer)
         ]
         return prepared + [opt for opt in self._offload_in_prepare if opt not in prepared]
@@ -299,29 +301,7 @@ class OffloadAccelerator(Accelerator):
             if self._owned_by_offload(self.unwrap_model(model)):
                 models[index] = _LoadsInto(model)
 
-    # Note [optimizer state on NVMe in save_state]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # accelerate's ``save_state`` takes every prepared optimizer's ``state_dict()`` (on every
-    # process) and writes it to ``optimizer{_i}.bin`` from the main one; ``load_state`` hands
-    # what it reads to ``load_state_dict``. State that may be on NVMe (``nvme_dir`` set:
-    # ``state_on_nvme`` in ``_optim.py``, decided by the config, so the same on every rank)
-    # cannot be handed out as tensors (``StateNotInHostRam``). So for the length of
-    # ``save_state`` such an optimizer's place in accelerate's list holds a stand-in
-    # (``_Streamed``), at its own index: a save pre-hook, which gets the folder accelerate
-    # settled on (automatic checkpoint naming included), has every rank stream its shard to
-    # ``zero_offload_optimizer{_i}/`` there, as OffloadTrainer does (``streaming_name``), and
-    # the stand-in's ``state_dict()`` is a marker naming that folder, which accelerate writes
-    # as ``optimizer{_i}.bin``: every file keeps its index, and the checkpoint says how it
-    # was saved. During ``load_state`` every offload optimizer has a stand-in, and the
-    # checkpoint decides, as in OffloadTrainer: a load pre-hook, which runs before
-    # accelerate loads anything, first refuses an optimizer that has state on NVMe now and
-    # no folder in the checkpoint (a state dict there, which NVMe state cannot take), then
-    # streams back each optimizer whose folder is there, into whatever placement it has now
-    # (``load_streaming`` checks everything first, the number of processes included; a
-    # refusal changes nothing). The stand-in then takes the marker (loaded already) or
-    # passes a state dict on to the optimizer (a checkpoint saved without ``nvme_dir``:
-    # accelerate's route, as before). accelerate's list is swapped for the call and
-    # restored after, whatever happens: nothing of accelerate is patched.
+    # Note [optimizer state on NVMe in save_state] in accelerate_streaming.py
 
     def save_state(
         self,
@@ -332,7 +312,7 @@ class OffloadAccelerator(Accelerator):
         """``Accelerator.save_state``; an offload optimizer with ``nvme_dir`` set streams its
         state into the checkpoint folder (Note [optimizer state on NVMe in save_state]).
         Every process calls it, as with accelerate."""
-        with self._optimizers_standing_in(lambda wrapper: state_on_nvme(wrapper.optimizer)):
+        with self._optimizers_standing_in(streams_on_any_rank):
             return super().save_state(
                 output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
             )
@@ -353,11 +333,11 @@ class OffloadAccelerator(Accelerator):
     def _optimizers_standing_in(
         self, stands_in: Callable[[OffloadAcceleratedOptimizer], bool]
     ) -> Iterator[None]:
-        """accelerate's optimizer list with a ``_Streamed`` in the place of each offload
+        """accelerate's optimizer list with a ``Streamed`` in the place of each offload
         optimizer ``stands_in`` picks, for the length of the block."""
         kept = self._optimizers
         self._optimizers = [
-            _Streamed(opt, index)
+            Streamed(opt, index)
             if isinstance(opt, OffloadAcceleratedOptimizer) and stands_in(opt)
             else opt
             for index, opt in enumerate(kept)
@@ -372,15 +352,24 @@ class OffloadAccelerator(Accelerator):
     ) -> None:
         """Every rank streams each stood-in optimizer's shard into ``output_dir``."""
         for opt in self._optimizers:
-            if isinstance(opt, _Streamed):
+            if isinstance(opt, Streamed):
                 opt.save(output_dir)
 
     def _load_streamed_optimizers(self, models: list[torch.nn.Module], input_dir: str) -> None:
         """Stream back each optimizer the checkpoint streamed, before accelerate loads
         anything; refuse first what cannot load."""
-        stand_ins = [opt for opt in self._optimizers if isinstance(opt, _Streamed)]
-        for opt in stand_ins:
-            opt.check(input_dir)
+        stand_ins = [opt for opt in self._optimizers if isinstance(opt, Streamed)]
+        for opt in stand_ins:  # every rank refuses alike (Note [a rank that fails alone])
+            failed: ValueError | None = None
+            try:
+                opt.check(input_dir)
+            except ValueError as exc:
+                failed = exc
+            inner = opt.wrapper.optimizer
+            what = f"load_state's check of {opt.file}"
+            share_outcome(failed, comm=inner.comm, what=what, owner=type(inner).__name__)
+            if failed is not None:
+                raise failed
         for opt in stand_ins:
             opt.load(input_dir)
 
@@ -501,65 +490,3 @@ class _LoadsInto(torch.nn.Module):
                 f"{missing}, unexpected keys {list(result.unexpected_keys)}"
             )
         return torch.nn.modules.module._IncompatibleKeys(missing, list(result.unexpected_keys))
-
-
-#: The key of the marker a streamed optimizer leaves in ``optimizer{_i}.bin`` (Note
-#: [optimizer state on NVMe in save_state]); its value is the folder's name.
-_MARKER = "zero_offload_streamed"
-
-
-class _Streamed:
-    """An offload optimizer's stand-in in accelerate's list during ``save_state`` and
-    ``load_state`` (Note [optimizer state on NVMe in save_state]): ``state_dict()`` is a
-    marker naming the folder its state streams to; ``load_state_dict`` takes the marker, or
-    passes a state dict on to the optimizer."""
-
-    def __init__(self, wrapper: OffloadAcceleratedOptimizer, index: int) -> None:
-        self.wrapper = wrapper
-        self.index = index  # in accelerate's list: optimizer{_i}.bin
-        self.name = streaming_name(index)  # the folder, in the checkpoint folder
-        self.loaded = False  # whether load() streamed the state back
-
-    def save(self, output_dir: str | os.PathLike[str]) -> None:
-        self.wrapper.optimizer.save_streaming(os.path.join(output_dir, self.name))
-
-    def check(self, input_dir: str | os.PathLike[str]) -> None:
-        """Refuse, before anything is loaded, NVMe state whose checkpoint is a state dict."""
-        opt = self.wrapper.optimizer
-        folder = os.path.join(input_dir, self.name)
-        if not os.path.isdir(folder) and opt.placement.nvme > 0:
-            raise ValueError(
-                f"load_state({str(input_dir)!r}): {type(opt).__name__} number {self.index} "
-                f"keeps state on NVMe (OffloadConfig.nvme_dir={str(opt.config.nvme_dir)!r}), "
-                f"and the checkpoint has no {self.name}/ to stream it from: it was saved "
-                "without nvme_dir, as a state dict, which state on NVMe cannot take in host "
-                "RAM (or the folder was not copied along). Load such a checkpoint into an "
-                "optimizer built without nvme_dir (or with a host_budget the state fits), "
-                "then save_state with nvme_dir set; nothing was loaded"
-            )
-
-    def load(self, input_dir: str | os.PathLike[str]) -> None:
-        folder = os.path.join(input_dir, self.name)
-        if os.path.isdir(folder):
-            self.wrapper.optimizer.load_streaming(folder)
-            self.loaded = True
-
-    def state_dict(self) -> dict[str, str]:
-        return {_MARKER: self.name}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The marker of a state ``load`` streamed back, or a state dict for the optimizer."""
-        if _MARKER not in state_dict:
-            self.wrapper.load_state_dict(state_dict)
-        elif not self.loaded:
-            raise ValueError(
-                f"load_state: optimizer{'' if self.index == 0 else f'_{self.index}'}.bin "
-                f"says optimizer number {self.index}'s state was streamed to "
-                f"{state_dict[_MARKER]}/ in the checkpoint folder, which is missing: copy "
-                "the checkpoint folder whole, every rank's folder in it"
-            )
-
-
-def _behind(opt: Any) -> Any:
-    """The optimizer a ``_Streamed`` stands in for; any other optimizer itself."""
-    return opt.wrapper if isinstance(opt, _Streamed) else opt

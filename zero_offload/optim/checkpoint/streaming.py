@@ -77,7 +77,7 @@ class Streamable(Protocol):
     def load_streaming(self, path: str | os.PathLike[str]) -> None: ...
 
 
-__all__ = ["load", "load_streaming", "save", "save_streaming"]
+__all__ = ["load", "load_streaming", "save", "save_streaming", "world_mismatch"]
 
 _FORMAT_VERSION = 1
 _META = "meta.pt"
@@ -334,6 +334,14 @@ def _other_world(where: Path, saved: object, world: int) -> str:
         "checkpoint (zero_offload.save_consolidated), which loads on any number of ranks "
         "and stages (zero_offload.load_consolidated); nothing was loaded"
     )
+
+
+def world_mismatch(path: str | os.PathLike[str], world: int) -> str | None:
+    """Why the streamed checkpoint under ``path`` cannot load on ``world`` ranks, or None
+    (it can, or rank 0's metadata cannot be read: ``load`` then says why). For callers
+    that check several loads before starting any."""
+    saved = _saved_world(Path(path))
+    return None if saved is None or saved == world else _other_world(Path(path), saved, world)
 
 
 def _saved_world(path: Path) -> int | None:
