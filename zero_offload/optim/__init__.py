@@ -10,6 +10,7 @@ from .offload_muon import OffloadMuon
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
 from .torch_grad_scaler import install as _install_grad_scaler_guard
+from .torch_zero_grad import install as _install_zero_grad_guard
 from .update.failures import StepFailed
 
 __all__ = [
@@ -30,3 +31,5 @@ _install_clipping_guard()
 _install_framework_guards()
 # Note [torch's GradScaler cannot see our gradients] in torch_grad_scaler.py
 _install_grad_scaler_guard()
+# Note [zero_grad from elsewhere reaches the window] in torch_zero_grad.py
+_install_zero_grad_guard()

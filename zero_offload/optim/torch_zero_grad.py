@@ -1,0 +1,133 @@
+"""``zero_grad`` called elsewhere than on the optimizer reaches its window.
+
+Note [zero_grad from elsewhere reaches the window]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch clears gradients wherever ``.grad`` is set to None: ``model.zero_grad()``, a
+sub-module's (a GAN's ``netD.zero_grad()``), another optimizer object over the same
+parameters (SAM's wrapper, whose ``zero_grad`` is torch's). An offload optimizer's
+gradients are not in ``.grad`` (they leave during backward), so none of these could see
+them: a loop that cleared that way in the middle of a window (an adversarial example's
+input-gradient backward, a skipped bad batch, the generator's backward through the
+discriminator) kept the gradients it meant to drop, and the next step added them in,
+silently. So importing ``zero_offload`` wraps ``torch.nn.Module.zero_grad`` and
+``torch.optim.Optimizer.zero_grad``: the parameters that a live offload optimizer trains
+(``OWNERS``, looked up only while one is alive) are cleared in their optimizer's window.
+
+- A call that covers every parameter an optimizer trains is that optimizer's own
+  ``zero_grad(set_to_none)``: the window is forgotten, in flight or not, as torch's ``.grad``
+  would be (a step with no backward after it steps nothing).
+- A call that covers some of them, while the window holds gradients of a backward not yet
+  stepped, is refused before anything is cleared: a window is summed per bucket, and some
+  parameters' share of it cannot be taken out. Clear through the optimizer
+  (``opt.zero_grad()``), or give the parameters cleared apart an optimizer of their own.
+  With nothing pending (after a step, or before any backward) there is nothing to clear
+  and the call goes through.
+- An offload optimizer's own ``zero_grad`` (which calls torch's) is not wrapped again.
+
+What cannot be seen: ``p.grad = None`` written by hand for one parameter, and a reference to
+torch's function taken before ``zero_offload`` was imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .grads.lifecycle import GradState
+from .lifetime import OWNERS
+
+__all__ = ["install"]
+
+#: Marks a ``zero_grad`` this module wrapped (so it is wrapped once).
+_WRAPPED = "__zero_offload_zero_grad__"
+
+#: A bucket holding gradients of a backward that no step has used yet.
+_PENDING = frozenset(
+    {GradState.FILLING, GradState.COMPLETE, GradState.IN_FLIGHT, GradState.ACCUMULATED}
+)
+
+
+def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, int]]:
+    """Each live offload optimizer that trains one of ``params``: id -> (it, how many)."""
+    found: dict[int, tuple[Any, int]] = {}
+    for param in params:  # frozen ones too: a layer frozen mid-run is still in a bucket
+        if not isinstance(param, torch.Tensor):
+            continue
+        ref = OWNERS.get(param)
+        owner = ref() if ref is not None else None
+        if owner is None or owner.closed:
+            continue
+        _, count = found.get(id(owner), (owner, 0))
+        found[id(owner)] = (owner, count + 1)
+    return found
+
+
+def _trained(opt: Any) -> int:
+    """How many parameters ``opt`` trains (one ``OWNERS`` entry each)."""
+    return sum(len(bucket.params) for bucket in opt.buckets)
+
+
+def _check(found: dict[int, tuple[Any, int]], what: str) -> list[Any]:
+    """The optimizers whose whole window ``what`` clears; refuses a partial clear of a
+    window with pending gradients (Note [zero_grad from elsewhere reaches the window])."""
+    whole = []
+    for opt, count in found.values():
+        total = _trained(opt)
+        if count >= total:
+            whole.append(opt)
+            continue
+        if any(bucket.grads.state in _PENDING for bucket in opt.buckets):
+            raise ValueError(
+                f"{what} clears {count} of the {total} parameters {opt!r} trains, whose "
+                "gradients since the last step are summed per bucket on the host and "
+                "cannot be dropped for some parameters alone. Nothing was cleared. Clear the "
+                "whole window with opt.zero_grad() (or model.zero_grad() on a module that "
+                "holds every parameter it trains), or train the parameters cleared apart "
+                "with an optimizer of their own (Note [zero_grad from elsewhere reaches the "
+                "window])"
+            )
+    return whole
+
+
+def _guard_module(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+        if not OWNERS:  # no offload optimizer alive: torch's own, nothing looked up
+            return fn(self, set_to_none)
+        whole = _check(_owners(self.parameters()), f"{type(self).__name__}.zero_grad()")
+        fn(self, set_to_none)
+        for opt in whole:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    setattr(zero_grad, _WRAPPED, True)
+    return zero_grad
+
+
+def _guard_optimizer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if not OWNERS:
+            return fn(self, set_to_none)
+        found = _owners(p for group in self.param_groups for p in group["params"])
+        found.pop(id(self), None)  # an offload optimizer's own zero_grad calls torch's
+        whole = _check(found, f"{type(self).__name__}.zero_grad()")
+        fn(self, set_to_none)
+        for opt in whole:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    setattr(zero_grad, _WRAPPED, True)
+    return zero_grad
+
+
+def install() -> None:
+    """Wrap ``Module.zero_grad`` and ``Optimizer.zero_grad``; idempotent (Note [zero_grad
+    from elsewhere reaches the window])."""
+    module_fn = torch.nn.Module.zero_grad
+    if not getattr(module_fn, _WRAPPED, False):
+        torch.nn.Module.zero_grad = _guard_module(module_fn)  # type: ignore[method-assign]
+    optimizer_fn = torch.optim.Optimizer.zero_grad
+    if not getattr(optimizer_fn, _WRAPPED, False):
+        torch.optim.Optimizer.zero_grad = _guard_optimizer(optimizer_fn)  # type: ignore[method-assign]
