@@ -46,9 +46,9 @@ Inside ``optim`` the same rule holds between its parts (``OPTIM_FLOORS``, lowest
    (torch's state-dict hooks around them).
 8. ``lifetime``: which optimizer owns which parameter, and closing.
 9. ``construction``, ``torch_clipping``, ``framework_clipping``, ``torch_grad_scaler``,
-   ``torch_zero_grad``, ``kept_zero_grads``, ``clipping``, ``backward_methods``: building the
-   buckets; the clipping guards, torch's ``GradScaler``'s, torch's ``zero_grad``'s, and the
-   guard of torch's kept zero gradients;
+   ``torch_zero_grad``, ``torch_hook_order``, ``kept_zero_grads``, ``clipping``,
+   ``backward_methods``: building the buckets; the clipping guards, torch's ``GradScaler``'s,
+   torch's ``zero_grad``'s and hook order, and the guard of torch's kept zero gradients;
    the optimizer's own clipping, and several optimizers' together; its backward and
    announced step.
 10. ``offload_optimizer``: the public optimizer's machinery, for any rule.
@@ -135,6 +135,7 @@ OPTIM_FLOORS: dict[str, int] = {
     "framework_clipping": 9,
     "torch_grad_scaler": 9,
     "torch_zero_grad": 9,
+    "torch_hook_order": 9,
     "kept_zero_grads": 9,
     "clipping": 9,
     "backward_methods": 9,

@@ -10,6 +10,7 @@ from .offload_muon import OffloadMuon
 from .offload_optimizer import OffloadOptimizer
 from .torch_clipping import install as _install_clipping_guard
 from .torch_grad_scaler import install as _install_grad_scaler_guard
+from .torch_hook_order import install as _install_hook_order_guard
 from .torch_zero_grad import install as _install_zero_grad_guard
 from .update.failures import StepFailed
 
@@ -33,3 +34,5 @@ _install_framework_guards()
 _install_grad_scaler_guard()
 # Note [zero_grad from elsewhere reaches the window] in torch_zero_grad.py
 _install_zero_grad_guard()
+# Note [the optimizer's hook runs last] in torch_hook_order.py
+_install_hook_order_guard()

@@ -134,6 +134,9 @@ class BackwardRouter:
         self.buckets: list[FlatBucket] = []
         self.backwards = 0
         self._hooks: list[Any] = []
+        #: Each routed parameter's hook, by id(param): Note [the optimizer's hook runs last]
+        #: in torch_hook_order.py moves it behind hooks registered later.
+        self._hook_ids: dict[int, int] = {}
         self._armed: set[int] = set()
         self._lock = threading.Lock()
         self.order: BucketOrder = bucket_order(ranks)
@@ -155,7 +158,9 @@ class BackwardRouter:
                     _on_grad, ref, bucket, slot_index
                 )
                 # Note [errors raised inside autograd hooks] in hook_errors.py
-                self._hooks.append(param.register_post_accumulate_grad_hook(reported(hook)))
+                handle = param.register_post_accumulate_grad_hook(reported(hook))
+                self._hooks.append(handle)
+                self._hook_ids[id(param)] = handle.id
         self.buckets.extend(buckets)
         self.order.buckets_added()
 
@@ -164,6 +169,17 @@ class BackwardRouter:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._hook_ids.clear()
+
+    def keep_last(self, param: torch.Tensor) -> None:
+        """Move ``param``'s hook behind every hook registered on it so far (Note [the
+        optimizer's hook runs last] in ``torch_hook_order.py``)."""
+        hooks = param._post_accumulate_grad_hooks
+        key = self._hook_ids.get(id(param))
+        if hooks is not None and key in hooks:
+            # Popped and set again, not move_to_end: autograd walks the dict's own storage
+            # (PyDict_Next), which move_to_end leaves in insertion order.
+            hooks[key] = hooks.pop(key)
 
     # -- one gradient ------------------------------------------------------------------
 

@@ -46,8 +46,8 @@ _META_CALLS = frozenset(
 
 def reads_no_values(func: Any) -> bool:
     """Whether ``func`` (as ``__torch_function__`` receives it) touches only metadata."""
-    if func in _META_CALLS:
-        return True
+    if func in _META_CALLS or getattr(func, "__wrapped__", None) in _META_CALLS:
+        return True  # or a method this package wrapped (Note [the optimizer's hook runs last])
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__"):
         names = _META_GET if name == "__get__" else _META_SET
