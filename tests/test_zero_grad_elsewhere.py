@@ -197,3 +197,37 @@ def test_a_layer_frozen_mid_run_still_counts_as_covered() -> None:
     model, ref, opt, _ = _both(loop)
     assert max_diff(model, ref) < TOL
     opt.close()
+
+
+def test_through_a_frameworks_wrapper_set_to_none_false_is_kept() -> None:
+    """Lightning's ``LightningOptimizer`` (and Fabric's wrapper) run the optimizer's own
+    ``zero_grad`` with themselves as ``self``: ``set_to_none=False`` keeps the zeros there
+    as called directly (the guard took the wrapper for another object and cleared again
+    with ``set_to_none=True``, found by helper-103)."""
+    wrappers = pytest.importorskip("lightning.pytorch.core.optimizer")
+    model = mlp()
+    opt = mlp_opt(model)
+    x, y = mlp_batches(1)[0]
+    mlp_loss(model, x, y).backward()
+    opt.step()
+    wrappers.LightningOptimizer(opt).zero_grad(set_to_none=False)
+    assert opt._kept_zeros.keeping
+    opt.zero_grad(set_to_none=True)
+    assert not opt._kept_zeros.keeping
+    opt.close()
+
+
+def test_a_parameter_listed_twice_counts_once() -> None:
+    """torch allows a parameter twice in a group (it warns): an optimizer over half the
+    parameters, each listed twice, clears half of them, and is refused mid-window, not
+    taken for a clear of the whole window."""
+    model = mlp()
+    opt = mlp_opt(model)
+    half = list(model.parameters())[:3]
+    with pytest.warns(UserWarning, match="duplicate"):
+        other = torch.optim.SGD(half + half, lr=0.1)
+    x, y = mlp_batches(1)[0]
+    mlp_loss(model, x, y).backward()
+    with pytest.raises(ValueError, match="clears 3 of the 6 parameters"):
+        other.zero_grad()
+    opt.close()

@@ -18,9 +18,10 @@ whether the last ``zero_grad`` kept them. On one rank only: on several, the step
 parameter any rank's backward reached, and each rank knows only its own, so a rank that
 refused alone would leave the others waiting in the step's collectives (the ranks' merged
 arrivals would cost a collective per step where none is taken). Not checked either: an
-announced step (``backward(step=True)``), planned before the arrivals are known, and the
-model's own ``model.zero_grad(set_to_none=False)``, which the optimizer never sees (the
-parameters hold no ``.grad`` for it to zero).
+announced step (``backward(step=True)``), planned before the arrivals are known.
+``model.zero_grad(set_to_none=False)`` over every parameter the optimizer trains is its own
+``zero_grad(set_to_none=False)`` (Note [zero_grad from elsewhere reaches the window] in
+``torch_zero_grad.py``).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from .rule.base import Hyper
 from .rule.values import check_torch_switches
 from .scaled_backward import ScaleCheckedRouter, ScaledBackwards
 from .torch_clipping import refuse_plain_trainer
+from .torch_zero_grad import torch_zero_grad
 from .update.loss_scaler import LossScaler
 from .update.modes import DelayedUpdate, ImmediateUpdate, StepFailed
 from .update.policy import StepPolicy
@@ -438,7 +439,7 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
         torch would step a parameter with its kept zero ``.grad`` (Note [zero gradients are
         not kept] in ``kept_zero_grads.py``)."""
         self._kept_zeros.zero_grad(set_to_none)
-        super().zero_grad(set_to_none=True)
+        torch_zero_grad(self, set_to_none=True)  # torch's, unwrapped (torch_zero_grad.py)
         if self._finalizer.alive:
             self._policy.discard_window(self)
 

@@ -27,9 +27,9 @@ hook takes one, and so is stepped as torch steps it, where no backward of the wi
 that parameter a gradient (``BucketGrads.arrived``). Where one did, that gradient left for
 the bucket and ``.grad`` was None after it: torch would step the ``.grad`` set in its place,
 while taking it in would step their sum, so it is refused and left on ``.grad``, nothing
-taken. What cannot be seen: ``param.grad = None`` after a backward (it was None already),
-and ``model.zero_grad(set_to_none=False)`` (nothing to zero); docs/gradient-semantics.md
-says what to do instead.
+taken. What cannot be seen: ``param.grad = None`` after a backward (it was None already);
+docs/gradient-semantics.md says what to do instead. (``model.zero_grad()`` reaches the
+window: Note [zero_grad from elsewhere reaches the window] in ``torch_zero_grad.py``.)
 """
 
 from __future__ import annotations

@@ -7,13 +7,15 @@ sets ``.grad`` to None (the gradient leaves during backward). torch runs a tenso
 the order they were registered, so a hook a user registers after building the optimizer (a
 per-element clamp, noise, a gradient statistic) ran after ours and saw None: its edit was
 lost and nothing said so. With torch's optimizers such a hook runs before the step reads
-``.grad``, wherever it was registered. So importing ``zero_offload`` wraps
+``.grad``, wherever it was registered. So importing ``zero_offload.optim`` wraps
 ``torch.Tensor.register_post_accumulate_grad_hook``: on a parameter a live offload optimizer
 trains, the new hook is registered as torch does and the optimizer's hook is then moved
 behind it (the hooks are an ordered dict keyed by handle id; ``BackwardRouter.keep_last``).
 The user's hook sees the gradient and may change it in place or replace it, and the
 optimizer takes what it leaves, as torch's step would read it. Hooks registered before the
-optimizer ran before it already.
+optimizer ran before it already. Not for a hook registered on a parameter while autograd
+runs that parameter's hooks (from inside another of its hooks, or another thread during
+its backward): the reordering rewrites the dict autograd is walking.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ gradients are not in ``.grad`` (they leave during backward), so none of these co
 them: a loop that cleared that way in the middle of a window (an adversarial example's
 input-gradient backward, a skipped bad batch, the generator's backward through the
 discriminator) kept the gradients it meant to drop, and the next step added them in,
-silently. So importing ``zero_offload`` wraps ``torch.nn.Module.zero_grad`` and
-``torch.optim.Optimizer.zero_grad``: the parameters that a live offload optimizer trains
+silently. So importing ``zero_offload.optim`` (which every offload optimizer's import does)
+wraps ``torch.nn.Module.zero_grad`` and ``torch.optim.Optimizer.zero_grad``: the parameters that a live offload optimizer trains
 (``OWNERS``, looked up only while one is alive) are cleared in their optimizer's window.
 
 - A call that covers every parameter an optimizer trains is that optimizer's own
@@ -22,7 +22,10 @@ silently. So importing ``zero_offload`` wraps ``torch.nn.Module.zero_grad`` and
   (``opt.zero_grad()``), or give the parameters cleared apart an optimizer of their own.
   With nothing pending (after a step, or before any backward) there is nothing to clear
   and the call goes through.
-- An offload optimizer's own ``zero_grad`` (which calls torch's) is not wrapped again.
+- An offload optimizer's own ``zero_grad`` calls torch's unwrapped (``torch_zero_grad``), also
+  through the frameworks' wrappers that run it with themselves as ``self`` (Lightning's
+  ``LightningOptimizer``, Fabric's): the guard would see that as another object's clear.
+- Parameters listed twice (torch warns, and allows it) count once.
 
 What cannot be seen: ``p.grad = None`` written by hand for one parameter, and a reference to
 torch's function taken before ``zero_offload`` was imported.
@@ -39,7 +42,7 @@ import torch
 from .grads.lifecycle import GradState
 from .lifetime import OWNERS
 
-__all__ = ["install"]
+__all__ = ["install", "torch_zero_grad"]
 
 #: Marks a ``zero_grad`` this module wrapped (so it is wrapped once).
 _WRAPPED = "__zero_offload_zero_grad__"
@@ -53,9 +56,11 @@ _PENDING = frozenset(
 def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, int]]:
     """Each live offload optimizer that trains one of ``params``: id -> (it, how many)."""
     found: dict[int, tuple[Any, int]] = {}
+    seen: set[int] = set()
     for param in params:  # frozen ones too: a layer frozen mid-run is still in a bucket
-        if not isinstance(param, torch.Tensor):
+        if not isinstance(param, torch.Tensor) or id(param) in seen:
             continue
+        seen.add(id(param))
         ref = OWNERS.get(param)
         owner = ref() if ref is not None else None
         if owner is None or owner.closed:
@@ -112,7 +117,7 @@ def _guard_optimizer(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not OWNERS:
             return fn(self, set_to_none)
         found = _owners(p for group in self.param_groups for p in group["params"])
-        found.pop(id(self), None)  # an offload optimizer's own zero_grad calls torch's
+        found.pop(id(self), None)  # an offload optimizer calls torch_zero_grad; in case
         whole = _check(found, f"{type(self).__name__}.zero_grad()")
         fn(self, set_to_none)
         for opt in whole:
@@ -120,6 +125,16 @@ def _guard_optimizer(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(zero_grad, _WRAPPED, True)
     return zero_grad
+
+
+def torch_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+    """torch's own ``Optimizer.zero_grad``, unwrapped: for an offload optimizer's
+    ``zero_grad``, whatever object runs it (Note [zero_grad from elsewhere reaches the
+    window])."""
+    fn = torch.optim.Optimizer.zero_grad
+    if getattr(fn, _WRAPPED, False):
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
+    fn(optimizer, set_to_none)
 
 
 def install() -> None:
