@@ -60,11 +60,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from ..collectives import all_gather_bytes
 from ..optim import OffloadAdamW, OffloadOptimizer
 from ..optim.clipping import clip_grad_norm_ as clip_grad_norm_across
 from ..optim.clipping import total_grad_norm
-from ..optim.rank_agreement import share_outcome
 from ..profiling.metrics import StepMetrics
 from ..weights import has_source
 from ._optim import clip_norm, saveable
@@ -360,18 +358,8 @@ class OffloadAccelerator(Accelerator):
         """Stream back each optimizer the checkpoint streamed, before accelerate loads
         anything; refuse first what cannot load."""
         stand_ins = [opt for opt in self._optimizers if isinstance(opt, Streamed)]
-        for opt in stand_ins:  # every rank refuses alike (Note [a rank that fails alone])
-            failed: ValueError | None = None
-            try:
-                opt.check(input_dir)
-            except ValueError as exc:
-                failed = exc
-            inner = opt.wrapper.optimizer
-            what = f"load_state's check of {opt.file}"
-            share_outcome(failed, comm=inner.comm, what=what, owner=type(inner).__name__)
-            if failed is not None:
-                raise failed
-            _agree_on_streamed(opt, input_dir)
+        for opt in stand_ins:
+            opt.check_on_every_rank(input_dir)
         for opt in stand_ins:
             opt.load(input_dir)
 
@@ -455,30 +443,6 @@ class OffloadAccelerator(Accelerator):
                 "(model.parameters()), or call opt.clip_grad_norm_(max_norm)"
             )
         return owners[0]
-
-
-def _agree_on_streamed(opt: Streamed, input_dir: str) -> None:
-    """Every rank read the same ``optimizer{_i}.bin`` (a marker or a state dict): where
-    they read different ones (node-local checkpoint folders), some would stream and wait for
-    the others; refused on every rank instead, before anything loads. A collective with
-    several ranks."""
-    inner = opt.wrapper.optimizer
-    if inner.comm is None:
-        return
-    flags = all_gather_bytes(
-        b"\x01" if opt.streamed else b"\x00",
-        comm=inner.comm,
-        what=f"whether each rank's {opt.file} is a streamed marker",
-        length=1,
-    )
-    if len(set(flags)) > 1:
-        marked = [rank for rank, flag in enumerate(flags) if flag == b"\x01"]
-        raise ValueError(
-            f"{inner.comm.where()}: load_state({str(input_dir)!r}): {opt.file} is a streamed "
-            f"marker on ranks {marked} and a state dict on the others: every rank must read "
-            "the same checkpoint folder (one every rank can reach, or copies of it whole); "
-            "nothing was loaded"
-        )
 
 
 def _params(opt: OffloadOptimizer) -> list[torch.Tensor]:

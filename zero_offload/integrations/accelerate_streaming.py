@@ -36,6 +36,7 @@ import torch
 
 from ..collectives import all_gather_bytes
 from ..optim.checkpoint.streaming import world_mismatch
+from ..optim.rank_agreement import share_outcome
 from ._optim import state_on_nvme, streaming_name
 
 __all__ = ["Streamed", "behind", "streams_on_any_rank"]
@@ -93,6 +94,31 @@ class Streamed:
                 "with nvme_dir set; nothing was loaded"
             )
 
+    def check_on_every_rank(self, input_dir: str | os.PathLike[str]) -> None:
+        """``check``, every rank refusing where one does (Note [a rank that fails alone]),
+        and every rank having read the same ``optimizer{_i}.bin`` (a marker or a state dict):
+        where they read different ones (node-local checkpoint folders) some would stream
+        and wait for the others. A collective with several ranks."""
+        inner = self.wrapper.optimizer
+        failed: ValueError | None = None
+        try:
+            self.check(input_dir)
+        except ValueError as exc:
+            failed = exc
+        what = f"load_state's check of {self.file}"
+        share_outcome(failed, comm=inner.comm, what=what, owner=type(inner).__name__)
+        if failed is not None:
+            raise failed
+        streamed = _each_rank(self.streamed, inner, f"whether each rank's {self.file} is a marker")
+        if len(set(streamed)) > 1:
+            marked = [rank for rank, flag in enumerate(streamed) if flag]
+            raise ValueError(
+                f"{inner.comm.where()}: load_state({str(input_dir)!r}): {self.file} is a "
+                f"streamed marker on ranks {marked} and a state dict on the others: every rank "
+                "must read the same checkpoint folder (one every rank can reach, or copies of "
+                "it whole); nothing was loaded"
+            )
+
     def load(self, input_dir: str | os.PathLike[str]) -> None:
         if self.streamed:
             self.wrapper.optimizer.load_streaming(os.path.join(input_dir, self.name))
@@ -129,22 +155,23 @@ def _holds_marker(path: str) -> bool:
     return isinstance(saved, dict) and _MARKER in saved
 
 
+def _each_rank(flag: bool, opt: Any, what: str) -> list[bool]:
+    """``flag`` of every rank of ``opt``'s process group, in rank order (this rank's alone
+    with one rank). A collective with several ranks."""
+    if opt.comm is None:
+        return [flag]
+    flags = all_gather_bytes(b"\x01" if flag else b"\x00", comm=opt.comm, what=what, length=1)
+    return [f != b"\x00" for f in flags]
+
+
 def streams_on_any_rank(wrapper: Any) -> bool:
     """Whether ``save_state`` streams this optimizer: where any rank's config puts its state
     on NVMe (``nvme_dir`` may be set on some ranks only), every rank streams, so that all
     take part in ``save_streaming``'s collectives (Note [a rank that fails alone]). A
     collective with several ranks."""
     opt = wrapper.optimizer
-    mine = state_on_nvme(opt)
-    if opt.comm is None:
-        return mine
-    flags = all_gather_bytes(
-        b"\x01" if mine else b"\x00",
-        comm=opt.comm,
-        what="whether save_state streams the optimizer state (nvme_dir set) on each rank",
-        length=1,
-    )
-    return any(flag != b"\x00" for flag in flags)
+    what = "whether save_state streams the optimizer state (nvme_dir set) on each rank"
+    return any(_each_rank(state_on_nvme(opt), opt, what))
 
 
 def behind(opt: Any) -> Any:

@@ -97,15 +97,23 @@ def _check(found: dict[int, tuple[Any, int]], what: str) -> list[Any]:
     return whole
 
 
+def _clear(fn: Callable[..., Any], owner: Any, params: Iterable[Any], set_to_none: bool) -> None:
+    """torch's ``fn`` on ``owner`` (a module or an optimizer), then the windows of the
+    offload optimizers whose every parameter ``params`` holds; checked first."""
+    found = _owners(params)
+    found.pop(id(owner), None)  # an offload optimizer itself clears through torch_zero_grad
+    whole = _check(found, f"{type(owner).__name__}.zero_grad()")
+    fn(owner, set_to_none)
+    for opt in whole:
+        opt.zero_grad(set_to_none=set_to_none)
+
+
 def _guard_module(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
         if not OWNERS:  # no offload optimizer alive: torch's own, nothing looked up
             return fn(self, set_to_none)
-        whole = _check(_owners(self.parameters()), f"{type(self).__name__}.zero_grad()")
-        fn(self, set_to_none)
-        for opt in whole:
-            opt.zero_grad(set_to_none=set_to_none)
+        _clear(fn, self, self.parameters(), set_to_none)
 
     setattr(zero_grad, _WRAPPED, True)
     return zero_grad
@@ -116,12 +124,8 @@ def _guard_optimizer(fn: Callable[..., Any]) -> Callable[..., Any]:
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         if not OWNERS:
             return fn(self, set_to_none)
-        found = _owners(p for group in self.param_groups for p in group["params"])
-        found.pop(id(self), None)  # an offload optimizer calls torch_zero_grad; in case
-        whole = _check(found, f"{type(self).__name__}.zero_grad()")
-        fn(self, set_to_none)
-        for opt in whole:
-            opt.zero_grad(set_to_none=set_to_none)
+        params = (p for group in self.param_groups for p in group["params"])
+        _clear(fn, self, params, set_to_none)
 
     setattr(zero_grad, _WRAPPED, True)
     return zero_grad
