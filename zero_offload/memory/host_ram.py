@@ -28,6 +28,7 @@ of a 1 TiB node is 51 GiB, most of a 64 GiB job), and "auto" would place no stat
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import psutil
@@ -39,9 +40,11 @@ __all__ = [
     "HOST_RAM_MARGIN_FRACTION",
     "HOST_RAM_MARGIN_MIN",
     "HostRam",
+    "HostShare",
     "cgroup_headroom",
     "cgroup_memory",
     "check_host_ram",
+    "host_identity",
     "host_ram",
 ]
 
@@ -186,6 +189,49 @@ def host_ram() -> HostRam:
         available = max(found[0] - found[1], 0)
         source = "the container's memory limit (cgroup) leaves"
     return HostRam(available, total, source, limited)
+
+
+# Note [ranks that share a host's RAM]
+# ``host_budget="auto"`` is the RAM this process may still take less a reserve. Eight ranks
+# on one node, or in one container, each read the same free RAM before any of them pins
+# anything, and each took all of it: together eight times what is there, so the ranks built
+# last were refused by the pools' own check, or the node swapped and the OOM killer came.
+# So at every build with several ranks, each rank sends the others what names its RAM
+# (``host_identity``: the host name and the kernel's boot id, alike in every process of one
+# machine or one container, and apart on two) and the RAM it sees available, in one
+# all-gather before anything is allocated (``optim/ranks.py``, ``share_host``). "auto" is
+# then (the most any rank of this RAM saw available, less the one reserve) / the number of
+# those ranks, less this rank's own buffers: what ``estimate``'s rows assume with
+# ``ranks_per_node`` (Note [what "auto" leaves each rank] in ``state/nvme_plan.py``).
+# Ranks of another job on the same machine are not counted (they are not in the group);
+# what they hold is already not available.
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """The optimizer's ranks that draw on this process's host RAM (Note [ranks that share a
+    host's RAM]).
+
+    Fields:
+        ranks: how many, this one included (at least 1).
+        available: the most host RAM any of them saw available (``HostRam.available``) at
+            the exchange, before any of them allocated for the build.
+    """
+
+    ranks: int
+    available: int
+
+
+def host_identity() -> str:
+    """What names the RAM this process draws from: the host name and the kernel's boot id
+    (the same in every process of one machine or container; Note [ranks that share a
+    host's RAM])."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def check_host_ram(nbytes: int, *, what: str, sized_by: str) -> None:

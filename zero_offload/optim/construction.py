@@ -14,6 +14,7 @@ import torch
 
 from ..config import GradStaging, OffloadConfig
 from ..errors import Attempts
+from ..memory.host_ram import HostShare
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..partition import BucketLayout
@@ -25,7 +26,7 @@ from .flat_bucket import FlatBucket
 from .lifetime import OWNERS, Resources, Segment, check_owners
 from .rank_agreement import BuiltTogether, agree_on_build
 from .rank_starts import start_from_rank0
-from .ranks import Ranks
+from .ranks import Ranks, share_host
 from .reports.live import OptimizerState
 from .rule.base import OptimizerRule
 from .segment_plan import SegmentPlan, open_staging_ring, plan_layouts, plan_segment
@@ -69,6 +70,8 @@ class SegmentBuilder:
         #: What the last ``build`` held at its worst (Note [construction peaks] in
         #: ``weights/source.py``); None before the first.
         self.peaks: ConstructionPeaks | None = None
+        #: The ranks on this host's RAM at the last build (None with one rank).
+        self._share: HostShare | None = None
 
     @staticmethod
     def _all_params(owner: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -140,6 +143,8 @@ class SegmentBuilder:
         self._agree(owner, group_indices, refused)
         if not families:
             return
+        # Every rank, before anything is allocated: Note [ranks that share a host's RAM].
+        self._share = share_host(self.ranks.comm)
         together = BuiltTogether(self.ranks.comm, owner=type(owner).__name__)
         try:
             tracker = PeakTracker(self.manager, trainable)
@@ -341,6 +346,7 @@ class SegmentBuilder:
             tracker=tracker,
             offload=offload,
             owner=type(owner).__name__,
+            share=self._share,
         )
 
     def _undo(

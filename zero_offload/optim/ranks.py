@@ -11,6 +11,7 @@ all-gathered. Code above asks neither which one it has nor how many ranks there 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -24,17 +25,26 @@ from ..accelerator.host_syncs import synchronize_completed
 from ..collectives import (
     Comm,
     Pending,
+    all_gather_bytes,
     all_gather_flat,
     all_reduce_stats,
     make_comm,
     reduce_scatter_avg,
     wait_all,
 )
+from ..memory.host_ram import HostShare, host_identity, host_ram
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category
 from ..tracing import phase
 
-__all__ = ["Ranks", "ShardedParamRanks", "ShardedRanks", "SingleRank", "optimizer_comm"]
+__all__ = [
+    "Ranks",
+    "ShardedParamRanks",
+    "ShardedRanks",
+    "SingleRank",
+    "optimizer_comm",
+    "share_host",
+]
 
 
 # Note [a process group of the optimizer's own]
@@ -64,6 +74,30 @@ def optimizer_comm(process_group: Any, *, timeout: float) -> Comm | None:
         if world > 1:
             process_group = dist.new_group(ranks=list(range(world)), backend=dist.get_backend())
     return make_comm(process_group, timeout=timeout)
+
+
+def share_host(comm: Comm | None) -> HostShare | None:
+    """How many of ``comm``'s ranks draw on this process's host RAM, and the most RAM any
+    of them sees available: one all-gather of 24 bytes per rank (Note [ranks that share a
+    host's RAM] in ``memory/host_ram.py``); None with one rank. A collective: every rank of
+    the optimizer calls it at each build, before anything is allocated."""
+    if comm is None:
+        return None
+    key = hashlib.blake2b(host_identity().encode(), digest_size=16).digest()
+    mine = key + host_ram().available.to_bytes(8, "little")
+    every = all_gather_bytes(
+        mine,
+        comm=comm,
+        what="which ranks share a host's RAM (Note [ranks that share a host's RAM])",
+        advice=(
+            "Every rank must construct the optimizer (and call add_param_group) alike, at "
+            "the same point of the program; a rank whose construction raised says why in "
+            "its log."
+        ),
+        length=len(mine),
+    )
+    same = [int.from_bytes(b[16:], "little") for b in every if b[:16] == key]
+    return HostShare(ranks=len(same), available=max(same))
 
 
 class Ranks(ABC):

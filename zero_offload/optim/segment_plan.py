@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..config import GradStaging, OffloadConfig
+from ..memory.host_ram import HostShare
 from ..memory.manager import Tier, TieredMemoryManager
 from ..memory.pool import BlockPool
 from ..memory.storage import IO_ALIGNMENT, IO_BUFFERS
@@ -87,11 +88,14 @@ def plan_segment(
     tracker: PeakTracker,
     offload: Any,
     owner: str = "the optimizer",
+    share: HostShare | None = None,
 ) -> SegmentPlan:
     """Place ``layouts``' state and allocate the device pool. ``groups``: the segment's
     param groups; ``offload``: the ``ParamOffloader`` whose window was planned (its units'
     weights live in their homes, not in ``weights_dev``), or None; ``owner``: the
-    optimizer's class, as a refusal names it."""
+    optimizer's class, as a refusal names it; ``share``: the ranks on this host's RAM,
+    which split ``host_budget="auto"`` (Note [what "auto" leaves each rank] in
+    ``state/nvme_plan.py``)."""
     moments_dtype = torch.bfloat16 if config.moments_dtype == "bfloat16" else torch.float32
     state = rule.state_fields(moments_dtype, groups)  # an offloaded bucket's
     resident_state = rule.state_fields(torch.float32, groups)  # a resident one's
@@ -111,7 +115,7 @@ def plan_segment(
         step_temporaries=_step_temporaries(rule, groups, layouts),
         owner=owner,
     )
-    nvme_config = _nvme_config(config, layouts, placement, params, state, window_bytes)
+    nvme_config = _nvme_config(config, layouts, placement, params, state, window_bytes, share)
     nvme = NvmeBackends(  # OffloadConfig.nvme_dir: what does not fit host_budget
         manager,
         plan_nvme(
@@ -124,6 +128,7 @@ def plan_segment(
             alignment=POOL_ALIGNMENT,
             homes_movable=window_bytes is not None,  # the staging is each unit's home
             window_bytes=window_bytes or 0,
+            share=share,
         ),
         config=config,
         rank=rank,
@@ -202,6 +207,7 @@ def _nvme_config(
     params: list[torch.Tensor],
     state: StateFields,
     window_bytes: int | None,
+    share: HostShare | None,
 ) -> OffloadConfig:
     """The config ``plan_nvme`` places state with. With in-flight staging and
     ``host_budget="auto"`` the budget is resolved here, less what is in RAM whatever the
@@ -227,5 +233,5 @@ def _nvme_config(
         other += own_staging_bytes(offloaded, sizes, alignment=POOL_ALIGNMENT)
     else:
         other += home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
-    budget = resolve_host_budget(config, other_host_bytes=other)
+    budget = resolve_host_budget(config, other_host_bytes=other, share=share)
     return dataclasses.replace(config, host_budget=budget)

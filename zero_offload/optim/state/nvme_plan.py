@@ -41,7 +41,7 @@ import torch
 
 from ...config import OffloadConfig
 from ...memory.align import aligned
-from ...memory.host_ram import host_ram
+from ...memory.host_ram import HostShare, host_ram
 from ...memory.storage import IO_ALIGNMENT, IO_BUFFERS
 from ...partition import BucketLayout
 from ...weights.nvme_home import home_ring_bytes, weight_file_bytes
@@ -260,18 +260,33 @@ def tile_sizes(bucket: BucketLayout, shard: tuple[int, int], record: RecordLayou
     return sizes or [1]
 
 
-def resolve_host_budget(config: OffloadConfig, *, other_host_bytes: int) -> int | None:
-    """``config.host_budget`` in bytes for the master and moments; ``"auto"`` is the RAM
-    available now less max(10% of total, 2 GiB) and less ``other_host_bytes`` (gradients,
-    staging, I/O buffers: they are in host RAM whatever the placement). In a container,
-    available and total are its limit's (Note [host RAM in a container] in
-    ``memory/host_ram.py``)."""
+def resolve_host_budget(
+    config: OffloadConfig, *, other_host_bytes: int, share: HostShare | None = None
+) -> int | None:
+    """``config.host_budget`` in bytes for the master and moments; ``"auto"`` is this
+    rank's part of the RAM available less max(10% of total, 2 GiB), less
+    ``other_host_bytes`` (gradients, staging, I/O buffers: they are in host RAM whatever the
+    placement). In a container, available and total are its limit's (Note [host RAM in a
+    container] in ``memory/host_ram.py``); ``share``: the ranks that draw on the same RAM
+    (Note [what "auto" leaves each rank])."""
     budget = config.host_budget
     if budget is None or isinstance(budget, int):
         return budget
     ram = host_ram()
     headroom = max(int(ram.total * AUTO_HOST_HEADROOM_FRACTION), AUTO_HOST_HEADROOM_MIN)
-    return max(0, ram.available - headroom - other_host_bytes)
+    if share is None:
+        return max(0, ram.available - headroom - other_host_bytes)
+    return max(0, (share.available - headroom) // share.ranks - other_host_bytes)
+
+
+# Note [what "auto" leaves each rank]
+# With several ranks on one host's RAM, the reserve is kept once for the host, and what is
+# left after it is split evenly between the ranks; each rank's own buffers (gradient
+# staging, I/O buffers, rings) come out of its part. The available figure is the largest
+# any of those ranks read at the build's exchange (Note [ranks that share a host's RAM] in
+# memory/host_ram.py), taken before any of them allocated, so a rank that builds a little
+# later does not count its neighbours' new pools twice. estimate's rows make the same
+# split with ``ranks_per_node``.
 
 
 def plan_nvme(
@@ -285,12 +300,14 @@ def plan_nvme(
     alignment: int,
     homes_movable: bool = False,
     window_bytes: int = 0,
+    share: HostShare | None = None,
 ) -> NvmePlan:
     """Place offloaded buckets whole: in bucket order, on the host while their master and
     moments fit ``host_budget``; that bucket and every later one on NVMe. With
     ``homes_movable`` (parameter offload: the staging is the unit's home) the budget holds
     the homes first, then the state (Note [homes on NVMe]); ``window_bytes``, the device
-    window's, bounds the bounce ring that "auto" leaves room for.
+    window's, bounds the bounce ring that "auto" leaves room for; ``share``, the ranks on
+    this host's RAM, splits "auto" (Note [what "auto" leaves each rank]).
 
     Without ``nvme_dir`` every offloaded bucket stays on the host (``host_pool`` is then
     ``placement.host_state``, unchanged)."""
@@ -312,7 +329,9 @@ def plan_nvme(
         _nvme_host_bytes(b, itemsize=s, state=state, alignment=alignment) for b, s in offloaded
     )
     budget = resolve_host_budget(
-        config, other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT
+        config,
+        other_host_bytes=minimum + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT,
+        share=share,
     )
     homes: set[int] = set()
     home_disk = home_ring = 0
@@ -322,7 +341,7 @@ def plan_nvme(
             rings = home_ring_bytes(config.tile_elements, max(sizes, default=1)) + window_bytes
             other = grads + IO_BUFFERS * record.record_bytes + IO_ALIGNMENT + rings
             other += sum(_shaped_bytes(b, state, alignment) for b, _ in offloaded)
-            budget = resolve_host_budget(config, other_host_bytes=other)
+            budget = resolve_host_budget(config, other_host_bytes=other, share=share)
         kept = 0  # homes in host RAM, bucket order
         for b, s in offloaded:
             home = aligned(s * b.shard_numel, alignment)
