@@ -231,3 +231,47 @@ def test_a_parameter_listed_twice_counts_once() -> None:
     with pytest.raises(ValueError, match="clears 3 of the 6 parameters"):
         other.zero_grad()
     opt.close()
+
+
+def test_a_step_without_backward_after_a_partial_clear_is_refused() -> None:
+    """``model[0].zero_grad()`` after a step, then ``step()`` with no backward: torch steps
+    only the parameters it did not clear (their ``.grad`` is kept), and a stepped window
+    cannot be re-stepped for some parameters alone. Refused, nothing stepped, and refused
+    again; a backward in between opens a new window, which steps as torch's (Note [a
+    partial clear after a step] in ``optim/kept_zero_grads.py``). Before, the step re-stepped
+    every parameter, the cleared ones included, without a word."""
+    model, ref, opt, ropt = _pair()
+    pairs = mlp_batches(3)
+    for m, o in ((model, opt), (ref, ropt)):
+        x, y = pairs[0]
+        mlp_loss(m, x, y).backward()
+        o.step()
+        m[0].zero_grad()  # some of the parameters, after the step
+    ropt.step()  # torch: every layer but the first again, with the same gradients
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # refused, and refused again: the record is kept on a refusal
+        with pytest.raises(ValueError, match=r"parameter [01] .* Nothing was stepped"):
+            opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # The loop the refusal asks for: a backward first. Both clear, backward, step.
+    for m, o in ((model, opt), (ref, ropt)):
+        for x, y in pairs[1:]:
+            o.zero_grad()
+            mlp_loss(m, x, y).backward()
+            o.step()
+    # torch made one more step of layers 1 and 2 (the re-step ours refused): match it by
+    # a fresh run without that step instead of comparing with torch directly.
+    model2, ref2, opt2, ropt2 = _pair()
+    for m, o in ((model2, opt2), (ref2, ropt2)):
+        x, y = pairs[0]
+        mlp_loss(m, x, y).backward()
+        o.step()
+        m[0].zero_grad()
+        for x, y in pairs[1:]:  # a backward after the partial clear: nothing refused
+            o.zero_grad()
+            mlp_loss(m, x, y).backward()
+            o.step()
+    assert max_diff(model2, ref2) < TOL
+    assert max_diff(model, model2) == 0  # the refused step changed nothing
+    for o in (opt, opt2):
+        o.close()

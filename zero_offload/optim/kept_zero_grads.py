@@ -22,6 +22,20 @@ announced step (``backward(step=True)``), planned before the arrivals are known.
 ``model.zero_grad(set_to_none=False)`` over every parameter the optimizer trains is its own
 ``zero_grad(set_to_none=False)`` (Note [zero_grad from elsewhere reaches the window] in
 ``torch_zero_grad.py``).
+
+Note [a partial clear after a step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+After a step the buckets keep the window's gradients (``GradState.CONSUMED``): torch keeps
+every ``.grad`` after a step, and a second ``step()`` with no backward between steps every
+parameter again with the same gradients, as this one does. A ``zero_grad`` that clears some
+of the optimizer's parameters there (``model.encoder.zero_grad()``; Note [zero_grad from
+elsewhere reaches the window] lets it through, nothing being pending) leaves torch's other
+``.grad``s, so torch's next ``step()`` without a backward steps only the parameters not
+cleared. A bucket's window cannot be dropped for some of its parameters, so that ``step()``
+refuses, before anything changes, naming a cleared parameter; a backward in between opens a
+new window and nothing is refused (the cleared parameters then step where it reached them,
+as in torch). ``zero_grad()`` over them all, or a step, ends the record. On one rank only,
+as above.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .checks import describe_param, param_name
+from .grads.lifecycle import GradState
 
 if TYPE_CHECKING:
     from .flat_bucket import FlatBucket
@@ -47,12 +62,29 @@ class KeptZeroGrads:
     def __init__(self) -> None:
         self.keeping = False
         self._seen: dict[int, np.ndarray] = {}
+        #: Per bucket index, (n_slots,) bool: parameters a partial ``zero_grad`` cleared
+        #: while the bucket held a stepped window (Note [a partial clear after a step]).
+        self._cleared: dict[int, np.ndarray] = {}
+
+    def cleared_after_step(self, buckets: Sequence[FlatBucket], params: Sequence[Any]) -> None:
+        """A ``zero_grad`` elsewhere cleared ``params``, some of the parameters these buckets
+        train, with no gradient pending (Note [a partial clear after a step])."""
+        wanted = {id(p) for p in params}
+        for bucket in buckets:
+            if bucket.grads.state is not GradState.CONSUMED:
+                continue
+            hit = np.fromiter((id(p) in wanted for p in bucket.params), bool, len(bucket.params))
+            hit &= bucket.grads.arrived  # a parameter the stepped window reached
+            if hit.any():
+                index = bucket.layout.index
+                self._cleared[index] = hit | self._cleared.get(index, False)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``zero_grad(set_to_none)`` was called."""
         if not isinstance(set_to_none, bool):
             raise TypeError(f"zero_grad(set_to_none=...) takes a bool, got {set_to_none!r}")
         self.keeping = not set_to_none
+        self._cleared.clear()  # the whole window is forgotten
         if set_to_none:
             self._seen.clear()
 
@@ -66,9 +98,12 @@ class KeptZeroGrads:
     ) -> None:
         """Refuse, before anything changes, a step torch would take for a parameter it holds
         a zeroed ``.grad`` for and no gradient reached; then count this window's arrivals.
-        Nothing on several ``ranks`` (see the Note)."""
+        Nothing on several ``ranks`` (see the Note). Also refuses a step that would reuse a
+        window some of whose parameters were cleared since (Note [a partial clear after a
+        step])."""
         if ranks > 1:
             return
+        self._check_cleared(owner, buckets, param_groups)
         for bucket in buckets:
             seen = self._seen.get(bucket.layout.index)
             if not self.keeping or seen is None:
@@ -91,3 +126,27 @@ class KeptZeroGrads:
             arrived = bucket.grads.arrived
             seen = self._seen.get(bucket.layout.index)
             self._seen[bucket.layout.index] = arrived.copy() if seen is None else seen | arrived
+
+    def _check_cleared(
+        self, owner: Any, buckets: Sequence[FlatBucket], param_groups: Sequence[dict[str, Any]]
+    ) -> None:
+        """Note [a partial clear after a step]: refuse to step a stepped window again where
+        some of its parameters were cleared since; the record ends with this step."""
+        cleared, self._cleared = self._cleared, {}
+        for bucket in buckets:
+            hit = cleared.get(bucket.layout.index)
+            if hit is None or bucket.grads.state is not GradState.CONSUMED:
+                continue  # a backward since opened a new window
+            first = int(np.flatnonzero(hit)[0])
+            slot = bucket.layout.slots[first]
+            param = bucket.params[first]
+            what = describe_param(slot.index, param, param_name(param_groups, slot.index))
+            self._cleared = cleared  # refused: the next step() refuses alike
+            raise ValueError(
+                f"{what} was cleared by a zero_grad() of only some of the parameters "
+                f"{owner!r} trains, after its last step and with no backward since: torch "
+                "would step the others again with their kept .grad and skip it, and a "
+                "stepped window is kept per bucket, not per parameter, so step() would "
+                "step it too. Nothing was stepped. Run a backward first, or clear every "
+                "parameter with opt.zero_grad() (Note [a partial clear after a step])"
+            )

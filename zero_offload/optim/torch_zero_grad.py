@@ -21,7 +21,8 @@ wraps ``torch.nn.Module.zero_grad`` and ``torch.optim.Optimizer.zero_grad``: the
   parameters' share of it cannot be taken out. Clear through the optimizer
   (``opt.zero_grad()``), or give the parameters cleared apart an optimizer of their own.
   With nothing pending (after a step, or before any backward) there is nothing to clear
-  and the call goes through.
+  and the call goes through; a ``step()`` right after it, with no backward between, is
+  refused (Note [a partial clear after a step] in ``kept_zero_grads.py``).
 - An offload optimizer's own ``zero_grad`` calls torch's unwrapped (``torch_zero_grad``), also
   through the frameworks' wrappers that run it with themselves as ``self`` (Lightning's
   ``LightningOptimizer``, Fabric's): the guard would see that as another object's clear.
@@ -53,9 +54,9 @@ _PENDING = frozenset(
 )
 
 
-def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, int]]:
-    """Each live offload optimizer that trains one of ``params``: id -> (it, how many)."""
-    found: dict[int, tuple[Any, int]] = {}
+def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
+    """Each live offload optimizer that trains one of ``params``: id -> (it, those)."""
+    found: dict[int, tuple[Any, list[Any]]] = {}
     seen: set[int] = set()
     for param in params:  # frozen ones too: a layer frozen mid-run is still in a bucket
         if not isinstance(param, torch.Tensor) or id(param) in seen:
@@ -65,8 +66,7 @@ def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, int]]:
         owner = ref() if ref is not None else None
         if owner is None or owner.closed:
             continue
-        _, count = found.get(id(owner), (owner, 0))
-        found[id(owner)] = (owner, count + 1)
+        found.setdefault(id(owner), (owner, []))[1].append(param)
     return found
 
 
@@ -75,12 +75,13 @@ def _trained(opt: Any) -> int:
     return sum(len(bucket.params) for bucket in opt.buckets)
 
 
-def _check(found: dict[int, tuple[Any, int]], what: str) -> list[Any]:
-    """The optimizers whose whole window ``what`` clears; refuses a partial clear of a
-    window with pending gradients (Note [zero_grad from elsewhere reaches the window])."""
-    whole = []
-    for opt, count in found.values():
-        total = _trained(opt)
+def _check(found: dict[int, tuple[Any, list[Any]]], what: str) -> tuple[list[Any], list[Any]]:
+    """The optimizers whose whole window ``what`` clears, and those it clears some
+    parameters of with nothing pending (with the parameters); refuses a partial clear of
+    a window with pending gradients (Note [zero_grad from elsewhere reaches the window])."""
+    whole, partial = [], []
+    for opt, cleared in found.values():
+        count, total = len(cleared), _trained(opt)
         if count >= total:
             whole.append(opt)
             continue
@@ -94,7 +95,8 @@ def _check(found: dict[int, tuple[Any, int]], what: str) -> list[Any]:
                 "with an optimizer of their own (Note [zero_grad from elsewhere reaches the "
                 "window])"
             )
-    return whole
+        partial.append((opt, cleared))
+    return whole, partial
 
 
 def _clear(fn: Callable[..., Any], owner: Any, params: Iterable[Any], set_to_none: bool) -> None:
@@ -102,10 +104,12 @@ def _clear(fn: Callable[..., Any], owner: Any, params: Iterable[Any], set_to_non
     offload optimizers whose every parameter ``params`` holds; checked first."""
     found = _owners(params)
     found.pop(id(owner), None)  # an offload optimizer itself clears through torch_zero_grad
-    whole = _check(found, f"{type(owner).__name__}.zero_grad()")
+    whole, partial = _check(found, f"{type(owner).__name__}.zero_grad()")
     fn(owner, set_to_none)
     for opt in whole:
         opt.zero_grad(set_to_none=set_to_none)
+    for opt, cleared in partial:  # Note [a partial clear after a step] in kept_zero_grads.py
+        opt._kept_zeros.cleared_after_step(opt.buckets, cleared)
 
 
 def _guard_module(fn: Callable[..., Any]) -> Callable[..., Any]:
