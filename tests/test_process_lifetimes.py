@@ -1,7 +1,7 @@
 """Processes that die, fork or exit around an optimizer: a killed save's temporary goes at
 the next save (Note [a dead writer's temporaries] in ``zero_offload/fileio.py``); a forked
 child neither touches the parent's NVMe files nor hangs (Notes [a forked child has no worker
-threads] in ``accelerator/threads.py`` and [a tier belongs to the process that opened it] in
+threads] in ``accelerator/forks.py`` and [a tier belongs to the process that opened it] in
 ``memory/storage.py``); an interpreter exit without ``close()`` under parameter offload with
 NVMe homes is quiet (Note [weights on NVMe are not read back at exit] in
 ``params/windowed_views.py``).

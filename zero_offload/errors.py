@@ -74,7 +74,7 @@ class ForkedStreamError(StreamError):
     The stream's worker thread did not fork, so what is queued there could never run; the
     message names both processes and the fix (build anew in the child, or start it with
     ``spawn``). See Note [a forked child has no worker threads] in
-    ``zero_offload.accelerator.threads``.
+    ``zero_offload.accelerator.forks``.
     """
 
 

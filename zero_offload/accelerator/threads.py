@@ -23,30 +23,12 @@ work queued *earlier* after things it never waited for, hiding races.
 A worker binds its device before anything else (``bind``, by default the device its creator
 had current): Note [every library thread binds its device] in ``device_context.py``. A
 ``guard`` (strict mode's device check, ``strict.py``) runs at every call into the stream and
-its events, on the calling thread.
-
-Note [a forked child has no worker threads]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``os.fork()`` copies only the calling thread. A stream made before a fork exists in the child
-(its queue, its pending events, each a held lock: Note [a thread event is a held lock]), but
-its worker thread does not: nothing queued there will run, and a wait for it would block
-forever. So a worker remembers the process that started it, and an event the process it was
-born in (``_PID``: this process's pid, reset in a forked child by ``os.register_at_fork``).
-In any other process every call into the stream, and every wait that would block on one of
-its events, raises ``ForkedStreamError`` naming both pids and the fix. An event complete
-before the fork is complete in the child too, and waiting for it returns. Such a stream
-counts as ``closed`` in the child (its worker runs nowhere there: ``Accelerator.synchronize``
-passes over it), and closing it there joins no thread. The parent is untouched, and a
-child that never calls into what the parent built (a ``DataLoader`` worker) never notices.
-``ForkedStreamError`` is a ``StreamError``: a child that exits while it still holds the
-parent's optimizer releases it quietly (Note [a quiet exit after a failed stream] in
-``memory/quiet_exit.py``), and the parent's NVMe files stay the parent's (Note [a tier belongs
-to the process that opened it] in ``memory/storage.py``).
+its events, on the calling thread. What a forked child gets of a stream: Note [a forked
+child has no worker threads] in ``forks.py``.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -55,54 +37,22 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ForkedStreamError, StreamError, raised_again, without_frames
+from ..errors import StreamError, raised_again, without_frames
+from . import forks
 from .base import Event, Stream
 from .device_context import capture_thread_device
+from .forks import forked_error
 from .host_syncs import LIBRARY_THREAD_PREFIX, count_sync
 from .race_checker import RaceChecker, VectorClock
 
 __all__ = [
-    "ForkedStreamError",
     "Guard",
     "ThreadEvent",
     "ThreadStream",
     "ThreadTimestamp",
-    "forked_error",
-    "this_process",
 ]
 
 _STOP = object()
-
-# This process's pid, kept current in forked children: Note [a forked child has no worker
-# threads]. A global, not ``os.getpid()``, because every event reads it (a system call).
-_PID = os.getpid()
-
-
-def _after_fork_in_child() -> None:
-    global _PID
-    _PID = os.getpid()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def this_process() -> int:
-    """This process's pid, without a system call (Note [a forked child has no worker
-    threads]): what an event made here remembers, to know a forked child."""
-    return _PID
-
-
-def forked_error(what: str, owner: int) -> ForkedStreamError:
-    """The error for ``what``, made by process ``owner``, used in this forked child."""
-    return ForkedStreamError(
-        f"{what} belongs to process {owner}, and this is process {os.getpid()}, forked from "
-        "it: the stream's worker thread did not fork (os.fork() copies only the calling "
-        "thread), so work queued there can never run and waiting for it would hang forever. "
-        f"Use an optimizer only in the process that built it (here, process {owner}): build "
-        "a new one in the child, or start the child with multiprocessing's 'spawn' or "
-        "'forkserver' start method; see Note [a forked child has no worker threads]"
-    )
-
 
 #: Called with what is being touched (e.g. "stream 'h2d'") at each call into a stream or
 #: event; raises if the calling thread may not touch it (strict mode's device check).
@@ -163,7 +113,7 @@ class ThreadEvent(Event):
         # worker before completing it: Note [a copy's start is its end event's].
         self._began: float | None = None
         # The process whose worker completes it: Note [a forked child has no worker threads].
-        self._pid = _PID
+        self._pid = forks._PID
         # Held until the event completes: Note [a thread event is a held lock].
         self._pending: threading.Lock | None = None
         if done:
@@ -239,7 +189,7 @@ class ThreadEvent(Event):
         if self._completed_at is None:
             pending = self._pending
             if pending is not None:  # Note [a thread event is a held lock]
-                if self._pid != _PID:  # Note [a forked child has no worker threads]
+                if self._pid != forks._PID:  # Note [a forked child has no worker threads]
                     raise forked_error(f"an event of stream {self.stream_name!r}", self._pid)
                 pending.acquire()
                 pending.release()
@@ -291,7 +241,7 @@ class _Worker:
         self.tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.error: StreamError | None = None
         self.lock = threading.Lock()
-        self.pid = _PID  # the process the thread runs in: Note [a forked child has no ...]
+        self.pid = forks._PID  # the process it runs in: Note [a forked child has no ...]
         self._on_start = on_start
         self.thread = threading.Thread(
             target=self._run, name=f"{LIBRARY_THREAD_PREFIX}{name}", daemon=True
@@ -378,7 +328,7 @@ class ThreadStream(Stream):
     def _check(self) -> None:
         if self._guard is not None:
             self._guard(f"stream {self.name!r}")
-        if self._worker.pid != _PID:  # Note [a forked child has no worker threads]
+        if self._worker.pid != forks._PID:  # Note [a forked child has no worker threads]
             raise forked_error(f"stream {self.name!r}", self._worker.pid)
         if self._worker.error is not None:
             raise raised_again(self._worker.error)  # Note [a sticky error holds no frames]
@@ -438,7 +388,7 @@ class ThreadStream(Stream):
     def closed(self) -> bool:
         """Whether ``close()`` has stopped this stream's worker, or the worker runs in
         another process (Note [a forked child has no worker threads])."""
-        return self._closed or self._worker.pid != _PID
+        return self._closed or self._worker.pid != forks._PID
 
     def close(self) -> None:
         """Finish the work already queued, stop the worker and wait for its thread to end;
@@ -456,7 +406,7 @@ class ThreadStream(Stream):
             self.synchronize()
         finally:
             self._closed = True
-            if self._worker.pid == _PID:
+            if self._worker.pid == forks._PID:
                 self._worker.tasks.put(_STOP)
                 self._worker.thread.join()
 

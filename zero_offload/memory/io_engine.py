@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import torch
 
 from ..accelerator import Event
+from ..accelerator.forks import forked_error, this_process
 from ..accelerator.host_syncs import count_sync
-from ..accelerator.threads import forked_error, this_process
 from ..errors import StorageError, raised_again, without_frames
 
 __all__ = ["IOEngine", "IOEvent", "RecordFile"]
@@ -107,7 +107,7 @@ class IOEvent(Event):
     def synchronize(self) -> None:
         count_sync("nvme")  # Note [host syncs are counted where they can block]
         if self._pid != this_process() and not self._done.is_set():
-            # Note [a forked child has no worker threads] (accelerator/threads.py): the
+            # Note [a forked child has no worker threads] (accelerator/forks.py): the
             # engine's threads did not fork, so a part pending at the fork never ends here.
             raise forked_error("an NVMe read or write", self._pid)
         self._done.wait()

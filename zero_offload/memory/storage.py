@@ -49,7 +49,7 @@ last close would remove the directory under it); and a child that outlives the p
 does not keep the parent's lock held. The I/O the
 parent had pending on the tier's buffers runs in the parent, on the parent's copy of them
 (the engine's threads did not fork: Note [a forked child has no worker threads] in
-``accelerator/threads.py``), so in the child they are free at once, and settling them
+``accelerator/forks.py``), so in the child they are free at once, and settling them
 waits for nothing. The fds go with the child; the files and the lock stay the parent's.
 """
 
