@@ -314,9 +314,6 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
             )
         return group
 
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
     @property
     def placement(self) -> PlacementReport:
         """Where the optimizer state is: bytes per tier, pinned host bytes, the budget."""
@@ -373,8 +370,8 @@ class OffloadOptimizer(BackwardMethods, GradientClipping, Checkpoints, torch.opt
     @torch.no_grad()
     @said_to_caller  # Note [an error reaches the caller once] in error_marks.py
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One Adam step over every parameter that received a gradient since the previous
-        step or ``zero_grad``; see Note [a step is all or nothing] in ``update/modes.py``."""
+        """One step of this optimizer's rule over every parameter that received a gradient
+        since the previous step or ``zero_grad``; see Note [a step is all or nothing] in ``update/modes.py``."""
         self._check_open("step")
         loss = None
         if closure is not None:
