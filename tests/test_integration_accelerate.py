@@ -440,8 +440,8 @@ def _nvme_checkpoint_rank(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_two_processes_stream_nvme_state_and_resume_bitwise(tmp_path: Path) -> None:
     """Two processes with state on NVMe: each streams its own shard (``rank0/``,
-    ``rank1/``) and resumes bitwise. One process cannot load it: refused before anything
-    is loaded, saying it resumes on 2."""
+    ``rank1/``) and resumes bitwise. One process loads it too (Note [a streamed checkpoint
+    on another world size] in optim/checkpoint/reshard.py)."""
     mp.spawn(_nvme_checkpoint_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         whole, resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -449,11 +449,10 @@ def test_two_processes_stream_nvme_state_and_resume_bitwise(tmp_path: Path) -> N
         assert (tmp_path / "checkpoint" / "zero_offload_optimizer" / f"rank{rank}").is_dir()
     model = tiny_gpt2(seed=1)
     accelerator = OffloadAccelerator(**accelerate_device())
-    model, _ = accelerator.prepare(model, *_offload_halves(model, [tmp_path / "nvme1"]))
-    before = {name: w.clone() for name, w in weights(model).items()}
-    with pytest.raises(ValueError, match="saved with 2 ranks, this optimizer has 1"):
-        accelerator.load_state(tmp_path / "checkpoint")
-    assert all(torch.equal(before[name], w) for name, w in weights(model).items())
+    opts = _offload_halves(model, [tmp_path / "nvme1"], bucket_bytes=8192)
+    model, opt = accelerator.prepare(model, *opts)
+    accelerator.load_state(tmp_path / "checkpoint")
+    assert all((bucket.steps == 3).all() for bucket in opt.optimizer.buckets)  # 3 saved steps
 
 
 def _configs_differ_rank(rank: int, world: int, port: int, out: str) -> None:

@@ -1,7 +1,7 @@
 """Checkpoints under ZeRO-3 (parameter offload on several gloo ranks, Note [a sharded unit] in
 params/sharded_fetch.py): a consolidated checkpoint saved there loads on one process (with
 and without parameter offload), on stage 2 and on 3 ranks, and the reverse; the streamed
-checkpoint resumes on the same world size and names what works on another; the HF export
+checkpoint resumes on the same world size and on another; the HF export
 from sharded homes loads in ``transformers`` and through ``load_pretrained`` on meta.
 
 Every run trains the same tiny GPT on the same global batches, saves at step ``SAVED_AT``
@@ -79,12 +79,16 @@ def test_other_world_sizes_resume_within_tolerance(worlds: dict) -> None:
         assert _max_diff(resumed["final"], saved["at_save"]) > 0.0  # it trained on
 
 
-def test_a_streamed_checkpoint_on_another_world_size_names_what_works(worlds: dict) -> None:
+def test_a_streamed_checkpoint_resumes_on_another_world_size(worlds: dict) -> None:
+    """Streamed under ZeRO-3 on 2 ranks, loaded on 3 (Note [a streamed checkpoint on another
+    world size] in optim/checkpoint/reshard.py): bitwise the resume from the consolidated
+    checkpoint of the same save, so within the other world sizes' tolerance."""
+    one = worlds["one"]["one"]
     for rank, result in enumerate(worlds["three"]):
-        error = result["s3<-stream"]["error"]
-        assert "saved with 2 ranks, this optimizer has 3" in error, (rank, error)
-        assert f"rank{rank}" in error
-        assert "save_consolidated" in error and "nothing was loaded" in error
+        resumed = result["s3<-stream"]
+        assert "error" not in resumed, (rank, resumed)
+        assert _max_diff(resumed["final"], result["s3<-s3"]["final"]) == 0.0
+        assert _max_diff(resumed["final"], one["final"]) < FP32_ATOL
 
 
 def test_the_export_from_sharded_homes_loads_in_transformers_and_on_meta(worlds: dict) -> None:

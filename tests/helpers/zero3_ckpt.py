@@ -201,7 +201,7 @@ def scenario_two(rank: int, world: int, out: Path) -> dict:
 
 def scenario_three(rank: int, world: int, out: Path) -> dict:
     """Three ranks under ZeRO-3: the 2-rank and one-process checkpoints, and the 2-rank
-    streamed one (refused)."""
+    streamed one."""
     result = {f"s3<-{tag}": resume(out, tag, rank, world, offload=True) for tag in (*TAGS, "one")}
     result["s3<-stream"] = resume_streaming(out, "s3", rank, world)
     return result

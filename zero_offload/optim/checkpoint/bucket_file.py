@@ -7,7 +7,10 @@ The file is the bucket's tiles in order (each tile its fields' raw bytes for the
 elements, field after field, in the rule's order, the master first), then the shaped state
 of a rule that reads whole parameters, one record per parameter. Each tile and each record
 carries an xxh3-64 checksum, which ``streaming.py`` keeps in the metadata; a tile's bytes
-are read and written a tile at a time, never the whole bucket.
+are read and written a tile at a time, never the whole bucket. The tiles are contiguous and
+each is ``hi - lo`` elements of every field, so the metadata's ``(lo, hi)`` give any
+element's byte offset: a load on another world size reads just the slices its shard needs
+(Note [a streamed checkpoint on another world size] in ``reshard.py``).
 
 Note [shaped state in a streamed checkpoint]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

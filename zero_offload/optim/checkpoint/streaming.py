@@ -16,8 +16,9 @@ in ``state_dict.py``):
   format version, the rule's name, rank and world size, ``param_groups`` (as
   ``state_dict()``), the loss scaler, ``skipped_steps``, whether an ``overlap_step`` update
   was pending, and per bucket its fingerprint (index, shard, parameter sizes, fields and
-  dtypes, the shaped state's names and shapes, tile size), step counts, each tile's
-  ``(lo, hi, xxh3-64)`` and each shaped record's xxh3-64.
+  dtypes, the shaped state's names and shapes, tile size), its slots' offsets, step
+  counts, each tile's ``(lo, hi, xxh3-64)`` and each shaped record's xxh3-64
+  (``stream_meta.py`` reads and checks it).
 
 Each rank's directory is replaced whole (Note [atomic replacement] in ``fileio.py``): a save
 that fails or is killed leaves the previous checkpoint at ``path`` loadable.
@@ -28,16 +29,21 @@ Each rank replaces only its own directory, so a save that failed or was killed o
 ranks leaves their previous checkpoint next to the others' new one, and directories copied
 together from different runs look alike. Each ``meta.pt`` therefore records a save id, 96
 random bits drawn by rank 0 and shared by one all-reduce in ``save``; ``load`` exchanges
-every rank's id (one all-reduce; a rank whose metadata cannot be read takes part with
-none) and, before anything changes, every rank refuses alike, naming the ranks whose
-files come from another save than rank 0's. Checkpoints written before save ids existed
-carry none on any rank and load as before.
+every rank's id (one all-reduce, which also carries the world size each rank's metadata
+records; a rank whose metadata cannot be read takes part with none) and, before anything
+changes, every rank refuses alike, naming the ranks whose files come from another save than
+rank 0's. On another world size than rank 0's metadata records, every rank reads every saved
+rank's metadata and compares all their ids instead (Note [a streamed checkpoint on another
+world size] in ``reshard.py``). Checkpoints written before save ids existed carry none on
+any rank and load as before.
 
-A checkpoint loads back into an optimizer built the same way (the same parameters, world
-size, ``bucket_bytes``, ``tile_elements`` and moments dtype), whatever the placement of each
-bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
+A checkpoint loads back into an optimizer built the same way (the same parameters,
+``bucket_bytes``, ``tile_elements`` and moments dtype) on the world size that saved it or, but
+for a rule that reads whole parameters, another (``reshard.py``), whatever the placement of
+each bucket now: a bucket saved from NVMe loads into host RAM when the new ``host_budget`` allows,
 and back. Everything is checked first, every tile's checksum included (a pass over the
-files): a mismatch raises and leaves the optimizer as it was. A copy cut short after that
+files; on another world size, of the tiles each rank reads): a mismatch raises and leaves
+the optimizer as it was. A copy cut short after that
 (Ctrl-C) is recorded, and the steps refuse until the load is called again (Note [a load cut
 short] in ``update/resume.py``). A checkpoint that records
 the rule's name loads only into an optimizer whose rule is of the same state family
@@ -48,9 +54,9 @@ written before the name was recorded load as before, by their fields).
 from __future__ import annotations
 
 import os
-import pickle
+import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,9 +69,19 @@ from ...progress import progress
 from ..flat_bucket import FlatBucket
 from ..update.loss_scaler import LossScaler
 from ..update.resume import LoadGuard
-from .bucket_file import check_bucket_file, load_bucket, save_bucket, shaped_layout
+from . import reshard
+from .bucket_file import check_bucket_file, load_bucket, save_bucket
 from .loaded_fields import check_skipped_steps
+from .reshard import reads_whole, whole_rule_refusal
 from .state_dict import LoadedState, group_entries
+from .stream_meta import (
+    FORMAT_VERSION,
+    META,
+    check_fingerprint,
+    check_header,
+    fingerprint,
+    read_meta,
+)
 
 
 class Streamable(Protocol):
@@ -79,9 +95,6 @@ class Streamable(Protocol):
 
 __all__ = ["load", "load_streaming", "save", "save_streaming", "world_mismatch"]
 
-_FORMAT_VERSION = 1
-_META = "meta.pt"
-
 
 def save_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
     """``opt.save_streaming(path)``: write the state under ``path/rank{r}/`` bucket by
@@ -92,28 +105,6 @@ def save_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
 def load_streaming(opt: Streamable, path: str | os.PathLike[str]) -> None:
     """``opt.load_streaming(path)``: load what ``save_streaming`` wrote, tile by tile."""
     opt.load_streaming(path)
-
-
-def _fingerprint(bucket: FlatBucket, tile_elements: int) -> dict[str, Any]:
-    store = bucket.store
-    fingerprint = {
-        "index": bucket.layout.index,
-        "shard": tuple(store.span()),
-        # Elements of this rank's state that hold parameters (before the sharding padding).
-        "real": bucket.layout.real_in(*store.span()),
-        "params": [slot.numel for slot in bucket.layout.slots],
-        "fields": [(name, str(dtype)) for name, dtype in store.field_dtypes()],
-        "tile_elements": tile_elements,
-    }
-    shaped = shaped_layout(bucket)
-    if any(shaped):  # Note [shaped state in a streamed checkpoint] in bucket_file.py
-        fingerprint["param_state"] = shaped
-    return fingerprint
-
-
-#: Fingerprint keys that only some buckets have (Note [shaped state in a streamed
-#: checkpoint] in ``bucket_file.py``): compared when either side has them.
-_OPTIONAL_KEYS = ("param_state",)
 
 
 #: What a rank that never reaches a streamed checkpoint's collective has probably done.
@@ -153,23 +144,35 @@ def _save_id_halves(save_id: object) -> tuple[int, int]:
     return -1, -1
 
 
-def _check_one_save(comm: Comm | None, path: str | os.PathLike[str], save_id: object) -> None:
-    """Refuse, on every rank alike, files of different saves under ``path``: Note [one
-    save across the ranks]. Every rank calls it (a collective)."""
+def _exchange(
+    comm: Comm | None, path: str | os.PathLike[str], save_id: object, saved_world: object
+) -> list[tuple[tuple[int, int], int]]:
+    """Every rank's save id halves (``(-1, -1)``: none) and the world size its own metadata
+    records (-1: none), in rank order: one all-reduce with several ranks. See Note [one save
+    across the ranks]."""
+    world = saved_world if isinstance(saved_world, int) and saved_world > 0 else -1
     if comm is None:
-        return
-    ids = torch.zeros(2 * comm.world_size, dtype=torch.float64)
-    ids[2 * comm.rank : 2 * comm.rank + 2] = torch.tensor(_save_id_halves(save_id))
+        return [(_save_id_halves(save_id), world)]
+    mine = torch.zeros(3 * comm.world_size, dtype=torch.float64)
+    mine[3 * comm.rank : 3 * comm.rank + 3] = torch.tensor([*_save_id_halves(save_id), world])
     total = all_reduce_stats(
-        ids,
+        mine,
         comm=comm,
         device=collective_device(comm),
         what=f"every rank's save id of the checkpoint load_streaming reads ({str(path)!r})",
         advice=_TOGETHER,
     )
-    halves = [(int(total[2 * r]), int(total[2 * r + 1])) for r in range(comm.world_size)]
-    if all(h == (-1, -1) for h in halves):
-        return  # saved before save ids existed
+    values = [int(v) for v in total.tolist()]
+    return [((values[3 * r], values[3 * r + 1]), values[3 * r + 2]) for r in range(comm.world_size)]
+
+
+def _check_one_save(
+    comm: Comm | None, path: str | os.PathLike[str], halves: list[tuple[int, int]]
+) -> None:
+    """Refuse, on every rank alike, files of different saves under ``path`` (``halves``:
+    every rank's, from ``_exchange``): Note [one save across the ranks]."""
+    if comm is None or all(h == (-1, -1) for h in halves):
+        return  # one rank, or saved before save ids existed
     shown = [f"{a:012x}{b:012x}" if a >= 0 else "none" for a, b in halves]
     others = [r for r in range(1, comm.world_size) if halves[r] != halves[0]]
     if halves[0] == (-1, -1):
@@ -182,6 +185,27 @@ def _check_one_save(comm: Comm | None, path: str | os.PathLike[str], save_id: ob
             "checkpoint, and directories copied from different runs mix too: load a "
             "checkpoint that every rank finished saving; nothing was loaded"
         )
+
+
+def _recover(root: Path, rank: int, world: int) -> None:
+    """Finish or undo the directory swaps a killed save left half done (Note [atomic
+    replacement] in ``fileio.py``): this rank's own directory, and of the saved ranks'
+    beyond this world size those whose number is ``rank`` modulo ``world``, so that each
+    is recovered by one rank only, before the first collective of ``load`` (after which the
+    ranks read each other's)."""
+    recover_directory(root / f"rank{rank}")
+    try:
+        names = [entry.name for entry in os.scandir(root)]
+    except OSError:
+        return  # ``load`` says what is missing
+    for name in names:
+        match = _OLD_RANK.fullmatch(name)
+        if match and int(match.group(1)) >= world and int(match.group(1)) % world == rank:
+            recover_directory(root / name.removesuffix(".old"))
+
+
+#: A rank directory that a killed save left moved aside (``fileio``'s ``.old`` suffix).
+_OLD_RANK = re.compile(r"rank(\d+)\.old")
 
 
 def _rank_dir(comm: Comm | None, path: str | os.PathLike[str]) -> tuple[Path, int, int]:
@@ -222,14 +246,16 @@ def save(
             target = staging / f"bucket{bucket.layout.index}.bin"
             with private_file(target) as out:
                 checksums, shaped = save_bucket(bucket, out)
-            entry = _fingerprint(bucket, tile_elements)
+            entry = fingerprint(bucket, tile_elements)
+            # Note [a streamed checkpoint on another world size] in reshard.py
+            entry["offsets"] = [slot.offset for slot in bucket.layout.slots]
             entry["steps"] = bucket.steps.tolist()
             entry["tiles"] = checksums
             if shaped:
                 entry["shaped"] = shaped
             entries.append(entry)
         meta = {
-            "version": _FORMAT_VERSION,
+            "version": FORMAT_VERSION,
             "rule": rule,
             "family": family,
             "rank": rank,
@@ -242,7 +268,7 @@ def save(
             "buckets": entries,
             "save_id": save_id,
         }
-        with private_file(staging / _META) as out:
+        with private_file(staging / META) as out:
             torch.save(meta, out)
 
 
@@ -256,21 +282,8 @@ def _check(
     directory: Path,
     meta: dict[str, Any],
 ) -> None:
-    """Everything ``load`` relies on, before anything changes (the world size is checked
-    already)."""
-    if meta.get("version") != _FORMAT_VERSION:
-        raise ValueError(
-            f"{directory / _META}: format version {meta.get('version')!r}, expected "
-            f"{_FORMAT_VERSION}"
-        )
-    # Saved before the rule was recorded: no check here (the fingerprints still compare the
-    # state's fields). Adam and AdamW load each other's, as torch's optimizers do.
-    if "rule" in meta and meta.get("family", meta["rule"]) != family:
-        raise ValueError(
-            f"{directory / _META}: saved by an optimizer with the {meta['rule']!r} rule, this "
-            f"one steps with the {rule!r} rule: load it into an optimizer of the rule that "
-            "saved it; nothing was loaded"
-        )
+    """Everything ``load`` on the saved world size relies on, before anything changes."""
+    check_header(directory / META, meta, rule, family)
     saved = meta["buckets"]
     if len(saved) != len(buckets) or len(meta["param_groups"]) != len(param_groups):
         raise ValueError(
@@ -280,92 +293,36 @@ def _check(
         )
     checking = zip(saved, buckets, strict=True)
     for entry, bucket in progress(checking, desc="checking the checkpoint", total=len(buckets)):
-        _check_fingerprint(directory, entry, bucket, tile_elements)
+        check_fingerprint(directory, entry, bucket, tile_elements)
         source = directory / f"bucket{bucket.layout.index}.bin"
         check_bucket_file(source, bucket, entry["tiles"], entry.get("shaped", []))
     scaler.check_state(meta.get("loss_scaler") or {})
 
 
-def _check_fingerprint(
-    directory: Path, entry: dict[str, Any], bucket: FlatBucket, tile_elements: int
-) -> None:
-    """Refuse a bucket saved from other parameters, fields or shaped state."""
-    mine = _fingerprint(bucket, tile_elements)
-    keys = [*mine, *(key for key in _OPTIONAL_KEYS if key in entry and key not in mine)]
-    theirs = {key: entry.get(key) for key in keys}
-    theirs["shard"] = tuple(theirs["shard"])
-    diff = sorted(key for key in keys if theirs[key] != mine.get(key))
-    if diff:
-        shown = "; ".join(
-            f"{k}: {_shown(k, theirs[k], mine.get(k))} saved, {_shown(k, mine.get(k), theirs[k])} "
-            "here"
-            for k in diff
-        )
-        raise ValueError(
-            f"{directory}: bucket {bucket.layout.index} was saved with different {diff} "
-            f"({shown}): build the optimizer "
-            "with the same rule over the same parameters (the same shapes) with the same "
-            "bucket_bytes, tile_elements and moments_dtype; nothing was loaded"
-        )
-
-
-def _shown(key: str, value: Any, other: Any) -> Any:
-    """``value`` for a mismatch message; for the shaped state, only the first parameter of
-    the bucket where ``value`` and ``other`` differ (the whole list is long)."""
-    if key != "param_state":
-        return value
-    if value is None:
-        return "no shaped state"
-    other = other or []
-    for j in range(max(len(value), len(other))):
-        mine = value[j] if j < len(value) else None
-        if mine != (other[j] if j < len(other) else None):
-            return f"parameter {j} of the bucket: {mine}"
-    return value
-
-
 def _other_world(where: Path, saved: object, world: int) -> str:
-    """Why a streamed checkpoint of ``saved`` ranks does not load on ``world``, and what
-    would (Note [sharded state dicts] in ``state_dict.py``)."""
+    """Why this rank's metadata, of ``saved`` ranks, does not belong to a checkpoint that
+    rank 0's says ``world`` ranks saved."""
     return (
-        f"{where}: saved with {saved} ranks, this optimizer has {world}: a streamed "
-        f"checkpoint holds each rank's own shard and resumes on {saved} ranks only. To "
-        f"change the world size, load it on {saved} ranks and save a consolidated "
-        "checkpoint (zero_offload.save_consolidated), which loads on any number of ranks "
-        "and stages (zero_offload.load_consolidated); nothing was loaded"
+        f"{where}: saved with {saved} ranks, while rank 0's metadata says {world} ranks saved "
+        "this checkpoint: directories of different checkpoints mixed. Load a checkpoint "
+        "whose every rank directory comes from one save; nothing was loaded"
     )
 
 
 def world_mismatch(path: str | os.PathLike[str], world: int) -> str | None:
     """Why the streamed checkpoint under ``path`` cannot load on ``world`` ranks, or None
-    (it can, or rank 0's metadata cannot be read: ``load`` then says why). For callers
-    that check several loads before starting any."""
-    saved = _saved_world(Path(path))
-    return None if saved is None or saved == world else _other_world(Path(path), saved, world)
-
-
-def _saved_world(path: Path) -> int | None:
-    """The world size rank 0's metadata under ``path`` records (None: unreadable)."""
+    (it can, or rank 0's metadata cannot be read: ``load`` then says why). Another world
+    size loads (Note [a streamed checkpoint on another world size] in ``reshard.py``) but
+    for a rule that reads whole parameters. For callers that check several loads before
+    starting any."""
     try:
-        size = _read_meta(path / "rank0" / _META).get("world_size")
+        meta = read_meta(Path(path) / "rank0" / META)
     except (OSError, ValueError, RuntimeError):
         return None
-    return size if isinstance(size, int) else None
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    """``meta.pt`` with ``weights_only=True``: plain data and tensors, never code."""
-    try:
-        meta = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise ValueError(
-            f"{path} holds objects other than plain data (numbers, strings, lists, dicts, "
-            "tensors), which save_streaming never writes: refusing to unpickle it, since "
-            f"that could run arbitrary code; nothing was loaded ({exc})"
-        ) from exc
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path} is not a save_streaming metadata file; nothing was loaded")
-    return meta
+    saved, rule = meta.get("world_size"), meta.get("rule")
+    if not isinstance(saved, int) or saved == world or not isinstance(rule, str):
+        return None
+    return whole_rule_refusal(Path(path), saved, world, rule) if reads_whole(rule) else None
 
 
 def load(
@@ -382,39 +339,87 @@ def load(
     call: str,
 ) -> LoadedState:
     """Load what ``save`` wrote under ``path/rank{r}/`` into ``buckets`` and
-    ``param_groups``, tile by tile; checks everything first (the loss scaler's state too,
-    and that a rule of ``family`` saved it, ``rule`` naming ours in the message): a mismatch
-    raises and changes nothing. ``guard`` records the copy bucket by bucket, ``call`` being
-    the call that redoes it (Note [a load cut short] in ``update/resume.py``). Returns what
-    the caller applies, as ``state_dict.load_optimizer_state`` does."""
-    directory, _, world = _rank_dir(comm, path)
+    ``param_groups``, tile by tile, on the world size that saved it or another (Note [a
+    streamed checkpoint on another world size] in ``reshard.py``); checks everything first
+    (the loss scaler's state too, and that a rule of ``family`` saved it, ``rule`` naming
+    ours in the message): a mismatch raises on every rank and changes nothing. ``guard``
+    records the copy bucket by bucket, ``call`` being the call that redoes it (Note [a load
+    cut short] in ``update/resume.py``). Returns what the caller applies, as
+    ``state_dict.load_optimizer_state`` does."""
+    directory, rank, world = _rank_dir(comm, path)
     meta: dict[str, Any] = {}
     unreadable: BaseException | None = None
     try:
-        recover_directory(directory)  # a save killed mid-swap: Note [atomic replacement]
-        if not (directory / _META).exists():
-            saved = _saved_world(Path(path))
-            if saved is not None and saved != world:  # a rank the save did not have
-                raise ValueError(_other_world(directory, saved, world))
+        _recover(Path(path), rank, world)  # a save killed mid-swap: Note [atomic replacement]
+        if not (directory / META).exists():
             raise FileNotFoundError(
-                f"{directory / _META} does not exist: not a streamed checkpoint, or its save "
+                f"{directory / META} does not exist: not a streamed checkpoint, or its save "
                 "did not finish (save_streaming writes it last)"
             )
-        meta = _read_meta(directory / _META)
-        if meta.get("world_size") != world:
-            raise ValueError(_other_world(directory, meta.get("world_size"), world))
+        meta = read_meta(directory / META)
     except (OSError, ValueError) as exc:
         unreadable = exc  # raised after the other ranks learn this one has no save
+    ranks = _exchange(comm, path, meta.get("save_id"), meta.get("world_size"))
+    saved_world = ranks[0][1]  # as rank 0's metadata records it (-1: unreadable)
+    buckets = list(buckets)
+    if saved_world > 0 and saved_world != world:
+        # Note [a streamed checkpoint on another world size] in reshard.py
+        resharded = reshard.prepare(
+            Path(path),
+            saved_world,
+            buckets,
+            param_groups,
+            comm=comm,
+            scaler=scaler,
+            tile_elements=tile_elements,
+            rule=rule,
+            family=family,
+        )
+        pieces = resharded.pieces
+        return _copy(
+            resharded.meta,
+            resharded.skipped,
+            buckets,
+            param_groups,
+            lambda position, bucket: reshard.load_bucket(bucket, pieces[position]),
+            guard=guard,
+            call=call,
+        )
+    if unreadable is None and meta.get("world_size") != world:
+        unreadable = ValueError(_other_world(directory, meta.get("world_size"), world))
     try:
-        _check_one_save(comm, path, meta.get("save_id") if unreadable is None else None)
+        _check_one_save(comm, path, [halves for halves, _ in ranks])
     except ValueError:
         if unreadable is None:
             raise
     if unreadable is not None:  # this rank's own reason, rather than "another save"
         raise unreadable
     _check(buckets, param_groups, scaler, tile_elements, rule, family, directory, meta)
-    skipped = check_skipped_steps(str(directory / _META), meta.get("skipped_steps"))
+    skipped = check_skipped_steps(str(directory / META), meta.get("skipped_steps"))
+    return _copy(
+        meta,
+        skipped,
+        buckets,
+        param_groups,
+        lambda _, bucket: load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin"),
+        guard=guard,
+        call=call,
+    )
 
+
+def _copy(
+    meta: dict[str, Any],
+    skipped: int | None,
+    buckets: list[FlatBucket],
+    param_groups: list[dict[str, Any]],
+    fill: Callable[[int, FlatBucket], None],
+    *,
+    guard: LoadGuard,
+    call: str,
+) -> LoadedState:
+    """The copy of a checked load: ``fill(position, bucket)`` streams each bucket's state
+    in; the step counts, groups and the rest come from ``meta`` (rank 0's, on another world
+    size: the saved ranks share them)."""
     written = set(meta.get("written_since_step", ()))
     # Checked: from here on nothing raises on the checkpoint's data. A copy cut short
     # (Ctrl-C) is recorded bucket by bucket: Note [a load cut short] in update/resume.py.
@@ -424,7 +429,7 @@ def load(
         progress(loading, desc="load_streaming", total=len(buckets), unit="bucket")
     ):
         guard.begin(position)
-        load_bucket(bucket, directory / f"bucket{bucket.layout.index}.bin")
+        fill(position, bucket)
         bucket.steps[:] = np.asarray(entry["steps"], dtype=np.int64)
         bucket.kept_at_zero.clear()  # a streamed checkpoint keeps no unstepped entries
         bucket.store.publication.drop_unpublished()
