@@ -5,6 +5,7 @@ free, N times what is there."""
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from pathlib import Path
 
@@ -50,11 +51,13 @@ def test_auto_is_split_between_the_ranks_on_one_host(
     assert resolve_host_budget(fixed, other_host_bytes=GiB, share=HostShare(8, GiB)) == 5 * GiB
 
 
-def _rank_entry(rank: int, world: int, port: int, out: str, apart: bool) -> None:
+def _rank_entry(rank: int, world: int, port: int, out: str, apart: bool, local: int) -> None:
     """Build an optimizer with ``host_budget="auto"`` on a host that appears to have ABOVE
     bytes free past the reserve; record what each "auto" resolved to and where the state
     went."""
     join_gloo(rank, world, port)
+    if local:  # the launcher says this node runs ``local`` processes (torchrun's variable)
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
     from zero_offload.optim import ranks
     from zero_offload.optim.state import nvme_plan
 
@@ -85,15 +88,24 @@ def _rank_entry(rank: int, world: int, port: int, out: str, apart: bool) -> None
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one host", "two hosts"])
-def test_two_ranks_on_one_host_each_take_half_of_auto(tmp_path: Path, apart: bool) -> None:
-    mp.spawn(_rank_entry, args=(2, free_port(), str(tmp_path), apart), nprocs=2)
+@pytest.mark.parametrize(
+    ("apart", "local"),
+    [(False, 0), (True, 0), (True, 4)],
+    ids=["one host", "two hosts", "two hosts, 4 processes a node by the launcher"],
+)
+def test_two_ranks_on_one_host_each_take_half_of_auto(
+    tmp_path: Path, apart: bool, local: int
+) -> None:
+    mp.spawn(_rank_entry, args=(2, free_port(), str(tmp_path), apart, local), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     reserve = 2 * GiB  # max(10% of 4 GiB, 2 GiB)
     for rank, result in enumerate(results):
         assert result["seen"], "host_budget='auto' was never resolved"
         for share, other, budget in result["seen"]:
-            if apart:  # each rank alone on its RAM, with its own reading
+            if local:  # the optimizer's group has one rank a node; the node runs 4
+                assert share == HostShare(4, 2 * GiB + ABOVE - rank * 4096)
+                assert budget == max(0, (share.available - reserve) // 4 - other)
+            elif apart:  # each rank alone on its RAM, with its own reading
                 assert share == HostShare(1, 2 * GiB + ABOVE - rank * 4096)
                 assert budget == max(0, share.available - reserve - other)
             else:  # both on one RAM: rank 0's reading, the larger, split in two
@@ -101,7 +113,23 @@ def test_two_ranks_on_one_host_each_take_half_of_auto(tmp_path: Path, apart: boo
                 assert budget == max(0, ABOVE // 2 - other)
     # ABOVE holds every rank's state where each rank is alone on its RAM; two ranks on one
     # host put part of theirs on NVMe (before, each took all of ABOVE and none did).
-    if apart:
+    if apart and not local:
         assert all(r["on_nvme"] == 0 for r in results), results
     else:
         assert all(0 < r["on_nvme"] <= r["buckets"] for r in results), results
+
+
+def test_the_launchers_count_splits_auto_without_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes that build before joining a group (or a group of one) still split "auto"
+    by the launcher's count of processes on the node."""
+    from zero_offload.optim.ranks import share_host
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    assert share_host(None) is None
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    assert share_host(None).ranks == 8  # type: ignore[union-attr]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, first
+    assert share_host(None).ranks == 4  # type: ignore[union-attr]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert share_host(None) is None

@@ -46,6 +46,7 @@ __all__ = [
     "check_host_ram",
     "host_identity",
     "host_ram",
+    "local_processes",
 ]
 
 #: Host RAM left free when sizing a host pool: the larger of this fraction of total RAM...
@@ -203,8 +204,14 @@ def host_ram() -> HostRam:
 # then (the most any rank of this RAM saw available, less the one reserve) / the number of
 # those ranks, less this rank's own buffers: what ``estimate``'s rows assume with
 # ``ranks_per_node`` (Note [what "auto" leaves each rank] in ``state/nvme_plan.py``).
-# Ranks of another job on the same machine are not counted (they are not in the group);
-# what they hold is already not available.
+# The optimizer's group may hold only some of the processes on a machine (a data-parallel
+# group beside tensor parallelism: one rank a node), so the launcher's count of processes
+# on this node (``LOCAL_WORLD_SIZE`` from torchrun and accelerate, ``SLURM_NTASKS_PER_NODE``)
+# counts too, where larger (``local_processes``); it also splits "auto" for ranks that build
+# before joining a group. Processes of another job on the machine are not counted: what they
+# hold is already not available. Two containers with one host name and boot id (host
+# networking) and limits of their own are counted together: each gets less than it could,
+# never more.
 
 
 @dataclass(frozen=True)
@@ -213,13 +220,28 @@ class HostShare:
     host's RAM]).
 
     Fields:
-        ranks: how many, this one included (at least 1).
+        ranks: how many, this one included (at least 1): of the optimizer's group, or the
+            launcher's count of processes on this node where larger.
         available: the most host RAM any of them saw available (``HostRam.available``) at
             the exchange, before any of them allocated for the build.
     """
 
     ranks: int
     available: int
+
+
+def local_processes() -> int:
+    """The processes the launcher started on this node (``LOCAL_WORLD_SIZE``, else
+    ``SLURM_NTASKS_PER_NODE``), or 1 where neither says (Note [ranks that share a host's
+    RAM])."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            count = int(os.environ.get(name, ""))
+        except ValueError:
+            continue
+        if count >= 1:
+            return count
+    return 1
 
 
 def host_identity() -> str:

@@ -31,11 +31,13 @@ parameter again with the same gradients, as this one does. A ``zero_grad`` that 
 of the optimizer's parameters there (``model.encoder.zero_grad()``; Note [zero_grad from
 elsewhere reaches the window] lets it through, nothing being pending) leaves torch's other
 ``.grad``s, so torch's next ``step()`` without a backward steps only the parameters not
-cleared. A bucket's window cannot be dropped for some of its parameters, so that ``step()``
-refuses, before anything changes, naming a cleared parameter; a backward in between opens a
-new window and nothing is refused (the cleared parameters then step where it reached them,
-as in torch). ``zero_grad()`` over them all, or a step, ends the record. On one rank only,
-as above.
+cleared. A bucket whose every stepped parameter is cleared forgets its window there and
+then, as a new window would (torch skips them all: exact). A bucket's window cannot be
+dropped for some of its parameters, so where a bucket is cleared in part that ``step()``
+refuses, before anything changes, naming a cleared parameter; a backward in between (an
+announced one too) opens a new window and nothing is refused (the cleared parameters then
+step where it reached them, as in torch). ``zero_grad()`` over them all, or a step, ends
+the record. On one rank only, as above.
 """
 
 from __future__ import annotations
@@ -65,19 +67,31 @@ class KeptZeroGrads:
         #: Per bucket index, (n_slots,) bool: parameters a partial ``zero_grad`` cleared
         #: while the bucket held a stepped window (Note [a partial clear after a step]).
         self._cleared: dict[int, np.ndarray] = {}
+        self._cleared_at = -1  # the optimizer's backward count when it was recorded
 
-    def cleared_after_step(self, buckets: Sequence[FlatBucket], params: Sequence[Any]) -> None:
+    def cleared_after_step(
+        self, buckets: Sequence[FlatBucket], params: Sequence[Any], backwards: int
+    ) -> None:
         """A ``zero_grad`` elsewhere cleared ``params``, some of the parameters these buckets
-        train, with no gradient pending (Note [a partial clear after a step])."""
+        train, with no gradient pending, ``backwards`` backwards into the optimizer's life
+        (Note [a partial clear after a step])."""
+        if backwards != self._cleared_at:  # a backward since the last record: a new one
+            self._cleared, self._cleared_at = {}, backwards
         wanted = {id(p) for p in params}
         for bucket in buckets:
             if bucket.grads.state is not GradState.CONSUMED:
                 continue
+            arrived = bucket.grads.arrived
             hit = np.fromiter((id(p) in wanted for p in bucket.params), bool, len(bucket.params))
-            hit &= bucket.grads.arrived  # a parameter the stepped window reached
-            if hit.any():
-                index = bucket.layout.index
-                self._cleared[index] = hit | self._cleared.get(index, False)
+            hit &= arrived  # a parameter the stepped window reached
+            if not hit.any():
+                continue
+            index = bucket.layout.index
+            hit |= self._cleared.pop(index, False)
+            if np.array_equal(hit, arrived):  # all of its window cleared: forget it, exactly
+                bucket.grads.discard()  # (CONSUMED holds no device buffer)
+            else:
+                self._cleared[index] = hit
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``zero_grad(set_to_none)`` was called."""
@@ -133,10 +147,12 @@ class KeptZeroGrads:
         """Note [a partial clear after a step]: refuse to step a stepped window again where
         some of its parameters were cleared since; the record ends with this step."""
         cleared, self._cleared = self._cleared, {}
+        if owner.backwards != self._cleared_at:
+            return  # a backward since opened a new window (an announced step's too)
         for bucket in buckets:
             hit = cleared.get(bucket.layout.index)
             if hit is None or bucket.grads.state is not GradState.CONSUMED:
-                continue  # a backward since opened a new window
+                continue
             first = int(np.flatnonzero(hit)[0])
             slot = bucket.layout.slots[first]
             param = bucket.params[first]
@@ -144,7 +160,8 @@ class KeptZeroGrads:
             self._cleared = cleared  # refused: the next step() refuses alike
             raise ValueError(
                 f"{what} was cleared by a zero_grad() of only some of the parameters "
-                f"{owner!r} trains, after its last step and with no backward since: torch "
+                f"{owner!r} trains, after its last step and with no backward reaching it "
+                "since: torch "
                 "would step the others again with their kept .grad and skip it, and a "
                 "stepped window is kept per bucket, not per parameter, so step() would "
                 "step it too. Nothing was stepped. Run a backward first, or clear every "

@@ -32,7 +32,7 @@ from ..collectives import (
     reduce_scatter_avg,
     wait_all,
 )
-from ..memory.host_ram import HostShare, host_identity, host_ram
+from ..memory.host_ram import HostShare, host_identity, host_ram, local_processes
 from ..memory.manager import TieredMemoryManager
 from ..memory.traffic import Category
 from ..tracing import phase
@@ -77,12 +77,14 @@ def optimizer_comm(process_group: Any, *, timeout: float) -> Comm | None:
 
 
 def share_host(comm: Comm | None) -> HostShare | None:
-    """How many of ``comm``'s ranks draw on this process's host RAM, and the most RAM any
-    of them sees available: one all-gather of 24 bytes per rank (Note [ranks that share a
-    host's RAM] in ``memory/host_ram.py``); None with one rank. A collective: every rank of
-    the optimizer calls it at each build, before anything is allocated."""
+    """How many of ``comm``'s ranks draw on this process's host RAM (or the launcher's
+    count of processes on this node, where larger), and the most RAM any of them sees
+    available: one all-gather of 24 bytes per rank (Note [ranks that share a host's RAM] in
+    ``memory/host_ram.py``); None for one process. A collective: every rank of the optimizer
+    calls it at each build, before anything is allocated."""
+    local = local_processes()
     if comm is None:
-        return None
+        return None if local == 1 else HostShare(ranks=local, available=host_ram().available)
     key = hashlib.blake2b(host_identity().encode(), digest_size=16).digest()
     mine = key + host_ram().available.to_bytes(8, "little")
     every = all_gather_bytes(
@@ -97,7 +99,7 @@ def share_host(comm: Comm | None) -> HostShare | None:
         length=len(mine),
     )
     same = [int.from_bytes(b[16:], "little") for b in every if b[:16] == key]
-    return HostShare(ranks=len(same), available=max(same))
+    return HostShare(ranks=max(len(same), local), available=max(same))
 
 
 class Ranks(ABC):

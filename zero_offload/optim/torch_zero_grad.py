@@ -109,7 +109,7 @@ def _clear(fn: Callable[..., Any], owner: Any, params: Iterable[Any], set_to_non
     for opt in whole:
         opt.zero_grad(set_to_none=set_to_none)
     for opt, cleared in partial:  # Note [a partial clear after a step] in kept_zero_grads.py
-        opt._kept_zeros.cleared_after_step(opt.buckets, cleared)
+        opt._kept_zeros.cleared_after_step(opt.buckets, cleared, opt.backwards)
 
 
 def _guard_module(fn: Callable[..., Any]) -> Callable[..., Any]:
