@@ -693,7 +693,7 @@ def test_several_optimizers_over_one_model_clip_by_its_global_norm() -> None:
     assert max_diff(model, ref) < TOL
     with pytest.raises(TypeError, match="offload optimizers"):
         zero_offload.clip_grad_norm_([*halves, ropt], 0.2)
-    with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
+    with pytest.raises(ValueError, match=r"max_norm must be a number > 0 .*, got 0"):
         zero_offload.clip_grad_norm_(halves, 0)
     halves[1]._policy.scaler.scale = 2.0  # as after a back-off of its own fp16 scaler
     with pytest.raises(ValueError, match=r"loss scales differ \(\[1.0, 2.0\]\)"):

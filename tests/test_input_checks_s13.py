@@ -120,7 +120,7 @@ def test_clip_max_norm_types_and_values(max_norm: object, error: type[Exception]
     model = mlp()
     opt = mlp_opt(model)
     _backward(model)
-    with pytest.raises(error, match="max_norm must be a finite number > 0"):
+    with pytest.raises(error, match="max_norm must be a number > 0"):
         opt.clip_grad_norm_(max_norm)  # type: ignore[arg-type]
     opt.close()
 

@@ -396,3 +396,28 @@ def test_trainer_lands_overlap_weights_at_first_use_bitwise(
     assert logged(first_use, "loss") == logged(at_step, "loss")
     assert logged(first_use, "grad_norm") == logged(at_step, "grad_norm")
     assert max_weight_diff(weights(first_use.model), weights(at_step.model)) == 0.0
+
+
+def test_max_grad_norm_inf_logs_the_norm_and_clips_nothing(tmp_path: Path) -> None:
+    # TrainingArguments(max_grad_norm=inf): Trainer logs grad_norm and clips nothing (its
+    # clip_grad_norm_(inf) is the norm). Before, OffloadTrainer refused it at construction,
+    # naming OffloadConfig.max_grad_norm, which the user never set.
+    ref, ours = _run_pair(tmp_path, max_grad_norm=float("inf"))
+    assert len(logged(ours, "grad_norm")) == 12
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        logged(ours, "grad_norm"), logged(ref, "grad_norm"), rtol=1e-6, atol=0
+    )
+    assert max_weight_diff(weights(ours.model), weights(ref.model)) < 3e-6
+
+
+def test_step_during_backward_false_never_announces(tmp_path: Path) -> None:
+    # For a model whose backward reads a weight outside its gradient's path, which an
+    # announced step refuses mid-backward (Note [a step moves the version counters]).
+    trainer = offload_trainer(
+        tiny_gpt2(), training_args(tmp_path, max_grad_norm=0.0), step_during_backward=False
+    )
+    trainer.train()
+    assert trainer.offload_optimizer.share_stepped_during_backward is None
+    with pytest.raises(TypeError, match="step_during_backward must be True or False, got int"):
+        offload_trainer(tiny_gpt2(), training_args(tmp_path / "x"), step_during_backward=1)

@@ -32,8 +32,10 @@ What it does, in the Trainer methods made for overriding:
   ranks every rank's shard is in it, and it resumes on any number of ranks. State that may
   be on NVMe (``OffloadConfig.nvme_dir`` set) cannot be consolidated in host RAM: it
   streams to ``zero_offload_optimizer/rank{r}/`` in the checkpoint folder instead
-  (``opt.save_streaming``), which resumes on the same number of ranks, from a folder every
-  rank reads (a shared file system, as ``optimizer.pt`` needs).
+  (``opt.save_streaming``), which resumes from a folder every rank reads (a shared file
+  system, as ``optimizer.pt`` needs), on the same number of ranks or, for an elementwise
+  rule, another (Note [a streamed checkpoint on another world size] in
+  ``optim/checkpoint/reshard.py``).
 - ``compute_loss``: for an fp16 model, the gradient of the loss is multiplied by
   the optimizer's loss scale during backward (Trainer's own backward does not scale).
 - With several ranks (``torchrun``) the model is not wrapped in DDP: the optimizer
@@ -109,6 +111,10 @@ class OffloadTrainer(Trainer):
             ``model`` being built on the meta device (``zero_offload.load_pretrained``):
             each trainable weight is read into its device slot when the optimizer is built,
             so the model is never whole in host or device memory (docs/big-models.md).
+        step_during_backward: whether a window's last micro-batch announces the step, so
+            that it runs during backward where it can (default True; Note [Trainer steps
+            during backward]). False for a model that reads a parameter's value outside its
+            gradient's path (``.detach()``), which such a step refuses mid-backward.
 
     With ``OffloadConfig(offload_parameters=True)`` or ``partition_parameters=True`` the
     optimizer is given the model and finds its blocks itself.
@@ -120,6 +126,7 @@ class OffloadTrainer(Trainer):
         offload_config: OffloadConfig | None = None,
         offload_device: OffloadDevice | None = None,
         weights: str | os.PathLike[str] | None = None,
+        step_during_backward: bool = True,
         **kwargs: Any,
     ) -> None:
         missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
@@ -144,6 +151,12 @@ class OffloadTrainer(Trainer):
                 "clips at TrainingArguments.max_grad_norm; set that instead and leave "
                 "OffloadConfig.max_grad_norm=None"
             )
+        if not isinstance(step_during_backward, bool):
+            raise TypeError(
+                "step_during_backward must be True or False, got "
+                f"{type(step_during_backward).__name__} {step_during_backward!r}"
+            )
+        self.step_during_backward = step_during_backward
         self.offload_config = offload_config if offload_config is not None else OffloadConfig()
         self.offload_device = offload_device
         self._offload_metrics: StepMetrics | None = None  # from the first training log on
@@ -259,7 +272,7 @@ class OffloadTrainer(Trainer):
         ]
         config = dataclasses.replace(
             self.offload_config,
-            max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+            max_grad_norm=_clip_at(args),
         )
         return cls(
             groups,
@@ -300,9 +313,10 @@ class OffloadTrainer(Trainer):
         """Trainer's training step; the window's last one announces the optimizer step
         where it can run during backward (Note [Trainer steps during backward])."""
         opt = self.offload_optimizer
-        clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else None
+        clip = _clip_at(self.args)
         if (
-            self.accelerator.sync_gradients
+            self.step_during_backward
+            and self.accelerator.sync_gradients
             and not opt.step_announced
             and opt.config.max_grad_norm == clip
             and opt.can_step_during_backward()
@@ -310,7 +324,15 @@ class OffloadTrainer(Trainer):
             opt.announce_step()
         # compute_loss scales the loss's gradient: Note [a backward carries the loss scale]
         with opt.scaled_backward():
-            return super().training_step(model, inputs, num_items_in_batch)
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            except RuntimeError as exc:
+                explained = opt.stepped_read_error(
+                    exc, "OffloadTrainer(step_during_backward=False)"
+                )
+                if explained is None:
+                    raise
+                raise explained from exc
 
     # -- clipping and the logged norm ----------------------------------------------------
 
@@ -402,7 +424,8 @@ class OffloadTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Every rank reads ``optimizer.pt`` and keeps its own shard (any world size), or
-        streams its own shard back from ``STREAMING_NAME`` (the same world size); as Trainer,
+        streams its own shard back from ``STREAMING_NAME`` (any world size for an elementwise
+        rule, the saving one for a rule that reads whole parameters); as Trainer,
         a checkpoint saved without them (``save_only_model``) loads neither."""
         if checkpoint is None:
             return
@@ -416,3 +439,11 @@ class OffloadTrainer(Trainer):
         else:
             return
         self.lr_scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))
+
+
+def _clip_at(args: Any) -> float | None:
+    """The clipping ``TrainingArguments.max_grad_norm`` asks of the optimizer: None for 0
+    (off) and for ``inf``, which Trainer takes as "log the norm, clip nothing" (the norm is
+    still read: ``clip_grad_norm_(inf)`` clips nothing)."""
+    limit = args.max_grad_norm
+    return limit if 0 < limit < float("inf") else None

@@ -50,7 +50,13 @@ class BackwardMethods:
         with self.scaled_backward():
             if self.loss_scale != 1.0:
                 loss = loss * self.loss_scale
-            backward_reporting_hooks(loss, **kwargs)  # Note [errors raised inside autograd hooks]
+            try:  # Note [errors raised inside autograd hooks]
+                backward_reporting_hooks(loss, **kwargs)
+            except RuntimeError as exc:
+                explained = self.stepped_read_error(exc, "backward() without step=True")
+                if explained is None:
+                    raise
+                raise explained from exc
 
     def scaled_backward(self) -> AbstractContextManager[None]:
         """A block whose backwards carry ``loss_scale``: for code that multiplies the loss
@@ -110,3 +116,27 @@ class BackwardMethods:
     def backwards(self) -> int:
         """Backward passes completed since construction (each flushed once)."""
         return self._router.backwards
+
+    def stepped_read_error(self, exc: BaseException, instead: str) -> RuntimeError | None:
+        """Where ``exc``, the error a backward raised, is autograd's refusal of a weight an
+        announced step had already stepped during that backward, the error that says so and
+        what to call ``instead``; None for any other error (Note [a step moves the version
+        counters] in views/param_views.py)."""
+        eager = self._policy.eager
+        if (
+            not isinstance(exc, RuntimeError)
+            or eager is None
+            or not eager.plans
+            or "modified by an inplace operation" not in str(exc)
+        ):
+            return None
+        return RuntimeError(
+            f"{type(self).__name__}: an announced step ran during this backward, and the "
+            f"backward then read a weight of bucket(s) {sorted(eager.plans)} that it had "
+            "already stepped (their gradients were complete): the model reads a parameter's "
+            "value outside its gradient's path, through .detach() or an autograd Function "
+            f"that saves it and returns no gradient for it. Use {instead} for this model "
+            "(the step then runs in step()); the buckets stepped so far keep that step, as "
+            "zero_grad() will warn. torch's refusal is this error's cause; Note [a step moves "
+            "the version counters] in views/param_views.py"
+        )

@@ -341,8 +341,13 @@ def check_untouched(
                     f"{describe_param(index, param)} in param group {g} has a gradient, "
                     f"but it was frozen (requires_grad=False) or empty when {owner!r} was "
                     "built, or put in param_groups by hand since, so it has no optimizer "
-                    "state. Build the optimizer after unfreezing, pass the parameters that "
-                    "will train, or add them with add_param_group: nothing was stepped"
+                    "state: nothing was stepped. To train it now, rebuild: sd = "
+                    "opt.state_dict(); opt.close(); build the optimizer again over the same "
+                    "param groups; opt.load_state_dict(sd). To unfreeze layers later in a "
+                    "run (gradual unfreezing), build the optimizer while they are trainable "
+                    "and freeze them after it: a parameter frozen after the build keeps its "
+                    "state and steps again once unfrozen. A parameter put in param_groups by "
+                    "hand goes in with add_param_group instead"
                 )
             index += 1
     for bucket in buckets:

@@ -137,10 +137,11 @@ def _offload_optimizers(optimizers: Any) -> list[GradientClipping]:
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> None:
-    """``max_norm``: a finite real number > 0 (a float, an int or a numpy scalar; callers
-    store ``float(max_norm)``); ``norm_type``: 2 (the L2 norm, the one the statistics pass
-    takes). A ``max_norm`` that is no real number (a string, ``None``, a bool, a tensor) is a
-    ``TypeError``; one <= 0, NaN or infinite a ``ValueError``."""
+    """``max_norm``: a real number > 0 (a float, an int or a numpy scalar; callers store
+    ``float(max_norm)``), ``inf`` included, which measures and clips nothing, as torch's
+    coefficient min(1, inf / norm) is 1 (a logging idiom); ``norm_type``: 2 (the L2 norm, the
+    one the statistics pass takes). A ``max_norm`` that is no real number (a string,
+    ``None``, a bool, a tensor) is a ``TypeError``; one <= 0 or NaN a ``ValueError``."""
     if norm_type != 2.0:
         raise ValueError(
             f"norm_type must be 2.0 (the L2 norm), got {norm_type!r}: the norm comes from the "
@@ -148,11 +149,14 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> None:
         )
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(
-            f"max_norm must be a finite number > 0 (a float, an int or a numpy scalar), got "
-            f"{type(max_norm).__name__} {max_norm!r}"
+            f"max_norm must be a number > 0 (a float, an int or a numpy scalar; float('inf') "
+            f"measures without clipping), got {type(max_norm).__name__} {max_norm!r}"
         )
-    if not (max_norm > 0 and math.isfinite(max_norm)):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    if not max_norm > 0:  # NaN too
+        raise ValueError(
+            f"max_norm must be a number > 0 (float('inf') measures without clipping), got "
+            f"{max_norm!r}"
+        )
 
 
 def check_finite_norm(norm: float, error_if_nonfinite: object, foreach: object = None) -> None:

@@ -172,6 +172,34 @@ class ParamViews:
         """Each parameter's version counter now."""
         return tuple(param._version for param in self.params)
 
+    # Note [a step moves the version counters]
+    # torch's step writes every parameter it updates in place, so each one's version
+    # counter moves, and autograd refuses a backward that would read a value saved before
+    # the step (a GAN stepping D, then G's loss backward through D's retained graph: "one
+    # of the variables needed for gradient computation has been modified by an inplace
+    # operation"). Ours write the flat buffer the parameters are views of (``.data`` was
+    # set: each parameter keeps a counter of its own), or a home they are fetched from, and
+    # moved none: that backward ran, on old activations and new weights, without a word. So
+    # each parameter a step updates (a gradient reached it) gets its counter moved, one C
+    # call per bucket: in ``step()`` once the update is applied or queued, and, for a step
+    # announced before backward, when the bucket is handed to the host worker, while
+    # backward goes on (a value of the weight still to be read after its gradient was
+    # complete, through ``.detach()`` or a function that saves it but returns no gradient
+    # for it, then raises there, as it would in torch, instead of reading the stepped
+    # weight). The versions the write check keeps move with them (Note [weights written
+    # outside the optimizer]): a counter moved by the step is not a write.
+    def stepped(self, flags: Sequence[bool]) -> None:
+        """The step updates the parameters where ``flags`` (one per slot) is set: move their
+        version counters (Note [a step moves the version counters])."""
+        moved = [param for param, flag in zip(self.params, flags, strict=True) if flag]
+        if not moved:
+            return
+        torch.autograd.graph.increment_version(moved)
+        if self.versions is not None:
+            self.versions = tuple(
+                v + 1 if flag else v for v, flag in zip(self.versions, flags, strict=True)
+            )
+
     def _fingerprint(
         self, flat: torch.Tensor, streamed: StreamedHashes | None = None
     ) -> list[int] | torch.Tensor:

@@ -192,7 +192,8 @@ class EagerStep:
             if self._backup_bytes + nbytes > self.speculation_bytes:
                 return  # stepped in land(), once the coefficient is known
             self._backup_bytes += nbytes
-        plan = StepPlan(bucket, bucket.grads.arrived.copy())
+        arrived = bucket.grads.arrived.copy()
+        plan = StepPlan(bucket, arrived)
         hyper = self.hypers[bucket.layout.group]
         store.publication.declare_weight_readers()  # the copies below wait for these readers
         ready = [self.manager.compute_ready()]
@@ -214,6 +215,9 @@ class EagerStep:
         worker.submit(update)
         self._done[index] = worker.record_event()
         self.plans[index] = plan
+        # On the thread running backward, before it goes on: Note [a step moves the
+        # version counters] in views/param_views.py.
+        bucket.views.stepped(arrived)
         # Its staging may take the next bucket's gradient once this update is done: Note
         # [gradient staging for the buckets in flight] in grads/staging_ring.py.
         bucket.gradients.update_queued(self._done[index])
@@ -264,6 +268,8 @@ class EagerStep:
                 else:
                     rest.append((StepPlan(bucket, bucket.grads.arrived), self._hyper(bucket)))
             ImmediateUpdate(self.manager, ranks).run(rest, grad_scale)
+            for plan, _ in rest:  # Note [a step moves the version counters]
+                plan.bucket.views.stepped(plan.bucket.grads.arrived)
             return False
         if self.speculation_bytes is None:
             raise RuntimeError(
@@ -296,6 +302,8 @@ class EagerStep:
             for b in buckets
         ]
         ImmediateUpdate(self.manager, ranks).run(work, grad_scale)
+        for bucket in buckets:  # again where stepped during backward: no harm
+            bucket.views.stepped(bucket.grads.arrived)
         return rolled_back
 
     def _drain(self, ranks: Ranks) -> None:

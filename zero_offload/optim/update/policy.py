@@ -303,6 +303,8 @@ class StepPolicy:
             for bucket, flags in zip(self.buckets, arrived, strict=True)
         ]
         self.mode.run(work, grad_scale)
+        for bucket, flags in zip(self.buckets, arrived, strict=True):
+            bucket.views.stepped(flags)  # Note [a step moves the version counters]
         self.router.consumed()
         self.clip.close_window()
         if fast:
