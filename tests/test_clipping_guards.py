@@ -62,6 +62,24 @@ def test_torch_clip_grads_with_norm_on_other_parameters_is_torchs_own() -> None:
     opt.close()
 
 
+def test_a_list_filtered_on_grad_is_refused_while_gradients_are_pending() -> None:
+    """``[p for p in params if p.grad is not None]`` (mmengine, fairseq, many scripts) is
+    empty for our parameters: torch's clip returned 0 and clipped nothing, silently (Note
+    [a list filtered on .grad is empty]). Refused while a backward is not stepped; after
+    the step, and with no offload optimizer pending, an empty list is torch's own."""
+    model, ref = make_pair()
+    opt = offload_opt(model)
+    _backward_once(model, opt)
+    filtered = [p for p in model.parameters() if p.grad is not None]
+    assert filtered == []
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        with pytest.raises(RuntimeError, match=rf"{name} got no parameters while .* Nothing"):
+            getattr(torch.nn.utils, name)(filtered, 1.0)
+    _unclipped_step_matches_torch(model, ref, opt)  # nothing was clipped
+    assert float(torch.nn.utils.clip_grad_norm_([], 1.0)) == 0.0  # nothing pending
+    opt.close()
+
+
 # -- accelerate -------------------------------------------------------------------------
 
 

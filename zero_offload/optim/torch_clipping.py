@@ -39,6 +39,7 @@ import torch
 import torch.nn.utils.clip_grad as _clip_module
 
 from .checks import plain_trainer_calling
+from .grads.lifecycle import PENDING
 from .lifetime import OWNERS
 
 __all__ = [
@@ -62,6 +63,30 @@ def owner_of(parameters: Iterable[Any]) -> object | None:
             owner = ref() if ref is not None else None
             if owner is not None:
                 return owner
+    return None
+
+
+# Note [a list filtered on .grad is empty]
+# Training code often clips only the parameters that have a gradient (mmengine's optimizer
+# wrapper, fairseq, many scripts: ``[p for p in params if p.grad is not None]``). Ours never
+# have one there, so the list torch's clipping gets is empty, and it returns 0 and clips
+# nothing: the guard above, which looks at the parameters, sees none. So an empty list while
+# a live offload optimizer holds gradients of a backward not yet stepped (the moment such
+# code clips) is refused too. An empty list with nothing pending goes to torch as before
+# (a model with nothing to clip), and so does a list of another model's parameters.
+
+
+def _pending_owner() -> object | None:
+    """A live offload optimizer holding gradients of a backward not yet stepped, or None
+    (Note [a list filtered on .grad is empty])."""
+    seen: set[int] = set()
+    for ref in list(OWNERS.values()):
+        owner = ref()
+        if owner is None or id(owner) in seen or getattr(owner, "closed", True):
+            continue
+        seen.add(id(owner))
+        if any(bucket.grads.state in PENDING for bucket in owner.buckets):
+            return owner
     return None
 
 
@@ -93,6 +118,18 @@ def _guard(fn: Callable[..., Any], *, name: str) -> Callable[..., Any]:
         else:
             listed = passed = list(parameters)  # a generator is read once, here
         owner = owner_of(listed)
+        if not listed:  # Note [a list filtered on .grad is empty]
+            pending = _pending_owner()
+            if pending is not None:
+                raise RuntimeError(
+                    f"torch.nn.utils.{name} got no parameters while {pending!r} holds the "
+                    "gradients of a backward it has not stepped: a list filtered on "
+                    "p.grad ([p for p in params if p.grad is not None]) finds none of its "
+                    "parameters, whose gradients are in host memory, so nothing would be "
+                    "clipped. Nothing was clipped. Pass the parameters unfiltered (this "
+                    "guard then names what to call), or call opt.clip_grad_norm_(max_norm) "
+                    "(Note [torch's clipping cannot see our gradients])"
+                )
         if owner is not None:
             tail = (
                 "To clip by the global L2 norm (norm_type=2, the only norm the optimizer "

@@ -40,18 +40,13 @@ from typing import Any
 
 import torch
 
-from .grads.lifecycle import GradState
+from .grads.lifecycle import PENDING
 from .lifetime import OWNERS
 
 __all__ = ["install", "torch_zero_grad"]
 
 #: Marks a ``zero_grad`` this module wrapped (so it is wrapped once).
 _WRAPPED = "__zero_offload_zero_grad__"
-
-#: A bucket holding gradients of a backward that no step has used yet.
-_PENDING = frozenset(
-    {GradState.FILLING, GradState.COMPLETE, GradState.IN_FLIGHT, GradState.ACCUMULATED}
-)
 
 
 def _owners(params: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
@@ -85,7 +80,7 @@ def _check(found: dict[int, tuple[Any, list[Any]]], what: str) -> tuple[list[Any
         if count >= total:
             whole.append(opt)
             continue
-        if any(bucket.grads.state in _PENDING for bucket in opt.buckets):
+        if any(bucket.grads.state in PENDING for bucket in opt.buckets):
             raise ValueError(
                 f"{what} clears {count} of the {total} parameters {opt!r} trains, whose "
                 "gradients since the last step are summed per bucket on the host and "

@@ -36,7 +36,7 @@ import enum
 
 import numpy as np
 
-__all__ = ["BucketGrads", "GradState"]
+__all__ = ["PENDING", "BucketGrads", "GradState"]
 
 
 class GradState(enum.Enum):
@@ -62,6 +62,11 @@ class GradState(enum.Enum):
     #: reuses them); the next backward opens a new window and overwrites it.
     CONSUMED = "consumed"
 
+
+#: A bucket holding gradients of a backward that no step has used yet.
+PENDING = frozenset(
+    {GradState.FILLING, GradState.COMPLETE, GradState.IN_FLIGHT, GradState.ACCUMULATED}
+)
 
 _S = GradState
 # Allowed transitions; anything else is a bug in the optimizer, never a user error.
