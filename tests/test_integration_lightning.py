@@ -328,3 +328,30 @@ def test_two_processes_match_one_and_resume_bitwise(tmp_path: Path) -> None:
     assert max_diff(ranks[0]["weights"], weights(one)) < 1e-6
     halves = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     torch.testing.assert_close(halves, one.losses, rtol=0, atol=2e-6)
+
+
+def _nvme_on_one_rank(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
+    extra: dict[str, Any] = {"nvme_dir": Path(out) / "nvme", "host_budget": 1} if rank else {}
+    module = OffloadNet("offload", ranks=world, **extra)
+    several = {"devices": world, "strategy": OffloadDDPStrategy(), "use_distributed_sampler": False}
+    try:
+        trainer(**several).fit(module)
+        outcome = "trained"
+    except ValueError as exc:
+        outcome = str(exc)
+    torch.save(outcome, Path(out) / f"{rank}.pt")
+
+
+@pytest.mark.slow
+def test_state_on_nvme_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """nvme_dir may differ by rank (Note [the ranks build alike]); Lightning's refusal of
+    NVMe state decided by each rank's own config, so the rank without it went on alone into
+    the training's collectives. Now every rank refuses at on_fit_start, naming the other
+    rank's config where its own has none."""
+    os.environ.pop("LOCAL_RANK", None)
+    mp.spawn(_nvme_on_one_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    outcomes = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
+    assert "another rank's OffloadConfig" in outcomes[0], outcomes[0]
+    assert "OffloadConfig(nvme_dir=" in outcomes[1], outcomes[1]
+    assert all("Not supported under Lightning" in o for o in outcomes)

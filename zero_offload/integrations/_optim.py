@@ -27,11 +27,13 @@ import numbers
 
 import torch
 
+from ..collectives import all_gather_bytes
 from ..optim import OffloadOptimizer
 
 __all__ = [
     "STREAMING_NAME",
     "clip_norm",
+    "each_rank",
     "find_offload_optimizer",
     "parameters_sharded",
     "pre_clip_norm",
@@ -83,6 +85,15 @@ def parameters_sharded(opt: OffloadOptimizer) -> bool:
     """Whether reading ``opt``'s released parameters is collective: parameter offload on
     several ranks (ZeRO-3; Note [a sharded unit] in ``params/sharded_fetch.py``)."""
     return opt.param_offloader is not None and opt.comm is not None
+
+
+def each_rank(flag: bool, opt: OffloadOptimizer, what: str) -> list[bool]:
+    """``flag`` of every rank of ``opt``'s process group, in rank order (this rank's alone
+    with one rank). A collective with several ranks."""
+    if opt.comm is None:
+        return [flag]
+    flags = all_gather_bytes(b"\x01" if flag else b"\x00", comm=opt.comm, what=what, length=1)
+    return [f != b"\x00" for f in flags]
 
 
 def state_on_nvme(opt: OffloadOptimizer) -> bool:

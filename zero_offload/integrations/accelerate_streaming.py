@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_gather_bytes
 from ..optim.checkpoint.streaming import world_mismatch
 from ..optim.rank_agreement import share_outcome
-from ._optim import state_on_nvme, streaming_name
+from ._optim import each_rank, state_on_nvme, streaming_name
 
 __all__ = ["Streamed", "behind", "streams_on_any_rank"]
 
@@ -109,7 +108,7 @@ class Streamed:
         share_outcome(failed, comm=inner.comm, what=what, owner=type(inner).__name__)
         if failed is not None:
             raise failed
-        streamed = _each_rank(self.streamed, inner, f"whether each rank's {self.file} is a marker")
+        streamed = each_rank(self.streamed, inner, f"whether each rank's {self.file} is a marker")
         if len(set(streamed)) > 1:
             marked = [rank for rank, flag in enumerate(streamed) if flag]
             raise ValueError(
@@ -155,15 +154,6 @@ def _holds_marker(path: str) -> bool:
     return isinstance(saved, dict) and _MARKER in saved
 
 
-def _each_rank(flag: bool, opt: Any, what: str) -> list[bool]:
-    """``flag`` of every rank of ``opt``'s process group, in rank order (this rank's alone
-    with one rank). A collective with several ranks."""
-    if opt.comm is None:
-        return [flag]
-    flags = all_gather_bytes(b"\x01" if flag else b"\x00", comm=opt.comm, what=what, length=1)
-    return [f != b"\x00" for f in flags]
-
-
 def streams_on_any_rank(wrapper: Any) -> bool:
     """Whether ``save_state`` streams this optimizer: where any rank's config puts its state
     on NVMe (``nvme_dir`` may be set on some ranks only), every rank streams, so that all
@@ -171,7 +161,7 @@ def streams_on_any_rank(wrapper: Any) -> bool:
     collective with several ranks."""
     opt = wrapper.optimizer
     what = "whether save_state streams the optimizer state (nvme_dir set) on each rank"
-    return any(_each_rank(state_on_nvme(opt), opt, what))
+    return any(each_rank(state_on_nvme(opt), opt, what))
 
 
 def behind(opt: Any) -> Any:

@@ -64,7 +64,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from ..checkpoint_io import consolidated_state_dict
 from ..optim import OffloadOptimizer
 from ..profiling.metrics import StepMetrics
-from ._optim import state_on_nvme
+from ._optim import each_rank, state_on_nvme
 from .accelerate import FP16_AMP_MESSAGE
 
 __all__ = ["OffloadDDPStrategy", "OffloadLightningModule"]
@@ -129,7 +129,7 @@ class OffloadLightningModule(pl.LightningModule):
         trainer = self._trainer
         if trainer is not None:
             ours = [o for o in map(_offload_optimizer, trainer.optimizers) if o is not None]
-            _refuse_nvme_state(ours)
+            _refuse_nvme_state(ours, every_rank=True)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Logs the offload figures per optimizer step with ``self.log_dict`` (Note [offload
@@ -194,18 +194,31 @@ class OffloadLightningModule(pl.LightningModule):
             )
 
 
-def _refuse_nvme_state(optimizers: list[OffloadOptimizer]) -> None:
-    """Refuse optimizer state on NVMe (``OffloadConfig.nvme_dir``, the same on every rank):
+def _refuse_nvme_state(optimizers: list[OffloadOptimizer], *, every_rank: bool = False) -> None:
+    """Refuse optimizer state on NVMe (``OffloadConfig.nvme_dir``, on any rank):
     Lightning reads the whole state through ``opt.state`` at teardown (to move it to the
     CPU) and through ``state_dict()`` in its checkpoints, which NVMe state cannot hand out
     (``StateNotInHostRam``), nor take a restored checkpoint's. Refused at ``on_fit_start``
     (before Lightning restores a checkpoint into the optimizer) and again before the first
-    backward, not after the last step."""
+    backward, not after the last step. ``every_rank`` (at ``on_fit_start``, which every
+    rank runs): where any rank's config sets ``nvme_dir`` (it may differ by rank), every
+    rank refuses (one all-gather per optimizer), so none goes on alone into collectives the
+    others left."""
     for opt in optimizers:
-        if state_on_nvme(opt):
+        mine = state_on_nvme(opt)
+        on_nvme = mine
+        if every_rank:
+            what = "whether each rank keeps optimizer state on NVMe (Lightning refuses it)"
+            on_nvme = any(each_rank(mine, opt, what))
+        if on_nvme:
+            config = (
+                f"OffloadConfig(nvme_dir={str(opt.config.nvme_dir)!r}, host_budget="
+                f"{opt.config.host_budget!r})"
+                if mine
+                else "another rank's OffloadConfig (nvme_dir set there, not on this rank)"
+            )
             raise ValueError(
-                f"{type(opt).__name__}: OffloadConfig(nvme_dir={str(opt.config.nvme_dir)!r}, "
-                f"host_budget={opt.config.host_budget!r}) keeps the optimizer state past "
+                f"{type(opt).__name__}: {config} keeps the optimizer state past "
                 "host_budget on NVMe. Lightning reads the whole state as tensors through "
                 "opt.state when it tears the strategy down and through opt.state_dict() in "
                 "its checkpoints, and NVMe state cannot be handed out that way, so the run "
