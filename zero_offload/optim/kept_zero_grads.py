@@ -70,11 +70,14 @@ class KeptZeroGrads:
         self._cleared_at = -1  # the optimizer's backward count when it was recorded
 
     def cleared_after_step(
-        self, buckets: Sequence[FlatBucket], params: Sequence[Any], backwards: int
+        self, buckets: Sequence[FlatBucket], params: Sequence[Any], backwards: int, *, ranks: int
     ) -> None:
         """A ``zero_grad`` elsewhere cleared ``params``, some of the parameters these buckets
         train, with no gradient pending, ``backwards`` backwards into the optimizer's life
-        (Note [a partial clear after a step])."""
+        (Note [a partial clear after a step]). Nothing on several ``ranks``: each knows only
+        its own arrivals, so they could decide a bucket differently."""
+        if ranks > 1:
+            return
         if backwards != self._cleared_at:  # a backward since the last record: a new one
             self._cleared, self._cleared_at = {}, backwards
         wanted = {id(p) for p in params}

@@ -29,6 +29,8 @@ released. A write made *during* a forward by code between two units' hooks, thro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .windowed_views import WindowedViews
@@ -56,6 +58,15 @@ class SlotWrites:
     def bound(self) -> None:
         """The parameters view the slot now: writes count from here."""
         self.versions = [views.current_versions() for views in self.views]
+
+    def stepped(self, views: WindowedViews, flags: Sequence[bool]) -> None:
+        """The step moved the version counters of ``views``' parameters where ``flags``:
+        not a write (Note [a step moves the version counters] in views/param_views.py)."""
+        for i, mine in enumerate(self.views):
+            if mine is views and i < len(self.versions):
+                self.versions[i] = tuple(
+                    v + 1 if f else v for v, f in zip(self.versions[i], flags, strict=True)
+                )
 
     def expose(self) -> None:
         """User code may touch the slot next (compute waited for the fetch): fingerprint it,

@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..accelerator import DeviceBuffer, Event
 from ..memory.manager import TieredMemoryManager
@@ -249,6 +249,14 @@ class ParamUnit(UnitCopies):
         """ON_DEVICE: the parameters view the device weights (Note [a fetching unit's
         parameters stay released])."""
         return self.state is UnitState.ON_DEVICE
+
+    def views_stepped(self, views: WindowedViews, flags: Sequence[bool]) -> None:
+        """A step moved the version counters of ``views``' parameters where ``flags``
+        (Note [a step moves the version counters] in views/param_views.py): while the
+        unit is bound, its write check moves with them, or its release would take the move
+        for a write and copy the old weights home over the update."""
+        if self.bound:
+            self.writes.stepped(views, flags)
 
     def fetch(self, manager: TieredMemoryManager) -> None:
         """ON_HOST -> FETCHING: queue the homes' copies into the slot (after the previous

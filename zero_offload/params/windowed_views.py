@@ -92,6 +92,10 @@ class SlotHolder(Protocol):
     def release(self) -> None:
         """Leave the slot (a written slot is copied home first)."""
 
+    def views_stepped(self, views: WindowedViews, flags: Sequence[bool]) -> None:
+        """A step moved the counters of ``views``' parameters where ``flags``: while bound,
+        the unit's write check moves with them."""
+
 
 __all__ = ["WindowedViews"]
 
@@ -272,6 +276,13 @@ class WindowedViews(ParamViews):
             return self.nvme_home.written
         own = sum(base._version for base in self.entry_bases.values())
         return self.home_pair()[0]._version + own
+
+    def stepped(self, flags: Sequence[bool]) -> None:
+        """As ``ParamViews.stepped``, and the unit's own write check moves with the
+        counters while the unit is bound to the device (an announced step hands a bucket
+        over while its unit is still there: ``SlotHolder.views_stepped``)."""
+        super().stepped(flags)
+        self.unit.views_stepped(self, flags)
 
     def home_rewritten(self) -> None:
         """The step wrote the home: the unit's slot no longer holds its weights."""

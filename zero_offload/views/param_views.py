@@ -180,8 +180,8 @@ class ParamViews:
     # operation"). Ours write the flat buffer the parameters are views of (``.data`` was
     # set: each parameter keeps a counter of its own), or a home they are fetched from, and
     # moved none: that backward ran, on old activations and new weights, without a word. So
-    # each parameter a step updates (a gradient reached it) gets its counter moved, one C
-    # call per bucket: in ``step()`` once the update is applied or queued, and, for a step
+    # each parameter a step updates (a gradient reached it) gets its counter moved (a C call
+    # each, well under a microsecond): in ``step()`` once the update is applied or queued, and, for a step
     # announced before backward, when the bucket is handed to the host worker, while
     # backward goes on (a value of the weight still to be read after its gradient was
     # complete, through ``.detach()`` or a function that saves it but returns no gradient
@@ -194,7 +194,8 @@ class ParamViews:
         moved = [param for param, flag in zip(self.params, flags, strict=True) if flag]
         if not moved:
             return
-        torch.autograd.graph.increment_version(moved)
+        for param in moved:  # one at a time: torch < 2.5 takes a single tensor
+            torch.autograd.graph.increment_version(param)
         if self.versions is not None:
             self.versions = tuple(
                 v + 1 if flag else v for v, flag in zip(self.versions, flags, strict=True)

@@ -152,6 +152,12 @@ def prepare(
             f"{root}: a saved rank's metadata lacks {exc!r}, which save_streaming writes: a "
             "corrupted checkpoint; nothing was loaded"
         )
+    except Exception as exc:  # an OSError reading a file, a MemoryError: this rank alone
+        failed = ValueError(
+            f"{root}: reading the saved ranks' files failed on this rank "
+            f"({type(exc).__name__}: {exc}); nothing was loaded"
+        )
+        failed.__cause__ = exc
     _agree(root, saved_world, comm, failed)
     if resharded is None:
         raise RuntimeError("reshard.prepare: no plan and no refusal (a bug)")
