@@ -172,5 +172,13 @@ def save_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str], *, ds
 def load_consolidated(opt: OffloadOptimizer, path: str | os.PathLike[str]) -> None:
     """Load a consolidated (or one-rank, or ``torch.optim.AdamW``) checkpoint on any world
     size; every rank reads ``path`` and keeps the pieces it owns."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(
+            f"{str(path)!r}: not a readable checkpoint (corrupted or truncated: "
+            f"{type(exc).__name__}: {exc}); nothing was loaded"
+        ) from exc
     opt.load_state_dict(state)

@@ -226,9 +226,9 @@ def check_extra(extra: Mapping[str, Any], rule: OptimizerRule) -> None:
     if "rule" in extra and extra.get("family", extra["rule"]) != rule.state_family:
         raise ValueError(
             f"state_dict was saved by an optimizer with the {extra['rule']!r} rule, this one "
-            f"steps with the {rule.name!r} rule: its state means something else here (Adam's "
-            "moments are not Lion's momentum); load it into an optimizer of the rule that "
-            "saved it. Nothing was loaded"
+            f"steps with the {rule.name!r} rule: its state means something else here (the "
+            f"{extra['rule']!r} rule's fields are not the {rule.name!r} rule's); load it into "
+            "an optimizer of the rule that saved it. Nothing was loaded"
         )
     pending = extra.get("pending_update", False)
     if not isinstance(pending, bool):
