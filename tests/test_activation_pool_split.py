@@ -104,8 +104,11 @@ def test_a_split_pool_says_so_and_names_a_size_that_works() -> None:
 
 
 def test_a_full_pool_names_a_size_that_works() -> None:
+    # Full, or (strict mode completing compute events late, in some runs) enough free bytes
+    # split between live reloads: either refusal names a size that works.
     refused = _step(70_000)
-    assert refused is not None and "is full" in refused, refused
+    assert refused is not None, "70,000 bytes were not refused"
+    assert "is full" in refused or "enough, but split" in refused, refused
     works = int(re.search(r"device_pool_bytes \(now \d+\) to (\d+) bytes", refused)[1])
     assert _step(works) is None
 
