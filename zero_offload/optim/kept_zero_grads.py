@@ -71,13 +71,15 @@ class KeptZeroGrads:
 
     def cleared_after_step(
         self, buckets: Sequence[FlatBucket], params: Sequence[Any], backwards: int, *, ranks: int
-    ) -> None:
+    ) -> bool:
         """A ``zero_grad`` elsewhere cleared ``params``, some of the parameters these buckets
         train, with no gradient pending, ``backwards`` backwards into the optimizer's life
         (Note [a partial clear after a step]). Nothing on several ``ranks``: each knows only
-        its own arrivals, so they could decide a bucket differently."""
+        its own arrivals, so they could decide a bucket differently. Returns whether a
+        bucket's window was forgotten (the window's cached statistics are then stale)."""
         if ranks > 1:
-            return
+            return False
+        forgot = False
         if backwards != self._cleared_at:  # a backward since the last record: a new one
             self._cleared, self._cleared_at = {}, backwards
         wanted = {id(p) for p in params}
@@ -93,8 +95,10 @@ class KeptZeroGrads:
             hit |= self._cleared.pop(index, False)
             if np.array_equal(hit, arrived):  # all of its window cleared: forget it, exactly
                 bucket.grads.discard()  # (CONSUMED holds no device buffer)
+                forgot = True
             else:
                 self._cleared[index] = hit
+        return forgot
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``zero_grad(set_to_none)`` was called."""

@@ -105,8 +105,8 @@ def _clear(fn: Callable[..., Any], owner: Any, params: Iterable[Any], set_to_non
         opt.zero_grad(set_to_none=set_to_none)
     for opt, cleared in partial:  # Note [a partial clear after a step] in kept_zero_grads.py
         ranks = 1 if opt.comm is None else opt.comm.world_size
-        opt._kept_zeros.cleared_after_step(opt.buckets, cleared, opt.backwards, ranks=ranks)
-        opt._policy.window_changed()  # a bucket forgotten: the cached statistics are stale
+        if opt._kept_zeros.cleared_after_step(opt.buckets, cleared, opt.backwards, ranks=ranks):
+            opt._policy.window_changed()  # a bucket forgotten: the cached statistics are stale
 
 
 def _guard_module(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..views.param_views import moved_versions
 from .windowed_views import WindowedViews
 
 __all__ = ["SlotWrites"]
@@ -64,9 +65,7 @@ class SlotWrites:
         not a write (Note [a step moves the version counters] in views/param_views.py)."""
         for i, mine in enumerate(self.views):
             if mine is views and i < len(self.versions):
-                self.versions[i] = tuple(
-                    v + 1 if f else v for v, f in zip(self.versions[i], flags, strict=True)
-                )
+                self.versions[i] = moved_versions(self.versions[i], flags)
 
     def expose(self) -> None:
         """User code may touch the slot next (compute waited for the fetch): fingerprint it,

@@ -68,6 +68,16 @@ if TYPE_CHECKING:
 __all__ = ["ParamViews", "changed_params_of"]
 
 
+#: Whether ``increment_version`` takes a list (torch >= 2.5): one C call per bucket.
+_INCREMENTS_MANY = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def moved_versions(versions: Sequence[int], flags: Sequence[bool]) -> tuple[int, ...]:
+    """``versions`` as they are once a step moved the counters where ``flags`` (Note [a step
+    moves the version counters])."""
+    return tuple(v + 1 if flag else v for v, flag in zip(versions, flags, strict=True))
+
+
 class ParamViews:
     """The bucket's parameters bound to slots of ``weights_dev``.
 
@@ -180,9 +190,10 @@ class ParamViews:
     # operation"). Ours write the flat buffer the parameters are views of (``.data`` was
     # set: each parameter keeps a counter of its own), or a home they are fetched from, and
     # moved none: that backward ran, on old activations and new weights, without a word. So
-    # each parameter a step updates (a gradient reached it) gets its counter moved (a C call
-    # each, well under a microsecond): in ``step()`` once the update is applied or queued, and, for a step
-    # announced before backward, when the bucket is handed to the host worker, while
+    # each parameter a step updates (a gradient reached it) gets its counter moved, one C
+    # call per bucket (per parameter on torch < 2.5, which takes one tensor a call): in
+    # ``step()`` once the update is applied or queued, and, for a step announced before
+    # backward, when the bucket is handed to the host worker, while
     # backward goes on (a value of the weight still to be read after its gradient was
     # complete, through ``.detach()`` or a function that saves it but returns no gradient
     # for it, then raises there, as it would in torch, instead of reading the stepped
@@ -194,12 +205,13 @@ class ParamViews:
         moved = [param for param, flag in zip(self.params, flags, strict=True) if flag]
         if not moved:
             return
-        for param in moved:  # one at a time: torch < 2.5 takes a single tensor
-            torch.autograd.graph.increment_version(param)
+        if _INCREMENTS_MANY:
+            torch.autograd.graph.increment_version(moved)
+        else:
+            for param in moved:
+                torch.autograd.graph.increment_version(param)
         if self.versions is not None:
-            self.versions = tuple(
-                v + 1 if flag else v for v, flag in zip(self.versions, flags, strict=True)
-            )
+            self.versions = moved_versions(self.versions, flags)
 
     def _fingerprint(
         self, flat: torch.Tensor, streamed: StreamedHashes | None = None
